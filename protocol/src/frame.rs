@@ -1,0 +1,613 @@
+//! Hop-to-hop wire frames.
+//!
+//! Every frame is `len: u32 BE | type: u8 | body`, where `len` counts the type byte and the
+//! body. [`FrameHeader::parse`] checks the type and the length against that type's maximum
+//! *before* the body is read, so a peer can never make us allocate more than
+//! [`FrameType::max_body_len`]. The byte layout of every body is in `docs/PROTOCOL.md`.
+
+use bytes::{Buf, BufMut, Bytes};
+
+use crate::chunkset::ChunkSet;
+use crate::codec::{self, Codec, DecodeError, get_array, get_str, get_u8, get_u16, get_u32};
+use crate::manifest::{MAX_CHUNK_SIZE, MAX_MANIFEST_LEN, Manifest, ModelDigest};
+use crate::name::{HostId, MAX_HOST_ID_LEN};
+
+/// Magic at the start of a `Hello` body.
+pub const HELLO_MAGIC: &[u8; 4] = b"SHCS";
+/// Bytes in a frame header (length + type).
+pub const HEADER_LEN: usize = 5;
+/// Most downstream hops a session header may list.
+pub const MAX_HOPS: usize = 1024;
+/// Longest hop address (`host:port`) in bytes.
+pub const MAX_ADDR_LEN: usize = 255;
+/// Longest origin URI in bytes.
+pub const MAX_URI_LEN: usize = 4096;
+/// Longest error message in bytes.
+pub const MAX_MESSAGE_LEN: usize = 4096;
+/// Bound on the bodies of small control frames.
+const MAX_CONTROL_LEN: usize = 64 << 10;
+
+/// A 128-bit session id chosen by whoever plans the chain.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(pub [u8; 16]);
+
+impl SessionId {
+    /// Lower-case hex, 32 characters.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl std::fmt::Debug for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SessionId({})", self.to_hex())
+    }
+}
+
+impl std::str::FromStr for SessionId {
+    type Err = DecodeError;
+    fn from_str(s: &str) -> Result<Self, DecodeError> {
+        let mut out = [0u8; 16];
+        hex::decode_to_slice(s, &mut out).map_err(|e| DecodeError::Invalid {
+            field: "session id",
+            reason: format!("expected 32 hex characters: {e}"),
+        })?;
+        Ok(Self(out))
+    }
+}
+
+/// Which tier of the receiver's store a session writes into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Host memory (tmpfs), mappable by inference processes on the host.
+    Memory,
+    /// The local disk.
+    Disk,
+}
+
+impl Tier {
+    fn to_u8(self) -> u8 {
+        match self {
+            Self::Memory => 0,
+            Self::Disk => 1,
+        }
+    }
+
+    fn from_u8(v: u8) -> Result<Self, DecodeError> {
+        match v {
+            0 => Ok(Self::Memory),
+            1 => Ok(Self::Disk),
+            other => Err(DecodeError::Invalid { field: "tier", reason: format!("{other}") }),
+        }
+    }
+
+    /// `"memory"` or `"disk"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Disk => "disk",
+        }
+    }
+}
+
+impl std::str::FromStr for Tier {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "memory" | "mem" => Ok(Self::Memory),
+            "disk" => Ok(Self::Disk),
+            other => Err(format!("unknown tier {other:?}; expected \"memory\" or \"disk\"")),
+        }
+    }
+}
+
+/// One downstream hop of a chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hop {
+    /// The hop's host id (checked against its `Hello`).
+    pub host: HostId,
+    /// Where its transferd listens, `host:port`.
+    pub addr: String,
+}
+
+/// Opens a chain session on a connection: what to send and who comes after the receiver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionHeader {
+    /// The session id, shared by every hop of the chain.
+    pub session: SessionId,
+    /// The model version.
+    pub model: ModelDigest,
+    /// Shard index within the manifest.
+    pub shard: u32,
+    /// First chunk of the range.
+    pub start: u32,
+    /// One past the last chunk of the range.
+    pub end: u32,
+    /// Tier the receiver stores into.
+    pub tier: Tier,
+    /// Where a hop may fetch missing chunks if its upstream vanishes (`file://`,
+    /// `http(s)://`, or empty for none).
+    pub origin: String,
+    /// The hops after the receiver, in order. The receiver forwards to the first one that
+    /// accepts and passes the rest on.
+    pub downstream: Vec<Hop>,
+}
+
+/// Error codes carried by [`Frame::Error`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// The peer's protocol version is not supported.
+    UnsupportedVersion,
+    /// A frame could not be decoded.
+    Malformed,
+    /// A frame type this version does not know.
+    UnknownFrameType,
+    /// The model digest is unknown here and no manifest was sent.
+    UnknownModel,
+    /// A name or path was rejected.
+    InvalidName,
+    /// A chunk or shard index is out of range, or not held here.
+    NoSuchChunk,
+    /// The receiver refuses the session (shutting down, over capacity).
+    Refused,
+    /// The store could not write (disk full, I/O error).
+    Storage,
+    /// Frames arrived in an order the protocol does not allow.
+    ProtocolViolation,
+    /// Anything else.
+    Internal,
+    /// A code this build does not know.
+    Other(u16),
+}
+
+impl ErrorCode {
+    /// The wire value.
+    pub fn to_u16(self) -> u16 {
+        match self {
+            Self::UnsupportedVersion => 1,
+            Self::Malformed => 2,
+            Self::UnknownFrameType => 3,
+            Self::UnknownModel => 4,
+            Self::InvalidName => 5,
+            Self::NoSuchChunk => 6,
+            Self::Refused => 7,
+            Self::Storage => 8,
+            Self::ProtocolViolation => 9,
+            Self::Internal => 10,
+            Self::Other(v) => v,
+        }
+    }
+
+    /// From the wire value; unknown values are kept as [`ErrorCode::Other`].
+    pub fn from_u16(v: u16) -> Self {
+        match v {
+            1 => Self::UnsupportedVersion,
+            2 => Self::Malformed,
+            3 => Self::UnknownFrameType,
+            4 => Self::UnknownModel,
+            5 => Self::InvalidName,
+            6 => Self::NoSuchChunk,
+            7 => Self::Refused,
+            8 => Self::Storage,
+            9 => Self::ProtocolViolation,
+            10 => Self::Internal,
+            v => Self::Other(v),
+        }
+    }
+}
+
+/// The type byte of a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameType {
+    /// [`Frame::Hello`]
+    Hello = 0x01,
+    /// [`Frame::Manifest`]
+    Manifest = 0x02,
+    /// [`Frame::Open`]
+    Open = 0x03,
+    /// [`Frame::Accept`]
+    Accept = 0x04,
+    /// [`Frame::Chunk`]
+    Chunk = 0x05,
+    /// [`Frame::Ack`]
+    Ack = 0x06,
+    /// [`Frame::Progress`]
+    Progress = 0x07,
+    /// [`Frame::Fetch`]
+    Fetch = 0x08,
+    /// [`Frame::Done`]
+    Done = 0x09,
+    /// [`Frame::Error`]
+    Error = 0x0f,
+}
+
+impl FrameType {
+    /// Parses a type byte.
+    pub fn from_u8(v: u8) -> Result<Self, DecodeError> {
+        Ok(match v {
+            0x01 => Self::Hello,
+            0x02 => Self::Manifest,
+            0x03 => Self::Open,
+            0x04 => Self::Accept,
+            0x05 => Self::Chunk,
+            0x06 => Self::Ack,
+            0x07 => Self::Progress,
+            0x08 => Self::Fetch,
+            0x09 => Self::Done,
+            0x0f => Self::Error,
+            other => return Err(DecodeError::UnknownFrameType(other)),
+        })
+    }
+
+    /// The largest body this frame type may carry.
+    pub fn max_body_len(self) -> usize {
+        match self {
+            Self::Manifest => MAX_MANIFEST_LEN,
+            Self::Chunk => MAX_CHUNK_SIZE as usize + 12,
+            // 2 MiB bitmap for the largest shard + range.
+            Self::Accept => (crate::manifest::MAX_CHUNKS_PER_SHARD / 8) as usize + 8,
+            // Hops: each at most 2 + 255 + 2 + 255 bytes.
+            Self::Open => 16 + 32 + 13 + 2 + MAX_URI_LEN + 2 + MAX_HOPS * 514,
+            _ => MAX_CONTROL_LEN,
+        }
+    }
+}
+
+/// A parsed frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// The frame's type.
+    pub ty: FrameType,
+    /// Length of the body that follows (excluding the type byte).
+    pub body_len: usize,
+}
+
+impl FrameHeader {
+    /// Parses and bounds-checks the 5 header bytes. An unknown type or a length above the
+    /// type's maximum is an error, reported before anything is allocated for the body.
+    pub fn parse(header: [u8; HEADER_LEN]) -> Result<Self, DecodeError> {
+        let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        let ty = FrameType::from_u8(header[4])?;
+        if len == 0 {
+            return Err(DecodeError::Invalid {
+                field: "frame length",
+                reason: "0 (must count the type byte)".into(),
+            });
+        }
+        let body_len = len - 1;
+        if body_len > ty.max_body_len() {
+            return Err(DecodeError::TooLong {
+                field: "frame",
+                len: body_len as u64,
+                max: ty.max_body_len() as u64,
+            });
+        }
+        Ok(Self { ty, body_len })
+    }
+}
+
+/// A hop-to-hop protocol frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// First frame in each direction: protocol version and host identity.
+    Hello {
+        /// Protocol version spoken by the sender.
+        version: u16,
+        /// The sender's host id.
+        host: HostId,
+    },
+    /// A model manifest; the receiver checks its digest against the following `Open`.
+    Manifest(Manifest),
+    /// Opens a chain session.
+    Open(SessionHeader),
+    /// The receiver accepts a session and says which chunks of the range it already holds.
+    Accept {
+        /// Chunks already verified at the receiver (sent chunks skip these).
+        have: ChunkSet,
+    },
+    /// One chunk of data.
+    Chunk {
+        /// Shard index.
+        shard: u32,
+        /// Chunk index within the shard.
+        index: u32,
+        /// The chunk's bytes.
+        data: Bytes,
+    },
+    /// The receiver verified and stored a chunk (flow control: frees a window slot).
+    Ack {
+        /// Shard index.
+        shard: u32,
+        /// Chunk index.
+        index: u32,
+    },
+    /// A hop's progress, relayed upstream to the head.
+    Progress {
+        /// The hop reporting.
+        host: HostId,
+        /// Shard index.
+        shard: u32,
+        /// Chunks of the session's range verified there.
+        verified: u32,
+        /// Chunks in the session's range.
+        total: u32,
+    },
+    /// Pull request: send these chunks that you hold (answered by `Chunk` frames and `Done`).
+    Fetch {
+        /// The model version.
+        model: ModelDigest,
+        /// Shard index.
+        shard: u32,
+        /// First chunk.
+        start: u32,
+        /// One past the last chunk.
+        end: u32,
+    },
+    /// The sender has nothing more to send on this connection; as a reply, the receiver
+    /// holds the whole range verified.
+    Done,
+    /// An error; the connection closes after it.
+    Error {
+        /// What went wrong, machine-readable.
+        code: ErrorCode,
+        /// What went wrong, for a person.
+        message: String,
+    },
+}
+
+impl Frame {
+    /// The frame's type byte.
+    pub fn ty(&self) -> FrameType {
+        match self {
+            Self::Hello { .. } => FrameType::Hello,
+            Self::Manifest(_) => FrameType::Manifest,
+            Self::Open(_) => FrameType::Open,
+            Self::Accept { .. } => FrameType::Accept,
+            Self::Chunk { .. } => FrameType::Chunk,
+            Self::Ack { .. } => FrameType::Ack,
+            Self::Progress { .. } => FrameType::Progress,
+            Self::Fetch { .. } => FrameType::Fetch,
+            Self::Done => FrameType::Done,
+            Self::Error { .. } => FrameType::Error,
+        }
+    }
+
+    /// An error frame.
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        let mut message = message.into();
+        if message.len() > MAX_MESSAGE_LEN {
+            let mut cut = MAX_MESSAGE_LEN;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        Self::Error { code, message }
+    }
+
+    fn body_len(&self) -> usize {
+        match self {
+            Self::Hello { host, .. } => 4 + 2 + codec::str_len(host.as_str()),
+            Self::Manifest(m) => m.encoded_len(),
+            Self::Open(h) => {
+                16 + 32
+                    + 4
+                    + 4
+                    + 4
+                    + 1
+                    + codec::str_len(&h.origin)
+                    + 2
+                    + h.downstream
+                        .iter()
+                        .map(|hop| codec::str_len(hop.host.as_str()) + codec::str_len(&hop.addr))
+                        .sum::<usize>()
+            }
+            Self::Accept { have } => have.encoded_len(),
+            Self::Chunk { data, .. } => 4 + 4 + 4 + data.len(),
+            Self::Ack { .. } => 8,
+            Self::Progress { host, .. } => codec::str_len(host.as_str()) + 12,
+            Self::Fetch { .. } => 32 + 12,
+            Self::Done => 0,
+            Self::Error { message, .. } => 2 + codec::str_len(message),
+        }
+    }
+
+    /// Encodes only the body (what follows the header).
+    fn encode_body<B: BufMut>(&self, buf: &mut B) {
+        match self {
+            Self::Hello { version, host } => {
+                buf.put_slice(HELLO_MAGIC);
+                buf.put_u16(*version);
+                codec::put_str(buf, host.as_str());
+            }
+            Self::Manifest(m) => m.encode(buf),
+            Self::Open(h) => {
+                buf.put_slice(&h.session.0);
+                buf.put_slice(&h.model.0);
+                buf.put_u32(h.shard);
+                buf.put_u32(h.start);
+                buf.put_u32(h.end);
+                buf.put_u8(h.tier.to_u8());
+                codec::put_str(buf, &h.origin);
+                buf.put_u16(h.downstream.len() as u16);
+                for hop in &h.downstream {
+                    codec::put_str(buf, hop.host.as_str());
+                    codec::put_str(buf, &hop.addr);
+                }
+            }
+            Self::Accept { have } => have.encode(buf),
+            Self::Chunk { shard, index, data } => {
+                buf.put_u32(*shard);
+                buf.put_u32(*index);
+                buf.put_u32(data.len() as u32);
+                buf.put_slice(data);
+            }
+            Self::Ack { shard, index } => {
+                buf.put_u32(*shard);
+                buf.put_u32(*index);
+            }
+            Self::Progress { host, shard, verified, total } => {
+                codec::put_str(buf, host.as_str());
+                buf.put_u32(*shard);
+                buf.put_u32(*verified);
+                buf.put_u32(*total);
+            }
+            Self::Fetch { model, shard, start, end } => {
+                buf.put_slice(&model.0);
+                buf.put_u32(*shard);
+                buf.put_u32(*start);
+                buf.put_u32(*end);
+            }
+            Self::Done => {}
+            Self::Error { code, message } => {
+                buf.put_u16(code.to_u16());
+                codec::put_str(buf, message);
+            }
+        }
+    }
+
+    /// Encodes a `Chunk` frame's header and fixed fields without copying the payload, so a
+    /// sender can write `prefix` then the payload (e.g. straight from a memory map).
+    pub fn chunk_prefix(shard: u32, index: u32, len: usize) -> [u8; HEADER_LEN + 12] {
+        let mut out = [0u8; HEADER_LEN + 12];
+        let frame_len = (1 + 12 + len) as u32;
+        out[..4].copy_from_slice(&frame_len.to_be_bytes());
+        out[4] = FrameType::Chunk as u8;
+        out[5..9].copy_from_slice(&shard.to_be_bytes());
+        out[9..13].copy_from_slice(&index.to_be_bytes());
+        out[13..17].copy_from_slice(&(len as u32).to_be_bytes());
+        out
+    }
+
+    /// Decodes a body of type `ty`. The body must be consumed exactly.
+    pub fn decode_body(ty: FrameType, mut body: Bytes) -> Result<Self, DecodeError> {
+        let b = &mut body;
+        let frame = match ty {
+            FrameType::Hello => {
+                let magic: [u8; 4] = get_array(b)?;
+                if &magic != HELLO_MAGIC {
+                    return Err(DecodeError::BadMagic { expected: HELLO_MAGIC });
+                }
+                let version = get_u16(b)?;
+                Self::Hello { version, host: get_host(b)? }
+            }
+            FrameType::Manifest => Self::Manifest(Manifest::decode(b)?),
+            FrameType::Open => {
+                let session = SessionId(get_array(b)?);
+                let model = ModelDigest(get_array(b)?);
+                let shard = get_u32(b)?;
+                let start = get_u32(b)?;
+                let end = get_u32(b)?;
+                if end < start {
+                    return Err(DecodeError::Invalid {
+                        field: "chunk range",
+                        reason: format!("{start}..{end} is inverted"),
+                    });
+                }
+                let tier = Tier::from_u8(get_u8(b)?)?;
+                let origin = get_str(b, "origin", MAX_URI_LEN)?;
+                let n = get_u16(b)? as usize;
+                if n > MAX_HOPS {
+                    return Err(DecodeError::TooLong {
+                        field: "downstream hops",
+                        len: n as u64,
+                        max: MAX_HOPS as u64,
+                    });
+                }
+                let mut downstream = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let host = get_host(b)?;
+                    let addr = get_str(b, "hop address", MAX_ADDR_LEN)?;
+                    downstream.push(Hop { host, addr });
+                }
+                Self::Open(SessionHeader {
+                    session,
+                    model,
+                    shard,
+                    start,
+                    end,
+                    tier,
+                    origin,
+                    downstream,
+                })
+            }
+            FrameType::Accept => Self::Accept { have: ChunkSet::decode(b)? },
+            FrameType::Chunk => {
+                let shard = get_u32(b)?;
+                let index = get_u32(b)?;
+                let len = get_u32(b)? as usize;
+                if len > MAX_CHUNK_SIZE as usize {
+                    return Err(DecodeError::TooLong {
+                        field: "chunk",
+                        len: len as u64,
+                        max: MAX_CHUNK_SIZE.into(),
+                    });
+                }
+                codec::need(b, len)?;
+                Self::Chunk { shard, index, data: b.split_to(len) }
+            }
+            FrameType::Ack => Self::Ack { shard: get_u32(b)?, index: get_u32(b)? },
+            FrameType::Progress => Self::Progress {
+                host: get_host(b)?,
+                shard: get_u32(b)?,
+                verified: get_u32(b)?,
+                total: get_u32(b)?,
+            },
+            FrameType::Fetch => {
+                let model = ModelDigest(get_array(b)?);
+                let shard = get_u32(b)?;
+                let start = get_u32(b)?;
+                let end = get_u32(b)?;
+                if end < start {
+                    return Err(DecodeError::Invalid {
+                        field: "chunk range",
+                        reason: format!("{start}..{end} is inverted"),
+                    });
+                }
+                Self::Fetch { model, shard, start, end }
+            }
+            FrameType::Done => Self::Done,
+            FrameType::Error => Self::Error {
+                code: ErrorCode::from_u16(get_u16(b)?),
+                message: get_str(b, "error message", MAX_MESSAGE_LEN)?,
+            },
+        };
+        if body.has_remaining() {
+            return Err(DecodeError::TrailingBytes(body.remaining()));
+        }
+        Ok(frame)
+    }
+}
+
+fn get_host<B: Buf>(b: &mut B) -> Result<HostId, DecodeError> {
+    let s = get_str(b, "host id", MAX_HOST_ID_LEN)?;
+    HostId::new(s).map_err(|e| DecodeError::Invalid { field: "host id", reason: e.to_string() })
+}
+
+impl Codec for Frame {
+    /// Decodes one whole frame (header and body) from the front of `buf`.
+    fn decode<B: Buf>(buf: &mut B) -> Result<Self, DecodeError> {
+        let header = FrameHeader::parse(get_array(buf)?)?;
+        codec::need(buf, header.body_len)?;
+        let body = buf.copy_to_bytes(header.body_len);
+        Self::decode_body(header.ty, body)
+    }
+
+    fn encode<B: BufMut>(&self, buf: &mut B) {
+        buf.put_u32((1 + self.body_len()) as u32);
+        buf.put_u8(self.ty() as u8);
+        self.encode_body(buf);
+    }
+
+    fn encoded_len(&self) -> usize {
+        HEADER_LEN + self.body_len()
+    }
+}
