@@ -1,0 +1,1 @@
+//! netns (in progress).

@@ -1,0 +1,1 @@
+//! origin_server (in progress).

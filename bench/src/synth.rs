@@ -1,0 +1,1 @@
+//! synth (in progress).

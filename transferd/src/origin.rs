@@ -1,0 +1,1 @@
+//! Origin fetch (in progress).

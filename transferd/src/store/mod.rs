@@ -1,0 +1,1 @@
+//! Shard store (in progress).
