@@ -225,6 +225,8 @@ pub enum FrameType {
     Fetch = 0x08,
     /// [`Frame::Done`]
     Done = 0x09,
+    /// [`Frame::Nack`]
+    Nack = 0x0a,
     /// [`Frame::Error`]
     Error = 0x0f,
 }
@@ -242,6 +244,7 @@ impl FrameType {
             0x07 => Self::Progress,
             0x08 => Self::Fetch,
             0x09 => Self::Done,
+            0x0a => Self::Nack,
             0x0f => Self::Error,
             other => return Err(DecodeError::UnknownFrameType(other)),
         })
@@ -329,6 +332,14 @@ pub enum Frame {
         /// Chunk index.
         index: u32,
     },
+    /// The receiver dropped a chunk that failed verification; the sender sends it again
+    /// (frees a window slot like `Ack`).
+    Nack {
+        /// Shard index.
+        shard: u32,
+        /// Chunk index.
+        index: u32,
+    },
     /// A hop's progress, relayed upstream to the head.
     Progress {
         /// The hop reporting.
@@ -373,6 +384,7 @@ impl Frame {
             Self::Accept { .. } => FrameType::Accept,
             Self::Chunk { .. } => FrameType::Chunk,
             Self::Ack { .. } => FrameType::Ack,
+            Self::Nack { .. } => FrameType::Nack,
             Self::Progress { .. } => FrameType::Progress,
             Self::Fetch { .. } => FrameType::Fetch,
             Self::Done => FrameType::Done,
@@ -412,7 +424,7 @@ impl Frame {
             }
             Self::Accept { have } => have.encoded_len(),
             Self::Chunk { data, .. } => 4 + 4 + 4 + data.len(),
-            Self::Ack { .. } => 8,
+            Self::Ack { .. } | Self::Nack { .. } => 8,
             Self::Progress { host, .. } => codec::str_len(host.as_str()) + 12,
             Self::Fetch { .. } => 32 + 12,
             Self::Done => 0,
@@ -450,7 +462,7 @@ impl Frame {
                 buf.put_u32(data.len() as u32);
                 buf.put_slice(data);
             }
-            Self::Ack { shard, index } => {
+            Self::Ack { shard, index } | Self::Nack { shard, index } => {
                 buf.put_u32(*shard);
                 buf.put_u32(*index);
             }
@@ -555,6 +567,7 @@ impl Frame {
                 Self::Chunk { shard, index, data: b.split_to(len) }
             }
             FrameType::Ack => Self::Ack { shard: get_u32(b)?, index: get_u32(b)? },
+            FrameType::Nack => Self::Nack { shard: get_u32(b)?, index: get_u32(b)? },
             FrameType::Progress => Self::Progress {
                 host: get_host(b)?,
                 shard: get_u32(b)?,

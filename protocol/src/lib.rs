@@ -29,7 +29,8 @@
 //!  ---- Open{session, model, shard, range, hops} -->
 //!  <--- Accept{have: chunks already verified} ------
 //!  ---- Chunk{shard, index, data} ----------------->   verify BLAKE3, store, forward to hops[0]
-//!  <--- Ack{index} ---------------------------------   (bounded in-flight window)
+//!  <--- Ack{index} | Nack{index} -------------------   (bounded in-flight window; Nack =
+//!                                                       hash mismatch, send it again)
 //!  <--- Progress{host, verified, total} ------------   (relayed from every hop below)
 //!  ---- Done -------------------------------------->
 //!  <--- Done ---------------------------------------   (every chunk of the range verified here)
