@@ -1,1 +1,1497 @@
-//! Origin fetch (in progress).
+//! Origins: where the first copy of a model comes from.
+//!
+//! An [`Origin`] is parsed from a URI and reads a model's files from one of:
+//!
+//! * `file:///abs/dir`: every regular file under the directory, recursively. Names starting
+//!   with `.` are skipped (`.git`, `.cache`, editor droppings); a symbolic link is followed
+//!   only if its target stays inside the directory; each relative path must be a valid
+//!   [`ShardPath`].
+//! * `file:///abs/file`: that one file, named by its file name.
+//! * `http(s)://host/dir/` (ending in `/`): a Hugging Face style model directory. The shard
+//!   list comes from `model.safetensors.index.json` (its `weight_map` values); without an
+//!   index, `model.safetensors` alone. Sizes come from `HEAD` `Content-Length`.
+//! * `http(s)://host/path/file` (not ending in `/`): that one file.
+//!
+//! Who talks to whom: the publisher calls [`Origin::build_manifest`] once, streaming every
+//! byte through [`ShardHasher`]; a chain head then calls [`fetch_chunks`], which issues
+//! parallel range reads ([`Origin::read_range`]), verifies each chunk against the manifest,
+//! retries bad ones, and hands [`VerifiedChunk`]s to the session that stores and forwards
+//! them. Local reads are positional reads on the blocking pool; HTTP reads are `Range` GETs
+//! through one shared `reqwest` client (connection pooling, HTTP/2 where offered).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures::{StreamExt, TryStreamExt};
+use reqwest::{StatusCode, Url, header};
+use shardcast_protocol::manifest::{MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
+use shardcast_protocol::{
+    DecodeError, Manifest, ModelName, ShardEntry, ShardHasher, ShardPath, VerifiedChunk,
+    VerifyError,
+};
+use tokio::sync::mpsc;
+
+/// Attempts per chunk in [`fetch_chunks`]: the first try and 3 retries. Rationale: a flaky
+/// object store or a torn read rarely fails twice in a row; a chunk that fails four times
+/// points at a real mismatch between origin and manifest, which retrying will not fix.
+const FETCH_ATTEMPTS: u32 = 4;
+
+/// Pause before the first retry of a chunk, doubled for each further one (100, 200, 400 ms):
+/// enough for a throttling object store to recover, short next to a model download.
+const RETRY_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Limit on establishing a connection to an HTTP origin.
+const HTTP_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Longest an HTTP response may stall between two reads before the request fails (and, in
+/// [`fetch_chunks`], is retried). Generous, since a rate-capped origin shared by many hosts
+/// can be slow, but finite so a dead connection cannot hang a download.
+const HTTP_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Shards hashed at once by [`Origin::build_manifest`]. Rationale: enough to overlap I/O
+/// latency (HTTP round trips, disk seeks) with hashing on a few cores; more only contends.
+const HASH_PARALLEL: usize = 4;
+
+/// Read size when hashing a local shard: large sequential reads, few syscalls.
+const HASH_READ_SIZE: usize = 1 << 20;
+
+/// `HEAD` requests in flight while sizing the shards of an HTTP model directory.
+const HEAD_PARALLEL: usize = 8;
+
+/// Largest `model.safetensors.index.json` accepted (32 MiB; real ones are well under 1 MiB).
+const MAX_INDEX_LEN: usize = 32 << 20;
+
+/// Name of the Hugging Face sharded-checkpoint index in an HTTP model directory.
+const HF_INDEX: &str = "model.safetensors.index.json";
+
+/// Name of the single weight file of an unsharded Hugging Face model.
+const HF_SINGLE: &str = "model.safetensors";
+
+/// Why an origin operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OriginError {
+    /// The URI's scheme is not one shardcast reads from.
+    #[error(
+        "unsupported origin {uri:?}: use file:///absolute/path, http://host/path or https://host/path"
+    )]
+    UnsupportedScheme {
+        /// The URI as given.
+        uri: String,
+    },
+    /// The URI has a supported scheme but cannot be used as given.
+    #[error("invalid origin {uri:?}: {reason}")]
+    InvalidUri {
+        /// The URI as given.
+        uri: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Nothing exists at the origin under that name.
+    #[error("{location} not found at the origin")]
+    NotFound {
+        /// The path or URL looked up.
+        location: String,
+    },
+    /// The origin holds no files that could make a model.
+    #[error("origin {uri} holds no model files (names starting with '.' are skipped)")]
+    Empty {
+        /// The origin's URI.
+        uri: String,
+    },
+    /// An HTTP request got a status other than the one expected.
+    #[error("{url} answered HTTP {status}{}", status_hint(*status))]
+    HttpStatus {
+        /// The URL requested.
+        url: String,
+        /// The status code received.
+        status: u16,
+    },
+    /// An HTTP request failed before a complete response arrived (connect, TLS, timeout,
+    /// connection reset).
+    #[error("HTTP request to {url} failed: {source}")]
+    Http {
+        /// The URL requested.
+        url: String,
+        /// The client's error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// An HTTP response to `HEAD` carried no usable `Content-Length`.
+    #[error("{url} gives no Content-Length, so its size is unknown; serve it with one")]
+    NoContentLength {
+        /// The URL requested.
+        url: String,
+    },
+    /// The HTTP client could not be set up (for instance, no usable TLS roots).
+    #[error("cannot set up the HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    /// A range read returned a different number of bytes than asked for.
+    #[error(
+        "short read from {location}: asked for {expected} bytes at offset {offset}, got {got}; \
+         the file is shorter than the manifest says or the server ignored the range"
+    )]
+    ShortRead {
+        /// The path or URL read.
+        location: String,
+        /// Offset of the read.
+        offset: u64,
+        /// Bytes asked for.
+        expected: u64,
+        /// Bytes received (more than `expected` if the server sent too much).
+        got: u64,
+    },
+    /// A file's size differs from the size it was listed with: the origin changed while it
+    /// was being read.
+    #[error(
+        "{location} was listed as {expected} bytes but {actual} bytes were read; the origin \
+         changed while it was read, retry once it is stable"
+    )]
+    SizeMismatch {
+        /// The path or URL read.
+        location: String,
+        /// Size when listed.
+        expected: u64,
+        /// Bytes actually read.
+        actual: u64,
+    },
+    /// A local file-system operation failed.
+    #[error("cannot {op} {}: {source}", path.display())]
+    Io {
+        /// What was being done ("open", "read", "list").
+        op: &'static str,
+        /// The path involved.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// A file at the origin has a name that cannot be a shard path.
+    #[error("origin file {path:?} cannot be a shard: {reason}; rename it or move it out")]
+    BadName {
+        /// The file's path relative to the origin (lossily decoded if not UTF-8).
+        path: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A symbolic link under an origin directory points outside it.
+    #[error(
+        "{} is a symbolic link to {}, outside the origin directory {}; copy the file in or \
+         point the origin at a directory that holds it",
+        path.display(), target.display(), root.display()
+    )]
+    SymlinkEscape {
+        /// The link.
+        path: PathBuf,
+        /// Where it resolves to.
+        target: PathBuf,
+        /// The origin directory.
+        root: PathBuf,
+    },
+    /// The Hugging Face index of an HTTP model directory is not usable.
+    #[error(
+        "{url} is not a usable safetensors index (expected {{\"weight_map\": {{\"tensor\": \"file\"}}}}): {reason}"
+    )]
+    BadIndex {
+        /// The index URL.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The origin's files do not make a valid manifest (bad chunk size, too many shards or
+    /// chunks).
+    #[error("cannot build a manifest: {0}")]
+    Manifest(#[source] DecodeError),
+    /// A shard or chunk asked for is not in the manifest.
+    #[error("not in the manifest: {0}")]
+    NotInManifest(#[source] VerifyError),
+    /// A chunk read from the origin kept failing verification against the manifest.
+    #[error(
+        "chunk {shard}/{index} of {location} failed verification {attempts} times ({source}); \
+         the origin's copy differs from the manifest, so republish the model"
+    )]
+    Corrupt {
+        /// The path or URL read.
+        location: String,
+        /// Shard index.
+        shard: u32,
+        /// Chunk index.
+        index: u32,
+        /// Attempts made.
+        attempts: u32,
+        /// The last verification failure.
+        #[source]
+        source: VerifyError,
+    },
+    /// A background read task panicked or was cancelled.
+    #[error("a background read task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+/// A hint after an unexpected HTTP status, saying what to check.
+fn status_hint(status: u16) -> &'static str {
+    match status {
+        401 | 403 => " (access denied: check that the URL is public or pre-signed and not expired)",
+        404 | 410 => " (not found: check the URL)",
+        416 => " (range not satisfiable: the file is shorter than the manifest says)",
+        408 | 429 => " (the origin is throttling; retry later or lower the fetch parallelism)",
+        500..=599 => " (the origin failed; retry later)",
+        _ => "",
+    }
+}
+
+impl OriginError {
+    /// Whether trying the same read again might succeed.
+    fn is_transient(&self) -> bool {
+        match self {
+            Self::Http { .. }
+            | Self::ShortRead { .. }
+            | Self::Corrupt { .. }
+            | Self::Io { .. }
+            | Self::Task(_) => true,
+            Self::HttpStatus { status, .. } => matches!(status, 408 | 429 | 500..=599),
+            _ => false,
+        }
+    }
+}
+
+/// Where the first copy of a model comes from. Cheap to clone; clones share the HTTP
+/// connection pool and the [`Origin::bytes_read`] counter.
+#[derive(Clone, Debug)]
+pub struct Origin {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    uri: String,
+    source: Source,
+    bytes_read: AtomicU64,
+}
+
+#[derive(Debug)]
+enum Source {
+    /// A local file or directory; which one is decided when it is read, so an origin can be
+    /// configured before its mount is up.
+    Local { path: PathBuf },
+    /// An HTTP directory; `base` ends in `/`.
+    HttpDir { client: reqwest::Client, base: Url },
+    /// One file over HTTP.
+    HttpFile {
+        client: reqwest::Client,
+        url: Url,
+        name: ShardPath,
+    },
+}
+
+impl Origin {
+    /// Parses an origin URI: `file:///abs/dir`, `file:///abs/file`, `http(s)://…/dir/` or
+    /// `http(s)://…/file`. Does no I/O.
+    pub fn parse(uri: &str) -> Result<Self, OriginError> {
+        let invalid = |reason: String| OriginError::InvalidUri {
+            uri: uri.to_string(),
+            reason,
+        };
+        let scheme = uri.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+        let source = match scheme.as_deref() {
+            Some("file") => {
+                let url = Url::parse(uri).map_err(|e| invalid(e.to_string()))?;
+                let path = url.to_file_path().map_err(|()| {
+                    invalid("expected an absolute local path such as file:///data/model".into())
+                })?;
+                Source::Local { path }
+            }
+            Some("http" | "https") => {
+                let url = Url::parse(uri).map_err(|e| invalid(e.to_string()))?;
+                if url.host_str().is_none_or(str::is_empty) {
+                    return Err(invalid("the URL has no host".into()));
+                }
+                let client = http_client()?;
+                if url.path().ends_with('/') {
+                    Source::HttpDir { client, base: url }
+                } else {
+                    let last = url.path().rsplit('/').next().unwrap_or_default();
+                    let name = percent_decode(last)
+                        .ok_or_else(|| invalid("the file name is not valid UTF-8".into()))?;
+                    let name = ShardPath::new(name).map_err(|e| {
+                        invalid(format!("the file name cannot be a shard path: {e}"))
+                    })?;
+                    Source::HttpFile { client, url, name }
+                }
+            }
+            _ => {
+                return Err(OriginError::UnsupportedScheme {
+                    uri: uri.to_string(),
+                });
+            }
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                uri: uri.to_string(),
+                source,
+                bytes_read: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The URI this origin was parsed from.
+    pub fn uri(&self) -> &str {
+        &self.inner.uri
+    }
+
+    /// Payload bytes read from the origin so far (manifest hashing and range reads).
+    pub fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, n: usize) {
+        self.inner.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The model's files and their sizes, sorted by path.
+    pub async fn list(&self) -> Result<Vec<(ShardPath, u64)>, OriginError> {
+        let mut files = match &self.inner.source {
+            Source::Local { path } => {
+                let path = path.clone();
+                blocking(move || list_local(&path)).await?
+            }
+            Source::HttpDir { client, base } => list_http_dir(client, base).await?,
+            Source::HttpFile { client, url, name } => {
+                vec![(name.clone(), head_size(client, url).await?)]
+            }
+        };
+        if files.is_empty() {
+            return Err(OriginError::Empty {
+                uri: self.inner.uri.clone(),
+            });
+        }
+        files.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(files)
+    }
+
+    /// Builds the model's manifest, reading every byte once through [`ShardHasher`] (a few
+    /// shards at a time). `progress` is called with the bytes hashed so far.
+    pub async fn build_manifest(
+        &self,
+        name: ModelName,
+        chunk_size: u32,
+        progress: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<Manifest, OriginError> {
+        // Refuse a bad chunk size before reading possibly hundreds of GiB.
+        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) {
+            return Err(OriginError::Manifest(DecodeError::Invalid {
+                field: "chunk_size",
+                reason: format!("{chunk_size} is outside {MIN_CHUNK_SIZE}..={MAX_CHUNK_SIZE}"),
+            }));
+        }
+        let files = self.list().await?;
+        let (progress_tx, mut progress_rx) = mpsc::unbounded_channel::<u64>();
+        let hashing = futures::stream::iter(files)
+            .map(|(path, size)| self.hash_shard(path, size, chunk_size, progress_tx.clone()))
+            .buffered(HASH_PARALLEL)
+            .try_collect::<Vec<ShardEntry>>();
+        let mut hashing = pin!(hashing);
+        let mut done = 0u64;
+        let shards = loop {
+            tokio::select! {
+                biased;
+                Some(n) = progress_rx.recv() => {
+                    done += n;
+                    progress(done);
+                }
+                shards = &mut hashing => break shards?,
+            }
+        };
+        while let Ok(n) = progress_rx.try_recv() {
+            done += n;
+            progress(done);
+        }
+        Manifest::new(name, chunk_size, shards).map_err(OriginError::Manifest)
+    }
+
+    /// Hashes one shard, sending the byte count of each piece read on `progress`.
+    async fn hash_shard(
+        &self,
+        path: ShardPath,
+        size: u64,
+        chunk_size: u32,
+        progress: mpsc::UnboundedSender<u64>,
+    ) -> Result<ShardEntry, OriginError> {
+        let mut hasher = ShardHasher::new(chunk_size);
+        let (location, read) = match &self.inner.source {
+            Source::Local { path: root } => {
+                // The blocking task stops at its next read if this future is dropped.
+                let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
+                let (root, shard, origin) = (root.clone(), path.clone(), self.clone());
+                let stop_flag = stop.0.clone();
+                let (file, hasher, read) = blocking(move || {
+                    let file = resolve_local(&root, &shard)?;
+                    let mut f = std::fs::File::open(&file).map_err(|e| io_err("open", &file, e))?;
+                    let mut buf = vec![0u8; HASH_READ_SIZE];
+                    let mut read = 0u64;
+                    while !stop_flag.load(Ordering::Relaxed) {
+                        let n = match f.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(n) => n,
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                            Err(e) => return Err(io_err("read", &file, e)),
+                        };
+                        hasher.update(&buf[..n]);
+                        read += n as u64;
+                        origin.count(n);
+                        let _ = progress.send(n as u64);
+                    }
+                    Ok((file, hasher, read))
+                })
+                .await?;
+                drop(stop);
+                return finish_shard(file.display().to_string(), hasher, read, size, path);
+            }
+            Source::HttpDir { client, base } => {
+                let url = shard_url(base, path.as_str())?;
+                let read = self.stream_http(client, &url, |piece| {
+                    hasher.update(piece);
+                    let _ = progress.send(piece.len() as u64);
+                });
+                (url.to_string(), read.await?)
+            }
+            Source::HttpFile { client, url, name } => {
+                if *name != path {
+                    return Err(self.not_found(&path));
+                }
+                let read = self.stream_http(client, url, |piece| {
+                    hasher.update(piece);
+                    let _ = progress.send(piece.len() as u64);
+                });
+                (url.to_string(), read.await?)
+            }
+        };
+        finish_shard(location, hasher, read, size, path)
+    }
+
+    /// GETs `url` whole, handing each piece of the body to `each`; returns the byte count.
+    async fn stream_http(
+        &self,
+        client: &reqwest::Client,
+        url: &Url,
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<u64, OriginError> {
+        let mut resp = client
+            .get(url.clone())
+            .send()
+            .await
+            .map_err(|e| http_err(url, e))?;
+        check_status(&resp, url, StatusCode::OK)?;
+        let mut read = 0u64;
+        while let Some(piece) = resp.chunk().await.map_err(|e| http_err(url, e))? {
+            each(&piece);
+            read += piece.len() as u64;
+            self.count(piece.len());
+        }
+        Ok(read)
+    }
+
+    /// Reads `len` bytes at `offset` of `path`. Fails with [`OriginError::ShortRead`] unless
+    /// exactly `len` bytes come back. `len` is allocated up front: callers pass chunk sizes.
+    pub async fn read_range(
+        &self,
+        path: &ShardPath,
+        offset: u64,
+        len: usize,
+    ) -> Result<Bytes, OriginError> {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        match &self.inner.source {
+            Source::Local { path: root } => {
+                let (root, shard, origin) = (root.clone(), path.clone(), self.clone());
+                blocking(move || {
+                    let file = resolve_local(&root, &shard)?;
+                    let data = read_local_range(&file, offset, len)?;
+                    origin.count(data.len());
+                    Ok(data)
+                })
+                .await
+            }
+            Source::HttpDir { client, base } => {
+                let url = shard_url(base, path.as_str())?;
+                self.read_http_range(client, &url, offset, len).await
+            }
+            Source::HttpFile { client, url, name } => {
+                if name != path {
+                    return Err(self.not_found(path));
+                }
+                self.read_http_range(client, url, offset, len).await
+            }
+        }
+    }
+
+    async fn read_http_range(
+        &self,
+        client: &reqwest::Client,
+        url: &Url,
+        offset: u64,
+        len: usize,
+    ) -> Result<Bytes, OriginError> {
+        let short = |got: u64| OriginError::ShortRead {
+            location: url.to_string(),
+            offset,
+            expected: len as u64,
+            got,
+        };
+        let last = offset.checked_add(len as u64 - 1).ok_or_else(|| short(0))?;
+        let mut resp = client
+            .get(url.clone())
+            .header(header::RANGE, format!("bytes={offset}-{last}"))
+            .send()
+            .await
+            .map_err(|e| http_err(url, e))?;
+        match resp.status() {
+            StatusCode::PARTIAL_CONTENT => {
+                // A server answering another range than asked would hand us the wrong bytes.
+                let start = resp
+                    .headers()
+                    .get(header::CONTENT_RANGE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("bytes "))
+                    .and_then(|v| v.split_once('-'))
+                    .and_then(|(a, _)| a.trim().parse::<u64>().ok());
+                if start != Some(offset) {
+                    return Err(short(0));
+                }
+            }
+            // A server without range support may send the whole file: fine if that is the
+            // range asked for, which the length check below decides.
+            StatusCode::OK if offset == 0 => {}
+            _ => check_status(&resp, url, StatusCode::PARTIAL_CONTENT)?,
+        }
+        let mut buf = BytesMut::with_capacity(len);
+        while let Some(piece) = resp.chunk().await.map_err(|e| http_err(url, e))? {
+            if buf.len() + piece.len() > len {
+                return Err(short((buf.len() + piece.len()) as u64));
+            }
+            buf.extend_from_slice(&piece);
+            self.count(piece.len());
+        }
+        if buf.len() != len {
+            return Err(short(buf.len() as u64));
+        }
+        Ok(buf.freeze())
+    }
+
+    /// Where `path` lives at this origin, for messages.
+    fn location(&self, path: &ShardPath) -> String {
+        match &self.inner.source {
+            Source::Local { path: root } => root.join(path.as_str()).display().to_string(),
+            Source::HttpDir { base, .. } => shard_url(base, path.as_str())
+                .map_or_else(|_| format!("{base}{path}"), |u| u.to_string()),
+            Source::HttpFile { url, .. } => url.to_string(),
+        }
+    }
+
+    fn not_found(&self, path: &ShardPath) -> OriginError {
+        OriginError::NotFound {
+            location: format!("{path} (origin {})", self.inner.uri),
+        }
+    }
+}
+
+/// Reads the given chunks of one shard with `parallel` concurrent range reads, verifies
+/// each against the manifest ([`Manifest::verified`]), retries a chunk that fails
+/// verification or errors transiently up to 3 times, and sends each [`VerifiedChunk`] on
+/// `tx` as it completes (completion order, so a chain head can forward while the rest still
+/// downloads). Returns the first unrecoverable error. Stops early, without error, if `tx`
+/// is closed.
+#[tracing::instrument(skip_all, fields(origin = origin.uri(), shard, chunks = chunks.len()))]
+pub async fn fetch_chunks(
+    origin: &Origin,
+    manifest: Arc<Manifest>,
+    shard: u32,
+    chunks: Vec<u32>,
+    parallel: usize,
+    tx: mpsc::Sender<VerifiedChunk>,
+) -> Result<(), OriginError> {
+    let path = manifest
+        .shard(shard)
+        .map_err(OriginError::NotInManifest)?
+        .path
+        .clone();
+    // Check every index before downloading anything.
+    for &index in &chunks {
+        manifest
+            .chunk_span(shard, index)
+            .map_err(OriginError::NotInManifest)?;
+    }
+    let mut done = futures::stream::iter(chunks)
+        .map(|index| fetch_verified(origin, &manifest, shard, &path, index))
+        .buffer_unordered(parallel.max(1));
+    loop {
+        let chunk = tokio::select! {
+            biased;
+            () = tx.closed() => return Ok(()),
+            next = done.next() => match next {
+                Some(chunk) => chunk?,
+                None => return Ok(()),
+            },
+        };
+        if tx.send(chunk).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+/// Reads and verifies one chunk, retrying as [`fetch_chunks`] describes.
+async fn fetch_verified(
+    origin: &Origin,
+    manifest: &Manifest,
+    shard: u32,
+    path: &ShardPath,
+    index: u32,
+) -> Result<VerifiedChunk, OriginError> {
+    let (offset, len) = manifest
+        .chunk_span(shard, index)
+        .map_err(OriginError::NotInManifest)?;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let err = match origin.read_range(path, offset, len).await {
+            Ok(data) => match manifest.verified(shard, index, data) {
+                Ok(chunk) => return Ok(chunk),
+                Err(source) => OriginError::Corrupt {
+                    location: origin.location(path),
+                    shard,
+                    index,
+                    attempts,
+                    source,
+                },
+            },
+            Err(e) if !e.is_transient() => return Err(e),
+            Err(e) => e,
+        };
+        if attempts >= FETCH_ATTEMPTS {
+            return Err(err);
+        }
+        tracing::warn!(shard, index, attempts, error = %err, "origin read failed; retrying");
+        tokio::time::sleep(RETRY_BACKOFF * 2u32.pow(attempts - 1)).await;
+    }
+}
+
+/// Sets its flag when dropped, telling a blocking task to stop.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Runs `f` on the blocking pool.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, OriginError> + Send + 'static,
+) -> Result<T, OriginError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(OriginError::Task)?
+}
+
+fn finish_shard(
+    location: String,
+    hasher: ShardHasher,
+    read: u64,
+    size: u64,
+    path: ShardPath,
+) -> Result<ShardEntry, OriginError> {
+    if read != size {
+        return Err(OriginError::SizeMismatch {
+            location,
+            expected: size,
+            actual: read,
+        });
+    }
+    Ok(hasher.finish(path))
+}
+
+fn io_err(op: &'static str, path: &Path, source: io::Error) -> OriginError {
+    if source.kind() == io::ErrorKind::NotFound {
+        OriginError::NotFound {
+            location: path.display().to_string(),
+        }
+    } else {
+        OriginError::Io {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// Lists a local origin: the file itself, or every regular file under the directory.
+fn list_local(path: &Path) -> Result<Vec<(ShardPath, u64)>, OriginError> {
+    let md = std::fs::metadata(path).map_err(|e| io_err("inspect", path, e))?;
+    if md.is_file() {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let shard = ShardPath::new(name.as_ref()).map_err(|e| OriginError::BadName {
+            path: name.to_string(),
+            reason: e.to_string(),
+        })?;
+        return Ok(vec![(shard, md.len())]);
+    }
+    if !md.is_dir() {
+        return Err(OriginError::InvalidUri {
+            uri: path.display().to_string(),
+            reason: "neither a regular file nor a directory".into(),
+        });
+    }
+    let root = std::fs::canonicalize(path).map_err(|e| io_err("resolve", path, e))?;
+    let mut files = Vec::new();
+    let mut dirs = vec![(root.clone(), String::new())];
+    while let Some((dir, prefix)) = dirs.pop() {
+        let entries = std::fs::read_dir(&dir).map_err(|e| io_err("list", &dir, e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| io_err("list", &dir, e))?;
+            let name = entry.file_name();
+            let rel = format!("{prefix}{}", name.to_string_lossy());
+            let Some(name) = name.to_str() else {
+                return Err(OriginError::BadName {
+                    path: rel,
+                    reason: "not valid UTF-8".into(),
+                });
+            };
+            if name.starts_with('.') {
+                continue;
+            }
+            let full = entry.path();
+            let kind = entry.file_type().map_err(|e| io_err("inspect", &full, e))?;
+            let md = if kind.is_symlink() {
+                let target =
+                    std::fs::canonicalize(&full).map_err(|e| io_err("resolve", &full, e))?;
+                if !target.starts_with(&root) {
+                    return Err(OriginError::SymlinkEscape {
+                        path: full,
+                        target,
+                        root,
+                    });
+                }
+                let md = std::fs::metadata(&target).map_err(|e| io_err("inspect", &target, e))?;
+                if md.is_dir() {
+                    // Following links to directories inside the root would list files twice
+                    // under two names, or loop.
+                    tracing::warn!(path = %full.display(), "skipping a symbolic link to a directory");
+                    continue;
+                }
+                md
+            } else {
+                entry.metadata().map_err(|e| io_err("inspect", &full, e))?
+            };
+            if md.is_dir() {
+                dirs.push((full, format!("{rel}/")));
+            } else if md.is_file() {
+                let shard = ShardPath::new(rel.as_str()).map_err(|e| OriginError::BadName {
+                    path: rel,
+                    reason: e.to_string(),
+                })?;
+                files.push((shard, md.len()));
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// The file holding `shard` at a local origin, refusing links that leave the directory.
+fn resolve_local(path: &Path, shard: &ShardPath) -> Result<PathBuf, OriginError> {
+    let md = std::fs::metadata(path).map_err(|e| io_err("inspect", path, e))?;
+    if !md.is_dir() {
+        if path.file_name().and_then(|n| n.to_str()) == Some(shard.as_str()) {
+            return Ok(path.to_path_buf());
+        }
+        return Err(OriginError::NotFound {
+            location: format!("{shard} (the origin is the single file {})", path.display()),
+        });
+    }
+    let root = std::fs::canonicalize(path).map_err(|e| io_err("resolve", path, e))?;
+    // `ShardPath` has no `..`, absolute or empty components, so only links can escape.
+    let file = root.join(shard.as_str());
+    let target = std::fs::canonicalize(&file).map_err(|e| io_err("resolve", &file, e))?;
+    if !target.starts_with(&root) {
+        return Err(OriginError::SymlinkEscape {
+            path: file,
+            target,
+            root,
+        });
+    }
+    Ok(target)
+}
+
+/// Reads exactly `len` bytes at `offset` of `file`.
+fn read_local_range(file: &Path, offset: u64, len: usize) -> Result<Bytes, OriginError> {
+    let f = std::fs::File::open(file).map_err(|e| io_err("open", file, e))?;
+    let mut buf = BytesMut::zeroed(len);
+    let mut got = 0;
+    while got < len {
+        match f.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_err("read", file, e)),
+        }
+    }
+    if got < len {
+        return Err(OriginError::ShortRead {
+            location: file.display().to_string(),
+            offset,
+            expected: len as u64,
+            got: got as u64,
+        });
+    }
+    Ok(buf.freeze())
+}
+
+/// The process-wide HTTP client settings; installs the ring TLS provider on first use.
+fn http_client() -> Result<reqwest::Client, OriginError> {
+    static TLS_PROVIDER: Once = Once::new();
+    TLS_PROVIDER.call_once(|| {
+        // Fails only if the embedding program installed a provider first: then use that.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+    reqwest::Client::builder()
+        .connect_timeout(HTTP_CONNECT_TIMEOUT)
+        .read_timeout(HTTP_READ_TIMEOUT)
+        .tcp_nodelay(true)
+        .build()
+        .map_err(OriginError::Client)
+}
+
+fn http_err(url: &Url, source: reqwest::Error) -> OriginError {
+    OriginError::Http {
+        url: url.to_string(),
+        source,
+    }
+}
+
+/// Fails unless `resp` has status `want`; 404 and 410 become [`OriginError::NotFound`].
+fn check_status(resp: &reqwest::Response, url: &Url, want: StatusCode) -> Result<(), OriginError> {
+    match resp.status() {
+        s if s == want => Ok(()),
+        StatusCode::NOT_FOUND | StatusCode::GONE => Err(OriginError::NotFound {
+            location: url.to_string(),
+        }),
+        s => Err(OriginError::HttpStatus {
+            url: url.to_string(),
+            status: s.as_u16(),
+        }),
+    }
+}
+
+/// `base` (ending in `/`) with the shard's path appended, each component percent-encoded so
+/// that names with `:`, `?`, `#` or `%` cannot change the URL's meaning.
+fn shard_url(base: &Url, shard: &str) -> Result<Url, OriginError> {
+    let mut url = base.clone();
+    url.path_segments_mut()
+        .map_err(|()| OriginError::InvalidUri {
+            uri: base.to_string(),
+            reason: "the URL cannot have a path".into(),
+        })?
+        .pop_if_empty()
+        .extend(shard.split('/'));
+    Ok(url)
+}
+
+/// The size of the file at `url`, from a `HEAD` request's `Content-Length`.
+async fn head_size(client: &reqwest::Client, url: &Url) -> Result<u64, OriginError> {
+    let resp = client
+        .head(url.clone())
+        .send()
+        .await
+        .map_err(|e| http_err(url, e))?;
+    check_status(&resp, url, StatusCode::OK)?;
+    resp.headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| OriginError::NoContentLength {
+            url: url.to_string(),
+        })
+}
+
+/// Lists an HTTP model directory from its safetensors index, or its single
+/// `model.safetensors` when there is no index.
+async fn list_http_dir(
+    client: &reqwest::Client,
+    base: &Url,
+) -> Result<Vec<(ShardPath, u64)>, OriginError> {
+    let index_url = shard_url(base, HF_INDEX)?;
+    let mut resp = client
+        .get(index_url.clone())
+        .send()
+        .await
+        .map_err(|e| http_err(&index_url, e))?;
+    let names: BTreeSet<String> = match resp.status() {
+        StatusCode::NOT_FOUND => {
+            let url = shard_url(base, HF_SINGLE)?;
+            return match head_size(client, &url).await {
+                Ok(size) => Ok(vec![(
+                    ShardPath::new(HF_SINGLE).map_err(bad_name(HF_SINGLE))?,
+                    size,
+                )]),
+                Err(OriginError::NotFound { .. }) => Err(OriginError::NotFound {
+                    location: format!("{index_url} or {url} (the model directory's weights)"),
+                }),
+                Err(e) => Err(e),
+            };
+        }
+        _ => {
+            check_status(&resp, &index_url, StatusCode::OK)?;
+            let bad = |reason: String| OriginError::BadIndex {
+                url: index_url.to_string(),
+                reason,
+            };
+            let mut body = Vec::new();
+            while let Some(piece) = resp.chunk().await.map_err(|e| http_err(&index_url, e))? {
+                if body.len() + piece.len() > MAX_INDEX_LEN {
+                    return Err(bad(format!("larger than {MAX_INDEX_LEN} bytes")));
+                }
+                body.extend_from_slice(&piece);
+            }
+            #[derive(serde::Deserialize)]
+            struct Index {
+                weight_map: BTreeMap<String, String>,
+            }
+            let index: Index = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
+            if index.weight_map.is_empty() {
+                return Err(bad("weight_map is empty".into()));
+            }
+            index.weight_map.into_values().collect()
+        }
+    };
+    futures::stream::iter(names)
+        .map(|name| async move {
+            let shard = ShardPath::new(name.as_str()).map_err(bad_name(&name))?;
+            let url = shard_url(base, shard.as_str())?;
+            let size = head_size(client, &url).await?;
+            Ok((shard, size))
+        })
+        .buffer_unordered(HEAD_PARALLEL)
+        .try_collect()
+        .await
+}
+
+fn bad_name(name: &str) -> impl FnOnce(shardcast_protocol::NameError) -> OriginError + '_ {
+    move |e| OriginError::BadName {
+        path: name.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// Decodes `%XX` escapes; `None` if an escape is malformed or the result is not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+    use std::convert::Infallible;
+    use std::sync::Mutex;
+
+    use http_body_util::Full;
+    use hyper::service::service_fn;
+    use hyper::{Request, Response};
+    use hyper_util::rt::TokioIo;
+    use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
+
+    use super::*;
+
+    const CHUNK: u32 = MIN_CHUNK_SIZE;
+
+    fn content(seed: u8, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed ^ (i >> 8) as u8)
+            .collect()
+    }
+
+    fn entry(path: &str, data: &[u8]) -> ShardEntry {
+        let mut h = ShardHasher::new(CHUNK);
+        h.update(data);
+        h.finish(ShardPath::new(path).unwrap())
+    }
+
+    fn model() -> ModelName {
+        ModelName::new("test/model").unwrap()
+    }
+
+    fn shard(s: &str) -> ShardPath {
+        ShardPath::new(s).unwrap()
+    }
+
+    fn file_uri(p: &Path) -> String {
+        format!("file://{}", p.display())
+    }
+
+    /// A model directory: `a.safetensors` (3.5 chunks), `sub/b.bin` (1 chunk), an empty
+    /// file, and hidden files that must be skipped.
+    fn model_dir() -> (tempfile::TempDir, Vec<(&'static str, Vec<u8>)>) {
+        let dir = tempfile::tempdir().unwrap();
+        let files = vec![
+            ("a.safetensors", content(1, CHUNK as usize * 3 + 100)),
+            ("empty", Vec::new()),
+            ("sub/b.bin", content(2, CHUNK as usize)),
+        ];
+        for (name, data) in &files {
+            let p = dir.path().join(name);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, data).unwrap();
+        }
+        std::fs::write(dir.path().join(".hidden"), b"x").unwrap();
+        std::fs::create_dir_all(dir.path().join(".git")).unwrap();
+        std::fs::write(dir.path().join(".git/config"), b"x").unwrap();
+        (dir, files)
+    }
+
+    #[tokio::test]
+    async fn file_dir_lists_and_builds_the_manifest() {
+        let (dir, files) = model_dir();
+        let origin = Origin::parse(&file_uri(dir.path())).unwrap();
+        let listed = origin.list().await.unwrap();
+        let want: Vec<_> = files
+            .iter()
+            .map(|(n, d)| (shard(n), d.len() as u64))
+            .collect();
+        assert_eq!(listed, want);
+
+        let last = AtomicU64::new(0);
+        let m = origin
+            .build_manifest(model(), CHUNK, &|n| last.store(n, Ordering::Relaxed))
+            .await
+            .unwrap();
+        let expected = Manifest::new(
+            model(),
+            CHUNK,
+            files.iter().map(|(n, d)| entry(n, d)).collect(),
+        )
+        .unwrap();
+        assert_eq!(m, expected);
+        assert_eq!(m.digest(), expected.digest());
+        assert_eq!(last.load(Ordering::Relaxed), m.total_bytes());
+        assert_eq!(origin.bytes_read(), m.total_bytes());
+
+        let data = origin
+            .read_range(&shard("a.safetensors"), 5, 1000)
+            .await
+            .unwrap();
+        assert_eq!(&data[..], &files[0].1[5..1005]);
+        assert!(
+            origin
+                .read_range(&shard("a.safetensors"), 0, 0)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let err = origin
+            .read_range(&shard("a.safetensors"), 12_000, 1000)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, OriginError::ShortRead { got: 388, .. }),
+            "{err}"
+        );
+        let err = origin.read_range(&shard("nope"), 0, 10).await.unwrap_err();
+        assert!(matches!(err, OriginError::NotFound { .. }), "{err}");
+        let err = origin
+            .build_manifest(model(), 100, &|_| {})
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OriginError::Manifest(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn file_origin_of_one_file() {
+        let (dir, files) = model_dir();
+        let origin = Origin::parse(&file_uri(&dir.path().join("sub/b.bin"))).unwrap();
+        assert_eq!(
+            origin.list().await.unwrap(),
+            vec![(shard("b.bin"), CHUNK as u64)]
+        );
+        let m = origin
+            .build_manifest(model(), CHUNK, &|_| {})
+            .await
+            .unwrap();
+        assert_eq!(m.shards, vec![entry("b.bin", &files[2].1)]);
+        let data = origin.read_range(&shard("b.bin"), 10, 20).await.unwrap();
+        assert_eq!(&data[..], &files[2].1[10..30]);
+        let err = origin
+            .read_range(&shard("a.safetensors"), 0, 1)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OriginError::NotFound { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn symlinks_leaving_the_root_are_refused() {
+        let (dir, files) = model_dir();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), b"secret").unwrap();
+        // A link inside the root is followed.
+        std::os::unix::fs::symlink(dir.path().join("a.safetensors"), dir.path().join("link"))
+            .unwrap();
+        let origin = Origin::parse(&file_uri(dir.path())).unwrap();
+        let listed = origin.list().await.unwrap();
+        assert!(
+            listed.contains(&(shard("link"), files[0].1.len() as u64)),
+            "{listed:?}"
+        );
+
+        std::os::unix::fs::symlink(outside.path().join("secret"), dir.path().join("escape"))
+            .unwrap();
+        let err = origin.list().await.unwrap_err();
+        assert!(matches!(err, OriginError::SymlinkEscape { .. }), "{err}");
+        let err = origin.read_range(&shard("escape"), 0, 6).await.unwrap_err();
+        assert!(matches!(err, OriginError::SymlinkEscape { .. }), "{err}");
+        // Through a linked directory, too.
+        std::fs::remove_file(dir.path().join("escape")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("out")).unwrap();
+        let err = origin
+            .read_range(&shard("out/secret"), 0, 6)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OriginError::SymlinkEscape { .. }), "{err}");
+    }
+
+    #[test]
+    fn bad_uris_are_refused_clearly() {
+        for uri in [
+            "s3://bucket/model",
+            "ftp://host/x",
+            "/abs/path",
+            "model",
+            "hdfs:///x",
+        ] {
+            let err = Origin::parse(uri).unwrap_err();
+            assert!(
+                matches!(err, OriginError::UnsupportedScheme { .. }),
+                "{uri}: {err}"
+            );
+            assert!(err.to_string().contains("file:///"), "{err}");
+        }
+        for uri in ["file://relative/path", "http://", "https://host/%ff"] {
+            let err = Origin::parse(uri).unwrap_err();
+            assert!(
+                matches!(err, OriginError::InvalidUri { .. }),
+                "{uri}: {err}"
+            );
+        }
+        let o = Origin::parse("https://example.com/models/llama/").unwrap();
+        assert_eq!(o.uri(), "https://example.com/models/llama/");
+        assert!(Origin::parse("HTTP://example.com/a%20b.safetensors").is_ok());
+        assert!(Origin::parse("file:///tmp/a%20b").is_ok());
+    }
+
+    #[tokio::test]
+    async fn missing_local_origin_is_not_found() {
+        let err = Origin::parse("file:///definitely/not/here")
+            .unwrap()
+            .list()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OriginError::NotFound { .. }), "{err}");
+    }
+
+    /// An in-memory HTTP origin with single-range support, counting requests per range and
+    /// corrupting the first answer for the ranges in `corrupt_once` (or every answer for
+    /// those in `corrupt_always`).
+    #[derive(Default)]
+    struct TestServer {
+        files: HashMap<String, Vec<u8>>,
+        corrupt_once: Mutex<HashSet<(String, u64)>>,
+        corrupt_always: HashSet<(String, u64)>,
+        hits: Mutex<HashMap<(String, u64), u32>>,
+    }
+
+    impl TestServer {
+        fn answer(&self, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+            let path = req.uri().path().trim_start_matches('/').to_string();
+            let path = percent_decode(&path).unwrap();
+            let reply = |status: u16, body: Vec<u8>| {
+                let mut r = Response::new(Full::new(Bytes::from(body)));
+                *r.status_mut() = StatusCode::from_u16(status).unwrap();
+                r
+            };
+            let Some(data) = self.files.get(&path) else {
+                return reply(404, vec![]);
+            };
+            if req.method() == hyper::Method::HEAD {
+                let mut r = reply(200, vec![]);
+                r.headers_mut()
+                    .insert(header::CONTENT_LENGTH, data.len().into());
+                return r;
+            }
+            let Some(range) = req.headers().get(header::RANGE) else {
+                return reply(200, data.clone());
+            };
+            let (a, b) = range
+                .to_str()
+                .unwrap()
+                .strip_prefix("bytes=")
+                .unwrap()
+                .split_once('-')
+                .unwrap();
+            let (a, b): (u64, u64) = (a.parse().unwrap(), b.parse().unwrap());
+            if a >= data.len() as u64 {
+                return reply(416, vec![]);
+            }
+            let b = b.min(data.len() as u64 - 1);
+            let key = (path.clone(), a);
+            *self.hits.lock().unwrap().entry(key.clone()).or_default() += 1;
+            let mut body = data[a as usize..=b as usize].to_vec();
+            if self.corrupt_always.contains(&key) || self.corrupt_once.lock().unwrap().remove(&key)
+            {
+                body[0] ^= 0xff;
+            }
+            let mut r = reply(206, body);
+            r.headers_mut().insert(
+                header::CONTENT_RANGE,
+                format!("bytes {a}-{b}/{}", data.len()).parse().unwrap(),
+            );
+            r
+        }
+
+        fn hits(&self, path: &str, offset: u64) -> u32 {
+            self.hits
+                .lock()
+                .unwrap()
+                .get(&(path.to_string(), offset))
+                .copied()
+                .unwrap_or(0)
+        }
+    }
+
+    async fn spawn_server(server: TestServer) -> (Arc<TestServer>, String) {
+        let server = Arc::new(server);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/", listener.local_addr().unwrap());
+        let s = server.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        let resp = s.answer(&req);
+                        async move { Ok::<_, Infallible>(resp) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        (server, base)
+    }
+
+    fn hf_files() -> HashMap<String, Vec<u8>> {
+        let index = serde_json::json!({
+            "metadata": {"total_size": 1},
+            "weight_map": {
+                "w1": "model-00001-of-00002.safetensors",
+                "w2": "model-00002-of-00002.safetensors",
+                "w3": "model-00001-of-00002.safetensors",
+            }
+        });
+        HashMap::from([
+            (HF_INDEX.to_string(), serde_json::to_vec(&index).unwrap()),
+            (
+                "model-00001-of-00002.safetensors".into(),
+                content(3, CHUNK as usize * 5 + 17),
+            ),
+            (
+                "model-00002-of-00002.safetensors".into(),
+                content(4, CHUNK as usize * 2),
+            ),
+            ("config.json".into(), b"{}".to_vec()),
+        ])
+    }
+
+    #[tokio::test]
+    async fn http_directory_with_index() {
+        let files = hf_files();
+        let (_server, base) = spawn_server(TestServer {
+            files: files.clone(),
+            ..Default::default()
+        })
+        .await;
+        let origin = Origin::parse(&base).unwrap();
+        let one = "model-00001-of-00002.safetensors";
+        let two = "model-00002-of-00002.safetensors";
+        assert_eq!(
+            origin.list().await.unwrap(),
+            vec![
+                (shard(one), files[one].len() as u64),
+                (shard(two), files[two].len() as u64)
+            ]
+        );
+        let m = origin
+            .build_manifest(model(), CHUNK, &|_| {})
+            .await
+            .unwrap();
+        assert_eq!(
+            m.shards,
+            vec![entry(one, &files[one]), entry(two, &files[two])]
+        );
+
+        let data = origin.read_range(&shard(one), 4000, 300).await.unwrap();
+        assert_eq!(&data[..], &files[one][4000..4300]);
+        // A range running past the end comes back short.
+        let err = origin
+            .read_range(&shard(two), 8000, 1000)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, OriginError::ShortRead { got: 192, .. }),
+            "{err}"
+        );
+        let err = origin.read_range(&shard(two), 9000, 10).await.unwrap_err();
+        assert!(
+            matches!(err, OriginError::HttpStatus { status: 416, .. }),
+            "{err}"
+        );
+        let err = origin
+            .read_range(&shard("missing.safetensors"), 0, 10)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OriginError::NotFound { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn http_directory_without_index_and_single_files() {
+        let weights = content(5, 10_000);
+        let files = HashMap::from([
+            (HF_SINGLE.to_string(), weights.clone()),
+            ("dir/odd name.bin".to_string(), weights.clone()),
+        ]);
+        let (_server, base) = spawn_server(TestServer {
+            files,
+            ..Default::default()
+        })
+        .await;
+        let origin = Origin::parse(&base).unwrap();
+        assert_eq!(
+            origin.list().await.unwrap(),
+            vec![(shard(HF_SINGLE), 10_000)]
+        );
+
+        let origin = Origin::parse(&format!("{base}dir/odd%20name.bin")).unwrap();
+        assert_eq!(
+            origin.list().await.unwrap(),
+            vec![(shard("odd name.bin"), 10_000)]
+        );
+        let data = origin
+            .read_range(&shard("odd name.bin"), 0, 10_000)
+            .await
+            .unwrap();
+        assert_eq!(&data[..], &weights[..]);
+
+        let origin = Origin::parse(&format!("{base}nothing/")).unwrap();
+        let err = origin.list().await.unwrap_err();
+        assert!(matches!(err, OriginError::NotFound { .. }), "{err}");
+        assert!(err.to_string().contains(HF_SINGLE), "{err}");
+        let err = Origin::parse(&format!("{base}gone.bin"))
+            .unwrap()
+            .list()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OriginError::NotFound { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn fetch_chunks_verifies_and_retries() {
+        let files = hf_files();
+        let one = "model-00001-of-00002.safetensors";
+        let bad = (one.to_string(), u64::from(CHUNK) * 2);
+        let (server, base) = spawn_server(TestServer {
+            files: files.clone(),
+            corrupt_once: Mutex::new(HashSet::from([bad.clone()])),
+            ..Default::default()
+        })
+        .await;
+        let origin = Origin::parse(&base).unwrap();
+        let manifest =
+            Arc::new(Manifest::new(model(), CHUNK, vec![entry(one, &files[one])]).unwrap());
+        let (tx, mut rx) = mpsc::channel(2);
+        let fetch = tokio::spawn({
+            let (origin, manifest) = (origin.clone(), manifest.clone());
+            async move { fetch_chunks(&origin, manifest, 0, (0..6).collect(), 3, tx).await }
+        });
+        let mut got = Vec::new();
+        while let Some(c) = rx.recv().await {
+            assert_eq!(c.shard(), 0);
+            let (offset, len) = manifest.chunk_span(0, c.index()).unwrap();
+            assert_eq!(c.offset(), offset);
+            assert_eq!(
+                &c.data()[..],
+                &files[one][offset as usize..offset as usize + len]
+            );
+            got.push(c.index());
+        }
+        fetch.await.unwrap().unwrap();
+        got.sort();
+        assert_eq!(got, (0..6).collect::<Vec<_>>());
+        assert_eq!(
+            server.hits(one, bad.1),
+            2,
+            "the corrupted chunk is fetched again"
+        );
+        assert_eq!(server.hits(one, 0), 1);
+
+        // A chunk that is always corrupt fails after every attempt.
+        let (server, base) = spawn_server(TestServer {
+            files: files.clone(),
+            corrupt_always: HashSet::from([bad.clone()]),
+            ..Default::default()
+        })
+        .await;
+        let origin = Origin::parse(&base).unwrap();
+        let (tx, _rx) = mpsc::channel(16);
+        let err = fetch_chunks(&origin, manifest.clone(), 0, vec![2], 2, tx)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                OriginError::Corrupt {
+                    index: 2,
+                    attempts: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(server.hits(one, bad.1), FETCH_ATTEMPTS);
+
+        // Unknown chunks are refused before any download; a closed channel stops quietly.
+        let (tx, rx) = mpsc::channel(16);
+        let err = fetch_chunks(&origin, manifest.clone(), 0, vec![0, 6], 2, tx.clone()).await;
+        assert!(matches!(err, Err(OriginError::NotInManifest(_))), "{err:?}");
+        drop(rx);
+        fetch_chunks(&origin, manifest, 0, (0..6).collect(), 2, tx)
+            .await
+            .unwrap();
+    }
+}
