@@ -1,1 +1,206 @@
-fn main() {}
+//! `shardcast-bench`: the demo and the benchmarks. See `shardcast-bench --help`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use shardcast_bench::scenario::{self, ChainBenchOpts, DemoOpts, Method, NetMode};
+use shardcast_protocol::units::{parse_rate, parse_size};
+
+#[derive(Parser)]
+#[command(
+    name = "shardcast-bench",
+    version,
+    about = "shardcast demo and benchmarks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Local cluster on loopback (no root): a source and 4 receivers as transferd processes,
+    /// a synthetic ~1 GiB model, chain vs every host pulling from the origin.
+    Demo {
+        /// Model size.
+        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards.
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        /// Receivers.
+        #[arg(long, default_value_t = 4)]
+        receivers: usize,
+        /// Per-daemon egress and ingress cap, and the origin's total cap.
+        #[arg(long, default_value = "1Gbit")]
+        rate: String,
+        /// Write the table as JSON too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Chain vs star on an emulated cluster (network namespaces + tc; needs root) or on
+    /// loopback.
+    Chain {
+        /// One network namespace per host with tc rate caps (needs root).
+        #[arg(long, conflicts_with = "local")]
+        emulate: bool,
+        /// Loopback, no caps.
+        #[arg(long)]
+        local: bool,
+        /// Receivers.
+        #[arg(long, default_value_t = 8)]
+        receivers: usize,
+        /// Model size.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards.
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+        /// Per-host link rate (emulated mode).
+        #[arg(long, default_value = "1Gbit")]
+        rate: String,
+        /// Comma-separated methods: chain-tcp, star.
+        #[arg(long, default_value = "chain-tcp,star", value_delimiter = ',')]
+        methods: Vec<Method>,
+        /// Write the report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Per-method time limit in seconds.
+        #[arg(long, default_value_t = 600)]
+        timeout_s: u64,
+    },
+    /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
+    OriginServer {
+        /// Directory to serve.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// Total egress cap.
+        #[arg(long, default_value = "unlimited")]
+        rate: String,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SHARDCAST_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("shardcast-bench: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        tokio::select! {
+            r = run(cli) => r,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("interrupted: stopping daemons and removing namespaces");
+                Ok(())
+            }
+        }
+    });
+    // Dropping the runtime drops every daemon (killed by PID) and namespace (deleted).
+    drop(runtime);
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("shardcast-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Cmd::Demo {
+            size,
+            shards,
+            receivers,
+            rate,
+            json,
+        } => {
+            let rate = parse_rate(&rate).map_err(anyhow::Error::msg)?;
+            let opts = DemoOpts {
+                size,
+                shards,
+                receivers,
+                rate,
+                progress: true,
+            };
+            let rows = scenario::run_demo(&opts).await?;
+            println!("{}", scenario::demo_table(&rows, size));
+            if let Some(path) = json {
+                scenario::write_json(&path, &rows)?;
+            }
+            Ok(())
+        }
+        Cmd::Chain {
+            emulate,
+            local: _,
+            receivers,
+            size,
+            shards,
+            rate,
+            methods,
+            json,
+            timeout_s,
+        } => {
+            let mode = if emulate {
+                NetMode::Emulate
+            } else {
+                NetMode::Local
+            };
+            if emulate {
+                shardcast_bench::netns::available()
+                    .map_err(|e| anyhow::anyhow!("--emulate needs root and iproute2: {e}"))?;
+                let stale = shardcast_bench::netns::EmulatedNet::cleanup_stale()?;
+                if stale > 0 {
+                    eprintln!("removed {stale} namespaces left by an earlier interrupted run");
+                }
+            }
+            let opts = ChainBenchOpts {
+                mode,
+                receivers,
+                size,
+                shards,
+                rate: parse_rate(&rate).map_err(anyhow::Error::msg)?,
+                methods,
+                timeout: Duration::from_secs(timeout_s),
+                progress: true,
+            };
+            let report = scenario::run_chain_bench(&opts).await?;
+            let text = serde_json::to_string_pretty(&report)?;
+            println!("{text}");
+            if let Some(path) = json {
+                scenario::write_json(&path, &report)?;
+            }
+            Ok(())
+        }
+        Cmd::OriginServer { dir, listen, rate } => {
+            let rate = parse_rate(&rate).map_err(anyhow::Error::msg)?;
+            let listener = tokio::net::TcpListener::bind(&listen)
+                .await
+                .with_context(|| format!("binding {listen}"))?;
+            eprintln!(
+                "serving {} on http://{} (rate cap: {:?} B/s); stats at /_stats",
+                dir.display(),
+                listener.local_addr()?,
+                rate
+            );
+            let cancel = tokio_util::sync::CancellationToken::new();
+            let stats = std::sync::Arc::default();
+            shardcast_bench::origin_server::serve(dir, listener, rate, stats, cancel).await
+        }
+    }
+}

@@ -17,7 +17,11 @@ impl ChunkSet {
     /// An empty set over `start..end`. An inverted range is treated as empty.
     pub fn new(start: u32, end: u32) -> Self {
         let end = end.max(start);
-        Self { start, end, bits: vec![0; (end - start).div_ceil(8) as usize] }
+        Self {
+            start,
+            end,
+            bits: vec![0; (end - start).div_ceil(8) as usize],
+        }
     }
 
     /// The range this set covers.

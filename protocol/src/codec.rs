@@ -63,7 +63,9 @@ pub enum DecodeError {
 
 pub(crate) fn need<B: Buf>(buf: &B, n: usize) -> Result<(), DecodeError> {
     if buf.remaining() < n {
-        Err(DecodeError::Truncated { needed: n - buf.remaining() })
+        Err(DecodeError::Truncated {
+            needed: n - buf.remaining(),
+        })
     } else {
         Ok(())
     }
@@ -104,13 +106,19 @@ pub(crate) fn get_str<B: Buf>(
 ) -> Result<String, DecodeError> {
     let len = get_u16(buf)? as usize;
     if len > max {
-        return Err(DecodeError::TooLong { field, len: len as u64, max: max as u64 });
+        return Err(DecodeError::TooLong {
+            field,
+            len: len as u64,
+            max: max as u64,
+        });
     }
     need(buf, len)?;
     let mut raw = vec![0u8; len];
     buf.copy_to_slice(&mut raw);
-    String::from_utf8(raw)
-        .map_err(|_| DecodeError::Invalid { field, reason: "not valid UTF-8".into() })
+    String::from_utf8(raw).map_err(|_| DecodeError::Invalid {
+        field,
+        reason: "not valid UTF-8".into(),
+    })
 }
 
 /// Writes a `u16`-length-prefixed string. Callers guarantee `s.len() <= u16::MAX` by

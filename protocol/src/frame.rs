@@ -84,7 +84,10 @@ impl Tier {
         match v {
             0 => Ok(Self::Memory),
             1 => Ok(Self::Disk),
-            other => Err(DecodeError::Invalid { field: "tier", reason: format!("{other}") }),
+            other => Err(DecodeError::Invalid {
+                field: "tier",
+                reason: format!("{other}"),
+            }),
         }
     }
 
@@ -103,7 +106,9 @@ impl std::str::FromStr for Tier {
         match s {
             "memory" | "mem" => Ok(Self::Memory),
             "disk" => Ok(Self::Disk),
-            other => Err(format!("unknown tier {other:?}; expected \"memory\" or \"disk\"")),
+            other => Err(format!(
+                "unknown tier {other:?}; expected \"memory\" or \"disk\""
+            )),
         }
     }
 }
@@ -466,13 +471,23 @@ impl Frame {
                 buf.put_u32(*shard);
                 buf.put_u32(*index);
             }
-            Self::Progress { host, shard, verified, total } => {
+            Self::Progress {
+                host,
+                shard,
+                verified,
+                total,
+            } => {
                 codec::put_str(buf, host.as_str());
                 buf.put_u32(*shard);
                 buf.put_u32(*verified);
                 buf.put_u32(*total);
             }
-            Self::Fetch { model, shard, start, end } => {
+            Self::Fetch {
+                model,
+                shard,
+                start,
+                end,
+            } => {
                 buf.put_slice(&model.0);
                 buf.put_u32(*shard);
                 buf.put_u32(*start);
@@ -506,10 +521,15 @@ impl Frame {
             FrameType::Hello => {
                 let magic: [u8; 4] = get_array(b)?;
                 if &magic != HELLO_MAGIC {
-                    return Err(DecodeError::BadMagic { expected: HELLO_MAGIC });
+                    return Err(DecodeError::BadMagic {
+                        expected: HELLO_MAGIC,
+                    });
                 }
                 let version = get_u16(b)?;
-                Self::Hello { version, host: get_host(b)? }
+                Self::Hello {
+                    version,
+                    host: get_host(b)?,
+                }
             }
             FrameType::Manifest => Self::Manifest(Manifest::decode(b)?),
             FrameType::Open => {
@@ -551,7 +571,9 @@ impl Frame {
                     downstream,
                 })
             }
-            FrameType::Accept => Self::Accept { have: ChunkSet::decode(b)? },
+            FrameType::Accept => Self::Accept {
+                have: ChunkSet::decode(b)?,
+            },
             FrameType::Chunk => {
                 let shard = get_u32(b)?;
                 let index = get_u32(b)?;
@@ -564,10 +586,20 @@ impl Frame {
                     });
                 }
                 codec::need(b, len)?;
-                Self::Chunk { shard, index, data: b.split_to(len) }
+                Self::Chunk {
+                    shard,
+                    index,
+                    data: b.split_to(len),
+                }
             }
-            FrameType::Ack => Self::Ack { shard: get_u32(b)?, index: get_u32(b)? },
-            FrameType::Nack => Self::Nack { shard: get_u32(b)?, index: get_u32(b)? },
+            FrameType::Ack => Self::Ack {
+                shard: get_u32(b)?,
+                index: get_u32(b)?,
+            },
+            FrameType::Nack => Self::Nack {
+                shard: get_u32(b)?,
+                index: get_u32(b)?,
+            },
             FrameType::Progress => Self::Progress {
                 host: get_host(b)?,
                 shard: get_u32(b)?,
@@ -585,7 +617,12 @@ impl Frame {
                         reason: format!("{start}..{end} is inverted"),
                     });
                 }
-                Self::Fetch { model, shard, start, end }
+                Self::Fetch {
+                    model,
+                    shard,
+                    start,
+                    end,
+                }
             }
             FrameType::Done => Self::Done,
             FrameType::Error => Self::Error {
@@ -602,7 +639,10 @@ impl Frame {
 
 fn get_host<B: Buf>(b: &mut B) -> Result<HostId, DecodeError> {
     let s = get_str(b, "host id", MAX_HOST_ID_LEN)?;
-    HostId::new(s).map_err(|e| DecodeError::Invalid { field: "host id", reason: e.to_string() })
+    HostId::new(s).map_err(|e| DecodeError::Invalid {
+        field: "host id",
+        reason: e.to_string(),
+    })
 }
 
 impl Codec for Frame {

@@ -36,7 +36,10 @@
 //!  <--- Done ---------------------------------------   (every chunk of the range verified here)
 //! ```
 
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
 
 pub mod chunkset;
 pub mod codec;
@@ -54,7 +57,9 @@ pub mod agent {
 pub use chunkset::ChunkSet;
 pub use codec::{Codec, DecodeError};
 pub use frame::{ErrorCode, Frame, FrameType, Hop, SessionHeader, SessionId, Tier};
-pub use manifest::{ChunkHash, Manifest, ModelDigest, ShardEntry, ShardHasher, VerifiedChunk, VerifyError};
+pub use manifest::{
+    ChunkHash, Manifest, ModelDigest, ShardEntry, ShardHasher, VerifiedChunk, VerifyError,
+};
 pub use name::{HostId, ModelName, NameError, ShardPath};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer

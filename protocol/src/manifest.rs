@@ -170,7 +170,11 @@ impl Manifest {
         chunk_size: u32,
         shards: Vec<ShardEntry>,
     ) -> Result<Self, DecodeError> {
-        let m = Self { name, chunk_size, shards };
+        let m = Self {
+            name,
+            chunk_size,
+            shards,
+        };
         m.validate()?;
         Ok(m)
     }
@@ -242,14 +246,21 @@ impl Manifest {
     pub fn shard(&self, shard: u32) -> Result<&ShardEntry, VerifyError> {
         self.shards
             .get(shard as usize)
-            .ok_or(VerifyError::NoSuchShard { shard, shards: self.shards.len() })
+            .ok_or(VerifyError::NoSuchShard {
+                shard,
+                shards: self.shards.len(),
+            })
     }
 
     /// Byte offset and length of chunk `index` of `shard`.
     pub fn chunk_span(&self, shard: u32, index: u32) -> Result<(u64, usize), VerifyError> {
         let s = self.shard(shard)?;
         if index as usize >= s.chunks.len() {
-            return Err(VerifyError::NoSuchChunk { shard, index, chunks: s.chunks.len() });
+            return Err(VerifyError::NoSuchChunk {
+                shard,
+                index,
+                chunks: s.chunks.len(),
+            });
         }
         let offset = u64::from(index) * u64::from(self.chunk_size);
         let len = (s.size - offset).min(u64::from(self.chunk_size)) as usize;
@@ -260,7 +271,12 @@ impl Manifest {
     pub fn verify_chunk(&self, shard: u32, index: u32, data: &[u8]) -> Result<(), VerifyError> {
         let (_, expected) = self.chunk_span(shard, index)?;
         if data.len() != expected {
-            return Err(VerifyError::Length { shard, index, got: data.len(), expected });
+            return Err(VerifyError::Length {
+                shard,
+                index,
+                got: data.len(),
+                expected,
+            });
         }
         if ChunkHash::of(data) != self.shard(shard)?.chunks[index as usize] {
             return Err(VerifyError::Hash { shard, index });
@@ -277,12 +293,20 @@ impl Manifest {
     ) -> Result<VerifiedChunk, VerifyError> {
         self.verify_chunk(shard, index, &data)?;
         let (offset, _) = self.chunk_span(shard, index)?;
-        Ok(VerifiedChunk { shard, index, offset, data })
+        Ok(VerifiedChunk {
+            shard,
+            index,
+            offset,
+            data,
+        })
     }
 
     /// Index of the shard with path `path`.
     pub fn shard_index(&self, path: &str) -> Option<u32> {
-        self.shards.iter().position(|s| s.path.as_str() == path).map(|i| i as u32)
+        self.shards
+            .iter()
+            .position(|s| s.path.as_str() == path)
+            .map(|i| i as u32)
     }
 }
 
@@ -290,15 +314,22 @@ impl Codec for Manifest {
     fn decode<B: Buf>(buf: &mut B) -> Result<Self, DecodeError> {
         let magic: [u8; 4] = get_array(buf)?;
         if &magic != MANIFEST_MAGIC {
-            return Err(DecodeError::BadMagic { expected: MANIFEST_MAGIC });
+            return Err(DecodeError::BadMagic {
+                expected: MANIFEST_MAGIC,
+            });
         }
         let version = get_u16(buf)?;
         if version != MANIFEST_VERSION {
-            return Err(DecodeError::UnsupportedVersion { what: "manifest", version });
+            return Err(DecodeError::UnsupportedVersion {
+                what: "manifest",
+                version,
+            });
         }
         let name = get_str(buf, "model name", MAX_MODEL_NAME_LEN)?;
-        let name = ModelName::new(name)
-            .map_err(|e| DecodeError::Invalid { field: "model name", reason: e.to_string() })?;
+        let name = ModelName::new(name).map_err(|e| DecodeError::Invalid {
+            field: "model name",
+            reason: e.to_string(),
+        })?;
         let chunk_size = get_u32(buf)?;
         if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) {
             return Err(DecodeError::Invalid {
@@ -317,8 +348,10 @@ impl Codec for Manifest {
         let mut shards = Vec::new();
         for _ in 0..nshards {
             let path = get_str(buf, "shard path", MAX_SHARD_PATH_LEN)?;
-            let path = ShardPath::new(path)
-                .map_err(|e| DecodeError::Invalid { field: "shard path", reason: e.to_string() })?;
+            let path = ShardPath::new(path).map_err(|e| DecodeError::Invalid {
+                field: "shard path",
+                reason: e.to_string(),
+            })?;
             let size = get_u64(buf)?;
             let n = chunk_count(size, chunk_size);
             if n > u64::from(MAX_CHUNKS_PER_SHARD) {
@@ -335,7 +368,12 @@ impl Codec for Manifest {
             for _ in 0..n {
                 chunks.push(ChunkHash(get_array(buf)?));
             }
-            shards.push(ShardEntry { path, size, hash, chunks });
+            shards.push(ShardEntry {
+                path,
+                size,
+                hash,
+                chunks,
+            });
         }
         Self::new(name, chunk_size, shards)
     }
@@ -433,7 +471,8 @@ impl ShardHasher {
             self.in_chunk += take;
             data = &data[take..];
             if self.in_chunk == self.chunk_size {
-                self.chunks.push(ChunkHash(*self.chunk.finalize().as_bytes()));
+                self.chunks
+                    .push(ChunkHash(*self.chunk.finalize().as_bytes()));
                 self.chunk.reset();
                 self.in_chunk = 0;
             }
@@ -443,7 +482,8 @@ impl ShardHasher {
     /// Finishes the shard and returns its entry.
     pub fn finish(mut self, path: ShardPath) -> ShardEntry {
         if self.in_chunk > 0 {
-            self.chunks.push(ChunkHash(*self.chunk.finalize().as_bytes()));
+            self.chunks
+                .push(ChunkHash(*self.chunk.finalize().as_bytes()));
         }
         ShardEntry {
             path,
@@ -509,10 +549,22 @@ mod tests {
         m.verify_chunk(0, 1, &data[4096..]).unwrap();
         let mut bad = data[..4096].to_vec();
         bad[7] ^= 1;
-        assert_eq!(m.verify_chunk(0, 0, &bad), Err(VerifyError::Hash { shard: 0, index: 0 }));
-        assert!(matches!(m.verify_chunk(0, 1, &data[..10]), Err(VerifyError::Length { .. })));
-        assert!(matches!(m.verify_chunk(0, 2, &data[..10]), Err(VerifyError::NoSuchChunk { .. })));
-        assert!(matches!(m.verify_chunk(3, 0, &data[..10]), Err(VerifyError::NoSuchShard { .. })));
+        assert_eq!(
+            m.verify_chunk(0, 0, &bad),
+            Err(VerifyError::Hash { shard: 0, index: 0 })
+        );
+        assert!(matches!(
+            m.verify_chunk(0, 1, &data[..10]),
+            Err(VerifyError::Length { .. })
+        ));
+        assert!(matches!(
+            m.verify_chunk(0, 2, &data[..10]),
+            Err(VerifyError::NoSuchChunk { .. })
+        ));
+        assert!(matches!(
+            m.verify_chunk(3, 0, &data[..10]),
+            Err(VerifyError::NoSuchShard { .. })
+        ));
     }
 
     #[test]

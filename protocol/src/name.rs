@@ -58,13 +58,24 @@ fn check_path(kind: &'static str, s: &str, max: usize) -> Result<(), NameError> 
         return Err(NameError::Empty { kind });
     }
     if s.len() > max {
-        return Err(NameError::TooLong { kind, len: s.len(), max });
+        return Err(NameError::TooLong {
+            kind,
+            len: s.len(),
+            max,
+        });
     }
     if let Some(ch) = s.chars().find(|c| c.is_control() || *c == '\\') {
-        return Err(NameError::BadChar { kind, name: s.into(), ch });
+        return Err(NameError::BadChar {
+            kind,
+            name: s.into(),
+            ch,
+        });
     }
     if s.starts_with('/') || s.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
-        return Err(NameError::BadPath { kind, name: s.into() });
+        return Err(NameError::BadPath {
+            kind,
+            name: s.into(),
+        });
     }
     Ok(())
 }
@@ -154,7 +165,17 @@ mod tests {
 
     #[test]
     fn rejects_traversal_and_absolute_paths() {
-        for bad in ["../x", "a/../b", "/etc/passwd", "a//b", "./a", "a/.", "", "a\0b", "a\\b"] {
+        for bad in [
+            "../x",
+            "a/../b",
+            "/etc/passwd",
+            "a//b",
+            "./a",
+            "a/.",
+            "",
+            "a\0b",
+            "a\\b",
+        ] {
             assert!(ShardPath::new(bad).is_err(), "{bad:?} must be rejected");
         }
         assert!(ShardPath::new("x".repeat(MAX_SHARD_PATH_LEN + 1)).is_err());
@@ -162,7 +183,11 @@ mod tests {
 
     #[test]
     fn accepts_ordinary_names() {
-        for good in ["model.safetensors", "sub/dir/model-00001-of-00004.safetensors", "..a"] {
+        for good in [
+            "model.safetensors",
+            "sub/dir/model-00001-of-00004.safetensors",
+            "..a",
+        ] {
             assert_eq!(ShardPath::new(good).unwrap().as_str(), good);
         }
         assert!(ModelName::new("meta-llama/Llama-3-8B").is_ok());

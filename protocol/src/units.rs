@@ -8,9 +8,13 @@
 /// 1024; decimal units (KB, MB, GB, TB) are powers of 1000.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected e.g. 512MiB"))?;
+    let num: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected e.g. 512MiB"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kib" => 1024.0,
@@ -35,12 +39,19 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// per second (`125MB/s`, `100MiB/s`); a bare number is bytes per second.
 pub fn parse_rate(s: &str) -> Result<Option<u64>, String> {
     let t = s.trim();
-    if matches!(t.to_ascii_lowercase().as_str(), "0" | "none" | "unlimited" | "off") {
+    if matches!(
+        t.to_ascii_lowercase().as_str(),
+        "0" | "none" | "unlimited" | "off"
+    ) {
         return Ok(None);
     }
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("invalid rate {s:?}: expected e.g. 1Gbit"))?;
+    let num: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid rate {s:?}: expected e.g. 1Gbit"))?;
     let unit = unit.trim().trim_end_matches("/s");
     let lower = unit.to_ascii_lowercase();
     let (prefix, bits) = if let Some(p) = lower.strip_suffix("bit").or(lower.strip_suffix("bps")) {
@@ -50,7 +61,9 @@ pub fn parse_rate(s: &str) -> Result<Option<u64>, String> {
     } else if unit.is_empty() {
         (String::new(), false)
     } else {
-        return Err(format!("invalid rate {s:?}: use e.g. 1Gbit, 500Mbps, 125MB/s or 100MiB/s"));
+        return Err(format!(
+            "invalid rate {s:?}: use e.g. 1Gbit, 500Mbps, 125MB/s or 100MiB/s"
+        ));
     };
     let mult = match prefix.as_str() {
         "" => 1.0,
@@ -78,7 +91,11 @@ pub fn format_bytes(n: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 { format!("{n} B") } else { format!("{v:.1} {}", UNITS[i]) }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
 }
 
 #[cfg(test)]

@@ -1,1 +1,159 @@
-//! Shared helpers for the integration tests.
+//! Shared helpers for the integration tests: start a cluster of real `transferd`
+//! processes on loopback with a synthetic model in a `file://` origin.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use shardcast_bench::cluster::{Daemon, DaemonOpts, wait_complete};
+use shardcast_bench::synth::{self, SynthSpec};
+use shardcast_protocol::Manifest;
+use shardcast_protocol::agent::{Chain, ImportModelRequest, StartChainRequest, Tier};
+use shardcast_protocol::codec::decode_exact;
+
+/// A test cluster: daemon 0 is the source, the rest are receivers.
+pub struct TestCluster {
+    /// The daemons.
+    pub daemons: Vec<Daemon>,
+    /// The origin directory.
+    pub origin: tempfile::TempDir,
+    /// `file://` URI of the origin.
+    pub origin_uri: String,
+    /// Scratch space of the daemons.
+    pub scratch: tempfile::TempDir,
+}
+
+impl TestCluster {
+    /// Starts `receivers + 1` daemons (with `opts` applied to each) and writes a synthetic
+    /// model of `size` bytes in `shards` shards into the origin.
+    pub async fn start(
+        receivers: usize,
+        size: u64,
+        shards: usize,
+        mut opts: impl FnMut(usize, &mut DaemonOpts),
+    ) -> anyhow::Result<Self> {
+        let origin = tempfile::tempdir()?;
+        synth::generate(
+            origin.path(),
+            &SynthSpec {
+                total_bytes: size,
+                shards,
+                seed: 7,
+            },
+        )?;
+        let origin_uri = format!("file://{}", origin.path().display());
+        let scratch = tempfile::tempdir()?;
+        let mut daemons = Vec::new();
+        for i in 0..=receivers {
+            let name = if i == 0 {
+                "source".to_string()
+            } else {
+                format!("recv-{i}")
+            };
+            let mut o = DaemonOpts::local(name.clone());
+            o.extra_args.extend([
+                "--upstream-grace-ms".into(),
+                "500".into(),
+                "--idle-timeout-s".into(),
+                "5".into(),
+            ]);
+            opts(i, &mut o);
+            daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
+        }
+        Ok(Self {
+            daemons,
+            origin,
+            origin_uri,
+            scratch,
+        })
+    }
+
+    /// Imports the model on the source (which then holds it in its memory tier).
+    pub async fn import_on_source(&self) -> anyhow::Result<(String, Manifest)> {
+        let resp = self.daemons[0]
+            .agent()
+            .await?
+            .import_model(ImportModelRequest {
+                name: "test/model".into(),
+                origin: self.origin_uri.clone(),
+                chunk_size: 256 << 10,
+                tier: Tier::Memory as i32,
+                fetch: true,
+            })
+            .await?
+            .into_inner();
+        Ok((resp.digest, decode_exact(resp.manifest.into())?))
+    }
+
+    /// Starts one chain from daemon `head` through `hops` (daemon indices).
+    pub async fn start_chain(
+        &self,
+        head: usize,
+        digest: &str,
+        hops: &[usize],
+        origin: &str,
+    ) -> anyhow::Result<String> {
+        let req = StartChainRequest {
+            session_id: String::new(),
+            model: digest.into(),
+            manifest: vec![],
+            origin: origin.into(),
+            tier: Tier::Memory as i32,
+            chains: vec![Chain {
+                shards: vec![],
+                hops: hops.iter().map(|&i| self.daemons[i].hop()).collect(),
+            }],
+        };
+        Ok(self.daemons[head]
+            .agent()
+            .await?
+            .start_chain(req)
+            .await?
+            .into_inner()
+            .session_id)
+    }
+
+    /// Waits until every daemon in `which` holds a complete copy, or fails after `timeout`.
+    pub async fn wait(
+        &self,
+        which: &[usize],
+        digest: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let ds: Vec<&Daemon> = which.iter().map(|&i| &self.daemons[i]).collect();
+        let done = wait_complete(&ds, digest, Instant::now(), timeout, |_| {}).await?;
+        for (d, t) in ds.iter().zip(done) {
+            t.with_context(|| {
+                format!(
+                    "{} incomplete after {timeout:?}; log {}",
+                    d.host_id,
+                    d.log.display()
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Verified bytes of `digest` on daemon `i`.
+    pub async fn verified_bytes(&self, i: usize, digest: &str) -> anyhow::Result<u64> {
+        let mut c = self.daemons[i].agent().await?;
+        Ok(self.daemons[i].model_progress(&mut c, digest).await?.0)
+    }
+
+    /// Waits until daemon `i` has verified at least `bytes` of `digest`.
+    pub async fn wait_bytes(
+        &self,
+        i: usize,
+        digest: &str,
+        bytes: u64,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.verified_bytes(i, digest).await? >= bytes {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        anyhow::bail!("daemon {i} did not reach {bytes} bytes in {timeout:?}")
+    }
+}

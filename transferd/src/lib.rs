@@ -1,9 +1,28 @@
 //! # transferd
 //!
-//! The per-host daemon of shardcast (module map in `docs/ARCHITECTURE.md`).
+//! The per-host daemon of shardcast: a two-tier shard store, origin fetch, chain sessions
+//! (receive → verify → store → forward), the agent gRPC API and an admin endpoint.
+//! `docs/ARCHITECTURE.md` maps the modules and the path data takes.
+//!
+//! * [`store`]: memory tier (tmpfs) + disk tier, positional writes, verified-chunk bitmaps,
+//!   recovery on restart.
+//! * [`origin`]: `file://` and `http(s)://` origins, manifest building, parallel range reads.
+//! * [`chain`]: chain sessions: hop receive path, cut-through forwarder with a bounded
+//!   window, failover, recovery from a fallback source, chain heads.
+//! * [`wire`] / [`transport`]: frames over any byte stream; TCP today.
+//! * [`throttle`]: daemon-wide egress/ingress token buckets.
+//! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`.
+//! * [`config`] and [`daemon`]: layered configuration and process wiring.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod admin;
+pub mod agent;
+pub mod chain;
+pub mod config;
+pub mod daemon;
 pub mod origin;
 pub mod store;
 pub mod throttle;
+pub mod transport;
+pub mod wire;

@@ -1,0 +1,399 @@
+//! Real multi-process clusters of `transferd` daemons, on loopback or inside the
+//! namespaces of an [`crate::netns::EmulatedNet`]. Used by `shardcast-bench` and by the
+//! integration tests.
+//!
+//! Each daemon is a separate process with its own memory-tier and disk-tier directories.
+//! The data plane uses TCP (127.0.0.x on loopback, the namespace address when emulated);
+//! the agent API listens on a Unix socket in the daemon's directory, so the bench reaches
+//! every daemon the same way whichever network namespace it runs in.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use hyper_util::rt::TokioIo;
+use shardcast_protocol::agent::agent_client::AgentClient;
+use shardcast_protocol::agent::{GetModelStatusRequest, GetStatsRequest, Stats};
+use shardcast_protocol::{HostId, Manifest};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// How long a daemon may take to print its `READY` line.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Where the `transferd` binary is: `$SHARDCAST_TRANSFERD`, else next to the running
+/// executable (or its parent, for test binaries under `target/*/deps`).
+pub fn transferd_bin() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("SHARDCAST_TRANSFERD") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("locating the running executable")?;
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    while let Some(d) = dir {
+        let candidate = d.join("transferd");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+        dir = d.parent().map(Path::to_path_buf).filter(|p| {
+            p.ends_with("debug") || p.ends_with("release") || p.join("transferd").is_file()
+        });
+    }
+    bail!(
+        "cannot find the transferd binary next to {}; build it (cargo build --bins) or set SHARDCAST_TRANSFERD",
+        exe.display()
+    )
+}
+
+/// How to start one daemon.
+#[derive(Debug, Clone)]
+pub struct DaemonOpts {
+    /// Host id.
+    pub host_id: String,
+    /// Address the data listener binds (port 0 picks one).
+    pub data_ip: IpAddr,
+    /// Egress cap, as transferd parses it (e.g. `1Gbit`), or `unlimited`.
+    pub egress_rate: String,
+    /// Ingress cap.
+    pub ingress_rate: String,
+    /// Extra `--flag value` arguments.
+    pub extra_args: Vec<String>,
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+    /// Run inside this network namespace (`ip netns exec`).
+    pub netns: Option<String>,
+}
+
+impl DaemonOpts {
+    /// A daemon on loopback with no caps.
+    pub fn local(host_id: impl Into<String>) -> Self {
+        Self {
+            host_id: host_id.into(),
+            data_ip: IpAddr::from([127, 0, 0, 1]),
+            egress_rate: "unlimited".into(),
+            ingress_rate: "unlimited".into(),
+            extra_args: Vec::new(),
+            env: Vec::new(),
+            netns: None,
+        }
+    }
+}
+
+/// A running `transferd` process. Killed (by PID) when dropped.
+pub struct Daemon {
+    /// Its host id.
+    pub host_id: HostId,
+    /// Its data-plane address.
+    pub data_addr: SocketAddr,
+    /// Its agent API Unix socket.
+    pub agent_socket: PathBuf,
+    /// Its memory-tier directory.
+    pub memory_dir: PathBuf,
+    /// Its disk-tier directory.
+    pub disk_dir: PathBuf,
+    /// Its log file (stderr).
+    pub log: PathBuf,
+    opts: DaemonOpts,
+    root: PathBuf,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    /// Starts a daemon whose state lives under `root` (memory tier in `root/mem`, disk tier
+    /// in `root/disk`), and waits until it is ready.
+    pub async fn start(root: &Path, opts: DaemonOpts) -> anyhow::Result<Self> {
+        let memory_dir = root.join("mem");
+        let disk_dir = root.join("disk");
+        std::fs::create_dir_all(&memory_dir)
+            .with_context(|| format!("creating {}", memory_dir.display()))?;
+        std::fs::create_dir_all(&disk_dir)
+            .with_context(|| format!("creating {}", disk_dir.display()))?;
+        let host_id = HostId::new(&opts.host_id)?;
+        let mut d = Self {
+            host_id,
+            data_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            agent_socket: root.join("agent.sock"),
+            memory_dir,
+            disk_dir,
+            log: root.join("transferd.log"),
+            opts,
+            root: root.to_path_buf(),
+            child: None,
+        };
+        d.spawn(0).await?;
+        Ok(d)
+    }
+
+    async fn spawn(&mut self, port: u16) -> anyhow::Result<()> {
+        let bin = transferd_bin()?;
+        let _ = std::fs::remove_file(&self.agent_socket);
+        let mut cmd = match &self.opts.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("opening {}", self.log.display()))?;
+        cmd.arg("--host-id")
+            .arg(self.host_id.as_str())
+            .arg("--listen")
+            .arg(SocketAddr::new(self.opts.data_ip, port).to_string())
+            .arg("--agent-listen")
+            .arg(format!("unix:{}", self.agent_socket.display()))
+            .arg("--admin-listen")
+            .arg(SocketAddr::new(self.opts.data_ip, 0).to_string())
+            .arg("--memory-dir")
+            .arg(&self.memory_dir)
+            .arg("--data-dir")
+            .arg(&self.disk_dir)
+            .arg("--egress-rate")
+            .arg(&self.opts.egress_rate)
+            .arg("--ingress-rate")
+            .arg(&self.opts.ingress_rate)
+            .args(&self.opts.extra_args)
+            .envs(self.opts.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let stdout = child.stdout.take().context("transferd stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(START_TIMEOUT, async {
+            while let Some(line) = lines.next_line().await? {
+                if let Some(rest) = line.strip_prefix("READY ") {
+                    return Ok::<_, std::io::Error>(Some(rest.to_string()));
+                }
+            }
+            Ok(None)
+        })
+        .await;
+        let line = match ready {
+            Ok(Ok(Some(line))) => line,
+            Ok(Ok(None)) | Ok(Err(_)) => {
+                let status = child.wait().await.ok();
+                bail!(
+                    "transferd {} exited before it was ready ({status:?}); log: {}\n{}",
+                    self.host_id,
+                    self.log.display(),
+                    tail(&self.log)
+                );
+            }
+            Err(_) => bail!(
+                "transferd {} not ready after {START_TIMEOUT:?}; log: {}",
+                self.host_id,
+                self.log.display()
+            ),
+        };
+        let data = line
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix("data="))
+            .context("READY line without data=")?;
+        self.data_addr = data
+            .parse()
+            .with_context(|| format!("bad data address in READY line {line:?}"))?;
+        // Keep draining stdout so the daemon never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The process id, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
+    /// Kills the process (SIGKILL, by PID) and waits for it: a host dying mid-transfer.
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    /// Starts the daemon again on the same data port and directories (its store recovers).
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill().await;
+        let port = self.data_addr.port();
+        // The port may sit in TIME_WAIT for a moment; SO_REUSEADDR in tokio lets us rebind.
+        let mut last = None;
+        for _ in 0..50 {
+            match self.spawn(port).await {
+                Ok(()) => return Ok(()),
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("restart failed")))
+    }
+
+    /// An agent API client.
+    pub async fn agent(&self) -> anyhow::Result<AgentClient<Channel>> {
+        let path = self.agent_socket.clone();
+        let channel = Endpoint::try_from("http://agent.local")?
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(TokioIo::new(
+                        tokio::net::UnixStream::connect(path).await?,
+                    ))
+                }
+            }))
+            .await
+            .with_context(|| {
+                format!(
+                    "connecting to the agent of {} at {}",
+                    self.host_id,
+                    self.agent_socket.display()
+                )
+            })?;
+        Ok(AgentClient::new(channel)
+            .max_decoding_message_size(128 << 20)
+            .max_encoding_message_size(128 << 20))
+    }
+
+    /// This daemon as a chain hop.
+    pub fn hop(&self) -> shardcast_protocol::agent::Hop {
+        shardcast_protocol::agent::Hop {
+            host_id: self.host_id.to_string(),
+            addr: self.data_addr.to_string(),
+        }
+    }
+
+    /// Data-plane counters.
+    pub async fn stats(&self) -> anyhow::Result<Stats> {
+        Ok(self
+            .agent()
+            .await?
+            .get_stats(GetStatsRequest {})
+            .await?
+            .into_inner())
+    }
+
+    /// Verified bytes and whether the model is complete here (any tier).
+    pub async fn model_progress(
+        &self,
+        client: &mut AgentClient<Channel>,
+        digest: &str,
+    ) -> anyhow::Result<(u64, bool)> {
+        match client
+            .get_model_status(GetModelStatusRequest {
+                model: digest.to_string(),
+            })
+            .await
+        {
+            Ok(r) => {
+                let tiers = r.into_inner().tiers;
+                let best = tiers.iter().max_by_key(|t| t.bytes_verified);
+                Ok(best
+                    .map(|t| (t.bytes_verified, t.complete))
+                    .unwrap_or((0, false)))
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => Ok((0, false)),
+            Err(s) => Err(s.into()),
+        }
+    }
+
+    /// Checks that every shard file this daemon holds for `manifest` hashes to the
+    /// manifest's whole-shard BLAKE3 (byte-exact copy). Returns the tier directory checked.
+    pub fn verify_copy(&self, manifest: &Manifest) -> anyhow::Result<PathBuf> {
+        let digest = manifest.digest().to_hex();
+        for tier_root in [&self.memory_dir, &self.disk_dir] {
+            let dir = tier_root.join("models").join(&digest);
+            if !dir.is_dir() {
+                continue;
+            }
+            for shard in &manifest.shards {
+                let path = dir.join(shard.path.as_str());
+                let got = hash_file(&path)?;
+                if got != shard.hash.0 {
+                    bail!(
+                        "{}: {} differs from the origin (BLAKE3 mismatch)",
+                        self.host_id,
+                        path.display()
+                    );
+                }
+            }
+            return Ok(dir);
+        }
+        bail!("{} holds no copy of model {digest}", self.host_id)
+    }
+
+    /// Where this daemon keeps its state.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.start_kill();
+        }
+    }
+}
+
+/// BLAKE3 of a whole file, read in 4 MiB pieces.
+pub fn hash_file(path: &Path) -> anyhow::Result<[u8; 32]> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 4 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(*h.finalize().as_bytes())
+}
+
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Polls `daemons` until each holds a complete copy of `digest`, returning each one's
+/// completion time measured from `since` (None for those not done by `timeout`).
+/// `on_progress(total verified bytes)` is called on every poll.
+pub async fn wait_complete(
+    daemons: &[&Daemon],
+    digest: &str,
+    since: Instant,
+    timeout: Duration,
+    mut on_progress: impl FnMut(u64),
+) -> anyhow::Result<Vec<Option<f64>>> {
+    let mut clients = Vec::new();
+    for d in daemons {
+        clients.push(d.agent().await?);
+    }
+    let mut done: Vec<Option<f64>> = vec![None; daemons.len()];
+    let deadline = since + timeout;
+    while done.iter().any(Option::is_none) && Instant::now() < deadline {
+        let mut total = 0;
+        for (i, d) in daemons.iter().enumerate() {
+            let (bytes, complete) = d.model_progress(&mut clients[i], digest).await?;
+            total += bytes;
+            if complete && done[i].is_none() {
+                done[i] = Some(since.elapsed().as_secs_f64());
+            }
+        }
+        on_progress(total);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(done)
+}

@@ -1,0 +1,547 @@
+//! Benchmark scenarios: `demo` (the README's main command) and `chain` (emulated or
+//! loopback chain vs star). Each method runs on a fresh set of daemons so no method
+//! benefits from another's copies.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use shardcast_protocol::Manifest;
+use shardcast_protocol::agent::{Chain, ImportModelRequest, StartChainRequest, Tier as PbTier};
+use shardcast_protocol::codec::decode_exact;
+use shardcast_protocol::units::format_bytes;
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster::{Daemon, DaemonOpts, wait_complete};
+use crate::netns::EmulatedNet;
+use crate::origin_server::{self, OriginStats};
+use crate::synth::{self, SynthSpec};
+
+/// Name the synthetic model is registered under.
+pub const MODEL_NAME: &str = "synthetic/llm";
+
+/// How daemons are connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetMode {
+    /// Processes on 127.0.0.1, caps (if any) by transferd's own token buckets.
+    Local,
+    /// One network namespace per host, `tc` caps on every host's egress and ingress.
+    Emulate,
+}
+
+/// A distribution method to compare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// One chain through every receiver, headed by the source.
+    ChainTcp,
+    /// Every receiver pulls from the single source at once (one 1-hop chain each).
+    Star,
+}
+
+impl Method {
+    /// The name used in flags and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ChainTcp => "chain-tcp",
+            Self::Star => "star",
+        }
+    }
+}
+
+impl std::str::FromStr for Method {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "chain-tcp" | "chain" => Ok(Self::ChainTcp),
+            "star" => Ok(Self::Star),
+            other => Err(format!(
+                "unknown method {other:?}; expected chain-tcp or star"
+            )),
+        }
+    }
+}
+
+/// Options of the `chain` benchmark.
+#[derive(Debug, Clone)]
+pub struct ChainBenchOpts {
+    /// Loopback or emulated.
+    pub mode: NetMode,
+    /// Receivers (the source is one more host).
+    pub receivers: usize,
+    /// Model size in bytes.
+    pub size: u64,
+    /// Shards the model is split into.
+    pub shards: usize,
+    /// Link rate in bytes/s (emulated mode; ignored on loopback).
+    pub rate: Option<u64>,
+    /// Methods to run, in order.
+    pub methods: Vec<Method>,
+    /// Per-method time limit.
+    pub timeout: Duration,
+    /// Show progress bars.
+    pub progress: bool,
+}
+
+/// One method's outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct MethodResult {
+    /// Method name.
+    pub method: String,
+    /// Seconds from the start of the transfer until the last receiver held a verified copy.
+    pub completion_s: f64,
+    /// Each receiver's completion time in seconds, in chain order.
+    pub per_receiver_s: Vec<f64>,
+    /// Every receiver's copy matched the origin byte for byte.
+    pub verified: bool,
+    /// Average CPU utilisation of the whole machine during the transfer (0..1).
+    pub cpu_util: f64,
+}
+
+/// The `chain` benchmark's JSON report.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChainReport {
+    /// Receivers.
+    pub receivers: usize,
+    /// Model bytes.
+    pub bytes: u64,
+    /// Link rate in bits/s (0 = uncapped).
+    pub rate_bits_per_s: u64,
+    /// bytes·8 / rate: the time one link needs for the model (0 when uncapped).
+    pub ideal_s: f64,
+    /// "emulate" or "local".
+    pub mode: String,
+    /// Per-method results.
+    pub results: Vec<MethodResult>,
+}
+
+/// A scratch directory, on tmpfs when there is one (the memory tier is meant to be tmpfs).
+pub fn scratch_dir(label: &str) -> anyhow::Result<tempfile::TempDir> {
+    let shm = Path::new("/dev/shm");
+    let builder = tempfile::Builder::new()
+        .prefix(&format!("shardcast-{label}-"))
+        .tempdir_in(if shm.is_dir() { shm } else { Path::new("/tmp") });
+    builder.context("creating a scratch directory")
+}
+
+/// Machine-wide CPU time counters from /proc/stat: (busy, total) jiffies.
+fn cpu_sample() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = text.lines().next()?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let idle = v.get(3)? + v.get(4).unwrap_or(&0);
+    let total: u64 = v.iter().sum();
+    Some((total - idle, total))
+}
+
+fn cpu_util(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> f64 {
+    match (a, b) {
+        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 / (t1 - t0) as f64,
+        _ => 0.0,
+    }
+}
+
+fn bar(enabled: bool, total: u64, label: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>24} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    pb.set_prefix(label.to_string());
+    pb
+}
+
+/// Imports the model from a `file://` origin into `source`'s memory tier (the source
+/// already holds the model) and returns (digest, manifest).
+async fn import_on(
+    source: &Daemon,
+    origin: &str,
+    fetch: bool,
+) -> anyhow::Result<(String, Manifest)> {
+    let resp = source
+        .agent()
+        .await?
+        .import_model(ImportModelRequest {
+            name: MODEL_NAME.into(),
+            origin: origin.into(),
+            chunk_size: 0,
+            tier: PbTier::Memory as i32,
+            fetch,
+        })
+        .await
+        .context("ImportModel")?
+        .into_inner();
+    let manifest: Manifest = decode_exact(resp.manifest.into()).context("decoding the manifest")?;
+    Ok((resp.digest, manifest))
+}
+
+/// Starts one chain session on `head`.
+async fn start_chain(
+    head: &Daemon,
+    digest: &str,
+    manifest: Option<&Manifest>,
+    origin: &str,
+    chains: Vec<Vec<&Daemon>>,
+) -> anyhow::Result<String> {
+    let req = StartChainRequest {
+        session_id: String::new(),
+        model: digest.into(),
+        manifest: manifest
+            .map(shardcast_protocol::codec::encode_to_vec)
+            .unwrap_or_default(),
+        origin: origin.into(),
+        tier: PbTier::Memory as i32,
+        chains: chains
+            .into_iter()
+            .map(|c| Chain {
+                shards: vec![],
+                hops: c.iter().map(|d| d.hop()).collect(),
+            })
+            .collect(),
+    };
+    Ok(head
+        .agent()
+        .await?
+        .start_chain(req)
+        .await
+        .context("StartChain")?
+        .into_inner()
+        .session_id)
+}
+
+/// Generates the synthetic model under `dir`.
+fn make_model(dir: &Path, size: u64, shards: usize) -> anyhow::Result<synth::SynthModel> {
+    synth::generate(
+        dir,
+        &SynthSpec {
+            total_bytes: size,
+            shards,
+            seed: 42,
+        },
+    )
+}
+
+/// Runs the `chain` benchmark.
+pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainReport> {
+    if opts.receivers == 0 {
+        bail!("--receivers must be at least 1");
+    }
+    let origin_dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    let model = make_model(origin_dir.path(), opts.size, opts.shards)?;
+    let origin_uri = format!("file://{}", origin_dir.path().display());
+    let mut results = Vec::new();
+    for &method in &opts.methods {
+        let r = run_method(opts, method, &origin_uri, model.total_bytes)
+            .await
+            .with_context(|| format!("method {}", method.name()))?;
+        if opts.progress {
+            eprintln!(
+                "{:>10}: {:.2} s (cpu {:.0}%)",
+                r.method,
+                r.completion_s,
+                r.cpu_util * 100.0
+            );
+        }
+        results.push(r);
+    }
+    let rate = if opts.mode == NetMode::Emulate {
+        opts.rate.unwrap_or(0)
+    } else {
+        0
+    };
+    Ok(ChainReport {
+        receivers: opts.receivers,
+        bytes: model.total_bytes,
+        rate_bits_per_s: rate * 8,
+        ideal_s: if rate > 0 {
+            model.total_bytes as f64 / rate as f64
+        } else {
+            0.0
+        },
+        mode: if opts.mode == NetMode::Emulate {
+            "emulate"
+        } else {
+            "local"
+        }
+        .into(),
+        results,
+    })
+}
+
+async fn run_method(
+    opts: &ChainBenchOpts,
+    method: Method,
+    origin_uri: &str,
+    bytes: u64,
+) -> anyhow::Result<MethodResult> {
+    let hosts = opts.receivers + 1;
+    let net = match opts.mode {
+        NetMode::Emulate => Some(EmulatedNet::create(hosts, opts.rate, None)?),
+        NetMode::Local => None,
+    };
+    let scratch = scratch_dir(method.name())?;
+    let mut daemons = Vec::new();
+    for i in 0..hosts {
+        let name = if i == 0 {
+            "source".to_string()
+        } else {
+            format!("recv-{i}")
+        };
+        let mut o = DaemonOpts::local(name.clone());
+        if let Some(net) = &net {
+            o.data_ip = IpAddr::V4(net.host_ip(i));
+            o.netns = Some(net.ns_name(i).to_string());
+        }
+        daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
+    }
+    let (digest, manifest) = import_on(&daemons[0], origin_uri, true).await?;
+    let receivers: Vec<&Daemon> = daemons[1..].iter().collect();
+    let chains = match method {
+        Method::ChainTcp => vec![receivers.clone()],
+        Method::Star => receivers.iter().map(|d| vec![*d]).collect(),
+    };
+    let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
+    let cpu0 = cpu_sample();
+    let t0 = Instant::now();
+    start_chain(&daemons[0], &digest, None, origin_uri, chains).await?;
+    let done = wait_complete(&receivers, &digest, t0, opts.timeout, |b| {
+        pb.set_position(b)
+    })
+    .await?;
+    let cpu = cpu_util(cpu0, cpu_sample());
+    pb.finish_and_clear();
+    let mut per = Vec::new();
+    for (d, t) in receivers.iter().zip(&done) {
+        match t {
+            Some(t) => per.push(*t),
+            None => bail!(
+                "{} did not complete within {:?}; log: {}",
+                d.host_id,
+                opts.timeout,
+                d.log.display()
+            ),
+        }
+    }
+    let mut verified = true;
+    for d in &receivers {
+        if let Err(e) = d.verify_copy(&manifest) {
+            eprintln!("verification failed: {e:#}");
+            verified = false;
+        }
+    }
+    drop(daemons);
+    Ok(MethodResult {
+        method: method.name().into(),
+        completion_s: per.iter().copied().fold(0.0, f64::max),
+        per_receiver_s: per,
+        verified,
+        cpu_util: cpu,
+    })
+}
+
+/// Options of `demo`.
+#[derive(Debug, Clone)]
+pub struct DemoOpts {
+    /// Model size.
+    pub size: u64,
+    /// Shards.
+    pub shards: usize,
+    /// Receivers.
+    pub receivers: usize,
+    /// Per-daemon (and origin) rate cap in bytes/s.
+    pub rate: Option<u64>,
+    /// Show progress bars.
+    pub progress: bool,
+}
+
+/// One row of the demo's table.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoRow {
+    /// Method.
+    pub method: String,
+    /// Per-host completion times in seconds.
+    pub per_host_s: Vec<(String, f64)>,
+    /// Bytes the origin served during this method.
+    pub origin_bytes: u64,
+}
+
+/// Runs the demo: a local cluster on loopback, a synthetic model, and three ways to get it
+/// onto every receiver. Returns the table rows.
+pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
+    let origin_dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    eprintln!(
+        "generating a {} synthetic model ({} safetensors shards) in {}",
+        format_bytes(opts.size),
+        opts.shards,
+        origin_dir.path().display()
+    );
+    let model = make_model(origin_dir.path(), opts.size, opts.shards)?;
+    // The origin stands in for cloud storage: one HTTP endpoint whose total egress is capped.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let origin_url = format!("http://{}/", listener.local_addr()?);
+    let stats = Arc::new(OriginStats::default());
+    let cancel = CancellationToken::new();
+    let server = tokio::spawn(origin_server::serve(
+        origin_dir.path().to_path_buf(),
+        listener,
+        opts.rate,
+        stats.clone(),
+        cancel.clone(),
+    ));
+    let file_uri = format!("file://{}", origin_dir.path().display());
+    let rate_flag = opts
+        .rate
+        .map(|r| format!("{}B/s", r))
+        .unwrap_or_else(|| "unlimited".into());
+    let mut rows = Vec::new();
+    for method in ["origin-pull", "chain-from-peer", "chain-from-origin"] {
+        let scratch = scratch_dir(method)?;
+        let mut daemons = Vec::new();
+        for i in 0..=opts.receivers {
+            let name = if i == 0 {
+                "source".to_string()
+            } else {
+                format!("recv-{i}")
+            };
+            let mut o = DaemonOpts::local(name.clone());
+            o.egress_rate = rate_flag.clone();
+            o.ingress_rate = rate_flag.clone();
+            daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
+        }
+        // The source already holds the model (imported from local files, not timed).
+        let (digest, manifest) = import_on(&daemons[0], &file_uri, true).await?;
+        let receivers: Vec<&Daemon> = daemons[1..].iter().collect();
+        let before = stats.bytes_sent.load(Ordering::Relaxed);
+        let pb = bar(
+            opts.progress,
+            model.total_bytes * opts.receivers as u64,
+            method,
+        );
+        let t0 = Instant::now();
+        match method {
+            "origin-pull" => {
+                for d in &receivers {
+                    let mut client = d.agent().await?;
+                    let url = origin_url.clone();
+                    tokio::spawn(async move {
+                        let req = ImportModelRequest {
+                            name: MODEL_NAME.into(),
+                            origin: url,
+                            chunk_size: 0,
+                            tier: PbTier::Memory as i32,
+                            fetch: true,
+                        };
+                        if let Err(e) = client.import_model(req).await {
+                            eprintln!("origin pull failed: {e}");
+                        }
+                    });
+                }
+            }
+            "chain-from-peer" => {
+                start_chain(
+                    &daemons[0],
+                    &digest,
+                    None,
+                    &origin_url,
+                    vec![receivers.clone()],
+                )
+                .await?;
+            }
+            _ => {
+                // The first receiver heads the chain, fetching from the origin and
+                // forwarding each chunk as it arrives.
+                start_chain(
+                    receivers[0],
+                    &digest,
+                    Some(&manifest),
+                    &origin_url,
+                    vec![receivers[1..].to_vec()],
+                )
+                .await?;
+            }
+        }
+        let done = wait_complete(&receivers, &digest, t0, Duration::from_secs(600), |b| {
+            pb.set_position(b)
+        })
+        .await?;
+        pb.finish_and_clear();
+        let mut per = Vec::new();
+        for (d, t) in receivers.iter().zip(done) {
+            let t = t.with_context(|| {
+                format!("{} did not finish; log: {}", d.host_id, d.log.display())
+            })?;
+            d.verify_copy(&manifest)?;
+            per.push((d.host_id.to_string(), t));
+        }
+        let origin_bytes = stats.bytes_sent.load(Ordering::Relaxed) - before;
+        eprintln!(
+            "{method:>18}: every receiver verified, last at {:.1} s",
+            per.iter().map(|p| p.1).fold(0.0, f64::max)
+        );
+        rows.push(DemoRow {
+            method: method.into(),
+            per_host_s: per,
+            origin_bytes,
+        });
+    }
+    cancel.cancel();
+    let _ = server.await;
+    Ok(rows)
+}
+
+/// Renders the demo table.
+pub fn demo_table(rows: &[DemoRow], bytes: u64) -> String {
+    let mut out = String::new();
+    let hosts: Vec<String> = rows
+        .first()
+        .map(|r| r.per_host_s.iter().map(|p| p.0.clone()).collect())
+        .unwrap_or_default();
+    out.push_str(&format!("{:<20}", "method"));
+    for h in &hosts {
+        out.push_str(&format!("{h:>10}"));
+    }
+    out.push_str(&format!("{:>12}{:>14}\n", "all done", "origin read"));
+    for r in rows {
+        out.push_str(&format!("{:<20}", r.method));
+        for (_, t) in &r.per_host_s {
+            out.push_str(&format!("{:>9.1}s", t));
+        }
+        let last = r.per_host_s.iter().map(|p| p.1).fold(0.0, f64::max);
+        out.push_str(&format!(
+            "{:>11.1}s{:>14}\n",
+            last,
+            format_bytes(r.origin_bytes)
+        ));
+    }
+    out.push_str(&format!(
+        "(model: {}; every copy verified byte-exact against the origin)\n",
+        format_bytes(bytes)
+    ));
+    out
+}
+
+/// Where a JSON report goes.
+pub fn write_json<T: Serialize>(path: &PathBuf, value: &T) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}

@@ -1,0 +1,188 @@
+//! Multi-process chain tests on loopback: real transferd processes, real sockets.
+
+use std::time::Duration;
+
+use shardcast_protocol::agent::{ImportModelRequest, StartChainRequest, Tier};
+use shardcast_tests::TestCluster;
+
+const MIB: u64 = 1 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chain_of_eight_receivers_is_byte_exact() {
+    let c = TestCluster::start(8, 48 * MIB, 3, |_, _| {}).await.unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2, 3, 4, 5, 6, 7, 8], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait(&[1, 2, 3, 4, 5, 6, 7, 8], &digest, Duration::from_secs(120))
+        .await
+        .unwrap();
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+        let stats = d.stats().await.unwrap();
+        assert_eq!(stats.chunks_corrupt, 0);
+        // Each receiver got the model once: no duplicate traffic in a healthy chain.
+        assert!(
+            stats.bytes_received < manifest.total_bytes() + manifest.total_bytes() / 20,
+            "{stats:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn middle_hop_killed_mid_transfer_others_complete() {
+    // 200 Mbit/s per daemon: 48 MiB takes ~2 s, leaving time to kill a hop mid-way.
+    let mut c = TestCluster::start(5, 48 * MIB, 2, |i, o| {
+        if i > 0 {
+            o.ingress_rate = "200Mbit".into();
+        }
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2, 3, 4, 5], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait_bytes(3, &digest, 8 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[2].kill().await;
+    c.wait(&[1, 3, 4, 5], &digest, Duration::from_secs(120))
+        .await
+        .unwrap();
+    for i in [1, 3, 4, 5] {
+        c.daemons[i].verify_copy(&manifest).unwrap();
+    }
+    assert!(c.daemons[1].stats().await.unwrap().downstream_failovers >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_killed_hops_recover_from_origin() {
+    let mut c = TestCluster::start(3, 32 * MIB, 1, |i, o| {
+        if i > 0 {
+            o.ingress_rate = "100Mbit".into();
+        }
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2, 3], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait_bytes(1, &digest, 4 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[0].kill().await;
+    c.wait(&[1, 2, 3], &digest, Duration::from_secs(120))
+        .await
+        .unwrap();
+    for i in 1..=3 {
+        c.daemons[i].verify_copy(&manifest).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_chunk_in_flight_is_detected_and_resent() {
+    let c = TestCluster::start(3, 16 * MIB, 2, |i, o| {
+        if i == 0 {
+            o.env
+                .push(("SHARDCAST_ENABLE_FAULT_INJECTION".into(), "1".into()));
+            o.env
+                .push(("SHARDCAST_FAULT_CORRUPT".into(), "0:3,1:5".into()));
+        }
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2, 3], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait(&[1, 2, 3], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+    }
+    assert_eq!(
+        c.daemons[1].stats().await.unwrap().chunks_corrupt,
+        2,
+        "recv-1 must have caught both corrupted chunks"
+    );
+    assert_eq!(
+        c.daemons[2].stats().await.unwrap().chunks_corrupt,
+        0,
+        "corruption must not propagate"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_receiver_resumes_without_refetching_verified_chunks() {
+    let total = 32 * MIB;
+    let mut c = TestCluster::start(1, total, 1, |i, o| {
+        if i > 0 {
+            o.ingress_rate = "100Mbit".into();
+        }
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1], "").await.unwrap();
+    c.wait_bytes(1, &digest, 12 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].restart().await.unwrap();
+    let kept = c.verified_bytes(1, &digest).await.unwrap();
+    assert!(
+        kept >= 10 * MIB,
+        "the restarted store must recover its verified chunks, kept {kept}"
+    );
+    c.start_chain(0, &digest, &[1], "").await.unwrap();
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].verify_copy(&manifest).unwrap();
+    let received = c.daemons[1].stats().await.unwrap().bytes_received;
+    assert!(
+        received <= total - kept + 2 * MIB,
+        "resent verified chunks: received {received} after keeping {kept}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors() {
+    let c = TestCluster::start(1, 4 * MIB, 1, |_, _| {}).await.unwrap();
+    let mut agent = c.daemons[0].agent().await.unwrap();
+    let err = agent
+        .import_model(ImportModelRequest {
+            name: "../x".into(),
+            origin: c.origin_uri.clone(),
+            chunk_size: 0,
+            tier: Tier::Memory as i32,
+            fetch: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains(".."), "{}", err.message());
+
+    let err = agent
+        .start_chain(StartChainRequest {
+            model: "00".repeat(32),
+            chains: vec![],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    assert!(err.message().contains("unknown"), "{}", err.message());
+
+    let err = agent
+        .import_model(ImportModelRequest {
+            name: "m".into(),
+            origin: "ftp://x/y".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+}

@@ -1,0 +1,126 @@
+//! Hostile peers on the data port: malformed frames get an `Error` frame and a closed
+//! connection, and the daemon keeps serving everyone else.
+
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use shardcast_protocol::codec::Codec;
+use shardcast_protocol::{
+    ErrorCode, Frame, HostId, ModelDigest, PROTOCOL_VERSION, SessionHeader, SessionId, Tier,
+};
+use shardcast_tests::TestCluster;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+async fn read_frames(s: &mut TcpStream) -> Vec<Frame> {
+    let mut buf = BytesMut::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            }
+        }
+    })
+    .await;
+    let mut frames = Vec::new();
+    let mut b = buf.freeze();
+    while b.has_remaining() {
+        match Frame::decode(&mut b) {
+            Ok(f) => frames.push(f),
+            Err(_) => break,
+        }
+    }
+    frames
+}
+
+async fn connect_and_hello(addr: std::net::SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut out = Vec::new();
+    Frame::Hello {
+        version: PROTOCOL_VERSION,
+        host: HostId::new("attacker").unwrap(),
+    }
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    s
+}
+
+fn error_code(frames: &[Frame]) -> Option<ErrorCode> {
+    frames.iter().find_map(|f| match f {
+        Frame::Error { code, .. } => Some(*code),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_frames_are_refused_and_the_daemon_keeps_serving() {
+    let c = TestCluster::start(1, 4 * 1024 * 1024, 1, |_, _| {})
+        .await
+        .unwrap();
+    let addr = c.daemons[1].data_addr;
+
+    // A frame claiming 4 GiB.
+    let mut s = connect_and_hello(addr).await;
+    s.write_all(&[0xff, 0xff, 0xff, 0xff, 0x05]).await.unwrap();
+    assert_eq!(
+        error_code(&read_frames(&mut s).await),
+        Some(ErrorCode::Malformed)
+    );
+
+    // An unknown frame type.
+    let mut s = connect_and_hello(addr).await;
+    s.write_all(&[0, 0, 0, 1, 0x7e]).await.unwrap();
+    assert_eq!(
+        error_code(&read_frames(&mut s).await),
+        Some(ErrorCode::UnknownFrameType)
+    );
+
+    // Another protocol version.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut out = Vec::new();
+    Frame::Hello {
+        version: PROTOCOL_VERSION + 7,
+        host: HostId::new("future").unwrap(),
+    }
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    assert_eq!(
+        error_code(&read_frames(&mut s).await),
+        Some(ErrorCode::UnsupportedVersion)
+    );
+
+    // A session for a model nobody sent a manifest for.
+    let mut s = connect_and_hello(addr).await;
+    let mut out = Vec::new();
+    Frame::Open(SessionHeader {
+        session: SessionId([1; 16]),
+        model: ModelDigest([9; 32]),
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: Tier::Memory,
+        origin: String::new(),
+        downstream: vec![],
+    })
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    assert_eq!(
+        error_code(&read_frames(&mut s).await),
+        Some(ErrorCode::UnknownModel)
+    );
+
+    // Garbage, then a peer that vanishes mid-frame.
+    let mut s = connect_and_hello(addr).await;
+    s.write_all(&[0, 0, 0, 50, 0x05, 1, 2, 3]).await.unwrap();
+    drop(s);
+
+    // The daemon still takes part in a chain.
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1], "").await.unwrap();
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].verify_copy(&manifest).unwrap();
+}

@@ -1,0 +1,110 @@
+//! Admin HTTP endpoint, off the data path: `/healthz` (the process is up), `/readyz`
+//! (every listener is bound), `/metrics` (Prometheus text format).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::chain::Node;
+
+/// Serves the admin endpoints until `cancel`.
+pub async fn serve(
+    node: Arc<Node>,
+    listener: TcpListener,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { (StatusCode::OK, "ready\n") }))
+        .route("/metrics", get(metrics))
+        .with_state(node);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await
+}
+
+async fn metrics(State(node): State<Arc<Node>>) -> String {
+    render(&node)
+}
+
+/// Renders every data-plane counter in Prometheus text format.
+pub fn render(node: &Node) -> String {
+    let s = &node.stats;
+    let c = &node.counters;
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, v: u64| {
+        let _ = writeln!(
+            out,
+            "# HELP shardcast_{name} {help}\n# TYPE shardcast_{name} {kind}\nshardcast_{name}{{host=\"{}\"}} {v}",
+            node.host
+        );
+    };
+    metric(
+        "bytes_received_total",
+        "counter",
+        "Bytes read from data-plane connections.",
+        c.received.load(Ordering::Relaxed),
+    );
+    metric(
+        "bytes_sent_total",
+        "counter",
+        "Bytes written to data-plane connections.",
+        c.sent.load(Ordering::Relaxed),
+    );
+    metric(
+        "chunks_verified_total",
+        "counter",
+        "Chunks verified and stored.",
+        s.chunks_verified.load(Ordering::Relaxed),
+    );
+    metric(
+        "chunks_corrupt_total",
+        "counter",
+        "Chunks dropped after a hash mismatch.",
+        s.chunks_corrupt.load(Ordering::Relaxed),
+    );
+    metric(
+        "chunks_resent_total",
+        "counter",
+        "Chunks sent again after a Nack.",
+        s.chunks_resent.load(Ordering::Relaxed),
+    );
+    metric(
+        "sessions_active",
+        "gauge",
+        "Chain sessions in progress.",
+        s.sessions_active.load(Ordering::Relaxed),
+    );
+    metric(
+        "sessions_total",
+        "counter",
+        "Chain sessions started.",
+        s.sessions_total.load(Ordering::Relaxed),
+    );
+    metric(
+        "origin_bytes_total",
+        "counter",
+        "Payload bytes fetched from origins.",
+        s.origin_bytes.load(Ordering::Relaxed),
+    );
+    metric(
+        "downstream_failovers_total",
+        "counter",
+        "Dead or refusing downstream hops skipped.",
+        s.downstream_failovers.load(Ordering::Relaxed),
+    );
+    metric(
+        "upstream_recoveries_total",
+        "counter",
+        "Fetches from a fallback source after an upstream vanished.",
+        s.upstream_recoveries.load(Ordering::Relaxed),
+    );
+    out
+}

@@ -1,0 +1,330 @@
+//! The agent gRPC service (`proto/agent.proto`): the controller, `shardcast-bench` or an
+//! operator drives chain sessions and reads holdings through it. All error mapping to
+//! `tonic::Status` happens here.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use shardcast_protocol::agent::agent_server::Agent;
+use shardcast_protocol::agent::{
+    self as pb, GetModelStatusRequest, GetModelStatusResponse, GetSessionRequest, GetStatsRequest,
+    ImportModelRequest, ImportModelResponse, ListHoldingsRequest, ListHoldingsResponse,
+    SessionStatus, StartChainRequest, StartChainResponse, Stats,
+};
+use shardcast_protocol::codec::{decode_exact, encode_to_vec};
+use shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE;
+use shardcast_protocol::{
+    ErrorCode, Hop, HostId, Manifest, ModelDigest, ModelName, SessionId, Tier,
+};
+use tonic::{Request, Response, Status};
+use tracing::info;
+
+use crate::chain::{ChainError, ChainSpec, Node, new_session_id};
+use crate::origin::Origin;
+use crate::store::Holding;
+
+/// The agent service of one daemon.
+pub struct AgentService {
+    node: Arc<Node>,
+}
+
+impl AgentService {
+    /// Serves the API for `node`.
+    pub fn new(node: Arc<Node>) -> Self {
+        Self { node }
+    }
+}
+
+fn tier_from_pb(t: i32) -> Result<Tier, Status> {
+    match pb::Tier::try_from(t) {
+        Ok(pb::Tier::Memory) => Ok(Tier::Memory),
+        Ok(pb::Tier::Disk) => Ok(Tier::Disk),
+        Err(_) => Err(Status::invalid_argument(format!("unknown tier {t}"))),
+    }
+}
+
+fn tier_to_pb(t: Tier) -> i32 {
+    match t {
+        Tier::Memory => pb::Tier::Memory as i32,
+        Tier::Disk => pb::Tier::Disk as i32,
+    }
+}
+
+fn chain_status(e: ChainError) -> Status {
+    match e {
+        ChainError::Refused {
+            code: ErrorCode::NoSuchChunk | ErrorCode::UnknownModel,
+            message,
+        } => Status::failed_precondition(message),
+        ChainError::Refused {
+            code: ErrorCode::Refused,
+            message,
+        } => Status::already_exists(message),
+        ChainError::Store(e) => Status::internal(format!("store: {e}")),
+        other => Status::internal(other.to_string()),
+    }
+}
+
+fn model_status(h: &Holding) -> pb::ModelStatus {
+    let shards: Vec<pb::ShardStatus> = h
+        .shards
+        .iter()
+        .map(|s| pb::ShardStatus {
+            path: s.path.to_string(),
+            verified: s.verified,
+            total: s.total,
+            complete: s.verified == s.total,
+            size: s.size,
+        })
+        .collect();
+    let bytes_verified = h
+        .shards
+        .iter()
+        .map(|s| {
+            if s.verified == s.total {
+                s.size
+            } else {
+                // Estimate for partial shards: whole chunks, the short last one counted full.
+                (s.size / u64::from(s.total.max(1))) * u64::from(s.verified)
+            }
+        })
+        .sum();
+    pb::ModelStatus {
+        digest: h.digest.to_hex(),
+        name: h.name.to_string(),
+        tier: tier_to_pb(h.tier),
+        complete: shards.iter().all(|s| s.complete),
+        bytes_verified,
+        total_bytes: h.shards.iter().map(|s| s.size).sum(),
+        shards,
+        path: h.dir.display().to_string(),
+    }
+}
+
+#[tonic::async_trait]
+impl Agent for AgentService {
+    async fn import_model(
+        &self,
+        request: Request<ImportModelRequest>,
+    ) -> Result<Response<ImportModelResponse>, Status> {
+        let req = request.into_inner();
+        let name =
+            ModelName::new(&req.name).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let origin =
+            Origin::parse(&req.origin).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let tier = tier_from_pb(req.tier)?;
+        let chunk_size = if req.chunk_size == 0 {
+            DEFAULT_CHUNK_SIZE
+        } else {
+            req.chunk_size
+        };
+        info!(model = %name, origin = %req.origin, "building manifest from origin");
+        let manifest = origin
+            .build_manifest(name, chunk_size, &|_| {})
+            .await
+            .map_err(|e| Status::unavailable(format!("reading origin {}: {e}", req.origin)))?;
+        let manifest = self
+            .node
+            .store
+            .put_manifest(&manifest)
+            .map_err(|e| Status::internal(format!("storing manifest: {e}")))?;
+        if req.fetch {
+            self.node
+                .fetch_model(&manifest, &req.origin, tier)
+                .await
+                .map_err(|e| Status::unavailable(format!("fetching from {}: {e}", req.origin)))?;
+        }
+        Ok(Response::new(ImportModelResponse {
+            digest: manifest.digest().to_hex(),
+            manifest: encode_to_vec(&*manifest),
+            total_bytes: manifest.total_bytes(),
+            shards: manifest.shards.len() as u32,
+        }))
+    }
+
+    async fn start_chain(
+        &self,
+        request: Request<StartChainRequest>,
+    ) -> Result<Response<StartChainResponse>, Status> {
+        let req = request.into_inner();
+        let model: ModelDigest = req
+            .model
+            .parse()
+            .map_err(|e| Status::invalid_argument(format!("model: {e}")))?;
+        let manifest = match self.node.store.manifest(&model) {
+            Some(m) => m,
+            None if !req.manifest.is_empty() => {
+                let m: Manifest = decode_exact(req.manifest.into())
+                    .map_err(|e| Status::invalid_argument(format!("manifest: {e}")))?;
+                if m.digest() != model {
+                    return Err(Status::invalid_argument(format!(
+                        "manifest digest {} does not match model {model}",
+                        m.digest()
+                    )));
+                }
+                self.node
+                    .store
+                    .put_manifest(&m)
+                    .map_err(|e| Status::internal(e.to_string()))?
+            }
+            None => {
+                return Err(Status::not_found(format!(
+                    "model {model} is unknown on this host; import it or pass its manifest"
+                )));
+            }
+        };
+        let id = if req.session_id.is_empty() {
+            new_session_id()
+        } else {
+            req.session_id
+                .parse::<SessionId>()
+                .map_err(|e| Status::invalid_argument(format!("session_id: {e}")))?
+        };
+        if !req.origin.is_empty() && !req.origin.starts_with("shardcast://") {
+            Origin::parse(&req.origin).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        }
+        let tier = tier_from_pb(req.tier)?;
+        if req.chains.is_empty() {
+            return Err(Status::invalid_argument(
+                "a chain session needs at least one chain",
+            ));
+        }
+        let mut chains = Vec::new();
+        for c in req.chains {
+            if c.hops.is_empty() {
+                return Err(Status::invalid_argument(
+                    "every chain needs at least one hop",
+                ));
+            }
+            let hops = c
+                .hops
+                .into_iter()
+                .map(|h| {
+                    Ok(Hop {
+                        host: HostId::new(&h.host_id)
+                            .map_err(|e| Status::invalid_argument(e.to_string()))?,
+                        addr: h.addr,
+                    })
+                })
+                .collect::<Result<Vec<_>, Status>>()?;
+            chains.push(ChainSpec {
+                shards: c.shards,
+                hops,
+            });
+        }
+        let head = self
+            .node
+            .start_chain(id, manifest, req.origin, tier, chains)
+            .map_err(chain_status)?;
+        Ok(Response::new(StartChainResponse {
+            session_id: head.id.to_hex(),
+        }))
+    }
+
+    async fn get_session(
+        &self,
+        request: Request<GetSessionRequest>,
+    ) -> Result<Response<SessionStatus>, Status> {
+        let id: SessionId = request
+            .into_inner()
+            .session_id
+            .parse()
+            .map_err(|e| Status::invalid_argument(format!("session_id: {e}")))?;
+        let head = self.node.head(&id).ok_or_else(|| {
+            Status::not_found(format!("no session {id} was started on this host"))
+        })?;
+        let mut hops = Vec::new();
+        let mut state = "done";
+        let mut errors = Vec::new();
+        for part in &head.parts {
+            for (host, (verified, total)) in part.hop_progress() {
+                hops.push(pb::HopProgress {
+                    host_id: host,
+                    shard: part.shard.index(),
+                    verified,
+                    total,
+                });
+            }
+            match part.outcome() {
+                None => {
+                    state = if state == "failed" {
+                        "failed"
+                    } else {
+                        "running"
+                    }
+                }
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    state = "failed";
+                    errors.push(format!("shard {}: {e}", part.shard.index()));
+                }
+            }
+        }
+        if state == "failed" && head.parts.iter().any(|p| p.outcome().is_none()) {
+            state = "running";
+        }
+        Ok(Response::new(SessionStatus {
+            session_id: id.to_hex(),
+            model: head.model.to_hex(),
+            state: state.into(),
+            error: errors.join("; "),
+            hops,
+            bytes_sent: self.node.counters.sent.load(Ordering::Relaxed),
+            elapsed_s: head.started.elapsed().as_secs_f64(),
+        }))
+    }
+
+    async fn get_model_status(
+        &self,
+        request: Request<GetModelStatusRequest>,
+    ) -> Result<Response<GetModelStatusResponse>, Status> {
+        let key = request.into_inner().model;
+        let Some(digest) = self.node.store.resolve(&key) else {
+            return Err(Status::not_found(format!(
+                "model {key:?} is not known on this host"
+            )));
+        };
+        let tiers = self
+            .node
+            .store
+            .holdings()
+            .iter()
+            .filter(|h| h.digest == digest)
+            .map(model_status)
+            .collect();
+        Ok(Response::new(GetModelStatusResponse { tiers }))
+    }
+
+    async fn list_holdings(
+        &self,
+        _request: Request<ListHoldingsRequest>,
+    ) -> Result<Response<ListHoldingsResponse>, Status> {
+        let models = self
+            .node
+            .store
+            .holdings()
+            .iter()
+            .map(model_status)
+            .collect();
+        Ok(Response::new(ListHoldingsResponse { models }))
+    }
+
+    async fn get_stats(
+        &self,
+        _request: Request<GetStatsRequest>,
+    ) -> Result<Response<Stats>, Status> {
+        let n = &self.node;
+        let s = &n.stats;
+        Ok(Response::new(Stats {
+            host_id: n.host.to_string(),
+            bytes_received: n.counters.received.load(Ordering::Relaxed),
+            bytes_sent: n.counters.sent.load(Ordering::Relaxed),
+            chunks_verified: s.chunks_verified.load(Ordering::Relaxed),
+            chunks_corrupt: s.chunks_corrupt.load(Ordering::Relaxed),
+            sessions_active: s.sessions_active.load(Ordering::Relaxed),
+            sessions_total: s.sessions_total.load(Ordering::Relaxed),
+            origin_bytes: s.origin_bytes.load(Ordering::Relaxed),
+            downstream_failovers: s.downstream_failovers.load(Ordering::Relaxed),
+        }))
+    }
+}

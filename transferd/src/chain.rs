@@ -1,0 +1,1266 @@
+//! Chain sessions: receive → verify → store → forward, with failover.
+//!
+//! ```text
+//!            upstream conn(s)                     this host                      downstream
+//!  head/hop ──Chunk──▶ [handle_upstream] ─verify─▶ ShardStore ─watch─▶ [forwarder] ──Chunk──▶ hop
+//!          ◀──Ack/Nack─┘        ▲                    ▲                     │ ◀──Ack/Nack/Progress/Done
+//!          ◀──Progress (relayed)┴──── broadcast ─────┼─────────────────────┘
+//!                                 [recovery] ─fetch─▶┘ (origin or another holder, when no
+//!                                                       upstream is feeding the session)
+//! ```
+//!
+//! One [`ShardSession`] exists per (session id, shard) on each host. It owns the shard's
+//! range, the list of hosts below, and three kinds of tasks:
+//!
+//! * `handle_upstream` (one per upstream connection; more than one when an upstream's
+//!   upstream fails over to us): reads `Chunk` frames, verifies each against the manifest,
+//!   writes it positionally into the store, answers `Ack` (or `Nack` on a hash mismatch, so
+//!   the sender sends it again) and relays `Progress` from below.
+//! * the forwarder (one per session): waits on the store's "newly verified" signal and sends
+//!   each chunk on as soon as it is here (cut-through), keeping at most `window` chunks
+//!   unacknowledged. If the next hop dies or refuses, it connects to the one after it and
+//!   resumes from what that hop's `Accept` says it lacks.
+//! * the recovery monitor: when no upstream is feeding an incomplete session for
+//!   `upstream_grace`, it fetches the missing chunks from the session's fallback source
+//!   (an origin URI, or `shardcast://host:port` for another holder).
+//!
+//! A host that heads a chain (started through the agent API) runs the same forwarder; its
+//! chunks come from its store, or from an origin fill task as they arrive.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use shardcast_protocol::{
+    ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, PROTOCOL_VERSION, SessionHeader,
+    SessionId, Tier, VerifiedChunk,
+};
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::origin::{self, Origin};
+use crate::store::{Shard, ShardStore};
+use crate::throttle::RateLimiter;
+use crate::transport::Transport;
+use crate::wire::{BoxStream, ByteCounters, Conn, WireError};
+
+/// Tuning of chain sessions.
+#[derive(Debug, Clone)]
+pub struct ChainConfig {
+    /// Chunks a sender keeps unacknowledged per downstream connection. Rationale: the
+    /// window must cover the bandwidth-delay product plus one chunk of verify+write time at
+    /// the receiver; 16 × 1 MiB covers 1 Gbit/s at up to ~100 ms RTT and 10 Gbit/s on a
+    /// LAN, while bounding what a dead hop leaves in flight.
+    pub window: usize,
+    /// How long a hop whose upstream vanished waits for a replacement upstream (the
+    /// upstream's upstream failing over to it) before fetching from the fallback source.
+    pub upstream_grace: Duration,
+    /// Silence from a downstream hop, while chunks or `Done` await its answer, after which
+    /// it is treated as dead.
+    pub idle_timeout: Duration,
+    /// Concurrent range reads when filling from an origin.
+    pub origin_parallel: usize,
+    /// How often one chunk may be re-sent after `Nack`s before the hop is given up.
+    pub max_resends: u32,
+    /// Minimum interval between a hop's own `Progress` frames.
+    pub progress_interval: Duration,
+}
+
+impl Default for ChainConfig {
+    fn default() -> Self {
+        Self {
+            window: 16,
+            upstream_grace: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(30),
+            origin_parallel: 8,
+            max_resends: 5,
+            progress_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Counters of the data plane on one host.
+#[derive(Debug, Default)]
+pub struct NodeStats {
+    /// Chunks verified and stored.
+    pub chunks_verified: AtomicU64,
+    /// Chunks dropped because their hash did not match.
+    pub chunks_corrupt: AtomicU64,
+    /// Chunks sent again after a `Nack`.
+    pub chunks_resent: AtomicU64,
+    /// Sessions in progress.
+    pub sessions_active: AtomicU64,
+    /// Sessions ever started on this host.
+    pub sessions_total: AtomicU64,
+    /// Payload bytes fetched from origins.
+    pub origin_bytes: AtomicU64,
+    /// Times a forwarder skipped a dead or refusing downstream hop.
+    pub downstream_failovers: AtomicU64,
+    /// Times a hop fetched missing chunks from a fallback source.
+    pub upstream_recoveries: AtomicU64,
+}
+
+/// Why a chain operation failed. Sent to peers as an `Error` frame, to API callers as a
+/// `tonic::Status` (see `agent.rs`).
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    /// The peer broke the protocol or the stream failed.
+    #[error("{0}")]
+    Wire(#[from] WireError),
+    /// The peer sent an `Error` frame.
+    #[error("peer reported {code:?}: {message}")]
+    Remote {
+        /// Its code.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// A request we refuse, with the code to send back.
+    #[error("{message}")]
+    Refused {
+        /// Code for the peer.
+        code: ErrorCode,
+        /// What is wrong.
+        message: String,
+    },
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
+    /// The peer closed the connection before the exchange finished.
+    #[error("peer closed the connection")]
+    Closed,
+    /// The peer went silent.
+    #[error("peer silent for {0:?}")]
+    Timeout(Duration),
+}
+
+impl ChainError {
+    fn refused(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::Refused {
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn protocol(message: impl Into<String>) -> Self {
+        Self::refused(ErrorCode::ProtocolViolation, message)
+    }
+
+    /// The code to send the peer, if the fault is worth telling it about.
+    fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Wire(w) => w.code(),
+            Self::Refused { code, .. } => Some(*code),
+            Self::Store(_) => Some(ErrorCode::Storage),
+            Self::Remote { .. } | Self::Closed | Self::Timeout(_) => None,
+        }
+    }
+}
+
+/// Test-only fault injection: chunks to corrupt the first time this host sends them.
+/// Armed only when the daemon runs with `SHARDCAST_ENABLE_FAULT_INJECTION=1` (see
+/// `config.rs`), so production daemons cannot be made to corrupt data by configuration.
+#[derive(Debug, Default)]
+pub struct Faults {
+    corrupt_once: Mutex<HashSet<(u32, u32)>>,
+}
+
+impl Faults {
+    /// Arms corruption of each `(shard, chunk)` in `chunks`.
+    pub fn corrupt_once(chunks: impl IntoIterator<Item = (u32, u32)>) -> Self {
+        Self {
+            corrupt_once: Mutex::new(chunks.into_iter().collect()),
+        }
+    }
+
+    fn take(&self, shard: u32, index: u32) -> bool {
+        self.corrupt_once
+            .lock()
+            .map(|mut s| s.remove(&(shard, index)))
+            .unwrap_or(false)
+    }
+}
+
+/// Where a forwarder stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ForwardState {
+    Running,
+    Finished(Result<(), String>),
+}
+
+/// One shard's part of a chain session on this host. See the module docs.
+pub struct ShardSession {
+    /// The session id.
+    pub id: SessionId,
+    /// Model version.
+    pub model: ModelDigest,
+    /// Its manifest.
+    pub manifest: Arc<Manifest>,
+    /// The shard in the local store.
+    pub shard: Arc<Shard>,
+    /// Chunk range `start..end`.
+    pub start: u32,
+    /// One past the last chunk.
+    pub end: u32,
+    /// Fallback source for missing chunks.
+    pub origin: String,
+    /// When this host joined the session.
+    pub started: Instant,
+    feeders: watch::Sender<usize>,
+    progress: broadcast::Sender<Frame>,
+    hop_progress: Mutex<BTreeMap<String, (u32, u32)>>,
+    forward: watch::Sender<ForwardState>,
+    failed: watch::Sender<Option<String>>,
+}
+
+impl ShardSession {
+    fn shard_index(&self) -> u32 {
+        self.shard.index()
+    }
+
+    /// Chunks of the range verified here.
+    pub fn verified(&self) -> u32 {
+        self.shard.verified_set(self.start, self.end).len()
+    }
+
+    /// Chunks in the range.
+    pub fn total(&self) -> u32 {
+        self.end - self.start
+    }
+
+    /// Whether every chunk of the range is verified here.
+    pub fn complete(&self) -> bool {
+        self.verified() == self.total()
+    }
+
+    /// Progress of the hosts below, as relayed to this host: host → (verified, total).
+    pub fn hop_progress(&self) -> BTreeMap<String, (u32, u32)> {
+        self.hop_progress
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default()
+    }
+
+    /// `None` while running; `Some(Ok)` when the range is here and the forwarder finished;
+    /// `Some(Err)` when it cannot finish.
+    pub fn outcome(&self) -> Option<Result<(), String>> {
+        if let Some(e) = self.failed.borrow().clone() {
+            return Some(Err(e));
+        }
+        match &*self.forward.borrow() {
+            ForwardState::Finished(r) if self.complete() => Some(r.clone()),
+            _ => None,
+        }
+    }
+
+    fn fail(&self, why: String) {
+        warn!(session = %self.id, shard = self.shard_index(), "session failed: {why}");
+        self.failed.send_replace(Some(why));
+    }
+
+    /// Waits until [`ShardSession::outcome`] is `Some`.
+    pub async fn finished(&self) -> Result<(), String> {
+        let mut verified = self.shard.subscribe();
+        let mut forward = self.forward.subscribe();
+        let mut failed = self.failed.subscribe();
+        loop {
+            if let Some(r) = self.outcome() {
+                return r;
+            }
+            tokio::select! {
+                r = verified.changed() => if r.is_err() { return Err("store closed".into()) },
+                r = forward.changed() => if r.is_err() { return Err("forwarder gone".into()) },
+                r = failed.changed() => if r.is_err() { return Err("session gone".into()) },
+            }
+        }
+    }
+
+    fn record_progress(&self, host: &HostId, verified: u32, total: u32) {
+        if let Ok(mut m) = self.hop_progress.lock() {
+            m.insert(host.to_string(), (verified, total));
+        }
+    }
+}
+
+/// Counts a live feeder (an upstream connection or a fill task) for as long as it lives.
+struct FeederGuard(watch::Sender<usize>);
+
+impl FeederGuard {
+    fn new(tx: &watch::Sender<usize>) -> Self {
+        tx.send_modify(|n| *n += 1);
+        Self(tx.clone())
+    }
+}
+
+impl Drop for FeederGuard {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// A head session started through the API: its shard sessions, one per (chain, shard).
+pub struct HeadSession {
+    /// Session id.
+    pub id: SessionId,
+    /// Model version.
+    pub model: ModelDigest,
+    /// When it started.
+    pub started: Instant,
+    /// Shard sessions.
+    pub parts: Vec<Arc<ShardSession>>,
+}
+
+/// One chain of a head session: shards (empty = all) and receivers in order.
+#[derive(Debug, Clone)]
+pub struct ChainSpec {
+    /// Shard indices carried by this chain; empty means all.
+    pub shards: Vec<u32>,
+    /// Receivers in order.
+    pub hops: Vec<Hop>,
+}
+
+/// Everything a host needs to take part in chains; one per daemon.
+pub struct Node {
+    /// This host's id.
+    pub host: HostId,
+    /// The local store.
+    pub store: ShardStore,
+    /// Transport to other hops.
+    pub transport: Transport,
+    /// Daemon-wide ingress cap.
+    pub ingress: RateLimiter,
+    /// Daemon-wide egress cap.
+    pub egress: RateLimiter,
+    /// Wire byte counters.
+    pub counters: Arc<ByteCounters>,
+    /// Data-plane counters.
+    pub stats: NodeStats,
+    /// Tuning.
+    pub cfg: ChainConfig,
+    /// Fault injection (tests only).
+    pub faults: Faults,
+    /// Cancelled on shutdown.
+    pub cancel: CancellationToken,
+    sessions: Mutex<HashMap<(SessionId, u32), Arc<ShardSession>>>,
+    heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
+}
+
+impl Node {
+    /// A node with no sessions yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        host: HostId,
+        store: ShardStore,
+        transport: Transport,
+        ingress: RateLimiter,
+        egress: RateLimiter,
+        cfg: ChainConfig,
+        faults: Faults,
+        cancel: CancellationToken,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            host,
+            store,
+            transport,
+            ingress,
+            egress,
+            counters: Arc::default(),
+            stats: NodeStats::default(),
+            cfg,
+            faults,
+            cancel,
+            sessions: Mutex::default(),
+            heads: Mutex::default(),
+        })
+    }
+
+    /// A head session by id.
+    pub fn head(&self, id: &SessionId) -> Option<Arc<HeadSession>> {
+        self.heads.lock().ok()?.get(id).cloned()
+    }
+
+    async fn connect(&self, addr: &str) -> Result<Conn, ChainError> {
+        let stream = self.transport.connect(addr).await.map_err(WireError::Io)?;
+        Ok(self.conn(stream))
+    }
+
+    fn conn(&self, stream: BoxStream) -> Conn {
+        Conn::new(
+            stream,
+            self.ingress.clone(),
+            self.egress.clone(),
+            self.counters.clone(),
+        )
+    }
+
+    /// Sends our `Hello` and reads the peer's; refuses other protocol versions.
+    async fn handshake(&self, conn: &mut Conn) -> Result<HostId, ChainError> {
+        let hello = Frame::Hello {
+            version: PROTOCOL_VERSION,
+            host: self.host.clone(),
+        };
+        conn.writer.send_now(&hello).await?;
+        let timeout = self.cfg.idle_timeout;
+        match read_timeout(conn, timeout).await? {
+            Frame::Hello { version, host } if version == PROTOCOL_VERSION => Ok(host),
+            Frame::Hello { version, .. } => Err(ChainError::refused(
+                ErrorCode::UnsupportedVersion,
+                format!(
+                    "peer speaks protocol version {version}; this host speaks {PROTOCOL_VERSION}"
+                ),
+            )),
+            Frame::Error { code, message } => Err(ChainError::Remote { code, message }),
+            other => Err(ChainError::protocol(format!(
+                "expected Hello, got {:?}",
+                other.ty()
+            ))),
+        }
+    }
+
+    /// Serves one accepted connection (an upstream hop or a puller) until it ends.
+    /// Errors are answered with an `Error` frame and logged; they never affect other
+    /// connections.
+    pub async fn serve_connection(self: Arc<Self>, stream: BoxStream, peer: String) {
+        let mut conn = self.conn(stream);
+        let span = info_span!("conn", %peer, host = tracing::field::Empty);
+        let result = async {
+            let remote = self.handshake(&mut conn).await?;
+            tracing::Span::current().record("host", remote.as_str());
+            self.serve_requests(&mut conn, &remote).await
+        }
+        .instrument(span.clone())
+        .await;
+        if let Err(e) = result {
+            let _enter = span.enter();
+            match e.code() {
+                Some(code) => {
+                    warn!("refusing peer: {e}");
+                    let _ = conn
+                        .writer
+                        .send_now(&Frame::error(code, e.to_string()))
+                        .await;
+                }
+                None => debug!("connection ended: {e}"),
+            }
+        }
+    }
+
+    async fn serve_requests(
+        self: &Arc<Self>,
+        conn: &mut Conn,
+        remote: &HostId,
+    ) -> Result<(), ChainError> {
+        let mut offered: Option<Manifest> = None;
+        loop {
+            let Some(frame) = conn.reader.read().await? else {
+                return Ok(());
+            };
+            match frame {
+                Frame::Manifest(m) => offered = Some(m),
+                Frame::Open(header) => {
+                    let sess = self.join_session(&header, offered.take())?;
+                    return self.handle_upstream(conn, sess, remote).await;
+                }
+                Frame::Fetch {
+                    model,
+                    shard,
+                    start,
+                    end,
+                } => {
+                    self.serve_fetch(conn, model, shard, start, end).await?;
+                }
+                Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
+                other => {
+                    return Err(ChainError::protocol(format!(
+                        "expected Manifest, Open or Fetch, got {:?}",
+                        other.ty()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Finds the session for `header`, or creates it (and its forwarder and recovery
+    /// monitor).
+    fn join_session(
+        self: &Arc<Self>,
+        header: &SessionHeader,
+        offered: Option<Manifest>,
+    ) -> Result<Arc<ShardSession>, ChainError> {
+        let key = (header.session, header.shard);
+        if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            debug!(session = %header.session, shard = header.shard, "joining running session");
+            return Ok(s);
+        }
+        let manifest = match self.store.manifest(&header.model) {
+            Some(m) => m,
+            None => match offered {
+                Some(m) if m.digest() == header.model => self.store.put_manifest(&m)?,
+                Some(m) => {
+                    return Err(ChainError::refused(
+                        ErrorCode::UnknownModel,
+                        format!(
+                            "manifest digest {} does not match the session's model {}",
+                            m.digest(),
+                            header.model
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(ChainError::refused(
+                        ErrorCode::UnknownModel,
+                        format!(
+                            "model {} is unknown here and no manifest was sent",
+                            header.model
+                        ),
+                    ));
+                }
+            },
+        };
+        let chunks = manifest
+            .shard(header.shard)
+            .map_err(|e| ChainError::refused(ErrorCode::NoSuchChunk, e.to_string()))?
+            .chunks
+            .len() as u32;
+        if header.end > chunks || header.start > header.end {
+            return Err(ChainError::refused(
+                ErrorCode::NoSuchChunk,
+                format!(
+                    "range {}..{} is outside shard {} ({chunks} chunks)",
+                    header.start, header.end, header.shard
+                ),
+            ));
+        }
+        let shard = match self.store.existing_shard(&header.model, header.shard) {
+            Some(s) if s.tier() == header.tier || s.is_complete() => s,
+            _ => self.store.shard(&header.model, header.shard, header.tier)?,
+        };
+        let sess = self.new_session(
+            header.session,
+            header.model,
+            manifest,
+            shard,
+            header.start,
+            header.end,
+            header.origin.clone(),
+        );
+        let mut map = self
+            .sessions
+            .lock()
+            .map_err(|_| ChainError::refused(ErrorCode::Internal, "session table poisoned"))?;
+        // Another connection may have created it while we were opening the shard.
+        if let Some(s) = map.get(&key) {
+            return Ok(s.clone());
+        }
+        map.insert(key, sess.clone());
+        drop(map);
+        self.spawn_forwarder(&sess, header.downstream.clone());
+        self.spawn_recovery(&sess);
+        self.spawn_reaper(&sess, key);
+        Ok(sess)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new_session(
+        &self,
+        id: SessionId,
+        model: ModelDigest,
+        manifest: Arc<Manifest>,
+        shard: Arc<Shard>,
+        start: u32,
+        end: u32,
+        origin: String,
+    ) -> Arc<ShardSession> {
+        self.stats.sessions_total.fetch_add(1, Ordering::Relaxed);
+        self.stats.sessions_active.fetch_add(1, Ordering::Relaxed);
+        Arc::new(ShardSession {
+            id,
+            model,
+            manifest,
+            shard,
+            start,
+            end,
+            origin,
+            started: Instant::now(),
+            feeders: watch::Sender::new(0),
+            progress: broadcast::Sender::new(256),
+            hop_progress: Mutex::default(),
+            forward: watch::Sender::new(ForwardState::Running),
+            failed: watch::Sender::new(None),
+        })
+    }
+
+    /// Removes a hop session from the table once it has finished, so a later session id can
+    /// reuse nothing stale; decrements the active-session gauge.
+    fn spawn_reaper(self: &Arc<Self>, sess: &Arc<ShardSession>, key: (SessionId, u32)) {
+        let node = self.clone();
+        let sess = sess.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = sess.finished() => {}
+                _ = node.cancel.cancelled() => {}
+            }
+            // Let late joiners (a failover racing completion) still find it for a moment.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            if let Ok(mut m) = node.sessions.lock() {
+                m.remove(&key);
+            }
+            node.stats.sessions_active.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
+    /// Reads chunks from one upstream connection into the session.
+    async fn handle_upstream(
+        self: &Arc<Self>,
+        conn: &mut Conn,
+        sess: Arc<ShardSession>,
+        remote: &HostId,
+    ) -> Result<(), ChainError> {
+        let span = info_span!("upstream", session = %sess.id, model = %sess.model, shard = sess.shard_index(), peer = %remote);
+        async move {
+            let guard = FeederGuard::new(&sess.feeders);
+            let have = sess.shard.verified_set(sess.start, sess.end);
+            info!(have = have.len(), total = sess.total(), "session accepted");
+            conn.writer.send_now(&Frame::Accept { have }).await?;
+            let mut relayed = sess.progress.subscribe();
+            let mut last_progress = Instant::now() - self.cfg.progress_interval;
+            let mut upstream_done = false;
+            while !upstream_done {
+                tokio::select! {
+                    biased;
+                    _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
+                    frame = conn.reader.read() => match frame? {
+                        Some(Frame::Chunk { shard, index, data }) => {
+                            self.receive_chunk(&sess, conn, shard, index, data).await?;
+                            if last_progress.elapsed() >= self.cfg.progress_interval || sess.complete() {
+                                last_progress = Instant::now();
+                                conn.writer.send(&self.own_progress(&sess)).await?;
+                            }
+                            conn.writer.flush().await?;
+                        }
+                        Some(Frame::Done) => upstream_done = true,
+                        Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
+                        Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} in a session", other.ty()))),
+                        None => return Err(ChainError::Closed),
+                    },
+                    p = relayed.recv() => if let Ok(p) = p {
+                        conn.writer.send_now(&p).await?;
+                    },
+                }
+            }
+            // The upstream has sent all it will; it is no longer feeding us. If chunks are
+            // still missing, the recovery monitor fetches them from the fallback source.
+            drop(guard);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
+                    r = sess.finished() => {
+                        return match r {
+                            Ok(()) => {
+                                conn.writer.send(&self.own_progress(&sess)).await?;
+                                conn.writer.send_now(&Frame::Done).await?;
+                                info!(elapsed_ms = sess.started.elapsed().as_millis() as u64, "session complete");
+                                Ok(())
+                            }
+                            Err(e) => Err(ChainError::refused(ErrorCode::NoSuchChunk, format!("session cannot complete: {e}"))),
+                        };
+                    }
+                    p = relayed.recv() => if let Ok(p) = p {
+                        conn.writer.send_now(&p).await?;
+                    },
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    fn own_progress(&self, sess: &ShardSession) -> Frame {
+        Frame::Progress {
+            host: self.host.clone(),
+            shard: sess.shard_index(),
+            verified: sess.verified(),
+            total: sess.total(),
+        }
+    }
+
+    async fn receive_chunk(
+        &self,
+        sess: &ShardSession,
+        conn: &mut Conn,
+        shard: u32,
+        index: u32,
+        data: Bytes,
+    ) -> Result<(), ChainError> {
+        if shard != sess.shard_index() || !(sess.start..sess.end).contains(&index) {
+            return Err(ChainError::protocol(format!(
+                "chunk {shard}/{index} is outside the session's shard {} range {}..{}",
+                sess.shard_index(),
+                sess.start,
+                sess.end
+            )));
+        }
+        let manifest = sess.manifest.clone();
+        // BLAKE3 of a chunk takes ~0.2 ms per MiB: hash off the I/O threads.
+        let verified = tokio::task::spawn_blocking(move || manifest.verified(shard, index, data))
+            .await
+            .map_err(|e| ChainError::refused(ErrorCode::Internal, format!("verify task: {e}")))?;
+        match verified {
+            Ok(chunk) => {
+                sess.shard.write(chunk).await?;
+                self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
+                conn.writer.send(&Frame::Ack { shard, index }).await?;
+            }
+            Err(e) => {
+                self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    chunk = index,
+                    "dropping chunk that failed verification: {e}"
+                );
+                conn.writer.send(&Frame::Nack { shard, index }).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Answers a `Fetch` with every requested chunk held verified here, then `Done`.
+    async fn serve_fetch(
+        &self,
+        conn: &mut Conn,
+        model: ModelDigest,
+        shard: u32,
+        start: u32,
+        end: u32,
+    ) -> Result<(), ChainError> {
+        let Some(local) = self.store.existing_shard(&model, shard) else {
+            return Err(ChainError::refused(
+                ErrorCode::UnknownModel,
+                format!("this host holds no copy of model {model} shard {shard}"),
+            ));
+        };
+        let end = end.min(local.total_chunks());
+        for index in start..end {
+            if local.is_verified(index) {
+                let data = local.read(index)?;
+                conn.writer.send_chunk(shard, index, &data).await?;
+            }
+        }
+        conn.writer.send_now(&Frame::Done).await?;
+        Ok(())
+    }
+
+    fn spawn_forwarder(self: &Arc<Self>, sess: &Arc<ShardSession>, hops: Vec<Hop>) {
+        let node = self.clone();
+        let sess = sess.clone();
+        let span = info_span!("forward", session = %sess.id, model = %sess.model, shard = sess.shard_index());
+        tokio::spawn(
+            async move {
+                let result = node.forward(&sess, hops).await;
+                if let Err(e) = &result {
+                    warn!("forwarding ended: {e}");
+                }
+                sess.forward.send_replace(ForwardState::Finished(result));
+            }
+            .instrument(span),
+        );
+    }
+
+    /// Forwards the session's chunks to the first hop of `hops` that works, failing over
+    /// down the list.
+    async fn forward(&self, sess: &Arc<ShardSession>, mut hops: Vec<Hop>) -> Result<(), String> {
+        let mut failures = Vec::new();
+        while !hops.is_empty() {
+            let hop = hops.remove(0);
+            match self.forward_to(sess, &hop, &hops).await {
+                Ok(()) => {
+                    return if failures.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(failures.join("; "))
+                    };
+                }
+                Err(e) => {
+                    if self.cancel.is_cancelled() {
+                        return Err("host is shutting down".into());
+                    }
+                    self.stats
+                        .downstream_failovers
+                        .fetch_add(1, Ordering::Relaxed);
+                    warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
+                    failures.push(format!("{} ({}): {e}", hop.host, hop.addr));
+                }
+            }
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(failures.join("; "))
+        }
+    }
+
+    async fn forward_to(
+        &self,
+        sess: &ShardSession,
+        hop: &Hop,
+        rest: &[Hop],
+    ) -> Result<(), ChainError> {
+        let mut conn = self.connect(&hop.addr).await?;
+        let remote = self.handshake(&mut conn).await?;
+        if remote != hop.host {
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!(
+                    "{} answered as host {remote}, expected {}",
+                    hop.addr, hop.host
+                ),
+            ));
+        }
+        conn.writer
+            .send(&Frame::Manifest((*sess.manifest).clone()))
+            .await?;
+        let header = SessionHeader {
+            session: sess.id,
+            model: sess.model,
+            shard: sess.shard_index(),
+            start: sess.start,
+            end: sess.end,
+            tier: sess.shard.tier(),
+            origin: sess.origin.clone(),
+            downstream: rest.to_vec(),
+        };
+        conn.writer.send_now(&Frame::Open(header)).await?;
+        let mut acked = match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+            Frame::Accept { have } if have.range() == (sess.start..sess.end) => have,
+            Frame::Accept { have } => {
+                return Err(ChainError::protocol(format!(
+                    "Accept covers {:?}, expected {}..{}",
+                    have.range(),
+                    sess.start,
+                    sess.end
+                )));
+            }
+            Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
+            other => {
+                return Err(ChainError::protocol(format!(
+                    "expected Accept, got {:?}",
+                    other.ty()
+                )));
+            }
+        };
+        info!(peer = %hop.host, already = acked.len(), "downstream accepted");
+        let shard = sess.shard_index();
+        let mut sent = acked.clone();
+        let mut resend: VecDeque<u32> = VecDeque::new();
+        let mut resends: HashMap<u32, u32> = HashMap::new();
+        let mut in_flight = 0usize;
+        let mut cursor = sess.start;
+        let mut done_sent = false;
+        let mut local = sess.shard.subscribe();
+        let mut failed = sess.failed.subscribe();
+        let mut last_heard = Instant::now();
+        loop {
+            while in_flight < self.cfg.window {
+                let next = resend.pop_front().or_else(|| {
+                    while cursor < sess.end && sent.contains(cursor) {
+                        cursor += 1;
+                    }
+                    (cursor..sess.end).find(|&i| !sent.contains(i) && sess.shard.is_verified(i))
+                });
+                let Some(index) = next else { break };
+                let mut data = sess.shard.read(index)?;
+                if self.faults.take(shard, index) {
+                    warn!(chunk = index, "fault injection: corrupting chunk in flight");
+                    let mut bad = BytesMut::from(&data[..]);
+                    if let Some(b) = bad.first_mut() {
+                        *b ^= 0xff;
+                    }
+                    data = bad.freeze();
+                }
+                conn.writer.send_chunk(shard, index, &data).await?;
+                sent.insert(index);
+                in_flight += 1;
+            }
+            if !done_sent && acked.is_full() {
+                conn.writer.send(&Frame::Done).await?;
+                done_sent = true;
+            }
+            conn.writer.flush().await?;
+            let waiting_on_peer = in_flight > 0 || done_sent;
+            let idle = self.cfg.idle_timeout.saturating_sub(last_heard.elapsed());
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
+                frame = conn.reader.read() => {
+                    last_heard = Instant::now();
+                    match frame? {
+                        Some(Frame::Ack { index, .. }) => {
+                            in_flight = in_flight.saturating_sub(1);
+                            acked.insert(index);
+                        }
+                        Some(Frame::Nack { index, .. }) => {
+                            in_flight = in_flight.saturating_sub(1);
+                            let n = resends.entry(index).or_default();
+                            *n += 1;
+                            if *n > self.cfg.max_resends {
+                                return Err(ChainError::refused(ErrorCode::Refused, format!("chunk {index} rejected {n} times")));
+                            }
+                            self.stats.chunks_resent.fetch_add(1, Ordering::Relaxed);
+                            resend.push_back(index);
+                        }
+                        Some(p @ Frame::Progress { .. }) => {
+                            if let Frame::Progress { host, verified, total, .. } = &p {
+                                sess.record_progress(host, *verified, *total);
+                            }
+                            let _ = sess.progress.send(p);
+                        }
+                        Some(Frame::Done) if done_sent => {
+                            info!(peer = %hop.host, "downstream complete");
+                            return Ok(());
+                        }
+                        Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
+                        Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} from downstream", other.ty()))),
+                        None => return Err(ChainError::Closed),
+                    }
+                }
+                r = local.changed(), if in_flight < self.cfg.window => {
+                    if r.is_err() {
+                        return Err(ChainError::refused(ErrorCode::Internal, "local shard closed"));
+                    }
+                }
+                _ = failed.changed() => {
+                    if let Some(why) = sess.failed.borrow().clone() {
+                        return Err(ChainError::refused(ErrorCode::NoSuchChunk, format!("cannot forward: {why}")));
+                    }
+                }
+                _ = tokio::time::sleep(idle), if waiting_on_peer => {
+                    return Err(ChainError::Timeout(self.cfg.idle_timeout));
+                }
+            }
+        }
+    }
+
+    /// Watches a hop session: when no upstream is feeding it and it is incomplete, waits
+    /// `upstream_grace` for a replacement, then fetches what is missing from the fallback.
+    fn spawn_recovery(self: &Arc<Self>, sess: &Arc<ShardSession>) {
+        let node = self.clone();
+        let sess = sess.clone();
+        tokio::spawn(async move {
+            let mut feeders = sess.feeders.subscribe();
+            let mut attempts = 0u32;
+            loop {
+                if sess.complete() || sess.failed.borrow().is_some() || node.cancel.is_cancelled() {
+                    return;
+                }
+                if *feeders.borrow_and_update() > 0 {
+                    tokio::select! {
+                        _ = feeders.changed() => {}
+                        _ = node.cancel.cancelled() => return,
+                    }
+                    continue;
+                }
+                // Nobody feeds us. Give a failing-over upstream time to reconnect.
+                let deadline = tokio::time::sleep(node.cfg.upstream_grace);
+                tokio::pin!(deadline);
+                let rejoined = loop {
+                    tokio::select! {
+                        _ = &mut deadline => break false,
+                        r = feeders.changed() => {
+                            if r.is_err() { return; }
+                            if *feeders.borrow_and_update() > 0 { break true; }
+                        }
+                    }
+                };
+                if rejoined || sess.complete() {
+                    continue;
+                }
+                attempts += 1;
+                if sess.origin.is_empty() {
+                    sess.fail("upstream vanished and the session has no fallback source".into());
+                    return;
+                }
+                node.stats
+                    .upstream_recoveries
+                    .fetch_add(1, Ordering::Relaxed);
+                let missing: Vec<u32> = sess
+                    .shard
+                    .verified_set(sess.start, sess.end)
+                    .missing()
+                    .collect();
+                info!(session = %sess.id, shard = sess.shard_index(), missing = missing.len(), source = %sess.origin, "no upstream; fetching missing chunks from fallback");
+                let guard = FeederGuard::new(&sess.feeders);
+                let _ = feeders.borrow_and_update();
+                let result = node.fill(&sess, &sess.origin, missing).await;
+                drop(guard);
+                match result {
+                    Ok(()) if sess.complete() => return,
+                    Ok(()) | Err(_) if attempts >= 3 => {
+                        let why = result
+                            .err()
+                            .unwrap_or_else(|| "fallback source lacks chunks".into());
+                        sess.fail(format!("recovery failed after {attempts} attempts: {why}"));
+                        return;
+                    }
+                    Ok(()) => {}
+                    Err(e) => warn!(session = %sess.id, "recovery attempt failed: {e}"),
+                }
+            }
+        });
+    }
+
+    /// Fetches `missing` chunks of the session's shard from `source` into the store:
+    /// `shardcast://host:port` pulls from another holder, anything else is an origin URI.
+    async fn fill(
+        &self,
+        sess: &ShardSession,
+        source: &str,
+        missing: Vec<u32>,
+    ) -> Result<(), String> {
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if let Some(addr) = source.strip_prefix("shardcast://") {
+            return self
+                .pull_from_holder(sess, addr)
+                .await
+                .map_err(|e| format!("holder {addr}: {e}"));
+        }
+        let origin = Origin::parse(source).map_err(|e| e.to_string())?;
+        let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.cfg.origin_parallel.max(1) * 2);
+        let fetch = {
+            let origin = origin.clone();
+            let manifest = sess.manifest.clone();
+            let shard = sess.shard_index();
+            let parallel = self.cfg.origin_parallel;
+            tokio::spawn(async move {
+                origin::fetch_chunks(&origin, manifest, shard, missing, parallel, tx).await
+            })
+        };
+        while let Some(chunk) = rx.recv().await {
+            let len = chunk.data().len() as u64;
+            sess.shard.write(chunk).await.map_err(|e| e.to_string())?;
+            self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
+            self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);
+        }
+        match fetch.await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("origin fetch task: {e}")),
+        }
+    }
+
+    /// Pulls every chunk of the session's range that `addr` holds.
+    async fn pull_from_holder(&self, sess: &ShardSession, addr: &str) -> Result<(), ChainError> {
+        let mut conn = self.connect(addr).await?;
+        self.handshake(&mut conn).await?;
+        let shard = sess.shard_index();
+        let fetch = Frame::Fetch {
+            model: sess.model,
+            shard,
+            start: sess.start,
+            end: sess.end,
+        };
+        conn.writer.send_now(&fetch).await?;
+        loop {
+            match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+                Frame::Chunk {
+                    shard: s,
+                    index,
+                    data,
+                } if s == shard && (sess.start..sess.end).contains(&index) => {
+                    match sess.manifest.verified(shard, index, data) {
+                        Ok(chunk) => {
+                            sess.shard.write(chunk).await?;
+                            self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
+                            warn!(
+                                chunk = index,
+                                "holder sent a chunk that failed verification: {e}"
+                            );
+                        }
+                    }
+                }
+                Frame::Done => return Ok(()),
+                Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
+                other => {
+                    return Err(ChainError::protocol(format!(
+                        "unexpected {:?} answering Fetch",
+                        other.ty()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Starts a chain session headed by this host (the agent API's `StartChain`).
+    pub fn start_chain(
+        self: &Arc<Self>,
+        id: SessionId,
+        manifest: Arc<Manifest>,
+        origin: String,
+        tier: Tier,
+        chains: Vec<ChainSpec>,
+    ) -> Result<Arc<HeadSession>, ChainError> {
+        let model = manifest.digest();
+        let nshards = manifest.shards.len() as u32;
+        // Validate the whole plan before starting anything: a rejected request changes nothing.
+        let mut plan = Vec::new();
+        for chain in &chains {
+            let shards: Vec<u32> = if chain.shards.is_empty() {
+                (0..nshards).collect()
+            } else {
+                chain.shards.clone()
+            };
+            for &s in &shards {
+                if s >= nshards {
+                    return Err(ChainError::refused(
+                        ErrorCode::NoSuchChunk,
+                        format!("shard {s} is not in the model ({nshards} shards)"),
+                    ));
+                }
+                let held = self.store.existing_shard(&model, s);
+                let complete = held.as_ref().is_some_and(|h| h.is_complete());
+                if !complete && origin.is_empty() {
+                    return Err(ChainError::refused(
+                        ErrorCode::NoSuchChunk,
+                        format!(
+                            "this host does not hold shard {s} completely and no origin was given to fetch it from"
+                        ),
+                    ));
+                }
+                plan.push((s, held, chain.hops.clone()));
+            }
+        }
+        if self
+            .heads
+            .lock()
+            .map(|h| h.contains_key(&id))
+            .unwrap_or(false)
+        {
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!("session {id} already exists"),
+            ));
+        }
+        let mut parts = Vec::new();
+        for (s, held, hops) in plan {
+            let shard = match held {
+                Some(h) => h,
+                None => self.store.shard(&model, s, tier)?,
+            };
+            let end = shard.total_chunks();
+            let sess = self.new_session(id, model, manifest.clone(), shard, 0, end, origin.clone());
+            if !sess.complete() {
+                self.spawn_head_fill(&sess);
+            }
+            self.spawn_forwarder(&sess, hops);
+            let node = self.clone();
+            let watched = sess.clone();
+            tokio::spawn(async move {
+                let _ = watched.finished().await;
+                node.stats.sessions_active.fetch_sub(1, Ordering::Relaxed);
+            });
+            parts.push(sess);
+        }
+        let head = Arc::new(HeadSession {
+            id,
+            model,
+            started: Instant::now(),
+            parts,
+        });
+        if let Ok(mut h) = self.heads.lock() {
+            h.insert(id, head.clone());
+        }
+        info!(session = %id, model = %model, chains = chains.len(), "chain session started");
+        Ok(head)
+    }
+
+    /// The head does not hold the shard: fetch it from the origin; the forwarder sends each
+    /// chunk on as it lands.
+    fn spawn_head_fill(self: &Arc<Self>, sess: &Arc<ShardSession>) {
+        let node = self.clone();
+        let sess = sess.clone();
+        tokio::spawn(async move {
+            let _guard = FeederGuard::new(&sess.feeders);
+            let missing: Vec<u32> = sess
+                .shard
+                .verified_set(sess.start, sess.end)
+                .missing()
+                .collect();
+            let origin = sess.origin.clone();
+            if let Err(e) = node.fill(&sess, &origin, missing).await {
+                sess.fail(format!("origin fetch failed: {e}"));
+            } else if !sess.complete() {
+                sess.fail("origin did not provide every chunk".into());
+            }
+        });
+    }
+
+    /// Downloads a whole model from an origin into `tier` (the agent's `ImportModel` with
+    /// `fetch`).
+    pub async fn fetch_model(
+        &self,
+        manifest: &Arc<Manifest>,
+        origin: &str,
+        tier: Tier,
+    ) -> Result<(), String> {
+        let model = manifest.digest();
+        for s in 0..manifest.shards.len() as u32 {
+            let shard = self
+                .store
+                .shard(&model, s, tier)
+                .map_err(|e| e.to_string())?;
+            let end = shard.total_chunks();
+            let sess = self.new_session(
+                SessionId([0; 16]),
+                model,
+                manifest.clone(),
+                shard,
+                0,
+                end,
+                origin.to_string(),
+            );
+            let missing: Vec<u32> = sess.shard.verified_set(0, end).missing().collect();
+            let r = self.fill(&sess, origin, missing).await;
+            self.stats.sessions_active.fetch_sub(1, Ordering::Relaxed);
+            r?;
+            if !sess.complete() {
+                return Err(format!("origin did not provide every chunk of shard {s}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn read_timeout(conn: &mut Conn, timeout: Duration) -> Result<Frame, ChainError> {
+    match tokio::time::timeout(timeout, conn.reader.read()).await {
+        Err(_) => Err(ChainError::Timeout(timeout)),
+        Ok(r) => r?.ok_or(ChainError::Closed),
+    }
+}
+
+/// Parses the chunk list of `SHARDCAST_FAULT_CORRUPT` (`shard:chunk,shard:chunk`).
+pub fn parse_fault_list(s: &str) -> Result<Vec<(u32, u32)>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (a, b) = p
+                .trim()
+                .split_once(':')
+                .ok_or_else(|| format!("{p:?}: expected shard:chunk"))?;
+            Ok((
+                a.parse().map_err(|_| format!("{p:?}: bad shard"))?,
+                b.parse().map_err(|_| format!("{p:?}: bad chunk"))?,
+            ))
+        })
+        .collect()
+}
+
+/// A fresh random session id.
+pub fn new_session_id() -> SessionId {
+    SessionId(rand::random())
+}

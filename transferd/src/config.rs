@@ -1,0 +1,357 @@
+//! Configuration in layers: built-in defaults < TOML file (`--config`) < environment
+//! (`SHARDCAST_*`) < command-line flags. Everything is parsed into valid types here, so a
+//! bad setting stops the daemon with a clear message before any port is bound. The example
+//! `transferd/transferd.example.toml` documents every field.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use serde::Deserialize;
+use shardcast_protocol::HostId;
+use shardcast_protocol::units::parse_rate;
+
+use crate::chain::{ChainConfig, parse_fault_list};
+use crate::store::{StoreConfig, WriterKind};
+
+/// Command-line flags; each has an environment fallback and a TOML field of the same name.
+#[derive(Debug, Default, Parser)]
+#[command(
+    name = "transferd",
+    version,
+    about = "shardcast per-host data-plane daemon"
+)]
+pub struct Args {
+    /// TOML config file (fields as in transferd.example.toml).
+    #[arg(long, env = "SHARDCAST_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// This host's id in the cluster [default: the hostname].
+    #[arg(long, env = "SHARDCAST_HOST_ID")]
+    pub host_id: Option<String>,
+    /// Data-plane listener (hop-to-hop chains) [default: 0.0.0.0:7400].
+    #[arg(long, env = "SHARDCAST_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Agent gRPC listener: `host:port`, or `unix:/path/to.sock` for a local socket
+    /// [default: 0.0.0.0:7401].
+    #[arg(long, env = "SHARDCAST_AGENT_LISTEN")]
+    pub agent_listen: Option<String>,
+    /// Admin HTTP listener: /metrics, /healthz, /readyz [default: 127.0.0.1:7402].
+    #[arg(long, env = "SHARDCAST_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Memory tier directory, on tmpfs [default: /dev/shm/shardcast].
+    #[arg(long, env = "SHARDCAST_MEMORY_DIR")]
+    pub memory_dir: Option<PathBuf>,
+    /// Disk tier directory [default: /var/lib/shardcast].
+    #[arg(long, env = "SHARDCAST_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Egress cap for all sessions together, e.g. 1Gbit, 100MB/s, unlimited [default: unlimited].
+    #[arg(long, env = "SHARDCAST_EGRESS_RATE")]
+    pub egress_rate: Option<String>,
+    /// Ingress cap for all sessions together [default: unlimited].
+    #[arg(long, env = "SHARDCAST_INGRESS_RATE")]
+    pub ingress_rate: Option<String>,
+    /// Unacknowledged chunks per downstream connection [default: 16].
+    #[arg(long, env = "SHARDCAST_WINDOW")]
+    pub window: Option<usize>,
+    /// Milliseconds a hop waits for a replacement upstream before fetching from the
+    /// fallback source [default: 2000].
+    #[arg(long, env = "SHARDCAST_UPSTREAM_GRACE_MS")]
+    pub upstream_grace_ms: Option<u64>,
+    /// Seconds of silence after which a downstream hop is treated as dead [default: 30].
+    #[arg(long, env = "SHARDCAST_IDLE_TIMEOUT_S")]
+    pub idle_timeout_s: Option<u64>,
+    /// Concurrent range reads from an origin [default: 8].
+    #[arg(long, env = "SHARDCAST_ORIGIN_PARALLEL")]
+    pub origin_parallel: Option<usize>,
+    /// Re-hash chunks marked verified when recovering the store at startup [default: true].
+    #[arg(long, env = "SHARDCAST_VERIFY_ON_RECOVER")]
+    pub verify_on_recover: Option<bool>,
+    /// Positional writer: auto, pwrite or io-uring [default: auto].
+    #[arg(long, env = "SHARDCAST_WRITER")]
+    pub writer: Option<String>,
+    /// Log format: text or json [default: text].
+    #[arg(long, env = "SHARDCAST_LOG_FORMAT")]
+    pub log_format: Option<String>,
+}
+
+/// The TOML file's fields (all optional; unknown fields are an error).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    host_id: Option<String>,
+    listen: Option<SocketAddr>,
+    agent_listen: Option<String>,
+    admin_listen: Option<SocketAddr>,
+    memory_dir: Option<PathBuf>,
+    data_dir: Option<PathBuf>,
+    egress_rate: Option<String>,
+    ingress_rate: Option<String>,
+    window: Option<usize>,
+    upstream_grace_ms: Option<u64>,
+    idle_timeout_s: Option<u64>,
+    origin_parallel: Option<usize>,
+    verify_on_recover: Option<bool>,
+    writer: Option<String>,
+    log_format: Option<String>,
+}
+
+/// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
+/// on the host).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    /// `host:port`.
+    Tcp(SocketAddr),
+    /// `unix:/path`.
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for ListenAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.strip_prefix("unix:") {
+            Some("") => {
+                Err("unix: needs a socket path, e.g. unix:/run/shardcast/agent.sock".into())
+            }
+            Some(path) => Ok(Self::Unix(PathBuf::from(path))),
+            None => s
+                .parse()
+                .map(Self::Tcp)
+                .map_err(|e| format!("{s:?}: {e} (expected host:port or unix:/path)")),
+        }
+    }
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tcp(a) => write!(f, "{a}"),
+            Self::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// Validated daemon configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// This host's id.
+    pub host_id: HostId,
+    /// Data-plane listener.
+    pub listen: SocketAddr,
+    /// Agent gRPC listener.
+    pub agent_listen: ListenAddr,
+    /// Admin HTTP listener.
+    pub admin_listen: SocketAddr,
+    /// Store settings.
+    pub store: StoreConfig,
+    /// Egress cap in bytes/s.
+    pub egress_rate: Option<u64>,
+    /// Ingress cap in bytes/s.
+    pub ingress_rate: Option<u64>,
+    /// Chain tuning.
+    pub chain: ChainConfig,
+    /// JSON logs instead of text.
+    pub json_logs: bool,
+    /// Chunks to corrupt once when sent (`SHARDCAST_FAULT_CORRUPT`, honoured only with
+    /// `SHARDCAST_ENABLE_FAULT_INJECTION=1`; for tests).
+    pub corrupt_once: Vec<(u32, u32)>,
+}
+
+fn default_host_id() -> String {
+    let raw = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    raw.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-._:".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
+impl Config {
+    /// Merges flags/env over the optional TOML file over defaults, and validates.
+    pub fn load(args: Args) -> anyhow::Result<Self> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let host_id = args
+            .host_id
+            .or(file.host_id)
+            .unwrap_or_else(default_host_id);
+        let host_id =
+            HostId::new(&host_id).with_context(|| format!("invalid host_id {host_id:?}"))?;
+        let rate = |name: &str, v: Option<String>| -> anyhow::Result<Option<u64>> {
+            match v {
+                None => Ok(None),
+                Some(s) => parse_rate(&s).map_err(|e| anyhow::anyhow!("{name}: {e}")),
+            }
+        };
+        let defaults = ChainConfig::default();
+        let window = args.window.or(file.window).unwrap_or(defaults.window);
+        if !(1..=4096).contains(&window) {
+            bail!("window must be between 1 and 4096 chunks, got {window}");
+        }
+        let origin_parallel = args
+            .origin_parallel
+            .or(file.origin_parallel)
+            .unwrap_or(defaults.origin_parallel);
+        if !(1..=256).contains(&origin_parallel) {
+            bail!("origin_parallel must be between 1 and 256, got {origin_parallel}");
+        }
+        let idle_timeout_s = args
+            .idle_timeout_s
+            .or(file.idle_timeout_s)
+            .unwrap_or(defaults.idle_timeout.as_secs());
+        if idle_timeout_s == 0 {
+            bail!("idle_timeout_s must be at least 1");
+        }
+        let writer = match args.writer.or(file.writer).as_deref().unwrap_or("auto") {
+            "auto" => WriterKind::Auto,
+            "pwrite" => WriterKind::Pwrite,
+            "io-uring" | "io_uring" => WriterKind::IoUring,
+            other => bail!("writer must be auto, pwrite or io-uring, got {other:?}"),
+        };
+        let json_logs = match args
+            .log_format
+            .or(file.log_format)
+            .as_deref()
+            .unwrap_or("text")
+        {
+            "text" => false,
+            "json" => true,
+            other => bail!("log_format must be text or json, got {other:?}"),
+        };
+        let memory_dir = args
+            .memory_dir
+            .or(file.memory_dir)
+            .unwrap_or_else(|| "/dev/shm/shardcast".into());
+        let data_dir = args
+            .data_dir
+            .or(file.data_dir)
+            .unwrap_or_else(|| "/var/lib/shardcast".into());
+        if memory_dir == data_dir {
+            bail!(
+                "memory_dir and data_dir must differ (both are {})",
+                memory_dir.display()
+            );
+        }
+        let corrupt_once =
+            if std::env::var("SHARDCAST_ENABLE_FAULT_INJECTION").as_deref() == Ok("1") {
+                parse_fault_list(&std::env::var("SHARDCAST_FAULT_CORRUPT").unwrap_or_default())
+                    .map_err(|e| anyhow::anyhow!("SHARDCAST_FAULT_CORRUPT: {e}"))?
+            } else {
+                Vec::new()
+            };
+        Ok(Self {
+            host_id,
+            listen: args
+                .listen
+                .or(file.listen)
+                .unwrap_or_else(|| ([0, 0, 0, 0], 7400).into()),
+            agent_listen: match args.agent_listen.or(file.agent_listen) {
+                Some(s) => s
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("agent_listen: {e}"))?,
+                None => ListenAddr::Tcp(([0, 0, 0, 0], 7401).into()),
+            },
+            admin_listen: args
+                .admin_listen
+                .or(file.admin_listen)
+                .unwrap_or_else(|| ([127, 0, 0, 1], 7402).into()),
+            store: StoreConfig {
+                memory_dir,
+                disk_dir: data_dir,
+                verify_on_recover: args
+                    .verify_on_recover
+                    .or(file.verify_on_recover)
+                    .unwrap_or(true),
+                writer,
+            },
+            egress_rate: rate("egress_rate", args.egress_rate.or(file.egress_rate))?,
+            ingress_rate: rate("ingress_rate", args.ingress_rate.or(file.ingress_rate))?,
+            chain: ChainConfig {
+                window,
+                upstream_grace: Duration::from_millis(
+                    args.upstream_grace_ms
+                        .or(file.upstream_grace_ms)
+                        .unwrap_or(defaults.upstream_grace.as_millis() as u64),
+                ),
+                idle_timeout: Duration::from_secs(idle_timeout_s),
+                origin_parallel,
+                ..defaults
+            },
+            json_logs,
+            corrupt_once,
+        })
+    }
+}
+
+fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading config file {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_file_and_bad_values_fail() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        std::fs::write(
+            &path,
+            "host_id = \"from-file\"\nwindow = 8\negress_rate = \"1Gbit\"\n",
+        )
+        .unwrap();
+        let args = Args {
+            config: Some(path.clone()),
+            window: Some(4),
+            ..Args::default()
+        };
+        let c = Config::load(args).unwrap();
+        assert_eq!(c.host_id.as_str(), "from-file");
+        assert_eq!(c.chain.window, 4);
+        assert_eq!(c.egress_rate, Some(125_000_000));
+
+        std::fs::write(&path, "windw = 8\n").unwrap();
+        let err = Config::load(Args {
+            config: Some(path.clone()),
+            ..Args::default()
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("unknown field"), "{err:#}");
+
+        let err = Config::load(Args {
+            egress_rate: Some("fast".into()),
+            ..Args::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("egress_rate"), "{err}");
+        let err = Config::load(Args {
+            host_id: Some("a b".into()),
+            ..Args::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("host_id"), "{err}");
+    }
+
+    #[test]
+    fn example_config_parses() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("transferd.example.toml");
+        Config::load(Args {
+            config: Some(path),
+            ..Args::default()
+        })
+        .unwrap();
+    }
+}

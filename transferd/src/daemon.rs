@@ -1,0 +1,193 @@
+//! Wiring of one transferd process: store, listeners, agent API, admin endpoint, shutdown.
+//!
+//! Start-up order: recover the store, bind every listener, then print one line
+//! `READY data=<addr> agent=<addr> admin=<addr>` on stdout (scripts and `shardcast-bench`
+//! wait for it; with port 0 it carries the ports the OS chose). Shutdown (SIGINT/SIGTERM):
+//! stop accepting, cancel sessions, and give tasks a grace period to finish.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::agent::AgentService;
+use crate::chain::{Faults, Node};
+use crate::config::{Config, ListenAddr};
+use crate::store::ShardStore;
+use crate::throttle::RateLimiter;
+use crate::transport::Transport;
+
+/// How long in-flight work may take to wind down after a shutdown signal.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Runs the daemon until SIGINT or SIGTERM.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let cancel = CancellationToken::new();
+    let store_cfg = config.store.clone();
+    let store = tokio::task::spawn_blocking(move || ShardStore::open(store_cfg))
+        .await
+        .context("store recovery task")?
+        .context("opening the shard store")?;
+    let node = Node::new(
+        config.host_id.clone(),
+        store,
+        Transport::Tcp,
+        RateLimiter::new(config.ingress_rate),
+        RateLimiter::new(config.egress_rate),
+        config.chain.clone(),
+        Faults::corrupt_once(config.corrupt_once.iter().copied()),
+        cancel.child_token(),
+    );
+    if !config.corrupt_once.is_empty() {
+        warn!(chunks = ?config.corrupt_once, "FAULT INJECTION ARMED: these chunks will be corrupted once when sent");
+    }
+
+    let data = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding data listener {}", config.listen))?;
+    let agent = AgentListener::bind(&config.agent_listen).await?;
+    let admin = TcpListener::bind(config.admin_listen)
+        .await
+        .with_context(|| format!("binding admin listener {}", config.admin_listen))?;
+    let (data_addr, admin_addr) = (data.local_addr()?, admin.local_addr()?);
+    let agent_addr = agent.describe()?;
+
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));
+    {
+        let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService::new(
+            node.clone(),
+        ))
+        .max_decoding_message_size(128 << 20)
+        .max_encoding_message_size(128 << 20);
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            let server = tonic::transport::Server::builder().add_service(service);
+            let r = match agent {
+                AgentListener::Tcp(l) => {
+                    server
+                        .serve_with_incoming_shutdown(
+                            TcpListenerStream::new(l),
+                            cancel.cancelled_owned(),
+                        )
+                        .await
+                }
+                AgentListener::Unix(l, _) => {
+                    server
+                        .serve_with_incoming_shutdown(
+                            UnixListenerStream::new(l),
+                            cancel.cancelled_owned(),
+                        )
+                        .await
+                }
+            };
+            if let Err(e) = r {
+                warn!("agent API server ended: {e}");
+            }
+        });
+    }
+    {
+        let node = node.clone();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            if let Err(e) = crate::admin::serve(node, admin, cancel).await {
+                warn!("admin server ended: {e}");
+            }
+        });
+    }
+    info!(host = %config.host_id, %data_addr, %agent_addr, %admin_addr, "transferd ready");
+    println!("READY data={data_addr} agent={agent_addr} admin={admin_addr}");
+
+    shutdown_signal().await;
+    info!("shutting down: no new connections; {SHUTDOWN_GRACE:?} for in-flight work");
+    cancel.cancel();
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        warn!("grace period over; exiting with tasks still running");
+    }
+    Ok(())
+}
+
+enum AgentListener {
+    Tcp(TcpListener),
+    Unix(tokio::net::UnixListener, std::path::PathBuf),
+}
+
+impl AgentListener {
+    async fn bind(addr: &ListenAddr) -> anyhow::Result<Self> {
+        match addr {
+            ListenAddr::Tcp(a) => Ok(Self::Tcp(
+                TcpListener::bind(a)
+                    .await
+                    .with_context(|| format!("binding agent listener {a}"))?,
+            )),
+            ListenAddr::Unix(path) => {
+                // A stale socket from a previous run would make bind fail; only remove
+                // sockets, never other files.
+                if let Ok(meta) = std::fs::symlink_metadata(path) {
+                    use std::os::unix::fs::FileTypeExt;
+                    if meta.file_type().is_socket() {
+                        let _ = std::fs::remove_file(path);
+                    }
+                }
+                let l = tokio::net::UnixListener::bind(path)
+                    .with_context(|| format!("binding agent socket {}", path.display()))?;
+                Ok(Self::Unix(l, path.clone()))
+            }
+        }
+    }
+
+    fn describe(&self) -> std::io::Result<String> {
+        Ok(match self {
+            Self::Tcp(l) => l.local_addr()?.to_string(),
+            Self::Unix(_, p) => format!("unix:{}", p.display()),
+        })
+    }
+}
+
+async fn accept_loop(node: Arc<Node>, listener: TcpListener, cancel: CancellationToken) {
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return,
+            accepted = node.transport.accept(&listener) => match accepted {
+                // Spawn first; the handshake happens inside the task.
+                Ok((stream, peer)) => { tokio::spawn(node.clone().serve_connection(stream, peer)); }
+                Err(e) => {
+                    warn!("accept failed: {e}");
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

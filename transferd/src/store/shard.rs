@@ -1,0 +1,540 @@
+//! One shard file in one tier, with its persisted verified-chunk bitmap.
+//!
+//! ## Bitmap file (`<tier_root>/state/<digest-hex>/<shard-index>.bits`)
+//!
+//! ```text
+//!  "SCVB"  u16 version (1, big-endian)  u32 chunk count (big-endian)  ceil(count/8) bytes
+//! ```
+//!
+//! Bit `i` (chunk `i`) is `byte[i / 8] & (1 << (i % 8))`, the layout of
+//! [`ChunkSet`](shardcast_protocol::ChunkSet). Bits past the chunk count are zero. Marking
+//! a chunk verified rewrites the one byte holding its bit, in place.
+
+use std::collections::HashSet;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use bytes::Bytes;
+use shardcast_protocol::{ChunkSet, Manifest, ModelDigest, Tier, VerifiedChunk};
+use tokio::sync::{Notify, watch};
+
+use super::StoreError;
+use super::map::ShardMap;
+use super::writer::ChunkWriter;
+
+/// Magic at the start of a bitmap file.
+const BITS_MAGIC: &[u8; 4] = b"SCVB";
+/// Version of the bitmap file format.
+const BITS_VERSION: u16 = 1;
+/// Bytes before the bitmap: magic, version, chunk count.
+const BITS_HEADER: u64 = 4 + 2 + 4;
+
+/// How [`Shard::open`] treats what is already on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OpenMode {
+    /// A new shard: any old bitmap is replaced by an empty one.
+    Create,
+    /// Recovery at start-up: keep the persisted bitmap if it and the data file are sound;
+    /// with `verify`, re-hash every chunk marked verified and clear those that do not match.
+    Recover {
+        /// Re-hash chunks marked verified.
+        verify: bool,
+    },
+}
+
+/// Where a shard's files are and what it belongs to.
+pub(super) struct ShardSpec {
+    pub(super) manifest: Arc<Manifest>,
+    pub(super) digest: ModelDigest,
+    pub(super) index: u32,
+    pub(super) tier: Tier,
+    pub(super) data_path: PathBuf,
+    pub(super) bits_path: PathBuf,
+    pub(super) writer: Arc<ChunkWriter>,
+}
+
+/// One shard of one model in one tier: a preallocated data file written chunk by chunk at
+/// chunk offsets, and the set of chunks verified so far. Get one from
+/// [`ShardStore::shard`](super::ShardStore::shard); share it as `Arc<Shard>`.
+pub struct Shard {
+    manifest: Arc<Manifest>,
+    digest: ModelDigest,
+    index: u32,
+    tier: Tier,
+    size: u64,
+    total: u32,
+    data_path: PathBuf,
+    bits_path: PathBuf,
+    file: Arc<File>,
+    bits_file: File,
+    /// `None` only for an empty (zero-byte) shard, which has no chunks to read.
+    map: Option<ShardMap>,
+    writer: Arc<ChunkWriter>,
+    state: Mutex<BitState>,
+    /// Woken whenever a chunk leaves the in-flight set (written or failed).
+    settled: Notify,
+    verified: watch::Sender<u32>,
+}
+
+impl std::fmt::Debug for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shard")
+            .field("model", &self.digest)
+            .field("index", &self.index)
+            .field("tier", &self.tier)
+            .field("path", &self.data_path)
+            .field("verified", &self.verified_count())
+            .field("total", &self.total)
+            .finish()
+    }
+}
+
+/// The mutable part of a shard, behind one short-held lock.
+#[derive(Debug)]
+struct BitState {
+    bits: Vec<u8>,
+    count: u32,
+    /// Chunks being written right now: a second writer of the same chunk waits for the first.
+    in_flight: HashSet<u32>,
+    /// The tier copy was removed from the store: refuse further reads and writes.
+    removed: bool,
+}
+
+impl BitState {
+    fn empty(total: u32) -> Self {
+        Self {
+            bits: vec![0; total.div_ceil(8) as usize],
+            count: 0,
+            in_flight: HashSet::new(),
+            removed: false,
+        }
+    }
+    fn contains(&self, i: u32) -> bool {
+        self.bits
+            .get(i as usize / 8)
+            .is_some_and(|b| b & (1 << (i % 8)) != 0)
+    }
+    /// Sets bit `i`; returns the byte offset in `bits` and its new value if it was new.
+    fn insert(&mut self, i: u32) -> Option<(usize, u8)> {
+        let at = i as usize / 8;
+        let byte = self.bits.get_mut(at)?;
+        let mask = 1 << (i % 8);
+        if *byte & mask != 0 {
+            return None;
+        }
+        *byte |= mask;
+        self.count += 1;
+        Some((at, *byte))
+    }
+    fn remove(&mut self, i: u32) {
+        if let Some(byte) = self.bits.get_mut(i as usize / 8) {
+            let mask = 1 << (i % 8);
+            if *byte & mask != 0 {
+                *byte &= !mask;
+                self.count -= 1;
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Opens (creating if needed) a file for reading and writing without following a symlink
+/// in its last component.
+fn open_rw(path: &Path) -> Result<File, StoreError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(io_err(path))
+}
+
+impl Shard {
+    /// Opens or creates the shard's data file (sized to the manifest's size with `set_len`)
+    /// and bitmap file.
+    pub(super) fn open(spec: ShardSpec, mode: OpenMode) -> Result<Self, StoreError> {
+        let ShardSpec {
+            manifest,
+            digest,
+            index,
+            tier,
+            data_path,
+            bits_path,
+            writer,
+        } = spec;
+        let entry = manifest.shard(index).map_err(|_| StoreError::NoSuchShard {
+            digest,
+            shard: index,
+        })?;
+        let size = entry.size;
+        // Bounded by MAX_CHUNKS_PER_SHARD (2^24) when the manifest was validated.
+        let total = u32::try_from(entry.chunks.len()).map_err(|_| StoreError::Corrupt {
+            path: data_path.clone(),
+            reason: "too many chunks".into(),
+        })?;
+
+        if let Some(parent) = data_path.parent() {
+            std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+        }
+        let file = open_rw(&data_path)?;
+        let len = file.metadata().map_err(io_err(&data_path))?.len();
+        if len != size {
+            file.set_len(size).map_err(io_err(&data_path))?;
+        }
+        let map = if size > 0 {
+            Some(ShardMap::new(&file, size).map_err(io_err(&data_path))?)
+        } else {
+            None
+        };
+
+        let mut state = BitState::empty(total);
+        let mut rewrite = true;
+        if let OpenMode::Recover { verify } = mode {
+            match read_bits(&bits_path, total) {
+                // A data file of the wrong size was not the one these bits describe.
+                Ok(bits) if len == size => {
+                    rewrite = false;
+                    for (at, b) in bits.iter().enumerate() {
+                        state.bits[at] = *b;
+                    }
+                    state.count = bits.iter().map(|b| b.count_ones()).sum();
+                }
+                Ok(_) => tracing::warn!(
+                    path = %data_path.display(), expected = size, found = len,
+                    "shard data file has the wrong size; forgetting its verified chunks"
+                ),
+                Err(e) => tracing::warn!(error = %e, "forgetting the verified chunks of a shard"),
+            }
+            if verify && state.count > 0 {
+                let bad = reverify(&manifest, index, map.as_ref(), &mut state);
+                if bad > 0 {
+                    tracing::warn!(
+                        model = %digest, shard = index, ?tier, bad,
+                        "verified chunks did not match their hashes on recovery; cleared"
+                    );
+                    rewrite = true;
+                }
+            }
+        }
+        if rewrite {
+            write_bits(&bits_path, total, &state.bits)?;
+        }
+        let bits_file = open_rw(&bits_path)?;
+        let (verified, _) = watch::channel(state.count);
+        Ok(Self {
+            manifest,
+            digest,
+            index,
+            tier,
+            size,
+            total,
+            data_path,
+            bits_path,
+            file: Arc::new(file),
+            bits_file,
+            map,
+            writer,
+            state: Mutex::new(state),
+            settled: Notify::new(),
+            verified,
+        })
+    }
+
+    /// The tier this copy lives in.
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// The shard's index in its manifest.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The digest of the model this shard belongs to.
+    pub fn digest(&self) -> ModelDigest {
+        self.digest
+    }
+
+    /// Size of the shard in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Number of chunks in the shard.
+    pub fn total_chunks(&self) -> u32 {
+        self.total
+    }
+
+    /// The data file (its name is the shard's path in the model).
+    pub fn path(&self) -> &Path {
+        &self.data_path
+    }
+
+    /// The manifest of the model this shard belongs to.
+    pub fn manifest(&self) -> &Arc<Manifest> {
+        &self.manifest
+    }
+
+    /// The verified chunks within `start..end` (clamped to the shard's chunk count).
+    pub fn verified_set(&self, start: u32, end: u32) -> ChunkSet {
+        let end = end.min(self.total);
+        let mut set = ChunkSet::new(start, end);
+        let st = lock(&self.state);
+        for i in start..end {
+            if st.contains(i) {
+                set.insert(i);
+            }
+        }
+        set
+    }
+
+    /// Whether chunk `index` is written and verified.
+    pub fn is_verified(&self, index: u32) -> bool {
+        lock(&self.state).contains(index)
+    }
+
+    /// How many chunks are verified.
+    pub fn verified_count(&self) -> u32 {
+        lock(&self.state).count
+    }
+
+    /// Whether every chunk is verified.
+    pub fn is_complete(&self) -> bool {
+        self.verified_count() == self.total
+    }
+
+    /// A receiver of the verified-chunk count, bumped on every newly verified chunk.
+    pub fn subscribe(&self) -> watch::Receiver<u32> {
+        self.verified.subscribe()
+    }
+
+    /// Writes a verified chunk at its offset, then marks and persists its verified bit.
+    /// Returns `Ok(false)` without writing if the chunk was already verified. Writes of
+    /// different chunks run in parallel; a second write of a chunk already being written
+    /// waits for the first and then returns `Ok(false)` (or retries if the first failed).
+    ///
+    /// The chunk must have been verified against this shard's manifest: its shard index,
+    /// offset and length are checked against it.
+    pub async fn write(&self, chunk: VerifiedChunk) -> Result<bool, StoreError> {
+        let index = chunk.index();
+        let mismatch = || StoreError::ChunkMismatch {
+            shard: self.index,
+            got_shard: chunk.shard(),
+            index,
+        };
+        if chunk.shard() != self.index {
+            return Err(mismatch());
+        }
+        let (offset, len) =
+            self.manifest
+                .chunk_span(self.index, index)
+                .map_err(|_| StoreError::NoSuchChunk {
+                    shard: self.index,
+                    index,
+                    chunks: self.total,
+                })?;
+        if chunk.offset() != offset || chunk.data().len() != len {
+            return Err(mismatch());
+        }
+
+        // Claim the chunk, or wait for whoever is writing it.
+        loop {
+            let wait = {
+                let mut st = lock(&self.state);
+                if st.removed {
+                    return Err(self.removed());
+                }
+                if st.contains(index) {
+                    return Ok(false);
+                }
+                if st.in_flight.insert(index) {
+                    None
+                } else {
+                    // Created under the lock, so it cannot miss the claimant's wake-up.
+                    Some(self.settled.notified())
+                }
+            };
+            match wait {
+                None => break,
+                Some(settled) => settled.await,
+            }
+        }
+        let _claim = Claim { shard: self, index };
+
+        self.writer
+            .write_at(self.file.clone(), offset, chunk.data().clone())
+            .await
+            .map_err(io_err(&self.data_path))?;
+
+        // Crash safety: the bit is persisted only after the data write has completed (the
+        // writer returned), so a crash at any point can lose verified bits (the chunk is
+        // fetched again) but never leave a bit claiming data that was not written. Both
+        // writes go through the page cache without fsync, which makes this hold for a
+        // crash of the process; after a crash of the host the disk may have kept the bitmap
+        // page and not the data page, which is what `verify_on_recover` is for (the memory
+        // tier does not survive a host crash at all). An fsync per chunk would cost more
+        // than the chunk's transfer.
+        let mut st = lock(&self.state);
+        if st.removed {
+            return Err(self.removed());
+        }
+        let Some((at, byte)) = st.insert(index) else {
+            return Ok(false);
+        };
+        if let Err(source) = self
+            .bits_file
+            .write_all_at(&[byte], BITS_HEADER + at as u64)
+        {
+            st.remove(index);
+            return Err(StoreError::Io {
+                path: self.bits_path.clone(),
+                source,
+            });
+        }
+        // Sent under the lock so that receivers see counts in increasing order.
+        self.verified.send_replace(st.count);
+        Ok(true)
+    }
+
+    /// A verified chunk's bytes, zero-copy from a memory map of the data file.
+    pub fn read(&self, index: u32) -> Result<Bytes, StoreError> {
+        let (offset, len) =
+            self.manifest
+                .chunk_span(self.index, index)
+                .map_err(|_| StoreError::NoSuchChunk {
+                    shard: self.index,
+                    index,
+                    chunks: self.total,
+                })?;
+        {
+            let st = lock(&self.state);
+            if st.removed {
+                return Err(self.removed());
+            }
+            if !st.contains(index) {
+                return Err(StoreError::NotVerified {
+                    shard: self.index,
+                    index,
+                });
+            }
+        }
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        self.map
+            .as_ref()
+            .and_then(|m| m.bytes(start..start.saturating_add(len)))
+            .ok_or_else(|| StoreError::Corrupt {
+                path: self.data_path.clone(),
+                reason: format!("chunk {index} lies outside the mapped file"),
+            })
+    }
+
+    /// Marks this copy removed: later reads and writes fail with [`StoreError::Removed`].
+    pub(super) fn mark_removed(&self) {
+        lock(&self.state).removed = true;
+        self.settled.notify_waiters();
+    }
+
+    fn removed(&self) -> StoreError {
+        StoreError::Removed {
+            digest: self.digest,
+            tier: self.tier,
+        }
+    }
+}
+
+/// Releases a chunk's in-flight claim, also when the writing future is dropped midway.
+struct Claim<'a> {
+    shard: &'a Shard,
+    index: u32,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        lock(&self.shard.state).in_flight.remove(&self.index);
+        self.shard.settled.notify_waiters();
+    }
+}
+
+/// Re-hashes every chunk marked verified; clears those that do not match. Returns how many
+/// were cleared.
+fn reverify(manifest: &Manifest, shard: u32, map: Option<&ShardMap>, st: &mut BitState) -> u32 {
+    let total = st.bits.len() as u32 * 8;
+    let mut bad = 0;
+    for i in 0..total {
+        if !st.contains(i) {
+            continue;
+        }
+        let data = manifest.chunk_span(shard, i).ok().and_then(|(off, len)| {
+            let start = usize::try_from(off).ok()?;
+            map?.slice(start..start.checked_add(len)?)
+        });
+        if data.is_none_or(|data| manifest.verify_chunk(shard, i, data).is_err()) {
+            st.remove(i);
+            bad += 1;
+        }
+    }
+    bad
+}
+
+/// Reads and checks a bitmap file for a shard of `total` chunks.
+fn read_bits(path: &Path, total: u32) -> Result<Vec<u8>, StoreError> {
+    let raw = std::fs::read(path).map_err(io_err(path))?;
+    let corrupt = |reason: String| StoreError::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let nbytes = total.div_ceil(8) as usize;
+    if raw.len() != BITS_HEADER as usize + nbytes {
+        return Err(corrupt(format!(
+            "{} bytes; expected {}",
+            raw.len(),
+            BITS_HEADER as usize + nbytes
+        )));
+    }
+    if &raw[..4] != BITS_MAGIC {
+        return Err(corrupt("bad magic".into()));
+    }
+    let version = u16::from_be_bytes([raw[4], raw[5]]);
+    if version != BITS_VERSION {
+        return Err(corrupt(format!("unsupported version {version}")));
+    }
+    let count = u32::from_be_bytes([raw[6], raw[7], raw[8], raw[9]]);
+    if count != total {
+        return Err(corrupt(format!(
+            "covers {count} chunks; the shard has {total}"
+        )));
+    }
+    let bits = raw[BITS_HEADER as usize..].to_vec();
+    if total % 8 != 0 && bits.last().is_some_and(|b| b >> (total % 8) != 0) {
+        return Err(corrupt("bits set past the last chunk".into()));
+    }
+    Ok(bits)
+}
+
+/// Replaces a bitmap file atomically (temporary file, then rename), so that a crash leaves
+/// either the old bitmap or the new one.
+fn write_bits(path: &Path, total: u32, bits: &[u8]) -> Result<(), StoreError> {
+    let mut buf = Vec::with_capacity(BITS_HEADER as usize + bits.len());
+    buf.extend_from_slice(BITS_MAGIC);
+    buf.extend_from_slice(&BITS_VERSION.to_be_bytes());
+    buf.extend_from_slice(&total.to_be_bytes());
+    buf.extend_from_slice(bits);
+    let tmp = path.with_extension("bits.tmp");
+    std::fs::write(&tmp, &buf).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}

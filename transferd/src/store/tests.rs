@@ -1,0 +1,383 @@
+use std::path::Path;
+
+use bytes::Bytes;
+use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
+use shardcast_protocol::{Manifest, ModelName, ShardHasher, ShardPath, Tier};
+
+use super::*;
+use shardcast_protocol::VerifiedChunk;
+
+const CHUNK: u32 = MIN_CHUNK_SIZE;
+
+fn shard_bytes(i: usize, size: u64) -> Vec<u8> {
+    (0..size)
+        .map(|b| (b as u8).wrapping_mul(31) ^ (i as u8) ^ ((b >> 12) as u8))
+        .collect()
+}
+
+/// A manifest of shards with the given paths and sizes, and the shards' bytes.
+fn model(name: &str, shards: &[(&str, u64)]) -> (Manifest, Vec<Vec<u8>>) {
+    let mut entries = Vec::new();
+    let mut datas = Vec::new();
+    for (i, (path, size)) in shards.iter().enumerate() {
+        let data = shard_bytes(i, *size);
+        let mut h = ShardHasher::new(CHUNK);
+        h.update(&data);
+        entries.push(h.finish(ShardPath::new(*path).unwrap()));
+        datas.push(data);
+    }
+    (
+        Manifest::new(ModelName::new(name).unwrap(), CHUNK, entries).unwrap(),
+        datas,
+    )
+}
+
+fn chunk(m: &Manifest, data: &[Vec<u8>], shard: u32, index: u32) -> VerifiedChunk {
+    let (off, len) = m.chunk_span(shard, index).unwrap();
+    let bytes = Bytes::copy_from_slice(&data[shard as usize][off as usize..off as usize + len]);
+    m.verified(shard, index, bytes).unwrap()
+}
+
+fn config(root: &Path, writer: WriterKind, verify: bool) -> StoreConfig {
+    StoreConfig {
+        memory_dir: root.join("mem"),
+        disk_dir: root.join("disk"),
+        verify_on_recover: verify,
+        writer,
+    }
+}
+
+fn writers() -> Vec<WriterKind> {
+    let mut w = vec![WriterKind::Pwrite, WriterKind::Auto];
+    match ChunkWriter::new(WriterKind::IoUring) {
+        Ok(_) => w.push(WriterKind::IoUring),
+        Err(e) => eprintln!("io_uring unavailable here, not tested: {e}"),
+    }
+    w
+}
+
+#[tokio::test]
+async fn write_read_round_trip_with_every_writer() {
+    for writer in writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(config(dir.path(), writer, false)).unwrap();
+        let (m, data) = model(
+            "org/model",
+            &[("a.safetensors", 3 * 4096 + 100), ("b.bin", 4096)],
+        );
+        let d = m.digest();
+        store.put_manifest(&m).unwrap();
+        for tier in [Tier::Memory, Tier::Disk] {
+            for s in 0..2u32 {
+                let shard = store.shard(&d, s, tier).unwrap();
+                let mut rx = shard.subscribe();
+                for i in 0..shard.total_chunks() {
+                    assert!(
+                        shard.write(chunk(&m, &data, s, i)).await.unwrap(),
+                        "{writer:?}"
+                    );
+                    assert!(rx.has_changed().unwrap());
+                    assert_eq!(*rx.borrow_and_update(), i + 1);
+                }
+                assert!(shard.is_complete());
+                let mut back = Vec::new();
+                for i in 0..shard.total_chunks() {
+                    back.extend_from_slice(&shard.read(i).unwrap());
+                }
+                assert_eq!(back, data[s as usize], "{writer:?} {tier:?}");
+                assert_eq!(std::fs::read(shard.path()).unwrap(), data[s as usize]);
+                // A second write of a verified chunk is a no-op.
+                assert!(!shard.write(chunk(&m, &data, s, 0)).await.unwrap());
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn incomplete_shard_never_complete_and_unverified_reads_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let (m, data) = model("m", &[("x", 5 * 4096)]);
+    let d = m.digest();
+    store.put_manifest(&m).unwrap();
+    let shard = store.shard(&d, 0, Tier::Disk).unwrap();
+    assert_eq!(
+        std::fs::metadata(shard.path()).unwrap().len(),
+        5 * 4096,
+        "preallocated"
+    );
+    for i in [0, 1, 3, 4] {
+        shard.write(chunk(&m, &data, 0, i)).await.unwrap();
+        assert!(!shard.is_complete());
+    }
+    assert_eq!(shard.verified_count(), 4);
+    assert!(matches!(
+        shard.read(2),
+        Err(StoreError::NotVerified { shard: 0, index: 2 })
+    ));
+    assert!(matches!(shard.read(5), Err(StoreError::NoSuchChunk { .. })));
+    let set = shard.verified_set(0, 100);
+    assert_eq!(set.missing().collect::<Vec<_>>(), vec![2]);
+    assert_eq!(shard.verified_set(2, 4).iter().collect::<Vec<_>>(), vec![3]);
+    shard.write(chunk(&m, &data, 0, 2)).await.unwrap();
+    assert!(shard.is_complete());
+}
+
+#[tokio::test]
+async fn chunk_of_another_shard_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let (m, data) = model("m", &[("x", 4096), ("y", 4096)]);
+    let d = m.digest();
+    store.put_manifest(&m).unwrap();
+    let shard = store.shard(&d, 0, Tier::Disk).unwrap();
+    let err = shard.write(chunk(&m, &data, 1, 0)).await.unwrap_err();
+    assert!(matches!(err, StoreError::ChunkMismatch { .. }), "{err}");
+    assert_eq!(shard.verified_count(), 0);
+}
+
+#[tokio::test]
+async fn restart_recovers_bits_and_manifests() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, data) = model(
+        "org/model",
+        &[("sub/dir/a.safetensors", 4 * 4096), ("b", 4096)],
+    );
+    let (other, _) = model("org/model", &[("only", 10)]);
+    let d = m.digest();
+    {
+        let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+        store.put_manifest(&other).unwrap();
+        // A manifest with no data at all must survive too.
+        store.put_manifest(&m).unwrap();
+        let a = store.shard(&d, 0, Tier::Memory).unwrap();
+        a.write(chunk(&m, &data, 0, 0)).await.unwrap();
+        a.write(chunk(&m, &data, 0, 2)).await.unwrap();
+        let b = store.shard(&d, 1, Tier::Disk).unwrap();
+        b.write(chunk(&m, &data, 1, 0)).await.unwrap();
+    }
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    assert_eq!(store.manifest(&d).as_deref(), Some(&m));
+    assert!(store.manifest(&other.digest()).is_some());
+    assert_eq!(store.resolve("org/model"), Some(d), "most recently stored");
+    assert_eq!(store.resolve(&d.to_hex()), Some(d));
+    assert_eq!(store.resolve("nope"), None);
+
+    let a = store.existing_shard(&d, 0).unwrap();
+    assert_eq!(a.tier(), Tier::Memory);
+    assert_eq!(a.verified_set(0, 4).iter().collect::<Vec<_>>(), vec![0, 2]);
+    assert!(matches!(a.read(1), Err(StoreError::NotVerified { .. })));
+    assert_eq!(&a.read(2).unwrap()[..], &data[0][2 * 4096..3 * 4096]);
+    assert!(
+        Arc::ptr_eq(&a, &store.shard(&d, 0, Tier::Memory).unwrap()),
+        "same Arc"
+    );
+    assert!(store.existing_shard(&d, 1).unwrap().is_complete());
+
+    let mut holdings = store.holdings();
+    holdings.sort_by_key(|h| h.tier == Tier::Disk);
+    assert_eq!(holdings.len(), 2);
+    assert_eq!(holdings[0].tier, Tier::Memory);
+    assert_eq!(holdings[0].dir, store.model_dir(&d, Tier::Memory));
+    let verified: Vec<u32> = holdings[0].shards.iter().map(|s| s.verified).collect();
+    assert_eq!(verified, vec![2, 0]);
+    assert_eq!(holdings[1].shards[1].verified, 1);
+
+    // Storing the older manifest again makes it the newest of its name.
+    store.put_manifest(&other).unwrap();
+    assert_eq!(store.resolve("org/model"), Some(other.digest()));
+}
+
+#[tokio::test]
+async fn verify_on_recover_catches_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, data) = model("m", &[("x", 3 * 4096)]);
+    let d = m.digest();
+    let path = {
+        let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+        store.put_manifest(&m).unwrap();
+        let s = store.shard(&d, 0, Tier::Disk).unwrap();
+        for i in 0..3 {
+            s.write(chunk(&m, &data, 0, i)).await.unwrap();
+        }
+        s.path().to_path_buf()
+    };
+    // Flip a byte of chunk 1 behind the store's back.
+    let mut raw = std::fs::read(&path).unwrap();
+    raw[4096 + 17] ^= 0xff;
+    std::fs::write(&path, &raw).unwrap();
+
+    // Without verification the bit is trusted.
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    assert!(store.existing_shard(&d, 0).unwrap().is_complete());
+    drop(store);
+
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, true)).unwrap();
+    let s = store.existing_shard(&d, 0).unwrap();
+    assert_eq!(s.verified_set(0, 3).iter().collect::<Vec<_>>(), vec![0, 2]);
+    // The cleared bit is persisted.
+    drop((s, store));
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let s = store.existing_shard(&d, 0).unwrap();
+    assert_eq!(s.verified_count(), 2);
+    s.write(chunk(&m, &data, 0, 1)).await.unwrap();
+    assert_eq!(s.read(1).unwrap(), &data[0][4096..2 * 4096]);
+}
+
+#[tokio::test]
+async fn damaged_state_files_lose_bits_not_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, data) = model("m", &[("x", 2 * 4096), ("y", 4096)]);
+    let d = m.digest();
+    let (bits, datafile) = {
+        let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+        store.put_manifest(&m).unwrap();
+        let x = store.shard(&d, 0, Tier::Disk).unwrap();
+        x.write(chunk(&m, &data, 0, 0)).await.unwrap();
+        let y = store.shard(&d, 1, Tier::Disk).unwrap();
+        y.write(chunk(&m, &data, 1, 0)).await.unwrap();
+        (
+            store.state_dir(&d, Tier::Disk).join("0.bits"),
+            y.path().to_path_buf(),
+        )
+    };
+    std::fs::write(&bits, b"garbage").unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&datafile)
+        .unwrap()
+        .set_len(1)
+        .unwrap();
+    // A stray entry and a bogus manifest are skipped.
+    std::fs::write(dir.path().join("disk/manifests/junk"), b"x").unwrap();
+    std::fs::write(
+        dir.path()
+            .join(format!("disk/manifests/{}.scmf", "ab".repeat(32))),
+        b"x",
+    )
+    .unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    assert_eq!(store.shard(&d, 0, Tier::Disk).unwrap().verified_count(), 0);
+    let y = store.shard(&d, 1, Tier::Disk).unwrap();
+    assert_eq!(y.verified_count(), 0, "data file of the wrong size");
+    assert_eq!(std::fs::metadata(y.path()).unwrap().len(), 4096);
+}
+
+#[tokio::test]
+async fn files_stay_inside_model_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let (m, data) = model("evil/name", &[("deep/er/x.bin", 4096), ("y", 4096)]);
+    let d = m.digest();
+    store.put_manifest(&m).unwrap();
+    for tier in [Tier::Memory, Tier::Disk] {
+        let root = store.model_dir(&d, tier);
+        for s in 0..2 {
+            let shard = store.shard(&d, s, tier).unwrap();
+            shard.write(chunk(&m, &data, s, 0)).await.unwrap();
+            let canon = shard.path().canonicalize().unwrap();
+            assert!(canon.starts_with(root.canonicalize().unwrap()), "{canon:?}");
+        }
+    }
+    assert!(ShardPath::new("../x").is_err());
+    assert!(ShardPath::new("/etc/passwd").is_err());
+    let nested = shard_file(Path::new("/r"), &ShardPath::new("a/b").unwrap()).unwrap();
+    assert_eq!(nested, Path::new("/r/a/b"));
+    // Nothing was created outside the two tier roots.
+    let mut top: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    top.sort();
+    assert_eq!(top, vec!["disk", "mem"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_writes_with_every_writer() {
+    for writer in writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(config(dir.path(), writer, false)).unwrap();
+        let (m, data) = model("m", &[("x", 64 * 4096 + 7)]);
+        let (m, data) = (Arc::new(m), Arc::new(data));
+        let d = m.digest();
+        store.put_manifest(&m).unwrap();
+        let shard = store.shard(&d, 0, Tier::Memory).unwrap();
+        let mut tasks = Vec::new();
+        // Four writers over interleaved chunks, each also rewriting every chunk once, so
+        // duplicate writes race with first writes.
+        for t in 0..4u32 {
+            let (shard, m, data) = (shard.clone(), m.clone(), data.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut fresh = 0;
+                for round in 0..2 {
+                    for i in (0..shard.total_chunks()).filter(|i| (i + round) % 4 == t) {
+                        if shard.write(chunk(&m, &data, 0, i)).await.unwrap() {
+                            fresh += 1;
+                        }
+                    }
+                }
+                fresh
+            }));
+        }
+        let mut fresh = 0;
+        for t in tasks {
+            fresh += t.await.unwrap();
+        }
+        assert_eq!(
+            fresh,
+            shard.total_chunks(),
+            "each chunk newly verified exactly once"
+        );
+        assert!(shard.is_complete());
+        assert_eq!(*shard.subscribe().borrow(), shard.total_chunks());
+        assert_eq!(std::fs::read(shard.path()).unwrap(), data[0]);
+    }
+}
+
+#[tokio::test]
+async fn remove_deletes_one_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let (m, data) = model("m", &[("x", 4096)]);
+    let d = m.digest();
+    store.put_manifest(&m).unwrap();
+    let mem = store.shard(&d, 0, Tier::Memory).unwrap();
+    mem.write(chunk(&m, &data, 0, 0)).await.unwrap();
+    let disk = store.shard(&d, 0, Tier::Disk).unwrap();
+    store.remove(&d, Tier::Memory).unwrap();
+    assert!(!store.model_dir(&d, Tier::Memory).exists());
+    assert!(matches!(mem.read(0), Err(StoreError::Removed { .. })));
+    assert!(Arc::ptr_eq(&store.existing_shard(&d, 0).unwrap(), &disk));
+    assert_eq!(store.holdings().len(), 1);
+    store.remove(&d, Tier::Memory).unwrap();
+    drop(store);
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    assert_eq!(store.holdings().len(), 1);
+    assert!(store.manifest(&d).is_some());
+    let err = store
+        .shard(&ModelDigest([7; 32]), 0, Tier::Disk)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::UnknownModel { .. }));
+    assert!(matches!(
+        store.shard(&d, 9, Tier::Disk),
+        Err(StoreError::NoSuchShard { .. })
+    ));
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn write_errors_are_returned() {
+    // /dev/full fails every write with ENOSPC.
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        return;
+    };
+    let full = Arc::new(full);
+    for writer in writers() {
+        let w = ChunkWriter::new(writer).unwrap();
+        let err = w
+            .write_at(full.clone(), 0, Bytes::from_static(b"abc"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{writer:?}");
+    }
+}

@@ -1,0 +1,271 @@
+//! Frames over a byte stream: [`FrameReader`] and [`FrameWriter`].
+//!
+//! The hop logic in [`crate::chain`] talks frames, never sockets: it gets a [`BoxStream`]
+//! from a [`crate::transport::Transport`] (TCP today; TLS and QUIC later) and splits it into
+//! a reader and a writer. Both sides charge the daemon-wide [`RateLimiter`]s, so the
+//! egress/ingress caps hold across every concurrent session.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::{Bytes, BytesMut};
+use shardcast_protocol::codec::{Codec, DecodeError};
+use shardcast_protocol::frame::{FrameHeader, HEADER_LEN};
+use shardcast_protocol::{ErrorCode, Frame};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+
+use crate::throttle::RateLimiter;
+
+/// A bidirectional byte stream a session runs over.
+pub trait AsyncStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> AsyncStream for T {}
+
+/// A boxed stream from any transport.
+pub type BoxStream = Box<dyn AsyncStream>;
+
+/// Why reading or writing frames failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The underlying stream failed.
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer sent bytes that are not a valid frame.
+    #[error("malformed frame: {0}")]
+    Decode(#[from] DecodeError),
+    /// The peer closed the stream in the middle of a frame.
+    #[error("peer closed the connection mid-frame")]
+    Truncated,
+}
+
+impl WireError {
+    /// The error code to send the peer before closing, if the fault is theirs.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Decode(DecodeError::UnknownFrameType(_)) => Some(ErrorCode::UnknownFrameType),
+            Self::Decode(DecodeError::UnsupportedVersion { .. }) => {
+                Some(ErrorCode::UnsupportedVersion)
+            }
+            Self::Decode(_) => Some(ErrorCode::Malformed),
+            Self::Io(_) | Self::Truncated => None,
+        }
+    }
+}
+
+/// Byte counters shared by every connection of a daemon.
+#[derive(Debug, Default)]
+pub struct ByteCounters {
+    /// Bytes read off the wire (frame headers included).
+    pub received: AtomicU64,
+    /// Bytes written to the wire (frame headers included).
+    pub sent: AtomicU64,
+}
+
+/// Reads frames, charging the ingress limiter before each body is read.
+pub struct FrameReader<R> {
+    inner: R,
+    ingress: RateLimiter,
+    counters: Arc<ByteCounters>,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// Wraps a read half.
+    pub fn new(inner: R, ingress: RateLimiter, counters: Arc<ByteCounters>) -> Self {
+        Self {
+            inner,
+            ingress,
+            counters,
+        }
+    }
+
+    /// Reads the next frame; `Ok(None)` on a clean end of stream between frames.
+    pub async fn read(&mut self) -> Result<Option<Frame>, WireError> {
+        let mut header = [0u8; HEADER_LEN];
+        match self.inner.read(&mut header[..1]).await? {
+            0 => return Ok(None),
+            _ => {
+                self.inner
+                    .read_exact(&mut header[1..])
+                    .await
+                    .map_err(eof_is_truncation)?;
+            }
+        }
+        // Bounds-checked before anything is allocated for the body.
+        let head = FrameHeader::parse(header)?;
+        let total = (HEADER_LEN + head.body_len) as u64;
+        self.ingress.acquire(total).await;
+        let mut body = BytesMut::zeroed(head.body_len);
+        self.inner
+            .read_exact(&mut body)
+            .await
+            .map_err(eof_is_truncation)?;
+        self.counters.received.fetch_add(total, Ordering::Relaxed);
+        Ok(Some(Frame::decode_body(head.ty, body.freeze())?))
+    }
+}
+
+fn eof_is_truncation(e: std::io::Error) -> WireError {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        WireError::Truncated
+    } else {
+        e.into()
+    }
+}
+
+/// Writes frames, charging the egress limiter before each one.
+pub struct FrameWriter<W: AsyncWrite> {
+    inner: BufWriter<W>,
+    egress: RateLimiter,
+    counters: Arc<ByteCounters>,
+    scratch: Vec<u8>,
+}
+
+impl<W: AsyncWrite + Unpin> FrameWriter<W> {
+    /// Wraps a write half.
+    pub fn new(inner: W, egress: RateLimiter, counters: Arc<ByteCounters>) -> Self {
+        // 256 KiB: enough to batch small control frames and chunk headers into few
+        // syscalls; chunk payloads larger than this bypass the buffer.
+        Self {
+            inner: BufWriter::with_capacity(256 << 10, inner),
+            egress,
+            counters,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Buffers one frame (call [`FrameWriter::flush`] to push it out).
+    pub async fn send(&mut self, frame: &Frame) -> Result<(), WireError> {
+        if let Frame::Chunk { shard, index, data } = frame {
+            return self.send_chunk(*shard, *index, data).await;
+        }
+        self.scratch.clear();
+        frame.encode(&mut self.scratch);
+        self.egress.acquire(self.scratch.len() as u64).await;
+        self.inner.write_all(&self.scratch).await?;
+        self.counters
+            .sent
+            .fetch_add(self.scratch.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes a `Chunk` frame without copying its payload.
+    pub async fn send_chunk(
+        &mut self,
+        shard: u32,
+        index: u32,
+        data: &Bytes,
+    ) -> Result<(), WireError> {
+        let prefix = Frame::chunk_prefix(shard, index, data.len());
+        let total = (prefix.len() + data.len()) as u64;
+        self.egress.acquire(total).await;
+        self.inner.write_all(&prefix).await?;
+        self.inner.write_all(data).await?;
+        self.counters.sent.fetch_add(total, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sends one frame and flushes.
+    pub async fn send_now(&mut self, frame: &Frame) -> Result<(), WireError> {
+        self.send(frame).await?;
+        self.flush().await
+    }
+
+    /// Flushes buffered frames to the stream.
+    pub async fn flush(&mut self) -> Result<(), WireError> {
+        self.inner.flush().await?;
+        Ok(())
+    }
+
+    /// Flushes and shuts down the write side.
+    pub async fn shutdown(&mut self) -> Result<(), WireError> {
+        self.inner.shutdown().await?;
+        Ok(())
+    }
+}
+
+/// A connected peer: reader and writer halves of one stream.
+pub struct Conn {
+    /// Incoming frames.
+    pub reader: FrameReader<tokio::io::ReadHalf<BoxStream>>,
+    /// Outgoing frames.
+    pub writer: FrameWriter<tokio::io::WriteHalf<BoxStream>>,
+}
+
+impl Conn {
+    /// Splits a stream into a framed reader and writer.
+    pub fn new(
+        stream: BoxStream,
+        ingress: RateLimiter,
+        egress: RateLimiter,
+        counters: Arc<ByteCounters>,
+    ) -> Self {
+        let (r, w) = tokio::io::split(stream);
+        Self {
+            reader: FrameReader::new(r, ingress, counters.clone()),
+            writer: FrameWriter::new(w, egress, counters),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardcast_protocol::HostId;
+
+    #[tokio::test]
+    async fn frames_cross_a_duplex_pipe() {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let counters = Arc::new(ByteCounters::default());
+        let mut w = FrameWriter::new(a, RateLimiter::unlimited(), counters.clone());
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        let hello = Frame::Hello {
+            version: 1,
+            host: HostId::new("h1").unwrap(),
+        };
+        let chunk = Frame::Chunk {
+            shard: 2,
+            index: 3,
+            data: Bytes::from_static(b"abc"),
+        };
+        let writer = tokio::spawn(async move {
+            w.send(&hello).await.unwrap();
+            w.send(&chunk).await.unwrap();
+            w.shutdown().await.unwrap();
+        });
+        assert!(matches!(
+            r.read().await.unwrap(),
+            Some(Frame::Hello { version: 1, .. })
+        ));
+        match r.read().await.unwrap() {
+            Some(Frame::Chunk {
+                shard: 2,
+                index: 3,
+                data,
+            }) => assert_eq!(&data[..], b"abc"),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(r.read().await.unwrap().is_none());
+        writer.await.unwrap();
+        assert_eq!(
+            counters.sent.load(Ordering::Relaxed),
+            counters.received.load(Ordering::Relaxed)
+        );
+    }
+
+    #[tokio::test]
+    async fn huge_length_is_rejected_before_allocation() {
+        let (mut a, b) = tokio::io::duplex(64);
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default());
+        a.write_all(&[0xff, 0xff, 0xff, 0xff, 0x05]).await.unwrap();
+        let err = r.read().await.unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::Malformed), "{err}");
+    }
+
+    #[tokio::test]
+    async fn truncated_frame_is_an_error() {
+        let (mut a, b) = tokio::io::duplex(64);
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default());
+        a.write_all(&[0, 0, 0, 9, 0x06, 1, 2]).await.unwrap();
+        drop(a);
+        assert!(matches!(r.read().await, Err(WireError::Truncated)));
+    }
+}

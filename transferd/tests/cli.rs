@@ -1,0 +1,64 @@
+//! The `transferd` binary itself: bad configuration stops it with a clear message before
+//! any port is bound; a good one reaches `READY`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+fn transferd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_transferd"))
+}
+
+#[test]
+fn bad_config_exits_with_a_clear_message() {
+    let out = transferd()
+        .args(["--egress-rate", "warp9"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("egress_rate") && err.contains("warp9"),
+        "{err}"
+    );
+
+    let out = transferd().args(["--host-id", "../evil"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("host_id"));
+
+    let out = transferd()
+        .args(["--config", "/nonexistent/transferd.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/transferd.toml"));
+}
+
+#[test]
+fn starts_and_reports_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = transferd()
+        .args([
+            "--host-id",
+            "cli-test",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--agent-listen")
+        .arg(format!("unix:{}", dir.path().join("agent.sock").display()))
+        .arg("--memory-dir")
+        .arg(dir.path().join("mem"))
+        .arg("--data-dir")
+        .arg(dir.path().join("disk"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = BufReader::new(stdout).lines().next().unwrap().unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(line.starts_with("READY data=127.0.0.1:"), "{line}");
+    assert!(line.contains("agent=unix:"), "{line}");
+}
