@@ -23,11 +23,12 @@ pub enum WriterKind {
     IoUring,
 }
 
-/// The writer [`WriterKind::Auto`] picks. Rationale: on the benchmark host pwrite on the
-/// blocking pool was as fast as or faster than io_uring for 1 MiB chunks (numbers in
-/// `docs/BENCHMARKS.md`, from `benches/store_write.rs`): buffered io_uring writes of that
-/// size are punted to the kernel's io-wq workers, which is the same thread hop the blocking
-/// pool makes, plus the ring thread's own hop.
+/// The writer [`WriterKind::Auto`] picks. Rationale: on the 2-core development host
+/// (`cargo bench -p transferd --bench store_write`, 1 MiB chunks, numbers in
+/// `docs/BENCHMARKS.md`) pwrite on the blocking pool beat io_uring in every case measured:
+/// tmpfs 6.2 vs 5.4 GiB/s at one write in flight and 8.5 vs 6.8 GiB/s at four; disk (page
+/// cache) 9.9 vs 7.8 and 14.2 vs 11.5 GiB/s. Re-measure before flipping this on other
+/// hardware.
 const AUTO_PREFERS_URING: bool = false;
 
 /// Writes whole buffers at file offsets. Shared by every shard of a store; cheap to share
