@@ -71,6 +71,15 @@ enum Cmd {
         #[arg(long, default_value_t = 600)]
         timeout_s: u64,
     },
+    /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
+    Hop {
+        /// Bytes to move.
+        #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+        size: u64,
+        /// Write the report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
     OriginServer {
         /// Directory to serve.
@@ -182,6 +191,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report = scenario::run_chain_bench(&opts).await?;
             let text = serde_json::to_string_pretty(&report)?;
             println!("{text}");
+            if let Some(path) = json {
+                scenario::write_json(&path, &report)?;
+            }
+            Ok(())
+        }
+        Cmd::Hop { size, json } => {
+            let report = scenario::run_hop_bench(size, true).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
             if let Some(path) = json {
                 scenario::write_json(&path, &report)?;
             }

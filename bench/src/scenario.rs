@@ -181,6 +181,7 @@ async fn import_on(
             chunk_size: 0,
             tier: PbTier::Memory as i32,
             fetch,
+            manifest: vec![],
         })
         .await
         .context("ImportModel")?
@@ -440,9 +441,12 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
         let t0 = Instant::now();
         match method {
             "origin-pull" => {
+                // Every receiver downloads the registered model from the origin itself.
+                let encoded = shardcast_protocol::codec::encode_to_vec(&manifest);
                 for d in &receivers {
                     let mut client = d.agent().await?;
                     let url = origin_url.clone();
+                    let encoded = encoded.clone();
                     tokio::spawn(async move {
                         let req = ImportModelRequest {
                             name: MODEL_NAME.into(),
@@ -450,6 +454,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
                             chunk_size: 0,
                             tier: PbTier::Memory as i32,
                             fetch: true,
+                            manifest: encoded,
                         };
                         if let Err(e) = client.import_model(req).await {
                             eprintln!("origin pull failed: {e}");
@@ -544,4 +549,97 @@ pub fn demo_table(rows: &[DemoRow], bytes: u64) -> String {
 pub fn write_json<T: Serialize>(path: &PathBuf, value: &T) -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(value)?;
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+/// The `hop` benchmark's report: one hop on loopback next to raw TCP.
+#[derive(Debug, Clone, Serialize)]
+pub struct HopReport {
+    /// Bytes moved through the hop.
+    pub bytes: u64,
+    /// Raw TCP over loopback measured by iperf3 in the same run, bytes/s (None if iperf3
+    /// is not installed).
+    pub raw_tcp_bytes_per_s: Option<f64>,
+    /// One chain hop with BLAKE3 verification and store writes, bytes/s.
+    pub hop_bytes_per_s: f64,
+    /// hop / raw TCP.
+    pub ratio: Option<f64>,
+    /// Machine CPU utilisation during the hop transfer (0..1).
+    pub cpu_util: f64,
+}
+
+/// Measures raw loopback TCP with iperf3 (server and client are separate processes, killed
+/// by PID when done).
+fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<f64>> {
+    use std::process::{Command, Stdio};
+    if Command::new("iperf3")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_err()
+    {
+        return Ok(None);
+    }
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port()
+    };
+    let mut server = Command::new("iperf3")
+        .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting iperf3 -s")?;
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("timeout")
+        .args([
+            &(seconds + 10).to_string(),
+            "iperf3",
+            "-c",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-t",
+            &seconds.to_string(),
+            "-J",
+        ])
+        .output()
+        .context("running iperf3 -c")?;
+    let _ = server.kill();
+    let _ = server.wait();
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("parsing iperf3 -J output")?;
+    let bps = json["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3 output lacks end.sum_received.bits_per_second")?;
+    Ok(Some(bps / 8.0))
+}
+
+/// Runs the `hop` benchmark: iperf3 on loopback, then a model of `size` bytes through one
+/// chain hop (source → receiver, both real daemons, no caps).
+pub async fn run_hop_bench(size: u64, progress: bool) -> anyhow::Result<HopReport> {
+    let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
+    let opts = ChainBenchOpts {
+        mode: NetMode::Local,
+        receivers: 1,
+        size,
+        shards: 1,
+        rate: None,
+        methods: vec![Method::ChainTcp],
+        timeout: Duration::from_secs(600),
+        progress,
+    };
+    let report = run_chain_bench(&opts).await?;
+    let r = report.results.first().context("no result")?;
+    if !r.verified {
+        bail!("the receiver's copy did not verify");
+    }
+    let hop = report.bytes as f64 / r.completion_s;
+    Ok(HopReport {
+        bytes: report.bytes,
+        raw_tcp_bytes_per_s: raw,
+        hop_bytes_per_s: hop,
+        ratio: raw.map(|raw| hop / raw),
+        cpu_util: r.cpu_util,
+    })
 }

@@ -78,6 +78,7 @@ impl TestCluster {
                 chunk_size: 256 << 10,
                 tier: Tier::Memory as i32,
                 fetch: true,
+                manifest: vec![],
             })
             .await?
             .into_inner();

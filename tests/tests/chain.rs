@@ -159,6 +159,7 @@ async fn bad_requests_get_clear_errors() {
             chunk_size: 0,
             tier: Tier::Memory as i32,
             fetch: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -185,4 +186,67 @@ async fn bad_requests_get_clear_errors() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_striped_over_two_chains_run_concurrently() {
+    use shardcast_protocol::agent::Chain;
+    let c = TestCluster::start(3, 24 * MIB, 2, |_, _| {}).await.unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let hops = |order: &[usize]| {
+        order
+            .iter()
+            .map(|&i| c.daemons[i].hop())
+            .collect::<Vec<_>>()
+    };
+    let req = StartChainRequest {
+        model: digest.clone(),
+        origin: c.origin_uri.clone(),
+        tier: Tier::Memory as i32,
+        chains: vec![
+            Chain {
+                shards: vec![0, 2],
+                hops: hops(&[1, 2, 3]),
+            },
+            Chain {
+                shards: vec![1],
+                hops: hops(&[3, 2, 1]),
+            },
+        ],
+        ..Default::default()
+    };
+    let mut agent = c.daemons[0].agent().await.unwrap();
+    let id = agent
+        .start_chain(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    c.wait(&[1, 2, 3], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // The head reports the session done, with progress relayed from every hop.
+    let mut state = String::new();
+    for _ in 0..100 {
+        let s = agent
+            .get_session(shardcast_protocol::agent::GetSessionRequest {
+                session_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        state = s.state.clone();
+        if state == "done" {
+            let hosts: std::collections::BTreeSet<_> =
+                s.hops.iter().map(|h| h.host_id.clone()).collect();
+            assert_eq!(hosts.len(), 3, "{s:?}");
+            assert!(s.hops.iter().all(|h| h.verified == h.total), "{s:?}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(state, "done");
 }

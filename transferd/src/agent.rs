@@ -12,6 +12,7 @@ use shardcast_protocol::agent::{
     SessionStatus, StartChainRequest, StartChainResponse, Stats,
 };
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
+use shardcast_protocol::frame::{MAX_ADDR_LEN, MAX_HOPS, MAX_URI_LEN};
 use shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE;
 use shardcast_protocol::{
     ErrorCode, Hop, HostId, Manifest, ModelDigest, ModelName, SessionId, Tier,
@@ -118,11 +119,23 @@ impl Agent for AgentService {
         } else {
             req.chunk_size
         };
-        info!(model = %name, origin = %req.origin, "building manifest from origin");
-        let manifest = origin
-            .build_manifest(name, chunk_size, &|_| {})
-            .await
-            .map_err(|e| Status::unavailable(format!("reading origin {}: {e}", req.origin)))?;
+        let manifest = if req.manifest.is_empty() {
+            info!(model = %name, origin = %req.origin, "building manifest from origin");
+            origin
+                .build_manifest(name, chunk_size, &|_| {})
+                .await
+                .map_err(|e| Status::unavailable(format!("reading origin {}: {e}", req.origin)))?
+        } else {
+            let m: Manifest = decode_exact(req.manifest.into())
+                .map_err(|e| Status::invalid_argument(format!("manifest: {e}")))?;
+            if m.name != name {
+                return Err(Status::invalid_argument(format!(
+                    "the manifest is for model {:?}, not {name:?}",
+                    m.name.as_str()
+                )));
+            }
+            m
+        };
         let manifest = self
             .node
             .store
@@ -189,8 +202,29 @@ impl Agent for AgentService {
                 "a chain session needs at least one chain",
             ));
         }
+        if req.origin.len() > MAX_URI_LEN {
+            return Err(Status::invalid_argument(format!(
+                "origin is longer than {MAX_URI_LEN} bytes"
+            )));
+        }
         let mut chains = Vec::new();
         for c in req.chains {
+            if c.hops.len() > MAX_HOPS {
+                return Err(Status::invalid_argument(format!(
+                    "a chain may have at most {MAX_HOPS} hops, got {}",
+                    c.hops.len()
+                )));
+            }
+            if let Some(h) = c
+                .hops
+                .iter()
+                .find(|h| h.addr.is_empty() || h.addr.len() > MAX_ADDR_LEN)
+            {
+                return Err(Status::invalid_argument(format!(
+                    "hop {:?} has an empty or over-long address",
+                    h.host_id
+                )));
+            }
             if c.hops.is_empty() {
                 return Err(Status::invalid_argument(
                     "every chain needs at least one hop",

@@ -661,6 +661,11 @@ impl Node {
                     r = sess.finished() => {
                         return match r {
                             Ok(()) => {
+                                // Relay what is still queued from below (the tail's final
+                                // Progress in particular) before our own and Done.
+                                while let Ok(p) = relayed.try_recv() {
+                                    conn.writer.send(&p).await?;
+                                }
                                 conn.writer.send(&self.own_progress(&sess)).await?;
                                 conn.writer.send_now(&Frame::Done).await?;
                                 info!(elapsed_ms = sess.started.elapsed().as_millis() as u64, "session complete");

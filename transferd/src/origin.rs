@@ -966,7 +966,12 @@ async fn list_http_dir(
             if index.weight_map.is_empty() {
                 return Err(bad("weight_map is empty".into()));
             }
-            index.weight_map.into_values().collect()
+            // The index is part of the model (loaders need it to find tensors), and a
+            // `file://` listing of the same directory includes it: keep both origins'
+            // manifests, and so the model's digest, identical.
+            let mut names: BTreeSet<String> = index.weight_map.into_values().collect();
+            names.insert(HF_INDEX.to_string());
+            names
         }
     };
     futures::stream::iter(names)
@@ -1344,7 +1349,8 @@ mod tests {
             origin.list().await.unwrap(),
             vec![
                 (shard(one), files[one].len() as u64),
-                (shard(two), files[two].len() as u64)
+                (shard(two), files[two].len() as u64),
+                (shard(HF_INDEX), files[HF_INDEX].len() as u64),
             ]
         );
         let m = origin
@@ -1353,7 +1359,11 @@ mod tests {
             .unwrap();
         assert_eq!(
             m.shards,
-            vec![entry(one, &files[one]), entry(two, &files[two])]
+            vec![
+                entry(one, &files[one]),
+                entry(two, &files[two]),
+                entry(HF_INDEX, &files[HF_INDEX])
+            ]
         );
 
         let data = origin.read_range(&shard(one), 4000, 300).await.unwrap();

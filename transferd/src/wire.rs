@@ -42,9 +42,6 @@ impl WireError {
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
             Self::Decode(DecodeError::UnknownFrameType(_)) => Some(ErrorCode::UnknownFrameType),
-            Self::Decode(DecodeError::UnsupportedVersion { .. }) => {
-                Some(ErrorCode::UnsupportedVersion)
-            }
             Self::Decode(_) => Some(ErrorCode::Malformed),
             Self::Io(_) | Self::Truncated => None,
         }
@@ -61,10 +58,18 @@ pub struct ByteCounters {
 }
 
 /// Reads frames, charging the ingress limiter before each body is read.
+///
+/// [`FrameReader::read`] is cancel-safe: a partly read frame is kept in the reader, so it
+/// can sit in a `tokio::select!` beside other branches without ever losing bytes of the
+/// stream (a shaped link delivers frames in pieces).
 pub struct FrameReader<R> {
     inner: R,
     ingress: RateLimiter,
     counters: Arc<ByteCounters>,
+    header: [u8; HEADER_LEN],
+    header_filled: usize,
+    /// The body being read, once the header is parsed and the ingress charged.
+    body: Option<(FrameHeader, BytesMut, usize)>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -74,32 +79,56 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             inner,
             ingress,
             counters,
+            header: [0; HEADER_LEN],
+            header_filled: 0,
+            body: None,
         }
     }
 
     /// Reads the next frame; `Ok(None)` on a clean end of stream between frames.
     pub async fn read(&mut self) -> Result<Option<Frame>, WireError> {
-        let mut header = [0u8; HEADER_LEN];
-        match self.inner.read(&mut header[..1]).await? {
-            0 => return Ok(None),
-            _ => {
-                self.inner
-                    .read_exact(&mut header[1..])
-                    .await
-                    .map_err(eof_is_truncation)?;
+        while self.body.is_none() {
+            if self.header_filled < HEADER_LEN {
+                let n = self
+                    .inner
+                    .read(&mut self.header[self.header_filled..])
+                    .await?;
+                if n == 0 {
+                    return if self.header_filled == 0 {
+                        Ok(None)
+                    } else {
+                        Err(WireError::Truncated)
+                    };
+                }
+                self.header_filled += n;
+                continue;
             }
+            // Bounds-checked before anything is allocated for the body.
+            let head = FrameHeader::parse(self.header)?;
+            let total = (HEADER_LEN + head.body_len) as u64;
+            // If this future is dropped during the wait, the next call charges again: a
+            // cancelled read can only over-charge, never lose bytes.
+            self.ingress.acquire(total).await;
+            self.counters.received.fetch_add(total, Ordering::Relaxed);
+            self.body = Some((head, BytesMut::zeroed(head.body_len), 0));
         }
-        // Bounds-checked before anything is allocated for the body.
-        let head = FrameHeader::parse(header)?;
-        let total = (HEADER_LEN + head.body_len) as u64;
-        self.ingress.acquire(total).await;
-        let mut body = BytesMut::zeroed(head.body_len);
-        self.inner
-            .read_exact(&mut body)
-            .await
-            .map_err(eof_is_truncation)?;
-        self.counters.received.fetch_add(total, Ordering::Relaxed);
-        Ok(Some(Frame::decode_body(head.ty, body.freeze())?))
+        loop {
+            let Some((head, body, filled)) = self.body.as_mut() else {
+                return Err(WireError::Truncated);
+            };
+            if *filled == body.len() {
+                let ty = head.ty;
+                let body = std::mem::take(body).freeze();
+                self.body = None;
+                self.header_filled = 0;
+                return Ok(Some(Frame::decode_body(ty, body)?));
+            }
+            let n = self.inner.read(&mut body[*filled..]).await?;
+            if n == 0 {
+                return Err(WireError::Truncated);
+            }
+            *filled += n;
+        }
     }
 }
 
@@ -258,6 +287,45 @@ mod tests {
         a.write_all(&[0xff, 0xff, 0xff, 0xff, 0x05]).await.unwrap();
         let err = r.read().await.unwrap_err();
         assert_eq!(err.code(), Some(ErrorCode::Malformed), "{err}");
+    }
+
+    #[tokio::test]
+    async fn reads_survive_cancellation_mid_frame() {
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default());
+        let mut bytes = Vec::new();
+        for i in 0..20u32 {
+            Frame::Chunk {
+                shard: 1,
+                index: i,
+                data: Bytes::from(vec![i as u8; 1000]),
+            }
+            .encode(&mut bytes);
+        }
+        let writer = tokio::spawn(async move {
+            // Dribble the bytes so reads are often cut off mid-frame.
+            for piece in bytes.chunks(7) {
+                a.write_all(piece).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+        });
+        let mut got = Vec::new();
+        while got.len() < 20 {
+            tokio::select! {
+                f = r.read() => got.push(f.unwrap().unwrap()),
+                _ = tokio::task::yield_now() => {}
+            }
+        }
+        writer.await.unwrap();
+        for (i, f) in got.iter().enumerate() {
+            match f {
+                Frame::Chunk { index, data, .. } => {
+                    assert_eq!(*index, i as u32);
+                    assert!(data.iter().all(|b| *b == i as u8));
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
     }
 
     #[tokio::test]
