@@ -132,14 +132,6 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
-fn eof_is_truncation(e: std::io::Error) -> WireError {
-    if e.kind() == std::io::ErrorKind::UnexpectedEof {
-        WireError::Truncated
-    } else {
-        e.into()
-    }
-}
-
 /// Writes frames, charging the egress limiter before each one.
 pub struct FrameWriter<W: AsyncWrite> {
     inner: BufWriter<W>,
