@@ -70,6 +70,12 @@ enum Cmd {
         /// Per-method time limit in seconds.
         #[arg(long, default_value_t = 600)]
         timeout_s: u64,
+        /// Manifest chunk size [default: transferd's, 1 MiB].
+        #[arg(long, value_parser = parse_size)]
+        chunk_size: Option<u64>,
+        /// In-flight chunks per hop [default: transferd's].
+        #[arg(long)]
+        window: Option<usize>,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -164,7 +170,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             methods,
             json,
             timeout_s,
+            chunk_size,
+            window,
         } => {
+            let chunk_size = u32::try_from(chunk_size.unwrap_or(0))
+                .map_err(|_| anyhow::anyhow!("--chunk-size is too large"))?;
             let mode = if emulate {
                 NetMode::Emulate
             } else {
@@ -187,6 +197,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 methods,
                 timeout: Duration::from_secs(timeout_s),
                 progress: true,
+                chunk_size,
+                window: window.unwrap_or(0),
             };
             let report = scenario::run_chain_bench(&opts).await?;
             let text = serde_json::to_string_pretty(&report)?;

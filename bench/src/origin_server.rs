@@ -636,7 +636,8 @@ mod tests {
 
         let origin = Origin::parse(&format!("{base}m/")).unwrap();
         let listed = origin.list().await.unwrap();
-        assert_eq!(listed.len(), 2);
+        // The two shards of the index, and the index itself.
+        assert_eq!(listed.len(), 3);
         assert_eq!(listed[0].1, one.len() as u64);
         let name = ModelName::new("t/m").unwrap();
         let manifest = origin

@@ -83,6 +83,10 @@ pub struct ChainBenchOpts {
     pub methods: Vec<Method>,
     /// Per-method time limit.
     pub timeout: Duration,
+    /// Chunk size of the manifest (0 = transferd's default).
+    pub chunk_size: u32,
+    /// In-flight chunks per hop (0 = transferd's default).
+    pub window: usize,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -171,6 +175,7 @@ async fn import_on(
     source: &Daemon,
     origin: &str,
     fetch: bool,
+    chunk_size: u32,
 ) -> anyhow::Result<(String, Manifest)> {
     let resp = source
         .agent()
@@ -178,7 +183,7 @@ async fn import_on(
         .import_model(ImportModelRequest {
             name: MODEL_NAME.into(),
             origin: origin.into(),
-            chunk_size: 0,
+            chunk_size,
             tier: PbTier::Memory as i32,
             fetch,
             manifest: vec![],
@@ -306,13 +311,17 @@ async fn run_method(
             format!("recv-{i}")
         };
         let mut o = DaemonOpts::local(name.clone());
+        if opts.window > 0 {
+            o.extra_args
+                .extend(["--window".into(), opts.window.to_string()]);
+        }
         if let Some(net) = &net {
             o.data_ip = IpAddr::V4(net.host_ip(i));
             o.netns = Some(net.ns_name(i).to_string());
         }
         daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
     }
-    let (digest, manifest) = import_on(&daemons[0], origin_uri, true).await?;
+    let (digest, manifest) = import_on(&daemons[0], origin_uri, true, opts.chunk_size).await?;
     let receivers: Vec<&Daemon> = daemons[1..].iter().collect();
     let chains = match method {
         Method::ChainTcp => vec![receivers.clone()],
@@ -430,7 +439,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
             daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
         }
         // The source already holds the model (imported from local files, not timed).
-        let (digest, manifest) = import_on(&daemons[0], &file_uri, true).await?;
+        let (digest, manifest) = import_on(&daemons[0], &file_uri, true, 0).await?;
         let receivers: Vec<&Daemon> = daemons[1..].iter().collect();
         let before = stats.bytes_sent.load(Ordering::Relaxed);
         let pb = bar(
@@ -628,6 +637,8 @@ pub async fn run_hop_bench(size: u64, progress: bool) -> anyhow::Result<HopRepor
         methods: vec![Method::ChainTcp],
         timeout: Duration::from_secs(600),
         progress,
+        chunk_size: 0,
+        window: 0,
     };
     let report = run_chain_bench(&opts).await?;
     let r = report.results.first().context("no result")?;

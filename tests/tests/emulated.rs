@@ -21,6 +21,8 @@ async fn emulated_chain_beats_star_and_verifies() {
         methods: vec![Method::ChainTcp, Method::Star],
         timeout: Duration::from_secs(120),
         progress: false,
+        chunk_size: 0,
+        window: 0,
     };
     let report = run_chain_bench(&opts).await.unwrap();
     assert_eq!(report.results.len(), 2);

@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
 use shardcast_protocol::{
     ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, PROTOCOL_VERSION, SessionHeader,
     SessionId, Tier, VerifiedChunk,
@@ -46,6 +47,11 @@ use crate::store::{Shard, ShardStore};
 use crate::throttle::RateLimiter;
 use crate::transport::Transport;
 use crate::wire::{BoxStream, ByteCounters, Conn, WireError};
+
+/// Chunks a hop verifies and stores concurrently per upstream connection. Rationale: two
+/// overlap hashing with the store write; four also hide a slow write behind the network
+/// without holding more than a few chunks of memory per connection.
+const PIPELINE_DEPTH: usize = 4;
 
 /// Tuning of chain sessions.
 #[derive(Debug, Clone)]
@@ -214,6 +220,7 @@ pub struct ShardSession {
     hop_progress: Mutex<BTreeMap<String, (u32, u32)>>,
     forward: watch::Sender<ForwardState>,
     failed: watch::Sender<Option<String>>,
+    write_lock: tokio::sync::Mutex<()>,
 }
 
 impl ShardSession {
@@ -590,6 +597,7 @@ impl Node {
             hop_progress: Mutex::default(),
             forward: watch::Sender::new(ForwardState::Running),
             failed: watch::Sender::new(None),
+            write_lock: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -628,18 +636,30 @@ impl Node {
             let mut relayed = sess.progress.subscribe();
             let mut last_progress = Instant::now() - self.cfg.progress_interval;
             let mut upstream_done = false;
-            while !upstream_done {
+            // Verify+store runs concurrently with reading the next chunks off the wire, so
+            // a hop's throughput is bounded by its slowest stage, not their sum.
+            let mut pending = futures::stream::FuturesUnordered::new();
+            while !upstream_done || !pending.is_empty() {
                 tokio::select! {
                     biased;
                     _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
-                    frame = conn.reader.read() => match frame? {
+                    Some(done) = pending.next(), if !pending.is_empty() => {
+                        let (shard, index, outcome): (u32, u32, Result<bool, ChainError>) = done;
+                        let frame = match outcome {
+                            Ok(true) => Frame::Ack { shard, index },
+                            Ok(false) => Frame::Nack { shard, index },
+                            Err(e) => return Err(e),
+                        };
+                        conn.writer.send(&frame).await?;
+                        if last_progress.elapsed() >= self.cfg.progress_interval || sess.complete() {
+                            last_progress = Instant::now();
+                            conn.writer.send(&self.own_progress(&sess)).await?;
+                        }
+                        conn.writer.flush().await?;
+                    }
+                    frame = conn.reader.read(), if !upstream_done && pending.len() < PIPELINE_DEPTH => match frame? {
                         Some(Frame::Chunk { shard, index, data }) => {
-                            self.receive_chunk(&sess, conn, shard, index, data).await?;
-                            if last_progress.elapsed() >= self.cfg.progress_interval || sess.complete() {
-                                last_progress = Instant::now();
-                                conn.writer.send(&self.own_progress(&sess)).await?;
-                            }
-                            conn.writer.flush().await?;
+                            pending.push(self.clone().receive_chunk(sess.clone(), shard, index, data));
                         }
                         Some(Frame::Done) => upstream_done = true,
                         Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
@@ -693,43 +713,57 @@ impl Node {
         }
     }
 
+    /// Verifies one received chunk and stores it. `Ok(true)`: stored (or already held);
+    /// `Ok(false)`: it failed verification and was dropped (the sender re-sends it).
     async fn receive_chunk(
-        &self,
-        sess: &ShardSession,
-        conn: &mut Conn,
+        self: Arc<Self>,
+        sess: Arc<ShardSession>,
         shard: u32,
         index: u32,
         data: Bytes,
-    ) -> Result<(), ChainError> {
+    ) -> (u32, u32, Result<bool, ChainError>) {
         if shard != sess.shard_index() || !(sess.start..sess.end).contains(&index) {
-            return Err(ChainError::protocol(format!(
+            let e = ChainError::protocol(format!(
                 "chunk {shard}/{index} is outside the session's shard {} range {}..{}",
                 sess.shard_index(),
                 sess.start,
                 sess.end
-            )));
+            ));
+            return (shard, index, Err(e));
         }
         let manifest = sess.manifest.clone();
-        // BLAKE3 of a chunk takes ~0.2 ms per MiB: hash off the I/O threads.
-        let verified = tokio::task::spawn_blocking(move || manifest.verified(shard, index, data))
-            .await
-            .map_err(|e| ChainError::refused(ErrorCode::Internal, format!("verify task: {e}")))?;
-        match verified {
-            Ok(chunk) => {
-                sess.shard.write(chunk).await?;
-                self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
-                conn.writer.send(&Frame::Ack { shard, index }).await?;
+        // BLAKE3 of a chunk takes ~0.3 ms per MiB: hash off the I/O threads.
+        let verified =
+            tokio::task::spawn_blocking(move || manifest.verified(shard, index, data)).await;
+        let outcome = match verified {
+            Err(e) => Err(ChainError::refused(
+                ErrorCode::Internal,
+                format!("verify task: {e}"),
+            )),
+            // Writes to one file serialise on its inode lock in the kernel; queue them here
+            // (an async wait) rather than have threads spin on that lock.
+            Ok(Ok(chunk)) => match async {
+                let _serial = sess.write_lock.lock().await;
+                sess.shard.write(chunk).await
             }
-            Err(e) => {
+            .await
+            {
+                Ok(_) => {
+                    self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
+                    Ok(true)
+                }
+                Err(e) => Err(e.into()),
+            },
+            Ok(Err(e)) => {
                 self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
                 warn!(
                     chunk = index,
                     "dropping chunk that failed verification: {e}"
                 );
-                conn.writer.send(&Frame::Nack { shard, index }).await?;
+                Ok(false)
             }
-        }
-        Ok(())
+        };
+        (shard, index, outcome)
     }
 
     /// Answers a `Fetch` with every requested chunk held verified here, then `Done`.

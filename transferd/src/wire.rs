@@ -69,7 +69,7 @@ pub struct FrameReader<R> {
     header: [u8; HEADER_LEN],
     header_filled: usize,
     /// The body being read, once the header is parsed and the ingress charged.
-    body: Option<(FrameHeader, BytesMut, usize)>,
+    body: Option<(FrameHeader, BytesMut)>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -110,24 +110,29 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             // cancelled read can only over-charge, never lose bytes.
             self.ingress.acquire(total).await;
             self.counters.received.fetch_add(total, Ordering::Relaxed);
-            self.body = Some((head, BytesMut::zeroed(head.body_len), 0));
+            self.body = Some((head, BytesMut::with_capacity(head.body_len)));
         }
         loop {
-            let Some((head, body, filled)) = self.body.as_mut() else {
+            let Some((head, body)) = self.body.as_mut() else {
                 return Err(WireError::Truncated);
             };
-            if *filled == body.len() {
+            let remaining = head.body_len - body.len();
+            if remaining == 0 {
                 let ty = head.ty;
                 let body = std::mem::take(body).freeze();
                 self.body = None;
                 self.header_filled = 0;
                 return Ok(Some(Frame::decode_body(ty, body)?));
             }
-            let n = self.inner.read(&mut body[*filled..]).await?;
+            // Read straight into the body's spare capacity (no zero-fill), never past the
+            // end of this frame.
+            let n = (&mut self.inner)
+                .take(remaining as u64)
+                .read_buf(body)
+                .await?;
             if n == 0 {
                 return Err(WireError::Truncated);
             }
-            *filled += n;
         }
     }
 }
