@@ -250,3 +250,49 @@ async fn shards_striped_over_two_chains_run_concurrently() {
     }
     assert_eq!(state, "done");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_cap_holds_under_concurrent_sessions() {
+    // The source's egress is capped at 200 Mbit/s (25 MB/s) and serves three receivers at
+    // once, each over one session per shard: 3 x 16 MiB must take at least 48 MiB / 25 MB/s
+    // (less the limiter's 20 ms burst), and the cap must not collapse under many sessions.
+    let c = TestCluster::start(3, 16 * MIB, 2, |i, o| {
+        if i == 0 {
+            o.egress_rate = "200Mbit".into();
+        }
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let bytes = 3 * manifest.total_bytes();
+    let floor = bytes as f64 / 25e6 - 0.05;
+    let mut agent = c.daemons[0].agent().await.unwrap();
+    let t0 = std::time::Instant::now();
+    let req = StartChainRequest {
+        model: digest.clone(),
+        tier: Tier::Memory as i32,
+        chains: (1..=3)
+            .map(|i| shardcast_protocol::agent::Chain {
+                shards: vec![],
+                hops: vec![c.daemons[i].hop()],
+            })
+            .collect(),
+        ..Default::default()
+    };
+    agent.start_chain(req).await.unwrap();
+    c.wait(&[1, 2, 3], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let took = t0.elapsed().as_secs_f64();
+    assert!(
+        took >= floor,
+        "egress cap exceeded: {bytes} bytes in {took:.2}s (floor {floor:.2}s)"
+    );
+    assert!(
+        took <= floor * 2.5,
+        "the cap collapsed under concurrent sessions: {took:.2}s vs {floor:.2}s"
+    );
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+    }
+}

@@ -48,11 +48,6 @@ use crate::throttle::RateLimiter;
 use crate::transport::Transport;
 use crate::wire::{BoxStream, ByteCounters, Conn, WireError};
 
-/// Chunks a hop verifies and stores concurrently per upstream connection. Rationale: two
-/// overlap hashing with the store write; four also hide a slow write behind the network
-/// without holding more than a few chunks of memory per connection.
-const PIPELINE_DEPTH: usize = 4;
-
 /// Tuning of chain sessions.
 #[derive(Debug, Clone)]
 pub struct ChainConfig {
@@ -73,6 +68,11 @@ pub struct ChainConfig {
     pub max_resends: u32,
     /// Minimum interval between a hop's own `Progress` frames.
     pub progress_interval: Duration,
+    /// Chunks a hop verifies and stores concurrently per upstream connection, while it
+    /// reads the next ones off the wire. Rationale: measured on loopback (docs/BENCHMARKS.md),
+    /// 4 beat 1 and 2: it keeps hashing, the store write and the socket busy at once while
+    /// holding only 4 chunks of memory per connection.
+    pub pipeline_depth: usize,
 }
 
 impl Default for ChainConfig {
@@ -84,6 +84,7 @@ impl Default for ChainConfig {
             origin_parallel: 8,
             max_resends: 5,
             progress_interval: Duration::from_millis(100),
+            pipeline_depth: 4,
         }
     }
 }
@@ -657,7 +658,7 @@ impl Node {
                         }
                         conn.writer.flush().await?;
                     }
-                    frame = conn.reader.read(), if !upstream_done && pending.len() < PIPELINE_DEPTH => match frame? {
+                    frame = conn.reader.read(), if !upstream_done && pending.len() < self.cfg.pipeline_depth => match frame? {
                         Some(Frame::Chunk { shard, index, data }) => {
                             pending.push(self.clone().receive_chunk(sess.clone(), shard, index, data));
                         }

@@ -65,6 +65,9 @@ pub struct Args {
     /// Concurrent range reads from an origin [default: 8].
     #[arg(long, env = "SHARDCAST_ORIGIN_PARALLEL")]
     pub origin_parallel: Option<usize>,
+    /// Chunks verified and stored concurrently per upstream connection [default: 4].
+    #[arg(long, env = "SHARDCAST_PIPELINE_DEPTH")]
+    pub pipeline_depth: Option<usize>,
     /// Re-hash chunks marked verified when recovering the store at startup [default: true].
     #[arg(long, env = "SHARDCAST_VERIFY_ON_RECOVER")]
     pub verify_on_recover: Option<bool>,
@@ -92,6 +95,7 @@ struct FileConfig {
     upstream_grace_ms: Option<u64>,
     idle_timeout_s: Option<u64>,
     origin_parallel: Option<usize>,
+    pipeline_depth: Option<usize>,
     verify_on_recover: Option<bool>,
     writer: Option<String>,
     log_format: Option<String>,
@@ -206,6 +210,13 @@ impl Config {
         if !(1..=256).contains(&origin_parallel) {
             bail!("origin_parallel must be between 1 and 256, got {origin_parallel}");
         }
+        let pipeline_depth = args
+            .pipeline_depth
+            .or(file.pipeline_depth)
+            .unwrap_or(defaults.pipeline_depth);
+        if !(1..=64).contains(&pipeline_depth) {
+            bail!("pipeline_depth must be between 1 and 64, got {pipeline_depth}");
+        }
         let idle_timeout_s = args
             .idle_timeout_s
             .or(file.idle_timeout_s)
@@ -286,6 +297,7 @@ impl Config {
                 ),
                 idle_timeout: Duration::from_secs(idle_timeout_s),
                 origin_parallel,
+                pipeline_depth,
                 ..defaults
             },
             json_logs,

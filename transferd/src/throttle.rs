@@ -72,6 +72,16 @@ impl RateLimiter {
         self.bucket.as_ref().map(|b| b.rate)
     }
 
+    /// Reserves `n` bytes now and returns the instant at which they may pass (now, when
+    /// unlimited). Callers that may be cancelled keep the instant and sleep until it, so a
+    /// cancelled wait is resumed rather than charged twice.
+    pub fn reserve(&self, n: u64) -> Instant {
+        match &self.bucket {
+            Some(bucket) if n > 0 => bucket.reserve(n),
+            _ => Instant::now(),
+        }
+    }
+
     /// Waits until `n` more bytes may pass.
     ///
     /// The bytes are reserved when this is first polled: dropping the future while it waits

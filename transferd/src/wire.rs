@@ -70,6 +70,8 @@ pub struct FrameReader<R> {
     header_filled: usize,
     /// The body being read, once the header is parsed and the ingress charged.
     body: Option<(FrameHeader, BytesMut)>,
+    /// When the current frame's ingress reservation may pass.
+    ready_at: Option<tokio::time::Instant>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -82,6 +84,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             header: [0; HEADER_LEN],
             header_filled: 0,
             body: None,
+            ready_at: None,
         }
     }
 
@@ -106,9 +109,13 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             // Bounds-checked before anything is allocated for the body.
             let head = FrameHeader::parse(self.header)?;
             let total = (HEADER_LEN + head.body_len) as u64;
-            // If this future is dropped during the wait, the next call charges again: a
-            // cancelled read can only over-charge, never lose bytes.
-            self.ingress.acquire(total).await;
+            // Reserve once per frame and remember when it may pass: a read cancelled while
+            // it waits resumes the same wait instead of charging the limiter again.
+            let ready_at = *self
+                .ready_at
+                .get_or_insert_with(|| self.ingress.reserve(total));
+            tokio::time::sleep_until(ready_at).await;
+            self.ready_at = None;
             self.counters.received.fetch_add(total, Ordering::Relaxed);
             self.body = Some((head, BytesMut::with_capacity(head.body_len)));
         }
