@@ -82,6 +82,9 @@ enum Cmd {
         /// Bytes to move.
         #[arg(long, default_value = "2GiB", value_parser = parse_size)]
         size: u64,
+        /// Safetensors shards (one session and TCP connection per shard).
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -208,8 +211,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Hop { size, json } => {
-            let report = scenario::run_hop_bench(size, true).await?;
+        Cmd::Hop { size, shards, json } => {
+            let report = scenario::run_hop_bench(size, shards, true).await?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             if let Some(path) = json {
                 scenario::write_json(&path, &report)?;

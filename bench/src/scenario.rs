@@ -565,6 +565,8 @@ pub fn write_json<T: Serialize>(path: &PathBuf, value: &T) -> anyhow::Result<()>
 pub struct HopReport {
     /// Bytes moved through the hop.
     pub bytes: u64,
+    /// Shards of the model (one session, so one TCP connection, per shard).
+    pub shards: usize,
     /// Raw TCP over loopback measured by iperf3 in the same run, bytes/s (None if iperf3
     /// is not installed).
     pub raw_tcp_bytes_per_s: Option<f64>,
@@ -626,13 +628,13 @@ fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<f64>> {
 
 /// Runs the `hop` benchmark: iperf3 on loopback, then a model of `size` bytes through one
 /// chain hop (source → receiver, both real daemons, no caps).
-pub async fn run_hop_bench(size: u64, progress: bool) -> anyhow::Result<HopReport> {
+pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
     let opts = ChainBenchOpts {
         mode: NetMode::Local,
         receivers: 1,
         size,
-        shards: 1,
+        shards,
         rate: None,
         methods: vec![Method::ChainTcp],
         timeout: Duration::from_secs(600),
@@ -648,6 +650,7 @@ pub async fn run_hop_bench(size: u64, progress: bool) -> anyhow::Result<HopRepor
     let hop = report.bytes as f64 / r.completion_s;
     Ok(HopReport {
         bytes: report.bytes,
+        shards,
         raw_tcp_bytes_per_s: raw,
         hop_bytes_per_s: hop,
         ratio: raw.map(|raw| hop / raw),
