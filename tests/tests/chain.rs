@@ -2,10 +2,21 @@
 
 use std::time::Duration;
 
+use shardcast_bench::cluster::DaemonOpts;
 use shardcast_protocol::agent::{ImportModelRequest, StartChainRequest, Tier};
 use shardcast_tests::TestCluster;
 
 const MIB: u64 = 1 << 20;
+
+/// Daemon options that cap every receiver's ingress at `rate`, so transfers take long
+/// enough to interrupt mid-way.
+fn cap_receivers(rate: &'static str) -> impl FnMut(usize, &mut DaemonOpts) {
+    move |i, o| {
+        if i > 0 {
+            o.ingress_rate = rate.into();
+        }
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chain_of_eight_receivers_is_byte_exact() {
@@ -32,13 +43,9 @@ async fn chain_of_eight_receivers_is_byte_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn middle_hop_killed_mid_transfer_others_complete() {
     // 200 Mbit/s per daemon: 48 MiB takes ~2 s, leaving time to kill a hop mid-way.
-    let mut c = TestCluster::start(5, 48 * MIB, 2, |i, o| {
-        if i > 0 {
-            o.ingress_rate = "200Mbit".into();
-        }
-    })
-    .await
-    .unwrap();
+    let mut c = TestCluster::start(5, 48 * MIB, 2, cap_receivers("200Mbit"))
+        .await
+        .unwrap();
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1, 2, 3, 4, 5], &c.origin_uri)
         .await
@@ -58,13 +65,9 @@ async fn middle_hop_killed_mid_transfer_others_complete() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn head_killed_hops_recover_from_origin() {
-    let mut c = TestCluster::start(3, 32 * MIB, 1, |i, o| {
-        if i > 0 {
-            o.ingress_rate = "100Mbit".into();
-        }
-    })
-    .await
-    .unwrap();
+    let mut c = TestCluster::start(3, 32 * MIB, 1, cap_receivers("100Mbit"))
+        .await
+        .unwrap();
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1, 2, 3], &c.origin_uri)
         .await
@@ -118,13 +121,9 @@ async fn corrupt_chunk_in_flight_is_detected_and_resent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_receiver_resumes_without_refetching_verified_chunks() {
     let total = 32 * MIB;
-    let mut c = TestCluster::start(1, total, 1, |i, o| {
-        if i > 0 {
-            o.ingress_rate = "100Mbit".into();
-        }
-    })
-    .await
-    .unwrap();
+    let mut c = TestCluster::start(1, total, 1, cap_receivers("100Mbit"))
+        .await
+        .unwrap();
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1], "").await.unwrap();
     c.wait_bytes(1, &digest, 12 * MIB, Duration::from_secs(60))
