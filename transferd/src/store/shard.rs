@@ -12,18 +12,17 @@
 
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
-use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use shardcast_protocol::{ChunkSet, Manifest, ModelDigest, Tier, VerifiedChunk};
 use tokio::sync::{Notify, watch};
 
-use super::StoreError;
 use super::map::ShardMap;
 use super::writer::ChunkWriter;
+use super::{StoreError, io_err, lock};
 
 /// Magic at the start of a bitmap file.
 const BITS_MAGIC: &[u8; 4] = b"SCVB";
@@ -137,17 +136,6 @@ impl BitState {
                 self.count -= 1;
             }
         }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
-    move |source| StoreError::Io {
-        path: path.to_path_buf(),
-        source,
     }
 }
 
@@ -340,14 +328,7 @@ impl Shard {
         if chunk.shard() != self.index {
             return Err(mismatch());
         }
-        let (offset, len) =
-            self.manifest
-                .chunk_span(self.index, index)
-                .map_err(|_| StoreError::NoSuchChunk {
-                    shard: self.index,
-                    index,
-                    chunks: self.total,
-                })?;
+        let (offset, len) = self.span(index)?;
         if chunk.offset() != offset || chunk.data().len() != len {
             return Err(mismatch());
         }
@@ -411,16 +392,20 @@ impl Shard {
         Ok(true)
     }
 
+    /// Byte offset and length of chunk `index` in the data file.
+    fn span(&self, index: u32) -> Result<(u64, usize), StoreError> {
+        self.manifest
+            .chunk_span(self.index, index)
+            .map_err(|_| StoreError::NoSuchChunk {
+                shard: self.index,
+                index,
+                chunks: self.total,
+            })
+    }
+
     /// A verified chunk's bytes, zero-copy from a memory map of the data file.
     pub fn read(&self, index: u32) -> Result<Bytes, StoreError> {
-        let (offset, len) =
-            self.manifest
-                .chunk_span(self.index, index)
-                .map_err(|_| StoreError::NoSuchChunk {
-                    shard: self.index,
-                    index,
-                    chunks: self.total,
-                })?;
+        let (offset, len) = self.span(index)?;
         {
             let st = lock(&self.state);
             if st.removed {
