@@ -122,8 +122,8 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async {
         tokio::select! {
             r = run(cli) => r,
-            _ = tokio::signal::ctrl_c() => {
-                eprintln!("interrupted: stopping daemons and removing namespaces");
+            sig = interrupted() => {
+                eprintln!("{sig}: stopping daemons and removing namespaces");
                 Ok(())
             }
         }
@@ -136,6 +136,20 @@ fn main() -> std::process::ExitCode {
             eprintln!("shardcast-bench: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM; returning from `main` then drops every daemon (killed by
+/// PID), scratch directory and emulated network (deleted).
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return "interrupted";
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "interrupted",
+        _ = term.recv() => "terminated",
     }
 }
 

@@ -295,3 +295,48 @@ async fn egress_cap_holds_under_concurrent_sessions() {
         d.verify_copy(&manifest).unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_killed_hops_recover_from_another_holder() {
+    // Daemon 4 also holds the model; the session names it as the fallback source
+    // (`shardcast://addr`), so when the head dies the hops pull from it, not the origin.
+    let mut c = TestCluster::start(4, 32 * MIB, 1, cap_receivers("100Mbit"))
+        .await
+        .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let mut holder = c.daemons[4].agent().await.unwrap();
+    holder
+        .import_model(ImportModelRequest {
+            name: "test/model".into(),
+            origin: c.origin_uri.clone(),
+            chunk_size: 256 << 10,
+            tier: Tier::Disk as i32,
+            fetch: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let fallback = format!("shardcast://{}", c.daemons[4].data_addr);
+    c.start_chain(0, &digest, &[1, 2, 3], &fallback)
+        .await
+        .unwrap();
+    c.wait_bytes(1, &digest, 4 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[0].kill().await;
+    c.wait(&[1, 2, 3], &digest, Duration::from_secs(120))
+        .await
+        .unwrap();
+    for i in 1..=3 {
+        c.daemons[i].verify_copy(&manifest).unwrap();
+        assert_eq!(
+            c.daemons[i].stats().await.unwrap().origin_bytes,
+            0,
+            "recv-{i} must not touch the origin"
+        );
+    }
+    assert!(
+        c.daemons[4].stats().await.unwrap().bytes_sent > 0,
+        "the holder served the missing chunks"
+    );
+}
