@@ -48,6 +48,9 @@ use crate::throttle::RateLimiter;
 use crate::transport::Transport;
 use crate::wire::{BoxStream, ByteCounters, Conn, WireError};
 
+/// How long a finished head session stays queryable through `GetSession`.
+const HEAD_RETENTION: Duration = Duration::from_secs(600);
+
 /// Tuning of chain sessions.
 #[derive(Debug, Clone)]
 pub struct ChainConfig {
@@ -1215,6 +1218,22 @@ impl Node {
         if let Ok(mut h) = self.heads.lock() {
             h.insert(id, head.clone());
         }
+        // Keep a finished head session queryable (GetSession) for a while, then drop it so
+        // a long-running daemon does not accumulate them.
+        let node = self.clone();
+        let finished = head.clone();
+        tokio::spawn(async move {
+            for part in &finished.parts {
+                let _ = part.finished().await;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(HEAD_RETENTION) => {}
+                _ = node.cancel.cancelled() => {}
+            }
+            if let Ok(mut h) = node.heads.lock() {
+                h.remove(&finished.id);
+            }
+        });
         info!(session = %id, model = %model, chains = chains.len(), "chain session started");
         Ok(head)
     }
