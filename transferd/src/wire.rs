@@ -114,7 +114,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             let ready_at = *self
                 .ready_at
                 .get_or_insert_with(|| self.ingress.reserve(total));
-            tokio::time::sleep_until(ready_at).await;
+            if ready_at > tokio::time::Instant::now() {
+                tokio::time::sleep_until(ready_at).await;
+            }
             self.ready_at = None;
             self.counters.received.fetch_add(total, Ordering::Relaxed);
             self.body = Some((head, BytesMut::with_capacity(head.body_len)));
