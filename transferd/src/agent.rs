@@ -121,8 +121,16 @@ impl Agent for AgentService {
         };
         let manifest = if req.manifest.is_empty() {
             info!(model = %name, origin = %req.origin, "building manifest from origin");
+            // Hashing a large model takes minutes: log progress every GiB.
+            let logged = std::sync::atomic::AtomicU64::new(0);
+            let progress = |done: u64| {
+                let gib = done >> 30;
+                if gib > logged.fetch_max(gib, Ordering::Relaxed) {
+                    info!(hashed_gib = gib, "building manifest");
+                }
+            };
             origin
-                .build_manifest(name, chunk_size, &|_| {})
+                .build_manifest(name, chunk_size, &progress)
                 .await
                 .map_err(|e| Status::unavailable(format!("reading origin {}: {e}", req.origin)))?
         } else {

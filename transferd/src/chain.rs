@@ -1290,6 +1290,7 @@ impl Node {
             if !sess.complete() {
                 return Err(format!("origin did not provide every chunk of shard {s}"));
             }
+            info!(model = %model, shard = s, shards = manifest.shards.len(), "shard fetched from origin");
         }
         Ok(())
     }
