@@ -40,6 +40,30 @@ async fn chain_of_eight_receivers_is_byte_exact() {
     }
 }
 
+/// Chains daemons 1..=3 behind the source with `fallback` as the session's fallback
+/// source, kills the source once daemon 1 holds 4 MiB, and checks that every hop still ends
+/// with a verified copy.
+async fn kill_head_mid_chain(
+    c: &mut TestCluster,
+    digest: &str,
+    manifest: &shardcast_protocol::Manifest,
+    fallback: &str,
+) {
+    c.start_chain(0, digest, &[1, 2, 3], fallback)
+        .await
+        .unwrap();
+    c.wait_bytes(1, digest, 4 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[0].kill().await;
+    c.wait(&[1, 2, 3], digest, Duration::from_secs(120))
+        .await
+        .unwrap();
+    for i in 1..=3 {
+        c.daemons[i].verify_copy(manifest).unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn middle_hop_killed_mid_transfer_others_complete() {
     // 200 Mbit/s per daemon: 48 MiB takes ~2 s, leaving time to kill a hop mid-way.
@@ -69,19 +93,8 @@ async fn head_killed_hops_recover_from_origin() {
         .await
         .unwrap();
     let (digest, manifest) = c.import_on_source().await.unwrap();
-    c.start_chain(0, &digest, &[1, 2, 3], &c.origin_uri)
-        .await
-        .unwrap();
-    c.wait_bytes(1, &digest, 4 * MIB, Duration::from_secs(60))
-        .await
-        .unwrap();
-    c.daemons[0].kill().await;
-    c.wait(&[1, 2, 3], &digest, Duration::from_secs(120))
-        .await
-        .unwrap();
-    for i in 1..=3 {
-        c.daemons[i].verify_copy(&manifest).unwrap();
-    }
+    let origin = c.origin_uri.clone();
+    kill_head_mid_chain(&mut c, &digest, &manifest, &origin).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,18 +330,8 @@ async fn head_killed_hops_recover_from_another_holder() {
         .await
         .unwrap();
     let fallback = format!("shardcast://{}", c.daemons[4].data_addr);
-    c.start_chain(0, &digest, &[1, 2, 3], &fallback)
-        .await
-        .unwrap();
-    c.wait_bytes(1, &digest, 4 * MIB, Duration::from_secs(60))
-        .await
-        .unwrap();
-    c.daemons[0].kill().await;
-    c.wait(&[1, 2, 3], &digest, Duration::from_secs(120))
-        .await
-        .unwrap();
+    kill_head_mid_chain(&mut c, &digest, &manifest, &fallback).await;
     for i in 1..=3 {
-        c.daemons[i].verify_copy(&manifest).unwrap();
         assert_eq!(
             c.daemons[i].stats().await.unwrap().origin_bytes,
             0,
