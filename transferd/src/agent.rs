@@ -276,7 +276,7 @@ impl Agent for AgentService {
             Status::not_found(format!("no session {id} was started on this host"))
         })?;
         let mut hops = Vec::new();
-        let mut state = "done";
+        let mut running = false;
         let mut errors = Vec::new();
         for part in &head.parts {
             for (host, (verified, total)) in part.hop_progress() {
@@ -288,23 +288,17 @@ impl Agent for AgentService {
                 });
             }
             match part.outcome() {
-                None => {
-                    state = if state == "failed" {
-                        "failed"
-                    } else {
-                        "running"
-                    }
-                }
+                None => running = true,
                 Some(Ok(())) => {}
-                Some(Err(e)) => {
-                    state = "failed";
-                    errors.push(format!("shard {}: {e}", part.shard.index()));
-                }
+                Some(Err(e)) => errors.push(format!("shard {}: {e}", part.shard.index())),
             }
         }
-        if state == "failed" && head.parts.iter().any(|p| p.outcome().is_none()) {
-            state = "running";
-        }
+        // Running while any part is; then failed if any part failed; else done.
+        let state = match (running, errors.is_empty()) {
+            (true, _) => "running",
+            (false, false) => "failed",
+            (false, true) => "done",
+        };
         Ok(Response::new(SessionStatus {
             session_id: id.to_hex(),
             model: head.model.to_hex(),
