@@ -234,7 +234,13 @@ impl ShardSession {
 
     /// Chunks of the range verified here.
     pub fn verified(&self) -> u32 {
-        self.shard.verified_set(self.start, self.end).len()
+        // Called after every chunk: use the store's running count for whole-shard ranges
+        // (the common case) instead of building a bitmap of the range.
+        if self.start == 0 && self.end == self.shard.total_chunks() {
+            self.shard.verified_count()
+        } else {
+            self.shard.verified_set(self.start, self.end).len()
+        }
     }
 
     /// Chunks in the range.
