@@ -1072,8 +1072,14 @@ impl Node {
             return Ok(());
         }
         if let Some(addr) = source.strip_prefix("shardcast://") {
+            // Ask only for the span that holds the missing chunks (`missing` is ascending),
+            // not the whole range again.
+            let span = match (missing.first(), missing.last()) {
+                (Some(&first), Some(&last)) => first..last.saturating_add(1),
+                _ => return Ok(()),
+            };
             return self
-                .pull_from_holder(sess, addr)
+                .pull_from_holder(sess, addr, span)
                 .await
                 .map_err(|e| format!("holder {addr}: {e}"));
         }
@@ -1100,16 +1106,21 @@ impl Node {
         }
     }
 
-    /// Pulls every chunk of the session's range that `addr` holds.
-    async fn pull_from_holder(&self, sess: &ShardSession, addr: &str) -> Result<(), ChainError> {
+    /// Pulls every chunk of `span` (within the session's range) that `addr` holds.
+    async fn pull_from_holder(
+        &self,
+        sess: &ShardSession,
+        addr: &str,
+        span: std::ops::Range<u32>,
+    ) -> Result<(), ChainError> {
         let mut conn = self.connect(addr).await?;
         self.handshake(&mut conn).await?;
         let shard = sess.shard_index();
         let fetch = Frame::Fetch {
             model: sess.model,
             shard,
-            start: sess.start,
-            end: sess.end,
+            start: span.start,
+            end: span.end,
         };
         conn.writer.send_now(&fetch).await?;
         loop {

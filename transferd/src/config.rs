@@ -199,24 +199,19 @@ impl Config {
             }
         };
         let defaults = ChainConfig::default();
-        let window = args.window.or(file.window).unwrap_or(defaults.window);
-        if !(1..=4096).contains(&window) {
-            bail!("window must be between 1 and 4096 chunks, got {window}");
-        }
-        let origin_parallel = args
-            .origin_parallel
-            .or(file.origin_parallel)
-            .unwrap_or(defaults.origin_parallel);
-        if !(1..=256).contains(&origin_parallel) {
-            bail!("origin_parallel must be between 1 and 256, got {origin_parallel}");
-        }
-        let pipeline_depth = args
-            .pipeline_depth
-            .or(file.pipeline_depth)
-            .unwrap_or(defaults.pipeline_depth);
-        if !(1..=64).contains(&pipeline_depth) {
-            bail!("pipeline_depth must be between 1 and 64, got {pipeline_depth}");
-        }
+        let window = bounded("window", args.window.or(file.window), defaults.window, 4096)?;
+        let origin_parallel = bounded(
+            "origin_parallel",
+            args.origin_parallel.or(file.origin_parallel),
+            defaults.origin_parallel,
+            256,
+        )?;
+        let pipeline_depth = bounded(
+            "pipeline_depth",
+            args.pipeline_depth.or(file.pipeline_depth),
+            defaults.pipeline_depth,
+            64,
+        )?;
         let idle_timeout_s = args
             .idle_timeout_s
             .or(file.idle_timeout_s)
@@ -304,6 +299,15 @@ impl Config {
             corrupt_once,
         })
     }
+}
+
+/// `value` (or `default`), checked to lie in `1..=max`.
+fn bounded(name: &str, value: Option<usize>, default: usize, max: usize) -> anyhow::Result<usize> {
+    let v = value.unwrap_or(default);
+    if !(1..=max).contains(&v) {
+        bail!("{name} must be between 1 and {max}, got {v}");
+    }
+    Ok(v)
 }
 
 fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
