@@ -24,66 +24,75 @@ use tonic::transport::{Channel, Endpoint, Uri};
 /// How long a daemon may take to print its `READY` line.
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Where the `transferd` binary is: `$SHARDCAST_TRANSFERD`, else next to the running
+/// Where the `transferd` binary is: `$SHARDCAST_TRANSFERD`, else found or built by
+/// [`workspace_bin`].
+pub fn transferd_bin() -> anyhow::Result<PathBuf> {
+    workspace_bin("transferd", "transferd", "SHARDCAST_TRANSFERD")
+}
+
+/// Where binary `bin` of workspace package `package` is: `$env`, else next to the running
 /// executable (or its parent, for test binaries under `target/*/deps`). When this program
-/// runs from a cargo build directory and the daemon is not built yet (a fresh clone's
+/// runs from a cargo build directory and the binary is not built yet (a fresh clone's
 /// `cargo run -p shardcast-bench -- demo` builds only the bench), it is built once with the
 /// same profile.
-pub fn transferd_bin() -> anyhow::Result<PathBuf> {
-    static BUILT: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
-    if let Some(p) = std::env::var_os("SHARDCAST_TRANSFERD") {
+pub fn workspace_bin(bin: &str, package: &str, env: &str) -> anyhow::Result<PathBuf> {
+    static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    if let Some(p) = std::env::var_os(env) {
         return Ok(PathBuf::from(p));
     }
     let exe = std::env::current_exe().context("locating the running executable")?;
     let mut dir = exe.parent().map(Path::to_path_buf);
     let mut profile_dir = None;
     while let Some(d) = dir {
-        let candidate = d.join("transferd");
+        let candidate = d.join(bin);
         if candidate.is_file() {
             return Ok(candidate);
         }
         if d.ends_with("debug") || d.ends_with("release") {
             profile_dir.get_or_insert_with(|| d.clone());
         }
-        dir = d.parent().map(Path::to_path_buf).filter(|p| {
-            p.ends_with("debug") || p.ends_with("release") || p.join("transferd").is_file()
-        });
+        dir = d
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| p.ends_with("debug") || p.ends_with("release") || p.join(bin).is_file());
     }
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map(Path::to_path_buf);
     let (Some(profile_dir), Some(workspace)) = (profile_dir, workspace) else {
         bail!(
-            "cannot find the transferd binary next to {}; build it (cargo build --bins) or set SHARDCAST_TRANSFERD",
+            "cannot find the {bin} binary next to {}; build it (cargo build --bins) or set {env}",
             exe.display()
         );
     };
     let mut built = BUILT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(p) = built.as_ref() {
+    if let Some((_, p)) = built.iter().find(|(b, _)| b == bin) {
         return Ok(p.clone());
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let release = profile_dir.ends_with("release");
     eprintln!(
-        "transferd is not built yet; building it ({})",
+        "{bin} is not built yet; building it ({})",
         if release { "release" } else { "debug" }
     );
     let mut cmd = std::process::Command::new(cargo);
     cmd.arg("build")
         .arg("--manifest-path")
         .arg(workspace.join("Cargo.toml"));
-    cmd.args(["-p", "transferd", "--bin", "transferd"]);
+    cmd.args(["-p", package, "--bin", bin]);
     if release {
         cmd.arg("--release");
     }
-    let status = cmd.status().context("running cargo build for transferd")?;
-    let candidate = profile_dir.join("transferd");
+    let status = cmd
+        .status()
+        .with_context(|| format!("running cargo build for {bin}"))?;
+    let candidate = profile_dir.join(bin);
     if !status.success() || !candidate.is_file() {
-        bail!("building transferd failed ({status}); build it with cargo build --bins");
+        bail!("building {bin} failed ({status}); build it with cargo build --bins");
     }
-    *built = Some(candidate.clone());
+    built.push((bin.to_string(), candidate.clone()));
     Ok(candidate)
 }
 
@@ -401,7 +410,8 @@ pub fn hash_file(path: &Path) -> anyhow::Result<[u8; 32]> {
     Ok(*h.finalize().as_bytes())
 }
 
-fn tail(path: &Path) -> String {
+/// The last 20 lines of a log file.
+pub fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")

@@ -3,12 +3,14 @@
 //! The demo and the benchmarks of shardcast (results in `docs/BENCHMARKS.md`):
 //!
 //! * [`cluster`]: real `transferd` processes on loopback or in namespaces.
+//! * [`control`]: a `shardcast-controller` process with daemons reporting to it.
 //! * [`netns`]: emulated clusters (network namespaces, a bridge, `tc` rate caps).
 //! * [`synth`]: synthetic safetensors models.
 //! * [`origin_server`]: a rate-capped HTTP origin standing in for cloud storage.
 //! * [`scenario`]: the `demo` and `chain` scenarios and their reports.
 
 pub mod cluster;
+pub mod control;
 pub mod netns;
 pub mod origin_server;
 pub mod scenario;

@@ -41,6 +41,8 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+#[cfg(feature = "channel")]
+pub mod channel;
 pub mod chunkset;
 pub mod codec;
 pub mod frame;
@@ -52,6 +54,13 @@ pub mod units;
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::use_self)]
 pub mod agent {
     tonic::include_proto!("shardcast.agent.v1");
+}
+
+/// Generated gRPC types and service stubs for the controller API (and the inventory
+/// service transferd heartbeats to). The messages derive serde for the HTTP/JSON API.
+#[allow(missing_docs, unreachable_pub, clippy::all, clippy::use_self)]
+pub mod controller {
+    tonic::include_proto!("shardcast.controller.v1");
 }
 
 pub use chunkset::ChunkSet;

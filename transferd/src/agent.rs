@@ -7,9 +7,10 @@ use std::sync::atomic::Ordering;
 
 use shardcast_protocol::agent::agent_server::Agent;
 use shardcast_protocol::agent::{
-    self as pb, GetModelStatusRequest, GetModelStatusResponse, GetSessionRequest, GetStatsRequest,
-    ImportModelRequest, ImportModelResponse, ListHoldingsRequest, ListHoldingsResponse,
-    SessionStatus, StartChainRequest, StartChainResponse, Stats,
+    self as pb, EvictModelRequest, EvictModelResponse, GetModelStatusRequest,
+    GetModelStatusResponse, GetSessionRequest, GetStatsRequest, ImportModelRequest,
+    ImportModelResponse, ListHoldingsRequest, ListHoldingsResponse, SessionStatus,
+    StartChainRequest, StartChainResponse, Stats,
 };
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::frame::{MAX_ADDR_LEN, MAX_HOPS, MAX_URI_LEN};
@@ -66,7 +67,8 @@ fn chain_status(e: ChainError) -> Status {
     }
 }
 
-fn model_status(h: &Holding) -> pb::ModelStatus {
+/// A holding as the agent API reports it.
+pub(crate) fn model_status(h: &Holding) -> pb::ModelStatus {
     let shards: Vec<pb::ShardStatus> = h
         .shards
         .iter()
@@ -361,6 +363,44 @@ impl Agent for AgentService {
             sessions_total: s.sessions_total.load(Ordering::Relaxed),
             origin_bytes: s.origin_bytes.load(Ordering::Relaxed),
             downstream_failovers: s.downstream_failovers.load(Ordering::Relaxed),
+        }))
+    }
+
+    async fn evict_model(
+        &self,
+        request: Request<EvictModelRequest>,
+    ) -> Result<Response<EvictModelResponse>, Status> {
+        let req = request.into_inner();
+        let tier = tier_from_pb(req.tier)?;
+        let Some(digest) = self.node.store.resolve(&req.model) else {
+            return Err(Status::not_found(format!(
+                "model {:?} is not known on this host",
+                req.model
+            )));
+        };
+        if self.node.model_busy(&digest) {
+            return Err(Status::failed_precondition(format!(
+                "model {digest} is being transferred through this host; evict it after the transfer ends"
+            )));
+        }
+        let held = self
+            .node
+            .store
+            .holdings()
+            .into_iter()
+            .find(|h| h.digest == digest && h.tier == tier);
+        let bytes_freed = held
+            .as_ref()
+            .map(|h| model_status(h).bytes_verified)
+            .unwrap_or(0);
+        self.node
+            .store
+            .remove(&digest, tier)
+            .map_err(|e| Status::internal(format!("removing {digest}: {e}")))?;
+        info!(model = %digest, ?tier, bytes_freed, "evicted");
+        Ok(Response::new(EvictModelResponse {
+            removed: held.is_some(),
+            bytes_freed,
         }))
     }
 }

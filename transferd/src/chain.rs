@@ -394,6 +394,19 @@ impl Node {
         })
     }
 
+    /// Whether a session that has not finished sends or receives model `model` here.
+    pub fn model_busy(&self, model: &ModelDigest) -> bool {
+        let hop = self.sessions.lock().is_ok_and(|m| {
+            m.values()
+                .any(|s| s.model == *model && s.outcome().is_none())
+        });
+        let head = self.heads.lock().is_ok_and(|m| {
+            m.values()
+                .any(|h| h.model == *model && h.parts.iter().any(|p| p.outcome().is_none()))
+        });
+        hop || head
+    }
+
     /// A head session by id.
     pub fn head(&self, id: &SessionId) -> Option<Arc<HeadSession>> {
         self.heads.lock().ok()?.get(id).cloned()

@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use serde::Deserialize;
 use shardcast_protocol::HostId;
-use shardcast_protocol::units::parse_rate;
+use shardcast_protocol::units::{parse_rate, parse_size};
 
 use crate::chain::{ChainConfig, parse_fault_list};
 use crate::store::{StoreConfig, WriterKind};
@@ -77,6 +77,41 @@ pub struct Args {
     /// Log format: text or json [default: text].
     #[arg(long, env = "SHARDCAST_LOG_FORMAT")]
     pub log_format: Option<String>,
+    /// Controller inventory address to heartbeat to (`host:port`, `http://host:port` or
+    /// `unix:/path`) [default: none, the daemon runs unmanaged].
+    #[arg(long, env = "SHARDCAST_CONTROLLER")]
+    pub controller: Option<String>,
+    /// Data-plane address peers use to reach this host [default: the listen address; required
+    /// when that is unspecified (0.0.0.0) and a controller is set].
+    #[arg(long, env = "SHARDCAST_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Agent API address the controller uses [default: the agent listen address].
+    #[arg(long, env = "SHARDCAST_AGENT_ADVERTISE")]
+    pub agent_advertise: Option<String>,
+    /// Zone label reported to the controller.
+    #[arg(long, env = "SHARDCAST_ZONE")]
+    pub zone: Option<String>,
+    /// Rack label reported to the controller (placement keeps chains in-rack).
+    #[arg(long, env = "SHARDCAST_RACK")]
+    pub rack: Option<String>,
+    /// NIC rate reported to the controller, e.g. 10Gbit [default: the egress cap, else unknown].
+    #[arg(long, env = "SHARDCAST_NIC_RATE")]
+    pub nic_rate: Option<String>,
+    /// Cap on the memory tier, e.g. 64GiB [default: the file system's size].
+    #[arg(long, env = "SHARDCAST_MEMORY_CAPACITY")]
+    pub memory_capacity: Option<String>,
+    /// Cap on the disk tier [default: the file system's size].
+    #[arg(long, env = "SHARDCAST_DISK_CAPACITY")]
+    pub disk_capacity: Option<String>,
+    /// GPUs reported to the controller until the GPU loader detects them [default: 0].
+    #[arg(long, env = "SHARDCAST_GPUS")]
+    pub gpus: Option<u32>,
+    /// Memory of each reported GPU, e.g. 80GiB [default: 0].
+    #[arg(long, env = "SHARDCAST_GPU_MEMORY")]
+    pub gpu_memory: Option<String>,
+    /// Milliseconds between heartbeats to the controller [default: 1000].
+    #[arg(long, env = "SHARDCAST_HEARTBEAT_MS")]
+    pub heartbeat_ms: Option<u64>,
 }
 
 /// The TOML file's fields (all optional; unknown fields are an error).
@@ -99,6 +134,17 @@ struct FileConfig {
     verify_on_recover: Option<bool>,
     writer: Option<String>,
     log_format: Option<String>,
+    controller: Option<String>,
+    advertise: Option<String>,
+    agent_advertise: Option<String>,
+    zone: Option<String>,
+    rack: Option<String>,
+    nic_rate: Option<String>,
+    memory_capacity: Option<String>,
+    disk_capacity: Option<String>,
+    gpus: Option<u32>,
+    gpu_memory: Option<String>,
+    heartbeat_ms: Option<u64>,
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -157,9 +203,38 @@ pub struct Config {
     pub chain: ChainConfig,
     /// JSON logs instead of text.
     pub json_logs: bool,
+    /// Reporting to a controller, if one is configured.
+    pub inventory: Inventory,
     /// Chunks to corrupt once when sent (`SHARDCAST_FAULT_CORRUPT`, honoured only with
     /// `SHARDCAST_ENABLE_FAULT_INJECTION=1`; for tests).
     pub corrupt_once: Vec<(u32, u32)>,
+}
+
+/// What the daemon reports to the controller, and where.
+#[derive(Debug, Clone, Default)]
+pub struct Inventory {
+    /// Controller inventory address; `None` runs unmanaged.
+    pub controller: Option<String>,
+    /// Data-plane address peers use (`None`: the listen address).
+    pub advertise: Option<String>,
+    /// Agent address the controller uses (`None`: the agent listen address).
+    pub agent_advertise: Option<String>,
+    /// Zone label.
+    pub zone: String,
+    /// Rack label.
+    pub rack: String,
+    /// NIC rate in bytes/s (0: unknown).
+    pub nic_bps: u64,
+    /// Memory-tier cap in bytes (`None`: file system size).
+    pub memory_capacity: Option<u64>,
+    /// Disk-tier cap in bytes (`None`: file system size).
+    pub disk_capacity: Option<u64>,
+    /// GPUs to report.
+    pub gpus: u32,
+    /// Memory per GPU in bytes.
+    pub gpu_memory: u64,
+    /// Heartbeat period.
+    pub heartbeat: Duration,
 }
 
 fn default_host_id() -> String {
@@ -256,6 +331,33 @@ impl Config {
             } else {
                 Vec::new()
             };
+        let size = |name: &str, v: Option<String>| -> anyhow::Result<Option<u64>> {
+            v.map(|s| parse_size(&s).map_err(|e| anyhow::anyhow!("{name}: {e}")))
+                .transpose()
+        };
+        let egress_rate = rate("egress_rate", args.egress_rate.or(file.egress_rate))?;
+        let heartbeat_ms = args.heartbeat_ms.or(file.heartbeat_ms).unwrap_or(1000);
+        if !(50..=60_000).contains(&heartbeat_ms) {
+            bail!("heartbeat_ms must be between 50 and 60000, got {heartbeat_ms}");
+        }
+        let inventory = Inventory {
+            controller: args.controller.or(file.controller),
+            advertise: args.advertise.or(file.advertise),
+            agent_advertise: args.agent_advertise.or(file.agent_advertise),
+            zone: args.zone.or(file.zone).unwrap_or_default(),
+            rack: args.rack.or(file.rack).unwrap_or_default(),
+            nic_bps: rate("nic_rate", args.nic_rate.or(file.nic_rate))?
+                .or(egress_rate)
+                .unwrap_or(0),
+            memory_capacity: size(
+                "memory_capacity",
+                args.memory_capacity.or(file.memory_capacity),
+            )?,
+            disk_capacity: size("disk_capacity", args.disk_capacity.or(file.disk_capacity))?,
+            gpus: args.gpus.or(file.gpus).unwrap_or(0),
+            gpu_memory: size("gpu_memory", args.gpu_memory.or(file.gpu_memory))?.unwrap_or(0),
+            heartbeat: Duration::from_millis(heartbeat_ms),
+        };
         Ok(Self {
             host_id,
             listen: args
@@ -281,7 +383,7 @@ impl Config {
                     .unwrap_or(true),
                 writer,
             },
-            egress_rate: rate("egress_rate", args.egress_rate.or(file.egress_rate))?,
+            egress_rate,
             ingress_rate: rate("ingress_rate", args.ingress_rate.or(file.ingress_rate))?,
             chain: ChainConfig {
                 window,
@@ -296,6 +398,7 @@ impl Config {
                 ..defaults
             },
             json_logs,
+            inventory,
             corrupt_once,
         })
     }

@@ -99,6 +99,17 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             }
         });
     }
+    if let Some(controller) = config.inventory.controller.clone() {
+        let addrs = advertised(&config, data_addr, &agent_addr)?;
+        info!(%controller, data = %addrs.data, agent = %addrs.agent, "reporting to the controller");
+        tasks.spawn(crate::report::run(
+            node.clone(),
+            config.inventory.clone(),
+            addrs,
+            controller,
+            cancel.clone(),
+        ));
+    }
     info!(host = %config.host_id, %data_addr, %agent_addr, %admin_addr, "transferd ready");
     println!("READY data={data_addr} agent={agent_addr} admin={admin_addr}");
 
@@ -113,6 +124,29 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         warn!("grace period over; exiting with tasks still running");
     }
     Ok(())
+}
+
+/// The addresses to report: configured ones, else the bound ones when they are specific.
+fn advertised(
+    config: &Config,
+    data: std::net::SocketAddr,
+    agent: &str,
+) -> anyhow::Result<crate::report::Advertised> {
+    let data = match &config.inventory.advertise {
+        Some(a) => a.clone(),
+        None if data.ip().is_unspecified() => anyhow::bail!(
+            "the data listener is {data}: set `advertise` to the address peers should use"
+        ),
+        None => data.to_string(),
+    };
+    let agent = match &config.inventory.agent_advertise {
+        Some(a) => a.clone(),
+        None if agent.starts_with("0.0.0.0:") || agent.starts_with("[::]:") => anyhow::bail!(
+            "the agent listener is {agent}: set `agent_advertise` to the address the controller should use"
+        ),
+        None => agent.to_string(),
+    };
+    Ok(crate::report::Advertised { data, agent })
 }
 
 enum AgentListener {

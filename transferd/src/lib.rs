@@ -12,6 +12,7 @@
 //! * [`wire`] / [`transport`]: frames over any byte stream; TCP today.
 //! * [`throttle`]: daemon-wide egress/ingress token buckets.
 //! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`.
+//! * [`report`]: heartbeats to the controller's inventory (identity, capacity, holdings).
 //! * [`config`] and [`daemon`]: layered configuration and process wiring.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
@@ -22,6 +23,7 @@ pub mod chain;
 pub mod config;
 pub mod daemon;
 pub mod origin;
+pub mod report;
 pub mod store;
 pub mod throttle;
 pub mod transport;

@@ -391,7 +391,8 @@ impl ShardStore {
         Ok(())
     }
 
-    fn tier_root(&self, tier: Tier) -> &Path {
+    /// The directory a tier lives in.
+    pub fn tier_root(&self, tier: Tier) -> &Path {
         match tier {
             Tier::Memory => &self.inner.memory_dir,
             Tier::Disk => &self.inner.disk_dir,

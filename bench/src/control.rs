@@ -1,0 +1,310 @@
+//! A real `shardcast-controller` process with `transferd` daemons that heartbeat to it: the
+//! managed cluster behind `demo`, `cold-start` and the controller integration tests.
+//!
+//! The controller serves gRPC on loopback TCP and on a Unix socket in its directory; the
+//! daemons report to the Unix socket, so the same cluster works whether the daemons run on
+//! loopback or inside emulated network namespaces.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use shardcast_protocol::controller::controller_client::ControllerClient;
+use shardcast_protocol::controller::{ListHostsRequest, PlanStatus, WatchPlanRequest};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tonic::transport::Channel;
+
+use crate::cluster::{Daemon, DaemonOpts, START_TIMEOUT, tail, workspace_bin};
+
+/// Heartbeat period used in managed clusters (fast, so a dead host is noticed in under a
+/// second).
+pub const HEARTBEAT_MS: u64 = 200;
+
+/// Where the `shardcast-controller` binary is (`$SHARDCAST_CONTROLLER_BIN` overrides).
+pub fn controller_bin() -> anyhow::Result<PathBuf> {
+    workspace_bin(
+        "shardcast-controller",
+        "shardcast-controller",
+        "SHARDCAST_CONTROLLER_BIN",
+    )
+}
+
+/// Where the `shardcast` CLI binary is (`$SHARDCAST_CLI_BIN` overrides).
+pub fn cli_bin() -> anyhow::Result<PathBuf> {
+    workspace_bin("shardcast", "shardcast-controller", "SHARDCAST_CLI_BIN")
+}
+
+/// A running controller process. Killed (by PID) when dropped.
+pub struct ControllerProc {
+    /// gRPC address on loopback.
+    pub grpc: SocketAddr,
+    /// HTTP/JSON address on loopback.
+    pub http: SocketAddr,
+    /// gRPC Unix socket.
+    pub unix: PathBuf,
+    /// State directory (survives restarts).
+    pub state_dir: PathBuf,
+    /// Log file.
+    pub log: PathBuf,
+    extra: Vec<String>,
+    child: Option<Child>,
+}
+
+impl ControllerProc {
+    /// Starts a controller whose state and socket live under `root`, with extra flags.
+    pub async fn start(root: &Path, extra: Vec<String>) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
+        let mut c = Self {
+            grpc: SocketAddr::from(([127, 0, 0, 1], 0)),
+            http: SocketAddr::from(([127, 0, 0, 1], 0)),
+            unix: root.join("controller.sock"),
+            state_dir: root.join("state"),
+            log: root.join("controller.log"),
+            extra,
+            child: None,
+        };
+        c.spawn().await?;
+        Ok(c)
+    }
+
+    async fn spawn(&mut self) -> anyhow::Result<()> {
+        let bin = controller_bin()?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("opening {}", self.log.display()))?;
+        let mut child = Command::new(&bin)
+            .arg("--listen")
+            .arg(self.grpc.to_string())
+            .arg("--http-listen")
+            .arg(self.http.to_string())
+            .arg("--unix")
+            .arg(&self.unix)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--heartbeat-ms")
+            .arg(HEARTBEAT_MS.to_string())
+            .args(&self.extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let stdout = child.stdout.take().context("controller stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(START_TIMEOUT, async {
+            while let Some(line) = lines.next_line().await? {
+                if let Some(rest) = line.strip_prefix("READY ") {
+                    return Ok::<_, std::io::Error>(Some(rest.to_string()));
+                }
+            }
+            Ok(None)
+        })
+        .await;
+        let line = match ready {
+            Ok(Ok(Some(line))) => line,
+            Ok(_) => {
+                let status = child.wait().await.ok();
+                bail!(
+                    "shardcast-controller exited before it was ready ({status:?}); log {}:\n{}",
+                    self.log.display(),
+                    tail(&self.log)
+                );
+            }
+            Err(_) => bail!(
+                "shardcast-controller not ready after {START_TIMEOUT:?}; log {}",
+                self.log.display()
+            ),
+        };
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(k))
+                .with_context(|| format!("READY line {line:?} lacks {k}"))
+        };
+        self.grpc = field("grpc=")?.parse()?;
+        self.http = field("http=")?.parse()?;
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The process id, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
+    /// SIGKILL (by PID) and wait: a controller crash.
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    /// Starts it again on the same ports and state.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill().await;
+        let mut last = None;
+        for _ in 0..50 {
+            match self.spawn().await {
+                Ok(()) => return Ok(()),
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("restart failed")))
+    }
+
+    /// The address daemons heartbeat to.
+    pub fn inventory_addr(&self) -> String {
+        format!("unix:{}", self.unix.display())
+    }
+
+    /// A gRPC client (over loopback TCP).
+    pub async fn client(&self) -> anyhow::Result<ControllerClient<Channel>> {
+        let ch = shardcast_protocol::channel::connect(&self.grpc.to_string()).await?;
+        Ok(ControllerClient::new(ch)
+            .max_decoding_message_size(128 << 20)
+            .max_encoding_message_size(128 << 20))
+    }
+
+    /// Base URL of the HTTP API.
+    pub fn http_url(&self) -> String {
+        format!("http://{}", self.http)
+    }
+}
+
+impl Drop for ControllerProc {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.start_kill();
+        }
+    }
+}
+
+/// Flags that make a daemon report to `controller`.
+pub fn managed_args(controller: &ControllerProc, rack: &str) -> Vec<String> {
+    let mut v = vec![
+        "--controller".into(),
+        controller.inventory_addr(),
+        "--heartbeat-ms".into(),
+        HEARTBEAT_MS.to_string(),
+    ];
+    if !rack.is_empty() {
+        v.extend(["--rack".into(), rack.into()]);
+    }
+    v
+}
+
+/// A controller and daemons reporting to it.
+pub struct ManagedCluster {
+    /// The controller.
+    pub controller: ControllerProc,
+    /// The daemons, `host-1` … `host-N`.
+    pub daemons: Vec<Daemon>,
+    /// Scratch directory holding everything.
+    pub scratch: tempfile::TempDir,
+}
+
+impl ManagedCluster {
+    /// Starts a controller (with `ctl_args`) and `n` daemons on loopback; `opts(i, o)`
+    /// adjusts daemon `i` (0-based). Waits until every daemon has registered.
+    pub async fn start(
+        n: usize,
+        ctl_args: Vec<String>,
+        mut opts: impl FnMut(usize, &mut DaemonOpts),
+    ) -> anyhow::Result<Self> {
+        let scratch = tempfile::Builder::new()
+            .prefix("shardcast-managed-")
+            .tempdir()
+            .context("scratch dir")?;
+        let controller =
+            ControllerProc::start(&scratch.path().join("controller"), ctl_args).await?;
+        let mut daemons = Vec::new();
+        for i in 0..n {
+            let name = format!("host-{}", i + 1);
+            let mut o = DaemonOpts::local(name.clone());
+            o.extra_args.extend(managed_args(&controller, ""));
+            o.extra_args.extend([
+                "--upstream-grace-ms".into(),
+                "500".into(),
+                "--idle-timeout-s".into(),
+                "5".into(),
+            ]);
+            opts(i, &mut o);
+            daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
+        }
+        let c = Self {
+            controller,
+            daemons,
+            scratch,
+        };
+        c.wait_hosts_up(n, Duration::from_secs(20)).await?;
+        Ok(c)
+    }
+
+    /// Waits until at least `n` hosts are up in the controller's inventory.
+    pub async fn wait_hosts_up(&self, n: usize, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let up = match self.controller.client().await {
+                Ok(mut c) => c
+                    .list_hosts(ListHostsRequest {})
+                    .await
+                    .map(|r| r.into_inner().hosts.iter().filter(|h| h.up).count())
+                    .unwrap_or(0),
+                Err(_) => 0,
+            };
+            if up >= n {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("only {up} of {n} hosts registered with the controller within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Daemon by host id.
+    pub fn daemon(&self, host: &str) -> anyhow::Result<&Daemon> {
+        self.daemons
+            .iter()
+            .find(|d| d.host_id.as_str() == host)
+            .with_context(|| format!("no daemon {host}"))
+    }
+}
+
+/// Polls a plan until it has ended (or `timeout`), returning its final status.
+pub async fn wait_plan(
+    client: &mut ControllerClient<Channel>,
+    plan: &str,
+    timeout: Duration,
+) -> anyhow::Result<PlanStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let s = client
+            .get_plan(WatchPlanRequest {
+                plan_id: plan.to_string(),
+            })
+            .await?
+            .into_inner();
+        if s.state != "running" {
+            return Ok(s);
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "plan {plan} still running after {timeout:?}: {:?}",
+                s.hosts
+                    .iter()
+                    .map(|h| format!("{}={}({}/{})", h.host, h.state, h.bytes, h.total))
+                    .collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

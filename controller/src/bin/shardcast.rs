@@ -1,0 +1,13 @@
+//! `shardcast`: the operator CLI (see `shardcast_controller::cli`).
+
+use clap::Parser;
+use shardcast_controller::cli::{Cli, run};
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli).await {
+        eprintln!("error: {}", e.message);
+        std::process::exit(e.exit);
+    }
+}

@@ -1,0 +1,686 @@
+//! The `shardcast` operator CLI: talks to the controller's gRPC API. Tables and progress
+//! bars on a terminal; `--json` prints the API's messages as JSON for scripts.
+//!
+//! Exit status: 0 success, 2 invalid argument, 3 not found, 4 not enough capacity,
+//! 5 unavailable (no live host, controller unreachable), 6 a plan ended failed, 1 other.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use futures::StreamExt;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use serde::Serialize;
+use shardcast_protocol::controller::controller_client::ControllerClient;
+use shardcast_protocol::controller::{
+    EvictRequest, GetModelRequest, GetStatusRequest, ListHostsRequest, ListModelsRequest,
+    ListPlansRequest, PlanAccepted, PlanStatus, PrewarmRequest, RegisterModelRequest,
+    ScaleOutRequest, WatchPlanRequest,
+};
+use shardcast_protocol::units::{format_bytes, parse_size};
+use tonic::transport::Channel;
+
+use crate::error::code_name;
+
+/// `shardcast`: operate a shardcast cluster through its controller.
+#[derive(Debug, Parser)]
+#[command(
+    name = "shardcast",
+    version,
+    about = "Operate a shardcast cluster through its controller"
+)]
+pub struct Cli {
+    /// Controller gRPC address: host:port, http://host:port or unix:/path.
+    #[arg(
+        long,
+        global = true,
+        env = "SHARDCAST_CONTROLLER",
+        default_value = "127.0.0.1:7500"
+    )]
+    pub controller: String,
+    /// Print JSON (the API's messages) instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Register a model: build its manifest from the origin.
+    Register {
+        /// Model name, e.g. org/llama-3-8b.
+        name: String,
+        /// Origin: file:///abs/dir or http(s)://host/prefix/.
+        origin: String,
+        /// Chunk size, e.g. 1MiB [default: 1MiB].
+        #[arg(long)]
+        chunk_size: Option<String>,
+        /// Host whose transferd reads the origin [default: any live host].
+        #[arg(long)]
+        via: Option<String>,
+    },
+    /// List registered models.
+    Models,
+    /// Show one model's manifest summary.
+    Model {
+        /// Name or digest.
+        model: String,
+    },
+    /// List hosts and what they report.
+    Hosts,
+    /// Make N replicas (or the named hosts) hold a model.
+    Prewarm {
+        /// Name or digest.
+        model: String,
+        /// Replicas wanted.
+        #[arg(long, short = 'n', conflicts_with = "hosts")]
+        replicas: Option<u32>,
+        /// Exactly these hosts (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        hosts: Vec<String>,
+        /// memory, disk or gpu.
+        #[arg(long, default_value = "memory")]
+        tier: String,
+        /// Return once the plan is made instead of watching it.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Add N replicas beyond those that exist.
+    ScaleOut {
+        /// Name or digest.
+        model: String,
+        /// Additional replicas.
+        #[arg(long, short = 'n')]
+        replicas: u32,
+        /// memory, disk or gpu.
+        #[arg(long, default_value = "memory")]
+        tier: String,
+        /// Return once the plan is made.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Remove a model's copy in a tier from hosts (all holders by default).
+    Evict {
+        /// Name or digest.
+        model: String,
+        /// Only these hosts (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        hosts: Vec<String>,
+        /// memory, disk or gpu.
+        #[arg(long, default_value = "memory")]
+        tier: String,
+    },
+    /// Where a model is, and its plans in flight.
+    Status {
+        /// Name or digest.
+        model: String,
+    },
+    /// Follow a plan until it ends.
+    Watch {
+        /// Plan id.
+        plan: String,
+    },
+    /// List plans, newest first.
+    Plans,
+}
+
+/// A CLI failure with its exit status.
+#[derive(Debug)]
+pub struct CliError {
+    /// Exit status.
+    pub exit: i32,
+    /// Message for stderr.
+    pub message: String,
+}
+
+impl From<tonic::Status> for CliError {
+    fn from(s: tonic::Status) -> Self {
+        let exit = match s.code() {
+            tonic::Code::InvalidArgument => 2,
+            tonic::Code::NotFound => 3,
+            tonic::Code::ResourceExhausted => 4,
+            tonic::Code::Unavailable => 5,
+            _ => 1,
+        };
+        Self {
+            exit,
+            message: format!("{}: {}", code_name(s.code()), s.message()),
+        }
+    }
+}
+
+fn usage(message: impl Into<String>) -> CliError {
+    CliError {
+        exit: 2,
+        message: message.into(),
+    }
+}
+
+/// Runs one command.
+pub async fn run(cli: Cli) -> Result<(), CliError> {
+    let channel =
+        shardcast_protocol::channel::lazy(&cli.controller).map_err(|e| usage(e.to_string()))?;
+    let mut c = ControllerClient::new(channel)
+        .max_decoding_message_size(128 << 20)
+        .max_encoding_message_size(128 << 20);
+    let json = cli.json;
+    match cli.command {
+        Command::Register {
+            name,
+            origin,
+            chunk_size,
+            via,
+        } => {
+            let chunk_size = match chunk_size {
+                None => 0,
+                Some(s) => {
+                    let v = parse_size(&s).map_err(|e| usage(format!("--chunk-size: {e}")))?;
+                    u32::try_from(v).map_err(|_| usage("--chunk-size must be below 4 GiB"))?
+                }
+            };
+            if !json {
+                eprintln!("reading {origin} to build the manifest (large models take a while)…");
+            }
+            let m = c
+                .register_model(RegisterModelRequest {
+                    name,
+                    origin,
+                    chunk_size,
+                    via_host: via.unwrap_or_default(),
+                })
+                .await?
+                .into_inner();
+            if json {
+                print_json(&m);
+            } else {
+                println!(
+                    "registered {} {} ({}, {} shards)",
+                    m.name,
+                    m.digest,
+                    format_bytes(m.total_bytes),
+                    m.shards.len()
+                );
+            }
+        }
+        Command::Models => {
+            let r = c.list_models(ListModelsRequest {}).await?.into_inner();
+            if json {
+                print_json(&r);
+            } else {
+                let rows = r
+                    .models
+                    .iter()
+                    .map(|m| {
+                        vec![
+                            m.name.clone(),
+                            short(&m.digest),
+                            format_bytes(m.total_bytes),
+                            m.shards.len().to_string(),
+                            m.origin.clone(),
+                        ]
+                    })
+                    .collect();
+                print!(
+                    "{}",
+                    table(&["MODEL", "DIGEST", "SIZE", "SHARDS", "ORIGIN"], rows)
+                );
+            }
+        }
+        Command::Model { model } => {
+            let m = c.get_model(GetModelRequest { model }).await?.into_inner();
+            if json {
+                print_json(&m);
+            } else {
+                println!(
+                    "{} {}\norigin {}\nsize {} in {} shards, chunk {}",
+                    m.name,
+                    m.digest,
+                    m.origin,
+                    format_bytes(m.total_bytes),
+                    m.shards.len(),
+                    format_bytes(u64::from(m.chunk_size))
+                );
+                let rows = m
+                    .shards
+                    .iter()
+                    .map(|s| vec![s.path.clone(), format_bytes(s.size), s.chunks.to_string()])
+                    .collect();
+                print!("{}", table(&["SHARD", "SIZE", "CHUNKS"], rows));
+            }
+        }
+        Command::Hosts => {
+            let r = c.list_hosts(ListHostsRequest {}).await?.into_inner();
+            if json {
+                print_json(&r);
+            } else {
+                let rows = r
+                    .hosts
+                    .iter()
+                    .map(|h| {
+                        let rep = h.report.clone().unwrap_or_default();
+                        let complete = rep.holdings.iter().filter(|m| m.complete).count();
+                        vec![
+                            rep.host_id,
+                            if h.up { "up".into() } else { "DOWN".into() },
+                            format!("{:.1}s", h.last_seen_s),
+                            rep.rack,
+                            rep.data_addr,
+                            format!(
+                                "{}/{}",
+                                format_bytes(rep.mem_free),
+                                format_bytes(rep.mem_capacity)
+                            ),
+                            format!(
+                                "{}/{}",
+                                format_bytes(rep.disk_free),
+                                format_bytes(rep.disk_capacity)
+                            ),
+                            format!("{}/{}", h.gpus_reserved, rep.gpus.len()),
+                            complete.to_string(),
+                        ]
+                    })
+                    .collect();
+                print!(
+                    "{}",
+                    table(
+                        &[
+                            "HOST",
+                            "STATE",
+                            "SEEN",
+                            "RACK",
+                            "DATA",
+                            "MEM FREE",
+                            "DISK FREE",
+                            "GPUS RSV",
+                            "COPIES"
+                        ],
+                        rows
+                    )
+                );
+            }
+        }
+        Command::Prewarm {
+            model,
+            replicas,
+            hosts,
+            tier,
+            no_wait,
+        } => {
+            if replicas.is_none() && hosts.is_empty() {
+                return Err(usage("give --replicas N or --hosts a,b"));
+            }
+            let a = c
+                .prewarm(PrewarmRequest {
+                    model,
+                    replicas: replicas.unwrap_or(0),
+                    hosts,
+                    tier,
+                })
+                .await?
+                .into_inner();
+            return accepted(&mut c, a, json, no_wait).await;
+        }
+        Command::ScaleOut {
+            model,
+            replicas,
+            tier,
+            no_wait,
+        } => {
+            let a = c
+                .scale_out(ScaleOutRequest {
+                    model,
+                    replicas,
+                    tier,
+                })
+                .await?
+                .into_inner();
+            return accepted(&mut c, a, json, no_wait).await;
+        }
+        Command::Evict { model, hosts, tier } => {
+            let r = c
+                .evict(EvictRequest { model, hosts, tier })
+                .await?
+                .into_inner();
+            if json {
+                print_json(&r);
+            } else if r.evicted.is_empty() {
+                println!("nothing to evict");
+            } else {
+                println!("evicted from {}", r.evicted.join(", "));
+            }
+        }
+        Command::Status { model } => {
+            let s = c.get_status(GetStatusRequest { model }).await?.into_inner();
+            if json {
+                print_json(&s);
+            } else {
+                let m = s.model.clone().unwrap_or_default();
+                println!("{} {} ({})", m.name, m.digest, format_bytes(m.total_bytes));
+                let rows = s
+                    .hosts
+                    .iter()
+                    .map(|h| {
+                        vec![
+                            h.host.clone(),
+                            if h.up { "up".into() } else { "DOWN".into() },
+                            tier_cell(h.memory, h.memory_bytes, m.total_bytes),
+                            tier_cell(h.disk, h.disk_bytes, m.total_bytes),
+                            h.gpus.to_string(),
+                        ]
+                    })
+                    .collect();
+                print!(
+                    "{}",
+                    table(&["HOST", "STATE", "MEMORY", "DISK", "GPUS"], rows)
+                );
+                if !s.plans.is_empty() {
+                    println!("plans in flight: {}", s.plans.join(", "));
+                }
+            }
+        }
+        Command::Watch { plan } => {
+            let last = watch(&mut c, &plan, json).await?;
+            return plan_result(&last);
+        }
+        Command::Plans => {
+            let r = c.list_plans(ListPlansRequest {}).await?.into_inner();
+            if json {
+                print_json(&r);
+            } else {
+                let rows = r
+                    .plans
+                    .iter()
+                    .map(|p| {
+                        let done = p
+                            .hosts
+                            .iter()
+                            .filter(|h| h.state == "done" || h.state == "local")
+                            .count();
+                        vec![
+                            p.plan_id.clone(),
+                            p.model.clone(),
+                            p.tier.clone(),
+                            p.state.clone(),
+                            format!("{done}/{}", p.hosts.len()),
+                            format!("{:.1}s", p.elapsed_s),
+                            format!("{:.1}s", p.estimate_s),
+                        ]
+                    })
+                    .collect();
+                print!(
+                    "{}",
+                    table(
+                        &[
+                            "PLAN", "MODEL", "TIER", "STATE", "HOSTS", "ELAPSED", "ESTIMATE"
+                        ],
+                        rows
+                    )
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn tier_cell(complete: bool, bytes: u64, total: u64) -> String {
+    if complete {
+        "complete".into()
+    } else if bytes > 0 {
+        format!("{} / {}", format_bytes(bytes), format_bytes(total))
+    } else {
+        "-".into()
+    }
+}
+
+async fn accepted(
+    c: &mut ControllerClient<Channel>,
+    a: PlanAccepted,
+    json: bool,
+    no_wait: bool,
+) -> Result<(), CliError> {
+    if json && no_wait {
+        print_json(&a);
+        return Ok(());
+    }
+    if !json {
+        println!("plan {} — estimated {:.1} s", a.plan_id, a.estimate_s);
+        let rows = a
+            .chains
+            .iter()
+            .map(|ch| {
+                vec![
+                    format!("{} ({})", ch.source, ch.source_tier),
+                    ch.hops.join(" → "),
+                    if ch.shards.is_empty() {
+                        "all".into()
+                    } else {
+                        format!("{:?}", ch.shards)
+                    },
+                    format_bytes(ch.bytes),
+                    format!("{:.1}s", ch.estimate_s),
+                ]
+            })
+            .collect::<Vec<_>>();
+        if !rows.is_empty() {
+            print!(
+                "{}",
+                table(&["SOURCE", "CHAIN", "SHARDS", "BYTES", "ESTIMATE"], rows)
+            );
+        }
+        for h in a.hosts.iter().filter(|h| h.state != "pending") {
+            println!("{}: {} ({})", h.host, h.state, h.source);
+        }
+        if no_wait {
+            println!("follow it with: shardcast watch {}", a.plan_id);
+            return Ok(());
+        }
+    }
+    let last = watch(c, &a.plan_id, json).await?;
+    plan_result(&last)
+}
+
+fn plan_result(p: &PlanStatus) -> Result<(), CliError> {
+    match p.state.as_str() {
+        "failed" => Err(CliError {
+            exit: 6,
+            message: format!("plan {} failed: {}", p.plan_id, p.message),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Follows a plan: progress bars on a terminal, one line per change otherwise, or the final
+/// status as JSON.
+async fn watch(
+    c: &mut ControllerClient<Channel>,
+    plan: &str,
+    json: bool,
+) -> Result<PlanStatus, CliError> {
+    let mut stream = c
+        .watch_plan(WatchPlanRequest {
+            plan_id: plan.to_string(),
+        })
+        .await?
+        .into_inner();
+    let tty = std::io::stderr().is_terminal() && !json;
+    let multi = MultiProgress::new();
+    let style =
+        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {bytes:>10}/{total_bytes:<10} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+    let mut bars: BTreeMap<String, ProgressBar> = BTreeMap::new();
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    let mut last: Option<PlanStatus> = None;
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(3600), stream.next()).await;
+        let item = match next {
+            Err(_) => break,
+            Ok(None) => break,
+            Ok(Some(item)) => item?,
+        };
+        for h in &item.hosts {
+            if tty {
+                let bar = bars.entry(h.host.clone()).or_insert_with(|| {
+                    let b = multi.add(ProgressBar::new(h.total));
+                    b.set_style(style.clone());
+                    b.set_prefix(h.host.clone());
+                    b
+                });
+                bar.set_length(h.total);
+                bar.set_position(h.bytes);
+                let msg = if h.error.is_empty() {
+                    format!("{} from {}", h.state, h.source)
+                } else {
+                    format!("{} ({})", h.state, h.error)
+                };
+                bar.set_message(msg);
+                if !is_running_state(&h.state) && !bar.is_finished() {
+                    bar.finish();
+                }
+            } else if !json {
+                let key = format!("{}:{}", h.state, h.error);
+                if seen.get(&h.host) != Some(&key) {
+                    println!(
+                        "{:>8.1}s {} {} {}/{} from {}{}",
+                        item.elapsed_s,
+                        h.host,
+                        h.state,
+                        format_bytes(h.bytes),
+                        format_bytes(h.total),
+                        h.source,
+                        if h.error.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({})", h.error)
+                        }
+                    );
+                    seen.insert(h.host.clone(), key);
+                }
+            }
+        }
+        last = Some(item);
+    }
+    // The stream ends with the final state; ask once more in case it was cut short.
+    let last = match last {
+        Some(l) if l.state != "running" => l,
+        _ => c
+            .get_plan(WatchPlanRequest {
+                plan_id: plan.to_string(),
+            })
+            .await?
+            .into_inner(),
+    };
+    if json {
+        print_json(&last);
+    } else {
+        for b in bars.values() {
+            if !b.is_finished() {
+                b.finish();
+            }
+        }
+        let rows = last
+            .hosts
+            .iter()
+            .map(|h| {
+                vec![
+                    h.host.clone(),
+                    h.state.clone(),
+                    h.source.clone(),
+                    format_bytes(h.bytes),
+                    h.error.clone(),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            table(&["HOST", "STATE", "SOURCE", "BYTES", "NOTE"], rows)
+        );
+        println!(
+            "plan {} {} in {:.2} s (estimate {:.2} s){}",
+            last.plan_id,
+            last.state,
+            last.elapsed_s,
+            last.estimate_s,
+            if last.message.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", last.message)
+            }
+        );
+    }
+    Ok(last)
+}
+
+fn is_running_state(s: &str) -> bool {
+    matches!(s, "pending" | "receiving" | "joined")
+}
+
+fn print_json<T: Serialize>(v: &T) {
+    match serde_json::to_string_pretty(v) {
+        Ok(s) => println!("{s}"),
+        Err(e) => eprintln!("cannot encode JSON: {e}"),
+    }
+}
+
+fn short(digest: &str) -> String {
+    digest.chars().take(12).collect()
+}
+
+/// A plain text table with aligned columns.
+pub fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for r in &rows {
+        for (i, cell) in r.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut s = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            let w = widths.get(i).copied().unwrap_or(0);
+            if i + 1 == cells.len() {
+                s.push_str(cell);
+            } else {
+                s.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let mut out = line(headers.iter().map(|h| (*h).to_string()).collect());
+    for r in rows {
+        out.push_str(&line(r));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_aligns_columns() {
+        let t = table(
+            &["A", "LONGER"],
+            vec![
+                vec!["xyz".into(), "1".into()],
+                vec!["q".into(), "22".into()],
+            ],
+        );
+        assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
+    }
+
+    #[test]
+    fn exit_codes_follow_grpc_codes() {
+        let e: CliError = tonic::Status::not_found("x").into();
+        assert_eq!(e.exit, 3);
+        assert!(e.message.starts_with("NOT_FOUND: x"));
+        let e: CliError = tonic::Status::resource_exhausted("x").into();
+        assert_eq!(e.exit, 4);
+    }
+}

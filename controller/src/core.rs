@@ -1,0 +1,1368 @@
+//! The controller's operations, shared by the gRPC and HTTP front ends: the registry, the
+//! inventory, plan creation (placement + chain plans from `shardcast-placement`), and the
+//! plan runner that starts chains on transferd agents and watches them to the end.
+//!
+//! Locking: one mutex guards the in-memory state. Plan creation validates, places and
+//! records the plan under that lock, so two concurrent prewarms of one model see each
+//! other (the second joins the first's transfers instead of starting new ones). Calls to
+//! agents never happen under the lock.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use shardcast_placement::{
+    self as placement, PlanError, PlanParams, Receiver, ReceiverKind, Source, Target, Tier,
+};
+use shardcast_protocol::agent::agent_client::AgentClient;
+use shardcast_protocol::agent::{self as apb, GetModelStatusRequest, ImportModelRequest};
+use shardcast_protocol::codec::decode_exact;
+use shardcast_protocol::controller::{
+    EvictRequest, EvictResponse, HostHolding, HostProgress, HostReport, HostState,
+    ListHostsResponse, ListModelsResponse, ListPlansResponse, ModelInfo, ModelStatus, PlanAccepted,
+    PlanStatus, PlannedChain, PrewarmRequest, RegisterModelRequest, ScaleOutRequest, ShardInfo,
+};
+use shardcast_protocol::{HostId, Manifest, ModelName};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use tracing::{info, warn};
+
+use crate::error::ApiError;
+use crate::inventory::{self, HostEntry, HostRecord, Pending};
+use crate::state::{StateStore, Table};
+
+/// Controller tuning.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// Heartbeat period the hosts are told to keep.
+    pub heartbeat: Duration,
+    /// Heartbeats a host may miss before it is marked down.
+    pub missed_heartbeats: u32,
+    /// Placement and estimate parameters.
+    pub plan: PlanParams,
+    /// How often a running plan polls its receivers.
+    pub poll: Duration,
+    /// A receiver without progress this long is re-planned.
+    pub stall_timeout: Duration,
+    /// Re-plans per plan before its stuck receivers are marked failed.
+    pub max_replans: u32,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_secs(1),
+            missed_heartbeats: 3,
+            plan: PlanParams::default(),
+            poll: Duration::from_millis(250),
+            stall_timeout: Duration::from_secs(10),
+            max_replans: 3,
+        }
+    }
+}
+
+impl ControllerConfig {
+    /// Silence after which a host is down.
+    pub fn host_timeout(&self) -> Duration {
+        self.heartbeat * self.missed_heartbeats.max(1)
+    }
+}
+
+/// A registered model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelRecord {
+    /// Name.
+    pub name: String,
+    /// Hex manifest digest.
+    pub digest: String,
+    /// Origin URI.
+    pub origin: String,
+    /// Chunk size.
+    pub chunk_size: u32,
+    /// Total bytes.
+    pub total_bytes: u64,
+    /// Shards: (path, size, chunks).
+    pub shards: Vec<(String, u64, u32)>,
+    /// Seconds since the epoch.
+    pub registered_at: f64,
+}
+
+impl ModelRecord {
+    fn info(&self, manifest: Option<&[u8]>) -> ModelInfo {
+        ModelInfo {
+            name: self.name.clone(),
+            digest: self.digest.clone(),
+            origin: self.origin.clone(),
+            total_bytes: self.total_bytes,
+            chunk_size: self.chunk_size,
+            shards: self
+                .shards
+                .iter()
+                .map(|(path, size, chunks)| ShardInfo {
+                    path: path.clone(),
+                    size: *size,
+                    chunks: *chunks,
+                })
+                .collect(),
+            manifest: manifest.map(<[u8]>::to_vec).unwrap_or_default(),
+            registered_at: self.registered_at,
+        }
+    }
+
+    fn spec(&self) -> placement::ModelSpec {
+        placement::ModelSpec {
+            key: self.digest.clone(),
+            shard_bytes: self.shards.iter().map(|s| s.1).collect(),
+            chunk_size: u64::from(self.chunk_size),
+        }
+    }
+}
+
+/// One chain as started on the data plane.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChainRun {
+    /// Host whose agent heads the chain.
+    pub head: String,
+    /// Session id (hex), chosen by the controller.
+    pub session: String,
+    /// Receivers after the head.
+    pub hops: Vec<String>,
+    /// Shards (empty = all).
+    pub shards: Vec<u32>,
+    /// Fetch from the origin (the head is the only receiver, or the head is a receiver).
+    pub from_origin: bool,
+    /// Started on the agent.
+    pub started: bool,
+    /// Why starting it failed.
+    pub error: String,
+}
+
+/// A plan, as persisted.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PlanRecord {
+    /// What callers see.
+    pub status: PlanStatus,
+    /// Chains started (or to start).
+    pub runs: Vec<ChainRun>,
+    /// Origin URI (fallback for every hop).
+    pub origin: String,
+    /// Model name.
+    pub name: String,
+    /// Seconds since the epoch when it ended.
+    pub ended_at: Option<f64>,
+}
+
+const ACTIVE: [&str; 3] = ["pending", "receiving", "joined"];
+
+fn is_active(state: &str) -> bool {
+    ACTIVE.contains(&state)
+}
+
+fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn data_tier(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Disk => "disk",
+        Tier::Memory | Tier::Gpu => "memory",
+    }
+}
+
+fn agent_tier(tier: Tier) -> i32 {
+    match tier {
+        Tier::Disk => apb::Tier::Disk as i32,
+        Tier::Memory | Tier::Gpu => apb::Tier::Memory as i32,
+    }
+}
+
+fn parse_tier(s: &str) -> Result<Tier, ApiError> {
+    if s.is_empty() {
+        return Ok(Tier::Memory);
+    }
+    s.parse::<Tier>()
+        .map_err(|_| ApiError::invalid(format!("tier must be memory, disk or gpu, got {s:?}")))
+}
+
+fn plan_error(e: PlanError) -> ApiError {
+    match e {
+        PlanError::NoLiveHost => ApiError::unavailable(
+            "no live host: no transferd has heartbeated recently (start transferd with --controller pointing here)",
+        ),
+        PlanError::UnknownHost(h) => ApiError::not_found(format!(
+            "host {h:?} is not known to the controller (see `shardcast hosts`)"
+        )),
+        PlanError::HostDown(h) => {
+            ApiError::unavailable(format!("host {h:?} is down (it stopped heartbeating)"))
+        }
+        e @ PlanError::NotEnoughCapacity { .. } => ApiError::exhausted(e.to_string()),
+        PlanError::InvalidRequest(m) => ApiError::invalid(m),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[derive(Default)]
+struct State {
+    /// By name (latest version).
+    models: BTreeMap<String, ModelRecord>,
+    manifests: HashMap<String, Arc<Vec<u8>>>,
+    hosts: BTreeMap<String, HostEntry>,
+    /// Signature of each host's last persisted report.
+    persisted: HashMap<String, String>,
+    plans: HashMap<String, PlanRecord>,
+    watchers: HashMap<String, watch::Sender<PlanStatus>>,
+}
+
+impl State {
+    fn model(&self, key: &str) -> Result<&ModelRecord, ApiError> {
+        if key.is_empty() {
+            return Err(ApiError::invalid("a model name or digest is required"));
+        }
+        self.models
+            .get(key)
+            .or_else(|| self.models.values().find(|m| m.digest == key))
+            .ok_or_else(|| {
+                ApiError::not_found(format!(
+                    "model {key:?} is not registered (register it with `shardcast register {key} <origin>`)"
+                ))
+            })
+    }
+
+    /// Bytes still to arrive on each host from plans in flight.
+    fn pending(&self) -> Pending {
+        let mut p = Pending::new();
+        for plan in self.plans.values() {
+            if plan.status.state != "running" {
+                continue;
+            }
+            let tier = parse_tier(&plan.status.tier)
+                .map(data_tier)
+                .unwrap_or("memory");
+            for h in &plan.status.hosts {
+                if h.state == "pending" || h.state == "receiving" {
+                    *p.entry((h.host.clone(), tier)).or_default() +=
+                        h.total.saturating_sub(h.bytes);
+                }
+            }
+        }
+        p
+    }
+
+    /// Hosts receiving `digest` into `tier`'s data tier in plans in flight, with the plan.
+    fn in_flight(&self, digest: &str, tier: Tier) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for plan in self.plans.values() {
+            if plan.status.state != "running" || plan.status.digest != digest {
+                continue;
+            }
+            let same = parse_tier(&plan.status.tier).is_ok_and(|t| data_tier(t) == data_tier(tier));
+            if !same {
+                continue;
+            }
+            for h in &plan.status.hosts {
+                if h.state == "pending" || h.state == "receiving" {
+                    out.insert(h.host.clone(), plan.status.plan_id.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The controller.
+pub struct Controller {
+    cfg: ControllerConfig,
+    store: Arc<dyn StateStore>,
+    state: Mutex<State>,
+    agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
+    cancel: CancellationToken,
+}
+
+impl Controller {
+    /// Loads the state and resumes watching plans in flight.
+    pub fn open(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<Arc<Self>, ApiError> {
+        let mut st = State::default();
+        let started = Instant::now();
+        for (name, bytes) in store.list(Table::Models)? {
+            match serde_json::from_slice::<ModelRecord>(&bytes) {
+                Ok(m) => {
+                    st.models.insert(name, m);
+                }
+                Err(e) => warn!(model = %name, "skipping unreadable model record: {e}"),
+            }
+        }
+        for (digest, bytes) in store.list(Table::Manifests)? {
+            st.manifests.insert(digest, Arc::new(bytes));
+        }
+        for (id, bytes) in store.list(Table::Hosts)? {
+            match serde_json::from_slice::<HostRecord>(&bytes) {
+                Ok(r) => {
+                    st.persisted
+                        .insert(id.clone(), HostEntry::signature(&r.report));
+                    // Up until proven otherwise: hosts get one heartbeat window after a
+                    // controller restart before they are marked down.
+                    st.hosts.insert(
+                        id,
+                        HostEntry {
+                            report: r.report,
+                            last_seen: started,
+                            up: true,
+                            gpu_reserved: r.gpu_reserved,
+                        },
+                    );
+                }
+                Err(e) => warn!(host = %id, "skipping unreadable host record: {e}"),
+            }
+        }
+        let mut resume = Vec::new();
+        for (id, bytes) in store.list(Table::Plans)? {
+            match serde_json::from_slice::<PlanRecord>(&bytes) {
+                Ok(p) => {
+                    if p.status.state == "running" {
+                        resume.push(id.clone());
+                        st.watchers
+                            .insert(id.clone(), watch::Sender::new(p.status.clone()));
+                    }
+                    st.plans.insert(id, p);
+                }
+                Err(e) => warn!(plan = %id, "skipping unreadable plan record: {e}"),
+            }
+        }
+        let me = Arc::new(Self {
+            cfg,
+            store,
+            state: Mutex::new(st),
+            agents: Mutex::default(),
+            cancel,
+        });
+        for id in resume {
+            info!(plan = %id, "resuming a plan in flight");
+            tokio::spawn(me.clone().run_plan(id));
+        }
+        tokio::spawn(me.clone().expiry_loop());
+        Ok(me)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ControllerConfig {
+        &self.cfg
+    }
+
+    async fn expiry_loop(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(self.cfg.heartbeat);
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let mut st = lock(&self.state);
+            for id in inventory::expire(&mut st.hosts, Instant::now(), self.cfg.host_timeout()) {
+                if st.hosts.get(&id).is_some_and(|h| h.up) {
+                    info!(host = %id, "host is back");
+                } else {
+                    warn!(host = %id, timeout = ?self.cfg.host_timeout(), "host missed its heartbeats: marked down");
+                }
+            }
+        }
+    }
+
+    fn agent(&self, host: &str) -> Result<AgentClient<Channel>, ApiError> {
+        let addr = {
+            let st = lock(&self.state);
+            let h = st
+                .hosts
+                .get(host)
+                .ok_or_else(|| ApiError::not_found(format!("host {host:?} is not known")))?;
+            h.report.agent_addr.clone()
+        };
+        let mut agents = lock(&self.agents);
+        if let Some((a, c)) = agents.get(host)
+            && *a == addr
+        {
+            return Ok(c.clone());
+        }
+        let channel = shardcast_protocol::channel::lazy(&addr)
+            .map_err(|e| ApiError::unavailable(format!("host {host}: {e}")))?;
+        let client = AgentClient::new(channel)
+            .max_decoding_message_size(128 << 20)
+            .max_encoding_message_size(128 << 20);
+        agents.insert(host.to_string(), (addr, client.clone()));
+        Ok(client)
+    }
+
+    // ---- inventory ----
+
+    /// A heartbeat (the first one registers the host).
+    pub fn heartbeat(&self, report: HostReport) -> Result<u32, ApiError> {
+        HostId::new(&report.host_id).map_err(|e| ApiError::invalid(format!("host_id: {e}")))?;
+        if report.data_addr.is_empty() || report.agent_addr.is_empty() {
+            return Err(ApiError::invalid(
+                "a heartbeat needs data_addr and agent_addr (set `advertise` on the transferd)",
+            ));
+        }
+        let sig = HostEntry::signature(&report);
+        let id = report.host_id.clone();
+        let mut st = lock(&self.state);
+        let entry = st.hosts.entry(id.clone()).or_insert_with(|| {
+            info!(host = %id, data = %report.data_addr, rack = %report.rack, "host registered");
+            HostEntry {
+                report: report.clone(),
+                last_seen: Instant::now(),
+                up: true,
+                gpu_reserved: BTreeMap::new(),
+            }
+        });
+        if !entry.up {
+            info!(host = %id, "host is back");
+        }
+        entry.report = report;
+        entry.last_seen = Instant::now();
+        entry.up = true;
+        let record = HostRecord {
+            report: entry.report.clone(),
+            gpu_reserved: entry.gpu_reserved.clone(),
+        };
+        if st.persisted.get(&id) != Some(&sig) {
+            let bytes =
+                serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
+            self.store.put(Table::Hosts, &id, &bytes)?;
+            st.persisted.insert(id, sig);
+        }
+        Ok(self.cfg.heartbeat.as_millis() as u32)
+    }
+
+    /// Every known host.
+    pub fn list_hosts(&self) -> ListHostsResponse {
+        let st = lock(&self.state);
+        let now = Instant::now();
+        ListHostsResponse {
+            hosts: st
+                .hosts
+                .values()
+                .map(|h| HostState {
+                    report: Some(h.report.clone()),
+                    up: h.up,
+                    last_seen_s: now.saturating_duration_since(h.last_seen).as_secs_f64(),
+                    gpus_reserved: h.reserved_gpus(),
+                })
+                .collect(),
+        }
+    }
+
+    // ---- registry ----
+
+    /// Registers a model by reading its origin through a live transferd.
+    pub async fn register_model(&self, req: RegisterModelRequest) -> Result<ModelInfo, ApiError> {
+        let name = ModelName::new(&req.name)
+            .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
+        let origin = req.origin.trim().to_string();
+        let ok_scheme = origin
+            .strip_prefix("file://")
+            .is_some_and(|p| p.starts_with('/'))
+            || origin.starts_with("http://")
+            || origin.starts_with("https://");
+        if !ok_scheme {
+            return Err(ApiError::invalid(format!(
+                "origin {origin:?} must be file:///absolute/path, http://… or https://…"
+            )));
+        }
+        let via = {
+            let st = lock(&self.state);
+            if req.via_host.is_empty() {
+                st.hosts
+                    .values()
+                    .find(|h| h.up)
+                    .map(|h| h.report.host_id.clone())
+                    .ok_or_else(|| plan_error(PlanError::NoLiveHost))?
+            } else {
+                match st.hosts.get(&req.via_host) {
+                    None => return Err(plan_error(PlanError::UnknownHost(req.via_host.clone()))),
+                    Some(h) if !h.up => {
+                        return Err(plan_error(PlanError::HostDown(req.via_host.clone())));
+                    }
+                    Some(h) => h.report.host_id.clone(),
+                }
+            }
+        };
+        info!(model = %name, %origin, via = %via, "registering: building the manifest");
+        let mut agent = self.agent(&via)?;
+        let resp = agent
+            .import_model(ImportModelRequest {
+                name: name.to_string(),
+                origin: origin.clone(),
+                chunk_size: req.chunk_size,
+                tier: apb::Tier::Memory as i32,
+                fetch: false,
+                manifest: Vec::new(),
+            })
+            .await
+            .map_err(|s| ApiError {
+                code: match s.code() {
+                    tonic::Code::Unknown | tonic::Code::Internal => tonic::Code::Unavailable,
+                    c => c,
+                },
+                message: format!(
+                    "reading origin {origin} through host {via}: {}",
+                    s.message()
+                ),
+            })?
+            .into_inner();
+        let manifest: Manifest = decode_exact(resp.manifest.clone().into())
+            .map_err(|e| ApiError::internal(format!("host {via} returned a bad manifest: {e}")))?;
+        let digest = manifest.digest().to_hex();
+        if digest != resp.digest {
+            return Err(ApiError::internal(format!(
+                "host {via} returned manifest {digest} but said {}",
+                resp.digest
+            )));
+        }
+        let record = ModelRecord {
+            name: name.to_string(),
+            digest: digest.clone(),
+            origin,
+            chunk_size: manifest.chunk_size,
+            total_bytes: manifest.total_bytes(),
+            shards: manifest
+                .shards
+                .iter()
+                .map(|s| (s.path.to_string(), s.size, s.chunks.len() as u32))
+                .collect(),
+            registered_at: now_unix(),
+        };
+        let mut st = lock(&self.state);
+        if let Some(old) = st.models.get(name.as_str())
+            && old.digest == digest
+            && old.origin == record.origin
+        {
+            return Ok(old.info(Some(&resp.manifest)));
+        }
+        self.store.put(Table::Manifests, &digest, &resp.manifest)?;
+        let bytes = serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.store.put(Table::Models, name.as_str(), &bytes)?;
+        info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), "model registered");
+        st.manifests.insert(digest, Arc::new(resp.manifest.clone()));
+        let info = record.info(Some(&resp.manifest));
+        st.models.insert(name.to_string(), record);
+        Ok(info)
+    }
+
+    /// Every registered model (manifests left out).
+    pub fn list_models(&self) -> ListModelsResponse {
+        let st = lock(&self.state);
+        ListModelsResponse {
+            models: st.models.values().map(|m| m.info(None)).collect(),
+        }
+    }
+
+    /// One model, with its manifest.
+    pub fn get_model(&self, key: &str) -> Result<ModelInfo, ApiError> {
+        let st = lock(&self.state);
+        let m = st.model(key)?;
+        Ok(m.info(st.manifests.get(&m.digest).map(|b| b.as_slice())))
+    }
+
+    /// Where a model is.
+    pub fn get_status(&self, key: &str) -> Result<ModelStatus, ApiError> {
+        let st = lock(&self.state);
+        let m = st.model(key)?;
+        let mut hosts = Vec::new();
+        for h in st.hosts.values() {
+            let mem = h.holding(&m.digest, "memory");
+            let disk = h.holding(&m.digest, "disk");
+            let gpus = h.gpu_reserved.get(&m.digest).copied().unwrap_or(0);
+            if mem.is_none() && disk.is_none() && gpus == 0 {
+                continue;
+            }
+            hosts.push(HostHolding {
+                host: h.report.host_id.clone(),
+                up: h.up,
+                memory: mem.is_some_and(|x| x.complete),
+                disk: disk.is_some_and(|x| x.complete),
+                memory_bytes: mem.map(|x| x.bytes_verified).unwrap_or(0),
+                disk_bytes: disk.map(|x| x.bytes_verified).unwrap_or(0),
+                gpus,
+            });
+        }
+        let mut plans: Vec<String> = st
+            .plans
+            .values()
+            .filter(|p| p.status.digest == m.digest && p.status.state == "running")
+            .map(|p| p.status.plan_id.clone())
+            .collect();
+        plans.sort();
+        Ok(ModelStatus {
+            model: Some(m.info(None)),
+            hosts,
+            plans,
+        })
+    }
+
+    // ---- plans ----
+
+    /// `Prewarm`: make `replicas` replicas (or the named hosts) hold the model.
+    pub fn prewarm(self: &Arc<Self>, req: PrewarmRequest) -> Result<PlanAccepted, ApiError> {
+        let tier = parse_tier(&req.tier)?;
+        let target = if req.hosts.is_empty() {
+            if req.replicas == 0 {
+                return Err(ApiError::invalid(
+                    "replicas must be at least 1 (or name the hosts)",
+                ));
+            }
+            Target::Replicas(req.replicas)
+        } else {
+            Target::Hosts(req.hosts.clone())
+        };
+        self.make_plan(&req.model, tier, |_st, _m| Ok(target))
+    }
+
+    /// `ScaleOut`: `replicas` more replicas than exist now.
+    pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<PlanAccepted, ApiError> {
+        let tier = parse_tier(&req.tier)?;
+        if req.replicas == 0 {
+            return Err(ApiError::invalid("replicas must be at least 1"));
+        }
+        self.make_plan(&req.model, tier, |st, m| {
+            let current: u32 = match tier {
+                Tier::Gpu => st
+                    .hosts
+                    .values()
+                    .filter(|h| h.up)
+                    .map(|h| h.gpu_reserved.get(&m.digest).copied().unwrap_or(0))
+                    .sum(),
+                _ => {
+                    let held = st
+                        .hosts
+                        .values()
+                        .filter(|h| {
+                            h.up && h
+                                .holding(&m.digest, data_tier(tier))
+                                .is_some_and(|x| x.complete)
+                        })
+                        .count();
+                    (held + st.in_flight(&m.digest, tier).len()) as u32
+                }
+            };
+            Ok(Target::Replicas(current.saturating_add(req.replicas)))
+        })
+    }
+
+    fn make_plan(
+        self: &Arc<Self>,
+        key: &str,
+        tier: Tier,
+        target: impl FnOnce(&State, &ModelRecord) -> Result<Target, ApiError>,
+    ) -> Result<PlanAccepted, ApiError> {
+        let mut st = lock(&self.state);
+        let model = st.model(key)?.clone();
+        let target = target(&st, &model)?;
+        let in_flight = st.in_flight(&model.digest, tier);
+        let in_flight_hosts: Vec<String> = in_flight.keys().cloned().collect();
+        let cluster = inventory::cluster_view(&st.hosts, &model.digest, &st.pending());
+        let spec = model.spec();
+        let req = placement::PlanRequest {
+            model: &spec,
+            target,
+            tier,
+            in_flight: &in_flight_hosts,
+        };
+        let plan = placement::plan(&cluster, &req, &self.cfg.plan).map_err(plan_error)?;
+
+        let id = hex::encode(rand::random::<[u8; 8]>());
+        let mut source_of: HashMap<String, String> = HashMap::new();
+        let mut chains = Vec::new();
+        let mut runs = Vec::new();
+        for c in &plan.chains {
+            let (source, source_tier) = match &c.source {
+                Source::Origin => ("origin".to_string(), "origin".to_string()),
+                Source::Peer { host, tier } => (host.clone(), tier.to_string()),
+            };
+            for h in &c.hops {
+                source_of.entry(h.clone()).or_insert_with(|| source.clone());
+            }
+            chains.push(PlannedChain {
+                source: source.clone(),
+                source_tier,
+                hops: c.hops.clone(),
+                shards: c.shards.clone(),
+                bytes: c.bytes,
+                estimate_s: c.estimate_s,
+            });
+            runs.push(chain_run(&c.source, &c.hops, &c.shards));
+        }
+        let total = model.total_bytes;
+        let hosts: Vec<HostProgress> = plan
+            .receivers
+            .iter()
+            .map(|r: &Receiver| {
+                let (state, source, bytes) = match r.kind {
+                    ReceiverKind::Local => ("local", "local".to_string(), total),
+                    ReceiverKind::Joined => (
+                        "joined",
+                        in_flight.get(&r.host).cloned().unwrap_or_default(),
+                        0,
+                    ),
+                    ReceiverKind::New => (
+                        "pending",
+                        source_of.get(&r.host).cloned().unwrap_or_default(),
+                        0,
+                    ),
+                };
+                HostProgress {
+                    host: r.host.clone(),
+                    state: state.into(),
+                    bytes,
+                    total,
+                    source,
+                    error: String::new(),
+                    gpus: r.gpus,
+                }
+            })
+            .collect();
+        let created_at = now_unix();
+        let status = PlanStatus {
+            plan_id: id.clone(),
+            model: model.name.clone(),
+            digest: model.digest.clone(),
+            tier: tier.to_string(),
+            state: "running".into(),
+            hosts: hosts.clone(),
+            estimate_s: plan.estimate_s,
+            elapsed_s: 0.0,
+            message: String::new(),
+            chains: chains.clone(),
+            replans: 0,
+            created_at,
+        };
+        let record = PlanRecord {
+            status: status.clone(),
+            runs,
+            origin: model.origin.clone(),
+            name: model.name.clone(),
+            ended_at: None,
+        };
+        // GPU slots are reserved when the plan is made.
+        let mut touched = Vec::new();
+        if tier == Tier::Gpu {
+            for r in &plan.receivers {
+                if r.gpus > 0
+                    && let Some(h) = st.hosts.get_mut(&r.host)
+                {
+                    *h.gpu_reserved.entry(model.digest.clone()).or_default() += r.gpus;
+                    touched.push(HostRecord {
+                        report: h.report.clone(),
+                        gpu_reserved: h.gpu_reserved.clone(),
+                    });
+                }
+            }
+        }
+        self.persist_plan(&record)?;
+        for t in touched {
+            let bytes = serde_json::to_vec(&t).map_err(|e| ApiError::internal(e.to_string()))?;
+            self.store.put(Table::Hosts, &t.report.host_id, &bytes)?;
+        }
+        st.watchers.insert(id.clone(), watch::Sender::new(status));
+        st.plans.insert(id.clone(), record);
+        drop(st);
+        info!(plan = %id, model = %model.name, ?tier, receivers = plan.receivers.len(), chains = chains.len(), estimate_s = plan.estimate_s, "plan made");
+        tokio::spawn(self.clone().run_plan(id.clone()));
+        Ok(PlanAccepted {
+            plan_id: id,
+            estimate_s: plan.estimate_s,
+            chains,
+            hosts,
+        })
+    }
+
+    fn persist_plan(&self, p: &PlanRecord) -> Result<(), ApiError> {
+        let bytes = serde_json::to_vec(p).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.store.put(Table::Plans, &p.status.plan_id, &bytes)?;
+        Ok(())
+    }
+
+    /// A plan's status now.
+    pub fn get_plan(&self, id: &str) -> Result<PlanStatus, ApiError> {
+        let st = lock(&self.state);
+        let p = st
+            .plans
+            .get(id)
+            .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))?;
+        Ok(snapshot(p))
+    }
+
+    /// Every plan, newest first.
+    pub fn list_plans(&self) -> ListPlansResponse {
+        let st = lock(&self.state);
+        let mut plans: Vec<PlanStatus> = st.plans.values().map(snapshot).collect();
+        plans.sort_by(|a, b| b.created_at.total_cmp(&a.created_at));
+        ListPlansResponse { plans }
+    }
+
+    /// A receiver of a plan's status changes; `None` when the plan has ended (its final
+    /// status comes from [`Self::get_plan`]).
+    pub fn watch_plan(
+        &self,
+        id: &str,
+    ) -> Result<(PlanStatus, Option<watch::Receiver<PlanStatus>>), ApiError> {
+        let st = lock(&self.state);
+        let p = st
+            .plans
+            .get(id)
+            .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))?;
+        Ok((
+            snapshot(p),
+            st.watchers.get(id).map(watch::Sender::subscribe),
+        ))
+    }
+
+    /// `Evict`: remove the model's copy in `tier` from hosts.
+    pub async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, ApiError> {
+        let tier = parse_tier(&req.tier)?;
+        let (digest, targets) = {
+            let st = lock(&self.state);
+            let m = st.model(&req.model)?;
+            let digest = m.digest.clone();
+            for h in &req.hosts {
+                let e = st.hosts.get(h).ok_or_else(|| {
+                    ApiError::not_found(format!("host {h:?} is not known to the controller"))
+                })?;
+                if tier != Tier::Gpu && !e.up {
+                    return Err(ApiError::unavailable(format!("host {h:?} is down")));
+                }
+            }
+            let targets: Vec<String> = if req.hosts.is_empty() {
+                st.hosts
+                    .values()
+                    .filter(|h| match tier {
+                        Tier::Gpu => h.gpu_reserved.contains_key(&digest),
+                        t => h.up && h.holding(&digest, data_tier(t)).is_some(),
+                    })
+                    .map(|h| h.report.host_id.clone())
+                    .collect()
+            } else {
+                req.hosts.clone()
+            };
+            // Refuse while a plan still moves the model to one of them.
+            for p in st.plans.values() {
+                if p.status.state == "running" && p.status.digest == digest {
+                    if let Some(h) = p
+                        .status
+                        .hosts
+                        .iter()
+                        .find(|h| is_active(&h.state) && targets.contains(&h.host))
+                    {
+                        return Err(ApiError::precondition(format!(
+                            "plan {} is still moving the model to {}; wait for it (shardcast watch {})",
+                            p.status.plan_id, h.host, p.status.plan_id
+                        )));
+                    }
+                }
+            }
+            (digest, targets)
+        };
+        let mut evicted = Vec::new();
+        if tier == Tier::Gpu {
+            let mut st = lock(&self.state);
+            for h in &targets {
+                if let Some(e) = st.hosts.get_mut(h)
+                    && e.gpu_reserved.remove(&digest).is_some()
+                {
+                    let rec = HostRecord {
+                        report: e.report.clone(),
+                        gpu_reserved: e.gpu_reserved.clone(),
+                    };
+                    let bytes =
+                        serde_json::to_vec(&rec).map_err(|e| ApiError::internal(e.to_string()))?;
+                    self.store.put(Table::Hosts, h, &bytes)?;
+                    evicted.push(h.clone());
+                }
+            }
+            return Ok(EvictResponse { evicted });
+        }
+        let mut failures = Vec::new();
+        for h in &targets {
+            let r = async {
+                let mut agent = self.agent(h)?;
+                agent
+                    .evict_model(apb::EvictModelRequest {
+                        model: digest.clone(),
+                        tier: agent_tier(tier),
+                    })
+                    .await
+                    .map_err(|s| ApiError {
+                        code: s.code(),
+                        message: format!("host {h}: {}", s.message()),
+                    })
+            }
+            .await;
+            match r {
+                Ok(_) => {
+                    if let Some(e) = lock(&self.state).hosts.get_mut(h) {
+                        e.forget(&digest, data_tier(tier));
+                    }
+                    evicted.push(h.clone());
+                }
+                // The host never heard of the model: nothing to remove.
+                Err(e) if e.code == tonic::Code::NotFound => evicted.push(h.clone()),
+                Err(e) => failures.push(e),
+            }
+        }
+        info!(model = %digest, ?tier, hosts = ?evicted, "evicted");
+        match failures.into_iter().next() {
+            None => Ok(EvictResponse { evicted }),
+            Some(e) => Err(ApiError {
+                code: e.code,
+                message: format!(
+                    "{} (evicted from {:?} before this failure)",
+                    e.message, evicted
+                ),
+            }),
+        }
+    }
+
+    // ---- plan runner ----
+
+    /// Starts a plan's chains that are not started yet, then polls its receivers until
+    /// every one is done, failed or lost; re-plans receivers that stop making progress.
+    async fn run_plan(self: Arc<Self>, id: String) {
+        let mut progress: HashMap<String, (u64, Instant)> = HashMap::new();
+        let mut last_persist = Instant::now();
+        self.start_runs(&id).await;
+        let mut tick = tokio::time::interval(self.cfg.poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let Some((digest, name, tier, active)) = self.active_receivers(&id) else {
+                return;
+            };
+            // Poll outside the lock.
+            let mut updates = Vec::new();
+            for (host, up) in active {
+                if !up {
+                    updates.push((host, None));
+                    continue;
+                }
+                let polled = self.poll_host(&host, &digest, tier).await;
+                updates.push((host, Some(polled)));
+            }
+            let now = Instant::now();
+            let mut stalled = Vec::new();
+            let mut changed = false;
+            let mut ended = false;
+            {
+                let mut st = lock(&self.state);
+                let total = st
+                    .models
+                    .values()
+                    .find(|m| m.digest == digest)
+                    .map(|m| m.total_bytes);
+                let Some(plan) = st.plans.get_mut(&id) else {
+                    return;
+                };
+                for (host, polled) in updates {
+                    let Some(h) = plan.status.hosts.iter_mut().find(|h| h.host == host) else {
+                        continue;
+                    };
+                    match polled {
+                        None => {
+                            h.state = "lost".into();
+                            h.error = "the host stopped heartbeating during the transfer".into();
+                            changed = true;
+                            warn!(plan = %id, host = %host, "receiver lost");
+                        }
+                        Some(Err(e)) => {
+                            // An agent that does not answer while heartbeating: keep waiting;
+                            // the stall timer decides.
+                            if h.error != e {
+                                h.error = e;
+                                changed = true;
+                            }
+                        }
+                        Some(Ok((bytes, complete))) => {
+                            if !h.error.is_empty() {
+                                h.error.clear();
+                                changed = true;
+                            }
+                            if let Some(t) = total {
+                                h.total = t;
+                            }
+                            if bytes != h.bytes {
+                                h.bytes = bytes;
+                                changed = true;
+                            }
+                            if complete {
+                                h.state = "done".into();
+                                h.bytes = h.total;
+                                changed = true;
+                            } else if h.state == "pending" && bytes > 0 {
+                                h.state = "receiving".into();
+                                changed = true;
+                            }
+                        }
+                    }
+                    let entry = progress.entry(host.clone()).or_insert((h.bytes, now));
+                    if h.bytes > entry.0 {
+                        *entry = (h.bytes, now);
+                    }
+                    if is_active(&h.state)
+                        && now.saturating_duration_since(entry.1) >= self.cfg.stall_timeout
+                    {
+                        stalled.push(host.clone());
+                    }
+                }
+                let done_hosts: Vec<(String, u64)> = plan
+                    .status
+                    .hosts
+                    .iter()
+                    .filter(|h| h.state == "done")
+                    .map(|h| (h.host.clone(), h.total))
+                    .collect();
+                if !plan.status.hosts.iter().any(|h| is_active(&h.state)) {
+                    let any_ok = plan
+                        .status
+                        .hosts
+                        .iter()
+                        .any(|h| h.state == "done" || h.state == "local");
+                    plan.status.state = if any_ok { "done" } else { "failed" }.into();
+                    let lost: Vec<&str> = plan
+                        .status
+                        .hosts
+                        .iter()
+                        .filter(|h| h.state == "lost" || h.state == "failed")
+                        .map(|h| h.host.as_str())
+                        .collect();
+                    if !lost.is_empty() {
+                        plan.status.message =
+                            format!("finished without {}: see their errors", lost.join(", "));
+                    }
+                    plan.ended_at = Some(now_unix());
+                    changed = true;
+                    ended = true;
+                }
+                for (host, bytes) in done_hosts {
+                    if let Some(e) = st.hosts.get_mut(&host) {
+                        e.mark_complete(&digest, &name, data_tier(tier), bytes);
+                    }
+                }
+            }
+            if !stalled.is_empty() && !ended {
+                self.replan(&id, &stalled).await;
+                for h in &stalled {
+                    progress.insert(h.clone(), (0, Instant::now()));
+                }
+                changed = true;
+            }
+            if changed {
+                let st = lock(&self.state);
+                if let Some(plan) = st.plans.get(&id) {
+                    let snap = snapshot(plan);
+                    if let Some(w) = st.watchers.get(&id) {
+                        w.send_replace(snap);
+                    }
+                    if ended || last_persist.elapsed() >= Duration::from_secs(1) {
+                        if let Err(e) = self.persist_plan(plan) {
+                            warn!(plan = %id, "persisting plan: {e}");
+                        }
+                        last_persist = Instant::now();
+                    }
+                }
+            }
+            if ended {
+                let mut st = lock(&self.state);
+                st.watchers.remove(&id);
+                if let Some(p) = st.plans.get(&id) {
+                    info!(plan = %id, state = %p.status.state, elapsed_s = snapshot(p).elapsed_s, "plan ended");
+                }
+                return;
+            }
+        }
+    }
+
+    /// (digest, name, tier, [(receiver, up)]) of a plan's receivers still in progress.
+    #[allow(clippy::type_complexity)]
+    fn active_receivers(&self, id: &str) -> Option<(String, String, Tier, Vec<(String, bool)>)> {
+        let st = lock(&self.state);
+        let plan = st.plans.get(id)?;
+        if plan.status.state != "running" {
+            return None;
+        }
+        let tier = parse_tier(&plan.status.tier).ok()?;
+        let active = plan
+            .status
+            .hosts
+            .iter()
+            .filter(|h| is_active(&h.state))
+            .map(|h| (h.host.clone(), st.hosts.get(&h.host).is_some_and(|e| e.up)))
+            .collect();
+        Some((plan.status.digest.clone(), plan.name.clone(), tier, active))
+    }
+
+    /// (bytes verified, complete) of `digest` in the tier on `host`.
+    async fn poll_host(&self, host: &str, digest: &str, tier: Tier) -> Result<(u64, bool), String> {
+        let mut agent = self.agent(host).map_err(|e| e.message)?;
+        let r = tokio::time::timeout(
+            Duration::from_secs(2),
+            agent.get_model_status(GetModelStatusRequest {
+                model: digest.to_string(),
+            }),
+        )
+        .await;
+        match r {
+            Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
+            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok((0, false)),
+            Ok(Err(s)) => Err(format!("agent of {host}: {}", s.message())),
+            Ok(Ok(resp)) => {
+                let want = agent_tier(tier);
+                Ok(resp
+                    .into_inner()
+                    .tiers
+                    .iter()
+                    .find(|t| t.tier == want)
+                    .map(|t| (t.bytes_verified, t.complete))
+                    .unwrap_or((0, false)))
+            }
+        }
+    }
+
+    /// Starts the chains of a plan that have not been started.
+    async fn start_runs(&self, id: &str) {
+        let (runs, origin, digest, tier) = {
+            let st = lock(&self.state);
+            let Some(p) = st.plans.get(id) else { return };
+            let tier = parse_tier(&p.status.tier).unwrap_or(Tier::Memory);
+            (
+                p.runs.clone(),
+                p.origin.clone(),
+                p.status.digest.clone(),
+                tier,
+            )
+        };
+        let manifest = lock(&self.state).manifests.get(&digest).cloned();
+        let Some(manifest) = manifest else {
+            warn!(plan = %id, "the model's manifest is missing from the controller state");
+            return;
+        };
+        let mut results = Vec::new();
+        for (i, run) in runs.iter().enumerate() {
+            if run.started {
+                continue;
+            }
+            let r = self.start_run(run, &manifest, &origin, &digest, tier).await;
+            if let Err(e) = &r {
+                warn!(plan = %id, head = %run.head, "starting a chain failed: {e}");
+            }
+            results.push((i, r));
+        }
+        let mut st = lock(&self.state);
+        if let Some(p) = st.plans.get_mut(id) {
+            for (i, r) in results {
+                if let Some(run) = p.runs.get_mut(i) {
+                    match r {
+                        Ok(()) => run.started = true,
+                        Err(e) => run.error = e,
+                    }
+                }
+            }
+            if let Err(e) = self.persist_plan(p) {
+                warn!(plan = %id, "persisting plan: {e}");
+            }
+        }
+    }
+
+    async fn start_run(
+        &self,
+        run: &ChainRun,
+        manifest: &Arc<Vec<u8>>,
+        origin: &str,
+        digest: &str,
+        tier: Tier,
+    ) -> Result<(), String> {
+        let mut agent = self.agent(&run.head).map_err(|e| e.message)?;
+        if run.hops.is_empty() {
+            // A single receiver fed by the origin: it downloads on its own. ImportModel
+            // returns when the download ends; progress is polled meanwhile.
+            let (name, mut agent) = {
+                let st = lock(&self.state);
+                let name = st
+                    .models
+                    .values()
+                    .find(|m| m.digest == digest)
+                    .map(|m| m.name.clone())
+                    .unwrap_or_default();
+                (name, agent.clone())
+            };
+            let req = ImportModelRequest {
+                name,
+                origin: origin.to_string(),
+                chunk_size: 0,
+                tier: agent_tier(tier),
+                fetch: true,
+                manifest: manifest.to_vec(),
+            };
+            let head = run.head.clone();
+            tokio::spawn(async move {
+                if let Err(s) = agent.import_model(req).await {
+                    warn!(host = %head, "download from the origin failed: {}", s.message());
+                }
+            });
+            return Ok(());
+        }
+        let hosts: Vec<(String, String)> = {
+            let st = lock(&self.state);
+            run.hops
+                .iter()
+                .map(|h| {
+                    let addr = st
+                        .hosts
+                        .get(h)
+                        .map(|e| e.report.data_addr.clone())
+                        .unwrap_or_default();
+                    (h.clone(), addr)
+                })
+                .collect()
+        };
+        let req = apb::StartChainRequest {
+            session_id: run.session.clone(),
+            model: digest.to_string(),
+            manifest: manifest.to_vec(),
+            origin: origin.to_string(),
+            tier: agent_tier(tier),
+            chains: vec![apb::Chain {
+                shards: run.shards.clone(),
+                hops: hosts
+                    .into_iter()
+                    .map(|(host_id, addr)| apb::Hop { host_id, addr })
+                    .collect(),
+            }],
+        };
+        match tokio::time::timeout(Duration::from_secs(10), agent.start_chain(req)).await {
+            Err(_) => Err(format!("agent of {} did not answer StartChain", run.head)),
+            Ok(Err(s)) if s.code() == tonic::Code::AlreadyExists => Ok(()),
+            Ok(Err(s)) => Err(format!("{}: {}", run.head, s.message())),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
+    /// Re-plans receivers that made no progress: new chains from the sources available now.
+    async fn replan(&self, id: &str, stalled: &[String]) {
+        let started = {
+            let mut st = lock(&self.state);
+            let pending = st.pending();
+            let Some(plan) = st.plans.get(id) else { return };
+            let digest = plan.status.digest.clone();
+            let Some(model) = st.models.values().find(|m| m.digest == digest).cloned() else {
+                return;
+            };
+            let tier = parse_tier(&plan.status.tier).unwrap_or(Tier::Memory);
+            let replans = plan.status.replans;
+            let mut cluster = inventory::cluster_view(&st.hosts, &digest, &pending);
+            // Stalled receivers are not sources.
+            for h in &mut cluster {
+                if stalled.contains(&h.id) {
+                    h.holdings.clear();
+                }
+            }
+            let Some(plan) = st.plans.get_mut(id) else {
+                return;
+            };
+            if replans >= self.cfg.max_replans {
+                for h in plan
+                    .status
+                    .hosts
+                    .iter_mut()
+                    .filter(|h| stalled.contains(&h.host))
+                {
+                    h.state = "failed".into();
+                    h.error = format!(
+                        "no progress for {:?} after {replans} re-plans",
+                        self.cfg.stall_timeout
+                    );
+                }
+                warn!(plan = %id, hosts = ?stalled, "receivers failed: no progress after re-planning");
+                return;
+            }
+            let live: Vec<String> = stalled
+                .iter()
+                .filter(|h| cluster.iter().any(|c| c.id == **h && c.up))
+                .cloned()
+                .collect();
+            let chains =
+                placement::plan_chains(&cluster, &model.spec(), tier, &live, &self.cfg.plan);
+            plan.status.replans += 1;
+            plan.status.message = format!(
+                "re-planned {} receiver(s) that made no progress for {:?}",
+                live.len(),
+                self.cfg.stall_timeout
+            );
+            let first = plan.runs.len();
+            for c in &chains {
+                let source = match &c.source {
+                    Source::Origin => "origin".to_string(),
+                    Source::Peer { host, .. } => host.clone(),
+                };
+                for h in plan
+                    .status
+                    .hosts
+                    .iter_mut()
+                    .filter(|h| c.hops.contains(&h.host))
+                {
+                    h.source = source.clone();
+                    if h.state == "joined" {
+                        h.state = "receiving".into();
+                    }
+                }
+                plan.runs.push(chain_run(&c.source, &c.hops, &c.shards));
+            }
+            warn!(plan = %id, hosts = ?live, chains = chains.len(), "re-planning stalled receivers");
+            first
+        };
+        let _ = started;
+        self.start_runs(id).await;
+    }
+}
+
+fn chain_run(source: &Source, hops: &[String], shards: &[u32]) -> ChainRun {
+    let session = hex::encode(rand::random::<[u8; 16]>());
+    match source {
+        Source::Origin => ChainRun {
+            head: hops.first().cloned().unwrap_or_default(),
+            session,
+            hops: hops.iter().skip(1).cloned().collect(),
+            shards: shards.to_vec(),
+            from_origin: true,
+            started: false,
+            error: String::new(),
+        },
+        Source::Peer { host, .. } => ChainRun {
+            head: host.clone(),
+            session,
+            hops: hops.to_vec(),
+            shards: shards.to_vec(),
+            from_origin: false,
+            started: false,
+            error: String::new(),
+        },
+    }
+}
+
+/// A plan's status with `elapsed_s` filled in.
+fn snapshot(p: &PlanRecord) -> PlanStatus {
+    let mut s = p.status.clone();
+    let end = p.ended_at.unwrap_or_else(now_unix);
+    s.elapsed_s = (end - s.created_at).max(0.0);
+    s
+}

@@ -1,0 +1,153 @@
+//! The gRPC front end: `Controller` and `Inventory` services over [`crate::core`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use shardcast_protocol::controller::controller_server::Controller as ControllerApi;
+use shardcast_protocol::controller::inventory_server::Inventory;
+use shardcast_protocol::controller::{
+    EvictRequest, EvictResponse, GetModelRequest, GetStatusRequest, HeartbeatResponse, HostReport,
+    ListHostsRequest, ListHostsResponse, ListModelsRequest, ListModelsResponse, ListPlansRequest,
+    ListPlansResponse, ModelInfo, ModelStatus, PlanAccepted, PlanStatus, PrewarmRequest,
+    RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
+};
+use tonic::{Request, Response, Status};
+
+use crate::core::Controller;
+
+/// Both gRPC services share one controller.
+#[derive(Clone)]
+pub struct GrpcApi(pub Arc<Controller>);
+
+type PlanStream = Pin<Box<dyn Stream<Item = Result<PlanStatus, Status>> + Send>>;
+
+/// A stream of a plan's status: now, then on every change, ending after the final state.
+pub fn plan_updates(c: &Controller, id: &str) -> Result<PlanStream, crate::error::ApiError> {
+    let (first, rx) = c.watch_plan(id)?;
+    let Some(rx) = rx else {
+        return Ok(Box::pin(futures::stream::iter([Ok(first)])));
+    };
+    Ok(Box::pin(futures::stream::unfold(
+        (Some(first), rx, false),
+        |(first, mut rx, done)| async move {
+            if done {
+                return None;
+            }
+            let status = match first {
+                Some(f) => f,
+                None => {
+                    // A value sent just before the plan ended is still seen here.
+                    rx.changed().await.ok()?;
+                    rx.borrow_and_update().clone()
+                }
+            };
+            let ended = status.state != "running";
+            Some((Ok(status), (None, rx, ended)))
+        },
+    )))
+}
+
+#[tonic::async_trait]
+impl ControllerApi for GrpcApi {
+    async fn register_model(
+        &self,
+        request: Request<RegisterModelRequest>,
+    ) -> Result<Response<ModelInfo>, Status> {
+        Ok(Response::new(
+            self.0.register_model(request.into_inner()).await?,
+        ))
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<ListModelsRequest>,
+    ) -> Result<Response<ListModelsResponse>, Status> {
+        Ok(Response::new(self.0.list_models()))
+    }
+
+    async fn get_model(
+        &self,
+        request: Request<GetModelRequest>,
+    ) -> Result<Response<ModelInfo>, Status> {
+        Ok(Response::new(
+            self.0.get_model(&request.into_inner().model)?,
+        ))
+    }
+
+    async fn prewarm(
+        &self,
+        request: Request<PrewarmRequest>,
+    ) -> Result<Response<PlanAccepted>, Status> {
+        Ok(Response::new(self.0.prewarm(request.into_inner())?))
+    }
+
+    async fn scale_out(
+        &self,
+        request: Request<ScaleOutRequest>,
+    ) -> Result<Response<PlanAccepted>, Status> {
+        Ok(Response::new(self.0.scale_out(request.into_inner())?))
+    }
+
+    async fn evict(
+        &self,
+        request: Request<EvictRequest>,
+    ) -> Result<Response<EvictResponse>, Status> {
+        Ok(Response::new(self.0.evict(request.into_inner()).await?))
+    }
+
+    type WatchPlanStream = PlanStream;
+
+    async fn watch_plan(
+        &self,
+        request: Request<WatchPlanRequest>,
+    ) -> Result<Response<Self::WatchPlanStream>, Status> {
+        Ok(Response::new(plan_updates(
+            &self.0,
+            &request.into_inner().plan_id,
+        )?))
+    }
+
+    async fn get_plan(
+        &self,
+        request: Request<WatchPlanRequest>,
+    ) -> Result<Response<PlanStatus>, Status> {
+        Ok(Response::new(
+            self.0.get_plan(&request.into_inner().plan_id)?,
+        ))
+    }
+
+    async fn list_plans(
+        &self,
+        _request: Request<ListPlansRequest>,
+    ) -> Result<Response<ListPlansResponse>, Status> {
+        Ok(Response::new(self.0.list_plans()))
+    }
+
+    async fn get_status(
+        &self,
+        request: Request<GetStatusRequest>,
+    ) -> Result<Response<ModelStatus>, Status> {
+        Ok(Response::new(
+            self.0.get_status(&request.into_inner().model)?,
+        ))
+    }
+
+    async fn list_hosts(
+        &self,
+        _request: Request<ListHostsRequest>,
+    ) -> Result<Response<ListHostsResponse>, Status> {
+        Ok(Response::new(self.0.list_hosts()))
+    }
+}
+
+#[tonic::async_trait]
+impl Inventory for GrpcApi {
+    async fn heartbeat(
+        &self,
+        request: Request<HostReport>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let interval_ms = self.0.heartbeat(request.into_inner())?;
+        Ok(Response::new(HeartbeatResponse { interval_ms }))
+    }
+}

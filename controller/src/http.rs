@@ -1,0 +1,151 @@
+//! The HTTP/JSON front end: the same operations as gRPC, for platforms that prefer plain
+//! HTTP. Bodies and answers are the `.proto` messages in JSON (field names as in
+//! `protocol/proto/controller.proto`). Errors are `{"error": {"code", "message"}}` with the
+//! gRPC code name and a matching HTTP status (docs/OPERATIONS.md lists them).
+//!
+//! | method | path | body → answer |
+//! | --- | --- | --- |
+//! | POST | /v1/models | RegisterModelRequest → ModelInfo |
+//! | GET | /v1/models | → ListModelsResponse |
+//! | GET | /v1/models/{name} | → ModelInfo (name may contain `/`) |
+//! | GET | /v1/status/{name} | → ModelStatus |
+//! | POST | /v1/prewarm | PrewarmRequest → PlanAccepted |
+//! | POST | /v1/scale-out | ScaleOutRequest → PlanAccepted |
+//! | POST | /v1/evict | EvictRequest → EvictResponse |
+//! | GET | /v1/plans | → ListPlansResponse |
+//! | GET | /v1/plans/{id} | → PlanStatus |
+//! | GET | /v1/plans/{id}/watch | → newline-delimited PlanStatus until the plan ends |
+//! | GET | /v1/hosts | → ListHostsResponse |
+//! | POST | /v1/heartbeat | HostReport → HeartbeatResponse |
+//! | GET | /healthz | → `ok` |
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use shardcast_protocol::controller::{
+    EvictRequest, HeartbeatResponse, HostReport, PrewarmRequest, RegisterModelRequest,
+    ScaleOutRequest,
+};
+
+use crate::core::Controller;
+use crate::error::ApiError;
+
+type Ctl = State<Arc<Controller>>;
+
+fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
+    if bytes.is_empty() {
+        return Err(ApiError::invalid("the request needs a JSON body"));
+    }
+    serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("request body: {e}")))
+}
+
+fn json<T: Serialize>(r: Result<T, ApiError>) -> Response {
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The HTTP router.
+pub fn router(c: Arc<Controller>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/v1/models",
+            get(|State(c): Ctl| async move { json(Ok(c.list_models())) }).post(
+                |State(c): Ctl, b: Bytes| async move {
+                    match body::<RegisterModelRequest>(&b) {
+                        Ok(req) => json(c.register_model(req).await),
+                        Err(e) => e.into_response(),
+                    }
+                },
+            ),
+        )
+        .route(
+            "/v1/models/{*model}",
+            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.get_model(&m)) }),
+        )
+        .route(
+            "/v1/status/{*model}",
+            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.get_status(&m)) }),
+        )
+        .route(
+            "/v1/prewarm",
+            post(|State(c): Ctl, b: Bytes| async move {
+                json(body::<PrewarmRequest>(&b).and_then(|r| c.prewarm(r)))
+            }),
+        )
+        .route(
+            "/v1/scale-out",
+            post(|State(c): Ctl, b: Bytes| async move {
+                json(body::<ScaleOutRequest>(&b).and_then(|r| c.scale_out(r)))
+            }),
+        )
+        .route(
+            "/v1/evict",
+            post(|State(c): Ctl, b: Bytes| async move {
+                match body::<EvictRequest>(&b) {
+                    Ok(req) => json(c.evict(req).await),
+                    Err(e) => e.into_response(),
+                }
+            }),
+        )
+        .route(
+            "/v1/plans",
+            get(|State(c): Ctl| async move { json(Ok(c.list_plans())) }),
+        )
+        .route(
+            "/v1/plans/{id}",
+            get(|State(c): Ctl, Path(id): Path<String>| async move { json(c.get_plan(&id)) }),
+        )
+        .route("/v1/plans/{id}/watch", get(watch))
+        .route(
+            "/v1/hosts",
+            get(|State(c): Ctl| async move { json(Ok(c.list_hosts())) }),
+        )
+        .route(
+            "/v1/heartbeat",
+            post(|State(c): Ctl, b: Bytes| async move {
+                json(
+                    body::<HostReport>(&b)
+                        .and_then(|r| c.heartbeat(r))
+                        .map(|interval_ms| HeartbeatResponse { interval_ms }),
+                )
+            }),
+        )
+        .fallback(|| async {
+            ApiError::not_found("no such endpoint; see docs/OPERATIONS.md for the HTTP API")
+        })
+        .with_state(c)
+}
+
+async fn watch(State(c): Ctl, Path(id): Path<String>) -> Response {
+    let stream = match crate::grpc::plan_updates(&c, &id) {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    let lines = stream.map(|item| {
+        let line = match item {
+            Ok(s) => serde_json::to_vec(&s),
+            Err(status) => serde_json::to_vec(&serde_json::json!({
+                "error": { "code": crate::error::code_name(status.code()), "message": status.message() }
+            })),
+        };
+        let mut line = line.unwrap_or_default();
+        line.push(b'\n');
+        Ok::<_, std::convert::Infallible>(Bytes::from(line))
+    });
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response()
+}

@@ -1,0 +1,25 @@
+//! # shardcast-controller
+//!
+//! The control plane: the FaaS above asks it for models on hosts; it decides where replicas
+//! go and which hosts send to which, starts chains on the transferd agents, and watches them
+//! to the end. `docs/ARCHITECTURE.md` maps the whole system.
+//!
+//! * [`core`]: registry, plan creation (placement and chain plans from
+//!   `shardcast-placement`), the plan runner (start chains, poll receivers, re-plan stalls),
+//!   eviction.
+//! * [`inventory`]: hosts' heartbeats, liveness, GPU reservations; the placement view.
+//! * [`state`]: the durable store behind a trait (redb by default).
+//! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
+//!   failures to gRPC codes and HTTP statuses.
+//! * [`server`]: the `shardcast-controller` process; [`cli`]: the `shardcast` CLI.
+
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+pub mod cli;
+pub mod core;
+pub mod error;
+pub mod grpc;
+pub mod http;
+pub mod inventory;
+pub mod server;
+pub mod state;

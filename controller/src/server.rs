@@ -1,0 +1,234 @@
+//! Wiring of the `shardcast-controller` process: configuration, state, listeners.
+//!
+//! Start-up: open the state store (resuming plans in flight), bind every listener, then
+//! print one line `READY grpc=<addr> http=<addr> [unix=<path>]` on stdout.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use shardcast_placement::PlanParams;
+use shardcast_protocol::controller::controller_server::ControllerServer;
+use shardcast_protocol::controller::inventory_server::InventoryServer;
+use shardcast_protocol::units::parse_rate;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::core::{Controller, ControllerConfig};
+use crate::grpc::GrpcApi;
+use crate::state::RedbStore;
+
+/// Command line (every flag also reads an environment variable).
+#[derive(Debug, Parser)]
+#[command(
+    name = "shardcast-controller",
+    version,
+    about = "shardcast control plane"
+)]
+pub struct Args {
+    /// gRPC listener (Controller and Inventory services).
+    #[arg(
+        long,
+        env = "SHARDCAST_CONTROLLER_LISTEN",
+        default_value = "127.0.0.1:7500"
+    )]
+    pub listen: SocketAddr,
+    /// HTTP/JSON listener.
+    #[arg(
+        long,
+        env = "SHARDCAST_CONTROLLER_HTTP",
+        default_value = "127.0.0.1:7501"
+    )]
+    pub http_listen: SocketAddr,
+    /// Also serve gRPC on this Unix socket (reachable from every network namespace).
+    #[arg(long, env = "SHARDCAST_CONTROLLER_UNIX")]
+    pub unix: Option<PathBuf>,
+    /// Directory of the state database.
+    #[arg(
+        long,
+        env = "SHARDCAST_CONTROLLER_STATE",
+        default_value = "/var/lib/shardcast-controller"
+    )]
+    pub state_dir: PathBuf,
+    /// Heartbeat period expected from hosts, in milliseconds.
+    #[arg(long, env = "SHARDCAST_HEARTBEAT_MS", default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+    /// Heartbeats a host may miss before it is marked down.
+    #[arg(long, env = "SHARDCAST_MISSED_HEARTBEATS", default_value_t = 3)]
+    pub missed_heartbeats: u32,
+    /// Most receivers in one chain.
+    #[arg(long, env = "SHARDCAST_MAX_CHAIN_LEN", default_value_t = 16)]
+    pub max_chain_len: usize,
+    /// Expected origin read rate, for estimates (e.g. 250Mbit, 1GB/s).
+    #[arg(long, env = "SHARDCAST_ORIGIN_RATE", default_value = "250Mbit")]
+    pub origin_rate: String,
+    /// NIC rate assumed for hosts that report none.
+    #[arg(long, env = "SHARDCAST_DEFAULT_NIC_RATE", default_value = "10Gbit")]
+    pub default_nic_rate: String,
+    /// Seconds without progress after which a receiver is re-planned.
+    #[arg(long, env = "SHARDCAST_STALL_TIMEOUT_S", default_value_t = 10)]
+    pub stall_timeout_s: u64,
+    /// Log format: text or json.
+    #[arg(long, env = "SHARDCAST_LOG_FORMAT", default_value = "text")]
+    pub log_format: String,
+}
+
+impl Args {
+    /// The controller configuration these flags describe.
+    pub fn config(&self) -> anyhow::Result<ControllerConfig> {
+        if !(50..=60_000).contains(&self.heartbeat_ms) {
+            bail!(
+                "heartbeat_ms must be between 50 and 60000, got {}",
+                self.heartbeat_ms
+            );
+        }
+        if !(1..=100).contains(&self.missed_heartbeats) {
+            bail!("missed_heartbeats must be between 1 and 100");
+        }
+        if !(1..=255).contains(&self.max_chain_len) {
+            bail!("max_chain_len must be between 1 and 255");
+        }
+        if self.stall_timeout_s == 0 {
+            bail!("stall_timeout_s must be at least 1");
+        }
+        let rate = |name: &str, s: &str| -> anyhow::Result<u64> {
+            parse_rate(s)
+                .map_err(|e| anyhow::anyhow!("{name}: {e}"))?
+                .ok_or_else(|| anyhow::anyhow!("{name} must be a finite rate"))
+        };
+        Ok(ControllerConfig {
+            heartbeat: Duration::from_millis(self.heartbeat_ms),
+            missed_heartbeats: self.missed_heartbeats,
+            plan: PlanParams {
+                max_chain_len: self.max_chain_len,
+                origin_bps: rate("origin_rate", &self.origin_rate)?,
+                default_nic_bps: rate("default_nic_rate", &self.default_nic_rate)?,
+                ..PlanParams::default()
+            },
+            stall_timeout: Duration::from_secs(self.stall_timeout_s),
+            ..ControllerConfig::default()
+        })
+    }
+}
+
+/// Runs the controller until SIGINT/SIGTERM.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let cfg = args.config()?;
+    let cancel = CancellationToken::new();
+    let path = args.state_dir.join("state.redb");
+    let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
+        .await
+        .context("state store task")??;
+    let controller = Controller::open(cfg, Arc::new(store), cancel.clone())
+        .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
+
+    let grpc = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding gRPC listener {}", args.listen))?;
+    let http = TcpListener::bind(args.http_listen)
+        .await
+        .with_context(|| format!("binding HTTP listener {}", args.http_listen))?;
+    let unix = match &args.unix {
+        Some(p) => {
+            if let Ok(meta) = std::fs::symlink_metadata(p) {
+                use std::os::unix::fs::FileTypeExt;
+                if meta.file_type().is_socket() {
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+            Some(
+                tokio::net::UnixListener::bind(p)
+                    .with_context(|| format!("binding {}", p.display()))?,
+            )
+        }
+        None => None,
+    };
+    let (grpc_addr, http_addr) = (grpc.local_addr()?, http.local_addr()?);
+
+    let api = GrpcApi(controller.clone());
+    let services = || {
+        tonic::transport::Server::builder()
+            .add_service(
+                ControllerServer::new(api.clone())
+                    .max_decoding_message_size(128 << 20)
+                    .max_encoding_message_size(128 << 20),
+            )
+            .add_service(InventoryServer::new(api.clone()))
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    {
+        let server = services();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            if let Err(e) = server
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(grpc),
+                    cancel.cancelled_owned(),
+                )
+                .await
+            {
+                warn!("gRPC server ended: {e}");
+            }
+        });
+    }
+    if let Some(l) = unix {
+        let server = services();
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            if let Err(e) = server
+                .serve_with_incoming_shutdown(UnixListenerStream::new(l), cancel.cancelled_owned())
+                .await
+            {
+                warn!("gRPC (unix) server ended: {e}");
+            }
+        });
+    }
+    {
+        let router = crate::http::router(controller.clone());
+        let cancel = cancel.clone();
+        tasks.spawn(async move {
+            if let Err(e) = axum::serve(http, router)
+                .with_graceful_shutdown(cancel.cancelled_owned())
+                .await
+            {
+                warn!("HTTP server ended: {e}");
+            }
+        });
+    }
+    let unix_note = args
+        .unix
+        .as_ref()
+        .map(|p| format!(" unix={}", p.display()))
+        .unwrap_or_default();
+    info!(%grpc_addr, %http_addr, state = %args.state_dir.display(), "controller ready");
+    println!("READY grpc={grpc_addr} http={http_addr}{unix_note}");
+
+    shutdown_signal().await;
+    info!("shutting down");
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,616 @@
+//! The controller with real `transferd` processes on loopback: register, prewarm, peers
+//! serving the second prewarm, a host dying mid-plan, a controller restart mid-plan,
+//! concurrent prewarms, and bad input through gRPC, HTTP and the CLI.
+
+use std::time::{Duration, Instant};
+
+use shardcast_bench::cluster::Daemon;
+use shardcast_bench::control::{ControllerProc, ManagedCluster, cli_bin, wait_plan};
+use shardcast_bench::synth::{self, SynthSpec};
+use shardcast_protocol::Manifest;
+use shardcast_protocol::codec::decode_exact;
+use shardcast_protocol::controller::controller_client::ControllerClient;
+use shardcast_protocol::controller::{
+    EvictRequest, GetStatusRequest, ListModelsRequest, ListPlansRequest, PlanStatus,
+    PrewarmRequest, RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::Code;
+use tonic::transport::Channel;
+
+const MODEL: &str = "test/llm";
+
+struct Origin {
+    dir: tempfile::TempDir,
+}
+
+impl Origin {
+    fn new(size: u64, shards: usize) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        synth::generate(
+            dir.path(),
+            &SynthSpec {
+                total_bytes: size,
+                shards,
+                seed: 11,
+            },
+        )
+        .unwrap();
+        Self { dir }
+    }
+
+    fn uri(&self) -> String {
+        format!("file://{}", self.dir.path().display())
+    }
+}
+
+async fn register(api: &mut ControllerClient<Channel>, origin: &Origin) -> Manifest {
+    let m = api
+        .register_model(RegisterModelRequest {
+            name: MODEL.into(),
+            origin: origin.uri(),
+            chunk_size: 256 << 10,
+            via_host: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    decode_exact(m.manifest.into()).unwrap()
+}
+
+fn hosts(range: std::ops::RangeInclusive<usize>) -> Vec<String> {
+    range.map(|i| format!("host-{i}")).collect()
+}
+
+async fn prewarm_hosts(api: &mut ControllerClient<Channel>, h: Vec<String>) -> String {
+    api.prewarm(PrewarmRequest {
+        model: MODEL.into(),
+        replicas: 0,
+        hosts: h,
+        tier: "memory".into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .plan_id
+}
+
+async fn origin_bytes(daemons: &[Daemon]) -> u64 {
+    let mut total = 0;
+    for d in daemons {
+        total += d.stats().await.unwrap().origin_bytes;
+    }
+    total
+}
+
+fn host_state<'a>(p: &'a PlanStatus, host: &str) -> &'a str {
+    p.hosts
+        .iter()
+        .find(|h| h.host == host)
+        .map(|h| h.state.as_str())
+        .unwrap_or("absent")
+}
+
+/// Sum of one plan's receiver progress as a fraction.
+fn fraction(p: &PlanStatus) -> f64 {
+    let (b, t) = p
+        .hosts
+        .iter()
+        .fold((0u64, 0u64), |(b, t), h| (b + h.bytes, t + h.total));
+    if t == 0 { 0.0 } else { b as f64 / t as f64 }
+}
+
+async fn wait_fraction(api: &mut ControllerClient<Channel>, plan: &str, at_least: f64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let p = api
+            .get_plan(WatchPlanRequest {
+                plan_id: plan.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(p.state, "running", "plan ended before the fault: {p:?}");
+        if fraction(&p) >= at_least {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no progress: {p:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prewarm_all_then_second_prewarm_is_served_by_peers() {
+    let c = ManagedCluster::start(8, vec![], |_, _| {}).await.unwrap();
+    let origin = Origin::new(24 << 20, 3);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let total = manifest.total_bytes();
+
+    // First prewarm: nobody holds the model, so one chain from the origin through all four.
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            hosts: hosts(1..=4),
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(a.chains.len(), 1, "{a:?}");
+    assert_eq!(a.chains[0].source, "origin");
+    assert!(a.estimate_s > 0.0);
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    for h in hosts(1..=4) {
+        assert_eq!(host_state(&done, &h), "done");
+        c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
+    }
+    // The origin was read once, not once per host.
+    assert_eq!(origin_bytes(&c.daemons).await, total);
+
+    // Second prewarm on the other four: served by the holders, the origin serves nothing.
+    let before = origin_bytes(&c.daemons).await;
+    let b = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            hosts: hosts(5..=8),
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!b.chains.is_empty());
+    for ch in &b.chains {
+        assert!(
+            hosts(1..=4).contains(&ch.source),
+            "chain sourced from {} instead of a holder",
+            ch.source
+        );
+        assert_eq!(ch.source_tier, "memory");
+    }
+    let done = wait_plan(&mut api, &b.plan_id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    for h in hosts(5..=8) {
+        c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
+    }
+    assert_eq!(origin_bytes(&c.daemons).await - before, 0);
+
+    // Everyone holds it now: a prewarm of all eight moves nothing.
+    let all = prewarm_hosts(&mut api, hosts(1..=8)).await;
+    let done = wait_plan(&mut api, &all, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(done.chains.is_empty(), "{done:?}");
+    assert!(done.hosts.iter().all(|h| h.state == "local"), "{done:?}");
+
+    // Status lists all eight as complete in memory.
+    let st = api
+        .get_status(GetStatusRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.hosts.iter().filter(|h| h.memory).count(), 8, "{st:?}");
+
+    // Scale-out beyond the cluster is refused and changes nothing.
+    let plans_before = api
+        .list_plans(ListPlansRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .plans
+        .len();
+    let err = api
+        .scale_out(ScaleOutRequest {
+            model: MODEL.into(),
+            replicas: 1,
+            tier: "memory".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    let plans_after = api
+        .list_plans(ListPlansRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .plans
+        .len();
+    assert_eq!(plans_before, plans_after);
+
+    // Evict from two hosts: their copies are gone, the others stay.
+    let ev = api
+        .evict(EvictRequest {
+            model: MODEL.into(),
+            hosts: hosts(7..=8),
+            tier: "memory".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ev.evicted, hosts(7..=8));
+    assert!(c.daemon("host-7").unwrap().verify_copy(&manifest).is_err());
+    c.daemon("host-6").unwrap().verify_copy(&manifest).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
+    let mut c = ManagedCluster::start(6, vec![], |_, o| {
+        o.egress_rate = "24MB/s".into();
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(32 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 6,
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(a.chains.len(), 1);
+    // Kill a middle hop of the chain once data is flowing.
+    let victim = a.chains[0].hops[2].clone();
+    wait_fraction(&mut api, &a.plan_id, 0.15).await;
+    let idx = c
+        .daemons
+        .iter()
+        .position(|d| d.host_id.as_str() == victim)
+        .unwrap();
+    c.daemons[idx].kill().await;
+
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    let dead = done.hosts.iter().find(|h| h.host == victim).unwrap();
+    assert_eq!(dead.state, "lost", "{dead:?}");
+    assert!(dead.error.contains("heartbeat"), "{dead:?}");
+    assert!(done.message.contains(&victim), "{done:?}");
+    for d in c.daemons.iter().filter(|d| d.host_id.as_str() != victim) {
+        d.verify_copy(&manifest).unwrap();
+        assert_eq!(host_state(&done, d.host_id.as_str()), "done");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_restarted_mid_plan_finishes_it() {
+    let mut c = ManagedCluster::start(4, vec![], |_, o| {
+        o.egress_rate = "16MB/s".into();
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(32 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let plan = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 4,
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .plan_id;
+    wait_fraction(&mut api, &plan, 0.1).await;
+    c.controller.kill().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.controller.restart().await.unwrap();
+    let mut api = c.controller.client().await.unwrap();
+    // Readable at once after the restart, from the state store.
+    let p = api
+        .get_plan(WatchPlanRequest {
+            plan_id: plan.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(p.plan_id, plan);
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    assert!(done.hosts.iter().all(|h| h.state == "done"), "{done:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // The registry survived too.
+    let models = api
+        .list_models(ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(models.models.len(), 1);
+    // And the finished plan stays readable after another restart.
+    c.controller.restart().await.unwrap();
+    let mut api = c.controller.client().await.unwrap();
+    let p = api
+        .get_plan(WatchPlanRequest { plan_id: plan })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(p.state, "done");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_prewarms_of_one_model_send_it_to_each_host_once() {
+    let c = ManagedCluster::start(6, vec![], |_, o| {
+        o.egress_rate = "32MB/s".into();
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(16 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let mut api2 = api.clone();
+    let (a, b) = tokio::join!(
+        prewarm_hosts(&mut api, hosts(1..=4)),
+        prewarm_hosts(&mut api2, hosts(3..=6)),
+    );
+    let pa = wait_plan(&mut api, &a, Duration::from_secs(120))
+        .await
+        .unwrap();
+    let pb = wait_plan(&mut api, &b, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(pa.state, "done", "{pa:?}");
+    assert_eq!(pb.state, "done", "{pb:?}");
+    // Whichever plan came second joined the first's transfers for hosts 3 and 4.
+    let joined: usize = [&pa, &pb]
+        .iter()
+        .map(|p| {
+            p.hosts
+                .iter()
+                .filter(|h| h.source.len() == 16 || h.state == "joined")
+                .count()
+        })
+        .sum();
+    assert!(joined >= 2, "no joined transfers: {pa:?} {pb:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // Each host verified each chunk exactly once: nobody received the model twice.
+    let chunks: u64 = manifest.shards.iter().map(|s| s.chunks.len() as u64).sum();
+    for d in &c.daemons {
+        let s = d.stats().await.unwrap();
+        assert_eq!(
+            s.chunks_verified, chunks,
+            "{} verified {} chunks",
+            d.host_id, s.chunks_verified
+        );
+    }
+}
+
+/// A plain HTTP/1.1 request; returns (status, body).
+async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: controller\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_string(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    let status: u16 = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+async fn cli(ctl: &ControllerProc, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(cli_bin().unwrap())
+        .arg("--controller")
+        .arg(ctl.grpc.to_string())
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_precise_errors_and_changes_nothing() {
+    // No host at all: nothing can be registered.
+    let empty_root = tempfile::tempdir().unwrap();
+    let empty = ControllerProc::start(empty_root.path(), vec![])
+        .await
+        .unwrap();
+    let err = empty
+        .client()
+        .await
+        .unwrap()
+        .register_model(RegisterModelRequest {
+            name: MODEL.into(),
+            origin: "file:///tmp".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("no live host"), "{err:?}");
+    drop(empty);
+
+    let c = ManagedCluster::start(2, vec![], |_, _| {}).await.unwrap();
+    let origin = Origin::new(2 << 20, 1);
+    let mut api = c.controller.client().await.unwrap();
+    register(&mut api, &origin).await;
+
+    // gRPC.
+    let reg = |name: &str, origin: &str| RegisterModelRequest {
+        name: name.into(),
+        origin: origin.into(),
+        ..Default::default()
+    };
+    let e = api
+        .register_model(reg("../x", &origin.uri()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = api
+        .register_model(reg("ok/name", "ftp://x/y"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = api
+        .register_model(reg("ok/name", "file:///nonexistent/shardcast/model"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.code(),
+            Code::InvalidArgument | Code::Unavailable | Code::NotFound
+        ),
+        "{e:?}"
+    );
+    let pw = |model: &str, replicas: u32, tier: &str, hosts: Vec<String>| PrewarmRequest {
+        model: model.into(),
+        replicas,
+        hosts,
+        tier: tier.into(),
+    };
+    let cases = [
+        (pw("no/such-model", 1, "memory", vec![]), Code::NotFound),
+        (pw(MODEL, 0, "memory", vec![]), Code::InvalidArgument),
+        (pw(MODEL, 1, "tape", vec![]), Code::InvalidArgument),
+        (pw(MODEL, 50, "memory", vec![]), Code::ResourceExhausted),
+        (pw(MODEL, 0, "memory", vec!["nope".into()]), Code::NotFound),
+        (
+            pw(MODEL, 0, "memory", vec!["host-1".into(), "host-1".into()]),
+            Code::InvalidArgument,
+        ),
+        (pw(MODEL, 1, "gpu", vec![]), Code::ResourceExhausted),
+    ];
+    for (req, code) in cases {
+        let e = api.prewarm(req.clone()).await.unwrap_err();
+        assert_eq!(e.code(), code, "{req:?}: {e:?}");
+        assert!(!e.message().is_empty());
+    }
+    let e = api
+        .evict(EvictRequest {
+            model: MODEL.into(),
+            hosts: vec!["nope".into()],
+            tier: "memory".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = api
+        .get_plan(WatchPlanRequest {
+            plan_id: "zzz".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+
+    // HTTP/JSON.
+    let addr = c.controller.http;
+    let (s, b) = http(addr, "POST", "/v1/prewarm", "{not json").await;
+    assert_eq!(s, 400, "{b}");
+    assert!(b.contains("INVALID_ARGUMENT"), "{b}");
+    let (s, b) = http(
+        addr,
+        "POST",
+        "/v1/prewarm",
+        r#"{"model":"no/such","replicas":1}"#,
+    )
+    .await;
+    assert_eq!(s, 404, "{b}");
+    assert!(
+        b.contains("NOT_FOUND") && b.contains("shardcast register"),
+        "{b}"
+    );
+    let (s, b) = http(
+        addr,
+        "POST",
+        "/v1/prewarm",
+        r#"{"model":"test/llm","replicas":99}"#,
+    )
+    .await;
+    assert_eq!(s, 507, "{b}");
+    assert!(b.contains("RESOURCE_EXHAUSTED"), "{b}");
+    let (s, b) = http(
+        addr,
+        "POST",
+        "/v1/models",
+        r#"{"name":"a/../b","origin":"file:///tmp"}"#,
+    )
+    .await;
+    assert_eq!(s, 400, "{b}");
+    let (s, b) = http(addr, "GET", "/v1/models/test/llm", "").await;
+    assert_eq!(s, 200, "{b}");
+    let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["name"], MODEL);
+    let (s, _) = http(addr, "GET", "/v1/nothing-here", "").await;
+    assert_eq!(s, 404);
+
+    // CLI.
+    let (code, _, err) = cli(&c.controller, &["prewarm", "no/such", "-n", "1"]).await;
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("NOT_FOUND"), "{err}");
+    let (code, _, err) = cli(&c.controller, &["register", "../x", "file:///tmp"]).await;
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = cli(&c.controller, &["prewarm", MODEL, "-n", "40"]).await;
+    assert_eq!(code, 4, "{err}");
+    let (code, out, err) = cli(&c.controller, &["--json", "models"]).await;
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["models"].as_array().unwrap().len(), 1);
+
+    // Nothing above changed anything.
+    assert!(
+        api.list_plans(ListPlansRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .plans
+            .is_empty()
+    );
+    assert_eq!(
+        api.list_models(ListModelsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .models
+            .len(),
+        1
+    );
+    for d in &c.daemons {
+        assert_eq!(d.stats().await.unwrap().bytes_received, 0);
+    }
+
+    // And the CLI does the real thing end to end.
+    let (code, out, err) = cli(&c.controller, &["prewarm", MODEL, "-n", "2"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("done"), "{out}");
+    let (code, out, _) = cli(&c.controller, &["status", MODEL]).await;
+    assert_eq!(code, 0);
+    assert_eq!(out.matches("complete").count(), 2, "{out}");
+}

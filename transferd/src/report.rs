@@ -1,0 +1,151 @@
+//! Heartbeats to the controller's inventory service: who this host is, where to reach it,
+//! its labels, capacities and free space per tier, its GPUs, and what it holds. The first
+//! heartbeat registers the host; the controller marks it down after missed heartbeats.
+//!
+//! A controller that is down or unreachable is logged once per outage, never fatal: the data
+//! plane keeps serving chains that are already planned.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardcast_protocol::Tier;
+use shardcast_protocol::controller::inventory_client::InventoryClient;
+use shardcast_protocol::controller::{Gpu, HeldModel, HostReport};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::agent::model_status;
+use crate::chain::Node;
+use crate::config::Inventory;
+
+/// Addresses this host advertises.
+#[derive(Debug, Clone)]
+pub struct Advertised {
+    /// Data-plane `host:port` as peers reach it.
+    pub data: String,
+    /// Agent API address as the controller reaches it.
+    pub agent: String,
+}
+
+/// Sends a heartbeat every `inv.heartbeat` until `cancel`.
+pub async fn run(
+    node: Arc<Node>,
+    inv: Inventory,
+    addrs: Advertised,
+    controller: String,
+    cancel: CancellationToken,
+) {
+    let channel = match shardcast_protocol::channel::lazy(&controller) {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("not reporting to the controller: {e}");
+            return;
+        }
+    };
+    let mut client = InventoryClient::new(channel);
+    let mut tick = tokio::time::interval(inv.heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut connected: Option<bool> = None;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let report = build_report(&node, &inv, &addrs);
+        let sent = tokio::time::timeout(
+            inv.heartbeat.max(Duration::from_secs(2)),
+            client.heartbeat(report),
+        )
+        .await;
+        match sent {
+            Ok(Ok(_)) => {
+                if connected != Some(true) {
+                    info!(%controller, "registered with the controller");
+                }
+                connected = Some(true);
+            }
+            Ok(Err(status)) => {
+                if connected != Some(false) {
+                    warn!(%controller, "controller rejected the heartbeat: {}", status.message());
+                }
+                connected = Some(false);
+            }
+            Err(_) => {
+                if connected != Some(false) {
+                    warn!(%controller, "controller did not answer the heartbeat; retrying every {:?}", inv.heartbeat);
+                }
+                connected = Some(false);
+            }
+        }
+    }
+}
+
+/// Capacity and free bytes of a tier: the file system's, lowered by a configured cap (less
+/// what the store already holds there).
+fn space(dir: &Path, cap: Option<u64>, used: u64) -> (u64, u64) {
+    let (fs_total, fs_free) = match rustix::fs::statvfs(dir) {
+        Ok(s) => (
+            s.f_blocks.saturating_mul(s.f_frsize),
+            s.f_bavail.saturating_mul(s.f_frsize),
+        ),
+        Err(_) => (0, 0),
+    };
+    match cap {
+        Some(c) => (c.min(fs_total.max(c)), fs_free.min(c.saturating_sub(used))),
+        None => (fs_total, fs_free),
+    }
+}
+
+/// The report for one heartbeat.
+pub fn build_report(node: &Node, inv: &Inventory, addrs: &Advertised) -> HostReport {
+    let holdings = node.store.holdings();
+    let mut used = [0u64; 2];
+    let mut held = Vec::with_capacity(holdings.len());
+    for h in &holdings {
+        let st = model_status(h);
+        let (slot, tier) = match h.tier {
+            Tier::Memory => (0, "memory"),
+            Tier::Disk => (1, "disk"),
+        };
+        used[slot] += st.total_bytes;
+        held.push(HeldModel {
+            digest: st.digest,
+            name: st.name,
+            tier: tier.into(),
+            complete: st.complete,
+            bytes_verified: st.bytes_verified,
+            total_bytes: st.total_bytes,
+        });
+    }
+    let (mem_capacity, mem_free) = space(
+        node.store.tier_root(Tier::Memory),
+        inv.memory_capacity,
+        used[0],
+    );
+    let (disk_capacity, disk_free) =
+        space(node.store.tier_root(Tier::Disk), inv.disk_capacity, used[1]);
+    HostReport {
+        host_id: node.host.to_string(),
+        data_addr: addrs.data.clone(),
+        agent_addr: addrs.agent.clone(),
+        zone: inv.zone.clone(),
+        rack: inv.rack.clone(),
+        nic_bps: inv.nic_bps,
+        mem_capacity,
+        mem_free,
+        disk_capacity,
+        disk_free,
+        gpus: (0..inv.gpus)
+            .map(|i| Gpu {
+                index: i,
+                memory_bytes: inv.gpu_memory,
+                pcie_switch: String::new(),
+                nvlink_peers: Vec::new(),
+            })
+            .collect(),
+        holdings: held,
+        version: env!("CARGO_PKG_VERSION").into(),
+        gpus_busy: 0,
+    }
+}
