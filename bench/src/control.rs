@@ -250,24 +250,7 @@ impl ManagedCluster {
 
     /// Waits until at least `n` hosts are up in the controller's inventory.
     pub async fn wait_hosts_up(&self, n: usize, timeout: Duration) -> anyhow::Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let up = match self.controller.client().await {
-                Ok(mut c) => c
-                    .list_hosts(ListHostsRequest {})
-                    .await
-                    .map(|r| r.into_inner().hosts.iter().filter(|h| h.up).count())
-                    .unwrap_or(0),
-                Err(_) => 0,
-            };
-            if up >= n {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                bail!("only {up} of {n} hosts registered with the controller within {timeout:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_hosts_up(&self.controller, n, timeout).await
     }
 
     /// Daemon by host id.
@@ -276,6 +259,32 @@ impl ManagedCluster {
             .iter()
             .find(|d| d.host_id.as_str() == host)
             .with_context(|| format!("no daemon {host}"))
+    }
+}
+
+/// Waits until at least `n` hosts are up in `controller`'s inventory.
+pub async fn wait_hosts_up(
+    controller: &ControllerProc,
+    n: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let up = match controller.client().await {
+            Ok(mut c) => c
+                .list_hosts(ListHostsRequest {})
+                .await
+                .map(|r| r.into_inner().hosts.iter().filter(|h| h.up).count())
+                .unwrap_or(0),
+            Err(_) => 0,
+        };
+        if up >= n {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("only {up} of {n} hosts registered with the controller within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -4,6 +4,7 @@
 //!
 //! * [`cluster`]: real `transferd` processes on loopback or in namespaces.
 //! * [`control`]: a `shardcast-controller` process with daemons reporting to it.
+//! * [`managed`]: the `demo` and `cold-start` scenarios, through the controller's API.
 //! * [`netns`]: emulated clusters (network namespaces, a bridge, `tc` rate caps).
 //! * [`synth`]: synthetic safetensors models.
 //! * [`origin_server`]: a rate-capped HTTP origin standing in for cloud storage.
@@ -11,6 +12,7 @@
 
 pub mod cluster;
 pub mod control;
+pub mod managed;
 pub mod netns;
 pub mod origin_server;
 pub mod scenario;

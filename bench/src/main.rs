@@ -21,9 +21,63 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Local cluster on loopback (no root): a source and 4 receivers as transferd processes,
-    /// a synthetic ~1 GiB model, chain vs every host pulling from the origin.
+    /// Local cluster on loopback (no root), through the controller: register a synthetic
+    /// model behind a rate-capped HTTP origin, prewarm half the hosts (one origin read feeds
+    /// a chain), scale out to the rest (served by peers, no origin traffic), prewarm all.
     Demo {
+        /// Model size.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards.
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        /// transferd processes.
+        #[arg(long, default_value_t = 6)]
+        hosts: usize,
+        /// Per-host egress and ingress cap.
+        #[arg(long, default_value = "1Gbit")]
+        rate: String,
+        /// The origin's total cap (cloud storage is slower than host links).
+        #[arg(long, default_value = "250Mbit")]
+        origin_rate: String,
+        /// Write the steps as JSON too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Cold start through the controller on an emulated cluster (needs root): every host
+    /// pulling from a rate-capped HTTP origin in its own namespace, vs shardcast's plan.
+    ColdStart {
+        /// One network namespace per host with tc rate caps (required; the only mode).
+        #[arg(long, required = true)]
+        emulate: bool,
+        /// Hosts.
+        #[arg(long, default_value_t = 8)]
+        hosts: usize,
+        /// Model size.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards.
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        /// Host link rate.
+        #[arg(long, default_value = "1Gbit")]
+        rate: String,
+        /// Origin (cloud storage) rate.
+        #[arg(long, default_value = "250Mbit")]
+        origin_rate: String,
+        /// Comma-separated methods: origin-pull, shardcast.
+        #[arg(long, default_value = "origin-pull,shardcast", value_delimiter = ',')]
+        methods: Vec<String>,
+        /// Per-method time limit in seconds.
+        #[arg(long, default_value_t = 900)]
+        timeout_s: u64,
+        /// Write the report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// The data plane alone on loopback (no controller): a source and 4 receivers, chain vs
+    /// every host pulling from the origin.
+    Compare {
         /// Model size.
         #[arg(long, default_value = "1GiB", value_parser = parse_size)]
         size: u64,
@@ -100,6 +154,10 @@ enum Cmd {
         /// Total egress cap.
         #[arg(long, default_value = "unlimited")]
         rate: String,
+        /// Also write the counters as JSON to this file, every 100 ms and on exit (for
+        /// callers that cannot reach `/_stats`, e.g. from outside the server's namespace).
+        #[arg(long)]
+        stats_file: Option<PathBuf>,
     },
 }
 
@@ -156,6 +214,68 @@ async fn interrupted() -> &'static str {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Cmd::Demo {
+            size,
+            shards,
+            hosts,
+            rate,
+            origin_rate,
+            json,
+        } => {
+            let opts = shardcast_bench::managed::DemoOpts {
+                size,
+                shards,
+                hosts,
+                rate: parse_rate(&rate).map_err(anyhow::Error::msg)?,
+                origin_rate: parse_rate(&origin_rate).map_err(anyhow::Error::msg)?,
+                progress: true,
+            };
+            let steps = shardcast_bench::managed::run_demo(&opts).await?;
+            println!("{}", shardcast_bench::managed::demo_table(&steps, size));
+            if let Some(path) = json {
+                scenario::write_json(&path, &steps)?;
+            }
+            Ok(())
+        }
+        Cmd::ColdStart {
+            emulate: _,
+            hosts,
+            size,
+            shards,
+            rate,
+            origin_rate,
+            methods,
+            timeout_s,
+            json,
+        } => {
+            shardcast_bench::netns::available()
+                .map_err(|e| anyhow::anyhow!("--emulate needs root and iproute2: {e}"))?;
+            let stale = shardcast_bench::netns::EmulatedNet::cleanup_stale()?;
+            if stale > 0 {
+                eprintln!("removed {stale} namespaces left by an earlier interrupted run");
+            }
+            let need = |name: &str, v: &str| -> anyhow::Result<u64> {
+                parse_rate(v)
+                    .map_err(anyhow::Error::msg)?
+                    .ok_or_else(|| anyhow::anyhow!("--{name} must be a finite rate"))
+            };
+            let opts = shardcast_bench::managed::ColdStartOpts {
+                hosts,
+                size,
+                shards,
+                rate: need("rate", &rate)?,
+                origin_rate: need("origin-rate", &origin_rate)?,
+                methods,
+                timeout: Duration::from_secs(timeout_s),
+                progress: true,
+            };
+            let report = shardcast_bench::managed::run_cold_start(&opts).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if let Some(path) = json {
+                scenario::write_json(&path, &report)?;
+            }
+            Ok(())
+        }
+        Cmd::Compare {
             size,
             shards,
             receivers,
@@ -233,20 +353,42 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::OriginServer { dir, listen, rate } => {
+        Cmd::OriginServer {
+            dir,
+            listen,
+            rate,
+            stats_file,
+        } => {
             let rate = parse_rate(&rate).map_err(anyhow::Error::msg)?;
             let listener = tokio::net::TcpListener::bind(&listen)
                 .await
                 .with_context(|| format!("binding {listen}"))?;
+            let addr = listener.local_addr()?;
             eprintln!(
-                "serving {} on http://{} (rate cap: {:?} B/s); stats at /_stats",
+                "serving {} on http://{addr} (rate cap: {:?} B/s); stats at /_stats",
                 dir.display(),
-                listener.local_addr()?,
                 rate
             );
+            println!("READY http={addr}");
             let cancel = tokio_util::sync::CancellationToken::new();
-            let stats = std::sync::Arc::default();
-            shardcast_bench::origin_server::serve(dir, listener, rate, stats, cancel).await
+            let stats: std::sync::Arc<shardcast_bench::origin_server::OriginStats> =
+                std::sync::Arc::default();
+            if let Some(path) = stats_file {
+                tokio::spawn(shardcast_bench::origin_server::write_stats_loop(
+                    stats.clone(),
+                    path,
+                    cancel.clone(),
+                ));
+            }
+            let server = tokio::spawn(shardcast_bench::origin_server::serve(
+                dir,
+                listener,
+                rate,
+                stats,
+                cancel.clone(),
+            ));
+            // Runs until SIGINT/SIGTERM ends `run` (see `main`).
+            server.await.context("origin server task")?
         }
     }
 }

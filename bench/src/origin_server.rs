@@ -69,6 +69,42 @@ struct Server {
     stats: Arc<OriginStats>,
 }
 
+/// The counters as JSON (`{"bytes_sent":N,"requests":N}`), as `/_stats` serves them.
+pub fn stats_json(stats: &OriginStats) -> serde_json::Value {
+    serde_json::json!({
+        "bytes_sent": stats.bytes_sent.load(Ordering::Relaxed),
+        "requests": stats.requests.load(Ordering::Relaxed),
+    })
+}
+
+/// Writes [`stats_json`] to `path` every 100 ms (write to a temporary name, then rename, so
+/// readers never see half a file), and once more when `cancel` fires.
+pub async fn write_stats_loop(stats: Arc<OriginStats>, path: PathBuf, cancel: CancellationToken) {
+    let tmp = path.with_extension("tmp");
+    loop {
+        let done = tokio::select! {
+            _ = cancel.cancelled() => true,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => false,
+        };
+        let body = stats_json(&stats).to_string();
+        if tokio::fs::write(&tmp, body).await.is_ok() {
+            let _ = tokio::fs::rename(&tmp, &path).await;
+        }
+        if done {
+            return;
+        }
+    }
+}
+
+/// Reads a stats file written by [`write_stats_loop`]: payload bytes sent (0 if absent).
+pub fn read_stats_file(path: &Path) -> u64 {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["bytes_sent"].as_u64())
+        .unwrap_or(0)
+}
+
 /// Serves the files under `dir` on `listener` until `cancel` fires, capping total egress at
 /// `rate` bytes per second (`None`: unlimited) and counting into `stats`.
 pub async fn serve(
@@ -240,10 +276,7 @@ impl Server {
     async fn respond(&self, req: Request<hyper::body::Incoming>) -> Response<Body> {
         let path = req.uri().path();
         if path == "/_stats" && req.method() == Method::GET {
-            let body = serde_json::json!({
-                "bytes_sent": self.stats.bytes_sent.load(Ordering::Relaxed),
-                "requests": self.stats.requests.load(Ordering::Relaxed),
-            });
+            let body = stats_json(&self.stats);
             let mut resp = Response::new(full(body.to_string()));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -85,6 +85,10 @@ pub enum Command {
         /// memory, disk or gpu.
         #[arg(long, default_value = "memory")]
         tier: String,
+        /// auto (hierarchical sources and chains) or origin (every host downloads from the
+        /// origin itself: the baseline without shardcast).
+        #[arg(long, default_value = "auto")]
+        sources: String,
         /// Return once the plan is made instead of watching it.
         #[arg(long)]
         no_wait: bool,
@@ -308,6 +312,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             replicas,
             hosts,
             tier,
+            sources,
             no_wait,
         } => {
             if replicas.is_none() && hosts.is_empty() {
@@ -319,6 +324,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     replicas: replicas.unwrap_or(0),
                     hosts,
                     tier,
+                    sources,
                 })
                 .await?
                 .into_inner();

@@ -624,7 +624,16 @@ impl Controller {
         } else {
             Target::Hosts(req.hosts.clone())
         };
-        self.make_plan(&req.model, tier, |_st, _m| Ok(target))
+        let each_from_origin = match req.sources.as_str() {
+            "" | "auto" => false,
+            "origin" => true,
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "sources must be auto or origin, got {other:?}"
+                )));
+            }
+        };
+        self.make_plan(&req.model, tier, each_from_origin, |_st, _m| Ok(target))
     }
 
     /// `ScaleOut`: `replicas` more replicas than exist now.
@@ -633,7 +642,7 @@ impl Controller {
         if req.replicas == 0 {
             return Err(ApiError::invalid("replicas must be at least 1"));
         }
-        self.make_plan(&req.model, tier, |st, m| {
+        self.make_plan(&req.model, tier, false, |st, m| {
             let current: u32 = match tier {
                 Tier::Gpu => st
                     .hosts
@@ -662,6 +671,7 @@ impl Controller {
         self: &Arc<Self>,
         key: &str,
         tier: Tier,
+        each_from_origin: bool,
         target: impl FnOnce(&State, &ModelRecord) -> Result<Target, ApiError>,
     ) -> Result<PlanAccepted, ApiError> {
         let mut st = lock(&self.state);
@@ -677,7 +687,10 @@ impl Controller {
             tier,
             in_flight: &in_flight_hosts,
         };
-        let plan = placement::plan(&cluster, &req, &self.cfg.plan).map_err(plan_error)?;
+        let mut plan = placement::plan(&cluster, &req, &self.cfg.plan).map_err(plan_error)?;
+        if each_from_origin {
+            plan = origin_each(plan, &spec, &self.cfg.plan);
+        }
 
         let id = hex::encode(rand::random::<[u8; 8]>());
         let mut source_of: HashMap<String, String> = HashMap::new();
@@ -1333,6 +1346,26 @@ impl Controller {
         let _ = started;
         self.start_runs(id).await;
     }
+}
+
+/// The baseline: every new receiver downloads from the origin itself, all sharing the
+/// origin's bandwidth.
+fn origin_each(mut plan: placement::Plan, spec: &placement::ModelSpec, params: &PlanParams) -> placement::Plan {
+    let new: Vec<String> = plan.new_receivers().map(str::to_string).collect();
+    let bytes = spec.total_bytes();
+    let share = (params.origin_bps / new.len().max(1) as u64).max(1);
+    plan.chains = new
+        .into_iter()
+        .map(|h| placement::ChainPlan {
+            source: Source::Origin,
+            hops: vec![h],
+            shards: Vec::new(),
+            bytes,
+            estimate_s: placement::estimate_chain_s(bytes, share, &[share], spec.chunk_size),
+        })
+        .collect();
+    plan.estimate_s = plan.chains.iter().map(|c| c.estimate_s).fold(0.0, f64::max);
+    plan
 }
 
 fn chain_run(source: &Source, hops: &[String], shards: &[u32]) -> ChainRun {

@@ -68,6 +68,7 @@ async fn prewarm_hosts(api: &mut ControllerClient<Channel>, h: Vec<String>) -> S
         replicas: 0,
         hosts: h,
         tier: "memory".into(),
+        sources: String::new(),
     })
     .await
     .unwrap()
@@ -495,6 +496,7 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
         replicas,
         hosts,
         tier: tier.into(),
+        sources: String::new(),
     };
     let cases = [
         (pw("no/such-model", 1, "memory", vec![]), Code::NotFound),

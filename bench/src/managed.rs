@@ -1,0 +1,596 @@
+//! Scenarios that go through the controller's API, as a FaaS platform would: the `demo`
+//! (loopback, no root) and the `cold-start` benchmark (emulated cluster).
+//!
+//! Timing is taken on the caller's side: from just before the `Prewarm` call to the first
+//! poll of `GetPlan` that shows each host done (polled every 50 ms), and every copy is then
+//! checked byte for byte against the manifest.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use shardcast_protocol::Manifest;
+use shardcast_protocol::codec::decode_exact;
+use shardcast_protocol::controller::controller_client::ControllerClient;
+use shardcast_protocol::controller::{
+    PlanStatus, PrewarmRequest, RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
+};
+use shardcast_protocol::units::format_bytes;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use crate::cluster::{Daemon, DaemonOpts};
+use crate::control::{ControllerProc, ManagedCluster, managed_args, wait_hosts_up};
+use crate::netns::EmulatedNet;
+use crate::origin_server::{self, OriginStats};
+use crate::scenario::{MODEL_NAME, scratch_dir};
+use crate::synth::{self, SynthSpec};
+
+/// Polls a plan until it ends; returns its final status and when each host became ready
+/// (seconds since `t0`; hosts that already held the model count as ready at once).
+pub async fn ready_times(
+    api: &mut ControllerClient<Channel>,
+    plan: &str,
+    t0: Instant,
+    timeout: Duration,
+    pb: &ProgressBar,
+) -> anyhow::Result<(PlanStatus, Vec<(String, f64)>)> {
+    let mut ready: Vec<(String, f64)> = Vec::new();
+    loop {
+        let s = api
+            .get_plan(WatchPlanRequest {
+                plan_id: plan.to_string(),
+            })
+            .await
+            .context("GetPlan")?
+            .into_inner();
+        let now = t0.elapsed().as_secs_f64();
+        pb.set_length(s.hosts.iter().map(|h| h.total).sum::<u64>().max(1));
+        pb.set_position(s.hosts.iter().map(|h| h.bytes).sum());
+        for h in &s.hosts {
+            let is_ready = h.state == "done" || h.state == "local";
+            if is_ready && !ready.iter().any(|(x, _)| *x == h.host) {
+                ready.push((h.host.clone(), if h.state == "local" { 0.0 } else { now }));
+            }
+        }
+        if s.state != "running" {
+            ready.sort_by(|a, b| a.0.cmp(&b.0));
+            return Ok((s, ready));
+        }
+        if t0.elapsed() > timeout {
+            bail!("plan {plan} still running after {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn bar(enabled: bool, label: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(1);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>22} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    pb.set_prefix(label.to_string());
+    pb
+}
+
+async fn register(
+    api: &mut ControllerClient<Channel>,
+    origin: &str,
+) -> anyhow::Result<(Manifest, String)> {
+    let m = api
+        .register_model(RegisterModelRequest {
+            name: MODEL_NAME.into(),
+            origin: origin.into(),
+            chunk_size: 0,
+            via_host: String::new(),
+        })
+        .await
+        .context("RegisterModel")?
+        .into_inner();
+    Ok((decode_exact(m.manifest.into())?, m.digest))
+}
+
+fn verify_all<'a>(
+    daemons: impl IntoIterator<Item = &'a Daemon>,
+    manifest: &Manifest,
+) -> anyhow::Result<()> {
+    for d in daemons {
+        d.verify_copy(manifest)?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- demo
+
+/// Options of `demo`.
+#[derive(Debug, Clone)]
+pub struct DemoOpts {
+    /// Model size.
+    pub size: u64,
+    /// Safetensors shards.
+    pub shards: usize,
+    /// Hosts (transferd processes); the first half is prewarmed cold, the rest warm.
+    pub hosts: usize,
+    /// Per-host egress and ingress cap (bytes/s).
+    pub rate: Option<u64>,
+    /// The origin's total cap (bytes/s).
+    pub origin_rate: Option<u64>,
+    /// Progress bars.
+    pub progress: bool,
+}
+
+/// One step of the demo.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoStep {
+    /// What was asked.
+    pub step: String,
+    /// Plan id.
+    pub plan: String,
+    /// Where the data came from (chain sources).
+    pub sources: Vec<String>,
+    /// Hosts that received the model in this step.
+    pub received: usize,
+    /// Hosts that already held it.
+    pub already: usize,
+    /// The controller's estimate.
+    pub estimate_s: f64,
+    /// Until every host held a verified copy.
+    pub ready_s: f64,
+    /// Bytes the origin served during the step.
+    pub origin_bytes: u64,
+}
+
+/// Runs the demo: a controller and `hosts` transferd processes on loopback, a synthetic
+/// model behind a rate-capped HTTP origin; register, prewarm half the hosts (cold: one
+/// origin read feeds a chain), scale out to the rest (warm: served by the holders, no
+/// origin traffic), then prewarm all (everything already held).
+pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
+    if opts.hosts < 2 {
+        bail!("--hosts must be at least 2");
+    }
+    let origin_dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    eprintln!(
+        "generating a {} synthetic model ({} safetensors shards)",
+        format_bytes(opts.size),
+        opts.shards
+    );
+    synth::generate(
+        origin_dir.path(),
+        &SynthSpec {
+            total_bytes: opts.size,
+            shards: opts.shards,
+            seed: 42,
+        },
+    )?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let origin_url = format!("http://{}/", listener.local_addr()?);
+    let stats = Arc::new(OriginStats::default());
+    let cancel = CancellationToken::new();
+    let _guard = cancel.clone().drop_guard();
+    tokio::spawn(origin_server::serve(
+        origin_dir.path().to_path_buf(),
+        listener,
+        opts.origin_rate,
+        stats.clone(),
+        cancel.clone(),
+    ));
+    let rate_flag = opts
+        .rate
+        .map(|r| format!("{r}B/s"))
+        .unwrap_or_else(|| "unlimited".into());
+    let mut ctl_args = Vec::new();
+    if let Some(r) = opts.origin_rate {
+        ctl_args.extend(["--origin-rate".into(), format!("{r}B/s")]);
+    }
+    eprintln!(
+        "starting a controller and {} transferd processes on loopback",
+        opts.hosts
+    );
+    let cluster = ManagedCluster::start(opts.hosts, ctl_args, |i, o| {
+        o.egress_rate = rate_flag.clone();
+        o.ingress_rate = rate_flag.clone();
+        // Two racks, so the plans show rack-aware ordering.
+        o.extra_args.extend([
+            "--rack".into(),
+            format!("rack-{}", i % 2 + 1),
+            "--nic-rate".into(),
+            rate_flag.clone(),
+        ]);
+    })
+    .await?;
+    let mut api = cluster.controller.client().await?;
+    eprintln!("registering {MODEL_NAME} from {origin_url} (the controller has a transferd hash it)");
+    let (manifest, _) = register(&mut api, &origin_url).await?;
+    let half = opts.hosts / 2;
+    let mut steps = Vec::new();
+    for (label, call) in [
+        (format!("prewarm {half} (cold)"), 0),
+        (format!("scale-out +{} (warm)", opts.hosts - half), 1),
+        (format!("prewarm all {}", opts.hosts), 2),
+    ] {
+        let before = stats.bytes_sent.load(Ordering::Relaxed);
+        let t0 = Instant::now();
+        let accepted = match call {
+            0 => {
+                api.prewarm(PrewarmRequest {
+                    model: MODEL_NAME.into(),
+                    replicas: half as u32,
+                    ..Default::default()
+                })
+                .await
+            }
+            1 => {
+                api.scale_out(ScaleOutRequest {
+                    model: MODEL_NAME.into(),
+                    replicas: (opts.hosts - half) as u32,
+                    tier: "memory".into(),
+                })
+                .await
+            }
+            _ => {
+                api.prewarm(PrewarmRequest {
+                    model: MODEL_NAME.into(),
+                    replicas: opts.hosts as u32,
+                    ..Default::default()
+                })
+                .await
+            }
+        }
+        .with_context(|| format!("step {label:?}"))?
+        .into_inner();
+        let pb = bar(opts.progress, &label);
+        let (status, _) = ready_times(
+            &mut api,
+            &accepted.plan_id,
+            t0,
+            Duration::from_secs(900),
+            &pb,
+        )
+        .await?;
+        pb.finish_and_clear();
+        let ready_s = t0.elapsed().as_secs_f64();
+        if status.state != "done" {
+            bail!("plan {} ended {}: {}", status.plan_id, status.state, status.message);
+        }
+        let received: Vec<&str> = status
+            .hosts
+            .iter()
+            .filter(|h| h.state == "done")
+            .map(|h| h.host.as_str())
+            .collect();
+        for h in &received {
+            cluster.daemon(h)?.verify_copy(&manifest)?;
+        }
+        let mut sources: Vec<String> = accepted
+            .chains
+            .iter()
+            .map(|c| c.source.clone())
+            .collect();
+        sources.sort();
+        sources.dedup();
+        let step = DemoStep {
+            step: label,
+            plan: accepted.plan_id,
+            sources,
+            received: received.len(),
+            already: status.hosts.iter().filter(|h| h.state == "local").count(),
+            estimate_s: accepted.estimate_s,
+            ready_s,
+            origin_bytes: stats.bytes_sent.load(Ordering::Relaxed) - before,
+        };
+        eprintln!(
+            "{:>22}: ready in {:.2} s, origin served {}",
+            step.step,
+            step.ready_s,
+            format_bytes(step.origin_bytes)
+        );
+        steps.push(step);
+    }
+    verify_all(&cluster.daemons, &manifest)?;
+    Ok(steps)
+}
+
+/// Renders the demo's steps as a table.
+pub fn demo_table(steps: &[DemoStep], bytes: u64) -> String {
+    let mut out = format!(
+        "model {} through the controller\n{:<22}  {:<24}  {:>8}  {:>7}  {:>9}  {:>8}  {:>12}\n",
+        format_bytes(bytes),
+        "STEP",
+        "SOURCES",
+        "RECEIVED",
+        "ALREADY",
+        "ESTIMATE",
+        "READY",
+        "ORIGIN READ"
+    );
+    for s in steps {
+        let sources = if s.sources.is_empty() {
+            "-".to_string()
+        } else {
+            s.sources.join(",")
+        };
+        out.push_str(&format!(
+            "{:<22}  {:<24}  {:>8}  {:>7}  {:>8.1}s  {:>7.2}s  {:>12}\n",
+            s.step,
+            sources,
+            s.received,
+            s.already,
+            s.estimate_s,
+            s.ready_s,
+            format_bytes(s.origin_bytes)
+        ));
+    }
+    out
+}
+
+// ---------------------------------------------------------------- cold start
+
+/// Options of `cold-start`.
+#[derive(Debug, Clone)]
+pub struct ColdStartOpts {
+    /// Hosts.
+    pub hosts: usize,
+    /// Model size.
+    pub size: u64,
+    /// Safetensors shards.
+    pub shards: usize,
+    /// Host link rate (bytes/s), enforced by tc.
+    pub rate: u64,
+    /// Origin server rate (bytes/s), enforced by the server.
+    pub origin_rate: u64,
+    /// Methods: `origin-pull` (baseline), `shardcast`.
+    pub methods: Vec<String>,
+    /// Per-method limit.
+    pub timeout: Duration,
+    /// Progress bars.
+    pub progress: bool,
+}
+
+/// One method's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct ColdStartResult {
+    /// `origin-pull` or `shardcast`.
+    pub method: String,
+    /// Prewarm call → every host holds a verified copy.
+    pub ready_s: f64,
+    /// Per host, in host order.
+    pub per_host_s: Vec<f64>,
+    /// The controller's estimate.
+    pub estimate_s: f64,
+    /// Bytes the origin served for the prewarm.
+    pub origin_bytes: u64,
+    /// Chains in the plan.
+    pub chains: usize,
+    /// Every copy matched the manifest byte for byte.
+    pub verified: bool,
+}
+
+/// The `cold-start` report.
+#[derive(Debug, Clone, Serialize)]
+pub struct ColdStartReport {
+    /// Hosts.
+    pub hosts: usize,
+    /// Model bytes.
+    pub bytes: u64,
+    /// Host link rate, bits/s.
+    pub rate_bits_per_s: u64,
+    /// Origin rate, bits/s.
+    pub origin_rate_bits_per_s: u64,
+    /// One origin read: bytes / origin rate.
+    pub origin_read_s: f64,
+    /// Per method.
+    pub results: Vec<ColdStartResult>,
+}
+
+/// An origin server process inside a namespace; killed (by PID) on drop.
+struct OriginProc {
+    child: tokio::process::Child,
+    stats: PathBuf,
+    url: String,
+}
+
+impl OriginProc {
+    async fn start(net: &EmulatedNet, i: usize, dir: &Path, rate: u64, scratch: &Path) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating shardcast-bench")?;
+        let stats = scratch.join("origin-stats.json");
+        let listen = format!("{}:8080", net.host_ip(i));
+        let mut cmd: tokio::process::Command = net.command(i, exe).into();
+        let mut child = cmd
+            .arg("origin-server")
+            .arg("--dir")
+            .arg(dir)
+            .arg("--listen")
+            .arg(&listen)
+            .arg("--rate")
+            .arg(format!("{rate}B/s"))
+            .arg("--stats-file")
+            .arg(&stats)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the origin server")?;
+        let stdout = child.stdout.take().context("origin stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(20), async {
+            while let Some(l) = lines.next_line().await? {
+                if l.starts_with("READY ") {
+                    return Ok::<_, std::io::Error>(true);
+                }
+            }
+            Ok(false)
+        })
+        .await;
+        if !matches!(ready, Ok(Ok(true))) {
+            bail!("the origin server did not start in its namespace");
+        }
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(Self {
+            child,
+            stats,
+            url: format!("http://{listen}/"),
+        })
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        origin_server::read_stats_file(&self.stats)
+    }
+}
+
+impl Drop for OriginProc {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+/// Runs `cold-start`: for each method a fresh emulated cluster (hosts + one origin
+/// namespace), a controller, and a prewarm of every host through the API.
+pub async fn run_cold_start(opts: &ColdStartOpts) -> anyhow::Result<ColdStartReport> {
+    if opts.hosts == 0 {
+        bail!("--hosts must be at least 1");
+    }
+    let origin_dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    let model = synth::generate(
+        origin_dir.path(),
+        &SynthSpec {
+            total_bytes: opts.size,
+            shards: opts.shards,
+            seed: 42,
+        },
+    )?;
+    let mut results = Vec::new();
+    for method in &opts.methods {
+        let sources = match method.as_str() {
+            "origin-pull" => "origin",
+            "shardcast" => "auto",
+            other => bail!("unknown method {other:?} (origin-pull, shardcast)"),
+        };
+        let r = cold_start_method(opts, method, sources, origin_dir.path())
+            .await
+            .with_context(|| format!("method {method}"))?;
+        eprintln!(
+            "{:>12}: ready in {:.2} s (estimate {:.2} s), origin served {}",
+            r.method,
+            r.ready_s,
+            r.estimate_s,
+            format_bytes(r.origin_bytes)
+        );
+        results.push(r);
+    }
+    Ok(ColdStartReport {
+        hosts: opts.hosts,
+        bytes: model.total_bytes,
+        rate_bits_per_s: opts.rate * 8,
+        origin_rate_bits_per_s: opts.origin_rate * 8,
+        origin_read_s: model.total_bytes as f64 / opts.origin_rate as f64,
+        results,
+    })
+}
+
+async fn cold_start_method(
+    opts: &ColdStartOpts,
+    method: &str,
+    sources: &str,
+    origin_dir: &Path,
+) -> anyhow::Result<ColdStartResult> {
+    let net = EmulatedNet::create(opts.hosts + 1, Some(opts.rate), None)?;
+    let scratch = scratch_dir(method)?;
+    let origin = OriginProc::start(&net, opts.hosts, origin_dir, opts.origin_rate, scratch.path()).await?;
+    let rate_flag = format!("{}B/s", opts.rate);
+    let controller = ControllerProc::start(
+        &scratch.path().join("controller"),
+        vec![
+            "--origin-rate".into(),
+            format!("{}B/s", opts.origin_rate),
+            "--default-nic-rate".into(),
+            rate_flag.clone(),
+        ],
+    )
+    .await?;
+    let mut daemons = Vec::new();
+    for i in 0..opts.hosts {
+        let name = format!("host-{}", i + 1);
+        let mut o = DaemonOpts::local(name.clone());
+        o.data_ip = IpAddr::V4(net.host_ip(i));
+        o.netns = Some(net.ns_name(i).to_string());
+        o.extra_args.extend(managed_args(&controller, ""));
+        o.extra_args.extend(["--nic-rate".into(), rate_flag.clone()]);
+        daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
+    }
+    wait_hosts_up(&controller, opts.hosts, Duration::from_secs(30)).await?;
+    let mut api = controller.client().await?;
+    eprintln!("{method}: registering (a transferd hashes the model through the origin)");
+    let (manifest, _) = register(&mut api, &origin.url).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = origin.bytes_sent();
+    let pb = bar(opts.progress, method);
+    let t0 = Instant::now();
+    let accepted = api
+        .prewarm(PrewarmRequest {
+            model: MODEL_NAME.into(),
+            replicas: opts.hosts as u32,
+            tier: "memory".into(),
+            sources: sources.into(),
+            ..Default::default()
+        })
+        .await
+        .context("Prewarm")?
+        .into_inner();
+    let (status, ready) = ready_times(&mut api, &accepted.plan_id, t0, opts.timeout, &pb).await?;
+    pb.finish_and_clear();
+    if status.state != "done" || ready.len() != opts.hosts {
+        bail!(
+            "plan {} ended {} with {} of {} hosts ready: {}",
+            status.plan_id,
+            status.state,
+            ready.len(),
+            opts.hosts,
+            status.message
+        );
+    }
+    // Let the origin's stats file catch up (it is rewritten every 100 ms).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let origin_bytes = origin.bytes_sent() - before;
+    let verified = match verify_all(&daemons, &manifest) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("verification failed: {e:#}");
+            false
+        }
+    };
+    let per_host_s: Vec<f64> = ready.iter().map(|r| r.1).collect();
+    drop(daemons);
+    drop(controller);
+    drop(origin);
+    drop(net);
+    Ok(ColdStartResult {
+        method: method.into(),
+        ready_s: per_host_s.iter().copied().fold(0.0, f64::max),
+        per_host_s,
+        estimate_s: accepted.estimate_s,
+        origin_bytes,
+        chains: accepted.chains.len(),
+        verified,
+    })
+}
