@@ -216,7 +216,9 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
     })
     .await?;
     let mut api = cluster.controller.client().await?;
-    eprintln!("registering {MODEL_NAME} from {origin_url} (the controller has a transferd hash it)");
+    eprintln!(
+        "registering {MODEL_NAME} from {origin_url} (the controller has a transferd hash it)"
+    );
     let (manifest, _) = register(&mut api, &origin_url).await?;
     let half = opts.hosts / 2;
     let mut steps = Vec::new();
@@ -267,7 +269,12 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
         pb.finish_and_clear();
         let ready_s = t0.elapsed().as_secs_f64();
         if status.state != "done" {
-            bail!("plan {} ended {}: {}", status.plan_id, status.state, status.message);
+            bail!(
+                "plan {} ended {}: {}",
+                status.plan_id,
+                status.state,
+                status.message
+            );
         }
         let received: Vec<&str> = status
             .hosts
@@ -278,11 +285,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
         for h in &received {
             cluster.daemon(h)?.verify_copy(&manifest)?;
         }
-        let mut sources: Vec<String> = accepted
-            .chains
-            .iter()
-            .map(|c| c.source.clone())
-            .collect();
+        let mut sources: Vec<String> = accepted.chains.iter().map(|c| c.source.clone()).collect();
         sources.sort();
         sources.dedup();
         let step = DemoStep {
@@ -407,7 +410,13 @@ struct OriginProc {
 }
 
 impl OriginProc {
-    async fn start(net: &EmulatedNet, i: usize, dir: &Path, rate: u64, scratch: &Path) -> anyhow::Result<Self> {
+    async fn start(
+        net: &EmulatedNet,
+        i: usize,
+        dir: &Path,
+        rate: u64,
+        scratch: &Path,
+    ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating shardcast-bench")?;
         let stats = scratch.join("origin-stats.json");
         let listen = format!("{}:8080", net.host_ip(i));
@@ -516,7 +525,14 @@ async fn cold_start_method(
 ) -> anyhow::Result<ColdStartResult> {
     let net = EmulatedNet::create(opts.hosts + 1, Some(opts.rate), None)?;
     let scratch = scratch_dir(method)?;
-    let origin = OriginProc::start(&net, opts.hosts, origin_dir, opts.origin_rate, scratch.path()).await?;
+    let origin = OriginProc::start(
+        &net,
+        opts.hosts,
+        origin_dir,
+        opts.origin_rate,
+        scratch.path(),
+    )
+    .await?;
     let rate_flag = format!("{}B/s", opts.rate);
     let controller = ControllerProc::start(
         &scratch.path().join("controller"),
@@ -535,7 +551,8 @@ async fn cold_start_method(
         o.data_ip = IpAddr::V4(net.host_ip(i));
         o.netns = Some(net.ns_name(i).to_string());
         o.extra_args.extend(managed_args(&controller, ""));
-        o.extra_args.extend(["--nic-rate".into(), rate_flag.clone()]);
+        o.extra_args
+            .extend(["--nic-rate".into(), rate_flag.clone()]);
         daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
     }
     wait_hosts_up(&controller, opts.hosts, Duration::from_secs(30)).await?;

@@ -1350,7 +1350,11 @@ impl Controller {
 
 /// The baseline: every new receiver downloads from the origin itself, all sharing the
 /// origin's bandwidth.
-fn origin_each(mut plan: placement::Plan, spec: &placement::ModelSpec, params: &PlanParams) -> placement::Plan {
+fn origin_each(
+    mut plan: placement::Plan,
+    spec: &placement::ModelSpec,
+    params: &PlanParams,
+) -> placement::Plan {
     let new: Vec<String> = plan.new_receivers().map(str::to_string).collect();
     let bytes = spec.total_bytes();
     let share = (params.origin_bps / new.len().max(1) as u64).max(1);

@@ -171,3 +171,101 @@ pub fn expire(
     }
     changed
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardcast_protocol::controller::Gpu;
+
+    fn entry(id: &str, up: bool, held: &[(&str, &str, bool)]) -> HostEntry {
+        HostEntry {
+            report: HostReport {
+                host_id: id.into(),
+                data_addr: "127.0.0.1:1".into(),
+                agent_addr: "127.0.0.1:2".into(),
+                rack: "r1".into(),
+                mem_capacity: 100,
+                mem_free: 80,
+                disk_capacity: 1000,
+                disk_free: 900,
+                gpus: vec![Gpu::default(), Gpu::default()],
+                gpus_busy: 0,
+                holdings: held
+                    .iter()
+                    .map(|(d, t, c)| HeldModel {
+                        digest: (*d).into(),
+                        tier: (*t).into(),
+                        complete: *c,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+            last_seen: Instant::now(),
+            up,
+            gpu_reserved: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn view_has_only_the_model_asked_for_and_subtracts_pending_and_reserved() {
+        let mut hosts = BTreeMap::new();
+        let mut a = entry("a", true, &[("m1", "memory", true), ("m2", "disk", true)]);
+        a.gpu_reserved.insert("m9".into(), 1);
+        hosts.insert("a".to_string(), a);
+        hosts.insert(
+            "b".to_string(),
+            entry("b", false, &[("m1", "memory", false)]),
+        );
+        let mut pending = Pending::new();
+        pending.insert(("a".into(), "memory"), 30);
+        let v = cluster_view(&hosts, "m1", &pending);
+        assert_eq!(v.len(), 2);
+        let a = &v[0];
+        assert_eq!(a.holdings.len(), 1);
+        assert!(a.holdings["m1"].memory && !a.holdings["m1"].disk);
+        assert_eq!(a.mem_free, 50);
+        assert_eq!(a.gpus, 2);
+        assert_eq!(a.gpus_free, 1);
+        // An incomplete copy is not a holding; a down host stays in the view, marked down.
+        assert!(v[1].holdings.is_empty());
+        assert!(!v[1].up);
+    }
+
+    #[test]
+    fn expiry_marks_silent_hosts_down_and_back_up() {
+        let mut hosts = BTreeMap::new();
+        let mut old = entry("old", true, &[]);
+        old.last_seen = Instant::now() - Duration::from_secs(10);
+        hosts.insert("old".to_string(), old);
+        hosts.insert("new".to_string(), entry("new", true, &[]));
+        let changed = expire(&mut hosts, Instant::now(), Duration::from_secs(3));
+        assert_eq!(changed, vec!["old".to_string()]);
+        assert!(!hosts["old"].up && hosts["new"].up);
+        assert!(expire(&mut hosts, Instant::now(), Duration::from_secs(3)).is_empty());
+    }
+
+    #[test]
+    fn signature_ignores_free_space_but_not_holdings() {
+        let a = entry("a", true, &[("m1", "memory", false)]).report;
+        let mut b = a.clone();
+        b.mem_free = 1;
+        assert_eq!(HostEntry::signature(&a), HostEntry::signature(&b));
+        b.holdings[0].complete = true;
+        assert_ne!(HostEntry::signature(&a), HostEntry::signature(&b));
+    }
+
+    #[test]
+    fn mark_complete_and_forget() {
+        let mut e = entry("a", true, &[]);
+        e.mark_complete("m1", "x/y", "memory", 42);
+        assert!(
+            e.holding("m1", "memory")
+                .is_some_and(|h| h.complete && h.total_bytes == 42)
+        );
+        e.mark_complete("m1", "x/y", "memory", 42);
+        assert_eq!(e.report.holdings.len(), 1);
+        e.forget("m1", "memory");
+        assert!(e.holding("m1", "memory").is_none());
+    }
+}

@@ -616,3 +616,82 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
     assert_eq!(code, 0);
     assert_eq!(out.matches("complete").count(), 2, "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_receivers_are_replanned_from_another_holder() {
+    use shardcast_bench::origin_server::{OriginStats, serve};
+    use std::sync::Arc;
+    // A short stall timeout so the test does not wait long for the re-plan.
+    let mut c = ManagedCluster::start(4, vec!["--stall-timeout-s".into(), "2".into()], |_, o| {
+        o.egress_rate = "12MB/s".into();
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(24 << 20, 1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(serve(
+        origin.dir.path().to_path_buf(),
+        listener,
+        None,
+        Arc::new(OriginStats::default()),
+        stop.clone(),
+    ));
+    let mut api = c.controller.client().await.unwrap();
+    let m = api
+        .register_model(RegisterModelRequest {
+            name: MODEL.into(),
+            origin: url,
+            chunk_size: 256 << 10,
+            via_host: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let manifest: Manifest = decode_exact(m.manifest.into()).unwrap();
+    let first = prewarm_hosts(&mut api, hosts(1..=2)).await;
+    assert_eq!(
+        wait_plan(&mut api, &first, Duration::from_secs(60))
+            .await
+            .unwrap()
+            .state,
+        "done"
+    );
+    // The origin goes away: from now on only the holders can serve the model.
+    stop.cancel();
+    server.await.unwrap().unwrap();
+
+    let plan = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            hosts: hosts(3..=4),
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Kill the source of the first chain mid-transfer. Its hops cannot recover from the
+    // origin (gone), so they stall until the controller re-plans them from the other holder.
+    let source = plan.chains[0].source.clone();
+    assert!(source == "host-1" || source == "host-2", "{plan:?}");
+    wait_fraction(&mut api, &plan.plan_id, 0.2).await;
+    let idx = c
+        .daemons
+        .iter()
+        .position(|d| d.host_id.as_str() == source)
+        .unwrap();
+    c.daemons[idx].kill().await;
+
+    let done = wait_plan(&mut api, &plan.plan_id, Duration::from_secs(90))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    assert!(done.replans >= 1, "{done:?}");
+    assert!(done.message.contains("re-planned"), "{done:?}");
+    for h in hosts(3..=4) {
+        assert_eq!(host_state(&done, &h), "done", "{done:?}");
+        c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
+    }
+}
