@@ -30,40 +30,43 @@ pub fn transferd_bin() -> anyhow::Result<PathBuf> {
     workspace_bin("transferd", "transferd", "SHARDCAST_TRANSFERD")
 }
 
-/// Where binary `bin` of workspace package `package` is: `$env`, else next to the running
-/// executable (or its parent, for test binaries under `target/*/deps`). When this program
-/// runs from a cargo build directory and the binary is not built yet (a fresh clone's
-/// `cargo run -p shardcast-bench -- demo` builds only the bench), it is built once with the
-/// same profile.
+/// Where binary `bin` of workspace package `package` is: `$env` if set. Otherwise, when this
+/// program runs from the workspace's cargo build directory, the binary is (re)built once per
+/// process with the same profile (a no-op when it is up to date), so tests and benches never
+/// run a stale daemon left from an earlier build; if cargo cannot run, an existing binary
+/// next to the running executable is used. Outside a build tree, the binary is looked up
+/// next to the running executable.
 pub fn workspace_bin(bin: &str, package: &str, env: &str) -> anyhow::Result<PathBuf> {
     static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
     if let Some(p) = std::env::var_os(env) {
         return Ok(PathBuf::from(p));
     }
     let exe = std::env::current_exe().context("locating the running executable")?;
-    let mut dir = exe.parent().map(Path::to_path_buf);
+    // target/<profile>/x or target/<profile>/deps/x
     let mut profile_dir = None;
-    while let Some(d) = dir {
-        let candidate = d.join(bin);
-        if candidate.is_file() {
-            return Ok(candidate);
+    let mut existing = None;
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    for _ in 0..2 {
+        let Some(d) = dir else { break };
+        if existing.is_none() && d.join(bin).is_file() {
+            existing = Some(d.join(bin));
         }
-        if d.ends_with("debug") || d.ends_with("release") {
-            profile_dir.get_or_insert_with(|| d.clone());
+        if profile_dir.is_none() && (d.ends_with("debug") || d.ends_with("release")) {
+            profile_dir = Some(d.clone());
         }
-        dir = d
-            .parent()
-            .map(Path::to_path_buf)
-            .filter(|p| p.ends_with("debug") || p.ends_with("release") || p.join(bin).is_file());
+        dir = d.parent().map(Path::to_path_buf);
     }
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
-        .map(Path::to_path_buf);
+        .map(Path::to_path_buf)
+        .filter(|w| w.join("Cargo.toml").is_file());
     let (Some(profile_dir), Some(workspace)) = (profile_dir, workspace) else {
-        bail!(
-            "cannot find the {bin} binary next to {}; build it (cargo build --bins) or set {env}",
-            exe.display()
-        );
+        return existing.with_context(|| {
+            format!(
+                "cannot find the {bin} binary next to {}; build it (cargo build --bins) or set {env}",
+                exe.display()
+            )
+        });
     };
     let mut built = BUILT
         .lock()
@@ -73,24 +76,25 @@ pub fn workspace_bin(bin: &str, package: &str, env: &str) -> anyhow::Result<Path
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let release = profile_dir.ends_with("release");
-    eprintln!(
-        "{bin} is not built yet; building it ({})",
-        if release { "release" } else { "debug" }
-    );
     let mut cmd = std::process::Command::new(cargo);
     cmd.arg("build")
+        .arg("--quiet")
         .arg("--manifest-path")
-        .arg(workspace.join("Cargo.toml"));
-    cmd.args(["-p", package, "--bin", bin]);
+        .arg(workspace.join("Cargo.toml"))
+        .args(["-p", package, "--bin", bin])
+        .stdin(std::process::Stdio::null());
     if release {
         cmd.arg("--release");
     }
-    let status = cmd
-        .status()
-        .with_context(|| format!("running cargo build for {bin}"))?;
     let candidate = profile_dir.join(bin);
-    if !status.success() || !candidate.is_file() {
-        bail!("building {bin} failed ({status}); build it with cargo build --bins");
+    match cmd.status() {
+        Ok(status) if status.success() && candidate.is_file() => {}
+        Ok(status) => bail!("building {bin} failed ({status}); build it with cargo build --bins"),
+        Err(e) => {
+            return existing.with_context(|| {
+                format!("{bin} is not built and cargo cannot run ({e}); build it with cargo build --bins")
+            });
+        }
     }
     built.push((bin.to_string(), candidate.clone()));
     Ok(candidate)

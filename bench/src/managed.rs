@@ -417,7 +417,11 @@ impl OriginProc {
         rate: u64,
         scratch: &Path,
     ) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe().context("locating shardcast-bench")?;
+        let exe = crate::cluster::workspace_bin(
+            "shardcast-bench",
+            "shardcast-bench",
+            "SHARDCAST_BENCH_BIN",
+        )?;
         let stats = scratch.join("origin-stats.json");
         let listen = format!("{}:8080", net.host_ip(i));
         let mut cmd: tokio::process::Command = net.command(i, exe).into();

@@ -633,7 +633,17 @@ impl Controller {
                 )));
             }
         };
-        self.make_plan(&req.model, tier, each_from_origin, |_st, _m| Ok(target))
+        self.make_plan(&req.model, tier, each_from_origin, |st, m| {
+            // GPU slots are counted by reservation: a gpu prewarm of k makes sure k slots are
+            // reserved for the model, reserving only the missing ones.
+            if tier == Tier::Gpu
+                && let Target::Replicas(k) = target
+            {
+                let have = gpu_reserved(st, &m.digest);
+                return Ok((have < k).then(|| Target::Replicas(k - have)));
+            }
+            Ok(Some(target))
+        })
     }
 
     /// `ScaleOut`: `replicas` more replicas than exist now.
@@ -644,12 +654,8 @@ impl Controller {
         }
         self.make_plan(&req.model, tier, false, |st, m| {
             let current: u32 = match tier {
-                Tier::Gpu => st
-                    .hosts
-                    .values()
-                    .filter(|h| h.up)
-                    .map(|h| h.gpu_reserved.get(&m.digest).copied().unwrap_or(0))
-                    .sum(),
+                // Placement sees only free GPU slots: ask for the additional ones.
+                Tier::Gpu => return Ok(Some(Target::Replicas(req.replicas))),
                 _ => {
                     let held = st
                         .hosts
@@ -663,7 +669,7 @@ impl Controller {
                     (held + st.in_flight(&m.digest, tier).len()) as u32
                 }
             };
-            Ok(Target::Replicas(current.saturating_add(req.replicas)))
+            Ok(Some(Target::Replicas(current.saturating_add(req.replicas))))
         })
     }
 
@@ -672,7 +678,7 @@ impl Controller {
         key: &str,
         tier: Tier,
         each_from_origin: bool,
-        target: impl FnOnce(&State, &ModelRecord) -> Result<Target, ApiError>,
+        target: impl FnOnce(&State, &ModelRecord) -> Result<Option<Target>, ApiError>,
     ) -> Result<PlanAccepted, ApiError> {
         let mut st = lock(&self.state);
         let model = st.model(key)?.clone();
@@ -681,13 +687,32 @@ impl Controller {
         let in_flight_hosts: Vec<String> = in_flight.keys().cloned().collect();
         let cluster = inventory::cluster_view(&st.hosts, &model.digest, &st.pending());
         let spec = model.spec();
-        let req = placement::PlanRequest {
-            model: &spec,
-            target,
-            tier,
-            in_flight: &in_flight_hosts,
+        let mut plan = match target {
+            Some(target) => {
+                let req = placement::PlanRequest {
+                    model: &spec,
+                    target,
+                    tier,
+                    in_flight: &in_flight_hosts,
+                };
+                placement::plan(&cluster, &req, &self.cfg.plan).map_err(plan_error)?
+            }
+            // Already satisfied: the hosts with reserved GPU slots, nothing to move.
+            None => placement::Plan {
+                receivers: st
+                    .hosts
+                    .values()
+                    .filter(|h| h.gpu_reserved.contains_key(&model.digest))
+                    .map(|h| Receiver {
+                        host: h.report.host_id.clone(),
+                        gpus: 0,
+                        kind: ReceiverKind::Local,
+                    })
+                    .collect(),
+                chains: Vec::new(),
+                estimate_s: 0.0,
+            },
         };
-        let mut plan = placement::plan(&cluster, &req, &self.cfg.plan).map_err(plan_error)?;
         if each_from_origin {
             plan = origin_each(plan, &spec, &self.cfg.plan);
         }
@@ -1346,6 +1371,15 @@ impl Controller {
         let _ = started;
         self.start_runs(id).await;
     }
+}
+
+/// GPU slots reserved for `digest` on live hosts.
+fn gpu_reserved(st: &State, digest: &str) -> u32 {
+    st.hosts
+        .values()
+        .filter(|h| h.up)
+        .map(|h| h.gpu_reserved.get(digest).copied().unwrap_or(0))
+        .sum()
 }
 
 /// The baseline: every new receiver downloads from the origin itself, all sharing the

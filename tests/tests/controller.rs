@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::Daemon;
 use shardcast_bench::control::{ControllerProc, ManagedCluster, cli_bin, wait_plan};
+use shardcast_bench::origin_server::{OriginStats, serve};
 use shardcast_bench::synth::{self, SynthSpec};
 use shardcast_protocol::Manifest;
 use shardcast_protocol::codec::decode_exact;
@@ -120,13 +121,61 @@ async fn wait_fraction(api: &mut ControllerClient<Channel>, plan: &str, at_least
     }
 }
 
+/// Bytes an origin served: counted by the HTTP origin server itself, or for a `file://`
+/// origin by the transferds that read it.
+async fn served(c: &ManagedCluster, http: Option<&OriginStats>) -> u64 {
+    match http {
+        Some(s) => s.bytes_sent.load(std::sync::atomic::Ordering::Relaxed),
+        None => origin_bytes(&c.daemons).await,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prewarm_all_then_second_prewarm_is_served_by_peers() {
+    prewarm_then_peers(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_origin_counts_one_read_then_none() {
+    prewarm_then_peers(true).await;
+}
+
+async fn prewarm_then_peers(http: bool) {
     let c = ManagedCluster::start(8, vec![], |_, _| {}).await.unwrap();
     let origin = Origin::new(24 << 20, 3);
+    let stats = std::sync::Arc::new(OriginStats::default());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let uri = if http {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/", listener.local_addr().unwrap());
+        tokio::spawn(serve(
+            origin.dir.path().to_path_buf(),
+            listener,
+            None,
+            stats.clone(),
+            stop.clone(),
+        ));
+        url
+    } else {
+        origin.uri()
+    };
+    let counter = http.then_some(&*stats);
     let mut api = c.controller.client().await.unwrap();
-    let manifest = register(&mut api, &origin).await;
+    let m = api
+        .register_model(RegisterModelRequest {
+            name: MODEL.into(),
+            origin: uri,
+            chunk_size: 256 << 10,
+            via_host: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let manifest: Manifest = decode_exact(m.manifest.into()).unwrap();
     let total = manifest.total_bytes();
+    // Registration read the origin once to hash it (the HTTP server counts that read).
+    let registered = served(&c, counter).await;
 
     // First prewarm: nobody holds the model, so one chain from the origin through all four.
     let a = api
@@ -151,10 +200,10 @@ async fn prewarm_all_then_second_prewarm_is_served_by_peers() {
         c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
     }
     // The origin was read once, not once per host.
-    assert_eq!(origin_bytes(&c.daemons).await, total);
+    assert_eq!(served(&c, counter).await - registered, total);
 
     // Second prewarm on the other four: served by the holders, the origin serves nothing.
-    let before = origin_bytes(&c.daemons).await;
+    let before = served(&c, counter).await;
     let b = api
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
@@ -181,7 +230,7 @@ async fn prewarm_all_then_second_prewarm_is_served_by_peers() {
     for h in hosts(5..=8) {
         c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
     }
-    assert_eq!(origin_bytes(&c.daemons).await - before, 0);
+    assert_eq!(served(&c, counter).await - before, 0);
 
     // Everyone holds it now: a prewarm of all eight moves nothing.
     let all = prewarm_hosts(&mut api, hosts(1..=8)).await;
@@ -619,7 +668,6 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_receivers_are_replanned_from_another_holder() {
-    use shardcast_bench::origin_server::{OriginStats, serve};
     use std::sync::Arc;
     // A short stall timeout so the test does not wait long for the re-plan.
     let mut c = ManagedCluster::start(4, vec!["--stall-timeout-s".into(), "2".into()], |_, o| {
@@ -694,4 +742,98 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
         assert_eq!(host_state(&done, &h), "done", "{done:?}");
         c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_replicas_share_one_copy_per_host() {
+    let c = ManagedCluster::start(3, vec![], |_, o| {
+        o.extra_args.extend(["--gpus".into(), "4".into()]);
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(8 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    // 5 GPU replicas over 3 hosts: one GPU per new host first, then more GPUs on them; each
+    // host receives the model once whatever number of its GPUs use it.
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 5,
+            tier: "gpu".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(a.hosts.len(), 3, "{a:?}");
+    assert_eq!(a.hosts.iter().map(|h| h.gpus).sum::<u32>(), 5);
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    let chunks: u64 = manifest.shards.iter().map(|s| s.chunks.len() as u64).sum();
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+        assert_eq!(d.stats().await.unwrap().chunks_verified, chunks);
+    }
+    // Scale out by 4 more GPUs: the holders' free GPUs take them; nothing moves.
+    let b = api
+        .scale_out(ScaleOutRequest {
+            model: MODEL.into(),
+            replicas: 4,
+            tier: "gpu".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(b.chains.is_empty(), "{b:?}");
+    assert_eq!(b.hosts.iter().map(|h| h.gpus).sum::<u32>(), 4);
+    // A prewarm of 9 GPU replicas is already satisfied: it reserves nothing more.
+    let again = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 9,
+            tier: "gpu".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.chains.is_empty(), "{again:?}");
+    assert_eq!(again.hosts.iter().map(|h| h.gpus).sum::<u32>(), 0);
+    // 12 GPUs, 9 reserved: 4 more do not fit, and the refusal reserves nothing.
+    let e = api
+        .scale_out(ScaleOutRequest {
+            model: MODEL.into(),
+            replicas: 4,
+            tier: "gpu".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    let st = api
+        .get_status(GetStatusRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.hosts.iter().map(|h| h.gpus).sum::<u32>(), 9, "{st:?}");
+    // Evicting the GPU tier releases the slots.
+    api.evict(EvictRequest {
+        model: MODEL.into(),
+        hosts: vec![],
+        tier: "gpu".into(),
+    })
+    .await
+    .unwrap();
+    let st = api
+        .get_status(GetStatusRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.hosts.iter().map(|h| h.gpus).sum::<u32>(), 0, "{st:?}");
 }

@@ -54,3 +54,44 @@ async fn emulated_chain_beats_star_and_verifies() {
         "namespaces left behind: {left}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_cold_start_reads_the_origin_once() {
+    use shardcast_bench::managed::{ColdStartOpts, run_cold_start};
+    if let Err(why) = netns::available() {
+        eprintln!("SKIPPED: emulated cluster needs root and iproute2: {why}");
+        return;
+    }
+    let opts = ColdStartOpts {
+        hosts: 4,
+        size: 16 << 20,
+        shards: 2,
+        rate: 200_000_000 / 8,
+        origin_rate: 50_000_000 / 8,
+        methods: vec!["origin-pull".into(), "shardcast".into()],
+        timeout: Duration::from_secs(120),
+        progress: false,
+    };
+    let report = run_cold_start(&opts).await.unwrap();
+    let (pull, sc) = (&report.results[0], &report.results[1]);
+    for r in &report.results {
+        assert!(r.verified, "{} copies must be byte-exact", r.method);
+        assert_eq!(r.per_host_s.len(), 4);
+    }
+    // The baseline reads the model once per host; shardcast once in all.
+    assert_eq!(pull.origin_bytes, 4 * report.bytes);
+    assert_eq!(sc.origin_bytes, report.bytes);
+    assert_eq!(sc.chains, 1);
+    assert!(
+        sc.ready_s < report.origin_read_s * 1.5,
+        "shardcast {:.2}s vs one origin read {:.2}s",
+        sc.ready_s,
+        report.origin_read_s
+    );
+    assert!(
+        pull.ready_s > sc.ready_s * 2.5,
+        "origin-pull {:.2}s vs shardcast {:.2}s",
+        pull.ready_s,
+        sc.ready_s
+    );
+}
