@@ -140,6 +140,8 @@ pub struct Daemon {
     pub host_id: HostId,
     /// Its data-plane address.
     pub data_addr: SocketAddr,
+    /// Its admin HTTP address (`/metrics`, `/v1/handoff/…`).
+    pub admin_addr: SocketAddr,
     /// Its agent API Unix socket.
     pub agent_socket: PathBuf,
     /// Its memory-tier directory.
@@ -167,6 +169,7 @@ impl Daemon {
         let mut d = Self {
             host_id,
             data_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            admin_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
             agent_socket: root.join("agent.sock"),
             memory_dir,
             disk_dir,
@@ -255,6 +258,14 @@ impl Daemon {
         self.data_addr = data
             .parse()
             .with_context(|| format!("bad data address in READY line {line:?}"))?;
+        if let Some(admin) = line
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix("admin="))
+        {
+            self.admin_addr = admin
+                .parse()
+                .with_context(|| format!("bad admin address in READY line {line:?}"))?;
+        }
         // Keep draining stdout so the daemon never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         self.child = Some(child);

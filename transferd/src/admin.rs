@@ -1,14 +1,16 @@
 //! Admin HTTP endpoint, off the data path: `/healthz` (the process is up), `/readyz`
-//! (every listener is bound), `/metrics` (Prometheus text format).
+//! (every listener is bound), `/metrics` (Prometheus text format), and
+//! `/v1/handoff/{model}` (the hand-off of a model to an inference process on this host).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::get;
+use gpu_loader::manager::GpuManager;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -17,17 +19,42 @@ use crate::chain::Node;
 /// Serves the admin endpoints until `cancel`.
 pub async fn serve(
     node: Arc<Node>,
+    gpus: Arc<GpuManager>,
     listener: TcpListener,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
+    let handoff = Router::new()
+        .route("/v1/handoff/{model}", get(handoff))
+        .with_state((node.clone(), gpus));
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { (StatusCode::OK, "ready\n") }))
         .route("/metrics", get(metrics))
-        .with_state(node);
+        .with_state(node)
+        .merge(handoff);
     axum::serve(listener, app)
         .with_graceful_shutdown(cancel.cancelled_owned())
         .await
+}
+
+/// `GET /v1/handoff/{model}`: the hand-off JSON for inference processes on this host
+/// (`examples/python/handoff.py`).
+async fn handoff(
+    State((node, gpus)): State<(Arc<Node>, Arc<GpuManager>)>,
+    Path(model): Path<String>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let Some(digest) = node.store.resolve(&model) else {
+        return (
+            StatusCode::NOT_FOUND,
+            format!("model {model:?} is not known on this host\n"),
+        )
+            .into_response();
+    };
+    match crate::gpu::handoff(&node, &gpus, &digest) {
+        Ok(h) => axum::Json(h).into_response(),
+        Err(e) => (StatusCode::CONFLICT, e + "\n").into_response(),
+    }
 }
 
 async fn metrics(State(node): State<Arc<Node>>) -> String {

@@ -21,6 +21,8 @@ use shardcast_protocol::{
 use tonic::{Request, Response, Status};
 use tracing::info;
 
+use gpu_loader::manager::{GpuManager, LoadState, ManagerError, ModelGpuStatus};
+
 use crate::chain::{ChainError, ChainSpec, Node, new_session_id};
 use crate::origin::Origin;
 use crate::store::Holding;
@@ -28,19 +30,56 @@ use crate::store::Holding;
 /// The agent service of one daemon.
 pub struct AgentService {
     node: Arc<Node>,
+    gpus: Arc<GpuManager>,
 }
 
 impl AgentService {
-    /// Serves the API for `node`.
-    pub fn new(node: Arc<Node>) -> Self {
-        Self { node }
+    /// Serves the API for `node` and its GPUs.
+    pub fn new(node: Arc<Node>, gpus: Arc<GpuManager>) -> Self {
+        Self { node, gpus }
     }
+
+    fn with_gpus(&self, mut st: pb::ModelStatus) -> pb::ModelStatus {
+        if st.tier == pb::Tier::Memory as i32
+            && let Some(g) = self.gpus.model_status(&st.digest)
+        {
+            st.gpus = gpu_residency(&self.gpus, &g);
+        }
+        st
+    }
+}
+
+fn gpu_residency(gpus: &GpuManager, g: &ModelGpuStatus) -> Vec<pb::GpuResidency> {
+    let kinds: std::collections::HashMap<u32, String> = gpus
+        .devices()
+        .into_iter()
+        .map(|d| (d.index, d.kind.to_string()))
+        .collect();
+    let (state, error) = match &g.state {
+        LoadState::Loading => ("loading", String::new()),
+        LoadState::Resident => ("resident", String::new()),
+        LoadState::Failed(e) => ("failed", e.clone()),
+    };
+    g.gpus
+        .iter()
+        .map(|&(gpu, bytes, total)| pb::GpuResidency {
+            gpu,
+            state: state.into(),
+            bytes,
+            total,
+            device_kind: kinds.get(&gpu).cloned().unwrap_or_default(),
+            error: error.clone(),
+        })
+        .collect()
 }
 
 fn tier_from_pb(t: i32) -> Result<Tier, Status> {
     match pb::Tier::try_from(t) {
         Ok(pb::Tier::Memory) => Ok(Tier::Memory),
         Ok(pb::Tier::Disk) => Ok(Tier::Disk),
+        Ok(pb::Tier::Gpu) => Err(Status::invalid_argument(
+            "the gpu tier is not a store tier; use LoadModel",
+        )),
         Err(_) => Err(Status::invalid_argument(format!("unknown tier {t}"))),
     }
 }
@@ -101,6 +140,7 @@ pub(crate) fn model_status(h: &Holding) -> pb::ModelStatus {
         total_bytes: h.shards.iter().map(|s| s.size).sum(),
         shards,
         path: h.dir.display().to_string(),
+        gpus: Vec::new(),
     }
 }
 
@@ -328,7 +368,7 @@ impl Agent for AgentService {
             .holdings()
             .iter()
             .filter(|h| h.digest == digest)
-            .map(model_status)
+            .map(|h| self.with_gpus(model_status(h)))
             .collect();
         Ok(Response::new(GetModelStatusResponse { tiers }))
     }
@@ -371,6 +411,22 @@ impl Agent for AgentService {
         request: Request<EvictModelRequest>,
     ) -> Result<Response<EvictModelResponse>, Status> {
         let req = request.into_inner();
+        if req.tier == pb::Tier::Gpu as i32 {
+            let digest = self.node.store.resolve(&req.model).ok_or_else(|| {
+                Status::not_found(format!("model {:?} is not known on this host", req.model))
+            })?;
+            return match self.gpus.evict(&digest.to_hex()) {
+                Ok(_) => Ok(Response::new(EvictModelResponse {
+                    removed: true,
+                    bytes_freed: 0,
+                })),
+                Err(ManagerError::NotLoaded(_)) => Ok(Response::new(EvictModelResponse {
+                    removed: false,
+                    bytes_freed: 0,
+                })),
+                Err(e) => Err(Status::failed_precondition(e.to_string())),
+            };
+        }
         let tier = tier_from_pb(req.tier)?;
         let Some(digest) = self.node.store.resolve(&req.model) else {
             return Err(Status::not_found(format!(
@@ -402,5 +458,104 @@ impl Agent for AgentService {
             removed: held.is_some(),
             bytes_freed,
         }))
+    }
+
+    async fn load_model(
+        &self,
+        request: Request<pb::LoadModelRequest>,
+    ) -> Result<Response<pb::LoadModelResponse>, Status> {
+        let req = request.into_inner();
+        let digest = self.node.store.resolve(&req.model).ok_or_else(|| {
+            Status::not_found(format!(
+                "model {:?} is not known on this host; start its transfer first",
+                req.model
+            ))
+        })?;
+        let gpus = crate::gpu::load(
+            &self.node,
+            &self.gpus,
+            &digest,
+            req.count.max(1) as usize,
+            &req.gpus,
+        )
+        .map_err(|e| match e {
+            crate::gpu::LoadFailure::Manager(
+                ManagerError::NoGpus(_) | ManagerError::TooMany { .. } | ManagerError::NoSuchGpu(_),
+            ) => Status::failed_precondition(e.to_string()),
+            crate::gpu::LoadFailure::Manager(ManagerError::Pool(_)) => {
+                Status::resource_exhausted(e.to_string())
+            }
+            other => Status::internal(other.to_string()),
+        })?;
+        Ok(Response::new(pb::LoadModelResponse { gpus }))
+    }
+
+    async fn gpu_status(
+        &self,
+        _request: Request<pb::GpuStatusRequest>,
+    ) -> Result<Response<pb::GpuStatusResponse>, Status> {
+        let regions = self.gpus.regions();
+        let devices = self
+            .gpus
+            .devices()
+            .into_iter()
+            .map(|d| {
+                let (cap, free) = regions
+                    .iter()
+                    .find(|r| r.0 == d.index)
+                    .map(|r| (r.1, r.2))
+                    .unwrap_or((0, 0));
+                pb::GpuDevice {
+                    index: d.index,
+                    name: d.name,
+                    kind: d.kind.to_string(),
+                    memory_bytes: d.memory_bytes,
+                    pcie_switch: d.pcie_switch,
+                    peers: d.peers.iter().map(|p| p.0).collect(),
+                    pool_bytes: cap,
+                    pool_free: free,
+                }
+            })
+            .collect();
+        let models = self
+            .gpus
+            .status()
+            .iter()
+            .map(|m| pb::GpuModel {
+                model: m.model.clone(),
+                name: m.name.clone(),
+                state: match &m.state {
+                    LoadState::Loading => "loading".into(),
+                    LoadState::Resident => "resident".into(),
+                    LoadState::Failed(_) => "failed".into(),
+                },
+                error: match &m.state {
+                    LoadState::Failed(e) => e.clone(),
+                    _ => String::new(),
+                },
+                gpus: gpu_residency(&self.gpus, m),
+                elapsed_s: m.elapsed_s,
+            })
+            .collect();
+        Ok(Response::new(pb::GpuStatusResponse {
+            note: self.gpus.note().to_string(),
+            devices,
+            models,
+        }))
+    }
+
+    async fn get_handoff(
+        &self,
+        request: Request<pb::GetHandoffRequest>,
+    ) -> Result<Response<pb::GetHandoffResponse>, Status> {
+        let key = request.into_inner().model;
+        let digest =
+            self.node.store.resolve(&key).ok_or_else(|| {
+                Status::not_found(format!("model {key:?} is not known on this host"))
+            })?;
+        let h = crate::gpu::handoff(&self.node, &self.gpus, &digest)
+            .map_err(Status::failed_precondition)?;
+        let json = serde_json::to_string(&h).map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(pb::GetHandoffResponse { json }))
     }
 }

@@ -13,6 +13,9 @@ use serde::Deserialize;
 use shardcast_protocol::HostId;
 use shardcast_protocol::units::{parse_rate, parse_size};
 
+use gpu_loader::manager::{BackendChoice, ManagerConfig};
+use gpu_loader::sim::SimOptions;
+
 use crate::chain::{ChainConfig, parse_fault_list};
 use crate::store::{StoreConfig, WriterKind};
 
@@ -112,6 +115,30 @@ pub struct Args {
     /// Milliseconds between heartbeats to the controller [default: 1000].
     #[arg(long, env = "SHARDCAST_HEARTBEAT_MS")]
     pub heartbeat_ms: Option<u64>,
+    /// GPU backend: auto (CUDA if a driver is present), cuda, simulated or none [default: auto].
+    #[arg(long, env = "SHARDCAST_GPU_BACKEND")]
+    pub gpu_backend: Option<String>,
+    /// Simulated GPUs (gpu_backend = simulated) [default: 2].
+    #[arg(long, env = "SHARDCAST_SIM_GPUS")]
+    pub sim_gpus: Option<u32>,
+    /// Memory of each simulated GPU [default: 1GiB].
+    #[arg(long, env = "SHARDCAST_SIM_GPU_MEMORY")]
+    pub sim_gpu_memory: Option<String>,
+    /// Host-to-device rate of each simulated GPU [default: 2GB/s].
+    #[arg(long, env = "SHARDCAST_SIM_PCIE_RATE")]
+    pub sim_pcie_rate: Option<String>,
+    /// Peer rate between simulated GPUs, 0 for none [default: 8GB/s].
+    #[arg(long, env = "SHARDCAST_SIM_NVLINK_RATE")]
+    pub sim_nvlink_rate: Option<String>,
+    /// Share of each GPU's memory reserved for models (0.01–1) [default: 0.8].
+    #[arg(long, env = "SHARDCAST_GPU_BUDGET_FRACTION")]
+    pub gpu_budget_fraction: Option<f64>,
+    /// Pinned staging buffers per load [default: 8].
+    #[arg(long, env = "SHARDCAST_STAGING_BUFFERS")]
+    pub staging_buffers: Option<usize>,
+    /// Bytes per staging buffer (one host-to-device copy each) [default: 4MiB].
+    #[arg(long, env = "SHARDCAST_STAGING_SIZE")]
+    pub staging_size: Option<String>,
 }
 
 /// The TOML file's fields (all optional; unknown fields are an error).
@@ -145,6 +172,14 @@ struct FileConfig {
     gpus: Option<u32>,
     gpu_memory: Option<String>,
     heartbeat_ms: Option<u64>,
+    gpu_backend: Option<String>,
+    sim_gpus: Option<u32>,
+    sim_gpu_memory: Option<String>,
+    sim_pcie_rate: Option<String>,
+    sim_nvlink_rate: Option<String>,
+    gpu_budget_fraction: Option<f64>,
+    staging_buffers: Option<usize>,
+    staging_size: Option<String>,
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -205,6 +240,8 @@ pub struct Config {
     pub json_logs: bool,
     /// Reporting to a controller, if one is configured.
     pub inventory: Inventory,
+    /// GPU backend and loader settings.
+    pub gpu: ManagerConfig,
     /// Chunks to corrupt once when sent (`SHARDCAST_FAULT_CORRUPT`, honoured only with
     /// `SHARDCAST_ENABLE_FAULT_INJECTION=1`; for tests).
     pub corrupt_once: Vec<(u32, u32)>,
@@ -358,6 +395,56 @@ impl Config {
             gpu_memory: size("gpu_memory", args.gpu_memory.or(file.gpu_memory))?.unwrap_or(0),
             heartbeat: Duration::from_millis(heartbeat_ms),
         };
+        let gpu = {
+            let mut m = ManagerConfig::default();
+            let backend = args.gpu_backend.or(file.gpu_backend);
+            m.backend = match backend.as_deref().unwrap_or("auto") {
+                "auto" => BackendChoice::Auto,
+                "cuda" => BackendChoice::Cuda,
+                "none" => BackendChoice::None,
+                "simulated" => {
+                    let mut o = SimOptions::new(
+                        &memory_dir.join("sim-gpus"),
+                        args.sim_gpus.or(file.sim_gpus).unwrap_or(2),
+                        size(
+                            "sim_gpu_memory",
+                            args.sim_gpu_memory.or(file.sim_gpu_memory),
+                        )?
+                        .unwrap_or(1 << 30),
+                    );
+                    o.pcie_bps = rate("sim_pcie_rate", args.sim_pcie_rate.or(file.sim_pcie_rate))?
+                        .unwrap_or(2_000_000_000);
+                    o.nvlink_bps = rate(
+                        "sim_nvlink_rate",
+                        args.sim_nvlink_rate.or(file.sim_nvlink_rate),
+                    )?
+                    .unwrap_or(8_000_000_000);
+                    BackendChoice::Simulated(o)
+                }
+                other => bail!("gpu_backend must be auto, cuda, simulated or none, got {other:?}"),
+            };
+            let fraction = args
+                .gpu_budget_fraction
+                .or(file.gpu_budget_fraction)
+                .unwrap_or(0.8);
+            if !(0.01..=1.0).contains(&fraction) {
+                bail!("gpu_budget_fraction must be between 0.01 and 1, got {fraction}");
+            }
+            m.budget_fraction = fraction;
+            m.load.staging_buffers = bounded(
+                "staging_buffers",
+                args.staging_buffers.or(file.staging_buffers),
+                8,
+                1024,
+            )?;
+            let staging =
+                size("staging_size", args.staging_size.or(file.staging_size))?.unwrap_or(4 << 20);
+            if !(4096..=(1 << 30)).contains(&staging) {
+                bail!("staging_size must be between 4KiB and 1GiB, got {staging}");
+            }
+            m.load.staging_size = staging as usize;
+            m
+        };
         Ok(Self {
             host_id,
             listen: args
@@ -399,6 +486,7 @@ impl Config {
             },
             json_logs,
             inventory,
+            gpu,
             corrupt_once,
         })
     }

@@ -14,6 +14,8 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use gpu_loader::manager::GpuManager;
+
 use crate::agent::AgentService;
 use crate::chain::{Faults, Node};
 use crate::config::{Config, ListenAddr};
@@ -46,6 +48,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         warn!(chunks = ?config.corrupt_once, "FAULT INJECTION ARMED: these chunks will be corrupted once when sent");
     }
 
+    // GPUs: CUDA when a driver is present (a host without one runs on without GPUs),
+    // simulated when configured. Opening CUDA contexts can take seconds: off the runtime.
+    let gpu_cfg = config.gpu.clone();
+    let gpus = Arc::new(
+        tokio::task::spawn_blocking(move || GpuManager::open(&gpu_cfg))
+            .await
+            .context("GPU start-up task")?,
+    );
     let data = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding data listener {}", config.listen))?;
@@ -61,6 +71,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     {
         let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService::new(
             node.clone(),
+            gpus.clone(),
         ))
         .max_decoding_message_size(128 << 20)
         .max_encoding_message_size(128 << 20);
@@ -92,9 +103,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     {
         let node = node.clone();
+        let gpus = gpus.clone();
         let cancel = cancel.clone();
         tasks.spawn(async move {
-            if let Err(e) = crate::admin::serve(node, admin, cancel).await {
+            if let Err(e) = crate::admin::serve(node, gpus, admin, cancel).await {
                 warn!("admin server ended: {e}");
             }
         });
@@ -104,6 +116,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         info!(%controller, data = %addrs.data, agent = %addrs.agent, "reporting to the controller");
         tasks.spawn(crate::report::run(
             node.clone(),
+            gpus.clone(),
             config.inventory.clone(),
             addrs,
             controller,

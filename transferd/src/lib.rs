@@ -12,6 +12,7 @@
 //! * [`wire`] / [`transport`]: frames over any byte stream; TCP today.
 //! * [`throttle`]: daemon-wide egress/ingress token buckets.
 //! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`.
+//! * [`gpu`]: the store as a chunk source for `gpu-loader`, GPU loads and hand-offs.
 //! * [`report`]: heartbeats to the controller's inventory (identity, capacity, holdings).
 //! * [`config`] and [`daemon`]: layered configuration and process wiring.
 
@@ -22,6 +23,7 @@ pub mod agent;
 pub mod chain;
 pub mod config;
 pub mod daemon;
+pub mod gpu;
 pub mod origin;
 pub mod report;
 pub mod store;

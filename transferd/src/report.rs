@@ -15,6 +15,8 @@ use shardcast_protocol::controller::{Gpu, HeldModel, HostReport};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use gpu_loader::manager::GpuManager;
+
 use crate::agent::model_status;
 use crate::chain::Node;
 use crate::config::Inventory;
@@ -31,6 +33,7 @@ pub struct Advertised {
 /// Sends a heartbeat every `inv.heartbeat` until `cancel`.
 pub async fn run(
     node: Arc<Node>,
+    gpus: Arc<GpuManager>,
     inv: Inventory,
     addrs: Advertised,
     controller: String,
@@ -52,7 +55,7 @@ pub async fn run(
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let report = build_report(&node, &inv, &addrs);
+        let report = build_report(&node, &gpus, &inv, &addrs);
         let sent = tokio::time::timeout(
             inv.heartbeat.max(Duration::from_secs(2)),
             client.heartbeat(report),
@@ -98,7 +101,12 @@ fn space(dir: &Path, cap: Option<u64>, used: u64) -> (u64, u64) {
 }
 
 /// The report for one heartbeat.
-pub fn build_report(node: &Node, inv: &Inventory, addrs: &Advertised) -> HostReport {
+pub fn build_report(
+    node: &Node,
+    gpus: &GpuManager,
+    inv: &Inventory,
+    addrs: &Advertised,
+) -> HostReport {
     let holdings = node.store.holdings();
     let mut used = [0u64; 2];
     let mut held = Vec::with_capacity(holdings.len());
@@ -136,14 +144,30 @@ pub fn build_report(node: &Node, inv: &Inventory, addrs: &Advertised) -> HostRep
         mem_free,
         disk_capacity,
         disk_free,
-        gpus: (0..inv.gpus)
-            .map(|i| Gpu {
-                index: i,
-                memory_bytes: inv.gpu_memory,
-                pcie_switch: String::new(),
-                nvlink_peers: Vec::new(),
-            })
-            .collect(),
+        // Detected GPUs (CUDA or simulated); the configured count only when none are.
+        gpus: {
+            let found = gpus.devices();
+            if found.is_empty() {
+                (0..inv.gpus)
+                    .map(|i| Gpu {
+                        index: i,
+                        memory_bytes: inv.gpu_memory,
+                        pcie_switch: String::new(),
+                        nvlink_peers: Vec::new(),
+                    })
+                    .collect()
+            } else {
+                found
+                    .into_iter()
+                    .map(|d| Gpu {
+                        index: d.index,
+                        memory_bytes: d.memory_bytes,
+                        pcie_switch: d.pcie_switch,
+                        nvlink_peers: d.peers.iter().map(|p| p.0).collect(),
+                    })
+                    .collect()
+            }
+        },
         holdings: held,
         version: env!("CARGO_PKG_VERSION").into(),
         gpus_busy: 0,

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Open a model's hand-off from transferd and build tensors from it without copying.
+
+    python3 examples/python/handoff.py --admin http://127.0.0.1:7402 --model org/llama-3-8b
+
+transferd serves the hand-off at GET /v1/handoff/{model} on its admin listener:
+
+* kind "cuda-ipc": one CUDA IPC memory handle per GPU plus the tensor index. With PyTorch
+  and a GPU, `open_cuda_ipc` maps the region (cudaIpcOpenMemHandle) and wraps each tensor
+  at its offset: no host copy, no second GPU allocation.
+* kind "simulated": the simulated GPU's backing file and offset (hosts without GPUs, CI).
+* kind "memory-file": the memory-tier shard files (no GPU on the host).
+
+For simulated and memory-file hand-offs the script maps the bytes (mmap), builds each
+tensor (numpy when installed, else a typed memoryview), and checks every tensor against
+the same bytes in the memory-tier shard file. It prints one line per tensor with --verbose
+and exits non-zero on any mismatch.
+"""
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import urllib.parse
+import urllib.request
+
+# safetensors dtype -> (struct/memoryview format, numpy dtype name, bytes per element)
+DTYPES = {
+    "F64": ("d", "float64", 8),
+    "F32": ("f", "float32", 4),
+    "F16": ("e", "float16", 2),
+    "BF16": ("H", "uint16", 2),  # no native bfloat16 in numpy/struct: raw 16-bit words
+    "I64": ("q", "int64", 8),
+    "I32": ("i", "int32", 4),
+    "I16": ("h", "int16", 2),
+    "I8": ("b", "int8", 1),
+    "U8": ("B", "uint8", 1),
+    "BOOL": ("?", "bool", 1),
+}
+
+
+def fetch(admin, model):
+    url = admin.rstrip("/") + "/v1/handoff/" + urllib.parse.quote(model, safe="")
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        sys.exit(f"hand-off of {model!r} not available: {e.code} {e.read().decode().strip()}")
+
+
+def build(buf, base, t):
+    """A tensor viewing `buf` at region offset t['offset'] (no copy)."""
+    fmt, npname, size = DTYPES.get(t["dtype"], ("B", "uint8", 1))
+    start = base + t["offset"]
+    view = memoryview(buf)[start : start + t["nbytes"]]
+    try:
+        import numpy as np  # optional
+
+        arr = np.frombuffer(view, dtype=npname)
+        return arr.reshape(t["shape"]) if t["shape"] else arr
+    except ImportError:
+        return view.cast(fmt)
+
+
+def open_cuda_ipc(h):
+    """Maps each GPU's region through its CUDA IPC handle and returns {gpu: {name: tensor}}.
+    Needs PyTorch with CUDA on the same host as transferd (not exercised in CI)."""
+    import ctypes
+
+    import torch
+
+    cudart = ctypes.CDLL("libcudart.so")
+    out = {}
+    for dev in h["devices"]:
+        handle = bytes.fromhex(dev["handle"]["handle"])
+        torch.cuda.set_device(dev["gpu"])
+        ptr = ctypes.c_void_p()
+        # cudaIpcOpenMemHandle(void** devPtr, cudaIpcMemHandle_t handle, flags=LazyEnablePeerAccess)
+        rc = cudart.cudaIpcOpenMemHandle(ctypes.byref(ptr), (ctypes.c_char * 64).from_buffer_copy(handle), 1)
+        if rc != 0:
+            raise RuntimeError(f"cudaIpcOpenMemHandle failed with {rc}")
+        base = ptr.value + dev["handle"]["offset"]
+        tensors = {}
+        for t in h["tensors"]:
+            _, npname, _ = DTYPES.get(t["dtype"], ("B", "uint8", 1))
+            dtype = getattr(torch, {"float16": "float16", "uint16": "bfloat16"}.get(npname, npname))
+            # Wrap device memory as a tensor via __cuda_array_interface__ (zero copy).
+            class Wrap:
+                __cuda_array_interface__ = {
+                    "shape": tuple(t["shape"]),
+                    "typestr": torch.empty(0, dtype=dtype).numpy().dtype.str if dtype != torch.bfloat16 else "<u2",
+                    "data": (base + t["offset"], False),
+                    "version": 3,
+                }
+            tensors[t["name"]] = torch.as_tensor(Wrap(), device=f"cuda:{dev['gpu']}")
+        out[dev["gpu"]] = tensors
+    return out
+
+
+def check_host(h, verbose):
+    shards = sorted(h["shards"], key=lambda s: s["offset"])
+    files = {}
+    for s in shards:
+        if s["file"]:
+            f = open(s["file"], "rb")
+            files[s["path"]] = (mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if s["size"] else b"", s["offset"])
+    regions = []
+    if h["kind"] == "simulated":
+        for dev in h["devices"]:
+            path, off = dev["handle"]["path"], dev["handle"]["offset"]
+            f = open(path, "rb")
+            regions.append((f"simulated GPU {dev['gpu']}", mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), off))
+    bad = 0
+    for t in h["tensors"]:
+        shard_map, shard_off = files[t["shard"]]
+        want = build(shard_map, -shard_off, t)
+        for label, buf, base in regions:
+            got = build(buf, base, t)
+            if bytes(memoryview(got).cast("B")) != bytes(memoryview(want).cast("B")):
+                print(f"MISMATCH {t['name']} on {label}", file=sys.stderr)
+                bad += 1
+        if verbose:
+            print(f"{t['name']:60s} {t['dtype']:5s} {t['shape']}")
+    return bad
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--admin", default=os.environ.get("SHARDCAST_ADMIN", "http://127.0.0.1:7402"))
+    p.add_argument("--model", required=True, help="model name or hex digest")
+    p.add_argument("--verbose", action="store_true")
+    a = p.parse_args()
+    h = fetch(a.admin, a.model)
+    if h["kind"] == "cuda-ipc":
+        mapped = open_cuda_ipc(h)
+        print(f"OK {len(h['tensors'])} tensors mapped on GPUs {sorted(mapped)} (cuda-ipc)")
+        return
+    bad = check_host(h, a.verbose)
+    gpus = [d["gpu"] for d in h["devices"]]
+    if bad:
+        sys.exit(f"{bad} tensors differ")
+    print(f"OK {len(h['tensors'])} tensors from {h['kind']} hand-off of {h['name']} (GPUs {gpus})")
+
+
+if __name__ == "__main__":
+    main()

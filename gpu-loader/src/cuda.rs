@@ -1,0 +1,1429 @@
+//! The CUDA backend of [`Device`]: real GPUs through the CUDA driver API, called through
+//! cudarc's raw bindings (`cudarc::driver::sys`), which load `libcuda` at run time.
+//!
+//! What it does: [`devices`] opens every GPU of the host (its primary context, one
+//! non-blocking copy stream at the highest priority), enables peer access between GPUs that
+//! support it, and returns [`CudaDevice`]s. A device allocates one *arena* (`cuMemAlloc`),
+//! pinned staging buffers (`cuMemHostAlloc`), issues host → device and peer copies on its
+//! stream with an event per copy as the [`Completion`], reads memory back for verification,
+//! and hands regions to consumer processes as CUDA IPC handles. [`calibrate`] and
+//! [`peak_htod`] measure the host → device path (the copy-size "elbow" of Torpor §4.3 and the
+//! plain pinned reference rate).
+//!
+//! # Hosts without a driver
+//!
+//! cudarc's dynamic loading *panics* on the first driver call when `libcuda` cannot be
+//! loaded. So [`devices`] first probes the library with `libloading` ([`driver_available`])
+//! and returns [`GpuError::NoDriver`] when it is missing — a normal condition on hosts
+//! without GPUs, where the loader falls back to the simulated device. As a second line of
+//! defence every driver call goes through [`std::panic::catch_unwind`]: a cudarc panic (a
+//! library that vanished, a symbol an old driver lacks) becomes [`GpuError::NoDriver`] (at
+//! `cuInit`) or [`GpuError::Device`] (later), never a crash. This needs `panic = "unwind"`
+//! (the workspace default).
+//!
+//! # Contexts and threads
+//!
+//! Each device uses its *primary* context (the one the CUDA runtime and PyTorch use too, so
+//! IPC handles and peer mappings are shared with them). A CUDA context is current per
+//! thread, and the loader drives each device from its own threads: every method therefore
+//! makes the device's context current on the calling thread (`cuCtxSetCurrent`, cheap) before
+//! any other call. Handles (contexts, streams, events, pinned pointers) are plain driver
+//! handles usable from any thread once the context is current, which is why the wrappers
+//! here are `Send`/`Sync`.
+//!
+//! # Peer access
+//!
+//! cudarc does not enable peer access; [`devices`] does it explicitly: for every ordered
+//! pair (i, j) with `cuDeviceCanAccessPeer(i, j)`, it calls `cuCtxEnablePeerAccess` from i's
+//! context to j's (already enabled counts as success) and lists j in i's
+//! [`DeviceInfo::peers`] with rate 0 (unknown: NVML is not used, so NVLink and PCIe peer
+//! paths are not told apart). A pair whose enabling fails is logged and left out.
+//!
+//! # PCIe switch id (an approximation)
+//!
+//! [`DeviceInfo::pcie_switch`] groups GPUs that share a PCIe switch (and so its upstream
+//! link). Without NVML it is derived from the PCI bus id (`cuDeviceGetPCIBusId`):
+//! - when sysfs is readable, the device's canonical path under `/sys/devices` is walked up:
+//!   behind a switch, the GPU's parent is a downstream port and its grandparent the switch's
+//!   upstream port, whose address is the id (shared by all GPUs under that switch); a GPU
+//!   attached straight to a root port gets that root port's address (its own link);
+//! - otherwise it is the `domain:bus` part of the bus id (`"0000:3b"`). GPUs under one
+//!   switch usually sit on neighbouring buses, each behind its own downstream port, so this
+//!   fallback tends to give every GPU its own id: it under-reports sharing (conservative for
+//!   interference-aware placement), and never groups GPUs that do not share a bus.
+//!
+//! # Unsafe code
+//!
+//! All `unsafe` of the loader is confined to this module (the workspace denies it
+//! elsewhere); every block carries a `// SAFETY:` comment. Memory safety of the safe API
+//! rests on: spans checked against the arena they point into before any copy; pinned
+//! buffers zeroed at allocation (never exposed uninitialised) and freed only after their
+//! context is synchronised (so a dropped, never-waited copy cannot read freed memory);
+//! device memory freed only after the device's stream is synchronised.
+
+// `unsafe_code` is denied workspace-wide. This module calls the CUDA driver's C API, which
+// cannot be done without `unsafe`; it is the one place of the loader allowed to, and every
+// block says why it is sound.
+#![allow(unsafe_code)]
+
+use std::any::Any;
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::panic::{self, AssertUnwindSafe};
+use std::path::Path;
+use std::ptr::{self, NonNull};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::device::{
+    Completion, DevSpan, Device, DeviceInfo, DeviceKind, GpuError, IpcHandle, Staging,
+};
+
+/// Whether the CUDA driver library can be loaded, checked without calling into cudarc
+/// (whose first call panics when the library is missing).
+pub fn driver_available() -> Result<(), String> {
+    // cudarc searches these names too (among others), so when one loads here, cudarc's own
+    // loading succeeds.
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        // SAFETY: loading libcuda runs only the library's own initialisers, which have no
+        // preconditions; the handle is dropped (dlclose) at once.
+        let lib = unsafe { libloading::Library::new(name) };
+        if lib.is_ok() {
+            return Ok(());
+        }
+    }
+    Err("libcuda.so.1 not found (no NVIDIA driver on this host)".into())
+}
+
+/// Settings of the CUDA devices of one host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Allocate staging buffers write-combined (`CU_MEMHOSTALLOC_WRITECOMBINED`). WC memory
+    /// is not cached by the CPU: writing it sequentially and DMA-reading it can be faster on
+    /// some platforms, but CPU reads of it are very slow. Default `false` (plain portable
+    /// pinned memory); [`calibrate`] measures both so a host can pick.
+    pub write_combined: bool,
+    /// Create each device's copy stream at the greatest priority the context allows, so
+    /// model loads are not queued behind inference work of the same process. Default `true`.
+    pub stream_priority_high: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            write_combined: false,
+            stream_priority_high: true,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Driver calls: panics caught, results mapped.
+
+/// How a driver call failed.
+#[derive(Debug)]
+enum CallError {
+    /// The driver returned an error code.
+    Code(CUresult),
+    /// cudarc panicked before reaching the driver (library or symbol missing).
+    Panicked(String),
+}
+
+/// Runs one driver call with cudarc's panics caught.
+fn call(f: impl FnOnce() -> CUresult) -> Result<(), CallError> {
+    match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(CUresult::CUDA_SUCCESS) => Ok(()),
+        Ok(code) => Err(CallError::Code(code)),
+        Err(payload) => Err(CallError::Panicked(panic_message(payload.as_ref()))),
+    }
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic without a message".to_owned()
+    }
+}
+
+/// Turns a failed driver call into [`GpuError::Device`]:
+/// `"cuXxx failed: CUDA_ERROR_..."`.
+fn cu_error(device: u32, function: &str, err: CallError) -> GpuError {
+    let message = match err {
+        CallError::Code(code) => format!("{function} failed: {code:?}"),
+        CallError::Panicked(msg) => {
+            format!("{function} could not be called (cudarc panicked: {msg})")
+        }
+    };
+    GpuError::Device { device, message }
+}
+
+/// Runs one driver call for `device`, mapping any failure with [`cu_error`].
+fn check(device: u32, function: &str, f: impl FnOnce() -> CUresult) -> Result<(), GpuError> {
+    call(f).map_err(|e| cu_error(device, function, e))
+}
+
+/// A `usize` length from a `u64` one.
+fn to_usize(n: u64) -> Result<usize, GpuError> {
+    usize::try_from(n).map_err(|_| GpuError::Invalid(format!("{n} bytes do not fit in usize")))
+}
+
+/// The string a driver call wrote into a `c_char` buffer.
+fn c_string(buf: &[c_char]) -> String {
+    // SAFETY: `c_char` and `u8` have the same size and alignment; the slice is initialised.
+    let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), buf.len()) };
+    match CStr::from_bytes_until_nul(bytes) {
+        Ok(s) => s.to_string_lossy().into_owned(),
+        Err(_) => String::from_utf8_lossy(bytes).into_owned(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// RAII wrappers of driver handles.
+
+/// A retained primary context of one device; released on drop.
+#[derive(Debug)]
+struct Context {
+    /// Device index (CUDA ordinal), for errors.
+    index: u32,
+    /// The driver's device handle.
+    cu_device: sys::CUdevice,
+    /// The primary context.
+    raw: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext is an opaque driver handle, not thread-affine memory. The driver API is
+// thread-safe, and any thread may make a context current and use it; every use here makes it
+// current first (`make_current`).
+unsafe impl Send for Context {}
+// SAFETY: as for `Send`; `&Context` only reads the handle values.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Retains the primary context of `ordinal`.
+    fn retain(ordinal: u32) -> Result<Self, GpuError> {
+        let ord = c_int::try_from(ordinal)
+            .map_err(|_| GpuError::Invalid(format!("device ordinal {ordinal} too large")))?;
+        let mut cu_device: sys::CUdevice = 0;
+        // SAFETY: `cu_device` is a valid out-pointer for the duration of the call.
+        check(ordinal, "cuDeviceGet", || unsafe {
+            sys::cuDeviceGet(&mut cu_device, ord)
+        })?;
+        let mut raw: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; `cu_device` came from cuDeviceGet.
+        check(ordinal, "cuDevicePrimaryCtxRetain", || unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut raw, cu_device)
+        })?;
+        Ok(Self {
+            index: ordinal,
+            cu_device,
+            raw,
+        })
+    }
+
+    /// Makes this context current on the calling thread.
+    fn make_current(&self) -> Result<(), GpuError> {
+        let raw = self.raw;
+        // SAFETY: `raw` is a primary context retained by `self` and not yet released.
+        check(self.index, "cuCtxSetCurrent", || unsafe {
+            sys::cuCtxSetCurrent(raw)
+        })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        let cu_device = self.cu_device;
+        // SAFETY: `self` holds exactly one retain of the primary context, released once here.
+        if let Err(e) = check(self.index, "cuDevicePrimaryCtxRelease_v2", || unsafe {
+            sys::cuDevicePrimaryCtxRelease_v2(cu_device)
+        }) {
+            tracing::warn!(device = self.index, error = %e, "releasing the primary context");
+        }
+    }
+}
+
+/// A stream of one context; destroyed on drop (after its work has finished).
+#[derive(Debug)]
+struct Stream {
+    raw: sys::CUstream,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: a CUstream is an opaque driver handle usable from any thread with its context
+// current (made current before every use); the driver serialises concurrent enqueues.
+unsafe impl Send for Stream {}
+// SAFETY: as for `Send`; `&Stream` only reads the handle values.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// A non-blocking stream (no implicit sync with the legacy default stream) at the
+    /// greatest priority (`high`) or the least (the default).
+    fn create(ctx: &Arc<Context>, high: bool) -> Result<Self, GpuError> {
+        ctx.make_current()?;
+        let (mut least, mut greatest): (c_int, c_int) = (0, 0);
+        // SAFETY: both are valid out-pointers; the context is current.
+        check(ctx.index, "cuCtxGetStreamPriorityRange", || unsafe {
+            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+        })?;
+        let priority = if high { greatest } else { least };
+        let mut raw: sys::CUstream = ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
+        // SAFETY: `raw` is a valid out-pointer; the context is current.
+        check(ctx.index, "cuStreamCreateWithPriority", || unsafe {
+            sys::cuStreamCreateWithPriority(&mut raw, flags, priority)
+        })?;
+        Ok(Self {
+            raw,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// Blocks until all work issued on the stream has finished.
+    fn synchronize(&self) -> Result<(), GpuError> {
+        self.ctx.make_current()?;
+        let raw = self.raw;
+        // SAFETY: `raw` is a live stream of the current context.
+        check(self.ctx.index, "cuStreamSynchronize", || unsafe {
+            sys::cuStreamSynchronize(raw)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let raw = self.raw;
+        let result = self.synchronize().and_then(|()| {
+            // SAFETY: `raw` is a live stream created by `Stream::create`, destroyed once here;
+            // its work has finished (synchronised above) and its context is current.
+            check(self.ctx.index, "cuStreamDestroy_v2", || unsafe {
+                sys::cuStreamDestroy_v2(raw)
+            })
+        });
+        if let Err(e) = result {
+            tracing::warn!(device = self.ctx.index, error = %e, "destroying the copy stream");
+        }
+    }
+}
+
+/// One device allocation; freed on drop.
+#[derive(Debug)]
+struct DeviceBuffer {
+    /// Device address.
+    ptr: sys::CUdeviceptr,
+    /// Length in bytes.
+    len: u64,
+    ctx: Arc<Context>,
+}
+
+impl DeviceBuffer {
+    /// `cuMemAlloc` of `bytes` (> 0); out of memory is [`GpuError::OutOfMemory`].
+    fn alloc(ctx: &Arc<Context>, bytes: u64) -> Result<Self, GpuError> {
+        if bytes == 0 {
+            return Err(GpuError::Invalid("a device allocation of 0 bytes".into()));
+        }
+        let len = to_usize(bytes)?;
+        ctx.make_current()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the context is current.
+        match call(|| unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }) {
+            Ok(()) => Ok(Self {
+                ptr,
+                len: bytes,
+                ctx: Arc::clone(ctx),
+            }),
+            Err(CallError::Code(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
+                let (mut free, mut total): (usize, usize) = (0, 0);
+                // SAFETY: both are valid out-pointers; the context is current.
+                let available =
+                    match call(|| unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }) {
+                        Ok(()) => free as u64,
+                        Err(_) => 0,
+                    };
+                Err(GpuError::OutOfMemory {
+                    device: ctx.index,
+                    requested: bytes,
+                    available,
+                })
+            }
+            Err(e) => Err(cu_error(ctx.index, "cuMemAlloc_v2", e)),
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let ptr = self.ptr;
+        let result = self.ctx.make_current().and_then(|()| {
+            // SAFETY: `ptr` came from cuMemAlloc_v2 in this context and is freed once here.
+            // Copies into it were issued on the owning device's stream, which its owner
+            // synchronises before dropping its buffers (see `CudaDevice`'s field order).
+            check(self.ctx.index, "cuMemFree_v2", || unsafe {
+                sys::cuMemFree_v2(ptr)
+            })
+        });
+        if let Err(e) = result {
+            tracing::warn!(device = self.ctx.index, error = %e, "freeing device memory");
+        }
+    }
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`); freed on drop.
+#[derive(Debug)]
+struct PinnedBuffer {
+    /// Start; dangling (and not allocated) when `len` is 0.
+    ptr: NonNull<u8>,
+    len: usize,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: the buffer exclusively owns its host memory (like a `Box<[u8]>`); the context handle
+// is `Send`.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: `&PinnedBuffer` only gives shared reads of the bytes; mutation needs `&mut`.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// `bytes` of pinned memory with `cuMemHostAlloc` `flags`, zeroed.
+    fn alloc(ctx: &Arc<Context>, bytes: usize, flags: c_uint) -> Result<Self, GpuError> {
+        if bytes == 0 {
+            return Ok(Self {
+                ptr: NonNull::dangling(),
+                len: 0,
+                ctx: Arc::clone(ctx),
+            });
+        }
+        ctx.make_current()?;
+        let mut raw: *mut c_void = ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the context is current.
+        check(ctx.index, "cuMemHostAlloc", || unsafe {
+            sys::cuMemHostAlloc(&mut raw, bytes, flags)
+        })?;
+        let Some(ptr) = NonNull::new(raw.cast::<u8>()) else {
+            return Err(GpuError::Device {
+                device: ctx.index,
+                message: "cuMemHostAlloc returned a null pointer".into(),
+            });
+        };
+        // SAFETY: the driver returned `bytes` writable bytes at `ptr`; zeroing them means the
+        // slices handed out later never expose uninitialised memory.
+        unsafe { ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
+        Ok(Self {
+            ptr,
+            len: bytes,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised bytes owned by `self` (or is dangling with
+        // `len == 0`, which is valid for an empty slice); the borrow ties the slice to `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        let raw = self.ptr.as_ptr().cast::<c_void>();
+        let index = self.ctx.index;
+        let result = self.ctx.make_current().and_then(|()| {
+            // A copy from this buffer may still be in flight if its completion was dropped
+            // without waiting: wait for all work of the context before freeing. Staging
+            // buffers are long-lived (a ring), so this is rare.
+            // SAFETY: the context is current; no arguments.
+            check(index, "cuCtxSynchronize", || unsafe {
+                sys::cuCtxSynchronize()
+            })
+        });
+        if let Err(e) = &result {
+            tracing::warn!(device = index, error = %e, "synchronising before freeing pinned memory");
+        }
+        // SAFETY: `raw` came from cuMemHostAlloc and is freed once here; no copy reads it any
+        // more (synchronised above; if that failed, the context is unusable and so are its
+        // copies).
+        if let Err(e) = check(index, "cuMemFreeHost", || unsafe {
+            sys::cuMemFreeHost(raw)
+        }) {
+            tracing::warn!(device = index, error = %e, "freeing pinned memory");
+        }
+    }
+}
+
+/// The `cuMemHostAlloc` flags: always portable (pinned for every context, so a buffer can
+/// feed any GPU of the host), write-combined on request.
+fn host_alloc_flags(write_combined: bool) -> c_uint {
+    if write_combined {
+        sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_WRITECOMBINED
+    } else {
+        sys::CU_MEMHOSTALLOC_PORTABLE
+    }
+}
+
+/// Fills a buffer with a non-constant pattern (so nothing can be compressed or skipped).
+fn fill_pattern(buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (i.wrapping_mul(31) >> 3) as u8;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The public types.
+
+/// A pinned (page-locked) host staging buffer of a CUDA device.
+#[derive(Debug)]
+pub struct CudaStaging {
+    buf: PinnedBuffer,
+}
+
+impl Staging for CudaStaging {
+    fn capacity(&self) -> usize {
+        self.buf.len
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.buf.as_mut_slice()
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+}
+
+/// A copy in flight on a CUDA stream: an event recorded after it.
+#[derive(Debug)]
+struct CudaCompletion {
+    /// The event; null once destroyed.
+    event: sys::CUevent,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: a CUevent is an opaque driver handle usable from any thread with its context current
+// (made current before every use).
+unsafe impl Send for CudaCompletion {}
+
+impl CudaCompletion {
+    /// Destroys the event (once).
+    fn destroy(&mut self) -> Result<(), GpuError> {
+        let event = std::mem::replace(&mut self.event, ptr::null_mut());
+        if event.is_null() {
+            return Ok(());
+        }
+        self.ctx.make_current()?;
+        // SAFETY: `event` was created by cuEventCreate in this context and, having been swapped
+        // out for null, is destroyed exactly once.
+        check(self.ctx.index, "cuEventDestroy_v2", || unsafe {
+            sys::cuEventDestroy_v2(event)
+        })
+    }
+}
+
+impl Completion for CudaCompletion {
+    fn wait(mut self: Box<Self>) -> Result<(), GpuError> {
+        self.ctx.make_current()?;
+        let event = self.event;
+        // SAFETY: `event` is a live event of the current context (only `destroy` nulls it).
+        let synced = check(self.ctx.index, "cuEventSynchronize", || unsafe {
+            sys::cuEventSynchronize(event)
+        });
+        let destroyed = self.destroy();
+        synced.and(destroyed)
+    }
+}
+
+impl Drop for CudaCompletion {
+    fn drop(&mut self) {
+        if let Err(e) = self.destroy() {
+            tracing::warn!(device = self.ctx.index, error = %e, "destroying a copy event");
+        }
+    }
+}
+
+/// One GPU through the CUDA driver (see the module docs).
+///
+/// Create with [`devices`]. All methods may be called from any thread. Copies to one device
+/// run in issue order on its stream; a peer copy reads its source as it is when the copy
+/// runs, so wait for the source's own completion before issuing it.
+#[derive(Debug)]
+pub struct CudaDevice {
+    info: DeviceInfo,
+    /// PCI bus id as the driver reports it (`"0000:3b:00.0"`).
+    pci_bus_id: String,
+    /// Staging buffers write-combined.
+    write_combined: bool,
+    // Field order is drop order: the stream is synchronised and destroyed before the arenas
+    // are freed, and the context is released last (every wrapper also holds an `Arc` of it).
+    /// The copy stream.
+    stream: Stream,
+    /// Device allocations made by `alloc_arena` (normally one), freed on drop.
+    arenas: Mutex<Vec<DeviceBuffer>>,
+    ctx: Arc<Context>,
+}
+
+impl CudaDevice {
+    /// The PCI bus id reported by the driver (`"0000:3b:00.0"`).
+    pub fn pci_bus_id(&self) -> &str {
+        &self.pci_bus_id
+    }
+
+    /// The device address of `span`'s first byte, after checking that the span lies on this
+    /// device inside one of its arenas.
+    fn resolve(&self, span: &DevSpan) -> Result<sys::CUdeviceptr, GpuError> {
+        if span.device != self.info.index {
+            return Err(GpuError::Invalid(format!(
+                "span of device {} used on device {}",
+                span.device, self.info.index
+            )));
+        }
+        let arenas = self.arenas.lock().unwrap_or_else(PoisonError::into_inner);
+        let arena = arenas.iter().find(|a| a.ptr == span.base).ok_or_else(|| {
+            GpuError::Invalid(format!(
+                "span base {:#x} is not an arena of device {}",
+                span.base, self.info.index
+            ))
+        })?;
+        let end = span
+            .offset
+            .checked_add(span.len)
+            .ok_or_else(|| GpuError::Invalid("span overflow".into()))?;
+        if end > arena.len {
+            return Err(GpuError::Invalid(format!(
+                "span [{}, {end}) is outside an arena of {} bytes",
+                span.offset, arena.len
+            )));
+        }
+        Ok(arena.ptr + span.offset)
+    }
+
+    /// Records an event on the copy stream, as the completion of the copies issued so far.
+    fn record(&self) -> Result<Box<dyn Completion>, GpuError> {
+        let index = self.info.index;
+        let mut event: sys::CUevent = ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+        // SAFETY: `event` is a valid out-pointer; the caller made the context current.
+        check(index, "cuEventCreate", || unsafe {
+            sys::cuEventCreate(&mut event, flags)
+        })?;
+        // Owned from here on: destroyed on drop even if recording fails.
+        let completion = Box::new(CudaCompletion {
+            event,
+            ctx: Arc::clone(&self.ctx),
+        });
+        let stream = self.stream.raw;
+        // SAFETY: `event` and `stream` are live handles of the current context.
+        check(index, "cuEventRecord", || unsafe {
+            sys::cuEventRecord(event, stream)
+        })?;
+        Ok(completion)
+    }
+
+    /// Issues `copies` back-to-back async copies of `size` bytes from `src` to `dst` on the
+    /// copy stream and returns the seconds until they all finished.
+    fn timed_htod(
+        &self,
+        dst: &DeviceBuffer,
+        src: &PinnedBuffer,
+        size: usize,
+        copies: usize,
+    ) -> Result<f64, GpuError> {
+        assert!(
+            size <= src.len && size as u64 <= dst.len,
+            "timed copy larger than its buffers"
+        );
+        let index = self.info.index;
+        // Earlier work on the stream must not count.
+        self.stream.synchronize()?;
+        let (dptr, host, stream) = (dst.ptr, src.ptr.as_ptr().cast::<c_void>(), self.stream.raw);
+        let start = Instant::now();
+        for _ in 0..copies {
+            // SAFETY: `host` has at least `size` readable pinned bytes and `dptr` at least
+            // `size` device bytes (asserted above); both outlive the copy, which is waited
+            // for below before this function returns.
+            check(index, "cuMemcpyHtoDAsync_v2", || unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dptr, host, size, stream)
+            })?;
+        }
+        self.stream.synchronize()?;
+        Ok(start.elapsed().as_secs_f64().max(1e-9))
+    }
+
+    /// Throughput of single copies of `bytes` from a fresh pinned buffer with `flags`, best
+    /// of three after a warm-up, bytes/s.
+    fn flag_run(&self, dst: &DeviceBuffer, bytes: usize, flags: c_uint) -> Result<f64, GpuError> {
+        let mut src = PinnedBuffer::alloc(&self.ctx, bytes, flags)?;
+        fill_pattern(src.as_mut_slice());
+        self.timed_htod(dst, &src, bytes, 1)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            best = best.min(self.timed_htod(dst, &src, bytes, 1)?);
+        }
+        Ok(bytes as f64 / best)
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Copies into the arenas may still be running: wait before anything is freed. (The
+        // stream's own drop synchronises too; this covers the arenas regardless of order.)
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!(device = self.info.index, error = %e, "synchronising before drop");
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn alloc_arena(&self, bytes: u64) -> Result<DevSpan, GpuError> {
+        self.ctx.make_current()?;
+        let buf = DeviceBuffer::alloc(&self.ctx, bytes)?;
+        let span = DevSpan {
+            device: self.info.index,
+            base: buf.ptr,
+            offset: 0,
+            len: bytes,
+        };
+        self.arenas
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(buf);
+        tracing::debug!(device = self.info.index, bytes, "arena allocated");
+        Ok(span)
+    }
+
+    fn alloc_staging(&self, bytes: usize) -> Result<Box<dyn Staging>, GpuError> {
+        self.ctx.make_current()?;
+        let buf = PinnedBuffer::alloc(&self.ctx, bytes, host_alloc_flags(self.write_combined))?;
+        Ok(Box::new(CudaStaging { buf }))
+    }
+
+    fn copy_htod(&self, dst: DevSpan, src: &dyn Staging) -> Result<Box<dyn Completion>, GpuError> {
+        self.ctx.make_current()?;
+        let dptr = self.resolve(&dst)?;
+        let bytes = src.as_slice();
+        let len = to_usize(dst.len)?;
+        if len > bytes.len() || len > src.capacity() {
+            return Err(GpuError::Invalid(format!(
+                "copy of {len} bytes from a staging buffer of {} bytes",
+                src.capacity()
+            )));
+        }
+        if len > 0 {
+            let (host, stream) = (bytes.as_ptr().cast::<c_void>(), self.stream.raw);
+            // SAFETY: `host` has at least `len` readable bytes (checked above) and `dptr` at
+            // least `len` bytes inside an arena of this device (`resolve`). The trait's
+            // contract keeps `src` unchanged until the completion is waited; should the
+            // buffer be freed first, `PinnedBuffer`'s drop synchronises the context before
+            // freeing, and pageable sources are staged by the driver before this returns.
+            check(self.info.index, "cuMemcpyHtoDAsync_v2", || unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dptr, host, len, stream)
+            })?;
+        }
+        self.record()
+    }
+
+    fn copy_peer(
+        &self,
+        dst: DevSpan,
+        src_device: &dyn Device,
+        src: DevSpan,
+    ) -> Result<Box<dyn Completion>, GpuError> {
+        self.ctx.make_current()?;
+        let Some(peer) = src_device.as_any().downcast_ref::<Self>() else {
+            return Err(GpuError::Unsupported(format!(
+                "peer copy to CUDA device {} from a {} device",
+                self.info.index,
+                src_device.info().kind
+            )));
+        };
+        if !self.info.peers.iter().any(|&(i, _)| i == peer.info.index) {
+            return Err(GpuError::Unsupported(format!(
+                "device {} has no peer access to device {}",
+                self.info.index, peer.info.index
+            )));
+        }
+        if dst.len != src.len {
+            return Err(GpuError::Invalid(format!(
+                "peer copy of {} bytes into a span of {} bytes",
+                src.len, dst.len
+            )));
+        }
+        let dptr = self.resolve(&dst)?;
+        let sptr = peer.resolve(&src)?;
+        let len = to_usize(dst.len)?;
+        if len > 0 {
+            let (dctx, sctx, stream) = (self.ctx.raw, peer.ctx.raw, self.stream.raw);
+            // SAFETY: both ranges lie inside live arenas of their devices (`resolve`), the
+            // contexts are the primary contexts owning them, and the stream belongs to the
+            // current (destination) context.
+            check(self.info.index, "cuMemcpyPeerAsync", || unsafe {
+                sys::cuMemcpyPeerAsync(dptr, dctx, sptr, sctx, len, stream)
+            })?;
+        }
+        self.record()
+    }
+
+    fn read(&self, src: DevSpan) -> Result<Vec<u8>, GpuError> {
+        self.ctx.make_current()?;
+        let sptr = self.resolve(&src)?;
+        let len = to_usize(src.len)?;
+        // cuMemcpyDtoH runs on the legacy default stream, which does not wait for the
+        // non-blocking copy stream: wait for earlier copies explicitly.
+        self.stream.synchronize()?;
+        let mut out = vec![0u8; len];
+        if len > 0 {
+            let host = out.as_mut_ptr().cast::<c_void>();
+            // SAFETY: `host` has `len` writable bytes; `sptr` has `len` readable bytes inside
+            // an arena of this device (`resolve`); the call is synchronous.
+            check(self.info.index, "cuMemcpyDtoH_v2", || unsafe {
+                sys::cuMemcpyDtoH_v2(host, sptr, len)
+            })?;
+        }
+        Ok(out)
+    }
+
+    fn ipc_handle(&self, span: DevSpan) -> Result<IpcHandle, GpuError> {
+        self.ctx.make_current()?;
+        self.resolve(&span)?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        let base = span.base;
+        // SAFETY: `handle` is a valid out-pointer; `base` is the start of a live arena of
+        // this device (checked by `resolve`), as cuIpcGetMemHandle requires.
+        check(self.info.index, "cuIpcGetMemHandle", || unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, base)
+        })?;
+        let bytes = handle.reserved.map(|c| c as u8);
+        Ok(IpcHandle::CudaIpc {
+            handle: hex::encode(bytes),
+            offset: span.offset,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Enumeration.
+
+/// One opened device before peers are known.
+struct Opened {
+    ctx: Arc<Context>,
+    stream: Stream,
+    name: String,
+    memory_bytes: u64,
+    pci_bus_id: String,
+}
+
+fn open(ordinal: u32, opts: &CudaOptions) -> Result<Opened, GpuError> {
+    let ctx = Arc::new(Context::retain(ordinal)?);
+    ctx.make_current()?;
+    let dev = ctx.cu_device;
+
+    let mut name: [c_char; 256] = [0; 256];
+    // SAFETY: `name` has 256 writable bytes, the length passed.
+    check(ordinal, "cuDeviceGetName", || unsafe {
+        sys::cuDeviceGetName(name.as_mut_ptr(), 256, dev)
+    })?;
+    let mut total: usize = 0;
+    // SAFETY: `total` is a valid out-pointer.
+    check(ordinal, "cuDeviceTotalMem_v2", || unsafe {
+        sys::cuDeviceTotalMem_v2(&mut total, dev)
+    })?;
+    let mut bus: [c_char; 64] = [0; 64];
+    // SAFETY: `bus` has 64 writable bytes, the length passed (ids need 13 with the nul).
+    check(ordinal, "cuDeviceGetPCIBusId", || unsafe {
+        sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 64, dev)
+    })?;
+    let stream = Stream::create(&ctx, opts.stream_priority_high)?;
+    Ok(Opened {
+        ctx,
+        stream,
+        name: c_string(&name),
+        memory_bytes: total as u64,
+        pci_bus_id: c_string(&bus),
+    })
+}
+
+/// Enables peer access from `from`'s context to `to`'s when the hardware allows; whether it
+/// is enabled now.
+fn enable_peer(from: &Context, to: &Context) -> Result<bool, GpuError> {
+    let mut can: c_int = 0;
+    let (a, b) = (from.cu_device, to.cu_device);
+    // SAFETY: `can` is a valid out-pointer; both are device handles from cuDeviceGet.
+    check(from.index, "cuDeviceCanAccessPeer", || unsafe {
+        sys::cuDeviceCanAccessPeer(&mut can, a, b)
+    })?;
+    if can == 0 {
+        return Ok(false);
+    }
+    from.make_current()?;
+    let peer = to.raw;
+    // SAFETY: `peer` is a live primary context; the current context is `from`'s.
+    match call(|| unsafe { sys::cuCtxEnablePeerAccess(peer, 0) }) {
+        Ok(()) | Err(CallError::Code(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)) => Ok(true),
+        Err(e) => {
+            let e = cu_error(from.index, "cuCtxEnablePeerAccess", e);
+            tracing::warn!(device = from.index, peer = to.index, error = %e, "peer access not enabled");
+            Ok(false)
+        }
+    }
+}
+
+/// Opens every CUDA device of this host, with peer access enabled between those that
+/// support it (see the module docs).
+///
+/// [`GpuError::NoDriver`] when the driver library is missing or cannot initialise; an empty
+/// list when the driver sees no device.
+pub fn devices(opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, GpuError> {
+    driver_available().map_err(GpuError::NoDriver)?;
+    // SAFETY: cuInit has no preconditions; it is the first driver call.
+    match call(|| unsafe { sys::cuInit(0) }) {
+        Ok(()) => {}
+        Err(CallError::Code(CUresult::CUDA_ERROR_NO_DEVICE)) => return Ok(Vec::new()),
+        Err(CallError::Code(code)) => {
+            return Err(GpuError::NoDriver(format!("cuInit failed: {code:?}")));
+        }
+        Err(CallError::Panicked(msg)) => {
+            return Err(GpuError::NoDriver(format!(
+                "the CUDA driver could not be loaded: {msg}"
+            )));
+        }
+    }
+    let mut count: c_int = 0;
+    // SAFETY: `count` is a valid out-pointer; the driver is initialised.
+    check(0, "cuDeviceGetCount", || unsafe {
+        sys::cuDeviceGetCount(&mut count)
+    })?;
+    let count = u32::try_from(count).unwrap_or(0);
+    let opened = (0..count)
+        .map(|ordinal| open(ordinal, opts))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let mut peers: Vec<Vec<(u32, u64)>> = vec![Vec::new(); opened.len()];
+    for (i, from) in opened.iter().enumerate() {
+        for to in &opened {
+            if from.ctx.index != to.ctx.index && enable_peer(&from.ctx, &to.ctx)? {
+                peers[i].push((to.ctx.index, 0));
+            }
+        }
+    }
+
+    let devices = opened
+        .into_iter()
+        .zip(peers)
+        .map(|(o, peers)| {
+            let info = DeviceInfo {
+                index: o.ctx.index,
+                name: o.name,
+                kind: DeviceKind::Cuda,
+                memory_bytes: o.memory_bytes,
+                pcie_switch: pcie_switch(&o.pci_bus_id),
+                peers,
+            };
+            tracing::info!(
+                device = info.index,
+                name = %info.name,
+                memory_bytes = info.memory_bytes,
+                pci = %o.pci_bus_id,
+                pcie_switch = %info.pcie_switch,
+                peers = ?info.peers,
+                "CUDA device opened"
+            );
+            Arc::new(CudaDevice {
+                info,
+                pci_bus_id: o.pci_bus_id,
+                write_combined: opts.write_combined,
+                stream: o.stream,
+                arenas: Mutex::new(Vec::new()),
+                ctx: o.ctx,
+            })
+        })
+        .collect();
+    Ok(devices)
+}
+
+// ---------------------------------------------------------------------------------------
+// PCIe switch id.
+
+/// A PCI address `domain:bus:device.function` in sysfs form (`0000:3b:00.0`, lowercase,
+/// 4-digit domain), or `None` when `id` is not one.
+fn normalize_bus_id(id: &str) -> Option<String> {
+    let mut parts = id.trim().split(':');
+    let (domain, bus, devfn) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None;
+    }
+    let (dev, func) = devfn.split_once('.')?;
+    let domain = u32::from_str_radix(domain, 16).ok()?;
+    let bus = u8::from_str_radix(bus, 16).ok()?;
+    let dev = u8::from_str_radix(dev, 16).ok()?;
+    let func = u8::from_str_radix(func, 16).ok()?;
+    Some(format!("{domain:04x}:{bus:02x}:{dev:02x}.{func:x}"))
+}
+
+/// The switch id from a device's canonical sysfs path
+/// (`/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/0000:3c:08.0/0000:3d:00.0`): the
+/// grandparent when it is a PCI function (a switch's upstream port), else the parent when
+/// it is one (a root port the GPU hangs off directly).
+fn switch_from_sysfs_path(path: &Path) -> Option<String> {
+    let names: Vec<&str> = path
+        .components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .collect();
+    let is_function = |s: &&str| normalize_bus_id(s).is_some();
+    let parent = names.len().checked_sub(2).and_then(|i| names.get(i))?;
+    let grandparent = names.len().checked_sub(3).and_then(|i| names.get(i));
+    match grandparent {
+        Some(g) if is_function(g) => Some((*g).to_owned()),
+        _ if is_function(parent) => Some((*parent).to_owned()),
+        _ => None,
+    }
+}
+
+/// The `domain:bus` part of a bus id (`"0000:3b"`).
+fn domain_bus(id: &str) -> String {
+    match id.rsplit_once(':') {
+        Some((domain_bus, _)) => domain_bus.to_owned(),
+        None => String::new(),
+    }
+}
+
+/// The PCIe switch id of a device (see the module docs): sysfs when readable, else the
+/// `domain:bus` part of the bus id; "" when the id cannot be parsed.
+fn pcie_switch(bus_id: &str) -> String {
+    let Some(id) = normalize_bus_id(bus_id) else {
+        return String::new();
+    };
+    std::fs::canonicalize(Path::new("/sys/bus/pci/devices").join(&id))
+        .ok()
+        .and_then(|p| switch_from_sysfs_path(&p))
+        .unwrap_or_else(|| domain_bus(&id))
+}
+
+// ---------------------------------------------------------------------------------------
+// Calibration.
+
+/// Measured host → device throughput by copy size (see [`calibrate`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Calibration {
+    /// `(copy size in bytes, throughput in bytes/s)`, in the order of the sizes asked for.
+    pub points: Vec<(usize, f64)>,
+    /// The smallest size reaching 90% of the best throughput: the staging chunk size to use
+    /// (Torpor §4.3's "elbow point", about 2 MB on their testbed).
+    pub elbow: usize,
+    /// Throughput of one large copy from a write-combined pinned buffer, bytes/s.
+    pub write_combined_bps: f64,
+    /// Throughput of one large copy from a plain (portable, cached) pinned buffer, bytes/s.
+    pub portable_bps: f64,
+}
+
+/// Copy sizes to calibrate with: 64 KiB to 64 MiB, powers of two.
+pub fn default_sizes() -> Vec<usize> {
+    (16..=26).map(|p| 1usize << p).collect()
+}
+
+/// The elbow of measured points: the smallest size whose throughput is at least 90% of the
+/// best; 0 when there are no points.
+fn elbow_of(points: &[(usize, f64)]) -> usize {
+    let best = points.iter().map(|&(_, bps)| bps).fold(0.0, f64::max);
+    points
+        .iter()
+        .filter(|&&(_, bps)| bps >= 0.9 * best)
+        .map(|&(size, _)| size)
+        .min()
+        .unwrap_or(0)
+}
+
+/// Measures host → device throughput on `dev`'s copy stream for each copy size: for each
+/// size, `total_per_size` bytes (at least one copy) as back-to-back async copies of that
+/// size from one pinned buffer (flags from the device's options) into a scratch device
+/// buffer, timed until the stream is idle. Then one copy of `total_per_size` bytes from a
+/// write-combined and from a portable pinned buffer (best of three each), to tell which flag
+/// is faster here.
+///
+/// Allocates `max(max(sizes), total_per_size)` bytes of device memory and at most as much
+/// pinned memory at a time; runs for about `(sizes.len() + 8) × total_per_size / rate`.
+pub fn calibrate(
+    dev: &CudaDevice,
+    sizes: &[usize],
+    total_per_size: usize,
+) -> Result<Calibration, GpuError> {
+    let Some(&max_size) = sizes.iter().max() else {
+        return Err(GpuError::Invalid("calibration without sizes".into()));
+    };
+    if sizes.contains(&0) || total_per_size == 0 {
+        return Err(GpuError::Invalid(
+            "calibration sizes and total must be > 0".into(),
+        ));
+    }
+    dev.ctx.make_current()?;
+    let scratch = DeviceBuffer::alloc(&dev.ctx, max_size.max(total_per_size) as u64)?;
+
+    let mut src = PinnedBuffer::alloc(&dev.ctx, max_size, host_alloc_flags(dev.write_combined))?;
+    fill_pattern(src.as_mut_slice());
+    dev.timed_htod(&scratch, &src, max_size, 1)?; // warm-up
+    let mut points = Vec::with_capacity(sizes.len());
+    for &size in sizes {
+        let copies = (total_per_size / size).max(1);
+        let secs = dev.timed_htod(&scratch, &src, size, copies)?;
+        let bps = (copies * size) as f64 / secs;
+        tracing::debug!(device = dev.info.index, size, bps, "calibration point");
+        points.push((size, bps));
+    }
+    drop(src);
+
+    let elbow = elbow_of(&points);
+    let write_combined_bps = dev.flag_run(&scratch, total_per_size, host_alloc_flags(true))?;
+    let portable_bps = dev.flag_run(&scratch, total_per_size, host_alloc_flags(false))?;
+    Ok(Calibration {
+        points,
+        elbow,
+        write_combined_bps,
+        portable_bps,
+    })
+}
+
+/// The reference host → device rate: synchronous `cuMemcpyHtoD` of `bytes` from one plain
+/// pinned buffer into device memory, best of `reps`, bytes/s. The pipelined loader is
+/// compared with this.
+pub fn peak_htod(dev: &CudaDevice, bytes: usize, reps: usize) -> Result<f64, GpuError> {
+    if bytes == 0 || reps == 0 {
+        return Err(GpuError::Invalid(
+            "peak_htod needs bytes > 0 and reps > 0".into(),
+        ));
+    }
+    dev.ctx.make_current()?;
+    let dst = DeviceBuffer::alloc(&dev.ctx, bytes as u64)?;
+    let mut src = PinnedBuffer::alloc(&dev.ctx, bytes, host_alloc_flags(false))?;
+    fill_pattern(src.as_mut_slice());
+    let (dptr, host) = (dst.ptr, src.ptr.as_ptr().cast::<c_void>());
+    let index = dev.info.index;
+    let mut best = f64::INFINITY;
+    // One warm-up copy, then the timed ones.
+    for rep in 0..=reps {
+        let start = Instant::now();
+        // SAFETY: `host` has `bytes` readable pinned bytes and `dptr` `bytes` device bytes,
+        // both alive for the call, which is synchronous for pinned sources.
+        check(index, "cuMemcpyHtoD_v2", || unsafe {
+            sys::cuMemcpyHtoD_v2(dptr, host, bytes)
+        })?;
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        if rep > 0 {
+            best = best.min(secs);
+        }
+    }
+    Ok(bytes as f64 / best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_a_normal_condition() {
+        if driver_available().is_ok() {
+            eprintln!("skipped: a CUDA driver is installed on this host");
+            return;
+        }
+        match devices(&CudaOptions::default()) {
+            Err(GpuError::NoDriver(msg)) => assert!(msg.contains("libcuda"), "{msg}"),
+            Err(e) => panic!("expected NoDriver, got {e}"),
+            Ok(d) => panic!("expected NoDriver, got {} devices", d.len()),
+        }
+    }
+
+    #[test]
+    fn a_cudarc_panic_becomes_an_error() {
+        if driver_available().is_ok() {
+            eprintln!("skipped: a CUDA driver is installed on this host");
+            return;
+        }
+        // Without libcuda, cudarc panics inside its loader; the guard must turn it into an
+        // error (the panic message still goes to the captured test output).
+        // SAFETY: cuInit has no preconditions.
+        let err = call(|| unsafe { sys::cuInit(0) }).expect_err("no driver here");
+        assert!(matches!(err, CallError::Panicked(_)), "{err:?}");
+        let mapped = cu_error(0, "cuInit", err);
+        assert!(mapped.to_string().contains("cuInit"), "{mapped}");
+        // And it stays an error on a second call (cudarc's OnceLock is not poisoned).
+        // SAFETY: as above.
+        assert!(call(|| unsafe { sys::cuInit(0) }).is_err());
+    }
+
+    #[test]
+    fn driver_codes_are_named() {
+        let e = cu_error(
+            3,
+            "cuMemAlloc_v2",
+            CallError::Code(CUresult::CUDA_ERROR_INVALID_VALUE),
+        );
+        match e {
+            GpuError::Device { device, message } => {
+                assert_eq!(device, 3);
+                assert_eq!(message, "cuMemAlloc_v2 failed: CUDA_ERROR_INVALID_VALUE");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn options_default() {
+        let o = CudaOptions::default();
+        assert!(!o.write_combined);
+        assert!(o.stream_priority_high);
+        assert_eq!(host_alloc_flags(false), sys::CU_MEMHOSTALLOC_PORTABLE);
+        assert_ne!(
+            host_alloc_flags(true) & sys::CU_MEMHOSTALLOC_WRITECOMBINED,
+            0
+        );
+    }
+
+    #[test]
+    fn default_sizes_span_64k_to_64m() {
+        let s = default_sizes();
+        assert_eq!(s.first(), Some(&(64 << 10)));
+        assert_eq!(s.last(), Some(&(64 << 20)));
+        assert!(s.windows(2).all(|w| w[1] == 2 * w[0]));
+    }
+
+    #[test]
+    fn elbow_is_the_smallest_size_near_the_best() {
+        let pts = [
+            (64 << 10, 5e9),
+            (1 << 20, 18e9),
+            (2 << 20, 23e9),
+            (4 << 20, 24.5e9),
+            (8 << 20, 25e9),
+        ];
+        assert_eq!(elbow_of(&pts), 2 << 20);
+        // Unordered points, a noisy dip after the elbow.
+        let pts = [(8 << 20, 24e9), (1 << 20, 25e9), (512 << 10, 10e9)];
+        assert_eq!(elbow_of(&pts), 1 << 20);
+        assert_eq!(elbow_of(&[]), 0);
+    }
+
+    #[test]
+    fn bus_ids_are_normalized() {
+        assert_eq!(
+            normalize_bus_id("00000000:3B:00.0").as_deref(),
+            Some("0000:3b:00.0")
+        );
+        assert_eq!(
+            normalize_bus_id("0000:3b:00.0").as_deref(),
+            Some("0000:3b:00.0")
+        );
+        assert_eq!(normalize_bus_id("pci0000:3a"), None);
+        assert_eq!(normalize_bus_id("garbage"), None);
+        assert_eq!(domain_bus("0000:3b:00.0"), "0000:3b");
+        assert_eq!(pcie_switch("not a bus id"), "");
+    }
+
+    #[test]
+    fn switch_id_from_sysfs_paths() {
+        // Two GPUs behind one switch (upstream port 0000:3b:00.0).
+        let a = Path::new(
+            "/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/0000:3c:08.0/0000:3d:00.0",
+        );
+        let b = Path::new(
+            "/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/0000:3c:10.0/0000:3e:00.0",
+        );
+        assert_eq!(switch_from_sysfs_path(a).as_deref(), Some("0000:3b:00.0"));
+        assert_eq!(switch_from_sysfs_path(a), switch_from_sysfs_path(b));
+        // A GPU on a root port: its own link.
+        let c = Path::new("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0");
+        assert_eq!(switch_from_sysfs_path(c).as_deref(), Some("0000:00:01.0"));
+        // A GPU on the root bus (VMs): unknown here, the caller falls back to domain:bus.
+        let d = Path::new("/sys/devices/pci0000:00/0000:00:05.0");
+        assert_eq!(switch_from_sysfs_path(d), None);
+    }
+
+    // ---- Hardware tests: `cargo test -p gpu-loader cuda -- --ignored` on a GPU host. ----
+
+    fn gpus() -> Vec<Arc<CudaDevice>> {
+        let d = devices(&CudaOptions::default()).expect("CUDA devices");
+        assert!(!d.is_empty(), "no CUDA device visible");
+        d
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn htod_round_trip() {
+        let dev = &gpus()[0];
+        assert_eq!(dev.info().kind, DeviceKind::Cuda);
+        let arena = dev.alloc_arena(64 << 20).expect("arena");
+        assert_eq!((arena.offset, arena.len), (0, 64 << 20));
+        let mut staging = dev.alloc_staging(4 << 20).expect("staging");
+        assert_eq!(staging.capacity(), 4 << 20);
+        assert!(staging.as_slice().iter().all(|&b| b == 0));
+        for (k, b) in staging.as_mut_slice().iter_mut().enumerate() {
+            *b = (k % 251) as u8;
+        }
+        let cases: [(u64, u64); 5] = [
+            (0, 4 << 20),
+            (1, 1_000_003),
+            (4096, 12_345),
+            (12_345, 1),
+            ((64 << 20) - (4 << 20), 4 << 20),
+        ];
+        for (off, len) in cases {
+            let span = arena.sub(off, len).expect("span");
+            dev.copy_htod(span, staging.as_ref())
+                .expect("copy")
+                .wait()
+                .expect("wait");
+            let back = dev.read(span).expect("read");
+            assert_eq!(back, staging.as_slice()[..len as usize], "offset {off}");
+        }
+        // Several copies in flight, waited in order.
+        let spans: Vec<DevSpan> = (0..8)
+            .map(|k| arena.sub(k * (4 << 20), 4 << 20).expect("span"))
+            .collect();
+        let pending: Vec<_> = spans
+            .iter()
+            .map(|&s| dev.copy_htod(s, staging.as_ref()).expect("copy"))
+            .collect();
+        for c in pending {
+            c.wait().expect("wait");
+        }
+        for s in spans {
+            assert_eq!(dev.read(s).expect("read"), staging.as_slice());
+        }
+        // A completion dropped without waiting is harmless.
+        drop(dev.copy_htod(arena.sub(0, 1024).expect("span"), staging.as_ref()));
+        // Bad spans are refused, not copied.
+        let past_end = DevSpan {
+            offset: 63 << 20,
+            len: 2 << 20,
+            ..arena
+        };
+        assert!(matches!(
+            dev.copy_htod(past_end, staging.as_ref()),
+            Err(GpuError::Invalid(_))
+        ));
+        let too_long = arena.sub(0, 5 << 20).expect("span");
+        assert!(matches!(
+            dev.copy_htod(too_long, staging.as_ref()),
+            Err(GpuError::Invalid(_))
+        ));
+        let other_device = DevSpan {
+            device: dev.info().index + 1,
+            ..arena
+        };
+        assert!(matches!(dev.read(other_device), Err(GpuError::Invalid(_))));
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn absurd_alloc_is_out_of_memory() {
+        let dev = &gpus()[0];
+        let requested = dev.info().memory_bytes * 4;
+        match dev.alloc_arena(requested) {
+            Err(GpuError::OutOfMemory {
+                device,
+                requested: r,
+                available,
+            }) => {
+                assert_eq!(device, dev.info().index);
+                assert_eq!(r, requested);
+                assert!(available <= dev.info().memory_bytes);
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn ipc_handle_is_128_hex_chars() {
+        let dev = &gpus()[0];
+        let arena = dev.alloc_arena(2 << 20).expect("arena");
+        let span = arena.sub(4096, 1024).expect("span");
+        match dev.ipc_handle(span).expect("ipc handle") {
+            IpcHandle::CudaIpc { handle, offset } => {
+                assert_eq!(handle.len(), 128);
+                assert!(handle.chars().all(|c| c.is_ascii_hexdigit()));
+                assert_eq!(offset, 4096);
+            }
+            other => panic!("expected a CUDA IPC handle, got {other:?}"),
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn calibration_finds_an_elbow() {
+        let dev = &gpus()[0];
+        let sizes = default_sizes();
+        let cal = calibrate(dev, &sizes, 64 << 20).expect("calibrate");
+        eprintln!("{}", serde_json::to_string_pretty(&cal).expect("json"));
+        assert_eq!(cal.points.len(), sizes.len());
+        assert!(
+            cal.points
+                .iter()
+                .all(|&(_, bps)| bps.is_finite() && bps > 0.0)
+        );
+        // Throughput grows with the copy size, up to noise.
+        for w in cal.points.windows(2) {
+            assert!(w[1].1 >= 0.5 * w[0].1, "throughput collapsed: {w:?}");
+        }
+        let (first, last) = (cal.points[0].1, cal.points[cal.points.len() - 1].1);
+        assert!(last >= 0.9 * first, "large copies slower than small ones");
+        assert!(sizes.contains(&cal.elbow));
+        assert!(cal.write_combined_bps > 0.0 && cal.portable_bps > 0.0);
+        let peak = peak_htod(dev, 256 << 20, 3).expect("peak");
+        eprintln!("peak pinned HtoD: {:.1} GB/s", peak / 1e9);
+        assert!(peak > 1e9, "under 1 GB/s: {peak}");
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn peer_copy_between_two_gpus() {
+        let all = gpus();
+        let pair = all.iter().find_map(|a| {
+            let (b, _) = a.info().peers.first()?;
+            Some((Arc::clone(a), Arc::clone(&all[*b as usize])))
+        });
+        let Some((dst_dev, src_dev)) = pair else {
+            eprintln!("skipped: no two GPUs with peer access");
+            return;
+        };
+        let len: u64 = 3 << 20;
+        let src_arena = src_dev.alloc_arena(8 << 20).expect("src arena");
+        let dst_arena = dst_dev.alloc_arena(8 << 20).expect("dst arena");
+        let mut staging = src_dev.alloc_staging(len as usize).expect("staging");
+        for (k, b) in staging.as_mut_slice().iter_mut().enumerate() {
+            *b = (k * 7 % 253) as u8;
+        }
+        let src = src_arena.sub(4096, len).expect("src span");
+        src_dev
+            .copy_htod(src, staging.as_ref())
+            .expect("htod")
+            .wait()
+            .expect("wait");
+        let dst = dst_arena.sub(1 << 20, len).expect("dst span");
+        dst_dev
+            .copy_peer(dst, src_dev.as_ref(), src)
+            .expect("peer copy")
+            .wait()
+            .expect("wait");
+        assert_eq!(dst_dev.read(dst).expect("read"), staging.as_slice());
+        // Mismatched lengths are refused.
+        let short = dst_arena.sub(0, len - 1).expect("span");
+        assert!(matches!(
+            dst_dev.copy_peer(short, src_dev.as_ref(), src),
+            Err(GpuError::Invalid(_))
+        ));
+    }
+}

@@ -1,0 +1,188 @@
+//! The device abstraction: what the loader needs from a GPU, implemented by the CUDA backend
+//! ([`crate::cuda`]) and by the simulated backend ([`crate::sim`]).
+//!
+//! The model is CUDA's: a device owns one *arena* (a single device allocation of the GPU's
+//! budget, carved into model regions by [`crate::pool`]); copies are issued on an in-order
+//! *stream* and return a [`Completion`] (an event) that the caller waits on before reusing the
+//! staging buffer. Calls are blocking-safe: the loader drives each device from its own
+//! threads, never from an async executor.
+
+use std::fmt;
+
+/// Which backend a device belongs to. Logs, metrics and the API always print it, so a
+/// simulated device can never be mistaken for a real GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// A real GPU through the CUDA driver.
+    Cuda,
+    /// Host memory pretending to be a GPU, with paced copies. Never a real GPU.
+    Simulated,
+}
+
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Cuda => "cuda",
+            Self::Simulated => "simulated",
+        })
+    }
+}
+
+/// What a device is.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct DeviceInfo {
+    /// Index on this host (CUDA ordinal).
+    pub index: u32,
+    /// Marketing name (`"NVIDIA H100 80GB HBM3"`, or `"simulated GPU 0"`).
+    pub name: String,
+    /// Backend.
+    pub kind: DeviceKind,
+    /// Total device memory in bytes.
+    pub memory_bytes: u64,
+    /// GPUs behind the same PCIe switch report the same id ("" when unknown).
+    pub pcie_switch: String,
+    /// Peers reachable over NVLink (or another peer path), with the copy rate in bytes/s
+    /// (0 when unknown). Only peers with peer access enabled are listed.
+    pub peers: Vec<(u32, u64)>,
+}
+
+/// Errors of device operations.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// The CUDA driver library is not installed: a normal condition on hosts without GPUs.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// Device memory exhausted.
+    #[error(
+        "out of GPU memory on device {device}: asked for {requested} bytes, {available} available"
+    )]
+    OutOfMemory {
+        /// Device index.
+        device: u32,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes that could have been given.
+        available: u64,
+    },
+    /// A bad argument (offset past the end, wrong device).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The driver (or the simulation) failed.
+    #[error("device {device}: {message}")]
+    Device {
+        /// Device index.
+        device: u32,
+        /// What failed.
+        message: String,
+    },
+    /// The operation is not possible on this device (e.g. no peer access).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+/// One device allocation (the arena), or a sub-range of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevSpan {
+    /// Device index.
+    pub device: u32,
+    /// Device address of the allocation's start (CUDA `CUdeviceptr`; an offset into the
+    /// backing file for the simulated device).
+    pub base: u64,
+    /// Offset of this span within the allocation.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl DevSpan {
+    /// A sub-span `[off, off+len)` of this span, checked.
+    pub fn sub(&self, off: u64, len: u64) -> Result<Self, GpuError> {
+        let end = off
+            .checked_add(len)
+            .ok_or_else(|| GpuError::Invalid("span overflow".into()))?;
+        if end > self.len {
+            return Err(GpuError::Invalid(format!(
+                "span [{off}, {end}) is outside a span of {} bytes",
+                self.len
+            )));
+        }
+        Ok(Self {
+            device: self.device,
+            base: self.base,
+            offset: self.offset + off,
+            len,
+        })
+    }
+}
+
+/// A host staging buffer, page-locked on CUDA so copies are true DMA.
+pub trait Staging: Send {
+    /// Capacity in bytes.
+    fn capacity(&self) -> usize;
+    /// The bytes, to fill before a copy.
+    fn as_mut_slice(&mut self) -> &mut [u8];
+    /// The bytes.
+    fn as_slice(&self) -> &[u8];
+}
+
+/// A copy in flight: wait before reusing its source buffer.
+pub trait Completion: Send {
+    /// Blocks until the copy has finished (CUDA: event synchronize).
+    fn wait(self: Box<Self>) -> Result<(), GpuError>;
+}
+
+/// How a consumer process maps a region (the hand-off).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum IpcHandle {
+    /// A CUDA IPC memory handle of the arena (64 bytes, hex); the region starts `offset`
+    /// bytes into it (`cudaIpcOpenMemHandle`, then add the offset).
+    CudaIpc {
+        /// `CUipcMemHandle` bytes, hex.
+        handle: String,
+        /// Byte offset of the region within the opened allocation.
+        offset: u64,
+    },
+    /// The simulated device's backing file; the region starts `offset` bytes into it.
+    SimulatedFile {
+        /// Path of the backing file.
+        path: String,
+        /// Byte offset of the region.
+        offset: u64,
+    },
+}
+
+/// A GPU as the loader uses it.
+pub trait Device: Send + Sync {
+    /// What it is.
+    fn info(&self) -> &DeviceInfo;
+
+    /// For backends to recognise their own devices (peer copies).
+    fn as_any(&self) -> &dyn std::any::Any;
+
+    /// Allocates the arena: one device allocation of `bytes`. Called once per device.
+    fn alloc_arena(&self, bytes: u64) -> Result<DevSpan, GpuError>;
+
+    /// A staging buffer of `bytes` for host-to-device copies to this device.
+    fn alloc_staging(&self, bytes: usize) -> Result<Box<dyn Staging>, GpuError>;
+
+    /// Starts copying `src[..dst.len]` into `dst` on this device's copy stream (in order
+    /// with earlier copies). The caller keeps `src` unchanged until the completion is waited.
+    fn copy_htod(&self, dst: DevSpan, src: &dyn Staging) -> Result<Box<dyn Completion>, GpuError>;
+
+    /// Starts a device-to-device copy from `src` (on another device) into `dst` (on this one)
+    /// over the peer path (NVLink). `Unsupported` when peer access is not enabled.
+    fn copy_peer(
+        &self,
+        dst: DevSpan,
+        src_device: &dyn Device,
+        src: DevSpan,
+    ) -> Result<Box<dyn Completion>, GpuError>;
+
+    /// Reads device memory back to the host (for verification; slow path).
+    fn read(&self, src: DevSpan) -> Result<Vec<u8>, GpuError>;
+
+    /// The hand-off handle of the arena with `span`'s offset.
+    fn ipc_handle(&self, span: DevSpan) -> Result<IpcHandle, GpuError>;
+}

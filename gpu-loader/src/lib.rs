@@ -1,0 +1,28 @@
+//! # gpu-loader
+//!
+//! Turns "the last chunk arrived" into "the weights are on every GPU that needs them": chunks
+//! are copied into GPU memory as the store verifies them, through a ring of pinned staging
+//! buffers, overlapped with the network transfer; sibling GPUs get peer copies over NVLink.
+//!
+//! * [`device`]: the device trait (arena, staging buffers, in-order copy stream, events, peer
+//!   copies, IPC handles) and its errors.
+//! * [`cuda`]: the CUDA backend (cudarc with dynamic loading; "no CUDA driver" is a normal
+//!   condition, detected before the first driver call).
+//! * [`sim`]: the simulated backend: host memory with copies paced to PCIe and NVLink rates,
+//!   labelled `simulated` everywhere.
+//! * [`pool`]: the per-GPU memory pool: one arena, one contiguous region per model, eviction
+//!   frees whole regions, locks against eviction during sibling copies.
+//! * [`index`]: the model's layout in its region and the tensor index from the safetensors
+//!   headers (direct tensor addressing).
+//! * [`loader`]: the streaming pipeline (issuer, completer, peer waiter).
+//! * [`handoff`]: what an inference process needs to map the weights without copying.
+//! * [`manager`]: a host's GPUs: backend selection, pools, loads and their status.
+
+pub mod cuda;
+pub mod device;
+pub mod handoff;
+pub mod index;
+pub mod loader;
+pub mod manager;
+pub mod pool;
+pub mod sim;

@@ -1,0 +1,435 @@
+//! The streaming loader: verified chunks → pinned staging ring → host-to-device copies on the
+//! first GPU → peer copies (NVLink) to sibling GPUs, all three overlapped with the network
+//! transfer that is still delivering chunks.
+//!
+//! Three threads per load:
+//!
+//! 1. the **issuer** walks the model piece by piece (a piece is one staging buffer, the
+//!    calibrated transfer size), waits until the chunks under the piece are verified, takes a
+//!    free staging buffer (blocking when all are in flight: back-pressure, never unbounded
+//!    memory), fills it from the store and issues the copy to the first GPU — and to
+//!    siblings that have no peer path, from the same buffer;
+//! 2. the **completer** waits each copy's event in issue order, returns the buffer to the
+//!    ring, and issues the peer copies of that piece to the siblings with a peer path;
+//! 3. the **peer waiter** waits the peer copies and counts bytes per sibling.
+//!
+//! Every byte crosses PCIe once when peers exist. Bytes per GPU are published in
+//! [`LoadProgress`] as they land.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::device::{Completion, DevSpan, Device, GpuError, Staging};
+use crate::index::Layout;
+
+/// One shard as the source describes it.
+#[derive(Debug, Clone)]
+pub struct SourceShard {
+    /// Path in the model.
+    pub path: String,
+    /// Bytes.
+    pub size: u64,
+    /// Chunk size of the manifest.
+    pub chunk_size: u32,
+}
+
+/// Where verified chunks come from: the store of transferd, or a test double.
+pub trait ChunkSource: Send + Sync {
+    /// The shards, in manifest order.
+    fn shards(&self) -> &[SourceShard];
+    /// Blocks until chunks `first..=last` of `shard` are verified (`Ok(true)`), `timeout`
+    /// passes (`Ok(false)`), or the transfer failed (`Err`).
+    fn wait_verified(
+        &self,
+        shard: usize,
+        first: u32,
+        last: u32,
+        timeout: Duration,
+    ) -> Result<bool, String>;
+    /// Reads verified bytes of `shard` at `offset` into `buf`.
+    fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
+}
+
+/// Loader settings.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Staging buffers in the ring.
+    pub staging_buffers: usize,
+    /// Bytes per staging buffer (one copy each).
+    pub staging_size: usize,
+    /// A piece whose chunks are not verified within this fails the load.
+    pub chunk_timeout: Duration,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            staging_buffers: 8,
+            staging_size: 4 << 20,
+            chunk_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Why a load failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A device operation failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// The data never arrived.
+    #[error("shard {shard}: chunks {first}..={last} not verified: {why}")]
+    Source {
+        /// Shard path.
+        shard: String,
+        /// First chunk.
+        first: u32,
+        /// Last chunk.
+        last: u32,
+        /// Why.
+        why: String,
+    },
+    /// Reading the store failed.
+    #[error("reading {shard}: {source}")]
+    Io {
+        /// Shard path.
+        shard: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The layout and the targets do not fit together.
+    #[error("invalid load: {0}")]
+    Invalid(String),
+    /// Cancelled.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+/// Bytes landed per GPU, updated while loading.
+#[derive(Debug)]
+pub struct LoadProgress {
+    /// Bytes of the model.
+    pub total: u64,
+    /// (device index, bytes landed).
+    pub gpus: Vec<(u32, AtomicU64)>,
+    /// Set to stop the load.
+    pub cancel: AtomicBool,
+}
+
+impl LoadProgress {
+    /// Progress for `total` bytes on `gpus`.
+    pub fn new(total: u64, gpus: &[u32]) -> Self {
+        Self {
+            total,
+            gpus: gpus.iter().map(|&g| (g, AtomicU64::new(0))).collect(),
+            cancel: AtomicBool::new(false),
+        }
+    }
+
+    fn add(&self, slot: usize, n: u64) {
+        if let Some((_, b)) = self.gpus.get(slot) {
+            b.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes landed on each GPU.
+    pub fn snapshot(&self) -> Vec<(u32, u64)> {
+        self.gpus
+            .iter()
+            .map(|(g, b)| (*g, b.load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+/// What a finished load measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LoadReport {
+    /// Model bytes per GPU.
+    pub bytes: u64,
+    /// Start to every GPU holding every byte.
+    pub elapsed_s: f64,
+    /// When the first GPU held every byte.
+    pub primary_s: f64,
+    /// Time the issuer spent waiting for chunks to be verified (network-bound share).
+    pub waited_for_data_s: f64,
+    /// Time the issuer spent waiting for a free staging buffer (device-bound share).
+    pub waited_for_staging_s: f64,
+    /// Siblings fed over the peer path / over the host path.
+    pub peer_siblings: usize,
+    /// Siblings fed from the host (no peer path).
+    pub host_siblings: usize,
+}
+
+/// A target GPU and the span of the model's region on it.
+#[derive(Clone)]
+pub struct Target {
+    /// The device.
+    pub device: Arc<dyn Device>,
+    /// The region.
+    pub span: DevSpan,
+}
+
+struct Piece {
+    shard: usize,
+    offset: u64,
+    len: u64,
+}
+
+fn pieces(layout: &Layout, source: &[SourceShard], size: u64) -> Result<Vec<Piece>, LoadError> {
+    if layout.shards.len() != source.len() {
+        return Err(LoadError::Invalid(format!(
+            "layout has {} shards, the source {}",
+            layout.shards.len(),
+            source.len()
+        )));
+    }
+    let mut out = Vec::new();
+    for (i, s) in source.iter().enumerate() {
+        let mut off = 0;
+        while off < s.size {
+            let len = size.min(s.size - off);
+            out.push(Piece {
+                shard: i,
+                offset: off,
+                len,
+            });
+            off += len;
+        }
+    }
+    Ok(out)
+}
+
+type Staged = (Piece, Box<dyn Staging>, Vec<Box<dyn Completion>>);
+
+/// Loads the model into every target, streaming chunks as `source` verifies them. The first
+/// target is fed over PCIe; the others by peer copies from it where a peer path exists,
+/// else from the host. Blocks until done; run it on its own thread.
+pub fn load(
+    source: &dyn ChunkSource,
+    layout: &Layout,
+    targets: &[Target],
+    opts: &LoadOptions,
+    progress: &LoadProgress,
+) -> Result<LoadReport, LoadError> {
+    let Some(primary) = targets.first() else {
+        return Err(LoadError::Invalid("no target GPU".into()));
+    };
+    if opts.staging_buffers == 0 || opts.staging_size == 0 {
+        return Err(LoadError::Invalid(
+            "the staging ring needs buffers of some size".into(),
+        ));
+    }
+    for t in targets {
+        if t.span.len < layout.total {
+            return Err(LoadError::Invalid(format!(
+                "GPU {}: region of {} bytes for a model of {}",
+                t.device.info().index,
+                t.span.len,
+                layout.total
+            )));
+        }
+    }
+    let pidx = primary.device.info().index;
+    let (peer_sibs, host_sibs): (Vec<usize>, Vec<usize>) = (1..targets.len()).partition(|&i| {
+        let d = targets[i].device.info();
+        d.peers.iter().any(|(p, _)| *p == pidx) && d.kind == primary.device.info().kind
+    });
+    let work = pieces(layout, source.shards(), opts.staging_size as u64)?;
+    let total: u64 = source.shards().iter().map(|s| s.size).sum();
+    let t0 = Instant::now();
+
+    let (free_tx, free_rx) = mpsc::sync_channel::<Box<dyn Staging>>(opts.staging_buffers);
+    for _ in 0..opts.staging_buffers {
+        let b = primary.device.alloc_staging(opts.staging_size)?;
+        let _ = free_tx.send(b);
+    }
+    let failed: Mutex<Option<LoadError>> = Mutex::new(None);
+    let fail = |e: LoadError| {
+        let mut f = failed.lock().unwrap_or_else(PoisonError::into_inner);
+        if f.is_none() {
+            *f = Some(e);
+        }
+        progress.cancel.store(true, Ordering::Relaxed);
+    };
+    let primary_done: Mutex<Option<f64>> = Mutex::new(None);
+    let mut waited_data = Duration::ZERO;
+    let mut waited_staging = Duration::ZERO;
+
+    std::thread::scope(|scope| {
+        let (staged_tx, staged_rx) = mpsc::sync_channel::<Staged>(opts.staging_buffers);
+        let (peer_tx, peer_rx) =
+            mpsc::sync_channel::<(u64, usize, Box<dyn Completion>)>(opts.staging_buffers * 4);
+
+        // Completer: wait HtoD events in order, recycle buffers, fan out over peers.
+        let completer = {
+            let (free_tx, peer_sibs, fail, primary_done) =
+                (free_tx.clone(), &peer_sibs, &fail, &primary_done);
+            let host_sibs = &host_sibs;
+            scope.spawn(move || {
+                let mut landed = 0u64;
+                while let Ok((piece, buf, completions)) = staged_rx.recv() {
+                    for c in completions {
+                        if let Err(e) = c.wait() {
+                            fail(e.into());
+                            return;
+                        }
+                    }
+                    let _ = free_tx.send(buf);
+                    progress.add(0, piece.len);
+                    for &h in host_sibs {
+                        progress.add(h, piece.len);
+                    }
+                    landed += piece.len;
+                    if landed == total {
+                        *primary_done.lock().unwrap_or_else(PoisonError::into_inner) =
+                            Some(t0.elapsed().as_secs_f64());
+                    }
+                    let at = layout.shards[piece.shard].offset + piece.offset;
+                    for &s in peer_sibs {
+                        let r = (|| {
+                            let dst = targets[s].span.sub(at, piece.len)?;
+                            let src = primary.span.sub(at, piece.len)?;
+                            targets[s].device.copy_peer(dst, &*primary.device, src)
+                        })();
+                        match r {
+                            Ok(c) => {
+                                if peer_tx.send((piece.len, s, c)).is_err() {
+                                    return;
+                                }
+                            }
+                            Err(e) => {
+                                fail(e.into());
+                                return;
+                            }
+                        }
+                    }
+                }
+            })
+        };
+        // Peer waiter.
+        let waiter = {
+            let fail = &fail;
+            scope.spawn(move || {
+                while let Ok((len, slot, c)) = peer_rx.recv() {
+                    if let Err(e) = c.wait() {
+                        fail(e.into());
+                        return;
+                    }
+                    progress.add(slot, len);
+                }
+            })
+        };
+
+        // Issuer (this thread).
+        for piece in work {
+            if progress.cancel.load(Ordering::Relaxed) {
+                break;
+            }
+            let shard = &source.shards()[piece.shard];
+            let cs = u64::from(shard.chunk_size.max(1));
+            let first = (piece.offset / cs) as u32;
+            let last = ((piece.offset + piece.len - 1) / cs) as u32;
+            let w = Instant::now();
+            let deadline = w + opts.chunk_timeout;
+            let mut ok = false;
+            while Instant::now() < deadline && !progress.cancel.load(Ordering::Relaxed) {
+                match source.wait_verified(piece.shard, first, last, Duration::from_millis(200)) {
+                    Ok(true) => {
+                        ok = true;
+                        break;
+                    }
+                    Ok(false) => {}
+                    Err(why) => {
+                        fail(LoadError::Source {
+                            shard: shard.path.clone(),
+                            first,
+                            last,
+                            why,
+                        });
+                        break;
+                    }
+                }
+            }
+            waited_data += w.elapsed();
+            if !ok {
+                if !progress.cancel.load(Ordering::Relaxed) {
+                    fail(LoadError::Source {
+                        shard: shard.path.clone(),
+                        first,
+                        last,
+                        why: format!("not verified within {:?}", opts.chunk_timeout),
+                    });
+                }
+                break;
+            }
+            let w = Instant::now();
+            let mut buf = loop {
+                match free_rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(b) => break Some(b),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        if progress.cancel.load(Ordering::Relaxed) {
+                            break None;
+                        }
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+                }
+            };
+            waited_staging += w.elapsed();
+            let Some(mut b) = buf.take() else { break };
+            let n = piece.len as usize;
+            if let Err(e) = source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n]) {
+                fail(LoadError::Io {
+                    shard: shard.path.clone(),
+                    source: e,
+                });
+                break;
+            }
+            let at = layout.shards[piece.shard].offset + piece.offset;
+            let mut completions = Vec::with_capacity(1 + host_sibs.len());
+            let issued = (|| {
+                for &t in std::iter::once(&0).chain(host_sibs.iter()) {
+                    let dst = targets[t].span.sub(at, piece.len)?;
+                    completions.push(targets[t].device.copy_htod(dst, &*b)?);
+                }
+                Ok::<_, GpuError>(())
+            })();
+            if let Err(e) = issued {
+                // Wait what was issued before the buffer goes away.
+                for c in completions {
+                    let _ = c.wait();
+                }
+                fail(e.into());
+                break;
+            }
+            if staged_tx.send((piece, b, completions)).is_err() {
+                break;
+            }
+        }
+        drop(staged_tx);
+        let _ = completer.join();
+        let _ = waiter.join();
+    });
+
+    if let Some(e) = failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(e);
+    }
+    if progress.cancel.load(Ordering::Relaxed) {
+        return Err(LoadError::Cancelled);
+    }
+    let elapsed_s = t0.elapsed().as_secs_f64();
+    Ok(LoadReport {
+        bytes: total,
+        elapsed_s,
+        primary_s: primary_done
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .unwrap_or(elapsed_s),
+        waited_for_data_s: waited_data.as_secs_f64(),
+        waited_for_staging_s: waited_staging.as_secs_f64(),
+        peer_siblings: peer_sibs.len(),
+        host_siblings: host_sibs.len(),
+    })
+}

@@ -1,0 +1,325 @@
+//! The streaming loader on simulated devices: bytes and offsets, overlap of network, PCIe and
+//! NVLink, back-pressure of the staging ring, out-of-memory and a failed transfer.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use gpu_loader::device::{Device, GpuError};
+use gpu_loader::index::{Layout, tensor_index};
+use gpu_loader::loader::{
+    ChunkSource, LoadError, LoadOptions, LoadProgress, SourceShard, Target, load,
+};
+use gpu_loader::pool::{GpuPool, PoolError};
+use gpu_loader::sim::{SimOptions, devices};
+
+/// Shards in memory whose chunks become "verified" in order at a paced rate, like a chain
+/// transfer delivering them.
+struct PacedSource {
+    shards: Vec<SourceShard>,
+    data: Vec<Vec<u8>>,
+    /// Verified chunk count per shard.
+    verified: Mutex<Vec<u32>>,
+    cv: Condvar,
+    fail: Mutex<Option<String>>,
+}
+
+impl PacedSource {
+    fn new(data: Vec<(String, Vec<u8>)>, chunk: u32) -> Arc<Self> {
+        Arc::new(Self {
+            shards: data
+                .iter()
+                .map(|(p, d)| SourceShard {
+                    path: p.clone(),
+                    size: d.len() as u64,
+                    chunk_size: chunk,
+                })
+                .collect(),
+            verified: Mutex::new(vec![0; data.len()]),
+            data: data.into_iter().map(|(_, d)| d).collect(),
+            cv: Condvar::new(),
+            fail: Mutex::new(None),
+        })
+    }
+
+    /// Marks every chunk verified over time at `rate` bytes/s (0: at once), shard by shard.
+    fn deliver(self: &Arc<Self>, rate: u64, stop_after: Option<u64>) {
+        let me = self.clone();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let mut sent = 0u64;
+            for (i, s) in me.shards.iter().enumerate() {
+                let chunks = s.size.div_ceil(u64::from(s.chunk_size)) as u32;
+                for c in 0..chunks {
+                    let len = u64::from(s.chunk_size)
+                        .min(s.size - u64::from(c) * u64::from(s.chunk_size));
+                    sent += len;
+                    if stop_after.is_some_and(|n| sent > n) {
+                        *me.fail.lock().unwrap() = Some("upstream vanished".into());
+                        me.cv.notify_all();
+                        return;
+                    }
+                    if rate > 0 {
+                        let due = t0 + Duration::from_secs_f64(sent as f64 / rate as f64);
+                        if let Some(w) = due.checked_duration_since(Instant::now()) {
+                            std::thread::sleep(w);
+                        }
+                    }
+                    me.verified.lock().unwrap()[i] = c + 1;
+                    me.cv.notify_all();
+                }
+            }
+        });
+    }
+}
+
+impl ChunkSource for PacedSource {
+    fn shards(&self) -> &[SourceShard] {
+        &self.shards
+    }
+    fn wait_verified(
+        &self,
+        shard: usize,
+        _first: u32,
+        last: u32,
+        timeout: Duration,
+    ) -> Result<bool, String> {
+        let g = self.verified.lock().unwrap();
+        let (g, _) = self
+            .cv
+            .wait_timeout_while(g, timeout, |v| {
+                v[shard] <= last && self.fail.lock().unwrap().is_none()
+            })
+            .unwrap();
+        if let Some(f) = self.fail.lock().unwrap().clone() {
+            return Err(f);
+        }
+        Ok(g[shard] > last)
+    }
+    fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let d = &self.data[shard];
+        let o = offset as usize;
+        buf.copy_from_slice(&d[o..o + buf.len()]);
+        Ok(())
+    }
+}
+
+fn model(sizes: &[usize]) -> Vec<(String, Vec<u8>)> {
+    // Real safetensors shards so the tensor index can be checked against the bytes.
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let floats = n / 4;
+            let per = floats / 4;
+            let bufs: Vec<(String, Vec<u8>)> = (0..4)
+                .map(|t| {
+                    let v: Vec<u8> = (0..per * 4)
+                        .map(|k| ((k * 7 + t * 13 + i * 31) % 251) as u8)
+                        .collect();
+                    (format!("model.layers.{i}.t{t}.weight"), v)
+                })
+                .collect();
+            let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bufs
+                .iter()
+                .map(|(name, b)| {
+                    (
+                        name.clone(),
+                        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![per], b)
+                            .unwrap(),
+                    )
+                })
+                .collect();
+            (
+                format!("model-{i:05}.safetensors"),
+                safetensors::serialize(views, None).unwrap(),
+            )
+        })
+        .collect()
+}
+
+struct Rig {
+    _dir: tempfile::TempDir,
+    targets: Vec<Target>,
+    layout: Layout,
+}
+
+fn rig(data: &[(String, Vec<u8>)], gpus: u32, pcie: u64, nvlink: u64) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = SimOptions::new(dir.path(), gpus, 1 << 30);
+    o.pcie_bps = pcie;
+    o.nvlink_bps = nvlink;
+    let devs = devices(&o).unwrap();
+    let layout = Layout::new(
+        &data
+            .iter()
+            .map(|(p, d)| (p.clone(), d.len() as u64))
+            .collect::<Vec<_>>(),
+    );
+    let targets = devs
+        .into_iter()
+        .map(|d| {
+            let d: Arc<dyn Device> = d;
+            let mut pool = GpuPool::new(d.clone(), 256 << 20).unwrap();
+            let span = pool.reserve("m", layout.total).unwrap();
+            std::mem::forget(pool); // the arena lives as long as the device in this test
+            Target { device: d, span }
+        })
+        .collect();
+    Rig {
+        _dir: dir,
+        targets,
+        layout,
+    }
+}
+
+fn check_bytes(r: &Rig, data: &[(String, Vec<u8>)]) {
+    for t in &r.targets {
+        for (slot, (_, d)) in r.layout.shards.iter().zip(data) {
+            let got = t
+                .device
+                .read(t.span.sub(slot.offset, d.len() as u64).unwrap())
+                .unwrap();
+            assert!(
+                got == *d,
+                "GPU {} differs in {}",
+                t.device.info().index,
+                slot.path
+            );
+        }
+        // Every tensor of the index reads back as the tensor in the source file.
+        let idx = tensor_index(&r.layout, |i, off, len| {
+            Ok(data[i].1[off as usize..off as usize + len].to_vec())
+        })
+        .unwrap();
+        assert_eq!(idx.len(), 4 * data.len());
+        let region = t
+            .device
+            .read(t.span.sub(0, r.layout.total).unwrap())
+            .unwrap();
+        for e in &idx {
+            let st = safetensors::SafeTensors::deserialize(
+                &data.iter().find(|(p, _)| *p == e.shard).unwrap().1,
+            )
+            .unwrap();
+            let want = st.tensor(&e.name).unwrap();
+            assert_eq!(
+                &region[e.offset as usize..(e.offset + e.nbytes) as usize],
+                want.data(),
+                "{}",
+                e.name
+            );
+        }
+        // Offsets increase with the file order of the tensors.
+        assert!(
+            idx.windows(2)
+                .all(|w| w[0].offset + w[0].nbytes <= w[1].offset)
+        );
+    }
+}
+
+#[test]
+fn every_byte_on_every_gpu_over_peers_and_host_path() {
+    let data = model(&[3 << 20, 5 << 20 | 12, 1 << 20]);
+    // 3 GPUs with peer paths, then 2 without (host path to each).
+    for nvlink in [2_000_000_000u64, 0] {
+        let gpus = if nvlink > 0 { 3 } else { 2 };
+        let r = rig(&data, gpus, 2_000_000_000, nvlink);
+        let src = PacedSource::new(data.clone(), 256 << 10);
+        src.deliver(0, None);
+        let p = LoadProgress::new(r.layout.total, &[0, 1, 2][..gpus as usize]);
+        let opts = LoadOptions {
+            staging_buffers: 3,
+            staging_size: 1 << 20,
+            ..Default::default()
+        };
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        let total: u64 = data.iter().map(|d| d.1.len() as u64).sum();
+        assert_eq!(rep.bytes, total);
+        assert!(
+            p.snapshot().iter().all(|(_, b)| *b == total),
+            "{:?}",
+            p.snapshot()
+        );
+        if nvlink > 0 {
+            assert_eq!((rep.peer_siblings, rep.host_siblings), (2, 0));
+        } else {
+            assert_eq!((rep.peer_siblings, rep.host_siblings), (0, 1));
+        }
+        check_bytes(&r, &data);
+    }
+}
+
+#[test]
+fn streamed_load_takes_the_slowest_stage_not_the_sum() {
+    let data = model(&[12 << 20, 12 << 20]);
+    let total: f64 = data.iter().map(|d| d.1.len() as f64).sum();
+    // Network 60 MB/s, PCIe 80 MB/s, NVLink 100 MB/s: bound = network, 0.42 s; sum 1.03 s.
+    let (net, pcie, nvlink) = (60_000_000u64, 80_000_000u64, 100_000_000u64);
+    let r = rig(&data, 2, pcie, nvlink);
+    let src = PacedSource::new(data.clone(), 1 << 20);
+    let p = LoadProgress::new(r.layout.total, &[0, 1]);
+    let opts = LoadOptions {
+        staging_buffers: 4,
+        staging_size: 1 << 20,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    src.deliver(net, None);
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    let took = t0.elapsed().as_secs_f64();
+    let bound = total / net.min(pcie).min(nvlink) as f64;
+    let sum = total / net as f64 + total / pcie as f64 + total / nvlink as f64;
+    // The tail: one piece through PCIe and one over NVLink after the last chunk arrives.
+    let fill = (1 << 20) as f64 / pcie as f64 + (1 << 20) as f64 / nvlink as f64;
+    assert!(
+        took <= (bound + fill) * 1.15,
+        "took {took:.3}s, bound {bound:.3}s (+{fill:.3}s fill), sum {sum:.3}s: {rep:?}"
+    );
+    assert!(took < sum * 0.7, "took {took:.3}s, sum {sum:.3}s");
+    check_bytes(&r, &data);
+}
+
+#[test]
+fn an_exhausted_staging_ring_applies_back_pressure_without_deadlock() {
+    let data = model(&[6 << 20]);
+    // One staging buffer and a slow device: the issuer waits for it every piece.
+    let r = rig(&data, 2, 40_000_000, 80_000_000);
+    let src = PacedSource::new(data.clone(), 1 << 20);
+    src.deliver(0, None);
+    let p = LoadProgress::new(r.layout.total, &[0, 1]);
+    let opts = LoadOptions {
+        staging_buffers: 1,
+        staging_size: 512 << 10,
+        ..Default::default()
+    };
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert!(rep.waited_for_staging_s > 0.05, "{rep:?}");
+    check_bytes(&r, &data);
+}
+
+#[test]
+fn a_vanished_upstream_fails_the_load_clearly() {
+    let data = model(&[4 << 20]);
+    let r = rig(&data, 1, 1_000_000_000, 0);
+    let src = PacedSource::new(data.clone(), 1 << 20);
+    src.deliver(50_000_000, Some(2 << 20));
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let e = load(&*src, &r.layout, &r.targets, &LoadOptions::default(), &p).unwrap_err();
+    assert!(matches!(e, LoadError::Source { .. }), "{e}");
+    assert!(e.to_string().contains("upstream vanished"), "{e}");
+}
+
+#[test]
+fn device_out_of_memory_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let devs = devices(&SimOptions::new(dir.path(), 1, 64 << 20)).unwrap();
+    let d: Arc<dyn Device> = devs[0].clone();
+    let mut pool = GpuPool::new(d, 32 << 20).unwrap();
+    pool.reserve("small", 20 << 20).unwrap();
+    let e = pool.reserve("big", 20 << 20).unwrap_err();
+    assert!(
+        matches!(e, PoolError::Gpu(GpuError::OutOfMemory { .. })),
+        "{e}"
+    );
+    assert!(e.to_string().contains("out of GPU memory"), "{e}");
+}
