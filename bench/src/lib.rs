@@ -4,6 +4,7 @@
 //!
 //! * [`cluster`]: real `transferd` processes on loopback or in namespaces.
 //! * [`control`]: a `shardcast-controller` process with daemons reporting to it.
+//! * [`loader_bench`]: the GPU loader's stages alone and overlapped (`loader`).
 //! * [`managed`]: the `demo` and `cold-start` scenarios, through the controller's API.
 //! * [`netns`]: emulated clusters (network namespaces, a bridge, `tc` rate caps).
 //! * [`synth`]: synthetic safetensors models.
@@ -12,6 +13,7 @@
 
 pub mod cluster;
 pub mod control;
+pub mod loader_bench;
 pub mod managed;
 pub mod netns;
 pub mod origin_server;

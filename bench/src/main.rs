@@ -143,6 +143,41 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The GPU loader: network, PCIe and NVLink stages alone, then streamed together
+    /// (simulated devices by default; --backend cuda on a GPU host).
+    Loader {
+        /// simulated or cuda.
+        #[arg(long, default_value = "simulated")]
+        backend: String,
+        /// Model size.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards.
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        /// GPUs (two: PCIe to the first, NVLink to the second).
+        #[arg(long, default_value_t = 2)]
+        gpus: u32,
+        /// Rate at which chunks arrive (the chain transfer).
+        #[arg(long, default_value = "600MB/s")]
+        net_rate: String,
+        /// Simulated host-to-device rate (kept below what 2 host cores can copy, so the
+        /// simulation is paced, not CPU-bound).
+        #[arg(long, default_value = "400MB/s")]
+        pcie_rate: String,
+        /// Simulated GPU-to-GPU rate.
+        #[arg(long, default_value = "1GB/s")]
+        nvlink_rate: String,
+        /// Staging buffers.
+        #[arg(long, default_value_t = 8)]
+        staging_buffers: usize,
+        /// Bytes per staging buffer.
+        #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+        staging_size: u64,
+        /// Write the report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
     OriginServer {
         /// Directory to serve.
@@ -347,6 +382,43 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Hop { size, shards, json } => {
             let report = scenario::run_hop_bench(size, shards, true).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if let Some(path) = json {
+                scenario::write_json(&path, &report)?;
+            }
+            Ok(())
+        }
+        Cmd::Loader {
+            backend,
+            size,
+            shards,
+            gpus,
+            net_rate,
+            pcie_rate,
+            nvlink_rate,
+            staging_buffers,
+            staging_size,
+            json,
+        } => {
+            let need = |name: &str, v: &str| -> anyhow::Result<u64> {
+                parse_rate(v)
+                    .map_err(anyhow::Error::msg)?
+                    .ok_or_else(|| anyhow::anyhow!("--{name} must be a finite rate"))
+            };
+            let opts = shardcast_bench::loader_bench::LoaderOpts {
+                backend,
+                size,
+                shards,
+                gpus,
+                net_rate: need("net-rate", &net_rate)?,
+                pcie_rate: need("pcie-rate", &pcie_rate)?,
+                nvlink_rate: need("nvlink-rate", &nvlink_rate)?,
+                staging_buffers,
+                staging_size: usize::try_from(staging_size)?,
+            };
+            let report =
+                tokio::task::spawn_blocking(move || shardcast_bench::loader_bench::run(&opts))
+                    .await??;
             println!("{}", serde_json::to_string_pretty(&report)?);
             if let Some(path) = json {
                 scenario::write_json(&path, &report)?;

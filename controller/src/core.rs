@@ -154,7 +154,7 @@ pub struct PlanRecord {
     pub ended_at: Option<f64>,
 }
 
-const ACTIVE: [&str; 3] = ["pending", "receiving", "joined"];
+const ACTIVE: [&str; 4] = ["pending", "receiving", "joined", "loading"];
 
 fn is_active(state: &str) -> bool {
     ACTIVE.contains(&state)
@@ -745,6 +745,10 @@ impl Controller {
             .iter()
             .map(|r: &Receiver| {
                 let (state, source, bytes) = match r.kind {
+                    // Already in memory; with GPU slots to fill it still has to load.
+                    ReceiverKind::Local if tier == Tier::Gpu && r.gpus > 0 => {
+                        ("loading", "local".to_string(), total)
+                    }
                     ReceiverKind::Local => ("local", "local".to_string(), total),
                     ReceiverKind::Joined => (
                         "joined",
@@ -765,6 +769,8 @@ impl Controller {
                     source,
                     error: String::new(),
                     gpus: r.gpus,
+                    gpu_bytes: 0,
+                    gpu_state: String::new(),
                 }
             })
             .collect();
@@ -975,6 +981,8 @@ impl Controller {
     /// every one is done, failed or lost; re-plans receivers that stop making progress.
     async fn run_plan(self: Arc<Self>, id: String) {
         let mut progress: HashMap<String, (u64, Instant)> = HashMap::new();
+        // Tier gpu: hosts asked to load (None) or that cannot (Some(why)).
+        let mut gpu_asked: HashMap<String, Option<String>> = HashMap::new();
         let mut last_persist = Instant::now();
         self.start_runs(&id).await;
         let mut tick = tokio::time::interval(self.cfg.poll);
@@ -989,10 +997,23 @@ impl Controller {
             };
             // Poll outside the lock.
             let mut updates = Vec::new();
-            for (host, up) in active {
+            for (host, up, gpus) in active {
                 if !up {
                     updates.push((host, None));
                     continue;
+                }
+                // Tier gpu: ask the host to load as soon as it knows the model; its loader
+                // streams chunks as they are verified, overlapping the chain transfer.
+                if tier == Tier::Gpu && gpus > 0 && !gpu_asked.contains_key(&host) {
+                    match self.request_gpu_load(&host, &digest, gpus).await {
+                        Ok(()) => {
+                            gpu_asked.insert(host.clone(), None);
+                        }
+                        Err(GpuAsk::Later) => {}
+                        Err(GpuAsk::Unavailable(why)) => {
+                            gpu_asked.insert(host.clone(), Some(why));
+                        }
+                    }
                 }
                 let polled = self.poll_host(&host, &digest, tier).await;
                 updates.push((host, Some(polled)));
@@ -1030,11 +1051,51 @@ impl Controller {
                                 changed = true;
                             }
                         }
-                        Some(Ok((bytes, complete))) => {
-                            if !h.error.is_empty() {
-                                h.error.clear();
+                        Some(Ok(Polled {
+                            bytes,
+                            complete,
+                            gpu,
+                        })) => {
+                            let gpu_note = gpu_asked.get(&host).cloned().flatten();
+                            let want_error = gpu_note.clone().unwrap_or_default();
+                            if h.error != want_error {
+                                h.error = want_error;
                                 changed = true;
                             }
+                            // Tier gpu: done only once the GPUs hold it too (or the host
+                            // has no GPUs to load onto).
+                            let complete = if tier == Tier::Gpu && h.gpus > 0 {
+                                let (gb, state) = match (&gpu_note, gpu) {
+                                    (Some(_), _) => (0, "unavailable".to_string()),
+                                    (None, Some((b, s))) => (b, s),
+                                    (None, None) => (0, String::new()),
+                                };
+                                if h.gpu_bytes != gb || h.gpu_state != state {
+                                    h.gpu_bytes = gb;
+                                    h.gpu_state = state.clone();
+                                    changed = true;
+                                }
+                                if complete && state == "failed" {
+                                    h.state = "failed".into();
+                                    h.error =
+                                        "loading onto the GPUs failed (see the host's GpuStatus)"
+                                            .into();
+                                    changed = true;
+                                    false
+                                } else {
+                                    if complete
+                                        && h.state != "loading"
+                                        && state != "resident"
+                                        && state != "unavailable"
+                                    {
+                                        h.state = "loading".into();
+                                        changed = true;
+                                    }
+                                    complete && (state == "resident" || state == "unavailable")
+                                }
+                            } else {
+                                complete
+                            };
                             if let Some(t) = total {
                                 h.total = t;
                             }
@@ -1046,15 +1107,18 @@ impl Controller {
                                 h.state = "done".into();
                                 h.bytes = h.total;
                                 changed = true;
+                            } else if h.state == "failed" {
                             } else if h.state == "pending" && bytes > 0 {
                                 h.state = "receiving".into();
                                 changed = true;
                             }
                         }
                     }
-                    let entry = progress.entry(host.clone()).or_insert((h.bytes, now));
-                    if h.bytes > entry.0 {
-                        *entry = (h.bytes, now);
+                    // Progress is data-plane bytes plus bytes landed on GPUs.
+                    let moved = h.bytes + h.gpu_bytes;
+                    let entry = progress.entry(host.clone()).or_insert((moved, now));
+                    if moved > entry.0 {
+                        *entry = (moved, now);
                     }
                     if is_active(&h.state)
                         && now.saturating_duration_since(entry.1) >= self.cfg.stall_timeout
@@ -1132,7 +1196,10 @@ impl Controller {
 
     /// (digest, name, tier, [(receiver, up)]) of a plan's receivers still in progress.
     #[allow(clippy::type_complexity)]
-    fn active_receivers(&self, id: &str) -> Option<(String, String, Tier, Vec<(String, bool)>)> {
+    fn active_receivers(
+        &self,
+        id: &str,
+    ) -> Option<(String, String, Tier, Vec<(String, bool, u32)>)> {
         let st = lock(&self.state);
         let plan = st.plans.get(id)?;
         if plan.status.state != "running" {
@@ -1144,13 +1211,54 @@ impl Controller {
             .hosts
             .iter()
             .filter(|h| is_active(&h.state))
-            .map(|h| (h.host.clone(), st.hosts.get(&h.host).is_some_and(|e| e.up)))
+            .map(|h| {
+                (
+                    h.host.clone(),
+                    st.hosts.get(&h.host).is_some_and(|e| e.up),
+                    h.gpus,
+                )
+            })
             .collect();
         Some((plan.status.digest.clone(), plan.name.clone(), tier, active))
     }
 
-    /// (bytes verified, complete) of `digest` in the tier on `host`.
-    async fn poll_host(&self, host: &str, digest: &str, tier: Tier) -> Result<(u64, bool), String> {
+    /// Asks `host` to load the model onto `gpus` GPUs.
+    async fn request_gpu_load(&self, host: &str, digest: &str, gpus: u32) -> Result<(), GpuAsk> {
+        let mut agent = self.agent(host).map_err(|_| GpuAsk::Later)?;
+        let r = tokio::time::timeout(
+            Duration::from_secs(5),
+            agent.load_model(apb::LoadModelRequest {
+                model: digest.to_string(),
+                count: gpus,
+                gpus: Vec::new(),
+            }),
+        )
+        .await;
+        match r {
+            Ok(Ok(_)) => {
+                info!(host, model = %digest, gpus, "GPU load requested");
+                Ok(())
+            }
+            // The manifest has not reached the host yet: ask again on the next poll.
+            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Err(GpuAsk::Later),
+            Ok(Err(s))
+                if matches!(
+                    s.code(),
+                    tonic::Code::FailedPrecondition | tonic::Code::ResourceExhausted
+                ) =>
+            {
+                warn!(host, model = %digest, "GPU load refused: {}", s.message());
+                Err(GpuAsk::Unavailable(format!(
+                    "GPU load refused ({}); the model is in the host's memory tier",
+                    s.message()
+                )))
+            }
+            _ => Err(GpuAsk::Later),
+        }
+    }
+
+    /// Progress of `digest` in the tier on `host` (and on its GPUs).
+    async fn poll_host(&self, host: &str, digest: &str, tier: Tier) -> Result<Polled, String> {
         let mut agent = self.agent(host).map_err(|e| e.message)?;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
@@ -1161,7 +1269,7 @@ impl Controller {
         .await;
         match r {
             Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
-            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok((0, false)),
+            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(Polled::default()),
             Ok(Err(s)) => Err(format!("agent of {host}: {}", s.message())),
             Ok(Ok(resp)) => {
                 let want = agent_tier(tier);
@@ -1170,8 +1278,22 @@ impl Controller {
                     .tiers
                     .iter()
                     .find(|t| t.tier == want)
-                    .map(|t| (t.bytes_verified, t.complete))
-                    .unwrap_or((0, false)))
+                    .map(|t| Polled {
+                        bytes: t.bytes_verified,
+                        complete: t.complete,
+                        gpu: (!t.gpus.is_empty()).then(|| {
+                            let bytes = t.gpus.iter().map(|g| g.bytes).sum();
+                            let state = if t.gpus.iter().any(|g| g.state == "failed") {
+                                "failed"
+                            } else if t.gpus.iter().all(|g| g.state == "resident") {
+                                "resident"
+                            } else {
+                                "loading"
+                            };
+                            (bytes, state.to_string())
+                        }),
+                    })
+                    .unwrap_or_default())
             }
         }
     }
@@ -1404,6 +1526,23 @@ fn origin_each(
         .collect();
     plan.estimate_s = plan.chains.iter().map(|c| c.estimate_s).fold(0.0, f64::max);
     plan
+}
+
+/// A receiver's progress as polled.
+#[derive(Debug, Default)]
+struct Polled {
+    bytes: u64,
+    complete: bool,
+    /// Tier gpu: (bytes on the GPUs, "loading" | "resident" | "failed").
+    gpu: Option<(u64, String)>,
+}
+
+/// Why a GPU load could not be requested.
+enum GpuAsk {
+    /// Not yet (the host does not know the model yet, or did not answer).
+    Later,
+    /// The host cannot (no GPUs, out of GPU memory).
+    Unavailable(String),
 }
 
 fn chain_run(source: &Source, hops: &[String], shards: &[u32]) -> ChainRun {

@@ -15,6 +15,7 @@
 //! * [`index`]: the model's layout in its region and the tensor index from the safetensors
 //!   headers (direct tensor addressing).
 //! * [`loader`]: the streaming pipeline (issuer, completer, peer waiter).
+//! * [`source`]: an in-memory chunk source verified at a paced rate (benchmarks, tests).
 //! * [`handoff`]: what an inference process needs to map the weights without copying.
 //! * [`manager`]: a host's GPUs: backend selection, pools, loads and their status.
 
@@ -26,3 +27,4 @@ pub mod loader;
 pub mod manager;
 pub mod pool;
 pub mod sim;
+pub mod source;

@@ -299,12 +299,28 @@ impl Device for SimDevice {
                 available: self.info.memory_bytes,
             });
         }
-        // A sparse file: pages are allocated as they are written, like device memory that
-        // is touched.
+        // Allocate every page now, as cudaMalloc does: first-touch page faults on the copy
+        // path would make the simulated PCIe rate depend on the host's page allocator.
         self.file.set_len(bytes).map_err(|e| GpuError::Device {
             device: self.info.index,
             message: format!("sizing {}: {e}", self.path.display()),
         })?;
+        if let Err(e) =
+            rustix::fs::fallocate(&*self.file, rustix::fs::FallocateFlags::empty(), 0, bytes)
+        {
+            return Err(GpuError::OutOfMemory {
+                device: self.info.index,
+                requested: bytes,
+                available: 0,
+            })
+            .map_err(|oom| {
+                tracing::warn!(
+                    device = self.info.index,
+                    "allocating simulated GPU memory: {e}"
+                );
+                oom
+            });
+        }
         let span = DevSpan {
             device: self.info.index,
             base: 0,

@@ -1,107 +1,15 @@
 //! The streaming loader on simulated devices: bytes and offsets, overlap of network, PCIe and
 //! NVLink, back-pressure of the staging ring, out-of-memory and a failed transfer.
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 use gpu_loader::device::{Device, GpuError};
 use gpu_loader::index::{Layout, tensor_index};
-use gpu_loader::loader::{
-    ChunkSource, LoadError, LoadOptions, LoadProgress, SourceShard, Target, load,
-};
+use gpu_loader::loader::{LoadError, LoadOptions, LoadProgress, Target, load};
 use gpu_loader::pool::{GpuPool, PoolError};
 use gpu_loader::sim::{SimOptions, devices};
-
-/// Shards in memory whose chunks become "verified" in order at a paced rate, like a chain
-/// transfer delivering them.
-struct PacedSource {
-    shards: Vec<SourceShard>,
-    data: Vec<Vec<u8>>,
-    /// Verified chunk count per shard.
-    verified: Mutex<Vec<u32>>,
-    cv: Condvar,
-    fail: Mutex<Option<String>>,
-}
-
-impl PacedSource {
-    fn new(data: Vec<(String, Vec<u8>)>, chunk: u32) -> Arc<Self> {
-        Arc::new(Self {
-            shards: data
-                .iter()
-                .map(|(p, d)| SourceShard {
-                    path: p.clone(),
-                    size: d.len() as u64,
-                    chunk_size: chunk,
-                })
-                .collect(),
-            verified: Mutex::new(vec![0; data.len()]),
-            data: data.into_iter().map(|(_, d)| d).collect(),
-            cv: Condvar::new(),
-            fail: Mutex::new(None),
-        })
-    }
-
-    /// Marks every chunk verified over time at `rate` bytes/s (0: at once), shard by shard.
-    fn deliver(self: &Arc<Self>, rate: u64, stop_after: Option<u64>) {
-        let me = self.clone();
-        std::thread::spawn(move || {
-            let t0 = Instant::now();
-            let mut sent = 0u64;
-            for (i, s) in me.shards.iter().enumerate() {
-                let chunks = s.size.div_ceil(u64::from(s.chunk_size)) as u32;
-                for c in 0..chunks {
-                    let len = u64::from(s.chunk_size)
-                        .min(s.size - u64::from(c) * u64::from(s.chunk_size));
-                    sent += len;
-                    if stop_after.is_some_and(|n| sent > n) {
-                        *me.fail.lock().unwrap() = Some("upstream vanished".into());
-                        me.cv.notify_all();
-                        return;
-                    }
-                    if rate > 0 {
-                        let due = t0 + Duration::from_secs_f64(sent as f64 / rate as f64);
-                        if let Some(w) = due.checked_duration_since(Instant::now()) {
-                            std::thread::sleep(w);
-                        }
-                    }
-                    me.verified.lock().unwrap()[i] = c + 1;
-                    me.cv.notify_all();
-                }
-            }
-        });
-    }
-}
-
-impl ChunkSource for PacedSource {
-    fn shards(&self) -> &[SourceShard] {
-        &self.shards
-    }
-    fn wait_verified(
-        &self,
-        shard: usize,
-        _first: u32,
-        last: u32,
-        timeout: Duration,
-    ) -> Result<bool, String> {
-        let g = self.verified.lock().unwrap();
-        let (g, _) = self
-            .cv
-            .wait_timeout_while(g, timeout, |v| {
-                v[shard] <= last && self.fail.lock().unwrap().is_none()
-            })
-            .unwrap();
-        if let Some(f) = self.fail.lock().unwrap().clone() {
-            return Err(f);
-        }
-        Ok(g[shard] > last)
-    }
-    fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        let d = &self.data[shard];
-        let o = offset as usize;
-        buf.copy_from_slice(&d[o..o + buf.len()]);
-        Ok(())
-    }
-}
+use gpu_loader::source::PacedSource;
 
 fn model(sizes: &[usize]) -> Vec<(String, Vec<u8>)> {
     // Real safetensors shards so the tensor index can be checked against the bytes.

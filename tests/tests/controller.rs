@@ -837,3 +837,58 @@ async fn gpu_replicas_share_one_copy_per_host() {
         .into_inner();
     assert_eq!(st.hosts.iter().map(|h| h.gpus).sum::<u32>(), 0, "{st:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
+    let c = ManagedCluster::start(2, vec![], |_, o| {
+        o.extra_args.extend(
+            [
+                "--gpu-backend",
+                "simulated",
+                "--sim-gpus",
+                "2",
+                "--sim-gpu-memory",
+                "128MiB",
+            ]
+            .map(String::from),
+        );
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(12 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let hosts = api
+        .list_hosts(shardcast_protocol::controller::ListHostsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    // The simulated GPUs are what the hosts report (with their peer links).
+    for h in &hosts.hosts {
+        let r = h.report.as_ref().unwrap();
+        assert_eq!(r.gpus.len(), 2, "{r:?}");
+        assert_eq!(r.gpus[0].nvlink_peers, vec![1]);
+    }
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 4,
+            tier: "gpu".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(90))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    for h in &done.hosts {
+        assert_eq!(h.gpus, 2, "{h:?}");
+        assert_eq!(h.gpu_state, "resident", "{h:?}");
+        assert_eq!(h.gpu_bytes, 2 * manifest.total_bytes(), "{h:?}");
+    }
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+}

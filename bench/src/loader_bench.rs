@@ -1,0 +1,340 @@
+//! `shardcast-bench loader`: the GPU loader's stages alone and together.
+//!
+//! Each stage is timed on its own: the network (chunks verified at `--net-rate`), PCIe
+//! (host → first GPU with every chunk already verified), NVLink (first GPU → second GPU,
+//! peer copies). Then the streamed pipeline runs all three at once: chunks arrive at the
+//! network rate while they are copied to the first GPU and peer-copied to the second.
+//! `overlap_efficiency` = pipeline time / slowest stage time (1.0 = perfect overlap; the sum
+//! of the stages would be the no-overlap case).
+//!
+//! On a CUDA machine (`--backend cuda`) the report also gives the pipeline's host → device
+//! rate next to a plain pinned `cuMemcpyHtoD` peak measured in the same run.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use gpu_loader::cuda::{self, CudaDevice, CudaOptions};
+use gpu_loader::device::{Device, DeviceKind};
+use gpu_loader::index::Layout;
+use gpu_loader::loader::{LoadOptions, LoadProgress, Target, load};
+use gpu_loader::pool::GpuPool;
+use gpu_loader::sim::{self, SimOptions};
+use gpu_loader::source::PacedSource;
+use serde::Serialize;
+
+use crate::synth::{self, SynthSpec};
+
+/// Options of `loader`.
+#[derive(Debug, Clone)]
+pub struct LoaderOpts {
+    /// `simulated` or `cuda`.
+    pub backend: String,
+    /// Model bytes.
+    pub size: u64,
+    /// Safetensors shards.
+    pub shards: usize,
+    /// GPUs (the pipeline uses two when there are two: PCIe to the first, NVLink to the second).
+    pub gpus: u32,
+    /// Network (chunk arrival) rate, bytes/s.
+    pub net_rate: u64,
+    /// Simulated PCIe rate, bytes/s.
+    pub pcie_rate: u64,
+    /// Simulated NVLink rate, bytes/s.
+    pub nvlink_rate: u64,
+    /// Staging buffers.
+    pub staging_buffers: usize,
+    /// Bytes per staging buffer.
+    pub staging_size: usize,
+}
+
+/// One stage timed alone.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stage {
+    /// `network`, `pcie` or `nvlink`.
+    pub stage: String,
+    /// Seconds.
+    pub seconds: f64,
+    /// Bytes per second.
+    pub bytes_per_s: f64,
+}
+
+/// CUDA-only figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct CudaFigures {
+    /// Plain pinned `cuMemcpyHtoD`, best of 3, bytes/s.
+    pub peak_htod_bps: f64,
+    /// The pipeline's host → device rate (chunks all verified), bytes/s.
+    pub pipeline_htod_bps: f64,
+    /// pipeline / peak (target ≥ 0.9).
+    pub ratio: f64,
+    /// Transfer-size calibration (Torpor's elbow) and write-combined vs portable pinned.
+    pub calibration: cuda::Calibration,
+}
+
+/// The `loader` report.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoaderReport {
+    /// `simulated` or `cuda`: simulated figures are not GPU measurements.
+    pub backend: String,
+    /// Device names.
+    pub devices: Vec<String>,
+    /// Model bytes.
+    pub bytes: u64,
+    /// Staging buffers × size.
+    pub staging: String,
+    /// Stages alone.
+    pub stages: Vec<Stage>,
+    /// The streamed pipeline (all stages at once), seconds.
+    pub pipeline_s: f64,
+    /// The slowest stage alone, seconds.
+    pub bound_s: f64,
+    /// The stages one after the other, seconds.
+    pub sum_s: f64,
+    /// pipeline_s / bound_s (target ≤ 1.10).
+    pub overlap_efficiency: f64,
+    /// Simulated only: bytes / the slowest configured rate (what the stages would take at
+    /// exactly their configured rates), and pipeline_s over it.
+    pub configured_bound_s: Option<f64>,
+    /// pipeline_s / configured_bound_s.
+    pub overlap_vs_configured: Option<f64>,
+    /// Every byte on every GPU matched the source.
+    pub verified: bool,
+    /// CUDA only.
+    pub cuda: Option<CudaFigures>,
+}
+
+fn model(opts: &LoaderOpts) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let dir = tempfile::tempdir()?;
+    let m = synth::generate(
+        dir.path(),
+        &SynthSpec {
+            total_bytes: opts.size,
+            shards: opts.shards,
+            seed: 3,
+        },
+    )?;
+    m.files
+        .iter()
+        .map(|(name, _)| {
+            let bytes =
+                std::fs::read(dir.path().join(name)).with_context(|| format!("reading {name}"))?;
+            Ok((name.clone(), bytes))
+        })
+        .collect()
+}
+
+struct Gpus {
+    devices: Vec<Arc<dyn Device>>,
+    pools: Vec<GpuPool>,
+    cuda: Vec<Arc<CudaDevice>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+fn open(opts: &LoaderOpts, region: u64) -> anyhow::Result<Gpus> {
+    let (devices, cuda, dir): (Vec<Arc<dyn Device>>, Vec<Arc<CudaDevice>>, _) =
+        match opts.backend.as_str() {
+            "simulated" => {
+                let dir = tempfile::Builder::new()
+                    .prefix("shardcast-simgpu-")
+                    .tempdir_in(if std::path::Path::new("/dev/shm").is_dir() {
+                        "/dev/shm"
+                    } else {
+                        "/tmp"
+                    })?;
+                let mut o = SimOptions::new(dir.path(), opts.gpus, region * 2 + (64 << 20));
+                o.pcie_bps = opts.pcie_rate;
+                o.nvlink_bps = opts.nvlink_rate;
+                let d = sim::devices(&o)?;
+                (
+                    d.into_iter().map(|d| d as Arc<dyn Device>).collect(),
+                    Vec::new(),
+                    Some(dir),
+                )
+            }
+            "cuda" => {
+                let d = cuda::devices(&CudaOptions::default())
+                    .map_err(|e| anyhow::anyhow!("--backend cuda: {e}"))?;
+                if d.is_empty() {
+                    bail!("--backend cuda: the driver reports no GPUs");
+                }
+                let d: Vec<_> = d.into_iter().take(opts.gpus.max(1) as usize).collect();
+                (
+                    d.iter().map(|d| d.clone() as Arc<dyn Device>).collect(),
+                    d,
+                    None,
+                )
+            }
+            other => bail!("--backend must be simulated or cuda, got {other:?}"),
+        };
+    let pools = devices
+        .iter()
+        .map(|d| GpuPool::new(d.clone(), region + (16 << 20)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Gpus {
+        devices,
+        pools,
+        cuda,
+        _dir: dir,
+    })
+}
+
+fn targets(g: &mut Gpus, label: &str, n: usize, total: u64) -> anyhow::Result<Vec<Target>> {
+    let mut out = Vec::new();
+    for (d, p) in g.devices.iter().zip(g.pools.iter_mut()).take(n) {
+        for r in p.regions() {
+            p.evict(&r.model)?;
+        }
+        out.push(Target {
+            device: d.clone(),
+            span: p.reserve(label, total)?,
+        });
+    }
+    Ok(out)
+}
+
+fn verify(targets: &[Target], layout: &Layout, data: &[(String, Vec<u8>)]) -> anyhow::Result<bool> {
+    for t in targets {
+        for (slot, (_, bytes)) in layout.shards.iter().zip(data) {
+            let got = t
+                .device
+                .read(t.span.sub(slot.offset, bytes.len() as u64)?)?;
+            if got != *bytes {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// Runs the loader benchmark.
+pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
+    let data = model(opts)?;
+    let bytes: u64 = data.iter().map(|d| d.1.len() as u64).sum();
+    let layout = Layout::new(
+        &data
+            .iter()
+            .map(|(p, d)| (p.clone(), d.len() as u64))
+            .collect::<Vec<_>>(),
+    );
+    let mut g = open(opts, layout.total)?;
+    let two = g.devices.len() >= 2;
+    let lopts = LoadOptions {
+        staging_buffers: opts.staging_buffers,
+        staging_size: opts.staging_size,
+        ..LoadOptions::default()
+    };
+    let chunk = 1 << 20;
+    let mut stages = Vec::new();
+    let stage = |name: &str, s: f64| Stage {
+        stage: name.into(),
+        seconds: s,
+        bytes_per_s: bytes as f64 / s.max(1e-9),
+    };
+
+    // Network alone.
+    let src = PacedSource::new(data.clone(), chunk);
+    let net_s = src
+        .deliver(opts.net_rate, None)
+        .join()
+        .map_err(|_| anyhow::anyhow!("network pacer panicked"))?;
+    stages.push(stage("network", net_s));
+    eprintln!("network alone: {net_s:.3} s");
+
+    // PCIe alone: every chunk already verified, one GPU. The first pass warms the host's
+    // allocator and page cache (this VM pays heavily for first-touch pages) and is not kept.
+    let src = PacedSource::new(data.clone(), chunk);
+    src.deliver(0, None)
+        .join()
+        .map_err(|_| anyhow::anyhow!("pacer panicked"))?;
+    let mut rep = None;
+    for pass in ["warm-up", "pcie"] {
+        let t = targets(&mut g, pass, 1, layout.total)?;
+        let p = LoadProgress::new(bytes, &[t[0].device.info().index]);
+        rep = Some(load(&*src, &layout, &t, &lopts, &p)?);
+    }
+    let rep = rep.context("no PCIe pass ran")?;
+    stages.push(stage("pcie", rep.elapsed_s));
+    eprintln!("pcie alone: {:.3} s", rep.elapsed_s);
+    let pcie_bps = bytes as f64 / rep.elapsed_s;
+
+    // NVLink alone: the region of GPU 0 peer-copied to GPU 1 in staging-sized pieces.
+    if two {
+        let t = targets(&mut g, "nvlink", 2, layout.total)?;
+        let piece = opts.staging_size as u64;
+        let t0 = Instant::now();
+        let mut waits = Vec::new();
+        let mut off = 0;
+        while off < layout.total {
+            let len = piece.min(layout.total - off);
+            waits.push(t[1].device.copy_peer(
+                t[1].span.sub(off, len)?,
+                &*t[0].device,
+                t[0].span.sub(off, len)?,
+            )?);
+            off += len;
+        }
+        for w in waits {
+            w.wait()?;
+        }
+        let s = t0.elapsed().as_secs_f64() * bytes as f64 / layout.total as f64;
+        stages.push(stage("nvlink", s));
+        eprintln!("nvlink alone: {s:.3} s");
+    }
+
+    // Everything at once.
+    let n = if two { 2 } else { 1 };
+    let t = targets(&mut g, "pipeline", n, layout.total)?;
+    let src = PacedSource::new(data.clone(), chunk);
+    let gpus: Vec<u32> = t.iter().map(|t| t.device.info().index).collect();
+    let p = LoadProgress::new(bytes, &gpus);
+    let t0 = Instant::now();
+    let pacer = src.deliver(opts.net_rate, None);
+    let rep = load(&*src, &layout, &t, &lopts, &p)?;
+    let pipeline_s = t0.elapsed().as_secs_f64();
+    let _ = pacer.join();
+    eprintln!("pipeline: {pipeline_s:.3} s ({rep:?})");
+    let verified = verify(&t, &layout, &data)?;
+
+    let bound_s = stages.iter().map(|s| s.seconds).fold(0.0, f64::max);
+    let sum_s = stages.iter().map(|s| s.seconds).sum();
+    let configured = g.cuda.is_empty().then(|| {
+        let slowest = if two {
+            opts.net_rate.min(opts.pcie_rate).min(opts.nvlink_rate)
+        } else {
+            opts.net_rate.min(opts.pcie_rate)
+        };
+        bytes as f64 / slowest.max(1) as f64
+    });
+    let cuda = match g.cuda.first() {
+        Some(dev) => {
+            let peak = cuda::peak_htod(dev, opts.staging_size.max(64 << 20), 3)?;
+            let calibration = cuda::calibrate(dev, &cuda::default_sizes(), 256 << 20)?;
+            Some(CudaFigures {
+                peak_htod_bps: peak,
+                pipeline_htod_bps: pcie_bps,
+                ratio: pcie_bps / peak,
+                calibration,
+            })
+        }
+        None => None,
+    };
+    Ok(LoaderReport {
+        backend: match g.devices.first().map(|d| d.info().kind) {
+            Some(DeviceKind::Cuda) => "cuda".into(),
+            _ => "simulated".into(),
+        },
+        devices: g.devices.iter().map(|d| d.info().name.clone()).collect(),
+        bytes,
+        staging: format!("{} × {} B", opts.staging_buffers, opts.staging_size),
+        stages,
+        pipeline_s,
+        bound_s,
+        sum_s,
+        overlap_efficiency: pipeline_s / bound_s.max(1e-9),
+        configured_bound_s: configured,
+        overlap_vs_configured: configured.map(|b| pipeline_s / b),
+        verified,
+        cuda,
+    })
+}
