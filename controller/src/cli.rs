@@ -592,18 +592,31 @@ async fn watch(
             .hosts
             .iter()
             .map(|h| {
+                let gpu = if h.gpus == 0 {
+                    "-".to_string()
+                } else if h.gpu_state.is_empty() {
+                    format!("{} slots", h.gpus)
+                } else {
+                    format!(
+                        "{} × {} ({})",
+                        h.gpus,
+                        h.gpu_state,
+                        format_bytes(h.gpu_bytes)
+                    )
+                };
                 vec![
                     h.host.clone(),
                     h.state.clone(),
                     h.source.clone(),
                     format_bytes(h.bytes),
+                    gpu,
                     h.error.clone(),
                 ]
             })
             .collect();
         print!(
             "{}",
-            table(&["HOST", "STATE", "SOURCE", "BYTES", "NOTE"], rows)
+            table(&["HOST", "STATE", "SOURCE", "BYTES", "GPUS", "NOTE"], rows)
         );
         println!(
             "plan {} {} in {:.2} s (estimate {:.2} s){}",
@@ -622,7 +635,7 @@ async fn watch(
 }
 
 fn is_running_state(s: &str) -> bool {
-    matches!(s, "pending" | "receiving" | "joined")
+    matches!(s, "pending" | "receiving" | "joined" | "loading")
 }
 
 fn print_json<T: Serialize>(v: &T) {

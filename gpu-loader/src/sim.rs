@@ -308,17 +308,14 @@ impl Device for SimDevice {
         if let Err(e) =
             rustix::fs::fallocate(&*self.file, rustix::fs::FallocateFlags::empty(), 0, bytes)
         {
+            tracing::warn!(
+                device = self.info.index,
+                "allocating simulated GPU memory: {e}"
+            );
             return Err(GpuError::OutOfMemory {
                 device: self.info.index,
                 requested: bytes,
                 available: 0,
-            })
-            .map_err(|oom| {
-                tracing::warn!(
-                    device = self.info.index,
-                    "allocating simulated GPU memory: {e}"
-                );
-                oom
             });
         }
         let span = DevSpan {
