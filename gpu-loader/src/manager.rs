@@ -40,7 +40,9 @@ pub struct ManagerConfig {
     /// Fraction of each GPU's memory reserved for the pool (the rest stays for inference
     /// processes' activations and workspaces).
     pub budget_fraction: f64,
-    /// Loader settings.
+    /// Loader settings. `load.staging_size == 0` means "auto": calibrated at start-up on
+    /// CUDA (the elbow of host → device throughput vs. transfer size, Torpor §4.3), 4 MiB on
+    /// simulated devices.
     pub load: LoadOptions,
 }
 
@@ -142,6 +144,8 @@ impl GpuManager {
     /// Opens the backend. Never fails for lack of GPUs: a host without them gets a manager
     /// with no devices and a note saying why.
     pub fn open(cfg: &ManagerConfig) -> Self {
+        let mut opts = cfg.load.clone();
+        let mut calibrated = None;
         let (devices, note): (Vec<Arc<dyn Device>>, String) = match &cfg.backend {
             BackendChoice::None => (Vec::new(), "GPU loading disabled".into()),
             BackendChoice::Simulated(o) => match sim::devices(o) {
@@ -155,6 +159,22 @@ impl GpuManager {
                 Ok(d) if d.is_empty() => (Vec::new(), "CUDA driver present, no devices".into()),
                 Ok(d) => {
                     let n = d.len();
+                    if opts.staging_size == 0
+                        && let Some(first) = d.first()
+                    {
+                        match cuda::calibrate(first, &cuda::default_sizes(), 64 << 20) {
+                            Ok(c) => {
+                                info!(
+                                    elbow = c.elbow,
+                                    write_combined_gbps = c.write_combined_bps / 1e9,
+                                    portable_gbps = c.portable_bps / 1e9,
+                                    "calibrated the staging size"
+                                );
+                                calibrated = Some(c.elbow);
+                            }
+                            Err(e) => warn!("calibration failed, using 4 MiB: {e}"),
+                        }
+                    }
                     (
                         d.into_iter().map(|d| d as Arc<dyn Device>).collect(),
                         format!("{n} CUDA GPUs"),
@@ -179,12 +199,19 @@ impl GpuManager {
                 ),
             }
         }
-        info!(gpus = kept.len(), "{note}");
+        if opts.staging_size == 0 {
+            opts.staging_size = calibrated.unwrap_or(4 << 20);
+        }
+        info!(
+            gpus = kept.len(),
+            staging_size = opts.staging_size,
+            "{note}"
+        );
         Self {
             devices: kept,
             pools,
             loads: Mutex::default(),
-            opts: cfg.load.clone(),
+            opts,
             note,
         }
     }
