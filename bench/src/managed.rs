@@ -97,6 +97,7 @@ async fn register(
             origin: origin.into(),
             chunk_size: 0,
             via_host: String::new(),
+            profile_json: String::new(),
         })
         .await
         .context("RegisterModel")?

@@ -62,6 +62,10 @@ pub enum Command {
         /// Host whose transferd reads the origin [default: any live host].
         #[arg(long)]
         via: Option<String>,
+        /// A model profile (JSON: per layer group weight bytes, load and execution time,
+        /// output bytes) for partition plans and the autoscaler.
+        #[arg(long)]
+        profile: Option<std::path::PathBuf>,
     },
     /// List registered models.
     Models,
@@ -130,6 +134,53 @@ pub enum Command {
     },
     /// List plans, newest first.
     Plans,
+    /// Report a model's load to the autoscaler (what a FaaS does continuously).
+    ReportLoad {
+        /// Name or digest.
+        model: String,
+        /// Requests per second arriving.
+        #[arg(long)]
+        arrival_rate: f64,
+        /// Requests per second one replica serves.
+        #[arg(long)]
+        service_rate: f64,
+        /// Requests waiting.
+        #[arg(long, default_value_t = 0)]
+        queue: u32,
+        /// memory or gpu.
+        #[arg(long, default_value = "memory")]
+        tier: String,
+    },
+    /// The autoscaler's decisions with their reasons, newest first.
+    Events {
+        /// Only this model.
+        #[arg(long)]
+        model: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// Partition plans: of a registered model (through the controller), or offline from a
+    /// profile file or a synthetic T5-3B-like profile (no controller needed).
+    Plan {
+        /// Registered model (name or digest); omit with --profile or --synthetic-layers.
+        model: Option<String>,
+        /// Offline: a profile JSON file.
+        #[arg(long, conflicts_with = "model")]
+        profile: Option<std::path::PathBuf>,
+        /// Offline: a generated T5-3B-like profile with this many layers.
+        #[arg(long, conflicts_with_all = ["model", "profile"])]
+        synthetic_layers: Option<usize>,
+        /// Most partitions considered.
+        #[arg(long, default_value_t = 8)]
+        max_partitions: u32,
+        /// Per-GPU memory budget, e.g. 16GiB.
+        #[arg(long, default_value = "16GiB")]
+        gpu_memory: String,
+        /// Queue length (requests of a burst) the plan is for.
+        #[arg(long, default_value_t = 1)]
+        queue: u32,
+    },
 }
 
 /// A CLI failure with its exit status.
@@ -164,8 +215,111 @@ fn usage(message: impl Into<String>) -> CliError {
     }
 }
 
+/// Plans offline from a profile: no controller involved.
+fn offline_plan(
+    profile: shardcast_policies::profile::ModelProfile,
+    max_partitions: u32,
+    gpu_memory: u64,
+    queue: u32,
+    json: bool,
+) -> Result<(), CliError> {
+    use shardcast_policies::partition;
+    profile
+        .validate()
+        .map_err(|e| usage(format!("profile: {e}")))?;
+    let link = shardcast_policies::profile::Bandwidths::default().link_bps;
+    let table = partition::precompute(
+        &profile,
+        max_partitions.max(1) as usize,
+        gpu_memory,
+        link,
+        queue.max(64),
+    )
+    .map_err(|e| CliError {
+        exit: 4,
+        message: format!("no partition plan: {e}"),
+    })?;
+    let chosen = table.best_for(queue.max(1)).cloned();
+    if json {
+        print_json(
+            &serde_json::json!({"chosen": chosen, "table": table, "estimated": profile.estimated}),
+        );
+        return Ok(());
+    }
+    print_plan(&profile.model, profile.estimated, chosen.as_ref(), queue);
+    Ok(())
+}
+
+fn print_plan(
+    model: &str,
+    estimated: bool,
+    plan: Option<&shardcast_policies::partition::PartitionPlan>,
+    queue: u32,
+) {
+    let Some(p) = plan else {
+        println!("{model}: no plan");
+        return;
+    };
+    println!(
+        "{model}: {} partition(s) for a queue of {} — cold start {:.2} s, mean latency {:.2} s{}",
+        p.partitions.len(),
+        queue.max(1),
+        p.cold_start_s,
+        p.latency_s,
+        if estimated {
+            " (figures are estimates: no measured profile)"
+        } else {
+            ""
+        }
+    );
+    let rows = p
+        .partitions
+        .iter()
+        .enumerate()
+        .map(|(i, part)| {
+            vec![
+                i.to_string(),
+                format!("{:?}", part.groups),
+                format_bytes(part.weight_bytes),
+                format!("{:.3}s", part.load_s),
+                format!("{:.3}s", part.exec_s),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table(&["PART", "GROUPS", "WEIGHTS", "LOAD", "EXEC"], rows)
+    );
+}
+
 /// Runs one command.
 pub async fn run(cli: Cli) -> Result<(), CliError> {
+    if let Command::Plan {
+        model: None,
+        profile,
+        synthetic_layers,
+        max_partitions,
+        gpu_memory,
+        queue,
+    } = &cli.command
+    {
+        let gpu_memory = parse_size(gpu_memory).map_err(|e| usage(format!("--gpu-memory: {e}")))?;
+        let profile = match (profile, synthetic_layers) {
+            (Some(path), _) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| usage(format!("--profile {}: {e}", path.display())))?;
+                serde_json::from_str(&text)
+                    .map_err(|e| usage(format!("--profile {}: {e}", path.display())))?
+            }
+            (None, Some(n)) => shardcast_policies::profile::synthetic_t5_3b_like(*n),
+            (None, None) => {
+                return Err(usage(
+                    "give a registered model, --profile FILE or --synthetic-layers N",
+                ));
+            }
+        };
+        return offline_plan(profile, *max_partitions, gpu_memory, *queue, cli.json);
+    }
     let channel =
         shardcast_protocol::channel::lazy(&cli.controller).map_err(|e| usage(e.to_string()))?;
     let mut c = ControllerClient::new(channel)
@@ -178,7 +332,13 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             origin,
             chunk_size,
             via,
+            profile,
         } => {
+            let profile_json = match profile {
+                None => String::new(),
+                Some(p) => std::fs::read_to_string(&p)
+                    .map_err(|e| usage(format!("--profile {}: {e}", p.display())))?,
+            };
             let chunk_size = match chunk_size {
                 None => 0,
                 Some(s) => {
@@ -195,6 +355,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     origin,
                     chunk_size,
                     via_host: via.unwrap_or_default(),
+                    profile_json,
                 })
                 .await?
                 .into_inner();
@@ -391,6 +552,92 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Watch { plan } => {
             let last = watch(&mut c, &plan, json).await?;
             return plan_result(&last);
+        }
+        Command::ReportLoad {
+            model,
+            arrival_rate,
+            service_rate,
+            queue,
+            tier,
+        } => {
+            let r = c
+                .report_load(shardcast_protocol::controller::ReportLoadRequest {
+                    model,
+                    arrival_rate,
+                    queue_len: queue,
+                    service_rate,
+                    tier,
+                })
+                .await?
+                .into_inner();
+            let d = r.decision.unwrap_or_default();
+            if json {
+                print_json(&d);
+            } else {
+                println!("{}: {} ({:+}) — {}", d.model, d.kind, d.delta, d.reason);
+            }
+        }
+        Command::Events { model, limit } => {
+            let r = c
+                .list_events(shardcast_protocol::controller::ListEventsRequest {
+                    model: model.unwrap_or_default(),
+                    limit,
+                })
+                .await?
+                .into_inner();
+            if json {
+                print_json(&r);
+            } else {
+                let rows = r
+                    .events
+                    .iter()
+                    .map(|e| {
+                        vec![
+                            format!("{:.1}", e.at),
+                            e.model.clone(),
+                            e.kind.clone(),
+                            format!("{:+}", e.delta),
+                            e.reason.clone(),
+                        ]
+                    })
+                    .collect();
+                print!(
+                    "{}",
+                    table(&["AT", "MODEL", "KIND", "DELTA", "REASON"], rows)
+                );
+            }
+        }
+        Command::Plan {
+            model,
+            max_partitions,
+            gpu_memory,
+            queue,
+            ..
+        } => {
+            let gpu_memory =
+                parse_size(&gpu_memory).map_err(|e| usage(format!("--gpu-memory: {e}")))?;
+            let r = c
+                .get_partition_plan(shardcast_protocol::controller::GetPartitionPlanRequest {
+                    model: model.unwrap_or_default(),
+                    max_partitions,
+                    gpu_memory,
+                    queue,
+                })
+                .await?
+                .into_inner();
+            if json {
+                println!("{}", r.json);
+            } else {
+                let v: serde_json::Value = serde_json::from_str(&r.json).unwrap_or_default();
+                let plan: Option<shardcast_policies::partition::PartitionPlan> =
+                    serde_json::from_value(v["chosen"].clone()).ok();
+                print_plan(
+                    v["model"].as_str().unwrap_or_default(),
+                    r.estimated,
+                    plan.as_ref(),
+                    queue,
+                );
+            }
         }
         Command::Plans => {
             let r = c.list_plans(ListPlansRequest {}).await?.into_inner();

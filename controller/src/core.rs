@@ -87,6 +87,9 @@ pub struct ModelRecord {
     pub shards: Vec<(String, u64, u32)>,
     /// Seconds since the epoch.
     pub registered_at: f64,
+    /// Registered profile (JSON of `shardcast_policies::profile::ModelProfile`).
+    #[serde(default)]
+    pub profile: Option<String>,
 }
 
 impl ModelRecord {
@@ -284,6 +287,7 @@ pub struct Controller {
     state: Mutex<State>,
     agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
     cancel: CancellationToken,
+    scaler: crate::autoscaler::Autoscaler,
 }
 
 impl Controller {
@@ -346,6 +350,7 @@ impl Controller {
             state: Mutex::new(st),
             agents: Mutex::default(),
             cancel,
+            scaler: crate::autoscaler::Autoscaler::default(),
         });
         for id in resume {
             info!(plan = %id, "resuming a plan in flight");
@@ -400,6 +405,101 @@ impl Controller {
             .max_encoding_message_size(128 << 20);
         agents.insert(host.to_string(), (addr, client.clone()));
         Ok(client)
+    }
+
+    /// The autoscaler's state and events.
+    pub fn autoscaler(&self) -> &crate::autoscaler::Autoscaler {
+        &self.scaler
+    }
+
+    /// An agent client for `host`.
+    pub fn agent_client(&self, host: &str) -> Result<AgentClient<Channel>, ApiError> {
+        self.agent(host)
+    }
+
+    /// (name, replicas now, load time, hosts holding it in the tier sorted by id) for the
+    /// autoscaler. Load time: the last finished plan that moved the model, else an
+    /// estimate at the default NIC rate.
+    pub fn scaling_view(
+        &self,
+        key: &str,
+        tier: &str,
+    ) -> Result<(String, u32, f64, Vec<String>), ApiError> {
+        let tier = parse_tier(tier)?;
+        let st = lock(&self.state);
+        let m = st.model(key)?.clone();
+        let holders: Vec<String> = match tier {
+            Tier::Gpu => st
+                .hosts
+                .values()
+                .filter(|h| h.up && h.gpu_reserved.contains_key(&m.digest))
+                .map(|h| h.report.host_id.clone())
+                .collect(),
+            t => st
+                .hosts
+                .values()
+                .filter(|h| {
+                    h.up && h
+                        .holding(&m.digest, data_tier(t))
+                        .is_some_and(|x| x.complete)
+                })
+                .map(|h| h.report.host_id.clone())
+                .collect(),
+        };
+        let replicas = match tier {
+            Tier::Gpu => gpu_reserved(&st, &m.digest),
+            t => (holders.len() + st.in_flight(&m.digest, t).len()) as u32,
+        };
+        let measured = st
+            .plans
+            .values()
+            .filter(|p| {
+                p.status.digest == m.digest
+                    && p.status.state == "done"
+                    && !p.status.chains.is_empty()
+            })
+            .max_by(|a, b| a.status.created_at.total_cmp(&b.status.created_at))
+            .map(|p| snapshot(p).elapsed_s);
+        let load_time_s = measured
+            .unwrap_or_else(|| m.total_bytes as f64 / self.cfg.plan.default_nic_bps.max(1) as f64);
+        Ok((m.name.clone(), replicas, load_time_s, holders))
+    }
+
+    /// (name, digest, registered profile, a live host holding it in memory, smallest GPU
+    /// memory reported) for partition planning.
+    #[allow(clippy::type_complexity)]
+    pub fn partition_inputs(
+        &self,
+        key: &str,
+    ) -> Result<
+        (
+            String,
+            String,
+            Option<shardcast_policies::profile::ModelProfile>,
+            Option<String>,
+            Option<u64>,
+        ),
+        ApiError,
+    > {
+        let st = lock(&self.state);
+        let m = st.model(key)?.clone();
+        let profile = m
+            .profile
+            .as_deref()
+            .map(crate::autoscaler::parse_profile)
+            .transpose()?;
+        let holder = st
+            .hosts
+            .values()
+            .find(|h| h.up && h.holding(&m.digest, "memory").is_some_and(|x| x.complete))
+            .map(|h| h.report.host_id.clone());
+        let smallest_gpu = st
+            .hosts
+            .values()
+            .flat_map(|h| h.report.gpus.iter().map(|g| g.memory_bytes))
+            .filter(|&b| b > 0)
+            .min();
+        Ok((m.name, m.digest, profile, holder, smallest_gpu))
     }
 
     // ---- inventory ----
@@ -467,6 +567,12 @@ impl Controller {
     pub async fn register_model(&self, req: RegisterModelRequest) -> Result<ModelInfo, ApiError> {
         let name = ModelName::new(&req.name)
             .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
+        let profile_json = if req.profile_json.trim().is_empty() {
+            None
+        } else {
+            crate::autoscaler::parse_profile(&req.profile_json)?;
+            Some(req.profile_json.clone())
+        };
         let origin = req.origin.trim().to_string();
         let ok_scheme = origin
             .strip_prefix("file://")
@@ -540,11 +646,13 @@ impl Controller {
                 .map(|s| (s.path.to_string(), s.size, s.chunks.len() as u32))
                 .collect(),
             registered_at: now_unix(),
+            profile: profile_json,
         };
         let mut st = lock(&self.state);
         if let Some(old) = st.models.get(name.as_str())
             && old.digest == digest
             && old.origin == record.origin
+            && old.profile == record.profile
         {
             return Ok(old.info(Some(&resp.manifest)));
         }

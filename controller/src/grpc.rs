@@ -7,10 +7,11 @@ use futures::Stream;
 use shardcast_protocol::controller::controller_server::Controller as ControllerApi;
 use shardcast_protocol::controller::inventory_server::Inventory;
 use shardcast_protocol::controller::{
-    EvictRequest, EvictResponse, GetModelRequest, GetStatusRequest, HeartbeatResponse, HostReport,
-    ListHostsRequest, ListHostsResponse, ListModelsRequest, ListModelsResponse, ListPlansRequest,
-    ListPlansResponse, ModelInfo, ModelStatus, PlanAccepted, PlanStatus, PrewarmRequest,
-    RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
+    EvictRequest, EvictResponse, GetModelRequest, GetPartitionPlanRequest, GetStatusRequest,
+    HeartbeatResponse, HostReport, ListEventsRequest, ListEventsResponse, ListHostsRequest,
+    ListHostsResponse, ListModelsRequest, ListModelsResponse, ListPlansRequest, ListPlansResponse,
+    ModelInfo, ModelStatus, PartitionPlanResponse, PlanAccepted, PlanStatus, PrewarmRequest,
+    RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest, WatchPlanRequest,
 };
 use tonic::{Request, Response, Status};
 
@@ -138,6 +139,35 @@ impl ControllerApi for GrpcApi {
         _request: Request<ListHostsRequest>,
     ) -> Result<Response<ListHostsResponse>, Status> {
         Ok(Response::new(self.0.list_hosts()))
+    }
+
+    async fn report_load(
+        &self,
+        request: Request<ReportLoadRequest>,
+    ) -> Result<Response<ReportLoadResponse>, Status> {
+        let decision = self.0.report_load(request.into_inner()).await?;
+        Ok(Response::new(ReportLoadResponse {
+            decision: Some(decision),
+        }))
+    }
+
+    async fn list_events(
+        &self,
+        request: Request<ListEventsRequest>,
+    ) -> Result<Response<ListEventsResponse>, Status> {
+        let r = request.into_inner();
+        Ok(Response::new(
+            self.0.autoscaler().events(&r.model, r.limit as usize),
+        ))
+    }
+
+    async fn get_partition_plan(
+        &self,
+        request: Request<GetPartitionPlanRequest>,
+    ) -> Result<Response<PartitionPlanResponse>, Status> {
+        Ok(Response::new(
+            self.0.partition_plan(request.into_inner()).await?,
+        ))
     }
 }
 

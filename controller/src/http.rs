@@ -17,13 +17,17 @@
 //! | GET | /v1/plans/{id}/watch | → newline-delimited PlanStatus until the plan ends |
 //! | GET | /v1/hosts | → ListHostsResponse |
 //! | POST | /v1/heartbeat | HostReport → HeartbeatResponse |
+//! | POST | /v1/load | ReportLoadRequest → ReportLoadResponse (the autoscaler's decision) |
+//! | GET | /v1/events | → ListEventsResponse (`?model=` filters) |
+//! | POST | /v1/partition-plan | GetPartitionPlanRequest → the plan table as JSON |
+//! | GET | /metrics | → autoscaler decision counters (Prometheus text) |
 //! | GET | /healthz | → `ok` |
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -31,8 +35,8 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use shardcast_protocol::controller::{
-    EvictRequest, HeartbeatResponse, HostReport, PrewarmRequest, RegisterModelRequest,
-    ScaleOutRequest,
+    EvictRequest, GetPartitionPlanRequest, HeartbeatResponse, HostReport, PrewarmRequest,
+    RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
 };
 
 use crate::core::Controller;
@@ -119,6 +123,56 @@ pub fn router(c: Arc<Controller>) -> Router {
                         .and_then(|r| c.heartbeat(r))
                         .map(|interval_ms| HeartbeatResponse { interval_ms }),
                 )
+            }),
+        )
+        .route(
+            "/v1/load",
+            post(|State(c): Ctl, b: Bytes| async move {
+                match body::<ReportLoadRequest>(&b) {
+                    Ok(req) => json(c.report_load(req).await.map(|d| ReportLoadResponse {
+                        decision: Some(d),
+                    })),
+                    Err(e) => e.into_response(),
+                }
+            }),
+        )
+        .route(
+            "/v1/events",
+            get(
+                |State(c): Ctl, Query(q): Query<std::collections::HashMap<String, String>>| async move {
+                    let model = q.get("model").cloned().unwrap_or_default();
+                    json(Ok(c.autoscaler().events(&model, 100)))
+                },
+            ),
+        )
+        .route(
+            "/v1/partition-plan",
+            post(|State(c): Ctl, b: Bytes| async move {
+                match body::<GetPartitionPlanRequest>(&b) {
+                    Ok(req) => match c.partition_plan(req).await {
+                        Ok(r) => (
+                            [(header::CONTENT_TYPE, "application/json")],
+                            r.json,
+                        )
+                            .into_response(),
+                        Err(e) => e.into_response(),
+                    },
+                    Err(e) => e.into_response(),
+                }
+            }),
+        )
+        .route(
+            "/metrics",
+            get(|State(c): Ctl| async move {
+                let mut out = String::from(
+                    "# HELP shardcast_autoscaler_decisions_total Autoscaler decisions by kind.\n# TYPE shardcast_autoscaler_decisions_total counter\n",
+                );
+                for (kind, n) in c.autoscaler().counters() {
+                    out.push_str(&format!(
+                        "shardcast_autoscaler_decisions_total{{kind=\"{kind}\"}} {n}\n"
+                    ));
+                }
+                out
             }),
         )
         .fallback(|| async {

@@ -7,6 +7,8 @@
 //! * [`core`]: registry, plan creation (placement and chain plans from
 //!   `shardcast-placement`), the plan runner (start chains, poll receivers, re-plan stalls),
 //!   eviction.
+//! * [`autoscaler`]: `ReportLoad` → the autoscaling policy → scale-out / evict, with an
+//!   event per decision; partition plans from profiles.
 //! * [`inventory`]: hosts' heartbeats, liveness, GPU reservations; the placement view.
 //! * [`state`]: the durable store behind a trait (redb by default).
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
@@ -15,6 +17,7 @@
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod autoscaler;
 pub mod cli;
 pub mod core;
 pub mod error;

@@ -52,6 +52,7 @@ async fn register(api: &mut ControllerClient<Channel>, origin: &Origin) -> Manif
             origin: origin.uri(),
             chunk_size: 256 << 10,
             via_host: String::new(),
+            profile_json: String::new(),
         })
         .await
         .unwrap()
@@ -168,6 +169,7 @@ async fn prewarm_then_peers(http: bool) {
             origin: uri,
             chunk_size: 256 << 10,
             via_host: String::new(),
+            profile_json: String::new(),
         })
         .await
         .unwrap()
@@ -693,6 +695,7 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
             origin: url,
             chunk_size: 256 << 10,
             via_host: String::new(),
+            profile_json: String::new(),
         })
         .await
         .unwrap()
@@ -891,4 +894,102 @@ async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reported_load_scales_out_then_in_and_evicts() {
+    use shardcast_protocol::controller::{ListEventsRequest, ReportLoadRequest};
+    let c = ManagedCluster::start(4, vec![], |_, _| {}).await.unwrap();
+    let origin = Origin::new(8 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let first = prewarm_hosts(&mut api, hosts(1..=1)).await;
+    wait_plan(&mut api, &first, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let load = |rate: f64| ReportLoadRequest {
+        model: MODEL.into(),
+        arrival_rate: rate,
+        queue_len: 0,
+        service_rate: 10.0,
+        tier: "memory".into(),
+    };
+    // 30 req/s at 10 per replica, 1.05 headroom: 4 replicas, so 3 more.
+    let up = api
+        .report_load(load(30.0))
+        .await
+        .unwrap()
+        .into_inner()
+        .decision
+        .unwrap();
+    assert_eq!(up.kind, "scale-up", "{up:?}");
+    assert_eq!(up.delta, 3, "{up:?}");
+    let done = wait_plan(&mut api, &up.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // Load falls: the first low report only starts the scale-down delay (the model's load
+    // time); after it, replicas are evicted down to what the load needs.
+    let hold = api
+        .report_load(load(5.0))
+        .await
+        .unwrap()
+        .into_inner()
+        .decision
+        .unwrap();
+    assert_ne!(hold.kind, "scale-down", "{hold:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let down = loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let d = api
+            .report_load(load(5.0))
+            .await
+            .unwrap()
+            .into_inner()
+            .decision
+            .unwrap();
+        if d.kind == "scale-down" {
+            break d;
+        }
+        assert!(Instant::now() < deadline, "no scale-down: {d:?}");
+    };
+    assert_eq!(down.delta, -3, "{down:?}");
+    let st = api
+        .get_status(GetStatusRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.hosts.iter().filter(|h| h.memory).count(), 1, "{st:?}");
+    let gone = c
+        .daemons
+        .iter()
+        .filter(|d| d.verify_copy(&manifest).is_err())
+        .count();
+    assert_eq!(gone, 3);
+    // Every decision is recorded with its reason, and counted on /metrics.
+    let ev = api
+        .list_events(ListEventsRequest {
+            model: MODEL.into(),
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let kinds: Vec<&str> = ev.events.iter().map(|e| e.kind.as_str()).collect();
+    assert!(
+        kinds.contains(&"scale-up") && kinds.contains(&"scale-down"),
+        "{kinds:?}"
+    );
+    assert!(ev.events.iter().all(|e| !e.reason.is_empty()));
+    let (s, body) = http(c.controller.http, "GET", "/metrics", "").await;
+    assert_eq!(s, 200);
+    assert!(
+        body.contains("shardcast_autoscaler_decisions_total{kind=\"scale-down\"} 1"),
+        "{body}"
+    );
 }
