@@ -535,9 +535,7 @@ impl Controller {
             gpu_reserved: entry.gpu_reserved.clone(),
         };
         if st.persisted.get(&id) != Some(&sig) {
-            let bytes =
-                serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
-            self.store.put(Table::Hosts, &id, &bytes)?;
+            self.put_json(Table::Hosts, &id, &record)?;
             st.persisted.insert(id, sig);
         }
         Ok(self.cfg.heartbeat.as_millis() as u32)
@@ -657,8 +655,7 @@ impl Controller {
             return Ok(old.info(Some(&resp.manifest)));
         }
         self.store.put(Table::Manifests, &digest, &resp.manifest)?;
-        let bytes = serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
-        self.store.put(Table::Models, name.as_str(), &bytes)?;
+        self.put_json(Table::Models, name.as_str(), &record)?;
         info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), "model registered");
         st.manifests.insert(digest, Arc::new(resp.manifest.clone()));
         let info = record.info(Some(&resp.manifest));
@@ -921,8 +918,7 @@ impl Controller {
         }
         self.persist_plan(&record)?;
         for t in touched {
-            let bytes = serde_json::to_vec(&t).map_err(|e| ApiError::internal(e.to_string()))?;
-            self.store.put(Table::Hosts, &t.report.host_id, &bytes)?;
+            self.put_json(Table::Hosts, &t.report.host_id, &t)?;
         }
         st.watchers.insert(id.clone(), watch::Sender::new(status));
         st.plans.insert(id.clone(), record);
@@ -938,8 +934,13 @@ impl Controller {
     }
 
     fn persist_plan(&self, p: &PlanRecord) -> Result<(), ApiError> {
-        let bytes = serde_json::to_vec(p).map_err(|e| ApiError::internal(e.to_string()))?;
-        self.store.put(Table::Plans, &p.status.plan_id, &bytes)?;
+        self.put_json(Table::Plans, &p.status.plan_id, p)
+    }
+
+    /// Stores `value` as JSON under `key`.
+    fn put_json<T: Serialize>(&self, table: Table, key: &str, value: &T) -> Result<(), ApiError> {
+        let bytes = serde_json::to_vec(value).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.store.put(table, key, &bytes)?;
         Ok(())
     }
 
@@ -1034,9 +1035,7 @@ impl Controller {
                         report: e.report.clone(),
                         gpu_reserved: e.gpu_reserved.clone(),
                     };
-                    let bytes =
-                        serde_json::to_vec(&rec).map_err(|e| ApiError::internal(e.to_string()))?;
-                    self.store.put(Table::Hosts, h, &bytes)?;
+                    self.put_json(Table::Hosts, h, &rec)?;
                     evicted.push(h.clone());
                 }
             }
