@@ -81,8 +81,16 @@ pub fn workspace_bin(bin: &str, package: &str, env: &str) -> anyhow::Result<Path
         .arg("--quiet")
         .arg("--manifest-path")
         .arg(workspace.join("Cargo.toml"))
-        .args(["-p", package, "--bin", bin])
         .stdin(std::process::Stdio::null());
+    if exe.parent().is_some_and(|p| p.ends_with("deps")) {
+        // A test binary: resolve features as the test build did (whole workspace,
+        // dev-dependencies included), so this is a no-op after `cargo test` / `cargo
+        // nextest run` instead of rebuilding the daemon with a different feature set (and
+        // flipping it back on the next test build).
+        cmd.args(["--workspace", "--tests", "--bin", bin]);
+    } else {
+        cmd.args(["-p", package, "--bin", bin]);
+    }
     if release {
         cmd.arg("--release");
     }

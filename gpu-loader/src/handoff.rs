@@ -27,6 +27,10 @@ pub struct Handoff {
     pub shards: Vec<HandoffShard>,
     /// Tensors, by offset in the region.
     pub tensors: Vec<TensorEntry>,
+    /// Set when the region holds a partition only (or a partition is live while the rest is
+    /// still loading): the partition's label. `tensors` then lists only the tensors present.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition: Option<String>,
 }
 
 /// One GPU's copy.
@@ -96,5 +100,6 @@ pub fn memory_file(
             })
             .collect(),
         tensors,
+        partition: None,
     })
 }

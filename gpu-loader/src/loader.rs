@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::device::{Completion, DevSpan, Device, GpuError, Staging};
-use crate::index::Layout;
+use crate::index::{Layout, LoadMap};
 
 /// One shard as the source describes it.
 #[derive(Debug, Clone)]
@@ -111,27 +111,68 @@ pub enum LoadError {
 /// Bytes landed per GPU, updated while loading.
 #[derive(Debug)]
 pub struct LoadProgress {
-    /// Bytes of the model.
+    /// Bytes the load copies to each GPU.
     pub total: u64,
+    /// Bytes of the priority part (a partition; `total` for a whole-model load).
+    pub first_total: u64,
     /// (device index, bytes landed).
     pub gpus: Vec<(u32, AtomicU64)>,
     /// Set to stop the load.
     pub cancel: AtomicBool,
+    started: Instant,
+    /// Nanoseconds from the start until every GPU held the priority part, plus one (0: not
+    /// yet).
+    first_done_ns: AtomicU64,
 }
 
 impl LoadProgress {
     /// Progress for `total` bytes on `gpus`.
     pub fn new(total: u64, gpus: &[u32]) -> Self {
+        Self::with_first(total, total, gpus)
+    }
+
+    /// Progress for `total` bytes on `gpus`, of which the first `first_total` are the
+    /// priority part.
+    pub fn with_first(total: u64, first_total: u64, gpus: &[u32]) -> Self {
         Self {
             total,
+            first_total: first_total.min(total),
             gpus: gpus.iter().map(|&g| (g, AtomicU64::new(0))).collect(),
             cancel: AtomicBool::new(false),
+            started: Instant::now(),
+            first_done_ns: AtomicU64::new(0),
         }
     }
 
     fn add(&self, slot: usize, n: u64) {
         if let Some((_, b)) = self.gpus.get(slot) {
-            b.fetch_add(n, Ordering::Relaxed);
+            // Bytes land in copy order on each GPU, so "every GPU has `first_total` bytes"
+            // means "every GPU holds the priority part".
+            let now = b.fetch_add(n, Ordering::Relaxed) + n;
+            if now >= self.first_total
+                && self.first_done_ns.load(Ordering::Relaxed) == 0
+                && self
+                    .gpus
+                    .iter()
+                    .all(|(_, b)| b.load(Ordering::Relaxed) >= self.first_total)
+            {
+                let ns = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                let _ = self.first_done_ns.compare_exchange(
+                    0,
+                    ns.saturating_add(1),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+            }
+        }
+    }
+
+    /// Seconds from the start until every GPU held the priority part (the partition is
+    /// live), once it has.
+    pub fn first_done_s(&self) -> Option<f64> {
+        match self.first_done_ns.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some((n - 1) as f64 / 1e9),
         }
     }
 
@@ -153,6 +194,10 @@ pub struct LoadReport {
     pub elapsed_s: f64,
     /// When the first GPU held every byte.
     pub primary_s: f64,
+    /// Bytes of the priority part (the partition).
+    pub first_bytes: u64,
+    /// When every GPU held the priority part (the partition went live).
+    pub first_s: f64,
     /// Time the issuer spent waiting for chunks to be verified (network-bound share).
     pub waited_for_data_s: f64,
     /// Time the issuer spent waiting for a free staging buffer (device-bound share).
@@ -176,9 +221,16 @@ struct Piece {
     shard: usize,
     offset: u64,
     len: u64,
+    /// Offset in the region.
+    dest: u64,
 }
 
-fn pieces(layout: &Layout, source: &[SourceShard], size: u64) -> Result<Vec<Piece>, LoadError> {
+fn pieces(
+    layout: &Layout,
+    map: &LoadMap,
+    source: &[SourceShard],
+    size: u64,
+) -> Result<Vec<Piece>, LoadError> {
     if layout.shards.len() != source.len() {
         return Err(LoadError::Invalid(format!(
             "layout has {} shards, the source {}",
@@ -187,14 +239,24 @@ fn pieces(layout: &Layout, source: &[SourceShard], size: u64) -> Result<Vec<Piec
         )));
     }
     let mut out = Vec::new();
-    for (i, s) in source.iter().enumerate() {
+    for e in &map.extents {
+        let within = source
+            .get(e.shard)
+            .is_some_and(|s| e.offset.checked_add(e.len).is_some_and(|end| end <= s.size));
+        if !within || e.dest.saturating_add(e.len) > map.region {
+            return Err(LoadError::Invalid(format!(
+                "extent {}+{} of shard {} does not fit the shard or the region",
+                e.offset, e.len, e.shard
+            )));
+        }
         let mut off = 0;
-        while off < s.size {
-            let len = size.min(s.size - off);
+        while off < e.len {
+            let len = size.min(e.len - off);
             out.push(Piece {
-                shard: i,
-                offset: off,
+                shard: e.shard,
+                offset: e.offset + off,
                 len,
+                dest: e.dest + off,
             });
             off += len;
         }
@@ -214,6 +276,21 @@ pub fn load(
     opts: &LoadOptions,
     progress: &LoadProgress,
 ) -> Result<LoadReport, LoadError> {
+    load_map(source, layout, &LoadMap::full(layout), targets, opts, progress)
+}
+
+/// Loads what `map` says (a whole model, or a partition first and, with completion, the
+/// rest), in its order, into every target. `progress` should be made with
+/// [`LoadProgress::with_first`]`(map.bytes, map.first_bytes, …)` so the partition's
+/// milestone is seen.
+pub fn load_map(
+    source: &dyn ChunkSource,
+    layout: &Layout,
+    map: &LoadMap,
+    targets: &[Target],
+    opts: &LoadOptions,
+    progress: &LoadProgress,
+) -> Result<LoadReport, LoadError> {
     let Some(primary) = targets.first() else {
         return Err(LoadError::Invalid("no target GPU".into()));
     };
@@ -223,12 +300,12 @@ pub fn load(
         ));
     }
     for t in targets {
-        if t.span.len < layout.total {
+        if t.span.len < map.region {
             return Err(LoadError::Invalid(format!(
-                "GPU {}: region of {} bytes for a model of {}",
+                "GPU {}: region of {} bytes for a load of {}",
                 t.device.info().index,
                 t.span.len,
-                layout.total
+                map.region
             )));
         }
     }
@@ -237,8 +314,8 @@ pub fn load(
         let d = targets[i].device.info();
         d.peers.iter().any(|(p, _)| *p == pidx) && d.kind == primary.device.info().kind
     });
-    let work = pieces(layout, source.shards(), opts.staging_size as u64)?;
-    let total: u64 = source.shards().iter().map(|s| s.size).sum();
+    let work = pieces(layout, map, source.shards(), opts.staging_size as u64)?;
+    let total: u64 = map.bytes;
     let t0 = Instant::now();
 
     let (free_tx, free_rx) = mpsc::sync_channel::<Box<dyn Staging>>(opts.staging_buffers);
@@ -287,7 +364,7 @@ pub fn load(
                         *primary_done.lock().unwrap_or_else(PoisonError::into_inner) =
                             Some(t0.elapsed().as_secs_f64());
                     }
-                    let at = layout.shards[piece.shard].offset + piece.offset;
+                    let at = piece.dest;
                     for &s in peer_sibs {
                         let r = (|| {
                             let dst = targets[s].span.sub(at, piece.len)?;
@@ -387,7 +464,7 @@ pub fn load(
                 });
                 break;
             }
-            let at = layout.shards[piece.shard].offset + piece.offset;
+            let at = piece.dest;
             let mut completions = Vec::with_capacity(1 + host_sibs.len());
             let issued = (|| {
                 for &t in std::iter::once(&0).chain(host_sibs.iter()) {
@@ -427,6 +504,8 @@ pub fn load(
             .into_inner()
             .unwrap_or_else(PoisonError::into_inner)
             .unwrap_or(elapsed_s),
+        first_bytes: map.first_bytes,
+        first_s: progress.first_done_s().unwrap_or(elapsed_s),
         waited_for_data_s: waited_data.as_secs_f64(),
         waited_for_staging_s: waited_staging.as_secs_f64(),
         peer_siblings: peer_sibs.len(),

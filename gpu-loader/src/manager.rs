@@ -12,8 +12,8 @@ use tracing::{info, warn};
 use crate::cuda::{self, CudaOptions};
 use crate::device::{Device, DeviceInfo, DeviceKind, GpuError};
 use crate::handoff::{Handoff, HandoffDevice, HandoffShard};
-use crate::index::{Layout, TensorEntry, tensor_index};
-use crate::loader::{ChunkSource, LoadOptions, LoadProgress, LoadReport, Target, load};
+use crate::index::{Layout, LoadMap, ShardRange, TensorEntry, tensor_index};
+use crate::loader::{ChunkSource, LoadOptions, LoadProgress, LoadReport, Target, load_map};
 use crate::pool::{GpuPool, PoolError, Region};
 use crate::sim::{self, SimOptions};
 
@@ -63,16 +63,51 @@ impl Default for ManagerConfig {
 pub enum LoadState {
     /// Copies in flight.
     Loading,
+    /// A partitioned load whose partition is on every chosen GPU (usable through the
+    /// hand-off) while model completion still copies the rest.
+    #[serde(rename = "partition-live")]
+    PartitionLive,
     /// Every byte on every chosen GPU.
     Resident,
     /// The load failed (the message says why); the regions were freed.
     Failed(String),
 }
 
+/// A partitioned load (Flashpoint §4.2.5): the partition's tensors first, then, with
+/// completion, the rest of the model in the background until the GPUs hold a full replica.
+#[derive(Debug, Clone)]
+pub struct PartitionLoad {
+    /// Label shown in status and hand-offs (e.g. `2/4 model.layers.8-15`).
+    pub label: String,
+    /// Byte ranges of the partition's tensors (see [`crate::index::tensor_ranges`]).
+    pub ranges: Vec<ShardRange>,
+    /// Keep loading until a full replica (else the region holds the partition only).
+    pub complete: bool,
+    /// The model's tensor index over its full [`Layout`] (the caller read the headers to
+    /// pick the ranges); hand-offs list the tensors present from it.
+    pub index: Vec<TensorEntry>,
+}
+
+/// A partition's progress in [`ModelGpuStatus`].
+#[derive(Debug, Clone, Serialize)]
+pub struct PartitionStatus {
+    /// Label.
+    pub label: String,
+    /// Bytes of the partition.
+    pub bytes: u64,
+    /// Seconds from the start until the partition was on every GPU.
+    pub live_s: Option<f64>,
+    /// Whether the rest of the model follows.
+    pub complete: bool,
+}
+
 struct ModelLoad {
     name: String,
     gpus: Vec<u32>,
     layout: Layout,
+    map: LoadMap,
+    partition: Option<PartitionLoad>,
+    abort: Option<String>,
     progress: Arc<LoadProgress>,
     state: LoadState,
     report: Option<LoadReport>,
@@ -94,6 +129,8 @@ pub struct ModelGpuStatus {
     pub gpus: Vec<(u32, u64, u64)>,
     /// Seconds since the load started (or its duration once done).
     pub elapsed_s: f64,
+    /// Set for a partitioned load.
+    pub partition: Option<PartitionStatus>,
 }
 
 /// Why a manager operation failed.
@@ -283,6 +320,23 @@ impl GpuManager {
         explicit: &[u32],
         files: Vec<String>,
     ) -> Result<Vec<u32>, ManagerError> {
+        self.start_partition_load(model, name, source, count, explicit, files, None)
+    }
+
+    /// [`start_load`](Self::start_load), optionally of a partition first (and the rest
+    /// after it when `partition.complete`). A model already loading or resident is not
+    /// loaded again, whatever its partition.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_partition_load(
+        self: &Arc<Self>,
+        model: &str,
+        name: &str,
+        source: Arc<dyn ChunkSource>,
+        count: usize,
+        explicit: &[u32],
+        files: Vec<String>,
+        partition: Option<PartitionLoad>,
+    ) -> Result<Vec<u32>, ManagerError> {
         {
             let loads = lock(&self.loads);
             if let Some(l) = loads.get(model)
@@ -300,10 +354,14 @@ impl GpuManager {
                 .map(|s| (s.path.clone(), s.size))
                 .collect::<Vec<_>>(),
         );
+        let map = match &partition {
+            Some(p) => LoadMap::partition(&layout, &p.ranges, p.complete),
+            None => LoadMap::full(&layout),
+        };
         // Reserve every region first; on failure release what was reserved.
         let mut targets = Vec::new();
         for &i in &chosen {
-            let r = lock(&self.pools[i]).reserve(model, layout.total);
+            let r = lock(&self.pools[i]).reserve(model, map.region);
             match r {
                 Ok(span) => targets.push(Target {
                     device: self.devices[i].clone(),
@@ -322,14 +380,16 @@ impl GpuManager {
             let _ = lock(&self.pools[i]).lock(model);
         }
         let gpus: Vec<u32> = targets.iter().map(|t| t.device.info().index).collect();
-        let model_bytes: u64 = source.shards().iter().map(|s| s.size).sum();
-        let progress = Arc::new(LoadProgress::new(model_bytes, &gpus));
+        let progress = Arc::new(LoadProgress::with_first(map.bytes, map.first_bytes, &gpus));
         lock(&self.loads).insert(
             model.to_string(),
             ModelLoad {
                 name: name.to_string(),
                 gpus: gpus.clone(),
                 layout: layout.clone(),
+                map: map.clone(),
+                partition: partition.clone(),
+                abort: None,
                 progress: progress.clone(),
                 state: LoadState::Loading,
                 report: None,
@@ -343,7 +403,9 @@ impl GpuManager {
             model,
             ?gpus,
             ?kinds,
-            bytes = layout.total,
+            bytes = map.bytes,
+            region = map.region,
+            partition = partition.as_ref().map(|p| p.label.as_str()),
             "GPU load started"
         );
         let me = self.clone();
@@ -352,11 +414,11 @@ impl GpuManager {
         std::thread::Builder::new()
             .name("gpu-load".into())
             .spawn(move || {
-                let r = load(&*source, &layout, &targets, &opts, &progress);
+                let r = load_map(&*source, &layout, &map, &targets, &opts, &progress);
                 for &i in &chosen {
                     lock(&me.pools[i]).unlock(&model);
                 }
-                let index = r.as_ref().ok().and_then(|_| {
+                let index = r.as_ref().ok().filter(|_| partition.is_none()).and_then(|_| {
                     tensor_index(&layout, |s, off, len| {
                         let mut b = vec![0u8; len];
                         source.read(s, off, &mut b)?;
@@ -369,14 +431,21 @@ impl GpuManager {
                 let Some(l) = loads.get_mut(&model) else { return };
                 match r {
                     Ok(rep) => {
-                        info!(model = %model, gpus = ?l.gpus, elapsed_s = rep.elapsed_s, "model resident on GPUs");
+                        info!(model = %model, gpus = ?l.gpus, elapsed_s = rep.elapsed_s, partition_s = rep.first_s, "model resident on GPUs");
                         l.state = LoadState::Resident;
                         l.report = Some(rep);
-                        l.index = index;
+                        l.index = match &l.partition {
+                            Some(p) => Some(l.map.remap_index(&l.layout, &p.index, false)),
+                            None => index,
+                        };
                     }
                     Err(e) => {
-                        warn!(model = %model, "GPU load failed: {e}");
-                        l.state = LoadState::Failed(e.to_string());
+                        let why = match (&e, l.abort.take()) {
+                            (crate::loader::LoadError::Cancelled, Some(why)) => why,
+                            _ => e.to_string(),
+                        };
+                        warn!(model = %model, "GPU load failed: {why}");
+                        l.state = LoadState::Failed(why);
                         let gpus = l.gpus.clone();
                         drop(loads);
                         for g in gpus {
@@ -403,7 +472,7 @@ impl GpuManager {
             .map(|(k, l)| ModelGpuStatus {
                 model: k.clone(),
                 name: l.name.clone(),
-                state: l.state.clone(),
+                state: l.visible_state(),
                 gpus: l
                     .progress
                     .snapshot()
@@ -415,10 +484,28 @@ impl GpuManager {
                     .as_ref()
                     .map(|r| r.elapsed_s)
                     .unwrap_or_else(|| l.started.elapsed().as_secs_f64()),
+                partition: l.partition.as_ref().map(|p| PartitionStatus {
+                    label: p.label.clone(),
+                    bytes: l.map.first_bytes,
+                    live_s: l.progress.first_done_s(),
+                    complete: p.complete,
+                }),
             })
             .collect();
         out.sort_by(|a, b| a.model.cmp(&b.model));
         out
+    }
+
+    /// Stops a load in flight (its data source failed): the load ends `Failed` with `why`
+    /// and its regions are freed. A model not loading is left alone.
+    pub fn abort(&self, model: &str, why: &str) {
+        let mut loads = lock(&self.loads);
+        if let Some(l) = loads.get_mut(model)
+            && l.state == LoadState::Loading
+        {
+            l.abort = Some(why.to_string());
+            l.progress.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Status of one model.
@@ -455,7 +542,8 @@ impl GpuManager {
         let l = loads
             .get(model)
             .ok_or_else(|| ManagerError::NotLoaded(model.to_string()))?;
-        if l.state != LoadState::Resident {
+        let state = l.visible_state();
+        if !matches!(state, LoadState::Resident | LoadState::PartitionLive) {
             return Err(ManagerError::Busy(model.to_string()));
         }
         let mut devices = Vec::new();
@@ -472,7 +560,7 @@ impl GpuManager {
                 device_kind: d.info().kind,
                 name: d.info().name.clone(),
                 handle: d.ipc_handle(span)?,
-                size: l.layout.total,
+                size: l.map.region,
             });
         }
         Ok(Handoff {
@@ -485,10 +573,12 @@ impl GpuManager {
             }
             .into(),
             devices,
+            // A partition-only region is packed: shard offsets do not apply to it.
             shards: l
                 .layout
                 .shards
                 .iter()
+                .filter(|_| l.partition.as_ref().is_none_or(|p| p.complete))
                 .zip(l.files.iter().map(Some).chain(std::iter::repeat(None)))
                 .map(|(s, f)| HandoffShard {
                     path: s.path.clone(),
@@ -497,7 +587,31 @@ impl GpuManager {
                     size: s.size,
                 })
                 .collect(),
-            tensors: l.index.clone().unwrap_or_default(),
+            tensors: match (&l.partition, &state) {
+                (Some(p), LoadState::PartitionLive) => l.map.remap_index(&l.layout, &p.index, true),
+                _ => l.index.clone().unwrap_or_default(),
+            },
+            // A full replica (completion done) is no longer a partition.
+            partition: l
+                .partition
+                .as_ref()
+                .filter(|p| !(p.complete && state == LoadState::Resident))
+                .map(|p| p.label.clone()),
         })
+    }
+}
+
+impl ModelLoad {
+    /// The state as seen from outside: a loading partition whose bytes are all on every
+    /// GPU is live.
+    fn visible_state(&self) -> LoadState {
+        if self.state == LoadState::Loading
+            && self.partition.is_some()
+            && self.progress.first_done_s().is_some()
+        {
+            LoadState::PartitionLive
+        } else {
+            self.state.clone()
+        }
     }
 }

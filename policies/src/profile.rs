@@ -224,6 +224,17 @@ fn stack_rank(stack: &str) -> u8 {
     }
 }
 
+/// The layer group a tensor belongs to, named as [`profile_from_tensors`] names groups:
+/// `<stack>.<N>` for layer tensors (`model.layers.7`), `pre` for embeddings, `post` for the
+/// rest (final norm, LM head). Partitioned loads select tensors by these names.
+pub fn group_of(tensor: &str) -> String {
+    match layer_of(tensor) {
+        Some((stack, index)) => format!("{stack}.{index}"),
+        None if is_pre_layer(tensor) => "pre".to_owned(),
+        None => "post".to_owned(),
+    }
+}
+
 /// Derives an estimated profile from a tensor index (name, bytes), e.g. a safetensors
 /// header.
 ///

@@ -55,11 +55,7 @@ fn gpu_residency(gpus: &GpuManager, g: &ModelGpuStatus) -> Vec<pb::GpuResidency>
         .into_iter()
         .map(|d| (d.index, d.kind.to_string()))
         .collect();
-    let (state, error) = match &g.state {
-        LoadState::Loading => ("loading", String::new()),
-        LoadState::Resident => ("resident", String::new()),
-        LoadState::Failed(e) => ("failed", e.clone()),
-    };
+    let (state, error) = state_name(&g.state);
     g.gpus
         .iter()
         .map(|&(gpu, bytes, total)| pb::GpuResidency {
@@ -71,6 +67,15 @@ fn gpu_residency(gpus: &GpuManager, g: &ModelGpuStatus) -> Vec<pb::GpuResidency>
             error: error.clone(),
         })
         .collect()
+}
+
+fn state_name(s: &LoadState) -> (&'static str, String) {
+    match s {
+        LoadState::Loading => ("loading", String::new()),
+        LoadState::PartitionLive => ("partition-live", String::new()),
+        LoadState::Resident => ("resident", String::new()),
+        LoadState::Failed(e) => ("failed", e.clone()),
+    }
 }
 
 fn tier_from_pb(t: i32) -> Result<Tier, Status> {
@@ -471,14 +476,29 @@ impl Agent for AgentService {
                 req.model
             ))
         })?;
-        let gpus = crate::gpu::load(
-            &self.node,
-            &self.gpus,
-            &digest,
-            req.count.max(1) as usize,
-            &req.gpus,
-        )
+        let gpus = match req.partition {
+            Some(spec) => {
+                crate::gpu::load_partition(
+                    &self.node,
+                    &self.gpus,
+                    &digest,
+                    req.count.max(1) as usize,
+                    &req.gpus,
+                    spec,
+                )
+                .await
+            }
+            None => crate::gpu::load(
+                &self.node,
+                &self.gpus,
+                &digest,
+                req.count.max(1) as usize,
+                &req.gpus,
+            ),
+        }
         .map_err(|e| match e {
+            crate::gpu::LoadFailure::Invalid(_) => Status::invalid_argument(e.to_string()),
+            crate::gpu::LoadFailure::Unavailable(_) => Status::unavailable(e.to_string()),
             crate::gpu::LoadFailure::Manager(
                 ManagerError::NoGpus(_) | ManagerError::TooMany { .. } | ManagerError::NoSuchGpu(_),
             ) => Status::failed_precondition(e.to_string()),
@@ -524,17 +544,18 @@ impl Agent for AgentService {
             .map(|m| pb::GpuModel {
                 model: m.model.clone(),
                 name: m.name.clone(),
-                state: match &m.state {
-                    LoadState::Loading => "loading".into(),
-                    LoadState::Resident => "resident".into(),
-                    LoadState::Failed(_) => "failed".into(),
-                },
-                error: match &m.state {
-                    LoadState::Failed(e) => e.clone(),
-                    _ => String::new(),
-                },
+                state: state_name(&m.state).0.into(),
+                error: state_name(&m.state).1,
                 gpus: gpu_residency(&self.gpus, m),
                 elapsed_s: m.elapsed_s,
+                partition: m
+                    .partition
+                    .as_ref()
+                    .map(|p| p.label.clone())
+                    .unwrap_or_default(),
+                partition_bytes: m.partition.as_ref().map_or(0, |p| p.bytes),
+                partition_live_s: m.partition.as_ref().and_then(|p| p.live_s),
+                partition_complete: m.partition.as_ref().is_some_and(|p| p.complete),
             })
             .collect();
         Ok(Response::new(pb::GpuStatusResponse {

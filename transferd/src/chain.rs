@@ -1297,30 +1297,68 @@ impl Node {
         origin: &str,
         tier: Tier,
     ) -> Result<(), String> {
+        let spans = (0..manifest.shards.len() as u32)
+            .map(|s| (s, 0..u32::MAX))
+            .collect();
+        self.fetch_spans(manifest, origin, tier, spans).await?;
         let model = manifest.digest();
         for s in 0..manifest.shards.len() as u32 {
+            let complete = self
+                .store
+                .existing_shard(&model, s)
+                .is_some_and(|sh| sh.is_complete());
+            if !complete {
+                return Err(format!("origin did not provide every chunk of shard {s}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Downloads the chunks of `spans` (shard, chunk range; clipped to the shard) that this
+    /// host does not hold yet, in the order given, into `tier`. `source` is an origin URL or
+    /// `shardcast://host:port`, a peer's data listener. Used for whole-model imports and for
+    /// partitioned loads (the partition's chunks first, then the rest).
+    pub async fn fetch_spans(
+        &self,
+        manifest: &Arc<Manifest>,
+        source: &str,
+        tier: Tier,
+        spans: Vec<(u32, std::ops::Range<u32>)>,
+    ) -> Result<(), String> {
+        let model = manifest.digest();
+        for (s, range) in spans {
+            if s as usize >= manifest.shards.len() {
+                return Err(format!(
+                    "shard {s} does not exist (the model has {})",
+                    manifest.shards.len()
+                ));
+            }
             let shard = self
                 .store
                 .shard(&model, s, tier)
                 .map_err(|e| e.to_string())?;
-            let end = shard.total_chunks();
+            let total = shard.total_chunks();
+            let (start, end) = (range.start.min(total), range.end.min(total));
+            if start >= end {
+                continue;
+            }
+            let missing: Vec<u32> = shard.verified_set(start, end).missing().collect();
+            if missing.is_empty() {
+                continue;
+            }
             let sess = self.new_session(
                 SessionId([0; 16]),
                 model,
                 manifest.clone(),
                 shard,
-                0,
+                start,
                 end,
-                origin.to_string(),
+                source.to_string(),
             );
-            let missing: Vec<u32> = sess.shard.verified_set(0, end).missing().collect();
-            let r = self.fill(&sess, origin, missing).await;
+            let r = self.fill(&sess, source, missing).await;
             self.stats.sessions_active.fetch_sub(1, Ordering::Relaxed);
             r?;
-            if !sess.complete() {
-                return Err(format!("origin did not provide every chunk of shard {s}"));
-            }
-            info!(model = %model, shard = s, shards = manifest.shards.len(), "shard fetched from origin");
+            debug!(model = %model, shard = s, start, end, "chunks fetched");
         }
         Ok(())
     }

@@ -8,9 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_loader::handoff::{self, Handoff};
+use gpu_loader::index::{self, Layout, ShardRange, TensorEntry};
 use gpu_loader::loader::{ChunkSource, SourceShard};
-use gpu_loader::manager::{GpuManager, ManagerError};
+use gpu_loader::manager::{GpuManager, ManagerError, PartitionLoad};
+use shardcast_policies::profile::group_of;
+use shardcast_protocol::agent::PartitionSpec;
 use shardcast_protocol::{ModelDigest, Tier};
+use tracing::warn;
 
 use crate::chain::Node;
 use crate::store::Shard;
@@ -143,12 +147,207 @@ pub fn load(
     .map_err(LoadFailure::Manager)
 }
 
+/// How long a partitioned load waits for the safetensors headers to arrive by a chain when
+/// no source to fetch them from is given.
+const HEADER_WAIT: Duration = Duration::from_secs(30);
+
+/// Chunk spans (shard, chunks) covering byte `ranges`, merged, in the ranges' order.
+fn chunk_spans(ranges: &[ShardRange], chunk_size: u32) -> Vec<(u32, std::ops::Range<u32>)> {
+    let cs = u64::from(chunk_size.max(1));
+    let mut out: Vec<(u32, std::ops::Range<u32>)> = Vec::new();
+    for r in ranges.iter().filter(|r| r.len > 0) {
+        let shard = r.shard as u32;
+        let first = u32::try_from(r.offset / cs).unwrap_or(u32::MAX);
+        let end = u32::try_from((r.offset + r.len - 1) / cs + 1).unwrap_or(u32::MAX);
+        match out.last_mut() {
+            Some((s, span)) if *s == shard && first <= span.end => span.end = span.end.max(end),
+            _ => out.push((shard, first..end)),
+        }
+    }
+    out
+}
+
+/// Starts a partitioned load (Flashpoint §4.2.5): reads the safetensors headers (fetching
+/// them from `spec.source` when given, else waiting for a chain to deliver them), picks the
+/// tensors of `spec.groups`, and loads them first; with `spec.complete` the rest of the
+/// model follows into the same region. With a source, the data plane fetches the
+/// partition's chunks first, then (with completion) every other chunk, while the loader
+/// streams them to the GPUs.
+pub async fn load_partition(
+    node: &Arc<Node>,
+    gpus: &Arc<GpuManager>,
+    digest: &ModelDigest,
+    count: usize,
+    explicit: &[u32],
+    spec: PartitionSpec,
+) -> Result<Vec<u32>, LoadFailure> {
+    if spec.groups.is_empty() {
+        return Err(LoadFailure::Invalid(
+            "a partition needs at least one layer group".into(),
+        ));
+    }
+    let manifest = node
+        .store
+        .manifest(digest)
+        .ok_or_else(|| LoadFailure::Source(format!("model {digest} is unknown on this host")))?;
+    let chunk_size = manifest.chunk_size;
+    let source = Arc::new(
+        StoreSource::new(node, digest, tokio::runtime::Handle::current())
+            .map_err(LoadFailure::Source)?,
+    );
+    let layout = Layout::new(
+        &source
+            .shards()
+            .iter()
+            .map(|s| (s.path.clone(), s.size))
+            .collect::<Vec<_>>(),
+    );
+    let tensor_shards: Vec<usize> = layout
+        .shards
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.path.ends_with(".safetensors") && s.size >= 8)
+        .map(|(i, _)| i)
+        .collect();
+    let header_len = |src: &StoreSource, i: usize| -> Result<u64, LoadFailure> {
+        let mut b = [0u8; 8];
+        src.read(i, 0, &mut b)
+            .map_err(|e| LoadFailure::Source(format!("reading a header: {e}")))?;
+        Ok(u64::from_le_bytes(b).min(index::MAX_HEADER))
+    };
+    // 1. The headers.
+    if !spec.source.is_empty() {
+        let first = tensor_shards.iter().map(|&i| (i as u32, 0..1)).collect();
+        node.fetch_spans(&manifest, &spec.source, Tier::Memory, first)
+            .await
+            .map_err(|e| LoadFailure::Unavailable(format!("fetching headers: {e}")))?;
+        let mut rest = Vec::new();
+        for &i in &tensor_shards {
+            let n = header_len(&source, i)?;
+            let size = layout.shards[i].size;
+            rest.push(ShardRange {
+                shard: i,
+                offset: 0,
+                len: (8 + n).min(size),
+            });
+        }
+        node.fetch_spans(
+            &manifest,
+            &spec.source,
+            Tier::Memory,
+            chunk_spans(&rest, chunk_size),
+        )
+        .await
+        .map_err(|e| LoadFailure::Unavailable(format!("fetching headers: {e}")))?;
+    }
+    // 2. The tensor index (waits for header chunks a chain is still delivering).
+    let index = {
+        let (source, layout, shards) = (source.clone(), layout.clone(), tensor_shards.clone());
+        tokio::task::spawn_blocking(move || -> Result<Vec<TensorEntry>, LoadFailure> {
+            let cs = u64::from(chunk_size.max(1));
+            let wait = |i: usize, last: u32| -> Result<(), LoadFailure> {
+                match source.wait_verified(i, 0, last, HEADER_WAIT) {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(LoadFailure::Unavailable(format!(
+                        "the header of {} did not arrive within {HEADER_WAIT:?}; give the partition a source or start the model's chain first",
+                        layout.shards[i].path
+                    ))),
+                    Err(e) => Err(LoadFailure::Source(e)),
+                }
+            };
+            for &i in &shards {
+                wait(i, (7 / cs) as u32)?;
+                let n = header_len(&source, i)?;
+                let end = (8 + n).min(layout.shards[i].size).max(1);
+                wait(i, ((end - 1) / cs) as u32)?;
+            }
+            index::tensor_index(&layout, |s, off, len| {
+                let mut b = vec![0u8; len];
+                source.read(s, off, &mut b)?;
+                Ok(b)
+            })
+            .map_err(|e| LoadFailure::Source(e.to_string()))
+        })
+        .await
+        .map_err(|e| LoadFailure::Source(format!("header task: {e}")))??
+    };
+    // 3. The partition's tensors.
+    let wanted: std::collections::BTreeSet<&str> = spec.groups.iter().map(String::as_str).collect();
+    let known: std::collections::BTreeSet<String> =
+        index.iter().map(|t| group_of(&t.name)).collect();
+    let unknown: Vec<&str> = wanted
+        .iter()
+        .filter(|g| !known.contains(**g))
+        .copied()
+        .collect();
+    if !unknown.is_empty() {
+        let sample: Vec<&String> = known.iter().take(6).collect();
+        return Err(LoadFailure::Invalid(format!(
+            "unknown layer groups {unknown:?}; this model has {} groups, e.g. {sample:?}",
+            known.len()
+        )));
+    }
+    let ranges = index::tensor_ranges(&layout, &index, |n| wanted.contains(group_of(n).as_str()));
+    let label = if spec.label.is_empty() {
+        format!("{} groups", wanted.len())
+    } else {
+        spec.label.clone()
+    };
+    let name = manifest.name.to_string();
+    let files = source.file_paths();
+    let part_spans = chunk_spans(&ranges, chunk_size);
+    let chosen = gpus
+        .start_partition_load(
+            &digest.to_hex(),
+            &name,
+            source,
+            count,
+            explicit,
+            files,
+            Some(PartitionLoad {
+                label,
+                ranges,
+                complete: spec.complete,
+                index,
+            }),
+        )
+        .map_err(LoadFailure::Manager)?;
+    // 4. The data plane: the partition's chunks first, then the rest.
+    if !spec.source.is_empty() {
+        let (node, gpus, digest) = (node.clone(), gpus.clone(), *digest);
+        tokio::spawn(async move {
+            let mut r = node
+                .fetch_spans(&manifest, &spec.source, Tier::Memory, part_spans)
+                .await;
+            if r.is_ok() && spec.complete {
+                let all = (0..manifest.shards.len() as u32)
+                    .map(|s| (s, 0..u32::MAX))
+                    .collect();
+                r = node
+                    .fetch_spans(&manifest, &spec.source, Tier::Memory, all)
+                    .await;
+            }
+            if let Err(e) = r {
+                warn!(model = %digest, "partition fetch from {} failed: {e}", spec.source);
+                gpus.abort(&digest.to_hex(), &format!("fetching from {}: {e}", spec.source));
+            }
+        });
+    }
+    Ok(chosen)
+}
+
 /// Why a load could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadFailure {
     /// The model or its shards.
     #[error("{0}")]
     Source(String),
+    /// The request does not fit the model (unknown layer groups).
+    #[error("{0}")]
+    Invalid(String),
+    /// The data could not be fetched or did not arrive.
+    #[error("{0}")]
+    Unavailable(String),
     /// The GPUs.
     #[error(transparent)]
     Manager(ManagerError),
@@ -159,7 +358,9 @@ pub enum LoadFailure {
 pub fn handoff(node: &Node, gpus: &GpuManager, digest: &ModelDigest) -> Result<Handoff, String> {
     match gpus.handoff(&digest.to_hex()) {
         Ok(h) => return Ok(h),
-        Err(ManagerError::Busy(m)) => return Err(format!("model {m} is still loading onto GPUs")),
+        Err(ManagerError::Busy(m)) => {
+            return Err(format!("model {m} is still loading onto GPUs"));
+        }
         Err(_) => {}
     }
     let manifest = node
