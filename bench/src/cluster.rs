@@ -82,6 +82,24 @@ pub fn workspace_bin(bin: &str, package: &str, env: &str) -> anyhow::Result<Path
         .arg("--manifest-path")
         .arg(workspace.join("Cargo.toml"))
         .stdin(std::process::Stdio::null());
+    // `cargo test` / nextest give the test process the package's build-time environment
+    // (CARGO_PKG_NAME, CARGO_MANIFEST_DIR, …). Build scripts (ring's, cc's) rerun when those
+    // change, so passing them on would rebuild half the dependency tree per test package.
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if k.starts_with("CARGO_PKG_")
+            || k.starts_with("CARGO_MANIFEST_")
+            || k.starts_with("CARGO_CRATE_")
+            || k.starts_with("CARGO_BIN_")
+            || k.starts_with("CARGO_PRIMARY_")
+            || k.starts_with("CARGO_TARGET_TMPDIR")
+            || k.starts_with("NEXTEST")
+            || k.starts_with("__NEXTEST")
+            || k == "OUT_DIR"
+        {
+            cmd.env_remove(&*k);
+        }
+    }
     if exe.parent().is_some_and(|p| p.ends_with("deps")) {
         // A test binary: resolve features as the test build did (whole workspace,
         // dev-dependencies included), so this is a no-op after `cargo test` / `cargo

@@ -951,10 +951,7 @@ mod tests {
         // The cap must hold (never above it); how close TCP gets to it depends on what else
         // the machine runs, so that figure is printed and recorded in docs/BENCHMARKS.md,
         // and only a usable link (half the cap) is asserted.
-        assert!(
-            (0.5..=1.05).contains(&ratio),
-            "goodput {rate} vs cap {cap}"
-        );
+        assert!((0.5..=1.05).contains(&ratio), "goodput {rate} vs cap {cap}");
         let mut net = net;
         net.teardown();
         assert!(own_namespaces(&net).is_empty());

@@ -1338,6 +1338,7 @@ impl Controller {
                 model: digest.to_string(),
                 count: gpus,
                 gpus: Vec::new(),
+                partition: None,
             }),
         )
         .await;

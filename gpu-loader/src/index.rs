@@ -484,9 +484,8 @@ mod tests {
     fn apply(map: &LoadMap, files: &[Vec<u8>], upto: usize) -> Vec<u8> {
         let mut region = vec![0u8; map.region as usize];
         for e in &map.extents[..upto] {
-            region[e.dest as usize..(e.dest + e.len) as usize].copy_from_slice(
-                &files[e.shard][e.offset as usize..(e.offset + e.len) as usize],
-            );
+            region[e.dest as usize..(e.dest + e.len) as usize]
+                .copy_from_slice(&files[e.shard][e.offset as usize..(e.offset + e.len) as usize]);
         }
         region
     }
@@ -510,19 +509,27 @@ mod tests {
         );
         for t in &live {
             let full = idx.iter().find(|f| f.name == t.name).unwrap();
-            assert_eq!(t.offset, full.offset, "completion keeps full-layout offsets");
+            assert_eq!(
+                t.offset, full.offset,
+                "completion keeps full-layout offsets"
+            );
             let fill = if t.name == "l.1.w" { 2 } else { 4 };
             let bytes = &early[t.offset as usize..(t.offset + t.nbytes) as usize];
             assert!(bytes.iter().all(|&b| b == fill));
         }
         let other = idx.iter().find(|t| t.name == "l.0.w").unwrap();
-        assert!(early[other.offset as usize..(other.offset + other.nbytes) as usize]
-            .iter()
-            .all(|&b| b == 0));
+        assert!(
+            early[other.offset as usize..(other.offset + other.nbytes) as usize]
+                .iter()
+                .all(|&b| b == 0)
+        );
         // After everything: the full layout, byte for byte.
         let done = apply(&map, &files, map.extents.len());
         for (slot, f) in layout.shards.iter().zip(&files) {
-            assert_eq!(&done[slot.offset as usize..slot.offset as usize + f.len()], &f[..]);
+            assert_eq!(
+                &done[slot.offset as usize..slot.offset as usize + f.len()],
+                &f[..]
+            );
         }
         assert_eq!(map.remap_index(&layout, &idx, false), idx);
     }
@@ -551,7 +558,13 @@ mod tests {
         let r = |shard, offset, len| ShardRange { shard, offset, len };
         let map = LoadMap::partition(
             &layout,
-            &[r(0, 10, 10), r(0, 15, 10), r(1, 40, 100), r(0, 90, 0), r(7, 0, 1)],
+            &[
+                r(0, 10, 10),
+                r(0, 15, 10),
+                r(1, 40, 100),
+                r(0, 90, 0),
+                r(7, 0, 1),
+            ],
             true,
         );
         assert_eq!(map.first, 2);

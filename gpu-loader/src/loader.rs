@@ -276,7 +276,14 @@ pub fn load(
     opts: &LoadOptions,
     progress: &LoadProgress,
 ) -> Result<LoadReport, LoadError> {
-    load_map(source, layout, &LoadMap::full(layout), targets, opts, progress)
+    load_map(
+        source,
+        layout,
+        &LoadMap::full(layout),
+        targets,
+        opts,
+        progress,
+    )
 }
 
 /// Loads what `map` says (a whole model, or a partition first and, with completion, the

@@ -504,7 +504,9 @@ impl GpuManager {
             && l.state == LoadState::Loading
         {
             l.abort = Some(why.to_string());
-            l.progress.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+            l.progress
+                .cancel
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gpu_loader::device::{Device, GpuError};
-use gpu_loader::index::{Layout, tensor_index};
-use gpu_loader::loader::{LoadError, LoadOptions, LoadProgress, Target, load};
+use gpu_loader::index::{Layout, LoadMap, tensor_index, tensor_ranges};
+use gpu_loader::loader::{LoadError, LoadOptions, LoadProgress, Target, load, load_map};
 use gpu_loader::pool::{GpuPool, PoolError};
 use gpu_loader::sim::{SimOptions, devices};
 use gpu_loader::source::PacedSource;
@@ -230,4 +230,120 @@ fn device_out_of_memory_is_a_clear_error() {
         "{e}"
     );
     assert!(e.to_string().contains("out of GPU memory"), "{e}");
+}
+
+/// The bytes of tensor `name` as the source files hold them.
+fn tensor_bytes(data: &[(String, Vec<u8>)], name: &str) -> Vec<u8> {
+    for (_, d) in data {
+        let st = safetensors::SafeTensors::deserialize(d).unwrap();
+        if let Ok(t) = st.tensor(name) {
+            return t.data().to_vec();
+        }
+    }
+    panic!("no tensor {name}");
+}
+
+#[test]
+fn a_partition_goes_live_first_and_completion_fills_in_the_full_replica() {
+    // Four layers (one per shard); the partition is the last layer, so in file order it
+    // would land last.
+    let data = model(&[2 << 20, 2 << 20, 2 << 20, 2 << 20]);
+    let r = rig(&data, 2, 40_000_000, 80_000_000);
+    let idx = tensor_index(&r.layout, |i, off, len| {
+        Ok(data[i].1[off as usize..off as usize + len].to_vec())
+    })
+    .unwrap();
+    let ranges = tensor_ranges(&r.layout, &idx, |n| n.starts_with("model.layers.3."));
+    let map = LoadMap::partition(&r.layout, &ranges, true);
+    assert!(map.first_bytes * 3 < map.bytes, "{map:?}");
+    let src = PacedSource::new(data.clone(), 256 << 10);
+    src.deliver(0, None);
+    let p = Arc::new(LoadProgress::with_first(
+        map.bytes,
+        map.first_bytes,
+        &[0, 1],
+    ));
+    let opts = LoadOptions {
+        staging_buffers: 2,
+        staging_size: 256 << 10,
+        ..Default::default()
+    };
+    let live_tensors = map.remap_index(&r.layout, &idx, true);
+    assert_eq!(live_tensors.len(), 4);
+    std::thread::scope(|s| {
+        let loader = s.spawn(|| load_map(&*src, &r.layout, &map, &r.targets, &opts, &p));
+        // Watch for the milestone; at that moment the partition is complete on both GPUs
+        // while other layers are not all there yet.
+        let t0 = Instant::now();
+        while p.first_done_s().is_none() {
+            assert!(t0.elapsed().as_secs() < 30, "the partition never went live");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        let landed: Vec<u64> = p.snapshot().iter().map(|(_, b)| *b).collect();
+        assert!(
+            landed.iter().all(|&b| b < map.bytes),
+            "{landed:?} of {}",
+            map.bytes
+        );
+        for t in &r.targets {
+            for e in &live_tensors {
+                let got = t
+                    .device
+                    .read(t.span.sub(e.offset, e.nbytes).unwrap())
+                    .unwrap();
+                assert_eq!(
+                    got,
+                    tensor_bytes(&data, &e.name),
+                    "{} on GPU {}",
+                    e.name,
+                    t.device.info().index
+                );
+            }
+        }
+        let rep = loader.join().unwrap().unwrap();
+        assert!(rep.first_s < rep.elapsed_s, "{rep:?}");
+        assert_eq!(rep.first_bytes, map.first_bytes);
+    });
+    // Completion: the full replica, byte for byte, at the full layout's offsets.
+    check_bytes(&r, &data);
+}
+
+#[test]
+fn a_partition_without_completion_packs_only_its_tensors() {
+    let data = model(&[1 << 20, 3 << 20]);
+    let r = rig(&data, 2, 2_000_000_000, 2_000_000_000);
+    let idx = tensor_index(&r.layout, |i, off, len| {
+        Ok(data[i].1[off as usize..off as usize + len].to_vec())
+    })
+    .unwrap();
+    let ranges = tensor_ranges(&r.layout, &idx, |n| {
+        n.starts_with("model.layers.1.t1") || n.starts_with("model.layers.0.t3")
+    });
+    let map = LoadMap::partition(&r.layout, &ranges, false);
+    assert!(map.region < r.layout.total / 2, "{map:?}");
+    let src = PacedSource::new(data.clone(), 64 << 10);
+    src.deliver(0, None);
+    let p = LoadProgress::with_first(map.bytes, map.first_bytes, &[0, 1]);
+    let rep = load_map(
+        &*src,
+        &r.layout,
+        &map,
+        &r.targets,
+        &LoadOptions::default(),
+        &p,
+    )
+    .unwrap();
+    assert_eq!(rep.bytes, map.first_bytes);
+    let packed = map.remap_index(&r.layout, &idx, false);
+    assert_eq!(packed.len(), 2);
+    for t in &r.targets {
+        for e in &packed {
+            assert!(e.offset + e.nbytes <= map.region);
+            let got = t
+                .device
+                .read(t.span.sub(e.offset, e.nbytes).unwrap())
+                .unwrap();
+            assert_eq!(got, tensor_bytes(&data, &e.name), "{}", e.name);
+        }
+    }
 }

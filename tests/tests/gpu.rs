@@ -8,8 +8,8 @@ use shardcast_bench::cluster::{Daemon, DaemonOpts};
 use shardcast_bench::synth::{self, SynthSpec};
 use shardcast_protocol::Manifest;
 use shardcast_protocol::agent::{
-    Chain, GetHandoffRequest, GpuStatusRequest, ImportModelRequest, LoadModelRequest,
-    StartChainRequest, Tier,
+    Chain, GetHandoffRequest, GetModelStatusRequest, GpuStatusRequest, ImportModelRequest,
+    LoadModelRequest, PartitionSpec, StartChainRequest, Tier,
 };
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 
@@ -116,6 +116,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
             model: digest.clone(),
             count: 2,
             gpus: vec![],
+            partition: None,
         })
         .await
         .unwrap()
@@ -209,6 +210,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
             model: digest.clone(),
             count: 2,
             gpus: vec![],
+            partition: None,
         })
         .await
         .unwrap()
@@ -250,6 +252,7 @@ async fn without_a_cuda_driver_the_daemon_keeps_working() {
             model: digest.clone(),
             count: 1,
             gpus: vec![],
+            partition: None,
         })
         .await
         .unwrap_err();
@@ -263,6 +266,260 @@ async fn without_a_cuda_driver_the_daemon_keeps_working() {
         .into_inner();
     let h: serde_json::Value = serde_json::from_str(&h.json).unwrap();
     assert_eq!(h["kind"], "memory-file");
+}
+
+const SIM_GPU: [&str; 10] = [
+    "--gpu-backend",
+    "simulated",
+    "--sim-gpus",
+    "2",
+    "--sim-gpu-memory",
+    "256MiB",
+    "--sim-pcie-rate",
+    "200MB/s",
+    "--sim-nvlink-rate",
+    "1GB/s",
+];
+
+/// Polls `host` until `digest` is resident (or fails), noting whether the partition was seen
+/// live before the whole model was there.
+async fn until_resident(d: &Daemon, digest: &str) -> (shardcast_protocol::agent::GpuModel, bool) {
+    let mut agent = d.agent().await.unwrap();
+    let t0 = Instant::now();
+    let mut saw_live = false;
+    loop {
+        let st = agent
+            .gpu_status(GpuStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let m = st
+            .models
+            .iter()
+            .find(|m| m.model == digest)
+            .unwrap()
+            .clone();
+        assert_ne!(m.state, "failed", "{m:?}");
+        if m.state == "partition-live" {
+            saw_live = true;
+        }
+        if m.state == "resident" {
+            return (m, saw_live);
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{m:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Bytes of the memory tier's verified chunks of `digest` on `d`.
+async fn verified_bytes(d: &Daemon, digest: &str, chunk: u64) -> u64 {
+    let st = d
+        .agent()
+        .await
+        .unwrap()
+        .get_model_status(GetModelStatusRequest {
+            model: digest.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    st.tiers
+        .iter()
+        .flat_map(|t| t.shards.iter())
+        .map(|s| (u64::from(s.verified) * chunk).min(s.size))
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_load_from_a_peer_first_then_complete_to_full_replicas() {
+    let origin = tempfile::tempdir().unwrap();
+    synth::generate(
+        origin.path(),
+        &SynthSpec {
+            total_bytes: 24 << 20,
+            shards: 2,
+            seed: 11,
+        },
+    )
+    .unwrap();
+    let uri = format!("file://{}", origin.path().display());
+    let root = tempfile::tempdir().unwrap();
+    let holder = daemon(root.path(), "holder", &["--egress-rate", "64MB/s"]).await;
+    let (digest, manifest) = import(&holder, &uri, true, vec![]).await;
+    let encoded = encode_to_vec(&manifest);
+    let chunk = u64::from(manifest.chunk_size);
+    let hosts = [
+        daemon(root.path(), "gpu-a", &SIM_GPU).await,
+        daemon(root.path(), "gpu-b", &SIM_GPU).await,
+        daemon(root.path(), "gpu-c", &SIM_GPU).await,
+    ];
+    for h in &hosts {
+        import(h, &uri, false, encoded.clone()).await;
+    }
+    let source = format!("shardcast://{}", holder.data_addr);
+    // Layer groups as `shardcast plan` names them; the synthetic model is Llama-shaped.
+    let layers: Vec<String> = {
+        let mut names: Vec<String> = Vec::new();
+        for s in manifest
+            .shards
+            .iter()
+            .filter(|s| s.path.as_str().ends_with(".safetensors"))
+        {
+            let bytes = std::fs::read(origin.path().join(s.path.as_str())).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for n in st.names() {
+                let g = shardcast_policies::profile::group_of(n);
+                if !names.contains(&g) {
+                    names.push(g);
+                }
+            }
+        }
+        names.retain(|g| g.starts_with("model.layers."));
+        names.sort_by_key(|g| g.rsplit('.').next().unwrap().parse::<u32>().unwrap());
+        names
+    };
+    assert!(layers.len() >= 8, "{layers:?}");
+    let half = layers.len() / 2;
+    let groups = [
+        std::iter::once("pre".to_string())
+            .chain(layers[..half].iter().cloned())
+            .collect::<Vec<_>>(),
+        layers[half..]
+            .iter()
+            .cloned()
+            .chain(std::iter::once("post".to_string()))
+            .collect::<Vec<_>>(),
+    ];
+    // Unknown layer groups are refused up front, and nothing is loaded.
+    let e = hosts[0]
+        .agent()
+        .await
+        .unwrap()
+        .load_model(LoadModelRequest {
+            model: digest.clone(),
+            count: 1,
+            gpus: vec![],
+            partition: Some(PartitionSpec {
+                groups: vec!["model.layers.999".into()],
+                complete: true,
+                source: source.clone(),
+                label: String::new(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("model.layers.999"), "{e:?}");
+
+    // Hosts a and b each load one half first, from the holder, then complete.
+    for (h, (g, label)) in hosts.iter().zip(groups.iter().zip(["1/2", "2/2"])) {
+        let r = h
+            .agent()
+            .await
+            .unwrap()
+            .load_model(LoadModelRequest {
+                model: digest.clone(),
+                count: 2,
+                gpus: vec![],
+                partition: Some(PartitionSpec {
+                    groups: g.clone(),
+                    complete: true,
+                    source: source.clone(),
+                    label: label.into(),
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.gpus.len(), 2);
+    }
+    // Host c loads the second half only (no completion): its data plane fetches only
+    // the headers and that partition's chunks.
+    hosts[2]
+        .agent()
+        .await
+        .unwrap()
+        .load_model(LoadModelRequest {
+            model: digest.clone(),
+            count: 1,
+            gpus: vec![],
+            partition: Some(PartitionSpec {
+                groups: groups[1].clone(),
+                complete: false,
+                source: source.clone(),
+                label: "2/2 only".into(),
+            }),
+        })
+        .await
+        .unwrap();
+
+    for h in &hosts[..2] {
+        let (m, _) = until_resident(h, &digest).await;
+        let live = m.partition_live_s.expect("the partition went live");
+        assert!(live < m.elapsed_s, "{m:?}");
+        assert!(m.partition_complete && m.partition_bytes < manifest.total_bytes());
+        assert!(m.gpus.iter().all(|g| g.bytes == g.total));
+        // Completed: a full replica in the store and on every GPU, byte for byte.
+        h.verify_copy(&manifest).unwrap();
+        let hd = h
+            .agent()
+            .await
+            .unwrap()
+            .get_handoff(GetHandoffRequest {
+                model: digest.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let hd: serde_json::Value = serde_json::from_str(&hd.json).unwrap();
+        assert!(hd.get("partition").is_none(), "completed: {hd}");
+        for dev in hd["devices"].as_array().unwrap() {
+            let mem = std::fs::read(dev["handle"]["path"].as_str().unwrap()).unwrap();
+            let base = dev["handle"]["offset"].as_u64().unwrap();
+            for s in hd["shards"].as_array().unwrap() {
+                let want = std::fs::read(origin.path().join(s["path"].as_str().unwrap())).unwrap();
+                let at = (base + s["offset"].as_u64().unwrap()) as usize;
+                assert!(mem[at..at + want.len()] == want[..], "{}", s["path"]);
+            }
+        }
+    }
+    let (m, _) = until_resident(&hosts[2], &digest).await;
+    assert!(!m.partition_complete);
+    let fetched = verified_bytes(&hosts[2], &digest, chunk).await;
+    assert!(
+        fetched < manifest.total_bytes() * 3 / 4,
+        "a partition-only host fetched {fetched} of {} bytes",
+        manifest.total_bytes()
+    );
+    // Its hand-off lists exactly the partition's tensors, each byte-exact in the packed
+    // region.
+    let hd = hosts[2]
+        .agent()
+        .await
+        .unwrap()
+        .get_handoff(GetHandoffRequest {
+            model: digest.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let hd: serde_json::Value = serde_json::from_str(&hd.json).unwrap();
+    assert_eq!(hd["partition"], "2/2 only");
+    let tensors = hd["tensors"].as_array().unwrap();
+    assert!(!tensors.is_empty());
+    let dev = &hd["devices"][0];
+    let mem = std::fs::read(dev["handle"]["path"].as_str().unwrap()).unwrap();
+    let base = dev["handle"]["offset"].as_u64().unwrap() as usize;
+    for t in tensors {
+        let name = t["name"].as_str().unwrap();
+        let g = shardcast_policies::profile::group_of(name);
+        assert!(groups[1].contains(&g), "{name} is not in the partition");
+        let bytes = std::fs::read(origin.path().join(t["shard"].as_str().unwrap())).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let want = st.tensor(name).unwrap();
+        let at = base + t["offset"].as_u64().unwrap() as usize;
+        assert_eq!(&mem[at..at + want.data().len()], want.data(), "{name}");
+    }
 }
 
 fn gpu_loader_driver_present() -> bool {

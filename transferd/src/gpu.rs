@@ -329,7 +329,10 @@ pub async fn load_partition(
             }
             if let Err(e) = r {
                 warn!(model = %digest, "partition fetch from {} failed: {e}", spec.source);
-                gpus.abort(&digest.to_hex(), &format!("fetching from {}: {e}", spec.source));
+                gpus.abort(
+                    &digest.to_hex(),
+                    &format!("fetching from {}: {e}", spec.source),
+                );
             }
         });
     }
