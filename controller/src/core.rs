@@ -1335,6 +1335,7 @@ impl Controller {
         let r = tokio::time::timeout(
             Duration::from_secs(5),
             agent.load_model(apb::LoadModelRequest {
+                heaviness: String::new(),
                 model: digest.to_string(),
                 count: gpus,
                 gpus: Vec::new(),

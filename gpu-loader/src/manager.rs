@@ -16,6 +16,8 @@ use crate::index::{Layout, LoadMap, ShardRange, TensorEntry, tensor_index};
 use crate::loader::{ChunkSource, LoadOptions, LoadProgress, LoadReport, Target, load_map};
 use crate::pool::{GpuPool, PoolError, Region};
 use crate::sim::{self, SimOptions};
+use shardcast_policies::evict::{self, ClusterCopies, GpuState, Heaviness};
+use shardcast_policies::gpu_choice::{self, GpuLoadState, GpuNode, Topology};
 
 /// Which backend to use.
 #[derive(Debug, Clone)]
@@ -44,6 +46,10 @@ pub struct ManagerConfig {
     /// CUDA (the elbow of host → device throughput vs. transfer size, Torpor §4.3), 4 MiB on
     /// simulated devices.
     pub load: LoadOptions,
+    /// When a new model does not fit a chosen GPU, evict resident models by the GPU
+    /// eviction policy (Torpor §5.4: light models and extra replicas first, LRU; locked and
+    /// loading models never) instead of refusing the load.
+    pub auto_evict: bool,
 }
 
 impl Default for ManagerConfig {
@@ -53,6 +59,7 @@ impl Default for ManagerConfig {
             cuda: CudaOptions::default(),
             budget_fraction: 0.8,
             load: LoadOptions::default(),
+            auto_evict: true,
         }
     }
 }
@@ -114,6 +121,39 @@ struct ModelLoad {
     index: Option<Vec<TensorEntry>>,
     files: Vec<String>,
     started: Instant,
+    heaviness: Heaviness,
+    last_used: Instant,
+}
+
+/// What to load, for [`GpuManager::start`].
+#[derive(Debug, Clone)]
+pub struct LoadRequest {
+    /// Model key (hex digest).
+    pub model: String,
+    /// Model name.
+    pub name: String,
+    /// GPUs wanted (0 counts as 1) when `gpus` is empty.
+    pub count: usize,
+    /// Exactly these GPUs.
+    pub gpus: Vec<u32>,
+    /// The store files behind the shards (for memory-file hand-offs).
+    pub files: Vec<String>,
+    /// A partitioned load.
+    pub partition: Option<PartitionLoad>,
+    /// How much an inference would suffer from loading the model over PCIe (from the
+    /// model's profile; `Medium` when unknown). Drives GPU choice and eviction order.
+    pub heaviness: Heaviness,
+}
+
+/// A model evicted from a GPU to make room, with the reason.
+#[derive(Debug, Clone, Serialize)]
+pub struct Eviction {
+    /// GPU.
+    pub gpu: u32,
+    /// Model key.
+    pub model: String,
+    /// Why.
+    pub reason: String,
 }
 
 /// One model's GPU status.
@@ -171,7 +211,13 @@ pub struct GpuManager {
     loads: Mutex<HashMap<String, ModelLoad>>,
     opts: LoadOptions,
     note: String,
+    auto_evict: bool,
+    epoch: Instant,
+    evictions: Mutex<Vec<Eviction>>,
 }
+
+/// Evictions remembered for status.
+const EVICTIONS_KEPT: usize = 100;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -250,6 +296,9 @@ impl GpuManager {
             loads: Mutex::default(),
             opts,
             note,
+            auto_evict: cfg.auto_evict,
+            epoch: Instant::now(),
+            evictions: Mutex::default(),
         }
     }
 
@@ -274,20 +323,92 @@ impl GpuManager {
             .collect()
     }
 
-    fn choose(&self, count: usize, explicit: &[u32]) -> Result<Vec<usize>, ManagerError> {
+    /// The topology as the GPU-choice policy sees it: PCIe switches numbered in order of
+    /// appearance (an unknown switch is a switch of its own), NVLink rates in GB/s (1 when
+    /// the rate is unknown).
+    fn topology(&self) -> Topology {
+        let mut switches: Vec<String> = Vec::new();
+        let gpus = self
+            .devices
+            .iter()
+            .map(|d| {
+                let info = d.info();
+                let switch = if info.pcie_switch.is_empty() {
+                    1_000_000 + info.index
+                } else {
+                    match switches.iter().position(|s| *s == info.pcie_switch) {
+                        Some(i) => i as u32,
+                        None => {
+                            switches.push(info.pcie_switch.clone());
+                            (switches.len() - 1) as u32
+                        }
+                    }
+                };
+                GpuNode {
+                    index: info.index,
+                    pcie_switch: switch,
+                    nvlink: info
+                        .peers
+                        .iter()
+                        .map(|&(p, bps)| (p, if bps == 0 { 1.0 } else { bps as f64 / 1e9 }))
+                        .collect(),
+                }
+            })
+            .collect();
+        Topology { gpus }
+    }
+
+    /// What each GPU holds and loads now, for the GPU-choice policy. The manager does not
+    /// see inference: a GPU counts as idle unless it is loading.
+    fn load_states(&self) -> Vec<GpuLoadState> {
+        let loads = lock(&self.loads);
+        self.pools
+            .iter()
+            .map(|p| {
+                let p = lock(p);
+                let gpu = p.device().info().index;
+                let on_gpu = |l: &&ModelLoad| l.gpus.contains(&gpu);
+                let loading = loads
+                    .iter()
+                    .find(|(_, l)| on_gpu(l) && l.state == LoadState::Loading)
+                    .map(|(k, l)| (k.clone(), l.heaviness));
+                GpuLoadState {
+                    gpu,
+                    idle: loading.is_none(),
+                    free_bytes: p.free(),
+                    holds: loads
+                        .iter()
+                        .filter(|(_, l)| on_gpu(l) && l.state == LoadState::Resident)
+                        .map(|(k, _)| k.clone())
+                        .collect(),
+                    loading,
+                }
+            })
+            .collect()
+    }
+
+    /// Picks GPUs (indices into `devices`): explicit ones as given; else the first by
+    /// Torpor's Algorithm 1 (a GPU whose PCIe-switch neighbour is not loading a heavy
+    /// model, …), falling back to the most free memory when no GPU has room (eviction
+    /// follows); then siblings by NVLink rate to the first, then free memory.
+    fn choose(
+        &self,
+        count: usize,
+        explicit: &[u32],
+        model: &str,
+        bytes: u64,
+        heaviness: Heaviness,
+    ) -> Result<(Vec<usize>, String), ManagerError> {
         if self.devices.is_empty() {
             return Err(ManagerError::NoGpus(self.note.clone()));
         }
+        let pos = |g: u32| self.devices.iter().position(|d| d.info().index == g);
         if !explicit.is_empty() {
-            return explicit
+            let chosen = explicit
                 .iter()
-                .map(|&g| {
-                    self.devices
-                        .iter()
-                        .position(|d| d.info().index == g)
-                        .ok_or(ManagerError::NoSuchGpu(g))
-                })
-                .collect();
+                .map(|&g| pos(g).ok_or(ManagerError::NoSuchGpu(g)))
+                .collect::<Result<_, _>>()?;
+            return Ok((chosen, "GPUs named in the request".into()));
         }
         let count = count.max(1);
         if count > self.devices.len() {
@@ -296,16 +417,160 @@ impl GpuManager {
                 available: self.devices.len(),
             });
         }
-        // Most free pool memory first (GPU choice by interference is the controller's
-        // policy); ties by index.
-        let mut by_free: Vec<(u64, usize)> = self
-            .pools
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (lock(p).free(), i))
+        let topo = self.topology();
+        let states = self.load_states();
+        let free = |i: usize| lock(&self.pools[i]).free();
+        let (first, reason) = match gpu_choice::choose_gpu(&topo, &states, model, bytes, heaviness)
+        {
+            Some(c) => match pos(c.gpu) {
+                Some(i) => (i, c.reason),
+                None => (0, "policy chose an unknown GPU; first GPU".into()),
+            },
+            None => {
+                let i = (0..self.devices.len())
+                    .max_by(|&a, &b| free(a).cmp(&free(b)).then(b.cmp(&a)))
+                    .unwrap_or(0);
+                (
+                    i,
+                    "no GPU has room: the one with the most free memory (eviction follows)".into(),
+                )
+            }
+        };
+        let first_gpu = self.devices[first].info().index;
+        let mut rest: Vec<usize> = (0..self.devices.len()).filter(|&i| i != first).collect();
+        rest.sort_by(|&a, &b| {
+            let link = |i: usize| {
+                topo.nvlink_gbps(first_gpu, self.devices[i].info().index)
+                    .unwrap_or(0.0)
+            };
+            link(b)
+                .total_cmp(&link(a))
+                .then(free(b).cmp(&free(a)))
+                .then(a.cmp(&b))
+        });
+        let mut chosen = vec![first];
+        chosen.extend(rest.into_iter().take(count - 1));
+        Ok((chosen, reason))
+    }
+
+    /// Makes room for `bytes` on GPU slot `i` by the eviction policy: first the
+    /// one-replica-per-model rule once the host's GPUs are full, then light models and
+    /// extra replicas, medium, heavy (LRU within each class). Loading and locked models
+    /// stay. A GPU region is never the last copy of a model: the host's memory tier keeps
+    /// the data, so last-copy protection does not apply here.
+    fn make_room(&self, i: usize, bytes: u64, for_model: &str) -> Result<Vec<Eviction>, String> {
+        let states: Vec<GpuState> = {
+            let loads = lock(&self.loads);
+            self.pools
+                .iter()
+                .map(|p| {
+                    let p = lock(p);
+                    let gpu = p.device().info().index;
+                    GpuState {
+                        gpu,
+                        capacity: p.capacity(),
+                        models: p
+                            .regions()
+                            .into_iter()
+                            .filter(|r| r.model != for_model)
+                            .map(|r| {
+                                let l = loads.get(&r.model);
+                                evict::GpuModel {
+                                    replicas_on_host: l.map_or(1, |l| l.gpus.len() as u32),
+                                    heaviness: l.map_or(Heaviness::Medium, |l| l.heaviness),
+                                    last_used_s: l.map_or(0.0, |l| {
+                                        l.last_used.duration_since(self.epoch).as_secs_f64()
+                                    }),
+                                    locked: r.locks > 0
+                                        || l.is_none_or(|l| l.state == LoadState::Loading),
+                                    only_gpu_copy_in_cluster: true,
+                                    copies: ClusterCopies {
+                                        copies_in_cluster: 2,
+                                        registered: true,
+                                        origin_available: true,
+                                    },
+                                    bytes: r.len,
+                                    model: r.model,
+                                }
+                            })
+                            .collect(),
+                    }
+                })
+                .collect()
+        };
+        let mut victims: Vec<(u32, String, String)> = evict::one_replica_rule(&states)
+            .into_iter()
+            .map(|(g, m)| {
+                (
+                    g,
+                    m,
+                    "one replica per model once the host's GPUs are full".into(),
+                )
+            })
             .collect();
-        by_free.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        Ok(by_free.into_iter().take(count).map(|(_, i)| i).collect())
+        let target = &states[i];
+        let mut rest = target.clone();
+        rest.models.retain(|m| {
+            !victims
+                .iter()
+                .any(|(g, v, _)| *g == target.gpu && *v == m.model)
+        });
+        let more = evict::choose_gpu_evictions(&rest, bytes).map_err(|e| e.to_string())?;
+        for m in more {
+            let class = rest
+                .models
+                .iter()
+                .find(|x| x.model == m)
+                .map(|x| format!("{:?}", x.heaviness).to_lowercase())
+                .unwrap_or_default();
+            victims.push((
+                target.gpu,
+                m,
+                format!("{class} model, least recently used, to fit {for_model}"),
+            ));
+        }
+        let mut done = Vec::new();
+        for (gpu, model, reason) in victims {
+            if self.evict_from(gpu, &model).is_ok() {
+                info!(gpu, model = %model, "evicted: {reason}");
+                done.push(Eviction { gpu, model, reason });
+            }
+        }
+        let mut ev = lock(&self.evictions);
+        ev.extend(done.iter().cloned());
+        let n = ev.len();
+        if n > EVICTIONS_KEPT {
+            ev.drain(..n - EVICTIONS_KEPT);
+        }
+        Ok(done)
+    }
+
+    /// Frees `model`'s region on one GPU (the others keep theirs).
+    fn evict_from(&self, gpu: u32, model: &str) -> Result<(), ManagerError> {
+        let mut loads = lock(&self.loads);
+        if let Some(l) = loads.get(model)
+            && l.state == LoadState::Loading
+        {
+            return Err(ManagerError::Busy(model.to_string()));
+        }
+        let i = self
+            .devices
+            .iter()
+            .position(|d| d.info().index == gpu)
+            .ok_or(ManagerError::NoSuchGpu(gpu))?;
+        lock(&self.pools[i]).evict(model)?;
+        if let Some(l) = loads.get_mut(model) {
+            l.gpus.retain(|&g| g != gpu);
+            if l.gpus.is_empty() {
+                loads.remove(model);
+            }
+        }
+        Ok(())
+    }
+
+    /// Recent evictions made to fit new models, oldest first.
+    pub fn evictions(&self) -> Vec<Eviction> {
+        lock(&self.evictions).clone()
     }
 
     /// Starts loading `model` onto `count` GPUs (or the `explicit` ones) from `source`. A
@@ -320,23 +585,40 @@ impl GpuManager {
         explicit: &[u32],
         files: Vec<String>,
     ) -> Result<Vec<u32>, ManagerError> {
-        self.start_partition_load(model, name, source, count, explicit, files, None)
+        self.start(
+            LoadRequest {
+                model: model.to_string(),
+                name: name.to_string(),
+                count,
+                gpus: explicit.to_vec(),
+                files,
+                partition: None,
+                heaviness: Heaviness::Medium,
+            },
+            source,
+        )
     }
 
-    /// [`start_load`](Self::start_load), optionally of a partition first (and the rest
-    /// after it when `partition.complete`). A model already loading or resident is not
-    /// loaded again, whatever its partition.
-    #[allow(clippy::too_many_arguments)]
-    pub fn start_partition_load(
+    /// Starts a load: the whole model, or a partition first (and the rest after it when
+    /// `partition.complete`). GPUs are chosen by the GPU-choice policy unless named; when
+    /// the model does not fit a chosen GPU, resident models are evicted by the eviction
+    /// policy (see [`ManagerConfig::auto_evict`]). A model already loading or resident is
+    /// not loaded again, whatever its partition: its GPUs are returned.
+    pub fn start(
         self: &Arc<Self>,
-        model: &str,
-        name: &str,
+        req: LoadRequest,
         source: Arc<dyn ChunkSource>,
-        count: usize,
-        explicit: &[u32],
-        files: Vec<String>,
-        partition: Option<PartitionLoad>,
     ) -> Result<Vec<u32>, ManagerError> {
+        let LoadRequest {
+            model,
+            name,
+            count,
+            gpus: explicit,
+            files,
+            partition,
+            heaviness,
+        } = req;
+        let (model, name) = (model.as_str(), name.as_str());
         {
             let loads = lock(&self.loads);
             if let Some(l) = loads.get(model)
@@ -346,7 +628,6 @@ impl GpuManager {
                 return Ok(l.gpus.clone());
             }
         }
-        let chosen = self.choose(count, explicit)?;
         let layout = Layout::new(
             &source
                 .shards()
@@ -358,10 +639,23 @@ impl GpuManager {
             Some(p) => LoadMap::partition(&layout, &p.ranges, p.complete),
             None => LoadMap::full(&layout),
         };
+        let (chosen, why) = self.choose(count, &explicit, model, map.region, heaviness)?;
         // Reserve every region first; on failure release what was reserved.
         let mut targets = Vec::new();
         for &i in &chosen {
-            let r = lock(&self.pools[i]).reserve(model, map.region);
+            let mut r = lock(&self.pools[i]).reserve(model, map.region);
+            if self.auto_evict
+                && matches!(
+                    r,
+                    Err(PoolError::Fragmented { .. } | PoolError::Gpu(GpuError::OutOfMemory { .. }))
+                )
+            {
+                match self.make_room(i, map.region, model) {
+                    Ok(ev) if !ev.is_empty() => r = lock(&self.pools[i]).reserve(model, map.region),
+                    Ok(_) => {}
+                    Err(e) => warn!(model, "nothing can be evicted to fit it: {e}"),
+                }
+            }
             match r {
                 Ok(span) => targets.push(Target {
                     device: self.devices[i].clone(),
@@ -396,6 +690,8 @@ impl GpuManager {
                 index: None,
                 files,
                 started: Instant::now(),
+                heaviness,
+                last_used: Instant::now(),
             },
         );
         let kinds: Vec<DeviceKind> = targets.iter().map(|t| t.device.info().kind).collect();
@@ -406,6 +702,7 @@ impl GpuManager {
             bytes = map.bytes,
             region = map.region,
             partition = partition.as_ref().map(|p| p.label.as_str()),
+            choice = %why,
             "GPU load started"
         );
         let me = self.clone();
@@ -477,6 +774,7 @@ impl GpuManager {
                     .progress
                     .snapshot()
                     .into_iter()
+                    .filter(|(g, _)| l.gpus.contains(g))
                     .map(|(g, b)| (g, b, l.progress.total))
                     .collect(),
                 elapsed_s: l
@@ -538,12 +836,15 @@ impl GpuManager {
         Ok(gpus)
     }
 
-    /// The hand-off of a resident model: IPC handles per GPU plus the tensor index.
+    /// The hand-off of a resident model: IPC handles per GPU plus the tensor index. Counts as
+    /// a use of the model for eviction's LRU order.
     pub fn handoff(&self, model: &str) -> Result<Handoff, ManagerError> {
-        let loads = lock(&self.loads);
+        let mut loads = lock(&self.loads);
         let l = loads
-            .get(model)
+            .get_mut(model)
             .ok_or_else(|| ManagerError::NotLoaded(model.to_string()))?;
+        l.last_used = Instant::now();
+        let l = &*l;
         let state = l.visible_state();
         if !matches!(state, LoadState::Resident | LoadState::PartitionLive) {
             return Err(ManagerError::Busy(model.to_string()));

@@ -113,6 +113,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     let t0 = Instant::now();
     let loaded = agent
         .load_model(LoadModelRequest {
+            heaviness: String::new(),
             model: digest.clone(),
             count: 2,
             gpus: vec![],
@@ -207,6 +208,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     // Loading again is a no-op (already resident on the same GPUs).
     let again = agent
         .load_model(LoadModelRequest {
+            heaviness: String::new(),
             model: digest.clone(),
             count: 2,
             gpus: vec![],
@@ -249,6 +251,7 @@ async fn without_a_cuda_driver_the_daemon_keeps_working() {
     d.verify_copy(&manifest).unwrap();
     let e = agent
         .load_model(LoadModelRequest {
+            heaviness: String::new(),
             model: digest.clone(),
             count: 1,
             gpus: vec![],
@@ -396,6 +399,7 @@ async fn partitions_load_from_a_peer_first_then_complete_to_full_replicas() {
         .await
         .unwrap()
         .load_model(LoadModelRequest {
+            heaviness: String::new(),
             model: digest.clone(),
             count: 1,
             gpus: vec![],
@@ -418,6 +422,7 @@ async fn partitions_load_from_a_peer_first_then_complete_to_full_replicas() {
             .await
             .unwrap()
             .load_model(LoadModelRequest {
+                heaviness: String::new(),
                 model: digest.clone(),
                 count: 2,
                 gpus: vec![],
@@ -440,6 +445,7 @@ async fn partitions_load_from_a_peer_first_then_complete_to_full_replicas() {
         .await
         .unwrap()
         .load_model(LoadModelRequest {
+            heaviness: String::new(),
             model: digest.clone(),
             count: 1,
             gpus: vec![],

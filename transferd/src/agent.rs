@@ -476,6 +476,8 @@ impl Agent for AgentService {
                 req.model
             ))
         })?;
+        let heaviness = crate::gpu::parse_heaviness(&req.heaviness)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let gpus = match req.partition {
             Some(spec) => {
                 crate::gpu::load_partition(
@@ -484,6 +486,7 @@ impl Agent for AgentService {
                     &digest,
                     req.count.max(1) as usize,
                     &req.gpus,
+                    heaviness,
                     spec,
                 )
                 .await
@@ -494,6 +497,7 @@ impl Agent for AgentService {
                 &digest,
                 req.count.max(1) as usize,
                 &req.gpus,
+                heaviness,
             ),
         }
         .map_err(|e| match e {
@@ -562,6 +566,12 @@ impl Agent for AgentService {
             note: self.gpus.note().to_string(),
             devices,
             models,
+            evictions: self
+                .gpus
+                .evictions()
+                .into_iter()
+                .map(|e| format!("GPU {}: {} ({})", e.gpu, e.model, e.reason))
+                .collect(),
         }))
     }
 

@@ -10,7 +10,8 @@ use std::time::Duration;
 use gpu_loader::handoff::{self, Handoff};
 use gpu_loader::index::{self, Layout, ShardRange, TensorEntry};
 use gpu_loader::loader::{ChunkSource, SourceShard};
-use gpu_loader::manager::{GpuManager, ManagerError, PartitionLoad};
+use gpu_loader::manager::{GpuManager, LoadRequest, ManagerError, PartitionLoad};
+use shardcast_policies::evict::Heaviness;
 use shardcast_policies::profile::group_of;
 use shardcast_protocol::agent::PartitionSpec;
 use shardcast_protocol::{ModelDigest, Tier};
@@ -120,6 +121,18 @@ impl ChunkSource for StoreSource {
     }
 }
 
+/// Parses a `LoadModel` heaviness ("" is medium).
+pub fn parse_heaviness(s: &str) -> Result<Heaviness, LoadFailure> {
+    match s.to_ascii_lowercase().as_str() {
+        "" | "medium" => Ok(Heaviness::Medium),
+        "light" => Ok(Heaviness::Light),
+        "heavy" => Ok(Heaviness::Heavy),
+        other => Err(LoadFailure::Invalid(format!(
+            "heaviness {other:?}: expected light, medium or heavy"
+        ))),
+    }
+}
+
 /// Starts loading `digest` onto GPUs of this host.
 pub fn load(
     node: &Arc<Node>,
@@ -127,6 +140,7 @@ pub fn load(
     digest: &ModelDigest,
     count: usize,
     explicit: &[u32],
+    heaviness: Heaviness,
 ) -> Result<Vec<u32>, LoadFailure> {
     let name = node
         .store
@@ -136,13 +150,17 @@ pub fn load(
     let source = StoreSource::new(node, digest, tokio::runtime::Handle::current())
         .map_err(LoadFailure::Source)?;
     let files = source.file_paths();
-    gpus.start_load(
-        &digest.to_hex(),
-        &name,
+    gpus.start(
+        LoadRequest {
+            model: digest.to_hex(),
+            name,
+            count,
+            gpus: explicit.to_vec(),
+            files,
+            partition: None,
+            heaviness,
+        },
         Arc::new(source),
-        count,
-        explicit,
-        files,
     )
     .map_err(LoadFailure::Manager)
 }
@@ -179,6 +197,7 @@ pub async fn load_partition(
     digest: &ModelDigest,
     count: usize,
     explicit: &[u32],
+    heaviness: Heaviness,
     spec: PartitionSpec,
 ) -> Result<Vec<u32>, LoadFailure> {
     if spec.groups.is_empty() {
@@ -297,19 +316,22 @@ pub async fn load_partition(
     let files = source.file_paths();
     let part_spans = chunk_spans(&ranges, chunk_size);
     let chosen = gpus
-        .start_partition_load(
-            &digest.to_hex(),
-            &name,
+        .start(
+            LoadRequest {
+                model: digest.to_hex(),
+                name,
+                count,
+                gpus: explicit.to_vec(),
+                files,
+                partition: Some(PartitionLoad {
+                    label,
+                    ranges,
+                    complete: spec.complete,
+                    index,
+                }),
+                heaviness,
+            },
             source,
-            count,
-            explicit,
-            files,
-            Some(PartitionLoad {
-                label,
-                ranges,
-                complete: spec.complete,
-                index,
-            }),
         )
         .map_err(LoadFailure::Manager)?;
     // 4. The data plane: the partition's chunks first, then the rest.
