@@ -241,6 +241,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
             }
             1 => {
                 api.scale_out(ScaleOutRequest {
+                    partitions: 0,
                     model: MODEL_NAME.into(),
                     replicas: (opts.hosts - half) as u32,
                     tier: "memory".into(),

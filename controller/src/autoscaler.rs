@@ -113,9 +113,14 @@ impl Controller {
             service_rate_per_replica: req.service_rate,
             at_s: now,
         };
-        // Partitioned burst replicas need partial loads, which the data plane does not do
-        // yet: only full replicas are offered to the policy.
-        let (decision, next) = autoscale::decide(&scaler.cfg, &state, &report, now, None);
+        // GPU replicas may instead be partitioned bursts (Flashpoint §4.2): offer the best
+        // plan for the current queue when it splits the model.
+        let burst = if tier == "gpu" {
+            self.burst_option(&name, req.queue_len, load_time_s).await
+        } else {
+            None
+        };
+        let (decision, next) = autoscale::decide(&scaler.cfg, &state, &report, now, burst.as_ref());
         let mut event = Event {
             at: now,
             model: name.clone(),
@@ -127,12 +132,50 @@ impl Controller {
         };
         match decision.action {
             Action::None => {}
+            Action::ScaleUp { full, partitioned } if partitioned > 0 => {
+                let p = burst.map_or(2, |b| b.partitions);
+                match self.burst(&name, partitioned, p).await {
+                    Ok((a, parts)) => {
+                        event.kind = "burst".into();
+                        event.delta = partitioned as i32;
+                        event.hosts = parts.iter().map(|x| x.host.clone()).collect();
+                        event.reason = format!(
+                            "{} — {partitioned} replica(s) in {p} partitions, ready in ≈{:.2} s",
+                            event.reason, a.estimate_s
+                        );
+                    }
+                    Err(e) => {
+                        event.kind = "error".into();
+                        event.reason = format!(
+                            "{} — burst of {partitioned} × {p} failed: {}",
+                            event.reason, e.message
+                        );
+                    }
+                }
+                if full > 0 {
+                    match self.scale_out(ScaleOutRequest {
+                        model: name.clone(),
+                        replicas: full,
+                        tier: tier.clone(),
+                        partitions: 0,
+                    }) {
+                        Ok(a) => event.plan_id = a.plan_id,
+                        Err(e) => {
+                            event.reason = format!(
+                                "{} — scale-up of {full} failed: {}",
+                                event.reason, e.message
+                            );
+                        }
+                    }
+                }
+            }
             Action::ScaleUp { full, partitioned } => {
                 let add = full.saturating_add(partitioned);
                 match self.scale_out(ScaleOutRequest {
                     model: name.clone(),
                     replicas: add,
                     tier: tier.clone(),
+                    partitions: 0,
                 }) {
                     Ok(a) => {
                         event.kind = "scale-up".into();
@@ -187,13 +230,15 @@ impl Controller {
         Ok(scaler.record(event))
     }
 
-    /// `GetPartitionPlan`.
-    pub async fn partition_plan(
+    /// A model's profile: the registered one, else one derived from the tensor index of a
+    /// live host holding it (marked estimated). With the model's name and the smallest GPU
+    /// memory reported in the cluster.
+    pub async fn model_profile(
         &self,
-        req: GetPartitionPlanRequest,
-    ) -> Result<PartitionPlanResponse, ApiError> {
+        key: &str,
+    ) -> Result<(String, ModelProfile, Option<u64>), ApiError> {
         let (name, digest, registered_profile, holder, smallest_gpu) =
-            self.partition_inputs(&req.model)?;
+            self.partition_inputs(key)?;
         let profile: ModelProfile = match registered_profile {
             Some(p) => p,
             None => {
@@ -230,6 +275,15 @@ impl Controller {
                 profile::profile_from_tensors(&name, &tensors, &Bandwidths::default())
             }
         };
+        Ok((name, profile, smallest_gpu))
+    }
+
+    /// `GetPartitionPlan`.
+    pub async fn partition_plan(
+        &self,
+        req: GetPartitionPlanRequest,
+    ) -> Result<PartitionPlanResponse, ApiError> {
+        let (name, profile, smallest_gpu) = self.model_profile(&req.model).await?;
         let max_p = if req.max_partitions == 0 {
             8
         } else {
@@ -261,6 +315,44 @@ impl Controller {
         Ok(PartitionPlanResponse {
             json: json.to_string(),
             estimated: profile.estimated,
+        })
+    }
+}
+
+impl Controller {
+    /// The partitioned alternative offered to the autoscaler for a GPU scale-up: the best
+    /// plan for `queue` from the model's partition table when it uses more than one
+    /// partition. Its cold start is the plan's, scaled by how the measured load time of a
+    /// full replica compares with the profile's (so both options are on the same footing).
+    async fn burst_option(
+        &self,
+        model: &str,
+        queue: u32,
+        measured_load_s: f64,
+    ) -> Option<autoscale::BurstOption> {
+        let (_, profile, smallest_gpu) = self.model_profile(model).await.ok()?;
+        let table = partition::precompute(
+            &profile,
+            8,
+            smallest_gpu.unwrap_or(16 << 30),
+            Bandwidths::default().link_bps,
+            queue.max(1).max(64),
+        )
+        .ok()?;
+        let best = table.best_for(queue.max(1))?;
+        let p = best.partition_count();
+        if p < 2 {
+            return None;
+        }
+        let profile_load = profile.total_load_s();
+        let scale = if profile_load > 0.0 && measured_load_s > 0.0 {
+            measured_load_s / profile_load
+        } else {
+            1.0
+        };
+        Some(autoscale::BurstOption {
+            partitions: p as u32,
+            cold_start_s: best.cold_start_s * scale,
         })
     }
 }

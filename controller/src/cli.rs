@@ -107,6 +107,11 @@ pub enum Command {
         /// memory, disk or gpu.
         #[arg(long, default_value = "memory")]
         tier: String,
+        /// Partitioned burst (tier gpu): split each new replica into this many partitions
+        /// on separate hosts, each loading its partition first and then completing to a
+        /// full replica.
+        #[arg(long, default_value_t = 0)]
+        partitions: u32,
         /// Return once the plan is made.
         #[arg(long)]
         no_wait: bool,
@@ -495,6 +500,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             model,
             replicas,
             tier,
+            partitions,
             no_wait,
         } => {
             let a = c
@@ -502,9 +508,31 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     model,
                     replicas,
                     tier,
+                    partitions,
                 })
                 .await?
                 .into_inner();
+            if partitions > 1 {
+                // A burst is not a chain plan: print what each host was asked to load.
+                if json {
+                    print_json(&a);
+                } else {
+                    println!(
+                        "burst of {replicas} replica(s) × {partitions} partitions — estimated cold start {:.2} s",
+                        a.estimate_s
+                    );
+                    for h in &a.hosts {
+                        let extra = if h.error.is_empty() {
+                            format!("from {}", h.source)
+                        } else {
+                            h.error.clone()
+                        };
+                        println!("{}: {} ({extra})", h.host, h.state);
+                    }
+                    println!("follow the GPUs with: shardcast hosts (or transferd GpuStatus)");
+                }
+                return Ok(());
+            }
             return accepted(&mut c, a, json, no_wait).await;
         }
         Command::Evict { model, hosts, tier } => {

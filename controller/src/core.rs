@@ -48,6 +48,9 @@ pub struct ControllerConfig {
     pub stall_timeout: Duration,
     /// Re-plans per plan before its stuck receivers are marked failed.
     pub max_replans: u32,
+    /// Host → GPU rate (bytes/s) used to class models light/medium/heavy from their
+    /// profiles (Torpor §5.3). Default 25 GB/s (PCIe 4.0 x16 in practice).
+    pub pcie_bps: f64,
 }
 
 impl Default for ControllerConfig {
@@ -59,6 +62,7 @@ impl Default for ControllerConfig {
             poll: Duration::from_millis(250),
             stall_timeout: Duration::from_secs(10),
             max_replans: 3,
+            pcie_bps: 25e9,
         }
     }
 }
@@ -751,6 +755,104 @@ impl Controller {
         })
     }
 
+    /// What a partitioned burst needs from the controller's state: the model, its
+    /// manifest, a live holder's data address (the partitions' source) and the hosts with
+    /// a free GPU slot that do not hold the model yet, most free slots first.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn burst_inputs(
+        &self,
+        key: &str,
+    ) -> Result<(ModelRecord, Arc<Vec<u8>>, Option<String>, Vec<String>), ApiError> {
+        let st = lock(&self.state);
+        let m = st.model(key)?.clone();
+        let manifest = st
+            .manifests
+            .get(&m.digest)
+            .cloned()
+            .ok_or_else(|| ApiError::internal(format!("no manifest for {}", m.name)))?;
+        let holder = st
+            .hosts
+            .values()
+            .filter(|h| h.up && h.holding(&m.digest, "memory").is_some_and(|x| x.complete))
+            .map(|h| h.report.data_addr.clone())
+            .next();
+        let mut free: Vec<(u32, String)> = st
+            .hosts
+            .values()
+            .filter(|h| {
+                h.up && !h.gpu_reserved.contains_key(&m.digest)
+                    && !h.holding(&m.digest, "memory").is_some_and(|x| x.complete)
+            })
+            .filter_map(|h| {
+                let slots = (h.report.gpus.len() as u32)
+                    .saturating_sub(h.report.gpus_busy)
+                    .saturating_sub(h.reserved_gpus());
+                (slots > 0).then(|| (slots, h.report.host_id.clone()))
+            })
+            .collect();
+        free.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        Ok((
+            m,
+            manifest,
+            holder,
+            free.into_iter().map(|(_, h)| h).collect(),
+        ))
+    }
+
+    /// Books one GPU slot of `digest` on `host` (a burst partition), persisted like a
+    /// plan's reservation.
+    pub(crate) fn reserve_gpu_slot(&self, host: &str, digest: &str) -> Result<(), ApiError> {
+        let mut st = lock(&self.state);
+        let Some(h) = st.hosts.get_mut(host) else {
+            return Err(ApiError::not_found(format!("host {host:?} is not known")));
+        };
+        *h.gpu_reserved.entry(digest.to_string()).or_default() += 1;
+        let rec = HostRecord {
+            report: h.report.clone(),
+            gpu_reserved: h.gpu_reserved.clone(),
+        };
+        drop(st);
+        self.put_json(Table::Hosts, host, &rec)
+    }
+
+    /// Releases what [`reserve_gpu_slot`](Self::reserve_gpu_slot) booked.
+    pub(crate) fn release_gpu_slot(&self, host: &str, digest: &str) {
+        let mut st = lock(&self.state);
+        if let Some(h) = st.hosts.get_mut(host)
+            && h.gpu_reserved.remove(digest).is_some()
+        {
+            let rec = HostRecord {
+                report: h.report.clone(),
+                gpu_reserved: h.gpu_reserved.clone(),
+            };
+            drop(st);
+            let _ = self.put_json(Table::Hosts, host, &rec);
+        }
+    }
+
+    /// The heaviness of a model for `LoadModel` (Torpor §5.3) from its registered profile:
+    /// PCIe load time of its weights over its execution time. Empty (the host's default)
+    /// without a profile.
+    pub(crate) fn heaviness_of(&self, digest: &str) -> String {
+        let profile = {
+            let st = lock(&self.state);
+            st.models
+                .values()
+                .find(|m| m.digest == digest)
+                .and_then(|m| m.profile.clone())
+        };
+        let Some(p) = profile.and_then(|j| crate::autoscaler::parse_profile(&j).ok()) else {
+            return String::new();
+        };
+        let h = shardcast_policies::evict::heaviness(
+            p.total_bytes(),
+            self.cfg.pcie_bps,
+            p.total_exec_s(),
+            &shardcast_policies::evict::HeavinessThresholds::default(),
+        );
+        format!("{h:?}").to_lowercase()
+    }
+
     /// `ScaleOut`: `replicas` more replicas than exist now.
     pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<PlanAccepted, ApiError> {
         let tier = parse_tier(&req.tier)?;
@@ -1335,7 +1437,7 @@ impl Controller {
         let r = tokio::time::timeout(
             Duration::from_secs(5),
             agent.load_model(apb::LoadModelRequest {
-                heaviness: String::new(),
+                heaviness: self.heaviness_of(digest),
                 model: digest.to_string(),
                 count: gpus,
                 gpus: Vec::new(),

@@ -87,7 +87,9 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<ScaleOutRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
-        Ok(Response::new(self.0.scale_out(request.into_inner())?))
+        Ok(Response::new(
+            self.0.scale_out_any(request.into_inner()).await?,
+        ))
     }
 
     async fn evict(

@@ -35,8 +35,8 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use shardcast_protocol::controller::{
-    EvictRequest, GetPartitionPlanRequest, HeartbeatResponse, HostReport, PrewarmRequest,
-    RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
+    EvictRequest, GetPartitionPlanRequest, HeartbeatResponse, HostReport, PlanAccepted,
+    PrewarmRequest, RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
 };
 
 use crate::core::Controller;
@@ -90,7 +90,10 @@ pub fn router(c: Arc<Controller>) -> Router {
         .route(
             "/v1/scale-out",
             post(|State(c): Ctl, b: Bytes| async move {
-                json(body::<ScaleOutRequest>(&b).and_then(|r| c.scale_out(r)))
+                match body::<ScaleOutRequest>(&b) {
+                    Ok(req) => json(c.scale_out_any(req).await),
+                    Err(e) => json::<PlanAccepted>(Err(e)),
+                }
             }),
         )
         .route(

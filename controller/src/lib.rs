@@ -18,6 +18,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod autoscaler;
+pub mod burst;
 pub mod cli;
 pub mod core;
 pub mod error;

@@ -262,6 +262,7 @@ async fn prewarm_then_peers(http: bool) {
         .len();
     let err = api
         .scale_out(ScaleOutRequest {
+            partitions: 0,
             model: MODEL.into(),
             replicas: 1,
             tier: "memory".into(),
@@ -783,6 +784,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
     // Scale out by 4 more GPUs: the holders' free GPUs take them; nothing moves.
     let b = api
         .scale_out(ScaleOutRequest {
+            partitions: 0,
             model: MODEL.into(),
             replicas: 4,
             tier: "gpu".into(),
@@ -808,6 +810,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
     // 12 GPUs, 9 reserved: 4 more do not fit, and the refusal reserves nothing.
     let e = api
         .scale_out(ScaleOutRequest {
+            partitions: 0,
             model: MODEL.into(),
             replicas: 4,
             tier: "gpu".into(),
@@ -992,4 +995,111 @@ async fn reported_load_scales_out_then_in_and_evicts() {
         body.contains("shardcast_autoscaler_decisions_total{kind=\"scale-down\"} 1"),
         "{body}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
+    use shardcast_protocol::agent::GpuStatusRequest;
+    let c = ManagedCluster::start(3, vec![], |_, o| {
+        o.extra_args.extend(
+            [
+                "--gpu-backend",
+                "simulated",
+                "--sim-gpus",
+                "1",
+                "--sim-gpu-memory",
+                "128MiB",
+            ]
+            .map(String::from),
+        );
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(16 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    // host-1 holds the model in memory: the peer the partitions are fetched from.
+    let first = prewarm_hosts(&mut api, hosts(1..=1)).await;
+    wait_plan(&mut api, &first, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let origin_before = origin_bytes(&c.daemons).await;
+    // Partitions are GPU loads: another tier is refused, and nothing is reserved.
+    let e = api
+        .scale_out(ScaleOutRequest {
+            model: MODEL.into(),
+            replicas: 1,
+            tier: "memory".into(),
+            partitions: 2,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let a = api
+        .scale_out(ScaleOutRequest {
+            model: MODEL.into(),
+            replicas: 1,
+            tier: "gpu".into(),
+            partitions: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut burst_hosts: Vec<&str> = a.hosts.iter().map(|h| h.host.as_str()).collect();
+    burst_hosts.sort_unstable();
+    assert_eq!(burst_hosts, ["host-2", "host-3"], "{a:?}");
+    assert!(
+        a.hosts
+            .iter()
+            .all(|h| h.state == "loading" && h.source == "peer"),
+        "{a:?}"
+    );
+    assert!(a.estimate_s > 0.0);
+    // Each host: its partition live first, then the full model (completion).
+    let mut labels = Vec::new();
+    for d in &c.daemons[1..] {
+        let mut agent = d.agent().await.unwrap();
+        let t0 = Instant::now();
+        let m = loop {
+            let st = agent
+                .gpu_status(GpuStatusRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            if let Some(m) = st.models.iter().find(|m| m.state == "resident") {
+                break m.clone();
+            }
+            assert!(
+                st.models.iter().all(|m| m.state != "failed"),
+                "{:?}",
+                st.models
+            );
+            assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", st.models);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(m.partition_complete, "{m:?}");
+        assert!(m.partition_live_s.is_some_and(|s| s < m.elapsed_s), "{m:?}");
+        assert!(m.partition_bytes < manifest.total_bytes(), "{m:?}");
+        labels.push(m.partition.clone());
+        d.verify_copy(&manifest).unwrap();
+    }
+    labels.sort();
+    assert_eq!(labels, ["1.1/2", "1.2/2"]);
+    // Everything came from the peer: the origin was not read again.
+    assert_eq!(origin_bytes(&c.daemons).await, origin_before);
+    // The slots are booked: the GPU replicas count them.
+    let st = api
+        .get_status(GetStatusRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let gpu_hosts: Vec<_> = st
+        .hosts
+        .iter()
+        .filter(|h| h.gpus > 0)
+        .map(|h| h.host.as_str())
+        .collect();
+    assert_eq!(gpu_hosts.len(), 2, "{st:?}");
 }
