@@ -16,8 +16,8 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use gpu_loader::cuda::{self, CudaDevice, CudaOptions};
 use gpu_loader::device::{Device, DeviceKind};
-use gpu_loader::index::Layout;
-use gpu_loader::loader::{LoadOptions, LoadProgress, Target, load};
+use gpu_loader::index::{Layout, LoadMap, tensor_index, tensor_ranges};
+use gpu_loader::loader::{LoadOptions, LoadProgress, Target, load, load_map};
 use gpu_loader::pool::GpuPool;
 use gpu_loader::sim::{self, SimOptions};
 use gpu_loader::source::PacedSource;
@@ -46,6 +46,28 @@ pub struct LoaderOpts {
     pub staging_buffers: usize,
     /// Bytes per staging buffer.
     pub staging_size: usize,
+    /// Partitions for the partitioned-load measurement (0 or 1: skipped).
+    pub partitions: u32,
+}
+
+/// A partitioned load with completion on one GPU, every chunk already in host memory
+/// (Flashpoint's setting: the partition cuts the PCIe load).
+#[derive(Debug, Clone, Serialize)]
+pub struct PartitionFigures {
+    /// Partitions the layer groups were cut into (equal bytes, in layer order).
+    pub partitions: u32,
+    /// The measured partition: the last one (the final layers, `post`).
+    pub layer_groups: usize,
+    /// Its bytes.
+    pub partition_bytes: u64,
+    /// Start → the partition on the GPU (`partition-live`), seconds.
+    pub live_s: f64,
+    /// Start → the full replica (model completion), seconds.
+    pub complete_s: f64,
+    /// live_s / complete_s (≈ partition bytes / model bytes when the order works).
+    pub live_fraction: f64,
+    /// Every byte of the completed region matched the source.
+    pub verified: bool,
 }
 
 /// One stage timed alone.
@@ -102,6 +124,8 @@ pub struct LoaderReport {
     pub verified: bool,
     /// CUDA only.
     pub cuda: Option<CudaFigures>,
+    /// The partitioned load, when asked for.
+    pub partition: Option<PartitionFigures>,
 }
 
 fn model(opts: &LoaderOpts) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
@@ -296,6 +320,18 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     eprintln!("pipeline: {pipeline_s:.3} s ({rep:?})");
     let verified = verify(&t, &layout, &data)?;
 
+    let partition = if opts.partitions > 1 {
+        Some(partitioned(
+            &mut g,
+            &data,
+            &layout,
+            &lopts,
+            opts.partitions,
+        )?)
+    } else {
+        None
+    };
+
     let bound_s = stages.iter().map(|s| s.seconds).fold(0.0, f64::max);
     let sum_s = stages.iter().map(|s| s.seconds).sum();
     let configured = g.cuda.is_empty().then(|| {
@@ -336,5 +372,60 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
         overlap_vs_configured: configured.map(|b| pipeline_s / b),
         verified,
         cuda,
+        partition,
+    })
+}
+
+/// Cuts the model's layer groups into `p` parts of about equal bytes (in layer order) and
+/// loads the last part first, then the rest, onto one GPU.
+fn partitioned(
+    g: &mut Gpus,
+    data: &[(String, Vec<u8>)],
+    layout: &Layout,
+    lopts: &LoadOptions,
+    p: u32,
+) -> anyhow::Result<PartitionFigures> {
+    use shardcast_policies::profile::{Bandwidths, group_of, profile_from_tensors};
+    let index = tensor_index(layout, |i, off, len| {
+        Ok(data[i].1[off as usize..off as usize + len].to_vec())
+    })?;
+    let tensors: Vec<(String, u64)> = index.iter().map(|t| (t.name.clone(), t.nbytes)).collect();
+    let profile = profile_from_tensors("bench", &tensors, &Bandwidths::default());
+    let total: u64 = profile.groups.iter().map(|g| g.weight_bytes).sum();
+    let share = total.div_ceil(u64::from(p));
+    // The groups of the last part: from the end, until a share of the bytes.
+    let mut part = Vec::new();
+    let mut got = 0u64;
+    for grp in profile.groups.iter().rev() {
+        if got >= share {
+            break;
+        }
+        got += grp.weight_bytes;
+        part.push(grp.name.clone());
+    }
+    let ranges = tensor_ranges(layout, &index, |n| part.contains(&group_of(n)));
+    let map = LoadMap::partition(layout, &ranges, true);
+    let src = PacedSource::new(data.to_vec(), 1 << 20);
+    src.deliver(0, None)
+        .join()
+        .map_err(|_| anyhow::anyhow!("pacer panicked"))?;
+    let t = targets(g, "partition", 1, layout.total)?;
+    let prog = LoadProgress::with_first(map.bytes, map.first_bytes, &[t[0].device.info().index]);
+    let rep = load_map(&*src, layout, &map, &t, lopts, &prog)?;
+    eprintln!(
+        "partition {p}/{p} ({} groups, {} B): live {:.3} s, complete {:.3} s",
+        part.len(),
+        map.first_bytes,
+        rep.first_s,
+        rep.elapsed_s
+    );
+    Ok(PartitionFigures {
+        partitions: p,
+        layer_groups: part.len(),
+        partition_bytes: map.first_bytes,
+        live_s: rep.first_s,
+        complete_s: rep.elapsed_s,
+        live_fraction: rep.first_s / rep.elapsed_s.max(1e-9),
+        verified: verify(&t, layout, data)?,
     })
 }

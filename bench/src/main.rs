@@ -174,6 +174,10 @@ enum Cmd {
         /// Bytes per staging buffer.
         #[arg(long, default_value = "4MiB", value_parser = parse_size)]
         staging_size: u64,
+        /// Also measure a partitioned load: the last of this many partitions first, then
+        /// completion (0: skip).
+        #[arg(long, default_value_t = 4)]
+        partitions: u32,
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -398,6 +402,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             nvlink_rate,
             staging_buffers,
             staging_size,
+            partitions,
             json,
         } => {
             let need = |name: &str, v: &str| -> anyhow::Result<u64> {
@@ -415,6 +420,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 nvlink_rate: need("nvlink-rate", &nvlink_rate)?,
                 staging_buffers,
                 staging_size: usize::try_from(staging_size)?,
+                partitions,
             };
             let report =
                 tokio::task::spawn_blocking(move || shardcast_bench::loader_bench::run(&opts))

@@ -49,6 +49,11 @@ impl Autoscaler {
         e
     }
 
+    /// Records an event from elsewhere in the controller (tier evictions).
+    pub fn record_event(&self, e: Event) -> Event {
+        self.record(e)
+    }
+
     /// Decision counts per kind, for `/metrics`.
     pub fn counters(&self) -> BTreeMap<String, u64> {
         lock(&self.counters).clone()
@@ -99,6 +104,11 @@ impl Controller {
             req.tier.clone()
         };
         let (name, replicas, load_time_s, holders) = self.scaling_view(&req.model, &tier)?;
+        if req.arrival_rate > 0.0
+            && let Ok(info) = self.get_model(&name)
+        {
+            self.usage().touch(&info.digest);
+        }
         let scaler = self.autoscaler();
         let now = now_unix();
         let mut state = lock(&scaler.states).get(&name).cloned().unwrap_or_default();

@@ -51,6 +51,8 @@ pub struct ControllerConfig {
     /// Host → GPU rate (bytes/s) used to class models light/medium/heavy from their
     /// profiles (Torpor §5.3). Default 25 GB/s (PCIe 4.0 x16 in practice).
     pub pcie_bps: f64,
+    /// Host memory and disk tiers kept under their watermarks.
+    pub tiers: crate::tiers::TierConfig,
 }
 
 impl Default for ControllerConfig {
@@ -63,6 +65,7 @@ impl Default for ControllerConfig {
             stall_timeout: Duration::from_secs(10),
             max_replans: 3,
             pcie_bps: 25e9,
+            tiers: crate::tiers::TierConfig::default(),
         }
     }
 }
@@ -292,6 +295,7 @@ pub struct Controller {
     agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
     cancel: CancellationToken,
     scaler: crate::autoscaler::Autoscaler,
+    usage: crate::tiers::Usage,
 }
 
 impl Controller {
@@ -355,12 +359,16 @@ impl Controller {
             agents: Mutex::default(),
             cancel,
             scaler: crate::autoscaler::Autoscaler::default(),
+            usage: crate::tiers::Usage::default(),
         });
         for id in resume {
             info!(plan = %id, "resuming a plan in flight");
             tokio::spawn(me.clone().run_plan(id));
         }
         tokio::spawn(me.clone().expiry_loop());
+        if me.cfg.tiers.enabled {
+            tokio::spawn(me.clone().tier_loop());
+        }
         Ok(me)
     }
 
@@ -409,6 +417,81 @@ impl Controller {
             .max_encoding_message_size(128 << 20);
         agents.insert(host.to_string(), (addr, client.clone()));
         Ok(client)
+    }
+
+    /// Last use of each model, for the tiers' LRU order.
+    pub fn usage(&self) -> &crate::tiers::Usage {
+        &self.usage
+    }
+
+    /// Cancelled when the controller shuts down.
+    pub(crate) fn cancelled(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.cancel.cancelled()
+    }
+
+    /// Each up host's memory and disk use and the model copies in them, for the tier
+    /// sweeper.
+    pub(crate) fn tier_view(&self, origins_durable: bool) -> Vec<crate::tiers::HostTiers> {
+        use crate::tiers::{HostTiers, TierCopy};
+        let st = lock(&self.state);
+        let copies = |digest: &str| -> u32 {
+            st.hosts
+                .values()
+                .filter(|h| h.up)
+                .map(|h| {
+                    ["memory", "disk"]
+                        .iter()
+                        .filter(|t| h.holding(digest, t).is_some_and(|x| x.complete))
+                        .count() as u32
+                })
+                .sum()
+        };
+        let busy = |host: &str, digest: &str| -> bool {
+            st.plans.values().any(|p| {
+                p.status.state == "running"
+                    && p.status.digest == digest
+                    && (p
+                        .status
+                        .hosts
+                        .iter()
+                        .any(|h| h.host == host && is_active(&h.state))
+                        || p.status.chains.iter().any(|c| c.source == host))
+            })
+        };
+        st.hosts
+            .values()
+            .filter(|h| h.up)
+            .map(|h| {
+                let r = &h.report;
+                let items = r
+                    .holdings
+                    .iter()
+                    .filter_map(|x| {
+                        let m = st.models.values().find(|m| m.digest == x.digest);
+                        Some(TierCopy {
+                            tier: x.tier.clone(),
+                            digest: x.digest.clone(),
+                            name: m.map_or_else(|| x.name.clone(), |m| m.name.clone()),
+                            bytes: x.bytes_verified,
+                            pinned: busy(&r.host_id, &x.digest)
+                                || (x.tier == "memory" && h.gpu_reserved.contains_key(&x.digest)),
+                            copies: copies(&x.digest),
+                            registered: m.is_some(),
+                            origin_available: origins_durable
+                                && m.is_some_and(|m| !m.origin.is_empty()),
+                        })
+                    })
+                    .collect();
+                HostTiers {
+                    host: r.host_id.clone(),
+                    mem_capacity: r.mem_capacity,
+                    mem_used: r.mem_capacity.saturating_sub(r.mem_free),
+                    disk_capacity: r.disk_capacity,
+                    disk_used: r.disk_capacity.saturating_sub(r.disk_free),
+                    items,
+                }
+            })
+            .collect()
     }
 
     /// The autoscaler's state and events.
@@ -889,6 +972,7 @@ impl Controller {
     ) -> Result<PlanAccepted, ApiError> {
         let mut st = lock(&self.state);
         let model = st.model(key)?.clone();
+        self.usage.touch(&model.digest);
         let target = target(&st, &model)?;
         let in_flight = st.in_flight(&model.digest, tier);
         let in_flight_hosts: Vec<String> = in_flight.keys().cloned().collect();

@@ -27,3 +27,4 @@ pub mod http;
 pub mod inventory;
 pub mod server;
 pub mod state;
+pub mod tiers;

@@ -76,6 +76,27 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, env = "SHARDCAST_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
+    /// Host memory tier: above this fraction of its capacity, evict model copies (least
+    /// recently used first) down to --memory-low.
+    #[arg(long, env = "SHARDCAST_MEMORY_HIGH", default_value_t = 0.90)]
+    pub memory_high: f64,
+    /// See --memory-high.
+    #[arg(long, env = "SHARDCAST_MEMORY_LOW", default_value_t = 0.75)]
+    pub memory_low: f64,
+    /// Disk tier: above this fraction, evict down to --disk-low.
+    #[arg(long, env = "SHARDCAST_DISK_HIGH", default_value_t = 0.90)]
+    pub disk_high: f64,
+    /// See --disk-high.
+    #[arg(long, env = "SHARDCAST_DISK_LOW", default_value_t = 0.80)]
+    pub disk_low: f64,
+    /// How often the tiers are checked, milliseconds (0: never; tiers are then only
+    /// emptied by Evict).
+    #[arg(long, env = "SHARDCAST_TIER_SWEEP_MS", default_value_t = 5000)]
+    pub tier_sweep_ms: u64,
+    /// Origins may not serve a model again (scratch buckets): never evict the last copy
+    /// in the cluster of a registered model.
+    #[arg(long, env = "SHARDCAST_ORIGINS_NOT_DURABLE")]
+    pub origins_not_durable: bool,
 }
 
 impl Args {
@@ -101,6 +122,19 @@ impl Args {
                 .map_err(|e| anyhow::anyhow!("{name}: {e}"))?
                 .ok_or_else(|| anyhow::anyhow!("{name} must be a finite rate"))
         };
+        for (name, v) in [
+            ("memory_high", self.memory_high),
+            ("memory_low", self.memory_low),
+            ("disk_high", self.disk_high),
+            ("disk_low", self.disk_low),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                bail!("{name} must be a fraction between 0 and 1, got {v}");
+            }
+        }
+        if self.memory_low > self.memory_high || self.disk_low > self.disk_high {
+            bail!("a low watermark must not be above its high watermark");
+        }
         Ok(ControllerConfig {
             heartbeat: Duration::from_millis(self.heartbeat_ms),
             missed_heartbeats: self.missed_heartbeats,
@@ -111,6 +145,15 @@ impl Args {
                 ..PlanParams::default()
             },
             stall_timeout: Duration::from_secs(self.stall_timeout_s),
+            tiers: crate::tiers::TierConfig {
+                enabled: self.tier_sweep_ms > 0,
+                memory_high: self.memory_high,
+                memory_low: self.memory_low,
+                disk_high: self.disk_high,
+                disk_low: self.disk_low,
+                interval: Duration::from_millis(self.tier_sweep_ms.max(1)),
+                origins_durable: !self.origins_not_durable,
+            },
             ..ControllerConfig::default()
         })
     }

@@ -1103,3 +1103,103 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
         .collect();
     assert_eq!(gpu_hosts.len(), 2, "{st:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
+    use shardcast_protocol::controller::ListEventsRequest;
+    let c = ManagedCluster::start(
+        2,
+        [
+            "--memory-high",
+            "0.45",
+            "--memory-low",
+            "0.4",
+            "--tier-sweep-ms",
+            "200",
+        ]
+        .map(String::from)
+        .to_vec(),
+        |i, o| {
+            if i == 0 {
+                o.extra_args
+                    .extend(["--memory-capacity", "24MiB"].map(String::from));
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let mut api = c.controller.client().await.unwrap();
+    let origins = [Origin::new(6 << 20, 1), Origin::new(6 << 20, 1)];
+    let mut digests = Vec::new();
+    for (name, o) in ["test/old", "test/new"].iter().zip(&origins) {
+        let m = api
+            .register_model(RegisterModelRequest {
+                name: (*name).into(),
+                origin: o.uri(),
+                chunk_size: 256 << 10,
+                via_host: String::new(),
+                profile_json: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        digests.push(m.digest);
+        // Each on host-1; the second prewarm makes `test/old` the least recently used.
+        let id = api
+            .prewarm(PrewarmRequest {
+                model: (*name).into(),
+                replicas: 0,
+                hosts: vec!["host-1".into()],
+                tier: "memory".into(),
+                sources: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .plan_id;
+        let done = wait_plan(&mut api, &id, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(done.state, "done", "{done:?}");
+    }
+    // 12 MiB of 24: 50% > 45%. Once a heartbeat reports it, the sweeper evicts the old
+    // model (down to 40% = 9.6 MiB) and keeps the new one.
+    let t0 = Instant::now();
+    let event = loop {
+        let ev = api
+            .list_events(ListEventsRequest {
+                model: String::new(),
+                limit: 50,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if let Some(e) = ev.events.iter().find(|e| e.kind == "tier-evict") {
+            break e.clone();
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let hosts = api
+                .list_hosts(shardcast_protocol::controller::ListHostsRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            let log = std::fs::read_to_string(&c.controller.log).unwrap_or_default();
+            panic!("no eviction: {ev:?}\n{hosts:?}\n{log}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(event.model, "test/old", "{event:?}");
+    assert_eq!(event.hosts, ["host-1"]);
+    assert!(event.reason.contains("memory tier at"), "{event:?}");
+    let st = c.daemons[0]
+        .agent()
+        .await
+        .unwrap()
+        .list_holdings(shardcast_protocol::agent::ListHoldingsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let held: Vec<&str> = st.models.iter().map(|m| m.digest.as_str()).collect();
+    assert!(!held.contains(&digests[0].as_str()), "{held:?}");
+    assert!(held.contains(&digests[1].as_str()), "{held:?}");
+}

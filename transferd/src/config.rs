@@ -133,6 +133,10 @@ pub struct Args {
     /// Share of each GPU's memory reserved for models (0.01–1) [default: 0.8].
     #[arg(long, env = "SHARDCAST_GPU_BUDGET_FRACTION")]
     pub gpu_budget_fraction: Option<f64>,
+    /// Evict resident models (light ones and extra replicas first, LRU) when a new load
+    /// does not fit a GPU, instead of refusing it [default: true].
+    #[arg(long, env = "SHARDCAST_GPU_AUTO_EVICT")]
+    pub gpu_auto_evict: Option<bool>,
     /// Pinned staging buffers per load [default: 8].
     #[arg(long, env = "SHARDCAST_STAGING_BUFFERS")]
     pub staging_buffers: Option<usize>,
@@ -179,6 +183,7 @@ struct FileConfig {
     sim_pcie_rate: Option<String>,
     sim_nvlink_rate: Option<String>,
     gpu_budget_fraction: Option<f64>,
+    gpu_auto_evict: Option<bool>,
     staging_buffers: Option<usize>,
     staging_size: Option<String>,
 }
@@ -432,6 +437,7 @@ impl Config {
                 bail!("gpu_budget_fraction must be between 0.01 and 1, got {fraction}");
             }
             m.budget_fraction = fraction;
+            m.auto_evict = args.gpu_auto_evict.or(file.gpu_auto_evict).unwrap_or(true);
             m.load.staging_buffers = bounded(
                 "staging_buffers",
                 args.staging_buffers.or(file.staging_buffers),
