@@ -466,9 +466,9 @@ impl Controller {
                 let items = r
                     .holdings
                     .iter()
-                    .filter_map(|x| {
+                    .map(|x| {
                         let m = st.models.values().find(|m| m.digest == x.digest);
-                        Some(TierCopy {
+                        TierCopy {
                             tier: x.tier.clone(),
                             digest: x.digest.clone(),
                             name: m.map_or_else(|| x.name.clone(), |m| m.name.clone()),
@@ -479,7 +479,7 @@ impl Controller {
                             registered: m.is_some(),
                             origin_available: origins_durable
                                 && m.is_some_and(|m| !m.origin.is_empty()),
-                        })
+                        }
                     })
                     .collect();
                 HostTiers {
