@@ -53,6 +53,8 @@ pub struct ControllerConfig {
     pub pcie_bps: f64,
     /// Host memory and disk tiers kept under their watermarks.
     pub tiers: crate::tiers::TierConfig,
+    /// Scrape load from a Prometheus endpoint.
+    pub scrape: Option<crate::scrape::ScrapeConfig>,
 }
 
 impl Default for ControllerConfig {
@@ -66,6 +68,7 @@ impl Default for ControllerConfig {
             max_replans: 3,
             pcie_bps: 25e9,
             tiers: crate::tiers::TierConfig::default(),
+            scrape: None,
         }
     }
 }
@@ -368,6 +371,9 @@ impl Controller {
         tokio::spawn(me.clone().expiry_loop());
         if me.cfg.tiers.enabled {
             tokio::spawn(me.clone().tier_loop());
+        }
+        if let Some(s) = me.cfg.scrape.clone() {
+            tokio::spawn(me.clone().scrape_loop(s));
         }
         Ok(me)
     }

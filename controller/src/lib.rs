@@ -25,6 +25,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod inventory;
+pub mod scrape;
 pub mod server;
 pub mod state;
 pub mod tiers;

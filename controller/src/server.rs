@@ -97,6 +97,25 @@ pub struct Args {
     /// in the cluster of a registered model.
     #[arg(long, env = "SHARDCAST_ORIGINS_NOT_DURABLE")]
     pub origins_not_durable: bool,
+    /// Scrape per-model load from this Prometheus endpoint (http(s)://host:port/metrics)
+    /// and feed it to the autoscaler as ReportLoad would (see docs/OPERATIONS.md).
+    #[arg(long, env = "SHARDCAST_SCRAPE_URL")]
+    pub scrape_url: Option<String>,
+    /// How often to scrape, milliseconds.
+    #[arg(long, env = "SHARDCAST_SCRAPE_INTERVAL_MS", default_value_t = 5000)]
+    pub scrape_interval_ms: u64,
+    /// Tier for series without a `tier` label.
+    #[arg(long, env = "SHARDCAST_SCRAPE_TIER", default_value = "memory")]
+    pub scrape_tier: String,
+    /// Gauge of arrivals per second, labelled `model`.
+    #[arg(long, default_value = "shardcast_model_arrival_rate")]
+    pub scrape_arrival_metric: String,
+    /// Gauge of queued requests, labelled `model`.
+    #[arg(long, default_value = "shardcast_model_queue_length")]
+    pub scrape_queue_metric: String,
+    /// Gauge of requests per second one replica serves, labelled `model`.
+    #[arg(long, default_value = "shardcast_model_service_rate")]
+    pub scrape_service_metric: String,
 }
 
 impl Args {
@@ -135,6 +154,34 @@ impl Args {
         if self.memory_low > self.memory_high || self.disk_low > self.disk_high {
             bail!("a low watermark must not be above its high watermark");
         }
+        let scrape = match &self.scrape_url {
+            None => None,
+            Some(url) => {
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    bail!("scrape_url must be an http:// or https:// URL, got {url:?}");
+                }
+                if !(100..=3_600_000).contains(&self.scrape_interval_ms) {
+                    bail!(
+                        "scrape_interval_ms must be between 100 and 3600000, got {}",
+                        self.scrape_interval_ms
+                    );
+                }
+                if !matches!(self.scrape_tier.as_str(), "memory" | "disk" | "gpu") {
+                    bail!(
+                        "scrape_tier must be memory, disk or gpu, got {:?}",
+                        self.scrape_tier
+                    );
+                }
+                Some(crate::scrape::ScrapeConfig {
+                    url: url.clone(),
+                    interval: Duration::from_millis(self.scrape_interval_ms),
+                    arrival_metric: self.scrape_arrival_metric.clone(),
+                    queue_metric: self.scrape_queue_metric.clone(),
+                    service_metric: self.scrape_service_metric.clone(),
+                    tier: self.scrape_tier.clone(),
+                })
+            }
+        };
         Ok(ControllerConfig {
             heartbeat: Duration::from_millis(self.heartbeat_ms),
             missed_heartbeats: self.missed_heartbeats,
@@ -154,6 +201,7 @@ impl Args {
                 interval: Duration::from_millis(self.tier_sweep_ms.max(1)),
                 origins_durable: !self.origins_not_durable,
             },
+            scrape,
             ..ControllerConfig::default()
         })
     }

@@ -1203,3 +1203,77 @@ async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
     assert!(!held.contains(&digests[0].as_str()), "{held:?}");
     assert!(held.contains(&digests[1].as_str()), "{held:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_scraped_from_a_prometheus_endpoint_scales_out() {
+    use shardcast_protocol::controller::ListEventsRequest;
+    // The FaaS's metrics endpoint: a real HTTP server serving the exposition text.
+    let metrics = tempfile::tempdir().unwrap();
+    let page = metrics.path().join("metrics");
+    std::fs::write(&page, "# nothing yet\n").unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    tokio::spawn(serve(
+        metrics.path().to_path_buf(),
+        listener,
+        None,
+        std::sync::Arc::new(OriginStats::default()),
+        stop.clone(),
+    ));
+    let c = ManagedCluster::start(
+        4,
+        ["--scrape-url", &url, "--scrape-interval-ms", "200"]
+            .map(String::from)
+            .to_vec(),
+        |_, _| {},
+    )
+    .await
+    .unwrap();
+    let origin = Origin::new(4 << 20, 1);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let first = prewarm_hosts(&mut api, hosts(1..=1)).await;
+    wait_plan(&mut api, &first, Duration::from_secs(60))
+        .await
+        .unwrap();
+    // 30 req/s at 10 per replica: 4 replicas, so 3 more. A series for an unknown model is
+    // skipped without stopping the others.
+    std::fs::write(
+        &page,
+        format!(
+            "# TYPE shardcast_model_arrival_rate gauge\n\
+             shardcast_model_arrival_rate{{model=\"{MODEL}\"}} 30\n\
+             shardcast_model_queue_length{{model=\"{MODEL}\"}} 2\n\
+             shardcast_model_service_rate{{model=\"{MODEL}\"}} 10\n\
+             shardcast_model_arrival_rate{{model=\"nobody/knows\"}} 5\n\
+             shardcast_model_service_rate{{model=\"nobody/knows\"}} 1\n"
+        ),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let up = loop {
+        let ev = api
+            .list_events(ListEventsRequest {
+                model: MODEL.into(),
+                limit: 20,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if let Some(e) = ev.events.iter().find(|e| e.kind == "scale-up") {
+            break e.clone();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{ev:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(up.delta, 3, "{up:?}");
+    let done = wait_plan(&mut api, &up.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+}
