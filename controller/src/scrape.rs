@@ -162,8 +162,9 @@ pub fn parse_text(text: &str) -> Result<Vec<Sample>, String> {
 
 /// The `ReportLoad`s a page of samples describes, one per (model, tier) with both rates.
 pub fn reports(samples: &[Sample], cfg: &ScrapeConfig) -> Vec<ReportLoadRequest> {
-    let mut by: BTreeMap<(String, String), (Option<f64>, Option<f64>, Option<f64>)> =
-        BTreeMap::new();
+    /// λ, queue, μ as far as seen.
+    type Figures = (Option<f64>, Option<f64>, Option<f64>);
+    let mut by: BTreeMap<(String, String), Figures> = BTreeMap::new();
     for s in samples {
         let Some(model) = s.labels.get("model") else {
             continue;
