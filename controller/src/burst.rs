@@ -117,16 +117,18 @@ impl Controller {
         }
         let (profile, plan) = self.burst_plan(model, partitions, 1).await?;
         let groups = partition_groups(&profile, &plan);
-        let (m, manifest, holder, free) = self.burst_inputs(model)?;
+        let (m, manifest, holders, free) = self.burst_inputs(model)?;
         let need = (replicas * partitions) as usize;
         if free.len() < need {
             return Err(ApiError::exhausted(format!(
-                "a burst of {replicas} × {partitions} partitions needs {need} hosts with a free GPU that do not hold {}; {} have one",
+                "a burst of {replicas} × {partitions} partitions needs {need} hosts with a free GPU and no GPU replica of {}; {} have one",
                 m.name,
                 free.len()
             )));
         }
-        let source = match &holder {
+        // Partitions are fetched from the holders in turn (their NICs add up), else from
+        // the origin. A host that holds the data already fetches nothing.
+        let source_of = |n: usize| match holders.get(n % holders.len().max(1)) {
             Some(addr) => format!("shardcast://{addr}"),
             None => m.origin.clone(),
         };
@@ -141,6 +143,7 @@ impl Controller {
                 groups: groups.get(k as usize).cloned().unwrap_or_default(),
             };
             self.reserve_gpu_slot(&host, &m.digest)?;
+            let source = source_of(n);
             match self
                 .start_part(
                     &host, &m.name, &m.digest, &m.origin, &manifest, &part, &source, &heaviness,
@@ -152,7 +155,11 @@ impl Controller {
                         host: host.clone(),
                         state: "loading".into(),
                         total: m.total_bytes,
-                        source: holder.clone().map_or("origin".into(), |_| "peer".into()),
+                        source: if holders.is_empty() {
+                            "origin".into()
+                        } else {
+                            "peer".into()
+                        },
                         gpus: 1,
                         gpu_state: "loading".into(),
                         ..Default::default()
@@ -182,7 +189,7 @@ impl Controller {
                     .join("; ")
             )));
         }
-        info!(model = %m.name, replicas, partitions, source = %source, cold_start_s = plan.cold_start_s, "burst started");
+        info!(model = %m.name, replicas, partitions, sources = holders.len(), cold_start_s = plan.cold_start_s, "burst started");
         Ok((
             PlanAccepted {
                 plan_id: String::new(),

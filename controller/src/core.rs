@@ -845,13 +845,15 @@ impl Controller {
     }
 
     /// What a partitioned burst needs from the controller's state: the model, its
-    /// manifest, a live holder's data address (the partitions' source) and the hosts with
-    /// a free GPU slot that do not hold the model yet, most free slots first.
+    /// manifest, the data addresses of the live hosts holding it in memory (the
+    /// partitions' sources, used in turn) and the hosts with a free GPU slot and no GPU
+    /// replica of the model: those already holding the data first (nothing to fetch), then
+    /// by free slots.
     #[allow(clippy::type_complexity)]
     pub(crate) fn burst_inputs(
         &self,
         key: &str,
-    ) -> Result<(ModelRecord, Arc<Vec<u8>>, Option<String>, Vec<String>), ApiError> {
+    ) -> Result<(ModelRecord, Arc<Vec<u8>>, Vec<String>, Vec<String>), ApiError> {
         let st = lock(&self.state);
         let m = st.model(key)?.clone();
         let manifest = st
@@ -859,33 +861,29 @@ impl Controller {
             .get(&m.digest)
             .cloned()
             .ok_or_else(|| ApiError::internal(format!("no manifest for {}", m.name)))?;
-        let holder = st
+        let holds = |h: &HostEntry| {
+            h.holding(&m.digest, "memory")
+                .is_some_and(|x| x.complete)
+        };
+        let holders: Vec<String> = st
             .hosts
             .values()
-            .filter(|h| h.up && h.holding(&m.digest, "memory").is_some_and(|x| x.complete))
+            .filter(|h| h.up && holds(h))
             .map(|h| h.report.data_addr.clone())
-            .next();
-        let mut free: Vec<(u32, String)> = st
+            .collect();
+        let mut free: Vec<(bool, u32, String)> = st
             .hosts
             .values()
-            .filter(|h| {
-                h.up && !h.gpu_reserved.contains_key(&m.digest)
-                    && !h.holding(&m.digest, "memory").is_some_and(|x| x.complete)
-            })
+            .filter(|h| h.up && !h.gpu_reserved.contains_key(&m.digest))
             .filter_map(|h| {
                 let slots = (h.report.gpus.len() as u32)
                     .saturating_sub(h.report.gpus_busy)
                     .saturating_sub(h.reserved_gpus());
-                (slots > 0).then(|| (slots, h.report.host_id.clone()))
+                (slots > 0).then(|| (holds(h), slots, h.report.host_id.clone()))
             })
             .collect();
-        free.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        Ok((
-            m,
-            manifest,
-            holder,
-            free.into_iter().map(|(_, h)| h).collect(),
-        ))
+        free.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
+        Ok((m, manifest, holders, free.into_iter().map(|(_, _, h)| h).collect()))
     }
 
     /// Books one GPU slot of `digest` on `host` (a burst partition), persisted like a
