@@ -44,6 +44,26 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Time to a serving GPU replica through the controller, whole vs a partitioned burst
+    /// (simulated GPUs on loopback; the model is already in every host's memory tier, so
+    /// the host-to-GPU load is what is measured).
+    Burst {
+        /// Model size.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards.
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        /// Partitions of the burst replica (one host each).
+        #[arg(long, default_value_t = 4)]
+        partitions: u32,
+        /// Simulated host-to-GPU rate.
+        #[arg(long, default_value = "400MB/s")]
+        pcie_rate: String,
+        /// Write the report as JSON too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Cold start through the controller on an emulated cluster (needs root): every host
     /// pulling from a rate-capped HTTP origin in its own namespace, vs shardcast's plan.
     ColdStart {
@@ -252,6 +272,28 @@ async fn interrupted() -> &'static str {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Cmd::Burst {
+            size,
+            shards,
+            partitions,
+            pcie_rate,
+            json,
+        } => {
+            let opts = shardcast_bench::managed::BurstOpts {
+                size,
+                shards,
+                partitions,
+                pcie_rate: parse_rate(&pcie_rate)
+                    .map_err(anyhow::Error::msg)?
+                    .context("--pcie-rate must be a finite rate")?,
+            };
+            let report = shardcast_bench::managed::run_burst(&opts).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if let Some(path) = json {
+                scenario::write_json(&path, &report)?;
+            }
+            Ok(())
+        }
         Cmd::Demo {
             size,
             shards,

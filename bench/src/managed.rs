@@ -617,3 +617,236 @@ async fn cold_start_method(
         verified,
     })
 }
+
+// ---------------------------------------------------------------- burst
+
+/// Options of `burst`.
+#[derive(Debug, Clone)]
+pub struct BurstOpts {
+    /// Model size.
+    pub size: u64,
+    /// Safetensors shards.
+    pub shards: usize,
+    /// Partitions of the burst replica.
+    pub partitions: u32,
+    /// Simulated host → GPU rate, bytes/s.
+    pub pcie_rate: u64,
+}
+
+/// One burst host.
+#[derive(Debug, Clone, Serialize)]
+pub struct BurstHost {
+    /// Host id.
+    pub host: String,
+    /// Its partition label.
+    pub partition: String,
+    /// Bytes of its partition.
+    pub partition_bytes: u64,
+    /// Seconds from the `ScaleOut` call until this host's partition was live (polled).
+    pub live_s: f64,
+    /// Seconds until this host held a full replica on its GPU (polled).
+    pub complete_s: f64,
+    /// The host's own figure: load start → partition live.
+    pub host_live_s: f64,
+}
+
+/// What `burst` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BurstReport {
+    /// Model bytes.
+    pub bytes: u64,
+    /// Partitions.
+    pub partitions: u32,
+    /// Simulated PCIe rate, bytes/s.
+    pub pcie_rate: u64,
+    /// A whole GPU replica (model already in the host's memory tier): `Prewarm` tier gpu
+    /// until the host's GPU status says resident.
+    pub full_ready_s: f64,
+    /// The partitioned replica: `ScaleOut(partitions)` until every partition is live.
+    pub burst_live_s: f64,
+    /// Until every burst host held a full replica (model completion).
+    pub burst_complete_s: f64,
+    /// Per host.
+    pub hosts: Vec<BurstHost>,
+    /// The controller's estimate of the burst's cold start (from the partition plan).
+    pub estimate_s: f64,
+}
+
+/// Time to a serving GPU replica, whole vs partitioned (Flashpoint §4.2), through the
+/// controller on loopback with simulated GPUs: `partitions + 1` hosts, each with the model
+/// already in its memory tier (so the host → GPU load is what is measured), one GPU each.
+/// First a whole replica on host-1, then a burst of one replica in `partitions` parts on
+/// the others, each part first, then completion.
+pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
+    use shardcast_protocol::agent::GpuStatusRequest;
+    if !(2..=16).contains(&opts.partitions) {
+        bail!("--partitions must be between 2 and 16");
+    }
+    let origin_dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    synth::generate(
+        origin_dir.path(),
+        &SynthSpec {
+            total_bytes: opts.size,
+            shards: opts.shards,
+            seed: 42,
+        },
+    )?;
+    let hosts = opts.partitions as usize + 1;
+    let gpu_mem = format!("{}B", (opts.size * 2).div_ceil(1 << 20) << 20);
+    let pcie = format!("{}B/s", opts.pcie_rate);
+    eprintln!(
+        "starting a controller and {hosts} transferd processes with one simulated GPU each ({} host → GPU)",
+        format_bytes(opts.pcie_rate) + "/s"
+    );
+    let cluster = ManagedCluster::start(hosts, Vec::new(), |_, o| {
+        o.extra_args.extend([
+            "--gpu-backend".into(),
+            "simulated".into(),
+            "--sim-gpus".into(),
+            "1".into(),
+            "--sim-gpu-memory".into(),
+            gpu_mem.clone(),
+            "--sim-pcie-rate".into(),
+            pcie.clone(),
+        ]);
+    })
+    .await?;
+    let mut api = cluster.controller.client().await?;
+    let origin = format!("file://{}", origin_dir.path().display());
+    let (manifest, digest) = register(&mut api, &origin).await?;
+    eprintln!("prewarming every host's memory tier");
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL_NAME.into(),
+            replicas: hosts as u32,
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .context("Prewarm memory")?
+        .into_inner();
+    let pb = bar(false, "memory");
+    let (st, _) = ready_times(
+        &mut api,
+        &a.plan_id,
+        Instant::now(),
+        Duration::from_secs(600),
+        &pb,
+    )
+    .await?;
+    if st.state != "done" {
+        bail!("memory prewarm ended {}: {}", st.state, st.message);
+    }
+    verify_all(&cluster.daemons, &manifest)?;
+
+    eprintln!("whole replica on host-1");
+    let t0 = Instant::now();
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL_NAME.into(),
+            hosts: vec!["host-1".into()],
+            tier: "gpu".into(),
+            ..Default::default()
+        })
+        .await
+        .context("Prewarm gpu")?
+        .into_inner();
+    // Timed like the burst below: the host's own GPU status, polled every 10 ms (the
+    // plan's status is polled by the controller only every 250 ms).
+    let mut agent = cluster.daemon("host-1")?.agent().await?;
+    let full_ready_s = loop {
+        let st = agent.gpu_status(GpuStatusRequest {}).await?.into_inner();
+        if let Some(m) = st.models.iter().find(|m| m.model == digest) {
+            match m.state.as_str() {
+                "resident" => break t0.elapsed().as_secs_f64(),
+                "failed" => bail!("host-1: {}", m.error),
+                _ => {}
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(600) {
+            bail!("the whole replica did not load within 600 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let (st, _) = ready_times(&mut api, &a.plan_id, t0, Duration::from_secs(600), &pb).await?;
+    if st.state != "done" || st.hosts.iter().any(|h| h.gpu_state != "resident") {
+        bail!("whole GPU replica ended {}: {:?}", st.state, st.hosts);
+    }
+
+    eprintln!("burst: one replica in {} partitions", opts.partitions);
+    let t0 = Instant::now();
+    let a = api
+        .scale_out(ScaleOutRequest {
+            model: MODEL_NAME.into(),
+            replicas: 1,
+            tier: "gpu".into(),
+            partitions: opts.partitions,
+        })
+        .await
+        .context("ScaleOut partitions")?
+        .into_inner();
+    let names: Vec<String> = a
+        .hosts
+        .iter()
+        .filter(|h| h.state == "loading")
+        .map(|h| h.host.clone())
+        .collect();
+    if names.len() != opts.partitions as usize {
+        bail!("the burst started on {} hosts: {:?}", names.len(), a.hosts);
+    }
+    let mut agents = Vec::new();
+    for n in &names {
+        agents.push(cluster.daemon(n)?.agent().await?);
+    }
+    let mut out: Vec<Option<BurstHost>> = vec![None; names.len()];
+    let mut live: Vec<Option<f64>> = vec![None; names.len()];
+    let deadline = Duration::from_secs(600);
+    while out.iter().any(Option::is_none) {
+        if t0.elapsed() > deadline {
+            bail!("the burst did not complete within {deadline:?}");
+        }
+        for (i, agent) in agents.iter_mut().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            let st = agent.gpu_status(GpuStatusRequest {}).await?.into_inner();
+            let Some(m) = st.models.iter().find(|m| m.model == digest) else {
+                continue;
+            };
+            if m.state == "failed" {
+                bail!("{}: {}", names[i], m.error);
+            }
+            let now = t0.elapsed().as_secs_f64();
+            if live[i].is_none() && matches!(m.state.as_str(), "partition-live" | "resident") {
+                live[i] = Some(now);
+            }
+            if m.state == "resident" {
+                out[i] = Some(BurstHost {
+                    host: names[i].clone(),
+                    partition: m.partition.clone(),
+                    partition_bytes: m.partition_bytes,
+                    live_s: live[i].unwrap_or(now),
+                    complete_s: now,
+                    host_live_s: m.partition_live_s.unwrap_or(m.elapsed_s),
+                });
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let hosts: Vec<BurstHost> = out.into_iter().flatten().collect();
+    verify_all(&cluster.daemons, &manifest)?;
+    let max = |f: fn(&BurstHost) -> f64| hosts.iter().map(f).fold(0.0, f64::max);
+    Ok(BurstReport {
+        bytes: manifest.total_bytes(),
+        partitions: opts.partitions,
+        pcie_rate: opts.pcie_rate,
+        full_ready_s,
+        burst_live_s: max(|h| h.live_s),
+        burst_complete_s: max(|h| h.complete_s),
+        estimate_s: a.estimate_s,
+        hosts,
+    })
+}

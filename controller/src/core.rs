@@ -861,10 +861,7 @@ impl Controller {
             .get(&m.digest)
             .cloned()
             .ok_or_else(|| ApiError::internal(format!("no manifest for {}", m.name)))?;
-        let holds = |h: &HostEntry| {
-            h.holding(&m.digest, "memory")
-                .is_some_and(|x| x.complete)
-        };
+        let holds = |h: &HostEntry| h.holding(&m.digest, "memory").is_some_and(|x| x.complete);
         let holders: Vec<String> = st
             .hosts
             .values()
@@ -883,7 +880,12 @@ impl Controller {
             })
             .collect();
         free.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
-        Ok((m, manifest, holders, free.into_iter().map(|(_, _, h)| h).collect()))
+        Ok((
+            m,
+            manifest,
+            holders,
+            free.into_iter().map(|(_, _, h)| h).collect(),
+        ))
     }
 
     /// Books one GPU slot of `digest` on `host` (a burst partition), persisted like a
