@@ -126,6 +126,49 @@ pub fn workspace_bin(bin: &str, package: &str, env: &str) -> anyhow::Result<Path
     Ok(candidate)
 }
 
+/// Spawns `cmd` (stdout piped, stderr to `log`) and waits up to [`START_TIMEOUT`] for the
+/// `READY …` line it prints once its listeners are up; returns the child and the rest of
+/// that line. Stdout keeps being drained so the process never blocks on a full pipe. A
+/// process that exits or stays silent is an error with the tail of its log.
+pub(crate) async fn spawn_ready(
+    mut cmd: Command,
+    bin: &Path,
+    what: &str,
+    log: &Path,
+) -> anyhow::Result<(tokio::process::Child, String)> {
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let stdout = child.stdout.take().context("no stdout pipe")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(START_TIMEOUT, async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(rest) = line.strip_prefix("READY ") {
+                return Ok::<_, std::io::Error>(Some(rest.to_string()));
+            }
+        }
+        Ok(None)
+    })
+    .await;
+    let line = match ready {
+        Ok(Ok(Some(line))) => line,
+        Ok(Ok(None)) | Ok(Err(_)) => {
+            let status = child.wait().await.ok();
+            bail!(
+                "{what} exited before it was ready ({status:?}); log: {}\n{}",
+                log.display(),
+                tail(log)
+            );
+        }
+        Err(_) => bail!(
+            "{what} not ready after {START_TIMEOUT:?}; log: {}",
+            log.display()
+        ),
+    };
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, line))
+}
+
 /// How to start one daemon.
 #[derive(Debug, Clone)]
 pub struct DaemonOpts {
@@ -246,37 +289,8 @@ impl Daemon {
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log))
             .kill_on_drop(true);
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let stdout = child.stdout.take().context("transferd stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(START_TIMEOUT, async {
-            while let Some(line) = lines.next_line().await? {
-                if let Some(rest) = line.strip_prefix("READY ") {
-                    return Ok::<_, std::io::Error>(Some(rest.to_string()));
-                }
-            }
-            Ok(None)
-        })
-        .await;
-        let line = match ready {
-            Ok(Ok(Some(line))) => line,
-            Ok(Ok(None)) | Ok(Err(_)) => {
-                let status = child.wait().await.ok();
-                bail!(
-                    "transferd {} exited before it was ready ({status:?}); log: {}\n{}",
-                    self.host_id,
-                    self.log.display(),
-                    tail(&self.log)
-                );
-            }
-            Err(_) => bail!(
-                "transferd {} not ready after {START_TIMEOUT:?}; log: {}",
-                self.host_id,
-                self.log.display()
-            ),
-        };
+        let what = format!("transferd {}", self.host_id);
+        let (child, line) = spawn_ready(cmd, &bin, &what, &self.log).await?;
         let data = line
             .split_whitespace()
             .find_map(|kv| kv.strip_prefix("data="))
@@ -292,8 +306,6 @@ impl Daemon {
                 .parse()
                 .with_context(|| format!("bad admin address in READY line {line:?}"))?;
         }
-        // Keep draining stdout so the daemon never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         self.child = Some(child);
         Ok(())
     }

@@ -13,11 +13,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{ListHostsRequest, PlanStatus, WatchPlanRequest};
-use tokio::io::{AsyncBufReadExt, BufReader};
+
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
-use crate::cluster::{Daemon, DaemonOpts, START_TIMEOUT, tail, workspace_bin};
+use crate::cluster::{Daemon, DaemonOpts, workspace_bin};
 
 /// Heartbeat period used in managed clusters (fast, so a dead host is noticed in under a
 /// second).
@@ -77,8 +77,8 @@ impl ControllerProc {
             .append(true)
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
-        let mut child = Command::new(&bin)
-            .arg("--listen")
+        let mut cmd = Command::new(&bin);
+        cmd.arg("--listen")
             .arg(self.grpc.to_string())
             .arg("--http-listen")
             .arg(self.http.to_string())
@@ -92,35 +92,9 @@ impl ControllerProc {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log))
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let stdout = child.stdout.take().context("controller stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(START_TIMEOUT, async {
-            while let Some(line) = lines.next_line().await? {
-                if let Some(rest) = line.strip_prefix("READY ") {
-                    return Ok::<_, std::io::Error>(Some(rest.to_string()));
-                }
-            }
-            Ok(None)
-        })
-        .await;
-        let line = match ready {
-            Ok(Ok(Some(line))) => line,
-            Ok(_) => {
-                let status = child.wait().await.ok();
-                bail!(
-                    "shardcast-controller exited before it was ready ({status:?}); log {}:\n{}",
-                    self.log.display(),
-                    tail(&self.log)
-                );
-            }
-            Err(_) => bail!(
-                "shardcast-controller not ready after {START_TIMEOUT:?}; log {}",
-                self.log.display()
-            ),
-        };
+            .kill_on_drop(true);
+        let (child, line) =
+            crate::cluster::spawn_ready(cmd, &bin, "shardcast-controller", &self.log).await?;
         let field = |k: &str| {
             line.split_whitespace()
                 .find_map(|kv| kv.strip_prefix(k))
@@ -128,7 +102,6 @@ impl ControllerProc {
         };
         self.grpc = field("grpc=")?.parse()?;
         self.http = field("http=")?.parse()?;
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         self.child = Some(child);
         Ok(())
     }

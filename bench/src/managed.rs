@@ -105,6 +105,27 @@ async fn register(
     Ok((decode_exact(m.manifest.into())?, m.digest))
 }
 
+/// A scratch directory holding a synthetic safetensors model (removed on drop).
+fn synthetic_origin(size: u64, shards: usize) -> anyhow::Result<tempfile::TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    eprintln!(
+        "generating a {} synthetic model ({shards} safetensors shards)",
+        format_bytes(size)
+    );
+    synth::generate(
+        dir.path(),
+        &SynthSpec {
+            total_bytes: size,
+            shards,
+            seed: 42,
+        },
+    )?;
+    Ok(dir)
+}
+
 fn verify_all<'a>(
     daemons: impl IntoIterator<Item = &'a Daemon>,
     manifest: &Manifest,
@@ -163,23 +184,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
     if opts.hosts < 2 {
         bail!("--hosts must be at least 2");
     }
-    let origin_dir = tempfile::Builder::new()
-        .prefix("shardcast-origin-")
-        .tempdir()
-        .context("origin dir")?;
-    eprintln!(
-        "generating a {} synthetic model ({} safetensors shards)",
-        format_bytes(opts.size),
-        opts.shards
-    );
-    synth::generate(
-        origin_dir.path(),
-        &SynthSpec {
-            total_bytes: opts.size,
-            shards: opts.shards,
-            seed: 42,
-        },
-    )?;
+    let origin_dir = synthetic_origin(opts.size, opts.shards)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let origin_url = format!("http://{}/", listener.local_addr()?);
     let stats = Arc::new(OriginStats::default());
@@ -682,18 +687,7 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
     if !(2..=16).contains(&opts.partitions) {
         bail!("--partitions must be between 2 and 16");
     }
-    let origin_dir = tempfile::Builder::new()
-        .prefix("shardcast-origin-")
-        .tempdir()
-        .context("origin dir")?;
-    synth::generate(
-        origin_dir.path(),
-        &SynthSpec {
-            total_bytes: opts.size,
-            shards: opts.shards,
-            seed: 42,
-        },
-    )?;
+    let origin_dir = synthetic_origin(opts.size, opts.shards)?;
     let hosts = opts.partitions as usize + 1;
     let gpu_mem = format!("{}B", (opts.size * 2).div_ceil(1 << 20) << 20);
     let pcie = format!("{}B/s", opts.pcie_rate);

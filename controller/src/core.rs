@@ -488,12 +488,27 @@ impl Controller {
                         }
                     })
                     .collect();
+                // The tiers' own share: what the store holds plus the free space. Files of
+                // other programs on the same filesystem are not the cache's to make room
+                // for (evicting models would not free them).
+                let held = |tier: &str| -> u64 {
+                    r.holdings
+                        .iter()
+                        .filter(|x| x.tier == tier)
+                        .map(|x| x.bytes_verified)
+                        .sum()
+                };
+                let (mem_used, disk_used) = (held("memory"), held("disk"));
                 HostTiers {
                     host: r.host_id.clone(),
-                    mem_capacity: r.mem_capacity,
-                    mem_used: r.mem_capacity.saturating_sub(r.mem_free),
-                    disk_capacity: r.disk_capacity,
-                    disk_used: r.disk_capacity.saturating_sub(r.disk_free),
+                    mem_capacity: mem_used
+                        .saturating_add(r.mem_free)
+                        .min(r.mem_capacity.max(mem_used)),
+                    mem_used,
+                    disk_capacity: disk_used
+                        .saturating_add(r.disk_free)
+                        .min(r.disk_capacity.max(disk_used)),
+                    disk_used,
                     items,
                 }
             })

@@ -1,7 +1,9 @@
 //! Host memory and disk tiers kept under their high watermarks (Flashpoint's multi-tier
 //! store, Torpor §5.4's host side). Every `interval` the controller looks at each live
-//! host's last heartbeat; when a tier is above `high` of its capacity it evicts model copies
-//! until the tier is at `low`:
+//! host's last heartbeat. A tier's use is the bytes the store holds in it, and its capacity
+//! that plus the free space (at most the configured capacity): other programs' files on a
+//! shared filesystem never make the cache evict models, which would not free them. When a
+//! tier is above `high` of its capacity, model copies are evicted until it is at `low`:
 //!
 //! * memory: `shardcast_policies::evict::choose_memory_evictions` (model data before
 //!   process memory, least recently used first);

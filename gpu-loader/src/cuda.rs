@@ -498,6 +498,10 @@ impl Staging for CudaStaging {
     fn as_slice(&self) -> &[u8] {
         self.buf.as_slice()
     }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// A copy in flight on a CUDA stream: an event recorded after it.

@@ -124,6 +124,8 @@ pub trait Staging: Send {
     fn as_mut_slice(&mut self) -> &mut [u8];
     /// The bytes.
     fn as_slice(&self) -> &[u8];
+    /// For a backend to recognise its own buffers.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// A copy in flight: wait before reusing its source buffer.

@@ -33,6 +33,16 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// The layout of a chunk source's shards.
+    pub fn of_source(shards: &[crate::loader::SourceShard]) -> Self {
+        Self::new(
+            &shards
+                .iter()
+                .map(|s| (s.path.clone(), s.size))
+                .collect::<Vec<_>>(),
+        )
+    }
+
     /// Lays out shards `(path, size)` back to back.
     pub fn new(shards: &[(String, u64)]) -> Self {
         let mut at = 0u64;

@@ -622,19 +622,12 @@ impl GpuManager {
         {
             let loads = lock(&self.loads);
             if let Some(l) = loads.get(model)
-                && l.state != LoadState::Failed(String::new())
                 && !matches!(l.state, LoadState::Failed(_))
             {
                 return Ok(l.gpus.clone());
             }
         }
-        let layout = Layout::new(
-            &source
-                .shards()
-                .iter()
-                .map(|s| (s.path.clone(), s.size))
-                .collect::<Vec<_>>(),
-        );
+        let layout = Layout::of_source(source.shards());
         let map = match &partition {
             Some(p) => LoadMap::partition(&layout, &p.ranges, p.complete),
             None => LoadMap::full(&layout),

@@ -85,7 +85,10 @@ impl Pacer {
 enum Op {
     Htod {
         offset: u64,
-        data: Vec<u8>,
+        /// The staging buffer itself, shared (no copy): the loader does not touch it
+        /// until the completion says the copy is done.
+        data: Arc<Vec<u8>>,
+        len: usize,
         done: mpsc::SyncSender<Result<(), GpuError>>,
     },
     Peer {
@@ -181,9 +184,20 @@ fn stream_worker(device: u32, file: Arc<File>, rx: mpsc::Receiver<Op>, pcie: u64
     };
     while let Ok(op) = rx.recv() {
         match op {
-            Op::Htod { offset, data, done } => {
-                pcie.pace(data.len() as u64);
-                let r = file.write_all_at(&data, offset).map_err(|e| io("write", e));
+            Op::Htod {
+                offset,
+                data,
+                len,
+                done,
+            } => {
+                pcie.pace(len as u64);
+                let r = match data.get(..len) {
+                    Some(bytes) => file.write_all_at(bytes, offset).map_err(|e| io("write", e)),
+                    None => Err(GpuError::Invalid("copy longer than its buffer".into())),
+                };
+                // Release the buffer before signalling, so the loader can refill it in
+                // place.
+                drop(data);
                 let _ = done.send(r);
             }
             Op::Peer {
@@ -208,17 +222,24 @@ fn stream_worker(device: u32, file: Arc<File>, rx: mpsc::Receiver<Op>, pcie: u64
     }
 }
 
-struct SimStaging(Vec<u8>);
+/// A staging buffer shared with the copy thread while a copy is in flight (like pinned
+/// memory the DMA engine reads).
+struct SimStaging(Arc<Vec<u8>>);
 
 impl Staging for SimStaging {
     fn capacity(&self) -> usize {
         self.0.len()
     }
     fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.0
+        // Unique once the copy completed (the loader waits for it first); if not, this
+        // copies rather than racing the copy thread.
+        Arc::make_mut(&mut self.0).as_mut_slice()
     }
     fn as_slice(&self) -> &[u8] {
         &self.0
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -329,26 +350,28 @@ impl Device for SimDevice {
     }
 
     fn alloc_staging(&self, bytes: usize) -> Result<Box<dyn Staging>, GpuError> {
-        Ok(Box::new(SimStaging(vec![0u8; bytes])))
+        Ok(Box::new(SimStaging(Arc::new(vec![0u8; bytes]))))
     }
 
     fn copy_htod(&self, dst: DevSpan, src: &dyn Staging) -> Result<Box<dyn Completion>, GpuError> {
         let at = self.check(dst)?;
         let n = usize::try_from(dst.len).map_err(|_| GpuError::Invalid("len".into()))?;
-        let data = src
-            .as_slice()
-            .get(..n)
-            .ok_or_else(|| {
-                GpuError::Invalid(format!(
-                    "copy of {n} bytes from a staging buffer of {}",
-                    src.capacity()
-                ))
-            })?
-            .to_vec();
+        if n > src.capacity() {
+            return Err(GpuError::Invalid(format!(
+                "copy of {n} bytes from a staging buffer of {}",
+                src.capacity()
+            )));
+        }
+        // Our own staging buffers are shared with the copy thread; others are copied.
+        let data = match src.as_any().downcast_ref::<SimStaging>() {
+            Some(s) => s.0.clone(),
+            None => Arc::new(src.as_slice()[..n].to_vec()),
+        };
         let (tx, rx) = mpsc::sync_channel(1);
         self.submit(Op::Htod {
             offset: at,
             data,
+            len: n,
             done: tx,
         })?;
         Ok(Box::new(SimCompletion(rx, self.info.index)))

@@ -60,6 +60,18 @@ async fn register(api: &mut ControllerClient<Channel>, origin: &Origin) -> Manif
     decode_exact(m.manifest.into()).unwrap()
 }
 
+/// Gives a daemon `n` simulated GPUs of `memory` each.
+fn sim_gpus(o: &mut shardcast_bench::cluster::DaemonOpts, n: u32, memory: &str) {
+    o.extra_args.extend([
+        "--gpu-backend".into(),
+        "simulated".into(),
+        "--sim-gpus".into(),
+        n.to_string(),
+        "--sim-gpu-memory".into(),
+        memory.into(),
+    ]);
+}
+
 fn hosts(range: std::ops::RangeInclusive<usize>) -> Vec<String> {
     range.map(|i| format!("host-{i}")).collect()
 }
@@ -846,21 +858,9 @@ async fn gpu_replicas_share_one_copy_per_host() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
-    let c = ManagedCluster::start(2, vec![], |_, o| {
-        o.extra_args.extend(
-            [
-                "--gpu-backend",
-                "simulated",
-                "--sim-gpus",
-                "2",
-                "--sim-gpu-memory",
-                "128MiB",
-            ]
-            .map(String::from),
-        );
-    })
-    .await
-    .unwrap();
+    let c = ManagedCluster::start(2, vec![], |_, o| sim_gpus(o, 2, "128MiB"))
+        .await
+        .unwrap();
     let origin = Origin::new(12 << 20, 2);
     let mut api = c.controller.client().await.unwrap();
     let manifest = register(&mut api, &origin).await;
@@ -1000,21 +1000,9 @@ async fn reported_load_scales_out_then_in_and_evicts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
     use shardcast_protocol::agent::GpuStatusRequest;
-    let c = ManagedCluster::start(3, vec![], |_, o| {
-        o.extra_args.extend(
-            [
-                "--gpu-backend",
-                "simulated",
-                "--sim-gpus",
-                "1",
-                "--sim-gpu-memory",
-                "128MiB",
-            ]
-            .map(String::from),
-        );
-    })
-    .await
-    .unwrap();
+    let c = ManagedCluster::start(3, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
+        .await
+        .unwrap();
     let origin = Origin::new(16 << 20, 2);
     let mut api = c.controller.client().await.unwrap();
     let manifest = register(&mut api, &origin).await;

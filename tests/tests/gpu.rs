@@ -13,6 +13,22 @@ use shardcast_protocol::agent::{
 };
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 
+/// A synthetic safetensors model in a scratch directory, and its `file://` URI.
+fn synthetic_origin(total_bytes: u64, shards: usize, seed: u64) -> (tempfile::TempDir, String) {
+    let origin = tempfile::tempdir().unwrap();
+    synth::generate(
+        origin.path(),
+        &SynthSpec {
+            total_bytes,
+            shards,
+            seed,
+        },
+    )
+    .unwrap();
+    let uri = format!("file://{}", origin.path().display());
+    (origin, uri)
+}
+
 async fn daemon(root: &std::path::Path, name: &str, extra: &[&str]) -> Daemon {
     let mut o = DaemonOpts::local(name);
     let mut rest = extra.iter();
@@ -47,17 +63,7 @@ async fn import(d: &Daemon, origin: &str, fetch: bool, manifest: Vec<u8>) -> (St
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
-    let origin = tempfile::tempdir().unwrap();
-    synth::generate(
-        origin.path(),
-        &SynthSpec {
-            total_bytes: 24 << 20,
-            shards: 2,
-            seed: 5,
-        },
-    )
-    .unwrap();
-    let uri = format!("file://{}", origin.path().display());
+    let (origin, uri) = synthetic_origin(24 << 20, 2, 5);
     let root = tempfile::tempdir().unwrap();
     let source = daemon(root.path(), "source", &["--egress-rate", "16MB/s"]).await;
     let gpu = daemon(
@@ -226,17 +232,7 @@ async fn without_a_cuda_driver_the_daemon_keeps_working() {
         eprintln!("SKIPPED: this host has a CUDA driver");
         return;
     }
-    let origin = tempfile::tempdir().unwrap();
-    synth::generate(
-        origin.path(),
-        &SynthSpec {
-            total_bytes: 2 << 20,
-            shards: 1,
-            seed: 9,
-        },
-    )
-    .unwrap();
-    let uri = format!("file://{}", origin.path().display());
+    let (_origin, uri) = synthetic_origin(2 << 20, 1, 9);
     let root = tempfile::tempdir().unwrap();
     let d = daemon(root.path(), "cuda-host", &["--gpu-backend", "cuda"]).await;
     let mut agent = d.agent().await.unwrap();
@@ -335,17 +331,7 @@ async fn verified_bytes(d: &Daemon, digest: &str, chunk: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_load_from_a_peer_first_then_complete_to_full_replicas() {
-    let origin = tempfile::tempdir().unwrap();
-    synth::generate(
-        origin.path(),
-        &SynthSpec {
-            total_bytes: 24 << 20,
-            shards: 2,
-            seed: 11,
-        },
-    )
-    .unwrap();
-    let uri = format!("file://{}", origin.path().display());
+    let (origin, uri) = synthetic_origin(24 << 20, 2, 11);
     let root = tempfile::tempdir().unwrap();
     let holder = daemon(root.path(), "holder", &["--egress-rate", "64MB/s"]).await;
     let (digest, manifest) = import(&holder, &uri, true, vec![]).await;

@@ -478,28 +478,16 @@ impl Agent for AgentService {
         })?;
         let heaviness = crate::gpu::parse_heaviness(&req.heaviness)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let gpus = match req.partition {
-            Some(spec) => {
-                crate::gpu::load_partition(
-                    &self.node,
-                    &self.gpus,
-                    &digest,
-                    req.count.max(1) as usize,
-                    &req.gpus,
-                    heaviness,
-                    spec,
-                )
-                .await
-            }
-            None => crate::gpu::load(
-                &self.node,
-                &self.gpus,
-                &digest,
-                req.count.max(1) as usize,
-                &req.gpus,
-                heaviness,
-            ),
-        }
+        let gpus = crate::gpu::load(
+            &self.node,
+            &self.gpus,
+            &digest,
+            req.count.max(1) as usize,
+            &req.gpus,
+            heaviness,
+            req.partition,
+        )
+        .await
         .map_err(|e| match e {
             crate::gpu::LoadFailure::Invalid(_) => Status::invalid_argument(e.to_string()),
             crate::gpu::LoadFailure::Unavailable(_) => Status::unavailable(e.to_string()),

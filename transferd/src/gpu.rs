@@ -133,22 +133,46 @@ pub fn parse_heaviness(s: &str) -> Result<Heaviness, LoadFailure> {
     }
 }
 
-/// Starts loading `digest` onto GPUs of this host.
-pub fn load(
+/// Starts loading `digest` onto GPUs of this host (the agent's `LoadModel`): the whole
+/// model, or with `partition` a partitioned load (see `load_partition`).
+pub async fn load(
     node: &Arc<Node>,
     gpus: &Arc<GpuManager>,
     digest: &ModelDigest,
     count: usize,
     explicit: &[u32],
     heaviness: Heaviness,
+    partition: Option<PartitionSpec>,
+) -> Result<Vec<u32>, LoadFailure> {
+    if let Some(spec) = partition {
+        return load_partition(node, gpus, digest, count, explicit, heaviness, spec).await;
+    }
+    let source = StoreSource::new(node, digest, tokio::runtime::Handle::current())
+        .map_err(LoadFailure::Source)?;
+    start(
+        node,
+        gpus,
+        digest,
+        Arc::new(source),
+        (count, explicit, heaviness),
+        None,
+    )
+}
+
+/// Hands a load to the GPU manager.
+fn start(
+    node: &Node,
+    gpus: &Arc<GpuManager>,
+    digest: &ModelDigest,
+    source: Arc<StoreSource>,
+    (count, explicit, heaviness): (usize, &[u32], Heaviness),
+    partition: Option<PartitionLoad>,
 ) -> Result<Vec<u32>, LoadFailure> {
     let name = node
         .store
         .manifest(digest)
         .map(|m| m.name.to_string())
         .unwrap_or_default();
-    let source = StoreSource::new(node, digest, tokio::runtime::Handle::current())
-        .map_err(LoadFailure::Source)?;
     let files = source.file_paths();
     gpus.start(
         LoadRequest {
@@ -157,10 +181,10 @@ pub fn load(
             count,
             gpus: explicit.to_vec(),
             files,
-            partition: None,
+            partition,
             heaviness,
         },
-        Arc::new(source),
+        source,
     )
     .map_err(LoadFailure::Manager)
 }
@@ -191,7 +215,7 @@ fn chunk_spans(ranges: &[ShardRange], chunk_size: u32) -> Vec<(u32, std::ops::Ra
 /// model follows into the same region. With a source, the data plane fetches the
 /// partition's chunks first, then (with completion) every other chunk, while the loader
 /// streams them to the GPUs.
-pub async fn load_partition(
+async fn load_partition(
     node: &Arc<Node>,
     gpus: &Arc<GpuManager>,
     digest: &ModelDigest,
@@ -214,13 +238,7 @@ pub async fn load_partition(
         StoreSource::new(node, digest, tokio::runtime::Handle::current())
             .map_err(LoadFailure::Source)?,
     );
-    let layout = Layout::new(
-        &source
-            .shards()
-            .iter()
-            .map(|s| (s.path.clone(), s.size))
-            .collect::<Vec<_>>(),
-    );
+    let layout = Layout::of_source(source.shards());
     let tensor_shards: Vec<usize> = layout
         .shards
         .iter()
@@ -312,28 +330,20 @@ pub async fn load_partition(
     } else {
         spec.label.clone()
     };
-    let name = manifest.name.to_string();
-    let files = source.file_paths();
     let part_spans = chunk_spans(&ranges, chunk_size);
-    let chosen = gpus
-        .start(
-            LoadRequest {
-                model: digest.to_hex(),
-                name,
-                count,
-                gpus: explicit.to_vec(),
-                files,
-                partition: Some(PartitionLoad {
-                    label,
-                    ranges,
-                    complete: spec.complete,
-                    index,
-                }),
-                heaviness,
-            },
-            source,
-        )
-        .map_err(LoadFailure::Manager)?;
+    let chosen = start(
+        node,
+        gpus,
+        digest,
+        source,
+        (count, explicit, heaviness),
+        Some(PartitionLoad {
+            label,
+            ranges,
+            complete: spec.complete,
+            index,
+        }),
+    )?;
     // 4. The data plane: the partition's chunks first, then the rest.
     if !spec.source.is_empty() {
         let (node, gpus, digest) = (node.clone(), gpus.clone(), *digest);
