@@ -2,14 +2,14 @@
 //! `shardcast_policies::autoscale::decide` and carries its decision out through the same
 //! paths as the API (`ScaleOut` for scale-up, `Evict` for scale-down); every decision is
 //! recorded with its reason (`ListEvents`, `shardcast events`, and a counter per kind on the
-//! HTTP `/metrics`). `GetPartitionPlan` precomputes a model's partition plans from its
-//! registered profile, or from the tensor index of a host that holds it.
+//! HTTP `/metrics`). `GetPartitionPlan` answers from the model's stored partition-plan table
+//! (`ptables`), built from its registered profile or from the tensor index of a host that
+//! holds it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use shardcast_policies::autoscale::{self, Action, LoadReport, ModelScaleState, ScalerConfig};
-use shardcast_policies::partition;
 use shardcast_policies::profile::{self, Bandwidths, ModelProfile};
 use shardcast_protocol::agent::GetHandoffRequest;
 use shardcast_protocol::controller::{
@@ -249,7 +249,8 @@ impl Controller {
     ) -> Result<(String, ModelProfile, Option<u64>), ApiError> {
         let (name, digest, registered_profile, holder, smallest_gpu) =
             self.partition_inputs(key)?;
-        let profile: ModelProfile = match registered_profile {
+        let stored = || self.plan_store().derived(&name, &digest);
+        let profile: ModelProfile = match registered_profile.or_else(stored) {
             Some(p) => p,
             None => {
                 let host = holder.ok_or_else(|| {
@@ -282,7 +283,10 @@ impl Controller {
                         "model {name} has no safetensors tensors to derive a profile from; register it with a profile"
                     )));
                 }
-                profile::profile_from_tensors(&name, &tensors, &Bandwidths::default())
+                let p = profile::profile_from_tensors(&name, &tensors, &Bandwidths::default());
+                self.plan_store()
+                    .set_derived(self.store(), &name, &digest, &p);
+                p
             }
         };
         Ok((name, profile, smallest_gpu))
@@ -293,31 +297,26 @@ impl Controller {
         &self,
         req: GetPartitionPlanRequest,
     ) -> Result<PartitionPlanResponse, ApiError> {
-        let (name, profile, smallest_gpu) = self.model_profile(&req.model).await?;
         let max_p = if req.max_partitions == 0 {
-            8
+            crate::ptables::DEFAULT_MAX_PARTITIONS
         } else {
             req.max_partitions as usize
         };
-        let gpu_memory = if req.gpu_memory > 0 {
-            req.gpu_memory
-        } else {
-            smallest_gpu.unwrap_or(16 << 30)
-        };
         let queue = req.queue.max(1);
-        let table = partition::precompute(
-            &profile,
-            max_p,
-            gpu_memory,
-            Bandwidths::default().link_bps,
-            queue.max(64),
-        )
-        .map_err(|e| ApiError::precondition(format!("no partition plan: {e}")))?;
+        let (name, profile, table, stored) = self
+            .plan_table(
+                &req.model,
+                max_p,
+                (req.gpu_memory > 0).then_some(req.gpu_memory),
+                crate::ptables::table_queue(queue),
+            )
+            .await?;
         let chosen = table.best_for(queue).cloned();
         let json = serde_json::json!({
             "model": name,
-            "gpu_memory": gpu_memory,
+            "gpu_memory": table.gpu_memory,
             "queue": queue,
+            "stored": stored,
             "chosen": chosen,
             "table": table,
             "profile": profile,
@@ -340,15 +339,15 @@ impl Controller {
         queue: u32,
         measured_load_s: f64,
     ) -> Option<autoscale::BurstOption> {
-        let (_, profile, smallest_gpu) = self.model_profile(model).await.ok()?;
-        let table = partition::precompute(
-            &profile,
-            8,
-            smallest_gpu.unwrap_or(16 << 30),
-            Bandwidths::default().link_bps,
-            queue.max(1).max(64),
-        )
-        .ok()?;
+        let (_, profile, table, _) = self
+            .plan_table(
+                model,
+                crate::ptables::DEFAULT_MAX_PARTITIONS,
+                None,
+                crate::ptables::table_queue(queue),
+            )
+            .await
+            .ok()?;
         let best = table.best_for(queue.max(1))?;
         let p = best.partition_count();
         if p < 2 {

@@ -10,8 +10,8 @@
 
 use std::sync::Arc;
 
-use shardcast_policies::partition::{self, PartitionPlan};
-use shardcast_policies::profile::{Bandwidths, ModelProfile};
+use shardcast_policies::partition::PartitionPlan;
+use shardcast_policies::profile::ModelProfile;
 use shardcast_protocol::agent as apb;
 use shardcast_protocol::controller::{HostProgress, PlanAccepted};
 use tracing::{info, warn};
@@ -79,16 +79,14 @@ impl Controller {
         partitions: u32,
         queue: u32,
     ) -> Result<(ModelProfile, PartitionPlan), ApiError> {
-        let (_, profile, smallest_gpu) = self.model_profile(model).await?;
-        let gpu_memory = smallest_gpu.unwrap_or(16 << 30);
-        let table = partition::precompute(
-            &profile,
-            partitions as usize,
-            gpu_memory,
-            Bandwidths::default().link_bps,
-            queue.max(1),
-        )
-        .map_err(|e| ApiError::precondition(format!("no partition plan: {e}")))?;
+        let (_, profile, table, _) = self
+            .plan_table(
+                model,
+                partitions as usize,
+                None,
+                crate::ptables::table_queue(queue),
+            )
+            .await?;
         let plan = table
             .best_with_partitions(partitions as usize, queue.max(1))
             .ok_or_else(|| {

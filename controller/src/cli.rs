@@ -451,6 +451,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                             ),
                             format!("{}/{}", h.gpus_reserved, rep.gpus.len()),
                             complete.to_string(),
+                            gpu_loads_summary(&rep.gpu_loads),
                         ]
                     })
                     .collect();
@@ -466,7 +467,8 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                             "MEM FREE",
                             "DISK FREE",
                             "GPUS RSV",
-                            "COPIES"
+                            "COPIES",
+                            "GPU LOADS"
                         ],
                         rows
                     )
@@ -953,6 +955,22 @@ pub fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
     out
 }
 
+/// "2 resident, 1 failed": the models on a host's GPUs by state ("-" when none).
+fn gpu_loads_summary(loads: &[shardcast_protocol::controller::GpuLoad]) -> String {
+    let parts: Vec<String> = ["loading", "partition-live", "resident", "failed"]
+        .iter()
+        .filter_map(|state| {
+            let n = loads.iter().filter(|l| l.state == *state).count();
+            (n > 0).then(|| format!("{n} {state}"))
+        })
+        .collect();
+    if parts.is_empty() {
+        "-".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -976,5 +994,19 @@ mod tests {
         assert!(e.message.starts_with("NOT_FOUND: x"));
         let e: CliError = tonic::Status::resource_exhausted("x").into();
         assert_eq!(e.exit, 4);
+    }
+
+    #[test]
+    fn gpu_loads_are_summarised_by_state() {
+        use shardcast_protocol::controller::GpuLoad;
+        let l = |state: &str| GpuLoad {
+            state: state.into(),
+            ..Default::default()
+        };
+        assert_eq!(gpu_loads_summary(&[]), "-");
+        assert_eq!(
+            gpu_loads_summary(&[l("failed"), l("resident"), l("resident")]),
+            "2 resident, 1 failed"
+        );
     }
 }

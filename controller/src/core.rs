@@ -299,6 +299,7 @@ pub struct Controller {
     cancel: CancellationToken,
     scaler: crate::autoscaler::Autoscaler,
     usage: crate::tiers::Usage,
+    ptables: crate::ptables::PlanStore,
 }
 
 impl Controller {
@@ -335,6 +336,7 @@ impl Controller {
                             last_seen: started,
                             up: true,
                             gpu_reserved: r.gpu_reserved,
+                            booked_at: HashMap::new(),
                         },
                     );
                 }
@@ -355,6 +357,8 @@ impl Controller {
                 Err(e) => warn!(plan = %id, "skipping unreadable plan record: {e}"),
             }
         }
+        let usage = crate::tiers::Usage::restore(store.as_ref())?;
+        let ptables = crate::ptables::PlanStore::restore(store.as_ref())?;
         let me = Arc::new(Self {
             cfg,
             store,
@@ -362,7 +366,8 @@ impl Controller {
             agents: Mutex::default(),
             cancel,
             scaler: crate::autoscaler::Autoscaler::default(),
-            usage: crate::tiers::Usage::default(),
+            usage,
+            ptables,
         });
         for id in resume {
             info!(plan = %id, "resuming a plan in flight");
@@ -425,7 +430,17 @@ impl Controller {
         Ok(client)
     }
 
-    /// Last use of each model, for the tiers' LRU order.
+    /// The state store.
+    pub(crate) fn store(&self) -> &dyn StateStore {
+        self.store.as_ref()
+    }
+
+    /// Stored partition-plan tables.
+    pub(crate) fn plan_store(&self) -> &crate::ptables::PlanStore {
+        &self.ptables
+    }
+
+    /// When each model was last used (for the tier sweeper's LRU).
     pub fn usage(&self) -> &crate::tiers::Usage {
         &self.usage
     }
@@ -630,6 +645,7 @@ impl Controller {
                 last_seen: Instant::now(),
                 up: true,
                 gpu_reserved: BTreeMap::new(),
+                booked_at: HashMap::new(),
             }
         });
         if !entry.up {
@@ -754,20 +770,37 @@ impl Controller {
             registered_at: now_unix(),
             profile: profile_json,
         };
-        let mut st = lock(&self.state);
-        if let Some(old) = st.models.get(name.as_str())
-            && old.digest == digest
-            && old.origin == record.origin
-            && old.profile == record.profile
+        let with_profile = record.profile.is_some();
+        let info = {
+            let mut st = lock(&self.state);
+            if let Some(old) = st.models.get(name.as_str())
+                && old.digest == digest
+                && old.origin == record.origin
+                && old.profile == record.profile
+            {
+                return Ok(old.info(Some(&resp.manifest)));
+            }
+            self.store.put(Table::Manifests, &digest, &resp.manifest)?;
+            self.put_json(Table::Models, name.as_str(), &record)?;
+            info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), "model registered");
+            st.manifests.insert(digest, Arc::new(resp.manifest.clone()));
+            let info = record.info(Some(&resp.manifest));
+            st.models.insert(name.to_string(), record);
+            info
+        };
+        // Plans are precomputed and stored with the model (Flashpoint §4.2.2).
+        if with_profile
+            && let Err(e) = self
+                .plan_table(
+                    name.as_str(),
+                    crate::ptables::DEFAULT_MAX_PARTITIONS,
+                    None,
+                    crate::ptables::table_queue(1),
+                )
+                .await
         {
-            return Ok(old.info(Some(&resp.manifest)));
+            warn!(model = %name, "no partition plans for the registered profile: {}", e.message);
         }
-        self.store.put(Table::Manifests, &digest, &resp.manifest)?;
-        self.put_json(Table::Models, name.as_str(), &record)?;
-        info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), "model registered");
-        st.manifests.insert(digest, Arc::new(resp.manifest.clone()));
-        let info = record.info(Some(&resp.manifest));
-        st.models.insert(name.to_string(), record);
         Ok(info)
     }
 
@@ -911,6 +944,7 @@ impl Controller {
             return Err(ApiError::not_found(format!("host {host:?} is not known")));
         };
         *h.gpu_reserved.entry(digest.to_string()).or_default() += 1;
+        h.booked_at.insert(digest.to_string(), Instant::now());
         let rec = HostRecord {
             report: h.report.clone(),
             gpu_reserved: h.gpu_reserved.clone(),
@@ -932,6 +966,47 @@ impl Controller {
             drop(st);
             let _ = self.put_json(Table::Hosts, host, &rec);
         }
+    }
+
+    /// GPU reservations the hosts' own reports contradict: the load failed there, or the
+    /// host's GPU manager evicted the model to make room. Reservations of a plan still moving
+    /// the model to the host, and ones younger than two heartbeats (the report may predate
+    /// the load), stand. Returns (host, digest, model name, why).
+    pub(crate) fn stale_gpu_bookings(&self) -> Vec<(String, String, String, String)> {
+        let st = lock(&self.state);
+        let grace = self.cfg.heartbeat * 2;
+        let mut out = Vec::new();
+        for h in st.hosts.values().filter(|h| h.up) {
+            let host = &h.report.host_id;
+            for digest in h.gpu_reserved.keys() {
+                let fresh = h
+                    .booked_at
+                    .get(digest)
+                    .is_some_and(|at| h.last_seen.saturating_duration_since(*at) < grace);
+                let moving = st.plans.values().any(|p| {
+                    p.status.state == "running"
+                        && p.status.digest == *digest
+                        && p.status
+                            .hosts
+                            .iter()
+                            .any(|x| x.host == *host && is_active(&x.state))
+                });
+                if fresh || moving {
+                    continue;
+                }
+                if let Some(why) =
+                    crate::tiers::stale_booking(digest, &h.report.gpu_loads, &h.report.gpu_evicted)
+                {
+                    let name = st
+                        .models
+                        .values()
+                        .find(|m| m.digest == *digest)
+                        .map_or_else(|| digest.clone(), |m| m.name.clone());
+                    out.push((host.clone(), digest.clone(), name, why));
+                }
+            }
+        }
+        out
     }
 
     /// The heaviness of a model for `LoadModel` (Torpor §5.3) from its registered profile:
@@ -1116,6 +1191,7 @@ impl Controller {
                     && let Some(h) = st.hosts.get_mut(&r.host)
                 {
                     *h.gpu_reserved.entry(model.digest.clone()).or_default() += r.gpus;
+                    h.booked_at.insert(model.digest.clone(), Instant::now());
                     touched.push(HostRecord {
                         report: h.report.clone(),
                         gpu_reserved: h.gpu_reserved.clone(),

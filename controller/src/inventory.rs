@@ -19,6 +19,10 @@ pub struct HostEntry {
     pub up: bool,
     /// GPU slots reserved per model digest (tier "gpu" replicas).
     pub gpu_reserved: BTreeMap<String, u32>,
+    /// When each reservation was last made (not persisted: a reservation loaded from state
+    /// counts as old). A report is only taken as news about a reservation once it arrived
+    /// well after it.
+    pub booked_at: HashMap<String, Instant>,
 }
 
 /// The persisted part of a host entry.
@@ -204,6 +208,7 @@ mod tests {
             last_seen: Instant::now(),
             up,
             gpu_reserved: BTreeMap::new(),
+            booked_at: HashMap::new(),
         }
     }
 

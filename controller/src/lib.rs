@@ -9,6 +9,9 @@
 //!   eviction.
 //! * [`autoscaler`]: `ReportLoad` → the autoscaling policy → scale-out / evict, with an
 //!   event per decision; partition plans from profiles.
+//! * [`ptables`]: partition-plan tables (and derived profiles) stored with each model.
+//! * [`burst`]: partitioned bursts (`ScaleOut` with `partitions`); [`tiers`]: the memory
+//!   and disk tier sweeper and GPU-slot reconciliation; [`scrape`]: load from Prometheus.
 //! * [`inventory`]: hosts' heartbeats, liveness, GPU reservations; the placement view.
 //! * [`state`]: the durable store behind a trait (redb by default).
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
@@ -25,6 +28,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod inventory;
+pub mod ptables;
 pub mod scrape;
 pub mod server;
 pub mod state;

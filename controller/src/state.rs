@@ -1,8 +1,9 @@
 //! Durable controller state behind a small trait, so a distributed store (etcd, a SQL
 //! database) can replace the embedded default later.
 //!
-//! The controller keeps four tables: registered models (JSON records), their manifests (raw
-//! canonical bytes), hosts' last reports, and plans (JSON records, in flight and finished).
+//! The controller keeps six tables: registered models (JSON records), their manifests (raw
+//! canonical bytes), hosts' last reports, plans (JSON records, in flight and finished),
+//! each model's last use, and each model's partition-plan tables.
 //! Every write is one committed transaction; a crash loses at most the write in progress.
 
 use std::path::Path;
@@ -20,6 +21,11 @@ pub enum Table {
     Hosts,
     /// Plan id → `PlanRecord` (JSON).
     Plans,
+    /// Model digest → its last use, seconds since the epoch (decimal text), for LRU
+    /// eviction across restarts.
+    Usage,
+    /// Model name → its stored partition-plan tables (JSON `ptables::StoredPlans`).
+    PartitionPlans,
 }
 
 impl Table {
@@ -29,10 +35,19 @@ impl Table {
             Self::Manifests => "manifests",
             Self::Hosts => "hosts",
             Self::Plans => "plans",
+            Self::Usage => "usage",
+            Self::PartitionPlans => "partition_plans",
         })
     }
 
-    const ALL: [Self; 4] = [Self::Models, Self::Manifests, Self::Hosts, Self::Plans];
+    const ALL: [Self; 6] = [
+        Self::Models,
+        Self::Manifests,
+        Self::Hosts,
+        Self::Plans,
+        Self::Usage,
+        Self::PartitionPlans,
+    ];
 }
 
 /// Why the state store failed.
@@ -42,6 +57,11 @@ pub struct StateError(String);
 
 impl StateError {
     fn from<E: std::fmt::Display>(e: E) -> Self {
+        Self(e.to_string())
+    }
+
+    /// An error from anything printable (encoding a record).
+    pub(crate) fn from_display<E: std::fmt::Display>(e: E) -> Self {
         Self(e.to_string())
     }
 }

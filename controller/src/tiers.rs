@@ -14,18 +14,24 @@
 //! unless its origin can serve it again (`origins_durable`). Every eviction, and every
 //! sweep that cannot get down to the low watermark, is an event (`ListEvents`, kind
 //! `tier-evict` / `tier-full`) with its reason.
+//!
+//! The same pass reconciles GPU reservations with what the hosts report of their GPUs: a
+//! reservation whose load failed on the host, or whose model the host's GPU manager evicted
+//! to make room, is released (event `gpu-release`), so a failed burst partition or plan does
+//! not hold a GPU slot, nor count as a replica, until an operator evicts it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use shardcast_policies::evict::{
     self, ClusterCopies, DiskItem, TierItem, TierKind, choose_memory_evictions,
 };
-use shardcast_protocol::controller::{Event, EvictRequest};
+use shardcast_protocol::controller::{Event, EvictRequest, GpuLoad};
 use tracing::warn;
 
 use crate::core::Controller;
+use crate::state::{StateError, StateStore, Table};
 
 /// Watermark settings.
 #[derive(Debug, Clone)]
@@ -63,42 +69,101 @@ impl Default for TierConfig {
 }
 
 /// When each model was last used (prewarmed, scaled, or reported with load), seconds since
-/// the epoch.
+/// the epoch. Kept in the state store (table `usage`, flushed by each sweep), so a restarted
+/// controller still evicts the least recently used copies first.
 #[derive(Default)]
-pub struct Usage(Mutex<HashMap<String, f64>>, Mutex<HashMap<String, String>>);
+pub struct Usage {
+    last: Mutex<HashMap<String, f64>>,
+    /// Digests touched since the last flush.
+    dirty: Mutex<HashSet<String>>,
+    /// Hosts whose "tier full" note was recorded.
+    full: Mutex<HashSet<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 impl Usage {
+    /// The last uses kept in `store`; an unreadable entry is skipped with a warning (it
+    /// counts as never used, the oldest).
+    pub fn restore(store: &dyn StateStore) -> Result<Self, StateError> {
+        let mut last = HashMap::new();
+        for (digest, bytes) in store.list(Table::Usage)? {
+            match std::str::from_utf8(&bytes)
+                .ok()
+                .and_then(|s| s.parse::<f64>().ok())
+                .filter(|t| t.is_finite())
+            {
+                Some(t) => {
+                    last.insert(digest, t);
+                }
+                None => warn!(model = %digest, "skipping an unreadable last-use record"),
+            }
+        }
+        Ok(Self {
+            last: Mutex::new(last),
+            ..Self::default()
+        })
+    }
+
+    /// Writes the uses recorded since the last flush.
+    pub fn flush(&self, store: &dyn StateStore) -> Result<(), StateError> {
+        let dirty: Vec<String> = lock(&self.dirty).drain().collect();
+        for (n, digest) in dirty.iter().enumerate() {
+            let t = self.last(digest);
+            if let Err(e) = store.put(Table::Usage, digest, t.to_string().as_bytes()) {
+                // Try again next time.
+                lock(&self.dirty).extend(dirty[n..].iter().cloned());
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// Records a use of `digest` now.
     pub fn touch(&self, digest: &str) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(digest.to_string(), now);
+        lock(&self.last).insert(digest.to_string(), now);
+        lock(&self.dirty).insert(digest.to_string());
     }
 
     /// Whether a "tier full" note for `host` is news: recorded when the host becomes full,
     /// not again on every sweep while it stays full (`full = false` clears it).
     fn new_note(&self, host: &str, full: bool) -> bool {
-        let mut m = self.1.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut m = lock(&self.full);
         if !full {
             m.remove(host);
             return false;
         }
-        m.insert(host.to_string(), String::new()).is_none()
+        m.insert(host.to_string())
     }
 
-    /// Last use of `digest` (0: never seen since the controller started).
+    /// Last use of `digest` (0: never recorded).
     pub fn last(&self, digest: &str) -> f64 {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(digest)
-            .copied()
-            .unwrap_or(0.0)
+        lock(&self.last).get(digest).copied().unwrap_or(0.0)
+    }
+}
+
+/// Why a GPU reservation of `digest` on a host no longer stands, from the host's report of
+/// its GPUs: the load failed there, or its GPU manager evicted the model to make room and
+/// has not loaded it again. `None`: the reservation stands (loading, live, resident, or not
+/// started yet).
+pub fn stale_booking(digest: &str, loads: &[GpuLoad], evicted: &[String]) -> Option<String> {
+    match loads.iter().find(|l| l.digest == digest) {
+        Some(l) if l.state == "failed" => Some(if l.error.is_empty() {
+            "the GPU load failed on the host".to_string()
+        } else {
+            format!("the GPU load failed on the host: {}", l.error)
+        }),
+        Some(_) => None,
+        None if evicted.iter().any(|d| d == digest) => {
+            Some("the host's GPU manager evicted it to make room for another model".into())
+        }
+        None => None,
     }
 }
 
@@ -237,10 +302,16 @@ impl Controller {
         let mut tick = tokio::time::interval(self.config().tiers.interval);
         loop {
             tokio::select! {
-                _ = self.cancelled() => return,
+                _ = self.cancelled() => {
+                    let _ = self.usage().flush(self.store());
+                    return;
+                }
                 _ = tick.tick() => {}
             }
             self.sweep_tiers().await;
+            if let Err(e) = self.usage().flush(self.store()) {
+                warn!("recording last uses: {e}");
+            }
         }
     }
 
@@ -248,6 +319,21 @@ impl Controller {
     pub async fn sweep_tiers(&self) -> Vec<Event> {
         let cfg = self.config().tiers.clone();
         let mut events = Vec::new();
+        // GPU reservations first: a failed or evicted GPU copy frees its slot, so the
+        // autoscaler does not count it as a replica and placement can use the GPU again.
+        for (host, digest, name, why) in self.stale_gpu_bookings() {
+            self.release_gpu_slot(&host, &digest);
+            warn!(host = %host, model = %name, "GPU reservation released: {why}");
+            events.push(self.autoscaler().record_event(Event {
+                at: now(),
+                model: name,
+                kind: "gpu-release".into(),
+                reason: format!("host {host}: {why}"),
+                plan_id: String::new(),
+                delta: -1,
+                hosts: vec![host],
+            }));
+        }
         for h in self.tier_view(cfg.origins_durable) {
             let (evictions, notes) = sweep_host(&h, &cfg, self.usage());
             tracing::debug!(host = %h.host, mem_used = h.mem_used, disk_used = h.disk_used, ?evictions, ?notes, "tier sweep");
@@ -404,5 +490,48 @@ mod tests {
         let (ev, _) = sweep_host(&h, &TierConfig::default(), &usage);
         assert_eq!(ev.len(), 1);
         assert_eq!((ev[0].0.as_str(), ev[0].1.as_str()), ("disk", "old"));
+    }
+
+    #[test]
+    fn gpu_bookings_go_when_the_host_reports_a_failure_or_an_eviction() {
+        let load = |d: &str, state: &str, error: &str| GpuLoad {
+            digest: d.into(),
+            state: state.into(),
+            error: error.into(),
+            ..Default::default()
+        };
+        let loads = vec![
+            load("failed", "failed", "fetching partition: origin gone"),
+            load("live", "partition-live", ""),
+            load("back", "loading", ""),
+        ];
+        let evicted = vec!["gone".to_string(), "back".to_string()];
+        let why = stale_booking("failed", &loads, &evicted).expect("a failed load is stale");
+        assert!(why.contains("origin gone"), "{why}");
+        assert_eq!(stale_booking("live", &loads, &evicted), None);
+        // Evicted once, loading again: the new load stands.
+        assert_eq!(stale_booking("back", &loads, &evicted), None);
+        let why = stale_booking("gone", &loads, &evicted).expect("an evicted model is stale");
+        assert!(why.contains("evicted"), "{why}");
+        // Not started yet (a plan still moving it): stands.
+        assert_eq!(stale_booking("pending", &loads, &evicted), None);
+    }
+
+    #[test]
+    fn last_uses_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        {
+            let store = crate::state::RedbStore::open(&path).unwrap();
+            let usage = Usage::restore(&store).unwrap();
+            usage.touch("a");
+            usage.flush(&store).unwrap();
+            store.put(Table::Usage, "bad", b"not a time").unwrap();
+        }
+        let store = crate::state::RedbStore::open(&path).unwrap();
+        let usage = Usage::restore(&store).unwrap();
+        assert!(usage.last("a") > 1.0e9, "{}", usage.last("a"));
+        assert_eq!(usage.last("bad"), 0.0);
+        assert_eq!(usage.last("never"), 0.0);
     }
 }

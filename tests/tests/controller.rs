@@ -1093,6 +1093,218 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
     assert_eq!(gpu_hosts.len(), 2, "{st:?}");
 }
 
+/// A profile derived from the origin's own tensor index, so the controller needs no host
+/// holding the model to plan partitions.
+fn origin_profile(origin: &Origin) -> String {
+    let mut files: Vec<_> = std::fs::read_dir(origin.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    let mut tensors = Vec::new();
+    for f in files {
+        let bytes = std::fs::read(&f).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in st.tensors() {
+            tensors.push((name, view.data().len() as u64));
+        }
+    }
+    let p = shardcast_policies::profile::profile_from_tensors(MODEL, &tensors, &Default::default());
+    serde_json::to_string(&p).unwrap()
+}
+
+async fn partition_plan(
+    api: &mut ControllerClient<Channel>,
+    max_partitions: u32,
+) -> serde_json::Value {
+    let r = api
+        .get_partition_plan(shardcast_protocol::controller::GetPartitionPlanRequest {
+            model: MODEL.into(),
+            max_partitions,
+            gpu_memory: 0,
+            queue: 4,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    serde_json::from_str(&r.json).unwrap()
+}
+
+async fn register_profile(api: &mut ControllerClient<Channel>, origin: &Origin, profile: &str) {
+    api.register_model(RegisterModelRequest {
+        name: MODEL.into(),
+        origin: origin.uri(),
+        chunk_size: 256 << 10,
+        via_host: String::new(),
+        profile_json: profile.into(),
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
+    let mut c = ManagedCluster::start(1, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
+        .await
+        .unwrap();
+    let origin = Origin::new(16 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let profile = origin_profile(&origin);
+    register_profile(&mut api, &origin, &profile).await;
+    // The default table (P = 8, the smallest GPU) was computed at registration.
+    let v = partition_plan(&mut api, 0).await;
+    assert_eq!(v["stored"], true, "{v}");
+    assert_eq!(v["gpu_memory"], 128u64 << 20);
+    assert_eq!(v["table"]["max_partitions"], 8);
+    assert!(
+        v["chosen"]["partitions"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty()),
+        "{v}"
+    );
+    // Other parameters: computed once, then stored.
+    let four = partition_plan(&mut api, 4).await;
+    assert_eq!(four["stored"], false);
+    assert_eq!(four["table"]["max_partitions"], 4);
+    let again = partition_plan(&mut api, 4).await;
+    assert_eq!(again["stored"], true);
+    assert_eq!(again["table"], four["table"]);
+    // A restarted controller answers from its state store.
+    c.controller.kill().await;
+    c.controller.restart().await.unwrap();
+    let mut api = c.controller.client().await.unwrap();
+    let after = partition_plan(&mut api, 4).await;
+    assert_eq!(after["stored"], true);
+    assert_eq!(after["table"], four["table"]);
+    // A new profile (slower layers) replaces the tables: the default one is computed again
+    // at registration, the others on their next request.
+    let mut slower: serde_json::Value = serde_json::from_str(&profile).unwrap();
+    for g in slower["groups"].as_array_mut().unwrap() {
+        let exec = g["exec_s"].as_f64().unwrap();
+        g["exec_s"] = (exec * 10.0 + 0.01).into();
+    }
+    register_profile(&mut api, &origin, &slower.to_string()).await;
+    let v2 = partition_plan(&mut api, 0).await;
+    assert_eq!(v2["stored"], true);
+    assert_ne!(v2["table"], v["table"]);
+    // (Compared with a tolerance: JSON floats need not round-trip to the last bit.)
+    let exec = |p: &serde_json::Value| p["groups"][1]["exec_s"].as_f64().unwrap();
+    assert!((exec(&v2["profile"]) - exec(&slower)).abs() < 1e-12, "{v2}");
+    let four2 = partition_plan(&mut api, 4).await;
+    assert_eq!(four2["stored"], false);
+    assert_ne!(four2["table"], four["table"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
+    use shardcast_protocol::controller::{ListEventsRequest, ListHostsRequest};
+    let c = ManagedCluster::start(
+        2,
+        ["--tier-sweep-ms", "200"].map(String::from).to_vec(),
+        |_, o| sim_gpus(o, 1, "128MiB"),
+    )
+    .await
+    .unwrap();
+    let origin = Origin::new(16 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    api.register_model(RegisterModelRequest {
+        name: MODEL.into(),
+        origin: origin.uri(),
+        chunk_size: 256 << 10,
+        via_host: String::new(),
+        profile_json: origin_profile(&origin),
+    })
+    .await
+    .unwrap();
+    // The origin goes bad after registration: past the headers, every byte changes, so the
+    // hosts read the tensor index and start, then a chunk fails verification.
+    for e in std::fs::read_dir(origin.dir.path()).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let mut bytes = std::fs::read(&path).unwrap();
+            for b in &mut bytes[1 << 20..] {
+                *b = !*b;
+            }
+            std::fs::write(&path, bytes).unwrap();
+        }
+    }
+    let a = api
+        .scale_out(ScaleOutRequest {
+            model: MODEL.into(),
+            replicas: 1,
+            tier: "gpu".into(),
+            partitions: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        a.hosts
+            .iter()
+            .all(|h| h.state == "loading" && h.source == "origin"),
+        "{a:?}"
+    );
+    let reserved = |r: &shardcast_protocol::controller::ListHostsResponse| -> u32 {
+        r.hosts.iter().map(|h| h.gpus_reserved).sum()
+    };
+    // Both hosts report the failed load with their heartbeats; the controller releases
+    // the slots and says why.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let released = loop {
+        let ev = api
+            .list_events(ListEventsRequest {
+                model: MODEL.into(),
+                limit: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let released: Vec<_> = ev
+            .events
+            .into_iter()
+            .filter(|e| e.kind == "gpu-release")
+            .collect();
+        if released.len() == 2 {
+            break released;
+        }
+        assert!(Instant::now() < deadline, "{released:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for e in &released {
+        assert!(e.reason.contains("GPU load failed"), "{e:?}");
+        assert_eq!(e.delta, -1);
+    }
+    let mut on: Vec<_> = released.iter().flat_map(|e| e.hosts.clone()).collect();
+    on.sort();
+    assert_eq!(on, hosts(1..=2));
+    let h = api
+        .list_hosts(ListHostsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reserved(&h), 0, "{h:?}");
+    // The failure is in the hosts' reports too.
+    for host in &h.hosts {
+        let r = host.report.as_ref().unwrap();
+        assert!(
+            r.gpu_loads
+                .iter()
+                .any(|l| l.state == "failed" && !l.error.is_empty() && !l.partition.is_empty()),
+            "{r:?}"
+        );
+    }
+    // No GPU replica is counted, and the GPUs are free for a new burst.
+    let st = api
+        .get_status(GetStatusRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(st.hosts.iter().all(|h| h.gpus == 0), "{st:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
     use shardcast_protocol::controller::ListEventsRequest;

@@ -69,7 +69,8 @@ fn gpu_residency(gpus: &GpuManager, g: &ModelGpuStatus) -> Vec<pb::GpuResidency>
         .collect()
 }
 
-fn state_name(s: &LoadState) -> (&'static str, String) {
+/// A load state's wire name and, for a failure, why.
+pub(crate) fn state_name(s: &LoadState) -> (&'static str, String) {
     match s {
         LoadState::Loading => ("loading", String::new()),
         LoadState::PartitionLive => ("partition-live", String::new()),

@@ -11,13 +11,13 @@ use std::time::Duration;
 
 use shardcast_protocol::Tier;
 use shardcast_protocol::controller::inventory_client::InventoryClient;
-use shardcast_protocol::controller::{Gpu, HeldModel, HostReport};
+use shardcast_protocol::controller::{Gpu, GpuLoad, HeldModel, HostReport};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use gpu_loader::manager::GpuManager;
 
-use crate::agent::model_status;
+use crate::agent::{model_status, state_name};
 use crate::chain::Node;
 use crate::config::Inventory;
 
@@ -171,5 +171,25 @@ pub fn build_report(
         holdings: held,
         version: env!("CARGO_PKG_VERSION").into(),
         gpus_busy: 0,
+        gpu_loads: gpus
+            .status()
+            .into_iter()
+            .map(|m| {
+                let (state, error) = state_name(&m.state);
+                GpuLoad {
+                    digest: m.model,
+                    state: state.into(),
+                    gpus: m.gpus.iter().map(|g| g.0).collect(),
+                    partition: m.partition.map(|p| p.label).unwrap_or_default(),
+                    error,
+                }
+            })
+            .collect(),
+        gpu_evicted: {
+            let mut evicted: Vec<String> = gpus.evictions().into_iter().map(|e| e.model).collect();
+            evicted.sort();
+            evicted.dedup();
+            evicted
+        },
     }
 }
