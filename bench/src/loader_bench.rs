@@ -46,6 +46,8 @@ pub struct LoaderOpts {
     pub staging_buffers: usize,
     /// Bytes per staging buffer.
     pub staging_size: usize,
+    /// Threads filling staging buffers.
+    pub fill_threads: usize,
     /// Partitions for the partitioned-load measurement (0 or 1: skipped).
     pub partitions: u32,
 }
@@ -246,6 +248,7 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     let lopts = LoadOptions {
         staging_buffers: opts.staging_buffers,
         staging_size: opts.staging_size,
+        fill_threads: opts.fill_threads,
         ..LoadOptions::default()
     };
     let chunk = 1 << 20;
@@ -362,7 +365,10 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
         },
         devices: g.devices.iter().map(|d| d.info().name.clone()).collect(),
         bytes,
-        staging: format!("{} × {} B", opts.staging_buffers, opts.staging_size),
+        staging: format!(
+            "{} × {} B, {} fill threads",
+            opts.staging_buffers, opts.staging_size, opts.fill_threads
+        ),
         stages,
         pipeline_s,
         bound_s,

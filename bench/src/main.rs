@@ -194,6 +194,9 @@ enum Cmd {
         /// Bytes per staging buffer.
         #[arg(long, default_value = "4MiB", value_parser = parse_size)]
         staging_size: u64,
+        /// Threads filling staging buffers [default: the CPU count, at most 4].
+        #[arg(long)]
+        fill_threads: Option<usize>,
         /// Also measure a partitioned load: the last of this many partitions first, then
         /// completion (0: skip).
         #[arg(long, default_value_t = 4)]
@@ -444,6 +447,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             nvlink_rate,
             staging_buffers,
             staging_size,
+            fill_threads,
             partitions,
             json,
         } => {
@@ -462,6 +466,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 nvlink_rate: need("nvlink-rate", &nvlink_rate)?,
                 staging_buffers,
                 staging_size: usize::try_from(staging_size)?,
+                fill_threads: fill_threads
+                    .unwrap_or_else(|| gpu_loader::loader::LoadOptions::default().fill_threads),
                 partitions,
             };
             let report =

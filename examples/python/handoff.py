@@ -11,13 +11,15 @@ transferd serves the hand-off at GET /v1/handoff/{model} on its admin listener:
 * kind "simulated": the simulated GPU's backing file and offset (hosts without GPUs, CI).
 * kind "memory-file": the memory-tier shard files (no GPU on the host).
 
-For simulated and memory-file hand-offs the script maps the bytes (mmap), builds each
-tensor (numpy when installed, else a typed memoryview), and checks every tensor against
-the same bytes in the memory-tier shard file. It prints one line per tensor with --verbose
+For simulated and memory-file hand-offs the script maps the bytes (mmap) and builds each
+tensor (numpy when installed, else a typed memoryview); for cuda-ipc it builds PyTorch
+tensors over the GPU memory. Either way it checks every tensor against the same bytes in
+the memory-tier shard file (for cuda-ipc by copying each back from the GPU). It prints one line per tensor with --verbose
 and exits non-zero on any mismatch.
 """
 
 import argparse
+import ctypes
 import json
 import mmap
 import os
@@ -63,48 +65,93 @@ def build(buf, base, t):
         return view.cast(fmt)
 
 
-def open_cuda_ipc(h):
-    """Maps each GPU's region through its CUDA IPC handle and returns {gpu: {name: tensor}}.
-    Needs PyTorch with CUDA on the same host as transferd (not exercised in CI)."""
-    import ctypes
+class CUipcMemHandle(ctypes.Structure):
+    """CUipcMemHandle: 64 opaque bytes, passed by value."""
 
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def open_cuda_ipc(h):
+    """Maps each GPU's region through its CUDA IPC handle (driver API,
+    cuIpcOpenMemHandle) and returns {gpu: (base address, {name: tensor})}: each tensor views
+    the GPU memory at its offset, with no host copy and no second GPU allocation. Needs
+    PyTorch with CUDA on the same host as transferd."""
     import torch
 
-    cudart = ctypes.CDLL("libcudart.so")
+    cuda = ctypes.CDLL("libcuda.so.1")
+    open_handle = getattr(cuda, "cuIpcOpenMemHandle_v2", None) or cuda.cuIpcOpenMemHandle
+    open_handle.argtypes = [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle, ctypes.c_uint]
     out = {}
     for dev in h["devices"]:
-        handle = bytes.fromhex(dev["handle"]["handle"])
+        raw = bytes.fromhex(dev["handle"]["handle"])
+        if len(raw) != 64:
+            raise RuntimeError(f"GPU {dev['gpu']}: an IPC handle of {len(raw)} bytes, expected 64")
         torch.cuda.set_device(dev["gpu"])
-        ptr = ctypes.c_void_p()
-        # cudaIpcOpenMemHandle(void** devPtr, cudaIpcMemHandle_t handle, flags=LazyEnablePeerAccess)
-        rc = cudart.cudaIpcOpenMemHandle(ctypes.byref(ptr), (ctypes.c_char * 64).from_buffer_copy(handle), 1)
+        torch.zeros(1, device=f"cuda:{dev['gpu']}")  # makes the primary context current
+        ptr = ctypes.c_uint64()
+        # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+        # from_buffer_copy keeps every byte (initialising a c_char array stops at a NUL).
+        rc = open_handle(ctypes.byref(ptr), CUipcMemHandle.from_buffer_copy(raw), 1)
         if rc != 0:
-            raise RuntimeError(f"cudaIpcOpenMemHandle failed with {rc}")
+            raise RuntimeError(f"GPU {dev['gpu']}: cuIpcOpenMemHandle failed with CUresult {rc}")
         base = ptr.value + dev["handle"]["offset"]
         tensors = {}
         for t in h["tensors"]:
             _, npname, _ = DTYPES.get(t["dtype"], ("B", "uint8", 1))
-            dtype = getattr(torch, {"float16": "float16", "uint16": "bfloat16"}.get(npname, npname))
-            # Wrap device memory as a tensor via __cuda_array_interface__ (zero copy).
-            class Wrap:
-                __cuda_array_interface__ = {
-                    "shape": tuple(t["shape"]),
-                    "typestr": torch.empty(0, dtype=dtype).numpy().dtype.str if dtype != torch.bfloat16 else "<u2",
-                    "data": (base + t["offset"], False),
-                    "version": 3,
-                }
-            tensors[t["name"]] = torch.as_tensor(Wrap(), device=f"cuda:{dev['gpu']}")
-        out[dev["gpu"]] = tensors
+            dtype = getattr(torch, {"uint16": "bfloat16"}.get(npname, npname))
+            typestr = "<u2" if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype.str
+            tensors[t["name"]] = cuda_view(torch, dev["gpu"], base + t["offset"], t["shape"], typestr)
+            if dtype == torch.bfloat16:
+                tensors[t["name"]] = tensors[t["name"]].view(torch.bfloat16)
+        out[dev["gpu"]] = (base, tensors)
     return out
 
 
-def check_host(h, verbose):
-    shards = sorted(h["shards"], key=lambda s: s["offset"])
+def cuda_view(torch, gpu, addr, shape, typestr):
+    """A tensor over device memory at `addr` (zero copy, __cuda_array_interface__)."""
+
+    class Wrap:
+        __cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": typestr,
+            "data": (addr, False),
+            "version": 3,
+        }
+
+    return torch.as_tensor(Wrap(), device=f"cuda:{gpu}")
+
+
+def check_cuda(h, mapped, verbose):
+    """Copies every tensor back from each GPU and compares it with the memory-tier files."""
+    import torch
+
+    files = shard_files(h)
+    bad = 0
+    for gpu, (base, _) in sorted(mapped.items()):
+        for t in h["tensors"]:
+            shard_map, shard_off = files[t["shard"]]
+            want = bytes(memoryview(build(shard_map, -shard_off, t)).cast("B"))
+            got = cuda_view(torch, gpu, base + t["offset"], [t["nbytes"]], "|u1").cpu().numpy().tobytes()
+            if got != want:
+                print(f"MISMATCH {t['name']} on GPU {gpu}", file=sys.stderr)
+                bad += 1
+            elif verbose:
+                print(f"{t['name']:60s} {t['dtype']:5s} {t['shape']} GPU {gpu}")
+    return bad
+
+
+def shard_files(h):
+    """{path: (mapped memory-tier file, offset of the shard in the region)}."""
     files = {}
-    for s in shards:
+    for s in sorted(h["shards"], key=lambda s: s["offset"]):
         if s["file"]:
             f = open(s["file"], "rb")
             files[s["path"]] = (mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if s["size"] else b"", s["offset"])
+    return files
+
+
+def check_host(h, verbose):
+    files = shard_files(h)
     regions = []
     if h["kind"] == "simulated":
         for dev in h["devices"]:
@@ -134,7 +181,10 @@ def main():
     h = fetch(a.admin, a.model)
     if h["kind"] == "cuda-ipc":
         mapped = open_cuda_ipc(h)
-        print(f"OK {len(h['tensors'])} tensors mapped on GPUs {sorted(mapped)} (cuda-ipc)")
+        bad = check_cuda(h, mapped, a.verbose)
+        if bad:
+            sys.exit(f"{bad} tensors differ")
+        print(f"OK {len(h['tensors'])} tensors from cuda-ipc hand-off of {h['name']} (GPUs {sorted(mapped)})")
         return
     bad = check_host(h, a.verbose)
     gpus = [d["gpu"] for d in h["devices"]]

@@ -16,7 +16,7 @@
 //! Every byte crosses PCIe once when peers exist. Bytes per GPU are published in
 //! [`LoadProgress`] as they land.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -61,6 +61,10 @@ pub struct LoadOptions {
     pub staging_size: usize,
     /// A piece whose chunks are not verified within this fails the load.
     pub chunk_timeout: Duration,
+    /// Threads copying verified chunks into staging buffers at once (at most one per
+    /// buffer). One core's memcpy is slower than a PCIe Gen5 link, so a single filler
+    /// would cap the host → GPU rate.
+    pub fill_threads: usize,
 }
 
 impl Default for LoadOptions {
@@ -69,6 +73,9 @@ impl Default for LoadOptions {
             staging_buffers: 8,
             staging_size: 4 << 20,
             chunk_timeout: Duration::from_secs(120),
+            fill_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(4),
         }
     }
 }
@@ -217,6 +224,7 @@ pub struct Target {
     pub span: DevSpan,
 }
 
+#[derive(Clone, Copy)]
 struct Piece {
     shard: usize,
     offset: u64,
@@ -264,7 +272,16 @@ fn pieces(
     Ok(out)
 }
 
-type Staged = (Piece, Box<dyn Staging>, Vec<Box<dyn Completion>>);
+/// A filled piece: its place in the load order, the piece, its buffer, and the copies to
+/// wait for.
+type Staged = (usize, Piece, Box<dyn Staging>, Vec<Box<dyn Completion>>);
+
+fn add_ns(counter: &AtomicU64, d: Duration) {
+    counter.fetch_add(
+        u64::try_from(d.as_nanos()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
+}
 
 /// Loads the model into every target, streaming chunks as `source` verifies them. The first
 /// target is fed over PCIe; the others by peer copies from it where a peer path exists,
@@ -330,6 +347,7 @@ pub fn load_map(
         let b = primary.device.alloc_staging(opts.staging_size)?;
         let _ = free_tx.send(b);
     }
+    let free_rx = Mutex::new(free_rx);
     let failed: Mutex<Option<LoadError>> = Mutex::new(None);
     let fail = |e: LoadError| {
         let mut f = failed.lock().unwrap_or_else(PoisonError::into_inner);
@@ -339,54 +357,64 @@ pub fn load_map(
         progress.cancel.store(true, Ordering::Relaxed);
     };
     let primary_done: Mutex<Option<f64>> = Mutex::new(None);
-    let mut waited_data = Duration::ZERO;
-    let mut waited_staging = Duration::ZERO;
+    // Nanoseconds the fillers spent waiting for verified chunks / for a free staging buffer.
+    let waited_data_ns = AtomicU64::new(0);
+    let waited_staging_ns = AtomicU64::new(0);
+    let next_piece = AtomicUsize::new(0);
+    let fillers = opts.fill_threads.clamp(1, opts.staging_buffers);
 
     std::thread::scope(|scope| {
         let (staged_tx, staged_rx) = mpsc::sync_channel::<Staged>(opts.staging_buffers);
         let (peer_tx, peer_rx) =
             mpsc::sync_channel::<(u64, usize, Box<dyn Completion>)>(opts.staging_buffers * 4);
 
-        // Completer: wait HtoD events in order, recycle buffers, fan out over peers.
+        // Completer: takes the pieces in order (fillers finish them out of order), waits
+        // their copies, recycles the buffers, fans out over peers.
         let completer = {
             let (free_tx, peer_sibs, fail, primary_done) =
                 (free_tx.clone(), &peer_sibs, &fail, &primary_done);
             let host_sibs = &host_sibs;
             scope.spawn(move || {
                 let mut landed = 0u64;
-                while let Ok((piece, buf, completions)) = staged_rx.recv() {
-                    for c in completions {
-                        if let Err(e) = c.wait() {
-                            fail(e.into());
-                            return;
-                        }
-                    }
-                    let _ = free_tx.send(buf);
-                    progress.add(0, piece.len);
-                    for &h in host_sibs {
-                        progress.add(h, piece.len);
-                    }
-                    landed += piece.len;
-                    if landed == total {
-                        *primary_done.lock().unwrap_or_else(PoisonError::into_inner) =
-                            Some(t0.elapsed().as_secs_f64());
-                    }
-                    let at = piece.dest;
-                    for &s in peer_sibs {
-                        let r = (|| {
-                            let dst = targets[s].span.sub(at, piece.len)?;
-                            let src = primary.span.sub(at, piece.len)?;
-                            targets[s].device.copy_peer(dst, &*primary.device, src)
-                        })();
-                        match r {
-                            Ok(c) => {
-                                if peer_tx.send((piece.len, s, c)).is_err() {
-                                    return;
-                                }
-                            }
-                            Err(e) => {
+                let mut waiting: std::collections::BTreeMap<usize, Staged> = Default::default();
+                let mut next = 0usize;
+                while let Ok(staged) = staged_rx.recv() {
+                    waiting.insert(staged.0, staged);
+                    while let Some((_, piece, buf, completions)) = waiting.remove(&next) {
+                        next += 1;
+                        for c in completions {
+                            if let Err(e) = c.wait() {
                                 fail(e.into());
                                 return;
+                            }
+                        }
+                        let _ = free_tx.send(buf);
+                        progress.add(0, piece.len);
+                        for &h in host_sibs {
+                            progress.add(h, piece.len);
+                        }
+                        landed += piece.len;
+                        if landed == total {
+                            *primary_done.lock().unwrap_or_else(PoisonError::into_inner) =
+                                Some(t0.elapsed().as_secs_f64());
+                        }
+                        let at = piece.dest;
+                        for &s in peer_sibs {
+                            let r = (|| {
+                                let dst = targets[s].span.sub(at, piece.len)?;
+                                let src = primary.span.sub(at, piece.len)?;
+                                targets[s].device.copy_peer(dst, &*primary.device, src)
+                            })();
+                            match r {
+                                Ok(c) => {
+                                    if peer_tx.send((piece.len, s, c)).is_err() {
+                                        return;
+                                    }
+                                }
+                                Err(e) => {
+                                    fail(e.into());
+                                    return;
+                                }
                             }
                         }
                     }
@@ -407,92 +435,121 @@ pub fn load_map(
             })
         };
 
-        // Issuer (this thread).
-        for piece in work {
-            if progress.cancel.load(Ordering::Relaxed) {
-                break;
-            }
-            let shard = &source.shards()[piece.shard];
-            let cs = u64::from(shard.chunk_size.max(1));
-            let first = (piece.offset / cs) as u32;
-            let last = ((piece.offset + piece.len - 1) / cs) as u32;
-            let w = Instant::now();
-            let deadline = w + opts.chunk_timeout;
-            let mut ok = false;
-            while Instant::now() < deadline && !progress.cancel.load(Ordering::Relaxed) {
-                match source.wait_verified(piece.shard, first, last, Duration::from_millis(200)) {
-                    Ok(true) => {
-                        ok = true;
+        // Fillers: each takes a free staging buffer, then the next piece (so the piece the
+        // completer waits for always has a buffer), waits for its chunks, copies them into
+        // the buffer and issues the host → GPU copies. Several run at once so the copy into
+        // pinned memory (one CPU core's memcpy) does not cap the PCIe rate.
+        let filler = || {
+            let staged_tx = staged_tx.clone();
+            let (free_rx, next_piece, work, fail) = (&free_rx, &next_piece, &work, &fail);
+            let (waited_data_ns, waited_staging_ns, host_sibs) =
+                (&waited_data_ns, &waited_staging_ns, &host_sibs);
+            move || {
+                loop {
+                    if progress.cancel.load(Ordering::Relaxed) {
                         break;
                     }
-                    Ok(false) => {}
-                    Err(why) => {
-                        fail(LoadError::Source {
-                            shard: shard.path.clone(),
+                    let w = Instant::now();
+                    let buf = loop {
+                        let got = free_rx
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .recv_timeout(Duration::from_millis(200));
+                        match got {
+                            Ok(b) => break Some(b),
+                            Err(mpsc::RecvTimeoutError::Timeout) => {
+                                if progress.cancel.load(Ordering::Relaxed) {
+                                    break None;
+                                }
+                            }
+                            Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+                        }
+                    };
+                    add_ns(waited_staging_ns, w.elapsed());
+                    let Some(mut b) = buf else { break };
+                    let seq = next_piece.fetch_add(1, Ordering::Relaxed);
+                    let Some(piece) = work.get(seq) else { break };
+                    let shard = &source.shards()[piece.shard];
+                    let cs = u64::from(shard.chunk_size.max(1));
+                    let first = (piece.offset / cs) as u32;
+                    let last = ((piece.offset + piece.len - 1) / cs) as u32;
+                    let w = Instant::now();
+                    let deadline = w + opts.chunk_timeout;
+                    let mut ok = false;
+                    while Instant::now() < deadline && !progress.cancel.load(Ordering::Relaxed) {
+                        match source.wait_verified(
+                            piece.shard,
                             first,
                             last,
-                            why,
+                            Duration::from_millis(200),
+                        ) {
+                            Ok(true) => {
+                                ok = true;
+                                break;
+                            }
+                            Ok(false) => {}
+                            Err(why) => {
+                                fail(LoadError::Source {
+                                    shard: shard.path.clone(),
+                                    first,
+                                    last,
+                                    why,
+                                });
+                                break;
+                            }
+                        }
+                    }
+                    add_ns(waited_data_ns, w.elapsed());
+                    if !ok {
+                        if !progress.cancel.load(Ordering::Relaxed) {
+                            fail(LoadError::Source {
+                                shard: shard.path.clone(),
+                                first,
+                                last,
+                                why: format!("not verified within {:?}", opts.chunk_timeout),
+                            });
+                        }
+                        break;
+                    }
+                    let n = piece.len as usize;
+                    if let Err(e) =
+                        source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n])
+                    {
+                        fail(LoadError::Io {
+                            shard: shard.path.clone(),
+                            source: e,
                         });
                         break;
                     }
-                }
-            }
-            waited_data += w.elapsed();
-            if !ok {
-                if !progress.cancel.load(Ordering::Relaxed) {
-                    fail(LoadError::Source {
-                        shard: shard.path.clone(),
-                        first,
-                        last,
-                        why: format!("not verified within {:?}", opts.chunk_timeout),
-                    });
-                }
-                break;
-            }
-            let w = Instant::now();
-            let mut buf = loop {
-                match free_rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok(b) => break Some(b),
-                    Err(mpsc::RecvTimeoutError::Timeout) => {
-                        if progress.cancel.load(Ordering::Relaxed) {
-                            break None;
+                    let at = piece.dest;
+                    let mut completions = Vec::with_capacity(1 + host_sibs.len());
+                    let issued = (|| {
+                        for &t in std::iter::once(&0).chain(host_sibs.iter()) {
+                            let dst = targets[t].span.sub(at, piece.len)?;
+                            completions.push(targets[t].device.copy_htod(dst, &*b)?);
                         }
+                        Ok::<_, GpuError>(())
+                    })();
+                    if let Err(e) = issued {
+                        // Wait what was issued before the buffer goes away.
+                        for c in completions {
+                            let _ = c.wait();
+                        }
+                        fail(e.into());
+                        break;
                     }
-                    Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+                    let piece = *piece;
+                    if staged_tx.send((seq, piece, b, completions)).is_err() {
+                        break;
+                    }
                 }
-            };
-            waited_staging += w.elapsed();
-            let Some(mut b) = buf.take() else { break };
-            let n = piece.len as usize;
-            if let Err(e) = source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n]) {
-                fail(LoadError::Io {
-                    shard: shard.path.clone(),
-                    source: e,
-                });
-                break;
             }
-            let at = piece.dest;
-            let mut completions = Vec::with_capacity(1 + host_sibs.len());
-            let issued = (|| {
-                for &t in std::iter::once(&0).chain(host_sibs.iter()) {
-                    let dst = targets[t].span.sub(at, piece.len)?;
-                    completions.push(targets[t].device.copy_htod(dst, &*b)?);
-                }
-                Ok::<_, GpuError>(())
-            })();
-            if let Err(e) = issued {
-                // Wait what was issued before the buffer goes away.
-                for c in completions {
-                    let _ = c.wait();
-                }
-                fail(e.into());
-                break;
-            }
-            if staged_tx.send((piece, b, completions)).is_err() {
-                break;
-            }
-        }
+        };
+        let handles: Vec<_> = (0..fillers).map(|_| scope.spawn(filler())).collect();
         drop(staged_tx);
+        for h in handles {
+            let _ = h.join();
+        }
         let _ = completer.join();
         let _ = waiter.join();
     });
@@ -513,8 +570,8 @@ pub fn load_map(
             .unwrap_or(elapsed_s),
         first_bytes: map.first_bytes,
         first_s: progress.first_done_s().unwrap_or(elapsed_s),
-        waited_for_data_s: waited_data.as_secs_f64(),
-        waited_for_staging_s: waited_staging.as_secs_f64(),
+        waited_for_data_s: waited_data_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        waited_for_staging_s: waited_staging_ns.load(Ordering::Relaxed) as f64 / 1e9,
         peer_siblings: peer_sibs.len(),
         host_siblings: host_sibs.len(),
     })

@@ -347,3 +347,51 @@ fn a_partition_without_completion_packs_only_its_tensors() {
         }
     }
 }
+
+#[test]
+fn parallel_fillers_land_every_byte_and_report_progress_in_load_order() {
+    // The last layer is the partition, so the milestone is first in load order; fillers
+    // finish pieces out of order, and the completer must still publish them in order.
+    let data = model(&[1 << 20, 2 << 20 | 20, 1 << 20, 1 << 20]);
+    for fill_threads in [1, 3, 8] {
+        let r = rig(&data, 2, 400_000_000, 800_000_000);
+        let idx = tensor_index(&r.layout, |i, off, len| {
+            Ok(data[i].1[off as usize..off as usize + len].to_vec())
+        })
+        .unwrap();
+        let ranges = tensor_ranges(&r.layout, &idx, |n| n.starts_with("model.layers.3."));
+        let map = LoadMap::partition(&r.layout, &ranges, true);
+        let src = PacedSource::new(data.clone(), 64 << 10);
+        let p = LoadProgress::with_first(map.bytes, map.first_bytes, &[0, 1]);
+        let opts = LoadOptions {
+            staging_buffers: 6,
+            staging_size: 96 << 10,
+            fill_threads,
+            ..Default::default()
+        };
+        src.deliver(300_000_000, None);
+        let mut seen = Vec::new();
+        let rep = std::thread::scope(|s| {
+            let loader = s.spawn(|| load_map(&*src, &r.layout, &map, &r.targets, &opts, &p));
+            let t0 = Instant::now();
+            while !loader.is_finished() {
+                assert!(t0.elapsed().as_secs() < 60, "the load never finished");
+                seen.push((p.snapshot()[0].1, p.first_done_s().is_some()));
+                std::thread::sleep(std::time::Duration::from_micros(300));
+            }
+            loader.join().unwrap().unwrap()
+        });
+        assert_eq!(rep.bytes, map.bytes, "{fill_threads} fillers");
+        assert_eq!(rep.first_bytes, map.first_bytes);
+        // Bytes only grow; the milestone is reported once the partition's bytes landed,
+        // and never before them.
+        assert!(seen.windows(2).all(|w| w[0].0 <= w[1].0), "{fill_threads}");
+        for &(landed, live) in &seen {
+            if landed < map.first_bytes {
+                assert!(!live, "{fill_threads} fillers: live at {landed} bytes");
+            }
+        }
+        assert!(rep.first_s <= rep.elapsed_s, "{rep:?}");
+        check_bytes(&r, &data);
+    }
+}

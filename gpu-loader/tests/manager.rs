@@ -27,6 +27,7 @@ fn manager(dir: &std::path::Path, gpus: u32, memory: u64) -> Arc<GpuManager> {
             staging_buffers: 2,
             staging_size: MIB,
             chunk_timeout: Duration::from_secs(5),
+            ..Default::default()
         },
         ..Default::default()
     }))

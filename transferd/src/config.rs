@@ -144,6 +144,10 @@ pub struct Args {
     /// elbow of throughput vs. transfer size on CUDA, 4MiB otherwise [default: auto].
     #[arg(long, env = "SHARDCAST_STAGING_SIZE")]
     pub staging_size: Option<String>,
+    /// Threads copying verified chunks into the staging buffers of one load (one core's
+    /// memcpy is slower than PCIe Gen5) [default: the CPU count, at most 4].
+    #[arg(long, env = "SHARDCAST_STAGING_FILL_THREADS")]
+    pub staging_fill_threads: Option<usize>,
 }
 
 /// The TOML file's fields (all optional; unknown fields are an error).
@@ -186,6 +190,7 @@ struct FileConfig {
     gpu_auto_evict: Option<bool>,
     staging_buffers: Option<usize>,
     staging_size: Option<String>,
+    staging_fill_threads: Option<usize>,
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -443,6 +448,12 @@ impl Config {
                 args.staging_buffers.or(file.staging_buffers),
                 8,
                 1024,
+            )?;
+            m.load.fill_threads = bounded(
+                "staging_fill_threads",
+                args.staging_fill_threads.or(file.staging_fill_threads),
+                m.load.fill_threads,
+                64,
             )?;
             // "auto" (the default): calibrated at start-up on CUDA (Torpor's elbow), 4 MiB on
             // simulated devices.
