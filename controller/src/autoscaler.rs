@@ -150,9 +150,10 @@ impl Controller {
                         event.delta = partitioned as i32;
                         event.hosts = parts.iter().map(|x| x.host.clone()).collect();
                         event.reason = format!(
-                            "{} — {partitioned} replica(s) in {p} partitions, ready in ≈{:.2} s",
-                            event.reason, a.estimate_s
+                            "{} — {partitioned} replica(s) in {p} partitions (plan {}), ready in ≈{:.2} s",
+                            event.reason, a.plan_id, a.estimate_s
                         );
+                        event.plan_id = a.plan_id;
                     }
                     Err(e) => {
                         event.kind = "error".into();

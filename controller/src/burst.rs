@@ -8,15 +8,18 @@
 //! The controller only decides and asks: transferd's `LoadModel` with a `PartitionSpec`
 //! does the fetching and loading (see `transferd::gpu::load_partition`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use shardcast_policies::partition::PartitionPlan;
 use shardcast_policies::profile::ModelProfile;
 use shardcast_protocol::agent as apb;
-use shardcast_protocol::controller::{HostProgress, PlanAccepted};
+use shardcast_protocol::controller::{HostProgress, PlanAccepted, PlanStatus};
+use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::core::Controller;
+use crate::core::{Controller, PlanRecord, Polled, is_active, lock, now_unix, snapshot};
 use crate::error::ApiError;
 
 /// Most partitions a burst may use.
@@ -187,16 +190,204 @@ impl Controller {
                     .join("; ")
             )));
         }
-        info!(model = %m.name, replicas, partitions, sources = holders.len(), cold_start_s = plan.cold_start_s, "burst started");
+        for h in &mut hosts {
+            if let Some(p) = parts.iter().find(|p| p.host == h.host) {
+                h.partition = p.label.clone();
+            }
+        }
+        let id = self.track_burst(&m.name, &m.digest, &m.origin, plan.cold_start_s, &hosts)?;
+        info!(plan = %id, model = %m.name, replicas, partitions, sources = holders.len(), cold_start_s = plan.cold_start_s, "burst started");
         Ok((
             PlanAccepted {
-                plan_id: String::new(),
+                plan_id: id,
                 estimate_s: plan.cold_start_s,
                 chains: Vec::new(),
                 hosts,
             },
             parts,
         ))
+    }
+
+    /// Records a started burst as a plan of kind "burst" (listed, watched and persisted
+    /// like chain plans) and follows it.
+    fn track_burst(
+        self: &Arc<Self>,
+        name: &str,
+        digest: &str,
+        origin: &str,
+        estimate_s: f64,
+        hosts: &[HostProgress],
+    ) -> Result<String, ApiError> {
+        let id = hex::encode(rand::random::<[u8; 8]>());
+        let all_failed = hosts.iter().all(|h| h.state == "failed");
+        let status = PlanStatus {
+            plan_id: id.clone(),
+            model: name.to_string(),
+            digest: digest.to_string(),
+            tier: "gpu".into(),
+            state: if all_failed { "failed" } else { "running" }.into(),
+            hosts: hosts.to_vec(),
+            estimate_s,
+            created_at: now_unix(),
+            kind: "burst".into(),
+            ..Default::default()
+        };
+        let record = PlanRecord {
+            status: status.clone(),
+            runs: Vec::new(),
+            origin: origin.to_string(),
+            name: name.to_string(),
+            ended_at: all_failed.then(now_unix),
+        };
+        self.persist_plan(&record)?;
+        let mut st = lock(&self.state);
+        st.watchers.insert(id.clone(), watch::Sender::new(status));
+        st.plans.insert(id.clone(), record);
+        drop(st);
+        if !all_failed {
+            tokio::spawn(self.clone().run_burst(id.clone()));
+        }
+        Ok(id)
+    }
+
+    /// Follows a burst until every host holds a full replica or failed: polls each loading
+    /// host's GPUs, notes when its partition went live (and when all had), and fails a host
+    /// that stops heartbeating, whose load fails, or that makes no progress for
+    /// `stall_timeout`. A burst is not re-planned: the autoscaler or the caller decides
+    /// what to do about a lost partition.
+    pub(crate) async fn run_burst(self: Arc<Self>, id: String) {
+        let mut progress: HashMap<String, (u64, Instant)> = HashMap::new();
+        let mut last_persist = Instant::now();
+        let mut tick = tokio::time::interval(self.config().poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let (digest, active) = {
+                let st = lock(&self.state);
+                let Some(p) = st.plans.get(&id).filter(|p| p.status.state == "running") else {
+                    return;
+                };
+                let active: Vec<(String, bool)> = p
+                    .status
+                    .hosts
+                    .iter()
+                    .filter(|h| is_active(&h.state))
+                    .map(|h| {
+                        let up = st.hosts.get(&h.host).is_some_and(|e| e.up);
+                        (h.host.clone(), up)
+                    })
+                    .collect();
+                (p.status.digest.clone(), active)
+            };
+            let mut polled = Vec::new();
+            for (host, up) in active {
+                let r = if up {
+                    Some(
+                        self.poll_host(&host, &digest, shardcast_placement::Tier::Gpu)
+                            .await,
+                    )
+                } else {
+                    None
+                };
+                polled.push((host, r));
+            }
+            let now = Instant::now();
+            let mut st = lock(&self.state);
+            let st = &mut *st;
+            let Some(plan) = st.plans.get_mut(&id) else {
+                return;
+            };
+            let elapsed = (now_unix() - plan.status.created_at).max(0.0);
+            let mut changed = false;
+            let mut done = Vec::new();
+            for (host, r) in polled {
+                let Some(h) = plan.status.hosts.iter_mut().find(|h| h.host == host) else {
+                    continue;
+                };
+                changed |= burst_step(h, r, elapsed);
+                let moved = h.bytes + h.gpu_bytes;
+                let seen = progress.entry(host.clone()).or_insert((moved, now));
+                if moved > seen.0 {
+                    *seen = (moved, now);
+                }
+                if is_active(&h.state)
+                    && now.saturating_duration_since(seen.1) >= self.config().stall_timeout
+                {
+                    h.state = "failed".into();
+                    h.error = format!(
+                        "no progress for {:?} (data {} bytes, GPU {} bytes)",
+                        self.config().stall_timeout,
+                        h.bytes,
+                        h.gpu_bytes
+                    );
+                    warn!(plan = %id, host = %host, "burst partition stalled");
+                    changed = true;
+                }
+                if h.state == "done" {
+                    done.push((host, h.total));
+                }
+            }
+            let started: Vec<&HostProgress> = plan
+                .status
+                .hosts
+                .iter()
+                .filter(|h| !h.partition.is_empty())
+                .collect();
+            if plan.status.live_s == 0.0
+                && !started.is_empty()
+                && started.iter().all(|h| h.live_s > 0.0)
+            {
+                plan.status.live_s = started.iter().map(|h| h.live_s).fold(0.0, f64::max);
+                info!(plan = %id, model = %plan.name, live_s = plan.status.live_s, "burst live: every partition serves");
+                changed = true;
+            }
+            let ended = !plan.status.hosts.iter().any(|h| is_active(&h.state));
+            if ended {
+                let bad: Vec<&str> = plan
+                    .status
+                    .hosts
+                    .iter()
+                    .filter(|h| h.state != "done")
+                    .map(|h| h.host.as_str())
+                    .collect();
+                let any_ok = bad.len() < plan.status.hosts.len();
+                plan.status.state = if any_ok { "done" } else { "failed" }.into();
+                if !bad.is_empty() {
+                    plan.status.message =
+                        format!("finished without {}: see their errors", bad.join(", "));
+                }
+                plan.ended_at = Some(now_unix());
+                info!(plan = %id, model = %plan.name, state = %plan.status.state, "burst ended");
+                changed = true;
+            }
+            let name = plan.name.clone();
+            for (host, bytes) in done {
+                if let Some(e) = st.hosts.get_mut(&host) {
+                    e.mark_complete(&digest, &name, "memory", bytes);
+                }
+            }
+            if changed {
+                let Some(plan) = st.plans.get(&id) else {
+                    return;
+                };
+                if let Some(w) = st.watchers.get(&id) {
+                    w.send_replace(snapshot(plan));
+                }
+                if ended || last_persist.elapsed() >= Duration::from_secs(1) {
+                    if let Err(e) = self.persist_plan(plan) {
+                        warn!(plan = %id, "persisting burst: {e}");
+                    }
+                    last_persist = Instant::now();
+                }
+            }
+            if ended {
+                st.watchers.remove(&id);
+                return;
+            }
+        }
     }
 
     /// Teaches `host` the manifest and asks it to load its partition.
@@ -244,4 +435,41 @@ impl Controller {
         info!(host, model = name, partition = %part.label, groups = part.groups.len(), "burst partition started");
         Ok(())
     }
+}
+
+/// Applies one poll of a burst host to its progress; `elapsed` is the plan's age. True when
+/// something changed. `None` is a host that stopped heartbeating.
+fn burst_step(h: &mut HostProgress, polled: Option<Result<Polled, String>>, elapsed: f64) -> bool {
+    let before = h.clone();
+    match polled {
+        None => {
+            h.state = "lost".into();
+            h.error = "the host stopped heartbeating during the burst".into();
+        }
+        // An agent that does not answer while heartbeating: the stall timer decides.
+        Some(Err(e)) => h.error = e,
+        Some(Ok(p)) => {
+            h.error.clear();
+            h.bytes = p.bytes;
+            if let Some((bytes, state)) = p.gpu {
+                h.gpu_bytes = bytes;
+                if (state == "partition-live" || state == "resident") && h.live_s == 0.0 {
+                    h.live_s = elapsed.max(f64::MIN_POSITIVE);
+                }
+                match state.as_str() {
+                    "failed" => {
+                        h.state = "failed".into();
+                        h.error = "loading the partition failed (see the host's GpuStatus)".into();
+                    }
+                    "resident" if p.complete => {
+                        h.state = "done".into();
+                        h.bytes = h.total;
+                    }
+                    _ => {}
+                }
+                h.gpu_state = state;
+            }
+        }
+    }
+    *h != before
 }

@@ -14,9 +14,9 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{
-    EvictRequest, GetModelRequest, GetStatusRequest, ListHostsRequest, ListModelsRequest,
-    ListPlansRequest, PlanAccepted, PlanStatus, PrewarmRequest, RegisterModelRequest,
-    ScaleOutRequest, WatchPlanRequest,
+    EvictRequest, GetModelRequest, GetStatusRequest, HostProgress, ListHostsRequest,
+    ListModelsRequest, ListPlansRequest, PlanAccepted, PlanStatus, PrewarmRequest,
+    RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
 };
 use shardcast_protocol::units::{format_bytes, parse_size};
 use tonic::transport::Channel;
@@ -515,13 +515,16 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 .await?
                 .into_inner();
             if partitions > 1 {
-                // A burst is not a chain plan: print what each host was asked to load.
-                if json {
+                // A burst has no chains: say what each host was asked to load, then follow
+                // it like any plan.
+                if json && no_wait {
                     print_json(&a);
-                } else {
+                    return Ok(());
+                }
+                if !json {
                     println!(
-                        "burst of {replicas} replica(s) × {partitions} partitions — estimated cold start {:.2} s",
-                        a.estimate_s
+                        "plan {} — burst of {replicas} replica(s) × {partitions} partitions, estimated cold start {:.2} s",
+                        a.plan_id, a.estimate_s
                     );
                     for h in &a.hosts {
                         let extra = if h.error.is_empty() {
@@ -529,11 +532,15 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                         } else {
                             h.error.clone()
                         };
-                        println!("{}: {} ({extra})", h.host, h.state);
+                        println!("{}: {} ({extra})", h.host, host_state(h));
                     }
-                    println!("follow the GPUs with: shardcast hosts (or transferd GpuStatus)");
+                    if no_wait {
+                        println!("follow it with: shardcast watch {}", a.plan_id);
+                        return Ok(());
+                    }
                 }
-                return Ok(());
+                let last = watch(&mut c, &a.plan_id, json).await?;
+                return plan_result(&last);
             }
             return accepted(&mut c, a, json, no_wait).await;
         }
@@ -686,7 +693,11 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                         vec![
                             p.plan_id.clone(),
                             p.model.clone(),
-                            p.tier.clone(),
+                            if p.kind == "burst" {
+                                format!("{} (burst)", p.tier)
+                            } else {
+                                p.tier.clone()
+                            },
                             p.state.clone(),
                             format!("{done}/{}", p.hosts.len()),
                             format!("{:.1}s", p.elapsed_s),
@@ -816,22 +827,22 @@ async fn watch(
                 bar.set_length(h.total);
                 bar.set_position(h.bytes);
                 let msg = if h.error.is_empty() {
-                    format!("{} from {}", h.state, h.source)
+                    format!("{} from {}", host_state(h), h.source)
                 } else {
-                    format!("{} ({})", h.state, h.error)
+                    format!("{} ({})", host_state(h), h.error)
                 };
                 bar.set_message(msg);
                 if !is_running_state(&h.state) && !bar.is_finished() {
                     bar.finish();
                 }
             } else if !json {
-                let key = format!("{}:{}", h.state, h.error);
+                let key = format!("{}:{}", host_state(h), h.error);
                 if seen.get(&h.host) != Some(&key) {
                     println!(
                         "{:>8.1}s {} {} {}/{} from {}{}",
                         item.elapsed_s,
                         h.host,
-                        h.state,
+                        host_state(h),
                         format_bytes(h.bytes),
                         format_bytes(h.total),
                         h.source,
@@ -883,7 +894,7 @@ async fn watch(
                 };
                 vec![
                     h.host.clone(),
-                    h.state.clone(),
+                    host_state(h),
                     h.source.clone(),
                     format_bytes(h.bytes),
                     gpu,
@@ -895,8 +906,13 @@ async fn watch(
             "{}",
             table(&["HOST", "STATE", "SOURCE", "BYTES", "GPUS", "NOTE"], rows)
         );
+        let live = if last.kind == "burst" && last.live_s > 0.0 {
+            format!("; every partition live at {:.2} s", last.live_s)
+        } else {
+            String::new()
+        };
         println!(
-            "plan {} {} in {:.2} s (estimate {:.2} s){}",
+            "plan {} {} in {:.2} s (estimate {:.2} s{live}){}",
             last.plan_id,
             last.state,
             last.elapsed_s,
@@ -909,6 +925,24 @@ async fn watch(
         );
     }
     Ok(last)
+}
+
+/// A host's state in a plan; for a burst with its partition and GPU state, e.g.
+/// `loading [1.2/4 partition-live at 1.08 s]`.
+fn host_state(h: &HostProgress) -> String {
+    if h.partition.is_empty() {
+        return h.state.clone();
+    }
+    let mut s = format!("{} [{}", h.state, h.partition);
+    if !h.gpu_state.is_empty() {
+        s.push(' ');
+        s.push_str(&h.gpu_state);
+    }
+    if h.live_s > 0.0 {
+        s.push_str(&format!(", live at {:.2} s", h.live_s));
+    }
+    s.push(']');
+    s
 }
 
 fn is_running_state(s: &str) -> bool {

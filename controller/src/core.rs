@@ -169,11 +169,11 @@ pub struct PlanRecord {
 
 const ACTIVE: [&str; 4] = ["pending", "receiving", "joined", "loading"];
 
-fn is_active(state: &str) -> bool {
+pub(crate) fn is_active(state: &str) -> bool {
     ACTIVE.contains(&state)
 }
 
-fn now_unix() -> f64 {
+pub(crate) fn now_unix() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
@@ -218,20 +218,20 @@ fn plan_error(e: PlanError) -> ApiError {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[derive(Default)]
-struct State {
+pub(crate) struct State {
     /// By name (latest version).
     models: BTreeMap<String, ModelRecord>,
     manifests: HashMap<String, Arc<Vec<u8>>>,
-    hosts: BTreeMap<String, HostEntry>,
+    pub(crate) hosts: BTreeMap<String, HostEntry>,
     /// Signature of each host's last persisted report.
     persisted: HashMap<String, String>,
-    plans: HashMap<String, PlanRecord>,
-    watchers: HashMap<String, watch::Sender<PlanStatus>>,
+    pub(crate) plans: HashMap<String, PlanRecord>,
+    pub(crate) watchers: HashMap<String, watch::Sender<PlanStatus>>,
 }
 
 impl State {
@@ -294,7 +294,7 @@ impl State {
 pub struct Controller {
     cfg: ControllerConfig,
     store: Arc<dyn StateStore>,
-    state: Mutex<State>,
+    pub(crate) state: Mutex<State>,
     agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
     cancel: CancellationToken,
     scaler: crate::autoscaler::Autoscaler,
@@ -348,7 +348,7 @@ impl Controller {
             match serde_json::from_slice::<PlanRecord>(&bytes) {
                 Ok(p) => {
                     if p.status.state == "running" {
-                        resume.push(id.clone());
+                        resume.push((id.clone(), p.status.kind == "burst"));
                         st.watchers
                             .insert(id.clone(), watch::Sender::new(p.status.clone()));
                     }
@@ -369,9 +369,13 @@ impl Controller {
             usage,
             ptables,
         });
-        for id in resume {
+        for (id, burst) in resume {
             info!(plan = %id, "resuming a plan in flight");
-            tokio::spawn(me.clone().run_plan(id));
+            if burst {
+                tokio::spawn(me.clone().run_burst(id));
+            } else {
+                tokio::spawn(me.clone().run_plan(id));
+            }
         }
         tokio::spawn(me.clone().expiry_loop());
         if me.cfg.tiers.enabled {
@@ -1156,8 +1160,7 @@ impl Controller {
                     source,
                     error: String::new(),
                     gpus: r.gpus,
-                    gpu_bytes: 0,
-                    gpu_state: String::new(),
+                    ..Default::default()
                 }
             })
             .collect();
@@ -1175,6 +1178,8 @@ impl Controller {
             chains: chains.clone(),
             replans: 0,
             created_at,
+            kind: "chains".into(),
+            live_s: 0.0,
         };
         let record = PlanRecord {
             status: status.clone(),
@@ -1216,7 +1221,7 @@ impl Controller {
         })
     }
 
-    fn persist_plan(&self, p: &PlanRecord) -> Result<(), ApiError> {
+    pub(crate) fn persist_plan(&self, p: &PlanRecord) -> Result<(), ApiError> {
         self.put_json(Table::Plans, &p.status.plan_id, p)
     }
 
@@ -1650,7 +1655,12 @@ impl Controller {
     }
 
     /// Progress of `digest` in the tier on `host` (and on its GPUs).
-    async fn poll_host(&self, host: &str, digest: &str, tier: Tier) -> Result<Polled, String> {
+    pub(crate) async fn poll_host(
+        &self,
+        host: &str,
+        digest: &str,
+        tier: Tier,
+    ) -> Result<Polled, String> {
         let mut agent = self.agent(host).map_err(|e| e.message)?;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
@@ -1679,6 +1689,12 @@ impl Controller {
                                 "failed"
                             } else if t.gpus.iter().all(|g| g.state == "resident") {
                                 "resident"
+                            } else if t
+                                .gpus
+                                .iter()
+                                .all(|g| g.state == "resident" || g.state == "partition-live")
+                            {
+                                "partition-live"
                             } else {
                                 "loading"
                             };
@@ -1922,11 +1938,11 @@ fn origin_each(
 
 /// A receiver's progress as polled.
 #[derive(Debug, Default)]
-struct Polled {
-    bytes: u64,
-    complete: bool,
-    /// Tier gpu: (bytes on the GPUs, "loading" | "resident" | "failed").
-    gpu: Option<(u64, String)>,
+pub(crate) struct Polled {
+    pub(crate) bytes: u64,
+    pub(crate) complete: bool,
+    /// Tier gpu: (bytes on the GPUs, "loading" | "partition-live" | "resident" | "failed").
+    pub(crate) gpu: Option<(u64, String)>,
 }
 
 /// Why a GPU load could not be requested.
@@ -1962,7 +1978,7 @@ fn chain_run(source: &Source, hops: &[String], shards: &[u32]) -> ChainRun {
 }
 
 /// A plan's status with `elapsed_s` filled in.
-fn snapshot(p: &PlanRecord) -> PlanStatus {
+pub(crate) fn snapshot(p: &PlanRecord) -> PlanStatus {
     let mut s = p.status.clone();
     let end = p.ended_at.unwrap_or_else(now_unix);
     s.elapsed_s = (end - s.created_at).max(0.0);

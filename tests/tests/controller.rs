@@ -1091,6 +1091,52 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
         .map(|h| h.host.as_str())
         .collect();
     assert_eq!(gpu_hosts.len(), 2, "{st:?}");
+    // The burst is a plan like any other: it ends when both hosts hold full replicas, and
+    // says when each partition went live.
+    assert!(!a.plan_id.is_empty(), "{a:?}");
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        (done.state.as_str(), done.kind.as_str()),
+        ("done", "burst"),
+        "{done:?}"
+    );
+    assert!(
+        done.live_s > 0.0 && done.live_s <= done.elapsed_s,
+        "{done:?}"
+    );
+    let mut parts: Vec<&str> = done.hosts.iter().map(|h| h.partition.as_str()).collect();
+    parts.sort_unstable();
+    assert_eq!(parts, ["1.1/2", "1.2/2"], "{done:?}");
+    for h in &done.hosts {
+        assert_eq!(
+            (h.state.as_str(), h.gpu_state.as_str()),
+            ("done", "resident"),
+            "{h:?}"
+        );
+        assert!(h.live_s > 0.0 && h.live_s <= done.live_s, "{h:?}");
+        assert_eq!(h.bytes, manifest.total_bytes(), "{h:?}");
+    }
+    let listed = api
+        .list_plans(shardcast_protocol::controller::ListPlansRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        listed
+            .plans
+            .iter()
+            .any(|p| p.plan_id == a.plan_id && p.kind == "burst")
+    );
+    // The CLI follows it like any plan and says when the partitions went live.
+    let (code, out, err) = cli(&c.controller, &["watch", &a.plan_id]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("[1.1/2 resident, live at"), "{out}");
+    assert!(out.contains("every partition live at"), "{out}");
+    let (code, out, err) = cli(&c.controller, &["plans"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("gpu (burst)"), "{out}");
 }
 
 /// A profile derived from the origin's own tensor index, so the controller needs no host
@@ -1303,6 +1349,22 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
         .unwrap()
         .into_inner();
     assert!(st.hosts.iter().all(|h| h.gpus == 0), "{st:?}");
+    // The burst's plan failed, with each host's reason.
+    let failed = wait_plan(&mut api, &a.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        (failed.state.as_str(), failed.kind.as_str()),
+        ("failed", "burst"),
+        "{failed:?}"
+    );
+    assert!(
+        failed
+            .hosts
+            .iter()
+            .all(|h| h.state == "failed" && !h.error.is_empty()),
+        "{failed:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
