@@ -118,13 +118,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
         .unwrap();
     let t0 = Instant::now();
     let loaded = agent
-        .load_model(LoadModelRequest {
-            heaviness: String::new(),
-            model: digest.clone(),
-            count: 2,
-            gpus: vec![],
-            partition: None,
-        })
+        .load_model(whole_load(&digest, 2))
         .await
         .unwrap()
         .into_inner();
@@ -213,13 +207,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     }
     // Loading again is a no-op (already resident on the same GPUs).
     let again = agent
-        .load_model(LoadModelRequest {
-            heaviness: String::new(),
-            model: digest.clone(),
-            count: 2,
-            gpus: vec![],
-            partition: None,
-        })
+        .load_model(whole_load(&digest, 2))
         .await
         .unwrap()
         .into_inner();
@@ -245,16 +233,7 @@ async fn without_a_cuda_driver_the_daemon_keeps_working() {
     assert!(st.note.contains("no CUDA driver"), "{}", st.note);
     let (digest, manifest) = import(&d, &uri, true, vec![]).await;
     d.verify_copy(&manifest).unwrap();
-    let e = agent
-        .load_model(LoadModelRequest {
-            heaviness: String::new(),
-            model: digest.clone(),
-            count: 1,
-            gpus: vec![],
-            partition: None,
-        })
-        .await
-        .unwrap_err();
+    let e = agent.load_model(whole_load(&digest, 1)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains("no GPUs"), "{e:?}");
     // The hand-off falls back to the memory-tier files.
@@ -577,13 +556,7 @@ async fn cuda_loads_are_byte_exact_through_the_ipc_handoff() {
     gpu.agent()
         .await
         .unwrap()
-        .load_model(LoadModelRequest {
-            heaviness: String::new(),
-            model: digest.clone(),
-            count: 1,
-            gpus: vec![],
-            partition: None,
-        })
+        .load_model(whole_load(&digest, 1))
         .await
         .unwrap();
     let (m, _) = until_resident(&gpu, &digest).await;
@@ -651,4 +624,15 @@ async fn cuda_loads_are_byte_exact_through_the_ipc_handoff() {
     gpu.verify_copy(&manifest_b).unwrap();
     let out = python_handoff_check(&gpu, &digest_b).await;
     assert!(out.contains("cuda-ipc"), "{out}");
+}
+
+/// `LoadModel` for the whole model onto `count` GPUs the host chooses.
+fn whole_load(digest: &str, count: u32) -> LoadModelRequest {
+    LoadModelRequest {
+        heaviness: String::new(),
+        model: digest.to_string(),
+        count,
+        gpus: vec![],
+        partition: None,
+    }
 }
