@@ -8,18 +8,16 @@
 //! The controller only decides and asks: transferd's `LoadModel` with a `PartitionSpec`
 //! does the fetching and loading (see `transferd::gpu::load_partition`).
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use shardcast_policies::partition::PartitionPlan;
 use shardcast_policies::profile::ModelProfile;
 use shardcast_protocol::agent as apb;
 use shardcast_protocol::controller::{HostProgress, PlanAccepted, PlanStatus};
-use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::core::{Controller, PlanRecord, Polled, is_active, lock, now_unix, snapshot};
+use crate::core::{Controller, PlanRecord, Polled, StallClock, is_active, lock, now_unix};
 use crate::error::ApiError;
 
 /// Most partitions a burst may use.
@@ -163,6 +161,7 @@ impl Controller {
                         },
                         gpus: 1,
                         gpu_state: "loading".into(),
+                        partition: part.label.clone(),
                         ..Default::default()
                     });
                     parts.push(part);
@@ -190,11 +189,6 @@ impl Controller {
                     .join("; ")
             )));
         }
-        for h in &mut hosts {
-            if let Some(p) = parts.iter().find(|p| p.host == h.host) {
-                h.partition = p.label.clone();
-            }
-        }
         let id = self.track_burst(&m.name, &m.digest, &m.origin, plan.cold_start_s, &hosts)?;
         info!(plan = %id, model = %m.name, replicas, partitions, sources = holders.len(), cold_start_s = plan.cold_start_s, "burst started");
         Ok((
@@ -208,8 +202,8 @@ impl Controller {
         ))
     }
 
-    /// Records a started burst as a plan of kind "burst" (listed, watched and persisted
-    /// like chain plans) and follows it.
+    /// Records a started burst (at least one part started) as a plan of kind "burst"
+    /// (listed, watched and persisted like chain plans) and follows it.
     fn track_burst(
         self: &Arc<Self>,
         name: &str,
@@ -219,34 +213,27 @@ impl Controller {
         hosts: &[HostProgress],
     ) -> Result<String, ApiError> {
         let id = hex::encode(rand::random::<[u8; 8]>());
-        let all_failed = hosts.iter().all(|h| h.state == "failed");
-        let status = PlanStatus {
-            plan_id: id.clone(),
-            model: name.to_string(),
-            digest: digest.to_string(),
-            tier: "gpu".into(),
-            state: if all_failed { "failed" } else { "running" }.into(),
-            hosts: hosts.to_vec(),
-            estimate_s,
-            created_at: now_unix(),
-            kind: "burst".into(),
-            ..Default::default()
-        };
         let record = PlanRecord {
-            status: status.clone(),
+            status: PlanStatus {
+                plan_id: id.clone(),
+                model: name.to_string(),
+                digest: digest.to_string(),
+                tier: "gpu".into(),
+                state: "running".into(),
+                hosts: hosts.to_vec(),
+                estimate_s,
+                created_at: now_unix(),
+                kind: "burst".into(),
+                ..Default::default()
+            },
             runs: Vec::new(),
             origin: origin.to_string(),
             name: name.to_string(),
-            ended_at: all_failed.then(now_unix),
+            ended_at: None,
         };
         self.persist_plan(&record)?;
-        let mut st = lock(&self.state);
-        st.watchers.insert(id.clone(), watch::Sender::new(status));
-        st.plans.insert(id.clone(), record);
-        drop(st);
-        if !all_failed {
-            tokio::spawn(self.clone().run_burst(id.clone()));
-        }
+        lock(&self.state).add_plan(record);
+        tokio::spawn(self.clone().run_burst(id.clone()));
         Ok(id)
     }
 
@@ -256,7 +243,7 @@ impl Controller {
     /// `stall_timeout`. A burst is not re-planned: the autoscaler or the caller decides
     /// what to do about a lost partition.
     pub(crate) async fn run_burst(self: Arc<Self>, id: String) {
-        let mut progress: HashMap<String, (u64, Instant)> = HashMap::new();
+        let mut progress = StallClock::default();
         let mut last_persist = Instant::now();
         let mut tick = tokio::time::interval(self.config().poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -309,19 +296,12 @@ impl Controller {
                 };
                 changed |= burst_step(h, r, elapsed);
                 let moved = h.bytes + h.gpu_bytes;
-                let seen = progress.entry(host.clone()).or_insert((moved, now));
-                if moved > seen.0 {
-                    *seen = (moved, now);
-                }
-                if is_active(&h.state)
-                    && now.saturating_duration_since(seen.1) >= self.config().stall_timeout
-                {
+                let timeout = self.config().stall_timeout;
+                if progress.stalled(&host, moved, now, timeout) && is_active(&h.state) {
                     h.state = "failed".into();
                     h.error = format!(
-                        "no progress for {:?} (data {} bytes, GPU {} bytes)",
-                        self.config().stall_timeout,
-                        h.bytes,
-                        h.gpu_bytes
+                        "no progress for {timeout:?} (data {} bytes, GPU {} bytes)",
+                        h.bytes, h.gpu_bytes
                     );
                     warn!(plan = %id, host = %host, "burst partition stalled");
                     changed = true;
@@ -344,25 +324,8 @@ impl Controller {
                 info!(plan = %id, model = %plan.name, live_s = plan.status.live_s, "burst live: every partition serves");
                 changed = true;
             }
-            let ended = !plan.status.hosts.iter().any(|h| is_active(&h.state));
-            if ended {
-                let bad: Vec<&str> = plan
-                    .status
-                    .hosts
-                    .iter()
-                    .filter(|h| h.state != "done")
-                    .map(|h| h.host.as_str())
-                    .collect();
-                let any_ok = bad.len() < plan.status.hosts.len();
-                plan.status.state = if any_ok { "done" } else { "failed" }.into();
-                if !bad.is_empty() {
-                    plan.status.message =
-                        format!("finished without {}: see their errors", bad.join(", "));
-                }
-                plan.ended_at = Some(now_unix());
-                info!(plan = %id, model = %plan.name, state = %plan.status.state, "burst ended");
-                changed = true;
-            }
+            let ended = plan.settle();
+            changed |= ended;
             let name = plan.name.clone();
             for (host, bytes) in done {
                 if let Some(e) = st.hosts.get_mut(&host) {
@@ -370,21 +333,9 @@ impl Controller {
                 }
             }
             if changed {
-                let Some(plan) = st.plans.get(&id) else {
-                    return;
-                };
-                if let Some(w) = st.watchers.get(&id) {
-                    w.send_replace(snapshot(plan));
-                }
-                if ended || last_persist.elapsed() >= Duration::from_secs(1) {
-                    if let Err(e) = self.persist_plan(plan) {
-                        warn!(plan = %id, "persisting burst: {e}");
-                    }
-                    last_persist = Instant::now();
-                }
+                self.publish_plan(st, &id, ended, &mut last_persist);
             }
             if ended {
-                st.watchers.remove(&id);
                 return;
             }
         }

@@ -496,7 +496,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 })
                 .await?
                 .into_inner();
-            return accepted(&mut c, a, json, no_wait).await;
+            return accepted(&mut c, a, json, no_wait, None).await;
         }
         Command::ScaleOut {
             model,
@@ -514,35 +514,12 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 })
                 .await?
                 .into_inner();
-            if partitions > 1 {
-                // A burst has no chains: say what each host was asked to load, then follow
-                // it like any plan.
-                if json && no_wait {
-                    print_json(&a);
-                    return Ok(());
-                }
-                if !json {
-                    println!(
-                        "plan {} — burst of {replicas} replica(s) × {partitions} partitions, estimated cold start {:.2} s",
-                        a.plan_id, a.estimate_s
-                    );
-                    for h in &a.hosts {
-                        let extra = if h.error.is_empty() {
-                            format!("from {}", h.source)
-                        } else {
-                            h.error.clone()
-                        };
-                        println!("{}: {} ({extra})", h.host, host_state(h));
-                    }
-                    if no_wait {
-                        println!("follow it with: shardcast watch {}", a.plan_id);
-                        return Ok(());
-                    }
-                }
-                let last = watch(&mut c, &a.plan_id, json).await?;
-                return plan_result(&last);
-            }
-            return accepted(&mut c, a, json, no_wait).await;
+            // A burst has no chains: the header says what it is, the host lines what
+            // each host loads.
+            let what = (partitions > 1).then(|| {
+                format!("burst of {replicas} replica(s) × {partitions} partitions, estimated cold start {:.2} s", a.estimate_s)
+            });
+            return accepted(&mut c, a, json, no_wait, what).await;
         }
         Command::Evict { model, hosts, tier } => {
             let r = c
@@ -735,13 +712,17 @@ async fn accepted(
     a: PlanAccepted,
     json: bool,
     no_wait: bool,
+    what: Option<String>,
 ) -> Result<(), CliError> {
     if json && no_wait {
         print_json(&a);
         return Ok(());
     }
     if !json {
-        println!("plan {} — estimated {:.1} s", a.plan_id, a.estimate_s);
+        match what {
+            Some(what) => println!("plan {} — {what}", a.plan_id),
+            None => println!("plan {} — estimated {:.1} s", a.plan_id, a.estimate_s),
+        }
         let rows = a
             .chains
             .iter()
@@ -766,7 +747,12 @@ async fn accepted(
             );
         }
         for h in a.hosts.iter().filter(|h| h.state != "pending") {
-            println!("{}: {} ({})", h.host, h.state, h.source);
+            let note = if h.error.is_empty() {
+                &h.source
+            } else {
+                &h.error
+            };
+            println!("{}: {} ({note})", h.host, host_state(h));
         }
         if no_wait {
             println!("follow it with: shardcast watch {}", a.plan_id);

@@ -167,6 +167,59 @@ pub struct PlanRecord {
     pub ended_at: Option<f64>,
 }
 
+impl PlanRecord {
+    /// Ends the plan once no host is in progress: `done` when any host holds a copy (done or
+    /// local), else `failed`, naming the hosts it finished without. True when it ended now.
+    pub(crate) fn settle(&mut self) -> bool {
+        let hosts = &self.status.hosts;
+        if hosts.iter().any(|h| is_active(&h.state)) {
+            return false;
+        }
+        let any_ok = hosts
+            .iter()
+            .any(|h| h.state == "done" || h.state == "local");
+        let lost: Vec<&str> = hosts
+            .iter()
+            .filter(|h| h.state == "lost" || h.state == "failed")
+            .map(|h| h.host.as_str())
+            .collect();
+        if !lost.is_empty() {
+            self.status.message = format!("finished without {}: see their errors", lost.join(", "));
+        }
+        self.status.state = if any_ok { "done" } else { "failed" }.into();
+        self.ended_at = Some(now_unix());
+        true
+    }
+}
+
+/// When each host of a plan last made progress (data-plane plus GPU bytes), to find the
+/// ones stalled for longer than `stall_timeout`.
+#[derive(Default)]
+pub(crate) struct StallClock(HashMap<String, (u64, Instant)>);
+
+impl StallClock {
+    /// Notes that `host` has moved `moved` bytes by `now`; true when it has not moved more
+    /// for `timeout`.
+    pub(crate) fn stalled(
+        &mut self,
+        host: &str,
+        moved: u64,
+        now: Instant,
+        timeout: Duration,
+    ) -> bool {
+        let seen = self.0.entry(host.to_string()).or_insert((moved, now));
+        if moved > seen.0 {
+            *seen = (moved, now);
+        }
+        now.saturating_duration_since(seen.1) >= timeout
+    }
+
+    /// Starts `host`'s clock again (it was given new work).
+    pub(crate) fn restart(&mut self, host: &str) {
+        self.0.insert(host.to_string(), (0, Instant::now()));
+    }
+}
+
 const ACTIVE: [&str; 4] = ["pending", "receiving", "joined", "loading"];
 
 pub(crate) fn is_active(state: &str) -> bool {
@@ -235,6 +288,14 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Adds a plan and the channel its watchers subscribe to.
+    pub(crate) fn add_plan(&mut self, record: PlanRecord) {
+        let id = record.status.plan_id.clone();
+        self.watchers
+            .insert(id.clone(), watch::Sender::new(record.status.clone()));
+        self.plans.insert(id, record);
+    }
+
     fn model(&self, key: &str) -> Result<&ModelRecord, ApiError> {
         if key.is_empty() {
             return Err(ApiError::invalid("a model name or digest is required"));
@@ -1208,8 +1269,7 @@ impl Controller {
         for t in touched {
             self.put_json(Table::Hosts, &t.report.host_id, &t)?;
         }
-        st.watchers.insert(id.clone(), watch::Sender::new(status));
-        st.plans.insert(id.clone(), record);
+        st.add_plan(record);
         drop(st);
         info!(plan = %id, model = %model.name, ?tier, receivers = plan.receivers.len(), chains = chains.len(), estimate_s = plan.estimate_s, "plan made");
         tokio::spawn(self.clone().run_plan(id.clone()));
@@ -1374,8 +1434,33 @@ impl Controller {
 
     /// Starts a plan's chains that are not started yet, then polls its receivers until
     /// every one is done, failed or lost; re-plans receivers that stop making progress.
+    /// Sends a plan's status to its watchers and persists it (at most once a second while
+    /// it runs, and when it ends); an ended plan's watchers are dropped.
+    pub(crate) fn publish_plan(
+        &self,
+        st: &mut State,
+        id: &str,
+        ended: bool,
+        last_persist: &mut Instant,
+    ) {
+        let Some(plan) = st.plans.get(id) else { return };
+        if let Some(w) = st.watchers.get(id) {
+            w.send_replace(snapshot(plan));
+        }
+        if ended || last_persist.elapsed() >= Duration::from_secs(1) {
+            if let Err(e) = self.persist_plan(plan) {
+                warn!(plan = %id, "persisting plan: {e}");
+            }
+            *last_persist = Instant::now();
+        }
+        if ended {
+            info!(plan = %id, kind = %plan.status.kind, state = %plan.status.state, elapsed_s = snapshot(plan).elapsed_s, "plan ended");
+            st.watchers.remove(id);
+        }
+    }
+
     async fn run_plan(self: Arc<Self>, id: String) {
-        let mut progress: HashMap<String, (u64, Instant)> = HashMap::new();
+        let mut progress = StallClock::default();
         // Tier gpu: hosts asked to load (None) or that cannot (Some(why)).
         let mut gpu_asked: HashMap<String, Option<String>> = HashMap::new();
         let mut last_persist = Instant::now();
@@ -1511,12 +1596,8 @@ impl Controller {
                     }
                     // Progress is data-plane bytes plus bytes landed on GPUs.
                     let moved = h.bytes + h.gpu_bytes;
-                    let entry = progress.entry(host.clone()).or_insert((moved, now));
-                    if moved > entry.0 {
-                        *entry = (moved, now);
-                    }
-                    if is_active(&h.state)
-                        && now.saturating_duration_since(entry.1) >= self.cfg.stall_timeout
+                    if progress.stalled(&host, moved, now, self.cfg.stall_timeout)
+                        && is_active(&h.state)
                     {
                         stalled.push(host.clone());
                     }
@@ -1528,25 +1609,7 @@ impl Controller {
                     .filter(|h| h.state == "done")
                     .map(|h| (h.host.clone(), h.total))
                     .collect();
-                if !plan.status.hosts.iter().any(|h| is_active(&h.state)) {
-                    let any_ok = plan
-                        .status
-                        .hosts
-                        .iter()
-                        .any(|h| h.state == "done" || h.state == "local");
-                    plan.status.state = if any_ok { "done" } else { "failed" }.into();
-                    let lost: Vec<&str> = plan
-                        .status
-                        .hosts
-                        .iter()
-                        .filter(|h| h.state == "lost" || h.state == "failed")
-                        .map(|h| h.host.as_str())
-                        .collect();
-                    if !lost.is_empty() {
-                        plan.status.message =
-                            format!("finished without {}: see their errors", lost.join(", "));
-                    }
-                    plan.ended_at = Some(now_unix());
+                if plan.settle() {
                     changed = true;
                     ended = true;
                 }
@@ -1559,31 +1622,15 @@ impl Controller {
             if !stalled.is_empty() && !ended {
                 self.replan(&id, &stalled).await;
                 for h in &stalled {
-                    progress.insert(h.clone(), (0, Instant::now()));
+                    progress.restart(h);
                 }
                 changed = true;
             }
             if changed {
-                let st = lock(&self.state);
-                if let Some(plan) = st.plans.get(&id) {
-                    let snap = snapshot(plan);
-                    if let Some(w) = st.watchers.get(&id) {
-                        w.send_replace(snap);
-                    }
-                    if ended || last_persist.elapsed() >= Duration::from_secs(1) {
-                        if let Err(e) = self.persist_plan(plan) {
-                            warn!(plan = %id, "persisting plan: {e}");
-                        }
-                        last_persist = Instant::now();
-                    }
-                }
+                let mut st = lock(&self.state);
+                self.publish_plan(&mut st, &id, ended, &mut last_persist);
             }
             if ended {
-                let mut st = lock(&self.state);
-                st.watchers.remove(&id);
-                if let Some(p) = st.plans.get(&id) {
-                    info!(plan = %id, state = %p.status.state, elapsed_s = snapshot(p).elapsed_s, "plan ended");
-                }
                 return;
             }
         }

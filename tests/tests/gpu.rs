@@ -186,22 +186,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
         .output()
         .is_ok()
     {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/python/handoff.py");
-        let out = tokio::process::Command::new("python3")
-            .arg(script)
-            .arg("--admin")
-            .arg(format!("http://{}", gpu.admin_addr))
-            .arg("--model")
-            .arg("test/gpu-model")
-            .output()
-            .await
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.starts_with("OK "),
-            "{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        python_handoff_check(&gpu, "test/gpu-model").await;
     } else {
         eprintln!("SKIPPED the Python hand-off check: python3 is not installed");
     }
@@ -326,26 +311,7 @@ async fn partitions_load_from_a_peer_first_then_complete_to_full_replicas() {
     }
     let source = format!("shardcast://{}", holder.data_addr);
     // Layer groups as `shardcast plan` names them; the synthetic model is Llama-shaped.
-    let layers: Vec<String> = {
-        let mut names: Vec<String> = Vec::new();
-        for s in manifest
-            .shards
-            .iter()
-            .filter(|s| s.path.as_str().ends_with(".safetensors"))
-        {
-            let bytes = std::fs::read(origin.path().join(s.path.as_str())).unwrap();
-            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-            for n in st.names() {
-                let g = shardcast_policies::profile::group_of(n);
-                if !names.contains(&g) {
-                    names.push(g);
-                }
-            }
-        }
-        names.retain(|g| g.starts_with("model.layers."));
-        names.sort_by_key(|g| g.rsplit('.').next().unwrap().parse::<u32>().unwrap());
-        names
-    };
+    let layers = layer_groups(origin.path(), &manifest);
     assert!(layers.len() >= 8, "{layers:?}");
     let half = layers.len() / 2;
     let groups = [
@@ -577,21 +543,7 @@ async fn cuda_loads_are_byte_exact_through_the_ipc_handoff() {
     let holder = daemon(root.path(), "holder", &[]).await;
     let (digest_b, manifest_b) = import(&holder, &uri_b, true, vec![]).await;
     import(&gpu, &uri_b, false, encode_to_vec(&manifest_b)).await;
-    let mut groups: Vec<String> = Vec::new();
-    for s in manifest_b
-        .shards
-        .iter()
-        .filter(|s| s.path.as_str().ends_with(".safetensors"))
-    {
-        let bytes = std::fs::read(origin_b.path().join(s.path.as_str())).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        for n in st.names() {
-            let g = shardcast_policies::profile::group_of(n);
-            if g.starts_with("model.layers.") && !groups.contains(&g) {
-                groups.push(g);
-            }
-        }
-    }
+    let mut groups = layer_groups(origin_b.path(), &manifest_b);
     groups.truncate(groups.len() / 4);
     assert!(!groups.is_empty());
     gpu.agent()
@@ -635,4 +587,26 @@ fn whole_load(digest: &str, count: u32) -> LoadModelRequest {
         gpus: vec![],
         partition: None,
     }
+}
+
+/// The `model.layers.N` groups of a model in `origin`, by layer number, as `shardcast plan`
+/// names them.
+fn layer_groups(origin: &std::path::Path, manifest: &Manifest) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for s in manifest
+        .shards
+        .iter()
+        .filter(|s| s.path.as_str().ends_with(".safetensors"))
+    {
+        let bytes = std::fs::read(origin.join(s.path.as_str())).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for n in st.names() {
+            let g = shardcast_policies::profile::group_of(n);
+            if g.starts_with("model.layers.") && !names.contains(&g) {
+                names.push(g);
+            }
+        }
+    }
+    names.sort_by_key(|g| g.rsplit('.').next().unwrap().parse::<u32>().unwrap());
+    names
 }
