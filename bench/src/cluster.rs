@@ -14,6 +14,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hyper_util::rt::TokioIo;
+use std::sync::Arc;
+
+use shardcast_identity::Role;
+
+use crate::pki::ClusterPki;
 use shardcast_protocol::agent::agent_client::AgentClient;
 use shardcast_protocol::agent::{GetModelStatusRequest, GetStatsRequest, Stats};
 use shardcast_protocol::{HostId, Manifest};
@@ -186,6 +191,12 @@ pub struct DaemonOpts {
     pub env: Vec<(String, String)>,
     /// Run inside this network namespace (`ip netns exec`).
     pub netns: Option<String>,
+    /// The cluster CA the daemon's certificate comes from (mutual TLS); `None` runs it with
+    /// `insecure_plaintext` (loopback only).
+    pub pki: Option<Arc<ClusterPki>>,
+    /// Serve the agent API on this TCP address (e.g. `127.0.0.1:0`) instead of the Unix
+    /// socket.
+    pub agent_tcp: Option<String>,
 }
 
 impl DaemonOpts {
@@ -199,6 +210,8 @@ impl DaemonOpts {
             extra_args: Vec::new(),
             env: Vec::new(),
             netns: None,
+            pki: ClusterPki::shared().ok(),
+            agent_tcp: None,
         }
     }
 }
@@ -213,6 +226,8 @@ pub struct Daemon {
     pub admin_addr: SocketAddr,
     /// Its agent API Unix socket.
     pub agent_socket: PathBuf,
+    /// Its agent API address as the READY line gave it (`unix:…` or `host:port`).
+    pub agent_addr: String,
     /// Its memory-tier directory.
     pub memory_dir: PathBuf,
     /// Its disk-tier directory.
@@ -240,6 +255,7 @@ impl Daemon {
             data_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
             admin_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
             agent_socket: root.join("agent.sock"),
+            agent_addr: String::new(),
             memory_dir,
             disk_dir,
             log: root.join("transferd.log"),
@@ -272,7 +288,10 @@ impl Daemon {
             .arg("--listen")
             .arg(SocketAddr::new(self.opts.data_ip, port).to_string())
             .arg("--agent-listen")
-            .arg(format!("unix:{}", self.agent_socket.display()))
+            .arg(match &self.opts.agent_tcp {
+                Some(a) => a.clone(),
+                None => format!("unix:{}", self.agent_socket.display()),
+            })
             .arg("--admin-listen")
             .arg(SocketAddr::new(self.opts.data_ip, 0).to_string())
             .arg("--memory-dir")
@@ -283,6 +302,10 @@ impl Daemon {
             .arg(&self.opts.egress_rate)
             .arg("--ingress-rate")
             .arg(&self.opts.ingress_rate)
+            .args(match &self.opts.pki {
+                Some(pki) => pki.args(Role::Host, self.host_id.as_str())?,
+                None => vec!["--insecure-plaintext".into(), "true".into()],
+            })
             .args(&self.opts.extra_args)
             .envs(self.opts.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
@@ -298,6 +321,12 @@ impl Daemon {
         self.data_addr = data
             .parse()
             .with_context(|| format!("bad data address in READY line {line:?}"))?;
+        if let Some(agent) = line
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix("agent="))
+        {
+            self.agent_addr = agent.to_string();
+        }
         if let Some(admin) = line
             .split_whitespace()
             .find_map(|kv| kv.strip_prefix("admin="))

@@ -17,7 +17,13 @@ use shardcast_protocol::controller::{ListHostsRequest, PlanStatus, WatchPlanRequ
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
+use std::sync::Arc;
+
+use shardcast_identity::grpc::ClientSecurity;
+use shardcast_identity::{Alpn, Expect, Role};
+
 use crate::cluster::{Daemon, DaemonOpts, workspace_bin};
+use crate::pki::ClusterPki;
 
 /// Heartbeat period used in managed clusters (fast, so a dead host is noticed in under a
 /// second).
@@ -51,6 +57,21 @@ pub struct ControllerProc {
     pub log: PathBuf,
     extra: Vec<String>,
     child: Option<Child>,
+    /// The cluster CA (mutual TLS on the TCP listeners); `None`: insecure plaintext.
+    pub pki: Option<Arc<ClusterPki>>,
+}
+
+/// How a test or benchmark presents itself to the controller's HTTP API.
+#[derive(Debug, Clone)]
+pub enum HttpAs {
+    /// A client certificate with this role.
+    Cert(Role),
+    /// No certificate, this bearer token.
+    Token(String),
+    /// TLS without a certificate or token.
+    Anonymous,
+    /// No TLS at all (a plaintext client against a TLS listener).
+    Plaintext,
 }
 
 impl ControllerProc {
@@ -65,6 +86,7 @@ impl ControllerProc {
             log: root.join("controller.log"),
             extra,
             child: None,
+            pki: Some(ClusterPki::shared()?),
         };
         c.spawn().await?;
         Ok(c)
@@ -88,6 +110,10 @@ impl ControllerProc {
             .arg(&self.state_dir)
             .arg("--heartbeat-ms")
             .arg(HEARTBEAT_MS.to_string())
+            .args(match &self.pki {
+                Some(pki) => pki.args(Role::Controller, "controller")?,
+                None => vec!["--insecure-plaintext".into()],
+            })
             .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -138,12 +164,95 @@ impl ControllerProc {
         format!("unix:{}", self.unix.display())
     }
 
-    /// A gRPC client (over loopback TCP).
+    /// A gRPC client (over loopback TCP) with an admin certificate.
     pub async fn client(&self) -> anyhow::Result<ControllerClient<Channel>> {
-        let ch = shardcast_protocol::channel::connect(&self.grpc.to_string()).await?;
+        self.client_as(Some(Role::Admin)).await
+    }
+
+    /// A gRPC client with a certificate of `role` (`None`: no TLS at all).
+    pub async fn client_as(&self, role: Option<Role>) -> anyhow::Result<ControllerClient<Channel>> {
+        let security = match (&self.pki, role) {
+            (Some(pki), Some(role)) => {
+                ClientSecurity::Tls(pki.client(role)?, Expect::Role(Role::Controller))
+            }
+            _ => ClientSecurity::Plaintext,
+        };
+        let ch = shardcast_identity::grpc::connect(&self.grpc.to_string(), security).await?;
         Ok(ControllerClient::new(ch)
             .max_decoding_message_size(128 << 20)
             .max_encoding_message_size(128 << 20))
+    }
+
+    /// Flags for the `shardcast` CLI: this controller's address and an admin certificate.
+    pub fn cli_args(&self) -> anyhow::Result<Vec<String>> {
+        let mut args = vec!["--controller".to_string(), self.grpc.to_string()];
+        match &self.pki {
+            Some(pki) => {
+                let f = pki.files(Role::Admin, "test-admin")?;
+                for (flag, path) in [
+                    ("--tls-ca", f.ca),
+                    ("--tls-cert", f.cert),
+                    ("--tls-key", f.key),
+                ] {
+                    args.push(flag.into());
+                    args.push(path.display().to_string());
+                }
+            }
+            None => args.push("--insecure-plaintext".into()),
+        }
+        Ok(args)
+    }
+
+    /// One HTTP/1.1 request to the JSON API as `who`; the status and the body.
+    pub async fn http(
+        &self,
+        who: HttpAs,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> anyhow::Result<(u16, String)> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let tcp = tokio::net::TcpStream::connect(self.http).await?;
+        let auth = match &who {
+            HttpAs::Token(t) => format!("Authorization: Bearer {t}\r\n"),
+            _ => String::new(),
+        };
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: controller\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let expect = Expect::Role(Role::Controller);
+        let mut stream: Box<dyn shardcast_identity::grpc::Io> = match (&who, &self.pki) {
+            (HttpAs::Plaintext, _) | (_, None) => Box::new(tcp),
+            (HttpAs::Cert(role), Some(pki)) => Box::new(
+                pki.client(*role)?
+                    .connect(tcp, Alpn::Http, &expect)
+                    .await?
+                    .0,
+            ),
+            (HttpAs::Token(_) | HttpAs::Anonymous, Some(pki)) => Box::new(
+                pki.client(Role::Read)?
+                    .connect_http_without_cert(tcp, &expect)
+                    .await?
+                    .0,
+            ),
+        };
+        stream.write_all(req.as_bytes()).await?;
+        let mut raw = Vec::new();
+        // A server that closes without answering (a refused plaintext client) reads as
+        // an empty answer.
+        let _ = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw)).await;
+        let out = String::from_utf8_lossy(&raw);
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = out
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        Ok((status, body))
     }
 
     /// Base URL of the HTTP API.

@@ -17,5 +17,6 @@ pub mod loader_bench;
 pub mod managed;
 pub mod netns;
 pub mod origin_server;
+pub mod pki;
 pub mod scenario;
 pub mod synth;

@@ -42,6 +42,18 @@ pub struct Cli {
     /// Print JSON (the API's messages) instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Cluster CA bundle (PEM) the controller's certificate must chain to.
+    #[arg(long, global = true, env = "SHARDCAST_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) naming an admin, platform or read identity.
+    #[arg(long, global = true, env = "SHARDCAST_TLS_CERT")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The client certificate's key (PEM).
+    #[arg(long, global = true, env = "SHARDCAST_TLS_KEY")]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// INSECURE: talk plaintext to a controller started with --insecure-plaintext.
+    #[arg(long, global = true)]
+    pub insecure_plaintext: bool,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -50,6 +62,12 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Cluster certificates and tokens (no controller needed).
+    Certs {
+        /// What to do.
+        #[command(subcommand)]
+        action: CertsCommand,
+    },
     /// Register a model: build its manifest from the origin.
     Register {
         /// Model name, e.g. org/llama-3-8b.
@@ -188,6 +206,161 @@ pub enum Command {
     },
 }
 
+/// `shardcast certs …`: a small CA for quick starts. Production clusters may bring their
+/// own CA; transferd and the controller only read PEM files.
+#[derive(Debug, Subcommand)]
+pub enum CertsCommand {
+    /// Create the cluster CA (`<dir>/ca.pem`, `<dir>/ca.key` 0600).
+    Init {
+        /// PKI directory.
+        #[arg(long, default_value = "/etc/shardcast/pki")]
+        dir: std::path::PathBuf,
+        /// The CA's common name.
+        #[arg(long, default_value = "shardcast cluster CA")]
+        name: String,
+        /// Validity in days.
+        #[arg(long, default_value_t = 3650)]
+        days: u64,
+    },
+    /// Issue a certificate naming `shardcast://<role>/<name>` (`<dir>/<role>-<name>.pem/.key`).
+    Issue {
+        /// PKI directory (holding the CA).
+        #[arg(long, default_value = "/etc/shardcast/pki")]
+        dir: std::path::PathBuf,
+        /// host, controller, admin, platform or read.
+        #[arg(long)]
+        role: String,
+        /// The host id (role host) or a principal name.
+        #[arg(long)]
+        name: String,
+        /// Extra DNS names the holder serves under (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        dns: Vec<String>,
+        /// Extra IP addresses the holder serves under (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        ip: Vec<std::net::IpAddr>,
+        /// Validity in days.
+        #[arg(long, default_value_t = 90)]
+        days: u64,
+    },
+    /// Re-issue a certificate with a new key and validity, same identity and names; running
+    /// daemons pick it up without a restart.
+    Rotate {
+        /// PKI directory (holding the CA).
+        #[arg(long, default_value = "/etc/shardcast/pki")]
+        dir: std::path::PathBuf,
+        /// The certificate to rotate; its key is the same path with `.key`.
+        #[arg(long)]
+        cert: std::path::PathBuf,
+        /// Validity in days.
+        #[arg(long, default_value_t = 90)]
+        days: u64,
+    },
+    /// Create a bearer token for HTTP clients; prints the token, and the line to add to the
+    /// controller's --tokens-file (which stores only its hash).
+    Token {
+        /// admin, platform or read.
+        #[arg(long)]
+        role: String,
+        /// A principal name.
+        #[arg(long)]
+        name: String,
+    },
+}
+
+fn certs(action: CertsCommand) -> Result<(), CliError> {
+    use shardcast_identity::Identity;
+    use shardcast_identity::pki::{IssueRequest, PkiDir};
+    let days = |d: u64| Duration::from_secs(d.saturating_mul(24 * 3600));
+    let identity = |role: &str, name: &str| -> Result<Identity, CliError> {
+        let role = role.parse().map_err(|e| usage(format!("--role: {e}")))?;
+        Identity::new(role, name).map_err(|e| usage(format!("--name: {e}")))
+    };
+    let fail = |e: shardcast_identity::IdentityError| CliError {
+        exit: 1,
+        message: e.to_string(),
+    };
+    match action {
+        CertsCommand::Init { dir, name, days: d } => {
+            let files = PkiDir::new(&dir).init(&name, days(d)).map_err(fail)?;
+            println!(
+                "created CA {} (key {})",
+                files.cert.display(),
+                files.key.display()
+            );
+        }
+        CertsCommand::Issue {
+            dir,
+            role,
+            name,
+            dns,
+            ip,
+            days: d,
+        } => {
+            let mut req = IssueRequest::new(identity(&role, &name)?);
+            req.dns.extend(dns);
+            req.ips.extend(ip);
+            req.validity = days(d);
+            let files = PkiDir::new(&dir).issue(&req).map_err(fail)?;
+            println!(
+                "issued {} for {} (key {})",
+                files.cert.display(),
+                req.identity.uri(),
+                files.key.display()
+            );
+        }
+        CertsCommand::Rotate { dir, cert, days: d } => {
+            let files = shardcast_identity::pki::CertFiles {
+                key: cert.with_extension("key"),
+                cert,
+            };
+            PkiDir::new(&dir).rotate(&files, days(d)).map_err(fail)?;
+            println!("rotated {}", files.cert.display());
+        }
+        CertsCommand::Token { role, name } => {
+            let id = identity(&role, &name)?;
+            if matches!(
+                id.role,
+                shardcast_identity::Role::Host | shardcast_identity::Role::Controller
+            ) {
+                return Err(usage(
+                    "tokens are for HTTP clients (admin, platform, read); hosts and the controller use certificates",
+                ));
+            }
+            let (token, line) = shardcast_identity::token::generate(&id);
+            println!("token: {token}");
+            println!("tokens-file line: {line}");
+        }
+    }
+    Ok(())
+}
+
+/// How the CLI reaches the controller.
+fn client_security(cli: &Cli) -> Result<shardcast_identity::grpc::ClientSecurity, CliError> {
+    use shardcast_identity::grpc::ClientSecurity;
+    if cli.controller.starts_with("unix:") || cli.insecure_plaintext {
+        return Ok(ClientSecurity::Plaintext);
+    }
+    match (&cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
+        (Some(ca), Some(cert), Some(key)) => {
+            let ctx = shardcast_identity::TlsContext::load(shardcast_identity::TlsFiles {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            })
+            .map_err(|e| usage(format!("TLS identity: {e}")))?;
+            Ok(ClientSecurity::Tls(
+                ctx,
+                shardcast_identity::Expect::Role(shardcast_identity::Role::Controller),
+            ))
+        }
+        _ => Err(usage(
+            "the controller requires mutual TLS: pass --tls-ca, --tls-cert and --tls-key (or SHARDCAST_TLS_CA/_CERT/_KEY), \
+             or use its Unix socket (--controller unix:/path) as a local operator",
+        )),
+    }
+}
+
 /// A CLI failure with its exit status.
 #[derive(Debug)]
 pub struct CliError {
@@ -299,6 +472,9 @@ fn print_plan(
 
 /// Runs one command.
 pub async fn run(cli: Cli) -> Result<(), CliError> {
+    if let Command::Certs { action } = cli.command {
+        return certs(action);
+    }
     if let Command::Plan {
         model: None,
         profile,
@@ -325,8 +501,8 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         };
         return offline_plan(profile, *max_partitions, gpu_memory, *queue, cli.json);
     }
-    let channel =
-        shardcast_protocol::channel::lazy(&cli.controller).map_err(|e| usage(e.to_string()))?;
+    let channel = shardcast_identity::grpc::lazy(&cli.controller, client_security(&cli)?)
+        .map_err(|e| usage(e.to_string()))?;
     let mut c = ControllerClient::new(channel)
         .max_decoding_message_size(128 << 20)
         .max_encoding_message_size(128 << 20);
@@ -621,6 +797,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 );
             }
         }
+        Command::Certs { .. } => unreachable!("handled before connecting"),
         Command::Plan {
             model,
             max_partitions,

@@ -55,6 +55,9 @@ pub struct ControllerConfig {
     pub tiers: crate::tiers::TierConfig,
     /// Scrape load from a Prometheus endpoint.
     pub scrape: Option<crate::scrape::ScrapeConfig>,
+    /// The controller's TLS identity for reaching agents over TCP (`None`: plaintext,
+    /// insecure mode or agents on Unix sockets only).
+    pub tls: Option<Arc<shardcast_identity::TlsContext>>,
 }
 
 impl Default for ControllerConfig {
@@ -69,6 +72,7 @@ impl Default for ControllerConfig {
             pcie_bps: 25e9,
             tiers: crate::tiers::TierConfig::default(),
             scrape: None,
+            tls: None,
         }
     }
 }
@@ -361,6 +365,7 @@ pub struct Controller {
     scaler: crate::autoscaler::Autoscaler,
     usage: crate::tiers::Usage,
     ptables: crate::ptables::PlanStore,
+    authz: Arc<shardcast_identity::grpc::AuthzStats>,
 }
 
 impl Controller {
@@ -429,6 +434,7 @@ impl Controller {
             scaler: crate::autoscaler::Autoscaler::default(),
             usage,
             ptables,
+            authz: Arc::default(),
         });
         for (id, burst) in resume {
             info!(plan = %id, "resuming a plan in flight");
@@ -471,6 +477,11 @@ impl Controller {
         }
     }
 
+    /// Refusals of API calls by role (both front ends), for `/metrics`.
+    pub fn authz_stats(&self) -> Arc<shardcast_identity::grpc::AuthzStats> {
+        self.authz.clone()
+    }
+
     fn agent(&self, host: &str) -> Result<AgentClient<Channel>, ApiError> {
         let addr = {
             let st = lock(&self.state);
@@ -486,7 +497,20 @@ impl Controller {
         {
             return Ok(c.clone());
         }
-        let channel = shardcast_protocol::channel::lazy(&addr)
+        // Over TCP the agent must prove it is exactly this host (a heartbeat cannot point
+        // the controller at another host's agent); Unix sockets are local.
+        let security = match &self.cfg.tls {
+            Some(ctx) if !addr.starts_with("unix:") => {
+                let id = shardcast_identity::Identity::new(shardcast_identity::Role::Host, host)
+                    .map_err(|e| ApiError::internal(format!("host {host}: {e}")))?;
+                shardcast_identity::grpc::ClientSecurity::Tls(
+                    ctx.clone(),
+                    shardcast_identity::Expect::Exactly(id),
+                )
+            }
+            _ => shardcast_identity::grpc::ClientSecurity::Plaintext,
+        };
+        let channel = shardcast_identity::grpc::lazy(&addr, security)
             .map_err(|e| ApiError::unavailable(format!("host {host}: {e}")))?;
         let client = AgentClient::new(channel)
             .max_decoding_message_size(128 << 20)

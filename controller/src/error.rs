@@ -42,6 +42,14 @@ impl ApiError {
     pub fn precondition(message: impl Into<String>) -> Self {
         Self::new(Code::FailedPrecondition, message)
     }
+    /// No identity was presented (no client certificate, no valid bearer token).
+    pub fn unauthenticated(message: impl Into<String>) -> Self {
+        Self::new(Code::Unauthenticated, message)
+    }
+    /// The caller's role lacks the permission.
+    pub fn permission_denied(message: impl Into<String>) -> Self {
+        Self::new(Code::PermissionDenied, message)
+    }
     /// A bug or a failing disk.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(Code::Internal, message)
@@ -57,6 +65,8 @@ impl ApiError {
         match self.code {
             Code::InvalidArgument | Code::OutOfRange => StatusCode::BAD_REQUEST,
             Code::NotFound => StatusCode::NOT_FOUND,
+            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+            Code::PermissionDenied => StatusCode::FORBIDDEN,
             Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
             Code::ResourceExhausted => StatusCode::INSUFFICIENT_STORAGE,
             Code::FailedPrecondition => StatusCode::PRECONDITION_FAILED,

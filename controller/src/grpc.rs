@@ -179,7 +179,10 @@ impl Inventory for GrpcApi {
         &self,
         request: Request<HostReport>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        let interval_ms = self.0.heartbeat(request.into_inner())?;
+        let peer = shardcast_identity::grpc::peer_of(&request);
+        let report = request.into_inner();
+        crate::auth::check_heartbeat(&peer, &report.host_id)?;
+        let interval_ms = self.0.heartbeat(report)?;
         Ok(Response::new(HeartbeatResponse { interval_ms }))
     }
 }

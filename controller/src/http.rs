@@ -120,9 +120,11 @@ pub fn router(c: Arc<Controller>) -> Router {
         )
         .route(
             "/v1/heartbeat",
-            post(|State(c): Ctl, b: Bytes| async move {
+            post(|State(c): Ctl, peer: Option<axum::Extension<shardcast_identity::Peer>>, b: Bytes| async move {
+                let peer = peer.map(|p| p.0).unwrap_or(shardcast_identity::Peer::Anonymous);
                 json(
                     body::<HostReport>(&b)
+                        .and_then(|r| crate::auth::check_heartbeat(&peer, &r.host_id).map(|_| r))
                         .and_then(|r| c.heartbeat(r))
                         .map(|interval_ms| HeartbeatResponse { interval_ms }),
                 )
@@ -175,6 +177,13 @@ pub fn router(c: Arc<Controller>) -> Router {
                         "shardcast_autoscaler_decisions_total{{kind=\"{kind}\"}} {n}\n"
                     ));
                 }
+                let authz = c.authz_stats();
+                let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                out.push_str(&format!(
+                    "# HELP shardcast_api_refused_total API calls refused, by reason.\n# TYPE shardcast_api_refused_total counter\nshardcast_api_refused_total{{reason=\"unauthenticated\"}} {}\nshardcast_api_refused_total{{reason=\"denied\"}} {}\n",
+                    load(&authz.unauthenticated),
+                    load(&authz.denied)
+                ));
                 out
             }),
         )

@@ -20,6 +20,7 @@
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod auth;
 pub mod autoscaler;
 pub mod burst;
 pub mod cli;

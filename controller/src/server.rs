@@ -10,12 +10,15 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use shardcast_identity::grpc::{self, AuthzLayer, TcpSecurity};
+use shardcast_identity::tls::RELOAD_PERIOD;
+use shardcast_identity::token::Tokens;
+use shardcast_identity::{Alpn, Role, TlsContext};
 use shardcast_placement::PlanParams;
 use shardcast_protocol::controller::controller_server::ControllerServer;
 use shardcast_protocol::controller::inventory_server::InventoryServer;
 use shardcast_protocol::units::parse_rate;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -116,6 +119,58 @@ pub struct Args {
     /// Gauge of requests per second one replica serves, labelled `model`.
     #[arg(long, default_value = "shardcast_model_service_rate")]
     pub scrape_service_metric: String,
+    /// Cluster CA bundle (PEM): clients, hosts and agents must chain to it.
+    #[arg(long, env = "SHARDCAST_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// The controller's certificate (PEM), naming `shardcast://controller/<name>`.
+    #[arg(long, env = "SHARDCAST_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, env = "SHARDCAST_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Bearer tokens for HTTP clients without a certificate: lines of
+    /// `<role> <name> <blake3-hex of the token>` (`shardcast certs token`).
+    #[arg(long, env = "SHARDCAST_TOKENS_FILE")]
+    pub tokens_file: Option<PathBuf>,
+    /// INSECURE: no TLS and no authentication on the TCP listeners; refused unless both
+    /// are on loopback. For benchmarks and experiments only.
+    #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
+    pub insecure_plaintext: bool,
+}
+
+/// The controller's TLS identity, or `None` in insecure mode (checked: loopback only).
+fn load_tls(args: &Args) -> anyhow::Result<Option<Arc<TlsContext>>> {
+    if args.insecure_plaintext {
+        for (name, addr) in [("listen", args.listen), ("http_listen", args.http_listen)] {
+            if !shardcast_identity::plaintext_allowed(&addr) {
+                bail!(
+                    "--insecure-plaintext is only allowed on loopback listeners, but {name} is {addr}"
+                );
+            }
+        }
+        warn!(
+            "INSECURE: --insecure-plaintext is set; no TLS and no authentication on the TCP listeners (loopback only)"
+        );
+        return Ok(None);
+    }
+    match (&args.tls_ca, &args.tls_cert, &args.tls_key) {
+        (Some(ca), Some(cert), Some(key)) => {
+            let files = shardcast_identity::TlsFiles {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            };
+            Ok(Some(
+                TlsContext::load_as(files, Role::Controller, None)
+                    .context("loading the controller's TLS identity")?,
+            ))
+        }
+        _ => bail!(
+            "mutual TLS is required: set --tls-ca, --tls-cert and --tls-key (create them with \
+             `shardcast certs init` and `shardcast certs issue --role controller --name <name>`), \
+             or --insecure-plaintext with loopback listeners only"
+        ),
+    }
 }
 
 impl Args {
@@ -209,8 +264,17 @@ impl Args {
 
 /// Runs the controller until SIGINT/SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let cfg = args.config()?;
+    let mut cfg = args.config()?;
+    let tls = load_tls(&args)?;
+    let tokens = match &args.tokens_file {
+        Some(p) => Tokens::load(p).context("loading the tokens file")?,
+        None => Tokens::default(),
+    };
+    cfg.tls = tls.clone();
     let cancel = CancellationToken::new();
+    if let Some(ctx) = &tls {
+        ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
+    }
     let path = args.state_dir.join("state.redb");
     let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
         .await
@@ -224,26 +288,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let http = TcpListener::bind(args.http_listen)
         .await
         .with_context(|| format!("binding HTTP listener {}", args.http_listen))?;
+    // 0600: local operators only (same user or root), who hold every permission.
     let unix = match &args.unix {
         Some(p) => {
-            if let Ok(meta) = std::fs::symlink_metadata(p) {
-                use std::os::unix::fs::FileTypeExt;
-                if meta.file_type().is_socket() {
-                    let _ = std::fs::remove_file(p);
-                }
-            }
-            Some(
-                tokio::net::UnixListener::bind(p)
-                    .with_context(|| format!("binding {}", p.display()))?,
-            )
+            Some(grpc::bind_unix_private(p).with_context(|| format!("binding {}", p.display()))?)
         }
         None => None,
     };
     let (grpc_addr, http_addr) = (grpc.local_addr()?, http.local_addr()?);
 
     let api = GrpcApi(controller.clone());
+    let authz = controller.authz_stats();
     let services = || {
         tonic::transport::Server::builder()
+            .layer(AuthzLayer::new(crate::auth::permission, authz.clone()))
             .add_service(
                 ControllerServer::new(api.clone())
                     .max_decoding_message_size(128 << 20)
@@ -255,12 +313,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     {
         let server = services();
         let cancel = cancel.clone();
+        let incoming = grpc::incoming_tcp(
+            grpc,
+            match &tls {
+                Some(ctx) => TcpSecurity::Tls(ctx.clone(), Alpn::Grpc),
+                None => TcpSecurity::Plaintext,
+            },
+            cancel.clone().cancelled_owned(),
+        );
         tasks.spawn(async move {
             if let Err(e) = server
-                .serve_with_incoming_shutdown(
-                    TcpListenerStream::new(grpc),
-                    cancel.cancelled_owned(),
-                )
+                .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                 .await
             {
                 warn!("gRPC server ended: {e}");
@@ -270,9 +333,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(l) = unix {
         let server = services();
         let cancel = cancel.clone();
+        let incoming = grpc::incoming_unix(l, cancel.clone().cancelled_owned());
         tasks.spawn(async move {
             if let Err(e) = server
-                .serve_with_incoming_shutdown(UnixListenerStream::new(l), cancel.cancelled_owned())
+                .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                 .await
             {
                 warn!("gRPC (unix) server ended: {e}");
@@ -280,10 +344,28 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         });
     }
     {
-        let router = crate::http::router(controller.clone());
+        let auth = crate::auth::HttpAuth {
+            tokens: Arc::new(tokens),
+            stats: authz.clone(),
+        };
+        let router = crate::http::router(controller.clone())
+            .layer(axum::middleware::from_fn_with_state(
+                auth,
+                crate::auth::middleware,
+            ))
+            .into_make_service_with_connect_info::<crate::auth::HttpPeer>();
         let cancel = cancel.clone();
+        let incoming = grpc::incoming_tcp(
+            http,
+            match &tls {
+                Some(ctx) => TcpSecurity::TlsOptionalClient(ctx.clone()),
+                None => TcpSecurity::Plaintext,
+            },
+            cancel.clone().cancelled_owned(),
+        );
+        let listener = crate::auth::HttpListener::new(incoming, http_addr);
         tasks.spawn(async move {
-            if let Err(e) = axum::serve(http, router)
+            if let Err(e) = axum::serve(listener, router)
                 .with_graceful_shutdown(cancel.cancelled_owned())
                 .await
             {

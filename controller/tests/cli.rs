@@ -18,12 +18,80 @@ fn controller_rejects_bad_settings_with_a_message() {
 #[test]
 fn cli_reports_an_unreachable_controller() {
     let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
-        .args(["--controller", "127.0.0.1:1", "models"])
+        .args([
+            "--controller",
+            "127.0.0.1:1",
+            "--insecure-plaintext",
+            "models",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(5), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.starts_with("error: UNAVAILABLE"), "{err}");
+}
+
+#[test]
+fn cli_without_a_certificate_says_how_to_get_one() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
+        .args(["--controller", "127.0.0.1:1", "models"])
+        .env_remove("SHARDCAST_TLS_CA")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("requires mutual TLS") && err.contains("--tls-cert"),
+        "{err}"
+    );
+}
+
+#[test]
+fn certs_init_issue_rotate_and_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
+            .arg("certs")
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let d = pki.to_str().unwrap();
+    let (code, out, err) = run(&["init", "--dir", d]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("ca.pem"), "{out}");
+    let (code, _, err) = run(&["init", "--dir", d]);
+    assert_eq!(
+        code,
+        Some(1),
+        "a second init must not replace the CA: {err}"
+    );
+    let (code, out, err) = run(&[
+        "issue", "--dir", d, "--role", "host", "--name", "gpu-1", "--ip", "10.0.0.7",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("shardcast://host/gpu-1"), "{out}");
+    let cert = pki.join("host-gpu-1.pem");
+    let before = std::fs::read(&cert).unwrap();
+    let (code, _, err) = run(&["rotate", "--dir", d, "--cert", cert.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_ne!(std::fs::read(&cert).unwrap(), before);
+    let (code, _, err) = run(&["issue", "--dir", d, "--role", "root", "--name", "x"]);
+    assert_eq!(code, Some(2), "{err}");
+    let (code, out, err) = run(&["token", "--role", "platform", "--name", "knative"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("token: shc_") && out.contains("platform knative "),
+        "{out}"
+    );
+    let (code, _, _) = run(&["token", "--role", "host", "--name", "h1"]);
+    assert_eq!(code, Some(2));
 }
 
 #[test]

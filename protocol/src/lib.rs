@@ -41,8 +41,6 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-#[cfg(feature = "channel")]
-pub mod channel;
 pub mod chunkset;
 pub mod codec;
 pub mod frame;

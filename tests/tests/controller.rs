@@ -5,9 +5,10 @@
 use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::Daemon;
-use shardcast_bench::control::{ControllerProc, ManagedCluster, cli_bin, wait_plan};
+use shardcast_bench::control::{ControllerProc, HttpAs, ManagedCluster, cli_bin, wait_plan};
 use shardcast_bench::origin_server::{OriginStats, serve};
 use shardcast_bench::synth::{self, SynthSpec};
+use shardcast_identity::Role;
 use shardcast_protocol::Manifest;
 use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::controller::controller_client::ControllerClient;
@@ -15,7 +16,6 @@ use shardcast_protocol::controller::{
     EvictRequest, GetStatusRequest, ListModelsRequest, ListPlansRequest, PlanStatus,
     PrewarmRequest, RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 use tonic::transport::Channel;
 
@@ -462,34 +462,15 @@ async fn concurrent_prewarms_of_one_model_send_it_to_each_host_once() {
 }
 
 /// A plain HTTP/1.1 request; returns (status, body).
-async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: controller\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(30), s.read_to_string(&mut out))
+async fn http(ctl: &ControllerProc, method: &str, path: &str, body: &str) -> (u16, String) {
+    ctl.http(HttpAs::Cert(Role::Admin), method, path, body)
         .await
         .unwrap()
-        .unwrap();
-    let status: u16 = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap();
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
 }
 
 async fn cli(ctl: &ControllerProc, args: &[&str]) -> (i32, String, String) {
     let out = tokio::process::Command::new(cli_bin().unwrap())
-        .arg("--controller")
-        .arg(ctl.grpc.to_string())
+        .args(ctl.cli_args().unwrap())
         .args(args)
         .output()
         .await
@@ -597,7 +578,7 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
     assert_eq!(e.code(), Code::NotFound);
 
     // HTTP/JSON.
-    let addr = c.controller.http;
+    let addr = &c.controller;
     let (s, b) = http(addr, "POST", "/v1/prewarm", "{not json").await;
     assert_eq!(s, 400, "{b}");
     assert!(b.contains("INVALID_ARGUMENT"), "{b}");
@@ -806,6 +787,11 @@ async fn gpu_replicas_share_one_copy_per_host() {
         .into_inner();
     assert!(b.chains.is_empty(), "{b:?}");
     assert_eq!(b.hosts.iter().map(|h| h.gpus).sum::<u32>(), 4);
+    // Its GPU loads run as a plan; the eviction below would rightly refuse to race it.
+    let done = wait_plan(&mut api, &b.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
     // A prewarm of 9 GPU replicas is already satisfied: it reserves nothing more.
     let again = api
         .prewarm(PrewarmRequest {
@@ -989,7 +975,7 @@ async fn reported_load_scales_out_then_in_and_evicts() {
         "{kinds:?}"
     );
     assert!(ev.events.iter().all(|e| !e.reason.is_empty()));
-    let (s, body) = http(c.controller.http, "GET", "/metrics", "").await;
+    let (s, body) = http(&c.controller, "GET", "/metrics", "").await;
     assert_eq!(s, 200);
     assert!(
         body.contains("shardcast_autoscaler_decisions_total{kind=\"scale-down\"} 1"),

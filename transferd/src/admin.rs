@@ -133,5 +133,62 @@ pub fn render(node: &Node) -> String {
         "Fetches from a fallback source after an upstream vanished.",
         s.upstream_recoveries.load(Ordering::Relaxed),
     );
+    metric(
+        "data_tls_refused_total",
+        "counter",
+        "Data-port connections refused in the TLS handshake (no certificate, another CA, expired, timeout).",
+        s.tls_refused.load(Ordering::Relaxed),
+    );
+    metric(
+        "hello_identity_mismatch_total",
+        "counter",
+        "Peers whose Hello host id differed from their certificate, or that were not hosts.",
+        s.identity_mismatch.load(Ordering::Relaxed),
+    );
+    metric(
+        "agent_unauthenticated_total",
+        "counter",
+        "Agent API calls refused for want of an identity.",
+        s.authz.unauthenticated.load(Ordering::Relaxed),
+    );
+    metric(
+        "agent_denied_total",
+        "counter",
+        "Agent API calls refused because the caller's role lacks the permission.",
+        s.authz.denied.load(Ordering::Relaxed),
+    );
+    if let Some(tls) = node.transport.tls() {
+        let t = &tls.stats;
+        metric(
+            "tls_handshakes_accepted_total",
+            "counter",
+            "TLS handshakes completed as a server (data port and agent API).",
+            t.accepted.load(Ordering::Relaxed),
+        );
+        metric(
+            "tls_handshakes_refused_total",
+            "counter",
+            "TLS handshakes refused as a server (data port and agent API).",
+            t.refused.load(Ordering::Relaxed) + t.timed_out.load(Ordering::Relaxed),
+        );
+        metric(
+            "tls_connect_refused_total",
+            "counter",
+            "Outgoing TLS connections whose server was refused (bad chain or wrong identity).",
+            t.connect_refused.load(Ordering::Relaxed),
+        );
+        metric(
+            "tls_reloads_total",
+            "counter",
+            "Certificate reloads without a restart.",
+            t.reloads.load(Ordering::Relaxed),
+        );
+        metric(
+            "tls_reload_failures_total",
+            "counter",
+            "Certificate reloads that failed (the running certificate stays).",
+            t.reload_failures.load(Ordering::Relaxed),
+        );
+    }
     out
 }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use shardcast_identity::Permission;
 use shardcast_protocol::agent::agent_server::Agent;
 use shardcast_protocol::agent::{
     self as pb, EvictModelRequest, EvictModelResponse, GetModelStatusRequest,
@@ -26,6 +27,22 @@ use gpu_loader::manager::{GpuManager, LoadState, ManagerError, ModelGpuStatus};
 use crate::chain::{ChainError, ChainSpec, Node, new_session_id};
 use crate::origin::Origin;
 use crate::store::Holding;
+
+/// What each agent method needs (the one authorisation table of this API, applied by
+/// `shardcast_identity::grpc::AuthzLayer` before the call reaches the service). Calls that
+/// read from the store or fetch from origins on the host's behalf, start chains or change
+/// GPU memory need [`Permission::DriveAgent`] (the controller or an admin); status and the
+/// hand-off need [`Permission::Read`]. Unknown methods need admin (they are then
+/// `UNIMPLEMENTED`).
+pub fn permission(path: &str) -> Option<Permission> {
+    let method = path.strip_prefix("/shardcast.agent.v1.Agent/")?;
+    Some(match method {
+        "ImportModel" | "StartChain" | "EvictModel" | "LoadModel" => Permission::DriveAgent,
+        "GetSession" | "GetModelStatus" | "ListHoldings" | "GetStats" | "GpuStatus"
+        | "GetHandoff" => Permission::Read,
+        _ => return None,
+    })
+}
 
 /// The agent service of one daemon.
 pub struct AgentService {

@@ -34,10 +34,12 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
+use shardcast_identity::{Peer, Role};
 use shardcast_protocol::{
     ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, PROTOCOL_VERSION, SessionHeader,
     SessionId, Tier, VerifiedChunk,
 };
+use tokio::net::TcpStream;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -111,6 +113,13 @@ pub struct NodeStats {
     pub downstream_failovers: AtomicU64,
     /// Times a hop fetched missing chunks from a fallback source.
     pub upstream_recoveries: AtomicU64,
+    /// Data-port connections refused in the TLS handshake (no certificate, another CA,
+    /// expired, not a `host`).
+    pub tls_refused: AtomicU64,
+    /// Peers whose `Hello` host id differed from their certificate's.
+    pub identity_mismatch: AtomicU64,
+    /// Agent API calls refused by role.
+    pub authz: Arc<shardcast_identity::grpc::AuthzStats>,
 }
 
 /// Why a chain operation failed. Sent to peers as an `Error` frame, to API callers as a
@@ -412,9 +421,19 @@ impl Node {
         self.heads.lock().ok()?.get(id).cloned()
     }
 
-    async fn connect(&self, addr: &str) -> Result<Conn, ChainError> {
-        let stream = self.transport.connect(addr).await.map_err(WireError::Io)?;
-        Ok(self.conn(stream))
+    /// Connects to a hop's data port; with TLS the peer must be a `host` (exactly
+    /// `expect` when given).
+    async fn connect(
+        &self,
+        addr: &str,
+        expect: Option<&HostId>,
+    ) -> Result<(Conn, Peer), ChainError> {
+        let (stream, peer) = self
+            .transport
+            .connect(addr, expect)
+            .await
+            .map_err(WireError::Io)?;
+        Ok((self.conn(stream), peer))
     }
 
     fn conn(&self, stream: BoxStream) -> Conn {
@@ -426,8 +445,24 @@ impl Node {
         )
     }
 
-    /// Sends our `Hello` and reads the peer's; refuses other protocol versions.
-    async fn handshake(&self, conn: &mut Conn) -> Result<HostId, ChainError> {
+    /// Sends our `Hello` and reads the peer's; refuses other protocol versions, and a
+    /// `Hello` whose host id is not the one the peer's certificate names.
+    async fn handshake(&self, conn: &mut Conn, peer: &Peer) -> Result<HostId, ChainError> {
+        let host = self.hello(conn).await?;
+        match peer {
+            Peer::Cert(id) if id.role == Role::Host && id.name == host.as_str() => Ok(host),
+            Peer::Insecure => Ok(host),
+            other => {
+                self.stats.identity_mismatch.fetch_add(1, Ordering::Relaxed);
+                Err(ChainError::refused(
+                    ErrorCode::Refused,
+                    format!("Hello names host {host}, but the peer is {other}"),
+                ))
+            }
+        }
+    }
+
+    async fn hello(&self, conn: &mut Conn) -> Result<HostId, ChainError> {
         let hello = Frame::Hello {
             version: PROTOCOL_VERSION,
             host: self.host.clone(),
@@ -453,11 +488,22 @@ impl Node {
     /// Serves one accepted connection (an upstream hop or a puller) until it ends.
     /// Errors are answered with an `Error` frame and logged; they never affect other
     /// connections.
-    pub async fn serve_connection(self: Arc<Self>, stream: BoxStream, peer: String) {
-        let mut conn = self.conn(stream);
+    /// The TLS handshake runs here, in the connection's task: a peer without a valid
+    /// certificate is dropped before a single frame is read.
+    pub async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: String) {
         let span = info_span!("conn", %peer, host = tracing::field::Empty);
+        let (stream, identity) = match self.transport.secure(stream).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.stats.tls_refused.fetch_add(1, Ordering::Relaxed);
+                let _enter = span.enter();
+                warn!("refusing connection: {e}");
+                return;
+            }
+        };
+        let mut conn = self.conn(stream);
         let result = async {
-            let remote = self.handshake(&mut conn).await?;
+            let remote = self.handshake(&mut conn, &identity).await?;
             tracing::Span::current().record("host", remote.as_str());
             self.serve_requests(&mut conn, &remote).await
         }
@@ -870,8 +916,8 @@ impl Node {
         hop: &Hop,
         rest: &[Hop],
     ) -> Result<(), ChainError> {
-        let mut conn = self.connect(&hop.addr).await?;
-        let remote = self.handshake(&mut conn).await?;
+        let (mut conn, peer) = self.connect(&hop.addr, Some(&hop.host)).await?;
+        let remote = self.handshake(&mut conn, &peer).await?;
         if remote != hop.host {
             return Err(ChainError::refused(
                 ErrorCode::Refused,
@@ -1126,8 +1172,8 @@ impl Node {
         addr: &str,
         span: std::ops::Range<u32>,
     ) -> Result<(), ChainError> {
-        let mut conn = self.connect(addr).await?;
-        self.handshake(&mut conn).await?;
+        let (mut conn, peer) = self.connect(addr, None).await?;
+        self.handshake(&mut conn, &peer).await?;
         let shard = sess.shard_index();
         let fetch = Frame::Fetch {
             model: sess.model,

@@ -148,6 +148,20 @@ pub struct Args {
     /// memcpy is slower than PCIe Gen5) [default: the CPU count, at most 4].
     #[arg(long, env = "SHARDCAST_STAGING_FILL_THREADS")]
     pub staging_fill_threads: Option<usize>,
+    /// Cluster CA bundle (PEM) that peers' and the controller's certificates must chain to.
+    #[arg(long, env = "SHARDCAST_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// This host's certificate (PEM), naming `shardcast://host/<host_id>`
+    /// (`shardcast certs issue --role host --name <host_id>`).
+    #[arg(long, env = "SHARDCAST_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, env = "SHARDCAST_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// INSECURE: no TLS and no authentication on any listener. Refused unless every
+    /// TCP listener is on loopback. For benchmarks and experiments only [default: false].
+    #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
+    pub insecure_plaintext: Option<bool>,
 }
 
 /// The TOML file's fields (all optional; unknown fields are an error).
@@ -191,6 +205,10 @@ struct FileConfig {
     staging_buffers: Option<usize>,
     staging_size: Option<String>,
     staging_fill_threads: Option<usize>,
+    tls_ca: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    insecure_plaintext: Option<bool>,
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -256,6 +274,63 @@ pub struct Config {
     /// Chunks to corrupt once when sent (`SHARDCAST_FAULT_CORRUPT`, honoured only with
     /// `SHARDCAST_ENABLE_FAULT_INJECTION=1`; for tests).
     pub corrupt_once: Vec<(u32, u32)>,
+    /// How peers and API clients are authenticated.
+    pub security: Security,
+}
+
+/// How the daemon authenticates everything that connects to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Security {
+    /// Mutual TLS under the cluster CA on the data port and the agent API (the default,
+    /// and required unless [`Security::InsecurePlaintext`] is set).
+    Tls(shardcast_identity::TlsFiles),
+    /// No TLS, no authentication; every TCP listener is on loopback.
+    InsecurePlaintext,
+}
+
+impl Security {
+    fn load(
+        ca: Option<PathBuf>,
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        insecure: bool,
+        listeners: &[(&str, Option<SocketAddr>)],
+    ) -> anyhow::Result<Self> {
+        if insecure {
+            for (name, addr) in listeners {
+                if let Some(a) = addr
+                    && !shardcast_identity::plaintext_allowed(a)
+                {
+                    bail!(
+                        "insecure_plaintext is only allowed when every listener is on loopback, but {name} is {a}"
+                    );
+                }
+            }
+            return Ok(Self::InsecurePlaintext);
+        }
+        match (ca, cert, key) {
+            (Some(ca), Some(cert), Some(key)) => {
+                Ok(Self::Tls(shardcast_identity::TlsFiles { ca, cert, key }))
+            }
+            (ca, cert, key) => {
+                let missing: Vec<&str> = [
+                    ("tls_ca", ca.is_none()),
+                    ("tls_cert", cert.is_none()),
+                    ("tls_key", key.is_none()),
+                ]
+                .into_iter()
+                .filter(|(_, m)| *m)
+                .map(|(n, _)| n)
+                .collect();
+                bail!(
+                    "mutual TLS is required: set {} (create a CA and this host's certificate with \
+                     `shardcast certs init` and `shardcast certs issue --role host --name <host_id>`), \
+                     or set insecure_plaintext = true with loopback listeners only",
+                    missing.join(", ")
+                )
+            }
+        }
+    }
 }
 
 /// What the daemon reports to the controller, and where.
@@ -470,22 +545,45 @@ impl Config {
             };
             m
         };
+        let listen = args
+            .listen
+            .or(file.listen)
+            .unwrap_or_else(|| ([0, 0, 0, 0], 7400).into());
+        // The agent API drives imports, chains, loads and evictions: loopback unless the
+        // operator opens it (the controller then reaches it over mutual TLS).
+        let agent_listen = match args.agent_listen.or(file.agent_listen) {
+            Some(s) => s
+                .parse()
+                .map_err(|e| anyhow::anyhow!("agent_listen: {e}"))?,
+            None => ListenAddr::Tcp(([127, 0, 0, 1], 7401).into()),
+        };
+        let admin_listen = args
+            .admin_listen
+            .or(file.admin_listen)
+            .unwrap_or_else(|| ([127, 0, 0, 1], 7402).into());
+        let agent_tcp = match &agent_listen {
+            ListenAddr::Tcp(a) => Some(*a),
+            ListenAddr::Unix(_) => None,
+        };
+        let security = Security::load(
+            args.tls_ca.or(file.tls_ca),
+            args.tls_cert.or(file.tls_cert),
+            args.tls_key.or(file.tls_key),
+            args.insecure_plaintext
+                .or(file.insecure_plaintext)
+                .unwrap_or(false),
+            &[
+                ("listen", Some(listen)),
+                ("agent_listen", agent_tcp),
+                ("admin_listen", Some(admin_listen)),
+            ],
+        )?;
         Ok(Self {
             host_id,
-            listen: args
-                .listen
-                .or(file.listen)
-                .unwrap_or_else(|| ([0, 0, 0, 0], 7400).into()),
-            agent_listen: match args.agent_listen.or(file.agent_listen) {
-                Some(s) => s
-                    .parse()
-                    .map_err(|e| anyhow::anyhow!("agent_listen: {e}"))?,
-                None => ListenAddr::Tcp(([0, 0, 0, 0], 7401).into()),
-            },
-            admin_listen: args
-                .admin_listen
-                .or(file.admin_listen)
-                .unwrap_or_else(|| ([127, 0, 0, 1], 7402).into()),
+            listen,
+            agent_listen,
+            admin_listen,
+            security,
             store: StoreConfig {
                 memory_dir,
                 disk_dir: data_dir,
@@ -548,7 +646,7 @@ mod tests {
         let args = Args {
             config: Some(path.clone()),
             window: Some(4),
-            ..Args::default()
+            ..tls_args()
         };
         let c = Config::load(args).unwrap();
         assert_eq!(c.host_id.as_str(), "from-file");
@@ -565,16 +663,54 @@ mod tests {
 
         let err = Config::load(Args {
             egress_rate: Some("fast".into()),
-            ..Args::default()
+            ..tls_args()
         })
         .unwrap_err();
         assert!(err.to_string().contains("egress_rate"), "{err}");
         let err = Config::load(Args {
             host_id: Some("a b".into()),
-            ..Args::default()
+            ..tls_args()
         })
         .unwrap_err();
         assert!(err.to_string().contains("host_id"), "{err}");
+    }
+
+    fn tls_args() -> Args {
+        Args {
+            tls_ca: Some("/etc/shardcast/ca.pem".into()),
+            tls_cert: Some("/etc/shardcast/host.pem".into()),
+            tls_key: Some("/etc/shardcast/host.key".into()),
+            ..Args::default()
+        }
+    }
+
+    #[test]
+    fn tls_is_required_and_plaintext_only_on_loopback() {
+        let err = Config::load(Args::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("mutual TLS is required: set tls_ca, tls_cert, tls_key"),
+            "{err}"
+        );
+        let err = Config::load(Args {
+            insecure_plaintext: Some(true),
+            ..Args::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("listen is 0.0.0.0:7400"), "{err}");
+        let c = Config::load(Args {
+            insecure_plaintext: Some(true),
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            ..Args::default()
+        })
+        .unwrap();
+        assert_eq!(c.security, Security::InsecurePlaintext);
+        let c = Config::load(tls_args()).unwrap();
+        assert!(matches!(c.security, Security::Tls(_)));
+        assert_eq!(
+            c.agent_listen,
+            ListenAddr::Tcp("127.0.0.1:7401".parse().unwrap())
+        );
     }
 
     #[test]

@@ -9,8 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use shardcast_identity::grpc::{self, AuthzLayer, TcpSecurity};
+use shardcast_identity::tls::RELOAD_PERIOD;
+use shardcast_identity::{Alpn, Role, TlsContext};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -18,7 +20,7 @@ use gpu_loader::manager::GpuManager;
 
 use crate::agent::AgentService;
 use crate::chain::{Faults, Node};
-use crate::config::{Config, ListenAddr};
+use crate::config::{Config, ListenAddr, Security};
 use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
 use crate::transport::Transport;
@@ -34,10 +36,28 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .await
         .context("store recovery task")?
         .context("opening the shard store")?;
+    let tls = match &config.security {
+        Security::Tls(files) => {
+            let ctx = TlsContext::load_as(files.clone(), Role::Host, Some(config.host_id.as_str()))
+                .context("loading this host's TLS identity")?;
+            ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
+            Some(ctx)
+        }
+        Security::InsecurePlaintext => {
+            warn!(
+                "INSECURE: insecure_plaintext is set; no TLS and no authentication on any listener (loopback only)"
+            );
+            None
+        }
+    };
+    let transport = match &tls {
+        Some(ctx) => Transport::Tls(ctx.clone()),
+        None => Transport::InsecureTcp,
+    };
     let node = Node::new(
         config.host_id.clone(),
         store,
-        Transport::Tcp,
+        transport,
         RateLimiter::new(config.ingress_rate),
         RateLimiter::new(config.egress_rate),
         config.chain.clone(),
@@ -76,26 +96,24 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .max_decoding_message_size(128 << 20)
         .max_encoding_message_size(128 << 20);
         let cancel = cancel.clone();
+        let incoming = match agent {
+            AgentListener::Tcp(l) => grpc::incoming_tcp(
+                l,
+                match &tls {
+                    Some(ctx) => TcpSecurity::Tls(ctx.clone(), Alpn::Grpc),
+                    None => TcpSecurity::Plaintext,
+                },
+                cancel.clone().cancelled_owned(),
+            ),
+            AgentListener::Unix(l, _) => grpc::incoming_unix(l, cancel.clone().cancelled_owned()),
+        };
+        let authz = AuthzLayer::new(crate::agent::permission, node.stats.authz.clone());
         tasks.spawn(async move {
-            let server = tonic::transport::Server::builder().add_service(service);
-            let r = match agent {
-                AgentListener::Tcp(l) => {
-                    server
-                        .serve_with_incoming_shutdown(
-                            TcpListenerStream::new(l),
-                            cancel.cancelled_owned(),
-                        )
-                        .await
-                }
-                AgentListener::Unix(l, _) => {
-                    server
-                        .serve_with_incoming_shutdown(
-                            UnixListenerStream::new(l),
-                            cancel.cancelled_owned(),
-                        )
-                        .await
-                }
-            };
+            let r = tonic::transport::Server::builder()
+                .layer(authz)
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
+                .await;
             if let Err(e) = r {
                 warn!("agent API server ended: {e}");
             }
@@ -176,15 +194,9 @@ impl AgentListener {
                     .with_context(|| format!("binding agent listener {a}"))?,
             )),
             ListenAddr::Unix(path) => {
-                // A stale socket from a previous run would make bind fail; only remove
-                // sockets, never other files.
-                if let Ok(meta) = std::fs::symlink_metadata(path) {
-                    use std::os::unix::fs::FileTypeExt;
-                    if meta.file_type().is_socket() {
-                        let _ = std::fs::remove_file(path);
-                    }
-                }
-                let l = tokio::net::UnixListener::bind(path)
+                // A stale socket from a previous run is replaced (never another kind of
+                // file); the new one is 0600: only this user and root may drive the agent.
+                let l = grpc::bind_unix_private(path)
                     .with_context(|| format!("binding agent socket {}", path.display()))?;
                 Ok(Self::Unix(l, path.clone()))
             }

@@ -39,7 +39,18 @@ pub async fn run(
     controller: String,
     cancel: CancellationToken,
 ) {
-    let channel = match shardcast_protocol::channel::lazy(&controller) {
+    // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
+    // (its 0600 mode is the authentication); plaintext TCP only in insecure mode.
+    let security = match node.transport.tls() {
+        Some(ctx) if !controller.starts_with("unix:") => {
+            shardcast_identity::grpc::ClientSecurity::Tls(
+                ctx.clone(),
+                shardcast_identity::Expect::Role(shardcast_identity::Role::Controller),
+            )
+        }
+        _ => shardcast_identity::grpc::ClientSecurity::Plaintext,
+    };
+    let channel = match shardcast_identity::grpc::lazy(&controller, security) {
         Ok(c) => c,
         Err(e) => {
             warn!("not reporting to the controller: {e}");

@@ -34,6 +34,71 @@ fn bad_config_exits_with_a_clear_message() {
 }
 
 #[test]
+fn tls_is_required_and_plaintext_is_loopback_only() {
+    let out = transferd().args(["--host-id", "h1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("mutual TLS is required") && err.contains("shardcast certs"),
+        "{err}"
+    );
+    let out = transferd()
+        .args([
+            "--host-id",
+            "h1",
+            "--insecure-plaintext",
+            "true",
+            "--listen",
+            "0.0.0.0:0",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("only allowed when every listener is on loopback"),
+        "{err}"
+    );
+    // A certificate that names another host.
+    let dir = tempfile::tempdir().unwrap();
+    let pki = shardcast_identity::pki::PkiDir::new(dir.path().join("pki"));
+    pki.init("t", std::time::Duration::from_secs(3600)).unwrap();
+    let id = shardcast_identity::Identity::new(shardcast_identity::Role::Host, "other").unwrap();
+    let f = pki
+        .issue(&shardcast_identity::pki::IssueRequest::new(id))
+        .unwrap();
+    let out = transferd()
+        .args([
+            "--host-id",
+            "h1",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--agent-listen")
+        .arg(format!("unix:{}", dir.path().join("agent.sock").display()))
+        .arg("--memory-dir")
+        .arg(dir.path().join("mem"))
+        .arg("--data-dir")
+        .arg(dir.path().join("disk"))
+        .arg("--tls-ca")
+        .arg(pki.ca().cert)
+        .arg("--tls-cert")
+        .arg(&f.cert)
+        .arg("--tls-key")
+        .arg(&f.key)
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("host:other") && err.contains("host:h1"),
+        "{err}"
+    );
+}
+
+#[test]
 fn starts_and_reports_ready() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = transferd()
@@ -44,6 +109,8 @@ fn starts_and_reports_ready() {
             "127.0.0.1:0",
             "--admin-listen",
             "127.0.0.1:0",
+            "--insecure-plaintext",
+            "true",
         ])
         .arg("--agent-listen")
         .arg(format!("unix:{}", dir.path().join("agent.sock").display()))

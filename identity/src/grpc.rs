@@ -1,0 +1,506 @@
+//! Authenticated listeners and clients for the gRPC (and HTTP) APIs.
+//!
+//! Servers: [`incoming_tcp`] and [`incoming_unix`] turn a listener into a stream of
+//! connections, each carrying a [`PeerInfo`] (tonic puts it into every request's
+//! extensions, axum hands it to `ConnectInfo`). The accept loop never waits for a
+//! handshake: each runs in its own task under a timeout. [`AuthzLayer`] then checks every
+//! call against a table of method → [`Permission`] in one place, and answers
+//! `UNAUTHENTICATED` / `PERMISSION_DENIED` with a message naming who lacked what.
+//!
+//! Clients: [`channel`] builds a tonic channel that connects over TLS (checking the
+//! server's identity), a Unix socket, or plaintext where that was allowed.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
+use tokio::sync::mpsc;
+use tonic::transport::server::Connected;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tracing::{debug, warn};
+
+use crate::role::{Peer, Permission};
+use crate::tls::{Alpn, Expect, TlsContext};
+
+/// Time allowed to establish an outgoing connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Handshakes in progress per listener; beyond it new connections wait in the kernel's
+/// backlog. Rationale: bounds the tasks and memory a connection flood can pin.
+pub const MAX_PENDING_HANDSHAKES: usize = 256;
+
+/// A byte stream of any transport.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+
+/// Who is connected, as tonic request extensions and axum `ConnectInfo` carry it.
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    /// The authenticated peer.
+    pub peer: Peer,
+    /// Its socket address (`unix` for a Unix socket).
+    pub addr: String,
+}
+
+/// A connection with its [`PeerInfo`].
+pub struct AuthedIo {
+    io: Box<dyn Io>,
+    info: PeerInfo,
+}
+
+impl AuthedIo {
+    /// Wraps an established stream.
+    pub fn new(io: Box<dyn Io>, info: PeerInfo) -> Self {
+        Self { io, info }
+    }
+
+    /// Who is connected.
+    pub fn info(&self) -> &PeerInfo {
+        &self.info
+    }
+}
+
+impl Connected for AuthedIo {
+    type ConnectInfo = PeerInfo;
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for AuthedIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for AuthedIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+/// How a TCP listener authenticates its peers.
+#[derive(Clone)]
+pub enum TcpSecurity {
+    /// Mutual TLS; the client certificate is required.
+    Tls(Arc<TlsContext>, Alpn),
+    /// TLS where a client certificate is optional (HTTP with bearer tokens); requests
+    /// without one are [`Peer::Anonymous`] until a token says otherwise.
+    TlsOptionalClient(Arc<TlsContext>),
+    /// Plaintext: every peer is [`Peer::Insecure`]. Only where the operator set the loudly
+    /// named plaintext setting on a loopback listener.
+    Plaintext,
+}
+
+/// The stream of authenticated connections a listener yields.
+pub type Incoming = tokio_stream::wrappers::ReceiverStream<Result<AuthedIo, std::io::Error>>;
+
+/// Accepts on `listener` until `cancel` resolves, handshaking each connection in its own
+/// task; failed handshakes are logged (debug) and counted in the context's stats.
+pub fn incoming_tcp(
+    listener: TcpListener,
+    security: TcpSecurity,
+    cancel: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Incoming {
+    let (tx, rx) = mpsc::channel(64);
+    let pending = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
+    tokio::spawn(async move {
+        tokio::pin!(cancel);
+        loop {
+            let permit = tokio::select! {
+                biased;
+                _ = &mut cancel => return,
+                p = pending.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            };
+            let (stream, addr) = tokio::select! {
+                biased;
+                _ = &mut cancel => return,
+                a = listener.accept() => match a {
+                    Ok(a) => a,
+                    Err(e) => {
+                        warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let (tx, security) = (tx.clone(), security.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                let addr = addr.to_string();
+                let conn = match security {
+                    TcpSecurity::Tls(ctx, alpn) => match ctx.accept(stream, alpn).await {
+                        Ok((s, id)) => AuthedIo::new(
+                            Box::new(s),
+                            PeerInfo {
+                                peer: Peer::Cert(id),
+                                addr,
+                            },
+                        ),
+                        Err(e) => {
+                            debug!(peer = %addr, "refused connection: {e}");
+                            return;
+                        }
+                    },
+                    TcpSecurity::TlsOptionalClient(ctx) => {
+                        match ctx.accept_optional(stream).await {
+                            Ok((s, id)) => AuthedIo::new(
+                                Box::new(s),
+                                PeerInfo {
+                                    peer: id.map(Peer::Cert).unwrap_or(Peer::Anonymous),
+                                    addr,
+                                },
+                            ),
+                            Err(e) => {
+                                debug!(peer = %addr, "refused connection: {e}");
+                                return;
+                            }
+                        }
+                    }
+                    TcpSecurity::Plaintext => AuthedIo::new(
+                        Box::new(stream),
+                        PeerInfo {
+                            peer: Peer::Insecure,
+                            addr,
+                        },
+                    ),
+                };
+                let _ = tx.send(Ok(conn)).await;
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Accepts on a Unix socket: a peer of this process's user (or root) is
+/// [`Peer::Local`], any other [`Peer::Anonymous`] (the socket should be 0600 anyway).
+pub fn incoming_unix(
+    listener: UnixListener,
+    cancel: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Incoming {
+    let (tx, rx) = mpsc::channel(64);
+    let me = rustix::process::geteuid().as_raw();
+    tokio::spawn(async move {
+        tokio::pin!(cancel);
+        loop {
+            let stream = tokio::select! {
+                biased;
+                _ = &mut cancel => return,
+                a = listener.accept() => match a {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let peer = match stream.peer_cred() {
+                Ok(c) if c.uid() == me || c.uid() == 0 => Peer::Local { uid: c.uid() },
+                _ => Peer::Anonymous,
+            };
+            let conn = AuthedIo::new(
+                Box::new(stream),
+                PeerInfo {
+                    peer,
+                    addr: "unix".into(),
+                },
+            );
+            if tx.send(Ok(conn)).await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Binds a Unix socket readable and writable by this user only (0600), replacing a stale
+/// socket (never another kind of file).
+pub fn bind_unix_private(path: &std::path::Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if meta.file_type().is_socket() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
+}
+
+/// The peer of a tonic request (anonymous when the server did not record one).
+pub fn peer_of<T>(req: &tonic::Request<T>) -> Peer {
+    req.extensions()
+        .get::<PeerInfo>()
+        .map(|p| p.peer.clone())
+        .unwrap_or(Peer::Anonymous)
+}
+
+/// Refusals counted by [`AuthzLayer`].
+#[derive(Debug, Default)]
+pub struct AuthzStats {
+    /// Calls refused because the peer had no identity.
+    pub unauthenticated: AtomicU64,
+    /// Calls refused because the peer's role lacks the permission.
+    pub denied: AtomicU64,
+}
+
+/// Maps a gRPC path (`/package.Service/Method`) to what it needs; `None` for paths the
+/// table does not know, which only local operators may call.
+pub type MethodTable = fn(&str) -> Option<Permission>;
+
+/// A tower layer that authorises every gRPC call by its path.
+#[derive(Clone)]
+pub struct AuthzLayer {
+    table: MethodTable,
+    stats: Arc<AuthzStats>,
+}
+
+impl AuthzLayer {
+    /// A layer using `table`, counting into `stats`.
+    pub fn new(table: MethodTable, stats: Arc<AuthzStats>) -> Self {
+        Self { table, stats }
+    }
+}
+
+impl<S> tower::Layer<S> for AuthzLayer {
+    type Service = Authz<S>;
+    fn layer(&self, inner: S) -> Authz<S> {
+        Authz {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service [`AuthzLayer`] wraps around the routes.
+#[derive(Clone)]
+pub struct Authz<S> {
+    inner: S,
+    layer: AuthzLayer,
+}
+
+/// Checks `peer` for the call at `path`; the `Status` to answer when refused.
+pub fn check_call(
+    table: MethodTable,
+    stats: &AuthzStats,
+    peer: &Peer,
+    path: &str,
+) -> Result<(), tonic::Status> {
+    let needed = (table)(path).unwrap_or(Permission::Admin);
+    match peer.authorize(needed) {
+        Ok(()) => Ok(()),
+        Err(denied) => {
+            if matches!(peer, Peer::Anonymous) {
+                stats.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                warn!(%peer, method = path, "refused unauthenticated call");
+                Err(tonic::Status::unauthenticated(format!(
+                    "{path}: {denied}; present a certificate of the cluster CA"
+                )))
+            } else {
+                stats.denied.fetch_add(1, Ordering::Relaxed);
+                warn!(%peer, method = path, needs = %needed, "refused call");
+                Err(tonic::Status::permission_denied(format!(
+                    "{path}: {denied}"
+                )))
+            }
+        }
+    }
+}
+
+impl<S, B> tower::Service<http::Request<B>> for Authz<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send + 'static>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let peer = req
+            .extensions()
+            .get::<PeerInfo>()
+            .map(|p| p.peer.clone())
+            .unwrap_or(Peer::Anonymous);
+        match check_call(self.layer.table, &self.layer.stats, &peer, req.uri().path()) {
+            Ok(()) => {
+                // Take the service that was driven to readiness; leave a clone behind.
+                let clone = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, clone);
+                Box::pin(async move { inner.call(req).await })
+            }
+            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
+        }
+    }
+}
+
+/// How a client reaches a service.
+#[derive(Clone)]
+pub enum ClientSecurity {
+    /// Mutual TLS with this member's certificate, expecting the server to be `Expect`.
+    Tls(Arc<TlsContext>, Expect),
+    /// Plaintext (loopback with the insecure setting, or Unix sockets).
+    Plaintext,
+}
+
+/// An error in a service address.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "invalid service address {addr:?}: {reason} (expected host:port, http://host:port or unix:/path)"
+)]
+pub struct AddrError {
+    addr: String,
+    reason: String,
+}
+
+/// Why [`connect`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The address is malformed.
+    #[error(transparent)]
+    Addr(#[from] AddrError),
+    /// Nothing answered, or the handshake failed.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        /// The address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+}
+
+enum Target {
+    Tcp(String),
+    Unix(String),
+}
+
+fn target(addr: &str) -> Result<(Endpoint, Target), AddrError> {
+    let bad = |reason: String| AddrError {
+        addr: addr.to_string(),
+        reason,
+    };
+    if let Some(path) = addr.strip_prefix("unix:") {
+        if path.is_empty() {
+            return Err(bad("empty socket path".into()));
+        }
+        return Ok((
+            Endpoint::from_static("http://unix.socket"),
+            Target::Unix(path.to_string()),
+        ));
+    }
+    let hostport = addr
+        .strip_prefix("http://")
+        .or_else(|| addr.strip_prefix("https://"))
+        .unwrap_or(addr)
+        .trim_end_matches('/');
+    if hostport.is_empty() || hostport.contains('/') || !hostport.contains(':') {
+        return Err(bad("expected host:port".into()));
+    }
+    let ep = Endpoint::from_shared(format!("http://{hostport}")).map_err(|e| bad(e.to_string()))?;
+    Ok((ep, Target::Tcp(hostport.to_string())))
+}
+
+type Connector = tower::util::BoxCloneSyncService<
+    Uri,
+    TokioIo<Box<dyn Io>>,
+    Box<dyn std::error::Error + Send + Sync>,
+>;
+
+fn connector(target: Target, security: ClientSecurity) -> Connector {
+    let target = Arc::new(target);
+    tower::util::BoxCloneSyncService::new(tower::service_fn(move |_: Uri| {
+        let (target, security) = (target.clone(), security.clone());
+        async move {
+            let io: Box<dyn Io> = match &*target {
+                Target::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
+                Target::Tcp(hostport) => {
+                    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(hostport))
+                        .await
+                        .map_err(|_| {
+                            std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                format!("connect to {hostport} timed out"),
+                            )
+                        })??;
+                    tcp.set_nodelay(true)?;
+                    match &security {
+                        ClientSecurity::Plaintext => Box::new(tcp),
+                        ClientSecurity::Tls(ctx, expect) => {
+                            Box::new(ctx.connect(tcp, Alpn::Grpc, expect).await?.0)
+                        }
+                    }
+                }
+            };
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(TokioIo::new(io))
+        }
+    }))
+}
+
+/// A channel that connects on first use and reconnects after failures.
+pub fn lazy(addr: &str, security: ClientSecurity) -> Result<Channel, AddrError> {
+    let (ep, target) = target(addr)?;
+    let ep = ep
+        .connect_timeout(CONNECT_TIMEOUT + crate::tls::HANDSHAKE_TIMEOUT)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5));
+    Ok(ep.connect_with_connector_lazy(connector(target, security)))
+}
+
+/// Connects now, so an unreachable or unauthenticated service is reported at once.
+pub async fn connect(addr: &str, security: ClientSecurity) -> Result<Channel, ConnectError> {
+    let (ep, target) = target(addr)?;
+    let ep = ep.connect_timeout(CONNECT_TIMEOUT + crate::tls::HANDSHAKE_TIMEOUT);
+    ep.connect_with_connector(connector(target, security))
+        .await
+        .map_err(|e| ConnectError::Connect {
+            addr: addr.to_string(),
+            source: e,
+        })
+}
+
+impl From<crate::tls::TlsError> for std::io::Error {
+    fn from(e: crate::tls::TlsError) -> Self {
+        Self::new(std::io::ErrorKind::PermissionDenied, e.to_string())
+    }
+}

@@ -1,0 +1,31 @@
+//! Cluster identity for shardcast: who a peer is, proven by a certificate of the cluster
+//! CA, and what it may do.
+//!
+//! - [`role`]: [`Role`]s (`host`, `controller`, `admin`, `platform`, `read`), the
+//!   [`Identity`] a certificate names (`shardcast://role/name`), the [`Permission`] each
+//!   operation needs, and the [`Peer`] kinds a listener sees.
+//! - [`pki`]: a small CA for quick starts and tests (`shardcast certs init|issue|rotate`).
+//! - [`tls`]: mutual TLS configurations from PEM files, reloaded when they change.
+//! - [`grpc`]: authenticated listeners (TCP + TLS, Unix sockets) and clients for tonic and
+//!   axum, and the per-method authorisation layer.
+//! - [`token`]: bearer tokens for HTTP clients.
+//!
+//! Goals: every connection authenticated, identity from certificates only, one table of
+//! method → permission per API, no plaintext unless the operator asked for it loudly on
+//! loopback. Non-goals: revocation lists (short-lived certificates and rotation instead),
+//! external identity providers.
+
+pub mod grpc;
+pub mod pki;
+pub mod role;
+pub mod tls;
+pub mod token;
+
+pub use role::{Denied, Identity, IdentityError, Peer, Permission, Role};
+pub use tls::{Alpn, Expect, TlsContext, TlsError, TlsFiles};
+
+/// Whether a plaintext listener on `addr` is acceptable under the insecure setting: only
+/// loopback addresses are.
+pub fn plaintext_allowed(addr: &std::net::SocketAddr) -> bool {
+    addr.ip().is_loopback()
+}

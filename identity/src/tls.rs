@@ -1,0 +1,664 @@
+//! Mutual TLS with the cluster CA: [`TlsContext`] loads a CA bundle, a certificate and its
+//! key (PEM), builds rustls configurations for each kind of listener ([`Alpn`]), hands
+//! them to accept/connect calls, and reloads them when the files change (no restart).
+//!
+//! Verification:
+//! - A server requires a client certificate signed by the CA (the controller's HTTP
+//!   listener may instead accept a bearer token: [`TlsContext::accept_optional`]); a peer
+//!   without one is refused in the TLS handshake, before any frame is parsed.
+//! - A client checks the server's chain against the CA, validity dates included, but not
+//!   its DNS name: cluster members are named by their identity URI
+//!   (`shardcast://role/name`), which the caller compares with whom it meant to reach
+//!   ([`Expect`]). Several daemons behind one address (loopback tests, NAT) stay
+//!   distinguishable that way.
+//! - TLS 1.3 only, ring's cipher suites (AES-GCM with AES-NI, or ChaCha20 without).
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::{ParsedCertificate, WebPkiClientVerifier};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::{info, warn};
+
+use crate::role::{Identity, IdentityError, Role};
+
+/// Default time allowed for a TLS handshake. Rationale: a handshake is two round trips
+/// and a few signatures (well under 10 ms in a datacenter); a peer that connects and
+/// says nothing must not hold a socket and a task for long.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the certificate files are checked for changes.
+pub const RELOAD_PERIOD: Duration = Duration::from_secs(10);
+/// SNI sent by clients. Servers are identified by their identity URI, not a DNS name.
+const CLUSTER_SERVER_NAME: &str = "shardcast.cluster";
+
+/// The PEM files of one member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// CA bundle: every certificate in it is trusted (two during a CA rotation).
+    pub ca: PathBuf,
+    /// This member's certificate (chain).
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+}
+
+/// Which protocol a TLS connection carries (its ALPN id), so a data-port client can never
+/// talk to a gRPC listener by mistake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alpn {
+    /// The hop-to-hop data protocol, `shardcast/1`.
+    Data,
+    /// gRPC over HTTP/2, `h2`.
+    Grpc,
+    /// HTTP/1.1 (the controller's JSON API, transferd's hand-off and admin endpoints).
+    Http,
+}
+
+impl Alpn {
+    fn id(self) -> &'static [u8] {
+        match self {
+            Self::Data => b"shardcast/1",
+            Self::Grpc => b"h2",
+            Self::Http => b"http/1.1",
+        }
+    }
+}
+
+/// Whom a client means to reach; checked against the server's certificate after the
+/// handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Expect {
+    /// Any member with this role.
+    Role(Role),
+    /// Exactly this identity.
+    Exactly(Identity),
+}
+
+impl Expect {
+    /// Checks `got`.
+    pub fn check(&self, got: &Identity) -> Result<(), TlsError> {
+        let ok = match self {
+            Self::Role(r) => got.role == *r,
+            Self::Exactly(id) => got == id,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(TlsError::WrongPeer {
+                expected: match self {
+                    Self::Role(r) => format!("any {r}"),
+                    Self::Exactly(id) => id.to_string(),
+                },
+                got: got.clone(),
+            })
+        }
+    }
+}
+
+/// Why a TLS connection was not established.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// The handshake failed (no certificate, another CA, expired, wrong protocol…).
+    #[error("TLS handshake failed: {0}")]
+    Handshake(std::io::Error),
+    /// The handshake did not finish in time.
+    #[error("TLS handshake timed out after {0:?}")]
+    Timeout(Duration),
+    /// The peer's certificate holds no usable identity.
+    #[error("peer certificate: {0}")]
+    Identity(#[from] IdentityError),
+    /// The peer is a valid member, but not the one we meant to reach.
+    #[error("peer is {got}, expected {expected}")]
+    WrongPeer {
+        /// Whom we expected.
+        expected: String,
+        /// Whom we got.
+        got: Identity,
+    },
+}
+
+/// The names in a certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertNames {
+    /// The one `shardcast://` identity.
+    pub identity: Identity,
+    /// DNS SANs.
+    pub dns: Vec<String>,
+    /// IP SANs.
+    pub ips: Vec<IpAddr>,
+}
+
+/// Reads the first certificate of a PEM file's contents.
+pub fn first_cert(pem: &[u8], path: &Path) -> Result<CertificateDer<'static>, IdentityError> {
+    CertificateDer::pem_slice_iter(pem)
+        .next()
+        .ok_or_else(|| IdentityError::Pem {
+            path: path.display().to_string(),
+            reason: "no CERTIFICATE block".into(),
+        })?
+        .map_err(|e| IdentityError::Pem {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })
+}
+
+/// The identity and other names of a DER certificate.
+pub fn cert_names(der: &CertificateDer<'_>) -> Result<CertNames, IdentityError> {
+    use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
+    let (_, cert) = X509Certificate::from_der(der.as_ref())
+        .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
+    let san = cert
+        .subject_alternative_name()
+        .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
+    let mut ids = Vec::new();
+    let (mut dns, mut ips) = (Vec::new(), Vec::new());
+    if let Some(san) = san {
+        for name in &san.value.general_names {
+            match name {
+                GeneralName::URI(u) if u.starts_with(crate::role::IDENTITY_SCHEME) => {
+                    ids.push(Identity::from_uri(u)?)
+                }
+                GeneralName::DNSName(d) => dns.push(d.to_string()),
+                GeneralName::IPAddress(b) => match b.len() {
+                    4 => ips.push(IpAddr::from(<[u8; 4]>::try_from(*b).unwrap_or_default())),
+                    16 => ips.push(IpAddr::from(<[u8; 16]>::try_from(*b).unwrap_or_default())),
+                    _ => {}
+                },
+                _ => {}
+            }
+        }
+    }
+    if ids.len() != 1 {
+        return Err(IdentityError::IdentityCount(ids.len()));
+    }
+    Ok(CertNames {
+        identity: ids.remove(0),
+        dns,
+        ips,
+    })
+}
+
+/// The identity of a DER certificate.
+pub fn identity_of(der: &CertificateDer<'_>) -> Result<Identity, IdentityError> {
+    Ok(cert_names(der)?.identity)
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Size and modification time of each file: a change of either triggers a reload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp(Vec<Option<(u64, SystemTime)>>);
+
+impl Stamp {
+    fn of(files: &TlsFiles) -> Self {
+        Self(
+            [&files.ca, &files.cert, &files.key]
+                .into_iter()
+                .map(|p| {
+                    std::fs::metadata(p)
+                        .ok()
+                        .and_then(|m| Some((m.len(), m.modified().ok()?)))
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Configurations built from one reading of the files.
+struct Loaded {
+    identity: Identity,
+    stamp: Stamp,
+    servers: [Arc<ServerConfig>; 3],
+    http_optional: Arc<ServerConfig>,
+    clients: [Arc<ClientConfig>; 3],
+    /// HTTP client without a certificate (bearer-token clients, refusal tests).
+    http_anonymous: Arc<ClientConfig>,
+}
+
+fn index(alpn: Alpn) -> usize {
+    match alpn {
+        Alpn::Data => 0,
+        Alpn::Grpc => 1,
+        Alpn::Http => 2,
+    }
+}
+
+fn io_err(path: &Path, e: std::io::Error) -> IdentityError {
+    IdentityError::Io {
+        path: path.display().to_string(),
+        source: e,
+    }
+}
+
+fn pem_err(path: &Path, e: impl std::fmt::Display) -> IdentityError {
+    IdentityError::Pem {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+impl Loaded {
+    fn read(files: &TlsFiles) -> Result<Self, IdentityError> {
+        let stamp = Stamp::of(files);
+        let ca_pem = std::fs::read(&files.ca).map_err(|e| io_err(&files.ca, e))?;
+        let mut roots = RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(&ca_pem) {
+            let c = c.map_err(|e| pem_err(&files.ca, e))?;
+            roots.add(c).map_err(|e| pem_err(&files.ca, e))?;
+        }
+        if roots.is_empty() {
+            return Err(pem_err(&files.ca, "no CA certificate in the bundle"));
+        }
+        let cert_pem = std::fs::read(&files.cert).map_err(|e| io_err(&files.cert, e))?;
+        let chain = CertificateDer::pem_slice_iter(&cert_pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_err(&files.cert, e))?;
+        let Some(leaf) = chain.first() else {
+            return Err(pem_err(&files.cert, "no CERTIFICATE block"));
+        };
+        let identity = identity_of(leaf)?;
+        let key_pem = std::fs::read(&files.key).map_err(|e| io_err(&files.key, e))?;
+        let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| pem_err(&files.key, e))?;
+        let roots = Arc::new(roots);
+        let provider = provider();
+
+        let client_verifier = |optional: bool| {
+            let b = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone());
+            if optional {
+                b.allow_unauthenticated().build()
+            } else {
+                b.build()
+            }
+        };
+        let server = |alpn: Alpn, optional: bool| -> Result<Arc<ServerConfig>, IdentityError> {
+            let mut cfg = ServerConfig::builder_with_provider(provider.clone())
+                .with_protocol_versions(&[&rustls::version::TLS13])?
+                .with_client_cert_verifier(client_verifier(optional)?)
+                .with_single_cert(chain.clone(), key.clone_key())?;
+            cfg.alpn_protocols = vec![alpn.id().to_vec()];
+            // Session tickets would let a client skip certificate verification on
+            // resumption; every connection authenticates in full instead.
+            cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+            cfg.send_tls13_tickets = 0;
+            Ok(Arc::new(cfg))
+        };
+        let verifier = Arc::new(ClusterServerVerifier {
+            roots: roots.clone(),
+            algs: provider.signature_verification_algorithms,
+        });
+        let client = |alpn: Alpn| -> Result<Arc<ClientConfig>, IdentityError> {
+            let mut cfg = ClientConfig::builder_with_provider(provider.clone())
+                .with_protocol_versions(&[&rustls::version::TLS13])?
+                .dangerous()
+                .with_custom_certificate_verifier(verifier.clone())
+                .with_client_auth_cert(chain.clone(), key.clone_key())?;
+            cfg.alpn_protocols = vec![alpn.id().to_vec()];
+            cfg.resumption = rustls::client::Resumption::disabled();
+            Ok(Arc::new(cfg))
+        };
+        Ok(Self {
+            identity,
+            stamp,
+            servers: [
+                server(Alpn::Data, false)?,
+                server(Alpn::Grpc, false)?,
+                server(Alpn::Http, false)?,
+            ],
+            http_optional: server(Alpn::Http, true)?,
+            clients: [
+                client(Alpn::Data)?,
+                client(Alpn::Grpc)?,
+                client(Alpn::Http)?,
+            ],
+            http_anonymous: {
+                let mut cfg = ClientConfig::builder_with_provider(provider.clone())
+                    .with_protocol_versions(&[&rustls::version::TLS13])?
+                    .dangerous()
+                    .with_custom_certificate_verifier(verifier.clone())
+                    .with_no_client_auth();
+                cfg.alpn_protocols = vec![Alpn::Http.id().to_vec()];
+                Arc::new(cfg)
+            },
+        })
+    }
+}
+
+/// Checks a server's chain against the cluster CA (dates, key usage, signatures) and
+/// leaves the name to the caller's [`Expect`].
+#[derive(Debug)]
+struct ClusterServerVerifier {
+    roots: Arc<RootCertStore>,
+    algs: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for ClusterServerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let cert = ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &cert,
+            &self.roots,
+            intermediates,
+            now,
+            self.algs.all,
+        )?;
+        // The identity must parse; whom it names is checked by the caller.
+        identity_of(end_entity).map_err(|e| {
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
+                Arc::new(e),
+            )))
+        })?;
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algs.supported_schemes()
+    }
+}
+
+/// Counters of one process's TLS activity (exported by the daemons' `/metrics`).
+#[derive(Debug, Default)]
+pub struct TlsStats {
+    /// Handshakes completed as a server.
+    pub accepted: AtomicU64,
+    /// Handshakes refused or failed as a server (no certificate, other CA, expired…).
+    pub refused: AtomicU64,
+    /// Handshakes that did not finish within the timeout.
+    pub timed_out: AtomicU64,
+    /// Outgoing connections whose server was refused (bad chain or the wrong identity).
+    pub connect_refused: AtomicU64,
+    /// Successful reloads of the certificate files.
+    pub reloads: AtomicU64,
+    /// Reloads that failed (the previous certificate stays in use).
+    pub reload_failures: AtomicU64,
+}
+
+/// One member's TLS material, reloadable.
+pub struct TlsContext {
+    files: TlsFiles,
+    loaded: ArcSwap<Loaded>,
+    handshake_timeout: Duration,
+    /// Counters.
+    pub stats: TlsStats,
+}
+
+impl std::fmt::Debug for TlsContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsContext")
+            .field("files", &self.files)
+            .field("identity", &self.identity())
+            .finish()
+    }
+}
+
+impl TlsContext {
+    /// Loads the files; errors name the file and the problem.
+    pub fn load(files: TlsFiles) -> Result<Arc<Self>, IdentityError> {
+        let loaded = Loaded::read(&files)?;
+        Ok(Arc::new(Self {
+            files,
+            loaded: ArcSwap::from_pointee(loaded),
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+            stats: TlsStats::default(),
+        }))
+    }
+
+    /// Loads the files and checks that the certificate names `role` (and `name` when
+    /// given): a transferd refuses to start with a controller's certificate, and so on.
+    pub fn load_as(
+        files: TlsFiles,
+        role: Role,
+        name: Option<&str>,
+    ) -> Result<Arc<Self>, IdentityError> {
+        let ctx = Self::load(files)?;
+        let id = ctx.identity();
+        if id.role != role || name.is_some_and(|n| n != id.name) {
+            return Err(IdentityError::BadCertificate(format!(
+                "{} names {id}, but this process is {role}{}",
+                ctx.files.cert.display(),
+                name.map(|n| format!(":{n}")).unwrap_or_default()
+            )));
+        }
+        Ok(ctx)
+    }
+
+    /// This member's identity, from its certificate.
+    pub fn identity(&self) -> Identity {
+        self.loaded.load().identity.clone()
+    }
+
+    /// The files.
+    pub fn files(&self) -> &TlsFiles {
+        &self.files
+    }
+
+    /// Re-reads the files when their size or modification time changed. A file that no
+    /// longer loads leaves the previous configuration in place (and is counted); a new
+    /// certificate must keep the same identity.
+    pub fn reload_if_changed(&self) -> Result<bool, IdentityError> {
+        let current = self.loaded.load();
+        if Stamp::of(&self.files) == current.stamp {
+            return Ok(false);
+        }
+        let fresh = Loaded::read(&self.files).and_then(|l| {
+            if l.identity == current.identity {
+                Ok(l)
+            } else {
+                Err(IdentityError::BadCertificate(format!(
+                    "the new certificate names {}, the running one {}: identity changes need a restart",
+                    l.identity, current.identity
+                )))
+            }
+        });
+        match fresh {
+            Ok(l) => {
+                self.loaded.store(Arc::new(l));
+                self.stats.reloads.fetch_add(1, Ordering::Relaxed);
+                info!(cert = %self.files.cert.display(), "reloaded TLS certificate");
+                Ok(true)
+            }
+            Err(e) => {
+                self.stats.reload_failures.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks the files every `period` (and on SIGHUP) until `cancel`.
+    pub fn spawn_reloader(
+        self: &Arc<Self>,
+        period: Duration,
+        cancel: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut hup =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tokio::pin!(cancel);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut cancel => return,
+                    _ = tick.tick() => {}
+                    _ = async { match hup.as_mut() { Some(h) => { h.recv().await; } None => std::future::pending().await } } => {}
+                }
+                if let Err(e) = me.reload_if_changed() {
+                    warn!(cert = %me.files.cert.display(), "TLS reload failed, keeping the running certificate: {e}");
+                }
+            }
+        })
+    }
+
+    /// Server side of a handshake that requires a client certificate. Returns the
+    /// stream and the client's identity.
+    pub async fn accept<S>(
+        &self,
+        stream: S,
+        alpn: Alpn,
+    ) -> Result<(tokio_rustls::server::TlsStream<S>, Identity), TlsError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let cfg = self.loaded.load().servers[index(alpn)].clone();
+        let (s, id) = self.accept_with(cfg, stream).await?;
+        let id = id.ok_or_else(|| {
+            // Unreachable with a mandatory verifier; refuse rather than assume.
+            TlsError::Handshake(std::io::Error::other("no client certificate"))
+        })?;
+        Ok((s, id))
+    }
+
+    /// Server side of an HTTP handshake where the client certificate is optional (a bearer
+    /// token may authenticate the request instead).
+    pub async fn accept_optional<S>(
+        &self,
+        stream: S,
+    ) -> Result<(tokio_rustls::server::TlsStream<S>, Option<Identity>), TlsError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let cfg = self.loaded.load().http_optional.clone();
+        self.accept_with(cfg, stream).await
+    }
+
+    async fn accept_with<S>(
+        &self,
+        cfg: Arc<ServerConfig>,
+        stream: S,
+    ) -> Result<(tokio_rustls::server::TlsStream<S>, Option<Identity>), TlsError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+        let r = tokio::time::timeout(self.handshake_timeout, acceptor.accept(stream)).await;
+        let s = match r {
+            Err(_) => {
+                self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                return Err(TlsError::Timeout(self.handshake_timeout));
+            }
+            Ok(Err(e)) => {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(TlsError::Handshake(e));
+            }
+            Ok(Ok(s)) => s,
+        };
+        let id = match s.get_ref().1.peer_certificates().and_then(|c| c.first()) {
+            None => None,
+            Some(c) => match identity_of(c) {
+                Ok(id) => Some(id),
+                Err(e) => {
+                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    return Err(e.into());
+                }
+            },
+        };
+        self.stats.accepted.fetch_add(1, Ordering::Relaxed);
+        Ok((s, id))
+    }
+
+    /// Client side: handshakes over `stream` and checks the server is `expect`.
+    pub async fn connect<S>(
+        &self,
+        stream: S,
+        alpn: Alpn,
+        expect: &Expect,
+    ) -> Result<(tokio_rustls::client::TlsStream<S>, Identity), TlsError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let cfg = self.loaded.load().clients[index(alpn)].clone();
+        self.connect_with(cfg, stream, expect).await
+    }
+
+    /// Client side of an HTTP connection that presents no certificate (a bearer-token
+    /// client); the server is still verified.
+    pub async fn connect_http_without_cert<S>(
+        &self,
+        stream: S,
+        expect: &Expect,
+    ) -> Result<(tokio_rustls::client::TlsStream<S>, Identity), TlsError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let cfg = self.loaded.load().http_anonymous.clone();
+        self.connect_with(cfg, stream, expect).await
+    }
+
+    async fn connect_with<S>(
+        &self,
+        cfg: Arc<ClientConfig>,
+        stream: S,
+        expect: &Expect,
+    ) -> Result<(tokio_rustls::client::TlsStream<S>, Identity), TlsError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let connector = tokio_rustls::TlsConnector::from(cfg);
+        let name = ServerName::try_from(CLUSTER_SERVER_NAME)
+            .map_err(|e| TlsError::Handshake(std::io::Error::other(e)))?;
+        let r = tokio::time::timeout(self.handshake_timeout, connector.connect(name, stream)).await;
+        let s = match r {
+            Err(_) => {
+                self.stats.connect_refused.fetch_add(1, Ordering::Relaxed);
+                return Err(TlsError::Timeout(self.handshake_timeout));
+            }
+            Ok(Err(e)) => {
+                self.stats.connect_refused.fetch_add(1, Ordering::Relaxed);
+                return Err(TlsError::Handshake(e));
+            }
+            Ok(Ok(s)) => s,
+        };
+        let id = s
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .ok_or_else(|| TlsError::Handshake(std::io::Error::other("server sent no certificate")))
+            .and_then(|c| identity_of(c).map_err(TlsError::from))
+            .and_then(|id| expect.check(&id).map(|_| id));
+        match id {
+            Ok(id) => Ok((s, id)),
+            Err(e) => {
+                self.stats.connect_refused.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! Mutual TLS over real loopback sockets: who gets in, who is refused, and reloads.
+
+use std::time::Duration;
+
+use shardcast_identity::pki::{CertFiles, IssueRequest, PkiDir};
+use shardcast_identity::{Alpn, Expect, Identity, Role, TlsContext, TlsError, TlsFiles};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+struct Pki {
+    _dir: tempfile::TempDir,
+    pki: PkiDir,
+}
+
+fn pki() -> Pki {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = PkiDir::new(dir.path().join("pki"));
+    pki.init("test CA", Duration::from_secs(3600)).unwrap();
+    Pki { _dir: dir, pki }
+}
+
+fn files(p: &Pki, leaf: CertFiles) -> TlsFiles {
+    TlsFiles {
+        ca: p.pki.ca().cert,
+        cert: leaf.cert,
+        key: leaf.key,
+    }
+}
+
+fn issue(p: &Pki, role: Role, name: &str) -> TlsFiles {
+    let leaf = p
+        .pki
+        .issue(&IssueRequest::new(Identity::new(role, name).unwrap()))
+        .unwrap();
+    files(p, leaf)
+}
+
+/// Runs one accept on a loopback listener; returns what the server saw.
+async fn serve_once(
+    server: std::sync::Arc<TlsContext>,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<Result<Identity, TlsError>>,
+) {
+    serve_alpn(server, Alpn::Data).await
+}
+
+async fn serve_alpn(
+    server: std::sync::Arc<TlsContext>,
+    alpn: Alpn,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<Result<Identity, TlsError>>,
+) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let (tcp, _) = l.accept().await.unwrap();
+        let (mut s, id) = server.accept(tcp, alpn).await?;
+        let mut buf = [0u8; 5];
+        s.read_exact(&mut buf).await.map_err(TlsError::Handshake)?;
+        s.write_all(&buf).await.map_err(TlsError::Handshake)?;
+        s.flush().await.map_err(TlsError::Handshake)?;
+        Ok(id)
+    });
+    (addr, task)
+}
+
+#[tokio::test]
+async fn members_connect_and_see_each_other() {
+    let p = pki();
+    let server = TlsContext::load_as(issue(&p, Role::Host, "h1"), Role::Host, Some("h1")).unwrap();
+    let client = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    let (addr, task) = serve_once(server).await;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let expect = Expect::Exactly(Identity::new(Role::Host, "h1").unwrap());
+    let (mut s, id) = client.connect(tcp, Alpn::Data, &expect).await.unwrap();
+    assert_eq!(id, Identity::new(Role::Host, "h1").unwrap());
+    s.write_all(b"hello").await.unwrap();
+    let mut buf = [0u8; 5];
+    s.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"hello");
+    let seen = task.await.unwrap().unwrap();
+    assert_eq!(seen, Identity::new(Role::Host, "h2").unwrap());
+}
+
+#[tokio::test]
+async fn a_certificate_for_another_role_is_refused_at_load() {
+    let p = pki();
+    let err = TlsContext::load_as(issue(&p, Role::Admin, "a"), Role::Host, None).unwrap_err();
+    assert!(err.to_string().contains("names admin:a"), "{err}");
+    let err = TlsContext::load_as(issue(&p, Role::Host, "h9"), Role::Host, Some("h1")).unwrap_err();
+    assert!(err.to_string().contains("host:h9"), "{err}");
+}
+
+#[tokio::test]
+async fn plaintext_and_certless_clients_are_refused_before_any_frame() {
+    let p = pki();
+    let server = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+    // Plaintext bytes where a ClientHello should be.
+    let (addr, task) = serve_once(server.clone()).await;
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"\0\0\0\x10\x01SHCS hello").await.unwrap();
+    let err = task.await.unwrap().unwrap_err();
+    assert!(matches!(err, TlsError::Handshake(_)), "{err}");
+    // TLS but no client certificate.
+    let (addr, task) = serve_alpn(server.clone(), Alpn::Http).await;
+    let client = TlsContext::load(issue(&p, Role::Read, "r")).unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let r = client
+        .connect_http_without_cert(tcp, &Expect::Role(Role::Host))
+        .await;
+    // TLS 1.3: the client may finish before the server's alert arrives; the server
+    // always refuses.
+    drop(r);
+    let err = task.await.unwrap().unwrap_err();
+    assert!(err.to_string().contains("certificate"), "{err}");
+    assert!(
+        server
+            .stats
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2
+    );
+}
+
+#[tokio::test]
+async fn another_ca_and_expired_certificates_are_refused() {
+    let p = pki();
+    let other = pki();
+    let server = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+
+    let (addr, task) = serve_once(server.clone()).await;
+    let stranger = TlsContext::load(issue(&other, Role::Host, "h2")).unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let r = stranger
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await;
+    // The stranger also refuses our server: it does not chain to its CA.
+    assert!(r.is_err());
+    assert!(task.await.unwrap().is_err());
+
+    let mut req = IssueRequest::new(Identity::new(Role::Host, "old").unwrap());
+    req.not_before_offset = time::Duration::hours(-3);
+    req.validity = Duration::ZERO; // not_after = now: expired by the time it is used
+    let expired = p.pki.issue(&req).unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let expired = TlsContext::load(files(&p, expired)).unwrap();
+    let (addr, task) = serve_once(server.clone()).await;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let _ = expired
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await;
+    let err = task.await.unwrap().unwrap_err();
+    assert!(err.to_string().to_lowercase().contains("expired"), "{err}");
+}
+
+#[tokio::test]
+async fn the_wrong_server_identity_and_protocol_are_refused() {
+    let p = pki();
+    let server = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+    let client = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    let (addr, _task) = serve_once(server.clone()).await;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let expect = Expect::Exactly(Identity::new(Role::Host, "h3").unwrap());
+    let err = client.connect(tcp, Alpn::Data, &expect).await.unwrap_err();
+    assert!(
+        matches!(&err, TlsError::WrongPeer { got, .. } if got.name == "h1"),
+        "{err}"
+    );
+    // A gRPC client at the data port: ALPN mismatch.
+    let (addr, task) = serve_once(server).await;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    assert!(
+        client
+            .connect(tcp, Alpn::Grpc, &Expect::Role(Role::Host))
+            .await
+            .is_err()
+    );
+    assert!(task.await.unwrap().is_err());
+}
+
+#[tokio::test]
+async fn rotation_is_picked_up_and_a_broken_file_keeps_the_old_certificate() {
+    let p = pki();
+    let f = issue(&p, Role::Host, "h1");
+    let ctx = TlsContext::load(f.clone()).unwrap();
+    assert!(!ctx.reload_if_changed().unwrap());
+    p.pki
+        .rotate(
+            &CertFiles {
+                cert: f.cert.clone(),
+                key: f.key.clone(),
+            },
+            Duration::from_secs(600),
+        )
+        .unwrap();
+    assert!(ctx.reload_if_changed().unwrap());
+    std::fs::write(&f.cert, "not a certificate").unwrap();
+    assert!(ctx.reload_if_changed().is_err());
+    assert_eq!(ctx.identity(), Identity::new(Role::Host, "h1").unwrap());
+    // Still serves with the previous certificate.
+    let client = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    let (addr, task) = serve_once(ctx).await;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut s, _) = client
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await
+        .unwrap();
+    s.write_all(b"again").await.unwrap();
+    let mut buf = [0u8; 5];
+    s.read_exact(&mut buf).await.unwrap();
+    assert!(task.await.unwrap().is_ok());
+}

@@ -1,0 +1,401 @@
+//! The trust model from the attacker's side, against real daemons and a real controller on
+//! loopback: strangers are refused before any frame, identities come from certificates
+//! only, and every API method answers each role as the permission table says.
+
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use http::uri::PathAndQuery;
+use shardcast_bench::cluster::{Daemon, DaemonOpts};
+use shardcast_bench::control::{ControllerProc, HttpAs};
+use shardcast_bench::pki::ClusterPki;
+use shardcast_identity::grpc::ClientSecurity;
+use shardcast_identity::pki::IssueRequest;
+use shardcast_identity::{Alpn, Expect, Identity, Role, TlsContext, TlsFiles};
+use shardcast_protocol::codec::Codec;
+use shardcast_protocol::{ErrorCode, Frame, HostId, PROTOCOL_VERSION};
+use shardcast_tests::TestCluster;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tonic::Code;
+
+/// Every frame the peer sends within a few seconds (until it closes).
+async fn read_frames<S: AsyncRead + Unpin>(s: &mut S) -> Vec<Frame> {
+    let mut buf = BytesMut::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            }
+        }
+    })
+    .await;
+    let mut frames = Vec::new();
+    let mut b = buf.freeze();
+    while b.has_remaining() {
+        match Frame::decode(&mut b) {
+            Ok(f) => frames.push(f),
+            Err(_) => break,
+        }
+    }
+    frames
+}
+
+async fn send_hello<S: AsyncWrite + Unpin>(s: &mut S, host: &str) {
+    let mut out = Vec::new();
+    Frame::Hello {
+        version: PROTOCOL_VERSION,
+        host: HostId::new(host).unwrap(),
+    }
+    .encode(&mut out);
+    let _ = s.write_all(&out).await;
+    let _ = s.flush().await;
+}
+
+fn error_code(frames: &[Frame]) -> Option<ErrorCode> {
+    frames.iter().find_map(|f| match f {
+        Frame::Error { code, .. } => Some(*code),
+        _ => None,
+    })
+}
+
+async fn metric(d: &Daemon, name: &str) -> u64 {
+    let mut s = TcpStream::connect(d.admin_addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body.lines()
+        .find(|l| l.starts_with(&format!("shardcast_{name}{{")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in {body}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_data_port_refuses_strangers_and_impostors() {
+    let c = TestCluster::start(1, 2 * 1024 * 1024, 1, |_, _| {})
+        .await
+        .unwrap();
+    let target = &c.daemons[1];
+    let addr = target.data_addr;
+    let pki = ClusterPki::shared().unwrap();
+
+    // Plaintext: the daemon never speaks the protocol to it, not even its Hello.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    send_hello(&mut s, "attacker").await;
+    let frames = read_frames(&mut s).await;
+    assert!(frames.is_empty(), "plaintext peer got frames: {frames:?}");
+
+    // A certificate from another CA: refused in the handshake (in both directions).
+    let stranger_pki = ClusterPki::new().unwrap();
+    let stranger = TlsContext::load(stranger_pki.files(Role::Host, "recv-1").unwrap()).unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    assert!(
+        stranger
+            .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+            .await
+            .is_err()
+    );
+
+    // An expired certificate of the right CA.
+    let mut req = IssueRequest::new(Identity::new(Role::Host, "expired").unwrap());
+    req.not_before_offset = time::Duration::hours(-2);
+    req.validity = Duration::ZERO;
+    let f = pki.pki().issue(&req).unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let expired = TlsContext::load(TlsFiles {
+        ca: pki.pki().ca().cert,
+        cert: f.cert,
+        key: f.key,
+    })
+    .unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    if let Ok((mut s, _)) = expired
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await
+    {
+        // TLS 1.3 clients finish before the server's verdict: nothing may follow.
+        send_hello(&mut s, "expired").await;
+        assert!(read_frames(&mut s).await.is_empty());
+    }
+
+    // A valid host certificate whose Hello claims another host (the source).
+    let mallory = TlsContext::load(pki.files(Role::Host, "mallory").unwrap()).unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut s, _) = mallory
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await
+        .unwrap();
+    send_hello(&mut s, "source").await;
+    let frames = read_frames(&mut s).await;
+    assert_eq!(error_code(&frames), Some(ErrorCode::Refused), "{frames:?}");
+
+    // A valid certificate that is not a host's (an inference process's `read` identity).
+    let reader = pki.client(Role::Read).unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut s, _) = reader
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await
+        .unwrap();
+    send_hello(&mut s, "test-read").await;
+    assert_eq!(
+        error_code(&read_frames(&mut s).await),
+        Some(ErrorCode::Refused)
+    );
+
+    // Reaching a host under another host's name fails on the client side too: the
+    // forwarder expects exactly the plan's host id.
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let expect = Expect::Exactly(Identity::new(Role::Host, "source").unwrap());
+    let err = mallory.connect(tcp, Alpn::Data, &expect).await.unwrap_err();
+    assert!(err.to_string().contains("recv-1"), "{err}");
+
+    // Counted, and the daemon still serves a real chain.
+    assert!(metric(target, "data_tls_refused_total").await >= 2);
+    assert!(metric(target, "hello_identity_mismatch_total").await >= 2);
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1], "").await.unwrap();
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].verify_copy(&manifest).unwrap();
+}
+
+/// Every `rpc` of a service in a `.proto` file, as gRPC paths.
+fn rpc_paths(proto: &str, package: &str) -> Vec<String> {
+    let mut service = "";
+    let mut out = Vec::new();
+    for line in proto.lines().map(str::trim) {
+        if let Some(s) = line.strip_prefix("service ") {
+            service = s.trim_end_matches('{').trim();
+        }
+        if let Some(rest) = line.strip_prefix("rpc ") {
+            let method = rest.split('(').next().unwrap_or_default().trim();
+            out.push(format!("/{package}.{service}/{method}"));
+        }
+    }
+    out
+}
+
+/// Calls `path` with an empty message (every proto3 request's default) and returns the
+/// status code.
+async fn call(channel: tonic::transport::Channel, path: &str) -> Code {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    if let Err(e) = grpc.ready().await {
+        panic!("{path}: channel not ready: {e}");
+    }
+    let codec = tonic_prost::ProstCodec::<(), ()>::default();
+    let path = PathAndQuery::try_from(path.to_string()).unwrap();
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        grpc.unary(tonic::Request::new(()), path, codec),
+    )
+    .await
+    .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("test timeout")));
+    match r {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+fn agent_permission(method: &str) -> shardcast_identity::Permission {
+    use shardcast_identity::Permission as P;
+    match method {
+        "ImportModel" | "StartChain" | "EvictModel" | "LoadModel" => P::DriveAgent,
+        _ => P::Read,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_api_answers_each_role_by_the_table() {
+    let scratch = tempfile::tempdir().unwrap();
+    let mut o = DaemonOpts::local("agent-host");
+    o.agent_tcp = Some("127.0.0.1:0".into());
+    let d = Daemon::start(&scratch.path().join("d"), o).await.unwrap();
+    let pki = ClusterPki::shared().unwrap();
+    let me = Identity::new(Role::Host, "agent-host").unwrap();
+    let paths = rpc_paths(
+        include_str!("../../protocol/proto/agent.proto"),
+        "shardcast.agent.v1",
+    );
+    assert!(paths.len() >= 10, "{paths:?}");
+    for role in Role::ALL {
+        let security = ClientSecurity::Tls(pki.client(role).unwrap(), Expect::Exactly(me.clone()));
+        let ch = shardcast_identity::grpc::connect(&d.agent_addr, security)
+            .await
+            .unwrap();
+        for path in &paths {
+            let method = path.rsplit('/').next().unwrap();
+            let code = call(ch.clone(), path).await;
+            let allowed = role.grants(agent_permission(method));
+            if allowed {
+                assert!(
+                    !matches!(code, Code::PermissionDenied | Code::Unauthenticated),
+                    "{role} calling {path}: {code:?}"
+                );
+            } else {
+                assert_eq!(code, Code::PermissionDenied, "{role} calling {path}");
+            }
+        }
+    }
+    // No certificate at all (plaintext): no answer.
+    let plain = shardcast_identity::grpc::lazy(&d.agent_addr, ClientSecurity::Plaintext).unwrap();
+    let code = call(plain, "/shardcast.agent.v1.Agent/ListHoldings").await;
+    assert!(
+        matches!(code, Code::Unavailable | Code::Unknown | Code::Cancelled),
+        "a plaintext client must not get an answer: {code:?}"
+    );
+    // A client that expects another host refuses this agent (a heartbeat cannot point the
+    // controller at the wrong host).
+    let wrong = ClientSecurity::Tls(
+        pki.client(Role::Controller).unwrap(),
+        Expect::Exactly(Identity::new(Role::Host, "someone-else").unwrap()),
+    );
+    let ch = shardcast_identity::grpc::lazy(&d.agent_addr, wrong).unwrap();
+    assert_eq!(
+        call(ch, "/shardcast.agent.v1.Agent/ListHoldings").await,
+        Code::Unavailable
+    );
+    assert!(metric(&d, "agent_denied_total").await >= 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_api_answers_each_role_by_the_table() {
+    let scratch = tempfile::tempdir().unwrap();
+    let platform = Identity::new(Role::Platform, "faas").unwrap();
+    let (platform_token, line) = shardcast_identity::token::generate(&platform);
+    let tokens = scratch.path().join("tokens");
+    std::fs::write(&tokens, format!("{line}\n")).unwrap();
+    let ctl = ControllerProc::start(
+        &scratch.path().join("ctl"),
+        vec!["--tokens-file".into(), tokens.display().to_string()],
+    )
+    .await
+    .unwrap();
+    let pki = ClusterPki::shared().unwrap();
+    let paths = rpc_paths(
+        include_str!("../../protocol/proto/controller.proto"),
+        "shardcast.controller.v1",
+    );
+    for role in Role::ALL {
+        let security =
+            ClientSecurity::Tls(pki.client(role).unwrap(), Expect::Role(Role::Controller));
+        let ch = shardcast_identity::grpc::connect(&ctl.grpc.to_string(), security)
+            .await
+            .unwrap();
+        for path in &paths {
+            if role == Role::Host && path.ends_with("/Heartbeat") {
+                // Allowed, but an empty report names no host: checked on its own below.
+                continue;
+            }
+            let needed = shardcast_controller::auth::permission(path).unwrap();
+            let code = call(ch.clone(), path).await;
+            if role.grants(needed) {
+                assert!(
+                    !matches!(code, Code::PermissionDenied | Code::Unauthenticated),
+                    "{role} calling {path}: {code:?}"
+                );
+            } else {
+                assert_eq!(code, Code::PermissionDenied, "{role} calling {path}");
+            }
+        }
+    }
+    // Plaintext gRPC gets nothing.
+    let plain =
+        shardcast_identity::grpc::lazy(&ctl.grpc.to_string(), ClientSecurity::Plaintext).unwrap();
+    let code = call(plain, "/shardcast.controller.v1.Controller/ListModels").await;
+    assert!(
+        matches!(code, Code::Unavailable | Code::Unknown | Code::Cancelled),
+        "{code:?}"
+    );
+
+    // A host may only report as itself.
+    let mut inv = shardcast_protocol::controller::inventory_client::InventoryClient::new(
+        shardcast_identity::grpc::connect(
+            &ctl.grpc.to_string(),
+            ClientSecurity::Tls(
+                pki.client(Role::Host).unwrap(),
+                Expect::Role(Role::Controller),
+            ),
+        )
+        .await
+        .unwrap(),
+    );
+    let report = |host: &str| shardcast_protocol::controller::HostReport {
+        host_id: host.into(),
+        data_addr: "127.0.0.1:1".into(),
+        agent_addr: "127.0.0.1:2".into(),
+        ..Default::default()
+    };
+    let e = inv.heartbeat(report("victim")).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e}");
+    assert!(e.message().contains("victim"), "{e}");
+    inv.heartbeat(report("test-host")).await.unwrap();
+
+    // HTTP: certificates, tokens, anonymous, plaintext.
+    let h = |who: HttpAs, method: &'static str, path: &'static str, body: &'static str| {
+        let ctl = &ctl;
+        async move { ctl.http(who, method, path, body).await.unwrap() }
+    };
+    assert_eq!(h(HttpAs::Anonymous, "GET", "/healthz", "").await.0, 200);
+    let (s, b) = h(HttpAs::Anonymous, "GET", "/v1/models", "").await;
+    assert_eq!(s, 401, "{b}");
+    assert!(b.contains("UNAUTHENTICATED"), "{b}");
+    assert_eq!(
+        h(HttpAs::Cert(Role::Read), "GET", "/v1/models", "").await.0,
+        200
+    );
+    let (s, b) = h(
+        HttpAs::Cert(Role::Read),
+        "POST",
+        "/v1/models",
+        r#"{"name":"x/y","origin":"file:///etc"}"#,
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    assert!(
+        b.contains("PERMISSION_DENIED") && b.contains("admin"),
+        "{b}"
+    );
+    let (s, b) = h(
+        HttpAs::Token(platform_token.clone()),
+        "POST",
+        "/v1/prewarm",
+        r#"{"model":"no/such","replicas":1}"#,
+    )
+    .await;
+    assert_eq!(s, 404, "platform token passes auth: {b}");
+    let (s, b) = h(
+        HttpAs::Token(platform_token),
+        "POST",
+        "/v1/evict",
+        r#"{"model":"no/such"}"#,
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    let (s, _) = h(HttpAs::Token("shc_forged".into()), "GET", "/v1/models", "").await;
+    assert_eq!(s, 401);
+    let (s, b) = h(
+        HttpAs::Cert(Role::Host),
+        "POST",
+        "/v1/heartbeat",
+        r#"{"host_id":"victim","data_addr":"127.0.0.1:1","agent_addr":"127.0.0.1:2"}"#,
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    let (s, _) = h(HttpAs::Plaintext, "GET", "/v1/models", "").await;
+    assert_eq!(s, 0, "a plaintext HTTP client must get no answer");
+    let (s, b) = h(HttpAs::Cert(Role::Read), "GET", "/metrics", "").await;
+    assert_eq!(s, 200);
+    let denied: u64 = b
+        .lines()
+        .find(|l| l.starts_with("shardcast_api_refused_total{reason=\"denied\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(denied >= 10, "{b}");
+}
