@@ -494,6 +494,7 @@ impl Config {
                     .or(file.verify_on_recover)
                     .unwrap_or(true),
                 writer,
+                ..StoreConfig::new(PathBuf::new(), PathBuf::new())
             },
             egress_rate,
             ingress_rate: rate("ingress_rate", args.ingress_rate.or(file.ingress_rate))?,
