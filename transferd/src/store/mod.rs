@@ -72,6 +72,8 @@
 //! [`ShardStore::remove`]), replication between tiers (a copy is just another write).
 
 mod beneath;
+#[cfg(test)]
+mod hardening_tests;
 mod map;
 mod shard;
 #[cfg(test)]
@@ -852,14 +854,20 @@ impl ShardStore {
             .cloned()
     }
 
-    /// Every shard copy open in either tier (for the scrub).
-    pub fn all_shards(&self) -> Vec<Arc<Shard>> {
+    /// Every shard copy open in either tier, as (model, tier, shard index): the scrub looks
+    /// each up when it reaches it, so it never keeps a removed copy mapped.
+    pub fn shard_keys(&self) -> Vec<(ModelDigest, Tier, u32)> {
         let models = lock(&self.inner.models);
-        models
-            .values()
-            .flat_map(|m| m.tiers.values())
-            .flat_map(|t| t.values().cloned())
-            .collect()
+        let mut out: Vec<_> = models
+            .iter()
+            .flat_map(|(d, m)| {
+                m.tiers
+                    .iter()
+                    .flat_map(move |(t, shards)| shards.keys().map(move |i| (*d, *t, *i)))
+            })
+            .collect();
+        out.sort_by_key(|(d, t, i)| (*d, matches!(t, Tier::Disk), *i));
+        out
     }
 
     /// Every (model, tier) copy present, with per-shard progress.
