@@ -241,3 +241,103 @@ async fn symlink_planted_in_a_running_receivers_memory_tier_is_refused() {
     let mut a = recv.agent().await.unwrap();
     assert_eq!(recv.model_progress(&mut a, &digest).await.unwrap().0, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rot_is_repaired_before_a_hand_off_or_a_gpu_load() {
+    use shardcast_protocol::agent::{GetHandoffRequest, GpuStatusRequest, LoadModelRequest};
+    let c = TestCluster::start(
+        0,
+        4 * MIB,
+        1,
+        source_flags(&[
+            "--reverify-after-ms",
+            "0",
+            "--scrub-rate",
+            "off",
+            "--gpu-backend",
+            "simulated",
+            "--sim-gpus",
+            "1",
+            "--sim-gpu-memory",
+            "64MiB",
+        ]),
+    )
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let d = &c.daemons[0];
+    let file = shard_file(d, &digest, &manifest, 0);
+    let mut agent = d.agent().await.unwrap();
+
+    // Hand-off of the memory-tier files: refused while the chunk is being repaired.
+    flip(&file, 4 * CHUNK + 3);
+    let e = agent
+        .get_handoff(GetHandoffRequest {
+            model: digest.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("corrupt at rest"), "{e:?}");
+    assert_eq!(
+        wait_metric(d, "chunks_repaired_total", 1, Duration::from_secs(10)).await,
+        1
+    );
+    let h = agent
+        .get_handoff(GetHandoffRequest {
+            model: digest.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(h.json.contains("memory-file"), "{}", h.json);
+    d.verify_copy(&manifest).unwrap();
+
+    // A GPU load: the rotten chunk is repaired before it is copied.
+    flip(&file, 7 * CHUNK + 11);
+    agent
+        .load_model(LoadModelRequest {
+            heaviness: String::new(),
+            model: digest.clone(),
+            count: 1,
+            gpus: vec![],
+            partition: None,
+        })
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let st = agent
+            .gpu_status(GpuStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let m = st.models.iter().find(|m| m.model == digest).unwrap();
+        assert_ne!(m.state, "failed", "{m:?}");
+        if m.state == "resident" {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{m:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(d, "chunks_corrupt_at_rest_total").await, 2);
+    assert_eq!(metric(d, "chunks_repaired_total").await, 2);
+    // The GPU region holds the origin's bytes.
+    let h = agent
+        .get_handoff(GetHandoffRequest {
+            model: digest.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let h: serde_json::Value = serde_json::from_str(&h.json).unwrap();
+    for dev in h["devices"].as_array().unwrap() {
+        let path = dev["handle"]["path"].as_str().unwrap();
+        let base = dev["handle"]["offset"].as_u64().unwrap();
+        let gpu_mem = std::fs::read(path).unwrap();
+        for s in h["shards"].as_array().unwrap() {
+            let want = std::fs::read(c.origin.path().join(s["path"].as_str().unwrap())).unwrap();
+            let at = (base + s["offset"].as_u64().unwrap()) as usize;
+            assert!(gpu_mem[at..at + want.len()] == want[..], "{}", s["path"]);
+        }
+    }
+}
