@@ -64,7 +64,9 @@ fn flip(path: &Path, at: u64) {
     f.write_all_at(&[b[0] ^ 0x01], at).unwrap();
 }
 
-fn source_flags(args: &'static [&'static str]) -> impl FnMut(usize, &mut shardcast_bench::cluster::DaemonOpts) {
+fn source_flags(
+    args: &'static [&'static str],
+) -> impl FnMut(usize, &mut shardcast_bench::cluster::DaemonOpts) {
     move |i, o| {
         if i == 0 {
             o.extra_args.extend(args.iter().map(|s| s.to_string()));
@@ -129,7 +131,10 @@ async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
     .await
     .unwrap();
     let (digest, manifest) = c.import_on_source().await.unwrap();
-    flip(&shard_file(&c.daemons[0], &digest, &manifest, 0), 5 * CHUNK + 7);
+    flip(
+        &shard_file(&c.daemons[0], &digest, &manifest, 0),
+        5 * CHUNK + 7,
+    );
     c.start_chain(0, &digest, &[1, 2], &c.origin_uri)
         .await
         .unwrap();
@@ -148,9 +153,16 @@ async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
     );
     let src = &c.daemons[0];
     let stats = src.stats().await.unwrap();
-    assert_eq!(stats.downstream_failovers, 0, "the healthy downstream was not skipped");
+    assert_eq!(
+        stats.downstream_failovers, 0,
+        "the healthy downstream was not skipped"
+    );
     assert_eq!(metric(src, "chunks_corrupt_at_rest_total").await, 1);
-    assert_eq!(metric(src, "chunks_resent_total").await, 0, "bad bytes never resent");
+    assert_eq!(
+        metric(src, "chunks_resent_total").await,
+        0,
+        "bad bytes never resent"
+    );
     assert_eq!(
         wait_metric(src, "chunks_repaired_total", 1, Duration::from_secs(10)).await,
         1
@@ -171,12 +183,24 @@ async fn scrub_finds_and_repairs_a_flipped_byte_in_an_idle_copy() {
     let (digest, manifest) = c.import_on_source().await.unwrap();
     let src = &c.daemons[0];
     // A pass over 4 MiB at 256 MB/s takes ~16 ms; let a few go by.
-    let before = wait_metric(src, "chunks_scrubbed_total", 2 * manifest.total_chunks(), Duration::from_secs(10)).await;
+    let before = wait_metric(
+        src,
+        "chunks_scrubbed_total",
+        2 * manifest.total_chunks(),
+        Duration::from_secs(10),
+    )
+    .await;
     assert!(before >= 2 * manifest.total_chunks(), "scrubbed {before}");
     assert_eq!(metric(src, "chunks_corrupt_at_rest_total").await, 0);
     flip(&shard_file(src, &digest, &manifest, 0), 9 * CHUNK + 99);
     assert_eq!(
-        wait_metric(src, "chunks_corrupt_at_rest_total", 1, Duration::from_secs(10)).await,
+        wait_metric(
+            src,
+            "chunks_corrupt_at_rest_total",
+            1,
+            Duration::from_secs(10)
+        )
+        .await,
         1
     );
     assert_eq!(
@@ -212,7 +236,11 @@ async fn unrepairable_rot_fails_the_session_without_sending_or_skipping() {
     // Give the chain time to move everything else.
     tokio::time::sleep(Duration::from_secs(2)).await;
     for d in &c.daemons[1..] {
-        assert_eq!(d.stats().await.unwrap().chunks_corrupt, 0, "nothing corrupt was sent");
+        assert_eq!(
+            d.stats().await.unwrap().chunks_corrupt,
+            0,
+            "nothing corrupt was sent"
+        );
         let (bytes, complete) = {
             let mut a = d.agent().await.unwrap();
             d.model_progress(&mut a, &digest).await.unwrap()
@@ -232,7 +260,16 @@ async fn symlink_planted_in_a_running_receivers_memory_tier_is_refused() {
     std::fs::create_dir(&outside).unwrap();
     std::os::unix::fs::symlink(&outside, recv.memory_dir.join("models").join(&digest)).unwrap();
     c.start_chain(0, &digest, &[1], "").await.unwrap();
-    assert!(wait_metric(recv, "store_symlinks_refused_total", 1, Duration::from_secs(10)).await >= 1);
+    assert!(
+        wait_metric(
+            recv,
+            "store_symlinks_refused_total",
+            1,
+            Duration::from_secs(10)
+        )
+        .await
+            >= 1
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         std::fs::read_dir(&outside).unwrap().next().is_none(),

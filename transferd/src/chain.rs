@@ -884,7 +884,9 @@ impl Node {
                     // Our own copy cannot be completed or read: the downstream hop is not at
                     // fault, so it is not skipped (its recovery monitor takes over).
                     let local = sess.failed.borrow().clone();
-                    if let Some(why) = local.or_else(|| matches!(e, ChainError::Store(_)).then(|| e.to_string())) {
+                    if let Some(why) =
+                        local.or_else(|| matches!(e, ChainError::Store(_)).then(|| e.to_string()))
+                    {
                         warn!(peer = %hop.host, "forwarding stopped by a local failure, not failing over: {why}");
                         failures.push(format!("local: {why}"));
                         return Err(failures.join("; "));
@@ -987,7 +989,15 @@ impl Node {
                     });
                 let Some((index, nacked)) = next else { break };
                 repairing.remove(&index);
-                let mut data = match sess.shard.read_checked(index, nacked, if nacked { Check::Nack } else { Check::Serve }).await {
+                let mut data = match sess
+                    .shard
+                    .read_checked(
+                        index,
+                        nacked,
+                        if nacked { Check::Nack } else { Check::Serve },
+                    )
+                    .await
+                {
                     Ok(d) => d,
                     Err(StoreError::CorruptChunk { .. } | StoreError::NotVerified { .. }) => {
                         // Never send it: repair it and send it once verified again. A Nack
@@ -1008,7 +1018,10 @@ impl Node {
                     let n = resends.entry(index).or_default();
                     *n += 1;
                     if *n > self.cfg.max_resends {
-                        return Err(ChainError::refused(ErrorCode::Refused, format!("chunk {index} rejected {n} times although it verifies here")));
+                        return Err(ChainError::refused(
+                            ErrorCode::Refused,
+                            format!("chunk {index} rejected {n} times although it verifies here"),
+                        ));
                     }
                     self.stats.chunks_resent.fetch_add(1, Ordering::Relaxed);
                 }

@@ -89,7 +89,10 @@ impl StoreSource {
             tokio::time::timeout(REPAIR_WAIT, self.repairs.repair(s.clone(), vec![c])).await
         });
         match repaired {
-            Ok(Ok(())) => s.check(c, false, Check::Load).map(|_| ()).map_err(|e| failed(&e)),
+            Ok(Ok(())) => s
+                .check(c, false, Check::Load)
+                .map(|_| ())
+                .map_err(|e| failed(&e)),
             Ok(Err(e)) => Err(failed(&e)),
             Err(_) => Err(failed(&format!("not repaired within {REPAIR_WAIT:?}"))),
         }

@@ -335,7 +335,9 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
         format!("not repaired from {}", sources.join(", "))
     };
     error!(model = %digest, shard = index, ?tier, chunks = ?chunks, event = "unrepairable", "chunks corrupt at rest could not be repaired: {why}");
-    let msg = format!("chunks {chunks:?} of shard {index} are corrupt at rest here and could not be repaired ({why})");
+    let msg = format!(
+        "chunks {chunks:?} of shard {index} are corrupt at rest here and could not be repaired ({why})"
+    );
     if let Some(sess) = session {
         sess.fail(msg.clone());
     }
@@ -375,7 +377,8 @@ async fn run_scrub(node: Weak<Node>, rate: u64, cancel: CancellationToken) {
                 scrubbed += 1;
                 if let Ok(Err(StoreError::CorruptChunk { .. })) = r {
                     if let Some(n) = node.upgrade() {
-                        n.repairs.request(RepairRequest::new(shard.clone(), vec![i]));
+                        n.repairs
+                            .request(RepairRequest::new(shard.clone(), vec![i]));
                     }
                 }
                 let len = shard

@@ -89,7 +89,10 @@ fn unsafe_store_roots_stop_the_daemon_before_ready() {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("READY"));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("writable by group or others"), "{err}");
-    assert!(std::fs::read_dir(&mem).unwrap().next().is_none(), "nothing written");
+    assert!(
+        std::fs::read_dir(&mem).unwrap().next().is_none(),
+        "nothing written"
+    );
 
     // Owned by another user (the tests run as root, which can chown).
     std::fs::set_permissions(&mem, PermissionsExt::from_mode(0o700)).unwrap();
@@ -98,6 +101,9 @@ fn unsafe_store_roots_stop_the_daemon_before_ready() {
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("owned by uid 54321"), "{err}");
-        assert!(std::fs::read_dir(&mem).unwrap().next().is_none(), "nothing written");
+        assert!(
+            std::fs::read_dir(&mem).unwrap().next().is_none(),
+            "nothing written"
+        );
     }
 }

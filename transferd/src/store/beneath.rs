@@ -164,7 +164,8 @@ impl TierDir {
         let fd = match rfs::open(root, dir_flags(), Mode::empty()) {
             Ok(fd) => fd,
             Err(e @ (Errno::LOOP | Errno::NOTDIR)) => {
-                let link = std::fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink());
+                let link =
+                    std::fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink());
                 return Err(if link {
                     stats.symlinks_refused.fetch_add(1, Ordering::Relaxed);
                     StoreError::Symlink {
@@ -420,9 +421,15 @@ impl TierDir {
             Ok(()) | Err(Errno::NOENT) => {}
             Err(e) => return Err(super::io_err(&tmp_path)(errno_io(e))),
         }
-        let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let fd = rfs::openat(&dir, &tmp_name, flags, Mode::from_raw_mode(self.perms.file_mode()))
-            .map_err(|e| self.fail(&tmp_rel, WalkError::Errno(e)))?;
+        let flags =
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = rfs::openat(
+            &dir,
+            &tmp_name,
+            flags,
+            Mode::from_raw_mode(self.perms.file_mode()),
+        )
+        .map_err(|e| self.fail(&tmp_rel, WalkError::Errno(e)))?;
         self.own(fd.as_fd(), &tmp_rel, self.perms.file_mode())?;
         let mut f = File::from(fd);
         f.write_all(data).map_err(super::io_err(&tmp_path))?;
@@ -463,7 +470,10 @@ impl TierDir {
 
     /// The entries of directory `rel` (names and types; symlinks reported as such, never
     /// followed).
-    pub(super) fn list(&self, rel: &Path) -> Result<Vec<(std::ffi::OsString, FileType)>, StoreError> {
+    pub(super) fn list(
+        &self,
+        rel: &Path,
+    ) -> Result<Vec<(std::ffi::OsString, FileType)>, StoreError> {
         let dir = self.open_dir(Some(rel))?;
         list_fd(dir.as_fd()).map_err(|e| super::io_err(&self.root.join(rel))(errno_io(e)))
     }
@@ -516,7 +526,8 @@ impl TierDir {
             }
             Err(e) => return Err(e),
         };
-        let entries = list_fd(dir.as_fd()).map_err(|e| super::io_err(&self.root.join(rel))(errno_io(e)))?;
+        let entries =
+            list_fd(dir.as_fd()).map_err(|e| super::io_err(&self.root.join(rel))(errno_io(e)))?;
         let mut n = 0;
         for (name, ty) in entries {
             if ty == FileType::Directory || !name.as_bytes().ends_with(TMP_SUFFIX.as_bytes()) {
@@ -551,9 +562,9 @@ fn list_fd(dir: BorrowedFd<'_>) -> Result<Vec<(std::ffi::OsString, FileType)>, E
             continue;
         }
         let ty = match entry.file_type() {
-            FileType::Unknown => FileType::from_raw_mode(
-                rfs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?.st_mode,
-            ),
+            FileType::Unknown => {
+                FileType::from_raw_mode(rfs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?.st_mode)
+            }
             t => t,
         };
         out.push((name.to_os_string(), ty));

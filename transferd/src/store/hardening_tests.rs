@@ -127,16 +127,25 @@ fn unsafe_tier_roots_are_refused_before_anything_is_written() {
     std::fs::set_permissions(&mem, PermissionsExt::from_mode(0o700)).unwrap();
     std::os::unix::fs::chown(&mem, Some(54321), None).unwrap();
     let err = ShardStore::open(cfg(dir.path())).unwrap_err();
-    assert!(matches!(err, StoreError::RootOwner { owner: 54321, .. }), "{err}");
+    assert!(
+        matches!(err, StoreError::RootOwner { owner: 54321, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("owned by uid 54321"), "{err}");
     assert!(tree(&mem).is_empty());
-    assert!(!dir.path().join("disk").exists(), "nothing created for the other tier");
+    assert!(
+        !dir.path().join("disk").exists(),
+        "nothing created for the other tier"
+    );
 
     // Ours, but group-writable.
     std::os::unix::fs::chown(&mem, Some(rustix::process::geteuid().as_raw()), None).unwrap();
     std::fs::set_permissions(&mem, PermissionsExt::from_mode(0o770)).unwrap();
     let err = ShardStore::open(cfg(dir.path())).unwrap_err();
-    assert!(matches!(err, StoreError::RootWritable { mode: 0o770, .. }), "{err}");
+    assert!(
+        matches!(err, StoreError::RootWritable { mode: 0o770, .. }),
+        "{err}"
+    );
     assert!(tree(&mem).is_empty());
 
     // World-writable (a sticky /dev/shm-like directory).
@@ -176,10 +185,19 @@ fn expect_refused(
         store.stats().symlinks_refused.load(Ordering::Relaxed) > before,
         "{what}: counted"
     );
-    assert_eq!(tree(outside), outside_before, "{what}: nothing written outside");
+    assert_eq!(
+        tree(outside),
+        outside_before,
+        "{what}: nothing written outside"
+    );
     for p in tree(outside) {
         if p.is_file() {
-            assert_eq!(std::fs::read(&p).unwrap(), b"precious", "{what}: {}", p.display());
+            assert_eq!(
+                std::fs::read(&p).unwrap(),
+                b"precious",
+                "{what}: {}",
+                p.display()
+            );
         }
     }
 }
@@ -228,7 +246,11 @@ fn planted_symlinks(walk: bool) {
     // The shard file itself.
     let store = open();
     std::fs::create_dir_all(mem.join("models").join(&hex)).unwrap();
-    symlink(outside.join("victim"), mem.join("models").join(&hex).join("b.bin")).unwrap();
+    symlink(
+        outside.join("victim"),
+        mem.join("models").join(&hex).join("b.bin"),
+    )
+    .unwrap();
     expect_refused(&store, &outside, "shard file", || {
         store.shard(&d, 1, Tier::Memory).map(|_| ())
     });
@@ -247,7 +269,11 @@ fn planted_symlinks(walk: bool) {
     // A bitmap file.
     let store = open();
     std::fs::create_dir_all(mem.join("state").join(&hex)).unwrap();
-    symlink(outside.join("victim"), mem.join("state").join(&hex).join("1.bits")).unwrap();
+    symlink(
+        outside.join("victim"),
+        mem.join("state").join(&hex).join("1.bits"),
+    )
+    .unwrap();
     expect_refused(&store, &outside, "bitmap file", || {
         store.shard(&d, 1, Tier::Memory).map(|_| ())
     });
@@ -278,7 +304,10 @@ fn planted_symlinks(walk: bool) {
         // The next store of this manifest refreshes the file.
         store.put_manifest(&m).map(|_| ())
     });
-    assert!(store.put_manifest(&other).is_ok(), "other models are unaffected");
+    assert!(
+        store.put_manifest(&other).is_ok(),
+        "other models are unaffected"
+    );
     drop(store);
 
     // Recovery skips planted entries and still opens.
@@ -355,10 +384,24 @@ fn shards_larger_than_the_tier_are_refused_before_a_file_exists() {
     store.shard(&d, 0, Tier::Memory).unwrap();
     let err = store.shard(&d, 1, Tier::Memory).unwrap_err();
     assert!(
-        matches!(err, StoreError::NoSpace { shard: 1, need: 8192, available: 4096, .. }),
+        matches!(
+            err,
+            StoreError::NoSpace {
+                shard: 1,
+                need: 8192,
+                available: 4096,
+                ..
+            }
+        ),
         "{err}"
     );
-    assert!(!dir.path().join("mem").join(model_rel(&d)).join("b.bin").exists());
+    assert!(
+        !dir.path()
+            .join("mem")
+            .join(model_rel(&d))
+            .join("b.bin")
+            .exists()
+    );
     assert_eq!(store.stats().space_refusals.load(Ordering::Relaxed), 1);
     // The disk tier has no cap.
     store.shard(&d, 1, Tier::Disk).unwrap();
@@ -387,7 +430,11 @@ fn shards_larger_than_the_tier_are_refused_before_a_file_exists() {
 /// Flips one byte of a shard file behind the store's back.
 fn flip(path: &Path, at: u64) {
     use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
     let mut b = [0u8];
     f.read_exact_at(&mut b, at).unwrap();
     f.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
@@ -412,7 +459,17 @@ async fn a_chunk_rotting_at_rest_is_dropped_persisted_and_counted() {
     // Every read re-hashes: the bad chunk is never returned.
     assert_eq!(s.read(0).unwrap(), &data[0][..4096]);
     let err = s.read(1).unwrap_err();
-    assert!(matches!(err, StoreError::CorruptChunk { shard: 0, index: 1, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            StoreError::CorruptChunk {
+                shard: 0,
+                index: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(!s.is_verified(1));
     assert_eq!(s.verified_count(), 2);
     assert!(matches!(s.read(1), Err(StoreError::NotVerified { .. })));
@@ -422,11 +479,17 @@ async fn a_chunk_rotting_at_rest_is_dropped_persisted_and_counted() {
     // Repaired by writing a good copy again.
     assert!(s.write(chunk(&m, &data, 0, 1)).await.unwrap());
     assert_eq!(st.chunks_repaired.load(Ordering::Relaxed), 1);
-    assert_eq!(s.read_checked(1, false, Check::Serve).await.unwrap(), &data[0][4096..8192]);
+    assert_eq!(
+        s.read_checked(1, false, Check::Serve).await.unwrap(),
+        &data[0][4096..8192]
+    );
 
     // The drop is persisted.
     flip(s.path(), 2 * 4096);
-    assert!(matches!(s.check(2, false, Check::Scrub), Err(StoreError::CorruptChunk { .. })));
+    assert!(matches!(
+        s.check(2, false, Check::Scrub),
+        Err(StoreError::CorruptChunk { .. })
+    ));
     assert_eq!(st.chunks_scrubbed.load(Ordering::Relaxed), 1);
     drop((s, store));
     let store = ShardStore::open(cfg(dir.path())).unwrap();
@@ -450,13 +513,16 @@ async fn trusted_chunks_are_not_rehashed_until_the_window_passes() {
         s.write(chunk(&m, &data, 0, i)).await.unwrap();
     }
     assert!(!s.needs_check(0), "just verified");
-    assert_eq!(s.check(0, false, Check::Serve).unwrap(), false, "trusted");
+    assert!(!s.check(0, false, Check::Serve).unwrap(), "trusted");
     flip(s.path(), 10);
     // Forced (after a Nack) it is re-hashed at once.
-    assert!(matches!(s.check(0, true, Check::Nack), Err(StoreError::CorruptChunk { .. })));
+    assert!(matches!(
+        s.check(0, true, Check::Nack),
+        Err(StoreError::CorruptChunk { .. })
+    ));
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert!(s.needs_check(1));
-    assert_eq!(s.check(1, false, Check::Serve).unwrap(), true, "re-hashed");
+    assert!(s.check(1, false, Check::Serve).unwrap(), "re-hashed");
     assert!(!s.needs_check(1), "trusted again");
     // Recovered chunks are not trusted until re-hashed.
     drop((s, store));

@@ -570,7 +570,9 @@ impl ShardStore {
             }
         }
         if n > 0 {
-            self.stats().temp_files_removed.fetch_add(n, Ordering::Relaxed);
+            self.stats()
+                .temp_files_removed
+                .fetch_add(n, Ordering::Relaxed);
             tracing::info!(removed = n, "removed stale temporary files from the store");
         }
         Ok(())
@@ -800,7 +802,9 @@ impl ShardStore {
     /// return the same `Arc`.
     pub fn shard(&self, d: &ModelDigest, shard: u32, tier: Tier) -> Result<Arc<Shard>, StoreError> {
         let mut models = lock(&self.inner.models);
-        let model = models.get(d).ok_or(StoreError::UnknownModel { digest: *d })?;
+        let model = models
+            .get(d)
+            .ok_or(StoreError::UnknownModel { digest: *d })?;
         if let Some(s) = model.tiers.get(&tier).and_then(|t| t.get(&shard)) {
             return Ok(s.clone());
         }

@@ -529,7 +529,10 @@ impl Shard {
         let Some((at, byte)) = st.remove(index) else {
             return;
         };
-        if let Err(e) = self.bits_file.write_all_at(&[byte], BITS_HEADER + at as u64) {
+        if let Err(e) = self
+            .bits_file
+            .write_all_at(&[byte], BITS_HEADER + at as u64)
+        {
             // The bit is cleared in memory; a restart re-hashes with verify_on_recover.
             tracing::error!(path = %self.bits_path.display(), error = %e, "cannot persist a dropped chunk");
         }

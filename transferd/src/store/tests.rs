@@ -236,7 +236,10 @@ async fn damaged_state_files_lose_bits_not_the_store() {
         let y = store.shard(&d, 1, Tier::Disk).unwrap();
         y.write(chunk(&m, &data, 1, 0)).await.unwrap();
         (
-            store.tier_root(Tier::Disk).join(state_rel(&d)).join("0.bits"),
+            store
+                .tier_root(Tier::Disk)
+                .join(state_rel(&d))
+                .join("0.bits"),
             y.path().to_path_buf(),
         )
     };
