@@ -636,6 +636,53 @@ mod tests {
     }
 
     #[test]
+    fn store_hardening_and_scrub_settings() {
+        let c = Config::load(Args::default()).unwrap();
+        assert_eq!(c.store.group, None);
+        assert_eq!(c.store.reverify_after, crate::store::DEFAULT_REVERIFY_AFTER);
+        assert_eq!(c.store.scrub_rate, crate::store::DEFAULT_SCRUB_RATE);
+        let c = Config::load(Args {
+            store_group: Some("4242".into()),
+            reverify_after_ms: Some(0),
+            scrub_rate: Some("off".into()),
+            memory_capacity: Some("1GiB".into()),
+            ..Args::default()
+        })
+        .unwrap();
+        assert_eq!(c.store.group, Some(4242));
+        assert_eq!(c.store.reverify_after, Duration::ZERO);
+        assert_eq!(c.store.scrub_rate, 0);
+        assert_eq!(c.store.memory_capacity, Some(1 << 30));
+        assert_eq!(
+            Config::load(Args {
+                scrub_rate: Some("100MB/s".into()),
+                store_group: Some("root".into()),
+                ..Args::default()
+            })
+            .unwrap()
+            .store
+            .scrub_rate,
+            100_000_000
+        );
+        for bad in [
+            Args {
+                scrub_rate: Some("unlimited".into()),
+                ..Args::default()
+            },
+            Args {
+                store_group: Some("no-such-group-here".into()),
+                ..Args::default()
+            },
+            Args {
+                reverify_after_ms: Some(u64::MAX),
+                ..Args::default()
+            },
+        ] {
+            assert!(Config::load(bad).is_err());
+        }
+    }
+
+    #[test]
     fn example_config_parses() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("transferd.example.toml");
         Config::load(Args {

@@ -158,11 +158,12 @@ impl StoreConfig {
 /// GPU load that runs alongside a chain read a chunk within milliseconds of verifying it,
 /// so one second keeps them at one hash per byte per hop; anything that sat idle longer (a
 /// holder answering `Fetch`, a head sending from its store, a later GPU load or hand-off)
-/// is re-hashed. BLAKE3 runs at ~4 GB/s per core on the 2-vCPU development host (AVX-512,
-/// docs/OPERATIONS.md), so a re-hash costs ~3% of a core per Gbit/s served.
+/// is re-hashed. BLAKE3 runs at 2.2–4.5 GB/s per core on the 2-vCPU development host
+/// (AVX-512; median under a parallel build, best when quiet; docs/OPERATIONS.md), so a
+/// re-hash costs 3–6% of a core per Gbit/s served from an idle copy.
 pub const DEFAULT_REVERIFY_AFTER: Duration = Duration::from_secs(1);
-/// Default of [`StoreConfig::scrub_rate`]: 64 MB/s, ~1.6% of a core at ~4 GB/s BLAKE3; a
-/// 64 GiB memory tier is scrubbed every ~18 minutes.
+/// Default of [`StoreConfig::scrub_rate`]: 64 MB/s, 1.5–3% of a core at the BLAKE3 rates
+/// above; a 64 GiB memory tier is scrubbed every ~18 minutes.
 pub const DEFAULT_SCRUB_RATE: u64 = 64_000_000;
 
 /// Counters of the store, for `/metrics`.
