@@ -427,6 +427,39 @@ impl Node {
         hop || head
     }
 
+    /// Fails every unfinished session on this host that forwards from `shard` and needs one
+    /// of `chunks` (they were dropped as corrupt and cannot be repaired), so that none waits
+    /// for them forever. Returns how many were failed.
+    pub(crate) fn fail_sessions_needing(
+        &self,
+        shard: &Arc<Shard>,
+        chunks: &[u32],
+        why: &str,
+    ) -> usize {
+        let needs = |s: &ShardSession| {
+            Arc::ptr_eq(&s.shard, shard)
+                && s.outcome().is_none()
+                && chunks.iter().any(|c| (s.start..s.end).contains(c))
+        };
+        let mut hit: Vec<Arc<ShardSession>> = self
+            .sessions
+            .lock()
+            .map(|m| m.values().filter(|s| needs(s)).cloned().collect())
+            .unwrap_or_default();
+        if let Ok(h) = self.heads.lock() {
+            hit.extend(
+                h.values()
+                    .flat_map(|h| h.parts.iter())
+                    .filter(|s| needs(s))
+                    .cloned(),
+            );
+        }
+        for s in &hit {
+            s.fail(why.to_string());
+        }
+        hit.len()
+    }
+
     /// A head session by id.
     pub fn head(&self, id: &SessionId) -> Option<Arc<HeadSession>> {
         self.heads.lock().ok()?.get(id).cloned()

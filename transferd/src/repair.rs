@@ -7,8 +7,9 @@
 //!                                          2. the session's source (origin or shardcast://holder)
 //!                                          3. sources this host recently used for the model
 //!                               │ written back through Shard::write: counted as repaired
-//!                               └─▶ outcome to the requester; a session whose chunk cannot be
-//!                                   repaired fails (its forwarder stops; nothing bad is sent)
+//!                               └─▶ outcome to the requester; every session that needs a chunk
+//!                                   that cannot be repaired fails (its forwarder stops, nothing
+//!                                   bad is sent, and no healthy next hop is skipped)
 //!  [scrub] every chunk not verified within `reverify_after`, at `scrub_rate` bytes/s
 //! ```
 //!
@@ -341,6 +342,8 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
     if let Some(sess) = session {
         sess.fail(msg.clone());
     }
+    // Sessions that forward this copy would otherwise wait for the chunks forever.
+    node.fail_sessions_needing(&shard, &chunks, &msg);
     Err(msg)
 }
 
