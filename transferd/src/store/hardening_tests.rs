@@ -546,3 +546,38 @@ fn chunks_covering_byte_ranges() {
     assert_eq!(s.chunks_covering(0, 0), 0..0);
     assert_eq!(s.chunks_covering(1 << 40, 1), 0..0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_ahead_refresh_trust_and_drop_rotten_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, data) = model(&[("a.bin", 6 * 4096)]);
+    let d = m.digest();
+    let store = ShardStore::open(StoreConfig {
+        reverify_after: Duration::from_millis(100),
+        ..cfg(dir.path())
+    })
+    .unwrap();
+    store.put_manifest(&m).unwrap();
+    let s = store.shard(&d, 0, Tier::Memory).unwrap();
+    for i in 0..6 {
+        s.write(chunk(&m, &data, 0, i)).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    flip(s.path(), 4 * 4096 + 1);
+    assert!((0..6).all(|i| s.needs_check(i)));
+    s.check_ahead(1..6, Check::Serve);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while s.dropped_chunks(0, 6).is_empty() || (1..6).any(|i| s.needs_check(i)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "checks ahead did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(s.dropped_chunks(0, 6), vec![4]);
+    assert!(s.is_dropped(4) && !s.is_verified(4));
+    assert!(s.needs_check(0), "outside the range: still untrusted");
+    assert_eq!(store.stats().chunks_reverified.load(Ordering::Relaxed), 5);
+    s.write(chunk(&m, &data, 0, 4)).await.unwrap();
+    assert!(s.dropped_chunks(0, 6).is_empty());
+}

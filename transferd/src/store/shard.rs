@@ -127,6 +127,8 @@ struct BitState {
     dropped: HashSet<u32>,
     /// Chunks being written right now: a second writer of the same chunk waits for the first.
     in_flight: HashSet<u32>,
+    /// Chunks being re-verified ahead of a reader ([`Shard::check_ahead`]).
+    checking: HashSet<u32>,
     /// The tier copy was removed from the store: refuse further reads and writes.
     removed: bool,
 }
@@ -139,6 +141,7 @@ impl BitState {
             verified_at: vec![0; total as usize],
             dropped: HashSet::new(),
             in_flight: HashSet::new(),
+            checking: HashSet::new(),
             removed: false,
         }
     }
@@ -514,6 +517,27 @@ impl Shard {
         Ok(false)
     }
 
+    /// Starts re-verifying, on the blocking pool, each chunk of `chunks` that needs it and is
+    /// not being checked ahead already, so that a reader reaching it a moment later finds it
+    /// trusted: the forwarder hashes the next chunks while it sends this one, instead of
+    /// hashing and sending in turn. A chunk that fails is dropped as by [`Shard::check`];
+    /// the reader then finds it unverified. Must be called inside a tokio runtime.
+    pub fn check_ahead(self: &Arc<Self>, chunks: std::ops::Range<u32>, why: Check) {
+        for i in chunks {
+            {
+                let mut st = lock(&self.state);
+                if st.removed || !st.contains(i) || self.trusted(&st, i) || !st.checking.insert(i) {
+                    continue;
+                }
+            }
+            let shard = self.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = shard.check(i, false, why);
+                lock(&shard.state).checking.remove(&i);
+            });
+        }
+    }
+
     fn corrupt(&self, index: u32) -> StoreError {
         StoreError::CorruptChunk {
             digest: self.digest,
@@ -554,6 +578,28 @@ impl Shard {
         let verified = u64::from(self.verified_count());
         let chunk = u64::from(self.manifest.chunk_size);
         self.size.saturating_sub(verified.saturating_mul(chunk))
+    }
+
+    /// Chunks within `start..end` dropped after failing re-verification and not written
+    /// since (awaiting repair), ascending.
+    pub fn dropped_chunks(&self, start: u32, end: u32) -> Vec<u32> {
+        let st = lock(&self.state);
+        if st.dropped.is_empty() {
+            return Vec::new();
+        }
+        let mut out: Vec<u32> = st
+            .dropped
+            .iter()
+            .copied()
+            .filter(|i| (start..end).contains(i))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Whether chunk `index` was dropped after failing re-verification and not written since.
+    pub fn is_dropped(&self, index: u32) -> bool {
+        lock(&self.state).dropped.contains(&index)
     }
 
     /// Whether this copy was removed from the store.
