@@ -1344,7 +1344,6 @@ impl Node {
     ) -> Result<Arc<HeadSession>, ChainError> {
         let model = manifest.digest();
         let nshards = manifest.shards.len() as u32;
-        self.repairs.note_source(model, &origin);
         // Validate the whole plan before starting anything: a rejected request changes nothing.
         let mut plan = Vec::new();
         for chain in &chains {
@@ -1384,6 +1383,7 @@ impl Node {
                 format!("session {id} already exists"),
             ));
         }
+        self.repairs.note_source(model, &origin);
         let mut parts = Vec::new();
         for (s, held, hops) in plan {
             let shard = match held {

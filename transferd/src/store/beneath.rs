@@ -141,6 +141,43 @@ fn is_symlink(dir: BorrowedFd<'_>, name: &OsStr) -> bool {
 }
 
 impl TierDir {
+    /// Checks an existing tier root without changing anything (a missing one passes): not a
+    /// symlink, owned by the daemon's effective uid, not writable by group or others. The
+    /// store checks both roots this way before it creates or tightens either; [`TierDir::open`]
+    /// checks again on the opened directory.
+    pub(super) fn precheck(root: &Path, stats: &StoreStats) -> Result<(), StoreError> {
+        use std::os::unix::fs::MetadataExt;
+        let md = match std::fs::symlink_metadata(root) {
+            Ok(md) => md,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(super::io_err(root)(e)),
+        };
+        if md.file_type().is_symlink() {
+            stats.symlinks_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::Symlink {
+                path: root.to_path_buf(),
+            });
+        }
+        if !md.is_dir() {
+            return Err(super::io_err(root)(errno_io(Errno::NOTDIR)));
+        }
+        let euid = rustix::process::geteuid().as_raw();
+        if md.uid() != euid {
+            return Err(StoreError::RootOwner {
+                path: root.to_path_buf(),
+                owner: md.uid(),
+                euid,
+            });
+        }
+        if md.mode() & 0o022 != 0 {
+            return Err(StoreError::RootWritable {
+                path: root.to_path_buf(),
+                mode: md.mode() & 0o777,
+            });
+        }
+        Ok(())
+    }
+
     /// Opens (creating if missing) the tier root and checks it: a directory, not a symlink,
     /// owned by the daemon's effective uid, not writable by group or others. A root readable
     /// by others is tightened to the store's mode (and given the store's group) and logged.

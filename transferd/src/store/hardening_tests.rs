@@ -155,6 +155,19 @@ fn unsafe_tier_roots_are_refused_before_anything_is_written() {
         Err(StoreError::RootWritable { .. })
     ));
 
+    // A bad disk root leaves a missing memory root uncreated.
+    std::fs::remove_dir(&mem).unwrap();
+    let disk = dir.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    std::fs::set_permissions(&disk, PermissionsExt::from_mode(0o757)).unwrap();
+    assert!(matches!(
+        ShardStore::open(cfg(dir.path())),
+        Err(StoreError::RootWritable { mode: 0o757, .. })
+    ));
+    assert!(!mem.exists(), "nothing created before both roots passed");
+    std::fs::remove_dir(&disk).unwrap();
+    std::fs::create_dir(&mem).unwrap();
+
     // A symlink as the root, pointing at a directory we own.
     std::fs::remove_dir(&mem).unwrap();
     let elsewhere = dir.path().join("elsewhere");

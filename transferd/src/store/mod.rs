@@ -500,7 +500,10 @@ impl ShardStore {
         } = cfg;
         let stats = Arc::new(StoreStats::default());
         let perms = Perms { gid: group };
-        // Both roots are checked before either gets a directory.
+        // Both roots are checked before either is created or changed.
+        for root in [&memory_dir, &disk_dir] {
+            TierDir::precheck(root, &stats)?;
+        }
         let memory = Arc::new(TierDir::open(&memory_dir, perms, stats.clone())?);
         let disk = Arc::new(TierDir::open(&disk_dir, perms, stats.clone())?);
         for (dir, subdirs) in [
