@@ -198,5 +198,11 @@ pub fn render(node: &Node) -> String {
     ] {
         metric(name, kind, help, v.load(Ordering::Relaxed));
     }
+    metric(
+        "repairs_refused_total",
+        "counter",
+        "Repair requests refused because the repair queue was full.",
+        node.repairs.refused(),
+    );
     out
 }

@@ -20,6 +20,7 @@
 //! remembered for each of at most [`MODELS`] models.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -86,16 +87,20 @@ impl RepairRequest {
 
 /// Sends repair requests to the node's repairer. Cheap to clone.
 #[derive(Debug, Clone)]
-pub struct RepairHandle(mpsc::Sender<RepairRequest>);
+pub struct RepairHandle {
+    tx: mpsc::Sender<RepairRequest>,
+    refused: Arc<AtomicU64>,
+}
 
 impl RepairHandle {
     /// Queues `req`; when the queue is full (or the repairer gone) the request's `done` is
     /// answered with an error at once.
     pub fn request(&self, req: RepairRequest) {
-        if let Err(e) = self.0.try_send(req) {
+        if let Err(e) = self.tx.try_send(req) {
             let req = match e {
                 mpsc::error::TrySendError::Full(r) | mpsc::error::TrySendError::Closed(r) => r,
             };
+            self.refused.fetch_add(1, Ordering::Relaxed);
             warn!(model = %req.shard.digest(), shard = req.shard.index(), "repair queue full; not repairing now");
             if let Some(done) = req.done {
                 let _ = done.send(Err("the repair queue is full".into()));
@@ -140,7 +145,10 @@ impl Repairs {
     pub fn new() -> Self {
         let (tx, rx) = mpsc::channel(QUEUE);
         Self {
-            handle: RepairHandle(tx),
+            handle: RepairHandle {
+                tx,
+                refused: Arc::default(),
+            },
             rx: Mutex::new(Some(rx)),
             sources: Mutex::default(),
         }
@@ -149,6 +157,11 @@ impl Repairs {
     /// A handle to queue repairs with.
     pub fn handle(&self) -> RepairHandle {
         self.handle.clone()
+    }
+
+    /// Repair requests refused because the queue was full (the limit's metric).
+    pub fn refused(&self) -> u64 {
+        self.handle.refused.load(Ordering::Relaxed)
     }
 
     /// Queues `req` (see [`RepairHandle::request`]).
@@ -329,7 +342,7 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
     node.store
         .stats()
         .chunks_unrepairable
-        .fetch_add(chunks.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        .fetch_add(chunks.len() as u64, Ordering::Relaxed);
     let why = if sources.is_empty() {
         "no source to repair from".to_string()
     } else {
