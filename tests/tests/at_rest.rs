@@ -378,3 +378,63 @@ async fn rot_is_repaired_before_a_hand_off_or_a_gpu_load() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_answering_fetch_never_serves_its_rotten_chunk() {
+    use shardcast_protocol::agent::{ImportModelRequest, Tier};
+    // recv-1 is slow, so the head dies mid-way and recv-1 pulls the rest from the holder
+    // (daemon 2), whose copy has one rotten chunk near the end.
+    let mut c = TestCluster::start(2, 16 * MIB, 1, |i, o| match i {
+        1 => o.ingress_rate = "100Mbit".into(),
+        2 => o
+            .extra_args
+            .extend(["--reverify-after-ms", "0", "--scrub-rate", "off"].map(String::from)),
+        _ => {}
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.daemons[2]
+        .agent()
+        .await
+        .unwrap()
+        .import_model(ImportModelRequest {
+            name: "test/model".into(),
+            origin: c.origin_uri.clone(),
+            chunk_size: CHUNK as u32,
+            tier: Tier::Memory as i32,
+            fetch: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let last = manifest.shards[0].chunks.len() as u64 - 1;
+    flip(
+        &shard_file(&c.daemons[2], &digest, &manifest, 0),
+        (last - 2) * CHUNK + 5,
+    );
+    let fallback = format!("shardcast://{}", c.daemons[2].data_addr);
+    c.start_chain(0, &digest, &[1], &fallback).await.unwrap();
+    c.wait_bytes(1, &digest, 4 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[0].kill().await;
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let recv = &c.daemons[1];
+    recv.verify_copy(&manifest).unwrap();
+    let st = recv.stats().await.unwrap();
+    assert_eq!(
+        st.chunks_corrupt, 0,
+        "the holder never sent the rotten chunk"
+    );
+    assert_eq!(st.origin_bytes, 0, "recv-1 pulled from the holder only");
+    let holder = &c.daemons[2];
+    assert_eq!(metric(holder, "chunks_corrupt_at_rest_total").await, 1);
+    assert_eq!(
+        wait_metric(holder, "chunks_repaired_total", 1, Duration::from_secs(10)).await,
+        1
+    );
+    holder.verify_copy(&manifest).unwrap();
+}
