@@ -84,10 +84,21 @@ impl StoreSource {
             Err(StoreError::CorruptChunk { .. } | StoreError::NotVerified { .. }) => {}
             Err(e) => return Err(failed(&e)),
         }
-        // Called from the loader's own thread, never from the runtime.
-        let repaired = self.rt.block_on(async {
+        let wait = async {
             tokio::time::timeout(REPAIR_WAIT, self.repairs.repair(s.clone(), vec![c])).await
-        });
+        };
+        // Usually the loader's own thread; the partition path also reads headers from the
+        // runtime, where blocking needs `block_in_place` (multi-threaded runtimes only).
+        let repaired = match tokio::runtime::Handle::try_current() {
+            Err(_) => self.rt.block_on(wait),
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| self.rt.block_on(wait))
+            }
+            Ok(_) => {
+                self.repairs.request(RepairRequest::new(s.clone(), vec![c]));
+                return Err(failed(&"it is corrupt at rest and being repaired; retry"));
+            }
+        };
         match repaired {
             Ok(Ok(())) => s
                 .check(c, false, Check::Load)
