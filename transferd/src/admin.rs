@@ -190,5 +190,76 @@ pub fn render(node: &Node) -> String {
             t.reload_failures.load(Ordering::Relaxed),
         );
     }
+    let st = node.store.stats();
+    for (name, kind, help, v) in [
+        (
+            "store_symlinks_refused_total",
+            "counter",
+            "Symlinks met inside a store tier (refused, or unlinked by a removal).",
+            &st.symlinks_refused,
+        ),
+        (
+            "store_temp_files_removed_total",
+            "counter",
+            "Stale temporary files removed from the store at start-up.",
+            &st.temp_files_removed,
+        ),
+        (
+            "store_space_refusals_total",
+            "counter",
+            "Shard files refused because their tier lacked space.",
+            &st.space_refusals,
+        ),
+        (
+            "chunks_reverified_total",
+            "counter",
+            "Chunks re-hashed before being served, loaded onto a GPU or handed off.",
+            &st.chunks_reverified,
+        ),
+        (
+            "bytes_reverified_total",
+            "counter",
+            "Bytes re-hashed before being served, loaded onto a GPU or handed off.",
+            &st.bytes_reverified,
+        ),
+        (
+            "chunks_scrubbed_total",
+            "counter",
+            "Chunks re-hashed by the background scrub.",
+            &st.chunks_scrubbed,
+        ),
+        (
+            "bytes_scrubbed_total",
+            "counter",
+            "Bytes re-hashed by the background scrub.",
+            &st.bytes_scrubbed,
+        ),
+        (
+            "chunks_corrupt_at_rest_total",
+            "counter",
+            "Verified chunks that failed re-verification at rest and were dropped.",
+            &st.chunks_rotted,
+        ),
+        (
+            "chunks_repaired_total",
+            "counter",
+            "Dropped chunks written again from a good source.",
+            &st.chunks_repaired,
+        ),
+        (
+            "chunks_unrepairable_total",
+            "counter",
+            "Dropped chunks a repair attempt could not restore.",
+            &st.chunks_unrepairable,
+        ),
+    ] {
+        metric(name, kind, help, v.load(Ordering::Relaxed));
+    }
+    metric(
+        "repairs_refused_total",
+        "counter",
+        "Repair requests refused because the repair queue was full.",
+        node.repairs.refused(),
+    );
     out
 }

@@ -26,6 +26,16 @@
 //!
 //! A host that heads a chain (started through the agent API) runs the same forwarder; its
 //! chunks come from its store, or from an origin fill task as they arrive.
+//!
+//! Corruption at rest: the forwarder and the `Fetch` server read chunks through
+//! [`Shard::read_checked`](crate::store::Shard::read_checked), which re-hashes a chunk not
+//! verified within the store's trust window. A chunk that fails is dropped by the store, never
+//! sent, and repaired (`crate::repair`: the other tier, the session's source, known
+//! sources); the forwarder sends it once it is verified again. A `Nack` from downstream makes
+//! the forwarder re-hash its copy before resending: a bad copy is dropped and repaired rather
+//! than resent, and counts nothing against the downstream. A forwarder whose own copy cannot
+//! be completed (the session failed) stops without failing over: the downstream hop is not
+//! at fault, and its recovery monitor fetches from its fallback source.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,10 +55,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::origin::{self, Origin};
-use crate::store::{Shard, ShardStore};
+use crate::repair::{RepairRequest, Repairs};
+use crate::store::{Check, Shard, ShardStore, StoreError};
 use crate::throttle::RateLimiter;
 use crate::transport::Transport;
 use crate::wire::{BoxStream, ByteCounters, Conn, WireError};
+
+/// Chunks a sender re-verifies ahead of the one it is sending (when they are not trusted):
+/// the hashing of the next chunks overlaps the socket write of this one. Rationale: BLAKE3
+/// of a 1 MiB chunk (0.25–0.5 ms on the 2-vCPU host) is about the time to write it at
+/// 10 Gbit/s, so a few in parallel keep an idle holder's re-hash off the critical path
+/// without taking more than the blocking pool's share of the cores.
+const CHECK_AHEAD: u32 = 4;
 
 /// How long a finished head session stays queryable through `GetSession`.
 const HEAD_RETENTION: Duration = Duration::from_secs(600);
@@ -282,7 +300,8 @@ impl ShardSession {
         }
     }
 
-    fn fail(&self, why: String) {
+    /// Marks the session failed (it cannot complete here).
+    pub(crate) fn fail(&self, why: String) {
         warn!(session = %self.id, shard = self.shard_index(), "session failed: {why}");
         self.failed.send_replace(Some(why));
     }
@@ -370,12 +389,15 @@ pub struct Node {
     pub faults: Faults,
     /// Cancelled on shutdown.
     pub cancel: CancellationToken,
+    /// Repairs of chunks corrupt at rest, and the sources to repair from.
+    pub repairs: Repairs,
     sessions: Mutex<HashMap<(SessionId, u32), Arc<ShardSession>>>,
     heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
 }
 
 impl Node {
-    /// A node with no sessions yet.
+    /// A node with no sessions yet. Inside a tokio runtime this also starts the repairer
+    /// and the scrub (`crate::repair`), which stop on `cancel`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         host: HostId,
@@ -387,7 +409,7 @@ impl Node {
         faults: Faults,
         cancel: CancellationToken,
     ) -> Arc<Self> {
-        Arc::new(Self {
+        let node = Arc::new(Self {
             host,
             store,
             transport,
@@ -398,9 +420,14 @@ impl Node {
             cfg,
             faults,
             cancel,
+            repairs: Repairs::new(),
             sessions: Mutex::default(),
             heads: Mutex::default(),
-        })
+        });
+        if tokio::runtime::Handle::try_current().is_ok() {
+            crate::repair::spawn(&node);
+        }
+        node
     }
 
     /// Whether a session that has not finished sends or receives model `model` here.
@@ -414,6 +441,39 @@ impl Node {
                 .any(|h| h.model == *model && h.parts.iter().any(|p| p.outcome().is_none()))
         });
         hop || head
+    }
+
+    /// Fails every unfinished session on this host that forwards from `shard` and needs one
+    /// of `chunks` (they were dropped as corrupt and cannot be repaired), so that none waits
+    /// for them forever. Returns how many were failed.
+    pub(crate) fn fail_sessions_needing(
+        &self,
+        shard: &Arc<Shard>,
+        chunks: &[u32],
+        why: &str,
+    ) -> usize {
+        let needs = |s: &ShardSession| {
+            Arc::ptr_eq(&s.shard, shard)
+                && s.outcome().is_none()
+                && chunks.iter().any(|c| (s.start..s.end).contains(c))
+        };
+        let mut hit: Vec<Arc<ShardSession>> = self
+            .sessions
+            .lock()
+            .map(|m| m.values().filter(|s| needs(s)).cloned().collect())
+            .unwrap_or_default();
+        if let Ok(h) = self.heads.lock() {
+            hit.extend(
+                h.values()
+                    .flat_map(|h| h.parts.iter())
+                    .filter(|s| needs(s))
+                    .cloned(),
+            );
+        }
+        for s in &hit {
+            s.fail(why.to_string());
+        }
+        hit.len()
     }
 
     /// A head session by id.
@@ -614,6 +674,7 @@ impl Node {
             Some(s) if s.tier() == header.tier || s.is_complete() => s,
             _ => self.store.shard(&header.model, header.shard, header.tier)?,
         };
+        self.repairs.note_source(header.model, &header.origin);
         let sess = self.new_session(
             header.session,
             header.model,
@@ -853,8 +914,28 @@ impl Node {
         let end = end.min(local.total_chunks());
         for index in start..end {
             if local.is_verified(index) {
-                let data = local.read(index)?;
+                let ahead = index.saturating_add(1);
+                local.check_ahead(
+                    ahead..ahead.saturating_add(CHECK_AHEAD).min(end),
+                    Check::Serve,
+                );
+                let data = match local.read_checked(index, false, Check::Serve).await {
+                    Ok(d) => d,
+                    // Dropped by the check (or meanwhile): never sent; repaired in the
+                    // background. The puller asks another source for what is missing.
+                    Err(StoreError::CorruptChunk { .. }) => {
+                        self.repairs
+                            .request(RepairRequest::new(local.clone(), vec![index]));
+                        continue;
+                    }
+                    Err(StoreError::NotVerified { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                };
                 conn.writer.send_chunk(shard, index, &data).await?;
+            } else if local.is_dropped(index) {
+                // Dropped by a check ahead: repaired in the background like the one above.
+                self.repairs
+                    .request(RepairRequest::new(local.clone(), vec![index]));
             }
         }
         conn.writer.send_now(&Frame::Done).await?;
@@ -895,6 +976,16 @@ impl Node {
                     if self.cancel.is_cancelled() {
                         return Err("host is shutting down".into());
                     }
+                    // Our own copy cannot be completed or read: the downstream hop is not at
+                    // fault, so it is not skipped (its recovery monitor takes over).
+                    let local = sess.failed.borrow().clone();
+                    if let Some(why) =
+                        local.or_else(|| matches!(e, ChainError::Store(_)).then(|| e.to_string()))
+                    {
+                        warn!(peer = %hop.host, "forwarding stopped by a local failure, not failing over: {why}");
+                        failures.push(format!("local: {why}"));
+                        return Err(failures.join("; "));
+                    }
                     self.stats
                         .downstream_failovers
                         .fetch_add(1, Ordering::Relaxed);
@@ -912,7 +1003,7 @@ impl Node {
 
     async fn forward_to(
         &self,
-        sess: &ShardSession,
+        sess: &Arc<ShardSession>,
         hop: &Hop,
         rest: &[Hop],
     ) -> Result<(), ChainError> {
@@ -962,7 +1053,12 @@ impl Node {
         info!(peer = %hop.host, already = acked.len(), "downstream accepted");
         let shard = sess.shard_index();
         let mut sent = acked.clone();
+        // Nacked chunks: re-hashed here before they are sent again.
         let mut resend: VecDeque<u32> = VecDeque::new();
+        // Chunks pulled back because our copy failed re-verification: sent once repaired.
+        let mut repairing: std::collections::BTreeSet<u32> = std::collections::BTreeSet::new();
+        // Repairs this forwarder asked for (a chunk stays dropped until it is written again).
+        let mut requested: HashSet<u32> = HashSet::new();
         let mut resends: HashMap<u32, u32> = HashMap::new();
         let mut in_flight = 0usize;
         let mut cursor = sess.start;
@@ -971,15 +1067,87 @@ impl Node {
         let mut failed = sess.failed.subscribe();
         let mut last_heard = Instant::now();
         loop {
-            while in_flight < self.cfg.window {
-                let next = resend.pop_front().or_else(|| {
-                    while cursor < sess.end && sent.contains(cursor) {
-                        cursor += 1;
-                    }
-                    (cursor..sess.end).find(|&i| !sent.contains(i) && sess.shard.is_verified(i))
+            // Chunks dropped as corrupt by another reader, a check ahead or the scrub: repair
+            // them with this session's source; those the downstream lacks are sent after.
+            // A chunk written again (repaired) may be dropped and requested anew later.
+            requested.retain(|&i| sess.shard.is_dropped(i));
+            for i in sess.shard.dropped_chunks(sess.start, sess.end) {
+                if !requested.insert(i) {
+                    continue;
+                }
+                let needed = !acked.contains(i);
+                if needed {
+                    repairing.insert(i);
+                }
+                self.repairs.request(RepairRequest {
+                    source: Some(sess.origin.clone()),
+                    session: needed.then(|| sess.clone()),
+                    ..RepairRequest::new(sess.shard.clone(), vec![i])
                 });
-                let Some(index) = next else { break };
-                let mut data = sess.shard.read(index)?;
+            }
+            while in_flight < self.cfg.window {
+                let repaired = repairing
+                    .iter()
+                    .copied()
+                    .find(|&i| sess.shard.is_verified(i));
+                let next = resend
+                    .pop_front()
+                    .map(|i| (i, true))
+                    .or_else(|| repaired.map(|i| (i, false)))
+                    .or_else(|| {
+                        while cursor < sess.end && sent.contains(cursor) {
+                            cursor += 1;
+                        }
+                        (cursor..sess.end)
+                            .find(|&i| !sent.contains(i) && sess.shard.is_verified(i))
+                            .map(|i| (i, false))
+                    });
+                let Some((index, nacked)) = next else { break };
+                repairing.remove(&index);
+                // Hash the next chunks (if they need it) while this one is read and sent.
+                let ahead = index.saturating_add(1);
+                sess.shard.check_ahead(
+                    ahead..ahead.saturating_add(CHECK_AHEAD).min(sess.end),
+                    Check::Serve,
+                );
+                let mut data = match sess
+                    .shard
+                    .read_checked(
+                        index,
+                        nacked,
+                        if nacked { Check::Nack } else { Check::Serve },
+                    )
+                    .await
+                {
+                    Ok(d) => d,
+                    Err(StoreError::CorruptChunk { .. } | StoreError::NotVerified { .. }) => {
+                        // Never send it: repair it and send it once verified again. A Nack
+                        // for it was our fault, not the downstream's.
+                        sent.insert(index);
+                        repairing.insert(index);
+                        if requested.insert(index) {
+                            self.repairs.request(RepairRequest {
+                                source: Some(sess.origin.clone()),
+                                session: Some(sess.clone()),
+                                ..RepairRequest::new(sess.shard.clone(), vec![index])
+                            });
+                        }
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                if nacked {
+                    // Our copy is sound: the downstream rejected good bytes.
+                    let n = resends.entry(index).or_default();
+                    *n += 1;
+                    if *n > self.cfg.max_resends {
+                        return Err(ChainError::refused(
+                            ErrorCode::Refused,
+                            format!("chunk {index} rejected {n} times although it verifies here"),
+                        ));
+                    }
+                    self.stats.chunks_resent.fetch_add(1, Ordering::Relaxed);
+                }
                 if self.faults.take(shard, index) {
                     warn!(chunk = index, "fault injection: corrupting chunk in flight");
                     let mut bad = BytesMut::from(&data[..]);
@@ -1011,13 +1179,9 @@ impl Node {
                         }
                         Some(Frame::Nack { index, .. }) => {
                             in_flight = in_flight.saturating_sub(1);
-                            let n = resends.entry(index).or_default();
-                            *n += 1;
-                            if *n > self.cfg.max_resends {
-                                return Err(ChainError::refused(ErrorCode::Refused, format!("chunk {index} rejected {n} times")));
+                            if (sess.start..sess.end).contains(&index) {
+                                resend.push_back(index);
                             }
-                            self.stats.chunks_resent.fetch_add(1, Ordering::Relaxed);
-                            resend.push_back(index);
                         }
                         Some(p @ Frame::Progress { .. }) => {
                             if let Frame::Progress { host, verified, total, .. } = &p {
@@ -1265,6 +1429,7 @@ impl Node {
                 format!("session {id} already exists"),
             ));
         }
+        self.repairs.note_source(model, &origin);
         let mut parts = Vec::new();
         for (s, held, hops) in plan {
             let shard = match held {
@@ -1372,6 +1537,7 @@ impl Node {
         spans: Vec<(u32, std::ops::Range<u32>)>,
     ) -> Result<(), String> {
         let model = manifest.digest();
+        self.repairs.note_source(model, source);
         for (s, range) in spans {
             if s as usize >= manifest.shards.len() {
                 return Err(format!(

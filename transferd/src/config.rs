@@ -77,6 +77,18 @@ pub struct Args {
     /// Positional writer: auto, pwrite or io-uring [default: auto].
     #[arg(long, env = "SHARDCAST_WRITER")]
     pub writer: Option<String>,
+    /// Group (name or gid) given to the store's files, with modes 0750/0640, so inference
+    /// processes in it can map the memory tier [default: none; modes 0700/0600].
+    #[arg(long, env = "SHARDCAST_STORE_GROUP")]
+    pub store_group: Option<String>,
+    /// Milliseconds a verified chunk stays trusted; older ones are re-hashed before they
+    /// are served, loaded onto GPUs or handed off (0: always) [default: 1000].
+    #[arg(long, env = "SHARDCAST_REVERIFY_AFTER_MS")]
+    pub reverify_after_ms: Option<u64>,
+    /// Rate at which the background scrub re-hashes idle chunks, e.g. 64MB/s; 0 or off
+    /// turns it off [default: 64MB/s].
+    #[arg(long, env = "SHARDCAST_SCRUB_RATE")]
+    pub scrub_rate: Option<String>,
     /// Log format: text or json [default: text].
     #[arg(long, env = "SHARDCAST_LOG_FORMAT")]
     pub log_format: Option<String>,
@@ -183,6 +195,9 @@ struct FileConfig {
     pipeline_depth: Option<usize>,
     verify_on_recover: Option<bool>,
     writer: Option<String>,
+    store_group: Option<String>,
+    reverify_after_ms: Option<u64>,
+    scrub_rate: Option<String>,
     log_format: Option<String>,
     controller: Option<String>,
     advertise: Option<String>,
@@ -459,6 +474,26 @@ impl Config {
                 .transpose()
         };
         let egress_rate = rate("egress_rate", args.egress_rate.or(file.egress_rate))?;
+        let store_group = match args.store_group.or(file.store_group) {
+            Some(g) => Some(resolve_group(&g).with_context(|| format!("store_group {g:?}"))?),
+            None => None,
+        };
+        let reverify_after = match args.reverify_after_ms.or(file.reverify_after_ms) {
+            Some(ms) if ms > 86_400_000 => {
+                bail!("reverify_after_ms must be at most 86400000 (a day), got {ms}")
+            }
+            Some(ms) => Duration::from_millis(ms),
+            None => crate::store::DEFAULT_REVERIFY_AFTER,
+        };
+        let scrub_rate = match args.scrub_rate.or(file.scrub_rate) {
+            None => crate::store::DEFAULT_SCRUB_RATE,
+            Some(s) if matches!(s.trim().to_ascii_lowercase().as_str(), "0" | "off") => 0,
+            Some(s) => parse_rate(&s)
+                .map_err(|e| anyhow::anyhow!("scrub_rate: {e}"))?
+                .ok_or_else(|| {
+                    anyhow::anyhow!("scrub_rate must be a rate such as 64MB/s, or off")
+                })?,
+        };
         let heartbeat_ms = args.heartbeat_ms.or(file.heartbeat_ms).unwrap_or(1000);
         if !(50..=60_000).contains(&heartbeat_ms) {
             bail!("heartbeat_ms must be between 50 and 60000, got {heartbeat_ms}");
@@ -592,6 +627,11 @@ impl Config {
                     .or(file.verify_on_recover)
                     .unwrap_or(true),
                 writer,
+                group: store_group,
+                memory_capacity: inventory.memory_capacity,
+                disk_capacity: inventory.disk_capacity,
+                reverify_after,
+                scrub_rate,
             },
             egress_rate,
             ingress_rate: rate("ingress_rate", args.ingress_rate.or(file.ingress_rate))?,
@@ -613,6 +653,24 @@ impl Config {
             corrupt_once,
         })
     }
+}
+
+/// A group name (looked up in `/etc/group`) or a numeric gid.
+fn resolve_group(g: &str) -> anyhow::Result<u32> {
+    if let Ok(gid) = g.parse::<u32>() {
+        return Ok(gid);
+    }
+    let groups = std::fs::read_to_string("/etc/group").context("reading /etc/group")?;
+    groups
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let name = f.next()?;
+            let gid = f.nth(1)?.parse::<u32>().ok()?;
+            (name == g).then_some(gid)
+        })
+        .next()
+        .with_context(|| format!("no group {g:?} in /etc/group; give its numeric gid instead"))
 }
 
 /// `value` (or `default`), checked to lie in `1..=max`.
@@ -711,6 +769,53 @@ mod tests {
             c.agent_listen,
             ListenAddr::Tcp("127.0.0.1:7401".parse().unwrap())
         );
+    }
+
+    #[test]
+    fn store_hardening_and_scrub_settings() {
+        let c = Config::load(Args::default()).unwrap();
+        assert_eq!(c.store.group, None);
+        assert_eq!(c.store.reverify_after, crate::store::DEFAULT_REVERIFY_AFTER);
+        assert_eq!(c.store.scrub_rate, crate::store::DEFAULT_SCRUB_RATE);
+        let c = Config::load(Args {
+            store_group: Some("4242".into()),
+            reverify_after_ms: Some(0),
+            scrub_rate: Some("off".into()),
+            memory_capacity: Some("1GiB".into()),
+            ..Args::default()
+        })
+        .unwrap();
+        assert_eq!(c.store.group, Some(4242));
+        assert_eq!(c.store.reverify_after, Duration::ZERO);
+        assert_eq!(c.store.scrub_rate, 0);
+        assert_eq!(c.store.memory_capacity, Some(1 << 30));
+        assert_eq!(
+            Config::load(Args {
+                scrub_rate: Some("100MB/s".into()),
+                store_group: Some("root".into()),
+                ..Args::default()
+            })
+            .unwrap()
+            .store
+            .scrub_rate,
+            100_000_000
+        );
+        for bad in [
+            Args {
+                scrub_rate: Some("unlimited".into()),
+                ..Args::default()
+            },
+            Args {
+                store_group: Some("no-such-group-here".into()),
+                ..Args::default()
+            },
+            Args {
+                reverify_after_ms: Some(u64::MAX),
+                ..Args::default()
+            },
+        ] {
+            assert!(Config::load(bad).is_err());
+        }
     }
 
     #[test]

@@ -1,9 +1,13 @@
 //! transferd's side of GPU loading: the store as a [`ChunkSource`] (chunks are loaded as
 //! they are verified, while the chain transfer is still running), the GPU manager, and the
 //! hand-off for inference processes.
+//!
+//! Corruption at rest: every chunk is checked ([`Shard::check`]: re-hashed unless verified
+//! within the store's trust window) before its bytes are copied towards a GPU, and every
+//! chunk of a memory-tier hand-off before the files are offered. A chunk that fails is
+//! dropped and repaired; a load waits for the repair (up to [`REPAIR_WAIT`]) and fails
+//! rather than copy bad bytes; a hand-off is refused until the repair is done.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,13 +22,17 @@ use shardcast_protocol::{ModelDigest, Tier};
 use tracing::warn;
 
 use crate::chain::Node;
-use crate::store::Shard;
+use crate::repair::{RepairHandle, RepairRequest};
+use crate::store::{Check, Shard, StoreError};
+
+/// How long a GPU load waits for a chunk found corrupt at rest to be repaired.
+pub const REPAIR_WAIT: Duration = Duration::from_secs(60);
 
 /// The memory tier's shards of one model, read as their chunks are verified.
 pub struct StoreSource {
     shards: Vec<Arc<Shard>>,
-    files: Vec<File>,
     info: Vec<SourceShard>,
+    repairs: RepairHandle,
     rt: tokio::runtime::Handle,
 }
 
@@ -40,17 +48,13 @@ impl StoreSource {
             .manifest(digest)
             .ok_or_else(|| format!("model {digest} is unknown on this host"))?;
         let mut shards = Vec::new();
-        let mut files = Vec::new();
         let mut info = Vec::new();
         for (i, s) in manifest.shards.iter().enumerate() {
+            // Read through the store's own file handle: no path is opened again.
             let shard = node
                 .store
                 .shard(digest, i as u32, Tier::Memory)
                 .map_err(|e| e.to_string())?;
-            files.push(
-                File::open(shard.path())
-                    .map_err(|e| format!("opening {}: {e}", shard.path().display()))?,
-            );
             info.push(SourceShard {
                 path: s.path.to_string(),
                 size: s.size,
@@ -60,10 +64,49 @@ impl StoreSource {
         }
         Ok(Self {
             shards,
-            files,
             info,
+            repairs: node.repairs.handle(),
             rt,
         })
+    }
+
+    /// Checks chunk `c` of `s` before its bytes go to a GPU; a chunk that fails is repaired
+    /// (waiting up to [`REPAIR_WAIT`]) or the read fails.
+    fn ensure_sound(&self, s: &Arc<Shard>, c: u32) -> std::io::Result<()> {
+        let failed = |e: &dyn std::fmt::Display| {
+            std::io::Error::other(format!(
+                "chunk {c} of {} cannot be loaded: {e}",
+                s.path().display()
+            ))
+        };
+        match s.check(c, false, Check::Load) {
+            Ok(_) => return Ok(()),
+            Err(StoreError::CorruptChunk { .. } | StoreError::NotVerified { .. }) => {}
+            Err(e) => return Err(failed(&e)),
+        }
+        let wait = async {
+            tokio::time::timeout(REPAIR_WAIT, self.repairs.repair(s.clone(), vec![c])).await
+        };
+        // Usually the loader's own thread; the partition path also reads headers from the
+        // runtime, where blocking needs `block_in_place` (multi-threaded runtimes only).
+        let repaired = match tokio::runtime::Handle::try_current() {
+            Err(_) => self.rt.block_on(wait),
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| self.rt.block_on(wait))
+            }
+            Ok(_) => {
+                self.repairs.request(RepairRequest::new(s.clone(), vec![c]));
+                return Err(failed(&"it is corrupt at rest and being repaired; retry"));
+            }
+        };
+        match repaired {
+            Ok(Ok(())) => s
+                .check(c, false, Check::Load)
+                .map(|_| ())
+                .map_err(|e| failed(&e)),
+            Ok(Err(e)) => Err(failed(&e)),
+            Err(_) => Err(failed(&format!("not repaired within {REPAIR_WAIT:?}"))),
+        }
     }
 
     /// Shard files, for the hand-off.
@@ -113,11 +156,15 @@ impl ChunkSource for StoreSource {
     }
 
     fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        let f = self
-            .files
+        let s = self
+            .shards
             .get(shard)
             .ok_or_else(|| std::io::Error::other(format!("no shard {shard}")))?;
-        f.read_exact_at(buf, offset)
+        for c in s.chunks_covering(offset, buf.len()) {
+            self.ensure_sound(s, c)?;
+        }
+        s.read_at(offset, buf)
+            .map_err(|e| std::io::Error::other(e.to_string()))
     }
 }
 
@@ -403,6 +450,7 @@ pub fn handoff(node: &Node, gpus: &GpuManager, digest: &ModelDigest) -> Result<H
         .manifest(digest)
         .ok_or_else(|| format!("model {digest} is unknown on this host"))?;
     let mut shards = Vec::new();
+    let mut copies = Vec::new();
     for (i, s) in manifest.shards.iter().enumerate() {
         let shard = node
             .store
@@ -410,6 +458,31 @@ pub fn handoff(node: &Node, gpus: &GpuManager, digest: &ModelDigest) -> Result<H
             .filter(|sh| sh.tier() == Tier::Memory && sh.is_complete())
             .ok_or_else(|| format!("model {digest} is not complete in this host's memory tier"))?;
         shards.push((s.path.to_string(), shard.path().to_path_buf(), s.size));
+        copies.push(shard);
+    }
+    // The inference process maps these files: every chunk not verified within the trust
+    // window is re-hashed first (off the async workers where the runtime allows).
+    let check = || -> Result<(), String> {
+        for shard in &copies {
+            for c in 0..shard.total_chunks() {
+                match shard.check(c, false, Check::Handoff) {
+                    Ok(_) => {}
+                    Err(e @ StoreError::CorruptChunk { .. }) => {
+                        node.repairs
+                            .request(RepairRequest::new(shard.clone(), vec![c]));
+                        return Err(format!("{e}; it is being repaired, retry the hand-off"));
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        }
+        Ok(())
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(check)?;
+        }
+        _ => check()?,
     }
     handoff::memory_file(&digest.to_hex(), manifest.name.as_str(), &shards)
         .map_err(|e| e.to_string())

@@ -13,6 +13,8 @@
 //! * [`throttle`]: daemon-wide egress/ingress token buckets.
 //! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`.
 //! * [`gpu`]: the store as a chunk source for `gpu-loader`, GPU loads and hand-offs.
+//! * [`repair`]: corruption at rest: repairs of chunks that failed re-verification, and
+//!   the background scrub.
 //! * [`report`]: heartbeats to the controller's inventory (identity, capacity, holdings).
 //! * [`config`] and [`daemon`]: layered configuration and process wiring.
 
@@ -25,6 +27,7 @@ pub mod config;
 pub mod daemon;
 pub mod gpu;
 pub mod origin;
+pub mod repair;
 pub mod report;
 pub mod store;
 pub mod throttle;

@@ -129,3 +129,48 @@ fn starts_and_reports_ready() {
     assert!(line.starts_with("READY data=127.0.0.1:"), "{line}");
     assert!(line.contains("agent=unix:"), "{line}");
 }
+
+#[test]
+fn unsafe_store_roots_stop_the_daemon_before_ready() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem");
+    std::fs::create_dir(&mem).unwrap();
+    let run = || {
+        transferd()
+            .args(["--host-id", "cli-test", "--listen", "127.0.0.1:0"])
+            .args(["--admin-listen", "127.0.0.1:0"])
+            .arg("--agent-listen")
+            .arg(format!("unix:{}", dir.path().join("agent.sock").display()))
+            .arg("--memory-dir")
+            .arg(&mem)
+            .arg("--data-dir")
+            .arg(dir.path().join("disk"))
+            .output()
+            .unwrap()
+    };
+    // Group-writable: anyone in the group could plant files.
+    std::fs::set_permissions(&mem, PermissionsExt::from_mode(0o770)).unwrap();
+    let out = run();
+    assert!(!out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("READY"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("writable by group or others"), "{err}");
+    assert!(
+        std::fs::read_dir(&mem).unwrap().next().is_none(),
+        "nothing written"
+    );
+
+    // Owned by another user (the tests run as root, which can chown).
+    std::fs::set_permissions(&mem, PermissionsExt::from_mode(0o700)).unwrap();
+    if std::os::unix::fs::chown(&mem, Some(54321), None).is_ok() {
+        let out = run();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("owned by uid 54321"), "{err}");
+        assert!(
+            std::fs::read_dir(&mem).unwrap().next().is_none(),
+            "nothing written"
+        );
+    }
+}

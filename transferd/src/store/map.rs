@@ -22,10 +22,15 @@ impl ShardMap {
         // ways that break Rust's aliasing rules while the map is alive. The store owns its
         // data files: it sizes them with `set_len` before mapping and never shrinks them, and
         // `Shard::read` only hands out ranges of chunks already verified, which the store
-        // never writes again (writes of a verified chunk are refused, and a concurrent
-        // duplicate write is serialised by the shard's in-flight set). Other processes are
-        // expected only to read these files (inference mmaps them read-only); a process that
-        // truncates them behind our back is outside the store's contract.
+        // does not write again while they stay verified (writes of a verified chunk are
+        // refused, and a concurrent duplicate write is serialised by the shard's in-flight
+        // set). The one rewrite is a repair: a chunk that failed re-verification is dropped
+        // first, so its bytes had already changed behind the store's back, and a view of
+        // it handed out earlier may see the repaired bytes; the map is only ever read as
+        // plain bytes (no value with validity invariants lives in it), and every peer
+        // re-verifies what it receives. Other processes are expected only to read these
+        // files (inference mmaps them read-only; modes 0600/0640 keep other users out); a
+        // process that truncates them behind our back is outside the store's contract.
         let map = unsafe { MmapOptions::new().len(len).map(file)? };
         Ok(Self(Arc::new(map)))
     }

@@ -44,9 +44,36 @@
 //! re-hashed and cleared if it does not match. Nothing in a file is trusted enough to panic
 //! on: bad files are logged and skipped.
 //!
+//! ## Hardening (see `beneath`)
+//!
+//! Each tier root must be a directory owned by the daemon's effective uid and not writable
+//! by group or others; [`ShardStore::open`] refuses anything else before writing a byte, and
+//! tightens a root that others can read. Directories are created `0700` and files `0600`
+//! (`0750`/`0640` with [`StoreConfig::group`], for inference processes that map the memory
+//! tier). Every path is resolved beneath its tier root without following symlinks; a
+//! planted symlink is refused with [`StoreError::Symlink`] and counted in
+//! [`StoreStats::symlinks_refused`]. Stale temporary files (`*.tmp`, left by a crash during
+//! an atomic manifest or bitmap replacement) are removed at start-up. A new shard file is
+//! created only when its size fits the tier's free space and its configured capacity
+//! ([`StoreError::NoSpace`]).
+//!
+//! ## Corruption at rest
+//!
+//! A chunk verified once can rot afterwards (a flipped DRAM bit, a write behind the store's
+//! back). Before a chunk's bytes leave the store for a peer, a GPU or a hand-off, the
+//! reader calls [`Shard::check`] (or a reading method that does): the chunk is re-hashed
+//! against the manifest unless it was verified within [`StoreConfig::reverify_after`] (on
+//! arrival, by an earlier check or by the scrub). A chunk that fails is dropped from the
+//! verified set (the bitmap on disk too), counted in [`StoreStats::chunks_rotted`], logged
+//! as a repair event, and reported as [`StoreError::CorruptChunk`]; the caller arranges its
+//! repair (`crate::repair`). Writing it again counts it in [`StoreStats::chunks_repaired`].
+//!
 //! Non-goals: eviction policy and capacity accounting (callers decide what to
 //! [`ShardStore::remove`]), replication between tiers (a copy is just another write).
 
+mod beneath;
+#[cfg(test)]
+mod hardening_tests;
 mod map;
 mod shard;
 #[cfg(test)]
@@ -56,19 +83,21 @@ mod uring;
 mod writer;
 
 use std::collections::HashMap;
-use std::fs;
+use std::ffi::OsString;
 use std::io;
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::{Manifest, ModelDigest, ModelName, ShardPath, Tier};
 
-pub use shard::Shard;
+pub use shard::{Check, Shard};
 pub use writer::{ChunkWriter, WriterKind};
 
+use beneath::{Access, Perms, TierDir};
 use shard::{OpenMode, ShardSpec};
 
 /// File name of a model's manifest in a tier's state directory.
@@ -89,6 +118,77 @@ pub struct StoreConfig {
     pub verify_on_recover: bool,
     /// Which positional writer writes chunk data.
     pub writer: WriterKind,
+    /// Group (gid) given to every directory and file the store creates, with modes
+    /// `0750`/`0640`, so that inference processes in it can map the memory tier. `None`:
+    /// modes `0700`/`0600`, the daemon's user only.
+    pub group: Option<u32>,
+    /// Cap on the bytes of shard files in the memory tier (`None`: the file system's size).
+    pub memory_capacity: Option<u64>,
+    /// Cap on the bytes of shard files in the disk tier (`None`: the file system's size).
+    pub disk_capacity: Option<u64>,
+    /// How long a chunk stays trusted after it was last verified (on arrival, by a check or
+    /// by the scrub); older chunks are re-hashed before their bytes are served, loaded or
+    /// handed off. `Duration::ZERO` re-hashes on every read.
+    pub reverify_after: Duration,
+    /// Bytes per second the background scrub re-hashes idle chunks at; 0 turns it off.
+    /// The store only records it; the daemon runs the scrub (`crate::repair`).
+    pub scrub_rate: u64,
+}
+
+impl StoreConfig {
+    /// Settings for the two tier roots with every other field at its default: the auto
+    /// writer, no verification on recovery, no group, no caps, chunks trusted for
+    /// [`DEFAULT_REVERIFY_AFTER`], scrub at [`DEFAULT_SCRUB_RATE`].
+    pub fn new(memory_dir: PathBuf, disk_dir: PathBuf) -> Self {
+        Self {
+            memory_dir,
+            disk_dir,
+            verify_on_recover: false,
+            writer: WriterKind::Auto,
+            group: None,
+            memory_capacity: None,
+            disk_capacity: None,
+            reverify_after: DEFAULT_REVERIFY_AFTER,
+            scrub_rate: DEFAULT_SCRUB_RATE,
+        }
+    }
+}
+
+/// Default of [`StoreConfig::reverify_after`]. Rationale: the cut-through forwarder and a
+/// GPU load that runs alongside a chain read a chunk within milliseconds of verifying it,
+/// so one second keeps them at one hash per byte per hop; anything that sat idle longer (a
+/// holder answering `Fetch`, a head sending from its store, a later GPU load or hand-off)
+/// is re-hashed. BLAKE3 runs at 2.2–4.5 GB/s per core on the 2-vCPU development host
+/// (AVX-512; median under a parallel build, best when quiet; docs/OPERATIONS.md), so a
+/// re-hash costs 3–6% of a core per Gbit/s served from an idle copy.
+pub const DEFAULT_REVERIFY_AFTER: Duration = Duration::from_secs(1);
+/// Default of [`StoreConfig::scrub_rate`]: 64 MB/s, 1.5–3% of a core at the BLAKE3 rates
+/// above; a 64 GiB memory tier is scrubbed every ~18 minutes.
+pub const DEFAULT_SCRUB_RATE: u64 = 64_000_000;
+
+/// Counters of the store, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct StoreStats {
+    /// Symlinks met inside a tier (refused, or unlinked by a removal).
+    pub symlinks_refused: AtomicU64,
+    /// Stale temporary files removed at start-up.
+    pub temp_files_removed: AtomicU64,
+    /// Shard files refused because the tier lacked space.
+    pub space_refusals: AtomicU64,
+    /// Chunks re-hashed before being served, loaded or handed off (not counting the scrub).
+    pub chunks_reverified: AtomicU64,
+    /// Bytes re-hashed that way.
+    pub bytes_reverified: AtomicU64,
+    /// Chunks re-hashed by the background scrub.
+    pub chunks_scrubbed: AtomicU64,
+    /// Bytes re-hashed by the background scrub.
+    pub bytes_scrubbed: AtomicU64,
+    /// Chunks that failed re-verification at rest and were dropped.
+    pub chunks_rotted: AtomicU64,
+    /// Dropped chunks written again (repaired).
+    pub chunks_repaired: AtomicU64,
+    /// Dropped chunks a repair attempt could not restore (counted per attempt).
+    pub chunks_unrepairable: AtomicU64,
 }
 
 /// Why a store operation failed.
@@ -167,6 +267,75 @@ pub enum StoreError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A symlink was met where the store expects its own file or directory (planted by
+    /// someone else); nothing was read or written through it.
+    #[error("refusing symlink {path} inside the store")]
+    Symlink {
+        /// The symlink (or the path whose resolution met one).
+        path: PathBuf,
+    },
+    /// A tier root is owned by another user than the daemon's effective uid.
+    #[error(
+        "tier root {path} is owned by uid {owner}, not by the daemon's uid {euid}; chown it or pick another directory"
+    )]
+    RootOwner {
+        /// The root.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
+        /// The daemon's effective uid.
+        euid: u32,
+    },
+    /// A tier root is writable by its group or by others, who could plant files in it.
+    #[error("tier root {path} has mode {mode:o}, writable by group or others; chmod go-w it")]
+    RootWritable {
+        /// The root.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The configured store group could not be given to a directory or file.
+    #[error(
+        "cannot give {path} the store group {gid} (the daemon must be root or a member): {source}"
+    )]
+    Group {
+        /// The file or directory.
+        path: PathBuf,
+        /// The group.
+        gid: u32,
+        /// The error from `fchown`.
+        #[source]
+        source: io::Error,
+    },
+    /// A shard does not fit the tier: checked before its file is created.
+    #[error(
+        "shard {shard} of model {digest} needs {need} bytes in the {tier:?} tier, which has {available} available"
+    )]
+    NoSpace {
+        /// The model.
+        digest: ModelDigest,
+        /// The shard index.
+        shard: u32,
+        /// The tier.
+        tier: Tier,
+        /// The shard's size plus what shards already open there have still to write.
+        need: u64,
+        /// Free space on the file system, or left under the configured capacity.
+        available: u64,
+    },
+    /// A verified chunk failed re-verification at rest: it was dropped from the verified
+    /// set and must be repaired before it can be read again.
+    #[error("chunk {shard}/{index} of model {digest} ({tier:?} tier) is corrupt at rest; dropped")]
+    CorruptChunk {
+        /// The model.
+        digest: ModelDigest,
+        /// The tier.
+        tier: Tier,
+        /// The shard index.
+        shard: u32,
+        /// The chunk index.
+        index: u32,
+    },
     /// The io_uring writer could not be set up (old kernel, seccomp, disabled by sysctl).
     #[error("cannot set up the io_uring writer: {source}")]
     WriterSetup {
@@ -213,10 +382,34 @@ pub struct ShardStore {
 
 #[derive(Debug)]
 struct Inner {
-    memory_dir: PathBuf,
-    disk_dir: PathBuf,
+    memory: Arc<TierDir>,
+    disk: Arc<TierDir>,
     writer: Arc<ChunkWriter>,
+    integrity: Arc<Integrity>,
+    memory_capacity: Option<u64>,
+    disk_capacity: Option<u64>,
+    scrub_rate: u64,
     models: Mutex<HashMap<ModelDigest, Model>>,
+}
+
+/// What every shard shares for re-verification: the trust window, a clock, the counters.
+#[derive(Debug)]
+pub(super) struct Integrity {
+    /// Zero point of the shards' verification stamps.
+    pub(super) epoch: Instant,
+    /// [`StoreConfig::reverify_after`].
+    pub(super) reverify_after: Duration,
+    /// The store's counters.
+    pub(super) stats: Arc<StoreStats>,
+}
+
+impl Integrity {
+    /// Milliseconds since the epoch, plus one (0 means "never verified in this process").
+    pub(super) fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
+    }
 }
 
 #[derive(Debug)]
@@ -239,35 +432,14 @@ pub(super) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
     }
 }
 
-fn create_dir(path: &Path) -> Result<(), StoreError> {
-    fs::create_dir_all(path).map_err(io_err(path))
-}
+/// Largest state file read back (a manifest is at most `MAX_MANIFEST_LEN`).
+const MAX_STATE_FILE: u64 = shardcast_protocol::manifest::MAX_MANIFEST_LEN as u64;
 
-/// Removes a directory tree; a missing one is fine.
-fn remove_dir(path: &Path) -> Result<(), StoreError> {
-    match fs::remove_dir_all(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(StoreError::Io {
-            path: path.into(),
-            source: e,
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// Writes a file atomically: a temporary file in the same directory, synced, then renamed.
-fn write_atomic(path: &Path, data: &[u8]) -> Result<(), StoreError> {
-    let tmp = path.with_extension("tmp");
-    let f = fs::File::create(&tmp).map_err(io_err(&tmp))?;
-    io::Write::write_all(&mut &f, data).map_err(io_err(&tmp))?;
-    f.sync_all().map_err(io_err(&tmp))?;
-    fs::rename(&tmp, path).map_err(io_err(path))
-}
-
-/// Reads a manifest file and checks it against `digest`.
-fn read_manifest(path: &Path, digest: &ModelDigest) -> Result<Manifest, StoreError> {
-    let raw = fs::read(path).map_err(io_err(path))?;
+/// Reads a manifest file beneath `dir` and checks it against `digest`.
+fn read_manifest(dir: &TierDir, rel: &Path, digest: &ModelDigest) -> Result<Manifest, StoreError> {
+    let raw = dir.read_file(rel, MAX_STATE_FILE)?;
     let corrupt = |reason: String| StoreError::Corrupt {
-        path: path.into(),
+        path: dir.root().join(rel),
         reason,
     };
     let m: Manifest = decode_exact(Bytes::from(raw)).map_err(|e| corrupt(e.to_string()))?;
@@ -280,13 +452,13 @@ fn read_manifest(path: &Path, digest: &ModelDigest) -> Result<Manifest, StoreErr
     Ok(m)
 }
 
-/// The data file of `path` under `model_dir`. [`ShardPath`] already rejects absolute paths
-/// and `.`/`..` components; this checks again, component by component, so that no path
-/// handed to the file system can leave `model_dir`.
-fn shard_file(model_dir: &Path, path: &ShardPath) -> Result<PathBuf, StoreError> {
+/// The data file of `path` relative to the tier root, under the model's directory.
+/// [`ShardPath`] already rejects absolute paths and `.`/`..` components; this checks again,
+/// component by component, and the tier's `openat2` refuses anything that would leave it.
+fn shard_file(model_rel: &Path, path: &ShardPath) -> Result<PathBuf, StoreError> {
     let rel = Path::new(path.as_str());
     if rel.components().all(|c| matches!(c, Component::Normal(_))) {
-        Ok(model_dir.join(rel))
+        Ok(model_rel.join(rel))
     } else {
         Err(StoreError::InvalidPath {
             path: path.as_str().into(),
@@ -294,45 +466,134 @@ fn shard_file(model_dir: &Path, path: &ShardPath) -> Result<PathBuf, StoreError>
     }
 }
 
+/// `models/<digest-hex>`, relative to a tier root.
+fn model_rel(d: &ModelDigest) -> PathBuf {
+    Path::new("models").join(d.to_hex())
+}
+
+/// `state/<digest-hex>`, relative to a tier root.
+fn state_rel(d: &ModelDigest) -> PathBuf {
+    Path::new("state").join(d.to_hex())
+}
+
+/// `manifests/<digest-hex>.scmf`, relative to the disk tier root.
+fn known_manifest_rel(d: &ModelDigest) -> PathBuf {
+    Path::new("manifests").join(format!("{}.scmf", d.to_hex()))
+}
+
 impl ShardStore {
-    /// Opens the store: creates the tier directories, sets up the writer and recovers every
-    /// model found in either tier (see the module docs).
+    /// Opens the store: checks and opens the tier roots, creates their directories, removes
+    /// stale temporary files, sets up the writer and recovers every model found in either
+    /// tier (see the module docs). A tier root that fails its checks is refused before
+    /// anything is written.
     pub fn open(cfg: StoreConfig) -> Result<Self, StoreError> {
         let StoreConfig {
             memory_dir,
             disk_dir,
             verify_on_recover,
             writer,
+            group,
+            memory_capacity,
+            disk_capacity,
+            reverify_after,
+            scrub_rate,
         } = cfg;
+        let stats = Arc::new(StoreStats::default());
+        let perms = Perms { gid: group };
+        // Both roots are checked before either is created or changed.
         for root in [&memory_dir, &disk_dir] {
-            create_dir(&root.join("models"))?;
-            create_dir(&root.join("state"))?;
+            TierDir::precheck(root, &stats)?;
         }
-        create_dir(&disk_dir.join("manifests"))?;
+        let memory = Arc::new(TierDir::open(&memory_dir, perms, stats.clone())?);
+        let disk = Arc::new(TierDir::open(&disk_dir, perms, stats.clone())?);
+        for (dir, subdirs) in [
+            (&memory, &["models", "state"][..]),
+            (&disk, &["models", "state", "manifests"][..]),
+        ] {
+            for sub in subdirs {
+                let rel = Path::new(sub);
+                dir.create_dir_all(rel)?;
+                dir.tighten_dir(rel)?;
+            }
+        }
         let writer = Arc::new(ChunkWriter::new(writer)?);
         tracing::debug!(writer = ?writer.kind(), "shard store writer");
         let inner = Inner {
-            memory_dir,
-            disk_dir,
+            memory,
+            disk,
             writer,
+            integrity: Arc::new(Integrity {
+                epoch: Instant::now(),
+                reverify_after,
+                stats,
+            }),
+            memory_capacity,
+            disk_capacity,
+            scrub_rate,
             models: Mutex::new(HashMap::new()),
         };
         let store = Self {
             inner: Arc::new(inner),
         };
+        store.remove_stale_temps()?;
         store.recover(verify_on_recover)?;
         Ok(store)
+    }
+
+    fn dir(&self, tier: Tier) -> &Arc<TierDir> {
+        match tier {
+            Tier::Memory => &self.inner.memory,
+            Tier::Disk => &self.inner.disk,
+        }
+    }
+
+    /// The store's counters.
+    pub fn stats(&self) -> &StoreStats {
+        &self.inner.integrity.stats
+    }
+
+    /// [`StoreConfig::scrub_rate`].
+    pub fn scrub_rate(&self) -> u64 {
+        self.inner.scrub_rate
+    }
+
+    /// [`StoreConfig::reverify_after`].
+    pub fn reverify_after(&self) -> Duration {
+        self.inner.integrity.reverify_after
+    }
+
+    /// Removes the `*.tmp` files a crash left in `manifests/` and `state/<digest>/`.
+    fn remove_stale_temps(&self) -> Result<(), StoreError> {
+        let mut n = self.inner.disk.remove_temps(Path::new("manifests"))?;
+        for tier in TIERS {
+            let dir = self.dir(tier);
+            for (name, ty) in dir.list(Path::new("state"))? {
+                if ty == rustix::fs::FileType::Directory {
+                    n += dir.remove_temps(&Path::new("state").join(name))?;
+                }
+            }
+        }
+        if n > 0 {
+            self.stats()
+                .temp_files_removed
+                .fetch_add(n, Ordering::Relaxed);
+            tracing::info!(removed = n, "removed stale temporary files from the store");
+        }
+        Ok(())
     }
 
     /// Loads known manifests, then each tier's models and shards.
     fn recover(&self, verify: bool) -> Result<(), StoreError> {
         let mut models = lock(&self.inner.models);
-        let dir = self.inner.disk_dir.join("manifests");
-        for (digest, path) in digest_entries(&dir, ".scmf")? {
-            match read_manifest(&path, &digest) {
+        let disk = &self.inner.disk;
+        for (digest, name) in self.digest_entries(Tier::Disk, "manifests", ".scmf")? {
+            let rel = Path::new("manifests").join(name);
+            match read_manifest(disk, &rel, &digest) {
                 Ok(m) => {
-                    let stored = fs::metadata(&path)
-                        .and_then(|md| md.modified())
+                    let stored = disk
+                        .open_file(&rel, Access::Read)
+                        .ok()
+                        .and_then(|f| f.metadata().and_then(|md| md.modified()).ok())
                         .unwrap_or(SystemTime::UNIX_EPOCH);
                     models.insert(
                         digest,
@@ -347,17 +608,18 @@ impl ShardStore {
             }
         }
         for tier in TIERS {
-            let state_root = self.tier_root(tier).join("state");
-            for (digest, state_dir) in digest_entries(&state_root, "")? {
+            let dir = self.dir(tier);
+            for (digest, _) in self.digest_entries(tier, "state", "")? {
+                let state = state_rel(&digest);
                 let manifest = match models.get(&digest) {
                     Some(m) => m.manifest.clone(),
-                    None => match read_manifest(&state_dir.join(MANIFEST_FILE), &digest) {
+                    None => match read_manifest(dir, &state.join(MANIFEST_FILE), &digest) {
                         Ok(m) => {
                             // Known again from now on, even if the tier copy goes.
-                            let path = self.known_manifest_path(&digest);
+                            let rel = known_manifest_rel(&digest);
                             let stored = next_stamp(&models);
-                            write_atomic(&path, &encode_to_vec(&m))?;
-                            set_mtime(&path, stored).map_err(io_err(&path))?;
+                            disk.write_atomic(&rel, &encode_to_vec(&m))?;
+                            set_mtime(disk, &rel, stored)?;
                             let m = Arc::new(m);
                             let model = Model {
                                 manifest: m.clone(),
@@ -375,12 +637,25 @@ impl ShardStore {
                 };
                 let mut shards = HashMap::new();
                 for index in 0..manifest.shards.len() as u32 {
-                    if !state_dir.join(format!("{index}.bits")).exists() {
-                        continue;
+                    match dir.is_file(&state.join(format!("{index}.bits"))) {
+                        Ok(true) => {}
+                        Ok(false) => continue,
+                        Err(e) => {
+                            tracing::warn!(error = %e, ?tier, "skipping a shard");
+                            continue;
+                        }
                     }
                     let spec = self.spec(&manifest, digest, index, tier)?;
-                    let shard = Shard::open(spec, OpenMode::Recover { verify })?;
-                    shards.insert(index, Arc::new(shard));
+                    match Shard::open(spec, OpenMode::Recover { verify }) {
+                        Ok(shard) => {
+                            shards.insert(index, Arc::new(shard));
+                        }
+                        // A planted symlink skips its shard, not the whole store.
+                        Err(e @ StoreError::Symlink { .. }) => {
+                            tracing::warn!(error = %e, ?tier, "skipping a shard");
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
                 tracing::info!(model = %digest, ?tier, shards = shards.len(), "recovered model");
                 if let Some(model) = models.get_mut(&digest) {
@@ -393,21 +668,7 @@ impl ShardStore {
 
     /// The directory a tier lives in.
     pub fn tier_root(&self, tier: Tier) -> &Path {
-        match tier {
-            Tier::Memory => &self.inner.memory_dir,
-            Tier::Disk => &self.inner.disk_dir,
-        }
-    }
-
-    fn state_dir(&self, d: &ModelDigest, tier: Tier) -> PathBuf {
-        self.tier_root(tier).join("state").join(d.to_hex())
-    }
-
-    fn known_manifest_path(&self, d: &ModelDigest) -> PathBuf {
-        self.inner
-            .disk_dir
-            .join("manifests")
-            .join(format!("{}.scmf", d.to_hex()))
+        self.dir(tier).root()
     }
 
     fn spec(
@@ -426,9 +687,11 @@ impl ShardStore {
             digest,
             index,
             tier,
-            data_path: shard_file(&self.model_dir(&digest, tier), &entry.path)?,
-            bits_path: self.state_dir(&digest, tier).join(format!("{index}.bits")),
+            dir: self.dir(tier).clone(),
+            data_rel: shard_file(&model_rel(&digest), &entry.path)?,
+            bits_rel: state_rel(&digest).join(format!("{index}.bits")),
             writer: self.inner.writer.clone(),
+            integrity: self.inner.integrity.clone(),
         })
     }
 
@@ -442,14 +705,15 @@ impl ShardStore {
     /// version of its name for [`ShardStore::resolve`] (a rollback).
     pub fn put_manifest(&self, m: &Manifest) -> Result<Arc<Manifest>, StoreError> {
         let digest = m.digest();
-        let path = self.known_manifest_path(&digest);
+        let rel = known_manifest_rel(&digest);
+        let disk = &self.inner.disk;
         let mut models = lock(&self.inner.models);
         let stored = next_stamp(&models);
         let known = models.get_mut(&digest);
         // A known manifest only needs its time refreshed, unless its file went missing.
-        if known.is_none() || set_mtime(&path, stored).is_err() {
-            write_atomic(&path, &encode_to_vec(m))?;
-            set_mtime(&path, stored).map_err(io_err(&path))?;
+        if known.is_none() || set_mtime(disk, &rel, stored).is_err() {
+            disk.write_atomic(&rel, &encode_to_vec(m))?;
+            set_mtime(disk, &rel, stored)?;
         }
         let manifest = match known {
             Some(model) => {
@@ -488,24 +752,78 @@ impl ShardStore {
             .map(|(d, _)| *d)
     }
 
+    /// Checks that a new shard of `size` bytes fits `tier`: the file system's free space
+    /// must cover it plus what the tier's open shards have still to write (their files are
+    /// sparse until written), and the configured capacity must cover every open shard plus
+    /// it.
+    fn check_space(
+        &self,
+        model: &Model,
+        models: &HashMap<ModelDigest, Model>,
+        digest: ModelDigest,
+        shard: u32,
+        tier: Tier,
+    ) -> Result<(), StoreError> {
+        let size = model
+            .manifest
+            .shard(shard)
+            .map_err(|_| StoreError::NoSuchShard { digest, shard })?
+            .size;
+        let (mut allocated, mut pending) = (0u64, 0u64);
+        for s in models
+            .values()
+            .filter_map(|m| m.tiers.get(&tier))
+            .flat_map(|t| t.values())
+        {
+            allocated = allocated.saturating_add(s.size());
+            pending = pending.saturating_add(s.unwritten_bytes());
+        }
+        let free = self.dir(tier).available()?;
+        let cap = match tier {
+            Tier::Memory => self.inner.memory_capacity,
+            Tier::Disk => self.inner.disk_capacity,
+        };
+        let under_cap = cap.map_or(u64::MAX, |c| c.saturating_sub(allocated));
+        let available = free.saturating_sub(pending).min(under_cap);
+        if size > available {
+            self.stats().space_refusals.fetch_add(1, Ordering::Relaxed);
+            let e = StoreError::NoSpace {
+                digest,
+                shard,
+                tier,
+                need: size,
+                available,
+            };
+            tracing::warn!(error = %e, free, pending, ?cap, "refusing a shard");
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// The shard `shard` of model `d` in `tier`, created (data file preallocated to its
-    /// size, empty bitmap) if the tier does not have it yet. Repeated calls return the same
-    /// `Arc`.
+    /// size, empty bitmap) if the tier does not have it yet; a new one must fit the tier
+    /// (see [`StoreError::NoSpace`]), checked before any file is created. Repeated calls
+    /// return the same `Arc`.
     pub fn shard(&self, d: &ModelDigest, shard: u32, tier: Tier) -> Result<Arc<Shard>, StoreError> {
         let mut models = lock(&self.inner.models);
         let model = models
-            .get_mut(d)
+            .get(d)
             .ok_or(StoreError::UnknownModel { digest: *d })?;
         if let Some(s) = model.tiers.get(&tier).and_then(|t| t.get(&shard)) {
             return Ok(s.clone());
         }
+        self.check_space(model, &models, *d, shard, tier)?;
+        let model = models
+            .get_mut(d)
+            .ok_or(StoreError::UnknownModel { digest: *d })?;
         let spec = self.spec(&model.manifest, *d, shard, tier)?;
         if !model.tiers.contains_key(&tier) {
-            let state_dir = self.state_dir(d, tier);
-            create_dir(&state_dir)?;
-            create_dir(&self.model_dir(d, tier))?;
-            write_atomic(
-                &state_dir.join(MANIFEST_FILE),
+            let dir = self.dir(tier);
+            let state = state_rel(d);
+            dir.create_dir_all(&state)?;
+            dir.create_dir_all(&model_rel(d))?;
+            dir.write_atomic(
+                &state.join(MANIFEST_FILE),
                 &encode_to_vec(model.manifest.as_ref()),
             )?;
         }
@@ -532,6 +850,32 @@ impl ShardStore {
             }
         }
         best.cloned()
+    }
+
+    /// The shard's copy in `tier`, if that tier has one open (never creates it).
+    pub fn tier_shard(&self, d: &ModelDigest, shard: u32, tier: Tier) -> Option<Arc<Shard>> {
+        lock(&self.inner.models)
+            .get(d)?
+            .tiers
+            .get(&tier)?
+            .get(&shard)
+            .cloned()
+    }
+
+    /// Every shard copy open in either tier, as (model, tier, shard index): the scrub looks
+    /// each up when it reaches it, so it never keeps a removed copy mapped.
+    pub fn shard_keys(&self) -> Vec<(ModelDigest, Tier, u32)> {
+        let models = lock(&self.inner.models);
+        let mut out: Vec<_> = models
+            .iter()
+            .flat_map(|(d, m)| {
+                m.tiers
+                    .iter()
+                    .flat_map(move |(t, shards)| shards.keys().map(move |i| (*d, *t, *i)))
+            })
+            .collect();
+        out.sort_by_key(|(d, t, i)| (*d, matches!(t, Tier::Disk), *i));
+        out
     }
 
     /// Every (model, tier) copy present, with per-shard progress.
@@ -571,12 +915,13 @@ impl ShardStore {
     /// The directory holding model `d`'s shard files in `tier`, under their original
     /// names; an inference process maps files from here.
     pub fn model_dir(&self, d: &ModelDigest, tier: Tier) -> PathBuf {
-        self.tier_root(tier).join("models").join(d.to_hex())
+        self.tier_root(tier).join(model_rel(d))
     }
 
     /// Deletes `tier`'s copy of model `d` (data and state). Shards still held elsewhere fail
     /// later reads and writes with [`StoreError::Removed`]. The manifest stays known.
-    /// Removing a copy that is not there is not an error.
+    /// Removing a copy that is not there is not an error. Never deletes through a symlink
+    /// (see `beneath`).
     pub fn remove(&self, d: &ModelDigest, tier: Tier) -> Result<(), StoreError> {
         let mut models = lock(&self.inner.models);
         let model = models
@@ -588,8 +933,37 @@ impl ShardStore {
             }
         }
         // State first: a crash in between leaves data without bits, which recovery ignores.
-        remove_dir(&self.state_dir(d, tier))?;
-        remove_dir(&self.model_dir(d, tier))
+        let dir = self.dir(tier);
+        dir.remove_tree(&state_rel(d))?;
+        dir.remove_tree(&model_rel(d))
+    }
+
+    /// Entries of `sub` in `tier` named `<digest-hex><suffix>`, with their names. Other
+    /// names are skipped; symlinks are refused (counted, logged) and skipped.
+    fn digest_entries(
+        &self,
+        tier: Tier,
+        sub: &str,
+        suffix: &str,
+    ) -> Result<Vec<(ModelDigest, OsString)>, StoreError> {
+        let dir = self.dir(tier);
+        let mut out = Vec::new();
+        for (name, ty) in dir.list(Path::new(sub))? {
+            let Some(hex) = name.to_str().and_then(|n| n.strip_suffix(suffix)) else {
+                continue;
+            };
+            let Ok(d) = hex.parse::<ModelDigest>() else {
+                tracing::debug!(name = ?name, "ignoring a stray entry in the store");
+                continue;
+            };
+            if ty == rustix::fs::FileType::Symlink {
+                // Counted and logged by the refusal; the entry is skipped.
+                let _ = dir.is_file(&Path::new(sub).join(&name));
+                continue;
+            }
+            out.push((d, name));
+        }
+        Ok(out)
     }
 }
 
@@ -604,23 +978,8 @@ fn next_stamp(models: &HashMap<ModelDigest, Model>) -> SystemTime {
 }
 
 /// Sets a file's modification time (the manifest's stored time) to exactly `t`.
-fn set_mtime(path: &Path, t: SystemTime) -> io::Result<()> {
-    fs::File::options().write(true).open(path)?.set_modified(t)
-}
-
-/// Entries of `dir` named `<digest-hex><suffix>`, with their paths. Other names are skipped.
-fn digest_entries(dir: &Path, suffix: &str) -> Result<Vec<(ModelDigest, PathBuf)>, StoreError> {
-    let mut out = Vec::new();
-    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
-        let entry = entry.map_err(io_err(dir))?;
-        let name = entry.file_name();
-        let Some(hex) = name.to_str().and_then(|n| n.strip_suffix(suffix)) else {
-            continue;
-        };
-        match hex.parse::<ModelDigest>() {
-            Ok(d) => out.push((d, entry.path())),
-            Err(_) => tracing::debug!(name = ?name, "ignoring a stray entry in the store"),
-        }
-    }
-    Ok(out)
+fn set_mtime(dir: &TierDir, rel: &Path, t: SystemTime) -> Result<(), StoreError> {
+    dir.open_file(rel, Access::Write)?
+        .set_modified(t)
+        .map_err(io_err(&dir.root().join(rel)))
 }

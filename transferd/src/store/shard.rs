@@ -8,21 +8,24 @@
 //!
 //! Bit `i` (chunk `i`) is `byte[i / 8] & (1 << (i % 8))`, the layout of
 //! [`ChunkSet`](shardcast_protocol::ChunkSet). Bits past the chunk count are zero. Marking
-//! a chunk verified rewrites the one byte holding its bit, in place.
+//! a chunk verified rewrites the one byte holding its bit, in place; so does dropping a chunk
+//! that failed re-verification at rest ([`Shard::check`]).
 
 use std::collections::HashSet;
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use shardcast_protocol::{ChunkSet, Manifest, ModelDigest, Tier, VerifiedChunk};
 use tokio::sync::{Notify, watch};
 
+use super::beneath::{Access, TierDir};
 use super::map::ShardMap;
 use super::writer::ChunkWriter;
-use super::{StoreError, io_err, lock};
+use super::{Integrity, StoreError, io_err, lock};
 
 /// Magic at the start of a bitmap file.
 const BITS_MAGIC: &[u8; 4] = b"SCVB";
@@ -44,15 +47,34 @@ pub(super) enum OpenMode {
     },
 }
 
-/// Where a shard's files are and what it belongs to.
+/// Where a shard's files are (relative to its tier root) and what it belongs to.
 pub(super) struct ShardSpec {
     pub(super) manifest: Arc<Manifest>,
     pub(super) digest: ModelDigest,
     pub(super) index: u32,
     pub(super) tier: Tier,
-    pub(super) data_path: PathBuf,
-    pub(super) bits_path: PathBuf,
+    pub(super) dir: Arc<TierDir>,
+    pub(super) data_rel: PathBuf,
+    pub(super) bits_rel: PathBuf,
     pub(super) writer: Arc<ChunkWriter>,
+    pub(super) integrity: Arc<Integrity>,
+}
+
+/// Why a chunk is re-verified: selects the counter and names the reader in the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// Before its bytes are sent to a peer (the forwarder, a `Fetch`).
+    Serve,
+    /// After a downstream `Nack`: always re-hashed.
+    Nack,
+    /// Before it is copied towards a GPU.
+    Load,
+    /// Before the model is handed off to an inference process.
+    Handoff,
+    /// By the background scrub.
+    Scrub,
+    /// Before it is copied into the other tier to repair a copy there.
+    Repair,
 }
 
 /// One shard of one model in one tier: a preallocated data file written chunk by chunk at
@@ -72,6 +94,7 @@ pub struct Shard {
     /// `None` only for an empty (zero-byte) shard, which has no chunks to read.
     map: Option<ShardMap>,
     writer: Arc<ChunkWriter>,
+    integrity: Arc<Integrity>,
     state: Mutex<BitState>,
     /// Woken whenever a chunk leaves the in-flight set (written or failed).
     settled: Notify,
@@ -96,8 +119,16 @@ impl std::fmt::Debug for Shard {
 struct BitState {
     bits: Vec<u8>,
     count: u32,
+    /// Per chunk, when it was last verified ([`Integrity::now_ms`]); 0: not in this process
+    /// (recovered without re-hashing), so not trusted.
+    verified_at: Vec<u64>,
+    /// Chunks dropped after failing re-verification and not written since: writing one
+    /// again counts as a repair.
+    dropped: HashSet<u32>,
     /// Chunks being written right now: a second writer of the same chunk waits for the first.
     in_flight: HashSet<u32>,
+    /// Chunks being re-verified ahead of a reader ([`Shard::check_ahead`]).
+    checking: HashSet<u32>,
     /// The tier copy was removed from the store: refuse further reads and writes.
     removed: bool,
 }
@@ -107,8 +138,19 @@ impl BitState {
         Self {
             bits: vec![0; total.div_ceil(8) as usize],
             count: 0,
+            verified_at: vec![0; total as usize],
+            dropped: HashSet::new(),
             in_flight: HashSet::new(),
+            checking: HashSet::new(),
             removed: false,
+        }
+    }
+    fn stamp(&self, i: u32) -> u64 {
+        self.verified_at.get(i as usize).copied().unwrap_or(0)
+    }
+    fn set_stamp(&mut self, i: u32, at: u64) {
+        if let Some(s) = self.verified_at.get_mut(i as usize) {
+            *s = at;
         }
     }
     fn contains(&self, i: u32) -> bool {
@@ -128,28 +170,20 @@ impl BitState {
         self.count += 1;
         Some((at, *byte))
     }
-    fn remove(&mut self, i: u32) {
-        if let Some(byte) = self.bits.get_mut(i as usize / 8) {
-            let mask = 1 << (i % 8);
-            if *byte & mask != 0 {
-                *byte &= !mask;
-                self.count -= 1;
-            }
+    /// Clears bit `i`; returns the byte offset in `bits` and its new value if it was set.
+    fn remove(&mut self, i: u32) -> Option<(usize, u8)> {
+        let at = i as usize / 8;
+        let byte = self.bits.get_mut(at)?;
+        let mask = 1 << (i % 8);
+        if *byte & mask == 0 {
+            return None;
         }
+        *byte &= !mask;
+        let value = *byte;
+        self.count -= 1;
+        self.set_stamp(i, 0);
+        Some((at, value))
     }
-}
-
-/// Opens (creating if needed) a file for reading and writing without following a symlink
-/// in its last component.
-fn open_rw(path: &Path) -> Result<File, StoreError> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(io_err(path))
 }
 
 impl Shard {
@@ -161,10 +195,14 @@ impl Shard {
             digest,
             index,
             tier,
-            data_path,
-            bits_path,
+            dir,
+            data_rel,
+            bits_rel,
             writer,
+            integrity,
         } = spec;
+        let data_path = dir.root().join(&data_rel);
+        let bits_path = dir.root().join(&bits_rel);
         let entry = manifest.shard(index).map_err(|_| StoreError::NoSuchShard {
             digest,
             shard: index,
@@ -176,10 +214,10 @@ impl Shard {
             reason: "too many chunks".into(),
         })?;
 
-        if let Some(parent) = data_path.parent() {
-            std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+        if let Some(parent) = data_rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+            dir.create_dir_all(parent)?;
         }
-        let file = open_rw(&data_path)?;
+        let file = dir.open_file(&data_rel, Access::ReadWriteCreate)?;
         let len = file.metadata().map_err(io_err(&data_path))?.len();
         if len != size {
             file.set_len(size).map_err(io_err(&data_path))?;
@@ -193,7 +231,7 @@ impl Shard {
         let mut state = BitState::empty(total);
         let mut rewrite = true;
         if let OpenMode::Recover { verify } = mode {
-            match read_bits(&bits_path, total) {
+            match read_bits(&dir, &bits_rel, total) {
                 // A data file of the wrong size was not the one these bits describe.
                 Ok(bits) if len == size => {
                     rewrite = false;
@@ -209,7 +247,8 @@ impl Shard {
                 Err(e) => tracing::warn!(error = %e, "forgetting the verified chunks of a shard"),
             }
             if verify && state.count > 0 {
-                let bad = reverify(&manifest, index, map.as_ref(), &mut state);
+                let now = integrity.now_ms();
+                let bad = reverify(&manifest, index, map.as_ref(), &mut state, now);
                 if bad > 0 {
                     tracing::warn!(
                         model = %digest, shard = index, ?tier, bad,
@@ -220,9 +259,9 @@ impl Shard {
             }
         }
         if rewrite {
-            write_bits(&bits_path, total, &state.bits)?;
+            write_bits(&dir, &bits_rel, total, &state.bits)?;
         }
-        let bits_file = open_rw(&bits_path)?;
+        let bits_file = dir.open_file(&bits_rel, Access::ReadWriteCreate)?;
         let (verified, _) = watch::channel(state.count);
         Ok(Self {
             manifest,
@@ -237,6 +276,7 @@ impl Shard {
             bits_file,
             map,
             writer,
+            integrity,
             state: Mutex::new(state),
             settled: Notify::new(),
             verified,
@@ -387,9 +427,196 @@ impl Shard {
                 source,
             });
         }
+        st.set_stamp(index, self.integrity.now_ms());
+        if st.dropped.remove(&index) {
+            self.integrity
+                .stats
+                .chunks_repaired
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                model = %self.digest, shard = self.index, chunk = index, tier = ?self.tier,
+                event = "repaired", "chunk repaired"
+            );
+        }
         // Sent under the lock so that receivers see counts in increasing order.
         self.verified.send_replace(st.count);
         Ok(true)
+    }
+
+    /// Whether chunk `index` is verified but not trusted any more: its bytes must be
+    /// re-hashed ([`Shard::check`]) before they leave the store.
+    pub fn needs_check(&self, index: u32) -> bool {
+        let st = lock(&self.state);
+        st.contains(index) && !self.trusted(&st, index)
+    }
+
+    fn trusted(&self, st: &BitState, index: u32) -> bool {
+        let at = st.stamp(index);
+        let window = u64::try_from(self.integrity.reverify_after.as_millis()).unwrap_or(u64::MAX);
+        at != 0 && self.integrity.now_ms().saturating_sub(at) < window
+    }
+
+    /// Re-verifies verified chunk `index` against the manifest, unless it was verified
+    /// within the trust window (`force` re-hashes regardless). `Ok(true)`: re-hashed and
+    /// sound (trusted again from now); `Ok(false)`: trusted without hashing. A chunk that
+    /// fails is dropped from the verified set (bitmap file included), counted, logged as a
+    /// repair event and reported as [`StoreError::CorruptChunk`]. Hashes on the calling
+    /// thread: ~0.25 ms per MiB.
+    pub fn check(&self, index: u32, force: bool, why: Check) -> Result<bool, StoreError> {
+        let (offset, len) = self.span(index)?;
+        // One retry when a repair rewrote the chunk while it was being hashed.
+        for _ in 0..2 {
+            let stamp = {
+                let st = lock(&self.state);
+                if st.removed {
+                    return Err(self.removed());
+                }
+                if !st.contains(index) {
+                    return Err(StoreError::NotVerified {
+                        shard: self.index,
+                        index,
+                    });
+                }
+                if !force && self.trusted(&st, index) {
+                    return Ok(false);
+                }
+                st.stamp(index)
+            };
+            let sound = self
+                .slice(offset, len, index)
+                .is_ok_and(|data| self.manifest.verify_chunk(self.index, index, data).is_ok());
+            let stats = &self.integrity.stats;
+            let (chunks, bytes) = match why {
+                Check::Scrub => (&stats.chunks_scrubbed, &stats.bytes_scrubbed),
+                _ => (&stats.chunks_reverified, &stats.bytes_reverified),
+            };
+            chunks.fetch_add(1, Ordering::Relaxed);
+            bytes.fetch_add(len as u64, Ordering::Relaxed);
+            let mut st = lock(&self.state);
+            if st.removed {
+                return Err(self.removed());
+            }
+            if !st.contains(index) {
+                return Err(StoreError::NotVerified {
+                    shard: self.index,
+                    index,
+                });
+            }
+            if st.stamp(index) != stamp {
+                // Rewritten (repaired) meanwhile: what was hashed may be a mix; again.
+                continue;
+            }
+            if sound {
+                st.set_stamp(index, self.integrity.now_ms());
+                return Ok(true);
+            }
+            self.drop_locked(&mut st, index, why);
+            return Err(self.corrupt(index));
+        }
+        // Rewritten twice while being hashed: trust the latest writer's verification.
+        Ok(false)
+    }
+
+    /// Starts re-verifying, on the blocking pool, each chunk of `chunks` that needs it and is
+    /// not being checked ahead already, so that a reader reaching it a moment later finds it
+    /// trusted: the forwarder hashes the next chunks while it sends this one, instead of
+    /// hashing and sending in turn. A chunk that fails is dropped as by [`Shard::check`];
+    /// the reader then finds it unverified. Must be called inside a tokio runtime.
+    pub fn check_ahead(self: &Arc<Self>, chunks: std::ops::Range<u32>, why: Check) {
+        for i in chunks {
+            {
+                let mut st = lock(&self.state);
+                if st.removed || !st.contains(i) || self.trusted(&st, i) || !st.checking.insert(i) {
+                    continue;
+                }
+            }
+            let shard = self.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = shard.check(i, false, why);
+                lock(&shard.state).checking.remove(&i);
+            });
+        }
+    }
+
+    fn corrupt(&self, index: u32) -> StoreError {
+        StoreError::CorruptChunk {
+            digest: self.digest,
+            tier: self.tier,
+            shard: self.index,
+            index,
+        }
+    }
+
+    /// Drops a verified chunk that failed re-verification: clears and persists its bit,
+    /// remembers it as awaiting repair, counts and logs it.
+    fn drop_locked(&self, st: &mut BitState, index: u32, why: Check) {
+        let Some((at, byte)) = st.remove(index) else {
+            return;
+        };
+        if let Err(e) = self
+            .bits_file
+            .write_all_at(&[byte], BITS_HEADER + at as u64)
+        {
+            // The bit is cleared in memory; a restart re-hashes with verify_on_recover.
+            tracing::error!(path = %self.bits_path.display(), error = %e, "cannot persist a dropped chunk");
+        }
+        st.dropped.insert(index);
+        self.integrity
+            .stats
+            .chunks_rotted
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            model = %self.digest, shard = self.index, chunk = index, tier = ?self.tier,
+            found_by = ?why, event = "corrupt-at-rest",
+            "chunk failed re-verification at rest; dropped, needs repair"
+        );
+        self.verified.send_replace(st.count);
+    }
+
+    /// Bytes of the shard not yet verified (what is still to be written into its file).
+    pub fn unwritten_bytes(&self) -> u64 {
+        let verified = u64::from(self.verified_count());
+        let chunk = u64::from(self.manifest.chunk_size);
+        self.size.saturating_sub(verified.saturating_mul(chunk))
+    }
+
+    /// Chunks within `start..end` dropped after failing re-verification and not written
+    /// since (awaiting repair), ascending.
+    pub fn dropped_chunks(&self, start: u32, end: u32) -> Vec<u32> {
+        let st = lock(&self.state);
+        if st.dropped.is_empty() {
+            return Vec::new();
+        }
+        let mut out: Vec<u32> = st
+            .dropped
+            .iter()
+            .copied()
+            .filter(|i| (start..end).contains(i))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Whether chunk `index` was dropped after failing re-verification and not written since.
+    pub fn is_dropped(&self, index: u32) -> bool {
+        lock(&self.state).dropped.contains(&index)
+    }
+
+    /// Whether this copy was removed from the store.
+    pub fn is_removed(&self) -> bool {
+        lock(&self.state).removed
+    }
+
+    /// The chunks holding bytes `offset..offset + len` of the shard (clamped to the shard).
+    pub fn chunks_covering(&self, offset: u64, len: usize) -> std::ops::Range<u32> {
+        if len == 0 || offset >= self.size {
+            return 0..0;
+        }
+        let cs = u64::from(self.manifest.chunk_size.max(1));
+        let last = (offset.saturating_add(len as u64) - 1).min(self.size - 1);
+        let first = u32::try_from(offset / cs).unwrap_or(u32::MAX);
+        let end = u32::try_from(last / cs + 1).unwrap_or(u32::MAX);
+        first.min(self.total)..end.min(self.total)
     }
 
     /// Byte offset and length of chunk `index` in the data file.
@@ -403,8 +630,58 @@ impl Shard {
             })
     }
 
-    /// A verified chunk's bytes, zero-copy from a memory map of the data file.
+    /// A verified chunk's bytes, zero-copy from a memory map of the data file, after
+    /// [`Shard::check`] (re-hashing on the calling thread when the chunk is not trusted).
     pub fn read(&self, index: u32) -> Result<Bytes, StoreError> {
+        self.check(index, false, Check::Serve)?;
+        self.read_raw(index)
+    }
+
+    /// [`Shard::read`] for async callers: a re-hash (when needed, or always with `force`)
+    /// runs on the blocking pool.
+    pub async fn read_checked(
+        self: &Arc<Self>,
+        index: u32,
+        force: bool,
+        why: Check,
+    ) -> Result<Bytes, StoreError> {
+        if force || self.needs_check(index) {
+            let shard = self.clone();
+            tokio::task::spawn_blocking(move || shard.check(index, force, why))
+                .await
+                .map_err(|e| StoreError::Io {
+                    path: self.data_path.clone(),
+                    source: std::io::Error::other(format!("re-verification task: {e}")),
+                })??;
+        }
+        self.read_raw(index)
+    }
+
+    /// Copies bytes `offset..offset + buf.len()` of the data file into `buf`, without any
+    /// check: call [`Shard::check`] on [`Shard::chunks_covering`] first.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        if self.is_removed() {
+            return Err(self.removed());
+        }
+        self.file
+            .read_exact_at(buf, offset)
+            .map_err(io_err(&self.data_path))
+    }
+
+    fn slice(&self, offset: u64, len: usize, index: u32) -> Result<&[u8], StoreError> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        self.map
+            .as_ref()
+            .and_then(|m| m.slice(start..start.saturating_add(len)))
+            .ok_or_else(|| StoreError::Corrupt {
+                path: self.data_path.clone(),
+                reason: format!("chunk {index} lies outside the mapped file"),
+            })
+    }
+
+    /// A verified chunk's bytes without re-verification. Only for callers that verify the
+    /// bytes themselves before they leave the host (a repair into the other tier).
+    pub fn read_raw(&self, index: u32) -> Result<Bytes, StoreError> {
         let (offset, len) = self.span(index)?;
         {
             let st = lock(&self.state);
@@ -457,7 +734,13 @@ impl Drop for Claim<'_> {
 
 /// Re-hashes every chunk marked verified; clears those that do not match. Returns how many
 /// were cleared.
-fn reverify(manifest: &Manifest, shard: u32, map: Option<&ShardMap>, st: &mut BitState) -> u32 {
+fn reverify(
+    manifest: &Manifest,
+    shard: u32,
+    map: Option<&ShardMap>,
+    st: &mut BitState,
+    now: u64,
+) -> u32 {
     let total = st.bits.len() as u32 * 8;
     let mut bad = 0;
     for i in 0..total {
@@ -471,19 +754,21 @@ fn reverify(manifest: &Manifest, shard: u32, map: Option<&ShardMap>, st: &mut Bi
         if data.is_none_or(|data| manifest.verify_chunk(shard, i, data).is_err()) {
             st.remove(i);
             bad += 1;
+        } else {
+            st.set_stamp(i, now);
         }
     }
     bad
 }
 
 /// Reads and checks a bitmap file for a shard of `total` chunks.
-fn read_bits(path: &Path, total: u32) -> Result<Vec<u8>, StoreError> {
-    let raw = std::fs::read(path).map_err(io_err(path))?;
+fn read_bits(dir: &TierDir, rel: &Path, total: u32) -> Result<Vec<u8>, StoreError> {
+    let nbytes = total.div_ceil(8) as usize;
+    let raw = dir.read_file(rel, BITS_HEADER + nbytes as u64)?;
     let corrupt = |reason: String| StoreError::Corrupt {
-        path: path.to_path_buf(),
+        path: dir.root().join(rel),
         reason,
     };
-    let nbytes = total.div_ceil(8) as usize;
     if raw.len() != BITS_HEADER as usize + nbytes {
         return Err(corrupt(format!(
             "{} bytes; expected {}",
@@ -513,13 +798,11 @@ fn read_bits(path: &Path, total: u32) -> Result<Vec<u8>, StoreError> {
 
 /// Replaces a bitmap file atomically (temporary file, then rename), so that a crash leaves
 /// either the old bitmap or the new one.
-fn write_bits(path: &Path, total: u32, bits: &[u8]) -> Result<(), StoreError> {
+fn write_bits(dir: &TierDir, rel: &Path, total: u32, bits: &[u8]) -> Result<(), StoreError> {
     let mut buf = Vec::with_capacity(BITS_HEADER as usize + bits.len());
     buf.extend_from_slice(BITS_MAGIC);
     buf.extend_from_slice(&BITS_VERSION.to_be_bytes());
     buf.extend_from_slice(&total.to_be_bytes());
     buf.extend_from_slice(bits);
-    let tmp = path.with_extension("bits.tmp");
-    std::fs::write(&tmp, &buf).map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io_err(path))
+    dir.write_atomic(rel, &buf)
 }

@@ -40,10 +40,9 @@ fn chunk(m: &Manifest, data: &[Vec<u8>], shard: u32, index: u32) -> VerifiedChun
 
 fn config(root: &Path, writer: WriterKind, verify: bool) -> StoreConfig {
     StoreConfig {
-        memory_dir: root.join("mem"),
-        disk_dir: root.join("disk"),
         verify_on_recover: verify,
         writer,
+        ..StoreConfig::new(root.join("mem"), root.join("disk"))
     }
 }
 
@@ -237,7 +236,10 @@ async fn damaged_state_files_lose_bits_not_the_store() {
         let y = store.shard(&d, 1, Tier::Disk).unwrap();
         y.write(chunk(&m, &data, 1, 0)).await.unwrap();
         (
-            store.state_dir(&d, Tier::Disk).join("0.bits"),
+            store
+                .tier_root(Tier::Disk)
+                .join(state_rel(&d))
+                .join("0.bits"),
             y.path().to_path_buf(),
         )
     };
