@@ -773,7 +773,7 @@ mod tests {
 
     #[test]
     fn store_hardening_and_scrub_settings() {
-        let c = Config::load(Args::default()).unwrap();
+        let c = Config::load(tls_args()).unwrap();
         assert_eq!(c.store.group, None);
         assert_eq!(c.store.reverify_after, crate::store::DEFAULT_REVERIFY_AFTER);
         assert_eq!(c.store.scrub_rate, crate::store::DEFAULT_SCRUB_RATE);
@@ -782,7 +782,7 @@ mod tests {
             reverify_after_ms: Some(0),
             scrub_rate: Some("off".into()),
             memory_capacity: Some("1GiB".into()),
-            ..Args::default()
+            ..tls_args()
         })
         .unwrap();
         assert_eq!(c.store.group, Some(4242));
@@ -793,7 +793,7 @@ mod tests {
             Config::load(Args {
                 scrub_rate: Some("100MB/s".into()),
                 store_group: Some("root".into()),
-                ..Args::default()
+                ..tls_args()
             })
             .unwrap()
             .store
@@ -803,15 +803,15 @@ mod tests {
         for bad in [
             Args {
                 scrub_rate: Some("unlimited".into()),
-                ..Args::default()
+                ..tls_args()
             },
             Args {
                 store_group: Some("no-such-group-here".into()),
-                ..Args::default()
+                ..tls_args()
             },
             Args {
                 reverify_after_ms: Some(u64::MAX),
-                ..Args::default()
+                ..tls_args()
             },
         ] {
             assert!(Config::load(bad).is_err());
