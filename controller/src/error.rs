@@ -42,6 +42,10 @@ impl ApiError {
     pub fn precondition(message: impl Into<String>) -> Self {
         Self::new(Code::FailedPrecondition, message)
     }
+    /// The request is well formed but policy forbids it (an origin outside the allow-list).
+    pub fn permission_denied(message: impl Into<String>) -> Self {
+        Self::new(Code::PermissionDenied, message)
+    }
     /// A bug or a failing disk.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(Code::Internal, message)
@@ -57,6 +61,7 @@ impl ApiError {
         match self.code {
             Code::InvalidArgument | Code::OutOfRange => StatusCode::BAD_REQUEST,
             Code::NotFound => StatusCode::NOT_FOUND,
+            Code::PermissionDenied => StatusCode::FORBIDDEN,
             Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
             Code::ResourceExhausted => StatusCode::INSUFFICIENT_STORAGE,
             Code::FailedPrecondition => StatusCode::PRECONDITION_FAILED,

@@ -13,6 +13,7 @@ use clap::Parser;
 use shardcast_placement::PlanParams;
 use shardcast_protocol::controller::controller_server::ControllerServer;
 use shardcast_protocol::controller::inventory_server::InventoryServer;
+use shardcast_protocol::origin_policy::{OriginPolicy, Role};
 use shardcast_protocol::units::parse_rate;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
@@ -116,6 +117,11 @@ pub struct Args {
     /// Gauge of requests per second one replica serves, labelled `model`.
     #[arg(long, default_value = "shardcast_model_service_rate")]
     pub scrape_service_metric: String,
+    /// Origin prefixes models may be registered from (repeatable or comma-separated):
+    /// `file:///data/models/`, `https://models.example.com/org/`. Empty (the default)
+    /// refuses every registration. Each transferd enforces its own `origin_allow` too.
+    #[arg(long, env = "SHARDCAST_ORIGIN_ALLOW", value_delimiter = ',')]
+    pub origin_allow: Vec<String>,
 }
 
 impl Args {
@@ -202,6 +208,8 @@ impl Args {
                 origins_durable: !self.origins_not_durable,
             },
             scrape,
+            origins: OriginPolicy::parse(&self.origin_allow, Role::Controller)
+                .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?,
             ..ControllerConfig::default()
         })
     }
@@ -210,6 +218,11 @@ impl Args {
 /// Runs the controller until SIGINT/SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = args.config()?;
+    if cfg.origins.is_empty() {
+        warn!("--origin-allow is empty: every model registration is refused");
+    } else {
+        info!(allowed = %cfg.origins.describe(), "origin allow-list");
+    }
     let cancel = CancellationToken::new();
     let path = args.state_dir.join("state.redb");
     let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))

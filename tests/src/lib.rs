@@ -50,6 +50,7 @@ impl TestCluster {
                 format!("recv-{i}")
             };
             let mut o = DaemonOpts::local(name.clone());
+            o.extra_args.extend(allow_args(&[&origin_uri]));
             o.extra_args.extend([
                 "--upstream-grace-ms".into(),
                 "500".into(),
@@ -157,4 +158,33 @@ impl TestCluster {
         }
         anyhow::bail!("daemon {i} did not reach {bytes} bytes in {timeout:?}")
     }
+}
+
+/// The directory under which tests that start their clusters before creating origins put
+/// those origins; such clusters allow exactly this root ([`allow_args`]). One fixed
+/// directory (each origin in it is a temporary directory removed when dropped).
+pub fn origins_root() -> std::path::PathBuf {
+    let root = std::env::temp_dir().join("shardcast-test-origins");
+    // Racing test processes may create it at once; `create_dir_all` tolerates that.
+    let _ = std::fs::create_dir_all(&root);
+    root
+}
+
+/// A fresh temporary origin directory under [`origins_root`].
+pub fn origin_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("origin-")
+        .tempdir_in(origins_root())
+        .expect("creating an origin directory under the temp dir")
+}
+
+/// `--origin-allow` flags for a transferd or the controller: `prefixes`, or when empty
+/// the `file://` root of [`origins_root`].
+pub fn allow_args(prefixes: &[&str]) -> Vec<String> {
+    let list = if prefixes.is_empty() {
+        format!("file://{}/", origins_root().display())
+    } else {
+        prefixes.join(",")
+    };
+    vec!["--origin-allow".into(), list]
 }

@@ -134,6 +134,15 @@ impl OriginAccess {
             .map_err(|e| self.refuse(e))
     }
 
+    /// Counts a symbolic link that led outside its root as a refusal (passes others on).
+    fn note(&self, e: OriginError) -> OriginError {
+        if let OriginError::SymlinkEscape { .. } = &e {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "origin refused by policy");
+        }
+        e
+    }
+
     /// Checks a shard path (relative to origin `uri`) for hidden components.
     fn check_relative(&self, uri: &str, path: &str) -> Result<(), OriginError> {
         origin_policy::check_relative(uri, path).map_err(|e| self.refuse(e))
@@ -450,7 +459,9 @@ impl Origin {
         let mut files = match &self.inner.source {
             Source::Local { path, root } => {
                 let (path, root) = (path.clone(), root.clone());
-                blocking(move || list_local(&path, &root)).await?
+                blocking(move || list_local(&path, &root))
+                    .await
+                    .map_err(|e| self.inner.access.note(e))?
             }
             Source::HttpDir { client, base } => list_http_dir(client, base).await?,
             Source::HttpFile { client, url, name } => {
@@ -542,7 +553,8 @@ impl Origin {
                     }
                     Ok((file, hasher, read))
                 })
-                .await?;
+                .await
+                .map_err(|e| self.inner.access.note(e))?;
                 drop(stop);
                 return finish_shard(file.display().to_string(), hasher, read, size, path);
             }
@@ -613,6 +625,7 @@ impl Origin {
                     Ok(data)
                 })
                 .await
+                .map_err(|e| self.inner.access.note(e))
             }
             Source::HttpDir { client, base } => {
                 let url = shard_url(base, path.as_str())?;

@@ -426,6 +426,65 @@ mod tests {
         }
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn ingress_is_charged_for_bytes_that_arrived_not_for_announced_ones() {
+        // 1 MB/s. A peer announces a 1 MB Manifest body and sends 10 bytes of it.
+        let ingress = RateLimiter::new(Some(1_000_000));
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(b, ingress.clone(), Arc::default());
+        let mut announced = (1_000_000u32).to_be_bytes().to_vec();
+        announced.push(0x02);
+        a.write_all(&announced).await.unwrap();
+        a.write_all(&[0u8; 10]).await.unwrap();
+        let pending = tokio::time::timeout(Duration::from_millis(50), r.read()).await;
+        assert!(pending.is_err(), "the frame is incomplete");
+        // The limiter was charged 15 bytes, not 1 MB: another reader's 1000 bytes may pass
+        // within a couple of milliseconds, not after a second.
+        let at = ingress.reserve(1000);
+        assert!(
+            at <= tokio::time::Instant::now() + Duration::from_millis(5),
+            "ingress budget held for an announced length"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_times_out_between_and_inside_frames() {
+        let counters = Arc::new(ByteCounters::default());
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        r.set_idle_timeout(Some(Duration::from_secs(2)));
+        // Between frames.
+        let start = tokio::time::Instant::now();
+        assert!(matches!(r.read().await, Err(WireError::Idle(_))));
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+        // Inside a frame, with the read cancelled and restarted many times: the clock
+        // counts from the last byte, so restarts do not extend it.
+        r.set_idle_timeout(Some(Duration::from_secs(2)));
+        a.write_all(&[0, 0, 0, 9, 0x06, 1]).await.unwrap();
+        let start = tokio::time::Instant::now();
+        let err = loop {
+            match tokio::time::timeout(Duration::from_millis(300), r.read()).await {
+                Ok(r) => break r.unwrap_err(),
+                Err(_) => continue,
+            }
+        };
+        assert!(matches!(err, WireError::Idle(_)), "{err}");
+        assert!(start.elapsed() <= Duration::from_millis(2100));
+        assert_eq!(counters.idle_timeouts.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_that_does_not_drain_times_out() {
+        let counters = Arc::new(ByteCounters::default());
+        let (a, _b) = tokio::io::duplex(1024);
+        let mut w = FrameWriter::new(a, RateLimiter::unlimited(), counters.clone());
+        w.set_write_timeout(Some(Duration::from_secs(1)));
+        let data = Bytes::from(vec![0u8; 1 << 20]);
+        let err = w.send_chunk(0, 0, &data).await.unwrap_err();
+        assert!(matches!(err, WireError::WriteStalled(_)), "{err}");
+        assert_eq!(counters.write_timeouts.load(Ordering::Relaxed), 1);
+    }
+
     #[tokio::test]
     async fn truncated_frame_is_an_error() {
         let (mut a, b) = tokio::io::duplex(64);
