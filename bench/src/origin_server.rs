@@ -425,9 +425,9 @@ mod tests {
     use std::time::Instant;
 
     use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
+    use shardcast_protocol::origin_policy::{OriginPolicy, Role};
     use shardcast_protocol::{Manifest, ModelName, ShardHasher};
     use tokio::io::AsyncWriteExt;
-    use shardcast_protocol::origin_policy::{OriginPolicy, Role};
     use transferd::origin::{Origin, OriginAccess, OriginError, fetch_chunks};
 
     /// Origin access allowing everything under `base`.

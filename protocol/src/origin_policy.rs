@@ -292,7 +292,9 @@ impl OriginLocation {
             segments.push(decoded);
         }
         if scheme == OriginScheme::File && segments.is_empty() {
-            return Err(invalid("file:/// (the whole file system) cannot be an origin"));
+            return Err(invalid(
+                "file:/// (the whole file system) cannot be an origin",
+            ));
         }
         Ok(Self {
             scheme,
@@ -719,16 +721,20 @@ mod tests {
 
     #[test]
     fn empty_policy_refuses_with_a_hint() {
-        let e = OriginPolicy::default()
-            .check("file:///data/m")
-            .unwrap_err();
+        let e = OriginPolicy::default().check("file:///data/m").unwrap_err();
         assert!(matches!(e, PolicyError::NothingAllowed { .. }), "{e}");
         assert!(e.to_string().contains("SHARDCAST_ORIGIN_ALLOW"), "{e}");
     }
 
     #[test]
     fn bad_entries_and_schemes() {
-        for bad in ["ftp://x/y", "/abs/path", "model", "file://relative/path", "http://"] {
+        for bad in [
+            "ftp://x/y",
+            "/abs/path",
+            "model",
+            "file://relative/path",
+            "http://",
+        ] {
             assert!(OriginPrefix::parse(bad).is_err(), "{bad}");
         }
         assert!(OriginPrefix::parse("file:///").is_err());
@@ -763,7 +769,13 @@ mod tests {
         ] {
             assert!(restricted_address(a.parse().unwrap()), "{a}");
         }
-        for a in ["10.0.0.1", "192.168.1.1", "8.8.8.8", "fd12::1", "2001:db8::1"] {
+        for a in [
+            "10.0.0.1",
+            "192.168.1.1",
+            "8.8.8.8",
+            "fd12::1",
+            "2001:db8::1",
+        ] {
             assert!(!restricted_address(a.parse().unwrap()), "{a}");
         }
         let p = policy(&["http://127.0.0.1:9000/", "http://localhost:9000/"]);

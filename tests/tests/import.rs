@@ -62,8 +62,7 @@ async fn import(d: &Daemon, origin: String, tier: Tier, fetch: bool) -> ImportMo
 /// A daemon allowed to read exactly the origins `allow`.
 async fn daemon(scratch: &tempfile::TempDir, allow: &[&str]) -> Daemon {
     let mut o = DaemonOpts::local("importer");
-    o.extra_args
-        .extend(shardcast_tests::allow_args(allow));
+    o.extra_args.extend(shardcast_tests::allow_args(allow));
     Daemon::start(scratch.path(), o).await.unwrap()
 }
 
@@ -73,13 +72,7 @@ async fn import_with_default_chunk_size_from_a_file_origin() {
     let scratch = tempfile::tempdir().unwrap();
     let uri = format!("file://{}", origin.path().display());
     let d = daemon(&scratch, &[&uri]).await;
-    let resp = import(
-        &d,
-        uri,
-        Tier::Memory,
-        true,
-    )
-    .await;
+    let resp = import(&d, uri, Tier::Memory, true).await;
     assert_eq!(resp.shards, 5, "4 safetensors shards + the index");
     let manifest: Manifest = shardcast_protocol::codec::decode_exact(resp.manifest.into()).unwrap();
     d.verify_copy(&manifest).unwrap();
@@ -104,13 +97,7 @@ async fn file_and_http_origins_of_one_directory_give_the_same_digest() {
     let scratch = tempfile::tempdir().unwrap();
     let uri = format!("file://{}", origin.path().display());
     let d = daemon(&scratch, &[&uri, &url]).await;
-    let from_file = import(
-        &d,
-        uri,
-        Tier::Memory,
-        false,
-    )
-    .await;
+    let from_file = import(&d, uri, Tier::Memory, false).await;
     let from_http = import(&d, url, Tier::Memory, false).await;
     assert_eq!(from_file.digest, from_http.digest);
     cancel.cancel();

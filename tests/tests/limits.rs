@@ -134,7 +134,10 @@ async fn a_connection_flood_is_refused_while_another_peer_gets_in() {
     }
     // Another address still gets in, up to the total cap.
     let mut other = connect_from([127, 0, 0, 10], d.data_addr).await.unwrap();
-    assert!(admitted(&mut other).await, "a legitimate peer is still served");
+    assert!(
+        admitted(&mut other).await,
+        "a legitimate peer is still served"
+    );
     assert!(metric(d, "conn_refused_per_ip_cap_total").await >= 10);
     // Closing the flood gives the slots back.
     drop(held);

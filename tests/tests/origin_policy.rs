@@ -239,7 +239,10 @@ async fn http_redirects_and_names_are_held_to_the_policy() {
     import(&d, &format!("{r}/in/")).await.unwrap();
     // Out of the prefix, and to the metadata service: refused.
     let e = import(&d, &format!("{r}/out/")).await.unwrap_err();
-    assert!(e.message().contains("outside the origin allow-list"), "{e:?}");
+    assert!(
+        e.message().contains("outside the origin allow-list"),
+        "{e:?}"
+    );
     let e = import(&d, &format!("{r}/meta/")).await.unwrap_err();
     assert!(e.message().contains("169.254.169.254"), "{e:?}");
     // The same server by its literal address works.
@@ -283,7 +286,10 @@ async fn register_is_refused_by_the_controller_and_again_by_the_host() {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains("--origin-allow"), "{e:?}");
     // Inside the controller's list but not the host's: the host refuses.
-    let e = api.register_model(reg("file:///etc/passwd")).await.unwrap_err();
+    let e = api
+        .register_model(reg("file:///etc/passwd"))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains("host"), "{e:?}");
     // A dot-file and `..`.
@@ -313,7 +319,10 @@ async fn register_is_refused_by_the_controller_and_again_by_the_host() {
     .unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).await.unwrap();
-    assert!(resp.starts_with("HTTP/1.0 403") || resp.starts_with("HTTP/1.1 403"), "{resp}");
+    assert!(
+        resp.starts_with("HTTP/1.0 403") || resp.starts_with("HTTP/1.1 403"),
+        "{resp}"
+    );
     assert!(resp.contains("PERMISSION_DENIED"), "{resp}");
 }
 

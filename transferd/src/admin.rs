@@ -143,7 +143,10 @@ pub fn render(node: &Node) -> String {
         "conn_refused_total_cap_total",
         "counter",
         "Data-plane connections refused at max_connections.",
-        node.conn_limits.stats.refused_total_cap.load(Ordering::Relaxed),
+        node.conn_limits
+            .stats
+            .refused_total_cap
+            .load(Ordering::Relaxed),
     );
     metric(
         "conn_refused_per_ip_cap_total",

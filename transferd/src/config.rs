@@ -384,13 +384,14 @@ impl Config {
             .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?;
         let limits = {
             let d = Limits::default();
-            let secs = |name: &str, v: Option<u64>, default: Duration| -> anyhow::Result<Duration> {
-                match v {
-                    None => Ok(default),
-                    Some(0) => bail!("{name} must be at least 1"),
-                    Some(n) => Ok(Duration::from_secs(n)),
-                }
-            };
+            let secs =
+                |name: &str, v: Option<u64>, default: Duration| -> anyhow::Result<Duration> {
+                    match v {
+                        None => Ok(default),
+                        Some(0) => bail!("{name} must be at least 1"),
+                        Some(n) => Ok(Duration::from_secs(n)),
+                    }
+                };
             let handshake_ms = args
                 .handshake_timeout_ms
                 .or(file.handshake_timeout_ms)

@@ -126,7 +126,9 @@ impl ConnLimits {
         }
         let n = open.per_ip.entry(ip).or_default();
         if *n >= self.max_per_ip {
-            self.stats.refused_per_ip_cap.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .refused_per_ip_cap
+                .fetch_add(1, Ordering::Relaxed);
             return Err(LimitError::PerPeer {
                 ip,
                 limit: self.max_per_ip,

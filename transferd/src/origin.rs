@@ -128,10 +128,7 @@ impl OriginAccess {
 
     /// Checks `uri` against the allow-list, counting a refusal.
     pub fn check(&self, uri: &str) -> Result<(), OriginError> {
-        self.policy
-            .check(uri)
-            .map(drop)
-            .map_err(|e| self.refuse(e))
+        self.policy.check(uri).map(drop).map_err(|e| self.refuse(e))
     }
 
     /// Counts a symbolic link that led outside its root as a refusal (passes others on).

@@ -128,7 +128,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// Charges `n` received bytes to the ingress limiter and the counters.
     fn received(&mut self, n: usize) {
         self.last_rx = tokio::time::Instant::now();
-        self.counters.received.fetch_add(n as u64, Ordering::Relaxed);
+        self.counters
+            .received
+            .fetch_add(n as u64, Ordering::Relaxed);
         self.ready_at = Some(self.ingress.reserve(n as u64));
     }
 
