@@ -1,5 +1,5 @@
 //! Limits on the data port against a real daemon on loopback: peers silent after connect,
-//! after `Hello` and mid-frame are closed within their timeouts and counted; a connection
+//! after `Hello`, mid-frame and mid-session are closed within their timeouts and counted; a connection
 //! flood beyond the caps is refused while a peer from another address still gets in; a
 //! peer inventing host ids in `Progress` frames does not grow a session's table.
 
@@ -10,7 +10,7 @@ use bytes::{Buf, BytesMut};
 use shardcast_bench::cluster::Daemon;
 use shardcast_protocol::agent::{Chain, Hop, StartChainRequest, Tier};
 use shardcast_protocol::codec::Codec;
-use shardcast_protocol::{ChunkSet, Frame, HostId, PROTOCOL_VERSION};
+use shardcast_protocol::{ChunkSet, Frame, HostId, PROTOCOL_VERSION, SessionHeader, SessionId};
 use shardcast_tests::TestCluster;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -54,7 +54,7 @@ async fn metric(d: &Daemon, name: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_peers_are_closed_in_every_phase() {
-    let c = TestCluster::start(0, 1 << 20, 1, |_, o| {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, o| {
         o.extra_args.extend([
             "--handshake-timeout-ms".into(),
             "500".into(),
@@ -85,10 +85,30 @@ async fn silent_peers_are_closed_in_every_phase() {
     s.write_all(&[0u8; 10]).await.unwrap();
     time_to_close(&mut s, limit).await;
 
+    // Silent in the middle of a session: Hello, Manifest, Open, Accept back, then nothing.
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let r = &c.daemons[1];
+    let mut s = TcpStream::connect(r.data_addr).await.unwrap();
+    let mut out = hello("stalled-upstream");
+    Frame::Manifest(manifest.clone()).encode(&mut out);
+    Frame::Open(SessionHeader {
+        session: SessionId([9; 16]),
+        model: manifest.digest(),
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: shardcast_protocol::Tier::Memory,
+        origin: String::new(),
+        downstream: vec![],
+    })
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let t = time_to_close(&mut s, limit).await;
+    assert!(t >= Duration::from_millis(900), "closed after {t:?}");
+
     assert!(metric(d, "conn_handshake_timeouts_total").await >= 1);
     assert!(metric(d, "conn_idle_timeouts_total").await >= 2);
-    // The daemon still serves a well-behaved import afterwards.
-    c.import_on_source().await.unwrap();
+    assert!(metric(r, "conn_idle_timeouts_total").await >= 1);
 }
 
 async fn connect_from(ip: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
