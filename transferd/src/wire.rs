@@ -98,6 +98,9 @@ pub struct FrameReader<R> {
     idle: Option<Duration>,
     /// When bytes last arrived (or the idle timeout was armed).
     last_rx: tokio::time::Instant,
+    /// When the caller started waiting for the frame now being read (kept across
+    /// cancelled reads, cleared when a frame is returned).
+    waiting_since: Option<tokio::time::Instant>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -113,13 +116,16 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             ready_at: None,
             idle: None,
             last_rx: tokio::time::Instant::now(),
+            waiting_since: None,
         }
     }
 
     /// Arms (or with `None` disarms) the idle timeout: from now on a `read` fails with
-    /// [`WireError::Idle`] once the peer has sent nothing for `idle`, whether it is silent
-    /// between frames or in the middle of one. The clock counts from the last byte
-    /// received, so it holds however often `read` is cancelled and called again.
+    /// [`WireError::Idle`] once the peer has sent nothing for `idle` while a frame is
+    /// awaited, whether it is silent between frames or in the middle of one. The clock
+    /// counts from the later of the last byte received and the first `read` since the
+    /// previous frame, so it holds however often `read` is cancelled and called again, and
+    /// time spent not reading (serving a `Fetch`) does not count against the peer.
     pub fn set_idle_timeout(&mut self, idle: Option<Duration>) {
         self.idle = idle;
         self.last_rx = tokio::time::Instant::now();
@@ -139,17 +145,24 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         // The reads below are raced against the idle deadline; on a timeout nothing of
         // the stream is lost (a partly read frame stays here), but the caller drops the
         // connection anyway.
-        let deadline = self.idle.map(|d| (self.last_rx + d, d));
-        match deadline {
+        let since = *self
+            .waiting_since
+            .get_or_insert_with(tokio::time::Instant::now);
+        let deadline = self.idle.map(|d| (since.max(self.last_rx) + d, d));
+        let r = match deadline {
             None => self.read_inner().await,
             Some((at, d)) => match tokio::time::timeout_at(at, self.read_inner()).await {
                 Ok(r) => r,
                 Err(_) => {
                     self.counters.idle_timeouts.fetch_add(1, Ordering::Relaxed);
-                    Err(WireError::Idle(d))
+                    return Err(WireError::Idle(d));
                 }
             },
+        };
+        if r.is_ok() {
+            self.waiting_since = None;
         }
+        r
     }
 
     async fn read_inner(&mut self) -> Result<Option<Frame>, WireError> {
@@ -473,6 +486,20 @@ mod tests {
         assert!(matches!(err, WireError::Idle(_)), "{err}");
         assert!(start.elapsed() <= Duration::from_millis(2100));
         assert_eq!(counters.idle_timeouts.load(Ordering::Relaxed), 2);
+
+        // Time spent not reading (this host busy writing) does not count against the peer:
+        // after a whole frame, a pause, then a read, the peer gets the full timeout again.
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        r.set_idle_timeout(Some(Duration::from_secs(2)));
+        let mut done = Vec::new();
+        Frame::Done.encode(&mut done);
+        a.write_all(&done).await.unwrap();
+        assert!(matches!(r.read().await, Ok(Some(Frame::Done))));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let start = tokio::time::Instant::now();
+        assert!(matches!(r.read().await, Err(WireError::Idle(_))));
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
     }
 
     #[tokio::test(start_paused = true)]
