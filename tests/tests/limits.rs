@@ -111,6 +111,44 @@ async fn silent_peers_are_closed_in_every_phase() {
     assert!(metric(r, "conn_idle_timeouts_total").await >= 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_reading_is_dropped_when_writes_do_not_drain() {
+    let c = TestCluster::start(0, 48 << 20, 1, |_, o| {
+        o.extra_args
+            .extend(["--write-timeout-s".into(), "1".into()]);
+    })
+    .await
+    .unwrap();
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let d = &c.daemons[0];
+    // Ask for every chunk of the largest shard, then never read.
+    let (shard, entry) = manifest
+        .shards
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, e)| e.size)
+        .unwrap();
+    let mut s = TcpStream::connect(d.data_addr).await.unwrap();
+    let mut out = hello("sink");
+    Frame::Fetch {
+        model: manifest.digest(),
+        shard: shard as u32,
+        start: 0,
+        end: entry.chunks.len() as u32,
+    }
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while metric(d, "conn_write_timeouts_total").await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled write was never dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(s);
+}
+
 async fn connect_from(ip: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
     let sock = TcpSocket::new_v4()?;
     sock.bind(SocketAddr::from((ip, 0)))?;
