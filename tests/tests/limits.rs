@@ -149,6 +149,54 @@ async fn a_peer_that_stops_reading_is_dropped_when_writes_do_not_drain() {
     drop(s);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_beyond_the_cap_are_refused() {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, o| {
+        o.extra_args.extend(["--max-sessions".into(), "2".into()]);
+    })
+    .await
+    .unwrap();
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let r = &c.daemons[1];
+    let mut conns = Vec::new();
+    let mut refused = 0;
+    for id in 1..=4u8 {
+        let mut s = TcpStream::connect(r.data_addr).await.unwrap();
+        let mut out = hello("opener");
+        Frame::Manifest(manifest.clone()).encode(&mut out);
+        Frame::Open(SessionHeader {
+            session: SessionId([id; 16]),
+            model: manifest.digest(),
+            shard: 0,
+            start: 0,
+            end: 1,
+            tier: shardcast_protocol::Tier::Memory,
+            origin: String::new(),
+            downstream: vec![],
+        })
+        .encode(&mut out);
+        s.write_all(&out).await.unwrap();
+        let mut buf = BytesMut::new();
+        loop {
+            match read_frame(&mut s, &mut buf)
+                .await
+                .expect("an answer to Open")
+            {
+                Frame::Accept { .. } => break,
+                Frame::Error { message, .. } => {
+                    assert!(message.contains("max_sessions"), "{message}");
+                    refused += 1;
+                    break;
+                }
+                _ => continue,
+            }
+        }
+        conns.push(s);
+    }
+    assert_eq!(refused, 2);
+    assert_eq!(metric(r, "sessions_refused_total").await, 2);
+}
+
 async fn connect_from(ip: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
     let sock = TcpSocket::new_v4()?;
     sock.bind(SocketAddr::from((ip, 0)))?;

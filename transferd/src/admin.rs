@@ -176,6 +176,12 @@ pub fn render(node: &Node) -> String {
         c.write_timeouts.load(Ordering::Relaxed),
     );
     metric(
+        "sessions_refused_total",
+        "counter",
+        "Open frames refused because the host held max_sessions hop sessions.",
+        s.sessions_refused.load(Ordering::Relaxed),
+    );
+    metric(
         "progress_dropped_total",
         "counter",
         "Relayed Progress frames not recorded because a session tracks the maximum of hosts.",

@@ -119,6 +119,8 @@ pub struct NodeStats {
     pub downstream_failovers: AtomicU64,
     /// Times a hop fetched missing chunks from a fallback source.
     pub upstream_recoveries: AtomicU64,
+    /// `Open`s refused because the host already holds `max_sessions` hop sessions.
+    pub sessions_refused: AtomicU64,
     /// `Progress` frames not recorded because a session already tracks
     /// [`MAX_PROGRESS_HOSTS`] hosts below it (a peer inventing host ids).
     pub progress_dropped: AtomicU64,
@@ -574,6 +576,14 @@ impl Node {
             self.cfg.origins.check(&header.origin).map_err(|e| {
                 ChainError::refused(ErrorCode::Refused, format!("fallback origin: {e}"))
             })?;
+        }
+        let held = self.sessions.lock().map(|m| m.len()).unwrap_or(0);
+        if held >= self.cfg.limits.max_sessions {
+            self.stats.sessions_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!("this host already holds {held} sessions (max_sessions); retry later"),
+            ));
         }
         let manifest = match self.store.manifest(&header.model) {
             Some(m) => m,

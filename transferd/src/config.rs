@@ -175,6 +175,10 @@ pub struct Args {
     /// Data-plane connections accepted at once from one IP address [default: 1024].
     #[arg(long, env = "SHARDCAST_MAX_CONNECTIONS_PER_IP")]
     pub max_connections_per_ip: Option<usize>,
+    /// Hop sessions (session × shard) held at once; more `Open`s are refused
+    /// [default: 4096].
+    #[arg(long, env = "SHARDCAST_MAX_SESSIONS")]
+    pub max_sessions: Option<usize>,
 }
 
 /// The TOML file's fields (all optional; unknown fields are an error).
@@ -224,6 +228,7 @@ struct FileConfig {
     write_timeout_s: Option<u64>,
     max_connections: Option<usize>,
     max_connections_per_ip: Option<usize>,
+    max_sessions: Option<usize>,
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -421,6 +426,12 @@ impl Config {
                     "max_connections_per_ip",
                     args.max_connections_per_ip.or(file.max_connections_per_ip),
                     d.max_connections_per_ip,
+                    1 << 20,
+                )?,
+                max_sessions: bounded(
+                    "max_sessions",
+                    args.max_sessions.or(file.max_sessions),
+                    d.max_sessions,
                     1 << 20,
                 )?,
             }

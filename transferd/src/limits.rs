@@ -35,6 +35,10 @@ pub struct Limits {
     /// connection per (session, shard), so this must exceed the shard count of the largest
     /// model times the sessions one peer runs to this host at once.
     pub max_connections_per_ip: usize,
+    /// Hop sessions (session × shard) held at once. Rationale: each holds a shard file
+    /// and a few tasks; a peer sending `Open`s with new session ids must not grow the
+    /// table without bound. 4096 covers a thousand concurrent sessions of 4-shard models.
+    pub max_sessions: usize,
 }
 
 impl Default for Limits {
@@ -45,6 +49,7 @@ impl Default for Limits {
             write_timeout: Duration::from_secs(30),
             max_connections: 8192,
             max_connections_per_ip: 1024,
+            max_sessions: 4096,
         }
     }
 }
