@@ -201,7 +201,9 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
         .rate
         .map(|r| format!("{r}B/s"))
         .unwrap_or_else(|| "unlimited".into());
-    let mut ctl_args = Vec::new();
+    // The controller and every host may read exactly this origin.
+    let allow = vec!["--origin-allow".to_string(), origin_url.clone()];
+    let mut ctl_args = allow.clone();
     if let Some(r) = opts.origin_rate {
         ctl_args.extend(["--origin-rate".into(), format!("{r}B/s")]);
     }
@@ -212,6 +214,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
     let cluster = ManagedCluster::start(opts.hosts, ctl_args, |i, o| {
         o.egress_rate = rate_flag.clone();
         o.ingress_rate = rate_flag.clone();
+        o.extra_args.extend(allow.clone());
         // Two racks, so the plans show rack-aware ordering.
         o.extra_args.extend([
             "--rack".into(),
@@ -552,6 +555,8 @@ async fn cold_start_method(
             format!("{}B/s", opts.origin_rate),
             "--default-nic-rate".into(),
             rate_flag.clone(),
+            "--origin-allow".into(),
+            origin.url.clone(),
         ],
     )
     .await?;
@@ -562,8 +567,12 @@ async fn cold_start_method(
         o.data_ip = IpAddr::V4(net.host_ip(i));
         o.netns = Some(net.ns_name(i).to_string());
         o.extra_args.extend(managed_args(&controller, ""));
-        o.extra_args
-            .extend(["--nic-rate".into(), rate_flag.clone()]);
+        o.extra_args.extend([
+            "--nic-rate".into(),
+            rate_flag.clone(),
+            "--origin-allow".into(),
+            origin.url.clone(),
+        ]);
         daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
     }
     wait_hosts_up(&controller, opts.hosts, Duration::from_secs(30)).await?;
@@ -695,7 +704,10 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
         "starting a controller and {hosts} transferd processes with one simulated GPU each ({} host → GPU)",
         format_bytes(opts.pcie_rate) + "/s"
     );
-    let cluster = ManagedCluster::start(hosts, Vec::new(), |_, o| {
+    let origin = format!("file://{}", origin_dir.path().display());
+    let allow = vec!["--origin-allow".to_string(), origin.clone()];
+    let cluster = ManagedCluster::start(hosts, allow.clone(), |_, o| {
+        o.extra_args.extend(allow.clone());
         o.extra_args.extend([
             "--gpu-backend".into(),
             "simulated".into(),
@@ -709,7 +721,6 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
     })
     .await?;
     let mut api = cluster.controller.client().await?;
-    let origin = format!("file://{}", origin_dir.path().display());
     let (manifest, digest) = register(&mut api, &origin).await?;
     eprintln!("prewarming every host's memory tier");
     let a = api

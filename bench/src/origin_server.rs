@@ -425,9 +425,15 @@ mod tests {
     use std::time::Instant;
 
     use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
+    use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
     use shardcast_protocol::{Manifest, ModelName, ShardHasher};
     use tokio::io::AsyncWriteExt;
-    use transferd::origin::{Origin, OriginError, fetch_chunks};
+    use transferd::origin::{Origin, OriginAccess, OriginError, fetch_chunks};
+
+    /// Origin access allowing everything under `base`.
+    fn allow(base: &str) -> OriginAccess {
+        OriginAccess::new(OriginPolicy::parse([base], Enforcer::Host).unwrap())
+    }
 
     use super::*;
 
@@ -667,7 +673,7 @@ mod tests {
         .await;
         let base = format!("http://{}/", srv.addr);
 
-        let origin = Origin::parse(&format!("{base}m/")).unwrap();
+        let origin = Origin::parse(&format!("{base}m/"), &allow(&base)).unwrap();
         let listed = origin.list().await.unwrap();
         // The two shards of the index, and the index itself.
         assert_eq!(listed.len(), 3);
@@ -710,13 +716,13 @@ mod tests {
             manifest.total_bytes() + 50 + one.len() as u64
         );
 
-        let single = Origin::parse(&format!("{base}single/")).unwrap();
+        let single = Origin::parse(&format!("{base}single/"), &allow(&base)).unwrap();
         let m = single.build_manifest(name, chunk, &|_| {}).await.unwrap();
         assert_eq!(m.shards.len(), 1);
         assert_eq!(m.shards[0].path.as_str(), "model.safetensors");
         let _: &Manifest = &m;
 
-        let err = Origin::parse(&format!("{base}none/"))
+        let err = Origin::parse(&format!("{base}none/"), &allow(&base))
             .unwrap()
             .list()
             .await

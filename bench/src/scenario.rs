@@ -311,6 +311,8 @@ async fn run_method(
             format!("recv-{i}")
         };
         let mut o = DaemonOpts::local(name.clone());
+        o.extra_args
+            .extend(["--origin-allow".into(), origin_uri.to_string()]);
         if opts.window > 0 {
             o.extra_args
                 .extend(["--window".into(), opts.window.to_string()]);
@@ -436,6 +438,8 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
             let mut o = DaemonOpts::local(name.clone());
             o.egress_rate = rate_flag.clone();
             o.ingress_rate = rate_flag.clone();
+            o.extra_args
+                .extend(["--origin-allow".into(), format!("{file_uri},{origin_url}")]);
             daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
         }
         // The source already holds the model (imported from local files, not timed).

@@ -23,6 +23,7 @@ use shardcast_protocol::controller::{
     ListHostsResponse, ListModelsResponse, ListPlansResponse, ModelInfo, ModelStatus, PlanAccepted,
     PlanStatus, PlannedChain, PrewarmRequest, RegisterModelRequest, ScaleOutRequest, ShardInfo,
 };
+use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use shardcast_protocol::{HostId, Manifest, ModelName};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -58,6 +59,9 @@ pub struct ControllerConfig {
     /// The controller's TLS identity for reaching agents over TCP (`None`: plaintext,
     /// insecure mode or agents on Unix sockets only).
     pub tls: Option<Arc<shardcast_identity::TlsContext>>,
+    /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
+    /// empty, which refuses every registration with a message saying how to allow one.
+    pub origins: OriginPolicy,
 }
 
 impl Default for ControllerConfig {
@@ -73,6 +77,7 @@ impl Default for ControllerConfig {
             tiers: crate::tiers::TierConfig::default(),
             scrape: None,
             tls: None,
+            origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
         }
     }
 }
@@ -366,6 +371,7 @@ pub struct Controller {
     usage: crate::tiers::Usage,
     ptables: crate::ptables::PlanStore,
     authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    origin_refused: std::sync::atomic::AtomicU64,
 }
 
 impl Controller {
@@ -435,6 +441,7 @@ impl Controller {
             usage,
             ptables,
             authz: Arc::default(),
+            origin_refused: std::sync::atomic::AtomicU64::new(0),
         });
         for (id, burst) in resume {
             info!(plan = %id, "resuming a plan in flight");
@@ -774,6 +781,30 @@ impl Controller {
 
     // ---- registry ----
 
+    /// Checks an origin against the allow-list: a malformed URI is `INVALID_ARGUMENT`, one
+    /// outside the list `PERMISSION_DENIED` (counted and logged with the origin).
+    pub fn check_origin(&self, origin: &str) -> Result<(), ApiError> {
+        use shardcast_protocol::origin_policy::PolicyError;
+        match self.cfg.origins.check(origin) {
+            Ok(_) => Ok(()),
+            Err(e @ (PolicyError::Invalid { .. } | PolicyError::UnsupportedScheme { .. })) => {
+                Err(ApiError::invalid(e.to_string()))
+            }
+            Err(e) => {
+                self.origin_refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                warn!(%origin, "origin refused by policy: {e}");
+                Err(ApiError::permission_denied(e.to_string()))
+            }
+        }
+    }
+
+    /// Registrations refused by the origin allow-list so far.
+    pub fn origin_refusals(&self) -> u64 {
+        self.origin_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Registers a model by reading its origin through a live transferd.
     pub async fn register_model(&self, req: RegisterModelRequest) -> Result<ModelInfo, ApiError> {
         let name = ModelName::new(&req.name)
@@ -785,16 +816,7 @@ impl Controller {
             Some(req.profile_json.clone())
         };
         let origin = req.origin.trim().to_string();
-        let ok_scheme = origin
-            .strip_prefix("file://")
-            .is_some_and(|p| p.starts_with('/'))
-            || origin.starts_with("http://")
-            || origin.starts_with("https://");
-        if !ok_scheme {
-            return Err(ApiError::invalid(format!(
-                "origin {origin:?} must be file:///absolute/path, http://… or https://…"
-            )));
-        }
+        self.check_origin(&origin)?;
         let via = {
             let st = lock(&self.state);
             if req.via_host.is_empty() {

@@ -46,7 +46,8 @@ impl ApiError {
     pub fn unauthenticated(message: impl Into<String>) -> Self {
         Self::new(Code::Unauthenticated, message)
     }
-    /// The caller's role lacks the permission.
+    /// The caller's role lacks the permission, or policy forbids the request (an origin
+    /// outside the allow-list).
     pub fn permission_denied(message: impl Into<String>) -> Self {
         Self::new(Code::PermissionDenied, message)
     }

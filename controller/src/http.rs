@@ -184,6 +184,10 @@ pub fn router(c: Arc<Controller>) -> Router {
                     load(&authz.unauthenticated),
                     load(&authz.denied)
                 ));
+                out.push_str(&format!(
+                    "# HELP shardcast_origin_refused_total Registrations refused by the origin allow-list.\n# TYPE shardcast_origin_refused_total counter\nshardcast_origin_refused_total {}\n",
+                    c.origin_refusals()
+                ));
                 out
             }),
         )

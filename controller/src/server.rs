@@ -17,6 +17,7 @@ use shardcast_identity::{Alpn, Role, TlsContext};
 use shardcast_placement::PlanParams;
 use shardcast_protocol::controller::controller_server::ControllerServer;
 use shardcast_protocol::controller::inventory_server::InventoryServer;
+use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use shardcast_protocol::units::parse_rate;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -136,6 +137,11 @@ pub struct Args {
     /// are on loopback. For benchmarks and experiments only.
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
     pub insecure_plaintext: bool,
+    /// Origin prefixes models may be registered from (repeatable or comma-separated):
+    /// `file:///data/models/`, `https://models.example.com/org/`. Empty (the default)
+    /// refuses every registration. Each transferd enforces its own `origin_allow` too.
+    #[arg(long, env = "SHARDCAST_ORIGIN_ALLOW", value_delimiter = ',')]
+    pub origin_allow: Vec<String>,
 }
 
 /// The controller's TLS identity, or `None` in insecure mode (checked: loopback only).
@@ -257,6 +263,8 @@ impl Args {
                 origins_durable: !self.origins_not_durable,
             },
             scrape,
+            origins: OriginPolicy::parse(&self.origin_allow, Enforcer::Controller)
+                .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?,
             ..ControllerConfig::default()
         })
     }
@@ -271,6 +279,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         None => Tokens::default(),
     };
     cfg.tls = tls.clone();
+    if cfg.origins.is_empty() {
+        warn!("--origin-allow is empty: every model registration is refused");
+    } else {
+        info!(allowed = %cfg.origins.describe(), "origin allow-list");
+    }
     let cancel = CancellationToken::new();
     if let Some(ctx) = &tls {
         ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());

@@ -412,7 +412,7 @@ pub struct TlsStats {
 pub struct TlsContext {
     files: TlsFiles,
     loaded: ArcSwap<Loaded>,
-    handshake_timeout: Duration,
+    handshake_timeout_ms: AtomicU64,
     /// Counters.
     pub stats: TlsStats,
 }
@@ -433,7 +433,7 @@ impl TlsContext {
         Ok(Arc::new(Self {
             files,
             loaded: ArcSwap::from_pointee(loaded),
-            handshake_timeout: HANDSHAKE_TIMEOUT,
+            handshake_timeout_ms: AtomicU64::new(HANDSHAKE_TIMEOUT.as_millis() as u64),
             stats: TlsStats::default(),
         }))
     }
@@ -455,6 +455,16 @@ impl TlsContext {
             )));
         }
         Ok(ctx)
+    }
+
+    /// Sets the time allowed for each TLS handshake (default [`HANDSHAKE_TIMEOUT`]).
+    pub fn set_handshake_timeout(&self, limit: Duration) {
+        self.handshake_timeout_ms
+            .store(limit.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+
+    fn handshake_timeout(&self) -> Duration {
+        Duration::from_millis(self.handshake_timeout_ms.load(Ordering::Relaxed))
     }
 
     /// This member's identity, from its certificate.
@@ -567,11 +577,12 @@ impl TlsContext {
         S: AsyncRead + AsyncWrite + Unpin,
     {
         let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
-        let r = tokio::time::timeout(self.handshake_timeout, acceptor.accept(stream)).await;
+        let limit = self.handshake_timeout();
+        let r = tokio::time::timeout(limit, acceptor.accept(stream)).await;
         let s = match r {
             Err(_) => {
                 self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
-                return Err(TlsError::Timeout(self.handshake_timeout));
+                return Err(TlsError::Timeout(limit));
             }
             Ok(Err(e)) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -633,11 +644,12 @@ impl TlsContext {
         let connector = tokio_rustls::TlsConnector::from(cfg);
         let name = ServerName::try_from(CLUSTER_SERVER_NAME)
             .map_err(|e| TlsError::Handshake(std::io::Error::other(e)))?;
-        let r = tokio::time::timeout(self.handshake_timeout, connector.connect(name, stream)).await;
+        let limit = self.handshake_timeout();
+        let r = tokio::time::timeout(limit, connector.connect(name, stream)).await;
         let s = match r {
             Err(_) => {
                 self.stats.connect_refused.fetch_add(1, Ordering::Relaxed);
-                return Err(TlsError::Timeout(self.handshake_timeout));
+                return Err(TlsError::Timeout(limit));
             }
             Ok(Err(e)) => {
                 self.stats.connect_refused.fetch_add(1, Ordering::Relaxed);

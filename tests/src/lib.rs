@@ -50,6 +50,7 @@ impl TestCluster {
                 format!("recv-{i}")
             };
             let mut o = DaemonOpts::local(name.clone());
+            o.extra_args.extend(allow_args(&[&origin_uri]));
             o.extra_args.extend([
                 "--upstream-grace-ms".into(),
                 "500".into(),
@@ -157,4 +158,75 @@ impl TestCluster {
         }
         anyhow::bail!("daemon {i} did not reach {bytes} bytes in {timeout:?}")
     }
+}
+
+/// The directory under which tests that start their clusters before creating origins put
+/// those origins; such clusters allow exactly this root ([`allow_args`]). One fixed
+/// directory (each origin in it is a temporary directory removed when dropped).
+pub fn origins_root() -> std::path::PathBuf {
+    let root = std::env::temp_dir().join("shardcast-test-origins");
+    // Racing test processes may create it at once; `create_dir_all` tolerates that.
+    let _ = std::fs::create_dir_all(&root);
+    root
+}
+
+/// A fresh temporary origin directory under [`origins_root`].
+pub fn origin_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("origin-")
+        .tempdir_in(origins_root())
+        .expect("creating an origin directory under the temp dir")
+}
+
+/// `--origin-allow` flags for a transferd or the controller: `prefixes`, or when empty
+/// the `file://` root of [`origins_root`].
+pub fn allow_args(prefixes: &[&str]) -> Vec<String> {
+    let list = if prefixes.is_empty() {
+        format!("file://{}/", origins_root().display())
+    } else {
+        prefixes.join(",")
+    };
+    vec!["--origin-allow".into(), list]
+}
+
+/// A data-port stream of any transport (TLS in every test cluster).
+pub type Stream = Box<dyn shardcast_identity::grpc::Io>;
+
+/// A TLS connection to a data port as host `name` of the process's test CA: a peer with a
+/// valid certificate, whose `Hello` must then name `name`.
+pub async fn tls_connect(addr: std::net::SocketAddr, name: &str) -> std::io::Result<Stream> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tls_over(tcp, name).await
+}
+
+/// The client side of the data-port TLS handshake over an established TCP stream.
+pub async fn tls_over(tcp: tokio::net::TcpStream, name: &str) -> std::io::Result<Stream> {
+    let ctx = host_tls(name)?;
+    let (s, _) = ctx
+        .connect(
+            tcp,
+            shardcast_identity::Alpn::Data,
+            &shardcast_identity::Expect::Role(shardcast_identity::Role::Host),
+        )
+        .await?;
+    Ok(Box::new(s))
+}
+
+/// The server side of the data-port TLS handshake as host `name` (a fake hop).
+pub async fn tls_accept(tcp: tokio::net::TcpStream, name: &str) -> std::io::Result<Stream> {
+    let ctx = host_tls(name)?;
+    let (s, _) = ctx
+        .accept(tcp, shardcast_identity::Alpn::Data)
+        .await
+        .map_err(std::io::Error::from)?;
+    Ok(Box::new(s))
+}
+
+/// The TLS context of host `name` of the process's test CA.
+pub fn host_tls(name: &str) -> std::io::Result<std::sync::Arc<shardcast_identity::TlsContext>> {
+    let pki = shardcast_bench::pki::ClusterPki::shared().map_err(std::io::Error::other)?;
+    let files = pki
+        .files(shardcast_identity::Role::Host, name)
+        .map_err(std::io::Error::other)?;
+    shardcast_identity::TlsContext::load(files).map_err(std::io::Error::other)
 }

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use shardcast_bench::cluster::Daemon;
+use shardcast_bench::cluster::{Daemon, DaemonOpts};
 use shardcast_bench::control::{ControllerProc, HttpAs, ManagedCluster, cli_bin, wait_plan};
 use shardcast_bench::origin_server::{OriginStats, serve};
 use shardcast_bench::synth::{self, SynthSpec};
@@ -26,8 +26,9 @@ struct Origin {
 }
 
 impl Origin {
+    /// A synthetic model under the origins root every cluster here allows.
     fn new(size: u64, shards: usize) -> Self {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = shardcast_tests::origin_dir();
         synth::generate(
             dir.path(),
             &SynthSpec {
@@ -43,6 +44,35 @@ impl Origin {
     fn uri(&self) -> String {
         format!("file://{}", self.dir.path().display())
     }
+}
+
+/// `ManagedCluster::start` whose controller and daemons allow the origins root (where
+/// [`Origin::new`] puts models) and `http` (HTTP origins bound before the cluster starts).
+async fn start_cluster_allowing(
+    n: usize,
+    mut ctl_args: Vec<String>,
+    http: &[&str],
+    mut opts: impl FnMut(usize, &mut DaemonOpts),
+) -> anyhow::Result<ManagedCluster> {
+    let root = format!("file://{}/", shardcast_tests::origins_root().display());
+    let mut prefixes = vec![root.as_str()];
+    prefixes.extend_from_slice(http);
+    let allow = shardcast_tests::allow_args(&prefixes);
+    ctl_args.extend(allow.clone());
+    ManagedCluster::start(n, ctl_args, move |i, o| {
+        o.extra_args.extend(allow.clone());
+        opts(i, o);
+    })
+    .await
+}
+
+/// [`start_cluster_allowing`] with no HTTP origin.
+async fn start_cluster(
+    n: usize,
+    ctl_args: Vec<String>,
+    opts: impl FnMut(usize, &mut DaemonOpts),
+) -> anyhow::Result<ManagedCluster> {
+    start_cluster_allowing(n, ctl_args, &[], opts).await
 }
 
 async fn register(api: &mut ControllerClient<Channel>, origin: &Origin) -> Manifest {
@@ -154,14 +184,17 @@ async fn http_origin_counts_one_read_then_none() {
 }
 
 async fn prewarm_then_peers(http: bool) {
-    let c = ManagedCluster::start(8, vec![], |_, _| {}).await.unwrap();
+    // The HTTP origin's port is bound first so the cluster can allow exactly it.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    let c = start_cluster_allowing(8, vec![], &[&url], |_, _| {})
+        .await
+        .unwrap();
     let origin = Origin::new(24 << 20, 3);
     let stats = std::sync::Arc::new(OriginStats::default());
     let stop = tokio_util::sync::CancellationToken::new();
     let _stop = stop.clone().drop_guard();
     let uri = if http {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/", listener.local_addr().unwrap());
         tokio::spawn(serve(
             origin.dir.path().to_path_buf(),
             listener,
@@ -308,7 +341,7 @@ async fn prewarm_then_peers(http: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
-    let mut c = ManagedCluster::start(6, vec![], |_, o| {
+    let mut c = start_cluster(6, vec![], |_, o| {
         o.egress_rate = "24MB/s".into();
     })
     .await
@@ -353,7 +386,7 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_restarted_mid_plan_finishes_it() {
-    let mut c = ManagedCluster::start(4, vec![], |_, o| {
+    let mut c = start_cluster(4, vec![], |_, o| {
         o.egress_rate = "16MB/s".into();
     })
     .await
@@ -414,7 +447,7 @@ async fn controller_restarted_mid_plan_finishes_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_prewarms_of_one_model_send_it_to_each_host_once() {
-    let c = ManagedCluster::start(6, vec![], |_, o| {
+    let c = start_cluster(6, vec![], |_, o| {
         o.egress_rate = "32MB/s".into();
     })
     .await
@@ -486,7 +519,7 @@ async fn cli(ctl: &ControllerProc, args: &[&str]) -> (i32, String, String) {
 async fn bad_input_gets_precise_errors_and_changes_nothing() {
     // No host at all: nothing can be registered.
     let empty_root = tempfile::tempdir().unwrap();
-    let empty = ControllerProc::start(empty_root.path(), vec![])
+    let empty = ControllerProc::start(empty_root.path(), shardcast_tests::allow_args(&[]))
         .await
         .unwrap();
     let err = empty
@@ -495,7 +528,7 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
         .unwrap()
         .register_model(RegisterModelRequest {
             name: MODEL.into(),
-            origin: "file:///tmp".into(),
+            origin: format!("file://{}/m", shardcast_tests::origins_root().display()),
             ..Default::default()
         })
         .await
@@ -504,7 +537,7 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
     assert!(err.message().contains("no live host"), "{err:?}");
     drop(empty);
 
-    let c = ManagedCluster::start(2, vec![], |_, _| {}).await.unwrap();
+    let c = start_cluster(2, vec![], |_, _| {}).await.unwrap();
     let origin = Origin::new(2 << 20, 1);
     let mut api = c.controller.client().await.unwrap();
     register(&mut api, &origin).await;
@@ -532,7 +565,7 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
     assert!(
         matches!(
             e.code(),
-            Code::InvalidArgument | Code::Unavailable | Code::NotFound
+            Code::InvalidArgument | Code::Unavailable | Code::NotFound | Code::PermissionDenied
         ),
         "{e:?}"
     );
@@ -666,14 +699,19 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
 async fn stalled_receivers_are_replanned_from_another_holder() {
     use std::sync::Arc;
     // A short stall timeout so the test does not wait long for the re-plan.
-    let mut c = ManagedCluster::start(4, vec!["--stall-timeout-s".into(), "2".into()], |_, o| {
-        o.egress_rate = "12MB/s".into();
-    })
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    let mut c = start_cluster_allowing(
+        4,
+        vec!["--stall-timeout-s".into(), "2".into()],
+        &[&url],
+        |_, o| {
+            o.egress_rate = "12MB/s".into();
+        },
+    )
     .await
     .unwrap();
     let origin = Origin::new(24 << 20, 1);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/", listener.local_addr().unwrap());
     let stop = tokio_util::sync::CancellationToken::new();
     let server = tokio::spawn(serve(
         origin.dir.path().to_path_buf(),
@@ -743,7 +781,7 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_replicas_share_one_copy_per_host() {
-    let c = ManagedCluster::start(3, vec![], |_, o| {
+    let c = start_cluster(3, vec![], |_, o| {
         o.extra_args.extend(["--gpus".into(), "4".into()]);
     })
     .await
@@ -844,7 +882,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
-    let c = ManagedCluster::start(2, vec![], |_, o| sim_gpus(o, 2, "128MiB"))
+    let c = start_cluster(2, vec![], |_, o| sim_gpus(o, 2, "128MiB"))
         .await
         .unwrap();
     let origin = Origin::new(12 << 20, 2);
@@ -888,7 +926,7 @@ async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_load_scales_out_then_in_and_evicts() {
     use shardcast_protocol::controller::{ListEventsRequest, ReportLoadRequest};
-    let c = ManagedCluster::start(4, vec![], |_, _| {}).await.unwrap();
+    let c = start_cluster(4, vec![], |_, _| {}).await.unwrap();
     let origin = Origin::new(8 << 20, 2);
     let mut api = c.controller.client().await.unwrap();
     let manifest = register(&mut api, &origin).await;
@@ -986,7 +1024,7 @@ async fn reported_load_scales_out_then_in_and_evicts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
     use shardcast_protocol::agent::GpuStatusRequest;
-    let c = ManagedCluster::start(3, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
+    let c = start_cluster(3, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
         .await
         .unwrap();
     let origin = Origin::new(16 << 20, 2);
@@ -1177,7 +1215,7 @@ async fn register_profile(api: &mut ControllerClient<Channel>, origin: &Origin, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
-    let mut c = ManagedCluster::start(1, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
+    let mut c = start_cluster(1, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
         .await
         .unwrap();
     let origin = Origin::new(16 << 20, 2);
@@ -1231,7 +1269,7 @@ async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
     use shardcast_protocol::controller::{ListEventsRequest, ListHostsRequest};
-    let c = ManagedCluster::start(
+    let c = start_cluster(
         2,
         ["--tier-sweep-ms", "200"].map(String::from).to_vec(),
         |_, o| sim_gpus(o, 1, "128MiB"),
@@ -1356,7 +1394,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
     use shardcast_protocol::controller::ListEventsRequest;
-    let c = ManagedCluster::start(
+    let c = start_cluster(
         2,
         [
             "--memory-high",
@@ -1471,7 +1509,7 @@ async fn load_scraped_from_a_prometheus_endpoint_scales_out() {
         std::sync::Arc::new(OriginStats::default()),
         stop.clone(),
     ));
-    let c = ManagedCluster::start(
+    let c = start_cluster(
         4,
         ["--scrape-url", &url, "--scrape-interval-ms", "200"]
             .map(String::from)

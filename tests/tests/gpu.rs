@@ -15,7 +15,7 @@ use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 
 /// A synthetic safetensors model in a scratch directory, and its `file://` URI.
 fn synthetic_origin(total_bytes: u64, shards: usize, seed: u64) -> (tempfile::TempDir, String) {
-    let origin = tempfile::tempdir().unwrap();
+    let origin = shardcast_tests::origin_dir();
     synth::generate(
         origin.path(),
         &SynthSpec {
@@ -31,6 +31,7 @@ fn synthetic_origin(total_bytes: u64, shards: usize, seed: u64) -> (tempfile::Te
 
 async fn daemon(root: &std::path::Path, name: &str, extra: &[&str]) -> Daemon {
     let mut o = DaemonOpts::local(name);
+    o.extra_args.extend(shardcast_tests::allow_args(&[]));
     let mut rest = extra.iter();
     while let Some(a) = rest.next() {
         if *a == "--egress-rate" {

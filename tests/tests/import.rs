@@ -59,24 +59,20 @@ async fn import(d: &Daemon, origin: String, tier: Tier, fetch: bool) -> ImportMo
     .into_inner()
 }
 
-async fn daemon(scratch: &tempfile::TempDir) -> Daemon {
-    Daemon::start(scratch.path(), DaemonOpts::local("importer"))
-        .await
-        .unwrap()
+/// A daemon allowed to read exactly the origins `allow`.
+async fn daemon(scratch: &tempfile::TempDir, allow: &[&str]) -> Daemon {
+    let mut o = DaemonOpts::local("importer");
+    o.extra_args.extend(shardcast_tests::allow_args(allow));
+    Daemon::start(scratch.path(), o).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn import_with_default_chunk_size_from_a_file_origin() {
     let origin = model_dir(64 << 20, 4, 1);
     let scratch = tempfile::tempdir().unwrap();
-    let d = daemon(&scratch).await;
-    let resp = import(
-        &d,
-        format!("file://{}", origin.path().display()),
-        Tier::Memory,
-        true,
-    )
-    .await;
+    let uri = format!("file://{}", origin.path().display());
+    let d = daemon(&scratch, &[&uri]).await;
+    let resp = import(&d, uri, Tier::Memory, true).await;
     assert_eq!(resp.shards, 5, "4 safetensors shards + the index");
     let manifest: Manifest = shardcast_protocol::codec::decode_exact(resp.manifest.into()).unwrap();
     d.verify_copy(&manifest).unwrap();
@@ -87,7 +83,7 @@ async fn import_from_a_rate_capped_http_origin() {
     let origin = model_dir(16 << 20, 2, 2);
     let (url, cancel) = http_origin(origin.path(), Some(100 << 20)).await;
     let scratch = tempfile::tempdir().unwrap();
-    let d = daemon(&scratch).await;
+    let d = daemon(&scratch, &[&url]).await;
     let resp = import(&d, url, Tier::Disk, true).await;
     let manifest: Manifest = shardcast_protocol::codec::decode_exact(resp.manifest.into()).unwrap();
     d.verify_copy(&manifest).unwrap();
@@ -99,14 +95,9 @@ async fn file_and_http_origins_of_one_directory_give_the_same_digest() {
     let origin = model_dir(8 << 20, 3, 3);
     let (url, cancel) = http_origin(origin.path(), None).await;
     let scratch = tempfile::tempdir().unwrap();
-    let d = daemon(&scratch).await;
-    let from_file = import(
-        &d,
-        format!("file://{}", origin.path().display()),
-        Tier::Memory,
-        false,
-    )
-    .await;
+    let uri = format!("file://{}", origin.path().display());
+    let d = daemon(&scratch, &[&uri, &url]).await;
+    let from_file = import(&d, uri, Tier::Memory, false).await;
     let from_http = import(&d, url, Tier::Memory, false).await;
     assert_eq!(from_file.digest, from_http.digest);
     cancel.cancel();

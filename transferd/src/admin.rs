@@ -128,6 +128,66 @@ pub fn render(node: &Node) -> String {
         s.downstream_failovers.load(Ordering::Relaxed),
     );
     metric(
+        "origin_refused_total",
+        "counter",
+        "Origins, redirects, resolved addresses or shard paths refused by the origin allow-list.",
+        node.cfg.origins.refused(),
+    );
+    metric(
+        "conn_open",
+        "gauge",
+        "Data-plane connections open.",
+        node.conn_limits.open() as u64,
+    );
+    metric(
+        "conn_refused_total_cap_total",
+        "counter",
+        "Data-plane connections refused at max_connections.",
+        node.conn_limits
+            .stats
+            .refused_total_cap
+            .load(Ordering::Relaxed),
+    );
+    metric(
+        "conn_refused_per_ip_cap_total",
+        "counter",
+        "Data-plane connections refused at max_connections_per_ip.",
+        node.conn_limits
+            .stats
+            .refused_per_ip_cap
+            .load(Ordering::Relaxed),
+    );
+    metric(
+        "conn_handshake_timeouts_total",
+        "counter",
+        "Accepted connections closed because Hello did not complete within handshake_timeout_ms.",
+        c.handshake_timeouts.load(Ordering::Relaxed),
+    );
+    metric(
+        "conn_idle_timeouts_total",
+        "counter",
+        "Connections closed because the peer was silent past peer_idle_timeout_s.",
+        c.idle_timeouts.load(Ordering::Relaxed),
+    );
+    metric(
+        "conn_write_timeouts_total",
+        "counter",
+        "Connections closed because a write did not drain within write_timeout_s.",
+        c.write_timeouts.load(Ordering::Relaxed),
+    );
+    metric(
+        "sessions_refused_total",
+        "counter",
+        "Open frames refused because the host held max_sessions hop sessions.",
+        s.sessions_refused.load(Ordering::Relaxed),
+    );
+    metric(
+        "progress_dropped_total",
+        "counter",
+        "Relayed Progress frames not recorded because a session tracks the maximum of hosts.",
+        s.progress_dropped.load(Ordering::Relaxed),
+    );
+    metric(
         "upstream_recoveries_total",
         "counter",
         "Fetches from a fallback source after an upstream vanished.",

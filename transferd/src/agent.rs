@@ -167,6 +167,15 @@ pub(crate) fn model_status(h: &Holding) -> pb::ModelStatus {
     }
 }
 
+/// An origin refused by policy is `PERMISSION_DENIED`; any other parse failure is the
+/// caller's malformed input.
+fn origin_status(e: crate::origin::OriginError) -> Status {
+    match e {
+        crate::origin::OriginError::Policy(_) => Status::permission_denied(e.to_string()),
+        e => Status::invalid_argument(e.to_string()),
+    }
+}
+
 #[tonic::async_trait]
 impl Agent for AgentService {
     async fn import_model(
@@ -176,8 +185,7 @@ impl Agent for AgentService {
         let req = request.into_inner();
         let name =
             ModelName::new(&req.name).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let origin =
-            Origin::parse(&req.origin).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let origin = Origin::parse(&req.origin, &self.node.cfg.origins).map_err(origin_status)?;
         let tier = tier_from_pb(req.tier)?;
         let chunk_size = if req.chunk_size == 0 {
             DEFAULT_CHUNK_SIZE
@@ -197,7 +205,13 @@ impl Agent for AgentService {
             origin
                 .build_manifest(name, chunk_size, &progress)
                 .await
-                .map_err(|e| Status::unavailable(format!("reading origin {}: {e}", req.origin)))?
+                .map_err(|e| match e {
+                    crate::origin::OriginError::Policy(_)
+                    | crate::origin::OriginError::SymlinkEscape { .. } => {
+                        Status::permission_denied(format!("reading origin {}: {e}", req.origin))
+                    }
+                    e => Status::unavailable(format!("reading origin {}: {e}", req.origin)),
+                })?
         } else {
             let m: Manifest = decode_exact(req.manifest.into())
                 .map_err(|e| Status::invalid_argument(format!("manifest: {e}")))?;
@@ -267,7 +281,7 @@ impl Agent for AgentService {
                 .map_err(|e| Status::invalid_argument(format!("session_id: {e}")))?
         };
         if !req.origin.is_empty() && !req.origin.starts_with("shardcast://") {
-            Origin::parse(&req.origin).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            Origin::parse(&req.origin, &self.node.cfg.origins).map_err(origin_status)?;
         }
         let tier = tier_from_pb(req.tier)?;
         if req.chains.is_empty() {

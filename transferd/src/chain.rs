@@ -54,7 +54,8 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::origin::{self, Origin};
+use crate::limits::{ConnLimits, Limits};
+use crate::origin::{self, Origin, OriginAccess};
 use crate::repair::{RepairRequest, Repairs};
 use crate::store::{Check, Shard, ShardStore, StoreError};
 use crate::throttle::RateLimiter;
@@ -87,6 +88,11 @@ pub struct ChainConfig {
     pub idle_timeout: Duration,
     /// Concurrent range reads when filling from an origin.
     pub origin_parallel: usize,
+    /// The origin allow-list, checked for every origin this host opens (fills, a
+    /// session's fallback origin, imports). The default allows none.
+    pub origins: OriginAccess,
+    /// Connection caps and per-phase timeouts of the data port.
+    pub limits: Limits,
     /// How often one chunk may be re-sent after `Nack`s before the hop is given up.
     pub max_resends: u32,
     /// Minimum interval between a hop's own `Progress` frames.
@@ -105,6 +111,8 @@ impl Default for ChainConfig {
             upstream_grace: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(30),
             origin_parallel: 8,
+            origins: OriginAccess::default(),
+            limits: Limits::default(),
             max_resends: 5,
             progress_interval: Duration::from_millis(100),
             pipeline_depth: 4,
@@ -138,7 +146,16 @@ pub struct NodeStats {
     pub identity_mismatch: AtomicU64,
     /// Agent API calls refused by role.
     pub authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    /// `Open`s refused because the host already holds `max_sessions` hop sessions.
+    pub sessions_refused: AtomicU64,
+    /// `Progress` frames not recorded because a session already tracks
+    /// [`MAX_PROGRESS_HOSTS`] hosts below it (a peer inventing host ids).
+    pub progress_dropped: AtomicU64,
 }
+
+/// Hosts whose relayed progress one session records: no chain has more hops below a host
+/// than an `Open` frame may list.
+pub const MAX_PROGRESS_HOSTS: usize = shardcast_protocol::frame::MAX_HOPS;
 
 /// Why a chain operation failed. Sent to peers as an `Error` frame, to API callers as a
 /// `tonic::Status` (see `agent.rs`).
@@ -323,10 +340,20 @@ impl ShardSession {
         }
     }
 
-    fn record_progress(&self, host: &HostId, verified: u32, total: u32) {
-        if let Ok(mut m) = self.hop_progress.lock() {
-            m.insert(host.to_string(), (verified, total));
+    /// Records a host's relayed progress; false (not recorded) when the table is full.
+    fn record_progress(&self, host: &HostId, verified: u32, total: u32) -> bool {
+        let Ok(mut m) = self.hop_progress.lock() else {
+            return false;
+        };
+        if let Some(v) = m.get_mut(host.as_str()) {
+            *v = (verified, total);
+            return true;
         }
+        if m.len() >= MAX_PROGRESS_HOSTS {
+            return false;
+        }
+        m.insert(host.to_string(), (verified, total));
+        true
     }
 }
 
@@ -391,6 +418,8 @@ pub struct Node {
     pub cancel: CancellationToken,
     /// Repairs of chunks corrupt at rest, and the sources to repair from.
     pub repairs: Repairs,
+    /// Open data-plane connections against their caps (`cfg.limits`).
+    pub conn_limits: Arc<ConnLimits>,
     sessions: Mutex<HashMap<(SessionId, u32), Arc<ShardSession>>>,
     heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
 }
@@ -417,6 +446,7 @@ impl Node {
             egress,
             counters: Arc::default(),
             stats: NodeStats::default(),
+            conn_limits: ConnLimits::new(&cfg.limits),
             cfg,
             faults,
             cancel,
@@ -497,12 +527,15 @@ impl Node {
     }
 
     fn conn(&self, stream: BoxStream) -> Conn {
-        Conn::new(
+        let mut conn = Conn::new(
             stream,
             self.ingress.clone(),
             self.egress.clone(),
             self.counters.clone(),
-        )
+        );
+        conn.writer
+            .set_write_timeout(Some(self.cfg.limits.write_timeout));
+        conn
     }
 
     /// Sends our `Hello` and reads the peer's; refuses other protocol versions, and a
@@ -563,8 +596,21 @@ impl Node {
         };
         let mut conn = self.conn(stream);
         let result = async {
-            let remote = self.handshake(&mut conn, &identity).await?;
+            let limit = self.cfg.limits.handshake_timeout;
+            let remote =
+                match tokio::time::timeout(limit, self.handshake(&mut conn, &identity)).await {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        self.counters
+                            .handshake_timeouts
+                            .fetch_add(1, Ordering::Relaxed);
+                        return Err(ChainError::Timeout(limit));
+                    }
+                };
             tracing::Span::current().record("host", remote.as_str());
+            // From here a silent peer (between frames or mid-frame) is dropped.
+            conn.reader
+                .set_idle_timeout(Some(self.cfg.limits.peer_idle_timeout));
             self.serve_requests(&mut conn, &remote).await
         }
         .instrument(span.clone())
@@ -630,6 +676,21 @@ impl Node {
         if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
             debug!(session = %header.session, shard = header.shard, "joining running session");
             return Ok(s);
+        }
+        // A fallback origin outside this host's policy refuses the session before anything
+        // is stored: the peer does not get to make this host read where it says.
+        if !header.origin.is_empty() && !header.origin.starts_with("shardcast://") {
+            self.cfg.origins.check(&header.origin).map_err(|e| {
+                ChainError::refused(ErrorCode::Refused, format!("fallback origin: {e}"))
+            })?;
+        }
+        let held = self.sessions.lock().map(|m| m.len()).unwrap_or(0);
+        if held >= self.cfg.limits.max_sessions {
+            self.stats.sessions_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!("this host already holds {held} sessions (max_sessions); retry later"),
+            ));
         }
         let manifest = match self.store.manifest(&header.model) {
             Some(m) => m,
@@ -1184,8 +1245,10 @@ impl Node {
                             }
                         }
                         Some(p @ Frame::Progress { .. }) => {
-                            if let Frame::Progress { host, verified, total, .. } = &p {
-                                sess.record_progress(host, *verified, *total);
+                            if let Frame::Progress { host, verified, total, .. } = &p
+                                && !sess.record_progress(host, *verified, *total)
+                            {
+                                self.stats.progress_dropped.fetch_add(1, Ordering::Relaxed);
                             }
                             let _ = sess.progress.send(p);
                         }
@@ -1306,7 +1369,7 @@ impl Node {
                 .await
                 .map_err(|e| format!("holder {addr}: {e}"));
         }
-        let origin = Origin::parse(source).map_err(|e| e.to_string())?;
+        let origin = Origin::parse(source, &self.cfg.origins).map_err(|e| e.to_string())?;
         let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.cfg.origin_parallel.max(1) * 2);
         let fetch = {
             let origin = origin.clone();

@@ -16,7 +16,11 @@ use shardcast_protocol::units::{parse_rate, parse_size};
 use gpu_loader::manager::{BackendChoice, ManagerConfig};
 use gpu_loader::sim::SimOptions;
 
+use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
+
 use crate::chain::{ChainConfig, parse_fault_list};
+use crate::limits::Limits;
+use crate::origin::OriginAccess;
 use crate::store::{StoreConfig, WriterKind};
 
 /// Command-line flags; each has an environment fallback and a TOML field of the same name.
@@ -174,6 +178,33 @@ pub struct Args {
     /// TCP listener is on loopback. For benchmarks and experiments only [default: false].
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
     pub insecure_plaintext: Option<bool>,
+    /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
+    /// `https://models.example.com/org/`. Every origin this host opens must lie under
+    /// one [default: none, so every origin is refused].
+    #[arg(long, env = "SHARDCAST_ORIGIN_ALLOW", value_delimiter = ',')]
+    pub origin_allow: Vec<String>,
+    /// Milliseconds an accepted data-plane connection has to complete the `Hello`
+    /// exchange [default: 10000].
+    #[arg(long, env = "SHARDCAST_HANDSHAKE_TIMEOUT_MS")]
+    pub handshake_timeout_ms: Option<u64>,
+    /// Seconds a connected peer may stay silent while this host waits for its next frame
+    /// or the rest of a frame [default: 60].
+    #[arg(long, env = "SHARDCAST_PEER_IDLE_TIMEOUT_S")]
+    pub peer_idle_timeout_s: Option<u64>,
+    /// Seconds a write to a peer may take to drain before the connection is dropped
+    /// [default: 30].
+    #[arg(long, env = "SHARDCAST_WRITE_TIMEOUT_S")]
+    pub write_timeout_s: Option<u64>,
+    /// Data-plane connections accepted at once, from all peers [default: 8192].
+    #[arg(long, env = "SHARDCAST_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Data-plane connections accepted at once from one IP address [default: 1024].
+    #[arg(long, env = "SHARDCAST_MAX_CONNECTIONS_PER_IP")]
+    pub max_connections_per_ip: Option<usize>,
+    /// Hop sessions (session × shard) held at once; more `Open`s are refused
+    /// [default: 4096].
+    #[arg(long, env = "SHARDCAST_MAX_SESSIONS")]
+    pub max_sessions: Option<usize>,
 }
 
 /// The TOML file's fields (all optional; unknown fields are an error).
@@ -224,6 +255,13 @@ struct FileConfig {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     insecure_plaintext: Option<bool>,
+    origin_allow: Option<Vec<String>>,
+    handshake_timeout_ms: Option<u64>,
+    peer_idle_timeout_s: Option<u64>,
+    write_timeout_s: Option<u64>,
+    max_connections: Option<usize>,
+    max_connections_per_ip: Option<usize>,
+    max_sessions: Option<usize>,
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -432,6 +470,62 @@ impl Config {
         if idle_timeout_s == 0 {
             bail!("idle_timeout_s must be at least 1");
         }
+        let origin_allow = if args.origin_allow.is_empty() {
+            file.origin_allow.unwrap_or_default()
+        } else {
+            args.origin_allow
+        };
+        let origins = OriginPolicy::parse(&origin_allow, Enforcer::Host)
+            .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?;
+        let limits = {
+            let d = Limits::default();
+            let secs =
+                |name: &str, v: Option<u64>, default: Duration| -> anyhow::Result<Duration> {
+                    match v {
+                        None => Ok(default),
+                        Some(0) => bail!("{name} must be at least 1"),
+                        Some(n) => Ok(Duration::from_secs(n)),
+                    }
+                };
+            let handshake_ms = args
+                .handshake_timeout_ms
+                .or(file.handshake_timeout_ms)
+                .unwrap_or(d.handshake_timeout.as_millis() as u64);
+            if !(100..=600_000).contains(&handshake_ms) {
+                bail!("handshake_timeout_ms must be between 100 and 600000, got {handshake_ms}");
+            }
+            Limits {
+                handshake_timeout: Duration::from_millis(handshake_ms),
+                peer_idle_timeout: secs(
+                    "peer_idle_timeout_s",
+                    args.peer_idle_timeout_s.or(file.peer_idle_timeout_s),
+                    d.peer_idle_timeout,
+                )?,
+                write_timeout: secs(
+                    "write_timeout_s",
+                    args.write_timeout_s.or(file.write_timeout_s),
+                    d.write_timeout,
+                )?,
+                max_connections: bounded(
+                    "max_connections",
+                    args.max_connections.or(file.max_connections),
+                    d.max_connections,
+                    1 << 20,
+                )?,
+                max_connections_per_ip: bounded(
+                    "max_connections_per_ip",
+                    args.max_connections_per_ip.or(file.max_connections_per_ip),
+                    d.max_connections_per_ip,
+                    1 << 20,
+                )?,
+                max_sessions: bounded(
+                    "max_sessions",
+                    args.max_sessions.or(file.max_sessions),
+                    d.max_sessions,
+                    1 << 20,
+                )?,
+            }
+        };
         let writer = match args.writer.or(file.writer).as_deref().unwrap_or("auto") {
             "auto" => WriterKind::Auto,
             "pwrite" => WriterKind::Pwrite,
@@ -645,6 +739,8 @@ impl Config {
                 idle_timeout: Duration::from_secs(idle_timeout_s),
                 origin_parallel,
                 pipeline_depth,
+                origins: OriginAccess::new(origins),
+                limits,
                 ..defaults
             },
             json_logs,
@@ -816,6 +912,46 @@ mod tests {
         ] {
             assert!(Config::load(bad).is_err());
         }
+    }
+
+    #[test]
+    fn origin_allow_from_flags_env_style_and_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        std::fs::write(
+            &path,
+            "origin_allow = [\"file:///data/models/\", \"https://m.example.com/org/\"]\n",
+        )
+        .unwrap();
+        let c = Config::load(Args {
+            config: Some(path.clone()),
+            ..tls_args()
+        })
+        .unwrap();
+        assert_eq!(c.chain.origins.policy().prefixes().len(), 2);
+        // Flags replace the file's list.
+        let c = Config::load(Args {
+            config: Some(path),
+            origin_allow: vec!["file:///srv/a".into()],
+            ..tls_args()
+        })
+        .unwrap();
+        assert_eq!(c.chain.origins.policy().describe(), "file:///srv/a/");
+        // Nothing configured: nothing allowed.
+        let c = Config::load(tls_args()).unwrap();
+        assert!(c.chain.origins.policy().is_empty());
+        let err = Config::load(Args {
+            origin_allow: vec!["ftp://x/".into()],
+            ..tls_args()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("origin_allow"), "{err}");
+        let err = Config::load(Args {
+            peer_idle_timeout_s: Some(0),
+            ..tls_args()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("peer_idle_timeout_s"), "{err}");
     }
 
     #[test]

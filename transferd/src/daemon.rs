@@ -31,6 +31,16 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Runs the daemon until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
+    match crate::limits::raise_nofile_limit() {
+        Ok((old, new)) if new > old => info!(old, new, "raised the open-file limit"),
+        Ok(_) => {}
+        Err(e) => warn!("cannot raise the open-file limit: {e}"),
+    }
+    if config.chain.origins.policy().is_empty() {
+        warn!("origin_allow is empty: every origin is refused (set --origin-allow)");
+    } else {
+        info!(allowed = %config.chain.origins.policy().describe(), "origin allow-list");
+    }
     let store_cfg = config.store.clone();
     let store = tokio::task::spawn_blocking(move || ShardStore::open(store_cfg))
         .await
@@ -41,6 +51,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             let ctx = TlsContext::load_as(files.clone(), Role::Host, Some(config.host_id.as_str()))
                 .context("loading this host's TLS identity")?;
             ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
+            // One budget for the whole greeting: the TLS handshake, then (in `chain`) the
+            // Hello exchange, each bounded by `handshake_timeout_ms`.
+            ctx.set_handshake_timeout(config.chain.limits.handshake_timeout);
             Some(ctx)
         }
         Security::InsecurePlaintext => {
@@ -217,8 +230,17 @@ async fn accept_loop(node: Arc<Node>, listener: TcpListener, cancel: Cancellatio
             biased;
             _ = cancel.cancelled() => return,
             accepted = node.transport.accept(&listener) => match accepted {
-                // Spawn first; the handshake happens inside the task.
-                Ok((stream, peer)) => { tokio::spawn(node.clone().serve_connection(stream, peer)); }
+                // Admit (connection caps), spawn; the handshake happens inside the task.
+                Ok((stream, peer)) => match crate::limits::admit(&node.conn_limits, &peer) {
+                    Ok(permit) => {
+                        let node = node.clone();
+                        tokio::spawn(async move {
+                            node.serve_connection(stream, peer).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(e) => warn!(%peer, "refusing connection: {e}"),
+                },
                 Err(e) => {
                     warn!("accept failed: {e}");
                     // Out of file descriptors and the like: back off instead of spinning.

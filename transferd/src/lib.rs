@@ -6,11 +6,13 @@
 //!
 //! * [`store`]: memory tier (tmpfs) + disk tier, positional writes, verified-chunk bitmaps,
 //!   recovery on restart.
-//! * [`origin`]: `file://` and `http(s)://` origins, manifest building, parallel range reads.
+//! * [`origin`]: `file://` and `http(s)://` origins under the origin allow-list, manifest
+//!   building, parallel range reads.
 //! * [`chain`]: chain sessions: hop receive path, cut-through forwarder with a bounded
 //!   window, failover, recovery from a fallback source, chain heads.
 //! * [`wire`] / [`transport`]: frames over any byte stream; TCP today.
 //! * [`throttle`]: daemon-wide egress/ingress token buckets.
+//! * [`limits`]: connection caps, per-phase timeouts and the open-file limit of the data port.
 //! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`.
 //! * [`gpu`]: the store as a chunk source for `gpu-loader`, GPU loads and hand-offs.
 //! * [`repair`]: corruption at rest: repairs of chunks that failed re-verification, and
@@ -26,6 +28,7 @@ pub mod chain;
 pub mod config;
 pub mod daemon;
 pub mod gpu;
+pub mod limits;
 pub mod origin;
 pub mod repair;
 pub mod report;

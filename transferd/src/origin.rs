@@ -12,6 +12,17 @@
 //!   index, `model.safetensors` alone. Sizes come from `HEAD` `Content-Length`.
 //! * `http(s)://host/path/file` (not ending in `/`): that one file.
 //!
+//! Every origin is opened through [`Origin::parse`] with the host's [`OriginAccess`]: the
+//! URI must pass the allow-list ([`shardcast_protocol::origin_policy`]); a `file://` path
+//! must resolve (symbolic links included) beneath the allowed root, and the file actually
+//! opened is checked again through `/proc/self/fd`; shard paths with a hidden (`.`)
+//! component are refused; HTTP redirects are followed only while they stay inside an
+//! allowed prefix, and a host name is connected to only at resolved addresses the policy
+//! permits (no loopback, link-local or metadata address unless listed literally), checked
+//! in the client's DNS resolver so that rebinding between check and connect cannot bypass
+//! it. No proxy from the environment is used. Refusals are counted
+//! ([`OriginAccess::refused`], `shardcast_origin_refused_total`) and logged with the URI.
+//!
 //! Who talks to whom: the publisher calls [`Origin::build_manifest`] once, streaming every
 //! byte through [`ShardHasher`]; a chain head then calls [`fetch_chunks`], which issues
 //! parallel range reads ([`Origin::read_range`]), verifies each chunk against the manifest,
@@ -32,6 +43,9 @@ use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use reqwest::{StatusCode, Url, header};
 use shardcast_protocol::manifest::{MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
+use shardcast_protocol::origin_policy::{
+    self, OriginLocation, OriginPolicy, OriginScheme, PolicyError,
+};
 use shardcast_protocol::{
     DecodeError, Manifest, ModelName, ShardEntry, ShardHasher, ShardPath, VerifiedChunk,
     VerifyError,
@@ -74,6 +88,64 @@ const HF_INDEX: &str = "model.safetensors.index.json";
 /// Name of the single weight file of an unsharded Hugging Face model.
 const HF_SINGLE: &str = "model.safetensors";
 
+/// Redirects followed per request (each must stay inside the allow-list). Rationale:
+/// object stores redirect once or twice (region, pre-signed URL); more is a loop.
+const MAX_REDIRECTS: usize = 5;
+
+/// The host's origin policy and its refusal counter. Cheap to clone; clones share the
+/// counter. The default allows nothing.
+#[derive(Clone, Debug, Default)]
+pub struct OriginAccess {
+    policy: OriginPolicy,
+    refused: Arc<AtomicU64>,
+}
+
+impl OriginAccess {
+    /// Access under `policy`.
+    pub fn new(policy: OriginPolicy) -> Self {
+        Self {
+            policy,
+            refused: Arc::default(),
+        }
+    }
+
+    /// The allow-list.
+    pub fn policy(&self) -> &OriginPolicy {
+        &self.policy
+    }
+
+    /// Origins (and redirects, resolved addresses, shard paths) refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Counts and logs a refusal.
+    fn refuse(&self, e: PolicyError) -> OriginError {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(error = %e, "origin refused by policy");
+        OriginError::Policy(e)
+    }
+
+    /// Checks `uri` against the allow-list, counting a refusal.
+    pub fn check(&self, uri: &str) -> Result<(), OriginError> {
+        self.policy.check(uri).map(drop).map_err(|e| self.refuse(e))
+    }
+
+    /// Counts a symbolic link that led outside its root as a refusal (passes others on).
+    fn note(&self, e: OriginError) -> OriginError {
+        if let OriginError::SymlinkEscape { .. } = &e {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "origin refused by policy");
+        }
+        e
+    }
+
+    /// Checks a shard path (relative to origin `uri`) for hidden components.
+    fn check_relative(&self, uri: &str, path: &str) -> Result<(), OriginError> {
+        origin_policy::check_relative(uri, path).map_err(|e| self.refuse(e))
+    }
+}
+
 /// Why an origin operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum OriginError {
@@ -115,7 +187,7 @@ pub enum OriginError {
     },
     /// An HTTP request failed before a complete response arrived (connect, TLS, timeout,
     /// connection reset).
-    #[error("HTTP request to {url} failed: {source}")]
+    #[error("HTTP request to {url} failed: {}", error_chain(source))]
     Http {
         /// The URL requested.
         url: String,
@@ -129,6 +201,9 @@ pub enum OriginError {
         /// The URL requested.
         url: String,
     },
+    /// The origin policy refuses the URI, a redirect, a resolved address or a shard path.
+    #[error("{0}")]
+    Policy(#[source] PolicyError),
     /// The HTTP client could not be set up (for instance, no usable TLS roots).
     #[error("cannot set up the HTTP client: {0}")]
     Client(#[source] reqwest::Error),
@@ -273,13 +348,15 @@ struct Inner {
     uri: String,
     source: Source,
     bytes_read: AtomicU64,
+    access: OriginAccess,
 }
 
 #[derive(Debug)]
 enum Source {
     /// A local file or directory; which one is decided when it is read, so an origin can be
-    /// configured before its mount is up.
-    Local { path: PathBuf },
+    /// configured before its mount is up. `root` is the allowed prefix it lies under:
+    /// everything read must resolve beneath it.
+    Local { path: PathBuf, root: PathBuf },
     /// An HTTP directory; `base` ends in `/`.
     HttpDir { client: reqwest::Client, base: Url },
     /// One file over HTTP.
@@ -291,41 +368,60 @@ enum Source {
 }
 
 impl Origin {
-    /// Parses an origin URI: `file:///abs/dir`, `file:///abs/file`, `http(s)://…/dir/` or
-    /// `http(s)://…/file`. Does no I/O.
-    pub fn parse(uri: &str) -> Result<Self, OriginError> {
+    /// Parses an origin URI (`file:///abs/dir`, `file:///abs/file`, `http(s)://…/dir/` or
+    /// `http(s)://…/file`) and checks it against `access`'s allow-list. Does no I/O; every
+    /// later read is checked again (symbolic links, redirects, resolved addresses).
+    pub fn parse(uri: &str, access: &OriginAccess) -> Result<Self, OriginError> {
         let invalid = |reason: String| OriginError::InvalidUri {
             uri: uri.to_string(),
             reason,
         };
-        let scheme = uri.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
-        let source = match scheme.as_deref() {
-            Some("file") => {
-                let url = Url::parse(uri).map_err(|e| invalid(e.to_string()))?;
-                let path = url.to_file_path().map_err(|()| {
-                    invalid("expected an absolute local path such as file:///data/model".into())
-                })?;
-                Source::Local { path }
-            }
-            Some("http" | "https") => {
-                let url = Url::parse(uri).map_err(|e| invalid(e.to_string()))?;
-                if url.host_str().is_none_or(str::is_empty) {
-                    return Err(invalid("the URL has no host".into()));
+        let location = OriginLocation::parse(uri).map_err(|e| match e {
+            PolicyError::Invalid { reason, .. } => invalid(reason),
+            _ => OriginError::UnsupportedScheme {
+                uri: uri.to_string(),
+            },
+        })?;
+        if location.scheme() == OriginScheme::S3 {
+            return Err(OriginError::UnsupportedScheme {
+                uri: uri.to_string(),
+            });
+        }
+        let allowed = access
+            .policy
+            .check_location(uri, location)
+            .map_err(|e| access.refuse(e))?;
+        let source = match allowed.location.scheme() {
+            OriginScheme::File => {
+                let (Some(path), Some(root)) =
+                    (allowed.location.local_path(), allowed.prefix.local_root())
+                else {
+                    return Err(invalid("not a local path".into()));
+                };
+                Source::Local {
+                    path: PathBuf::from(path),
+                    root: PathBuf::from(root),
                 }
-                let client = http_client()?;
+            }
+            OriginScheme::Http | OriginScheme::Https => {
+                let url = Url::parse(uri).map_err(|e| invalid(e.to_string()))?;
+                let client = http_client(access)?;
                 if url.path().ends_with('/') {
                     Source::HttpDir { client, base: url }
                 } else {
-                    let last = url.path().rsplit('/').next().unwrap_or_default();
-                    let name = percent_decode(last)
-                        .ok_or_else(|| invalid("the file name is not valid UTF-8".into()))?;
+                    let name = allowed
+                        .location
+                        .segments()
+                        .last()
+                        .cloned()
+                        .ok_or_else(|| invalid("the URL names no file".into()))?;
                     let name = ShardPath::new(name).map_err(|e| {
                         invalid(format!("the file name cannot be a shard path: {e}"))
                     })?;
                     Source::HttpFile { client, url, name }
                 }
             }
-            _ => {
+            OriginScheme::S3 => {
                 return Err(OriginError::UnsupportedScheme {
                     uri: uri.to_string(),
                 });
@@ -336,6 +432,7 @@ impl Origin {
                 uri: uri.to_string(),
                 source,
                 bytes_read: AtomicU64::new(0),
+                access: access.clone(),
             }),
         })
     }
@@ -357,9 +454,11 @@ impl Origin {
     /// The model's files and their sizes, sorted by path.
     pub async fn list(&self) -> Result<Vec<(ShardPath, u64)>, OriginError> {
         let mut files = match &self.inner.source {
-            Source::Local { path } => {
-                let path = path.clone();
-                blocking(move || list_local(&path)).await?
+            Source::Local { path, root } => {
+                let (path, root) = (path.clone(), root.clone());
+                blocking(move || list_local(&path, &root))
+                    .await
+                    .map_err(|e| self.inner.access.note(e))?
             }
             Source::HttpDir { client, base } => list_http_dir(client, base).await?,
             Source::HttpFile { client, url, name } => {
@@ -424,15 +523,17 @@ impl Origin {
         progress: mpsc::UnboundedSender<u64>,
     ) -> Result<ShardEntry, OriginError> {
         let mut hasher = ShardHasher::new(chunk_size);
+        self.check_shard(&path)?;
         let (location, read) = match &self.inner.source {
-            Source::Local { path: root } => {
+            Source::Local { path: origin, root } => {
                 // The blocking task stops at its next read if this future is dropped.
                 let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
-                let (root, shard, origin) = (root.clone(), path.clone(), self.clone());
+                let (dir, root, shard, origin) =
+                    (origin.clone(), root.clone(), path.clone(), self.clone());
                 let stop_flag = stop.0.clone();
                 let (file, hasher, read) = blocking(move || {
-                    let file = resolve_local(&root, &shard)?;
-                    let mut f = std::fs::File::open(&file).map_err(|e| io_err("open", &file, e))?;
+                    let (file, root) = resolve_local(&dir, &root, &shard)?;
+                    let mut f = open_beneath(&file, &root)?;
                     let mut buf = vec![0u8; HASH_READ_SIZE];
                     let mut read = 0u64;
                     while !stop_flag.load(Ordering::Relaxed) {
@@ -449,7 +550,8 @@ impl Origin {
                     }
                     Ok((file, hasher, read))
                 })
-                .await?;
+                .await
+                .map_err(|e| self.inner.access.note(e))?;
                 drop(stop);
                 return finish_shard(file.display().to_string(), hasher, read, size, path);
             }
@@ -508,16 +610,19 @@ impl Origin {
         if len == 0 {
             return Ok(Bytes::new());
         }
+        self.check_shard(path)?;
         match &self.inner.source {
-            Source::Local { path: root } => {
-                let (root, shard, origin) = (root.clone(), path.clone(), self.clone());
+            Source::Local { path: dir, root } => {
+                let (dir, root, shard, origin) =
+                    (dir.clone(), root.clone(), path.clone(), self.clone());
                 blocking(move || {
-                    let file = resolve_local(&root, &shard)?;
-                    let data = read_local_range(&file, offset, len)?;
+                    let (file, root) = resolve_local(&dir, &root, &shard)?;
+                    let data = read_local_range(&file, &root, offset, len)?;
                     origin.count(data.len());
                     Ok(data)
                 })
                 .await
+                .map_err(|e| self.inner.access.note(e))
             }
             Source::HttpDir { client, base } => {
                 let url = shard_url(base, path.as_str())?;
@@ -585,10 +690,18 @@ impl Origin {
         Ok(buf.freeze())
     }
 
+    /// Refuses a shard path with a hidden (`.`) component: a manifest from a peer or an
+    /// index from an HTTP origin must not reach `.git/` or `.env` beside the weights.
+    fn check_shard(&self, path: &ShardPath) -> Result<(), OriginError> {
+        self.inner
+            .access
+            .check_relative(&self.inner.uri, path.as_str())
+    }
+
     /// Where `path` lives at this origin, for messages.
     fn location(&self, path: &ShardPath) -> String {
         match &self.inner.source {
-            Source::Local { path: root } => root.join(path.as_str()).display().to_string(),
+            Source::Local { path: root, .. } => root.join(path.as_str()).display().to_string(),
             Source::HttpDir { base, .. } => shard_url(base, path.as_str())
                 .map_or_else(|_| format!("{base}{path}"), |u| u.to_string()),
             Source::HttpFile { url, .. } => url.to_string(),
@@ -731,9 +844,52 @@ fn io_err(op: &'static str, path: &Path, source: io::Error) -> OriginError {
     }
 }
 
+/// `path` resolved (links followed), refused unless it lies beneath the allowed `root`
+/// (resolved the same way: an operator may allow a root that is itself a link). Returns
+/// the resolved path and the resolved root.
+fn beneath_root(path: &Path, root: &Path) -> Result<(PathBuf, PathBuf), OriginError> {
+    let root = std::fs::canonicalize(root).map_err(|e| io_err("resolve", root, e))?;
+    let target = std::fs::canonicalize(path).map_err(|e| io_err("resolve", path, e))?;
+    if !target.starts_with(&root) {
+        return Err(OriginError::SymlinkEscape {
+            path: path.to_path_buf(),
+            target,
+            root,
+        });
+    }
+    Ok((target, root))
+}
+
+/// Opens `file` (already resolved beneath `root`) without following a final symbolic link,
+/// then checks the path the kernel actually opened, so a link swapped in after resolution
+/// cannot lead outside `root`.
+fn open_beneath(file: &Path, root: &Path) -> Result<std::fs::File, OriginError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(file)
+        .map_err(|e| io_err("open", file, e))?;
+    use std::os::fd::AsRawFd;
+    let proc_path = PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
+    // Without /proc (unusual on Linux) the resolution above stands on its own.
+    if let Ok(actual) = std::fs::read_link(&proc_path)
+        && !actual.starts_with(root)
+    {
+        return Err(OriginError::SymlinkEscape {
+            path: file.to_path_buf(),
+            target: actual,
+            root: root.to_path_buf(),
+        });
+    }
+    Ok(f)
+}
+
 /// Lists a local origin: the file itself, or every regular file under the directory.
-fn list_local(path: &Path) -> Result<Vec<(ShardPath, u64)>, OriginError> {
+/// Everything must resolve beneath the allowed `allowed_root`.
+fn list_local(path: &Path, allowed_root: &Path) -> Result<Vec<(ShardPath, u64)>, OriginError> {
     let md = std::fs::metadata(path).map_err(|e| io_err("inspect", path, e))?;
+    beneath_root(path, allowed_root)?;
     if md.is_file() {
         let name = path.file_name().unwrap_or_default().to_string_lossy();
         let shard = ShardPath::new(name.as_ref()).map_err(|e| OriginError::BadName {
@@ -803,34 +959,44 @@ fn list_local(path: &Path) -> Result<Vec<(ShardPath, u64)>, OriginError> {
     Ok(files)
 }
 
-/// The file holding `shard` at a local origin, refusing links that leave the directory.
-fn resolve_local(path: &Path, shard: &ShardPath) -> Result<PathBuf, OriginError> {
+/// The file holding `shard` at a local origin, refusing links that leave the origin
+/// directory or the allowed root. Returns the resolved file and the resolved allowed root.
+fn resolve_local(
+    path: &Path,
+    allowed_root: &Path,
+    shard: &ShardPath,
+) -> Result<(PathBuf, PathBuf), OriginError> {
     let md = std::fs::metadata(path).map_err(|e| io_err("inspect", path, e))?;
+    let (origin, root) = beneath_root(path, allowed_root)?;
     if !md.is_dir() {
         if path.file_name().and_then(|n| n.to_str()) == Some(shard.as_str()) {
-            return Ok(path.to_path_buf());
+            return Ok((origin, root));
         }
         return Err(OriginError::NotFound {
             location: format!("{shard} (the origin is the single file {})", path.display()),
         });
     }
-    let root = std::fs::canonicalize(path).map_err(|e| io_err("resolve", path, e))?;
     // `ShardPath` has no `..`, absolute or empty components, so only links can escape.
-    let file = root.join(shard.as_str());
+    let file = origin.join(shard.as_str());
     let target = std::fs::canonicalize(&file).map_err(|e| io_err("resolve", &file, e))?;
-    if !target.starts_with(&root) {
+    if !target.starts_with(&origin) {
         return Err(OriginError::SymlinkEscape {
             path: file,
             target,
-            root,
+            root: origin,
         });
     }
-    Ok(target)
+    Ok((target, root))
 }
 
 /// Reads exactly `len` bytes at `offset` of `file`.
-fn read_local_range(file: &Path, offset: u64, len: usize) -> Result<Bytes, OriginError> {
-    let f = std::fs::File::open(file).map_err(|e| io_err("open", file, e))?;
+fn read_local_range(
+    file: &Path,
+    root: &Path,
+    offset: u64,
+    len: usize,
+) -> Result<Bytes, OriginError> {
+    let f = open_beneath(file, root)?;
     let mut buf = BytesMut::zeroed(len);
     let mut got = 0;
     while got < len {
@@ -852,19 +1018,90 @@ fn read_local_range(file: &Path, offset: u64, len: usize) -> Result<Bytes, Origi
     Ok(buf.freeze())
 }
 
-/// The process-wide HTTP client settings; installs the ring TLS provider on first use.
-fn http_client() -> Result<reqwest::Client, OriginError> {
+/// An HTTP client for one origin; installs the ring TLS provider on first use. Redirects
+/// are followed only inside the allow-list, host names connect only to permitted
+/// addresses ([`PolicyResolver`]), and proxies from the environment are ignored (a proxy
+/// would resolve names where the policy cannot see them).
+fn http_client(access: &OriginAccess) -> Result<reqwest::Client, OriginError> {
     static TLS_PROVIDER: Once = Once::new();
     TLS_PROVIDER.call_once(|| {
         // Fails only if the embedding program installed a provider first: then use that.
         let _ = rustls::crypto::ring::default_provider().install_default();
     });
+    let redirects = access.clone();
+    let redirect = reqwest::redirect::Policy::custom(move |attempt| {
+        if attempt.previous().len() >= MAX_REDIRECTS {
+            return attempt.error(format!("more than {MAX_REDIRECTS} redirects"));
+        }
+        match redirects.policy.check(attempt.url().as_str()) {
+            Ok(_) => attempt.follow(),
+            Err(e) => {
+                let e = redirects.refuse(e);
+                attempt.error(format!("redirect refused: {e}"))
+            }
+        }
+    });
     reqwest::Client::builder()
         .connect_timeout(HTTP_CONNECT_TIMEOUT)
         .read_timeout(HTTP_READ_TIMEOUT)
         .tcp_nodelay(true)
+        .redirect(redirect)
+        .no_proxy()
+        .dns_resolver(PolicyResolver {
+            access: access.clone(),
+        })
         .build()
         .map_err(OriginError::Client)
+}
+
+/// Resolves host names with the system resolver, then drops every address the policy does
+/// not permit; fails when none is left. The client connects only to what this returns,
+/// so a name that re-resolves to `169.254.169.254` between two requests is still refused.
+struct PolicyResolver {
+    access: OriginAccess,
+}
+
+impl reqwest::dns::Resolve for PolicyResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let access = self.access.clone();
+        let host = name.as_str().to_string();
+        Box::pin(async move {
+            let resolved: Vec<std::net::SocketAddr> =
+                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let (ok, refused): (Vec<_>, Vec<_>) = resolved
+                .into_iter()
+                .partition(|a| access.policy.permits_address(a.ip()));
+            if ok.is_empty() {
+                if let Some(addr) = refused.first() {
+                    let e = access.refuse(PolicyError::RestrictedAddress {
+                        host,
+                        addr: addr.ip(),
+                    });
+                    return Err(Box::new(e) as Box<dyn std::error::Error + Send + Sync>);
+                }
+                return Err(format!("{host} resolved to no address").into());
+            }
+            if !refused.is_empty() {
+                tracing::debug!(%host, refused = ?refused, "dropped restricted addresses");
+            }
+            Ok(Box::new(ok.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+/// An error and its sources, `: `-separated (reqwest hides the cause in `source()`).
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = cause.source();
+    }
+    out
 }
 
 fn http_err(url: &Url, source: reqwest::Error) -> OriginError {
@@ -977,6 +1214,12 @@ async fn list_http_dir(
     futures::stream::iter(names)
         .map(|name| async move {
             let shard = ShardPath::new(name.as_str()).map_err(bad_name(&name))?;
+            if origin_policy::check_relative(base.as_str(), shard.as_str()).is_err() {
+                return Err(OriginError::BadName {
+                    path: name.clone(),
+                    reason: "hidden (dot) files are not served from origins".into(),
+                });
+            }
             let url = shard_url(base, shard.as_str())?;
             let size = head_size(client, &url).await?;
             Ok((shard, size))
@@ -993,24 +1236,6 @@ fn bad_name(name: &str) -> impl FnOnce(shardcast_protocol::NameError) -> OriginE
     }
 }
 
-/// Decodes `%XX` escapes; `None` if an escape is malformed or the result is not UTF-8.
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3)?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::{HashMap, HashSet};
@@ -1022,8 +1247,19 @@ mod tests {
     use hyper::{Request, Response};
     use hyper_util::rt::TokioIo;
     use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
+    use shardcast_protocol::origin_policy::{Enforcer, percent_decode};
 
     use super::*;
+
+    /// Access that allows exactly `uri` (and what lies under it).
+    fn allowing(uri: &str) -> OriginAccess {
+        OriginAccess::new(OriginPolicy::parse([uri], Enforcer::Host).unwrap())
+    }
+
+    /// Opens `uri` under a policy that allows exactly it.
+    fn open(uri: &str) -> Result<Origin, OriginError> {
+        Origin::parse(uri, &allowing(uri))
+    }
 
     const CHUNK: u32 = MIN_CHUNK_SIZE;
 
@@ -1074,7 +1310,7 @@ mod tests {
     #[tokio::test]
     async fn file_dir_lists_and_builds_the_manifest() {
         let (dir, files) = model_dir();
-        let origin = Origin::parse(&file_uri(dir.path())).unwrap();
+        let origin = open(&file_uri(dir.path())).unwrap();
         let listed = origin.list().await.unwrap();
         let want: Vec<_> = files
             .iter()
@@ -1130,7 +1366,7 @@ mod tests {
     #[tokio::test]
     async fn file_origin_of_one_file() {
         let (dir, files) = model_dir();
-        let origin = Origin::parse(&file_uri(&dir.path().join("sub/b.bin"))).unwrap();
+        let origin = open(&file_uri(&dir.path().join("sub/b.bin"))).unwrap();
         assert_eq!(
             origin.list().await.unwrap(),
             vec![(shard("b.bin"), CHUNK as u64)]
@@ -1157,7 +1393,7 @@ mod tests {
         // A link inside the root is followed.
         std::os::unix::fs::symlink(dir.path().join("a.safetensors"), dir.path().join("link"))
             .unwrap();
-        let origin = Origin::parse(&file_uri(dir.path())).unwrap();
+        let origin = open(&file_uri(dir.path())).unwrap();
         let listed = origin.list().await.unwrap();
         assert!(
             listed.contains(&(shard("link"), files[0].1.len() as u64)),
@@ -1189,7 +1425,7 @@ mod tests {
             "model",
             "hdfs:///x",
         ] {
-            let err = Origin::parse(uri).unwrap_err();
+            let err = Origin::parse(uri, &OriginAccess::default()).unwrap_err();
             assert!(
                 matches!(err, OriginError::UnsupportedScheme { .. }),
                 "{uri}: {err}"
@@ -1197,21 +1433,21 @@ mod tests {
             assert!(err.to_string().contains("file:///"), "{err}");
         }
         for uri in ["file://relative/path", "http://", "https://host/%ff"] {
-            let err = Origin::parse(uri).unwrap_err();
+            let err = Origin::parse(uri, &OriginAccess::default()).unwrap_err();
             assert!(
                 matches!(err, OriginError::InvalidUri { .. }),
                 "{uri}: {err}"
             );
         }
-        let o = Origin::parse("https://example.com/models/llama/").unwrap();
+        let o = open("https://example.com/models/llama/").unwrap();
         assert_eq!(o.uri(), "https://example.com/models/llama/");
-        assert!(Origin::parse("HTTP://example.com/a%20b.safetensors").is_ok());
-        assert!(Origin::parse("file:///tmp/a%20b").is_ok());
+        assert!(open("HTTP://example.com/a%20b.safetensors").is_ok());
+        assert!(open("file:///tmp/a%20b").is_ok());
     }
 
     #[tokio::test]
     async fn missing_local_origin_is_not_found() {
-        let err = Origin::parse("file:///definitely/not/here")
+        let err = open("file:///definitely/not/here")
             .unwrap()
             .list()
             .await
@@ -1342,7 +1578,7 @@ mod tests {
             ..Default::default()
         })
         .await;
-        let origin = Origin::parse(&base).unwrap();
+        let origin = open(&base).unwrap();
         let one = "model-00001-of-00002.safetensors";
         let two = "model-00002-of-00002.safetensors";
         assert_eq!(
@@ -1401,13 +1637,13 @@ mod tests {
             ..Default::default()
         })
         .await;
-        let origin = Origin::parse(&base).unwrap();
+        let origin = open(&base).unwrap();
         assert_eq!(
             origin.list().await.unwrap(),
             vec![(shard(HF_SINGLE), 10_000)]
         );
 
-        let origin = Origin::parse(&format!("{base}dir/odd%20name.bin")).unwrap();
+        let origin = open(&format!("{base}dir/odd%20name.bin")).unwrap();
         assert_eq!(
             origin.list().await.unwrap(),
             vec![(shard("odd name.bin"), 10_000)]
@@ -1418,11 +1654,11 @@ mod tests {
             .unwrap();
         assert_eq!(&data[..], &weights[..]);
 
-        let origin = Origin::parse(&format!("{base}nothing/")).unwrap();
+        let origin = open(&format!("{base}nothing/")).unwrap();
         let err = origin.list().await.unwrap_err();
         assert!(matches!(err, OriginError::NotFound { .. }), "{err}");
         assert!(err.to_string().contains(HF_SINGLE), "{err}");
-        let err = Origin::parse(&format!("{base}gone.bin"))
+        let err = open(&format!("{base}gone.bin"))
             .unwrap()
             .list()
             .await
@@ -1441,7 +1677,7 @@ mod tests {
             ..Default::default()
         })
         .await;
-        let origin = Origin::parse(&base).unwrap();
+        let origin = open(&base).unwrap();
         let manifest =
             Arc::new(Manifest::new(model(), CHUNK, vec![entry(one, &files[one])]).unwrap());
         let (tx, mut rx) = mpsc::channel(2);
@@ -1477,7 +1713,7 @@ mod tests {
             ..Default::default()
         })
         .await;
-        let origin = Origin::parse(&base).unwrap();
+        let origin = open(&base).unwrap();
         let (tx, _rx) = mpsc::channel(16);
         let err = fetch_chunks(&origin, manifest.clone(), 0, vec![2], 2, tx)
             .await

@@ -3,10 +3,15 @@
 //! The hop logic in [`crate::chain`] talks frames, never sockets: it gets a [`BoxStream`]
 //! from a [`crate::transport::Transport`] (TCP today; TLS and QUIC later) and splits it into
 //! a reader and a writer. Both sides charge the daemon-wide [`RateLimiter`]s, so the
-//! egress/ingress caps hold across every concurrent session.
+//! egress/ingress caps hold across every concurrent session. Ingress is charged for the
+//! bytes that actually arrived, as they arrive (never for a length a peer merely
+//! announced). Optional limits: a reader's idle timeout (silence while a frame, or the
+//! rest of one, is awaited) and a writer's timeout on writes that do not drain; both are
+//! counted in [`ByteCounters`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use shardcast_protocol::codec::{Codec, DecodeError};
@@ -35,6 +40,12 @@ pub enum WireError {
     /// The peer closed the stream in the middle of a frame.
     #[error("peer closed the connection mid-frame")]
     Truncated,
+    /// The peer sent nothing for this long while a frame (or the rest of one) was awaited.
+    #[error("peer silent for {0:?} while a frame was awaited")]
+    Idle(Duration),
+    /// A write did not drain within this long (the peer stopped reading).
+    #[error("write did not drain within {0:?}; the peer stopped reading")]
+    WriteStalled(Duration),
 }
 
 impl WireError {
@@ -43,7 +54,7 @@ impl WireError {
         match self {
             Self::Decode(DecodeError::UnknownFrameType(_)) => Some(ErrorCode::UnknownFrameType),
             Self::Decode(_) => Some(ErrorCode::Malformed),
-            Self::Io(_) | Self::Truncated => None,
+            Self::Io(_) | Self::Truncated | Self::Idle(_) | Self::WriteStalled(_) => None,
         }
     }
 }
@@ -55,9 +66,20 @@ pub struct ByteCounters {
     pub received: AtomicU64,
     /// Bytes written to the wire (frame headers included).
     pub sent: AtomicU64,
+    /// Connections dropped because the peer stayed silent past the idle timeout.
+    pub idle_timeouts: AtomicU64,
+    /// Connections dropped because a write did not drain in time.
+    pub write_timeouts: AtomicU64,
+    /// Accepted connections dropped because `Hello` did not complete in time.
+    pub handshake_timeouts: AtomicU64,
 }
 
-/// Reads frames, charging the ingress limiter before each body is read.
+/// Bytes read per `read` call inside a frame body. Ingress is charged per piece, so this
+/// is also the granularity of the ingress limiter (256 KiB: a few syscalls per 1 MiB
+/// chunk, and a burst well inside the limiter's allowance).
+const READ_PIECE: usize = 256 << 10;
+
+/// Reads frames, charging the ingress limiter for the bytes received, as they arrive.
 ///
 /// [`FrameReader::read`] is cancel-safe: a partly read frame is kept in the reader, so it
 /// can sit in a `tokio::select!` beside other branches without ever losing bytes of the
@@ -68,10 +90,17 @@ pub struct FrameReader<R> {
     counters: Arc<ByteCounters>,
     header: [u8; HEADER_LEN],
     header_filled: usize,
-    /// The body being read, once the header is parsed and the ingress charged.
+    /// The body being read, once the header is parsed.
     body: Option<(FrameHeader, BytesMut)>,
-    /// When the current frame's ingress reservation may pass.
+    /// When the bytes received last may pass the ingress limiter; no more is read before.
     ready_at: Option<tokio::time::Instant>,
+    /// Longest silence while a frame is awaited; `None`: wait forever.
+    idle: Option<Duration>,
+    /// When bytes last arrived (or the idle timeout was armed).
+    last_rx: tokio::time::Instant,
+    /// When the caller started waiting for the frame now being read (kept across
+    /// cancelled reads, cleared when a frame is returned).
+    waiting_since: Option<tokio::time::Instant>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -85,43 +114,88 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             header_filled: 0,
             body: None,
             ready_at: None,
+            idle: None,
+            last_rx: tokio::time::Instant::now(),
+            waiting_since: None,
         }
+    }
+
+    /// Arms (or with `None` disarms) the idle timeout: from now on a `read` fails with
+    /// [`WireError::Idle`] once the peer has sent nothing for `idle` while a frame is
+    /// awaited, whether it is silent between frames or in the middle of one. The clock
+    /// counts from the later of the last byte received and the first `read` since the
+    /// previous frame, so it holds however often `read` is cancelled and called again, and
+    /// time spent not reading (serving a `Fetch`) does not count against the peer.
+    pub fn set_idle_timeout(&mut self, idle: Option<Duration>) {
+        self.idle = idle;
+        self.last_rx = tokio::time::Instant::now();
+    }
+
+    /// Charges `n` received bytes to the ingress limiter and the counters.
+    fn received(&mut self, n: usize) {
+        self.last_rx = tokio::time::Instant::now();
+        self.counters
+            .received
+            .fetch_add(n as u64, Ordering::Relaxed);
+        self.ready_at = Some(self.ingress.reserve(n as u64));
     }
 
     /// Reads the next frame; `Ok(None)` on a clean end of stream between frames.
     pub async fn read(&mut self) -> Result<Option<Frame>, WireError> {
-        while self.body.is_none() {
-            if self.header_filled < HEADER_LEN {
-                let n = self
-                    .inner
-                    .read(&mut self.header[self.header_filled..])
-                    .await?;
-                if n == 0 {
-                    return if self.header_filled == 0 {
-                        Ok(None)
-                    } else {
-                        Err(WireError::Truncated)
-                    };
+        // The reads below are raced against the idle deadline; on a timeout nothing of
+        // the stream is lost (a partly read frame stays here), but the caller drops the
+        // connection anyway.
+        let since = *self
+            .waiting_since
+            .get_or_insert_with(tokio::time::Instant::now);
+        let deadline = self.idle.map(|d| (since.max(self.last_rx) + d, d));
+        let r = match deadline {
+            None => self.read_inner().await,
+            Some((at, d)) => match tokio::time::timeout_at(at, self.read_inner()).await {
+                Ok(r) => r,
+                Err(_) => {
+                    self.counters.idle_timeouts.fetch_add(1, Ordering::Relaxed);
+                    return Err(WireError::Idle(d));
                 }
-                self.header_filled += n;
-                continue;
-            }
-            // Bounds-checked before anything is allocated for the body.
-            let head = FrameHeader::parse(self.header)?;
-            let total = (HEADER_LEN + head.body_len) as u64;
-            // Reserve once per frame and remember when it may pass: a read cancelled while
-            // it waits resumes the same wait instead of charging the limiter again.
-            let ready_at = *self
-                .ready_at
-                .get_or_insert_with(|| self.ingress.reserve(total));
-            if ready_at > tokio::time::Instant::now() {
-                tokio::time::sleep_until(ready_at).await;
-            }
-            self.ready_at = None;
-            self.counters.received.fetch_add(total, Ordering::Relaxed);
-            self.body = Some((head, BytesMut::with_capacity(head.body_len)));
+            },
+        };
+        if r.is_ok() {
+            self.waiting_since = None;
         }
+        r
+    }
+
+    async fn read_inner(&mut self) -> Result<Option<Frame>, WireError> {
         loop {
+            // Wait until the bytes already received may pass the ingress cap before
+            // reading more (the reservation is kept if this future is cancelled).
+            if let Some(ready_at) = self.ready_at {
+                if ready_at > tokio::time::Instant::now() {
+                    tokio::time::sleep_until(ready_at).await;
+                }
+                self.ready_at = None;
+            }
+            if self.body.is_none() {
+                if self.header_filled < HEADER_LEN {
+                    let n = self
+                        .inner
+                        .read(&mut self.header[self.header_filled..])
+                        .await?;
+                    if n == 0 {
+                        return if self.header_filled == 0 {
+                            Ok(None)
+                        } else {
+                            Err(WireError::Truncated)
+                        };
+                    }
+                    self.header_filled += n;
+                    self.received(n);
+                    continue;
+                }
+                // Bounds-checked before anything is allocated for the body.
+                let head = FrameHeader::parse(self.header)?;
+                self.body = Some((head, BytesMut::with_capacity(head.body_len)));
+            }
             let Some((head, body)) = self.body.as_mut() else {
                 return Err(WireError::Truncated);
             };
@@ -136,12 +210,13 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             // Read straight into the body's spare capacity (no zero-fill), never past the
             // end of this frame.
             let n = (&mut self.inner)
-                .take(remaining as u64)
+                .take(remaining.min(READ_PIECE) as u64)
                 .read_buf(body)
                 .await?;
             if n == 0 {
                 return Err(WireError::Truncated);
             }
+            self.received(n);
         }
     }
 }
@@ -152,6 +227,8 @@ pub struct FrameWriter<W: AsyncWrite> {
     egress: RateLimiter,
     counters: Arc<ByteCounters>,
     scratch: Vec<u8>,
+    /// Longest one write may wait for the peer to drain it; `None`: forever.
+    write_timeout: Option<Duration>,
 }
 
 impl<W: AsyncWrite + Unpin> FrameWriter<W> {
@@ -164,6 +241,31 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
             egress,
             counters,
             scratch: Vec::new(),
+            write_timeout: None,
+        }
+    }
+
+    /// Fails writes (and flushes) that do not complete within `timeout` with
+    /// [`WireError::WriteStalled`]; `None` waits forever. Waiting for the egress limiter
+    /// does not count.
+    pub fn set_write_timeout(&mut self, timeout: Option<Duration>) {
+        self.write_timeout = timeout;
+    }
+
+    /// Runs one write under the write timeout.
+    async fn timed<T>(
+        &mut self,
+        write: impl AsyncFnOnce(&mut BufWriter<W>) -> std::io::Result<T>,
+    ) -> Result<T, WireError> {
+        match self.write_timeout {
+            None => Ok(write(&mut self.inner).await?),
+            Some(d) => match tokio::time::timeout(d, write(&mut self.inner)).await {
+                Ok(r) => Ok(r?),
+                Err(_) => {
+                    self.counters.write_timeouts.fetch_add(1, Ordering::Relaxed);
+                    Err(WireError::WriteStalled(d))
+                }
+            },
         }
     }
 
@@ -175,7 +277,10 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         self.scratch.clear();
         frame.encode(&mut self.scratch);
         self.egress.acquire(self.scratch.len() as u64).await;
-        self.inner.write_all(&self.scratch).await?;
+        let scratch = std::mem::take(&mut self.scratch);
+        let r = self.timed(async |w| w.write_all(&scratch).await).await;
+        self.scratch = scratch;
+        r?;
         self.counters
             .sent
             .fetch_add(self.scratch.len() as u64, Ordering::Relaxed);
@@ -192,8 +297,11 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         let prefix = Frame::chunk_prefix(shard, index, data.len());
         let total = (prefix.len() + data.len()) as u64;
         self.egress.acquire(total).await;
-        self.inner.write_all(&prefix).await?;
-        self.inner.write_all(data).await?;
+        self.timed(async |w| {
+            w.write_all(&prefix).await?;
+            w.write_all(data).await
+        })
+        .await?;
         self.counters.sent.fetch_add(total, Ordering::Relaxed);
         Ok(())
     }
@@ -206,8 +314,7 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
 
     /// Flushes buffered frames to the stream.
     pub async fn flush(&mut self) -> Result<(), WireError> {
-        self.inner.flush().await?;
-        Ok(())
+        self.timed(async |w| w.flush().await).await
     }
 
     /// Flushes and shuts down the write side.
@@ -332,6 +439,79 @@ mod tests {
                 other => panic!("unexpected {other:?}"),
             }
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ingress_is_charged_for_bytes_that_arrived_not_for_announced_ones() {
+        // 1 MB/s. A peer announces a 1 MB Manifest body and sends 10 bytes of it.
+        let ingress = RateLimiter::new(Some(1_000_000));
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(b, ingress.clone(), Arc::default());
+        let mut announced = (1_000_000u32).to_be_bytes().to_vec();
+        announced.push(0x02);
+        a.write_all(&announced).await.unwrap();
+        a.write_all(&[0u8; 10]).await.unwrap();
+        let pending = tokio::time::timeout(Duration::from_millis(50), r.read()).await;
+        assert!(pending.is_err(), "the frame is incomplete");
+        // The limiter was charged 15 bytes, not 1 MB: another reader's 1000 bytes may pass
+        // within a couple of milliseconds, not after a second.
+        let at = ingress.reserve(1000);
+        assert!(
+            at <= tokio::time::Instant::now() + Duration::from_millis(5),
+            "ingress budget held for an announced length"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_times_out_between_and_inside_frames() {
+        let counters = Arc::new(ByteCounters::default());
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        r.set_idle_timeout(Some(Duration::from_secs(2)));
+        // Between frames.
+        let start = tokio::time::Instant::now();
+        assert!(matches!(r.read().await, Err(WireError::Idle(_))));
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+        // Inside a frame, with the read cancelled and restarted many times: the clock
+        // counts from the last byte, so restarts do not extend it.
+        r.set_idle_timeout(Some(Duration::from_secs(2)));
+        a.write_all(&[0, 0, 0, 9, 0x06, 1]).await.unwrap();
+        let start = tokio::time::Instant::now();
+        let err = loop {
+            match tokio::time::timeout(Duration::from_millis(300), r.read()).await {
+                Ok(r) => break r.unwrap_err(),
+                Err(_) => continue,
+            }
+        };
+        assert!(matches!(err, WireError::Idle(_)), "{err}");
+        assert!(start.elapsed() <= Duration::from_millis(2100));
+        assert_eq!(counters.idle_timeouts.load(Ordering::Relaxed), 2);
+
+        // Time spent not reading (this host busy writing) does not count against the peer:
+        // after a whole frame, a pause, then a read, the peer gets the full timeout again.
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        r.set_idle_timeout(Some(Duration::from_secs(2)));
+        let mut done = Vec::new();
+        Frame::Done.encode(&mut done);
+        a.write_all(&done).await.unwrap();
+        assert!(matches!(r.read().await, Ok(Some(Frame::Done))));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let start = tokio::time::Instant::now();
+        assert!(matches!(r.read().await, Err(WireError::Idle(_))));
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_that_does_not_drain_times_out() {
+        let counters = Arc::new(ByteCounters::default());
+        let (a, _b) = tokio::io::duplex(1024);
+        let mut w = FrameWriter::new(a, RateLimiter::unlimited(), counters.clone());
+        w.set_write_timeout(Some(Duration::from_secs(1)));
+        let data = Bytes::from(vec![0u8; 1 << 20]);
+        let err = w.send_chunk(0, 0, &data).await.unwrap_err();
+        assert!(matches!(err, WireError::WriteStalled(_)), "{err}");
+        assert_eq!(counters.write_timeouts.load(Ordering::Relaxed), 1);
     }
 
     #[tokio::test]

@@ -139,7 +139,12 @@ fn unsafe_store_roots_stop_the_daemon_before_ready() {
     let run = || {
         transferd()
             .args(["--host-id", "cli-test", "--listen", "127.0.0.1:0"])
-            .args(["--admin-listen", "127.0.0.1:0", "--insecure-plaintext", "true"])
+            .args([
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--insecure-plaintext",
+                "true",
+            ])
             .arg("--agent-listen")
             .arg(format!("unix:{}", dir.path().join("agent.sock").display()))
             .arg("--memory-dir")

@@ -1,0 +1,347 @@
+//! Limits on the data port against a real daemon on loopback: peers silent after connect,
+//! after `Hello`, mid-frame and mid-session are closed within their timeouts and counted; a connection
+//! flood beyond the caps is refused while a peer from another address still gets in; a
+//! peer inventing host ids in `Progress` frames does not grow a session's table.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use shardcast_bench::cluster::Daemon;
+use shardcast_protocol::agent::{Chain, Hop, StartChainRequest, Tier};
+use shardcast_protocol::codec::Codec;
+use shardcast_protocol::{ChunkSet, Frame, HostId, PROTOCOL_VERSION, SessionHeader, SessionId};
+use shardcast_tests::{Stream, TestCluster, tls_accept, tls_connect, tls_over};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+fn hello(host: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    Frame::Hello {
+        version: PROTOCOL_VERSION,
+        host: HostId::new(host).unwrap(),
+    }
+    .encode(&mut out);
+    out
+}
+
+/// Reads until the daemon closes the connection; returns how long that took.
+async fn time_to_close<S: AsyncRead + Unpin>(s: &mut S, limit: Duration) -> Duration {
+    let start = Instant::now();
+    let mut tmp = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at((start + limit).into(), s.read(&mut tmp)).await {
+            Err(_) => panic!("connection still open after {limit:?}"),
+            Ok(Ok(0) | Err(_)) => return start.elapsed(),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+async fn metric(d: &Daemon, name: &str) -> u64 {
+    let mut s = TcpStream::connect(d.admin_addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body.lines()
+        .find(|l| l.starts_with(&format!("shardcast_{name}{{")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in {body}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_peers_are_closed_in_every_phase() {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, o| {
+        o.extra_args.extend([
+            "--handshake-timeout-ms".into(),
+            "500".into(),
+            "--peer-idle-timeout-s".into(),
+            "1".into(),
+        ]);
+    })
+    .await
+    .unwrap();
+    let d = &c.daemons[0];
+    let limit = Duration::from_secs(5);
+
+    // Silent after connect: the handshake timeout.
+    let mut s = TcpStream::connect(d.data_addr).await.unwrap();
+    let t = time_to_close(&mut s, limit).await;
+    assert!(t >= Duration::from_millis(400), "closed after {t:?}");
+
+    // Silent after the TLS handshake: the Hello timeout.
+    let mut s = tls_connect(d.data_addr, "quiet").await.unwrap();
+    let t = time_to_close(&mut s, limit).await;
+    assert!(t >= Duration::from_millis(400), "closed after {t:?}");
+
+    // Silent after Hello.
+    let mut s = tls_connect(d.data_addr, "quiet").await.unwrap();
+    s.write_all(&hello("quiet")).await.unwrap();
+    let t = time_to_close(&mut s, limit).await;
+    assert!(t >= Duration::from_millis(900), "closed after {t:?}");
+
+    // Silent in the middle of a frame: a header announcing 1000 bytes, then 10 of them.
+    let mut s = tls_connect(d.data_addr, "dribbler").await.unwrap();
+    s.write_all(&hello("dribbler")).await.unwrap();
+    s.write_all(&[0, 0, 3, 0xe8, 0x02]).await.unwrap();
+    s.write_all(&[0u8; 10]).await.unwrap();
+    time_to_close(&mut s, limit).await;
+
+    // Silent in the middle of a session: Hello, Manifest, Open, Accept back, then nothing.
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let r = &c.daemons[1];
+    let mut s = tls_connect(r.data_addr, "stalled-upstream").await.unwrap();
+    let mut out = hello("stalled-upstream");
+    Frame::Manifest(manifest.clone()).encode(&mut out);
+    Frame::Open(SessionHeader {
+        session: SessionId([9; 16]),
+        model: manifest.digest(),
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: shardcast_protocol::Tier::Memory,
+        origin: String::new(),
+        downstream: vec![],
+    })
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let t = time_to_close(&mut s, limit).await;
+    assert!(t >= Duration::from_millis(900), "closed after {t:?}");
+
+    assert!(metric(d, "conn_handshake_timeouts_total").await >= 1);
+    assert!(metric(d, "conn_idle_timeouts_total").await >= 2);
+    assert!(metric(r, "conn_idle_timeouts_total").await >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_reading_is_dropped_when_writes_do_not_drain() {
+    let c = TestCluster::start(0, 48 << 20, 1, |_, o| {
+        o.extra_args
+            .extend(["--write-timeout-s".into(), "1".into()]);
+    })
+    .await
+    .unwrap();
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let d = &c.daemons[0];
+    // Ask for every chunk of the largest shard, then never read.
+    let (shard, entry) = manifest
+        .shards
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, e)| e.size)
+        .unwrap();
+    let mut s = tls_connect(d.data_addr, "sink").await.unwrap();
+    let mut out = hello("sink");
+    Frame::Fetch {
+        model: manifest.digest(),
+        shard: shard as u32,
+        start: 0,
+        end: entry.chunks.len() as u32,
+    }
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while metric(d, "conn_write_timeouts_total").await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled write was never dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_beyond_the_cap_are_refused() {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, o| {
+        o.extra_args.extend(["--max-sessions".into(), "2".into()]);
+    })
+    .await
+    .unwrap();
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let r = &c.daemons[1];
+    let mut conns = Vec::new();
+    let mut refused = 0;
+    for id in 1..=4u8 {
+        let mut s = tls_connect(r.data_addr, "opener").await.unwrap();
+        let mut out = hello("opener");
+        Frame::Manifest(manifest.clone()).encode(&mut out);
+        Frame::Open(SessionHeader {
+            session: SessionId([id; 16]),
+            model: manifest.digest(),
+            shard: 0,
+            start: 0,
+            end: 1,
+            tier: shardcast_protocol::Tier::Memory,
+            origin: String::new(),
+            downstream: vec![],
+        })
+        .encode(&mut out);
+        s.write_all(&out).await.unwrap();
+        let mut buf = BytesMut::new();
+        loop {
+            match read_frame(&mut s, &mut buf)
+                .await
+                .expect("an answer to Open")
+            {
+                Frame::Accept { .. } => break,
+                Frame::Error { message, .. } => {
+                    assert!(message.contains("max_sessions"), "{message}");
+                    refused += 1;
+                    break;
+                }
+                _ => continue,
+            }
+        }
+        conns.push(s);
+    }
+    assert_eq!(refused, 2);
+    assert_eq!(metric(r, "sessions_refused_total").await, 2);
+}
+
+async fn connect_from(ip: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
+    let sock = TcpSocket::new_v4()?;
+    sock.bind(SocketAddr::from((ip, 0)))?;
+    sock.connect(to).await
+}
+
+/// The connection as an admitted peer: the TLS handshake completes and the daemon answers
+/// `Hello`, rather than closing it at accept.
+async fn admitted(tcp: TcpStream) -> Option<Stream> {
+    let mut s = tokio::time::timeout(Duration::from_secs(5), tls_over(tcp, "peer"))
+        .await
+        .ok()?
+        .ok()?;
+    s.write_all(&hello("peer")).await.ok()?;
+    let mut b = [0u8; 64];
+    match tokio::time::timeout(Duration::from_secs(5), s.read(&mut b)).await {
+        Ok(Ok(n)) if n > 0 => Some(s),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_flood_is_refused_while_another_peer_gets_in() {
+    let c = TestCluster::start(0, 1 << 20, 1, |_, o| {
+        o.extra_args.extend([
+            "--max-connections-per-ip".into(),
+            "4".into(),
+            "--max-connections".into(),
+            "6".into(),
+        ]);
+    })
+    .await
+    .unwrap();
+    let d = &c.daemons[0];
+    // 127.0.0.9 floods: four are admitted, the rest closed at once.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let s = connect_from([127, 0, 0, 9], d.data_addr).await.unwrap();
+        held.push(admitted(s).await.expect("admitted"));
+    }
+    for _ in 0..10 {
+        let s = connect_from([127, 0, 0, 9], d.data_addr).await.unwrap();
+        assert!(
+            admitted(s).await.is_none(),
+            "a connection over the per-IP cap"
+        );
+    }
+    // Another address still gets in, up to the total cap.
+    let other = connect_from([127, 0, 0, 10], d.data_addr).await.unwrap();
+    assert!(
+        admitted(other).await.is_some(),
+        "a legitimate peer is still served"
+    );
+    assert!(metric(d, "conn_refused_per_ip_cap_total").await >= 10);
+    // Closing the flood gives the slots back.
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = connect_from([127, 0, 0, 9], d.data_addr).await.unwrap();
+    assert!(admitted(again).await.is_some());
+}
+
+async fn read_frame<S: AsyncRead + Unpin>(s: &mut S, buf: &mut BytesMut) -> Option<Frame> {
+    loop {
+        let mut b = buf.clone().freeze();
+        if let Ok(f) = Frame::decode(&mut b) {
+            let used = buf.len() - b.remaining();
+            let _ = buf.split_to(used);
+            return Some(f);
+        }
+        let mut tmp = [0u8; 64 << 10];
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&tmp[..n]),
+            _ => return None,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invented_host_ids_do_not_grow_a_session() {
+    let c = TestCluster::start(0, 1 << 20, 1, |_, _| {}).await.unwrap();
+    let (digest, _) = c.import_on_source().await.unwrap();
+    // A fake downstream hop: accepts the session, then floods Progress from 5000 hosts.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut s = tls_accept(tcp, "fake-hop").await.unwrap();
+        let mut buf = BytesMut::new();
+        s.write_all(&hello("fake-hop")).await.unwrap();
+        let (start, end) = loop {
+            match read_frame(&mut s, &mut buf).await.expect("Open") {
+                Frame::Open(h) => break (h.start, h.end),
+                _ => continue,
+            }
+        };
+        let mut out = Vec::new();
+        Frame::Accept {
+            have: ChunkSet::new(start, end),
+        }
+        .encode(&mut out);
+        for i in 0..5000 {
+            Frame::Progress {
+                host: HostId::new(format!("invented-{i}")).unwrap(),
+                shard: 0,
+                verified: 0,
+                total: 1,
+            }
+            .encode(&mut out);
+        }
+        s.write_all(&out).await.unwrap();
+        // Keep the connection open while the test looks at the daemon.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    c.daemons[0]
+        .agent()
+        .await
+        .unwrap()
+        .start_chain(StartChainRequest {
+            model: digest,
+            tier: Tier::Memory as i32,
+            chains: vec![Chain {
+                shards: vec![],
+                hops: vec![Hop {
+                    host_id: "fake-hop".into(),
+                    addr: addr.to_string(),
+                }],
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let d = &c.daemons[0];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let dropped = loop {
+        let n = metric(d, "progress_dropped_total").await;
+        if n >= 5000 - 1024 || Instant::now() > deadline {
+            break n;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(dropped >= 5000 - 1024, "dropped {dropped}");
+    fake.abort();
+}
