@@ -368,6 +368,18 @@ impl Daemon {
         Err(last.unwrap_or_else(|| anyhow::anyhow!("restart failed")))
     }
 
+    /// Signs a `StartChain` this daemon heads with the harness CA's controller key (the
+    /// hops accept only sessions the controller signed); a no-op without a CA.
+    pub fn sign_chain(
+        &self,
+        req: &mut shardcast_protocol::agent::StartChainRequest,
+    ) -> anyhow::Result<()> {
+        match &self.opts.pki {
+            Some(pki) => pki.sign_chain(req, self.host_id.as_str()),
+            None => Ok(()),
+        }
+    }
+
     /// An agent API client.
     pub async fn agent(&self) -> anyhow::Result<AgentClient<Channel>> {
         let path = self.agent_socket.clone();

@@ -410,6 +410,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
             let opts = ChainBenchOpts {
+                plaintext: false,
                 mode,
                 receivers,
                 size,

@@ -104,6 +104,37 @@ impl ClusterPki {
         ])
     }
 
+    /// Signs `req` as the controller would: a plan token for its model naming `head` and
+    /// every hop of its chains, valid for [`shardcast_identity::plan::PLAN_TOKEN_TTL`].
+    /// Harnesses that start chains without a controller (data-plane benchmarks, tests)
+    /// use it; hops refuse sessions without one.
+    pub fn sign_chain(
+        &self,
+        req: &mut shardcast_protocol::agent::StartChainRequest,
+        head: &str,
+    ) -> anyhow::Result<()> {
+        let signer = shardcast_identity::plan::PlanSigner::load(
+            &self.files(Role::Controller, "controller")?,
+        )?;
+        let mut hosts = vec![shardcast_protocol::HostId::new(head)?];
+        for c in &req.chains {
+            for h in &c.hops {
+                hosts.push(shardcast_protocol::HostId::new(&h.host_id)?);
+            }
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs();
+        let claims = shardcast_protocol::plan::PlanClaims {
+            plan: format!("harness-{}", req.session_id),
+            model: req.model.parse()?,
+            not_after: now + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
+            hosts,
+        };
+        req.plan_token = signer.sign(&claims)?;
+        Ok(())
+    }
+
     /// A client TLS context with `role` (name `test-<role>`), built once.
     pub fn client(&self, role: Role) -> anyhow::Result<Arc<TlsContext>> {
         let mut clients = self

@@ -87,6 +87,9 @@ pub struct ChainBenchOpts {
     pub chunk_size: u32,
     /// In-flight chunks per hop (0 = transferd's default).
     pub window: usize,
+    /// Run the daemons without TLS (`insecure_plaintext`; loopback only), as the baseline
+    /// the TLS hop is compared with.
+    pub plaintext: bool,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -203,7 +206,7 @@ async fn start_chain(
     origin: &str,
     chains: Vec<Vec<&Daemon>>,
 ) -> anyhow::Result<String> {
-    let req = StartChainRequest {
+    let mut req = StartChainRequest {
         session_id: String::new(),
         model: digest.into(),
         manifest: manifest
@@ -218,7 +221,9 @@ async fn start_chain(
                 hops: c.iter().map(|d| d.hop()).collect(),
             })
             .collect(),
+        plan_token: Vec::new(),
     };
+    head.sign_chain(&mut req)?;
     Ok(head
         .agent()
         .await?
@@ -311,6 +316,13 @@ async fn run_method(
             format!("recv-{i}")
         };
         let mut o = DaemonOpts::local(name.clone());
+        if opts.plaintext {
+            anyhow::ensure!(
+                net.is_none(),
+                "plaintext daemons are allowed on loopback only"
+            );
+            o.pki = None;
+        }
         o.extra_args
             .extend(["--origin-allow".into(), origin_uri.to_string()]);
         if opts.window > 0 {
@@ -574,12 +586,18 @@ pub struct HopReport {
     /// Raw TCP over loopback measured by iperf3 in the same run, bytes/s (None if iperf3
     /// is not installed).
     pub raw_tcp_bytes_per_s: Option<f64>,
-    /// One chain hop with BLAKE3 verification and store writes, bytes/s.
+    /// One chain hop with mutual TLS, BLAKE3 verification and store writes, bytes/s.
     pub hop_bytes_per_s: f64,
     /// hop / raw TCP.
     pub ratio: Option<f64>,
     /// Machine CPU utilisation during the hop transfer (0..1).
     pub cpu_util: f64,
+    /// The same hop without TLS (`insecure_plaintext`), bytes/s, in the same run.
+    pub plaintext_hop_bytes_per_s: f64,
+    /// Machine CPU utilisation during the plaintext hop (0..1).
+    pub plaintext_cpu_util: f64,
+    /// TLS hop / plaintext hop.
+    pub tls_vs_plaintext: f64,
 }
 
 /// Measures raw loopback TCP with iperf3 (server and client are separate processes, killed
@@ -634,7 +652,7 @@ fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<f64>> {
 /// chain hop (source → receiver, both real daemons, no caps).
 pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
-    let opts = ChainBenchOpts {
+    let mut opts = ChainBenchOpts {
         mode: NetMode::Local,
         receivers: 1,
         size,
@@ -645,19 +663,34 @@ pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::
         progress,
         chunk_size: 0,
         window: 0,
+        plaintext: false,
     };
-    let report = run_chain_bench(&opts).await?;
-    let r = report.results.first().context("no result")?;
-    if !r.verified {
-        bail!("the receiver's copy did not verify");
+    // The production configuration (mutual TLS), then the plaintext baseline.
+    let mut runs = Vec::new();
+    for plaintext in [false, true] {
+        opts.plaintext = plaintext;
+        let report = run_chain_bench(&opts).await?;
+        let r = report.results.first().context("no result")?;
+        if !r.verified {
+            bail!("the receiver's copy did not verify");
+        }
+        runs.push((
+            report.bytes,
+            report.bytes as f64 / r.completion_s,
+            r.cpu_util,
+        ));
     }
-    let hop = report.bytes as f64 / r.completion_s;
+    let (bytes, hop, cpu_util) = runs[0];
+    let (_, plain, plain_cpu) = runs[1];
     Ok(HopReport {
-        bytes: report.bytes,
+        bytes,
         shards,
         raw_tcp_bytes_per_s: raw,
         hop_bytes_per_s: hop,
         ratio: raw.map(|raw| hop / raw),
-        cpu_util: r.cpu_util,
+        cpu_util,
+        plaintext_hop_bytes_per_s: plain,
+        plaintext_cpu_util: plain_cpu,
+        tls_vs_plaintext: hop / plain,
     })
 }

@@ -59,6 +59,9 @@ pub struct ControllerConfig {
     /// The controller's TLS identity for reaching agents over TCP (`None`: plaintext,
     /// insecure mode or agents on Unix sockets only).
     pub tls: Option<Arc<shardcast_identity::TlsContext>>,
+    /// Signs each chain's plan token (model, hosts, expiry) with the controller's key
+    /// (`None`: insecure mode, sessions carry no token).
+    pub signer: Option<Arc<shardcast_identity::plan::PlanSigner>>,
     /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
     /// empty, which refuses every registration with a message saying how to allow one.
     pub origins: OriginPolicy,
@@ -77,6 +80,7 @@ impl Default for ControllerConfig {
             tiers: crate::tiers::TierConfig::default(),
             scrape: None,
             tls: None,
+            signer: None,
             origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
         }
     }
@@ -1896,6 +1900,23 @@ impl Controller {
                 })
                 .collect()
         };
+        let plan_token = match &self.cfg.signer {
+            None => Vec::new(),
+            Some(signer) => {
+                let claims = shardcast_protocol::plan::PlanClaims {
+                    plan: run.session.clone(),
+                    model: digest
+                        .parse()
+                        .map_err(|e| format!("model digest {digest}: {e}"))?,
+                    not_after: unix_now() + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
+                    hosts: std::iter::once(&run.head)
+                        .chain(run.hops.iter())
+                        .filter_map(|h| shardcast_protocol::HostId::new(h).ok())
+                        .collect(),
+                };
+                signer.sign(&claims).map_err(|e| e.to_string())?
+            }
+        };
         let req = apb::StartChainRequest {
             session_id: run.session.clone(),
             model: digest.to_string(),
@@ -1909,6 +1930,7 @@ impl Controller {
                     .map(|(host_id, addr)| apb::Hop { host_id, addr })
                     .collect(),
             }],
+            plan_token,
         };
         match tokio::time::timeout(Duration::from_secs(10), agent.start_chain(req)).await {
             Err(_) => Err(format!("agent of {} did not answer StartChain", run.head)),
@@ -2076,4 +2098,12 @@ pub(crate) fn snapshot(p: &PlanRecord) -> PlanStatus {
     let end = p.ended_at.unwrap_or_else(now_unix);
     s.elapsed_s = (end - s.created_at).max(0.0);
     s
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }

@@ -279,6 +279,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         None => Tokens::default(),
     };
     cfg.tls = tls.clone();
+    // Chains' plan tokens are signed with the controller's own TLS key and certificate.
+    cfg.signer = match &tls {
+        Some(ctx) => Some(Arc::new(
+            shardcast_identity::plan::PlanSigner::load(ctx.files())
+                .context("loading the controller's key for plan tokens")?,
+        )),
+        None => None,
+    };
     if cfg.origins.is_empty() {
         warn!("--origin-allow is empty: every model registration is refused");
     } else {

@@ -9,6 +9,8 @@
 //! - [`grpc`]: authenticated listeners (TCP + TLS, Unix sockets) and clients for tonic and
 //!   axum, and the per-method authorisation layer.
 //! - [`token`]: bearer tokens for HTTP clients.
+//! - [`plan`]: plan tokens, the controller's signature over a chain's model, hosts and
+//!   expiry, checked by every hop.
 //!
 //! Goals: every connection authenticated, identity from certificates only, one table of
 //! method → permission per API, no plaintext unless the operator asked for it loudly on
@@ -17,6 +19,7 @@
 
 pub mod grpc;
 pub mod pki;
+pub mod plan;
 pub mod role;
 pub mod tls;
 pub mod token;

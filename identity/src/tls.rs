@@ -218,6 +218,7 @@ impl Stamp {
 /// Configurations built from one reading of the files.
 struct Loaded {
     identity: Identity,
+    roots: Arc<RootCertStore>,
     stamp: Stamp,
     servers: [Arc<ServerConfig>; 3],
     http_optional: Arc<ServerConfig>,
@@ -309,6 +310,7 @@ impl Loaded {
         };
         Ok(Self {
             identity,
+            roots: roots.clone(),
             stamp,
             servers: [
                 server(Alpn::Data, false)?,
@@ -470,6 +472,23 @@ impl TlsContext {
     /// This member's identity, from its certificate.
     pub fn identity(&self) -> Identity {
         self.loaded.load().identity.clone()
+    }
+
+    /// Checks that `cert` chains to this member's CA bundle and is valid at `now` (dates,
+    /// key usage, signatures), as the TLS handshake would.
+    pub fn verify_member(
+        &self,
+        cert: &CertificateDer<'_>,
+        now: UnixTime,
+    ) -> Result<(), rustls::Error> {
+        let parsed = ParsedCertificate::try_from(cert)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &parsed,
+            &self.loaded.load().roots,
+            &[],
+            now,
+            provider().signature_verification_algorithms.all,
+        )
     }
 
     /// The files.

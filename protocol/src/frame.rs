@@ -143,6 +143,10 @@ pub struct SessionHeader {
     /// The hops after the receiver, in order. The receiver forwards to the first one that
     /// accepts and passes the rest on.
     pub downstream: Vec<Hop>,
+    /// The controller's signed plan token (`crate::plan`): which model, hosts and expiry the
+    /// session is authorised for. Every hop verifies it and passes it on unchanged. Empty
+    /// only between daemons running with `insecure_plaintext`.
+    pub token: Bytes,
 }
 
 /// Error codes carried by [`Frame::Error`].
@@ -263,7 +267,9 @@ impl FrameType {
             // 2 MiB bitmap for the largest shard + range.
             Self::Accept => (crate::manifest::MAX_CHUNKS_PER_SHARD / 8) as usize + 8,
             // Hops: each at most 2 + 255 + 2 + 255 bytes.
-            Self::Open => 16 + 32 + 13 + 2 + MAX_URI_LEN + 2 + MAX_HOPS * 514,
+            Self::Open => {
+                16 + 32 + 13 + 2 + MAX_URI_LEN + 2 + MAX_HOPS * 514 + 4 + crate::plan::MAX_TOKEN_LEN
+            }
             _ => MAX_CONTROL_LEN,
         }
     }
@@ -426,6 +432,8 @@ impl Frame {
                         .iter()
                         .map(|hop| codec::str_len(hop.host.as_str()) + codec::str_len(&hop.addr))
                         .sum::<usize>()
+                    + 4
+                    + h.token.len()
             }
             Self::Accept { have } => have.encoded_len(),
             Self::Chunk { data, .. } => 4 + 4 + 4 + data.len(),
@@ -459,6 +467,8 @@ impl Frame {
                     codec::put_str(buf, hop.host.as_str());
                     codec::put_str(buf, &hop.addr);
                 }
+                buf.put_u32(h.token.len() as u32);
+                buf.put_slice(&h.token);
             }
             Self::Accept { have } => have.encode(buf),
             Self::Chunk { shard, index, data } => {
@@ -560,6 +570,16 @@ impl Frame {
                     let addr = get_str(b, "hop address", MAX_ADDR_LEN)?;
                     downstream.push(Hop { host, addr });
                 }
+                let n = get_u32(b)? as usize;
+                if n > crate::plan::MAX_TOKEN_LEN {
+                    return Err(DecodeError::TooLong {
+                        field: "plan token",
+                        len: n as u64,
+                        max: crate::plan::MAX_TOKEN_LEN as u64,
+                    });
+                }
+                codec::need(b, n)?;
+                let token = b.copy_to_bytes(n);
                 Self::Open(SessionHeader {
                     session,
                     model,
@@ -569,6 +589,7 @@ impl Frame {
                     tier,
                     origin,
                     downstream,
+                    token,
                 })
             }
             FrameType::Accept => Self::Accept {

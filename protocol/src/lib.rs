@@ -49,6 +49,7 @@ pub mod frame;
 pub mod manifest;
 pub mod name;
 pub mod origin_policy;
+pub mod plan;
 pub mod units;
 
 /// Generated gRPC types and service stubs for the per-host agent API.
@@ -74,4 +75,4 @@ pub use name::{HostId, ModelName, NameError, ShardPath};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer
 /// with another version is refused with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;

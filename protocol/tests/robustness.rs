@@ -84,6 +84,7 @@ fn sample_frames() -> Vec<Frame> {
                 addr: "[::1]:7400".into(),
             },
         ],
+        token: bytes::Bytes::from_static(b"signed plan token"),
     };
     vec![
         Frame::Hello {
@@ -267,7 +268,7 @@ fn per_type_maximum_body_lengths() {
     );
     assert_eq!(
         FrameType::Open.max_body_len(),
-        16 + 32 + 13 + 2 + 4096 + 2 + MAX_HOPS * 514
+        16 + 32 + 13 + 2 + 4096 + 2 + MAX_HOPS * 514 + 4 + shardcast_protocol::plan::MAX_TOKEN_LEN
     );
     // The largest valid bodies fit their bound.
     let full_chunk = Frame::Chunk {
@@ -302,6 +303,7 @@ fn per_type_maximum_body_lengths() {
             };
             MAX_HOPS
         ],
+        token: bytes::Bytes::from(vec![0u8; shardcast_protocol::plan::MAX_TOKEN_LEN]),
     });
     assert_eq!(
         full_open.encoded_len() - HEADER_LEN,

@@ -210,8 +210,8 @@ fn hello_golden_bytes() {
         host: "host-a".parse().unwrap(),
     };
     let enc = encode_to_vec(&f);
-    // length 15 | type 0x01 | "SHCS" | version 1 | host: length 6, "host-a"
-    assert_eq!(hex::encode(&enc), "0000000f015348435300010006686f73742d61");
+    // length 15 | type 0x01 | "SHCS" | version 2 | host: length 6, "host-a"
+    assert_eq!(hex::encode(&enc), "0000000f015348435300020006686f73742d61");
 }
 
 /// Fixed encodings of the other small frames, so that the layouts in `docs/PROTOCOL.md`
@@ -305,6 +305,7 @@ fn open_layout() {
             host: "b".parse().unwrap(),
             addr: "b:1".into(),
         }],
+        token: Bytes::from_static(b"tok"),
     };
     let enc = encode_to_vec(&Frame::Open(h.clone()));
     let mut b = Bytes::from(enc.clone());
@@ -320,6 +321,8 @@ fn open_layout() {
     assert_eq!((b.get_u16(), b.get_u8()), (1, b'b'));
     assert_eq!(b.get_u16(), 3);
     assert_eq!(&b.copy_to_bytes(3)[..], b"b:1");
+    assert_eq!(b.get_u32(), 3, "token length");
+    assert_eq!(&b.copy_to_bytes(3)[..], b"tok");
     assert!(!b.has_remaining());
 
     let mut mem = Vec::new();

@@ -94,7 +94,7 @@ impl TestCluster {
         hops: &[usize],
         origin: &str,
     ) -> anyhow::Result<String> {
-        let req = StartChainRequest {
+        let mut req = StartChainRequest {
             session_id: String::new(),
             model: digest.into(),
             manifest: vec![],
@@ -104,7 +104,9 @@ impl TestCluster {
                 shards: vec![],
                 hops: hops.iter().map(|&i| self.daemons[i].hop()).collect(),
             }],
+            plan_token: Vec::new(),
         };
+        self.daemons[head].sign_chain(&mut req)?;
         Ok(self.daemons[head]
             .agent()
             .await?
@@ -229,4 +231,29 @@ pub fn host_tls(name: &str) -> std::io::Result<std::sync::Arc<shardcast_identity
         .files(shardcast_identity::Role::Host, name)
         .map_err(std::io::Error::other)?;
     shardcast_identity::TlsContext::load(files).map_err(std::io::Error::other)
+}
+
+/// A plan token for `model` naming `hosts`, signed with the test CA's controller key, as
+/// a hand-made `Open` must carry to be accepted.
+pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> bytes::Bytes {
+    let pki = shardcast_bench::pki::ClusterPki::shared().expect("test PKI");
+    let signer = shardcast_identity::plan::PlanSigner::load(
+        &pki.files(shardcast_identity::Role::Controller, "controller")
+            .expect("controller certificate"),
+    )
+    .expect("controller key");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs();
+    let claims = shardcast_protocol::plan::PlanClaims {
+        plan: "test".into(),
+        model,
+        not_after: now + 600,
+        hosts: hosts
+            .iter()
+            .map(|h| shardcast_protocol::HostId::new(*h).expect("host id"))
+            .collect(),
+    };
+    bytes::Bytes::from(signer.sign(&claims).expect("signing"))
 }

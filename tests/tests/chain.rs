@@ -211,7 +211,7 @@ async fn shards_striped_over_two_chains_run_concurrently() {
             .map(|&i| c.daemons[i].hop())
             .collect::<Vec<_>>()
     };
-    let req = StartChainRequest {
+    let mut req = StartChainRequest {
         model: digest.clone(),
         origin: c.origin_uri.clone(),
         tier: Tier::Memory as i32,
@@ -227,6 +227,7 @@ async fn shards_striped_over_two_chains_run_concurrently() {
         ],
         ..Default::default()
     };
+    c.daemons[0].sign_chain(&mut req).unwrap();
     let mut agent = c.daemons[0].agent().await.unwrap();
     let id = agent
         .start_chain(req)
@@ -280,7 +281,7 @@ async fn egress_cap_holds_under_concurrent_sessions() {
     let floor = bytes as f64 / 25e6 - 0.05;
     let mut agent = c.daemons[0].agent().await.unwrap();
     let t0 = std::time::Instant::now();
-    let req = StartChainRequest {
+    let mut req = StartChainRequest {
         model: digest.clone(),
         tier: Tier::Memory as i32,
         chains: (1..=3)
@@ -291,6 +292,7 @@ async fn egress_cap_holds_under_concurrent_sessions() {
             .collect(),
         ..Default::default()
     };
+    c.daemons[0].sign_chain(&mut req).unwrap();
     agent.start_chain(req).await.unwrap();
     c.wait(&[1, 2, 3], &digest, Duration::from_secs(60))
         .await

@@ -13,6 +13,7 @@ async fn emulated_chain_beats_star_and_verifies() {
         return;
     }
     let opts = ChainBenchOpts {
+        plaintext: false,
         mode: NetMode::Emulate,
         receivers: 4,
         size: 24 << 20,

@@ -100,21 +100,24 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
             .all(|d| d.kind == "simulated" && d.name.starts_with("simulated"))
     );
     assert!(st.note.contains("SIMULATED"), "{}", st.note);
+    let mut req = StartChainRequest {
+        session_id: String::new(),
+        model: digest.clone(),
+        manifest: vec![],
+        origin: uri.clone(),
+        tier: Tier::Memory as i32,
+        chains: vec![Chain {
+            shards: vec![],
+            hops: vec![gpu.hop()],
+        }],
+        plan_token: Vec::new(),
+    };
+    source.sign_chain(&mut req).unwrap();
     source
         .agent()
         .await
         .unwrap()
-        .start_chain(StartChainRequest {
-            session_id: String::new(),
-            model: digest.clone(),
-            manifest: vec![],
-            origin: uri.clone(),
-            tier: Tier::Memory as i32,
-            chains: vec![Chain {
-                shards: vec![],
-                hops: vec![gpu.hop()],
-            }],
-        })
+        .start_chain(req)
         .await
         .unwrap();
     let t0 = Instant::now();

@@ -105,6 +105,7 @@ async fn silent_peers_are_closed_in_every_phase() {
         tier: shardcast_protocol::Tier::Memory,
         origin: String::new(),
         downstream: vec![],
+        token: shardcast_tests::plan_token(manifest.digest(), &["stalled-upstream", "recv-1"]),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();
@@ -178,6 +179,7 @@ async fn sessions_beyond_the_cap_are_refused() {
             tier: shardcast_protocol::Tier::Memory,
             origin: String::new(),
             downstream: vec![],
+            token: shardcast_tests::plan_token(manifest.digest(), &["opener", "recv-1"]),
         })
         .encode(&mut out);
         s.write_all(&out).await.unwrap();
@@ -315,22 +317,24 @@ async fn invented_host_ids_do_not_grow_a_session() {
         // Keep the connection open while the test looks at the daemon.
         tokio::time::sleep(Duration::from_secs(5)).await;
     });
+    let mut req = StartChainRequest {
+        model: digest,
+        tier: Tier::Memory as i32,
+        chains: vec![Chain {
+            shards: vec![],
+            hops: vec![Hop {
+                host_id: "fake-hop".into(),
+                addr: addr.to_string(),
+            }],
+        }],
+        ..Default::default()
+    };
+    c.daemons[0].sign_chain(&mut req).unwrap();
     c.daemons[0]
         .agent()
         .await
         .unwrap()
-        .start_chain(StartChainRequest {
-            model: digest,
-            tier: Tier::Memory as i32,
-            chains: vec![Chain {
-                shards: vec![],
-                hops: vec![Hop {
-                    host_id: "fake-hop".into(),
-                    addr: addr.to_string(),
-                }],
-            }],
-            ..Default::default()
-        })
+        .start_chain(req)
         .await
         .unwrap();
     let d = &c.daemons[0];

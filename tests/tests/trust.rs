@@ -399,3 +399,187 @@ async fn controller_api_answers_each_role_by_the_table() {
         .unwrap();
     assert!(denied >= 10, "{b}");
 }
+
+/// Sends Hello, a manifest and an `Open` for it as `mallory`, and returns the first
+/// `Error` frame's code and message (None if the session was accepted).
+async fn open_as_mallory(
+    addr: std::net::SocketAddr,
+    manifest: &shardcast_protocol::Manifest,
+    downstream: Vec<shardcast_protocol::Hop>,
+    token: bytes::Bytes,
+) -> Option<(ErrorCode, String)> {
+    let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
+    let mut out = Vec::new();
+    Frame::Hello {
+        version: PROTOCOL_VERSION,
+        host: HostId::new("mallory").unwrap(),
+    }
+    .encode(&mut out);
+    Frame::Manifest(manifest.clone()).encode(&mut out);
+    Frame::Open(shardcast_protocol::SessionHeader {
+        session: shardcast_protocol::SessionId(rand_id()),
+        model: manifest.digest(),
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: shardcast_protocol::Tier::Memory,
+        origin: String::new(),
+        downstream,
+        token,
+    })
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let frames = read_frames(&mut s).await;
+    frames.into_iter().find_map(|f| match f {
+        Frame::Error { code, message } => Some((code, message)),
+        _ => None,
+    })
+}
+
+fn rand_id() -> [u8; 16] {
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    n.to_le_bytes()
+}
+
+fn sign_as(
+    files: &TlsFiles,
+    model: shardcast_protocol::ModelDigest,
+    hosts: &[&str],
+    not_after: u64,
+) -> bytes::Bytes {
+    let signer = shardcast_identity::plan::PlanSigner::load(files).unwrap();
+    let claims = shardcast_protocol::plan::PlanClaims {
+        plan: "forged".into(),
+        model,
+        not_after,
+        hosts: hosts.iter().map(|h| HostId::new(*h).unwrap()).collect(),
+    };
+    bytes::Bytes::from(signer.sign(&claims).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_need_the_controllers_signature_and_pushed_manifests_are_not_kept() {
+    let c = TestCluster::start(1, 2 * 1024 * 1024, 1, |_, _| {})
+        .await
+        .unwrap();
+    let target = &c.daemons[1];
+    let (digest, real) = c.import_on_source().await.unwrap();
+    // Other weights under the registered name: what a pushed manifest would repoint it to.
+    let mut evil = real.clone();
+    evil.shards[0].chunks[0] = shardcast_protocol::ChunkHash([0xee; 32]);
+    let model = evil.digest();
+    assert_ne!(model.to_string(), digest);
+    let pki = ClusterPki::shared().unwrap();
+    let controller = pki.files(Role::Controller, "controller").unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let refused = |r: Option<(ErrorCode, String)>, why: &str| {
+        let (code, message) = r.unwrap_or_else(|| panic!("accepted ({why})"));
+        assert_eq!(code, ErrorCode::Refused, "{why}: {message}");
+        assert!(message.contains("not authorised"), "{why}: {message}");
+        message
+    };
+    let addr = target.data_addr;
+    // No token.
+    refused(
+        open_as_mallory(addr, &evil, vec![], bytes::Bytes::new()).await,
+        "no token",
+    );
+    // Expired.
+    let t = sign_as(&controller, model, &["mallory", "recv-1"], now - 10);
+    let m = refused(open_as_mallory(addr, &evil, vec![], t).await, "expired");
+    assert!(m.contains("expired"), "{m}");
+    // Not naming the receiver, or not the sender.
+    let t = sign_as(&controller, model, &["mallory", "recv-9"], now + 60);
+    refused(open_as_mallory(addr, &evil, vec![], t).await, "receiver");
+    let t = sign_as(&controller, model, &["source", "recv-1"], now + 60);
+    refused(open_as_mallory(addr, &evil, vec![], t).await, "sender");
+    // A downstream hop outside the plan: this host would connect where the peer says.
+    let t = sign_as(&controller, model, &["mallory", "recv-1"], now + 60);
+    let outside = shardcast_protocol::Hop {
+        host: HostId::new("elsewhere").unwrap(),
+        addr: "127.0.0.1:9".into(),
+    };
+    let m = refused(open_as_mallory(addr, &evil, vec![outside], t).await, "hop");
+    assert!(m.contains("downstream"), "{m}");
+    // Signed by a host instead of the controller: a non-controller certificate is refused
+    // when loading a signer; forge the parts by hand.
+    let good = sign_as(&controller, model, &["mallory", "recv-1"], now + 60);
+    let mut parts = shardcast_protocol::plan::TokenParts::parse(&good).unwrap();
+    let host_cert = std::fs::read(pki.files(Role::Host, "mallory").unwrap().cert).unwrap();
+    parts.signer = bytes::Bytes::from(
+        shardcast_identity::tls::first_cert(&host_cert, std::path::Path::new("mallory"))
+            .unwrap()
+            .to_vec(),
+    );
+    let m = refused(
+        open_as_mallory(addr, &evil, vec![], parts.encode().into()).await,
+        "host signer",
+    );
+    assert!(m.contains("not by the controller"), "{m}");
+    // Claims changed after signing.
+    let mut parts = shardcast_protocol::plan::TokenParts::parse(&good).unwrap();
+    let mut claims = parts.claims.to_vec();
+    let last = claims.len() - 1;
+    claims[last] ^= 1;
+    parts.claims = claims.into();
+    refused(
+        open_as_mallory(addr, &evil, vec![], parts.encode().into()).await,
+        "tampered",
+    );
+    // A controller of another CA.
+    let other = ClusterPki::new().unwrap();
+    let t = sign_as(
+        &other.files(Role::Controller, "controller").unwrap(),
+        model,
+        &["mallory", "recv-1"],
+        now + 60,
+    );
+    refused(open_as_mallory(addr, &evil, vec![], t).await, "other CA");
+
+    // None of it left a trace: the name still resolves to nothing on the target, and its
+    // store holds no manifest of the pushed model.
+    let mut agent = target.agent().await.unwrap();
+    let holdings = agent
+        .list_holdings(shardcast_protocol::agent::ListHoldingsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(holdings.models.is_empty(), "{holdings:?}");
+    let found = walk(&target.memory_dir)
+        .into_iter()
+        .chain(walk(&target.disk_dir))
+        .any(|p| p.to_string_lossy().contains(&model.to_string()));
+    assert!(!found, "the refused session's manifest was persisted");
+    assert!(metric(target, "sessions_unauthorised_total").await >= 8);
+
+    // The controller-signed path (the harness signs as the controller) still works.
+    c.start_chain(0, &digest, &[1], "").await.unwrap();
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    target.verify_copy(&real).unwrap();
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(p.clone());
+            }
+            out.push(p);
+        }
+    }
+    out
+}

@@ -120,6 +120,7 @@ async fn hostile_frames_are_refused_and_the_daemon_keeps_serving() {
         tier: Tier::Memory,
         origin: String::new(),
         downstream: vec![],
+        token: shardcast_tests::plan_token(ModelDigest([9; 32]), &["attacker", "recv-1"]),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();

@@ -206,6 +206,12 @@ pub fn render(node: &Node) -> String {
         s.identity_mismatch.load(Ordering::Relaxed),
     );
     metric(
+        "sessions_unauthorised_total",
+        "counter",
+        "Opens refused for want of a valid plan token (none, forged, expired, other model, unnamed host).",
+        s.sessions_unauthorised.load(Ordering::Relaxed),
+    );
+    metric(
         "agent_unauthenticated_total",
         "counter",
         "Agent API calls refused for want of an identity.",

@@ -333,9 +333,21 @@ impl Agent for AgentService {
                 hops,
             });
         }
+        if self.node.transport.tls().is_some() && req.plan_token.is_empty() {
+            return Err(Status::invalid_argument(
+                "plan_token is required: hops accept only sessions the controller signed",
+            ));
+        }
         let head = self
             .node
-            .start_chain(id, manifest, req.origin, tier, chains)
+            .start_chain(
+                id,
+                manifest,
+                req.origin,
+                tier,
+                chains,
+                req.plan_token.into(),
+            )
             .map_err(chain_status)?;
         Ok(Response::new(StartChainResponse {
             session_id: head.id.to_hex(),

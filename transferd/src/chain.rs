@@ -146,6 +146,9 @@ pub struct NodeStats {
     pub identity_mismatch: AtomicU64,
     /// Agent API calls refused by role.
     pub authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    /// `Open`s refused for want of a valid plan token (none, forged, expired, another
+    /// model, or a host the plan does not name).
+    pub sessions_unauthorised: AtomicU64,
     /// `Open`s refused because the host already holds `max_sessions` hop sessions.
     pub sessions_refused: AtomicU64,
     /// `Progress` frames not recorded because a session already tracks
@@ -261,6 +264,8 @@ pub struct ShardSession {
     pub end: u32,
     /// Fallback source for missing chunks.
     pub origin: String,
+    /// The controller's plan token, passed on in every `Open` this hop sends.
+    pub token: Bytes,
     /// When this host joined the session.
     pub started: Instant,
     feeders: watch::Sender<usize>,
@@ -643,7 +648,7 @@ impl Node {
             match frame {
                 Frame::Manifest(m) => offered = Some(m),
                 Frame::Open(header) => {
-                    let sess = self.join_session(&header, offered.take())?;
+                    let sess = self.join_session(&header, offered.take(), remote)?;
                     return self.handle_upstream(conn, sess, remote).await;
                 }
                 Frame::Fetch {
@@ -665,13 +670,51 @@ impl Node {
         }
     }
 
+    /// Checks the `Open`'s plan token: signed by the controller (a certificate of the
+    /// cluster CA with the `controller` role), not expired, for this model, naming this
+    /// host, the sender and every downstream hop. Without TLS (`insecure_plaintext`) there
+    /// is no CA to check a signature against, and sessions are accepted as before.
+    fn authorize_open(&self, header: &SessionHeader, remote: &HostId) -> Result<(), ChainError> {
+        let Some(tls) = self.transport.tls() else {
+            return Ok(());
+        };
+        let refuse = |why: String| {
+            self.stats
+                .sessions_unauthorised
+                .fetch_add(1, Ordering::Relaxed);
+            ChainError::refused(
+                ErrorCode::Refused,
+                format!("session {} not authorised: {why}", header.session),
+            )
+        };
+        if header.token.is_empty() {
+            return Err(refuse(
+                "no plan token (sessions are started by the controller)".into(),
+            ));
+        }
+        let claims = tls
+            .verify_plan(&header.token, rustls::pki_types::UnixTime::now())
+            .map_err(|e| refuse(e.to_string()))?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        claims
+            .authorises(&header.model, &self.host, remote, &header.downstream, now)
+            .map_err(refuse)
+    }
+
     /// Finds the session for `header`, or creates it (and its forwarder and recovery
     /// monitor).
     fn join_session(
         self: &Arc<Self>,
         header: &SessionHeader,
         offered: Option<Manifest>,
+        remote: &HostId,
     ) -> Result<Arc<ShardSession>, ChainError> {
+        // Nothing of a session the controller did not authorise is kept: not even its
+        // manifest.
+        self.authorize_open(header, remote)?;
         let key = (header.session, header.shard);
         if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
             debug!(session = %header.session, shard = header.shard, "joining running session");
@@ -744,6 +787,7 @@ impl Node {
             header.start,
             header.end,
             header.origin.clone(),
+            header.token.clone(),
         );
         let mut map = self
             .sessions
@@ -771,6 +815,7 @@ impl Node {
         start: u32,
         end: u32,
         origin: String,
+        token: Bytes,
     ) -> Arc<ShardSession> {
         self.stats.sessions_total.fetch_add(1, Ordering::Relaxed);
         self.stats.sessions_active.fetch_add(1, Ordering::Relaxed);
@@ -782,6 +827,7 @@ impl Node {
             start,
             end,
             origin,
+            token,
             started: Instant::now(),
             feeders: watch::Sender::new(0),
             progress: broadcast::Sender::new(256),
@@ -1091,6 +1137,7 @@ impl Node {
             tier: sess.shard.tier(),
             origin: sess.origin.clone(),
             downstream: rest.to_vec(),
+            token: sess.token.clone(),
         };
         conn.writer.send_now(&Frame::Open(header)).await?;
         let mut acked = match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
@@ -1450,6 +1497,7 @@ impl Node {
         origin: String,
         tier: Tier,
         chains: Vec<ChainSpec>,
+        token: Bytes,
     ) -> Result<Arc<HeadSession>, ChainError> {
         let model = manifest.digest();
         let nshards = manifest.shards.len() as u32;
@@ -1500,7 +1548,16 @@ impl Node {
                 None => self.store.shard(&model, s, tier)?,
             };
             let end = shard.total_chunks();
-            let sess = self.new_session(id, model, manifest.clone(), shard, 0, end, origin.clone());
+            let sess = self.new_session(
+                id,
+                model,
+                manifest.clone(),
+                shard,
+                0,
+                end,
+                origin.clone(),
+                token.clone(),
+            );
             if !sess.complete() {
                 self.spawn_head_fill(&sess);
             }
@@ -1629,6 +1686,7 @@ impl Node {
                 start,
                 end,
                 source.to_string(),
+                Bytes::new(),
             );
             let r = self.fill(&sess, source, missing).await;
             self.stats.sessions_active.fetch_sub(1, Ordering::Relaxed);

@@ -166,17 +166,21 @@ pub(crate) fn session_header() -> impl Strategy<Value = SessionHeader> {
         tier(),
         origin(),
         hops,
+        proptest::collection::vec(any::<u8>(), 0..64),
     )
         .prop_map(
-            |(session, model, shard, (start, end), tier, origin, downstream)| SessionHeader {
-                session: SessionId(session),
-                model: ModelDigest(model),
-                shard,
-                start,
-                end,
-                tier,
-                origin,
-                downstream,
+            |(session, model, shard, (start, end), tier, origin, downstream, token)| {
+                SessionHeader {
+                    session: SessionId(session),
+                    model: ModelDigest(model),
+                    shard,
+                    start,
+                    end,
+                    tier,
+                    origin,
+                    downstream,
+                    token: bytes::Bytes::from(token),
+                }
             },
         )
 }

@@ -1,0 +1,295 @@
+//! Plan claims: what the controller authorises one chain session to do. The controller
+//! encodes [`PlanClaims`], signs the bytes (see `shardcast_identity::plan`), and the token
+//! travels in the session's `Open`; every hop verifies the signature and then asks
+//! [`PlanClaims::authorises`] whether this `Open` is within the plan. Pure: the caller
+//! passes the time in.
+//!
+//! Token layout (all lengths big-endian):
+//! `claims_len: u32 | claims | sig_len: u16 | signature | cert_len: u16 | signer certificate (DER)`.
+//! Claims layout: `PLAN_MAGIC (4) | plan id: str | model: [u8; 32] | not_after: u64 (Unix
+//! seconds) | n: u16 | n × host id: str`.
+
+use bytes::{Buf, BufMut, Bytes};
+
+use crate::codec::{self, Codec, DecodeError, get_array, get_str, get_u16, get_u64, need};
+use crate::frame::Hop;
+use crate::manifest::ModelDigest;
+use crate::name::{HostId, MAX_HOST_ID_LEN};
+
+/// Magic at the start of encoded claims.
+pub const PLAN_MAGIC: &[u8; 4] = b"SCPL";
+/// Most hosts one token may name: a chain of up to [`crate::frame::MAX_HOPS`] hops, its
+/// head and the holders it may fall back to. Tokens are signed per chain.
+pub const MAX_PLAN_HOSTS: usize = crate::frame::MAX_HOPS + 64;
+/// Longest plan id.
+pub const MAX_PLAN_ID_LEN: usize = 128;
+/// Longest signature (ECDSA P-384 DER is 104 bytes, RSA-4096 512).
+pub const MAX_SIGNATURE_LEN: usize = 1024;
+/// Longest signer certificate.
+pub const MAX_CERT_LEN: usize = 16 << 10;
+/// Longest token: claims at their maximum plus a signature and a certificate.
+pub const MAX_TOKEN_LEN: usize = 4
+    + 4
+    + 2
+    + MAX_PLAN_ID_LEN
+    + 32
+    + 8
+    + 2
+    + MAX_PLAN_HOSTS * (2 + MAX_HOST_ID_LEN)
+    + 2
+    + MAX_SIGNATURE_LEN
+    + 2
+    + MAX_CERT_LEN;
+
+/// What a plan authorises.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanClaims {
+    /// The controller's plan id (for logs).
+    pub plan: String,
+    /// The model version the sessions carry.
+    pub model: ModelDigest,
+    /// Unix seconds after which no new session of the plan is accepted.
+    pub not_after: u64,
+    /// Every host that may send or receive in the plan's sessions (sources and receivers).
+    pub hosts: Vec<HostId>,
+}
+
+impl PlanClaims {
+    /// Whether an `Open` for `model`, received by `me` from `upstream`, asking it to forward
+    /// to `downstream`, is within these claims at `now` (Unix seconds). The error says
+    /// which part is not.
+    pub fn authorises(
+        &self,
+        model: &ModelDigest,
+        me: &HostId,
+        upstream: &HostId,
+        downstream: &[Hop],
+        now: u64,
+    ) -> Result<(), String> {
+        if now > self.not_after {
+            return Err(format!(
+                "plan {} expired {} s ago",
+                self.plan,
+                now - self.not_after
+            ));
+        }
+        if *model != self.model {
+            return Err(format!(
+                "plan {} is for model {}, not {model}",
+                self.plan, self.model
+            ));
+        }
+        for (who, h) in [("this host", me), ("the sender", upstream)] {
+            if !self.hosts.contains(h) {
+                return Err(format!("plan {} does not name {who} ({h})", self.plan));
+            }
+        }
+        if let Some(hop) = downstream.iter().find(|h| !self.hosts.contains(&h.host)) {
+            return Err(format!(
+                "plan {} does not name downstream hop {}",
+                self.plan, hop.host
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Codec for PlanClaims {
+    fn decode<B: Buf>(b: &mut B) -> Result<Self, DecodeError> {
+        let magic: [u8; 4] = get_array(b)?;
+        if &magic != PLAN_MAGIC {
+            return Err(DecodeError::BadMagic {
+                expected: PLAN_MAGIC,
+            });
+        }
+        let plan = get_str(b, "plan id", MAX_PLAN_ID_LEN)?;
+        let model = ModelDigest(get_array(b)?);
+        let not_after = get_u64(b)?;
+        let n = get_u16(b)? as usize;
+        if n > MAX_PLAN_HOSTS {
+            return Err(DecodeError::TooLong {
+                field: "plan hosts",
+                len: n as u64,
+                max: MAX_PLAN_HOSTS as u64,
+            });
+        }
+        let mut hosts = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            let s = get_str(b, "host id", MAX_HOST_ID_LEN)?;
+            hosts.push(HostId::new(s).map_err(|e| DecodeError::Invalid {
+                field: "host id",
+                reason: e.to_string(),
+            })?);
+        }
+        Ok(Self {
+            plan,
+            model,
+            not_after,
+            hosts,
+        })
+    }
+
+    fn encode<B: BufMut>(&self, b: &mut B) {
+        b.put_slice(PLAN_MAGIC);
+        codec::put_str(b, &self.plan);
+        b.put_slice(&self.model.0);
+        b.put_u64(self.not_after);
+        let n = self.hosts.len().min(MAX_PLAN_HOSTS);
+        b.put_u16(n as u16);
+        for h in &self.hosts[..n] {
+            codec::put_str(b, h.as_str());
+        }
+    }
+
+    fn encoded_len(&self) -> usize {
+        4 + codec::str_len(&self.plan)
+            + 32
+            + 8
+            + 2
+            + self.hosts[..self.hosts.len().min(MAX_PLAN_HOSTS)]
+                .iter()
+                .map(|h| codec::str_len(h.as_str()))
+                .sum::<usize>()
+    }
+}
+
+/// A token split into its parts (signature not yet verified).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenParts {
+    /// The encoded claims (what was signed).
+    pub claims: Bytes,
+    /// The signature over `claims`.
+    pub signature: Bytes,
+    /// The signer's certificate (DER).
+    pub signer: Bytes,
+}
+
+impl TokenParts {
+    /// Splits a token; lengths are checked before anything is copied.
+    pub fn parse(token: &[u8]) -> Result<Self, DecodeError> {
+        if token.len() > MAX_TOKEN_LEN {
+            return Err(DecodeError::TooLong {
+                field: "plan token",
+                len: token.len() as u64,
+                max: MAX_TOKEN_LEN as u64,
+            });
+        }
+        let mut b = Bytes::copy_from_slice(token);
+        need(&b, 4)?;
+        let n = b.get_u32() as usize;
+        need(&b, n)?;
+        let claims = b.split_to(n);
+        let n = get_u16(&mut b)? as usize;
+        if n > MAX_SIGNATURE_LEN {
+            return Err(DecodeError::TooLong {
+                field: "plan signature",
+                len: n as u64,
+                max: MAX_SIGNATURE_LEN as u64,
+            });
+        }
+        need(&b, n)?;
+        let signature = b.split_to(n);
+        let n = get_u16(&mut b)? as usize;
+        if n > MAX_CERT_LEN {
+            return Err(DecodeError::TooLong {
+                field: "plan signer certificate",
+                len: n as u64,
+                max: MAX_CERT_LEN as u64,
+            });
+        }
+        need(&b, n)?;
+        let signer = b.split_to(n);
+        if b.has_remaining() {
+            return Err(DecodeError::TrailingBytes(b.remaining()));
+        }
+        Ok(Self {
+            claims,
+            signature,
+            signer,
+        })
+    }
+
+    /// Joins the parts into a token.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(8 + self.claims.len() + self.signature.len() + self.signer.len());
+        out.put_u32(self.claims.len() as u32);
+        out.put_slice(&self.claims);
+        out.put_u16(self.signature.len().min(u16::MAX as usize) as u16);
+        out.put_slice(&self.signature);
+        out.put_u16(self.signer.len().min(u16::MAX as usize) as u16);
+        out.put_slice(&self.signer);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::decode_exact;
+
+    fn claims() -> PlanClaims {
+        PlanClaims {
+            plan: "p1".into(),
+            model: ModelDigest([7; 32]),
+            not_after: 1000,
+            hosts: vec![HostId::new("a").unwrap(), HostId::new("b").unwrap()],
+        }
+    }
+
+    #[test]
+    fn round_trip_and_rules() {
+        let c = claims();
+        let mut buf = Vec::new();
+        c.encode(&mut buf);
+        assert_eq!(buf.len(), c.encoded_len());
+        assert_eq!(decode_exact::<PlanClaims>(Bytes::from(buf)).unwrap(), c);
+        let (a, b, x) = (
+            HostId::new("a").unwrap(),
+            HostId::new("b").unwrap(),
+            HostId::new("x").unwrap(),
+        );
+        let m = ModelDigest([7; 32]);
+        assert!(c.authorises(&m, &b, &a, &[], 999).is_ok());
+        assert!(
+            c.authorises(&m, &b, &a, &[], 1001)
+                .unwrap_err()
+                .contains("expired")
+        );
+        assert!(c.authorises(&ModelDigest([8; 32]), &b, &a, &[], 1).is_err());
+        assert!(
+            c.authorises(&m, &x, &a, &[], 1)
+                .unwrap_err()
+                .contains("this host")
+        );
+        assert!(
+            c.authorises(&m, &b, &x, &[], 1)
+                .unwrap_err()
+                .contains("sender")
+        );
+        let hop = Hop {
+            host: x,
+            addr: "10.0.0.9:7400".into(),
+        };
+        assert!(
+            c.authorises(&m, &b, &a, &[hop], 1)
+                .unwrap_err()
+                .contains("downstream")
+        );
+    }
+
+    #[test]
+    fn token_parts_round_trip_and_bounds() {
+        let p = TokenParts {
+            claims: Bytes::from_static(b"claims"),
+            signature: Bytes::from_static(b"sig"),
+            signer: Bytes::from_static(b"cert"),
+        };
+        assert_eq!(TokenParts::parse(&p.encode()).unwrap(), p);
+        let mut t = p.encode();
+        t.push(0);
+        assert!(TokenParts::parse(&t).is_err());
+        assert!(TokenParts::parse(&[0xff, 0xff, 0xff, 0xff]).is_err());
+        assert!(TokenParts::parse(&[]).is_err());
+    }
+}
