@@ -257,3 +257,51 @@ pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> byt
     };
     bytes::Bytes::from(signer.sign(&claims).expect("signing"))
 }
+
+/// The daemon's Prometheus counter `name` (without the `shardcast_` prefix), read from its
+/// admin endpoint.
+pub async fn metric(d: &Daemon, name: &str) -> u64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(d.admin_addr)
+        .await
+        .expect("admin endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .expect("metrics request");
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.expect("metrics answer");
+    body.lines()
+        .find(|l| l.starts_with(&format!("shardcast_{name}{{")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in {body}"))
+}
+
+/// Every frame the peer sends within five seconds (until it closes), decoded in order.
+pub async fn read_frames<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+) -> Vec<shardcast_protocol::Frame> {
+    use bytes::Buf;
+    use shardcast_protocol::Codec;
+    use tokio::io::AsyncReadExt;
+    let mut buf = bytes::BytesMut::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            }
+        }
+    })
+    .await;
+    let mut frames = Vec::new();
+    let mut b = buf.freeze();
+    while b.has_remaining() {
+        match shardcast_protocol::Frame::decode(&mut b) {
+            Ok(f) => frames.push(f),
+            Err(_) => break,
+        }
+    }
+    frames
+}

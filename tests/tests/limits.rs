@@ -7,11 +7,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
-use shardcast_bench::cluster::Daemon;
 use shardcast_protocol::agent::{Chain, Hop, StartChainRequest, Tier};
 use shardcast_protocol::codec::Codec;
 use shardcast_protocol::{ChunkSet, Frame, HostId, PROTOCOL_VERSION, SessionHeader, SessionId};
-use shardcast_tests::{Stream, TestCluster, tls_accept, tls_connect, tls_over};
+use shardcast_tests::{Stream, TestCluster, metric, tls_accept, tls_connect, tls_over};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
@@ -36,20 +35,6 @@ async fn time_to_close<S: AsyncRead + Unpin>(s: &mut S, limit: Duration) -> Dura
             Ok(Ok(_)) => {}
         }
     }
-}
-
-async fn metric(d: &Daemon, name: &str) -> u64 {
-    let mut s = TcpStream::connect(d.admin_addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body.lines()
-        .find(|l| l.starts_with(&format!("shardcast_{name}{{")))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no metric {name} in {body}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

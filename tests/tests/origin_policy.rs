@@ -19,8 +19,9 @@ use shardcast_protocol::{
     ErrorCode, Frame, HostId, Manifest, ModelName, PROTOCOL_VERSION, SessionHeader, SessionId,
     ShardHasher, ShardPath,
 };
+use shardcast_tests::metric;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -58,21 +59,6 @@ async fn import(d: &Daemon, origin: &str) -> Result<(), tonic::Status> {
     .await
     .expect("import must not hang")
     .map(drop)
-}
-
-/// The daemon's Prometheus counter `name`.
-async fn metric(d: &Daemon, name: &str) -> u64 {
-    let mut s = TcpStream::connect(d.admin_addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body.lines()
-        .find(|l| l.starts_with(&format!("shardcast_{name}{{")))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no metric {name} in {body}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
 use http::uri::PathAndQuery;
 use shardcast_bench::cluster::{Daemon, DaemonOpts};
 use shardcast_bench::control::{ControllerProc, HttpAs};
@@ -14,34 +13,10 @@ use shardcast_identity::pki::IssueRequest;
 use shardcast_identity::{Alpn, Expect, Identity, Role, TlsContext, TlsFiles};
 use shardcast_protocol::codec::Codec;
 use shardcast_protocol::{ErrorCode, Frame, HostId, PROTOCOL_VERSION};
-use shardcast_tests::TestCluster;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use shardcast_tests::{TestCluster, metric, read_frames};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tonic::Code;
-
-/// Every frame the peer sends within a few seconds (until it closes).
-async fn read_frames<S: AsyncRead + Unpin>(s: &mut S) -> Vec<Frame> {
-    let mut buf = BytesMut::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            let mut tmp = [0u8; 4096];
-            match s.read(&mut tmp).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => buf.extend_from_slice(&tmp[..n]),
-            }
-        }
-    })
-    .await;
-    let mut frames = Vec::new();
-    let mut b = buf.freeze();
-    while b.has_remaining() {
-        match Frame::decode(&mut b) {
-            Ok(f) => frames.push(f),
-            Err(_) => break,
-        }
-    }
-    frames
-}
 
 async fn send_hello<S: AsyncWrite + Unpin>(s: &mut S, host: &str) {
     let mut out = Vec::new();
@@ -59,20 +34,6 @@ fn error_code(frames: &[Frame]) -> Option<ErrorCode> {
         Frame::Error { code, .. } => Some(*code),
         _ => None,
     })
-}
-
-async fn metric(d: &Daemon, name: &str) -> u64 {
-    let mut s = TcpStream::connect(d.admin_addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body.lines()
-        .find(|l| l.starts_with(&format!("shardcast_{name}{{")))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no metric {name} in {body}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,57 +3,15 @@
 
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
-use shardcast_bench::pki::ClusterPki;
-use shardcast_identity::{Alpn, Expect, Role};
 use shardcast_protocol::codec::Codec;
 use shardcast_protocol::{
     ErrorCode, Frame, HostId, ModelDigest, PROTOCOL_VERSION, SessionHeader, SessionId, Tier,
 };
-use shardcast_tests::TestCluster;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-
-type Stream = Box<dyn shardcast_identity::grpc::Io>;
-
-/// A TLS connection as host `name` (an insider with a valid certificate: the hostile
-/// frames below must be refused on their own merits).
-async fn tls_as(addr: std::net::SocketAddr, name: &str) -> Stream {
-    let pki = ClusterPki::shared().unwrap();
-    let ctx = shardcast_identity::TlsContext::load(pki.files(Role::Host, name).unwrap()).unwrap();
-    let tcp = TcpStream::connect(addr).await.unwrap();
-    let (s, _) = ctx
-        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
-        .await
-        .unwrap();
-    Box::new(s)
-}
-
-async fn read_frames(s: &mut Stream) -> Vec<Frame> {
-    let mut buf = BytesMut::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            let mut tmp = [0u8; 4096];
-            match s.read(&mut tmp).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => buf.extend_from_slice(&tmp[..n]),
-            }
-        }
-    })
-    .await;
-    let mut frames = Vec::new();
-    let mut b = buf.freeze();
-    while b.has_remaining() {
-        match Frame::decode(&mut b) {
-            Ok(f) => frames.push(f),
-            Err(_) => break,
-        }
-    }
-    frames
-}
+use shardcast_tests::{Stream, TestCluster, read_frames, tls_connect};
+use tokio::io::AsyncWriteExt;
 
 async fn connect_and_hello(addr: std::net::SocketAddr) -> Stream {
-    let mut s = tls_as(addr, "attacker").await;
+    let mut s = tls_connect(addr, "attacker").await.unwrap();
     let mut out = Vec::new();
     Frame::Hello {
         version: PROTOCOL_VERSION,
@@ -95,7 +53,7 @@ async fn hostile_frames_are_refused_and_the_daemon_keeps_serving() {
     );
 
     // Another protocol version.
-    let mut s = tls_as(addr, "future").await;
+    let mut s = tls_connect(addr, "future").await.unwrap();
     let mut out = Vec::new();
     Frame::Hello {
         version: PROTOCOL_VERSION + 7,
