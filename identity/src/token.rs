@@ -49,6 +49,12 @@ impl Tokens {
                 ));
             };
             let role: Role = role.parse().map_err(|e| format!("line {}: {e}", n + 1))?;
+            if matches!(role, Role::Host | Role::Controller) {
+                return Err(format!(
+                    "line {}: tokens are for HTTP clients (admin, platform, read); a {role} authenticates with its certificate",
+                    n + 1
+                ));
+            }
             let id = Identity::new(role, name).map_err(|e| format!("line {}: {e}", n + 1))?;
             let mut h = [0u8; 32];
             hex::decode_to_slice(hash, &mut h).map_err(|e| format!("line {}: hash: {e}", n + 1))?;
@@ -102,5 +108,7 @@ mod tests {
         assert_eq!(tokens.lookup("shc_wrong"), None);
         assert!(Tokens::parse("platform knative nothex").is_err());
         assert!(Tokens::parse("root x 00").is_err());
+        let host = format!("host h1 {}", "00".repeat(32));
+        assert!(Tokens::parse(&host).unwrap_err().contains("certificate"));
     }
 }
