@@ -61,7 +61,7 @@ pub struct ControllerConfig {
     pub tls: Option<Arc<shardcast_identity::TlsContext>>,
     /// Signs each chain's plan token (model, hosts, expiry) with the controller's key
     /// (`None`: insecure mode, sessions carry no token).
-    pub signer: Option<Arc<shardcast_identity::plan::PlanSigner>>,
+    pub signer: Option<Arc<arc_swap::ArcSwap<shardcast_identity::plan::PlanSigner>>>,
     /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
     /// empty, which refuses every registration with a message saying how to allow one.
     pub origins: OriginPolicy,
@@ -1914,7 +1914,7 @@ impl Controller {
                         .filter_map(|h| shardcast_protocol::HostId::new(h).ok())
                         .collect(),
                 };
-                signer.sign(&claims).map_err(|e| e.to_string())?
+                signer.load().sign(&claims).map_err(|e| e.to_string())?
             }
         };
         let req = apb::StartChainRequest {

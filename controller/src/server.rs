@@ -281,10 +281,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     cfg.tls = tls.clone();
     // Chains' plan tokens are signed with the controller's own TLS key and certificate.
     cfg.signer = match &tls {
-        Some(ctx) => Some(Arc::new(
+        Some(ctx) => Some(Arc::new(arc_swap::ArcSwap::from_pointee(
             shardcast_identity::plan::PlanSigner::load(ctx.files())
                 .context("loading the controller's key for plan tokens")?,
-        )),
+        ))),
         None => None,
     };
     if cfg.origins.is_empty() {
@@ -293,8 +293,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         info!(allowed = %cfg.origins.describe(), "origin allow-list");
     }
     let cancel = CancellationToken::new();
-    if let Some(ctx) = &tls {
+    if let (Some(ctx), Some(signer)) = (&tls, &cfg.signer) {
         ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
+        tokio::spawn(follow_rotation(ctx.clone(), signer.clone(), cancel.clone()));
     }
     let path = args.state_dir.join("state.redb");
     let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
@@ -410,6 +411,37 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     })
     .await;
     Ok(())
+}
+
+/// Plan tokens are signed with the controller's TLS key: after the TLS context reloads a
+/// rotated certificate, load the signer from the same files.
+async fn follow_rotation(
+    ctx: Arc<TlsContext>,
+    signer: Arc<arc_swap::ArcSwap<shardcast_identity::plan::PlanSigner>>,
+    cancel: CancellationToken,
+) {
+    use std::sync::atomic::Ordering;
+    let mut seen = ctx.stats.reloads.load(Ordering::Relaxed);
+    let mut tick = tokio::time::interval(RELOAD_PERIOD);
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = ctx.stats.reloads.load(Ordering::Relaxed);
+        if now == seen {
+            continue;
+        }
+        match shardcast_identity::plan::PlanSigner::load(ctx.files()) {
+            Ok(s) => {
+                signer.store(Arc::new(s));
+                seen = now;
+                info!("plan tokens are now signed with the reloaded certificate");
+            }
+            Err(e) => warn!("keeping the previous plan-token key: {e}"),
+        }
+    }
 }
 
 async fn shutdown_signal() {
