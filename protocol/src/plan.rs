@@ -179,26 +179,8 @@ impl TokenParts {
         let n = b.get_u32() as usize;
         need(&b, n)?;
         let claims = b.split_to(n);
-        let n = get_u16(&mut b)? as usize;
-        if n > MAX_SIGNATURE_LEN {
-            return Err(DecodeError::TooLong {
-                field: "plan signature",
-                len: n as u64,
-                max: MAX_SIGNATURE_LEN as u64,
-            });
-        }
-        need(&b, n)?;
-        let signature = b.split_to(n);
-        let n = get_u16(&mut b)? as usize;
-        if n > MAX_CERT_LEN {
-            return Err(DecodeError::TooLong {
-                field: "plan signer certificate",
-                len: n as u64,
-                max: MAX_CERT_LEN as u64,
-            });
-        }
-        need(&b, n)?;
-        let signer = b.split_to(n);
+        let signature = take_u16_prefixed(&mut b, "plan signature", MAX_SIGNATURE_LEN)?;
+        let signer = take_u16_prefixed(&mut b, "plan signer certificate", MAX_CERT_LEN)?;
         if b.has_remaining() {
             return Err(DecodeError::TrailingBytes(b.remaining()));
         }
@@ -221,6 +203,20 @@ impl TokenParts {
         out.put_slice(&self.signer);
         out
     }
+}
+
+/// A `u16`-length-prefixed byte string of at most `max` bytes, without copying.
+fn take_u16_prefixed(b: &mut Bytes, field: &'static str, max: usize) -> Result<Bytes, DecodeError> {
+    let n = get_u16(b)? as usize;
+    if n > max {
+        return Err(DecodeError::TooLong {
+            field,
+            len: n as u64,
+            max: max as u64,
+        });
+    }
+    need(b, n)?;
+    Ok(b.split_to(n))
 }
 
 #[cfg(test)]

@@ -468,15 +468,7 @@ impl Shard {
         for _ in 0..2 {
             let stamp = {
                 let st = lock(&self.state);
-                if st.removed {
-                    return Err(self.removed());
-                }
-                if !st.contains(index) {
-                    return Err(StoreError::NotVerified {
-                        shard: self.index,
-                        index,
-                    });
-                }
+                self.held(&st, index)?;
                 if !force && self.trusted(&st, index) {
                     return Ok(false);
                 }
@@ -493,15 +485,7 @@ impl Shard {
             chunks.fetch_add(1, Ordering::Relaxed);
             bytes.fetch_add(len as u64, Ordering::Relaxed);
             let mut st = lock(&self.state);
-            if st.removed {
-                return Err(self.removed());
-            }
-            if !st.contains(index) {
-                return Err(StoreError::NotVerified {
-                    shard: self.index,
-                    index,
-                });
-            }
+            self.held(&st, index)?;
             if st.stamp(index) != stamp {
                 // Rewritten (repaired) meanwhile: what was hashed may be a mix; again.
                 continue;
@@ -685,15 +669,7 @@ impl Shard {
         let (offset, len) = self.span(index)?;
         {
             let st = lock(&self.state);
-            if st.removed {
-                return Err(self.removed());
-            }
-            if !st.contains(index) {
-                return Err(StoreError::NotVerified {
-                    shard: self.index,
-                    index,
-                });
-            }
+            self.held(&st, index)?;
         }
         let start = usize::try_from(offset).unwrap_or(usize::MAX);
         self.map
@@ -709,6 +685,20 @@ impl Shard {
     pub(super) fn mark_removed(&self) {
         lock(&self.state).removed = true;
         self.settled.notify_waiters();
+    }
+
+    /// Refuses a removed shard, or a chunk this shard does not hold verified.
+    fn held(&self, st: &BitState, index: u32) -> Result<(), StoreError> {
+        if st.removed {
+            return Err(self.removed());
+        }
+        if !st.contains(index) {
+            return Err(StoreError::NotVerified {
+                shard: self.index,
+                index,
+            });
+        }
+        Ok(())
     }
 
     fn removed(&self) -> StoreError {
