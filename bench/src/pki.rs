@@ -16,6 +16,7 @@ pub struct ClusterPki {
     pki: PkiDir,
     issued: Mutex<HashMap<Identity, TlsFiles>>,
     clients: Mutex<HashMap<Role, Arc<TlsContext>>>,
+    signer: std::sync::OnceLock<shardcast_identity::plan::PlanSigner>,
 }
 
 impl std::fmt::Debug for ClusterPki {
@@ -58,6 +59,7 @@ impl ClusterPki {
             pki,
             issued: Mutex::default(),
             clients: Mutex::default(),
+            signer: std::sync::OnceLock::new(),
         })
     }
 
@@ -113,9 +115,6 @@ impl ClusterPki {
         req: &mut shardcast_protocol::agent::StartChainRequest,
         head: &str,
     ) -> anyhow::Result<()> {
-        let signer = shardcast_identity::plan::PlanSigner::load(
-            &self.files(Role::Controller, "controller")?,
-        )?;
         let mut hosts = vec![shardcast_protocol::HostId::new(head)?];
         for c in &req.chains {
             for h in &c.hops {
@@ -131,8 +130,22 @@ impl ClusterPki {
             not_after: now + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
             hosts,
         };
-        req.plan_token = signer.sign(&claims)?;
+        req.plan_token = self.sign(&claims)?;
         Ok(())
+    }
+
+    /// A plan token for `claims`, signed with this CA's controller key (loaded once).
+    pub fn sign(&self, claims: &shardcast_protocol::plan::PlanClaims) -> anyhow::Result<Vec<u8>> {
+        let signer = match self.signer.get() {
+            Some(s) => s,
+            None => {
+                let s = shardcast_identity::plan::PlanSigner::load(
+                    &self.files(Role::Controller, "controller")?,
+                )?;
+                self.signer.get_or_init(|| s)
+            }
+        };
+        Ok(signer.sign(claims)?)
     }
 
     /// A client TLS context with `role` (name `test-<role>`), built once.

@@ -797,7 +797,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 );
             }
         }
-        Command::Certs { .. } => unreachable!("handled before connecting"),
+        Command::Certs { action } => certs(action)?,
         Command::Plan {
             model,
             max_partitions,

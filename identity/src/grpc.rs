@@ -259,7 +259,11 @@ pub fn bind_unix_private(path: &std::path::Path) -> std::io::Result<UnixListener
 
 /// The peer of a tonic request (anonymous when the server did not record one).
 pub fn peer_of<T>(req: &tonic::Request<T>) -> Peer {
-    req.extensions()
+    peer_in(req.extensions())
+}
+
+fn peer_in(extensions: &http::Extensions) -> Peer {
+    extensions
         .get::<PeerInfo>()
         .map(|p| p.peer.clone())
         .unwrap_or(Peer::Anonymous)
@@ -357,11 +361,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let peer = req
-            .extensions()
-            .get::<PeerInfo>()
-            .map(|p| p.peer.clone())
-            .unwrap_or(Peer::Anonymous);
+        let peer = peer_in(req.extensions());
         match check_call(self.layer.table, &self.layer.stats, &peer, req.uri().path()) {
             Ok(()) => {
                 // Take the service that was driven to readiness; leave a clone behind.

@@ -115,9 +115,7 @@ impl TlsContext {
         }
         let ee =
             webpki::EndEntityCert::try_from(&cert).map_err(|e| PlanError::Signer(e.to_string()))?;
-        let algs = rustls::crypto::ring::default_provider()
-            .signature_verification_algorithms
-            .all;
+        let algs = crate::tls::provider().signature_verification_algorithms.all;
         let ok = algs.iter().any(|alg| {
             ee.verify_signature(*alg, &parts.claims, &parts.signature)
                 .is_ok()

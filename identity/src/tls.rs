@@ -192,8 +192,11 @@ pub fn identity_of(der: &CertificateDer<'_>) -> Result<Identity, IdentityError> 
     Ok(cert_names(der)?.identity)
 }
 
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+/// ring's provider, built once (it is consulted on every reload and plan-token check).
+pub(crate) fn provider() -> Arc<CryptoProvider> {
+    static PROVIDER: std::sync::LazyLock<Arc<CryptoProvider>> =
+        std::sync::LazyLock::new(|| Arc::new(rustls::crypto::ring::default_provider()));
+    PROVIDER.clone()
 }
 
 /// Size and modification time of each file: a change of either triggers a reload.

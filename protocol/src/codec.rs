@@ -98,12 +98,13 @@ pub(crate) fn get_array<const N: usize, B: Buf>(buf: &mut B) -> Result<[u8; N], 
     Ok(out)
 }
 
-/// Reads a `u16`-length-prefixed UTF-8 string of at most `max` bytes.
-pub(crate) fn get_str<B: Buf>(
+/// Reads `u16`-length-prefixed bytes of at most `max` bytes; the length is checked before
+/// anything is copied (no copy at all when `buf` is `Bytes`).
+pub(crate) fn get_bytes<B: Buf>(
     buf: &mut B,
     field: &'static str,
     max: usize,
-) -> Result<String, DecodeError> {
+) -> Result<Bytes, DecodeError> {
     let len = get_u16(buf)? as usize;
     if len > max {
         return Err(DecodeError::TooLong {
@@ -113,9 +114,17 @@ pub(crate) fn get_str<B: Buf>(
         });
     }
     need(buf, len)?;
-    let mut raw = vec![0u8; len];
-    buf.copy_to_slice(&mut raw);
-    String::from_utf8(raw).map_err(|_| DecodeError::Invalid {
+    Ok(buf.copy_to_bytes(len))
+}
+
+/// Reads a `u16`-length-prefixed UTF-8 string of at most `max` bytes.
+pub(crate) fn get_str<B: Buf>(
+    buf: &mut B,
+    field: &'static str,
+    max: usize,
+) -> Result<String, DecodeError> {
+    let raw = get_bytes(buf, field, max)?;
+    String::from_utf8(raw.to_vec()).map_err(|_| DecodeError::Invalid {
         field,
         reason: "not valid UTF-8".into(),
     })

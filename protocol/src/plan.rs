@@ -11,7 +11,9 @@
 
 use bytes::{Buf, BufMut, Bytes};
 
-use crate::codec::{self, Codec, DecodeError, get_array, get_str, get_u16, get_u64, need};
+use crate::codec::{
+    self, Codec, DecodeError, get_array, get_bytes, get_str, get_u16, get_u64, need,
+};
 use crate::frame::Hop;
 use crate::manifest::ModelDigest;
 use crate::name::{HostId, MAX_HOST_ID_LEN};
@@ -179,8 +181,8 @@ impl TokenParts {
         let n = b.get_u32() as usize;
         need(&b, n)?;
         let claims = b.split_to(n);
-        let signature = take_u16_prefixed(&mut b, "plan signature", MAX_SIGNATURE_LEN)?;
-        let signer = take_u16_prefixed(&mut b, "plan signer certificate", MAX_CERT_LEN)?;
+        let signature = get_bytes(&mut b, "plan signature", MAX_SIGNATURE_LEN)?;
+        let signer = get_bytes(&mut b, "plan signer certificate", MAX_CERT_LEN)?;
         if b.has_remaining() {
             return Err(DecodeError::TrailingBytes(b.remaining()));
         }
@@ -203,20 +205,6 @@ impl TokenParts {
         out.put_slice(&self.signer);
         out
     }
-}
-
-/// A `u16`-length-prefixed byte string of at most `max` bytes, without copying.
-fn take_u16_prefixed(b: &mut Bytes, field: &'static str, max: usize) -> Result<Bytes, DecodeError> {
-    let n = get_u16(b)? as usize;
-    if n > max {
-        return Err(DecodeError::TooLong {
-            field,
-            len: n as u64,
-            max: max as u64,
-        });
-    }
-    need(b, n)?;
-    Ok(b.split_to(n))
 }
 
 #[cfg(test)]

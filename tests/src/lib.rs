@@ -214,7 +214,8 @@ pub async fn tls_over(tcp: tokio::net::TcpStream, name: &str) -> std::io::Result
     Ok(Box::new(s))
 }
 
-/// The server side of the data-port TLS handshake as host `name` (a fake hop).
+/// The server side of the data-port TLS handshake as host `name` (a hand-driven hop in a
+/// test, e.g. a hostile one).
 pub async fn tls_accept(tcp: tokio::net::TcpStream, name: &str) -> std::io::Result<Stream> {
     let ctx = host_tls(name)?;
     let (s, _) = ctx
@@ -237,11 +238,6 @@ pub fn host_tls(name: &str) -> std::io::Result<std::sync::Arc<shardcast_identity
 /// a hand-made `Open` must carry to be accepted.
 pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> bytes::Bytes {
     let pki = shardcast_bench::pki::ClusterPki::shared().expect("test PKI");
-    let signer = shardcast_identity::plan::PlanSigner::load(
-        &pki.files(shardcast_identity::Role::Controller, "controller")
-            .expect("controller certificate"),
-    )
-    .expect("controller key");
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock after 1970")
@@ -255,7 +251,7 @@ pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> byt
             .map(|h| shardcast_protocol::HostId::new(*h).expect("host id"))
             .collect(),
     };
-    bytes::Bytes::from(signer.sign(&claims).expect("signing"))
+    bytes::Bytes::from(pki.sign(&claims).expect("signing"))
 }
 
 /// The daemon's Prometheus counter `name` (without the `shardcast_` prefix), read from its
@@ -304,4 +300,16 @@ pub async fn read_frames<S: tokio::io::AsyncRead + Unpin>(
         }
     }
     frames
+}
+
+/// The encoding of `Hello` from `host` in this build's protocol version.
+pub fn hello(host: &str) -> Vec<u8> {
+    use shardcast_protocol::Codec;
+    let mut out = Vec::new();
+    shardcast_protocol::Frame::Hello {
+        version: shardcast_protocol::PROTOCOL_VERSION,
+        host: shardcast_protocol::HostId::new(host).expect("host id"),
+    }
+    .encode(&mut out);
+    out
 }

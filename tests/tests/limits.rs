@@ -9,20 +9,10 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BytesMut};
 use shardcast_protocol::agent::{Chain, Hop, StartChainRequest, Tier};
 use shardcast_protocol::codec::Codec;
-use shardcast_protocol::{ChunkSet, Frame, HostId, PROTOCOL_VERSION, SessionHeader, SessionId};
-use shardcast_tests::{Stream, TestCluster, metric, tls_accept, tls_connect, tls_over};
+use shardcast_protocol::{ChunkSet, Frame, HostId, SessionHeader, SessionId};
+use shardcast_tests::{Stream, TestCluster, hello, metric, tls_accept, tls_connect, tls_over};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-
-fn hello(host: &str) -> Vec<u8> {
-    let mut out = Vec::new();
-    Frame::Hello {
-        version: PROTOCOL_VERSION,
-        host: HostId::new(host).unwrap(),
-    }
-    .encode(&mut out);
-    out
-}
 
 /// Reads until the daemon closes the connection; returns how long that took.
 async fn time_to_close<S: AsyncRead + Unpin>(s: &mut S, limit: Duration) -> Duration {
@@ -270,14 +260,14 @@ async fn read_frame<S: AsyncRead + Unpin>(s: &mut S, buf: &mut BytesMut) -> Opti
 async fn invented_host_ids_do_not_grow_a_session() {
     let c = TestCluster::start(0, 1 << 20, 1, |_, _| {}).await.unwrap();
     let (digest, _) = c.import_on_source().await.unwrap();
-    // A fake downstream hop: accepts the session, then floods Progress from 5000 hosts.
+    // A rogue downstream hop: accepts the session, then floods Progress from 5000 hosts.
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let fake = tokio::spawn(async move {
+    let rogue = tokio::spawn(async move {
         let (tcp, _) = listener.accept().await.unwrap();
-        let mut s = tls_accept(tcp, "fake-hop").await.unwrap();
+        let mut s = tls_accept(tcp, "rogue-hop").await.unwrap();
         let mut buf = BytesMut::new();
-        s.write_all(&hello("fake-hop")).await.unwrap();
+        s.write_all(&hello("rogue-hop")).await.unwrap();
         let (start, end) = loop {
             match read_frame(&mut s, &mut buf).await.expect("Open") {
                 Frame::Open(h) => break (h.start, h.end),
@@ -308,7 +298,7 @@ async fn invented_host_ids_do_not_grow_a_session() {
         chains: vec![Chain {
             shards: vec![],
             hops: vec![Hop {
-                host_id: "fake-hop".into(),
+                host_id: "rogue-hop".into(),
                 addr: addr.to_string(),
             }],
         }],
@@ -332,5 +322,5 @@ async fn invented_host_ids_do_not_grow_a_session() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert!(dropped >= 5000 - 1024, "dropped {dropped}");
-    fake.abort();
+    rogue.abort();
 }

@@ -16,8 +16,7 @@ use shardcast_protocol::agent::{ImportModelRequest, StartChainRequest, Tier};
 use shardcast_protocol::codec::Codec;
 use shardcast_protocol::controller::RegisterModelRequest;
 use shardcast_protocol::{
-    ErrorCode, Frame, HostId, Manifest, ModelName, PROTOCOL_VERSION, SessionHeader, SessionId,
-    ShardHasher, ShardPath,
+    ErrorCode, Frame, Manifest, ModelName, SessionHeader, SessionId, ShardHasher, ShardPath,
 };
 use shardcast_tests::metric;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -350,12 +349,7 @@ async fn a_fallback_origin_outside_policy_refuses_the_session() {
     let mut s = shardcast_tests::tls_connect(c.daemons[1].data_addr, "attacker")
         .await
         .unwrap();
-    let mut out = Vec::new();
-    Frame::Hello {
-        version: PROTOCOL_VERSION,
-        host: HostId::new("attacker").unwrap(),
-    }
-    .encode(&mut out);
+    let mut out = shardcast_tests::hello("attacker");
     Frame::Manifest(manifest.clone()).encode(&mut out);
     Frame::Open(SessionHeader {
         session: SessionId([7; 16]),

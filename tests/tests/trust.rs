@@ -12,20 +12,14 @@ use shardcast_identity::grpc::ClientSecurity;
 use shardcast_identity::pki::IssueRequest;
 use shardcast_identity::{Alpn, Expect, Identity, Role, TlsContext, TlsFiles};
 use shardcast_protocol::codec::Codec;
-use shardcast_protocol::{ErrorCode, Frame, HostId, PROTOCOL_VERSION};
-use shardcast_tests::{TestCluster, metric, read_frames};
+use shardcast_protocol::{ErrorCode, Frame, HostId};
+use shardcast_tests::{TestCluster, hello, metric, read_frames};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tonic::Code;
 
 async fn send_hello<S: AsyncWrite + Unpin>(s: &mut S, host: &str) {
-    let mut out = Vec::new();
-    Frame::Hello {
-        version: PROTOCOL_VERSION,
-        host: HostId::new(host).unwrap(),
-    }
-    .encode(&mut out);
-    let _ = s.write_all(&out).await;
+    let _ = s.write_all(&hello(host)).await;
     let _ = s.flush().await;
 }
 
@@ -370,12 +364,7 @@ async fn open_as_mallory(
     token: bytes::Bytes,
 ) -> Option<(ErrorCode, String)> {
     let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
-    let mut out = Vec::new();
-    Frame::Hello {
-        version: PROTOCOL_VERSION,
-        host: HostId::new("mallory").unwrap(),
-    }
-    .encode(&mut out);
+    let mut out = hello("mallory");
     Frame::Manifest(manifest.clone()).encode(&mut out);
     Frame::Open(shardcast_protocol::SessionHeader {
         session: shardcast_protocol::SessionId(rand_id()),

@@ -7,18 +7,12 @@ use shardcast_protocol::codec::Codec;
 use shardcast_protocol::{
     ErrorCode, Frame, HostId, ModelDigest, PROTOCOL_VERSION, SessionHeader, SessionId, Tier,
 };
-use shardcast_tests::{Stream, TestCluster, read_frames, tls_connect};
+use shardcast_tests::{Stream, TestCluster, hello, read_frames, tls_connect};
 use tokio::io::AsyncWriteExt;
 
 async fn connect_and_hello(addr: std::net::SocketAddr) -> Stream {
     let mut s = tls_connect(addr, "attacker").await.unwrap();
-    let mut out = Vec::new();
-    Frame::Hello {
-        version: PROTOCOL_VERSION,
-        host: HostId::new("attacker").unwrap(),
-    }
-    .encode(&mut out);
-    s.write_all(&out).await.unwrap();
+    s.write_all(&hello("attacker")).await.unwrap();
     s
 }
 
