@@ -107,7 +107,8 @@ impl ClusterPki {
     }
 
     /// Signs `req` as the controller would: a plan token for its model naming `head` and
-    /// every hop of its chains, valid for [`shardcast_identity::plan::PLAN_TOKEN_TTL`].
+    /// every hop of its chains, valid for [`shardcast_identity::plan::PLAN_TOKEN_TTL`], that
+    /// binds the model's name (from `req.manifest`, when it carries one) on the receivers.
     /// Harnesses that start chains without a controller (data-plane benchmarks, tests)
     /// use it; hops refuse sessions without one.
     pub fn sign_chain(
@@ -129,6 +130,15 @@ impl ClusterPki {
             model: req.model.parse()?,
             not_after: now + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
             hosts,
+            name: match req.manifest.is_empty() {
+                true => None,
+                false => Some(
+                    shardcast_protocol::codec::decode_exact::<shardcast_protocol::Manifest>(
+                        req.manifest.clone().into(),
+                    )?
+                    .name,
+                ),
+            },
         };
         req.plan_token = self.sign(&claims)?;
         Ok(())

@@ -190,6 +190,7 @@ async fn import_on(
             tier: PbTier::Memory as i32,
             fetch,
             manifest: vec![],
+            bind_name: None,
         })
         .await
         .context("ImportModel")?
@@ -480,6 +481,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
                             tier: PbTier::Memory as i32,
                             fetch: true,
                             manifest: encoded,
+                            bind_name: None,
                         };
                         if let Err(e) = client.import_model(req).await {
                             eprintln!("origin pull failed: {e}");

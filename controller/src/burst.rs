@@ -365,6 +365,7 @@ impl Controller {
                 tier: apb::Tier::Memory as i32,
                 fetch: false,
                 manifest: manifest.to_vec(),
+                bind_name: Some(self.current_name(digest).is_some()),
             })
             .await
             .map_err(remote)?;

@@ -7,7 +7,7 @@
 //! other (the second joins the first's transfers instead of starting new ones). Calls to
 //! agents never happen under the lock.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -19,9 +19,10 @@ use shardcast_protocol::agent::agent_client::AgentClient;
 use shardcast_protocol::agent::{self as apb, GetModelStatusRequest, ImportModelRequest};
 use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::controller::{
-    EvictRequest, EvictResponse, HostHolding, HostProgress, HostReport, HostState,
-    ListHostsResponse, ListModelsResponse, ListPlansResponse, ModelInfo, ModelStatus, PlanAccepted,
-    PlanStatus, PlannedChain, PrewarmRequest, RegisterModelRequest, ScaleOutRequest, ShardInfo,
+    EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostProgress, HostReport,
+    HostState, ListHostsResponse, ListModelsResponse, ListPlansResponse, ModelInfo, ModelStatus,
+    NameBinding, PlanAccepted, PlanStatus, PlannedChain, PrewarmRequest, RegisterModelRequest,
+    ScaleOutRequest, ShardInfo,
 };
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use shardcast_protocol::{HostId, Manifest, ModelName};
@@ -727,8 +728,10 @@ impl Controller {
 
     // ---- inventory ----
 
-    /// A heartbeat (the first one registers the host).
-    pub fn heartbeat(&self, report: HostReport) -> Result<u32, ApiError> {
+    /// A heartbeat (the first one registers the host). The answer carries the registry's
+    /// current version of every model name the report mentions: hosts resolve names only
+    /// through it.
+    pub fn heartbeat(&self, report: HostReport) -> Result<HeartbeatResponse, ApiError> {
         HostId::new(&report.host_id).map_err(|e| ApiError::invalid(format!("host_id: {e}")))?;
         if report.data_addr.is_empty() || report.agent_addr.is_empty() {
             return Err(ApiError::invalid(
@@ -736,6 +739,12 @@ impl Controller {
             ));
         }
         let sig = HostEntry::signature(&report);
+        let asked: BTreeSet<String> = report
+            .holdings
+            .iter()
+            .map(|h| h.name.clone())
+            .chain(report.bound_names.iter().cloned())
+            .collect();
         let id = report.host_id.clone();
         let mut st = lock(&self.state);
         let entry = st.hosts.entry(id.clone()).or_insert_with(|| {
@@ -762,7 +771,18 @@ impl Controller {
             self.put_json(Table::Hosts, &id, &record)?;
             st.persisted.insert(id, sig);
         }
-        Ok(self.cfg.heartbeat.as_millis() as u32)
+        let names = asked
+            .into_iter()
+            .filter_map(|n| st.models.get(&n))
+            .map(|m| NameBinding {
+                name: m.name.clone(),
+                digest: m.digest.clone(),
+            })
+            .collect();
+        Ok(HeartbeatResponse {
+            interval_ms: self.cfg.heartbeat.as_millis() as u32,
+            names,
+        })
     }
 
     /// Every known host.
@@ -849,6 +869,7 @@ impl Controller {
                 tier: apb::Tier::Memory as i32,
                 fetch: false,
                 manifest: Vec::new(),
+                bind_name: None,
             })
             .await
             .map_err(|s| ApiError {
@@ -1848,6 +1869,15 @@ impl Controller {
         }
     }
 
+    /// The registry name whose current version is `digest`, if any.
+    pub(crate) fn current_name(&self, digest: &str) -> Option<String> {
+        lock(&self.state)
+            .models
+            .values()
+            .find(|m| m.digest == digest)
+            .map(|m| m.name.clone())
+    }
+
     async fn start_run(
         &self,
         run: &ChainRun,
@@ -1860,16 +1890,10 @@ impl Controller {
         if run.hops.is_empty() {
             // A single receiver fed by the origin: it downloads on its own. ImportModel
             // returns when the download ends; progress is polled meanwhile.
-            let (name, mut agent) = {
-                let st = lock(&self.state);
-                let name = st
-                    .models
-                    .values()
-                    .find(|m| m.digest == digest)
-                    .map(|m| m.name.clone())
-                    .unwrap_or_default();
-                (name, agent.clone())
-            };
+            let name = decode_exact::<Manifest>(manifest.to_vec().into())
+                .map_err(|e| format!("the stored manifest of {digest} does not decode: {e}"))?
+                .name
+                .to_string();
             let req = ImportModelRequest {
                 name,
                 origin: origin.to_string(),
@@ -1877,6 +1901,8 @@ impl Controller {
                 tier: agent_tier(tier),
                 fetch: true,
                 manifest: manifest.to_vec(),
+                // The host's name follows only the registry's current version.
+                bind_name: Some(self.current_name(digest).is_some()),
             };
             let head = run.head.clone();
             tokio::spawn(async move {
@@ -1913,6 +1939,10 @@ impl Controller {
                         .chain(run.hops.iter())
                         .filter_map(|h| shardcast_protocol::HostId::new(h).ok())
                         .collect(),
+                    // The hosts bind the name only to the registry's current version.
+                    name: self
+                        .current_name(digest)
+                        .and_then(|n| shardcast_protocol::ModelName::new(n).ok()),
                 };
                 signer.load().sign(&claims).map_err(|e| e.to_string())?
             }

@@ -182,7 +182,6 @@ impl Inventory for GrpcApi {
         let peer = shardcast_identity::grpc::peer_of(&request);
         let report = request.into_inner();
         crate::auth::check_heartbeat(&peer, &report.host_id)?;
-        let interval_ms = self.0.heartbeat(report)?;
-        Ok(Response::new(HeartbeatResponse { interval_ms }))
+        Ok(Response::new(self.0.heartbeat(report)?))
     }
 }

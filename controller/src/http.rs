@@ -35,8 +35,8 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use shardcast_protocol::controller::{
-    EvictRequest, GetPartitionPlanRequest, HeartbeatResponse, HostReport, PlanAccepted,
-    PrewarmRequest, RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
+    EvictRequest, GetPartitionPlanRequest, HostReport, PlanAccepted, PrewarmRequest,
+    RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
 };
 
 use crate::core::Controller;
@@ -125,8 +125,7 @@ pub fn router(c: Arc<Controller>) -> Router {
                 json(
                     body::<HostReport>(&b)
                         .and_then(|r| crate::auth::check_heartbeat(&peer, &r.host_id).map(|_| r))
-                        .and_then(|r| c.heartbeat(r))
-                        .map(|interval_ms| HeartbeatResponse { interval_ms }),
+                        .and_then(|r| c.heartbeat(r)),
                 )
             }),
         )

@@ -7,7 +7,8 @@
 //! Token layout (all lengths big-endian):
 //! `claims_len: u32 | claims | sig_len: u16 | signature | cert_len: u16 | signer certificate (DER)`.
 //! Claims layout: `PLAN_MAGIC (4) | plan id: str | model: [u8; 32] | not_after: u64 (Unix
-//! seconds) | n: u16 | n × host id: str`.
+//! seconds) | n: u16 | n × host id: str | name: str` (`name` empty when the plan does not
+//! bind its model's name).
 
 use bytes::{Buf, BufMut, Bytes};
 
@@ -16,7 +17,7 @@ use crate::codec::{
 };
 use crate::frame::Hop;
 use crate::manifest::ModelDigest;
-use crate::name::{HostId, MAX_HOST_ID_LEN};
+use crate::name::{HostId, MAX_HOST_ID_LEN, MAX_MODEL_NAME_LEN, ModelName};
 
 /// Magic at the start of encoded claims.
 pub const PLAN_MAGIC: &[u8; 4] = b"SCPL";
@@ -39,6 +40,8 @@ pub const MAX_TOKEN_LEN: usize = 4
     + 2
     + MAX_PLAN_HOSTS * (2 + MAX_HOST_ID_LEN)
     + 2
+    + MAX_MODEL_NAME_LEN
+    + 2
     + MAX_SIGNATURE_LEN
     + 2
     + MAX_CERT_LEN;
@@ -54,6 +57,11 @@ pub struct PlanClaims {
     pub not_after: u64,
     /// Every host that may send or receive in the plan's sessions (sources and receivers).
     pub hosts: Vec<HostId>,
+    /// The registry name whose current version `model` is, when the controller signed the
+    /// plan: the hosts resolve `name` to `model` from then on. `None` for a plan of another
+    /// version (a pinned digest, a rollback target that is not current), which binds no
+    /// name.
+    pub name: Option<ModelName>,
 }
 
 impl PlanClaims {
@@ -123,11 +131,20 @@ impl Codec for PlanClaims {
                 reason: e.to_string(),
             })?);
         }
+        let name = get_str(b, "model name", MAX_MODEL_NAME_LEN)?;
+        let name = match name.is_empty() {
+            true => None,
+            false => Some(ModelName::new(name).map_err(|e| DecodeError::Invalid {
+                field: "model name",
+                reason: e.to_string(),
+            })?),
+        };
         Ok(Self {
             plan,
             model,
             not_after,
             hosts,
+            name,
         })
     }
 
@@ -141,6 +158,7 @@ impl Codec for PlanClaims {
         for h in &self.hosts[..n] {
             codec::put_str(b, h.as_str());
         }
+        codec::put_str(b, self.name.as_ref().map_or("", |n| n.as_str()));
     }
 
     fn encoded_len(&self) -> usize {
@@ -152,6 +170,7 @@ impl Codec for PlanClaims {
                 .iter()
                 .map(|h| codec::str_len(h.as_str()))
                 .sum::<usize>()
+            + codec::str_len(self.name.as_ref().map_or("", |n| n.as_str()))
     }
 }
 
@@ -218,6 +237,7 @@ mod tests {
             model: ModelDigest([7; 32]),
             not_after: 1000,
             hosts: vec![HostId::new("a").unwrap(), HostId::new("b").unwrap()],
+            name: Some(ModelName::new("org/model").unwrap()),
         }
     }
 
@@ -228,6 +248,17 @@ mod tests {
         c.encode(&mut buf);
         assert_eq!(buf.len(), c.encoded_len());
         assert_eq!(decode_exact::<PlanClaims>(Bytes::from(buf)).unwrap(), c);
+        let unnamed = PlanClaims {
+            name: None,
+            ..c.clone()
+        };
+        let mut buf = Vec::new();
+        unnamed.encode(&mut buf);
+        assert_eq!(buf.len(), unnamed.encoded_len());
+        assert_eq!(
+            decode_exact::<PlanClaims>(Bytes::from(buf)).unwrap(),
+            unnamed
+        );
         let (a, b, x) = (
             HostId::new("a").unwrap(),
             HostId::new("b").unwrap(),

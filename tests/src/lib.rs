@@ -80,6 +80,7 @@ impl TestCluster {
                 tier: Tier::Memory as i32,
                 fetch: true,
                 manifest: vec![],
+                bind_name: None,
             })
             .await?
             .into_inner();
@@ -250,6 +251,7 @@ pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> byt
             .iter()
             .map(|h| shardcast_protocol::HostId::new(*h).expect("host id"))
             .collect(),
+        name: None,
     };
     bytes::Bytes::from(pki.sign(&claims).expect("signing"))
 }

@@ -28,13 +28,18 @@ struct Origin {
 impl Origin {
     /// A synthetic model under the origins root every cluster here allows.
     fn new(size: u64, shards: usize) -> Self {
+        Self::seeded(size, shards, 11)
+    }
+
+    /// Another version: other bytes for another `seed`.
+    fn seeded(size: u64, shards: usize, seed: u64) -> Self {
         let dir = shardcast_tests::origin_dir();
         synth::generate(
             dir.path(),
             &SynthSpec {
                 total_bytes: size,
                 shards,
-                seed: 11,
+                seed,
             },
         )
         .unwrap();
@@ -1563,4 +1568,93 @@ async fn load_scraped_from_a_prometheus_endpoint_scales_out() {
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
     }
+}
+
+/// The version a host resolves `name` to (its agent's model status by name), if any.
+async fn resolved(d: &Daemon, name: &str) -> Option<String> {
+    let mut agent = d.agent().await.unwrap();
+    agent
+        .get_model_status(shardcast_protocol::agent::GetModelStatusRequest { model: name.into() })
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().tiers.into_iter().next())
+        .map(|t| t.digest)
+}
+
+/// A host resolves a model name only through the controller: the version a signed plan
+/// binds, then whatever the registry says (a rollback repoints the name without moving a
+/// byte), and the binding survives a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_follow_the_controllers_registry() {
+    let mut c = start_cluster(3, vec![], |_, _| {}).await.unwrap();
+    let mut api = c.controller.client().await.unwrap();
+    let (v1, v2) = (
+        Origin::seeded(2 << 20, 1, 11),
+        Origin::seeded(2 << 20, 1, 12),
+    );
+    let register_as = |origin: &Origin| RegisterModelRequest {
+        name: MODEL.into(),
+        origin: origin.uri(),
+        chunk_size: 256 << 10,
+        ..Default::default()
+    };
+    let d1 = api
+        .register_model(register_as(&v1))
+        .await
+        .unwrap()
+        .into_inner()
+        .digest;
+    let plan = prewarm_hosts(&mut api, hosts(2..=3)).await;
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    let h3 = c.daemon("host-3").unwrap();
+    assert_eq!(resolved(h3, MODEL).await.as_deref(), Some(d1.as_str()));
+
+    // A new version: the plan that brings it binds the name.
+    let d2 = api
+        .register_model(register_as(&v2))
+        .await
+        .unwrap()
+        .into_inner()
+        .digest;
+    assert_ne!(d1, d2);
+    let plan = prewarm_hosts(&mut api, hosts(2..=3)).await;
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(resolved(h3, MODEL).await.as_deref(), Some(d2.as_str()));
+    let received = h3.stats().await.unwrap().bytes_received;
+
+    // Rolled back in the registry: the hosts follow at their next heartbeat, with no
+    // transfer (both versions are held).
+    let again = api
+        .register_model(register_as(&v1))
+        .await
+        .unwrap()
+        .into_inner()
+        .digest;
+    assert_eq!(again, d1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while resolved(h3, MODEL).await.as_deref() != Some(d1.as_str()) {
+        assert!(
+            Instant::now() < deadline,
+            "host-3 did not follow the rollback"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(h3.stats().await.unwrap().bytes_received, received);
+
+    // The table is on disk: a restarted daemon resolves the name before any heartbeat
+    // could have told it (its controller is stopped first).
+    c.controller.kill().await;
+    let h3 = c
+        .daemons
+        .iter_mut()
+        .find(|d| d.host_id.as_str() == "host-3")
+        .unwrap();
+    h3.restart().await.unwrap();
+    assert_eq!(resolved(h3, MODEL).await.as_deref(), Some(d1.as_str()));
 }

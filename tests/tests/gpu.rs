@@ -55,6 +55,7 @@ async fn import(d: &Daemon, origin: &str, fetch: bool, manifest: Vec<u8>) -> (St
             tier: Tier::Memory as i32,
             fetch,
             manifest,
+            bind_name: None,
         })
         .await
         .unwrap()

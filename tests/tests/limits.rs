@@ -324,3 +324,53 @@ async fn invented_host_ids_do_not_grow_a_session() {
     assert!(dropped >= 5000 - 1024, "dropped {dropped}");
     rogue.abort();
 }
+
+/// Polls the daemon's metric `name` until `ok` holds (or panics after 10 s).
+async fn wait_metric(d: &shardcast_bench::cluster::Daemon, name: &str, ok: impl Fn(u64) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = metric(d, name).await;
+        if ok(v) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{name} = {v} after 10 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Frame bodies draw on one daemon-wide budget: two peers announcing the largest chunk
+/// frame cannot make the daemon hold both; the second waits (counted) until the first
+/// goes, and nothing stays charged when both are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_frames_share_one_memory_budget() {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, o| {
+        o.extra_args
+            .extend(["--frame-memory".into(), "17MiB".into()]);
+    })
+    .await
+    .unwrap();
+    let d = &c.daemons[0];
+    assert_eq!(metric(d, "frame_memory_limit_bytes").await, 17 << 20);
+    let body = (shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize) + 12;
+    let mut header = ((body + 1) as u32).to_be_bytes().to_vec();
+    header.push(0x05); // Chunk
+    let announce = |name: &'static str| {
+        let header = header.clone();
+        async move {
+            let mut s = tls_connect(d.data_addr, name).await.unwrap();
+            s.write_all(&hello(name)).await.unwrap();
+            s.write_all(&header).await.unwrap();
+            s.write_all(&[0u8; 10]).await.unwrap();
+            s
+        }
+    };
+    let a = announce("big-a").await;
+    wait_metric(d, "frame_memory_bytes", |v| v >= body as u64).await;
+    let b = announce("big-b").await;
+    wait_metric(d, "frame_memory_waits_total", |v| v == 1).await;
+    assert!(metric(d, "frame_memory_bytes").await <= 17 << 20);
+    drop(a);
+    drop(b);
+    wait_metric(d, "frame_memory_bytes", |v| v == 0).await;
+    assert_eq!(metric(d, "frame_memory_waits_total").await, 1);
+}

@@ -406,6 +406,7 @@ fn sign_as(
         model,
         not_after,
         hosts: hosts.iter().map(|h| HostId::new(*h).unwrap()).collect(),
+        name: None,
     };
     bytes::Bytes::from(signer.sign(&claims).unwrap())
 }

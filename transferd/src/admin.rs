@@ -181,6 +181,25 @@ pub fn render(node: &Node) -> String {
         "Open frames refused because the host held max_sessions hop sessions.",
         s.sessions_refused.load(Ordering::Relaxed),
     );
+    let budget = &node.frame_budget;
+    metric(
+        "frame_memory_bytes",
+        "gauge",
+        "Bytes of frame bodies in flight (received, not yet verified and stored), across all connections.",
+        budget.in_use() as u64,
+    );
+    metric(
+        "frame_memory_limit_bytes",
+        "gauge",
+        "The frame_memory budget.",
+        budget.total() as u64,
+    );
+    metric(
+        "frame_memory_waits_total",
+        "counter",
+        "Frames that waited for room in the frame_memory budget before being read.",
+        budget.waits.load(Ordering::Relaxed),
+    );
     metric(
         "progress_dropped_total",
         "counter",

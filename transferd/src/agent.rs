@@ -26,7 +26,7 @@ use gpu_loader::manager::{GpuManager, LoadState, ManagerError, ModelGpuStatus};
 
 use crate::chain::{ChainError, ChainSpec, Node, new_session_id};
 use crate::origin::Origin;
-use crate::store::Holding;
+use crate::store::{BindingSource, Holding};
 
 /// What each agent method needs (the one authorisation table of this API, applied by
 /// `shardcast_identity::grpc::AuthzLayer` before the call reaches the service). Calls that
@@ -233,6 +233,13 @@ impl Agent for AgentService {
                 .fetch_model(&manifest, &req.origin, tier)
                 .await
                 .map_err(|e| Status::unavailable(format!("fetching from {}: {e}", req.origin)))?;
+        }
+        // Bound once the import succeeded: a failed fetch leaves the name as it was.
+        if req.bind_name.unwrap_or(true) {
+            self.node
+                .store
+                .bind_name(&manifest.name, manifest.digest(), BindingSource::Import)
+                .map_err(|e| Status::internal(format!("binding the model name: {e}")))?;
         }
         Ok(Response::new(ImportModelResponse {
             digest: manifest.digest().to_hex(),

@@ -47,7 +47,7 @@ use futures::StreamExt;
 use shardcast_identity::{Peer, Role};
 use shardcast_protocol::{
     ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, PROTOCOL_VERSION, SessionHeader,
-    SessionId, Tier, VerifiedChunk,
+    SessionId, Tier, VerifiedChunk, plan::PlanClaims,
 };
 use tokio::net::TcpStream;
 use tokio::sync::{broadcast, mpsc, watch};
@@ -57,10 +57,10 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::limits::{ConnLimits, Limits};
 use crate::origin::{self, Origin, OriginAccess};
 use crate::repair::{RepairRequest, Repairs};
-use crate::store::{Check, Shard, ShardStore, StoreError};
+use crate::store::{BindingSource, Check, Shard, ShardStore, StoreError};
 use crate::throttle::RateLimiter;
 use crate::transport::Transport;
-use crate::wire::{BoxStream, ByteCounters, Conn, WireError};
+use crate::wire::{BoxStream, ByteCounters, Conn, FrameBudget, WireError};
 
 /// Chunks a sender re-verifies ahead of the one it is sending (when they are not trusted):
 /// the hashing of the next chunks overlaps the socket write of this one. Rationale: BLAKE3
@@ -413,6 +413,8 @@ pub struct Node {
     pub egress: RateLimiter,
     /// Wire byte counters.
     pub counters: Arc<ByteCounters>,
+    /// Memory for frame bodies in flight on every connection (`cfg.limits.frame_memory`).
+    pub frame_budget: Arc<FrameBudget>,
     /// Data-plane counters.
     pub stats: NodeStats,
     /// Tuning.
@@ -450,6 +452,7 @@ impl Node {
             ingress,
             egress,
             counters: Arc::default(),
+            frame_budget: FrameBudget::new(cfg.limits.frame_memory),
             stats: NodeStats::default(),
             conn_limits: ConnLimits::new(&cfg.limits),
             cfg,
@@ -537,6 +540,7 @@ impl Node {
             self.ingress.clone(),
             self.egress.clone(),
             self.counters.clone(),
+            self.frame_budget.clone(),
         );
         conn.writer
             .set_write_timeout(Some(self.cfg.limits.write_timeout));
@@ -674,9 +678,13 @@ impl Node {
     /// cluster CA with the `controller` role), not expired, for this model, naming this
     /// host, the sender and every downstream hop. Without TLS (`insecure_plaintext`) there
     /// is no CA to check a signature against, and sessions are accepted as before.
-    fn authorize_open(&self, header: &SessionHeader, remote: &HostId) -> Result<(), ChainError> {
+    fn authorize_open(
+        &self,
+        header: &SessionHeader,
+        remote: &HostId,
+    ) -> Result<Option<PlanClaims>, ChainError> {
         let Some(tls) = self.transport.tls() else {
-            return Ok(());
+            return Ok(None);
         };
         let refuse = |why: String| {
             self.stats
@@ -701,7 +709,8 @@ impl Node {
             .unwrap_or(0);
         claims
             .authorises(&header.model, &self.host, remote, &header.downstream, now)
-            .map_err(refuse)
+            .map_err(refuse)?;
+        Ok(Some(claims))
     }
 
     /// Finds the session for `header`, or creates it (and its forwarder and recovery
@@ -714,7 +723,7 @@ impl Node {
     ) -> Result<Arc<ShardSession>, ChainError> {
         // Nothing of a session the controller did not authorise is kept: not even its
         // manifest.
-        self.authorize_open(header, remote)?;
+        let claims = self.authorize_open(header, remote)?;
         let key = (header.session, header.shard);
         if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
             debug!(session = %header.session, shard = header.shard, "joining running session");
@@ -760,6 +769,14 @@ impl Node {
                 }
             },
         };
+        // The controller signed this plan for its name's current version: the name means
+        // this version here from now on (never because a manifest says so).
+        if let Some(name) = claims.as_ref().and_then(|c| c.name.as_ref())
+            && *name == manifest.name
+        {
+            self.store
+                .bind_name(name, header.model, BindingSource::Plan)?;
+        }
         let chunks = manifest
             .shard(header.shard)
             .map_err(|e| ChainError::refused(ErrorCode::NoSuchChunk, e.to_string()))?

@@ -205,6 +205,10 @@ pub struct Args {
     /// [default: 4096].
     #[arg(long, env = "SHARDCAST_MAX_SESSIONS")]
     pub max_sessions: Option<usize>,
+    /// Memory for frame bodies in flight on the data port, across all connections
+    /// (e.g. 512MiB); a frame that does not fit waits [default: 512MiB].
+    #[arg(long, env = "SHARDCAST_FRAME_MEMORY")]
+    pub frame_memory: Option<String>,
 }
 
 /// The TOML file's fields (all optional; unknown fields are an error).
@@ -262,6 +266,7 @@ struct FileConfig {
     max_connections: Option<usize>,
     max_connections_per_ip: Option<usize>,
     max_sessions: Option<usize>,
+    frame_memory: Option<String>,
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -524,6 +529,19 @@ impl Config {
                     d.max_sessions,
                     1 << 20,
                 )?,
+                frame_memory: match args.frame_memory.or(file.frame_memory) {
+                    None => d.frame_memory,
+                    Some(s) => {
+                        let v = parse_size(&s).map_err(|e| anyhow::anyhow!("frame_memory: {e}"))?;
+                        let min = shardcast_protocol::manifest::MAX_CHUNK_SIZE as u64 + 12;
+                        if v < min {
+                            bail!(
+                                "frame_memory must hold at least one chunk frame of the largest chunk size ({min} bytes), got {v}"
+                            );
+                        }
+                        usize::try_from(v).unwrap_or(usize::MAX)
+                    }
+                },
             }
         };
         let writer = match args.writer.or(file.writer).as_deref().unwrap_or("auto") {

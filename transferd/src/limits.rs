@@ -39,6 +39,12 @@ pub struct Limits {
     /// and a few tasks; a peer sending `Open`s with new session ids must not grow the
     /// table without bound. 4096 covers a thousand concurrent sessions of 4-shard models.
     pub max_sessions: usize,
+    /// Bytes of frame bodies (chunks being received and not yet verified and stored) held
+    /// at once across every connection; a frame that does not fit waits for room.
+    /// Rationale: a hop keeps `pipeline_depth` chunks in flight per upstream connection,
+    /// so 512 MiB covers 128 such connections of 1 MiB chunks, while 8192 connections ×
+    /// 16 MiB frames could otherwise ask for 128 GiB.
+    pub frame_memory: usize,
 }
 
 impl Default for Limits {
@@ -50,6 +56,7 @@ impl Default for Limits {
             max_connections: 8192,
             max_connections_per_ip: 1024,
             max_sessions: 4096,
+            frame_memory: 512 << 20,
         }
     }
 }

@@ -4,14 +4,18 @@
 //!
 //! A controller that is down or unreachable is logged once per outage, never fatal: the data
 //! plane keeps serving chains that are already planned.
+//!
+//! The controller's answer carries its registry's current version of each reported model
+//! name; the host's name table follows it (see `crate::store::names`).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shardcast_protocol::Tier;
 use shardcast_protocol::controller::inventory_client::InventoryClient;
-use shardcast_protocol::controller::{Gpu, GpuLoad, HeldModel, HostReport};
+use shardcast_protocol::controller::{Gpu, GpuLoad, HeldModel, HostReport, NameBinding};
+use shardcast_protocol::{ModelDigest, ModelName, Tier};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -67,17 +71,19 @@ pub async fn run(
             _ = tick.tick() => {}
         }
         let report = build_report(&node, &gpus, &inv, &addrs);
+        let reported = reported_names(&report);
         let sent = tokio::time::timeout(
             inv.heartbeat.max(Duration::from_secs(2)),
             client.heartbeat(report),
         )
         .await;
         match sent {
-            Ok(Ok(_)) => {
+            Ok(Ok(answer)) => {
                 if connected != Some(true) {
                     info!(%controller, "registered with the controller");
                 }
                 connected = Some(true);
+                apply_registry(&node, &reported, &answer.into_inner().names);
             }
             Ok(Err(status)) => {
                 if connected != Some(false) {
@@ -92,6 +98,42 @@ pub async fn run(
                 connected = Some(false);
             }
         }
+    }
+}
+
+/// The model names a report asks the controller about: its holdings' and its bound names.
+fn reported_names(report: &HostReport) -> Vec<ModelName> {
+    let mut names: Vec<ModelName> = report
+        .holdings
+        .iter()
+        .map(|h| h.name.as_str())
+        .chain(report.bound_names.iter().map(String::as_str))
+        .filter_map(|n| ModelName::new(n).ok())
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Applies the controller's registry (its answer to a heartbeat) to the name table. An
+/// entry that does not parse is skipped and logged: it binds nothing.
+fn apply_registry(node: &Node, reported: &[ModelName], answer: &[NameBinding]) {
+    let mut registry = BTreeMap::new();
+    for b in answer {
+        match (
+            ModelName::new(b.name.as_str()),
+            b.digest.parse::<ModelDigest>(),
+        ) {
+            (Ok(name), Ok(digest)) => {
+                registry.insert(name, digest);
+            }
+            _ => {
+                warn!(name = %b.name, digest = %b.digest, "ignoring a malformed name binding from the controller")
+            }
+        }
+    }
+    if let Err(e) = node.store.sync_names(reported, &registry) {
+        warn!("could not save the name table: {e}");
     }
 }
 
@@ -180,6 +222,7 @@ pub fn build_report(
             }
         },
         holdings: held,
+        bound_names: node.store.names().into_iter().map(|(n, _)| n).collect(),
         version: env!("CARGO_PKG_VERSION").into(),
         gpus_busy: 0,
         gpu_loads: gpus

@@ -8,6 +8,12 @@
 //! announced). Optional limits: a reader's idle timeout (silence while a frame, or the
 //! rest of one, is awaited) and a writer's timeout on writes that do not drain; both are
 //! counted in [`ByteCounters`].
+//!
+//! Every reader also draws on one daemon-wide [`FrameBudget`]: a frame body larger than
+//! [`UNCHARGED_BODY`] is allocated only once its length is granted, and the grant is given
+//! back when the last reference to the body's bytes is dropped (the chunk was verified and
+//! stored, or the frame was refused), so the memory held by frames in flight across all
+//! connections stays under `frame_memory` however many peers announce large frames.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +24,7 @@ use shardcast_protocol::codec::{Codec, DecodeError};
 use shardcast_protocol::frame::{FrameHeader, HEADER_LEN};
 use shardcast_protocol::{ErrorCode, Frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::throttle::RateLimiter;
 
@@ -74,6 +81,82 @@ pub struct ByteCounters {
     pub handshake_timeouts: AtomicU64,
 }
 
+/// Frame bodies up to this length are not charged to the [`FrameBudget`]: control frames
+/// (acks, progress, `Hello`) must always get through, or a budget full of chunks waiting
+/// for their acks could stall the connections that carry those acks. Their memory is
+/// bounded by the connection cap instead (64 KiB each).
+pub const UNCHARGED_BODY: usize = 64 << 10;
+
+/// The daemon-wide budget of bytes for frame bodies being read or still held (a chunk not
+/// yet verified and stored). Fair: readers waiting for room are served in order.
+#[derive(Debug)]
+pub struct FrameBudget {
+    sem: Arc<Semaphore>,
+    total: usize,
+    /// Frames that had to wait for room.
+    pub waits: AtomicU64,
+}
+
+impl FrameBudget {
+    /// A budget of `bytes` (at least one frame of [`UNCHARGED_BODY`]).
+    pub fn new(bytes: usize) -> Arc<Self> {
+        let total = bytes.clamp(UNCHARGED_BODY, Semaphore::MAX_PERMITS);
+        Arc::new(Self {
+            sem: Arc::new(Semaphore::new(total)),
+            total,
+            waits: AtomicU64::new(0),
+        })
+    }
+
+    /// A budget no frame ever waits for (tests, tools).
+    pub fn unlimited() -> Arc<Self> {
+        Self::new(Semaphore::MAX_PERMITS)
+    }
+
+    /// The budget in bytes.
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Bytes granted to frames now.
+    pub fn in_use(&self) -> usize {
+        self.total - self.sem.available_permits().min(self.total)
+    }
+
+    /// Grants room for a body of `len` bytes (nothing for a small one), waiting for it
+    /// when the budget is spent. A body longer than the whole budget is granted the whole
+    /// budget, so it can still pass, alone. Cancel-safe: nothing is held until it returns.
+    async fn grant(&self, len: usize) -> Option<OwnedSemaphorePermit> {
+        if len <= UNCHARGED_BODY {
+            return None;
+        }
+        // At most `total`, which never exceeds `Semaphore::MAX_PERMITS`; the cast holds
+        // because frame bodies are bounded well below 4 GiB.
+        let n = len.min(self.total).min(u32::MAX as usize) as u32;
+        match self.sem.clone().try_acquire_many_owned(n) {
+            Ok(p) => Some(p),
+            Err(_) => {
+                self.waits.fetch_add(1, Ordering::Relaxed);
+                // The semaphore is never closed.
+                self.sem.clone().acquire_many_owned(n).await.ok()
+            }
+        }
+    }
+}
+
+/// A frame body that holds its grant of the [`FrameBudget`] until its last byte is
+/// dropped.
+struct Charged {
+    bytes: Bytes,
+    _grant: OwnedSemaphorePermit,
+}
+
+impl AsRef<[u8]> for Charged {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
 /// Bytes read per `read` call inside a frame body. Ingress is charged per piece, so this
 /// is also the granularity of the ingress limiter (256 KiB: a few syscalls per 1 MiB
 /// chunk, and a burst well inside the limiter's allowance).
@@ -88,10 +171,11 @@ pub struct FrameReader<R> {
     inner: R,
     ingress: RateLimiter,
     counters: Arc<ByteCounters>,
+    budget: Arc<FrameBudget>,
     header: [u8; HEADER_LEN],
     header_filled: usize,
-    /// The body being read, once the header is parsed.
-    body: Option<(FrameHeader, BytesMut)>,
+    /// The body being read, once the header is parsed and its room granted.
+    body: Option<(FrameHeader, BytesMut, Option<OwnedSemaphorePermit>)>,
     /// When the bytes received last may pass the ingress limiter; no more is read before.
     ready_at: Option<tokio::time::Instant>,
     /// Longest silence while a frame is awaited; `None`: wait forever.
@@ -105,11 +189,17 @@ pub struct FrameReader<R> {
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// Wraps a read half.
-    pub fn new(inner: R, ingress: RateLimiter, counters: Arc<ByteCounters>) -> Self {
+    pub fn new(
+        inner: R,
+        ingress: RateLimiter,
+        counters: Arc<ByteCounters>,
+        budget: Arc<FrameBudget>,
+    ) -> Self {
         Self {
             inner,
             ingress,
             counters,
+            budget,
             header: [0; HEADER_LEN],
             header_filled: 0,
             body: None,
@@ -192,17 +282,23 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     self.received(n);
                     continue;
                 }
-                // Bounds-checked before anything is allocated for the body.
+                // Bounds-checked, then granted room in the budget, before anything is
+                // allocated for the body.
                 let head = FrameHeader::parse(self.header)?;
-                self.body = Some((head, BytesMut::with_capacity(head.body_len)));
+                let grant = self.budget.grant(head.body_len).await;
+                self.body = Some((head, BytesMut::with_capacity(head.body_len), grant));
             }
-            let Some((head, body)) = self.body.as_mut() else {
+            let Some((head, body, grant)) = self.body.as_mut() else {
                 return Err(WireError::Truncated);
             };
             let remaining = head.body_len - body.len();
             if remaining == 0 {
                 let ty = head.ty;
-                let body = std::mem::take(body).freeze();
+                let bytes = std::mem::take(body).freeze();
+                let body = match grant.take() {
+                    Some(g) => Bytes::from_owner(Charged { bytes, _grant: g }),
+                    None => bytes,
+                };
                 self.body = None;
                 self.header_filled = 0;
                 return Ok(Some(Frame::decode_body(ty, body)?));
@@ -339,10 +435,11 @@ impl Conn {
         ingress: RateLimiter,
         egress: RateLimiter,
         counters: Arc<ByteCounters>,
+        budget: Arc<FrameBudget>,
     ) -> Self {
         let (r, w) = tokio::io::split(stream);
         Self {
-            reader: FrameReader::new(r, ingress, counters.clone()),
+            reader: FrameReader::new(r, ingress, counters.clone(), budget),
             writer: FrameWriter::new(w, egress, counters),
         }
     }
@@ -358,7 +455,12 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 16);
         let counters = Arc::new(ByteCounters::default());
         let mut w = FrameWriter::new(a, RateLimiter::unlimited(), counters.clone());
-        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            counters.clone(),
+            FrameBudget::unlimited(),
+        );
         let hello = Frame::Hello {
             version: 1,
             host: HostId::new("h1").unwrap(),
@@ -396,7 +498,12 @@ mod tests {
     #[tokio::test]
     async fn huge_length_is_rejected_before_allocation() {
         let (mut a, b) = tokio::io::duplex(64);
-        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            Arc::default(),
+            FrameBudget::unlimited(),
+        );
         a.write_all(&[0xff, 0xff, 0xff, 0xff, 0x05]).await.unwrap();
         let err = r.read().await.unwrap_err();
         assert_eq!(err.code(), Some(ErrorCode::Malformed), "{err}");
@@ -405,7 +512,12 @@ mod tests {
     #[tokio::test]
     async fn reads_survive_cancellation_mid_frame() {
         let (mut a, b) = tokio::io::duplex(1 << 16);
-        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            Arc::default(),
+            FrameBudget::unlimited(),
+        );
         let mut bytes = Vec::new();
         for i in 0..20u32 {
             Frame::Chunk {
@@ -446,7 +558,7 @@ mod tests {
         // 1 MB/s. A peer announces a 1 MB Manifest body and sends 10 bytes of it.
         let ingress = RateLimiter::new(Some(1_000_000));
         let (mut a, b) = tokio::io::duplex(1 << 16);
-        let mut r = FrameReader::new(b, ingress.clone(), Arc::default());
+        let mut r = FrameReader::new(b, ingress.clone(), Arc::default(), FrameBudget::unlimited());
         let mut announced = (1_000_000u32).to_be_bytes().to_vec();
         announced.push(0x02);
         a.write_all(&announced).await.unwrap();
@@ -466,7 +578,12 @@ mod tests {
     async fn a_silent_peer_times_out_between_and_inside_frames() {
         let counters = Arc::new(ByteCounters::default());
         let (mut a, b) = tokio::io::duplex(1 << 16);
-        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            counters.clone(),
+            FrameBudget::unlimited(),
+        );
         r.set_idle_timeout(Some(Duration::from_secs(2)));
         // Between frames.
         let start = tokio::time::Instant::now();
@@ -490,7 +607,12 @@ mod tests {
         // Time spent not reading (this host busy writing) does not count against the peer:
         // after a whole frame, a pause, then a read, the peer gets the full timeout again.
         let (mut a, b) = tokio::io::duplex(1 << 16);
-        let mut r = FrameReader::new(b, RateLimiter::unlimited(), counters.clone());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            counters.clone(),
+            FrameBudget::unlimited(),
+        );
         r.set_idle_timeout(Some(Duration::from_secs(2)));
         let mut done = Vec::new();
         Frame::Done.encode(&mut done);
@@ -517,9 +639,67 @@ mod tests {
     #[tokio::test]
     async fn truncated_frame_is_an_error() {
         let (mut a, b) = tokio::io::duplex(64);
-        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            Arc::default(),
+            FrameBudget::unlimited(),
+        );
         a.write_all(&[0, 0, 0, 9, 0x06, 1, 2]).await.unwrap();
         drop(a);
         assert!(matches!(r.read().await, Err(WireError::Truncated)));
+    }
+
+    #[tokio::test]
+    async fn frame_bodies_wait_for_room_in_the_budget_and_give_it_back_when_dropped() {
+        let budget = FrameBudget::new(256 << 10);
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let mut w = FrameWriter::new(a, RateLimiter::unlimited(), Arc::default());
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default(), budget.clone());
+        let chunk = |index| Frame::Chunk {
+            shard: 0,
+            index,
+            data: Bytes::from(vec![index as u8; 100 << 10]),
+        };
+        let writer = tokio::spawn(async move {
+            for i in 0..3 {
+                w.send(&chunk(i)).await.unwrap();
+            }
+            w.send(&Frame::Ack { shard: 0, index: 9 }).await.unwrap();
+            w.shutdown().await.unwrap();
+        });
+        let first = r.read().await.unwrap().unwrap();
+        let second = r.read().await.unwrap().unwrap();
+        assert!(budget.in_use() >= 200 << 10, "{}", budget.in_use());
+        // A third body does not fit until one of the two is dropped.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), r.read())
+                .await
+                .is_err()
+        );
+        assert_eq!(budget.waits.load(Ordering::Relaxed), 1);
+        // The grant lives as long as any slice of the body.
+        let Frame::Chunk { data, .. } = first else {
+            panic!("expected a chunk")
+        };
+        let slice = data.slice(1..2);
+        drop(data);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), r.read())
+                .await
+                .is_err()
+        );
+        drop(slice);
+        let third = r.read().await.unwrap().unwrap();
+        assert!(matches!(third, Frame::Chunk { index: 2, .. }));
+        drop((second, third));
+        assert_eq!(budget.in_use(), 0);
+        // Small control frames are never charged.
+        assert!(matches!(
+            r.read().await.unwrap(),
+            Some(Frame::Ack { index: 9, .. })
+        ));
+        assert_eq!(budget.in_use(), 0);
+        writer.await.unwrap();
     }
 }

@@ -77,8 +77,6 @@ pub(super) enum Access {
     Read,
     /// Read and write, creating the file (with the store's mode and group) if missing.
     ReadWriteCreate,
-    /// Write to an existing file (to set its times).
-    Write,
 }
 
 /// What a walk component failed on.
@@ -409,7 +407,6 @@ impl TierDir {
         let flags = match access {
             Access::Read => OFlags::RDONLY,
             Access::ReadWriteCreate => OFlags::RDWR | OFlags::CREATE,
-            Access::Write => OFlags::WRONLY,
         };
         let fd = self.open_at(rel, flags, self.perms.file_mode())?;
         if access != Access::Read {

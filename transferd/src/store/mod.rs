@@ -32,8 +32,8 @@
 //! ```
 //!
 //! Manifests use `shardcast_protocol::codec` encoding and are checked against the digest in
-//! their file name when read. The modification time of a `manifests/` file is when it was
-//! last stored; [`ShardStore::resolve`] uses it to find the newest version of a model name.
+//! their file name when read. A manifest names its model but binds no name: which version a
+//! name means is the name table's (`<disk_dir>/names.json`, see [`names`]).
 //!
 //! ## Recovery
 //!
@@ -75,6 +75,7 @@ mod beneath;
 #[cfg(test)]
 mod hardening_tests;
 mod map;
+pub mod names;
 mod shard;
 #[cfg(test)]
 mod tests;
@@ -82,18 +83,19 @@ mod tests;
 mod uring;
 mod writer;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::io;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::{Manifest, ModelDigest, ModelName, ShardPath, Tier};
 
+pub use names::{Binding, BindingSource};
 pub use shard::{Check, Shard};
 pub use writer::{ChunkWriter, WriterKind};
 
@@ -390,6 +392,7 @@ struct Inner {
     disk_capacity: Option<u64>,
     scrub_rate: u64,
     models: Mutex<HashMap<ModelDigest, Model>>,
+    names: Mutex<names::Names>,
 }
 
 /// What every shard shares for re-verification: the trust window, a clock, the counters.
@@ -415,8 +418,6 @@ impl Integrity {
 #[derive(Debug)]
 struct Model {
     manifest: Arc<Manifest>,
-    /// When the manifest was last stored: orders versions of one name for `resolve`.
-    stored: SystemTime,
     /// Tier copies present; each maps shard index to its open shard.
     tiers: HashMap<Tier, HashMap<u32, Arc<Shard>>>,
 }
@@ -518,6 +519,7 @@ impl ShardStore {
         }
         let writer = Arc::new(ChunkWriter::new(writer)?);
         tracing::debug!(writer = ?writer.kind(), "shard store writer");
+        let names = Mutex::new(names::Names::load(&disk)?);
         let inner = Inner {
             memory,
             disk,
@@ -531,6 +533,7 @@ impl ShardStore {
             disk_capacity,
             scrub_rate,
             models: Mutex::new(HashMap::new()),
+            names,
         };
         let store = Self {
             inner: Arc::new(inner),
@@ -590,16 +593,10 @@ impl ShardStore {
             let rel = Path::new("manifests").join(name);
             match read_manifest(disk, &rel, &digest) {
                 Ok(m) => {
-                    let stored = disk
-                        .open_file(&rel, Access::Read)
-                        .ok()
-                        .and_then(|f| f.metadata().and_then(|md| md.modified()).ok())
-                        .unwrap_or(SystemTime::UNIX_EPOCH);
                     models.insert(
                         digest,
                         Model {
                             manifest: Arc::new(m),
-                            stored,
                             tiers: HashMap::new(),
                         },
                     );
@@ -617,13 +614,10 @@ impl ShardStore {
                         Ok(m) => {
                             // Known again from now on, even if the tier copy goes.
                             let rel = known_manifest_rel(&digest);
-                            let stored = next_stamp(&models);
                             disk.write_atomic(&rel, &encode_to_vec(&m))?;
-                            set_mtime(disk, &rel, stored)?;
                             let m = Arc::new(m);
                             let model = Model {
                                 manifest: m.clone(),
-                                stored,
                                 tiers: HashMap::new(),
                             };
                             models.insert(digest, model);
@@ -701,30 +695,24 @@ impl ShardStore {
     }
 
     /// Stores a manifest (persisted at once, so it survives a restart even with no data) and
-    /// returns the shared copy. Idempotent; storing a manifest again makes it the newest
-    /// version of its name for [`ShardStore::resolve`] (a rollback).
+    /// returns the shared copy. Idempotent. Storing a manifest binds no name: see
+    /// [`ShardStore::bind_name`].
     pub fn put_manifest(&self, m: &Manifest) -> Result<Arc<Manifest>, StoreError> {
         let digest = m.digest();
         let rel = known_manifest_rel(&digest);
         let disk = &self.inner.disk;
         let mut models = lock(&self.inner.models);
-        let stored = next_stamp(&models);
         let known = models.get_mut(&digest);
-        // A known manifest only needs its time refreshed, unless its file went missing.
-        if known.is_none() || set_mtime(disk, &rel, stored).is_err() {
+        // A known manifest is written again only if its file went missing.
+        if known.is_none() || disk.open_file(&rel, Access::Read).is_err() {
             disk.write_atomic(&rel, &encode_to_vec(m))?;
-            set_mtime(disk, &rel, stored)?;
         }
         let manifest = match known {
-            Some(model) => {
-                model.stored = stored;
-                model.manifest.clone()
-            }
+            Some(model) => model.manifest.clone(),
             None => {
                 let manifest = Arc::new(m.clone());
                 let model = Model {
                     manifest: manifest.clone(),
-                    stored,
                     tiers: HashMap::new(),
                 };
                 models.insert(digest, model);
@@ -740,16 +728,53 @@ impl ShardStore {
     }
 
     /// Resolves a 64-character hex digest (returned as is, known or not) or a model name
-    /// (the most recently stored manifest of that name; `None` if there is none).
+    /// (its binding in the name table: see [`names`]; `None` if it has none). A manifest
+    /// never binds its own name.
     pub fn resolve(&self, name_or_hex_digest: &str) -> Option<ModelDigest> {
         if let Ok(d) = name_or_hex_digest.parse::<ModelDigest>() {
             return Some(d);
         }
-        lock(&self.inner.models)
+        lock(&self.inner.names)
+            .get(name_or_hex_digest)
+            .map(|b| b.digest)
+    }
+
+    /// Binds `name` to `digest` on this host (see [`names`] for who may) and persists the
+    /// table when it changed.
+    pub fn bind_name(
+        &self,
+        name: &ModelName,
+        digest: ModelDigest,
+        source: BindingSource,
+    ) -> Result<(), StoreError> {
+        let mut names = lock(&self.inner.names);
+        if names.bind(name, digest, source) {
+            names.save(&self.inner.disk)?;
+        }
+        Ok(())
+    }
+
+    /// Applies the controller's registry to the names this host holds (`held`): bound to
+    /// the registry's version, or unbound when the registry does not know them. Persists
+    /// the table when it changed.
+    pub fn sync_names(
+        &self,
+        held: &[ModelName],
+        registry: &BTreeMap<ModelName, ModelDigest>,
+    ) -> Result<(), StoreError> {
+        let mut names = lock(&self.inner.names);
+        if names.sync(held, registry) {
+            names.save(&self.inner.disk)?;
+        }
+        Ok(())
+    }
+
+    /// Every name binding, by name.
+    pub fn names(&self) -> Vec<(String, Binding)> {
+        lock(&self.inner.names)
             .iter()
-            .filter(|(_, m)| m.manifest.name.as_str() == name_or_hex_digest)
-            .max_by_key(|(d, m)| (m.stored, **d))
-            .map(|(d, _)| *d)
+            .map(|(n, b)| (n.clone(), b.clone()))
+            .collect()
     }
 
     /// Checks that a new shard of `size` bytes fits `tier`: the file system's free space
@@ -965,21 +990,4 @@ impl ShardStore {
         }
         Ok(out)
     }
-}
-
-/// A time to record a manifest as stored: now, but strictly after every time recorded so
-/// far, so that versions stored within one tick of the file system's clock still order.
-fn next_stamp(models: &HashMap<ModelDigest, Model>) -> SystemTime {
-    let now = SystemTime::now();
-    match models.values().map(|m| m.stored).max() {
-        Some(newest) if newest >= now => newest + Duration::from_nanos(1),
-        _ => now,
-    }
-}
-
-/// Sets a file's modification time (the manifest's stored time) to exactly `t`.
-fn set_mtime(dir: &TierDir, rel: &Path, t: SystemTime) -> Result<(), StoreError> {
-    dir.open_file(rel, Access::Write)?
-        .set_modified(t)
-        .map_err(io_err(&dir.root().join(rel)))
 }

@@ -149,6 +149,8 @@ async fn restart_recovers_bits_and_manifests() {
         store.put_manifest(&other).unwrap();
         // A manifest with no data at all must survive too.
         store.put_manifest(&m).unwrap();
+        assert_eq!(store.resolve("org/model"), None, "a manifest binds no name");
+        store.bind_name(&m.name, d, BindingSource::Plan).unwrap();
         let a = store.shard(&d, 0, Tier::Memory).unwrap();
         a.write(chunk(&m, &data, 0, 0)).await.unwrap();
         a.write(chunk(&m, &data, 0, 2)).await.unwrap();
@@ -158,7 +160,7 @@ async fn restart_recovers_bits_and_manifests() {
     let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
     assert_eq!(store.manifest(&d).as_deref(), Some(&m));
     assert!(store.manifest(&other.digest()).is_some());
-    assert_eq!(store.resolve("org/model"), Some(d), "most recently stored");
+    assert_eq!(store.resolve("org/model"), Some(d), "the binding survives");
     assert_eq!(store.resolve(&d.to_hex()), Some(d));
     assert_eq!(store.resolve("nope"), None);
 
@@ -182,9 +184,25 @@ async fn restart_recovers_bits_and_manifests() {
     assert_eq!(verified, vec![2, 0]);
     assert_eq!(holdings[1].shards[1].verified, 1);
 
-    // Storing the older manifest again makes it the newest of its name.
+    // Storing the other version again does not repoint the name; binding it does.
     store.put_manifest(&other).unwrap();
+    assert_eq!(store.resolve("org/model"), Some(d));
+    store
+        .bind_name(&other.name, other.digest(), BindingSource::Import)
+        .unwrap();
     assert_eq!(store.resolve("org/model"), Some(other.digest()));
+    // The registry does not know the name: a plan's binding goes, an import's stays.
+    store
+        .sync_names(std::slice::from_ref(&other.name), &Default::default())
+        .unwrap();
+    assert_eq!(store.resolve("org/model"), Some(other.digest()));
+    store
+        .bind_name(&other.name, d, BindingSource::Plan)
+        .unwrap();
+    store
+        .sync_names(std::slice::from_ref(&other.name), &Default::default())
+        .unwrap();
+    assert_eq!(store.resolve("org/model"), None);
 }
 
 #[tokio::test]
