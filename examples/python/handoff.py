@@ -5,10 +5,14 @@
 
 transferd serves the hand-off at GET /v1/handoff/{model} on its admin listener:
 
-* kind "cuda-ipc": one CUDA IPC memory handle per GPU plus the tensor index. With PyTorch
-  and a GPU, `open_cuda_ipc` maps the region (cudaIpcOpenMemHandle) and wraps each tensor
-  at its offset: no host copy, no second GPU allocation.
-* kind "simulated": the simulated GPU's backing file and offset (hosts without GPUs, CI).
+* kind "cuda-ipc": per GPU holding the model, the region that holds it -- `gpu`, a CUDA IPC
+  memory handle of the model's own device allocation, the region's `offset` in it (0) and
+  its length `size` -- plus the tensor index. With PyTorch and a GPU, `open_cuda_ipc` maps
+  the region (cuIpcOpenMemHandle) and wraps each tensor at its offset: no host copy, no
+  second GPU allocation. Each model has its own allocation, so opening one model's handle
+  maps nothing else; close it (cuIpcCloseMemHandle) before the model is evicted.
+* kind "simulated": the simulated region's own backing file and offset (hosts without
+  GPUs, CI).
 * kind "memory-file": the memory-tier shard files (no GPU on the host).
 
 For simulated and memory-file hand-offs the script maps the bytes (mmap) and builds each
@@ -73,9 +77,11 @@ class CUipcMemHandle(ctypes.Structure):
 
 def open_cuda_ipc(h):
     """Maps each GPU's region through its CUDA IPC handle (driver API,
-    cuIpcOpenMemHandle) and returns {gpu: (base address, {name: tensor})}: each tensor views
-    the GPU memory at its offset, with no host copy and no second GPU allocation. Needs
-    PyTorch with CUDA on the same host as transferd."""
+    cuIpcOpenMemHandle; the handle opens the model's own allocation, the region starts
+    handle.offset bytes into it and is `size` bytes long) and returns
+    {gpu: (base address, {name: tensor})}: each tensor views the GPU memory at its offset,
+    with no host copy and no second GPU allocation. Needs PyTorch with CUDA on the same
+    host as transferd."""
     import torch
 
     cuda = ctypes.CDLL("libcuda.so.1")
@@ -97,6 +103,8 @@ def open_cuda_ipc(h):
         base = ptr.value + dev["handle"]["offset"]
         tensors = {}
         for t in h["tensors"]:
+            if t["offset"] + t["nbytes"] > dev["size"]:
+                raise RuntimeError(f"GPU {dev['gpu']}: tensor {t['name']} lies past its region of {dev['size']} bytes")
             _, npname, _ = DTYPES.get(t["dtype"], ("B", "uint8", 1))
             dtype = getattr(torch, {"uint16": "bfloat16"}.get(npname, npname))
             typestr = "<u2" if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype.str
@@ -157,12 +165,16 @@ def check_host(h, verbose):
         for dev in h["devices"]:
             path, off = dev["handle"]["path"], dev["handle"]["offset"]
             f = open(path, "rb")
-            regions.append((f"simulated GPU {dev['gpu']}", mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), off))
+            regions.append((f"simulated GPU {dev['gpu']}", mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), off, dev["size"]))
     bad = 0
     for t in h["tensors"]:
         shard_map, shard_off = files[t["shard"]]
         want = build(shard_map, -shard_off, t)
-        for label, buf, base in regions:
+        for label, buf, base, size in regions:
+            if t["offset"] + t["nbytes"] > size:
+                print(f"{t['name']} lies past the region on {label} ({size} bytes)", file=sys.stderr)
+                bad += 1
+                continue
             got = build(buf, base, t)
             if bytes(memoryview(got).cast("B")) != bytes(memoryview(want).cast("B")):
                 print(f"MISMATCH {t['name']} on {label}", file=sys.stderr)

@@ -3,7 +3,8 @@
 //!
 //! What it does: [`devices`] opens every GPU of the host (its primary context, one
 //! non-blocking copy stream at the highest priority), enables peer access between GPUs that
-//! support it, and returns [`CudaDevice`]s. A device allocates one *arena* (`cuMemAlloc`),
+//! support it, and returns [`CudaDevice`]s. A device allocates one region per model on demand
+//! (`cuMemAlloc`, freed with `cuMemFree` when the model is evicted; nothing at start),
 //! pinned staging buffers (`cuMemHostAlloc`), issues host → device and peer copies on its
 //! stream with an event per copy as the [`Completion`], reads memory back for verification,
 //! and hands regions to consumer processes as CUDA IPC handles. [`calibrate`] and
@@ -56,10 +57,16 @@
 //!
 //! All `unsafe` of the loader is confined to this module (the workspace denies it
 //! elsewhere); every block carries a `// SAFETY:` comment. Memory safety of the safe API
-//! rests on: spans checked against the arena they point into before any copy; pinned
-//! buffers zeroed at allocation (never exposed uninitialised) and freed only after their
-//! context is synchronised (so a dropped, never-waited copy cannot read freed memory);
-//! device memory freed only after the device's stream is synchronised.
+//! rests on: spans checked against the live region they point into before any copy, with
+//! the device's region list read-locked from the check until the copy is enqueued (peer
+//! copies lock both devices' lists, lower index first); pinned buffers zeroed at allocation
+//! (never exposed uninitialised) and freed only after their context is synchronised (so a
+//! dropped, never-waited copy cannot read freed memory); a region freed only after it left
+//! the list (so no new copy can resolve it) and after the contexts of this device and of
+//! every GPU that can peer-copy from it were synchronised (so no enqueued copy still
+//! touches it). A span kept after its region was freed is refused, unless a later region
+//! got the same device address; the pool never frees a locked region, and the loader holds
+//! spans only while their region is locked.
 
 // `unsafe_code` is denied workspace-wide. This module calls the CUDA driver's C API, which
 // cannot be done without `unsafe`; it is the one place of the loader allowed to, and every
@@ -71,7 +78,7 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 use std::ptr::{self, NonNull};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
 use cudarc::driver::sys::{self, CUresult};
@@ -309,7 +316,7 @@ impl Drop for Stream {
     }
 }
 
-/// One device allocation; freed on drop.
+/// One device allocation (a model's region, or calibration scratch); freed on drop.
 #[derive(Debug)]
 struct DeviceBuffer {
     /// Device address.
@@ -359,8 +366,10 @@ impl Drop for DeviceBuffer {
         let ptr = self.ptr;
         let result = self.ctx.make_current().and_then(|()| {
             // SAFETY: `ptr` came from cuMemAlloc_v2 in this context and is freed once here.
-            // Copies into it were issued on the owning device's stream, which its owner
-            // synchronises before dropping its buffers (see `CudaDevice`'s field order).
+            // Its owner waited for the copies that use it before dropping it: a region
+            // (`CudaDevice::free_region` and `CudaDevice`'s drop synchronise this device and
+            // its peer readers first), or calibration scratch (whose copies are synchronous
+            // or synchronised before the measuring function returns).
             check(self.ctx.index, "cuMemFree_v2", || unsafe {
                 sys::cuMemFree_v2(ptr)
             })
@@ -565,12 +574,17 @@ pub struct CudaDevice {
     pci_bus_id: String,
     /// Staging buffers write-combined.
     write_combined: bool,
-    // Field order is drop order: the stream is synchronised and destroyed before the arenas
+    // Field order is drop order: the stream is synchronised and destroyed before the regions
     // are freed, and the context is released last (every wrapper also holds an `Arc` of it).
     /// The copy stream.
     stream: Stream,
-    /// Device allocations made by `alloc_arena` (normally one), freed on drop.
-    arenas: Mutex<Vec<DeviceBuffer>>,
+    /// Live regions (one device allocation per model), freed by `free_region` or on drop.
+    /// Read-locked from a span's check until its copy is enqueued; write-locked only to add
+    /// or remove one.
+    regions: RwLock<Vec<DeviceBuffer>>,
+    /// Contexts of the GPUs with peer access to this one, whose streams may run peer copies
+    /// reading this device's regions: synchronised before a region is freed.
+    peer_readers: Vec<Arc<Context>>,
     ctx: Arc<Context>,
 }
 
@@ -580,19 +594,28 @@ impl CudaDevice {
         &self.pci_bus_id
     }
 
+    /// The live regions, read-locked: hold the guard until the copies using a span resolved
+    /// through it are enqueued, so the region cannot be freed in between.
+    fn regions(&self) -> RwLockReadGuard<'_, Vec<DeviceBuffer>> {
+        self.regions.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The device address of `span`'s first byte, after checking that the span lies on this
-    /// device inside one of its arenas.
-    fn resolve(&self, span: &DevSpan) -> Result<sys::CUdeviceptr, GpuError> {
+    /// device inside one of the live `regions` (this device's, read-locked by the caller).
+    fn resolve(
+        &self,
+        regions: &[DeviceBuffer],
+        span: &DevSpan,
+    ) -> Result<sys::CUdeviceptr, GpuError> {
         if span.device != self.info.index {
             return Err(GpuError::Invalid(format!(
                 "span of device {} used on device {}",
                 span.device, self.info.index
             )));
         }
-        let arenas = self.arenas.lock().unwrap_or_else(PoisonError::into_inner);
-        let arena = arenas.iter().find(|a| a.ptr == span.base).ok_or_else(|| {
+        let region = regions.iter().find(|a| a.ptr == span.base).ok_or_else(|| {
             GpuError::Invalid(format!(
-                "span base {:#x} is not an arena of device {}",
+                "span base {:#x} is not a live region of device {}",
                 span.base, self.info.index
             ))
         })?;
@@ -600,13 +623,27 @@ impl CudaDevice {
             .offset
             .checked_add(span.len)
             .ok_or_else(|| GpuError::Invalid("span overflow".into()))?;
-        if end > arena.len {
+        if end > region.len {
             return Err(GpuError::Invalid(format!(
-                "span [{}, {end}) is outside an arena of {} bytes",
-                span.offset, arena.len
+                "span [{}, {end}) is outside a region of {} bytes",
+                span.offset, region.len
             )));
         }
-        Ok(arena.ptr + span.offset)
+        Ok(region.ptr + span.offset)
+    }
+
+    /// Waits until no copy issued so far can touch this device's memory: its own stream,
+    /// and every context that may run peer copies reading from it.
+    fn quiesce(&self) -> Result<(), GpuError> {
+        self.stream.synchronize()?;
+        for ctx in &self.peer_readers {
+            ctx.make_current()?;
+            // SAFETY: the context is current; no arguments.
+            check(ctx.index, "cuCtxSynchronize", || unsafe {
+                sys::cuCtxSynchronize()
+            })?;
+        }
+        self.ctx.make_current()
     }
 
     /// Records an event on the copy stream, as the completion of the copies issued so far.
@@ -677,9 +714,10 @@ impl CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        // Copies into the arenas may still be running: wait before anything is freed. (The
-        // stream's own drop synchronises too; this covers the arenas regardless of order.)
-        if let Err(e) = self.stream.synchronize() {
+        // Copies into or out of the regions may still be running: wait before anything is
+        // freed. (The stream's own drop synchronises too; this covers the regions regardless
+        // of order, and the peers' copies reading them.)
+        if let Err(e) = self.quiesce() {
             tracing::warn!(device = self.info.index, error = %e, "synchronising before drop");
         }
     }
@@ -694,7 +732,7 @@ impl Device for CudaDevice {
         self
     }
 
-    fn alloc_arena(&self, bytes: u64) -> Result<DevSpan, GpuError> {
+    fn alloc_region(&self, bytes: u64) -> Result<DevSpan, GpuError> {
         self.ctx.make_current()?;
         let buf = DeviceBuffer::alloc(&self.ctx, bytes)?;
         let span = DevSpan {
@@ -703,12 +741,59 @@ impl Device for CudaDevice {
             offset: 0,
             len: bytes,
         };
-        self.arenas
-            .lock()
+        self.regions
+            .write()
             .unwrap_or_else(PoisonError::into_inner)
             .push(buf);
-        tracing::debug!(device = self.info.index, bytes, "arena allocated");
+        tracing::debug!(device = self.info.index, bytes, "region allocated");
         Ok(span)
+    }
+
+    fn free_region(&self, span: DevSpan) -> Result<(), GpuError> {
+        if span.device != self.info.index {
+            return Err(GpuError::Invalid(format!(
+                "span of device {} freed on device {}",
+                span.device, self.info.index
+            )));
+        }
+        // Out of the list first (waiting for copies being enqueued): no new copy can
+        // resolve it from here on.
+        let buf = {
+            let mut regions = self.regions.write().unwrap_or_else(PoisonError::into_inner);
+            let at = regions
+                .iter()
+                .position(|r| r.ptr == span.base)
+                .ok_or_else(|| {
+                    GpuError::Invalid(format!(
+                        "span base {:#x} is not a live region of device {}",
+                        span.base, self.info.index
+                    ))
+                })?;
+            regions.swap_remove(at)
+        };
+        // Then wait for the copies already enqueued; if that fails the contexts are unusable
+        // and so are their copies, and the memory is freed regardless.
+        if let Err(e) = self.quiesce() {
+            tracing::warn!(device = self.info.index, error = %e, "synchronising before freeing a region");
+        }
+        let bytes = buf.len;
+        drop(buf);
+        tracing::debug!(device = self.info.index, bytes, "region freed");
+        Ok(())
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.regions().iter().map(|r| r.len).sum()
+    }
+
+    fn free_memory(&self) -> Result<u64, GpuError> {
+        self.ctx.make_current()?;
+        let (mut free, mut total): (usize, usize) = (0, 0);
+        // SAFETY: both are valid out-pointers; the context is current.
+        check(self.info.index, "cuMemGetInfo_v2", || unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok(free as u64)
     }
 
     fn alloc_staging(&self, bytes: usize) -> Result<Box<dyn Staging>, GpuError> {
@@ -719,7 +804,8 @@ impl Device for CudaDevice {
 
     fn copy_htod(&self, dst: DevSpan, src: &dyn Staging) -> Result<Box<dyn Completion>, GpuError> {
         self.ctx.make_current()?;
-        let dptr = self.resolve(&dst)?;
+        let regions = self.regions();
+        let dptr = self.resolve(&regions, &dst)?;
         let bytes = src.as_slice();
         let len = to_usize(dst.len)?;
         if len > bytes.len() || len > src.capacity() {
@@ -731,14 +817,17 @@ impl Device for CudaDevice {
         if len > 0 {
             let (host, stream) = (bytes.as_ptr().cast::<c_void>(), self.stream.raw);
             // SAFETY: `host` has at least `len` readable bytes (checked above) and `dptr` at
-            // least `len` bytes inside an arena of this device (`resolve`). The trait's
-            // contract keeps `src` unchanged until the completion is waited; should the
-            // buffer be freed first, `PinnedBuffer`'s drop synchronises the context before
-            // freeing, and pageable sources are staged by the driver before this returns.
+            // least `len` bytes inside a live region of this device (`resolve`; the region
+            // list stays read-locked until the copy is enqueued, and a freed region's copies
+            // are waited for before `cuMemFree`). The trait's contract keeps `src` unchanged
+            // until the completion is waited; should the buffer be freed first,
+            // `PinnedBuffer`'s drop synchronises the context before freeing, and pageable
+            // sources are staged by the driver before this returns.
             check(self.info.index, "cuMemcpyHtoDAsync_v2", || unsafe {
                 sys::cuMemcpyHtoDAsync_v2(dptr, host, len, stream)
             })?;
         }
+        drop(regions);
         self.record()
     }
 
@@ -768,24 +857,37 @@ impl Device for CudaDevice {
                 src.len, dst.len
             )));
         }
-        let dptr = self.resolve(&dst)?;
-        let sptr = peer.resolve(&src)?;
+        // Both region lists, lower device index first (a free write-locks one list only, so
+        // this order cannot deadlock).
+        let (dst_regions, src_regions) = if self.info.index < peer.info.index {
+            let d = self.regions();
+            (d, peer.regions())
+        } else {
+            let s = peer.regions();
+            (self.regions(), s)
+        };
+        let dptr = self.resolve(&dst_regions, &dst)?;
+        let sptr = peer.resolve(&src_regions, &src)?;
         let len = to_usize(dst.len)?;
         if len > 0 {
             let (dctx, sctx, stream) = (self.ctx.raw, peer.ctx.raw, self.stream.raw);
-            // SAFETY: both ranges lie inside live arenas of their devices (`resolve`), the
-            // contexts are the primary contexts owning them, and the stream belongs to the
-            // current (destination) context.
+            // SAFETY: both ranges lie inside live regions of their devices (`resolve`, both
+            // lists read-locked until the copy is enqueued; freeing a region waits for this
+            // stream, a peer reader of the source device), the contexts are the primary
+            // contexts owning them, and the stream belongs to the current (destination)
+            // context.
             check(self.info.index, "cuMemcpyPeerAsync", || unsafe {
                 sys::cuMemcpyPeerAsync(dptr, dctx, sptr, sctx, len, stream)
             })?;
         }
+        drop((dst_regions, src_regions));
         self.record()
     }
 
     fn read(&self, src: DevSpan) -> Result<Vec<u8>, GpuError> {
         self.ctx.make_current()?;
-        let sptr = self.resolve(&src)?;
+        let regions = self.regions();
+        let sptr = self.resolve(&regions, &src)?;
         let len = to_usize(src.len)?;
         // cuMemcpyDtoH runs on the legacy default stream, which does not wait for the
         // non-blocking copy stream: wait for earlier copies explicitly.
@@ -794,7 +896,8 @@ impl Device for CudaDevice {
         if len > 0 {
             let host = out.as_mut_ptr().cast::<c_void>();
             // SAFETY: `host` has `len` writable bytes; `sptr` has `len` readable bytes inside
-            // an arena of this device (`resolve`); the call is synchronous.
+            // a live region of this device (`resolve`, read-locked until the call returns);
+            // the call is synchronous.
             check(self.info.index, "cuMemcpyDtoH_v2", || unsafe {
                 sys::cuMemcpyDtoH_v2(host, sptr, len)
             })?;
@@ -804,14 +907,17 @@ impl Device for CudaDevice {
 
     fn ipc_handle(&self, span: DevSpan) -> Result<IpcHandle, GpuError> {
         self.ctx.make_current()?;
-        self.resolve(&span)?;
+        let regions = self.regions();
+        self.resolve(&regions, &span)?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
         let base = span.base;
-        // SAFETY: `handle` is a valid out-pointer; `base` is the start of a live arena of
-        // this device (checked by `resolve`), as cuIpcGetMemHandle requires.
+        // SAFETY: `handle` is a valid out-pointer; `base` is the start of a live region of
+        // this device (checked by `resolve`, read-locked until the call returns), as
+        // cuIpcGetMemHandle requires. The handle names that region's allocation alone.
         check(self.info.index, "cuIpcGetMemHandle", || unsafe {
             sys::cuIpcGetMemHandle(&mut handle, base)
         })?;
+        drop(regions);
         let bytes = handle.reserved.map(|c| c as u8);
         Ok(IpcHandle::CudaIpc {
             handle: hex::encode(bytes),
@@ -926,10 +1032,25 @@ pub fn devices(opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, GpuError> {
         }
     }
 
+    // The GPUs that may peer-copy out of each device (those with access to it).
+    let contexts: Vec<Arc<Context>> = opened.iter().map(|o| Arc::clone(&o.ctx)).collect();
+    let readers_of = |index: u32| -> Vec<Arc<Context>> {
+        peers
+            .iter()
+            .zip(&contexts)
+            .filter(|(p, _)| p.iter().any(|&(to, _)| to == index))
+            .map(|(_, ctx)| Arc::clone(ctx))
+            .collect()
+    };
+    let peer_readers: Vec<Vec<Arc<Context>>> =
+        opened.iter().map(|o| readers_of(o.ctx.index)).collect();
+    drop(contexts);
+
     let devices = opened
         .into_iter()
         .zip(peers)
-        .map(|(o, peers)| {
+        .zip(peer_readers)
+        .map(|((o, peers), peer_readers)| {
             let info = DeviceInfo {
                 index: o.ctx.index,
                 name: o.name,
@@ -952,7 +1073,8 @@ pub fn devices(opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, GpuError> {
                 pci_bus_id: o.pci_bus_id,
                 write_combined: opts.write_combined,
                 stream: o.stream,
-                arenas: Mutex::new(Vec::new()),
+                regions: RwLock::new(Vec::new()),
+                peer_readers,
                 ctx: o.ctx,
             })
         })
@@ -1268,8 +1390,8 @@ mod tests {
     fn htod_round_trip() {
         let dev = &gpus()[0];
         assert_eq!(dev.info().kind, DeviceKind::Cuda);
-        let arena = dev.alloc_arena(64 << 20).expect("arena");
-        assert_eq!((arena.offset, arena.len), (0, 64 << 20));
+        let region = dev.alloc_region(64 << 20).expect("region");
+        assert_eq!((region.offset, region.len), (0, 64 << 20));
         let mut staging = dev.alloc_staging(4 << 20).expect("staging");
         assert_eq!(staging.capacity(), 4 << 20);
         assert!(staging.as_slice().iter().all(|&b| b == 0));
@@ -1284,7 +1406,7 @@ mod tests {
             ((64 << 20) - (4 << 20), 4 << 20),
         ];
         for (off, len) in cases {
-            let span = arena.sub(off, len).expect("span");
+            let span = region.sub(off, len).expect("span");
             dev.copy_htod(span, staging.as_ref())
                 .expect("copy")
                 .wait()
@@ -1294,7 +1416,7 @@ mod tests {
         }
         // Several copies in flight, waited in order.
         let spans: Vec<DevSpan> = (0..8)
-            .map(|k| arena.sub(k * (4 << 20), 4 << 20).expect("span"))
+            .map(|k| region.sub(k * (4 << 20), 4 << 20).expect("span"))
             .collect();
         let pending: Vec<_> = spans
             .iter()
@@ -1307,25 +1429,25 @@ mod tests {
             assert_eq!(dev.read(s).expect("read"), staging.as_slice());
         }
         // A completion dropped without waiting is harmless.
-        drop(dev.copy_htod(arena.sub(0, 1024).expect("span"), staging.as_ref()));
+        drop(dev.copy_htod(region.sub(0, 1024).expect("span"), staging.as_ref()));
         // Bad spans are refused, not copied.
         let past_end = DevSpan {
             offset: 63 << 20,
             len: 2 << 20,
-            ..arena
+            ..region
         };
         assert!(matches!(
             dev.copy_htod(past_end, staging.as_ref()),
             Err(GpuError::Invalid(_))
         ));
-        let too_long = arena.sub(0, 5 << 20).expect("span");
+        let too_long = region.sub(0, 5 << 20).expect("span");
         assert!(matches!(
             dev.copy_htod(too_long, staging.as_ref()),
             Err(GpuError::Invalid(_))
         ));
         let other_device = DevSpan {
             device: dev.info().index + 1,
-            ..arena
+            ..region
         };
         assert!(matches!(dev.read(other_device), Err(GpuError::Invalid(_))));
     }
@@ -1335,7 +1457,8 @@ mod tests {
     fn absurd_alloc_is_out_of_memory() {
         let dev = &gpus()[0];
         let requested = dev.info().memory_bytes * 4;
-        match dev.alloc_arena(requested) {
+        let before = dev.allocated_bytes();
+        match dev.alloc_region(requested) {
             Err(GpuError::OutOfMemory {
                 device,
                 requested: r,
@@ -1347,14 +1470,54 @@ mod tests {
             }
             other => panic!("expected OutOfMemory, got {other:?}"),
         }
+        assert_eq!(dev.allocated_bytes(), before, "a refusal takes nothing");
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn regions_are_allocated_and_freed_for_real() {
+        let dev = &gpus()[0];
+        assert_eq!(dev.allocated_bytes(), 0, "nothing is allocated at open");
+        let free0 = dev.free_memory().expect("free memory");
+        let a = dev.alloc_region(256 << 20).expect("region a");
+        let b = dev.alloc_region(64 << 20).expect("region b");
+        assert_eq!(dev.allocated_bytes(), 320 << 20);
+        let free1 = dev.free_memory().expect("free memory");
+        assert!(
+            free0.saturating_sub(free1) >= 320 << 20,
+            "{free0} -> {free1}"
+        );
+        // Each region has its own IPC handle.
+        let (ha, hb) = (dev.ipc_handle(a).expect("a"), dev.ipc_handle(b).expect("b"));
+        assert_ne!(ha, hb);
+        let mut staging = dev.alloc_staging(1 << 20).expect("staging");
+        staging.as_mut_slice().fill(9);
+        // A copy left in flight when its region is freed is waited for first.
+        drop(dev.copy_htod(a.sub(0, 1 << 20).expect("span"), staging.as_ref()));
+        dev.free_region(a).expect("free a");
+        assert_eq!(dev.allocated_bytes(), 64 << 20);
+        let free2 = dev.free_memory().expect("free memory");
+        assert!(
+            free2 >= free1 + (256 << 20) - (2 << 20),
+            "{free1} -> {free2}"
+        );
+        // Its spans are refused from now on; a second free too.
+        assert!(matches!(
+            dev.copy_htod(a.sub(0, 16).expect("span"), staging.as_ref()),
+            Err(GpuError::Invalid(_))
+        ));
+        assert!(matches!(dev.read(a), Err(GpuError::Invalid(_))));
+        assert!(matches!(dev.free_region(a), Err(GpuError::Invalid(_))));
+        dev.free_region(b).expect("free b");
+        assert_eq!(dev.allocated_bytes(), 0);
     }
 
     #[test]
     #[ignore = "needs an NVIDIA GPU and driver"]
     fn ipc_handle_is_128_hex_chars() {
         let dev = &gpus()[0];
-        let arena = dev.alloc_arena(2 << 20).expect("arena");
-        let span = arena.sub(4096, 1024).expect("span");
+        let region = dev.alloc_region(2 << 20).expect("region");
+        let span = region.sub(4096, 1024).expect("span");
         match dev.ipc_handle(span).expect("ipc handle") {
             IpcHandle::CudaIpc { handle, offset } => {
                 assert_eq!(handle.len(), 128);
@@ -1404,19 +1567,19 @@ mod tests {
             return;
         };
         let len: u64 = 3 << 20;
-        let src_arena = src_dev.alloc_arena(8 << 20).expect("src arena");
-        let dst_arena = dst_dev.alloc_arena(8 << 20).expect("dst arena");
+        let src_region = src_dev.alloc_region(8 << 20).expect("src region");
+        let dst_region = dst_dev.alloc_region(8 << 20).expect("dst region");
         let mut staging = src_dev.alloc_staging(len as usize).expect("staging");
         for (k, b) in staging.as_mut_slice().iter_mut().enumerate() {
             *b = (k * 7 % 253) as u8;
         }
-        let src = src_arena.sub(4096, len).expect("src span");
+        let src = src_region.sub(4096, len).expect("src span");
         src_dev
             .copy_htod(src, staging.as_ref())
             .expect("htod")
             .wait()
             .expect("wait");
-        let dst = dst_arena.sub(1 << 20, len).expect("dst span");
+        let dst = dst_region.sub(1 << 20, len).expect("dst span");
         dst_dev
             .copy_peer(dst, src_dev.as_ref(), src)
             .expect("peer copy")
@@ -1424,7 +1587,7 @@ mod tests {
             .expect("wait");
         assert_eq!(dst_dev.read(dst).expect("read"), staging.as_slice());
         // Mismatched lengths are refused.
-        let short = dst_arena.sub(0, len - 1).expect("span");
+        let short = dst_region.sub(0, len - 1).expect("span");
         assert!(matches!(
             dst_dev.copy_peer(short, src_dev.as_ref(), src),
             Err(GpuError::Invalid(_))

@@ -1,13 +1,16 @@
 //! The device abstraction: what the loader needs from a GPU, implemented by the CUDA backend
 //! ([`crate::cuda`]) and by the simulated backend ([`crate::sim`]).
 //!
-//! The model is CUDA's: a device owns one *arena* (a single device allocation of the GPU's
-//! budget, carved into model regions by [`crate::pool`]); copies are issued on an in-order
-//! *stream* and return a [`Completion`] (an event) that the caller waits on before reusing the
-//! staging buffer. Calls are blocking-safe: the loader drives each device from its own
-//! threads, never from an async executor.
+//! The model is CUDA's: device memory is taken one *region* at a time, each its own device
+//! allocation (`cuMemAlloc`), made when a model is loaded and freed when it is evicted —
+//! nothing is reserved ahead, so an inference engine on the same GPU keeps the rest
+//! ([`crate::pool`] keeps the regions within the host's budget). Copies are issued on an
+//! in-order *stream* and return a [`Completion`] (an event) that the caller waits on before
+//! reusing the staging buffer. Calls are blocking-safe: the loader drives each device from
+//! its own threads, never from an async executor.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// Which backend a device belongs to. Logs, metrics and the API always print it, so a
 /// simulated device can never be mistaken for a real GPU.
@@ -53,16 +56,17 @@ pub enum GpuError {
     /// The CUDA driver library is not installed: a normal condition on hosts without GPUs.
     #[error("no CUDA driver: {0}")]
     NoDriver(String),
-    /// Device memory exhausted.
+    /// The device refused an allocation: its memory is taken (by this host's regions or by
+    /// other processes on the GPU, such as an inference engine).
     #[error(
-        "out of GPU memory on device {device}: asked for {requested} bytes, {available} available"
+        "out of GPU memory on device {device}: asked for {requested} bytes, the device has {available} free (memory held by other processes on the GPU counts)"
     )]
     OutOfMemory {
         /// Device index.
         device: u32,
         /// Bytes asked for.
         requested: u64,
-        /// Bytes that could have been given.
+        /// Bytes free on the device when it refused (0 when unknown).
         available: u64,
     },
     /// A bad argument (offset past the end, wrong device).
@@ -81,13 +85,15 @@ pub enum GpuError {
     Unsupported(String),
 }
 
-/// One device allocation (the arena), or a sub-range of one.
+/// One device allocation (a region, from [`Device::alloc_region`]), or a sub-range of one.
+/// Devices check a span against the live allocation it names before every use: a span of a
+/// freed region, or past its end, is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DevSpan {
     /// Device index.
     pub device: u32,
-    /// Device address of the allocation's start (CUDA `CUdeviceptr`; an offset into the
-    /// backing file for the simulated device).
+    /// Which allocation: its device address (CUDA `CUdeviceptr`), or the region's number on
+    /// the simulated device (never reused).
     pub base: u64,
     /// Offset of this span within the allocation.
     pub offset: u64,
@@ -134,23 +140,25 @@ pub trait Completion: Send {
     fn wait(self: Box<Self>) -> Result<(), GpuError>;
 }
 
-/// How a consumer process maps a region (the hand-off).
+/// How a consumer process maps a region (the hand-off). Each model has its own allocation,
+/// so a handle opens that model's region alone; `offset` is 0 for a span that starts the
+/// allocation (the whole region).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum IpcHandle {
-    /// A CUDA IPC memory handle of the arena (64 bytes, hex); the region starts `offset`
-    /// bytes into it (`cudaIpcOpenMemHandle`, then add the offset).
+    /// A CUDA IPC memory handle of the model's allocation (64 bytes, hex); the span starts
+    /// `offset` bytes into it (`cuIpcOpenMemHandle`, then add the offset).
     CudaIpc {
         /// `CUipcMemHandle` bytes, hex.
         handle: String,
-        /// Byte offset of the region within the opened allocation.
+        /// Byte offset of the span within the opened allocation.
         offset: u64,
     },
-    /// The simulated device's backing file; the region starts `offset` bytes into it.
+    /// The simulated region's backing file; the span starts `offset` bytes into it.
     SimulatedFile {
-        /// Path of the backing file.
+        /// Path of the region's backing file.
         path: String,
-        /// Byte offset of the region.
+        /// Byte offset of the span within the file.
         offset: u64,
     },
 }
@@ -163,8 +171,24 @@ pub trait Device: Send + Sync {
     /// For backends to recognise their own devices (peer copies).
     fn as_any(&self) -> &dyn std::any::Any;
 
-    /// Allocates the arena: one device allocation of `bytes`. Called once per device.
-    fn alloc_arena(&self, bytes: u64) -> Result<DevSpan, GpuError>;
+    /// Allocates a region: a device allocation of its own, `bytes` long (> 0), returned as
+    /// the span covering all of it. [`GpuError::OutOfMemory`] when the device refuses (its
+    /// memory is taken, by this process or by others). Prefer [`DeviceRegion::alloc`], which
+    /// frees it when dropped.
+    fn alloc_region(&self, bytes: u64) -> Result<DevSpan, GpuError>;
+
+    /// Frees the allocation `span` points into, for real (CUDA: `cuMemFree`). Copies
+    /// already issued into or out of it are waited for first; later uses of its spans are
+    /// refused. [`GpuError::Invalid`] when it is not a live allocation of this device.
+    fn free_region(&self, span: DevSpan) -> Result<(), GpuError>;
+
+    /// Bytes of device memory this process holds on the device through
+    /// [`Device::alloc_region`] (0 before the first load).
+    fn allocated_bytes(&self) -> u64;
+
+    /// Device memory free now for any process (CUDA: `cuMemGetInfo`), which other
+    /// processes on the GPU lower as they allocate.
+    fn free_memory(&self) -> Result<u64, GpuError>;
 
     /// A staging buffer of `bytes` for host-to-device copies to this device.
     fn alloc_staging(&self, bytes: usize) -> Result<Box<dyn Staging>, GpuError>;
@@ -185,6 +209,49 @@ pub trait Device: Send + Sync {
     /// Reads device memory back to the host (for verification; slow path).
     fn read(&self, src: DevSpan) -> Result<Vec<u8>, GpuError>;
 
-    /// The hand-off handle of the arena with `span`'s offset.
+    /// The hand-off handle of the allocation `span` points into, with `span`'s offset in it.
     fn ipc_handle(&self, span: DevSpan) -> Result<IpcHandle, GpuError>;
+}
+
+/// A region that frees its device memory when dropped: the safe way to hold one.
+pub struct DeviceRegion {
+    device: Arc<dyn Device>,
+    span: DevSpan,
+}
+
+impl fmt::Debug for DeviceRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceRegion")
+            .field("span", &self.span)
+            .finish()
+    }
+}
+
+impl DeviceRegion {
+    /// Allocates `bytes` on `device` (see [`Device::alloc_region`]).
+    pub fn alloc(device: &Arc<dyn Device>, bytes: u64) -> Result<Self, GpuError> {
+        let span = device.alloc_region(bytes)?;
+        Ok(Self {
+            device: Arc::clone(device),
+            span,
+        })
+    }
+
+    /// The span covering the whole region.
+    pub fn span(&self) -> DevSpan {
+        self.span
+    }
+
+    /// The device it is on.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+}
+
+impl Drop for DeviceRegion {
+    fn drop(&mut self) {
+        if let Err(e) = self.device.free_region(self.span) {
+            tracing::warn!(device = self.span.device, error = %e, "freeing a GPU region");
+        }
+    }
 }

@@ -1,9 +1,15 @@
 //! The hand-off to an inference process: everything it needs to use the weights without
-//! copying them. On a GPU host: one CUDA IPC memory handle per GPU (open it with
-//! `cudaIpcOpenMemHandle`, add the offset) plus the tensor index (name → offset in the
-//! region, dtype, shape). With simulated GPUs: the backing file and offset instead of the
-//! handle. On a host without GPUs: the memory-tier files themselves (`kind =
-//! "memory-file"`; map each shard file, subtract the shard's region offset).
+//! copying them. On a GPU host, per GPU holding the model, the region that holds it: the
+//! GPU (`gpu`), a CUDA IPC memory handle of the model's own device allocation (open it with
+//! `cuIpcOpenMemHandle` / `cudaIpcOpenMemHandle` and add `handle.offset`, 0 today), and the
+//! region's length (`size`); plus the tensor index (name → offset in the region, dtype,
+//! shape). Each model has its own allocation, so an engine opens (and closes) one model's
+//! handle without mapping any other. With simulated GPUs: the region's backing file and
+//! offset instead of the handle. On a host without GPUs: the memory-tier files themselves
+//! (`kind = "memory-file"`; map each shard file, subtract the shard's region offset).
+//!
+//! The JSON shape is unchanged from the per-GPU arena of earlier versions, where `offset`
+//! was the region's place in the arena: a consumer that adds `offset` works with both.
 //!
 //! `examples/python/handoff.py` opens a hand-off and builds tensors from it.
 
@@ -33,7 +39,7 @@ pub struct Handoff {
     pub partition: Option<String>,
 }
 
-/// One GPU's copy.
+/// One GPU's copy: the region holding the model on that GPU.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HandoffDevice {
     /// GPU index.
@@ -42,9 +48,10 @@ pub struct HandoffDevice {
     pub device_kind: DeviceKind,
     /// Device name.
     pub name: String,
-    /// How to map the region.
+    /// How to map the region: the handle of the model's own allocation and the region's
+    /// offset in it.
     pub handle: IpcHandle,
-    /// Region bytes.
+    /// Bytes of the region from that offset (tensor offsets are below this).
     pub size: u64,
 }
 

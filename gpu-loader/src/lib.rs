@@ -4,14 +4,15 @@
 //! are copied into GPU memory as the store verifies them, through a ring of pinned staging
 //! buffers, overlapped with the network transfer; sibling GPUs get peer copies over NVLink.
 //!
-//! * [`device`]: the device trait (arena, staging buffers, in-order copy stream, events, peer
-//!   copies, IPC handles) and its errors.
+//! * [`device`]: the device trait (one allocation per region, staging buffers, in-order copy
+//!   stream, events, peer copies, IPC handles) and its errors.
 //! * [`cuda`]: the CUDA backend (cudarc with dynamic loading; "no CUDA driver" is a normal
 //!   condition, detected before the first driver call).
-//! * [`sim`]: the simulated backend: host memory with copies paced to PCIe and NVLink rates,
-//!   labelled `simulated` everywhere.
-//! * [`pool`]: the per-GPU memory pool: one arena, one contiguous region per model, eviction
-//!   frees whole regions, locks against eviction during sibling copies.
+//! * [`sim`]: the simulated backend: a tmpfs file per region, copies paced to PCIe and NVLink
+//!   rates, labelled `simulated` everywhere.
+//! * [`pool`]: the per-GPU memory pool: one device allocation per model, made when it loads
+//!   and freed when it is evicted, within the host's budget (a cap: nothing is reserved
+//!   ahead); locks against eviction during sibling copies.
 //! * [`index`]: the model's layout in its region and the tensor index from the safetensors
 //!   headers (direct tensor addressing).
 //! * [`loader`]: the streaming pipeline (issuer, completer, peer waiter).

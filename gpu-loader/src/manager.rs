@@ -1,6 +1,10 @@
 //! A host's GPUs as transferd uses them: the backend (CUDA when a driver is present,
 //! simulated when asked for, none otherwise), one memory pool per GPU, the loads in flight
 //! and the models resident, and their hand-offs.
+//!
+//! No GPU memory is taken at start: a model's region is allocated on each chosen GPU when
+//! its load starts, within the host's [`GpuBudget`], and freed when the model is evicted or
+//! its load fails. An inference engine on the same GPU keeps the rest.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -14,7 +18,7 @@ use crate::device::{Device, DeviceInfo, DeviceKind, GpuError};
 use crate::handoff::{Handoff, HandoffDevice, HandoffShard};
 use crate::index::{Layout, LoadMap, ShardRange, TensorEntry, tensor_index};
 use crate::loader::{ChunkSource, LoadOptions, LoadProgress, LoadReport, Target, load_map};
-use crate::pool::{GpuPool, PoolError, Region};
+use crate::pool::{GpuPool, PoolError, REGION_ALIGN, Region};
 use crate::sim::{self, SimOptions};
 use shardcast_policies::evict::{self, ClusterCopies, GpuState, Heaviness};
 use shardcast_policies::gpu_choice::{self, GpuLoadState, GpuNode, Topology};
@@ -32,6 +36,97 @@ pub enum BackendChoice {
     None,
 }
 
+/// The most GPU memory this host may take on each GPU for model regions: an upper limit,
+/// not a reservation (regions are allocated as models load and freed as they are evicted).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GpuBudget {
+    /// A share of each GPU's memory, 0.01 to 1.
+    Fraction(f64),
+    /// Bytes on each GPU (at most its memory), at least one region ([`REGION_ALIGN`]).
+    Bytes(u64),
+}
+
+impl Default for GpuBudget {
+    /// 80% of each GPU: room for a few models while leaving a fifth of the GPU to the
+    /// inference engine even when the host's regions fill their budget.
+    fn default() -> Self {
+        Self::Fraction(0.8)
+    }
+}
+
+/// A budget that is not one (see [`GpuBudget`]'s `FromStr`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BudgetError(String);
+
+impl GpuBudget {
+    /// A share of the GPU, checked to lie in 0.01..=1.
+    pub fn fraction(f: f64) -> Result<Self, BudgetError> {
+        if (0.01..=1.0).contains(&f) {
+            Ok(Self::Fraction(f))
+        } else {
+            Err(BudgetError(format!(
+                "a GPU budget share must be between 0.01 and 1, got {f}"
+            )))
+        }
+    }
+
+    /// Bytes per GPU, checked to be at least one region.
+    pub fn bytes(n: u64) -> Result<Self, BudgetError> {
+        if n >= REGION_ALIGN {
+            Ok(Self::Bytes(n))
+        } else {
+            Err(BudgetError(format!(
+                "a GPU budget must be at least {REGION_ALIGN} bytes (one region), got {n}"
+            )))
+        }
+    }
+
+    /// The budget in bytes on a GPU of `memory_bytes`.
+    pub fn bytes_of(&self, memory_bytes: u64) -> u64 {
+        match *self {
+            Self::Fraction(f) => (memory_bytes as f64 * f.clamp(0.0, 1.0)) as u64,
+            Self::Bytes(n) => n.min(memory_bytes),
+        }
+    }
+}
+
+impl std::str::FromStr for GpuBudget {
+    type Err = BudgetError;
+
+    /// `0.8` or `80%` (a share of each GPU's memory), or a size per GPU such as `60GiB`.
+    fn from_str(s: &str) -> Result<Self, BudgetError> {
+        let t = s.trim();
+        if let Some(pct) = t.strip_suffix('%') {
+            let p: f64 = pct
+                .trim()
+                .parse()
+                .map_err(|_| BudgetError(format!("invalid GPU budget {s:?}: expected e.g. 80%")))?;
+            return Self::fraction(p / 100.0);
+        }
+        if let Ok(f) = t.parse::<f64>() {
+            if f > 1.0 {
+                return Err(BudgetError(format!(
+                    "invalid GPU budget {s:?}: a bare number is a share of the GPU (0.01 to 1); give a size with its unit, e.g. 60GiB"
+                )));
+            }
+            return Self::fraction(f);
+        }
+        let n = shardcast_protocol::units::parse_size(t)
+            .map_err(|e| BudgetError(format!("invalid GPU budget: {e}; or a share, e.g. 0.8")))?;
+        Self::bytes(n)
+    }
+}
+
+impl std::fmt::Display for GpuBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fraction(x) => write!(f, "{}% of each GPU", (x * 10_000.0).round() / 100.0),
+            Self::Bytes(n) => write!(f, "{n} bytes per GPU"),
+        }
+    }
+}
+
 /// Manager settings.
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
@@ -39,9 +134,10 @@ pub struct ManagerConfig {
     pub backend: BackendChoice,
     /// CUDA options.
     pub cuda: CudaOptions,
-    /// Fraction of each GPU's memory reserved for the pool (the rest stays for inference
-    /// processes' activations and workspaces).
-    pub budget_fraction: f64,
+    /// The most each GPU's regions may take together. Nothing is allocated at start: a
+    /// region is allocated when its model loads and freed when it is evicted, so the rest
+    /// of the GPU stays with inference processes.
+    pub budget: GpuBudget,
     /// Loader settings. `load.staging_size == 0` means "auto": calibrated at start-up on
     /// CUDA (the elbow of host → device throughput vs. transfer size, Torpor §4.3), 4 MiB on
     /// simulated devices.
@@ -57,7 +153,7 @@ impl Default for ManagerConfig {
         Self {
             backend: BackendChoice::Auto,
             cuda: CudaOptions::default(),
-            budget_fraction: 0.8,
+            budget: GpuBudget::default(),
             load: LoadOptions::default(),
             auto_evict: true,
         }
@@ -173,6 +269,22 @@ pub struct ModelGpuStatus {
     pub partition: Option<PartitionStatus>,
 }
 
+/// One GPU's pool, for status.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolStatus {
+    /// GPU.
+    pub gpu: u32,
+    /// The most this host may take on it, bytes (a cap, not a reservation).
+    pub budget: u64,
+    /// Bytes of the live regions (allocated on the device).
+    pub used: u64,
+    /// Bytes a new region could get now: the budget's room, lowered to the device's free
+    /// memory when other processes hold more of it.
+    pub free: u64,
+    /// The regions, one per model.
+    pub regions: Vec<Region>,
+}
+
 /// Why a manager operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ManagerError {
@@ -266,32 +378,32 @@ impl GpuManager {
                 Err(e) => (Vec::new(), e.to_string()),
             },
         };
-        let mut pools = Vec::new();
-        let mut kept = Vec::new();
-        for d in devices {
-            let budget =
-                (d.info().memory_bytes as f64 * cfg.budget_fraction.clamp(0.01, 1.0)) as u64;
-            match GpuPool::new(d.clone(), budget) {
-                Ok(p) => {
-                    pools.push(Mutex::new(p));
-                    kept.push(d);
+        // No memory is allocated here: only each pool's cap is set.
+        let pools: Vec<Mutex<GpuPool>> = devices
+            .iter()
+            .map(|d| {
+                let pool = GpuPool::new(d.clone(), cfg.budget.bytes_of(d.info().memory_bytes));
+                if pool.budget() == 0 {
+                    warn!(
+                        gpu = d.info().index,
+                        budget = %cfg.budget,
+                        "the GPU budget is smaller than one region: no model can load on this GPU"
+                    );
                 }
-                Err(e) => warn!(
-                    gpu = d.info().index,
-                    "GPU left out: reserving its pool failed: {e}"
-                ),
-            }
-        }
+                Mutex::new(pool)
+            })
+            .collect();
         if opts.staging_size == 0 {
             opts.staging_size = calibrated.unwrap_or(4 << 20);
         }
         info!(
-            gpus = kept.len(),
+            gpus = devices.len(),
             staging_size = opts.staging_size,
-            "{note}"
+            budget = %cfg.budget,
+            "{note}; no GPU memory reserved ahead"
         );
         Self {
-            devices: kept,
+            devices,
             pools,
             loads: Mutex::default(),
             opts,
@@ -312,13 +424,25 @@ impl GpuManager {
         self.devices.iter().map(|d| d.info().clone()).collect()
     }
 
-    /// Regions per GPU.
-    pub fn regions(&self) -> Vec<(u32, u64, u64, Vec<Region>)> {
+    /// One device, by GPU index (for its allocation counters; tests reach the simulated
+    /// device through it).
+    pub fn device(&self, gpu: u32) -> Option<Arc<dyn Device>> {
+        self.devices.iter().find(|d| d.info().index == gpu).cloned()
+    }
+
+    /// Each GPU's pool: budget, use and regions.
+    pub fn pools(&self) -> Vec<PoolStatus> {
         self.pools
             .iter()
             .map(|p| {
                 let p = lock(p);
-                (p.device().info().index, p.capacity(), p.free(), p.regions())
+                PoolStatus {
+                    gpu: p.device().info().index,
+                    budget: p.budget(),
+                    used: p.used(),
+                    free: p.free(),
+                    regions: p.regions(),
+                }
             })
             .collect()
     }
@@ -468,7 +592,10 @@ impl GpuManager {
                     let gpu = p.device().info().index;
                     GpuState {
                         gpu,
-                        capacity: p.capacity(),
+                        // What the regions may take now: the budget, or less when other
+                        // processes hold the device's memory (so eviction frees enough for
+                        // the device to accept the new region).
+                        capacity: p.used() + p.free(),
                         models: p
                             .regions()
                             .into_iter()
@@ -633,17 +760,19 @@ impl GpuManager {
             None => LoadMap::full(&layout),
         };
         let (chosen, why) = self.choose(count, &explicit, model, map.region, heaviness)?;
-        // Reserve every region first; on failure release what was reserved.
+        // Allocate every region first; on failure free what was allocated.
+        let charge = GpuPool::charge(map.region)
+            .ok_or_else(|| GpuError::Invalid(format!("a region of {} bytes", map.region)))?;
         let mut targets = Vec::new();
         for &i in &chosen {
             let mut r = lock(&self.pools[i]).reserve(model, map.region);
             if self.auto_evict
                 && matches!(
                     r,
-                    Err(PoolError::Fragmented { .. } | PoolError::Gpu(GpuError::OutOfMemory { .. }))
+                    Err(PoolError::OverBudget { .. } | PoolError::Gpu(GpuError::OutOfMemory { .. }))
                 )
             {
-                match self.make_room(i, map.region, model) {
+                match self.make_room(i, charge, model) {
                     Ok(ev) if !ev.is_empty() => r = lock(&self.pools[i]).reserve(model, map.region),
                     Ok(_) => {}
                     Err(e) => warn!(model, "nothing can be evicted to fit it: {e}"),
@@ -909,5 +1038,36 @@ impl ModelLoad {
         } else {
             self.state.clone()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_as_shares_or_sizes() {
+        let parse = |s: &str| s.parse::<GpuBudget>();
+        assert_eq!(parse("0.8"), Ok(GpuBudget::Fraction(0.8)));
+        assert_eq!(parse(" 50% "), Ok(GpuBudget::Fraction(0.5)));
+        assert_eq!(parse("1"), Ok(GpuBudget::Fraction(1.0)));
+        assert_eq!(parse("60GiB"), Ok(GpuBudget::Bytes(60 << 30)));
+        assert_eq!(parse("2MiB"), Ok(GpuBudget::Bytes(REGION_ALIGN)));
+        for bad in [
+            "0", "0.001", "80", "101%", "x%", "1MiB", "NaN", "inf", "lots", "",
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+        assert!(
+            parse("80")
+                .unwrap_err()
+                .to_string()
+                .contains("give a size with its unit")
+        );
+        assert_eq!(GpuBudget::default(), GpuBudget::Fraction(0.8));
+        assert_eq!(GpuBudget::Fraction(0.8).bytes_of(100 << 20), 80 << 20);
+        assert_eq!(GpuBudget::Bytes(60 << 30).bytes_of(80 << 30), 60 << 30);
+        assert_eq!(GpuBudget::Bytes(60 << 30).bytes_of(40 << 30), 40 << 30);
+        assert_eq!(GpuBudget::Fraction(0.7).to_string(), "70% of each GPU");
     }
 }

@@ -1,16 +1,22 @@
-//! The simulated device: a "GPU" whose memory is a file in a tmpfs directory, with copies that
-//! really move the bytes and are paced to a configured PCIe rate (host → device) and NVLink
-//! rate (device → device). Every path of the loader runs on it on machines without GPUs.
+//! The simulated device: a "GPU" whose memory is files in a tmpfs directory, one file per
+//! region (made by [`Device::alloc_region`], removed by [`Device::free_region`], so the
+//! host's memory is taken only while a model is loaded), with copies that really move the
+//! bytes and are paced to a configured PCIe rate (host → device) and NVLink rate (device →
+//! device). Every path of the loader runs on it on machines without GPUs.
 //!
 //! It cannot be mistaken for a GPU: its kind is [`DeviceKind::Simulated`], its name is
 //! `simulated GPU <n>`, and its hand-off is a file path, not a CUDA IPC handle.
 //!
 //! Each device has one copy worker thread (its "stream"): copies run in the order they were
-//! issued, each paced so the stream never goes faster than the configured rate.
+//! issued, each paced so the stream never goes faster than the configured rate. Memory held
+//! by other processes (an inference engine on the same GPU) can be simulated with
+//! [`SimDevice::set_external_use`]: allocations then fail as `cudaMalloc` would.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -32,7 +38,8 @@ pub struct SimOptions {
     pub nvlink_bps: u64,
     /// Devices per PCIe switch (pairs by default, like Torpor's testbed).
     pub per_switch: u32,
-    /// Directory for the backing files (tmpfs, e.g. `/dev/shm/...`).
+    /// Directory for the regions' backing files (tmpfs, e.g. `/dev/shm/...`). It belongs to
+    /// these devices: region files left in it (by a crash) are removed when they start.
     pub dir: PathBuf,
 }
 
@@ -82,8 +89,12 @@ impl Pacer {
     }
 }
 
+/// A copy for the stream worker. Each names its files by handle: a region freed while a
+/// copy is queued keeps its (unlinked) file until the copy is done, so the copy can never
+/// land in another region.
 enum Op {
     Htod {
+        dst: Arc<File>,
         offset: u64,
         /// The staging buffer itself, shared (no copy): the loader does not touch it
         /// until the completion says the copy is done.
@@ -92,6 +103,7 @@ enum Op {
         done: mpsc::SyncSender<Result<(), GpuError>>,
     },
     Peer {
+        dst: Arc<File>,
         offset: u64,
         src: Arc<File>,
         src_offset: u64,
@@ -100,12 +112,40 @@ enum Op {
     },
 }
 
+/// One live region: its backing file, removed when the region is freed.
+#[derive(Debug)]
+struct SimRegion {
+    file: Arc<File>,
+    path: PathBuf,
+    len: u64,
+}
+
+impl Drop for SimRegion {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            tracing::warn!(path = %self.path.display(), "removing a simulated GPU region: {e}");
+        }
+    }
+}
+
+/// The regions of one device.
+#[derive(Debug, Default)]
+struct Regions {
+    /// By region number (a span's `base`).
+    live: HashMap<u64, SimRegion>,
+    /// Bytes of the live regions plus those being created.
+    allocated: u64,
+    /// The next region number; numbers are never reused.
+    next: u64,
+}
+
 /// One simulated device.
 pub struct SimDevice {
     info: DeviceInfo,
-    path: PathBuf,
-    file: Arc<File>,
-    arena: Mutex<Option<DevSpan>>,
+    dir: PathBuf,
+    regions: Mutex<Regions>,
+    /// Bytes "held by other processes" (see [`SimDevice::set_external_use`]).
+    external: AtomicU64,
     stream: Mutex<mpsc::Sender<Op>>,
 }
 
@@ -117,7 +157,8 @@ impl std::fmt::Debug for SimDevice {
     }
 }
 
-/// Creates the simulated devices (backing files `sim-gpu-<n>.mem` in `opts.dir`).
+/// Creates the simulated devices. Nothing is allocated: a region's backing file
+/// (`sim-gpu-<n>-region-<k>.mem` in `opts.dir`) exists only while the region does.
 pub fn devices(opts: &SimOptions) -> Result<Vec<Arc<SimDevice>>, GpuError> {
     std::fs::create_dir_all(&opts.dir).map_err(|e| GpuError::Device {
         device: 0,
@@ -142,40 +183,46 @@ pub fn devices(opts: &SimOptions) -> Result<Vec<Arc<SimDevice>>, GpuError> {
             pcie_switch: format!("sim-switch-{}", i / per_switch),
             peers,
         };
-        let path = opts.dir.join(format!("sim-gpu-{i}.mem"));
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(|e| GpuError::Device {
-                device: i,
-                message: format!("creating {}: {e}", path.display()),
-            })?;
-        let file = Arc::new(file);
+        // Region files a previous run left behind (a crash) hold memory nobody uses.
+        remove_stale_regions(&opts.dir, i);
         let (tx, rx) = mpsc::channel::<Op>();
-        let worker_file = file.clone();
         let (pcie, nvlink) = (opts.pcie_bps, opts.nvlink_bps);
         std::thread::Builder::new()
             .name(format!("sim-gpu-{i}-stream"))
-            .spawn(move || stream_worker(i, worker_file, rx, pcie, nvlink))
+            .spawn(move || stream_worker(i, rx, pcie, nvlink))
             .map_err(|e| GpuError::Device {
                 device: i,
                 message: format!("starting the copy stream: {e}"),
             })?;
         out.push(Arc::new(SimDevice {
             info,
-            path,
-            file,
-            arena: Mutex::new(None),
+            dir: opts.dir.clone(),
+            regions: Mutex::default(),
+            external: AtomicU64::new(0),
             stream: Mutex::new(tx),
         }));
     }
     Ok(out)
 }
 
-fn stream_worker(device: u32, file: Arc<File>, rx: mpsc::Receiver<Op>, pcie: u64, nvlink: u64) {
+/// Removes `sim-gpu-<device>-region-*.mem` files in `dir`, and the whole-device backing
+/// file `sim-gpu-<device>.mem` of earlier versions.
+fn remove_stale_regions(dir: &Path, device: u32) {
+    let _ = std::fs::remove_file(dir.join(format!("sim-gpu-{device}.mem")));
+    let prefix = format!("sim-gpu-{device}-region-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(&prefix) && name.ends_with(".mem") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+fn stream_worker(device: u32, rx: mpsc::Receiver<Op>, pcie: u64, nvlink: u64) {
     let mut pcie = Pacer::new(pcie);
     let mut nvlink = Pacer::new(nvlink);
     let io = |what: &str, e: std::io::Error| GpuError::Device {
@@ -185,6 +232,7 @@ fn stream_worker(device: u32, file: Arc<File>, rx: mpsc::Receiver<Op>, pcie: u64
     while let Ok(op) = rx.recv() {
         match op {
             Op::Htod {
+                dst,
                 offset,
                 data,
                 len,
@@ -192,7 +240,7 @@ fn stream_worker(device: u32, file: Arc<File>, rx: mpsc::Receiver<Op>, pcie: u64
             } => {
                 pcie.pace(len as u64);
                 let r = match data.get(..len) {
-                    Some(bytes) => file.write_all_at(bytes, offset).map_err(|e| io("write", e)),
+                    Some(bytes) => dst.write_all_at(bytes, offset).map_err(|e| io("write", e)),
                     None => Err(GpuError::Invalid("copy longer than its buffer".into())),
                 };
                 // Release the buffer before signalling, so the loader can refill it in
@@ -201,6 +249,7 @@ fn stream_worker(device: u32, file: Arc<File>, rx: mpsc::Receiver<Op>, pcie: u64
                 let _ = done.send(r);
             }
             Op::Peer {
+                dst,
                 offset,
                 src,
                 src_offset,
@@ -213,7 +262,7 @@ fn stream_worker(device: u32, file: Arc<File>, rx: mpsc::Receiver<Op>, pcie: u64
                     let mut buf = vec![0u8; n];
                     src.read_exact_at(&mut buf, src_offset)
                         .map_err(|e| io("peer read", e))?;
-                    file.write_all_at(&buf, offset)
+                    dst.write_all_at(&buf, offset)
                         .map_err(|e| io("peer write", e))
                 })();
                 let _ = done.send(r);
@@ -257,34 +306,87 @@ impl Completion for SimCompletion {
 }
 
 impl SimDevice {
-    /// The backing file.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The directory holding the regions' backing files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
-    fn check(&self, span: DevSpan) -> Result<u64, GpuError> {
+    /// Simulates `bytes` of this GPU's memory held by other processes (an inference engine):
+    /// allocations see that much less free memory and fail with
+    /// [`GpuError::OutOfMemory`] when it is gone. For tests.
+    pub fn set_external_use(&self, bytes: u64) {
+        self.external.store(bytes, Ordering::Relaxed);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Regions> {
+        self.regions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The backing file and file offset of `span`, after checking that it lies on this
+    /// device inside a live region.
+    fn check(&self, span: DevSpan) -> Result<(Arc<File>, u64), GpuError> {
         if span.device != self.info.index {
             return Err(GpuError::Invalid(format!(
                 "span of device {} used on device {}",
                 span.device, self.info.index
             )));
         }
-        let arena = self
-            .arena
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .ok_or_else(|| GpuError::Invalid("no arena allocated".into()))?;
+        let regions = self.lock();
+        let region = regions.live.get(&span.base).ok_or_else(|| {
+            GpuError::Invalid(format!(
+                "span of region {} which is not live on device {}",
+                span.base, self.info.index
+            ))
+        })?;
         let end = span
             .offset
             .checked_add(span.len)
             .ok_or_else(|| GpuError::Invalid("span overflow".into()))?;
-        if end > arena.len {
+        if end > region.len {
             return Err(GpuError::Invalid(format!(
-                "span end {end} is past the arena ({} bytes)",
-                arena.len
+                "span end {end} is past its region ({} bytes)",
+                region.len
             )));
         }
-        Ok(span.base + span.offset)
+        Ok((region.file.clone(), span.offset))
+    }
+
+    /// Creates, sizes and allocates a region's backing file.
+    fn create_region(&self, path: &Path, bytes: u64) -> Result<File, GpuError> {
+        let device = self.info.index;
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|e| GpuError::Device {
+                device,
+                message: format!("creating {}: {e}", path.display()),
+            })?;
+        // Allocate every page now, as cudaMalloc does: first-touch page faults on the copy
+        // path would make the simulated PCIe rate depend on the host's page allocator.
+        let sized =
+            file.set_len(bytes)
+                .map_err(|e| GpuError::Device {
+                    device,
+                    message: format!("sizing {}: {e}", path.display()),
+                })
+                .and_then(|()| {
+                    rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, bytes)
+                        .map_err(|e| {
+                            tracing::warn!(device, "allocating simulated GPU memory: {e}");
+                            GpuError::OutOfMemory {
+                                device,
+                                requested: bytes,
+                                available: 0,
+                            }
+                        })
+                });
+        if let Err(e) = sized {
+            let _ = std::fs::remove_file(path);
+            return Err(e);
+        }
+        Ok(file)
     }
 
     fn submit(&self, op: Op) -> Result<(), GpuError> {
@@ -308,45 +410,89 @@ impl Device for SimDevice {
         self
     }
 
-    fn alloc_arena(&self, bytes: u64) -> Result<DevSpan, GpuError> {
-        let mut arena = self.arena.lock().unwrap_or_else(PoisonError::into_inner);
-        if arena.is_some() {
-            return Err(GpuError::Invalid("the arena is already allocated".into()));
+    fn alloc_region(&self, bytes: u64) -> Result<DevSpan, GpuError> {
+        let device = self.info.index;
+        if bytes == 0 {
+            return Err(GpuError::Invalid("a region of 0 bytes".into()));
         }
-        if bytes > self.info.memory_bytes {
-            return Err(GpuError::OutOfMemory {
-                device: self.info.index,
-                requested: bytes,
-                available: self.info.memory_bytes,
-            });
-        }
-        // Allocate every page now, as cudaMalloc does: first-touch page faults on the copy
-        // path would make the simulated PCIe rate depend on the host's page allocator.
-        self.file.set_len(bytes).map_err(|e| GpuError::Device {
-            device: self.info.index,
-            message: format!("sizing {}: {e}", self.path.display()),
-        })?;
-        if let Err(e) =
-            rustix::fs::fallocate(&*self.file, rustix::fs::FallocateFlags::empty(), 0, bytes)
-        {
-            tracing::warn!(
-                device = self.info.index,
-                "allocating simulated GPU memory: {e}"
-            );
-            return Err(GpuError::OutOfMemory {
-                device: self.info.index,
-                requested: bytes,
-                available: 0,
-            });
-        }
-        let span = DevSpan {
-            device: self.info.index,
-            base: 0,
+        // Account first (so concurrent allocations cannot both take the last bytes), create
+        // the file outside the lock.
+        let id = {
+            let mut r = self.lock();
+            let taken = r
+                .allocated
+                .saturating_add(self.external.load(Ordering::Relaxed));
+            let available = self.info.memory_bytes.saturating_sub(taken);
+            if bytes > available {
+                return Err(GpuError::OutOfMemory {
+                    device,
+                    requested: bytes,
+                    available,
+                });
+            }
+            r.allocated += bytes;
+            r.next += 1;
+            r.next
+        };
+        let path = self.dir.join(format!("sim-gpu-{device}-region-{id}.mem"));
+        let file = match self.create_region(&path, bytes) {
+            Ok(f) => f,
+            Err(e) => {
+                self.lock().allocated -= bytes;
+                return Err(e);
+            }
+        };
+        self.lock().live.insert(
+            id,
+            SimRegion {
+                file: Arc::new(file),
+                path,
+                len: bytes,
+            },
+        );
+        tracing::debug!(device, bytes, region = id, "simulated region allocated");
+        Ok(DevSpan {
+            device,
+            base: id,
             offset: 0,
             len: bytes,
+        })
+    }
+
+    fn free_region(&self, span: DevSpan) -> Result<(), GpuError> {
+        if span.device != self.info.index {
+            return Err(GpuError::Invalid(format!(
+                "span of device {} freed on device {}",
+                span.device, self.info.index
+            )));
+        }
+        let region = {
+            let mut r = self.lock();
+            let region = r.live.remove(&span.base).ok_or_else(|| {
+                GpuError::Invalid(format!(
+                    "region {} is not live on device {}",
+                    span.base, self.info.index
+                ))
+            })?;
+            r.allocated -= region.len;
+            region
         };
-        *arena = Some(span);
-        Ok(span)
+        // Dropping it unlinks the file; copies still queued hold the handle, and the pages
+        // go back to the host when the last of them is done.
+        drop(region);
+        Ok(())
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.lock().allocated
+    }
+
+    fn free_memory(&self) -> Result<u64, GpuError> {
+        let taken = self
+            .lock()
+            .allocated
+            .saturating_add(self.external.load(Ordering::Relaxed));
+        Ok(self.info.memory_bytes.saturating_sub(taken))
     }
 
     fn alloc_staging(&self, bytes: usize) -> Result<Box<dyn Staging>, GpuError> {
@@ -354,7 +500,7 @@ impl Device for SimDevice {
     }
 
     fn copy_htod(&self, dst: DevSpan, src: &dyn Staging) -> Result<Box<dyn Completion>, GpuError> {
-        let at = self.check(dst)?;
+        let (file, at) = self.check(dst)?;
         let n = usize::try_from(dst.len).map_err(|_| GpuError::Invalid("len".into()))?;
         if n > src.capacity() {
             return Err(GpuError::Invalid(format!(
@@ -369,6 +515,7 @@ impl Device for SimDevice {
         };
         let (tx, rx) = mpsc::sync_channel(1);
         self.submit(Op::Htod {
+            dst: file,
             offset: at,
             data,
             len: n,
@@ -396,12 +543,13 @@ impl Device for SimDevice {
         if dst.len != src.len {
             return Err(GpuError::Invalid("peer copy spans differ in length".into()));
         }
-        let at = self.check(dst)?;
-        let from = other.check(src)?;
+        let (dst_file, at) = self.check(dst)?;
+        let (src_file, from) = other.check(src)?;
         let (tx, rx) = mpsc::sync_channel(1);
         self.submit(Op::Peer {
+            dst: dst_file,
             offset: at,
-            src: other.file.clone(),
+            src: src_file,
             src_offset: from,
             len: dst.len,
             done: tx,
@@ -410,11 +558,10 @@ impl Device for SimDevice {
     }
 
     fn read(&self, src: DevSpan) -> Result<Vec<u8>, GpuError> {
-        let at = self.check(src)?;
+        let (file, at) = self.check(src)?;
         let n = usize::try_from(src.len).map_err(|_| GpuError::Invalid("len".into()))?;
         let mut buf = vec![0u8; n];
-        self.file
-            .read_exact_at(&mut buf, at)
+        file.read_exact_at(&mut buf, at)
             .map_err(|e| GpuError::Device {
                 device: self.info.index,
                 message: format!("read: {e}"),
@@ -424,9 +571,15 @@ impl Device for SimDevice {
 
     fn ipc_handle(&self, span: DevSpan) -> Result<IpcHandle, GpuError> {
         self.check(span)?;
+        let path = self
+            .lock()
+            .live
+            .get(&span.base)
+            .map(|r| r.path.display().to_string())
+            .ok_or_else(|| GpuError::Invalid("the region was freed".into()))?;
         Ok(IpcHandle::SimulatedFile {
-            path: self.path.display().to_string(),
-            offset: span.base + span.offset,
+            path,
+            offset: span.offset,
         })
     }
 }
@@ -434,6 +587,15 @@ impl Device for SimDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// Bytes of host memory the files in `dir` really hold (allocated blocks).
+    fn held(dir: &Path) -> u64 {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().blocks() * 512)
+            .sum()
+    }
 
     #[test]
     fn copies_land_and_are_paced() {
@@ -444,8 +606,8 @@ mod tests {
         let devs = devices(&o).unwrap();
         assert_eq!(devs[0].info().kind, DeviceKind::Simulated);
         assert!(devs[0].info().name.starts_with("simulated"));
-        let a0 = devs[0].alloc_arena(32 << 20).unwrap();
-        let a1 = devs[1].alloc_arena(32 << 20).unwrap();
+        let a0 = devs[0].alloc_region(32 << 20).unwrap();
+        let a1 = devs[1].alloc_region(32 << 20).unwrap();
         let mut st = devs[0].alloc_staging(4 << 20).unwrap();
         for (i, b) in st.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 251) as u8;
@@ -480,22 +642,122 @@ mod tests {
             st.as_slice()
         );
         // Out of range, wrong device, too much memory: errors, not panics.
-        assert!(
-            devs[0]
-                .read(a0.sub(0, 1).unwrap().sub(0, 2).unwrap_or(a0))
-                .is_ok()
-        );
+        let past_end = DevSpan {
+            offset: 31 << 20,
+            len: 2 << 20,
+            ..a0
+        };
+        assert!(matches!(devs[0].read(past_end), Err(GpuError::Invalid(_))));
         assert!(devs[0].copy_htod(a1.sub(0, 16).unwrap(), &*st).is_err());
-        assert!(matches!(devs[1].alloc_arena(1), Err(GpuError::Invalid(_))));
+        assert!(matches!(devs[1].alloc_region(0), Err(GpuError::Invalid(_))));
         let other = tempfile::tempdir().unwrap();
         let big = devices(&SimOptions::new(other.path(), 1, 1 << 20)).unwrap();
         assert!(matches!(
-            big[0].alloc_arena(2 << 20),
+            big[0].alloc_region(2 << 20),
             Err(GpuError::OutOfMemory { .. })
         ));
+        match devs[0].ipc_handle(a0.sub(8, 8).unwrap()).unwrap() {
+            IpcHandle::SimulatedFile { path, offset } => {
+                assert_eq!(offset, 8);
+                assert_eq!(
+                    std::fs::metadata(&path).unwrap().len(),
+                    32 << 20,
+                    "{path} is the region's own file"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn regions_take_memory_only_while_they_live() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = SimOptions::new(dir.path(), 1, 64 << 20);
+        o.pcie_bps = 0;
+        let dev = devices(&o).unwrap().remove(0);
+        // Nothing taken at start.
+        assert_eq!(dev.allocated_bytes(), 0);
+        assert_eq!(dev.free_memory().unwrap(), 64 << 20);
+        assert_eq!(held(dir.path()), 0);
+
+        let a = dev.alloc_region(8 << 20).unwrap();
+        let b = dev.alloc_region(16 << 20).unwrap();
+        assert_ne!(a.base, b.base);
+        assert_eq!(dev.allocated_bytes(), 24 << 20);
+        assert_eq!(dev.free_memory().unwrap(), 40 << 20);
+        assert!(held(dir.path()) >= 24 << 20, "pages allocated up front");
+
+        // A span of one region is checked against that region, not the other.
+        let mut st = dev.alloc_staging(1 << 20).unwrap();
+        st.as_mut_slice().fill(7);
+        let past_a = DevSpan {
+            offset: (8 << 20) - 4,
+            len: 8,
+            ..a
+        };
+        assert!(matches!(dev.read(past_a), Err(GpuError::Invalid(_))));
+        dev.copy_htod(b.sub(15 << 20, 1 << 20).unwrap(), &*st)
+            .unwrap()
+            .wait()
+            .unwrap();
+
+        // Freeing gives the memory back for real and retires the region's spans.
+        dev.free_region(a).unwrap();
+        assert_eq!(dev.allocated_bytes(), 16 << 20);
+        assert!(held(dir.path()) < 20 << 20);
+        assert!(matches!(dev.read(a), Err(GpuError::Invalid(_))));
         assert!(matches!(
-            devs[0].ipc_handle(a0.sub(8, 8).unwrap()).unwrap(),
-            IpcHandle::SimulatedFile { offset: 8, .. }
+            dev.copy_htod(a.sub(0, 16).unwrap(), &*st),
+            Err(GpuError::Invalid(_))
         ));
+        assert!(matches!(dev.ipc_handle(a), Err(GpuError::Invalid(_))));
+        assert!(matches!(dev.free_region(a), Err(GpuError::Invalid(_))));
+
+        // A copy still queued when its region is freed lands in the freed region's file,
+        // never in a region allocated after it.
+        let slow_dir = tempfile::tempdir().unwrap();
+        let mut slow = SimOptions::new(slow_dir.path(), 1, 64 << 20);
+        slow.pcie_bps = 20 << 20;
+        let sd = devices(&slow).unwrap().remove(0);
+        let r = sd.alloc_region(2 << 20).unwrap();
+        let queued = sd.copy_htod(r.sub(0, 1 << 20).unwrap(), &*st).unwrap();
+        sd.free_region(r).unwrap();
+        let fresh = sd.alloc_region(2 << 20).unwrap();
+        queued.wait().unwrap();
+        assert!(sd.read(fresh).unwrap().iter().all(|&x| x == 0));
+        sd.free_region(fresh).unwrap();
+
+        // Memory held by another process (an inference engine) is not ours to take.
+        dev.set_external_use(44 << 20);
+        assert_eq!(dev.free_memory().unwrap(), 4 << 20);
+        match dev.alloc_region(8 << 20) {
+            Err(GpuError::OutOfMemory {
+                requested,
+                available,
+                ..
+            }) => assert_eq!((requested, available), (8 << 20, 4 << 20)),
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+        assert_eq!(dev.allocated_bytes(), 16 << 20, "a refusal takes nothing");
+        dev.set_external_use(0);
+        let c = dev.alloc_region(8 << 20).unwrap();
+        dev.free_region(c).unwrap();
+        dev.free_region(b).unwrap();
+        assert_eq!(dev.allocated_bytes(), 0);
+        assert_eq!(held(dir.path()), 0);
+    }
+
+    #[test]
+    fn region_files_left_by_a_crash_are_removed_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("sim-gpu-0-region-7.mem"), [1u8; 4096]).unwrap();
+        std::fs::write(dir.path().join("sim-gpu-1.mem"), [1u8; 4096]).unwrap();
+        std::fs::write(dir.path().join("unrelated"), [1u8; 10]).unwrap();
+        let _devs = devices(&SimOptions::new(dir.path(), 2, 8 << 20)).unwrap();
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, ["unrelated"]);
     }
 }

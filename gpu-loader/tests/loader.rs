@@ -46,8 +46,10 @@ fn model(sizes: &[usize]) -> Vec<(String, Vec<u8>)> {
 }
 
 struct Rig {
-    _dir: tempfile::TempDir,
     targets: Vec<Target>,
+    /// Own the regions the targets point into (dropping a pool frees them).
+    _pools: Vec<GpuPool>,
+    _dir: tempfile::TempDir,
     layout: Layout,
 }
 
@@ -63,19 +65,19 @@ fn rig(data: &[(String, Vec<u8>)], gpus: u32, pcie: u64, nvlink: u64) -> Rig {
             .map(|(p, d)| (p.clone(), d.len() as u64))
             .collect::<Vec<_>>(),
     );
-    let targets = devs
+    let (targets, pools) = devs
         .into_iter()
         .map(|d| {
             let d: Arc<dyn Device> = d;
-            let mut pool = GpuPool::new(d.clone(), 256 << 20).unwrap();
+            let mut pool = GpuPool::new(d.clone(), 256 << 20);
             let span = pool.reserve("m", layout.total).unwrap();
-            std::mem::forget(pool); // the arena lives as long as the device in this test
-            Target { device: d, span }
+            (Target { device: d, span }, pool)
         })
-        .collect();
+        .unzip();
     Rig {
-        _dir: dir,
         targets,
+        _pools: pools,
+        _dir: dir,
         layout,
     }
 }
@@ -222,14 +224,21 @@ fn device_out_of_memory_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let devs = devices(&SimOptions::new(dir.path(), 1, 64 << 20)).unwrap();
     let d: Arc<dyn Device> = devs[0].clone();
-    let mut pool = GpuPool::new(d, 32 << 20).unwrap();
+    let mut pool = GpuPool::new(d.clone(), 32 << 20);
     pool.reserve("small", 20 << 20).unwrap();
+    // Past the host's budget.
     let e = pool.reserve("big", 20 << 20).unwrap_err();
+    assert!(matches!(e, PoolError::OverBudget { .. }), "{e}");
+    assert!(e.to_string().contains("budget"), "{e}");
+    // Within it, but another process holds the device's memory.
+    devs[0].set_external_use(40 << 20);
+    let e = pool.reserve("big", 8 << 20).unwrap_err();
     assert!(
         matches!(e, PoolError::Gpu(GpuError::OutOfMemory { .. })),
         "{e}"
     );
     assert!(e.to_string().contains("out of GPU memory"), "{e}");
+    assert_eq!(d.allocated_bytes(), 20 << 20);
 }
 
 /// The bytes of tensor `name` as the source files hold them.

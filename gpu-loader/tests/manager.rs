@@ -1,28 +1,42 @@
-//! The GPU manager's policies on simulated devices: eviction to make room (light models
-//! before heavy ones, loading models never) and interference-aware GPU choice over a
-//! topology of PCIe-switch pairs.
+//! The GPU manager on simulated devices: memory taken per model on demand within the budget
+//! (nothing at start, freed on eviction, refusals leave nothing behind), eviction to make
+//! room (light models before heavy ones, loading models never) and interference-aware GPU
+//! choice over a topology of PCIe-switch pairs.
 
+use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpu_loader::device::{GpuError, IpcHandle};
 use gpu_loader::loader::LoadOptions;
 use gpu_loader::manager::{
-    BackendChoice, GpuManager, LoadRequest, LoadState, ManagerConfig, ManagerError,
+    BackendChoice, GpuBudget, GpuManager, LoadRequest, LoadState, ManagerConfig, ManagerError,
 };
-use gpu_loader::pool::PoolError;
-use gpu_loader::sim::SimOptions;
+use gpu_loader::pool::{GpuPool, PoolError};
+use gpu_loader::sim::{SimDevice, SimOptions};
 use gpu_loader::source::PacedSource;
 use shardcast_policies::evict::Heaviness;
 
 const MIB: usize = 1 << 20;
 
 fn manager(dir: &std::path::Path, gpus: u32, memory: u64) -> Arc<GpuManager> {
+    manager_with(dir, gpus, memory, GpuBudget::Fraction(1.0), true)
+}
+
+fn manager_with(
+    dir: &std::path::Path,
+    gpus: u32,
+    memory: u64,
+    budget: GpuBudget,
+    auto_evict: bool,
+) -> Arc<GpuManager> {
     let mut sim = SimOptions::new(dir, gpus, memory);
     sim.pcie_bps = 0; // unpaced: these tests are about decisions, not rates
     sim.nvlink_bps = 0;
     Arc::new(GpuManager::open(&ManagerConfig {
         backend: BackendChoice::Simulated(sim),
-        budget_fraction: 1.0,
+        budget,
+        auto_evict,
         load: LoadOptions {
             staging_buffers: 2,
             staging_size: MIB,
@@ -31,6 +45,50 @@ fn manager(dir: &std::path::Path, gpus: u32, memory: u64) -> Arc<GpuManager> {
         },
         ..Default::default()
     }))
+}
+
+/// Bytes of device memory the manager's GPU `gpu` has allocated.
+fn allocated(m: &GpuManager, gpu: u32) -> u64 {
+    m.device(gpu).unwrap().allocated_bytes()
+}
+
+/// Bytes of host memory the simulated GPUs' files in `dir` really hold.
+fn held(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().blocks() * 512)
+        .sum()
+}
+
+/// The simulated device behind GPU `gpu`.
+fn sim(m: &GpuManager, gpu: u32) -> Arc<dyn gpu_loader::device::Device> {
+    let d = m.device(gpu).unwrap();
+    assert!(d.as_any().downcast_ref::<SimDevice>().is_some());
+    d
+}
+
+fn set_external_use(m: &GpuManager, gpu: u32, bytes: u64) {
+    sim(m, gpu)
+        .as_any()
+        .downcast_ref::<SimDevice>()
+        .unwrap()
+        .set_external_use(bytes);
+}
+
+fn charge(bytes: usize) -> u64 {
+    GpuPool::charge(bytes as u64).unwrap()
+}
+
+/// The device bytes a model of these shards takes: its layout's size, charged.
+fn region_of(shards: &[Vec<u8>]) -> u64 {
+    let layout = gpu_loader::index::Layout::new(
+        &shards
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (i.to_string(), d.len() as u64))
+            .collect::<Vec<_>>(),
+    );
+    GpuPool::charge(layout.total).unwrap()
 }
 
 fn source(bytes: usize, seed: u8) -> Arc<PacedSource> {
@@ -108,7 +166,10 @@ fn a_loading_model_is_never_evicted_and_the_error_says_why() {
     let e = m
         .start(request("other", Heaviness::Heavy, &[0]), src)
         .unwrap_err();
-    assert!(matches!(e, ManagerError::Pool(PoolError::Gpu(_))), "{e:?}");
+    assert!(
+        matches!(e, ManagerError::Pool(PoolError::OverBudget { .. })),
+        "{e:?}"
+    );
     assert!(m.evictions().is_empty());
     assert_eq!(m.model_status("stuck").unwrap().state, LoadState::Loading);
     assert!(
@@ -143,4 +204,214 @@ fn gpu_choice_avoids_the_pcie_neighbour_of_a_heavy_load() {
         chosen[0]
     );
     m.abort("heavy", "test over");
+}
+
+/// Two shards of distinct bytes (so offsets in the region matter).
+fn two_shard_source(a: usize, b: usize, seed: u8) -> (Arc<PacedSource>, Vec<Vec<u8>>) {
+    let shards: Vec<Vec<u8>> = [(a, 0u8), (b, 1u8)]
+        .iter()
+        .map(|&(n, k)| {
+            (0..n)
+                .map(|i| ((i * 7 + usize::from(seed) * 31 + usize::from(k) * 13) % 251) as u8)
+                .collect()
+        })
+        .collect();
+    let src = PacedSource::new(
+        shards
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (format!("s{seed}-{i}.bin"), d.clone()))
+            .collect(),
+        MIB as u32,
+    );
+    src.deliver(0, None);
+    (src, shards)
+}
+
+/// Every GPU of `model`'s hand-off holds the shards byte for byte where the hand-off says:
+/// in the region's own file, at the handle's offset plus the shard's offset, within `size`.
+fn assert_handoff_holds(m: &GpuManager, model: &str, shards: &[Vec<u8>], gpus: &[u32]) {
+    let h = m.handoff(model).unwrap();
+    assert_eq!(h.kind, "simulated");
+    let on: Vec<u32> = h.devices.iter().map(|d| d.gpu).collect();
+    assert_eq!(on, gpus);
+    assert_eq!(h.shards.len(), shards.len());
+    for d in &h.devices {
+        let IpcHandle::SimulatedFile { path, offset } = &d.handle else {
+            panic!("{:?}", d.handle);
+        };
+        let mem = std::fs::read(path).unwrap();
+        assert_eq!(*offset, 0, "the handle opens the model's own region");
+        assert!(d.size <= mem.len() as u64 - offset);
+        for (s, want) in h.shards.iter().zip(shards) {
+            let at = (offset + s.offset) as usize;
+            assert!(s.offset + s.size <= d.size);
+            assert!(
+                mem[at..at + want.len()] == want[..],
+                "{model}: {} on GPU {}",
+                s.path,
+                d.gpu
+            );
+        }
+    }
+}
+
+#[test]
+fn no_memory_is_taken_at_start_and_each_model_gets_its_own_region() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager_with(dir.path(), 2, 256 * MIB as u64, GpuBudget::default(), true);
+    // Started: the budget is a cap, nothing is allocated.
+    assert_eq!((allocated(&m, 0), allocated(&m, 1)), (0, 0));
+    assert_eq!(held(dir.path()), 0, "no simulated GPU memory at start");
+    for p in m.pools() {
+        // 80% of 256 MiB, rounded down to whole 2 MiB regions.
+        assert_eq!(p.budget, 204 * MIB as u64);
+        assert_eq!((p.used, p.free), (0, p.budget));
+        assert!(p.regions.is_empty());
+    }
+
+    // Loading a model allocates its region, on its GPUs only.
+    let (a, a_shards) = two_shard_source(5 * MIB + 123, 3 * MIB, 1);
+    m.start(request("a", Heaviness::Medium, &[0]), a).unwrap();
+    until_resident(&m, "a");
+    let ca = region_of(&a_shards);
+    assert_eq!((allocated(&m, 0), allocated(&m, 1)), (ca, 0));
+    assert!(held(dir.path()) >= ca);
+    assert_handoff_holds(&m, "a", &a_shards, &[0]);
+
+    // A second model on both GPUs: a region of its own on each.
+    let (b, b_shards) = two_shard_source(7 * MIB, 2 * MIB + 1, 2);
+    m.start(request("b", Heaviness::Medium, &[0, 1]), b)
+        .unwrap();
+    until_resident(&m, "b");
+    let cb = region_of(&b_shards);
+    assert_eq!((allocated(&m, 0), allocated(&m, 1)), (ca + cb, cb));
+    assert_handoff_holds(&m, "b", &b_shards, &[0, 1]);
+    let (ha, hb) = (m.handoff("a").unwrap(), m.handoff("b").unwrap());
+    assert_ne!(ha.devices[0].handle, hb.devices[0].handle);
+    let p0 = &m.pools()[0];
+    assert_eq!(p0.used, ca + cb);
+    assert_eq!(p0.regions.len(), 2);
+
+    // Evicting frees the device memory for real; the other model is untouched.
+    m.evict("a").unwrap();
+    assert_eq!((allocated(&m, 0), allocated(&m, 1)), (cb, cb));
+    assert_handoff_holds(&m, "b", &b_shards, &[0, 1]);
+    m.evict("b").unwrap();
+    assert_eq!((allocated(&m, 0), allocated(&m, 1)), (0, 0));
+    assert_eq!(
+        held(dir.path()),
+        0,
+        "evicted regions give their memory back"
+    );
+}
+
+#[test]
+fn a_load_past_the_budget_evicts_or_fails_clearly() {
+    let budget = GpuBudget::Bytes(64 * MIB as u64);
+    // With eviction: the light model makes room.
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager_with(dir.path(), 1, 1 << 30, budget, true);
+    load_now(&m, "light", Heaviness::Light, 40 * MIB, 1);
+    load_now(&m, "new", Heaviness::Medium, 40 * MIB, 2);
+    let ev = m.evictions();
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].model, "light");
+    assert_eq!(allocated(&m, 0), charge(40 * MIB));
+    assert!(m.model_status("light").is_none());
+
+    // Without: a clear error, and nothing taken for the refused model.
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager_with(dir.path(), 1, 1 << 30, budget, false);
+    load_now(&m, "first", Heaviness::Light, 40 * MIB, 1);
+    let src = source(40 * MIB, 2);
+    src.deliver(0, None);
+    let e = m
+        .start(request("second", Heaviness::Medium, &[0]), src)
+        .unwrap_err();
+    match &e {
+        ManagerError::Pool(PoolError::OverBudget {
+            requested,
+            used,
+            budget,
+            ..
+        }) => assert_eq!(
+            (*requested, *used, *budget),
+            (40 * MIB as u64, charge(40 * MIB), 64 * MIB as u64)
+        ),
+        other => panic!("expected OverBudget, got {other:?}"),
+    }
+    assert!(e.to_string().contains("budget"), "{e}");
+    assert!(m.model_status("second").is_none());
+    assert!(m.evictions().is_empty());
+    assert_eq!(allocated(&m, 0), charge(40 * MIB));
+    assert_eq!(m.model_status("first").unwrap().state, LoadState::Resident);
+}
+
+#[test]
+fn memory_held_by_another_process_is_out_of_memory_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(dir.path(), 2, 100 * MIB as u64);
+    // An inference engine holds most of GPU 1; GPU 0 is free.
+    set_external_use(&m, 1, 90 * MIB as u64);
+    assert_eq!(m.pools()[1].free, 10 * MIB as u64);
+    let (src, _) = two_shard_source(20 * MIB, MIB, 3);
+    let e = m
+        .start(request("both", Heaviness::Medium, &[0, 1]), src)
+        .unwrap_err();
+    match &e {
+        ManagerError::Pool(PoolError::Gpu(GpuError::OutOfMemory {
+            device, available, ..
+        })) => assert_eq!((*device, *available), (1, 10 * MIB as u64)),
+        other => panic!("expected OutOfMemory on GPU 1, got {other:?}"),
+    }
+    assert!(
+        e.to_string().contains("out of GPU memory on device 1"),
+        "{e}"
+    );
+    // No partial state: GPU 0's region was freed again, nothing is recorded.
+    assert!(m.model_status("both").is_none());
+    assert_eq!((allocated(&m, 0), allocated(&m, 1)), (0, 0));
+    assert!(m.pools().iter().all(|p| p.regions.is_empty()));
+    assert_eq!(held(dir.path()), 0);
+    assert!(m.handoff("both").is_err());
+    // Once the engine lets go, the same load succeeds.
+    set_external_use(&m, 1, 0);
+    let (src, shards) = two_shard_source(20 * MIB, MIB, 3);
+    m.start(request("both", Heaviness::Medium, &[0, 1]), src)
+        .unwrap();
+    until_resident(&m, "both");
+    assert_handoff_holds(&m, "both", &shards, &[0, 1]);
+}
+
+#[test]
+fn eviction_makes_room_when_an_engine_holds_the_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(dir.path(), 1, 100 * MIB as u64);
+    load_now(&m, "old", Heaviness::Light, 8 * MIB, 1);
+    // The engine takes 60 MiB: 32 MiB left on the device although the budget has 92.
+    set_external_use(&m, 0, 60 * MIB as u64);
+    assert_eq!(m.pools()[0].free, 32 * MIB as u64);
+    load_now(&m, "new", Heaviness::Medium, 40 * MIB, 2);
+    let ev = m.evictions();
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].model, "old");
+    assert_eq!(allocated(&m, 0), charge(40 * MIB));
+    // When evicting everything could not make room, the device's refusal is the error and
+    // nothing is evicted for it.
+    let src = source(50 * MIB, 3);
+    src.deliver(0, None);
+    let e = m
+        .start(request("third", Heaviness::Medium, &[0]), src)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ManagerError::Pool(PoolError::Gpu(GpuError::OutOfMemory { .. }))
+        ),
+        "{e:?}"
+    );
+    assert_eq!(m.model_status("new").unwrap().state, LoadState::Resident);
+    assert_eq!(m.evictions().len(), 1);
+    assert!(m.model_status("third").is_none());
 }

@@ -557,16 +557,18 @@ impl Agent for AgentService {
         &self,
         _request: Request<pb::GpuStatusRequest>,
     ) -> Result<Response<pb::GpuStatusResponse>, Status> {
-        let regions = self.gpus.regions();
+        let pools = self.gpus.pools();
         let devices = self
             .gpus
             .devices()
             .into_iter()
             .map(|d| {
-                let (cap, free) = regions
+                // The pool is the host's budget on the GPU (a cap: regions are allocated as
+                // models load) and the room a new region could get now.
+                let (cap, free) = pools
                     .iter()
-                    .find(|r| r.0 == d.index)
-                    .map(|r| (r.1, r.2))
+                    .find(|p| p.gpu == d.index)
+                    .map(|p| (p.budget, p.free))
                     .unwrap_or((0, 0));
                 pb::GpuDevice {
                     index: d.index,

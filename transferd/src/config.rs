@@ -13,7 +13,7 @@ use serde::Deserialize;
 use shardcast_protocol::HostId;
 use shardcast_protocol::units::{parse_rate, parse_size};
 
-use gpu_loader::manager::{BackendChoice, ManagerConfig};
+use gpu_loader::manager::{BackendChoice, GpuBudget, ManagerConfig};
 use gpu_loader::sim::SimOptions;
 
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
@@ -146,8 +146,13 @@ pub struct Args {
     /// Peer rate between simulated GPUs, 0 for none [default: 8GB/s].
     #[arg(long, env = "SHARDCAST_SIM_NVLINK_RATE")]
     pub sim_nvlink_rate: Option<String>,
-    /// Share of each GPU's memory reserved for models (0.01–1) [default: 0.8].
-    #[arg(long, env = "SHARDCAST_GPU_BUDGET_FRACTION")]
+    /// The most memory this host takes on each GPU for models: a share (0.8, 80%) or a size
+    /// per GPU (60GiB). A cap, not a reservation: nothing is allocated at start, a model's
+    /// region is allocated when it loads and freed when it is evicted [default: 0.8].
+    #[arg(long, env = "SHARDCAST_GPU_BUDGET")]
+    pub gpu_budget: Option<String>,
+    /// Old name of gpu_budget given as a share (0.01–1); like gpu_budget, now a cap.
+    #[arg(long, env = "SHARDCAST_GPU_BUDGET_FRACTION", hide = true)]
     pub gpu_budget_fraction: Option<f64>,
     /// Evict resident models (light ones and extra replicas first, LRU) when a new load
     /// does not fit a GPU, instead of refusing it [default: true].
@@ -211,6 +216,37 @@ pub struct Args {
     pub frame_memory: Option<String>,
 }
 
+/// `gpu_budget` in the TOML file: a share as a number (`0.8`) or a string (`"80%"`,
+/// `"60GiB"`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum BudgetValue {
+    Number(f64),
+    Text(String),
+}
+
+/// The GPU budget of one layer (flags and environment, or the file), from `gpu_budget` or
+/// its old name `gpu_budget_fraction`.
+fn gpu_budget(
+    layer: &str,
+    budget: Option<String>,
+    fraction: Option<f64>,
+) -> anyhow::Result<Option<GpuBudget>> {
+    match (budget, fraction) {
+        (Some(_), Some(_)) => {
+            bail!("{layer}: set gpu_budget or its old name gpu_budget_fraction, not both")
+        }
+        (Some(b), None) => b
+            .parse()
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("gpu_budget: {e}")),
+        (None, Some(f)) => GpuBudget::fraction(f)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("gpu_budget_fraction: {e}")),
+        (None, None) => Ok(None),
+    }
+}
+
 /// The TOML file's fields (all optional; unknown fields are an error).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -250,6 +286,7 @@ struct FileConfig {
     sim_gpu_memory: Option<String>,
     sim_pcie_rate: Option<String>,
     sim_nvlink_rate: Option<String>,
+    gpu_budget: Option<BudgetValue>,
     gpu_budget_fraction: Option<f64>,
     gpu_auto_evict: Option<bool>,
     staging_buffers: Option<usize>,
@@ -656,14 +693,22 @@ impl Config {
                 }
                 other => bail!("gpu_backend must be auto, cuda, simulated or none, got {other:?}"),
             };
-            let fraction = args
-                .gpu_budget_fraction
-                .or(file.gpu_budget_fraction)
-                .unwrap_or(0.8);
-            if !(0.01..=1.0).contains(&fraction) {
-                bail!("gpu_budget_fraction must be between 0.01 and 1, got {fraction}");
-            }
-            m.budget_fraction = fraction;
+            // A cap on each GPU, not a reservation (see `GpuBudget`).
+            let file_budget = file.gpu_budget.map(|v| match v {
+                BudgetValue::Number(f) => f.to_string(),
+                BudgetValue::Text(s) => s,
+            });
+            m.budget = gpu_budget(
+                "flags and environment",
+                args.gpu_budget,
+                args.gpu_budget_fraction,
+            )?
+            .or(gpu_budget(
+                "the config file",
+                file_budget,
+                file.gpu_budget_fraction,
+            )?)
+            .unwrap_or_default();
             m.auto_evict = args.gpu_auto_evict.or(file.gpu_auto_evict).unwrap_or(true);
             m.load.staging_buffers = bounded(
                 "staging_buffers",
@@ -970,6 +1015,83 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("peer_idle_timeout_s"), "{err}");
+    }
+
+    #[test]
+    fn gpu_budget_is_a_share_or_a_size_and_a_cap() {
+        let budget = |args: Args| Config::load(args).map(|c| c.gpu.budget);
+        assert_eq!(budget(tls_args()).unwrap(), GpuBudget::Fraction(0.8));
+        for (v, want) in [
+            ("0.5", GpuBudget::Fraction(0.5)),
+            ("75%", GpuBudget::Fraction(0.75)),
+            ("60GiB", GpuBudget::Bytes(60 << 30)),
+        ] {
+            let got = budget(Args {
+                gpu_budget: Some(v.into()),
+                ..tls_args()
+            })
+            .unwrap();
+            assert_eq!(got, want, "{v}");
+        }
+        for bad in ["2", "0", "150%", "1MiB", "lots"] {
+            let err = budget(Args {
+                gpu_budget: Some(bad.into()),
+                ..tls_args()
+            })
+            .unwrap_err();
+            assert!(err.to_string().contains("gpu_budget"), "{bad}: {err}");
+        }
+        // The old name still works, as a share, and is a cap like the new one.
+        assert_eq!(
+            budget(Args {
+                gpu_budget_fraction: Some(0.6),
+                ..tls_args()
+            })
+            .unwrap(),
+            GpuBudget::Fraction(0.6)
+        );
+        let err = budget(Args {
+            gpu_budget: Some("0.5".into()),
+            gpu_budget_fraction: Some(0.6),
+            ..tls_args()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("not both"), "{err}");
+
+        // In the file: a number or a string; flags override it.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        for (text, want) in [
+            ("gpu_budget = 0.7\n", GpuBudget::Fraction(0.7)),
+            ("gpu_budget = 1\n", GpuBudget::Fraction(1.0)),
+            ("gpu_budget = \"40GiB\"\n", GpuBudget::Bytes(40 << 30)),
+            ("gpu_budget_fraction = 0.9\n", GpuBudget::Fraction(0.9)),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let got = budget(Args {
+                config: Some(path.clone()),
+                ..tls_args()
+            })
+            .unwrap();
+            assert_eq!(got, want, "{text}");
+        }
+        let got = budget(Args {
+            config: Some(path.clone()),
+            gpu_budget: Some("10GiB".into()),
+            ..tls_args()
+        })
+        .unwrap();
+        assert_eq!(got, GpuBudget::Bytes(10 << 30));
+        std::fs::write(&path, "gpu_budget = 80\n").unwrap();
+        let err = budget(Args {
+            config: Some(path),
+            ..tls_args()
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("give a size with its unit"),
+            "{err}"
+        );
     }
 
     #[test]
