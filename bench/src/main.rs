@@ -411,6 +411,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let opts = ChainBenchOpts {
                 plaintext: false,
+                source_args: Vec::new(),
                 mode,
                 receivers,
                 size,

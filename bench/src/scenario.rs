@@ -90,6 +90,8 @@ pub struct ChainBenchOpts {
     /// Run the daemons without TLS (`insecure_plaintext`; loopback only), as the baseline
     /// the TLS hop is compared with.
     pub plaintext: bool,
+    /// Extra transferd arguments for the source only (e.g. `--reverify-after-ms 0`).
+    pub source_args: Vec<String>,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -107,6 +109,12 @@ pub struct MethodResult {
     pub verified: bool,
     /// Average CPU utilisation of the whole machine during the transfer (0..1).
     pub cpu_util: f64,
+    /// CPU seconds (user + system) the source's transferd spent during the transfer.
+    pub source_cpu_s: f64,
+    /// CPU seconds each receiver's transferd spent during the transfer, in chain order.
+    pub receiver_cpu_s: Vec<f64>,
+    /// Bytes the source re-hashed on the serve path during the transfer.
+    pub source_bytes_reverified: u64,
 }
 
 /// The `chain` benchmark's JSON report.
@@ -147,6 +155,25 @@ fn cpu_sample() -> Option<(u64, u64)> {
     let idle = v.get(3)? + v.get(4).unwrap_or(&0);
     let total: u64 = v.iter().sum();
     Some((total - idle, total))
+}
+
+/// CPU seconds (user + system) process `pid` has used, from /proc/<pid>/stat (fields 14
+/// and 15, in USER_HZ ticks, which Linux fixes at 100 for every /proc interface).
+pub fn process_cpu_s(pid: u32) -> Option<f64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces: count fields after its ')'.
+    let rest = &text[text.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// CPU seconds of each daemon so far (0 for one without a process).
+fn daemons_cpu_s(daemons: &[Daemon]) -> Vec<f64> {
+    daemons
+        .iter()
+        .map(|d| d.pid().and_then(process_cpu_s).unwrap_or(0.0))
+        .collect()
 }
 
 fn cpu_util(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> f64 {
@@ -330,6 +357,9 @@ async fn run_method(
             o.extra_args
                 .extend(["--window".into(), opts.window.to_string()]);
         }
+        if i == 0 {
+            o.extra_args.extend(opts.source_args.iter().cloned());
+        }
         if let Some(net) = &net {
             o.data_ip = IpAddr::V4(net.host_ip(i));
             o.netns = Some(net.ns_name(i).to_string());
@@ -343,7 +373,9 @@ async fn run_method(
         Method::Star => receivers.iter().map(|d| vec![*d]).collect(),
     };
     let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
+    let reverified0 = daemons[0].stats().await?.bytes_reverified;
     let cpu0 = cpu_sample();
+    let proc0 = daemons_cpu_s(&daemons);
     let t0 = Instant::now();
     start_chain(&daemons[0], &digest, None, origin_uri, chains).await?;
     let done = wait_complete(&receivers, &digest, t0, opts.timeout, |b| {
@@ -351,6 +383,12 @@ async fn run_method(
     })
     .await?;
     let cpu = cpu_util(cpu0, cpu_sample());
+    let procs: Vec<f64> = daemons_cpu_s(&daemons)
+        .iter()
+        .zip(&proc0)
+        .map(|(b, a)| b - a)
+        .collect();
+    let reverified = daemons[0].stats().await?.bytes_reverified - reverified0;
     pb.finish_and_clear();
     let mut per = Vec::new();
     for (d, t) in receivers.iter().zip(&done) {
@@ -378,6 +416,9 @@ async fn run_method(
         per_receiver_s: per,
         verified,
         cpu_util: cpu,
+        source_cpu_s: procs[0],
+        receiver_cpu_s: procs[1..].to_vec(),
+        source_bytes_reverified: reverified,
     })
 }
 
@@ -578,6 +619,37 @@ pub fn write_json<T: Serialize>(path: &PathBuf, value: &T) -> anyhow::Result<()>
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
 }
 
+/// One configuration of the hop in the `hop` benchmark.
+#[derive(Debug, Clone, Serialize)]
+pub struct HopRun {
+    /// What ran: `tls` (the production configuration), `tls-no-reverify` (the source
+    /// trusts its chunks for a day, so nothing is re-hashed on the serve path) or
+    /// `plaintext` (`insecure_plaintext`).
+    pub config: String,
+    /// Bytes/s through the hop.
+    pub bytes_per_s: f64,
+    /// Machine CPU utilisation during the transfer (0..1).
+    pub cpu_util: f64,
+    /// CPU seconds the source's transferd spent per GB (10^9 bytes) moved.
+    pub source_cpu_s_per_gb: f64,
+    /// CPU seconds the receiver's transferd spent per GB moved.
+    pub receiver_cpu_s_per_gb: f64,
+    /// Bytes the source re-hashed before serving them.
+    pub source_bytes_reverified: u64,
+}
+
+/// The background scrub measured alone: one daemon holding the model, every chunk idle
+/// (`reverify_after_ms` 0) and the scrub unthrottled.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScrubReport {
+    /// Seconds sampled.
+    pub seconds: f64,
+    /// Bytes/s the scrub re-hashed.
+    pub bytes_per_s: f64,
+    /// CPU seconds the daemon spent per GB scrubbed.
+    pub cpu_s_per_gb: f64,
+}
+
 /// The `hop` benchmark's report: one hop on loopback next to raw TCP.
 #[derive(Debug, Clone, Serialize)]
 pub struct HopReport {
@@ -588,6 +660,10 @@ pub struct HopReport {
     /// Raw TCP over loopback measured by iperf3 in the same run, bytes/s (None if iperf3
     /// is not installed).
     pub raw_tcp_bytes_per_s: Option<f64>,
+    /// iperf3's sender CPU seconds per GB (its own `cpu_utilization_percent`).
+    pub raw_tcp_sender_cpu_s_per_gb: Option<f64>,
+    /// iperf3's receiver CPU seconds per GB.
+    pub raw_tcp_receiver_cpu_s_per_gb: Option<f64>,
     /// One chain hop with mutual TLS, BLAKE3 verification and store writes, bytes/s.
     pub hop_bytes_per_s: f64,
     /// hop / raw TCP.
@@ -600,11 +676,26 @@ pub struct HopReport {
     pub plaintext_cpu_util: f64,
     /// TLS hop / plaintext hop.
     pub tls_vs_plaintext: f64,
+    /// TLS hop / the TLS hop without serve-path re-verification: what re-hashing chunks
+    /// older than `reverify_after_ms` costs in throughput.
+    pub reverify_throughput_ratio: f64,
+    /// Every configuration, in the order run.
+    pub runs: Vec<HopRun>,
+    /// The scrub alone.
+    pub scrub: ScrubReport,
+}
+
+/// Raw loopback TCP from iperf3: bytes/s, and the sender's and receiver's CPU seconds per
+/// GB.
+struct Iperf {
+    bytes_per_s: f64,
+    sender_cpu_s_per_gb: f64,
+    receiver_cpu_s_per_gb: f64,
 }
 
 /// Measures raw loopback TCP with iperf3 (server and client are separate processes, killed
 /// by PID when done).
-fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<f64>> {
+fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<Iperf>> {
     use std::process::{Command, Stdio};
     if Command::new("iperf3")
         .arg("--version")
@@ -647,11 +738,62 @@ fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<f64>> {
     let bps = json["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .context("iperf3 output lacks end.sum_received.bits_per_second")?;
-    Ok(Some(bps / 8.0))
+    // iperf3's CPU figures are percent of one core over the test (user + system).
+    let cpu = &json["end"]["cpu_utilization_percent"];
+    let gb = bps / 8.0 * f64::from(seconds) / 1e9;
+    let per_gb = |pct: Option<f64>| pct.map_or(0.0, |p| p / 100.0 * f64::from(seconds) / gb);
+    Ok(Some(Iperf {
+        bytes_per_s: bps / 8.0,
+        sender_cpu_s_per_gb: per_gb(cpu["host_total"].as_f64()),
+        receiver_cpu_s_per_gb: per_gb(cpu["remote_total"].as_f64()),
+    }))
+}
+
+/// Runs the scrub alone on one daemon holding a model of `size` bytes for `seconds`.
+async fn measure_scrub(size: u64, shards: usize, seconds: u64) -> anyhow::Result<ScrubReport> {
+    let scratch = scratch_dir("scrub")?;
+    let origin = scratch.path().join("origin");
+    synth::generate(
+        &origin,
+        &SynthSpec {
+            total_bytes: size,
+            shards,
+            seed: 7,
+        },
+    )?;
+    let origin_uri = format!("file://{}", origin.display());
+    let mut o = DaemonOpts::local("scrubber");
+    o.extra_args.extend([
+        "--origin-allow".into(),
+        origin_uri.clone(),
+        "--scrub-rate".into(),
+        "unlimited".into(),
+        "--reverify-after-ms".into(),
+        "0".into(),
+    ]);
+    let d = Daemon::start(&scratch.path().join("scrubber"), o).await?;
+    import_on(&d, &origin_uri, true, 0).await?;
+    let before = d.stats().await?.bytes_scrubbed;
+    let cpu0 = d.pid().and_then(process_cpu_s).unwrap_or(0.0);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    let scrubbed = d.stats().await?.bytes_scrubbed - before;
+    let cpu = d.pid().and_then(process_cpu_s).unwrap_or(0.0) - cpu0;
+    let elapsed = t0.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        scrubbed > 0,
+        "the scrub re-hashed nothing in {elapsed:.1} s"
+    );
+    Ok(ScrubReport {
+        seconds: elapsed,
+        bytes_per_s: scrubbed as f64 / elapsed,
+        cpu_s_per_gb: cpu / (scrubbed as f64 / 1e9),
+    })
 }
 
 /// Runs the `hop` benchmark: iperf3 on loopback, then a model of `size` bytes through one
-/// chain hop (source → receiver, both real daemons, no caps).
+/// chain hop (source → receiver, both real daemons, no caps) with mutual TLS, with TLS but
+/// no serve-path re-verification, and in plaintext; then the scrub alone.
 pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
     let mut opts = ChainBenchOpts {
@@ -666,33 +808,52 @@ pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::
         chunk_size: 0,
         window: 0,
         plaintext: false,
+        source_args: Vec::new(),
     };
-    // The production configuration (mutual TLS), then the plaintext baseline.
+    let configs: [(&str, bool, &[&str]); 3] = [
+        ("tls", false, &[]),
+        (
+            "tls-no-reverify",
+            false,
+            &["--reverify-after-ms", "86400000"],
+        ),
+        ("plaintext", true, &[]),
+    ];
     let mut runs = Vec::new();
-    for plaintext in [false, true] {
+    for (config, plaintext, args) in configs {
         opts.plaintext = plaintext;
+        opts.source_args = args.iter().map(|a| a.to_string()).collect();
         let report = run_chain_bench(&opts).await?;
         let r = report.results.first().context("no result")?;
         if !r.verified {
-            bail!("the receiver's copy did not verify");
+            bail!("the receiver's copy did not verify ({config})");
         }
-        runs.push((
-            report.bytes,
-            report.bytes as f64 / r.completion_s,
-            r.cpu_util,
-        ));
+        let gb = report.bytes as f64 / 1e9;
+        runs.push(HopRun {
+            config: config.into(),
+            bytes_per_s: report.bytes as f64 / r.completion_s,
+            cpu_util: r.cpu_util,
+            source_cpu_s_per_gb: r.source_cpu_s / gb,
+            receiver_cpu_s_per_gb: r.receiver_cpu_s.first().copied().unwrap_or(0.0) / gb,
+            source_bytes_reverified: r.source_bytes_reverified,
+        });
     }
-    let (bytes, hop, cpu_util) = runs[0];
-    let (_, plain, plain_cpu) = runs[1];
+    let scrub = measure_scrub(size.min(1 << 30), shards, 5).await?;
+    let (tls, no_reverify, plain) = (&runs[0], &runs[1], &runs[2]);
     Ok(HopReport {
-        bytes,
+        bytes: size,
         shards,
-        raw_tcp_bytes_per_s: raw,
-        hop_bytes_per_s: hop,
-        ratio: raw.map(|raw| hop / raw),
-        cpu_util,
-        plaintext_hop_bytes_per_s: plain,
-        plaintext_cpu_util: plain_cpu,
-        tls_vs_plaintext: hop / plain,
+        raw_tcp_bytes_per_s: raw.as_ref().map(|r| r.bytes_per_s),
+        raw_tcp_sender_cpu_s_per_gb: raw.as_ref().map(|r| r.sender_cpu_s_per_gb),
+        raw_tcp_receiver_cpu_s_per_gb: raw.as_ref().map(|r| r.receiver_cpu_s_per_gb),
+        hop_bytes_per_s: tls.bytes_per_s,
+        ratio: raw.as_ref().map(|r| tls.bytes_per_s / r.bytes_per_s),
+        cpu_util: tls.cpu_util,
+        plaintext_hop_bytes_per_s: plain.bytes_per_s,
+        plaintext_cpu_util: plain.cpu_util,
+        tls_vs_plaintext: tls.bytes_per_s / plain.bytes_per_s,
+        reverify_throughput_ratio: tls.bytes_per_s / no_reverify.bytes_per_s,
+        runs,
+        scrub,
     })
 }

@@ -449,6 +449,7 @@ impl Agent for AgentService {
     ) -> Result<Response<Stats>, Status> {
         let n = &self.node;
         let s = &n.stats;
+        let st = n.store.stats();
         Ok(Response::new(Stats {
             host_id: n.host.to_string(),
             bytes_received: n.counters.received.load(Ordering::Relaxed),
@@ -459,6 +460,10 @@ impl Agent for AgentService {
             sessions_total: s.sessions_total.load(Ordering::Relaxed),
             origin_bytes: s.origin_bytes.load(Ordering::Relaxed),
             downstream_failovers: s.downstream_failovers.load(Ordering::Relaxed),
+            bytes_reverified: st.bytes_reverified.load(Ordering::Relaxed),
+            bytes_scrubbed: st.bytes_scrubbed.load(Ordering::Relaxed),
+            chunks_rotted: st.chunks_rotted.load(Ordering::Relaxed),
+            chunks_repaired: st.chunks_repaired.load(Ordering::Relaxed),
         }))
     }
 
