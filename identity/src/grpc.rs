@@ -24,7 +24,7 @@ use tonic::transport::server::Connected;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tracing::{debug, warn};
 
-use crate::role::{Peer, Permission};
+use crate::role::{Peer, Permission, Role};
 use crate::tls::{Alpn, Expect, TlsContext};
 
 /// Time allowed to establish an outgoing connection.
@@ -201,10 +201,35 @@ pub fn incoming_tcp(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Accepts on a Unix socket: a peer of this process's user (or root) is
-/// [`Peer::Local`], any other [`Peer::Anonymous`] (the socket should be 0600 anyway).
+/// Who may connect to a Unix socket, as its file mode says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketAccess {
+    /// Mode 0600: this user (and root) only. Such peers are [`Peer::Local`] operators and
+    /// hold every permission.
+    Owner,
+    /// Mode 0660 with this group (gid): its members may connect too, as
+    /// [`Peer::LocalGroup`] readers (transferd's admin socket with `store_group`, so
+    /// inference processes in the group can get hand-offs).
+    Group(u32),
+}
+
+impl SocketAccess {
+    /// Who a peer with `uid` is on a socket of this kind, in a process running as `me`.
+    pub fn peer(self, uid: u32, me: u32) -> Peer {
+        match self {
+            _ if uid == me || uid == 0 => Peer::Local { uid },
+            // The file mode let it connect: a member of the socket's group.
+            Self::Group(_) => Peer::LocalGroup { uid },
+            Self::Owner => Peer::Anonymous,
+        }
+    }
+}
+
+/// Accepts on a Unix socket: a peer of this process's user (or root) is [`Peer::Local`];
+/// any other is what `access` says ([`SocketAccess::peer`]).
 pub fn incoming_unix(
     listener: UnixListener,
+    access: SocketAccess,
     cancel: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Incoming {
     let (tx, rx) = mpsc::channel(64);
@@ -225,8 +250,8 @@ pub fn incoming_unix(
                 },
             };
             let peer = match stream.peer_cred() {
-                Ok(c) if c.uid() == me || c.uid() == 0 => Peer::Local { uid: c.uid() },
-                _ => Peer::Anonymous,
+                Ok(c) => access.peer(c.uid(), me),
+                Err(_) => Peer::Anonymous,
             };
             let conn = AuthedIo::new(
                 Box::new(stream),
@@ -243,9 +268,9 @@ pub fn incoming_unix(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Binds a Unix socket readable and writable by this user only (0600), replacing a stale
-/// socket (never another kind of file).
-pub fn bind_unix_private(path: &std::path::Path) -> std::io::Result<UnixListener> {
+/// Binds a Unix socket with the mode `access` names (0600, or 0660 and the group),
+/// replacing a stale socket (never another kind of file).
+pub fn bind_unix(path: &std::path::Path, access: SocketAccess) -> std::io::Result<UnixListener> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if meta.file_type().is_socket() {
@@ -253,7 +278,14 @@ pub fn bind_unix_private(path: &std::path::Path) -> std::io::Result<UnixListener
         }
     }
     let l = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let mode = match access {
+        SocketAccess::Owner => 0o600,
+        SocketAccess::Group(gid) => {
+            std::os::unix::fs::chown(path, None, Some(gid))?;
+            0o660
+        }
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     Ok(l)
 }
 
@@ -262,20 +294,84 @@ pub fn peer_of<T>(req: &tonic::Request<T>) -> Peer {
     peer_in(req.extensions())
 }
 
-fn peer_in(extensions: &http::Extensions) -> Peer {
+pub(crate) fn peer_in(extensions: &http::Extensions) -> Peer {
     extensions
         .get::<PeerInfo>()
         .map(|p| p.peer.clone())
         .unwrap_or(Peer::Anonymous)
 }
 
-/// Refusals counted by [`AuthzLayer`].
+/// Refusals counted by [`AuthzLayer`] and the HTTP layer
+/// ([`crate::http::HttpAuthLayer`]).
 #[derive(Debug, Default)]
 pub struct AuthzStats {
     /// Calls refused because the peer had no identity.
     pub unauthenticated: AtomicU64,
     /// Calls refused because the peer's role lacks the permission.
     pub denied: AtomicU64,
+    /// `denied`, by the refused peer's kind: the roles in [`Role::ALL`] order, then
+    /// local socket-group users.
+    denied_by: [AtomicU64; Role::ALL.len() + 1],
+}
+
+impl AuthzStats {
+    /// Counts a refusal of `peer`.
+    fn count(&self, peer: &Peer) {
+        if matches!(peer, Peer::Anonymous) {
+            self.unauthenticated.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.denied.fetch_add(1, Ordering::Relaxed);
+        let slot = match peer.identity() {
+            Some(id) => Role::ALL.iter().position(|r| *r == id.role),
+            None => None,
+        };
+        self.denied_by[slot.unwrap_or(Role::ALL.len())].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Denials by the refused peer's kind (`host`, …, `read`, `local`), for metrics.
+    pub fn denied_by(&self) -> Vec<(&'static str, u64)> {
+        Role::ALL
+            .iter()
+            .map(|r| r.as_str())
+            .chain(["local"])
+            .zip(&self.denied_by)
+            .map(|(kind, n)| (kind, n.load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+/// Why [`authorize`] refused a call; the message names the caller, what it lacked and
+/// how to get it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// No identity was presented.
+    Unauthenticated(String),
+    /// The identity's role lacks the permission.
+    Denied(String),
+}
+
+/// Checks `peer` for `needed` on `what` (a method or route): a refusal is counted in
+/// `stats` and logged with the peer's identity. `hint` tells an anonymous caller how to
+/// authenticate.
+pub fn authorize(
+    stats: &AuthzStats,
+    peer: &Peer,
+    needed: Permission,
+    what: &str,
+    hint: &str,
+) -> Result<(), Refused> {
+    let Err(denied) = peer.authorize(needed) else {
+        return Ok(());
+    };
+    stats.count(peer);
+    if matches!(peer, Peer::Anonymous) {
+        warn!(%peer, method = what, "refused unauthenticated call");
+        Err(Refused::Unauthenticated(format!("{what}: {denied}; {hint}")))
+    } else {
+        warn!(%peer, method = what, needs = %needed, "refused call");
+        Err(Refused::Denied(format!("{what}: {denied}")))
+    }
 }
 
 /// Maps a gRPC path (`/package.Service/Method`) to what it needs; `None` for paths the
@@ -321,24 +417,17 @@ pub fn check_call(
     path: &str,
 ) -> Result<(), tonic::Status> {
     let needed = (table)(path).unwrap_or(Permission::Admin);
-    match peer.authorize(needed) {
-        Ok(()) => Ok(()),
-        Err(denied) => {
-            if matches!(peer, Peer::Anonymous) {
-                stats.unauthenticated.fetch_add(1, Ordering::Relaxed);
-                warn!(%peer, method = path, "refused unauthenticated call");
-                Err(tonic::Status::unauthenticated(format!(
-                    "{path}: {denied}; present a certificate of the cluster CA"
-                )))
-            } else {
-                stats.denied.fetch_add(1, Ordering::Relaxed);
-                warn!(%peer, method = path, needs = %needed, "refused call");
-                Err(tonic::Status::permission_denied(format!(
-                    "{path}: {denied}"
-                )))
-            }
-        }
-    }
+    authorize(
+        stats,
+        peer,
+        needed,
+        path,
+        "present a certificate of the cluster CA",
+    )
+    .map_err(|r| match r {
+        Refused::Unauthenticated(m) => tonic::Status::unauthenticated(m),
+        Refused::Denied(m) => tonic::Status::permission_denied(m),
+    })
 }
 
 impl<S, B> tower::Service<http::Request<B>> for Authz<S>
