@@ -422,26 +422,20 @@ impl Daemon {
         Ok(body)
     }
 
-    /// `--admin --ca --cert --key` flags for `examples/python/handoff.py` with a `read`
-    /// certificate (or `--unix` for a socket).
+    /// `--admin` and `--tls-ca/--tls-cert/--tls-key` flags for `examples/python/handoff.py`
+    /// with a `read` certificate (or `--unix` for a socket).
     pub fn handoff_py_args(&self) -> anyhow::Result<Vec<String>> {
         if let Some(p) = &self.opts.admin_socket {
             return Ok(vec!["--unix".into(), p.display().to_string()]);
         }
-        let Some(pki) = &self.opts.pki else {
-            return Ok(vec!["--admin".into(), format!("http://{}", self.admin_addr)]);
-        };
-        let f = pki.files(Role::Read, "test-read")?;
-        Ok(vec![
-            "--admin".into(),
-            format!("https://{}", self.admin_addr),
-            "--ca".into(),
-            f.ca.display().to_string(),
-            "--cert".into(),
-            f.cert.display().to_string(),
-            "--key".into(),
-            f.key.display().to_string(),
-        ])
+        Ok(match &self.opts.pki {
+            Some(pki) => [
+                vec!["--admin".into(), format!("https://{}", self.admin_addr)],
+                pki.args(Role::Read, "test-read")?,
+            ]
+            .concat(),
+            None => vec!["--admin".into(), format!("http://{}", self.admin_addr)],
+        })
     }
 
     /// An agent API client.

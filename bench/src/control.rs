@@ -239,7 +239,9 @@ pub async fn http_connect(
     who: &HttpAs,
 ) -> anyhow::Result<Box<dyn shardcast_identity::grpc::Io>> {
     let tcp = match target {
-        HttpTarget::Unix(path) => return Ok(Box::new(tokio::net::UnixStream::connect(path).await?)),
+        HttpTarget::Unix(path) => {
+            return Ok(Box::new(tokio::net::UnixStream::connect(path).await?));
+        }
         HttpTarget::Tcp(addr) => tokio::net::TcpStream::connect(addr).await?,
     };
     let (pki, expect) = server;

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Open a model's hand-off from transferd and build tensors from it without copying.
 
-    python3 examples/python/handoff.py --admin https://127.0.0.1:7402 \
-        --ca ca.pem --cert read-infer.pem --key read-infer.key --model org/llama-3-8b
-    python3 examples/python/handoff.py --admin https://127.0.0.1:7402 --ca ca.pem \
+    python3 examples/python/handoff.py --admin https://127.0.0.1:7402 --tls-ca ca.pem \
+        --tls-cert read-infer.pem --tls-key read-infer.key --model org/llama-3-8b
+    python3 examples/python/handoff.py --admin https://127.0.0.1:7402 --tls-ca ca.pem \
         --token "$SHARDCAST_TOKEN" --model org/llama-3-8b
     python3 examples/python/handoff.py --unix /run/shardcast/admin.sock --model org/llama-3-8b
 
@@ -215,15 +215,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--admin", default=os.environ.get("SHARDCAST_ADMIN", "https://127.0.0.1:7402"))
     p.add_argument("--unix", default=os.environ.get("SHARDCAST_ADMIN_SOCKET"), help="admin Unix socket instead of --admin")
-    p.add_argument("--ca", default=os.environ.get("SHARDCAST_TLS_CA"), help="cluster CA bundle (PEM)")
-    p.add_argument("--cert", default=os.environ.get("SHARDCAST_TLS_CERT"), help="client certificate (PEM), e.g. role read")
-    p.add_argument("--key", default=os.environ.get("SHARDCAST_TLS_KEY"), help="its private key (PEM)")
+    p.add_argument("--tls-ca", dest="ca", default=os.environ.get("SHARDCAST_TLS_CA"), help="cluster CA bundle (PEM)")
+    p.add_argument("--tls-cert", dest="cert", default=os.environ.get("SHARDCAST_TLS_CERT"), help="client certificate (PEM), e.g. role read")
+    p.add_argument("--tls-key", dest="key", default=os.environ.get("SHARDCAST_TLS_KEY"), help="its private key (PEM)")
     p.add_argument("--token", default=os.environ.get("SHARDCAST_TOKEN"), help="bearer token instead of a certificate")
     p.add_argument("--model", required=True, help="model name or hex digest")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
     if a.cert and not a.key:
-        p.error("--cert needs --key")
+        p.error("--tls-cert needs --tls-key")
     h = fetch(a)
     if h["kind"] == "cuda-ipc":
         mapped = open_cuda_ipc(h)

@@ -50,12 +50,22 @@ pub struct PeerInfo {
 pub struct AuthedIo {
     io: Box<dyn Io>,
     info: PeerInfo,
+    on_read: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl AuthedIo {
     /// Wraps an established stream.
     pub fn new(io: Box<dyn Io>, info: PeerInfo) -> Self {
-        Self { io, info }
+        Self {
+            io,
+            info,
+            on_read: None,
+        }
+    }
+
+    /// Calls `f` whenever bytes arrive (the HTTP server's stall clock).
+    pub fn on_read(&mut self, f: impl Fn() + Send + Sync + 'static) {
+        self.on_read = Some(Box::new(f));
     }
 
     /// Who is connected.
@@ -77,7 +87,14 @@ impl AsyncRead for AuthedIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if let Some(f) = &self.on_read
+            && buf.filled().len() > before
+        {
+            f();
+        }
+        r
     }
 }
 
@@ -367,7 +384,9 @@ pub fn authorize(
     stats.count(peer);
     if matches!(peer, Peer::Anonymous) {
         warn!(%peer, method = what, "refused unauthenticated call");
-        Err(Refused::Unauthenticated(format!("{what}: {denied}; {hint}")))
+        Err(Refused::Unauthenticated(format!(
+            "{what}: {denied}; {hint}"
+        )))
     } else {
         warn!(%peer, method = what, needs = %needed, "refused call");
         Err(Refused::Denied(format!("{what}: {denied}")))
@@ -378,35 +397,91 @@ pub fn authorize(
 /// table does not know, which only local operators may call.
 pub type MethodTable = fn(&str) -> Option<Permission>;
 
-/// A tower layer that authorises every gRPC call by its path.
+/// An authorisation check run before a service: it lets a request through (after adding
+/// what handlers need to its extensions) or answers it instead.
+pub trait Gate<ReqB, ResB> {
+    /// `Ok` lets `req` through; `Err` is the answer.
+    fn admit(&self, req: &mut http::Request<ReqB>) -> Result<(), http::Response<ResB>>;
+}
+
+/// A tower layer that runs a [`Gate`] before every call: [`AuthzLayer`] for gRPC,
+/// [`crate::http::HttpAuthLayer`] for HTTP.
 #[derive(Clone)]
-pub struct AuthzLayer {
-    table: MethodTable,
-    stats: Arc<AuthzStats>,
-}
+pub struct GateLayer<G>(pub(crate) G);
 
-impl AuthzLayer {
-    /// A layer using `table`, counting into `stats`.
-    pub fn new(table: MethodTable, stats: Arc<AuthzStats>) -> Self {
-        Self { table, stats }
-    }
-}
-
-impl<S> tower::Layer<S> for AuthzLayer {
-    type Service = Authz<S>;
-    fn layer(&self, inner: S) -> Authz<S> {
-        Authz {
+impl<S, G: Clone> tower::Layer<S> for GateLayer<G> {
+    type Service = Gated<S, G>;
+    fn layer(&self, inner: S) -> Gated<S, G> {
+        Gated {
             inner,
-            layer: self.clone(),
+            gate: self.0.clone(),
         }
     }
 }
 
-/// The service [`AuthzLayer`] wraps around the routes.
+/// The service a [`GateLayer`] wraps around the routes.
 #[derive(Clone)]
-pub struct Authz<S> {
+pub struct Gated<S, G> {
     inner: S,
-    layer: AuthzLayer,
+    gate: G,
+}
+
+impl<S, G, ReqB, ResB> tower::Service<http::Request<ReqB>> for Gated<S, G>
+where
+    G: Gate<ReqB, ResB>,
+    S: tower::Service<http::Request<ReqB>, Response = http::Response<ResB>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Send + 'static,
+    ResB: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send + 'static>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
+        match self.gate.admit(&mut req) {
+            Ok(()) => {
+                // Take the service that was driven to readiness; leave a clone behind.
+                let clone = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, clone);
+                Box::pin(async move { inner.call(req).await })
+            }
+            Err(answer) => Box::pin(async move { Ok(answer) }),
+        }
+    }
+}
+
+/// The gRPC [`Gate`]: a table of method → permission.
+#[derive(Clone)]
+pub struct MethodAuthz {
+    table: MethodTable,
+    stats: Arc<AuthzStats>,
+}
+
+impl<B> Gate<B, tonic::body::Body> for MethodAuthz {
+    fn admit(&self, req: &mut http::Request<B>) -> Result<(), http::Response<tonic::body::Body>> {
+        let peer = peer_in(req.extensions());
+        check_call(self.table, &self.stats, &peer, req.uri().path()).map_err(|s| s.into_http())
+    }
+}
+
+/// A tower layer that authorises every gRPC call by its path.
+pub type AuthzLayer = GateLayer<MethodAuthz>;
+
+impl AuthzLayer {
+    /// A layer using `table`, counting into `stats`.
+    pub fn new(table: MethodTable, stats: Arc<AuthzStats>) -> Self {
+        Self(MethodAuthz { table, stats })
+    }
 }
 
 /// Checks `peer` for the call at `path`; the `Status` to answer when refused.
@@ -428,39 +503,6 @@ pub fn check_call(
         Refused::Unauthenticated(m) => tonic::Status::unauthenticated(m),
         Refused::Denied(m) => tonic::Status::permission_denied(m),
     })
-}
-
-impl<S, B> tower::Service<http::Request<B>> for Authz<S>
-where
-    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future =
-        Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send + 'static>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let peer = peer_in(req.extensions());
-        match check_call(self.layer.table, &self.layer.stats, &peer, req.uri().path()) {
-            Ok(()) => {
-                // Take the service that was driven to readiness; leave a clone behind.
-                let clone = self.inner.clone();
-                let mut inner = std::mem::replace(&mut self.inner, clone);
-                Box::pin(async move { inner.call(req).await })
-            }
-            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
-        }
-    }
 }
 
 /// How a client reaches a service.
@@ -591,5 +633,56 @@ pub async fn connect(addr: &str, security: ClientSecurity) -> Result<Channel, Co
 impl From<crate::tls::TlsError> for std::io::Error {
     fn from(e: crate::tls::TlsError) -> Self {
         Self::new(std::io::ErrorKind::PermissionDenied, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_peers_by_uid_and_mode() {
+        let me = 1000;
+        for access in [SocketAccess::Owner, SocketAccess::Group(50)] {
+            assert_eq!(access.peer(me, me), Peer::Local { uid: me });
+            assert_eq!(access.peer(0, me), Peer::Local { uid: 0 });
+        }
+        assert_eq!(SocketAccess::Owner.peer(1001, me), Peer::Anonymous);
+        let member = SocketAccess::Group(50).peer(1001, me);
+        assert_eq!(member, Peer::LocalGroup { uid: 1001 });
+        assert!(member.authorize(Permission::Read).is_ok());
+        assert!(member.authorize(Permission::DriveAgent).is_err());
+    }
+
+    #[test]
+    fn denials_are_counted_by_role() {
+        let stats = AuthzStats::default();
+        let host = Peer::Cert(crate::Identity::new(Role::Host, "h1").unwrap());
+        let r = authorize(&stats, &host, Permission::Read, "/metrics", "hint");
+        assert!(matches!(r, Err(Refused::Denied(m)) if m.contains("host:h1")));
+        let r = authorize(
+            &stats,
+            &Peer::Anonymous,
+            Permission::Read,
+            "/metrics",
+            "hint",
+        );
+        assert!(matches!(r, Err(Refused::Unauthenticated(m)) if m.ends_with("hint")));
+        let r = authorize(
+            &stats,
+            &Peer::LocalGroup { uid: 7 },
+            Permission::Admin,
+            "/x",
+            "",
+        );
+        assert!(r.is_err());
+        assert_eq!(stats.unauthenticated.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.denied.load(Ordering::Relaxed), 2);
+        let by: Vec<_> = stats
+            .denied_by()
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        assert_eq!(by, vec![("host", 1), ("local", 1)]);
     }
 }

@@ -32,7 +32,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
@@ -40,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
-use crate::grpc::{AuthedIo, AuthzStats, Incoming, Refused, authorize, peer_in};
+use crate::grpc::{AuthzStats, Gate, GateLayer, Incoming, Refused, authorize, peer_in};
 use crate::role::{Peer, Permission};
 use crate::token::Tokens;
 
@@ -63,6 +62,27 @@ pub struct HttpLimits {
     pub header_timeout: Duration,
     /// A connection with no request in progress is closed after this long.
     pub idle_timeout: Duration,
+}
+
+impl HttpLimits {
+    /// Limits from milliseconds (`None`: the default), each between 100 ms and an hour;
+    /// an error names the setting out of range (`names`: the header's, the idle one's).
+    pub fn from_millis(
+        header_ms: Option<u64>,
+        idle_ms: Option<u64>,
+        names: [&str; 2],
+    ) -> Result<Self, String> {
+        let d = Self::default();
+        let pick = |name: &str, v: Option<u64>, default: Duration| match v {
+            None => Ok(default),
+            Some(ms) if (100..=3_600_000).contains(&ms) => Ok(Duration::from_millis(ms)),
+            Some(ms) => Err(format!("{name} must be between 100 and 3600000, got {ms}")),
+        };
+        Ok(Self {
+            header_timeout: pick(names[0], header_ms, d.header_timeout)?,
+            idle_timeout: pick(names[1], idle_ms, d.idle_timeout)?,
+        })
+    }
 }
 
 impl Default for HttpLimits {
@@ -227,53 +247,6 @@ impl Watch {
     }
 }
 
-/// The connection's bytes, reporting reads to its [`Watch`].
-struct WatchedIo {
-    io: AuthedIo,
-    watch: Arc<Watch>,
-}
-
-impl AsyncRead for WatchedIo {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.io).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.watch.update(|c| c.on_read(Instant::now()));
-        }
-        r
-    }
-}
-
-impl AsyncWrite for WatchedIo {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
-
 /// A request body that tells the connection's clock when a handler waits for bytes.
 pub struct RequestBody {
     inner: hyper::body::Incoming,
@@ -385,124 +358,114 @@ pub async fn serve<S, B>(
                 None => return,
             },
         };
-        tokio::spawn(serve_connection(
-            conn,
-            service.clone(),
-            limits,
-            stats.clone(),
-            cancel.clone(),
-        ));
-    }
-}
-
-async fn serve_connection<S, B>(
-    io: AuthedIo,
-    service: S,
-    limits: HttpLimits,
-    stats: Arc<HttpStats>,
-    cancel: CancellationToken,
-) where
-    S: tower::Service<http::Request<RequestBody>, Response = http::Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body + Unpin + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let info = io.info().clone();
-    let watch = Arc::new(Watch {
-        clock: Mutex::new(ConnClock::new(limits, Instant::now())),
-        wake: Notify::new(),
-    });
-    let svc = {
-        let (watch, info) = (watch.clone(), info.clone());
-        hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-            let (watch, service) = (watch.clone(), service.clone());
-            watch.update(|c| {
-                c.on_request();
-                true
+        let (service, stats, cancel) = (service.clone(), stats.clone(), cancel.clone());
+        tokio::spawn(async move {
+            let mut io = conn;
+            let info = io.info().clone();
+            let watch = Arc::new(Watch {
+                clock: Mutex::new(ConnClock::new(limits, Instant::now())),
+                wake: Notify::new(),
             });
-            let mut req = req.map(|inner| RequestBody {
-                inner,
-                watch: watch.clone(),
+            io.on_read({
+                let watch = watch.clone();
+                move || watch.update(|c| c.on_read(Instant::now()))
             });
-            req.extensions_mut().insert(info.clone());
-            async move {
-                let Ok(resp) = service.oneshot(req).await;
-                Ok::<_, Infallible>(resp.map(|inner| ResponseBody { inner, watch }))
-            }
-        })
-    };
-    let conn = hyper::server::conn::http1::Builder::new()
-        // ConnClock bounds request heads (see the module comment).
-        .header_read_timeout(None)
-        .keep_alive(true)
-        .serve_connection(
-            TokioIo::new(WatchedIo {
-                io,
-                watch: watch.clone(),
-            }),
-            svc,
-        );
-    tokio::pin!(conn);
-    let mut draining = false;
-    loop {
-        let deadline = watch.snapshot().and_then(|c| c.deadline());
-        let sleep = async {
-            match deadline {
-                Some((at, _)) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            r = conn.as_mut() => {
-                if let Err(e) = r {
-                    debug!(peer = %info.peer, addr = %info.addr, "HTTP connection ended: {e}");
-                }
-                return;
-            }
-            _ = cancel.cancelled(), if !draining => {
-                conn.as_mut().graceful_shutdown();
-                draining = true;
-            }
-            _ = watch.wake.notified() => {}
-            _ = sleep => {
-                if let Some(stall) = watch.snapshot().and_then(|c| c.expired(Instant::now())) {
-                    stats.count(stall);
-                    warn!(peer = %info.peer, addr = %info.addr, stall = stall.as_str(), "closing a stalled HTTP connection");
-                    // Dropping the connection closes the socket.
-                    return;
+            let svc = {
+                let (watch, info) = (watch.clone(), info.clone());
+                hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    let (watch, service) = (watch.clone(), service.clone());
+                    watch.update(|c| {
+                        c.on_request();
+                        true
+                    });
+                    let mut req = req.map(|inner| RequestBody {
+                        inner,
+                        watch: watch.clone(),
+                    });
+                    req.extensions_mut().insert(info.clone());
+                    async move {
+                        let Ok(resp) = service.oneshot(req).await;
+                        Ok::<_, Infallible>(resp.map(|inner| ResponseBody { inner, watch }))
+                    }
+                })
+            };
+            let conn = hyper::server::conn::http1::Builder::new()
+                // ConnClock bounds request heads (see the module comment).
+                .header_read_timeout(None)
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(io), svc);
+            tokio::pin!(conn);
+            let mut draining = false;
+            loop {
+                let deadline = watch.snapshot().and_then(|c| c.deadline());
+                let sleep = async {
+                    match deadline {
+                        Some((at, _)) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    r = conn.as_mut() => {
+                        if let Err(e) = r {
+                            debug!(peer = %info.peer, addr = %info.addr, "HTTP connection ended: {e}");
+                        }
+                        return;
+                    }
+                    _ = cancel.cancelled(), if !draining => {
+                        conn.as_mut().graceful_shutdown();
+                        draining = true;
+                    }
+                    _ = watch.wake.notified() => {}
+                    _ = sleep => {
+                        if let Some(stall) = watch.snapshot().and_then(|c| c.expired(Instant::now())) {
+                            stats.count(stall);
+                            warn!(peer = %info.peer, addr = %info.addr, stall = stall.as_str(), "closing a stalled HTTP connection");
+                            // Dropping the connection closes the socket.
+                            return;
+                        }
+                    }
                 }
             }
-        }
+        });
     }
 }
 
 /// What each route needs: `None` for public routes (`/healthz`).
 pub type RouteTable = fn(&http::Method, &str) -> Option<Permission>;
 
-/// A tower layer that authenticates and authorises every HTTP request (see the module
-/// comment), leaving the resolved [`Peer`] in the request's extensions for handlers that
-/// check names (the controller's heartbeats).
+/// The HTTP [`Gate`]: authenticates a request (see the module comment) and checks it
+/// against a table of route → permission, leaving the resolved [`Peer`] in its extensions
+/// for handlers that check names (the controller's heartbeats).
 #[derive(Clone)]
-pub struct HttpAuthLayer {
+pub struct RouteAuthz {
     table: RouteTable,
     tokens: Arc<Tokens>,
     stats: Arc<AuthzStats>,
 }
 
+/// A tower layer that authenticates and authorises every HTTP request ([`RouteAuthz`]).
+pub type HttpAuthLayer = GateLayer<RouteAuthz>;
+
 impl HttpAuthLayer {
     /// A layer using `table`, accepting `tokens` (empty: none), counting into `stats`.
     pub fn new(table: RouteTable, tokens: Arc<Tokens>, stats: Arc<AuthzStats>) -> Self {
-        Self {
+        Self(RouteAuthz {
             table,
             tokens,
             stats,
-        }
+        })
     }
+}
 
+impl<ReqB, ResB: From<String>> Gate<ReqB, ResB> for RouteAuthz {
+    fn admit(&self, req: &mut http::Request<ReqB>) -> Result<(), http::Response<ResB>> {
+        let peer = self.check(req).map_err(Refused::into_response)?;
+        req.extensions_mut().insert(peer);
+        Ok(())
+    }
+}
+
+impl RouteAuthz {
     /// Who `req` comes from, or why it is refused.
     pub fn check<B>(&self, req: &http::Request<B>) -> Result<Peer, Refused> {
         let path = req.uri().path();
@@ -566,56 +529,6 @@ impl Refused {
     }
 }
 
-impl<S> tower::Layer<S> for HttpAuthLayer {
-    type Service = HttpAuth<S>;
-    fn layer(&self, inner: S) -> HttpAuth<S> {
-        HttpAuth {
-            inner,
-            layer: self.clone(),
-        }
-    }
-}
-
-/// The service [`HttpAuthLayer`] wraps around the routes.
-#[derive(Clone)]
-pub struct HttpAuth<S> {
-    inner: S,
-    layer: HttpAuthLayer,
-}
-
-impl<S, ReqB, ResB> tower::Service<http::Request<ReqB>> for HttpAuth<S>
-where
-    S: tower::Service<http::Request<ReqB>, Response = http::Response<ResB>>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    ReqB: Send + 'static,
-    ResB: From<String> + Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future =
-        Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send + 'static>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
-        match self.layer.check(&req) {
-            Ok(peer) => {
-                req.extensions_mut().insert(peer);
-                // Take the service that was driven to readiness; leave a clone behind.
-                let clone = self.inner.clone();
-                let mut inner = std::mem::replace(&mut self.inner, clone);
-                Box::pin(async move { inner.call(req).await })
-            }
-            Err(refused) => Box::pin(async move { Ok(refused.into_response()) }),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -629,8 +542,8 @@ mod tests {
         t0 + Duration::from_secs(s)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_new_connection_must_send_its_head_in_time() {
+    #[test]
+    fn a_new_connection_must_send_its_head_in_time() {
         let t0 = Instant::now();
         let mut c = ConnClock::new(LIMITS, t0);
         c.on_read(at(t0, 1));
@@ -638,8 +551,8 @@ mod tests {
         assert_eq!(c.expired(at(t0, 10)), Some(Stall::Header));
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn keep_alive_waits_idle_then_times_the_next_head_from_its_first_byte() {
+    #[test]
+    fn keep_alive_waits_idle_then_times_the_next_head_from_its_first_byte() {
         let t0 = Instant::now();
         let mut c = ConnClock::new(LIMITS, t0);
         c.on_request();
@@ -657,8 +570,8 @@ mod tests {
         assert_eq!(c.deadline(), Some((at(t0, 101), Stall::Idle)));
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_handler_waits_for_body_bytes_at_most_the_header_timeout() {
+    #[test]
+    fn a_handler_waits_for_body_bytes_at_most_the_header_timeout() {
         let t0 = Instant::now();
         let mut c = ConnClock::new(LIMITS, t0);
         c.on_request();

@@ -345,7 +345,11 @@ mod tests {
         assert!(Peer::Anonymous.authorize(P::Read).is_err());
         assert!(Peer::Local { uid: 0 }.authorize(P::Admin).is_ok());
         assert!(Peer::LocalGroup { uid: 7 }.authorize(P::Read).is_ok());
-        assert!(Peer::LocalGroup { uid: 7 }.authorize(P::DriveAgent).is_err());
+        assert!(
+            Peer::LocalGroup { uid: 7 }
+                .authorize(P::DriveAgent)
+                .is_err()
+        );
         let e = id(Role::Read).authorize(P::Admin).unwrap_err();
         assert_eq!(
             e.to_string(),

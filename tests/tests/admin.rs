@@ -3,9 +3,7 @@
 //! Unix socket and its modes), and clients that stall (slowloris, idle keep-alive) are
 //! closed within the configured timeouts and counted.
 
-use std::future::Future;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::{Daemon, DaemonOpts};
@@ -33,20 +31,25 @@ async fn the_admin_endpoint_serves_readers_and_refuses_everyone_else() {
     let tokens = tempfile::tempdir().unwrap();
     let (tokens_file, token) = read_token(tokens.path());
     let c = TestCluster::start(0, 1 << 20, 1, |_, o| {
-        o.extra_args.extend([
-            "--tokens-file".into(),
-            tokens_file.display().to_string(),
-        ])
+        o.extra_args
+            .extend(["--tokens-file".into(), tokens_file.display().to_string()])
     })
     .await
     .unwrap();
     c.import_on_source().await.unwrap();
     let d = &c.daemons[0];
-    let get = |who: HttpAs, path: &'static str| async move { d.admin(who, "GET", path).await.unwrap() };
+    let get =
+        |who: HttpAs, path: &'static str| async move { d.admin(who, "GET", path).await.unwrap() };
 
     // Liveness probes stay anonymous and say nothing else.
-    assert_eq!(get(HttpAs::Anonymous, "/healthz").await, (200, "ok\n".into()));
-    assert_eq!(get(HttpAs::Anonymous, "/readyz").await, (200, "ready\n".into()));
+    assert_eq!(
+        get(HttpAs::Anonymous, "/healthz").await,
+        (200, "ok\n".into())
+    );
+    assert_eq!(
+        get(HttpAs::Anonymous, "/readyz").await,
+        (200, "ready\n".into())
+    );
 
     // Readers: a `read` certificate, the controller's, a bearer token.
     let (s, b) = get(HttpAs::Cert(Role::Read), HANDOFF).await;
@@ -128,15 +131,19 @@ async fn the_admin_socket_is_private_or_shared_with_the_store_group() {
         let mut o = DaemonOpts::local(name);
         o.admin_socket = Some(scratch.path().join(format!("{name}-admin.sock")));
         if let Some(g) = group {
-            o.extra_args
-                .extend(["--store-group".into(), g.to_string()]);
+            o.extra_args.extend(["--store-group".into(), g.to_string()]);
         }
         daemons.push(Daemon::start(&scratch.path().join(name), o).await.unwrap());
     }
     for (d, mode) in daemons.iter().zip([0o600, 0o660]) {
         let sock = scratch.path().join(format!("{}-admin.sock", d.host_id));
         let meta = std::fs::symlink_metadata(&sock).unwrap();
-        assert_eq!(meta.permissions().mode() & 0o777, mode, "{}", sock.display());
+        assert_eq!(
+            meta.permissions().mode() & 0o777,
+            mode,
+            "{}",
+            sock.display()
+        );
         assert_eq!(meta.gid(), gid);
         // This process is the daemon's user: a local operator, no certificate needed.
         let (s, b) = d.admin(HttpAs::Anonymous, "GET", "/metrics").await.unwrap();
@@ -149,9 +156,6 @@ async fn the_admin_socket_is_private_or_shared_with_the_store_group() {
         assert_eq!(metric(d, "admin_refused_total").await, 0);
     }
 }
-
-/// Opens a connection to an HTTP listener as a `read` client.
-type Connect<'a> = Box<dyn Fn() -> Pin<Box<dyn Future<Output = Box<dyn Io>> + 'a>> + 'a>;
 
 /// Reads until the peer closes (or `limit`); how long that took.
 async fn time_to_close(s: &mut Box<dyn Io>, limit: Duration) -> Duration {
@@ -166,7 +170,10 @@ async fn time_to_close(s: &mut Box<dyn Io>, limit: Duration) -> Duration {
         }
     })
     .await;
-    assert!(closed.is_ok(), "the server kept a stalled connection for {limit:?}");
+    assert!(
+        closed.is_ok(),
+        "the server kept a stalled connection for {limit:?}"
+    );
     t0.elapsed()
 }
 
@@ -185,9 +192,20 @@ async fn read_healthz(s: &mut Box<dyn Io>) {
     .unwrap();
 }
 
-/// With a 500 ms header timeout and a 1 s idle timeout: half a request line is cut off
-/// after about half a second, an idle keep-alive connection after about a second.
-async fn stalled_clients_are_closed(connect: Connect<'_>) {
+/// With a 500 ms header timeout and a 1 s idle timeout on the listener at `addr` (whose
+/// certificate names `server`): half a request line is cut off after about half a second,
+/// an idle keep-alive connection after about a second.
+async fn stalled_clients_are_closed(addr: std::net::SocketAddr, server: Expect) {
+    let pki = ClusterPki::shared().unwrap();
+    let connect = || async {
+        http_connect(
+            HttpTarget::Tcp(addr),
+            (Some(&pki), server.clone()),
+            &HttpAs::Cert(Role::Read),
+        )
+        .await
+        .unwrap()
+    };
     // Slowloris: half a request line, then nothing.
     let mut s = connect().await;
     s.write_all(b"GET /heal").await.unwrap();
@@ -223,20 +241,7 @@ async fn stalled_admin_clients_are_closed_and_counted() {
     .await
     .unwrap();
     let d = &c.daemons[0];
-    let pki = ClusterPki::shared().unwrap();
-    let expect = Expect::Role(Role::Host);
-    stalled_clients_are_closed(Box::new(|| {
-        Box::pin(async {
-            http_connect(
-                HttpTarget::Tcp(d.admin_addr),
-                (Some(&pki), expect.clone()),
-                &HttpAs::Cert(Role::Read),
-            )
-            .await
-            .unwrap()
-        })
-    }))
-    .await;
+    stalled_clients_are_closed(d.admin_addr, Expect::Role(Role::Host)).await;
     assert_eq!(metric(d, "admin_timeouts_total{kind=\"header\"}").await, 2);
     assert_eq!(metric(d, "admin_timeouts_total{kind=\"idle\"}").await, 1);
 }
@@ -257,20 +262,7 @@ async fn stalled_controller_http_clients_are_closed_and_counted() {
     )
     .await
     .unwrap();
-    let pki = ctl.pki.clone().unwrap();
-    let expect = Expect::Role(Role::Controller);
-    stalled_clients_are_closed(Box::new(|| {
-        Box::pin(async {
-            http_connect(
-                HttpTarget::Tcp(ctl.http),
-                (Some(&pki), expect.clone()),
-                &HttpAs::Cert(Role::Read),
-            )
-            .await
-            .unwrap()
-        })
-    }))
-    .await;
+    stalled_clients_are_closed(ctl.http, Expect::Role(Role::Controller)).await;
     let (s, body) = ctl
         .http(HttpAs::Cert(Role::Read), "GET", "/metrics", "")
         .await
@@ -304,7 +296,10 @@ async fn the_controllers_scraper_reads_transferd_metrics_with_its_certificate() 
     assert!(log.contains("scraping load"), "{log}");
     assert!(!log.contains("scraping load failed"), "{log}");
     assert_eq!(metric(&d, "admin_refused_total").await, 0);
-    assert_eq!(metric(&d, "admin_denied_total{role=\"controller\"}").await, 0);
+    assert_eq!(
+        metric(&d, "admin_denied_total{role=\"controller\"}").await,
+        0
+    );
     // What the scraper read is what a reader reads (a plain request as the controller).
     let (s, _) = http_call(
         HttpTarget::Tcp(d.admin_addr),

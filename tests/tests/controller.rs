@@ -1602,7 +1602,10 @@ async fn a_rotated_controller_certificate_signs_the_next_plans_without_a_restart
     req.validity = FIRST_CERT_LIFE;
     let issued = Instant::now();
     let short = pki.pki().issue(&req).unwrap();
-    assert_eq!(short.cert, files.cert, "the controller's files are replaced");
+    assert_eq!(
+        short.cert, files.cert,
+        "the controller's files are replaced"
+    );
 
     let c = start_cluster(2, vec![], |_, _| {}).await.unwrap();
     let pids: Vec<Option<u32>> = std::iter::once(c.controller.pid())

@@ -112,7 +112,10 @@ fn labelled(
         "# HELP shardcast_{name} {help}\n# TYPE shardcast_{name} counter"
     );
     for (v, n) in values {
-        let _ = writeln!(out, "shardcast_{name}{{host=\"{host}\",{label}=\"{v}\"}} {n}");
+        let _ = writeln!(
+            out,
+            "shardcast_{name}{{host=\"{host}\",{label}=\"{v}\"}} {n}"
+        );
     }
 }
 
@@ -289,13 +292,13 @@ pub fn render(node: &Node) -> String {
         metric(
             "tls_handshakes_accepted_total",
             "counter",
-            "TLS handshakes completed as a server (data port and agent API).",
+            "TLS handshakes completed as a server (data port, agent API and admin listener).",
             t.accepted.load(Ordering::Relaxed),
         );
         metric(
             "tls_handshakes_refused_total",
             "counter",
-            "TLS handshakes refused as a server (data port and agent API).",
+            "TLS handshakes refused as a server (data port, agent API and admin listener).",
             t.refused.load(Ordering::Relaxed) + t.timed_out.load(Ordering::Relaxed),
         );
         metric(

@@ -724,28 +724,13 @@ impl Config {
                 .map_err(|e| anyhow::anyhow!("admin_listen: {e}"))?,
             None => ListenAddr::Tcp(([127, 0, 0, 1], 7402).into()),
         };
-        let admin_limits = {
-            let d = shardcast_identity::http::HttpLimits::default();
-            let ms = |name: &str, v: Option<u64>, default: Duration| -> anyhow::Result<Duration> {
-                match v {
-                    None => Ok(default),
-                    Some(n) if (100..=3_600_000).contains(&n) => Ok(Duration::from_millis(n)),
-                    Some(n) => bail!("{name} must be between 100 and 3600000, got {n}"),
-                }
-            };
-            shardcast_identity::http::HttpLimits {
-                header_timeout: ms(
-                    "admin_header_timeout_ms",
-                    args.admin_header_timeout_ms.or(file.admin_header_timeout_ms),
-                    d.header_timeout,
-                )?,
-                idle_timeout: ms(
-                    "admin_idle_timeout_ms",
-                    args.admin_idle_timeout_ms.or(file.admin_idle_timeout_ms),
-                    d.idle_timeout,
-                )?,
-            }
-        };
+        let admin_limits = shardcast_identity::http::HttpLimits::from_millis(
+            args.admin_header_timeout_ms
+                .or(file.admin_header_timeout_ms),
+            args.admin_idle_timeout_ms.or(file.admin_idle_timeout_ms),
+            ["admin_header_timeout_ms", "admin_idle_timeout_ms"],
+        )
+        .map_err(anyhow::Error::msg)?;
         let security = Security::load(
             args.tls_ca.or(file.tls_ca),
             args.tls_cert.or(file.tls_cert),

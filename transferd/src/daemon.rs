@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use shardcast_identity::grpc::{self, AuthzLayer, SocketAccess, TcpSecurity};
-use shardcast_identity::token::Tokens;
 use shardcast_identity::tls::RELOAD_PERIOD;
+use shardcast_identity::token::Tokens;
 use shardcast_identity::{Alpn, Role, TlsContext};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -141,7 +141,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             Some(ctx) => TcpSecurity::TlsOptionalClient(ctx.clone()),
             None => {
                 if let ApiListener::Tcp(_) = admin {
-                    warn!("INSECURE: the admin listener serves plain HTTP without authentication (insecure_plaintext)");
+                    warn!(
+                        "INSECURE: the admin listener serves plain HTTP without authentication (insecure_plaintext)"
+                    );
                 }
                 TcpSecurity::Plaintext
             }
