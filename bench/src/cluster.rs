@@ -197,6 +197,8 @@ pub struct DaemonOpts {
     /// Serve the agent API on this TCP address (e.g. `127.0.0.1:0`) instead of the Unix
     /// socket.
     pub agent_tcp: Option<String>,
+    /// Serve the admin endpoint on this Unix socket instead of TCP on `data_ip`.
+    pub admin_socket: Option<PathBuf>,
 }
 
 impl DaemonOpts {
@@ -212,6 +214,7 @@ impl DaemonOpts {
             netns: None,
             pki: ClusterPki::shared().ok(),
             agent_tcp: None,
+            admin_socket: None,
         }
     }
 }
@@ -222,7 +225,8 @@ pub struct Daemon {
     pub host_id: HostId,
     /// Its data-plane address.
     pub data_addr: SocketAddr,
-    /// Its admin HTTP address (`/metrics`, `/v1/handoff/…`).
+    /// Its admin HTTP address (`/metrics`, `/v1/handoff/…`; HTTPS with a CA), unless it
+    /// serves the admin endpoint on [`DaemonOpts::admin_socket`].
     pub admin_addr: SocketAddr,
     /// Its agent API Unix socket.
     pub agent_socket: PathBuf,
@@ -293,7 +297,10 @@ impl Daemon {
                 None => format!("unix:{}", self.agent_socket.display()),
             })
             .arg("--admin-listen")
-            .arg(SocketAddr::new(self.opts.data_ip, 0).to_string())
+            .arg(match &self.opts.admin_socket {
+                Some(p) => format!("unix:{}", p.display()),
+                None => SocketAddr::new(self.opts.data_ip, 0).to_string(),
+            })
             .arg("--memory-dir")
             .arg(&self.memory_dir)
             .arg("--data-dir")
@@ -330,6 +337,7 @@ impl Daemon {
         if let Some(admin) = line
             .split_whitespace()
             .find_map(|kv| kv.strip_prefix("admin="))
+            .filter(|a| !a.starts_with("unix:"))
         {
             self.admin_addr = admin
                 .parse()
@@ -378,6 +386,56 @@ impl Daemon {
             Some(pki) => pki.sign_chain(req, self.host_id.as_str()),
             None => Ok(()),
         }
+    }
+
+    /// One request to the admin endpoint as `who` (over its Unix socket when it has one);
+    /// the status and the body.
+    pub async fn admin(
+        &self,
+        who: crate::control::HttpAs,
+        method: &str,
+        path: &str,
+    ) -> anyhow::Result<(u16, String)> {
+        use crate::control::{HttpTarget, http_call};
+        let target = match &self.opts.admin_socket {
+            Some(p) => HttpTarget::Unix(p),
+            None => HttpTarget::Tcp(self.admin_addr),
+        };
+        let server = (
+            self.opts.pki.as_deref(),
+            shardcast_identity::Expect::Exactly(shardcast_identity::Identity::new(
+                Role::Host,
+                self.host_id.as_str(),
+            )?),
+        );
+        http_call(target, server, &who, method, path, "").await
+    }
+
+    /// The admin endpoint's `/metrics` page, read with a `read` certificate.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        let (status, body) = self
+            .admin(crate::control::HttpAs::Cert(Role::Read), "GET", "/metrics")
+            .await?;
+        if status != 200 {
+            bail!("{} /metrics answered {status}: {body}", self.host_id);
+        }
+        Ok(body)
+    }
+
+    /// `--admin` and `--tls-ca/--tls-cert/--tls-key` flags for `examples/python/handoff.py`
+    /// with a `read` certificate (or `--unix` for a socket).
+    pub fn handoff_py_args(&self) -> anyhow::Result<Vec<String>> {
+        if let Some(p) = &self.opts.admin_socket {
+            return Ok(vec!["--unix".into(), p.display().to_string()]);
+        }
+        Ok(match &self.opts.pki {
+            Some(pki) => [
+                vec!["--admin".into(), format!("https://{}", self.admin_addr)],
+                pki.args(Role::Read, "test-read")?,
+            ]
+            .concat(),
+            None => vec!["--admin".into(), format!("http://{}", self.admin_addr)],
+        })
     }
 
     /// An agent API client.

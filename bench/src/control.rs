@@ -211,54 +211,92 @@ impl ControllerProc {
         path: &str,
         body: &str,
     ) -> anyhow::Result<(u16, String)> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let tcp = tokio::net::TcpStream::connect(self.http).await?;
-        let auth = match &who {
-            HttpAs::Token(t) => format!("Authorization: Bearer {t}\r\n"),
-            _ => String::new(),
-        };
-        let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: controller\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        let expect = Expect::Role(Role::Controller);
-        let mut stream: Box<dyn shardcast_identity::grpc::Io> = match (&who, &self.pki) {
-            (HttpAs::Plaintext, _) | (_, None) => Box::new(tcp),
-            (HttpAs::Cert(role), Some(pki)) => Box::new(
-                pki.client(*role)?
-                    .connect(tcp, Alpn::Http, &expect)
-                    .await?
-                    .0,
-            ),
-            (HttpAs::Token(_) | HttpAs::Anonymous, Some(pki)) => Box::new(
-                pki.client(Role::Read)?
-                    .connect_http_without_cert(tcp, &expect)
-                    .await?
-                    .0,
-            ),
-        };
-        stream.write_all(req.as_bytes()).await?;
-        let mut raw = Vec::new();
-        // A server that closes without answering (a refused plaintext client) reads as
-        // an empty answer.
-        let _ = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw)).await;
-        let out = String::from_utf8_lossy(&raw);
-        let status = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = out
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        Ok((status, body))
+        let server = (self.pki.as_deref(), Expect::Role(Role::Controller));
+        http_call(HttpTarget::Tcp(self.http), server, &who, method, path, body).await
     }
 
     /// Base URL of the HTTP API.
     pub fn http_url(&self) -> String {
         format!("http://{}", self.http)
     }
+}
+
+/// Where an HTTP API listens.
+#[derive(Debug, Clone, Copy)]
+pub enum HttpTarget<'a> {
+    /// A TCP address: HTTPS when the server has a CA, unless the caller is
+    /// [`HttpAs::Plaintext`].
+    Tcp(SocketAddr),
+    /// A Unix socket: plain HTTP, the peer known by its uid.
+    Unix(&'a Path),
+}
+
+/// An HTTP connection to `target`: TLS as `who` when `server` names a CA (checking that
+/// the server is `server.1`), else plain.
+pub async fn http_connect(
+    target: HttpTarget<'_>,
+    server: (Option<&ClusterPki>, Expect),
+    who: &HttpAs,
+) -> anyhow::Result<Box<dyn shardcast_identity::grpc::Io>> {
+    let tcp = match target {
+        HttpTarget::Unix(path) => {
+            return Ok(Box::new(tokio::net::UnixStream::connect(path).await?));
+        }
+        HttpTarget::Tcp(addr) => tokio::net::TcpStream::connect(addr).await?,
+    };
+    let (pki, expect) = server;
+    Ok(match (who, pki) {
+        (HttpAs::Plaintext, _) | (_, None) => Box::new(tcp),
+        (HttpAs::Cert(role), Some(pki)) => Box::new(
+            pki.client(*role)?
+                .connect(tcp, Alpn::Http, &expect)
+                .await?
+                .0,
+        ),
+        (HttpAs::Token(_) | HttpAs::Anonymous, Some(pki)) => Box::new(
+            pki.client(Role::Read)?
+                .connect_http_without_cert(tcp, &expect)
+                .await?
+                .0,
+        ),
+    })
+}
+
+/// One HTTP/1.1 request (`Connection: close`) to `target` as `who`; the status and the
+/// body. A server that closes without answering (a refused plaintext client) reads as
+/// status 0.
+pub async fn http_call(
+    target: HttpTarget<'_>,
+    server: (Option<&ClusterPki>, Expect),
+    who: &HttpAs,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = http_connect(target, server, who).await?;
+    let auth = match who {
+        HttpAs::Token(t) => format!("Authorization: Bearer {t}\r\n"),
+        _ => String::new(),
+    };
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: shardcast\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(req.as_bytes()).await?;
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw)).await;
+    let out = String::from_utf8_lossy(&raw);
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
 }
 
 impl Drop for ControllerProc {

@@ -1,6 +1,6 @@
 //! Who may call what on the controller: the one table of method → [`Permission`] for the
-//! gRPC services, the same for HTTP routes, bearer tokens for HTTP clients, and the axum
-//! listener that carries each connection's authenticated peer.
+//! gRPC services and the same for HTTP routes (applied by `shardcast_identity`'s
+//! `grpc::AuthzLayer` and `http::HttpAuthLayer`, which also take bearer tokens).
 //!
 //! | permission | gRPC methods | HTTP routes |
 //! | --- | --- | --- |
@@ -15,17 +15,8 @@
 //! certificate's); `controller` holds `read`. Peers on the Unix socket (0600) are local
 //! operators and hold everything.
 
-use std::sync::Arc;
-
-use axum::extract::{ConnectInfo, Request, State};
 use axum::http::Method;
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
-use shardcast_identity::grpc::{AuthzStats, Incoming, PeerInfo};
-use shardcast_identity::token::Tokens;
 use shardcast_identity::{Peer, Permission};
-use tokio_stream::StreamExt;
-use tracing::warn;
 
 use crate::error::ApiError;
 
@@ -44,8 +35,9 @@ pub fn permission(path: &str) -> Option<Permission> {
     })
 }
 
-/// What each HTTP route needs (`None`: public).
-fn http_permission(method: &Method, path: &str) -> Option<Permission> {
+/// What each HTTP route needs (`None`: public); the table of
+/// `shardcast_identity::http::HttpAuthLayer` on the HTTP listener.
+pub fn http_permission(method: &Method, path: &str) -> Option<Permission> {
     if path == "/healthz" {
         return None;
     }
@@ -60,120 +52,6 @@ fn http_permission(method: &Method, path: &str) -> Option<Permission> {
     })
 }
 
-/// Authentication state shared by the HTTP middleware.
-#[derive(Clone)]
-pub struct HttpAuth {
-    /// Bearer tokens (empty: none accepted).
-    pub tokens: Arc<Tokens>,
-    /// Refusal counters (shared with the gRPC layer).
-    pub stats: Arc<AuthzStats>,
-}
-
-/// The peer of one HTTP connection (axum `ConnectInfo`).
-#[derive(Debug, Clone)]
-pub struct HttpPeer(pub PeerInfo);
-
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, HttpListener>>
-    for HttpPeer
-{
-    fn connect_info(stream: axum::serve::IncomingStream<'_, HttpListener>) -> Self {
-        Self(stream.remote_addr().clone())
-    }
-}
-
-/// An axum listener over authenticated connections (handshakes run in their own tasks).
-pub struct HttpListener {
-    incoming: Incoming,
-    local: std::net::SocketAddr,
-}
-
-impl HttpListener {
-    /// Wraps `incoming`, bound at `local`.
-    pub fn new(incoming: Incoming, local: std::net::SocketAddr) -> Self {
-        Self { incoming, local }
-    }
-}
-
-impl axum::serve::Listener for HttpListener {
-    type Io = shardcast_identity::grpc::AuthedIo;
-    type Addr = PeerInfo;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        loop {
-            match self.incoming.next().await {
-                Some(Ok(io)) => {
-                    let info = io.info().clone();
-                    return (io, info);
-                }
-                Some(Err(e)) => warn!("HTTP accept failed: {e}"),
-                // The accept task ended (shutdown): never yield again.
-                None => std::future::pending::<()>().await,
-            }
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(PeerInfo {
-            peer: Peer::Anonymous,
-            addr: self.local.to_string(),
-        })
-    }
-}
-
-/// Authenticates (certificate, else bearer token) and authorises every HTTP request, and
-/// leaves the resolved [`Peer`] in the request's extensions for handlers that check names
-/// (heartbeats).
-pub async fn middleware(
-    State(auth): State<HttpAuth>,
-    ConnectInfo(HttpPeer(info)): ConnectInfo<HttpPeer>,
-    mut req: Request,
-    next: Next,
-) -> Response {
-    let mut peer = info.peer;
-    if let Some(value) = req.headers().get(axum::http::header::AUTHORIZATION) {
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        match token.and_then(|t| auth.tokens.lookup(t)) {
-            Some(id) if matches!(peer, Peer::Anonymous | Peer::Insecure) => {
-                peer = Peer::Token(id.clone())
-            }
-            Some(_) => {}
-            None => {
-                auth.stats
-                    .unauthenticated
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                warn!(peer = %info.addr, path = req.uri().path(), "refused an unknown bearer token");
-                return ApiError::unauthenticated("the bearer token is not valid").into_response();
-            }
-        }
-    }
-    if let Some(needed) = http_permission(req.method(), req.uri().path())
-        && let Err(denied) = peer.authorize(needed)
-    {
-        let anonymous = matches!(peer, Peer::Anonymous);
-        let counter = if anonymous {
-            &auth.stats.unauthenticated
-        } else {
-            &auth.stats.denied
-        };
-        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        warn!(%peer, addr = %info.addr, path = req.uri().path(), needs = %needed, "refused HTTP request");
-        let e = if anonymous {
-            ApiError::unauthenticated(format!(
-                "{denied}; present a client certificate of the cluster CA or a bearer token"
-            ))
-        } else {
-            ApiError::permission_denied(denied.to_string())
-        };
-        return e.into_response();
-    }
-    req.extensions_mut().insert(peer);
-    next.run(req).await
-}
-
 /// Checks that a heartbeat for `host_id` comes from that host: a `host` certificate must
 /// name it (a local or insecure-mode peer is trusted with any).
 pub fn check_heartbeat(peer: &Peer, host_id: &str) -> Result<(), ApiError> {
@@ -184,7 +62,7 @@ pub fn check_heartbeat(peer: &Peer, host_id: &str) -> Result<(), ApiError> {
             id.name
         ))),
         Peer::Local { .. } | Peer::Insecure => Ok(()),
-        Peer::Anonymous => Err(ApiError::unauthenticated(
+        Peer::LocalGroup { .. } | Peer::Anonymous => Err(ApiError::unauthenticated(
             "heartbeats need a host certificate",
         )),
     }

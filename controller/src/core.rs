@@ -376,6 +376,7 @@ pub struct Controller {
     usage: crate::tiers::Usage,
     ptables: crate::ptables::PlanStore,
     authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    http: Arc<shardcast_identity::http::HttpStats>,
     origin_refused: std::sync::atomic::AtomicU64,
 }
 
@@ -446,6 +447,7 @@ impl Controller {
             usage,
             ptables,
             authz: Arc::default(),
+            http: Arc::default(),
             origin_refused: std::sync::atomic::AtomicU64::new(0),
         });
         for (id, burst) in resume {
@@ -492,6 +494,11 @@ impl Controller {
     /// Refusals of API calls by role (both front ends), for `/metrics`.
     pub fn authz_stats(&self) -> Arc<shardcast_identity::grpc::AuthzStats> {
         self.authz.clone()
+    }
+
+    /// HTTP connections closed for stalling, for `/metrics`.
+    pub fn http_stats(&self) -> Arc<shardcast_identity::http::HttpStats> {
+        self.http.clone()
     }
 
     fn agent(&self, host: &str) -> Result<AgentClient<Channel>, ApiError> {

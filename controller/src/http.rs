@@ -183,6 +183,14 @@ pub fn router(c: Arc<Controller>) -> Router {
                     load(&authz.unauthenticated),
                     load(&authz.denied)
                 ));
+                out.push_str("# HELP shardcast_api_denied_total API calls refused because the caller's role lacks the permission, by role.\n# TYPE shardcast_api_denied_total counter\n");
+                for (role, n) in authz.denied_by() {
+                    out.push_str(&format!("shardcast_api_denied_total{{role=\"{role}\"}} {n}\n"));
+                }
+                out.push_str("# HELP shardcast_http_timeouts_total HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).\n# TYPE shardcast_http_timeouts_total counter\n");
+                for (stall, n) in c.http_stats().timeouts() {
+                    out.push_str(&format!("shardcast_http_timeouts_total{{kind=\"{}\"}} {n}\n", stall.as_str()));
+                }
                 out.push_str(&format!(
                     "# HELP shardcast_origin_refused_total Registrations refused by the origin allow-list.\n# TYPE shardcast_origin_refused_total counter\nshardcast_origin_refused_total {}\n",
                     c.origin_refusals()

@@ -11,6 +11,10 @@
 //! shardcast_model_service_rate{model="org/m"} 10     # requests/s one replica serves (μ)
 //! ```
 //!
+//! With TLS configured, an `https://` endpoint is reached with the controller's own
+//! certificate and must present one of the cluster CA (transferd's admin listener serves
+//! `/metrics` that way to the `controller` role).
+//!
 //! The metric names are configurable. A model missing its arrival or service rate is
 //! skipped; one the controller does not know is logged once. An unreachable endpoint is
 //! logged once per outage, never fatal.
@@ -196,14 +200,27 @@ pub fn reports(samples: &[Sample], cfg: &ScrapeConfig) -> Vec<ReportLoadRequest>
         .collect()
 }
 
+/// The scraper's HTTP client. With TLS, `https://` endpoints are reached with the
+/// controller's certificate (the `controller` role may read metrics, e.g. a transferd's
+/// admin listener) and must present a certificate of the cluster CA.
+fn scrape_client(
+    cfg: &ScrapeConfig,
+    tls: Option<&shardcast_identity::TlsContext>,
+) -> reqwest::Result<reqwest::Client> {
+    let mut b = reqwest::Client::builder().timeout(cfg.interval.max(Duration::from_secs(1)));
+    if let Some(ctx) = tls {
+        b = b.tls_backend_preconfigured((*ctx.http_client_config()).clone());
+    }
+    b.build()
+}
+
 impl Controller {
     /// Scrapes `cfg.url` every `cfg.interval` until shutdown.
     pub(crate) async fn scrape_loop(self: Arc<Self>, cfg: ScrapeConfig) {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = match reqwest::Client::builder()
-            .timeout(cfg.interval.max(Duration::from_secs(1)))
-            .build()
-        {
+        let tls = self.config().tls.clone();
+        let mut reloads = tls.as_ref().map(|t| t.watch_reloads());
+        let mut client = match scrape_client(&cfg, tls.as_deref()) {
             Ok(c) => c,
             Err(e) => {
                 warn!("load scraping disabled: cannot build an HTTP client: {e}");
@@ -218,6 +235,16 @@ impl Controller {
             tokio::select! {
                 _ = self.cancelled() => return,
                 _ = tick.tick() => {}
+            }
+            // A rotated certificate: present the new one from now on.
+            if let Some(r) = reloads.as_mut()
+                && r.has_changed().unwrap_or(false)
+            {
+                r.mark_unchanged();
+                match scrape_client(&cfg, tls.as_deref()) {
+                    Ok(c) => client = c,
+                    Err(e) => warn!("keeping the previous scrape client: {e}"),
+                }
             }
             let page = async {
                 let r = client

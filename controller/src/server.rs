@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use shardcast_identity::grpc::{self, AuthzLayer, TcpSecurity};
+use shardcast_identity::grpc::{self, AuthzLayer, SocketAccess, TcpSecurity};
+use shardcast_identity::http::{HttpAuthLayer, HttpLimits};
 use shardcast_identity::tls::RELOAD_PERIOD;
 use shardcast_identity::token::Tokens;
 use shardcast_identity::{Alpn, Role, TlsContext};
@@ -133,6 +134,18 @@ pub struct Args {
     /// `<role> <name> <blake3-hex of the token>` (`shardcast certs token`).
     #[arg(long, env = "SHARDCAST_TOKENS_FILE")]
     pub tokens_file: Option<PathBuf>,
+    /// HTTP listener: milliseconds a client has to send a request head (from the
+    /// connection's start or the first byte after a keep-alive pause), and the longest a
+    /// handler waits for the next bytes of a request body.
+    #[arg(
+        long,
+        env = "SHARDCAST_HTTP_HEADER_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub http_header_timeout_ms: u64,
+    /// HTTP listener: milliseconds a keep-alive connection may wait for its next request.
+    #[arg(long, env = "SHARDCAST_HTTP_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
+    pub http_idle_timeout_ms: u64,
     /// INSECURE: no TLS and no authentication on the TCP listeners; refused unless both
     /// are on loopback. For benchmarks and experiments only.
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
@@ -180,6 +193,16 @@ fn load_tls(args: &Args) -> anyhow::Result<Option<Arc<TlsContext>>> {
 }
 
 impl Args {
+    /// The HTTP listener's timeouts.
+    pub fn http_limits(&self) -> anyhow::Result<HttpLimits> {
+        HttpLimits::from_millis(
+            Some(self.http_header_timeout_ms),
+            Some(self.http_idle_timeout_ms),
+            ["http_header_timeout_ms", "http_idle_timeout_ms"],
+        )
+        .map_err(anyhow::Error::msg)
+    }
+
     /// The controller configuration these flags describe.
     pub fn config(&self) -> anyhow::Result<ControllerConfig> {
         if !(50..=60_000).contains(&self.heartbeat_ms) {
@@ -273,6 +296,7 @@ impl Args {
 /// Runs the controller until SIGINT/SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut cfg = args.config()?;
+    let http_limits = args.http_limits()?;
     let tls = load_tls(&args)?;
     let tokens = match &args.tokens_file {
         Some(p) => Tokens::load(p).context("loading the tokens file")?,
@@ -312,9 +336,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("binding HTTP listener {}", args.http_listen))?;
     // 0600: local operators only (same user or root), who hold every permission.
     let unix = match &args.unix {
-        Some(p) => {
-            Some(grpc::bind_unix_private(p).with_context(|| format!("binding {}", p.display()))?)
-        }
+        Some(p) => Some(
+            grpc::bind_unix(p, SocketAccess::Owner)
+                .with_context(|| format!("binding {}", p.display()))?,
+        ),
         None => None,
     };
     let (grpc_addr, http_addr) = (grpc.local_addr()?, http.local_addr()?);
@@ -355,7 +380,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(l) = unix {
         let server = services();
         let cancel = cancel.clone();
-        let incoming = grpc::incoming_unix(l, cancel.clone().cancelled_owned());
+        let incoming =
+            grpc::incoming_unix(l, SocketAccess::Owner, cancel.clone().cancelled_owned());
         tasks.spawn(async move {
             if let Err(e) = server
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
@@ -366,17 +392,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         });
     }
     {
-        let auth = crate::auth::HttpAuth {
-            tokens: Arc::new(tokens),
-            stats: authz.clone(),
-        };
-        let router = crate::http::router(controller.clone())
-            .layer(axum::middleware::from_fn_with_state(
-                auth,
-                crate::auth::middleware,
-            ))
-            .into_make_service_with_connect_info::<crate::auth::HttpPeer>();
-        let cancel = cancel.clone();
+        let router = crate::http::router(controller.clone()).layer(HttpAuthLayer::new(
+            crate::auth::http_permission,
+            Arc::new(tokens),
+            authz.clone(),
+        ));
         let incoming = grpc::incoming_tcp(
             http,
             match &tls {
@@ -385,15 +405,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             },
             cancel.clone().cancelled_owned(),
         );
-        let listener = crate::auth::HttpListener::new(incoming, http_addr);
-        tasks.spawn(async move {
-            if let Err(e) = axum::serve(listener, router)
-                .with_graceful_shutdown(cancel.cancelled_owned())
-                .await
-            {
-                warn!("HTTP server ended: {e}");
-            }
-        });
+        tasks.spawn(shardcast_identity::http::serve(
+            incoming,
+            router,
+            http_limits,
+            controller.http_stats(),
+            cancel.clone(),
+        ));
     }
     let unix_note = args
         .unix
@@ -413,30 +431,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Plan tokens are signed with the controller's TLS key: after the TLS context reloads a
-/// rotated certificate, load the signer from the same files.
+/// Plan tokens are signed with the controller's TLS key: as soon as the TLS context
+/// reloads a rotated certificate, load the signer from the same files.
 async fn follow_rotation(
     ctx: Arc<TlsContext>,
     signer: Arc<arc_swap::ArcSwap<shardcast_identity::plan::PlanSigner>>,
     cancel: CancellationToken,
 ) {
-    use std::sync::atomic::Ordering;
-    let mut seen = ctx.stats.reloads.load(Ordering::Relaxed);
-    let mut tick = tokio::time::interval(RELOAD_PERIOD);
+    let mut reloads = ctx.watch_reloads();
     loop {
         tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let now = ctx.stats.reloads.load(Ordering::Relaxed);
-        if now == seen {
-            continue;
+            r = reloads.changed() => if r.is_err() { return },
         }
         match shardcast_identity::plan::PlanSigner::load(ctx.files()) {
             Ok(s) => {
                 signer.store(Arc::new(s));
-                seen = now;
                 info!("plan tokens are now signed with the reloaded certificate");
             }
             Err(e) => warn!("keeping the previous plan-token key: {e}"),

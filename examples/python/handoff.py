@@ -1,9 +1,17 @@
 #!/usr/bin/env python3
 """Open a model's hand-off from transferd and build tensors from it without copying.
 
-    python3 examples/python/handoff.py --admin http://127.0.0.1:7402 --model org/llama-3-8b
+    python3 examples/python/handoff.py --admin https://127.0.0.1:7402 --tls-ca ca.pem \
+        --tls-cert read-infer.pem --tls-key read-infer.key --model org/llama-3-8b
+    python3 examples/python/handoff.py --admin https://127.0.0.1:7402 --tls-ca ca.pem \
+        --token "$SHARDCAST_TOKEN" --model org/llama-3-8b
+    python3 examples/python/handoff.py --unix /run/shardcast/admin.sock --model org/llama-3-8b
 
-transferd serves the hand-off at GET /v1/handoff/{model} on its admin listener:
+transferd serves the hand-off at GET /v1/handoff/{model} on its admin listener, to callers
+that may read: over HTTPS with a client certificate of the cluster CA (role read, platform,
+admin or controller) or a bearer token from transferd's tokens_file, or on its Unix socket
+(admin_listen = "unix:/path") to the daemon's user and, with store_group, that group's
+members. With insecure_plaintext it is plain HTTP on loopback (http://).
 
 * kind "cuda-ipc": per GPU holding the model, the region that holds it -- `gpu`, a CUDA IPC
   memory handle of the model's own device allocation, the region's `offset` in it (0) and
@@ -24,12 +32,14 @@ and exits non-zero on any mismatch.
 
 import argparse
 import ctypes
+import http.client
 import json
 import mmap
 import os
+import socket
+import ssl
 import sys
 import urllib.parse
-import urllib.request
 
 # safetensors dtype -> (struct/memoryview format, numpy dtype name, bytes per element)
 DTYPES = {
@@ -46,13 +56,42 @@ DTYPES = {
 }
 
 
-def fetch(admin, model):
-    url = admin.rstrip("/") + "/v1/handoff/" + urllib.parse.quote(model, safe="")
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return json.load(r)
-    except urllib.error.HTTPError as e:
-        sys.exit(f"hand-off of {model!r} not available: {e.code} {e.read().decode().strip()}")
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over transferd's admin Unix socket."""
+
+    def __init__(self, path, timeout):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def fetch(a):
+    """The hand-off JSON of a.model, from the admin listener a.admin or socket a.unix."""
+    path = "/v1/handoff/" + urllib.parse.quote(a.model, safe="")
+    headers = {"Authorization": f"Bearer {a.token}"} if a.token else {}
+    if a.unix:
+        conn = UnixHTTPConnection(a.unix, timeout=30)
+    else:
+        url = urllib.parse.urlsplit(a.admin)
+        if url.scheme == "https":
+            # The cluster CA: transferd's certificate names localhost and the loopback
+            # addresses by default (more with `shardcast certs issue --dns/--ip`).
+            ctx = ssl.create_default_context(cafile=a.ca)
+            if a.cert:
+                ctx.load_cert_chain(a.cert, a.key)
+            conn = http.client.HTTPSConnection(url.hostname, url.port or 7402, timeout=30, context=ctx)
+        else:
+            conn = http.client.HTTPConnection(url.hostname, url.port or 7402, timeout=30)
+    conn.request("GET", path, headers=headers)
+    r = conn.getresponse()
+    body = r.read()
+    if r.status != 200:
+        sys.exit(f"hand-off of {a.model!r} not available: {r.status} {body.decode().strip()}")
+    return json.loads(body)
 
 
 def build(buf, base, t):
@@ -186,11 +225,18 @@ def check_host(h, verbose):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--admin", default=os.environ.get("SHARDCAST_ADMIN", "http://127.0.0.1:7402"))
+    p.add_argument("--admin", default=os.environ.get("SHARDCAST_ADMIN", "https://127.0.0.1:7402"))
+    p.add_argument("--unix", default=os.environ.get("SHARDCAST_ADMIN_SOCKET"), help="admin Unix socket instead of --admin")
+    p.add_argument("--tls-ca", dest="ca", default=os.environ.get("SHARDCAST_TLS_CA"), help="cluster CA bundle (PEM)")
+    p.add_argument("--tls-cert", dest="cert", default=os.environ.get("SHARDCAST_TLS_CERT"), help="client certificate (PEM), e.g. role read")
+    p.add_argument("--tls-key", dest="key", default=os.environ.get("SHARDCAST_TLS_KEY"), help="its private key (PEM)")
+    p.add_argument("--token", default=os.environ.get("SHARDCAST_TOKEN"), help="bearer token instead of a certificate")
     p.add_argument("--model", required=True, help="model name or hex digest")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
-    h = fetch(a.admin, a.model)
+    if a.cert and not a.key:
+        p.error("--tls-cert needs --tls-key")
+    h = fetch(a)
     if h["kind"] == "cuda-ipc":
         mapped = open_cuda_ipc(h)
         bad = check_cuda(h, mapped, a.verbose)

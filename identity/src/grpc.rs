@@ -24,7 +24,7 @@ use tonic::transport::server::Connected;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tracing::{debug, warn};
 
-use crate::role::{Peer, Permission};
+use crate::role::{Peer, Permission, Role};
 use crate::tls::{Alpn, Expect, TlsContext};
 
 /// Time allowed to establish an outgoing connection.
@@ -50,12 +50,22 @@ pub struct PeerInfo {
 pub struct AuthedIo {
     io: Box<dyn Io>,
     info: PeerInfo,
+    on_read: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl AuthedIo {
     /// Wraps an established stream.
     pub fn new(io: Box<dyn Io>, info: PeerInfo) -> Self {
-        Self { io, info }
+        Self {
+            io,
+            info,
+            on_read: None,
+        }
+    }
+
+    /// Calls `f` whenever bytes arrive (the HTTP server's stall clock).
+    pub fn on_read(&mut self, f: impl Fn() + Send + Sync + 'static) {
+        self.on_read = Some(Box::new(f));
     }
 
     /// Who is connected.
@@ -77,7 +87,14 @@ impl AsyncRead for AuthedIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if let Some(f) = &self.on_read
+            && buf.filled().len() > before
+        {
+            f();
+        }
+        r
     }
 }
 
@@ -201,10 +218,35 @@ pub fn incoming_tcp(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Accepts on a Unix socket: a peer of this process's user (or root) is
-/// [`Peer::Local`], any other [`Peer::Anonymous`] (the socket should be 0600 anyway).
+/// Who may connect to a Unix socket, as its file mode says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketAccess {
+    /// Mode 0600: this user (and root) only. Such peers are [`Peer::Local`] operators and
+    /// hold every permission.
+    Owner,
+    /// Mode 0660 with this group (gid): its members may connect too, as
+    /// [`Peer::LocalGroup`] readers (transferd's admin socket with `store_group`, so
+    /// inference processes in the group can get hand-offs).
+    Group(u32),
+}
+
+impl SocketAccess {
+    /// Who a peer with `uid` is on a socket of this kind, in a process running as `me`.
+    pub fn peer(self, uid: u32, me: u32) -> Peer {
+        match self {
+            _ if uid == me || uid == 0 => Peer::Local { uid },
+            // The file mode let it connect: a member of the socket's group.
+            Self::Group(_) => Peer::LocalGroup { uid },
+            Self::Owner => Peer::Anonymous,
+        }
+    }
+}
+
+/// Accepts on a Unix socket: a peer of this process's user (or root) is [`Peer::Local`];
+/// any other is what `access` says ([`SocketAccess::peer`]).
 pub fn incoming_unix(
     listener: UnixListener,
+    access: SocketAccess,
     cancel: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Incoming {
     let (tx, rx) = mpsc::channel(64);
@@ -225,8 +267,8 @@ pub fn incoming_unix(
                 },
             };
             let peer = match stream.peer_cred() {
-                Ok(c) if c.uid() == me || c.uid() == 0 => Peer::Local { uid: c.uid() },
-                _ => Peer::Anonymous,
+                Ok(c) => access.peer(c.uid(), me),
+                Err(_) => Peer::Anonymous,
             };
             let conn = AuthedIo::new(
                 Box::new(stream),
@@ -243,9 +285,9 @@ pub fn incoming_unix(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Binds a Unix socket readable and writable by this user only (0600), replacing a stale
-/// socket (never another kind of file).
-pub fn bind_unix_private(path: &std::path::Path) -> std::io::Result<UnixListener> {
+/// Binds a Unix socket with the mode `access` names (0600, or 0660 and the group),
+/// replacing a stale socket (never another kind of file).
+pub fn bind_unix(path: &std::path::Path, access: SocketAccess) -> std::io::Result<UnixListener> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if meta.file_type().is_socket() {
@@ -253,7 +295,14 @@ pub fn bind_unix_private(path: &std::path::Path) -> std::io::Result<UnixListener
         }
     }
     let l = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let mode = match access {
+        SocketAccess::Owner => 0o600,
+        SocketAccess::Group(gid) => {
+            std::os::unix::fs::chown(path, None, Some(gid))?;
+            0o660
+        }
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     Ok(l)
 }
 
@@ -262,94 +311,132 @@ pub fn peer_of<T>(req: &tonic::Request<T>) -> Peer {
     peer_in(req.extensions())
 }
 
-fn peer_in(extensions: &http::Extensions) -> Peer {
+pub(crate) fn peer_in(extensions: &http::Extensions) -> Peer {
     extensions
         .get::<PeerInfo>()
         .map(|p| p.peer.clone())
         .unwrap_or(Peer::Anonymous)
 }
 
-/// Refusals counted by [`AuthzLayer`].
+/// Refusals counted by [`AuthzLayer`] and the HTTP layer
+/// ([`crate::http::HttpAuthLayer`]).
 #[derive(Debug, Default)]
 pub struct AuthzStats {
     /// Calls refused because the peer had no identity.
     pub unauthenticated: AtomicU64,
     /// Calls refused because the peer's role lacks the permission.
     pub denied: AtomicU64,
+    /// `denied`, by the refused peer's kind: the roles in [`Role::ALL`] order, then
+    /// local socket-group users.
+    denied_by: [AtomicU64; Role::ALL.len() + 1],
+}
+
+impl AuthzStats {
+    /// Counts a refusal of `peer`.
+    fn count(&self, peer: &Peer) {
+        if matches!(peer, Peer::Anonymous) {
+            self.unauthenticated.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.denied.fetch_add(1, Ordering::Relaxed);
+        let slot = match peer.identity() {
+            Some(id) => Role::ALL.iter().position(|r| *r == id.role),
+            None => None,
+        };
+        self.denied_by[slot.unwrap_or(Role::ALL.len())].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Denials by the refused peer's kind (`host`, …, `read`, `local`), for metrics.
+    pub fn denied_by(&self) -> Vec<(&'static str, u64)> {
+        Role::ALL
+            .iter()
+            .map(|r| r.as_str())
+            .chain(["local"])
+            .zip(&self.denied_by)
+            .map(|(kind, n)| (kind, n.load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+/// Why [`authorize`] refused a call; the message names the caller, what it lacked and
+/// how to get it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// No identity was presented.
+    Unauthenticated(String),
+    /// The identity's role lacks the permission.
+    Denied(String),
+}
+
+/// Checks `peer` for `needed` on `what` (a method or route): a refusal is counted in
+/// `stats` and logged with the peer's identity. `hint` tells an anonymous caller how to
+/// authenticate.
+pub fn authorize(
+    stats: &AuthzStats,
+    peer: &Peer,
+    needed: Permission,
+    what: &str,
+    hint: &str,
+) -> Result<(), Refused> {
+    let Err(denied) = peer.authorize(needed) else {
+        return Ok(());
+    };
+    stats.count(peer);
+    if matches!(peer, Peer::Anonymous) {
+        warn!(%peer, method = what, "refused unauthenticated call");
+        Err(Refused::Unauthenticated(format!(
+            "{what}: {denied}; {hint}"
+        )))
+    } else {
+        warn!(%peer, method = what, needs = %needed, "refused call");
+        Err(Refused::Denied(format!("{what}: {denied}")))
+    }
 }
 
 /// Maps a gRPC path (`/package.Service/Method`) to what it needs; `None` for paths the
 /// table does not know, which only local operators may call.
 pub type MethodTable = fn(&str) -> Option<Permission>;
 
-/// A tower layer that authorises every gRPC call by its path.
+/// An authorisation check run before a service: it lets a request through (after adding
+/// what handlers need to its extensions) or answers it instead.
+pub trait Gate<ReqB, ResB> {
+    /// `Ok` lets `req` through; `Err` is the answer.
+    fn admit(&self, req: &mut http::Request<ReqB>) -> Result<(), http::Response<ResB>>;
+}
+
+/// A tower layer that runs a [`Gate`] before every call: [`AuthzLayer`] for gRPC,
+/// [`crate::http::HttpAuthLayer`] for HTTP.
 #[derive(Clone)]
-pub struct AuthzLayer {
-    table: MethodTable,
-    stats: Arc<AuthzStats>,
-}
+pub struct GateLayer<G>(pub(crate) G);
 
-impl AuthzLayer {
-    /// A layer using `table`, counting into `stats`.
-    pub fn new(table: MethodTable, stats: Arc<AuthzStats>) -> Self {
-        Self { table, stats }
-    }
-}
-
-impl<S> tower::Layer<S> for AuthzLayer {
-    type Service = Authz<S>;
-    fn layer(&self, inner: S) -> Authz<S> {
-        Authz {
+impl<S, G: Clone> tower::Layer<S> for GateLayer<G> {
+    type Service = Gated<S, G>;
+    fn layer(&self, inner: S) -> Gated<S, G> {
+        Gated {
             inner,
-            layer: self.clone(),
+            gate: self.0.clone(),
         }
     }
 }
 
-/// The service [`AuthzLayer`] wraps around the routes.
+/// The service a [`GateLayer`] wraps around the routes.
 #[derive(Clone)]
-pub struct Authz<S> {
+pub struct Gated<S, G> {
     inner: S,
-    layer: AuthzLayer,
+    gate: G,
 }
 
-/// Checks `peer` for the call at `path`; the `Status` to answer when refused.
-pub fn check_call(
-    table: MethodTable,
-    stats: &AuthzStats,
-    peer: &Peer,
-    path: &str,
-) -> Result<(), tonic::Status> {
-    let needed = (table)(path).unwrap_or(Permission::Admin);
-    match peer.authorize(needed) {
-        Ok(()) => Ok(()),
-        Err(denied) => {
-            if matches!(peer, Peer::Anonymous) {
-                stats.unauthenticated.fetch_add(1, Ordering::Relaxed);
-                warn!(%peer, method = path, "refused unauthenticated call");
-                Err(tonic::Status::unauthenticated(format!(
-                    "{path}: {denied}; present a certificate of the cluster CA"
-                )))
-            } else {
-                stats.denied.fetch_add(1, Ordering::Relaxed);
-                warn!(%peer, method = path, needs = %needed, "refused call");
-                Err(tonic::Status::permission_denied(format!(
-                    "{path}: {denied}"
-                )))
-            }
-        }
-    }
-}
-
-impl<S, B> tower::Service<http::Request<B>> for Authz<S>
+impl<S, G, ReqB, ResB> tower::Service<http::Request<ReqB>> for Gated<S, G>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
+    G: Gate<ReqB, ResB>,
+    S: tower::Service<http::Request<ReqB>, Response = http::Response<ResB>>
         + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    B: Send + 'static,
+    ReqB: Send + 'static,
+    ResB: Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -360,18 +447,62 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let peer = peer_in(req.extensions());
-        match check_call(self.layer.table, &self.layer.stats, &peer, req.uri().path()) {
+    fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
+        match self.gate.admit(&mut req) {
             Ok(()) => {
                 // Take the service that was driven to readiness; leave a clone behind.
                 let clone = self.inner.clone();
                 let mut inner = std::mem::replace(&mut self.inner, clone);
                 Box::pin(async move { inner.call(req).await })
             }
-            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
+            Err(answer) => Box::pin(async move { Ok(answer) }),
         }
     }
+}
+
+/// The gRPC [`Gate`]: a table of method → permission.
+#[derive(Clone)]
+pub struct MethodAuthz {
+    table: MethodTable,
+    stats: Arc<AuthzStats>,
+}
+
+impl<B> Gate<B, tonic::body::Body> for MethodAuthz {
+    fn admit(&self, req: &mut http::Request<B>) -> Result<(), http::Response<tonic::body::Body>> {
+        let peer = peer_in(req.extensions());
+        check_call(self.table, &self.stats, &peer, req.uri().path()).map_err(|s| s.into_http())
+    }
+}
+
+/// A tower layer that authorises every gRPC call by its path.
+pub type AuthzLayer = GateLayer<MethodAuthz>;
+
+impl AuthzLayer {
+    /// A layer using `table`, counting into `stats`.
+    pub fn new(table: MethodTable, stats: Arc<AuthzStats>) -> Self {
+        Self(MethodAuthz { table, stats })
+    }
+}
+
+/// Checks `peer` for the call at `path`; the `Status` to answer when refused.
+pub fn check_call(
+    table: MethodTable,
+    stats: &AuthzStats,
+    peer: &Peer,
+    path: &str,
+) -> Result<(), tonic::Status> {
+    let needed = (table)(path).unwrap_or(Permission::Admin);
+    authorize(
+        stats,
+        peer,
+        needed,
+        path,
+        "present a certificate of the cluster CA",
+    )
+    .map_err(|r| match r {
+        Refused::Unauthenticated(m) => tonic::Status::unauthenticated(m),
+        Refused::Denied(m) => tonic::Status::permission_denied(m),
+    })
 }
 
 /// How a client reaches a service.
@@ -502,5 +633,56 @@ pub async fn connect(addr: &str, security: ClientSecurity) -> Result<Channel, Co
 impl From<crate::tls::TlsError> for std::io::Error {
     fn from(e: crate::tls::TlsError) -> Self {
         Self::new(std::io::ErrorKind::PermissionDenied, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_peers_by_uid_and_mode() {
+        let me = 1000;
+        for access in [SocketAccess::Owner, SocketAccess::Group(50)] {
+            assert_eq!(access.peer(me, me), Peer::Local { uid: me });
+            assert_eq!(access.peer(0, me), Peer::Local { uid: 0 });
+        }
+        assert_eq!(SocketAccess::Owner.peer(1001, me), Peer::Anonymous);
+        let member = SocketAccess::Group(50).peer(1001, me);
+        assert_eq!(member, Peer::LocalGroup { uid: 1001 });
+        assert!(member.authorize(Permission::Read).is_ok());
+        assert!(member.authorize(Permission::DriveAgent).is_err());
+    }
+
+    #[test]
+    fn denials_are_counted_by_role() {
+        let stats = AuthzStats::default();
+        let host = Peer::Cert(crate::Identity::new(Role::Host, "h1").unwrap());
+        let r = authorize(&stats, &host, Permission::Read, "/metrics", "hint");
+        assert!(matches!(r, Err(Refused::Denied(m)) if m.contains("host:h1")));
+        let r = authorize(
+            &stats,
+            &Peer::Anonymous,
+            Permission::Read,
+            "/metrics",
+            "hint",
+        );
+        assert!(matches!(r, Err(Refused::Unauthenticated(m)) if m.ends_with("hint")));
+        let r = authorize(
+            &stats,
+            &Peer::LocalGroup { uid: 7 },
+            Permission::Admin,
+            "/x",
+            "",
+        );
+        assert!(r.is_err());
+        assert_eq!(stats.unauthenticated.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.denied.load(Ordering::Relaxed), 2);
+        let by: Vec<_> = stats
+            .denied_by()
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        assert_eq!(by, vec![("host", 1), ("local", 1)]);
     }
 }

@@ -8,6 +8,9 @@
 //! - [`tls`]: mutual TLS configurations from PEM files, reloaded when they change.
 //! - [`grpc`]: authenticated listeners (TCP + TLS, Unix sockets) and clients for tonic and
 //!   axum, and the per-method authorisation layer.
+//! - [`http`]: HTTP/1.1 APIs over those listeners (the controller's JSON API, transferd's
+//!   admin endpoint): per-route authorisation with certificates or bearer tokens, and
+//!   timeouts for clients that stall.
 //! - [`token`]: bearer tokens for HTTP clients.
 //! - [`plan`]: plan tokens, the controller's signature over a chain's model, hosts and
 //!   expiry, checked by every hop.
@@ -18,6 +21,7 @@
 //! external identity providers.
 
 pub mod grpc;
+pub mod http;
 pub mod pki;
 pub mod plan;
 pub mod role;

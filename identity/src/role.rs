@@ -190,6 +190,13 @@ pub enum Peer {
         /// The peer's uid from `SO_PEERCRED`.
         uid: u32,
     },
+    /// Another user on a Unix socket that is shared with a group (mode 0660, e.g.
+    /// transferd's admin socket with `store_group`): the file mode let it connect, so it
+    /// is a member of that group. It may read (hand-offs, metrics), nothing more.
+    LocalGroup {
+        /// The peer's uid from `SO_PEERCRED`.
+        uid: u32,
+    },
     /// No identity: only where the loudly named plaintext setting allowed it (loopback).
     Insecure,
     /// Nothing presented.
@@ -210,6 +217,7 @@ impl Peer {
         let ok = match self {
             Self::Cert(id) | Self::Token(id) => id.role.grants(p),
             Self::Local { .. } | Self::Insecure => true,
+            Self::LocalGroup { .. } => p == Permission::Read,
             Self::Anonymous => false,
         };
         if ok {
@@ -229,6 +237,7 @@ impl fmt::Display for Peer {
             Self::Cert(id) => write!(f, "{id} (certificate)"),
             Self::Token(id) => write!(f, "{id} (token)"),
             Self::Local { uid } => write!(f, "local uid {uid}"),
+            Self::LocalGroup { uid } => write!(f, "local uid {uid} (socket group)"),
             Self::Insecure => f.write_str("plaintext peer (insecure mode)"),
             Self::Anonymous => f.write_str("anonymous"),
         }
@@ -335,6 +344,12 @@ mod tests {
         assert!(id(Role::Read).authorize(P::Platform).is_err());
         assert!(Peer::Anonymous.authorize(P::Read).is_err());
         assert!(Peer::Local { uid: 0 }.authorize(P::Admin).is_ok());
+        assert!(Peer::LocalGroup { uid: 7 }.authorize(P::Read).is_ok());
+        assert!(
+            Peer::LocalGroup { uid: 7 }
+                .authorize(P::DriveAgent)
+                .is_err()
+        );
         let e = id(Role::Read).authorize(P::Admin).unwrap_err();
         assert_eq!(
             e.to_string(),

@@ -418,6 +418,9 @@ pub struct TlsContext {
     files: TlsFiles,
     loaded: ArcSwap<Loaded>,
     handshake_timeout_ms: AtomicU64,
+    /// Bumped after each successful reload, for what must follow the certificate (the
+    /// controller's plan-token signer, HTTPS clients built from it).
+    reloaded: tokio::sync::watch::Sender<u64>,
     /// Counters.
     pub stats: TlsStats,
 }
@@ -439,6 +442,7 @@ impl TlsContext {
             files,
             loaded: ArcSwap::from_pointee(loaded),
             handshake_timeout_ms: AtomicU64::new(HANDSHAKE_TIMEOUT.as_millis() as u64),
+            reloaded: tokio::sync::watch::Sender::new(0),
             stats: TlsStats::default(),
         }))
     }
@@ -494,6 +498,19 @@ impl TlsContext {
         )
     }
 
+    /// Changes after every successful reload (the value counts them): whatever was built
+    /// from the certificate is rebuilt when it does.
+    pub fn watch_reloads(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.reloaded.subscribe()
+    }
+
+    /// The current client configuration for HTTPS (ALPN `http/1.1`): presents this member's
+    /// certificate and checks the server's chain against the CA bundle, not its name. For
+    /// HTTP clients such as reqwest; rebuild them after [`Self::watch_reloads`] changes.
+    pub fn http_client_config(&self) -> Arc<ClientConfig> {
+        self.loaded.load().clients[index(Alpn::Http)].clone()
+    }
+
     /// The files.
     pub fn files(&self) -> &TlsFiles {
         &self.files
@@ -521,6 +538,7 @@ impl TlsContext {
             Ok(l) => {
                 self.loaded.store(Arc::new(l));
                 self.stats.reloads.fetch_add(1, Ordering::Relaxed);
+                self.reloaded.send_modify(|n| *n += 1);
                 info!(cert = %self.files.cert.display(), "reloaded TLS certificate");
                 Ok(true)
             }

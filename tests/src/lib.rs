@@ -256,20 +256,19 @@ pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> byt
     bytes::Bytes::from(pki.sign(&claims).expect("signing"))
 }
 
-/// The daemon's Prometheus counter `name` (without the `shardcast_` prefix), read from its
-/// admin endpoint.
+/// The daemon's Prometheus counter `name` (without the `shardcast_` prefix; with its
+/// labels after the host's, e.g. `admin_denied_total{role="host"}` as
+/// `admin_denied_total` + `,role="host"`), read from its admin endpoint with a `read`
+/// certificate.
 pub async fn metric(d: &Daemon, name: &str) -> u64 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(d.admin_addr)
-        .await
-        .expect("admin endpoint");
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .expect("metrics request");
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.expect("metrics answer");
+    let body = d.metrics().await.expect("admin /metrics");
+    let (family, labels) = match name.split_once('{') {
+        Some((f, l)) => (f, format!(",{}", l.trim_end_matches('}'))),
+        None => (name, String::new()),
+    };
+    let prefix = format!("shardcast_{family}{{host=\"{}\"{labels}}}", d.host_id);
     body.lines()
-        .find(|l| l.starts_with(&format!("shardcast_{name}{{")))
+        .find(|l| l.starts_with(&prefix))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no metric {name} in {body}"))

@@ -7,28 +7,11 @@ use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::Daemon;
 use shardcast_protocol::Manifest;
-use shardcast_tests::TestCluster;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use shardcast_tests::{TestCluster, metric};
 
 const MIB: u64 = 1 << 20;
 /// Chunk size `TestCluster::import_on_source` uses.
 const CHUNK: u64 = 256 << 10;
-
-/// One counter from a daemon's `/metrics` (0 when absent).
-async fn metric(d: &Daemon, name: &str) -> u64 {
-    let mut s = tokio::net::TcpStream::connect(d.admin_addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    let prefix = format!("shardcast_{name}{{");
-    body.lines()
-        .find(|l| l.starts_with(&prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 /// Polls `metric` until it reaches `at_least`, for up to `timeout`.
 async fn wait_metric(d: &Daemon, name: &str, at_least: u64, timeout: Duration) -> u64 {

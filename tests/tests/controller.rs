@@ -1658,3 +1658,136 @@ async fn names_follow_the_controllers_registry() {
     h3.restart().await.unwrap();
     assert_eq!(resolved(h3, MODEL).await.as_deref(), Some(d1.as_str()));
 }
+
+/// The certificate the controller's HTTP listener presents now (DER).
+async fn served_certificate(ctl: &ControllerProc) -> Vec<u8> {
+    let pki = ctl.pki.clone().expect("a TLS controller");
+    let tcp = tokio::net::TcpStream::connect(ctl.http).await.unwrap();
+    let (s, _) = pki
+        .client(Role::Read)
+        .unwrap()
+        .connect(
+            tcp,
+            shardcast_identity::Alpn::Http,
+            &shardcast_identity::Expect::Role(Role::Controller),
+        )
+        .await
+        .unwrap();
+    s.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+/// How long the controller's first certificate is valid: long enough to start the cluster
+/// and finish one prewarm on a slow machine, short enough to wait out in a test.
+const FIRST_CERT_LIFE: Duration = Duration::from_secs(25);
+
+/// The controller's certificate is rotated under a running cluster (`shardcast certs
+/// rotate`, then SIGHUP): clients are served the new certificate, and the next prewarm's
+/// plan tokens are signed with the new key and accepted by the hosts, with no process
+/// restarted. The first certificate is short-lived and has expired before the second
+/// prewarm, so a controller still signing with the old key would be refused by every hop
+/// (`sessions_unauthorised_total`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_controller_certificate_signs_the_next_plans_without_a_restart() {
+    use shardcast_identity::pki::IssueRequest;
+    use shardcast_identity::{Identity, tls::first_cert};
+    let pki = shardcast_bench::pki::ClusterPki::shared().unwrap();
+    let files = pki.files(Role::Controller, "controller").unwrap();
+    let mut req = IssueRequest::new(Identity::new(Role::Controller, "controller").unwrap());
+    req.validity = FIRST_CERT_LIFE;
+    let issued = Instant::now();
+    let short = pki.pki().issue(&req).unwrap();
+    assert_eq!(
+        short.cert, files.cert,
+        "the controller's files are replaced"
+    );
+
+    let c = start_cluster(2, vec![], |_, _| {}).await.unwrap();
+    let pids: Vec<Option<u32>> = std::iter::once(c.controller.pid())
+        .chain(c.daemons.iter().map(Daemon::pid))
+        .collect();
+    let first = served_certificate(&c.controller).await;
+    let origin = Origin::new(4 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    register(&mut api, &origin).await;
+    let plan = prewarm_hosts(&mut api, hosts(1..=1)).await;
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    assert!(
+        issued.elapsed() < FIRST_CERT_LIFE,
+        "the first prewarm took longer than the first certificate lives; nothing left to test"
+    );
+
+    // Rotate as an operator would, and tell the controller at once.
+    let out = tokio::process::Command::new(cli_bin().unwrap())
+        .args(["certs", "rotate", "--dir"])
+        .arg(pki.pki().dir())
+        .arg("--cert")
+        .arg(&files.cert)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &c.controller.pid().unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rotated = first_cert(&std::fs::read(&files.cert).unwrap(), &files.cert)
+        .unwrap()
+        .to_vec();
+    assert_ne!(rotated, first, "rotate wrote a new certificate");
+    let t0 = Instant::now();
+    loop {
+        let now = served_certificate(&c.controller).await;
+        if now == rotated {
+            break;
+        }
+        assert_eq!(now, first, "served neither the old nor the new certificate");
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the controller still serves the old certificate; log {}",
+            c.controller.log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Only the new certificate is valid from here on.
+    let expiry = issued + FIRST_CERT_LIFE + Duration::from_secs(1);
+    tokio::time::sleep_until(expiry.into()).await;
+    // host-1 heads the chain to host-2, whose data port checks the plan token.
+    let from_origin = origin_bytes(&c.daemons).await;
+    let plan = prewarm_hosts(&mut api, hosts(2..=2)).await;
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        done.state,
+        "done",
+        "{done:?}; logs {}",
+        c.controller.log.display()
+    );
+    assert_eq!(
+        origin_bytes(&c.daemons).await,
+        from_origin,
+        "host-2 was served by host-1"
+    );
+    for d in &c.daemons {
+        assert_eq!(
+            shardcast_tests::metric(d, "sessions_unauthorised_total").await,
+            0,
+            "{} refused a plan token",
+            d.host_id
+        );
+    }
+    let after: Vec<Option<u32>> = std::iter::once(c.controller.pid())
+        .chain(c.daemons.iter().map(Daemon::pid))
+        .collect();
+    assert_eq!(pids, after, "no process was restarted");
+    let log = std::fs::read_to_string(&c.controller.log).unwrap();
+    assert!(
+        log.contains("plan tokens are now signed with the reloaded certificate"),
+        "{log}"
+    );
+}

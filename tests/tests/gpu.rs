@@ -476,8 +476,7 @@ async fn python_handoff_check(d: &Daemon, model: &str) -> String {
     let script = std::env::var("SHARDCAST_HANDOFF_PY").unwrap_or_else(|_| script.into());
     let out = tokio::process::Command::new("python3")
         .arg(script)
-        .arg("--admin")
-        .arg(format!("http://{}", d.admin_addr))
+        .args(d.handoff_py_args().unwrap())
         .arg("--model")
         .arg(model)
         .output()

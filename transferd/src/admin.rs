@@ -1,6 +1,22 @@
 //! Admin HTTP endpoint, off the data path: `/healthz` (the process is up), `/readyz`
 //! (every listener is bound), `/metrics` (Prometheus text format), and
 //! `/v1/handoff/{model}` (the hand-off of a model to an inference process on this host).
+//!
+//! Who may call what ([`permission`], applied by `shardcast_identity::http::HttpAuthLayer`
+//! before a handler runs):
+//!
+//! | permission | routes |
+//! | --- | --- |
+//! | none | `GET /healthz`, `GET /readyz` (liveness probes; they say nothing else) |
+//! | read (read, platform, admin, controller; a socket-group user) | `GET /metrics`, `GET /v1/handoff/{model}` |
+//! | admin | anything else (only local operators reach the 404/405) |
+//!
+//! On TCP the listener speaks HTTPS with the host's cluster certificate; a client presents
+//! its own certificate or a bearer token from `tokens_file`. On a Unix socket the peer's
+//! uid decides (`shardcast_identity::grpc::SocketAccess`). Refusals are `401`/`403` with a
+//! JSON message, logged with the identity and counted (`shardcast_admin_refused_total`,
+//! `shardcast_admin_denied_total{role}`); clients that stall are closed and counted
+//! (`shardcast_admin_timeouts_total{kind}`).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -8,21 +24,38 @@ use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode};
 use axum::routing::get;
 use gpu_loader::manager::GpuManager;
-use tokio::net::TcpListener;
+use shardcast_identity::Permission;
+use shardcast_identity::grpc::Incoming;
+use shardcast_identity::http::{HttpAuthLayer, HttpLimits};
+use shardcast_identity::token::Tokens;
 use tokio_util::sync::CancellationToken;
 
 use crate::chain::Node;
 
-/// Serves the admin endpoints until `cancel`.
+/// What each admin route needs (`None`: anonymous).
+pub fn permission(method: &Method, path: &str) -> Option<Permission> {
+    match (method, path) {
+        (&Method::GET | &Method::HEAD, "/healthz" | "/readyz") => None,
+        (&Method::GET | &Method::HEAD, "/metrics") => Some(Permission::Read),
+        (&Method::GET | &Method::HEAD, p) if p.starts_with("/v1/handoff/") => {
+            Some(Permission::Read)
+        }
+        _ => Some(Permission::Admin),
+    }
+}
+
+/// Serves the admin endpoints on `incoming` until `cancel`.
 pub async fn serve(
     node: Arc<Node>,
     gpus: Arc<GpuManager>,
-    listener: TcpListener,
+    incoming: Incoming,
+    tokens: Tokens,
+    limits: HttpLimits,
     cancel: CancellationToken,
-) -> std::io::Result<()> {
+) {
     let handoff = Router::new()
         .route("/v1/handoff/{model}", get(handoff))
         .with_state((node.clone(), gpus));
@@ -30,11 +63,15 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { (StatusCode::OK, "ready\n") }))
         .route("/metrics", get(metrics))
-        .with_state(node)
-        .merge(handoff);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(cancel.cancelled_owned())
-        .await
+        .with_state(node.clone())
+        .merge(handoff)
+        .layer(HttpAuthLayer::new(
+            permission,
+            Arc::new(tokens),
+            node.stats.admin_authz.clone(),
+        ));
+    shardcast_identity::http::serve(incoming, app, limits, node.stats.admin_http.clone(), cancel)
+        .await;
 }
 
 /// `GET /v1/handoff/{model}`: the hand-off JSON for inference processes on this host
@@ -59,6 +96,27 @@ async fn handoff(
 
 async fn metrics(State(node): State<Arc<Node>>) -> String {
     render(&node)
+}
+
+/// A counter family with one label besides `host`.
+fn labelled(
+    out: &mut String,
+    host: &impl std::fmt::Display,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: Vec<(&str, u64)>,
+) {
+    let _ = writeln!(
+        out,
+        "# HELP shardcast_{name} {help}\n# TYPE shardcast_{name} counter"
+    );
+    for (v, n) in values {
+        let _ = writeln!(
+            out,
+            "shardcast_{name}{{host=\"{host}\",{label}=\"{v}\"}} {n}"
+        );
+    }
 }
 
 /// Renders every data-plane counter in Prometheus text format.
@@ -242,18 +300,24 @@ pub fn render(node: &Node) -> String {
         "Agent API calls refused because the caller's role lacks the permission.",
         s.authz.denied.load(Ordering::Relaxed),
     );
+    metric(
+        "admin_refused_total",
+        "counter",
+        "Admin HTTP requests refused for want of an identity (no certificate, no or an unknown token).",
+        s.admin_authz.unauthenticated.load(Ordering::Relaxed),
+    );
     if let Some(tls) = node.transport.tls() {
         let t = &tls.stats;
         metric(
             "tls_handshakes_accepted_total",
             "counter",
-            "TLS handshakes completed as a server (data port and agent API).",
+            "TLS handshakes completed as a server (data port, agent API and admin listener).",
             t.accepted.load(Ordering::Relaxed),
         );
         metric(
             "tls_handshakes_refused_total",
             "counter",
-            "TLS handshakes refused as a server (data port and agent API).",
+            "TLS handshakes refused as a server (data port, agent API and admin listener).",
             t.refused.load(Ordering::Relaxed) + t.timed_out.load(Ordering::Relaxed),
         );
         metric(
@@ -345,6 +409,26 @@ pub fn render(node: &Node) -> String {
         "counter",
         "Repair requests refused because the repair queue was full.",
         node.repairs.refused(),
+    );
+    labelled(
+        &mut out,
+        &node.host,
+        "admin_denied_total",
+        "Admin HTTP requests refused because the caller may not read, by its role (local: a socket-group user).",
+        "role",
+        s.admin_authz.denied_by(),
+    );
+    labelled(
+        &mut out,
+        &node.host,
+        "admin_timeouts_total",
+        "Admin HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).",
+        "kind",
+        s.admin_http
+            .timeouts()
+            .into_iter()
+            .map(|(stall, n)| (stall.as_str(), n))
+            .collect(),
     );
     out
 }

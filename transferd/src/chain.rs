@@ -146,6 +146,10 @@ pub struct NodeStats {
     pub identity_mismatch: AtomicU64,
     /// Agent API calls refused by role.
     pub authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    /// Admin HTTP requests refused (no identity, or a role that may not read).
+    pub admin_authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    /// Admin HTTP connections closed because the client stalled.
+    pub admin_http: Arc<shardcast_identity::http::HttpStats>,
     /// `Open`s refused for want of a valid plan token (none, forged, expired, another
     /// model, or a host the plan does not name).
     pub sessions_unauthorised: AtomicU64,

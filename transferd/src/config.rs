@@ -44,9 +44,24 @@ pub struct Args {
     /// [default: 0.0.0.0:7401].
     #[arg(long, env = "SHARDCAST_AGENT_LISTEN")]
     pub agent_listen: Option<String>,
-    /// Admin HTTP listener: /metrics, /healthz, /readyz [default: 127.0.0.1:7402].
+    /// Admin HTTP listener (/metrics, /healthz, /readyz, /v1/handoff): `host:port` (HTTPS
+    /// with the cluster TLS identity), or `unix:/path/to.sock` (0600, or 0660 with
+    /// `store_group`) [default: 127.0.0.1:7402].
     #[arg(long, env = "SHARDCAST_ADMIN_LISTEN")]
-    pub admin_listen: Option<SocketAddr>,
+    pub admin_listen: Option<String>,
+    /// Bearer tokens the admin listener accepts instead of a client certificate: lines of
+    /// `<role> <name> <blake3-hex of the token>` (`shardcast certs token`) [default: none].
+    #[arg(long, env = "SHARDCAST_TOKENS_FILE")]
+    pub tokens_file: Option<PathBuf>,
+    /// Milliseconds an admin client has to send a request head (from the connection's
+    /// start or the first byte after a keep-alive pause); also the longest pause inside
+    /// a request body [default: 10000].
+    #[arg(long, env = "SHARDCAST_ADMIN_HEADER_TIMEOUT_MS")]
+    pub admin_header_timeout_ms: Option<u64>,
+    /// Milliseconds a keep-alive admin connection may wait for its next request
+    /// [default: 60000].
+    #[arg(long, env = "SHARDCAST_ADMIN_IDLE_TIMEOUT_MS")]
+    pub admin_idle_timeout_ms: Option<u64>,
     /// Memory tier directory, on tmpfs [default: /dev/shm/shardcast].
     #[arg(long, env = "SHARDCAST_MEMORY_DIR")]
     pub memory_dir: Option<PathBuf>,
@@ -254,7 +269,10 @@ struct FileConfig {
     host_id: Option<String>,
     listen: Option<SocketAddr>,
     agent_listen: Option<String>,
-    admin_listen: Option<SocketAddr>,
+    admin_listen: Option<String>,
+    tokens_file: Option<PathBuf>,
+    admin_header_timeout_ms: Option<u64>,
+    admin_idle_timeout_ms: Option<u64>,
     memory_dir: Option<PathBuf>,
     data_dir: Option<PathBuf>,
     egress_rate: Option<String>,
@@ -332,6 +350,16 @@ impl std::str::FromStr for ListenAddr {
     }
 }
 
+impl ListenAddr {
+    /// The TCP address, if it is one.
+    pub fn tcp(&self) -> Option<SocketAddr> {
+        match self {
+            Self::Tcp(a) => Some(*a),
+            Self::Unix(_) => None,
+        }
+    }
+}
+
 impl std::fmt::Display for ListenAddr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -351,7 +379,11 @@ pub struct Config {
     /// Agent gRPC listener.
     pub agent_listen: ListenAddr,
     /// Admin HTTP listener.
-    pub admin_listen: SocketAddr,
+    pub admin_listen: ListenAddr,
+    /// Bearer tokens for the admin listener.
+    pub tokens_file: Option<PathBuf>,
+    /// Timeouts of the admin listener's clients.
+    pub admin_limits: shardcast_identity::http::HttpLimits,
     /// Store settings.
     pub store: StoreConfig,
     /// Egress cap in bytes/s.
@@ -749,14 +781,19 @@ impl Config {
                 .map_err(|e| anyhow::anyhow!("agent_listen: {e}"))?,
             None => ListenAddr::Tcp(([127, 0, 0, 1], 7401).into()),
         };
-        let admin_listen = args
-            .admin_listen
-            .or(file.admin_listen)
-            .unwrap_or_else(|| ([127, 0, 0, 1], 7402).into());
-        let agent_tcp = match &agent_listen {
-            ListenAddr::Tcp(a) => Some(*a),
-            ListenAddr::Unix(_) => None,
+        let admin_listen = match args.admin_listen.or(file.admin_listen) {
+            Some(s) => s
+                .parse()
+                .map_err(|e| anyhow::anyhow!("admin_listen: {e}"))?,
+            None => ListenAddr::Tcp(([127, 0, 0, 1], 7402).into()),
         };
+        let admin_limits = shardcast_identity::http::HttpLimits::from_millis(
+            args.admin_header_timeout_ms
+                .or(file.admin_header_timeout_ms),
+            args.admin_idle_timeout_ms.or(file.admin_idle_timeout_ms),
+            ["admin_header_timeout_ms", "admin_idle_timeout_ms"],
+        )
+        .map_err(anyhow::Error::msg)?;
         let security = Security::load(
             args.tls_ca.or(file.tls_ca),
             args.tls_cert.or(file.tls_cert),
@@ -766,8 +803,8 @@ impl Config {
                 .unwrap_or(false),
             &[
                 ("listen", Some(listen)),
-                ("agent_listen", agent_tcp),
-                ("admin_listen", Some(admin_listen)),
+                ("agent_listen", agent_listen.tcp()),
+                ("admin_listen", admin_listen.tcp()),
             ],
         )?;
         Ok(Self {
@@ -775,6 +812,8 @@ impl Config {
             listen,
             agent_listen,
             admin_listen,
+            tokens_file: args.tokens_file.or(file.tokens_file),
+            admin_limits,
             security,
             store: StoreConfig {
                 memory_dir,
@@ -928,6 +967,31 @@ mod tests {
             c.agent_listen,
             ListenAddr::Tcp("127.0.0.1:7401".parse().unwrap())
         );
+        assert_eq!(
+            c.admin_listen,
+            ListenAddr::Tcp("127.0.0.1:7402".parse().unwrap())
+        );
+        assert_eq!(
+            c.admin_limits,
+            shardcast_identity::http::HttpLimits::default()
+        );
+        let c = Config::load(Args {
+            admin_listen: Some("unix:/run/shardcast/admin.sock".into()),
+            admin_header_timeout_ms: Some(500),
+            ..tls_args()
+        })
+        .unwrap();
+        assert_eq!(
+            c.admin_listen,
+            ListenAddr::Unix("/run/shardcast/admin.sock".into())
+        );
+        assert_eq!(c.admin_limits.header_timeout, Duration::from_millis(500));
+        let err = Config::load(Args {
+            admin_idle_timeout_ms: Some(0),
+            ..tls_args()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("admin_idle_timeout_ms"), "{err}");
     }
 
     #[test]

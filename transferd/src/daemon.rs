@@ -9,8 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use shardcast_identity::grpc::{self, AuthzLayer, TcpSecurity};
+use shardcast_identity::grpc::{self, AuthzLayer, SocketAccess, TcpSecurity};
 use shardcast_identity::tls::RELOAD_PERIOD;
+use shardcast_identity::token::Tokens;
 use shardcast_identity::{Alpn, Role, TlsContext};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -92,12 +93,19 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let data = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding data listener {}", config.listen))?;
-    let agent = AgentListener::bind(&config.agent_listen).await?;
-    let admin = TcpListener::bind(config.admin_listen)
-        .await
-        .with_context(|| format!("binding admin listener {}", config.admin_listen))?;
-    let (data_addr, admin_addr) = (data.local_addr()?, admin.local_addr()?);
-    let agent_addr = agent.describe()?;
+    let agent = ApiListener::bind(&config.agent_listen, "agent", SocketAccess::Owner).await?;
+    // Inference processes in the store's group may read hand-offs from the admin socket.
+    let admin_access = match config.store.group {
+        Some(gid) => SocketAccess::Group(gid),
+        None => SocketAccess::Owner,
+    };
+    let admin = ApiListener::bind(&config.admin_listen, "admin", admin_access).await?;
+    let tokens = match &config.tokens_file {
+        Some(p) => Tokens::load(p).context("loading the tokens file")?,
+        None => Tokens::default(),
+    };
+    let data_addr = data.local_addr()?;
+    let (agent_addr, admin_addr) = (agent.describe()?, admin.describe()?);
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));
@@ -109,17 +117,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .max_decoding_message_size(128 << 20)
         .max_encoding_message_size(128 << 20);
         let cancel = cancel.clone();
-        let incoming = match agent {
-            AgentListener::Tcp(l) => grpc::incoming_tcp(
-                l,
-                match &tls {
-                    Some(ctx) => TcpSecurity::Tls(ctx.clone(), Alpn::Grpc),
-                    None => TcpSecurity::Plaintext,
-                },
-                cancel.clone().cancelled_owned(),
-            ),
-            AgentListener::Unix(l, _) => grpc::incoming_unix(l, cancel.clone().cancelled_owned()),
+        let security = match &tls {
+            Some(ctx) => TcpSecurity::Tls(ctx.clone(), Alpn::Grpc),
+            None => TcpSecurity::Plaintext,
         };
+        let incoming = agent.incoming(security, cancel.clone());
         let authz = AuthzLayer::new(crate::agent::permission, node.stats.authz.clone());
         tasks.spawn(async move {
             let r = tonic::transport::Server::builder()
@@ -133,14 +135,28 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         });
     }
     {
-        let node = node.clone();
-        let gpus = gpus.clone();
-        let cancel = cancel.clone();
-        tasks.spawn(async move {
-            if let Err(e) = crate::admin::serve(node, gpus, admin, cancel).await {
-                warn!("admin server ended: {e}");
+        // HTTPS with the cluster identity (a client certificate or a bearer token); plain
+        // HTTP only in insecure mode (loopback, checked) or on the Unix socket.
+        let security = match &tls {
+            Some(ctx) => TcpSecurity::TlsOptionalClient(ctx.clone()),
+            None => {
+                if let ApiListener::Tcp(_) = admin {
+                    warn!(
+                        "INSECURE: the admin listener serves plain HTTP without authentication (insecure_plaintext)"
+                    );
+                }
+                TcpSecurity::Plaintext
             }
-        });
+        };
+        let incoming = admin.incoming(security, cancel.clone());
+        tasks.spawn(crate::admin::serve(
+            node.clone(),
+            gpus.clone(),
+            incoming,
+            tokens,
+            config.admin_limits,
+            cancel.clone(),
+        ));
     }
     if let Some(controller) = config.inventory.controller.clone() {
         let addrs = advertised(&config, data_addr, &agent_addr)?;
@@ -193,25 +209,27 @@ fn advertised(
     Ok(crate::report::Advertised { data, agent })
 }
 
-enum AgentListener {
+/// The agent's or the admin's listener: TCP or a Unix socket.
+enum ApiListener {
     Tcp(TcpListener),
-    Unix(tokio::net::UnixListener, std::path::PathBuf),
+    Unix(tokio::net::UnixListener, std::path::PathBuf, SocketAccess),
 }
 
-impl AgentListener {
-    async fn bind(addr: &ListenAddr) -> anyhow::Result<Self> {
+impl ApiListener {
+    async fn bind(addr: &ListenAddr, what: &str, access: SocketAccess) -> anyhow::Result<Self> {
         match addr {
             ListenAddr::Tcp(a) => Ok(Self::Tcp(
                 TcpListener::bind(a)
                     .await
-                    .with_context(|| format!("binding agent listener {a}"))?,
+                    .with_context(|| format!("binding {what} listener {a}"))?,
             )),
             ListenAddr::Unix(path) => {
                 // A stale socket from a previous run is replaced (never another kind of
-                // file); the new one is 0600: only this user and root may drive the agent.
-                let l = grpc::bind_unix_private(path)
-                    .with_context(|| format!("binding agent socket {}", path.display()))?;
-                Ok(Self::Unix(l, path.clone()))
+                // file); the new one is 0600 (0660 for a group): only this user, root
+                // (and the group's members) may connect.
+                let l = grpc::bind_unix(path, access)
+                    .with_context(|| format!("binding {what} socket {}", path.display()))?;
+                Ok(Self::Unix(l, path.clone(), access))
             }
         }
     }
@@ -219,8 +237,16 @@ impl AgentListener {
     fn describe(&self) -> std::io::Result<String> {
         Ok(match self {
             Self::Tcp(l) => l.local_addr()?.to_string(),
-            Self::Unix(_, p) => format!("unix:{}", p.display()),
+            Self::Unix(_, p, _) => format!("unix:{}", p.display()),
         })
+    }
+
+    /// Authenticated connections: TCP ones as `security` says, Unix ones by their uid.
+    fn incoming(self, security: TcpSecurity, cancel: CancellationToken) -> grpc::Incoming {
+        match self {
+            Self::Tcp(l) => grpc::incoming_tcp(l, security, cancel.cancelled_owned()),
+            Self::Unix(l, _, access) => grpc::incoming_unix(l, access, cancel.cancelled_owned()),
+        }
     }
 }
 
