@@ -7,7 +7,7 @@
 //! other (the second joins the first's transfers instead of starting new ones). Calls to
 //! agents never happen under the lock.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -19,7 +19,7 @@ use shardcast_protocol::agent::agent_client::AgentClient;
 use shardcast_protocol::agent::{self as apb, GetModelStatusRequest, ImportModelRequest};
 use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::controller::{
-    EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostProgress, HostReport,
+    Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostProgress, HostReport,
     HostState, ListHostsResponse, ListModelsResponse, ListPlansResponse, ModelInfo, ModelStatus,
     NameBinding, PlanAccepted, PlanStatus, PlannedChain, PrewarmRequest, RegisterModelRequest,
     ScaleOutRequest, ShardInfo,
@@ -184,6 +184,8 @@ pub struct PlanRecord {
 impl PlanRecord {
     /// Ends the plan once no host is in progress: `done` when any host holds a copy (done or
     /// local), else `failed`, naming the hosts it finished without. True when it ended now.
+    /// Called again on an ended plan (a receiver completed after it was marked lost), it
+    /// recomputes the outcome and keeps the end time.
     pub(crate) fn settle(&mut self) -> bool {
         let hosts = &self.status.hosts;
         if hosts.iter().any(|h| is_active(&h.state)) {
@@ -197,12 +199,17 @@ impl PlanRecord {
             .filter(|h| h.state == "lost" || h.state == "failed")
             .map(|h| h.host.as_str())
             .collect();
+        let was_running = self.status.state == "running";
         if !lost.is_empty() {
             self.status.message = format!("finished without {}: see their errors", lost.join(", "));
+        } else if self.status.message.starts_with("finished without") {
+            self.status.message.clear();
         }
         self.status.state = if any_ok { "done" } else { "failed" }.into();
-        self.ended_at = Some(now_unix());
-        true
+        if self.ended_at.is_none() {
+            self.ended_at = Some(now_unix());
+        }
+        was_running
     }
 }
 
@@ -776,7 +783,20 @@ impl Controller {
         };
         if st.persisted.get(&id) != Some(&sig) {
             self.put_json(Table::Hosts, &id, &record)?;
-            st.persisted.insert(id, sig);
+            st.persisted.insert(id.clone(), sig);
+        }
+        let events = reconcile_receivers(&mut st, &id);
+        for e in events {
+            if let Some(plan) = st.plans.get(&e.plan_id) {
+                info!(plan = %e.plan_id, host = %id, state = %plan.status.state, "{}", e.reason);
+                if let Some(w) = st.watchers.get(&e.plan_id) {
+                    w.send_replace(snapshot(plan));
+                }
+                if let Err(err) = self.persist_plan(plan) {
+                    warn!(plan = %e.plan_id, "persisting plan: {err}");
+                }
+            }
+            self.autoscaler().record_event(e);
         }
         let names = asked
             .into_iter()
@@ -1590,6 +1610,7 @@ impl Controller {
                 let Some(plan) = st.plans.get_mut(&id) else {
                     return;
                 };
+                let created = plan.status.created_at;
                 for (host, polled) in updates {
                     let Some(h) = plan.status.hosts.iter_mut().find(|h| h.host == host) else {
                         continue;
@@ -1600,6 +1621,18 @@ impl Controller {
                             h.error = "the host stopped heartbeating during the transfer".into();
                             changed = true;
                             warn!(plan = %id, host = %host, "receiver lost");
+                            self.autoscaler().record_event(Event {
+                                at: now_unix(),
+                                model: name.clone(),
+                                kind: "receiver-lost".into(),
+                                reason: format!(
+                                    "host {host} stopped heartbeating with {} of {} bytes",
+                                    h.bytes, h.total
+                                ),
+                                plan_id: id.clone(),
+                                delta: 0,
+                                hosts: vec![host.clone()],
+                            });
                         }
                         Some(Err(e)) => {
                             // An agent that does not answer while heartbeating: keep waiting;
@@ -1664,6 +1697,7 @@ impl Controller {
                             if complete {
                                 h.state = "done".into();
                                 h.bytes = h.total;
+                                h.done_s = (now_unix() - created).max(0.0);
                                 changed = true;
                             } else if h.state == "failed" {
                             } else if h.state == "pending" && bytes > 0 {
@@ -2130,6 +2164,74 @@ fn chain_run(source: &Source, hops: &[String], shards: &[u32]) -> ChainRun {
 }
 
 /// A plan's status with `elapsed_s` filled in.
+/// A receiver's state is what it holds: a receiver of any plan (running or ended) marked
+/// `lost` or `failed` whose latest heartbeat reports the plan's model complete in the
+/// plan's tier (and resident on its GPUs, for tier gpu) is `done` again, with the time it
+/// was seen; an ended plan's outcome is recomputed. Returns one event per such receiver.
+fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
+    let Some(entry) = st.hosts.get(host) else {
+        return Vec::new();
+    };
+    let complete: HashSet<(&str, &str)> = entry
+        .report
+        .holdings
+        .iter()
+        .filter(|h| h.complete)
+        .map(|h| (h.digest.as_str(), h.tier.as_str()))
+        .collect();
+    if complete.is_empty() {
+        return Vec::new();
+    }
+    let resident: HashSet<&str> = entry
+        .report
+        .gpu_loads
+        .iter()
+        .filter(|g| g.state == "resident")
+        .map(|g| g.digest.as_str())
+        .collect();
+    let now = now_unix();
+    let mut events = Vec::new();
+    for plan in st.plans.values_mut() {
+        let Ok(tier) = parse_tier(&plan.status.tier) else {
+            continue;
+        };
+        let digest = plan.status.digest.as_str();
+        if !complete.contains(&(digest, data_tier(tier))) {
+            continue;
+        }
+        let created = plan.status.created_at;
+        let mut recovered = false;
+        for h in plan
+            .status
+            .hosts
+            .iter_mut()
+            .filter(|h| h.host == host && (h.state == "lost" || h.state == "failed"))
+        {
+            if tier == Tier::Gpu && h.gpus > 0 && !resident.contains(digest) {
+                continue;
+            }
+            let was = std::mem::replace(&mut h.state, "done".into());
+            h.bytes = h.total;
+            h.done_s = (now - created).max(0.0);
+            h.error = format!("completed after it was marked {was} (seen in its heartbeat)");
+            events.push(Event {
+                at: now,
+                model: plan.name.clone(),
+                kind: "receiver-recovered".into(),
+                reason: format!("host {host} holds a complete copy after it was marked {was}"),
+                plan_id: plan.status.plan_id.clone(),
+                delta: 0,
+                hosts: vec![host.to_string()],
+            });
+            recovered = true;
+        }
+        if recovered && plan.status.state != "running" {
+            plan.settle();
+        }
+    }
+    events
+}
+
 pub(crate) fn snapshot(p: &PlanRecord) -> PlanStatus {
     let mut s = p.status.clone();
     let end = p.ended_at.unwrap_or_else(now_unix);

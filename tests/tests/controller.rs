@@ -389,6 +389,101 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
     }
 }
 
+/// Sends `signal` (e.g. "STOP", "CONT") to `d`'s process, by PID.
+fn signal(d: &Daemon, signal: &str) {
+    let pid = d.pid().expect("a running daemon");
+    let ok = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{signal} {pid} failed");
+}
+
+/// Status says what really happened: a middle hop stopped (alive but silent) is marked
+/// `lost` and the plan finishes without it; once it runs again and completes its copy, its
+/// heartbeat makes it `done` (with the time), the ended plan's outcome is recomputed, and
+/// both transitions are events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_receiver_that_completes_later_is_reported_done() {
+    let c = start_cluster(4, vec![], |_, o| {
+        o.egress_rate = "24MB/s".into();
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(24 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 4,
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(a.chains.len(), 1);
+    let victim = a.chains[0].hops[1].clone();
+    let d = c.daemon(&victim).unwrap();
+    wait_fraction(&mut api, &a.plan_id, 0.15).await;
+    signal(d, "STOP");
+    let ended = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120)).await;
+    // Run it again whatever happened, so the process can be cleaned up.
+    signal(d, "CONT");
+    let ended = ended.unwrap();
+    assert_eq!(host_state(&ended, &victim), "lost", "{ended:?}");
+    assert!(ended.message.contains(&victim), "{ended:?}");
+
+    // Running again, it completes from its fallback source and says so in a heartbeat.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let now = loop {
+        let s = api
+            .get_plan(WatchPlanRequest {
+                plan_id: a.plan_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if host_state(&s, &victim) == "done" {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{victim} never reported done: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    d.verify_copy(&manifest).unwrap();
+    assert_eq!(now.state, "done");
+    assert!(!now.message.contains(&victim), "{now:?}");
+    let h = now.hosts.iter().find(|h| h.host == victim).unwrap();
+    assert!(h.error.contains("after it was marked lost"), "{h:?}");
+    assert!(h.done_s > 0.0, "{h:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+        assert_eq!(host_state(&now, d.host_id.as_str()), "done");
+    }
+    let events = api
+        .list_events(shardcast_protocol::controller::ListEventsRequest {
+            model: MODEL.into(),
+            limit: 100,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    for kind in ["receiver-lost", "receiver-recovered"] {
+        assert!(
+            events
+                .iter()
+                .any(|e| e.kind == kind && e.plan_id == a.plan_id && e.hosts == [victim.clone()]),
+            "no {kind} event: {events:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_restarted_mid_plan_finishes_it() {
     let mut c = start_cluster(4, vec![], |_, o| {
