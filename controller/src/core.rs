@@ -1563,16 +1563,39 @@ impl Controller {
         let mut gpu_asked: HashMap<String, Option<String>> = HashMap::new();
         let mut last_persist = Instant::now();
         self.start_runs(&id).await;
+        // Each active receiver's agent pushes its progress (completion within tens of
+        // milliseconds); the tick still runs the loop for hosts without a stream, for
+        // stall detection and for hosts that go down. The streams end with the plan.
+        let pushed = Arc::new(Pushed::default());
+        let mut streams: tokio::task::JoinSet<String> = tokio::task::JoinSet::new();
+        let mut watching: HashSet<String> = HashSet::new();
         let mut tick = tokio::time::interval(self.cfg.poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = self.cancel.cancelled() => return,
                 _ = tick.tick() => {}
+                _ = pushed.wake.notified() => {}
+            }
+            while let Some(ended) = streams.try_join_next() {
+                if let Ok(host) = ended {
+                    watching.remove(&host);
+                    lock(&pushed.latest).remove(&host);
+                }
             }
             let Some((digest, name, tier, active)) = self.active_receivers(&id) else {
                 return;
             };
+            for (host, up, _) in &active {
+                if *up && watching.insert(host.clone()) {
+                    streams.spawn(self.clone().watch_receiver(
+                        host.clone(),
+                        digest.clone(),
+                        tier,
+                        pushed.clone(),
+                    ));
+                }
+            }
             // Poll outside the lock.
             let mut updates = Vec::new();
             for (host, up, gpus) in active {
@@ -1593,7 +1616,11 @@ impl Controller {
                         }
                     }
                 }
-                let polled = self.poll_host(&host, &digest, tier).await;
+                let latest = lock(&pushed.latest).get(&host).cloned();
+                let polled = match latest {
+                    Some(p) => Ok(p),
+                    None => self.poll_host(&host, &digest, tier).await,
+                };
                 updates.push((host, Some(polled)));
             }
             let now = Instant::now();
@@ -1832,37 +1859,35 @@ impl Controller {
             Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
             Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(Polled::default()),
             Ok(Err(s)) => Err(format!("agent of {host}: {}", s.message())),
-            Ok(Ok(resp)) => {
-                let want = agent_tier(tier);
-                Ok(resp
-                    .into_inner()
-                    .tiers
-                    .iter()
-                    .find(|t| t.tier == want)
-                    .map(|t| Polled {
-                        bytes: t.bytes_verified,
-                        complete: t.complete,
-                        gpu: (!t.gpus.is_empty()).then(|| {
-                            let bytes = t.gpus.iter().map(|g| g.bytes).sum();
-                            let state = if t.gpus.iter().any(|g| g.state == "failed") {
-                                "failed"
-                            } else if t.gpus.iter().all(|g| g.state == "resident") {
-                                "resident"
-                            } else if t
-                                .gpus
-                                .iter()
-                                .all(|g| g.state == "resident" || g.state == "partition-live")
-                            {
-                                "partition-live"
-                            } else {
-                                "loading"
-                            };
-                            (bytes, state.to_string())
-                        }),
-                    })
-                    .unwrap_or_default())
-            }
+            Ok(Ok(resp)) => Ok(polled_from(&resp.into_inner(), tier)),
         }
+    }
+
+    /// Follows `host`'s status of `digest` through its agent's `WatchModelStatus` stream,
+    /// storing each update in `pushed` and waking the plan loop, until the stream ends (the
+    /// task is aborted with the plan). Returns `host`.
+    async fn watch_receiver(
+        self: Arc<Self>,
+        host: String,
+        digest: String,
+        tier: Tier,
+        pushed: Arc<Pushed>,
+    ) -> String {
+        let Ok(mut agent) = self.agent(&host) else {
+            return host;
+        };
+        let req = GetModelStatusRequest { model: digest };
+        let Ok(Ok(resp)) =
+            tokio::time::timeout(Duration::from_secs(2), agent.watch_model_status(req)).await
+        else {
+            return host;
+        };
+        let mut stream = resp.into_inner();
+        while let Ok(Some(status)) = stream.message().await {
+            lock(&pushed.latest).insert(host.clone(), polled_from(&status, tier));
+            pushed.wake.notify_one();
+        }
+        host
     }
 
     /// Starts the chains of a plan that have not been started.
@@ -2122,8 +2147,8 @@ fn origin_each(
     plan
 }
 
-/// A receiver's progress as polled.
-#[derive(Debug, Default)]
+/// A receiver's progress, as polled or pushed.
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Polled {
     pub(crate) bytes: u64,
     pub(crate) complete: bool,
@@ -2230,6 +2255,43 @@ fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
         }
     }
     events
+}
+
+/// What receivers' agents pushed last (`WatchModelStatus`), and the plan loop's wake-up.
+#[derive(Default)]
+pub(crate) struct Pushed {
+    latest: Mutex<HashMap<String, Polled>>,
+    wake: tokio::sync::Notify,
+}
+
+/// A receiver's progress in `tier` from its agent's model status.
+fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Polled {
+    let want = agent_tier(tier);
+    resp.tiers
+        .iter()
+        .find(|t| t.tier == want)
+        .map(|t| Polled {
+            bytes: t.bytes_verified,
+            complete: t.complete,
+            gpu: (!t.gpus.is_empty()).then(|| {
+                let bytes = t.gpus.iter().map(|g| g.bytes).sum();
+                let state = if t.gpus.iter().any(|g| g.state == "failed") {
+                    "failed"
+                } else if t.gpus.iter().all(|g| g.state == "resident") {
+                    "resident"
+                } else if t
+                    .gpus
+                    .iter()
+                    .all(|g| g.state == "resident" || g.state == "partition-live")
+                {
+                    "partition-live"
+                } else {
+                    "loading"
+                };
+                (bytes, state.to_string())
+            }),
+        })
+        .unwrap_or_default()
 }
 
 pub(crate) fn snapshot(p: &PlanRecord) -> PlanStatus {

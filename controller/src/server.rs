@@ -75,6 +75,11 @@ pub struct Args {
     /// NIC rate assumed for hosts that report none.
     #[arg(long, env = "SHARDCAST_DEFAULT_NIC_RATE", default_value = "10Gbit")]
     pub default_nic_rate: String,
+    /// How often a plan's loop runs without news, in milliseconds: it polls receivers
+    /// whose agent stream is not up, and checks stalls and hosts that went down.
+    /// Completion itself is pushed by each receiver's agent, not polled.
+    #[arg(long, env = "SHARDCAST_POLL_MS", default_value_t = 250)]
+    pub poll_ms: u64,
     /// Seconds without progress after which a receiver is re-planned.
     #[arg(long, env = "SHARDCAST_STALL_TIMEOUT_S", default_value_t = 10)]
     pub stall_timeout_s: u64,
@@ -217,6 +222,9 @@ impl Args {
         if !(1..=255).contains(&self.max_chain_len) {
             bail!("max_chain_len must be between 1 and 255");
         }
+        if !(10..=60_000).contains(&self.poll_ms) {
+            bail!("poll_ms must be between 10 and 60000, got {}", self.poll_ms);
+        }
         if self.stall_timeout_s == 0 {
             bail!("stall_timeout_s must be at least 1");
         }
@@ -276,6 +284,7 @@ impl Args {
                 ..PlanParams::default()
             },
             stall_timeout: Duration::from_secs(self.stall_timeout_s),
+            poll: Duration::from_millis(self.poll_ms),
             tiers: crate::tiers::TierConfig {
                 enabled: self.tier_sweep_ms > 0,
                 memory_high: self.memory_high,

@@ -1886,3 +1886,27 @@ async fn a_rotated_controller_certificate_signs_the_next_plans_without_a_restart
         "{log}"
     );
 }
+
+/// Completion is pushed by the receivers' agents (`WatchModelStatus`), not polled: with
+/// the plan loop's poll at 5 s, a prewarm whose data moves in a fraction of a second ends
+/// within about a second, and each receiver's `done_s` is within the plan's time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_is_pushed_by_the_agents_not_polled() {
+    let c = start_cluster(3, vec!["--poll-ms".into(), "5000".into()], |_, _| {})
+        .await
+        .unwrap();
+    let origin = Origin::new(8 << 20, 1);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let plan = prewarm_hosts(&mut api, hosts(1..=3)).await;
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(done.state, "done", "{done:?}");
+    assert!(done.elapsed_s < 2.5, "the plan waited for a poll: {done:?}");
+    for h in &done.hosts {
+        assert_eq!(h.state, "done", "{h:?}");
+        assert!(h.done_s > 0.0 && h.done_s <= done.elapsed_s + 0.05, "{h:?}");
+        c.daemon(&h.host).unwrap().verify_copy(&manifest).unwrap();
+    }
+}

@@ -38,8 +38,8 @@ pub fn permission(path: &str) -> Option<Permission> {
     let method = path.strip_prefix("/shardcast.agent.v1.Agent/")?;
     Some(match method {
         "ImportModel" | "StartChain" | "EvictModel" | "LoadModel" => Permission::DriveAgent,
-        "GetSession" | "GetModelStatus" | "ListHoldings" | "GetStats" | "GpuStatus"
-        | "GetHandoff" => Permission::Read,
+        "GetSession" | "GetModelStatus" | "WatchModelStatus" | "ListHoldings" | "GetStats"
+        | "GpuStatus" | "GetHandoff" => Permission::Read,
         _ => return None,
     })
 }
@@ -50,10 +50,57 @@ pub struct AgentService {
     gpus: Arc<GpuManager>,
 }
 
+/// The state of one `WatchModelStatus` stream.
+struct Watch {
+    this: AgentService,
+    digest: ModelDigest,
+    tick: tokio::time::Interval,
+    until: tokio::time::Instant,
+    /// What was sent last, and when.
+    last: Option<GetModelStatusResponse>,
+    sent: tokio::time::Instant,
+}
+
+/// What in a status is a milestone: per tier held, whether it is complete and its GPUs'
+/// states.
+fn milestones(r: &GetModelStatusResponse) -> Vec<(i32, bool, Vec<&str>)> {
+    r.tiers
+        .iter()
+        .map(|t| {
+            (
+                t.tier,
+                t.complete,
+                t.gpus.iter().map(|g| g.state.as_str()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// How often `WatchModelStatus` sends byte progress that reached no milestone.
+const WATCH_PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// How often `WatchModelStatus` looks for a change.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+/// How long one `WatchModelStatus` stream lasts.
+const WATCH_LIMIT: std::time::Duration = std::time::Duration::from_secs(3600);
+
 impl AgentService {
     /// Serves the API for `node` and its GPUs.
     pub fn new(node: Arc<Node>, gpus: Arc<GpuManager>) -> Self {
         Self { node, gpus }
+    }
+
+    /// The status of `digest` in each tier that holds any of it (with its GPUs).
+    fn model_status_of(&self, digest: &ModelDigest) -> GetModelStatusResponse {
+        let tiers = self
+            .node
+            .store
+            .holdings()
+            .iter()
+            .filter(|h| h.digest == *digest)
+            .map(|h| self.with_gpus(model_status(h)))
+            .collect();
+        GetModelStatusResponse { tiers }
     }
 
     fn with_gpus(&self, mut st: pb::ModelStatus) -> pb::ModelStatus {
@@ -418,15 +465,64 @@ impl Agent for AgentService {
                 "model {key:?} is not known on this host"
             )));
         };
-        let tiers = self
-            .node
-            .store
-            .holdings()
-            .iter()
-            .filter(|h| h.digest == digest)
-            .map(|h| self.with_gpus(model_status(h)))
-            .collect();
-        Ok(Response::new(GetModelStatusResponse { tiers }))
+        Ok(Response::new(self.model_status_of(&digest)))
+    }
+
+    type WatchModelStatusStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<GetModelStatusResponse, Status>> + Send>,
+    >;
+
+    async fn watch_model_status(
+        &self,
+        request: Request<GetModelStatusRequest>,
+    ) -> Result<Response<Self::WatchModelStatusStream>, Status> {
+        let key = request.into_inner().model;
+        // A name must resolve now; a digest may still be unknown (its session has not
+        // opened here yet): the stream then starts with empty tiers.
+        let Some(digest) = self.node.store.resolve(&key) else {
+            return Err(Status::not_found(format!(
+                "model {key:?} is not known on this host"
+            )));
+        };
+        let this = Self {
+            node: self.node.clone(),
+            gpus: self.gpus.clone(),
+        };
+        let mut tick = tokio::time::interval(WATCH_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let state = Watch {
+            this,
+            digest,
+            tick,
+            until: tokio::time::Instant::now() + WATCH_LIMIT,
+            last: None,
+            sent: tokio::time::Instant::now(),
+        };
+        let stream = futures::stream::unfold(state, |mut w| async move {
+            loop {
+                tokio::select! {
+                    _ = w.this.node.cancel.cancelled() => return None,
+                    _ = tokio::time::sleep_until(w.until) => return None,
+                    _ = w.tick.tick() => {}
+                }
+                let now = w.this.model_status_of(&w.digest);
+                let Some(last) = &w.last else {
+                    w.last = Some(now.clone());
+                    w.sent = tokio::time::Instant::now();
+                    return Some((Ok(now), w));
+                };
+                // A milestone (a tier appears or completes, a GPU state changes) goes out at
+                // once; byte progress alone at most every WATCH_PROGRESS_EVERY.
+                let send = milestones(&now) != milestones(last)
+                    || (now != *last && w.sent.elapsed() >= WATCH_PROGRESS_EVERY);
+                if send {
+                    w.last = Some(now.clone());
+                    w.sent = tokio::time::Instant::now();
+                    return Some((Ok(now), w));
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn list_holdings(
