@@ -4,6 +4,8 @@
 //!
 //! * [`cluster`]: real `transferd` processes on loopback or in namespaces.
 //! * [`control`]: a `shardcast-controller` process with daemons reporting to it.
+//! * [`faults`]: one fault (kill, stop, link down, corruption) × chain position on the
+//!   emulated cluster, against the no-fault ready time (`faults`).
 //! * [`loader_bench`]: the GPU loader's stages alone and overlapped (`loader`).
 //! * [`managed`]: the `demo` and `cold-start` scenarios, through the controller's API.
 //! * [`netns`]: emulated clusters (network namespaces, a bridge, `tc` rate caps).
@@ -13,6 +15,7 @@
 
 pub mod cluster;
 pub mod control;
+pub mod faults;
 pub mod loader_bench;
 pub mod managed;
 pub mod netns;

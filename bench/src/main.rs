@@ -64,6 +64,52 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// One fault × chain position on an emulated cluster (needs root): a prewarm of every
+    /// host through the controller with a host killed, stopped, cut off or its copy
+    /// corrupted `--at-s` in; the healthy hosts' ready time against the no-fault one, their
+    /// copies byte-exact, and the plan's report true.
+    Faults {
+        /// One network namespace per host with tc rate caps (required; the only mode).
+        #[arg(long, required = true)]
+        emulate: bool,
+        /// Hosts (all prewarmed).
+        #[arg(long, default_value_t = 8)]
+        hosts: usize,
+        /// Model size.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards.
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+        /// Host link rate.
+        #[arg(long, default_value = "250Mbit")]
+        rate: String,
+        /// Origin rate.
+        #[arg(long, default_value = "250Mbit")]
+        origin_rate: String,
+        /// Comma-separated faults: kill, stop, link-down, corrupt.
+        #[arg(
+            long,
+            default_value = "kill,stop,link-down,corrupt",
+            value_delimiter = ','
+        )]
+        faults: Vec<shardcast_bench::faults::Fault>,
+        /// Comma-separated positions: head, middle, tail.
+        #[arg(long, default_value = "head,middle,tail", value_delimiter = ',')]
+        positions: Vec<shardcast_bench::faults::Position>,
+        /// Trials per fault × position, and of the no-fault baseline.
+        #[arg(long, default_value_t = 5)]
+        trials: usize,
+        /// Seconds after the prewarm call the fault strikes.
+        #[arg(long, default_value_t = 5.0)]
+        at_s: f64,
+        /// Per-trial time limit in seconds.
+        #[arg(long, default_value_t = 600)]
+        timeout_s: u64,
+        /// Write the report as JSON (`results`: one record per trial).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Cold start through the controller on an emulated cluster (needs root): every host
     /// pulling from a rate-capped HTTP origin in its own namespace, vs shardcast's plan.
     ColdStart {
@@ -317,6 +363,53 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", shardcast_bench::managed::demo_table(&steps, size));
             if let Some(path) = json {
                 scenario::write_json(&path, &steps)?;
+            }
+            Ok(())
+        }
+        Cmd::Faults {
+            emulate: _,
+            hosts,
+            size,
+            shards,
+            rate,
+            origin_rate,
+            faults,
+            positions,
+            trials,
+            at_s,
+            timeout_s,
+            json,
+        } => {
+            shardcast_bench::netns::available()
+                .map_err(|e| anyhow::anyhow!("--emulate needs root and iproute2: {e}"))?;
+            let stale = shardcast_bench::netns::EmulatedNet::cleanup_stale()?;
+            if stale > 0 {
+                eprintln!("removed {stale} namespaces left by an earlier interrupted run");
+            }
+            let need = |name: &str, v: &str| -> anyhow::Result<u64> {
+                parse_rate(v)
+                    .map_err(anyhow::Error::msg)?
+                    .ok_or_else(|| anyhow::anyhow!("--{name} must be a finite rate"))
+            };
+            if !(0.0..=3600.0).contains(&at_s) {
+                anyhow::bail!("--at-s must be between 0 and 3600, got {at_s}");
+            }
+            let opts = shardcast_bench::faults::FaultsOpts {
+                hosts,
+                size,
+                shards,
+                rate: need("rate", &rate)?,
+                origin_rate: need("origin-rate", &origin_rate)?,
+                faults,
+                positions,
+                trials,
+                at: Duration::from_secs_f64(at_s),
+                timeout: Duration::from_secs(timeout_s),
+            };
+            let report = shardcast_bench::faults::run_faults(&opts).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if let Some(path) = json {
+                scenario::write_json(&path, &report)?;
             }
             Ok(())
         }

@@ -87,7 +87,7 @@ fn bar(enabled: bool, label: &str) -> ProgressBar {
     pb
 }
 
-async fn register(
+pub(crate) async fn register(
     api: &mut ControllerClient<Channel>,
     origin: &str,
 ) -> anyhow::Result<(Manifest, String)> {
@@ -413,14 +413,14 @@ pub struct ColdStartReport {
 }
 
 /// An origin server process inside a namespace; killed (by PID) on drop.
-struct OriginProc {
+pub(crate) struct OriginProc {
     child: tokio::process::Child,
     stats: PathBuf,
-    url: String,
+    pub(crate) url: String,
 }
 
 impl OriginProc {
-    async fn start(
+    pub(crate) async fn start(
         net: &EmulatedNet,
         i: usize,
         dir: &Path,

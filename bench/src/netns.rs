@@ -211,6 +211,22 @@ impl EmulatedNet {
         Ok(())
     }
 
+    /// Takes host `i`'s switch port down (`up` false) or up again: its link is cut, both
+    /// ways, without the host noticing a local interface change.
+    pub fn set_link(&self, i: usize, up: bool) -> anyhow::Result<()> {
+        ensure!(i < self.host_ns.len(), "no host {i} in this net");
+        let port = format!("p{i}");
+        ip(&[
+            "-n",
+            &self.switch_ns,
+            "link",
+            "set",
+            &port,
+            if up { "up" } else { "down" },
+        ])?;
+        Ok(())
+    }
+
     /// Number of hosts.
     pub fn hosts(&self) -> usize {
         self.host_ns.len()

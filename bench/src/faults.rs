@@ -1,0 +1,443 @@
+//! `faults`: what one fault costs the healthy hosts of a prewarm, on the emulated cluster.
+//!
+//! Each trial builds a fresh cluster (hosts in network namespaces with capped links, an
+//! origin server in one more namespace, a controller), registers a synthetic model, and
+//! prewarms every host through the API (one chain from the origin). `at` after the prewarm
+//! call one host of the chain — its head, a middle hop or its tail — suffers a fault:
+//!
+//! * `kill`: SIGKILL (by PID), restarted 3 s later;
+//! * `stop`: SIGSTOP (alive but silent), continued once the plan has ended;
+//! * `link-down`: its switch port down for 8 s, then up;
+//! * `corrupt`: one byte flipped at rest in its memory-tier copy (in the first chunk).
+//!
+//! A trial records when every healthy host held a verified copy (the ready time, taken on
+//! the caller's side by polling `GetPlan` every 50 ms), divided by the same size's no-fault
+//! ready time; whether every healthy host's copy is byte-exact; and whether the plan's
+//! final report is true: after the plan ends (and a settle period in which a victim that
+//! recovers may report itself), every host the plan calls `done` holds an exact copy and
+//! every host with an exact copy is called `done`.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use indicatif::ProgressBar;
+use serde::Serialize;
+use shardcast_protocol::Manifest;
+use shardcast_protocol::controller::{PlanStatus, PrewarmRequest, WatchPlanRequest};
+
+use crate::cluster::{Daemon, DaemonOpts};
+use crate::control::{ControllerProc, managed_args, wait_hosts_up};
+use crate::managed::{OriginProc, ready_times, register};
+use crate::netns::EmulatedNet;
+use crate::scenario::{MODEL_NAME, scratch_dir};
+use crate::synth::{self, SynthSpec};
+
+/// A fault to inject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// No fault (the baseline).
+    None,
+    /// SIGKILL, restarted 3 s later.
+    Kill,
+    /// SIGSTOP until the plan has ended.
+    Stop,
+    /// The host's switch port down for 8 s.
+    LinkDown,
+    /// One byte flipped at rest in the host's memory-tier copy.
+    Corrupt,
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "none" => Self::None,
+            "kill" => Self::Kill,
+            "stop" => Self::Stop,
+            "link-down" => Self::LinkDown,
+            "corrupt" => Self::Corrupt,
+            other => {
+                return Err(format!(
+                    "unknown fault {other:?}; expected kill, stop, link-down or corrupt"
+                ));
+            }
+        })
+    }
+}
+
+/// Where in the chain the faulty host is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Position {
+    /// The first hop (fed by the origin).
+    Head,
+    /// The hop in the middle.
+    Middle,
+    /// The last hop.
+    Tail,
+}
+
+impl std::str::FromStr for Position {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "head" => Self::Head,
+            "middle" => Self::Middle,
+            "tail" => Self::Tail,
+            other => {
+                return Err(format!(
+                    "unknown position {other:?}; expected head, middle or tail"
+                ));
+            }
+        })
+    }
+}
+
+/// Options of `faults`.
+#[derive(Debug, Clone)]
+pub struct FaultsOpts {
+    /// Hosts prewarmed (all of them).
+    pub hosts: usize,
+    /// Model size.
+    pub size: u64,
+    /// Safetensors shards.
+    pub shards: usize,
+    /// Host link rate, bytes/s.
+    pub rate: u64,
+    /// Origin server rate, bytes/s.
+    pub origin_rate: u64,
+    /// Faults to inject.
+    pub faults: Vec<Fault>,
+    /// Positions to inject them at.
+    pub positions: Vec<Position>,
+    /// Trials per fault × position (and of the no-fault baseline).
+    pub trials: usize,
+    /// When the fault strikes, after the prewarm call.
+    pub at: Duration,
+    /// Per-trial limit.
+    pub timeout: Duration,
+}
+
+/// One trial.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultTrial {
+    /// The fault.
+    pub fault: Fault,
+    /// Where (`None` for the baseline).
+    pub position: Option<Position>,
+    /// The host that suffered it.
+    pub host: String,
+    /// Prewarm call → every healthy host holds a verified copy, seconds.
+    pub ready_s: f64,
+    /// The median no-fault ready time of the same run.
+    pub no_fault_s: f64,
+    /// ready_s / no_fault_s.
+    pub ratio: f64,
+    /// Every healthy host's copy is byte-exact.
+    pub exact: bool,
+    /// The plan's final report matches what every host really holds.
+    pub status_true: bool,
+    /// The plan's final state and message, and each host's state.
+    pub plan: String,
+}
+
+/// The `faults` report.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultsReport {
+    /// Hosts.
+    pub hosts: usize,
+    /// Model bytes.
+    pub bytes: u64,
+    /// Host link rate, bits/s.
+    pub rate_bits_per_s: u64,
+    /// When faults struck, seconds after the prewarm call.
+    pub at_s: f64,
+    /// The no-fault ready times.
+    pub no_fault_s: Vec<f64>,
+    /// Every trial with a fault.
+    pub results: Vec<FaultTrial>,
+}
+
+/// Runs `faults`: the no-fault baseline, then each fault × position × trial.
+pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
+    if opts.hosts < 3 {
+        bail!("--hosts must be at least 3 (a head, a middle hop and a tail)");
+    }
+    let origin_dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    let model = synth::generate(
+        origin_dir.path(),
+        &SynthSpec {
+            total_bytes: opts.size,
+            shards: opts.shards,
+            seed: 42,
+        },
+    )?;
+    let mut baseline = Vec::new();
+    for trial in 0..opts.trials.max(1) {
+        let t = run_trial(opts, origin_dir.path(), Fault::None, None).await?;
+        eprintln!("no fault, trial {}: ready in {:.2} s", trial + 1, t.ready_s);
+        if !t.exact || !t.status_true {
+            bail!("the no-fault baseline is not exact and true: {}", t.plan);
+        }
+        baseline.push(t.ready_s);
+    }
+    let mut sorted = baseline.clone();
+    sorted.sort_by(f64::total_cmp);
+    let no_fault_s = sorted[sorted.len() / 2];
+    let mut results = Vec::new();
+    for &fault in opts.faults.iter().filter(|f| **f != Fault::None) {
+        for &position in &opts.positions {
+            for trial in 0..opts.trials.max(1) {
+                let mut t = run_trial(opts, origin_dir.path(), fault, Some(position)).await?;
+                t.no_fault_s = no_fault_s;
+                t.ratio = t.ready_s / no_fault_s;
+                eprintln!(
+                    "{fault:?} at the {position:?} ({}), trial {}: ready in {:.2} s = {:.2} × no fault, exact {}, status true {}",
+                    t.host,
+                    trial + 1,
+                    t.ready_s,
+                    t.ratio,
+                    t.exact,
+                    t.status_true
+                );
+                results.push(t);
+            }
+        }
+    }
+    Ok(FaultsReport {
+        hosts: opts.hosts,
+        bytes: model.total_bytes,
+        rate_bits_per_s: opts.rate * 8,
+        at_s: opts.at.as_secs_f64(),
+        no_fault_s: baseline,
+        results,
+    })
+}
+
+/// Sends `signal` ("STOP", "CONT") to `d`'s process, by PID.
+fn signal(d: &Daemon, signal: &str) -> anyhow::Result<()> {
+    let pid = d.pid().context("the daemon is not running")?;
+    let ok = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .context("running kill")?
+        .success();
+    anyhow::ensure!(ok, "kill -{signal} {pid} failed");
+    Ok(())
+}
+
+/// Flips one byte at rest in the first chunk of `d`'s memory-tier copy.
+fn flip_first_byte(d: &Daemon, manifest: &Manifest) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let path = d
+        .memory_dir
+        .join("models")
+        .join(manifest.digest().to_hex())
+        .join(manifest.shards[0].path.as_str());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, 100)?;
+    f.write_all_at(&[b[0] ^ 0x01], 100)?;
+    Ok(())
+}
+
+async fn run_trial(
+    opts: &FaultsOpts,
+    origin_dir: &Path,
+    fault: Fault,
+    position: Option<Position>,
+) -> anyhow::Result<FaultTrial> {
+    let net = EmulatedNet::create(opts.hosts + 1, Some(opts.rate), None)?;
+    let scratch = scratch_dir("faults")?;
+    let origin = OriginProc::start(
+        &net,
+        opts.hosts,
+        origin_dir,
+        opts.origin_rate,
+        scratch.path(),
+    )
+    .await?;
+    let rate_flag = format!("{}B/s", opts.rate);
+    let controller = ControllerProc::start(
+        &scratch.path().join("controller"),
+        vec![
+            "--origin-rate".into(),
+            format!("{}B/s", opts.origin_rate),
+            "--default-nic-rate".into(),
+            rate_flag.clone(),
+            "--origin-allow".into(),
+            origin.url.clone(),
+        ],
+    )
+    .await?;
+    let mut daemons = Vec::new();
+    for i in 0..opts.hosts {
+        let name = format!("host-{}", i + 1);
+        let mut o = DaemonOpts::local(name.clone());
+        o.data_ip = IpAddr::V4(net.host_ip(i));
+        o.netns = Some(net.ns_name(i).to_string());
+        o.extra_args.extend(managed_args(&controller, ""));
+        o.extra_args.extend([
+            "--nic-rate".into(),
+            rate_flag.clone(),
+            "--origin-allow".into(),
+            origin.url.clone(),
+        ]);
+        daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
+    }
+    wait_hosts_up(&controller, opts.hosts, Duration::from_secs(30)).await?;
+    let mut api = controller.client().await?;
+    let (manifest, _) = register(&mut api, &origin.url).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    let accepted = api
+        .prewarm(PrewarmRequest {
+            model: MODEL_NAME.into(),
+            replicas: opts.hosts as u32,
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await
+        .context("Prewarm")?
+        .into_inner();
+    let chain = accepted
+        .chains
+        .first()
+        .map(|c| c.hops.clone())
+        .unwrap_or_default();
+    let victim = match (fault, position) {
+        (Fault::None, _) | (_, None) => String::new(),
+        (_, Some(p)) => {
+            let i = match p {
+                Position::Head => 0,
+                Position::Middle => chain.len() / 2,
+                Position::Tail => chain.len().saturating_sub(1),
+            };
+            chain.get(i).cloned().context("the plan has no chain")?
+        }
+    };
+    let vi = daemons.iter().position(|d| d.host_id.as_str() == victim);
+    // The fault, in the background of the plan's progress.
+    let hidden = ProgressBar::hidden();
+    let waiting = ready_times(&mut api, &accepted.plan_id, t0, opts.timeout, &hidden);
+    let strike = async {
+        let Some(vi) = vi else {
+            return Ok::<_, anyhow::Error>(());
+        };
+        tokio::time::sleep_until((t0 + opts.at).into()).await;
+        match fault {
+            Fault::None => {}
+            Fault::Kill => {
+                daemons[vi].kill().await;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                daemons[vi].restart().await?;
+            }
+            Fault::Stop => signal(&daemons[vi], "STOP")?,
+            Fault::LinkDown => {
+                net.set_link(vi, false)?;
+                tokio::time::sleep(Duration::from_secs(8)).await;
+                net.set_link(vi, true)?;
+            }
+            Fault::Corrupt => flip_first_byte(&daemons[vi], &manifest)?,
+        }
+        Ok(())
+    };
+    let (ended, struck) = tokio::join!(waiting, strike);
+    if fault == Fault::Stop
+        && let Some(vi) = vi
+    {
+        signal(&daemons[vi], "CONT")?;
+    }
+    struck?;
+    let (_, ready) = ended?;
+    let healthy = |h: &str| fault == Fault::Corrupt || h != victim;
+    let ready_s = daemons
+        .iter()
+        .map(|d| d.host_id.as_str())
+        .filter(|h| healthy(h))
+        .map(|h| ready.iter().find(|(x, _)| x == h).map(|r| r.1))
+        .try_fold(0.0f64, |acc, t| t.map(|t| acc.max(t)));
+    let exact = daemons
+        .iter()
+        .filter(|d| healthy(d.host_id.as_str()))
+        .all(|d| d.verify_copy(&manifest).is_ok());
+    // A victim that recovers reports itself through its heartbeats: give it the time to.
+    let final_status = settle(&mut api, &accepted.plan_id, &daemons, &manifest).await?;
+    let status_true = daemons.iter().all(|d| {
+        let said = final_status
+            .hosts
+            .iter()
+            .find(|h| h.host == d.host_id.as_str())
+            .is_some_and(|h| h.state == "done");
+        said == d.verify_copy(&manifest).is_ok()
+    });
+    let plan = format!(
+        "{} {:?}: {}",
+        final_status.state,
+        final_status.message,
+        final_status
+            .hosts
+            .iter()
+            .map(|h| format!("{}={}", h.host, h.state))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    drop(daemons);
+    drop(controller);
+    drop(origin);
+    drop(net);
+    Ok(FaultTrial {
+        fault,
+        position,
+        host: victim,
+        ready_s: ready_s.unwrap_or(f64::INFINITY),
+        no_fault_s: 0.0,
+        ratio: 0.0,
+        exact: exact && ready_s.is_some(),
+        status_true,
+        plan,
+    })
+}
+
+/// Waits (up to 30 s) until the plan's report agrees with the hosts' real copies, and
+/// returns the last report either way.
+async fn settle(
+    api: &mut shardcast_protocol::controller::controller_client::ControllerClient<
+        tonic::transport::Channel,
+    >,
+    plan: &str,
+    daemons: &[Daemon],
+    manifest: &Manifest,
+) -> anyhow::Result<PlanStatus> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = api
+            .get_plan(WatchPlanRequest {
+                plan_id: plan.to_string(),
+            })
+            .await
+            .context("GetPlan")?
+            .into_inner();
+        let agrees = daemons.iter().all(|d| {
+            s.hosts
+                .iter()
+                .find(|h| h.host == d.host_id.as_str())
+                .is_some_and(|h| h.state == "done")
+                == d.verify_copy(manifest).is_ok()
+        });
+        if agrees || Instant::now() >= deadline {
+            return Ok(s);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
