@@ -17,7 +17,6 @@
 //! recovers may report itself), every host the plan calls `done` holds an exact copy and
 //! every host with an exact copy is called `done`.
 
-use std::net::IpAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -27,12 +26,9 @@ use serde::Serialize;
 use shardcast_protocol::Manifest;
 use shardcast_protocol::controller::{PlanStatus, PrewarmRequest, WatchPlanRequest};
 
-use crate::cluster::{Daemon, DaemonOpts};
-use crate::control::{ControllerProc, managed_args, wait_hosts_up};
-use crate::managed::{OriginProc, ready_times, register};
-use crate::netns::EmulatedNet;
-use crate::scenario::{MODEL_NAME, scratch_dir};
-use crate::synth::{self, SynthSpec};
+use crate::cluster::Daemon;
+use crate::managed::{EmulatedCluster, origin_model, ready_times};
+use crate::scenario::MODEL_NAME;
 
 /// A fault to inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -166,18 +162,7 @@ pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
     if opts.hosts < 3 {
         bail!("--hosts must be at least 3 (a head, a middle hop and a tail)");
     }
-    let origin_dir = tempfile::Builder::new()
-        .prefix("shardcast-origin-")
-        .tempdir()
-        .context("origin dir")?;
-    let model = synth::generate(
-        origin_dir.path(),
-        &SynthSpec {
-            total_bytes: opts.size,
-            shards: opts.shards,
-            seed: 42,
-        },
-    )?;
+    let (origin_dir, model) = origin_model(opts.size, opts.shards)?;
     let mut baseline = Vec::new();
     for trial in 0..opts.trials.max(1) {
         let t = run_trial(opts, origin_dir.path(), Fault::None, None).await?;
@@ -257,48 +242,22 @@ async fn run_trial(
     fault: Fault,
     position: Option<Position>,
 ) -> anyhow::Result<FaultTrial> {
-    let net = EmulatedNet::create(opts.hosts + 1, Some(opts.rate), None)?;
-    let scratch = scratch_dir("faults")?;
-    let origin = OriginProc::start(
-        &net,
+    let mut c = EmulatedCluster::start(
         opts.hosts,
-        origin_dir,
+        opts.rate,
         opts.origin_rate,
-        scratch.path(),
+        origin_dir,
+        "faults",
     )
     .await?;
-    let rate_flag = format!("{}B/s", opts.rate);
-    let controller = ControllerProc::start(
-        &scratch.path().join("controller"),
-        vec![
-            "--origin-rate".into(),
-            format!("{}B/s", opts.origin_rate),
-            "--default-nic-rate".into(),
-            rate_flag.clone(),
-            "--origin-allow".into(),
-            origin.url.clone(),
-        ],
-    )
-    .await?;
-    let mut daemons = Vec::new();
-    for i in 0..opts.hosts {
-        let name = format!("host-{}", i + 1);
-        let mut o = DaemonOpts::local(name.clone());
-        o.data_ip = IpAddr::V4(net.host_ip(i));
-        o.netns = Some(net.ns_name(i).to_string());
-        o.extra_args.extend(managed_args(&controller, ""));
-        o.extra_args.extend([
-            "--nic-rate".into(),
-            rate_flag.clone(),
-            "--origin-allow".into(),
-            origin.url.clone(),
-        ]);
-        daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
-    }
-    wait_hosts_up(&controller, opts.hosts, Duration::from_secs(30)).await?;
-    let mut api = controller.client().await?;
-    let (manifest, _) = register(&mut api, &origin.url).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut api = c.controller.client().await?;
+    let EmulatedCluster {
+        daemons,
+        net,
+        manifest,
+        ..
+    } = &mut c;
+    let (net, manifest) = (&*net, &*manifest);
     let t0 = Instant::now();
     let accepted = api
         .prewarm(PrewarmRequest {
@@ -348,7 +307,7 @@ async fn run_trial(
                 tokio::time::sleep(Duration::from_secs(8)).await;
                 net.set_link(vi, true)?;
             }
-            Fault::Corrupt => flip_first_byte(&daemons[vi], &manifest)?,
+            Fault::Corrupt => flip_first_byte(&daemons[vi], manifest)?,
         }
         Ok(())
     };
@@ -370,16 +329,16 @@ async fn run_trial(
     let exact = daemons
         .iter()
         .filter(|d| healthy(d.host_id.as_str()))
-        .all(|d| d.verify_copy(&manifest).is_ok());
+        .all(|d| d.verify_copy(manifest).is_ok());
     // A victim that recovers reports itself through its heartbeats: give it the time to.
-    let final_status = settle(&mut api, &accepted.plan_id, &daemons, &manifest).await?;
+    let final_status = settle(&mut api, &accepted.plan_id, daemons, manifest).await?;
     let status_true = daemons.iter().all(|d| {
         let said = final_status
             .hosts
             .iter()
             .find(|h| h.host == d.host_id.as_str())
             .is_some_and(|h| h.state == "done");
-        said == d.verify_copy(&manifest).is_ok()
+        said == d.verify_copy(manifest).is_ok()
     });
     let plan = format!(
         "{} {:?}: {}",
@@ -392,10 +351,7 @@ async fn run_trial(
             .collect::<Vec<_>>()
             .join(" ")
     );
-    drop(daemons);
-    drop(controller);
-    drop(origin);
-    drop(net);
+    drop(c);
     Ok(FaultTrial {
         fault,
         position,

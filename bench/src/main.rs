@@ -337,11 +337,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .context("--pcie-rate must be a finite rate")?,
             };
             let report = shardcast_bench::managed::run_burst(&opts).await?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            if let Some(path) = json {
-                scenario::write_json(&path, &report)?;
-            }
-            Ok(())
+            emit(&report, json)
         }
         Cmd::Demo {
             size,
@@ -380,17 +376,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             timeout_s,
             json,
         } => {
-            shardcast_bench::netns::available()
-                .map_err(|e| anyhow::anyhow!("--emulate needs root and iproute2: {e}"))?;
-            let stale = shardcast_bench::netns::EmulatedNet::cleanup_stale()?;
-            if stale > 0 {
-                eprintln!("removed {stale} namespaces left by an earlier interrupted run");
-            }
-            let need = |name: &str, v: &str| -> anyhow::Result<u64> {
-                parse_rate(v)
-                    .map_err(anyhow::Error::msg)?
-                    .ok_or_else(|| anyhow::anyhow!("--{name} must be a finite rate"))
-            };
+            prepare_emulation()?;
             if !(0.0..=3600.0).contains(&at_s) {
                 anyhow::bail!("--at-s must be between 0 and 3600, got {at_s}");
             }
@@ -398,8 +384,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 hosts,
                 size,
                 shards,
-                rate: need("rate", &rate)?,
-                origin_rate: need("origin-rate", &origin_rate)?,
+                rate: finite_rate("rate", &rate)?,
+                origin_rate: finite_rate("origin-rate", &origin_rate)?,
                 faults,
                 positions,
                 trials,
@@ -407,11 +393,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 timeout: Duration::from_secs(timeout_s),
             };
             let report = shardcast_bench::faults::run_faults(&opts).await?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            if let Some(path) = json {
-                scenario::write_json(&path, &report)?;
-            }
-            Ok(())
+            emit(&report, json)
         }
         Cmd::ColdStart {
             emulate: _,
@@ -424,33 +406,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             timeout_s,
             json,
         } => {
-            shardcast_bench::netns::available()
-                .map_err(|e| anyhow::anyhow!("--emulate needs root and iproute2: {e}"))?;
-            let stale = shardcast_bench::netns::EmulatedNet::cleanup_stale()?;
-            if stale > 0 {
-                eprintln!("removed {stale} namespaces left by an earlier interrupted run");
-            }
-            let need = |name: &str, v: &str| -> anyhow::Result<u64> {
-                parse_rate(v)
-                    .map_err(anyhow::Error::msg)?
-                    .ok_or_else(|| anyhow::anyhow!("--{name} must be a finite rate"))
-            };
+            prepare_emulation()?;
             let opts = shardcast_bench::managed::ColdStartOpts {
                 hosts,
                 size,
                 shards,
-                rate: need("rate", &rate)?,
-                origin_rate: need("origin-rate", &origin_rate)?,
+                rate: finite_rate("rate", &rate)?,
+                origin_rate: finite_rate("origin-rate", &origin_rate)?,
                 methods,
                 timeout: Duration::from_secs(timeout_s),
                 progress: true,
             };
             let report = shardcast_bench::managed::run_cold_start(&opts).await?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            if let Some(path) = json {
-                scenario::write_json(&path, &report)?;
-            }
-            Ok(())
+            emit(&report, json)
         }
         Cmd::Compare {
             size,
@@ -495,12 +463,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 NetMode::Local
             };
             if emulate {
-                shardcast_bench::netns::available()
-                    .map_err(|e| anyhow::anyhow!("--emulate needs root and iproute2: {e}"))?;
-                let stale = shardcast_bench::netns::EmulatedNet::cleanup_stale()?;
-                if stale > 0 {
-                    eprintln!("removed {stale} namespaces left by an earlier interrupted run");
-                }
+                prepare_emulation()?;
             }
             let opts = ChainBenchOpts {
                 plaintext: false,
@@ -526,11 +489,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Hop { size, shards, json } => {
             let report = scenario::run_hop_bench(size, shards, true).await?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            if let Some(path) = json {
-                scenario::write_json(&path, &report)?;
-            }
-            Ok(())
+            emit(&report, json)
         }
         Cmd::Loader {
             backend,
@@ -546,19 +505,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             partitions,
             json,
         } => {
-            let need = |name: &str, v: &str| -> anyhow::Result<u64> {
-                parse_rate(v)
-                    .map_err(anyhow::Error::msg)?
-                    .ok_or_else(|| anyhow::anyhow!("--{name} must be a finite rate"))
-            };
             let opts = shardcast_bench::loader_bench::LoaderOpts {
                 backend,
                 size,
                 shards,
                 gpus,
-                net_rate: need("net-rate", &net_rate)?,
-                pcie_rate: need("pcie-rate", &pcie_rate)?,
-                nvlink_rate: need("nvlink-rate", &nvlink_rate)?,
+                net_rate: finite_rate("net-rate", &net_rate)?,
+                pcie_rate: finite_rate("pcie-rate", &pcie_rate)?,
+                nvlink_rate: finite_rate("nvlink-rate", &nvlink_rate)?,
                 staging_buffers,
                 staging_size: usize::try_from(staging_size)?,
                 fill_threads: fill_threads
@@ -568,11 +522,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report =
                 tokio::task::spawn_blocking(move || shardcast_bench::loader_bench::run(&opts))
                     .await??;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            if let Some(path) = json {
-                scenario::write_json(&path, &report)?;
-            }
-            Ok(())
+            emit(&report, json)
         }
         Cmd::OriginServer {
             dir,
@@ -612,4 +562,32 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             server.await.context("origin server task")?
         }
     }
+}
+
+/// Checks that emulated clusters can be built here (root, iproute2) and removes the
+/// namespaces an interrupted earlier run left behind.
+fn prepare_emulation() -> anyhow::Result<()> {
+    shardcast_bench::netns::available()
+        .map_err(|e| anyhow::anyhow!("--emulate needs root and iproute2: {e}"))?;
+    let stale = shardcast_bench::netns::EmulatedNet::cleanup_stale()?;
+    if stale > 0 {
+        eprintln!("removed {stale} namespaces left by an earlier interrupted run");
+    }
+    Ok(())
+}
+
+/// The rate in flag `--name`, which must be finite.
+fn finite_rate(name: &str, v: &str) -> anyhow::Result<u64> {
+    parse_rate(v)
+        .map_err(anyhow::Error::msg)?
+        .ok_or_else(|| anyhow::anyhow!("--{name} must be a finite rate"))
+}
+
+/// Prints `report` as JSON, and writes it to `json` when given.
+fn emit<T: serde::Serialize>(report: &T, json: Option<PathBuf>) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(report)?);
+    if let Some(path) = json {
+        scenario::write_json(&path, report)?;
+    }
+    Ok(())
 }

@@ -87,7 +87,7 @@ fn bar(enabled: bool, label: &str) -> ProgressBar {
     pb
 }
 
-pub(crate) async fn register(
+async fn register(
     api: &mut ControllerClient<Channel>,
     origin: &str,
 ) -> anyhow::Result<(Manifest, String)> {
@@ -416,11 +416,11 @@ pub struct ColdStartReport {
 pub(crate) struct OriginProc {
     child: tokio::process::Child,
     stats: PathBuf,
-    pub(crate) url: String,
+    url: String,
 }
 
 impl OriginProc {
-    pub(crate) async fn start(
+    async fn start(
         net: &EmulatedNet,
         i: usize,
         dir: &Path,
@@ -484,24 +484,106 @@ impl Drop for OriginProc {
     }
 }
 
+/// An emulated cluster under a controller, as `cold-start` and `faults` run it: `hosts`
+/// transferds in network namespaces with links capped at `rate`, an origin server (at
+/// `origin_rate`, serving `origin_dir`) in one more namespace, and a controller every
+/// daemon heartbeats to, with the model registered through the origin. Dropped in field
+/// order: the daemons, the controller, the origin, the namespaces, the scratch directory.
+pub(crate) struct EmulatedCluster {
+    pub(crate) daemons: Vec<Daemon>,
+    pub(crate) controller: ControllerProc,
+    pub(crate) origin: OriginProc,
+    pub(crate) net: EmulatedNet,
+    /// The registered model's manifest.
+    pub(crate) manifest: Manifest,
+    _scratch: tempfile::TempDir,
+}
+
+impl EmulatedCluster {
+    /// Starts it; `label` names the scratch directory and the progress line.
+    pub(crate) async fn start(
+        hosts: usize,
+        rate: u64,
+        origin_rate: u64,
+        origin_dir: &Path,
+        label: &str,
+    ) -> anyhow::Result<Self> {
+        let net = EmulatedNet::create(hosts + 1, Some(rate), None)?;
+        let scratch = scratch_dir(label)?;
+        let origin =
+            OriginProc::start(&net, hosts, origin_dir, origin_rate, scratch.path()).await?;
+        let rate_flag = format!("{rate}B/s");
+        let controller = ControllerProc::start(
+            &scratch.path().join("controller"),
+            vec![
+                "--origin-rate".into(),
+                format!("{origin_rate}B/s"),
+                "--default-nic-rate".into(),
+                rate_flag.clone(),
+                "--origin-allow".into(),
+                origin.url.clone(),
+            ],
+        )
+        .await?;
+        let mut daemons = Vec::new();
+        for i in 0..hosts {
+            let name = format!("host-{}", i + 1);
+            let mut o = DaemonOpts::local(name.clone());
+            o.data_ip = IpAddr::V4(net.host_ip(i));
+            o.netns = Some(net.ns_name(i).to_string());
+            o.extra_args.extend(managed_args(&controller, ""));
+            o.extra_args.extend([
+                "--nic-rate".into(),
+                rate_flag.clone(),
+                "--origin-allow".into(),
+                origin.url.clone(),
+            ]);
+            daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
+        }
+        wait_hosts_up(&controller, hosts, Duration::from_secs(30)).await?;
+        let mut api = controller.client().await?;
+        eprintln!("{label}: registering (a transferd hashes the model through the origin)");
+        let (manifest, _) = register(&mut api, &origin.url).await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(Self {
+            daemons,
+            controller,
+            origin,
+            net,
+            manifest,
+            _scratch: scratch,
+        })
+    }
+}
+
+/// A synthetic model of `size` bytes in `shards` shards, in a temporary directory that
+/// the emulated clusters' origin server serves.
+pub(crate) fn origin_model(
+    size: u64,
+    shards: usize,
+) -> anyhow::Result<(tempfile::TempDir, synth::SynthModel)> {
+    let dir = tempfile::Builder::new()
+        .prefix("shardcast-origin-")
+        .tempdir()
+        .context("origin dir")?;
+    let model = synth::generate(
+        dir.path(),
+        &SynthSpec {
+            total_bytes: size,
+            shards,
+            seed: 42,
+        },
+    )?;
+    Ok((dir, model))
+}
+
 /// Runs `cold-start`: for each method a fresh emulated cluster (hosts + one origin
 /// namespace), a controller, and a prewarm of every host through the API.
 pub async fn run_cold_start(opts: &ColdStartOpts) -> anyhow::Result<ColdStartReport> {
     if opts.hosts == 0 {
         bail!("--hosts must be at least 1");
     }
-    let origin_dir = tempfile::Builder::new()
-        .prefix("shardcast-origin-")
-        .tempdir()
-        .context("origin dir")?;
-    let model = synth::generate(
-        origin_dir.path(),
-        &SynthSpec {
-            total_bytes: opts.size,
-            shards: opts.shards,
-            seed: 42,
-        },
-    )?;
+    let (origin_dir, model) = origin_model(opts.size, opts.shards)?;
     let mut results = Vec::new();
     for method in &opts.methods {
         let sources = match method.as_str() {
@@ -537,49 +619,10 @@ async fn cold_start_method(
     sources: &str,
     origin_dir: &Path,
 ) -> anyhow::Result<ColdStartResult> {
-    let net = EmulatedNet::create(opts.hosts + 1, Some(opts.rate), None)?;
-    let scratch = scratch_dir(method)?;
-    let origin = OriginProc::start(
-        &net,
-        opts.hosts,
-        origin_dir,
-        opts.origin_rate,
-        scratch.path(),
-    )
-    .await?;
-    let rate_flag = format!("{}B/s", opts.rate);
-    let controller = ControllerProc::start(
-        &scratch.path().join("controller"),
-        vec![
-            "--origin-rate".into(),
-            format!("{}B/s", opts.origin_rate),
-            "--default-nic-rate".into(),
-            rate_flag.clone(),
-            "--origin-allow".into(),
-            origin.url.clone(),
-        ],
-    )
-    .await?;
-    let mut daemons = Vec::new();
-    for i in 0..opts.hosts {
-        let name = format!("host-{}", i + 1);
-        let mut o = DaemonOpts::local(name.clone());
-        o.data_ip = IpAddr::V4(net.host_ip(i));
-        o.netns = Some(net.ns_name(i).to_string());
-        o.extra_args.extend(managed_args(&controller, ""));
-        o.extra_args.extend([
-            "--nic-rate".into(),
-            rate_flag.clone(),
-            "--origin-allow".into(),
-            origin.url.clone(),
-        ]);
-        daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
-    }
-    wait_hosts_up(&controller, opts.hosts, Duration::from_secs(30)).await?;
-    let mut api = controller.client().await?;
-    eprintln!("{method}: registering (a transferd hashes the model through the origin)");
-    let (manifest, _) = register(&mut api, &origin.url).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c =
+        EmulatedCluster::start(opts.hosts, opts.rate, opts.origin_rate, origin_dir, method).await?;
+    let (origin, manifest) = (&c.origin, &c.manifest);
+    let mut api = c.controller.client().await?;
     let before = origin.bytes_sent();
     let pb = bar(opts.progress, method);
     let t0 = Instant::now();
@@ -609,7 +652,7 @@ async fn cold_start_method(
     // Let the origin's stats file catch up (it is rewritten every 100 ms).
     tokio::time::sleep(Duration::from_millis(300)).await;
     let origin_bytes = origin.bytes_sent() - before;
-    let verified = match verify_all(&daemons, &manifest) {
+    let verified = match verify_all(&c.daemons, manifest) {
         Ok(()) => true,
         Err(e) => {
             eprintln!("verification failed: {e:#}");
@@ -617,10 +660,7 @@ async fn cold_start_method(
         }
     };
     let per_host_s: Vec<f64> = ready.iter().map(|r| r.1).collect();
-    drop(daemons);
-    drop(controller);
-    drop(origin);
-    drop(net);
+    drop(c);
     Ok(ColdStartResult {
         method: method.into(),
         ready_s: per_host_s.iter().copied().fold(0.0, f64::max),

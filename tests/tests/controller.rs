@@ -344,20 +344,31 @@ async fn prewarm_then_peers(http: bool) {
     c.daemon("host-6").unwrap().verify_copy(&manifest).unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
-    let mut c = start_cluster(6, vec![], |_, o| {
+/// A cluster of `n` hosts with 24 MB/s egress caps (so a fault lands mid-transfer), a
+/// model of `size` bytes in 2 shards registered, and a prewarm of every host started (one
+/// chain from the origin).
+async fn prewarm_every_host(
+    n: usize,
+    size: u64,
+) -> (
+    ManagedCluster,
+    Origin,
+    ControllerClient<Channel>,
+    Manifest,
+    shardcast_protocol::controller::PlanAccepted,
+) {
+    let c = start_cluster(n, vec![], |_, o| {
         o.egress_rate = "24MB/s".into();
     })
     .await
     .unwrap();
-    let origin = Origin::new(32 << 20, 2);
+    let origin = Origin::new(size, 2);
     let mut api = c.controller.client().await.unwrap();
     let manifest = register(&mut api, &origin).await;
     let a = api
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
-            replicas: 6,
+            replicas: n as u32,
             tier: "memory".into(),
             ..Default::default()
         })
@@ -365,6 +376,12 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
         .unwrap()
         .into_inner();
     assert_eq!(a.chains.len(), 1);
+    (c, origin, api, manifest, a)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
+    let (mut c, _origin, mut api, manifest, a) = prewarm_every_host(6, 32 << 20).await;
     // Kill a middle hop of the chain once data is flowing.
     let victim = a.chains[0].hops[2].clone();
     wait_fraction(&mut api, &a.plan_id, 0.15).await;
@@ -406,25 +423,7 @@ fn signal(d: &Daemon, signal: &str) {
 /// both transitions are events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_receiver_that_completes_later_is_reported_done() {
-    let c = start_cluster(4, vec![], |_, o| {
-        o.egress_rate = "24MB/s".into();
-    })
-    .await
-    .unwrap();
-    let origin = Origin::new(24 << 20, 2);
-    let mut api = c.controller.client().await.unwrap();
-    let manifest = register(&mut api, &origin).await;
-    let a = api
-        .prewarm(PrewarmRequest {
-            model: MODEL.into(),
-            replicas: 4,
-            tier: "memory".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(a.chains.len(), 1);
+    let (c, _origin, mut api, manifest, a) = prewarm_every_host(4, 24 << 20).await;
     let victim = a.chains[0].hops[1].clone();
     let d = c.daemon(&victim).unwrap();
     wait_fraction(&mut api, &a.plan_id, 0.15).await;
