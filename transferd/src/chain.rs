@@ -37,7 +37,7 @@
 //! be completed (the session failed) stops without failing over: the downstream hop is not
 //! at fault, and its recovery monitor fetches from its fallback source.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -54,6 +54,14 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+mod proto;
+
+use proto::{
+    AfterFill, Answer, Inbound, InboundConfig, InboundFrame, LocalCopy, RecoveryAction,
+    RecoveryMonitor, Repair, SendFailure, SendOutcome, SendWindow, SendWindowConfig, Transmit,
+    Verdict, Watched,
+};
+
 use crate::limits::{ConnLimits, Limits};
 use crate::origin::{self, Origin, OriginAccess};
 use crate::repair::{RepairRequest, Repairs};
@@ -68,6 +76,11 @@ use crate::wire::{BoxStream, ByteCounters, Conn, FrameBudget, WireError};
 /// 10 Gbit/s, so a few in parallel keep an idle holder's re-hash off the critical path
 /// without taking more than the blocking pool's share of the cores.
 const CHECK_AHEAD: u32 = 4;
+
+/// Fetches from the fallback source a hop session tries before it fails. Rationale: one
+/// retry covers a transient origin error, a third a holder that is still being filled; more
+/// only delays the controller's re-plan of a receiver that cannot finish.
+const RECOVERY_ATTEMPTS: u32 = 3;
 
 /// How long a finished head session stays queryable through `GetSession`.
 const HEAD_RETENTION: Duration = Duration::from_secs(600);
@@ -116,6 +129,25 @@ impl Default for ChainConfig {
             max_resends: 5,
             progress_interval: Duration::from_millis(100),
             pipeline_depth: 4,
+        }
+    }
+}
+
+impl ChainConfig {
+    /// The send window's part of the tuning.
+    fn send_window(&self) -> SendWindowConfig {
+        SendWindowConfig {
+            window: self.window,
+            idle_timeout: self.idle_timeout,
+            max_resends: self.max_resends,
+        }
+    }
+
+    /// The receiving end's part of the tuning.
+    fn inbound(&self) -> InboundConfig {
+        InboundConfig {
+            pipeline_depth: self.pipeline_depth,
+            progress_interval: self.progress_interval,
         }
     }
 }
@@ -215,6 +247,38 @@ impl ChainError {
             Self::Remote { .. } | Self::Closed | Self::Timeout(_) => None,
         }
     }
+}
+
+impl From<SendFailure> for ChainError {
+    fn from(f: SendFailure) -> Self {
+        match f {
+            SendFailure::Silent(d) => Self::Timeout(d),
+            SendFailure::Rejected { index, times } => Self::refused(
+                ErrorCode::Refused,
+                format!("chunk {index} rejected {times} times although it verifies here"),
+            ),
+            SendFailure::EarlyDone => Self::protocol("unexpected Done from downstream"),
+        }
+    }
+}
+
+/// A chunk on its way into a session's store.
+enum Incoming {
+    /// Bytes from a peer, to verify against the manifest.
+    Unverified(Bytes),
+    /// Verified already (an origin fetch verifies as it reads).
+    Verified(VerifiedChunk),
+}
+
+/// Where a stored chunk came from (for counters and logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkFrom {
+    /// An upstream hop of the session.
+    Upstream,
+    /// A holder answering `Fetch`.
+    Holder,
+    /// An origin.
+    Origin,
 }
 
 /// Test-only fault injection: chunks to corrupt the first time this host sends them.
@@ -888,34 +952,44 @@ impl Node {
             info!(have = have.len(), total = sess.total(), "session accepted");
             conn.writer.send_now(&Frame::Accept { have }).await?;
             let mut relayed = sess.progress.subscribe();
-            let mut last_progress = Instant::now() - self.cfg.progress_interval;
-            let mut upstream_done = false;
+            let shard = sess.shard_index();
+            let mut inbound = Inbound::new(shard, sess.start..sess.end, self.cfg.inbound());
             // Verify+store runs concurrently with reading the next chunks off the wire, so
             // a hop's throughput is bounded by its slowest stage, not their sum.
             let mut pending = futures::stream::FuturesUnordered::new();
-            while !upstream_done || !pending.is_empty() {
+            while inbound.feeding() {
                 tokio::select! {
                     biased;
                     _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
-                    Some(done) = pending.next(), if !pending.is_empty() => {
-                        let (shard, index, outcome): (u32, u32, Result<bool, ChainError>) = done;
-                        let frame = match outcome {
-                            Ok(true) => Frame::Ack { shard, index },
-                            Ok(false) => Frame::Nack { shard, index },
-                            Err(e) => return Err(e),
+                    Some((index, verdict)) = pending.next(), if !pending.is_empty() => {
+                        let verdict: Verdict = verdict?;
+                        let reply = inbound.handle_verdict(now(), index, verdict, sess.complete());
+                        let frame = match reply.verdict {
+                            Verdict::Stored => Frame::Ack { shard, index },
+                            Verdict::Corrupt => Frame::Nack { shard, index },
                         };
                         conn.writer.send(&frame).await?;
-                        if last_progress.elapsed() >= self.cfg.progress_interval || sess.complete() {
-                            last_progress = Instant::now();
+                        if reply.progress {
                             conn.writer.send(&self.own_progress(&sess)).await?;
                         }
                         conn.writer.flush().await?;
                     }
-                    frame = conn.reader.read(), if !upstream_done && pending.len() < self.cfg.pipeline_depth => match frame? {
-                        Some(Frame::Chunk { shard, index, data }) => {
-                            pending.push(self.clone().receive_chunk(sess.clone(), shard, index, data));
+                    frame = conn.reader.read(), if inbound.wants_frame() => match frame? {
+                        Some(Frame::Chunk { shard: s, index, data }) => {
+                            inbound.handle_frame(InboundFrame::Chunk { shard: s, index }).map_err(|_| {
+                                ChainError::protocol(format!(
+                                    "chunk {s}/{index} is outside the session's shard {shard} range {}..{}",
+                                    sess.start, sess.end
+                                ))
+                            })?;
+                            let (node, sess) = (self.clone(), sess.clone());
+                            pending.push(async move {
+                                (index, node.store_chunk(&sess, index, Incoming::Unverified(data), ChunkFrom::Upstream).await)
+                            });
                         }
-                        Some(Frame::Done) => upstream_done = true,
+                        Some(Frame::Done) => {
+                            let _ = inbound.handle_frame(InboundFrame::Done);
+                        }
                         Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
                         Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} in a session", other.ty()))),
                         None => return Err(ChainError::Closed),
@@ -967,57 +1041,54 @@ impl Node {
         }
     }
 
-    /// Verifies one received chunk and stores it. `Ok(true)`: stored (or already held);
-    /// `Ok(false)`: it failed verification and was dropped (the sender re-sends it).
-    async fn receive_chunk(
-        self: Arc<Self>,
-        sess: Arc<ShardSession>,
-        shard: u32,
+    /// Verifies, stores and counts one chunk of `sess`'s shard: the one path by which
+    /// chunks from an upstream, a holder (`Fetch`) and an origin enter the store. Hashing
+    /// runs off the I/O threads. `Ok(Verdict::Corrupt)`: it failed verification and was
+    /// dropped (a session's sender sends it again).
+    async fn store_chunk(
+        &self,
+        sess: &ShardSession,
         index: u32,
-        data: Bytes,
-    ) -> (u32, u32, Result<bool, ChainError>) {
-        if shard != sess.shard_index() || !(sess.start..sess.end).contains(&index) {
-            let e = ChainError::protocol(format!(
-                "chunk {shard}/{index} is outside the session's shard {} range {}..{}",
-                sess.shard_index(),
-                sess.start,
-                sess.end
-            ));
-            return (shard, index, Err(e));
-        }
-        let manifest = sess.manifest.clone();
-        // BLAKE3 of a chunk takes ~0.3 ms per MiB: hash off the I/O threads.
-        let verified =
-            tokio::task::spawn_blocking(move || manifest.verified(shard, index, data)).await;
-        let outcome = match verified {
-            Err(e) => Err(ChainError::refused(
-                ErrorCode::Internal,
-                format!("verify task: {e}"),
-            )),
-            // Writes to one file serialise on its inode lock in the kernel; queue them here
-            // (an async wait) rather than have threads spin on that lock.
-            Ok(Ok(chunk)) => match async {
-                let _serial = sess.write_lock.lock().await;
-                sess.shard.write(chunk).await
-            }
-            .await
-            {
-                Ok(_) => {
-                    self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
-                    Ok(true)
+        chunk: Incoming,
+        from: ChunkFrom,
+    ) -> Result<Verdict, ChainError> {
+        let chunk = match chunk {
+            Incoming::Verified(chunk) => chunk,
+            Incoming::Unverified(data) => {
+                let (manifest, shard) = (sess.manifest.clone(), sess.shard_index());
+                // BLAKE3 of a chunk takes ~0.3 ms per MiB: hash off the I/O threads.
+                let verified =
+                    tokio::task::spawn_blocking(move || manifest.verified(shard, index, data))
+                        .await
+                        .map_err(|e| {
+                            ChainError::refused(ErrorCode::Internal, format!("verify task: {e}"))
+                        })?;
+                match verified {
+                    Ok(chunk) => chunk,
+                    Err(e) => {
+                        self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
+                        warn!(
+                            chunk = index,
+                            ?from,
+                            "dropping chunk that failed verification: {e}"
+                        );
+                        return Ok(Verdict::Corrupt);
+                    }
                 }
-                Err(e) => Err(e.into()),
-            },
-            Ok(Err(e)) => {
-                self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
-                warn!(
-                    chunk = index,
-                    "dropping chunk that failed verification: {e}"
-                );
-                Ok(false)
             }
         };
-        (shard, index, outcome)
+        let len = chunk.data().len() as u64;
+        {
+            // Writes to one file serialise on its inode lock in the kernel; queue them here
+            // (an async wait) rather than have threads spin on that lock.
+            let _serial = sess.write_lock.lock().await;
+            sess.shard.write(chunk).await?;
+        }
+        self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
+        if from == ChunkFrom::Origin {
+            self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);
+        }
+        Ok(Verdict::Stored)
     }
 
     /// Answers a `Fetch` with every requested chunk held verified here, then `Done`.
@@ -1157,7 +1228,7 @@ impl Node {
             token: sess.token.clone(),
         };
         conn.writer.send_now(&Frame::Open(header)).await?;
-        let mut acked = match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+        let acked = match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
             Frame::Accept { have } if have.range() == (sess.start..sess.end) => have,
             Frame::Accept { have } => {
                 return Err(ChainError::protocol(format!(
@@ -1177,100 +1248,41 @@ impl Node {
         };
         info!(peer = %hop.host, already = acked.len(), "downstream accepted");
         let shard = sess.shard_index();
-        let mut sent = acked.clone();
-        // Nacked chunks: re-hashed here before they are sent again.
-        let mut resend: VecDeque<u32> = VecDeque::new();
-        // Chunks pulled back because our copy failed re-verification: sent once repaired.
-        let mut repairing: std::collections::BTreeSet<u32> = std::collections::BTreeSet::new();
-        // Repairs this forwarder asked for (a chunk stays dropped until it is written again).
-        let mut requested: HashSet<u32> = HashSet::new();
-        let mut resends: HashMap<u32, u32> = HashMap::new();
-        let mut in_flight = 0usize;
-        let mut cursor = sess.start;
-        let mut done_sent = false;
+        let copy: &Shard = &sess.shard;
+        let mut window = SendWindow::new(acked, self.cfg.send_window(), now());
         let mut local = sess.shard.subscribe();
         let mut failed = sess.failed.subscribe();
-        let mut last_heard = Instant::now();
         loop {
-            // Chunks dropped as corrupt by another reader, a check ahead or the scrub: repair
-            // them with this session's source; those the downstream lacks are sent after.
-            // A chunk written again (repaired) may be dropped and requested anew later.
-            requested.retain(|&i| sess.shard.is_dropped(i));
-            for i in sess.shard.dropped_chunks(sess.start, sess.end) {
-                if !requested.insert(i) {
-                    continue;
-                }
-                let needed = !acked.contains(i);
-                if needed {
-                    repairing.insert(i);
-                }
-                self.repairs.request(RepairRequest {
-                    source: Some(sess.origin.clone()),
-                    session: needed.then(|| sess.clone()),
-                    ..RepairRequest::new(sess.shard.clone(), vec![i])
-                });
+            for repair in window.scan_dropped(copy) {
+                self.request_repair(sess, repair);
             }
-            while in_flight < self.cfg.window {
-                let repaired = repairing
-                    .iter()
-                    .copied()
-                    .find(|&i| sess.shard.is_verified(i));
-                let next = resend
-                    .pop_front()
-                    .map(|i| (i, true))
-                    .or_else(|| repaired.map(|i| (i, false)))
-                    .or_else(|| {
-                        while cursor < sess.end && sent.contains(cursor) {
-                            cursor += 1;
-                        }
-                        (cursor..sess.end)
-                            .find(|&i| !sent.contains(i) && sess.shard.is_verified(i))
-                            .map(|i| (i, false))
-                    });
-                let Some((index, nacked)) = next else { break };
-                repairing.remove(&index);
+            while let Some(transmit) = window.poll_transmit(copy) {
+                let (index, recheck) = match transmit {
+                    Transmit::Done => {
+                        conn.writer.send(&Frame::Done).await?;
+                        continue;
+                    }
+                    Transmit::Chunk { index, recheck } => (index, recheck),
+                };
                 // Hash the next chunks (if they need it) while this one is read and sent.
                 let ahead = index.saturating_add(1);
                 sess.shard.check_ahead(
                     ahead..ahead.saturating_add(CHECK_AHEAD).min(sess.end),
                     Check::Serve,
                 );
-                let mut data = match sess
-                    .shard
-                    .read_checked(
-                        index,
-                        nacked,
-                        if nacked { Check::Nack } else { Check::Serve },
-                    )
-                    .await
-                {
+                let why = if recheck { Check::Nack } else { Check::Serve };
+                let mut data = match sess.shard.read_checked(index, recheck, why).await {
                     Ok(d) => d,
                     Err(StoreError::CorruptChunk { .. } | StoreError::NotVerified { .. }) => {
-                        // Never send it: repair it and send it once verified again. A Nack
-                        // for it was our fault, not the downstream's.
-                        sent.insert(index);
-                        repairing.insert(index);
-                        if requested.insert(index) {
-                            self.repairs.request(RepairRequest {
-                                source: Some(sess.origin.clone()),
-                                session: Some(sess.clone()),
-                                ..RepairRequest::new(sess.shard.clone(), vec![index])
-                            });
+                        if let Some(repair) = window.chunk_unreadable(index) {
+                            self.request_repair(sess, repair);
                         }
                         continue;
                     }
                     Err(e) => return Err(e.into()),
                 };
-                if nacked {
-                    // Our copy is sound: the downstream rejected good bytes.
-                    let n = resends.entry(index).or_default();
-                    *n += 1;
-                    if *n > self.cfg.max_resends {
-                        return Err(ChainError::refused(
-                            ErrorCode::Refused,
-                            format!("chunk {index} rejected {n} times although it verifies here"),
-                        ));
-                    }
+                window.chunk_read(index, recheck)?;
+                if recheck {
                     self.stats.chunks_resent.fetch_add(1, Ordering::Relaxed);
                 }
                 if self.faults.take(shard, index) {
@@ -1282,64 +1294,67 @@ impl Node {
                     data = bad.freeze();
                 }
                 conn.writer.send_chunk(shard, index, &data).await?;
-                sent.insert(index);
-                in_flight += 1;
-            }
-            if !done_sent && acked.is_full() {
-                conn.writer.send(&Frame::Done).await?;
-                done_sent = true;
             }
             conn.writer.flush().await?;
-            let waiting_on_peer = in_flight > 0 || done_sent;
-            let idle = self.cfg.idle_timeout.saturating_sub(last_heard.elapsed());
-            tokio::select! {
+            let deadline = window.poll_timeout();
+            let answer = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
-                frame = conn.reader.read() => {
-                    last_heard = Instant::now();
-                    match frame? {
-                        Some(Frame::Ack { index, .. }) => {
-                            in_flight = in_flight.saturating_sub(1);
-                            acked.insert(index);
+                frame = conn.reader.read() => match frame? {
+                    Some(Frame::Ack { index, .. }) => Answer::Ack(index),
+                    Some(Frame::Nack { index, .. }) => Answer::Nack(index),
+                    Some(p @ Frame::Progress { .. }) => {
+                        if let Frame::Progress { host, verified, total, .. } = &p
+                            && !sess.record_progress(host, *verified, *total)
+                        {
+                            self.stats.progress_dropped.fetch_add(1, Ordering::Relaxed);
                         }
-                        Some(Frame::Nack { index, .. }) => {
-                            in_flight = in_flight.saturating_sub(1);
-                            if (sess.start..sess.end).contains(&index) {
-                                resend.push_back(index);
-                            }
-                        }
-                        Some(p @ Frame::Progress { .. }) => {
-                            if let Frame::Progress { host, verified, total, .. } = &p
-                                && !sess.record_progress(host, *verified, *total)
-                            {
-                                self.stats.progress_dropped.fetch_add(1, Ordering::Relaxed);
-                            }
-                            let _ = sess.progress.send(p);
-                        }
-                        Some(Frame::Done) if done_sent => {
-                            info!(peer = %hop.host, "downstream complete");
-                            return Ok(());
-                        }
-                        Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
-                        Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} from downstream", other.ty()))),
-                        None => return Err(ChainError::Closed),
+                        let _ = sess.progress.send(p);
+                        Answer::Progress
                     }
-                }
-                r = local.changed(), if in_flight < self.cfg.window => {
+                    Some(Frame::Done) => Answer::Done,
+                    Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
+                    Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} from downstream", other.ty()))),
+                    None => return Err(ChainError::Closed),
+                },
+                r = local.changed(), if window.has_room() => {
                     if r.is_err() {
                         return Err(ChainError::refused(ErrorCode::Internal, "local shard closed"));
                     }
+                    continue;
                 }
                 _ = failed.changed() => {
                     if let Some(why) = sess.failed.borrow().clone() {
                         return Err(ChainError::refused(ErrorCode::NoSuchChunk, format!("cannot forward: {why}")));
                     }
+                    continue;
                 }
-                _ = tokio::time::sleep(idle), if waiting_on_peer => {
-                    return Err(ChainError::Timeout(self.cfg.idle_timeout));
+                () = sleep_until(deadline) => {
+                    match window.handle_timeout(now()) {
+                        Some(SendOutcome::Failed(f)) => return Err(f.into()),
+                        _ => continue,
+                    }
                 }
+            };
+            match window.handle_answer(now(), answer) {
+                None => {}
+                Some(SendOutcome::Complete) => {
+                    info!(peer = %hop.host, "downstream complete");
+                    return Ok(());
+                }
+                Some(SendOutcome::Failed(f)) => return Err(f.into()),
             }
         }
+    }
+
+    /// Asks the repairer for a chunk of the session's copy that failed re-verification;
+    /// the session fails if the downstream still needs it and it cannot be repaired.
+    fn request_repair(&self, sess: &Arc<ShardSession>, repair: Repair) {
+        self.repairs.request(RepairRequest {
+            source: Some(sess.origin.clone()),
+            session: repair.for_peer.then(|| sess.clone()),
+            ..RepairRequest::new(sess.shard.clone(), vec![repair.index])
+        });
     }
 
     /// Watches a hop session: when no upstream is feeding it and it is incomplete, waits
@@ -1349,62 +1364,48 @@ impl Node {
         let sess = sess.clone();
         tokio::spawn(async move {
             let mut feeders = sess.feeders.subscribe();
-            let mut attempts = 0u32;
-            loop {
-                if sess.complete() || sess.failed.borrow().is_some() || node.cancel.is_cancelled() {
-                    return;
-                }
-                if *feeders.borrow_and_update() > 0 {
-                    tokio::select! {
-                        _ = feeders.changed() => {}
+            let mut monitor = RecoveryMonitor::new(
+                node.cfg.upstream_grace,
+                RECOVERY_ATTEMPTS,
+                !sess.origin.is_empty(),
+            );
+            while !node.cancel.is_cancelled() {
+                let seen = Watched {
+                    feeders: *feeders.borrow_and_update(),
+                    complete: sess.complete(),
+                    failed: sess.failed.borrow().is_some(),
+                };
+                match monitor.poll(now(), seen) {
+                    RecoveryAction::Stop => return,
+                    RecoveryAction::Fail(why) => return sess.fail(why),
+                    RecoveryAction::Wait(until) => tokio::select! {
+                        r = feeders.changed() => if r.is_err() { return },
+                        () = sleep_until(until) => {}
                         _ = node.cancel.cancelled() => return,
-                    }
-                    continue;
-                }
-                // Nobody feeds us. Give a failing-over upstream time to reconnect.
-                let deadline = tokio::time::sleep(node.cfg.upstream_grace);
-                tokio::pin!(deadline);
-                let rejoined = loop {
-                    tokio::select! {
-                        _ = &mut deadline => break false,
-                        r = feeders.changed() => {
-                            if r.is_err() { return; }
-                            if *feeders.borrow_and_update() > 0 { break true; }
+                    },
+                    RecoveryAction::Fetch { attempt } => {
+                        node.stats
+                            .upstream_recoveries
+                            .fetch_add(1, Ordering::Relaxed);
+                        let missing: Vec<u32> = sess
+                            .shard
+                            .verified_set(sess.start, sess.end)
+                            .missing()
+                            .collect();
+                        info!(session = %sess.id, shard = sess.shard_index(), attempt, missing = missing.len(), source = %sess.origin, "no upstream; fetching missing chunks from fallback");
+                        let guard = FeederGuard::new(&sess.feeders);
+                        let _ = feeders.borrow_and_update();
+                        let result = node.fill(&sess, &sess.origin, missing).await;
+                        drop(guard);
+                        match monitor.fill_finished(result, sess.complete()) {
+                            AfterFill::Stop => return,
+                            AfterFill::Fail(why) => return sess.fail(why),
+                            AfterFill::Retry(Some(e)) => {
+                                warn!(session = %sess.id, "recovery attempt failed: {e}");
+                            }
+                            AfterFill::Retry(None) => {}
                         }
                     }
-                };
-                if rejoined || sess.complete() {
-                    continue;
-                }
-                attempts += 1;
-                if sess.origin.is_empty() {
-                    sess.fail("upstream vanished and the session has no fallback source".into());
-                    return;
-                }
-                node.stats
-                    .upstream_recoveries
-                    .fetch_add(1, Ordering::Relaxed);
-                let missing: Vec<u32> = sess
-                    .shard
-                    .verified_set(sess.start, sess.end)
-                    .missing()
-                    .collect();
-                info!(session = %sess.id, shard = sess.shard_index(), missing = missing.len(), source = %sess.origin, "no upstream; fetching missing chunks from fallback");
-                let guard = FeederGuard::new(&sess.feeders);
-                let _ = feeders.borrow_and_update();
-                let result = node.fill(&sess, &sess.origin, missing).await;
-                drop(guard);
-                match result {
-                    Ok(()) if sess.complete() => return,
-                    Ok(()) | Err(_) if attempts >= 3 => {
-                        let why = result
-                            .err()
-                            .unwrap_or_else(|| "fallback source lacks chunks".into());
-                        sess.fail(format!("recovery failed after {attempts} attempts: {why}"));
-                        return;
-                    }
-                    Ok(()) => {}
-                    Err(e) => warn!(session = %sess.id, "recovery attempt failed: {e}"),
                 }
             }
         });
@@ -1445,10 +1446,10 @@ impl Node {
             })
         };
         while let Some(chunk) = rx.recv().await {
-            let len = chunk.data().len() as u64;
-            sess.shard.write(chunk).await.map_err(|e| e.to_string())?;
-            self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
-            self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);
+            let index = chunk.index();
+            self.store_chunk(sess, index, Incoming::Verified(chunk), ChunkFrom::Origin)
+                .await
+                .map_err(|e| e.to_string())?;
         }
         match fetch.await {
             Ok(r) => r.map_err(|e| e.to_string()),
@@ -1480,19 +1481,10 @@ impl Node {
                     index,
                     data,
                 } if s == shard && (sess.start..sess.end).contains(&index) => {
-                    match sess.manifest.verified(shard, index, data) {
-                        Ok(chunk) => {
-                            sess.shard.write(chunk).await?;
-                            self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(e) => {
-                            self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
-                            warn!(
-                                chunk = index,
-                                "holder sent a chunk that failed verification: {e}"
-                            );
-                        }
-                    }
+                    // A corrupt one is counted and dropped; what is missing is fetched by
+                    // the next recovery attempt.
+                    self.store_chunk(sess, index, Incoming::Unverified(data), ChunkFrom::Holder)
+                        .await?;
                 }
                 Frame::Done => return Ok(()),
                 Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
@@ -1711,6 +1703,32 @@ impl Node {
             debug!(model = %model, shard = s, start, end, "chunks fetched");
         }
         Ok(())
+    }
+}
+
+/// The sender's own copy, as its send window sees it.
+impl LocalCopy for Shard {
+    fn is_verified(&self, index: u32) -> bool {
+        Self::is_verified(self, index)
+    }
+    fn is_dropped(&self, index: u32) -> bool {
+        Self::is_dropped(self, index)
+    }
+    fn dropped(&self, range: std::ops::Range<u32>) -> Vec<u32> {
+        self.dropped_chunks(range.start, range.end)
+    }
+}
+
+/// The time the state machines are given: tokio's clock, so paused-time tests drive them.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Sleeps until `deadline`; forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+        None => std::future::pending().await,
     }
 }
 
