@@ -25,6 +25,18 @@ fn cfg(window: usize, max_resends: u32) -> SendWindowConfig {
     }
 }
 
+/// A window over `range` whose downstream holds `have`, and a sender holding all of it.
+fn start(
+    range: Range<u32>,
+    have: impl IntoIterator<Item = u32>,
+    window: usize,
+    max_resends: u32,
+) -> (Instant, OwnCopy, SendWindow) {
+    let t0 = Instant::now();
+    let w = SendWindow::new(set(range.clone(), have), cfg(window, max_resends), t0);
+    (t0, OwnCopy::full(range), w)
+}
+
 fn set(range: Range<u32>, held: impl IntoIterator<Item = u32>) -> ChunkSet {
     let mut s = ChunkSet::new(range.start, range.end);
     for i in held {
@@ -36,13 +48,13 @@ fn set(range: Range<u32>, held: impl IntoIterator<Item = u32>) -> ChunkSet {
 /// The sender's copy of the shard: what it holds verified, what the store dropped as
 /// corrupt, and what has rotted without being noticed yet (it fails the next read).
 #[derive(Debug, Default)]
-struct Copy {
+struct OwnCopy {
     verified: BTreeSet<u32>,
     dropped: BTreeSet<u32>,
     rotten: BTreeSet<u32>,
 }
 
-impl Copy {
+impl OwnCopy {
     fn full(range: Range<u32>) -> Self {
         Self {
             verified: range.collect(),
@@ -65,7 +77,7 @@ impl Copy {
     }
 }
 
-impl LocalCopy for Copy {
+impl LocalCopy for OwnCopy {
     fn is_verified(&self, index: u32) -> bool {
         self.verified.contains(&index)
     }
@@ -79,7 +91,7 @@ impl LocalCopy for Copy {
 
 /// Drives a window the way the forwarder does: repairs asked for, then chunks read and
 /// sent until the window is full. Returns what went on the wire.
-fn pump(w: &mut SendWindow, local: &mut Copy, repairs: &mut Vec<Repair>) -> Vec<Transmit> {
+fn pump(w: &mut SendWindow, local: &mut OwnCopy, repairs: &mut Vec<Repair>) -> Vec<Transmit> {
     repairs.extend(w.scan_dropped(local));
     let mut out = Vec::new();
     while let Some(t) = w.poll_transmit(local) {
@@ -110,9 +122,7 @@ fn chunks(sent: &[Transmit]) -> Vec<u32> {
 
 #[test]
 fn sends_only_what_the_accept_lacks_then_done() {
-    let t0 = Instant::now();
-    let mut local = Copy::full(0..5);
-    let mut w = SendWindow::new(set(0..5, [0, 2]), cfg(16, 5), t0);
+    let (t0, mut local, mut w) = start(0..5, [0, 2], 16, 5);
     let sent = pump(&mut w, &mut local, &mut Vec::new());
     assert_eq!(chunks(&sent), [1, 3, 4]);
     assert!(!sent.contains(&Transmit::Done));
@@ -133,7 +143,7 @@ fn a_receiver_holding_everything_gets_done_at_once() {
     let t0 = Instant::now();
     let mut w = SendWindow::new(set(3..6, 3..6), cfg(4, 5), t0);
     assert_eq!(
-        pump(&mut w, &mut Copy::default(), &mut Vec::new()),
+        pump(&mut w, &mut OwnCopy::default(), &mut Vec::new()),
         [Transmit::Done]
     );
     assert_eq!(w.poll_timeout(), Some(t0 + IDLE));
@@ -141,9 +151,7 @@ fn a_receiver_holding_everything_gets_done_at_once() {
 
 #[test]
 fn at_most_window_chunks_are_unanswered() {
-    let t0 = Instant::now();
-    let mut local = Copy::full(0..10);
-    let mut w = SendWindow::new(set(0..10, []), cfg(3, 5), t0);
+    let (t0, mut local, mut w) = start(0..10, [], 3, 5);
     assert_eq!(
         chunks(&pump(&mut w, &mut local, &mut Vec::new())),
         [0, 1, 2]
@@ -165,9 +173,7 @@ fn at_most_window_chunks_are_unanswered() {
 
 #[test]
 fn duplicate_stray_and_late_answers_neither_widen_the_window_nor_resend() {
-    let t0 = Instant::now();
-    let mut local = Copy::full(0..6);
-    let mut w = SendWindow::new(set(0..6, []), cfg(2, 5), t0);
+    let (t0, mut local, mut w) = start(0..6, [], 2, 5);
     assert_eq!(chunks(&pump(&mut w, &mut local, &mut Vec::new())), [0, 1]);
     w.handle_answer(t0, Answer::Ack(0));
     w.handle_answer(t0, Answer::Ack(0));
@@ -182,9 +188,7 @@ fn duplicate_stray_and_late_answers_neither_widen_the_window_nor_resend() {
 
 #[test]
 fn a_refused_chunk_is_resent_until_max_resends_then_the_hop_is_given_up() {
-    let t0 = Instant::now();
-    let mut local = Copy::full(0..1);
-    let mut w = SendWindow::new(set(0..1, []), cfg(4, 2), t0);
+    let (t0, mut local, mut w) = start(0..1, [], 4, 2);
     assert_eq!(chunks(&pump(&mut w, &mut local, &mut Vec::new())), [0]);
     for _ in 0..2 {
         w.handle_answer(t0, Answer::Nack(0));
@@ -210,9 +214,7 @@ fn a_refused_chunk_is_resent_until_max_resends_then_the_hop_is_given_up() {
 
 #[test]
 fn a_silent_downstream_fails_exactly_at_the_idle_deadline() {
-    let t0 = Instant::now();
-    let mut local = Copy::full(0..4);
-    let mut w = SendWindow::new(set(0..4, []), cfg(2, 5), t0);
+    let (t0, mut local, mut w) = start(0..4, [], 2, 5);
     pump(&mut w, &mut local, &mut Vec::new());
     assert_eq!(w.poll_timeout(), Some(t0 + IDLE));
     // A sign of life moves the deadline.
@@ -231,7 +233,7 @@ fn no_deadline_while_the_sender_waits_for_its_own_chunks() {
     // Cut-through: a hop whose upstream is slow has nothing in flight; its downstream is
     // not at fault for being quiet.
     let t0 = Instant::now();
-    let mut local = Copy::default();
+    let mut local = OwnCopy::default();
     let mut w = SendWindow::new(set(0..3, []), cfg(4, 5), t0);
     assert!(pump(&mut w, &mut local, &mut Vec::new()).is_empty());
     assert_eq!(w.poll_timeout(), None);
@@ -256,7 +258,7 @@ fn early_done_from_the_downstream_is_a_failure() {
 #[test]
 fn a_copy_rotten_here_is_repaired_and_never_sent() {
     let t0 = Instant::now();
-    let mut local = Copy::full(0..4);
+    let mut local = OwnCopy::full(0..4);
     local.rotten.insert(1);
     let mut w = SendWindow::new(set(0..4, []), cfg(8, 5), t0);
     let mut repairs = Vec::new();
@@ -284,9 +286,7 @@ fn a_copy_rotten_here_is_repaired_and_never_sent() {
 
 #[test]
 fn a_nacked_chunk_that_fails_its_recheck_counts_nothing_against_the_downstream() {
-    let t0 = Instant::now();
-    let mut local = Copy::full(0..1);
-    let mut w = SendWindow::new(set(0..1, []), cfg(4, 1), t0);
+    let (t0, mut local, mut w) = start(0..1, [], 4, 1);
     pump(&mut w, &mut local, &mut Vec::new());
     w.handle_answer(t0, Answer::Nack(0));
     local.rotten.insert(0);
@@ -302,9 +302,7 @@ fn a_nacked_chunk_that_fails_its_recheck_counts_nothing_against_the_downstream()
 
 #[test]
 fn chunks_dropped_by_the_scrub_are_repaired_and_only_needed_ones_resent() {
-    let t0 = Instant::now();
-    let mut local = Copy::full(0..4);
-    let mut w = SendWindow::new(set(0..4, [0]), cfg(8, 5), t0);
+    let (t0, mut local, mut w) = start(0..4, [0], 8, 5);
     local.verified.remove(&0);
     local.dropped.insert(0);
     local.verified.remove(&3);
@@ -552,7 +550,7 @@ struct Pair {
     range: Range<u32>,
     window: usize,
     tx: SendWindow,
-    local: Copy,
+    local: OwnCopy,
     repairs: VecDeque<u32>,
     rx: Inbound,
     /// The receiver's store: writes per chunk (its `Accept` counts as held, not written).
@@ -592,9 +590,9 @@ impl Pair {
                 cfg(window, MAX_RESENDS),
                 now,
             ),
-            local: Copy {
+            local: OwnCopy {
                 verified: local,
-                ..Copy::default()
+                ..OwnCopy::default()
             },
             repairs: VecDeque::new(),
             rx: Inbound::new(
