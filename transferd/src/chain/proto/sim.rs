@@ -302,7 +302,7 @@ fn a_nacked_chunk_that_fails_its_recheck_counts_nothing_against_the_downstream()
 
 #[test]
 fn chunks_dropped_by_the_scrub_are_repaired_and_only_needed_ones_resent() {
-    let (t0, mut local, mut w) = start(0..4, [0], 8, 5);
+    let (_, mut local, mut w) = start(0..4, [0], 8, 5);
     local.verified.remove(&0);
     local.dropped.insert(0);
     local.verified.remove(&3);
