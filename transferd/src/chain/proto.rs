@@ -14,7 +14,7 @@
 //!    poll_timeout ─▶ sleep ────▶ handle_timeout ─▶ Failed(Silent)
 //!
 //!  upstream loop (upstream.rs)            Inbound
-//!    Chunk / Done ─────────────▶ handle_frame ──▶ Verify(index) | OutOfRange
+//!    Chunk / Done ─────────────▶ handle_frame ──▶ admitted (verify it) | OutOfRange
 //!    verified / corrupt ───────▶ handle_verdict ─▶ Ack|Nack (+ own Progress when due)
 //!
 //!  recovery monitor (recovery.rs)         RecoveryMonitor

@@ -118,7 +118,10 @@ pub(crate) struct SendWindow {
     resend: VecDeque<u32>,
     /// Pulled back because our copy failed re-verification: sent once verified again.
     repairing: BTreeSet<u32>,
-    /// Repairs asked for (a chunk stays dropped until it is written again).
+    /// Repairs asked for (a chunk stays dropped until it is written again). A chunk
+    /// repaired and dropped again between two scans is not asked for anew: the store
+    /// reports no drop generation. The forwarder wakes on every write to its copy, so in
+    /// practice it sees the repair first; the recovery work may add the generation.
     requested: HashSet<u32>,
     /// Re-sends per chunk after `Nack`s.
     resends: HashMap<u32, u32>,
