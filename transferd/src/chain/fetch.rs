@@ -1,0 +1,177 @@
+//! Fetching chunks into a session from an origin (range reads) or from another holder
+//! (`Fetch`): used by recovery, by a head that does not hold its shard, by imports and by
+//! repairs.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use shardcast_protocol::{Frame, Manifest, SessionId, Tier, VerifiedChunk};
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use super::session::{ChunkFrom, Incoming};
+use super::{ChainError, Node, ShardSession, read_timeout};
+use crate::origin::{self, Origin};
+
+impl Node {
+    /// Fetches `missing` chunks of the session's shard from `source` into the store:
+    /// `shardcast://host:port` pulls from another holder, anything else is an origin URI.
+    pub(super) async fn fill(
+        &self,
+        sess: &ShardSession,
+        source: &str,
+        missing: Vec<u32>,
+    ) -> Result<(), String> {
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if let Some(addr) = source.strip_prefix("shardcast://") {
+            // Ask only for the span that holds the missing chunks (`missing` is ascending),
+            // not the whole range again.
+            let span = match (missing.first(), missing.last()) {
+                (Some(&first), Some(&last)) => first..last.saturating_add(1),
+                _ => return Ok(()),
+            };
+            return self
+                .pull_from_holder(sess, addr, span)
+                .await
+                .map_err(|e| format!("holder {addr}: {e}"));
+        }
+        let origin = Origin::parse(source, &self.cfg.origins).map_err(|e| e.to_string())?;
+        let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.cfg.origin_parallel.max(1) * 2);
+        let fetch = {
+            let origin = origin.clone();
+            let manifest = sess.manifest.clone();
+            let shard = sess.shard_index();
+            let parallel = self.cfg.origin_parallel;
+            tokio::spawn(async move {
+                origin::fetch_chunks(&origin, manifest, shard, missing, parallel, tx).await
+            })
+        };
+        while let Some(chunk) = rx.recv().await {
+            let index = chunk.index();
+            self.store_chunk(sess, index, Incoming::Verified(chunk), ChunkFrom::Origin)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        match fetch.await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("origin fetch task: {e}")),
+        }
+    }
+
+    /// Pulls every chunk of `span` (within the session's range) that `addr` holds.
+    async fn pull_from_holder(
+        &self,
+        sess: &ShardSession,
+        addr: &str,
+        span: std::ops::Range<u32>,
+    ) -> Result<(), ChainError> {
+        let (mut conn, peer) = self.connect(addr, None).await?;
+        self.handshake(&mut conn, &peer).await?;
+        let shard = sess.shard_index();
+        let fetch = Frame::Fetch {
+            model: sess.model,
+            shard,
+            start: span.start,
+            end: span.end,
+        };
+        conn.writer.send_now(&fetch).await?;
+        loop {
+            match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+                Frame::Chunk {
+                    shard: s,
+                    index,
+                    data,
+                } if s == shard && (sess.start..sess.end).contains(&index) => {
+                    // A corrupt one is counted and dropped; what is missing is fetched by
+                    // the next recovery attempt.
+                    self.store_chunk(sess, index, Incoming::Unverified(data), ChunkFrom::Holder)
+                        .await?;
+                }
+                Frame::Done => return Ok(()),
+                Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
+                other => {
+                    return Err(ChainError::protocol(format!(
+                        "unexpected {:?} answering Fetch",
+                        other.ty()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Downloads a whole model from an origin into `tier` (the agent's `ImportModel` with
+    /// `fetch`).
+    pub async fn fetch_model(
+        &self,
+        manifest: &Arc<Manifest>,
+        origin: &str,
+        tier: Tier,
+    ) -> Result<(), String> {
+        let spans = (0..manifest.shards.len() as u32)
+            .map(|s| (s, 0..u32::MAX))
+            .collect();
+        self.fetch_spans(manifest, origin, tier, spans).await?;
+        let model = manifest.digest();
+        for s in 0..manifest.shards.len() as u32 {
+            let complete = self
+                .store
+                .existing_shard(&model, s)
+                .is_some_and(|sh| sh.is_complete());
+            if !complete {
+                return Err(format!("origin did not provide every chunk of shard {s}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Downloads the chunks of `spans` (shard, chunk range; clipped to the shard) that this
+    /// host does not hold yet, in the order given, into `tier`. `source` is an origin URL or
+    /// `shardcast://host:port`, a peer's data listener. Used for whole-model imports and for
+    /// partitioned loads (the partition's chunks first, then the rest).
+    pub async fn fetch_spans(
+        &self,
+        manifest: &Arc<Manifest>,
+        source: &str,
+        tier: Tier,
+        spans: Vec<(u32, std::ops::Range<u32>)>,
+    ) -> Result<(), String> {
+        let model = manifest.digest();
+        self.repairs.note_source(model, source);
+        for (s, range) in spans {
+            if s as usize >= manifest.shards.len() {
+                return Err(format!(
+                    "shard {s} does not exist (the model has {})",
+                    manifest.shards.len()
+                ));
+            }
+            let shard = self
+                .store
+                .shard(&model, s, tier)
+                .map_err(|e| e.to_string())?;
+            let total = shard.total_chunks();
+            let (start, end) = (range.start.min(total), range.end.min(total));
+            if start >= end {
+                continue;
+            }
+            let missing: Vec<u32> = shard.verified_set(start, end).missing().collect();
+            if missing.is_empty() {
+                continue;
+            }
+            let (sess, _active) = self.new_session(
+                SessionId([0; 16]),
+                model,
+                manifest.clone(),
+                shard,
+                start,
+                end,
+                source.to_string(),
+                Bytes::new(),
+            );
+            self.fill(&sess, source, missing).await?;
+            debug!(model = %model, shard = s, start, end, "chunks fetched");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,252 @@
+//! The forwarder: one per session, sending the session's chunks to the first downstream hop
+//! that works, failing over down the list. The decisions are the [`SendWindow`]'s; this
+//! loop reads chunks, writes frames and feeds back what the downstream answers.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::BytesMut;
+use shardcast_protocol::{ErrorCode, Frame, Hop, SessionHeader};
+use tracing::{Instrument, info, info_span, warn};
+
+use super::proto::{Answer, LocalCopy, Repair, SendOutcome, SendWindow, Transmit};
+use super::session::ForwardState;
+use super::{CHECK_AHEAD, ChainError, Node, ShardSession, now, read_timeout, sleep_until};
+use crate::repair::RepairRequest;
+use crate::store::Shard;
+use crate::store::{Check, StoreError};
+
+impl Node {
+    pub(super) fn spawn_forwarder(self: &Arc<Self>, sess: &Arc<ShardSession>, hops: Vec<Hop>) {
+        let node = self.clone();
+        let sess = sess.clone();
+        let span = info_span!("forward", session = %sess.id, model = %sess.model, shard = sess.shard_index());
+        tokio::spawn(
+            async move {
+                let result = node.forward(&sess, hops).await;
+                if let Err(e) = &result {
+                    warn!("forwarding ended: {e}");
+                }
+                sess.forward.send_replace(ForwardState::Finished(result));
+            }
+            .instrument(span),
+        );
+    }
+
+    /// Forwards the session's chunks to the first hop of `hops` that works, failing over
+    /// down the list.
+    async fn forward(&self, sess: &Arc<ShardSession>, mut hops: Vec<Hop>) -> Result<(), String> {
+        let mut failures = Vec::new();
+        while !hops.is_empty() {
+            let hop = hops.remove(0);
+            match self.forward_to(sess, &hop, &hops).await {
+                Ok(()) => {
+                    return if failures.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(failures.join("; "))
+                    };
+                }
+                Err(e) => {
+                    if self.cancel.is_cancelled() {
+                        return Err("host is shutting down".into());
+                    }
+                    // Our own copy cannot be completed or read: the downstream hop is not at
+                    // fault, so it is not skipped (its recovery monitor takes over).
+                    let local = sess.failed.borrow().clone();
+                    if let Some(why) =
+                        local.or_else(|| matches!(e, ChainError::Store(_)).then(|| e.to_string()))
+                    {
+                        warn!(peer = %hop.host, "forwarding stopped by a local failure, not failing over: {why}");
+                        failures.push(format!("local: {why}"));
+                        return Err(failures.join("; "));
+                    }
+                    self.stats
+                        .downstream_failovers
+                        .fetch_add(1, Ordering::Relaxed);
+                    warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
+                    failures.push(format!("{} ({}): {e}", hop.host, hop.addr));
+                }
+            }
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(failures.join("; "))
+        }
+    }
+
+    async fn forward_to(
+        &self,
+        sess: &Arc<ShardSession>,
+        hop: &Hop,
+        rest: &[Hop],
+    ) -> Result<(), ChainError> {
+        let (mut conn, peer) = self.connect(&hop.addr, Some(&hop.host)).await?;
+        let remote = self.handshake(&mut conn, &peer).await?;
+        if remote != hop.host {
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!(
+                    "{} answered as host {remote}, expected {}",
+                    hop.addr, hop.host
+                ),
+            ));
+        }
+        conn.writer
+            .send(&Frame::Manifest((*sess.manifest).clone()))
+            .await?;
+        let header = SessionHeader {
+            session: sess.id,
+            model: sess.model,
+            shard: sess.shard_index(),
+            start: sess.start,
+            end: sess.end,
+            tier: sess.shard.tier(),
+            origin: sess.origin.clone(),
+            downstream: rest.to_vec(),
+            token: sess.token.clone(),
+        };
+        conn.writer.send_now(&Frame::Open(header)).await?;
+        let acked = match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+            Frame::Accept { have } if have.range() == (sess.start..sess.end) => have,
+            Frame::Accept { have } => {
+                return Err(ChainError::protocol(format!(
+                    "Accept covers {:?}, expected {}..{}",
+                    have.range(),
+                    sess.start,
+                    sess.end
+                )));
+            }
+            Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
+            other => {
+                return Err(ChainError::protocol(format!(
+                    "expected Accept, got {:?}",
+                    other.ty()
+                )));
+            }
+        };
+        info!(peer = %hop.host, already = acked.len(), "downstream accepted");
+        let shard = sess.shard_index();
+        let copy: &Shard = &sess.shard;
+        let mut window = SendWindow::new(acked, self.cfg.send_window(), now());
+        let mut local = sess.shard.subscribe();
+        let mut failed = sess.failed.subscribe();
+        loop {
+            for repair in window.scan_dropped(copy) {
+                self.request_repair(sess, repair);
+            }
+            while let Some(transmit) = window.poll_transmit(copy) {
+                let (index, recheck) = match transmit {
+                    Transmit::Done => {
+                        conn.writer.send(&Frame::Done).await?;
+                        continue;
+                    }
+                    Transmit::Chunk { index, recheck } => (index, recheck),
+                };
+                // Hash the next chunks (if they need it) while this one is read and sent.
+                let ahead = index.saturating_add(1);
+                sess.shard.check_ahead(
+                    ahead..ahead.saturating_add(CHECK_AHEAD).min(sess.end),
+                    Check::Serve,
+                );
+                let why = if recheck { Check::Nack } else { Check::Serve };
+                let mut data = match sess.shard.read_checked(index, recheck, why).await {
+                    Ok(d) => d,
+                    Err(StoreError::CorruptChunk { .. } | StoreError::NotVerified { .. }) => {
+                        if let Some(repair) = window.chunk_unreadable(index) {
+                            self.request_repair(sess, repair);
+                        }
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                window.chunk_read(index, recheck)?;
+                if recheck {
+                    self.stats.chunks_resent.fetch_add(1, Ordering::Relaxed);
+                }
+                if self.faults.take(shard, index) {
+                    warn!(chunk = index, "fault injection: corrupting chunk in flight");
+                    let mut bad = BytesMut::from(&data[..]);
+                    if let Some(b) = bad.first_mut() {
+                        *b ^= 0xff;
+                    }
+                    data = bad.freeze();
+                }
+                conn.writer.send_chunk(shard, index, &data).await?;
+            }
+            conn.writer.flush().await?;
+            let deadline = window.poll_timeout();
+            let answer = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
+                frame = conn.reader.read() => match frame? {
+                    Some(Frame::Ack { index, .. }) => Answer::Ack(index),
+                    Some(Frame::Nack { index, .. }) => Answer::Nack(index),
+                    Some(p @ Frame::Progress { .. }) => {
+                        if let Frame::Progress { host, verified, total, .. } = &p
+                            && !sess.record_progress(host, *verified, *total)
+                        {
+                            self.stats.progress_dropped.fetch_add(1, Ordering::Relaxed);
+                        }
+                        let _ = sess.progress.send(p);
+                        Answer::Progress
+                    }
+                    Some(Frame::Done) => Answer::Done,
+                    Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
+                    Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} from downstream", other.ty()))),
+                    None => return Err(ChainError::Closed),
+                },
+                r = local.changed(), if window.has_room() => {
+                    if r.is_err() {
+                        return Err(ChainError::refused(ErrorCode::Internal, "local shard closed"));
+                    }
+                    continue;
+                }
+                _ = failed.changed() => {
+                    if let Some(why) = sess.failed.borrow().clone() {
+                        return Err(ChainError::refused(ErrorCode::NoSuchChunk, format!("cannot forward: {why}")));
+                    }
+                    continue;
+                }
+                () = sleep_until(deadline) => {
+                    match window.handle_timeout(now()) {
+                        Some(SendOutcome::Failed(f)) => return Err(f.into()),
+                        _ => continue,
+                    }
+                }
+            };
+            match window.handle_answer(now(), answer) {
+                None => {}
+                Some(SendOutcome::Complete) => {
+                    info!(peer = %hop.host, "downstream complete");
+                    return Ok(());
+                }
+                Some(SendOutcome::Failed(f)) => return Err(f.into()),
+            }
+        }
+    }
+
+    /// Asks the repairer for a chunk of the session's copy that failed re-verification;
+    /// the session fails if the downstream still needs it and it cannot be repaired.
+    fn request_repair(&self, sess: &Arc<ShardSession>, repair: Repair) {
+        self.repairs.request(RepairRequest {
+            source: Some(sess.origin.clone()),
+            session: repair.for_peer.then(|| sess.clone()),
+            ..RepairRequest::new(sess.shard.clone(), vec![repair.index])
+        });
+    }
+}
+
+/// The sender's own copy, as its send window sees it.
+impl LocalCopy for Shard {
+    fn is_verified(&self, index: u32) -> bool {
+        Self::is_verified(self, index)
+    }
+    fn is_dropped(&self, index: u32) -> bool {
+        Self::is_dropped(self, index)
+    }
+    fn dropped(&self, range: std::ops::Range<u32>) -> Vec<u32> {
+        self.dropped_chunks(range.start, range.end)
+    }
+}

@@ -1,0 +1,169 @@
+//! Head sessions: a chain started through the agent API (`StartChain`), one
+//! [`ShardSession`] per (chain, shard), filled from the origin when this host lacks the
+//! shard.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use shardcast_protocol::{ErrorCode, Hop, Manifest, ModelDigest, SessionId, Tier};
+use tracing::info;
+
+use super::session::FeederGuard;
+use super::{ChainError, Node, ShardSession};
+
+/// How long a finished head session stays queryable through `GetSession`.
+const HEAD_RETENTION: Duration = Duration::from_secs(600);
+
+/// A head session started through the API: its shard sessions, one per (chain, shard).
+pub struct HeadSession {
+    /// Session id.
+    pub id: SessionId,
+    /// Model version.
+    pub model: ModelDigest,
+    /// When it started.
+    pub started: Instant,
+    /// Shard sessions.
+    pub parts: Vec<Arc<ShardSession>>,
+}
+
+/// One chain of a head session: shards (empty = all) and receivers in order.
+#[derive(Debug, Clone)]
+pub struct ChainSpec {
+    /// Shard indices carried by this chain; empty means all.
+    pub shards: Vec<u32>,
+    /// Receivers in order.
+    pub hops: Vec<Hop>,
+}
+
+impl Node {
+    /// Starts a chain session headed by this host (the agent API's `StartChain`).
+    pub fn start_chain(
+        self: &Arc<Self>,
+        id: SessionId,
+        manifest: Arc<Manifest>,
+        origin: String,
+        tier: Tier,
+        chains: Vec<ChainSpec>,
+        token: Bytes,
+    ) -> Result<Arc<HeadSession>, ChainError> {
+        let model = manifest.digest();
+        let nshards = manifest.shards.len() as u32;
+        // Validate the whole plan before starting anything: a rejected request changes nothing.
+        let mut plan = Vec::new();
+        for chain in &chains {
+            let shards: Vec<u32> = if chain.shards.is_empty() {
+                (0..nshards).collect()
+            } else {
+                chain.shards.clone()
+            };
+            for &s in &shards {
+                if s >= nshards {
+                    return Err(ChainError::refused(
+                        ErrorCode::NoSuchChunk,
+                        format!("shard {s} is not in the model ({nshards} shards)"),
+                    ));
+                }
+                let held = self.store.existing_shard(&model, s);
+                let complete = held.as_ref().is_some_and(|h| h.is_complete());
+                if !complete && origin.is_empty() {
+                    return Err(ChainError::refused(
+                        ErrorCode::NoSuchChunk,
+                        format!(
+                            "this host does not hold shard {s} completely and no origin was given to fetch it from"
+                        ),
+                    ));
+                }
+                plan.push((s, held, chain.hops.clone()));
+            }
+        }
+        if self
+            .heads
+            .lock()
+            .map(|h| h.contains_key(&id))
+            .unwrap_or(false)
+        {
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!("session {id} already exists"),
+            ));
+        }
+        self.repairs.note_source(model, &origin);
+        let mut parts = Vec::new();
+        for (s, held, hops) in plan {
+            let shard = match held {
+                Some(h) => h,
+                None => self.store.shard(&model, s, tier)?,
+            };
+            let end = shard.total_chunks();
+            let (sess, active) = self.new_session(
+                id,
+                model,
+                manifest.clone(),
+                shard,
+                0,
+                end,
+                origin.clone(),
+                token.clone(),
+            );
+            if !sess.complete() {
+                self.spawn_head_fill(&sess);
+            }
+            self.spawn_forwarder(&sess, hops);
+            let watched = sess.clone();
+            tokio::spawn(async move {
+                let _ = watched.finished().await;
+                drop(active);
+            });
+            parts.push(sess);
+        }
+        let head = Arc::new(HeadSession {
+            id,
+            model,
+            started: Instant::now(),
+            parts,
+        });
+        if let Ok(mut h) = self.heads.lock() {
+            h.insert(id, head.clone());
+        }
+        // Keep a finished head session queryable (GetSession) for a while, then drop it so
+        // a long-running daemon does not accumulate them.
+        let node = self.clone();
+        let finished = head.clone();
+        tokio::spawn(async move {
+            for part in &finished.parts {
+                let _ = part.finished().await;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(HEAD_RETENTION) => {}
+                _ = node.cancel.cancelled() => {}
+            }
+            if let Ok(mut h) = node.heads.lock() {
+                h.remove(&finished.id);
+            }
+        });
+        info!(session = %id, model = %model, chains = chains.len(), "chain session started");
+        Ok(head)
+    }
+
+    /// The head does not hold the shard: fetch it from the origin; the forwarder sends each
+    /// chunk on as it lands.
+    fn spawn_head_fill(self: &Arc<Self>, sess: &Arc<ShardSession>) {
+        let node = self.clone();
+        let sess = sess.clone();
+        tokio::spawn(async move {
+            let _guard = FeederGuard::new(&sess.feeders);
+            let missing: Vec<u32> = sess
+                .shard
+                .verified_set(sess.start, sess.end)
+                .missing()
+                .collect();
+            let origin = sess.origin.clone();
+            if let Err(e) = node.fill(&sess, &origin, missing).await {
+                sess.fail(format!("origin fetch failed: {e}"));
+            } else if !sess.complete() {
+                sess.fail("origin did not provide every chunk".into());
+            }
+        });
+    }
+}

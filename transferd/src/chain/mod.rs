@@ -1,0 +1,463 @@
+//! Chain sessions: receive → verify → store → forward, with failover.
+//!
+//! ```text
+//!            upstream conn(s)                     this host                      downstream
+//!  head/hop ──Chunk──▶ [handle_upstream] ─verify─▶ ShardStore ─watch─▶ [forwarder] ──Chunk──▶ hop
+//!          ◀──Ack/Nack─┘        ▲                    ▲                     │ ◀──Ack/Nack/Progress/Done
+//!          ◀──Progress (relayed)┴──── broadcast ─────┼─────────────────────┘
+//!                                 [recovery] ─fetch─▶┘ (origin or another holder, when no
+//!                                                       upstream is feeding the session)
+//! ```
+//!
+//! One [`ShardSession`] exists per (session id, shard) on each host. It owns the shard's
+//! range, the list of hosts below, and three kinds of tasks:
+//!
+//! * `handle_upstream` (`upstream.rs`; one per upstream connection, more than one when an
+//!   upstream's upstream fails over to us): reads `Chunk` frames, verifies each against the
+//!   manifest, writes it positionally into the store, answers `Ack` (or `Nack` on a hash
+//!   mismatch, so the sender sends it again) and relays `Progress` from below.
+//! * the forwarder (`forward.rs`; one per session): waits on the store's "newly verified"
+//!   signal and sends each chunk on as soon as it is here (cut-through), keeping at most
+//!   `window` chunks unacknowledged. If the next hop dies or refuses, it connects to the one
+//!   after it and resumes from what that hop's `Accept` says it lacks.
+//! * the recovery monitor (`recovery.rs`): when no upstream is feeding an incomplete session
+//!   for `upstream_grace`, it fetches the missing chunks from the session's fallback source
+//!   (an origin URI, or `shardcast://host:port` for another holder).
+//!
+//! What these tasks decide (which chunk next, when to answer, when a peer is silent, when to
+//! stop waiting for an upstream) is decided by the state machines of `proto`, which take
+//! events and the time and return actions; the tasks only move frames and bytes.
+//!
+//! A host that heads a chain (started through the agent API) runs the same forwarder; its
+//! chunks come from its store, or from an origin fill task as they arrive.
+//!
+//! Corruption at rest: the forwarder and the `Fetch` server read chunks through
+//! [`Shard::read_checked`](crate::store::Shard::read_checked), which re-hashes a chunk not
+//! verified within the store's trust window. A chunk that fails is dropped by the store, never
+//! sent, and repaired (`crate::repair`: the other tier, the session's source, known
+//! sources); the forwarder sends it once it is verified again. A `Nack` from downstream makes
+//! the forwarder re-hash its copy before resending: a bad copy is dropped and repaired rather
+//! than resent, and counts nothing against the downstream. A forwarder whose own copy cannot
+//! be completed (the session failed) stops without failing over: the downstream hop is not
+//! at fault, and its recovery monitor fetches from its fallback source.
+//!
+//! ## Files
+//!
+//! | file | role |
+//! | --- | --- |
+//! | `mod.rs` | [`Node`], its tuning ([`ChainConfig`]), counters ([`NodeStats`]) and errors |
+//! | `proto` | the protocol's decisions as pure state machines (no I/O, no clock): the send window, the receiving end, the recovery monitor; tested in virtual time |
+//! | `session` | [`ShardSession`] (one shard of a session on this host), its RAII gauges, and `store_chunk`: the one path that verifies, writes and counts a chunk |
+//! | `handshake` | connecting to a hop, the `Hello` exchange bound to the peer's certificate |
+//! | `serve` | the data port's accepted connections: an upstream's `Open`, or `Fetch` (the pull server) |
+//! | `upstream` | joining a session (plan token, fallback origin, caps) and receiving from an upstream |
+//! | `forward` | the forwarder: sending to the downstream with failover |
+//! | `recovery` | the recovery monitor: a hop without upstream fetches from its fallback |
+//! | `fetch` | fetching chunks from an origin or a holder into a session (recovery, head fill, imports) |
+//! | `head` | head sessions started through the agent API |
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use shardcast_protocol::{ErrorCode, Frame, HostId, ModelDigest, SessionId};
+use tokio_util::sync::CancellationToken;
+
+mod fetch;
+mod forward;
+mod handshake;
+mod head;
+mod proto;
+mod recovery;
+mod serve;
+mod session;
+mod upstream;
+
+pub use head::{ChainSpec, HeadSession};
+pub use session::ShardSession;
+
+use proto::{InboundConfig, SendFailure, SendWindowConfig};
+
+use crate::limits::{ConnLimits, Limits};
+use crate::origin::OriginAccess;
+use crate::repair::Repairs;
+use crate::store::{Shard, ShardStore};
+use crate::throttle::RateLimiter;
+use crate::transport::Transport;
+use crate::wire::{ByteCounters, Conn, FrameBudget, WireError};
+
+/// Chunks a sender re-verifies ahead of the one it is sending (when they are not trusted):
+/// the hashing of the next chunks overlaps the socket write of this one. Rationale: BLAKE3
+/// of a 1 MiB chunk (0.25–0.5 ms on the 2-vCPU host) is about the time to write it at
+/// 10 Gbit/s, so a few in parallel keep an idle holder's re-hash off the critical path
+/// without taking more than the blocking pool's share of the cores.
+const CHECK_AHEAD: u32 = 4;
+
+/// Tuning of chain sessions.
+#[derive(Debug, Clone)]
+pub struct ChainConfig {
+    /// Chunks a sender keeps unacknowledged per downstream connection. Rationale: the
+    /// window must cover the bandwidth-delay product plus one chunk of verify+write time at
+    /// the receiver; 16 × 1 MiB covers 1 Gbit/s at up to ~100 ms RTT and 10 Gbit/s on a
+    /// LAN, while bounding what a dead hop leaves in flight.
+    pub window: usize,
+    /// How long a hop whose upstream vanished waits for a replacement upstream (the
+    /// upstream's upstream failing over to it) before fetching from the fallback source.
+    pub upstream_grace: Duration,
+    /// Silence from a downstream hop, while chunks or `Done` await its answer, after which
+    /// it is treated as dead.
+    pub idle_timeout: Duration,
+    /// Concurrent range reads when filling from an origin.
+    pub origin_parallel: usize,
+    /// The origin allow-list, checked for every origin this host opens (fills, a
+    /// session's fallback origin, imports). The default allows none.
+    pub origins: OriginAccess,
+    /// Connection caps and per-phase timeouts of the data port.
+    pub limits: Limits,
+    /// How often one chunk may be re-sent after `Nack`s before the hop is given up.
+    pub max_resends: u32,
+    /// Minimum interval between a hop's own `Progress` frames.
+    pub progress_interval: Duration,
+    /// Chunks a hop verifies and stores concurrently per upstream connection, while it
+    /// reads the next ones off the wire. Rationale: measured on loopback (docs/BENCHMARKS.md),
+    /// 4 beat 1 and 2: it keeps hashing, the store write and the socket busy at once while
+    /// holding only 4 chunks of memory per connection.
+    pub pipeline_depth: usize,
+}
+
+impl Default for ChainConfig {
+    fn default() -> Self {
+        Self {
+            window: 16,
+            upstream_grace: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(30),
+            origin_parallel: 8,
+            origins: OriginAccess::default(),
+            limits: Limits::default(),
+            max_resends: 5,
+            progress_interval: Duration::from_millis(100),
+            pipeline_depth: 4,
+        }
+    }
+}
+
+impl ChainConfig {
+    /// The send window's part of the tuning.
+    fn send_window(&self) -> SendWindowConfig {
+        SendWindowConfig {
+            window: self.window,
+            idle_timeout: self.idle_timeout,
+            max_resends: self.max_resends,
+        }
+    }
+
+    /// The receiving end's part of the tuning.
+    fn inbound(&self) -> InboundConfig {
+        InboundConfig {
+            pipeline_depth: self.pipeline_depth,
+            progress_interval: self.progress_interval,
+        }
+    }
+}
+
+/// Counters of the data plane on one host.
+#[derive(Debug, Default)]
+pub struct NodeStats {
+    /// Chunks verified and stored.
+    pub chunks_verified: AtomicU64,
+    /// Chunks dropped because their hash did not match.
+    pub chunks_corrupt: AtomicU64,
+    /// Chunks sent again after a `Nack`.
+    pub chunks_resent: AtomicU64,
+    /// Sessions in progress.
+    pub sessions_active: AtomicU64,
+    /// Sessions ever started on this host.
+    pub sessions_total: AtomicU64,
+    /// Payload bytes fetched from origins.
+    pub origin_bytes: AtomicU64,
+    /// Times a forwarder skipped a dead or refusing downstream hop.
+    pub downstream_failovers: AtomicU64,
+    /// Times a hop fetched missing chunks from a fallback source.
+    pub upstream_recoveries: AtomicU64,
+    /// Data-port connections refused in the TLS handshake (no certificate, another CA,
+    /// expired, not a `host`).
+    pub tls_refused: AtomicU64,
+    /// Peers whose `Hello` host id differed from their certificate's.
+    pub identity_mismatch: AtomicU64,
+    /// Agent API calls refused by role.
+    pub authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    /// Admin HTTP requests refused (no identity, or a role that may not read).
+    pub admin_authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    /// Admin HTTP connections closed because the client stalled.
+    pub admin_http: Arc<shardcast_identity::http::HttpStats>,
+    /// `Open`s refused for want of a valid plan token (none, forged, expired, another
+    /// model, or a host the plan does not name).
+    pub sessions_unauthorised: AtomicU64,
+    /// `Open`s refused because the host already holds `max_sessions` hop sessions.
+    pub sessions_refused: AtomicU64,
+    /// `Progress` frames not recorded because a session already tracks
+    /// [`MAX_PROGRESS_HOSTS`] hosts below it (a peer inventing host ids).
+    pub progress_dropped: AtomicU64,
+}
+
+/// Hosts whose relayed progress one session records: no chain has more hops below a host
+/// than an `Open` frame may list.
+pub const MAX_PROGRESS_HOSTS: usize = shardcast_protocol::frame::MAX_HOPS;
+
+/// Why a chain operation failed. Sent to peers as an `Error` frame, to API callers as a
+/// `tonic::Status` (see `agent.rs`).
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    /// The peer broke the protocol or the stream failed.
+    #[error("{0}")]
+    Wire(#[from] WireError),
+    /// The peer sent an `Error` frame.
+    #[error("peer reported {code:?}: {message}")]
+    Remote {
+        /// Its code.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// A request we refuse, with the code to send back.
+    #[error("{message}")]
+    Refused {
+        /// Code for the peer.
+        code: ErrorCode,
+        /// What is wrong.
+        message: String,
+    },
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
+    /// The peer closed the connection before the exchange finished.
+    #[error("peer closed the connection")]
+    Closed,
+    /// The peer went silent.
+    #[error("peer silent for {0:?}")]
+    Timeout(Duration),
+}
+
+impl ChainError {
+    fn refused(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::Refused {
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn protocol(message: impl Into<String>) -> Self {
+        Self::refused(ErrorCode::ProtocolViolation, message)
+    }
+
+    /// The code to send the peer, if the fault is worth telling it about.
+    fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Wire(w) => w.code(),
+            Self::Refused { code, .. } => Some(*code),
+            Self::Store(_) => Some(ErrorCode::Storage),
+            Self::Remote { .. } | Self::Closed | Self::Timeout(_) => None,
+        }
+    }
+}
+
+impl From<SendFailure> for ChainError {
+    fn from(f: SendFailure) -> Self {
+        match f {
+            SendFailure::Silent(d) => Self::Timeout(d),
+            SendFailure::Rejected { index, times } => Self::refused(
+                ErrorCode::Refused,
+                format!("chunk {index} rejected {times} times although it verifies here"),
+            ),
+            SendFailure::EarlyDone => Self::protocol("unexpected Done from downstream"),
+        }
+    }
+}
+
+/// Test-only fault injection: chunks to corrupt the first time this host sends them.
+/// Armed only when the daemon runs with `SHARDCAST_ENABLE_FAULT_INJECTION=1` (see
+/// `config.rs`), so production daemons cannot be made to corrupt data by configuration.
+#[derive(Debug, Default)]
+pub struct Faults {
+    corrupt_once: Mutex<HashSet<(u32, u32)>>,
+}
+
+impl Faults {
+    /// Arms corruption of each `(shard, chunk)` in `chunks`.
+    pub fn corrupt_once(chunks: impl IntoIterator<Item = (u32, u32)>) -> Self {
+        Self {
+            corrupt_once: Mutex::new(chunks.into_iter().collect()),
+        }
+    }
+
+    fn take(&self, shard: u32, index: u32) -> bool {
+        self.corrupt_once
+            .lock()
+            .map(|mut s| s.remove(&(shard, index)))
+            .unwrap_or(false)
+    }
+}
+
+/// Everything a host needs to take part in chains; one per daemon.
+pub struct Node {
+    /// This host's id.
+    pub host: HostId,
+    /// The local store.
+    pub store: ShardStore,
+    /// Transport to other hops.
+    pub transport: Transport,
+    /// Daemon-wide ingress cap.
+    pub ingress: RateLimiter,
+    /// Daemon-wide egress cap.
+    pub egress: RateLimiter,
+    /// Wire byte counters.
+    pub counters: Arc<ByteCounters>,
+    /// Memory for frame bodies in flight on every connection (`cfg.limits.frame_memory`).
+    pub frame_budget: Arc<FrameBudget>,
+    /// Data-plane counters.
+    pub stats: Arc<NodeStats>,
+    /// Tuning.
+    pub cfg: ChainConfig,
+    /// Fault injection (tests only).
+    pub faults: Faults,
+    /// Cancelled on shutdown.
+    pub cancel: CancellationToken,
+    /// Repairs of chunks corrupt at rest, and the sources to repair from.
+    pub repairs: Repairs,
+    /// Open data-plane connections against their caps (`cfg.limits`).
+    pub conn_limits: Arc<ConnLimits>,
+    sessions: Mutex<HashMap<(SessionId, u32), Arc<ShardSession>>>,
+    heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
+}
+
+impl Node {
+    /// A node with no sessions yet. Inside a tokio runtime this also starts the repairer
+    /// and the scrub (`crate::repair`), which stop on `cancel`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        host: HostId,
+        store: ShardStore,
+        transport: Transport,
+        ingress: RateLimiter,
+        egress: RateLimiter,
+        cfg: ChainConfig,
+        faults: Faults,
+        cancel: CancellationToken,
+    ) -> Arc<Self> {
+        let node = Arc::new(Self {
+            host,
+            store,
+            transport,
+            ingress,
+            egress,
+            counters: Arc::default(),
+            frame_budget: FrameBudget::new(cfg.limits.frame_memory),
+            stats: Arc::default(),
+            conn_limits: ConnLimits::new(&cfg.limits),
+            cfg,
+            faults,
+            cancel,
+            repairs: Repairs::new(),
+            sessions: Mutex::default(),
+            heads: Mutex::default(),
+        });
+        if tokio::runtime::Handle::try_current().is_ok() {
+            crate::repair::spawn(&node);
+        }
+        node
+    }
+
+    /// Whether a session that has not finished sends or receives model `model` here.
+    pub fn model_busy(&self, model: &ModelDigest) -> bool {
+        let hop = self.sessions.lock().is_ok_and(|m| {
+            m.values()
+                .any(|s| s.model == *model && s.outcome().is_none())
+        });
+        let head = self.heads.lock().is_ok_and(|m| {
+            m.values()
+                .any(|h| h.model == *model && h.parts.iter().any(|p| p.outcome().is_none()))
+        });
+        hop || head
+    }
+
+    /// Fails every unfinished session on this host that forwards from `shard` and needs one
+    /// of `chunks` (they were dropped as corrupt and cannot be repaired), so that none waits
+    /// for them forever. Returns how many were failed.
+    pub(crate) fn fail_sessions_needing(
+        &self,
+        shard: &Arc<Shard>,
+        chunks: &[u32],
+        why: &str,
+    ) -> usize {
+        let needs = |s: &ShardSession| {
+            Arc::ptr_eq(&s.shard, shard)
+                && s.outcome().is_none()
+                && chunks.iter().any(|c| (s.start..s.end).contains(c))
+        };
+        let mut hit: Vec<Arc<ShardSession>> = self
+            .sessions
+            .lock()
+            .map(|m| m.values().filter(|s| needs(s)).cloned().collect())
+            .unwrap_or_default();
+        if let Ok(h) = self.heads.lock() {
+            hit.extend(
+                h.values()
+                    .flat_map(|h| h.parts.iter())
+                    .filter(|s| needs(s))
+                    .cloned(),
+            );
+        }
+        for s in &hit {
+            s.fail(why.to_string());
+        }
+        hit.len()
+    }
+
+    /// A head session by id.
+    pub fn head(&self, id: &SessionId) -> Option<Arc<HeadSession>> {
+        self.heads.lock().ok()?.get(id).cloned()
+    }
+}
+
+/// The time the state machines are given: tokio's clock, so paused-time tests drive them.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Sleeps until `deadline`; forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn read_timeout(conn: &mut Conn, timeout: Duration) -> Result<Frame, ChainError> {
+    match tokio::time::timeout(timeout, conn.reader.read()).await {
+        Err(_) => Err(ChainError::Timeout(timeout)),
+        Ok(r) => r?.ok_or(ChainError::Closed),
+    }
+}
+
+/// Parses the chunk list of `SHARDCAST_FAULT_CORRUPT` (`shard:chunk,shard:chunk`).
+pub fn parse_fault_list(s: &str) -> Result<Vec<(u32, u32)>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (a, b) = p
+                .trim()
+                .split_once(':')
+                .ok_or_else(|| format!("{p:?}: expected shard:chunk"))?;
+            Ok((
+                a.parse().map_err(|_| format!("{p:?}: bad shard"))?,
+                b.parse().map_err(|_| format!("{p:?}: bad chunk"))?,
+            ))
+        })
+        .collect()
+}
+
+/// A fresh random session id.
+pub fn new_session_id() -> SessionId {
+    SessionId(rand::random())
+}

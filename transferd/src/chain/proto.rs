@@ -1,0 +1,40 @@
+//! The chain protocol as pure state machines: no sockets, no tasks, no clock of their own.
+//!
+//! Following quinn-proto's split, each machine is driven by events and the time (`now` is an
+//! argument of every call that depends on it) and answers with what to do; the socket loops
+//! in the sibling modules only translate frames into events and carry out the answers.
+//!
+//! ```text
+//!  forwarder loop (forward.rs)            SendWindow                  downstream hop
+//!    Accept{have} ─────────────▶ new(have, now)
+//!    store: dropped chunks ────▶ scan_dropped ──▶ Repair{index, for_peer}
+//!    window has room ──────────▶ poll_transmit ─▶ Chunk{index, recheck} | Done ──▶ frames
+//!    read ok / read failed ────▶ chunk_read / chunk_unreadable
+//!    Ack / Nack / Progress / Done ─▶ handle_answer ─▶ Complete | Failed(reason)
+//!    poll_timeout ─▶ sleep ────▶ handle_timeout ─▶ Failed(Silent)
+//!
+//!  upstream loop (upstream.rs)            Inbound
+//!    Chunk / Done ─────────────▶ handle_frame ──▶ admitted (verify it) | OutOfRange
+//!    verified / corrupt ───────▶ handle_verdict ─▶ Ack|Nack (+ own Progress when due)
+//!
+//!  recovery monitor (recovery.rs)         RecoveryMonitor
+//!    feeders, complete, failed ▶ poll ─────────▶ Wait(until) | Fetch | Fail(why) | Stop
+//!    fill result ──────────────▶ fill_finished ▶ Retry | Fail(why) | Stop
+//! ```
+//!
+//! The recovery work still to come (a stalled neighbour detected at the hop, splicing
+//! around it, re-attaching to another upstream from this host's bitmap) extends these
+//! machines with events (progress rates, a neighbour's silence) and outputs (switch
+//! upstream, skip downstream) rather than adding decisions to the socket loops.
+
+mod receive;
+mod recovery;
+mod send;
+#[cfg(test)]
+mod sim;
+
+pub(crate) use receive::{Inbound, InboundConfig, InboundFrame, Verdict};
+pub(crate) use recovery::{AfterFill, RecoveryAction, RecoveryMonitor, Watched};
+pub(crate) use send::{
+    Answer, LocalCopy, Repair, SendFailure, SendOutcome, SendWindow, SendWindowConfig, Transmit,
+};

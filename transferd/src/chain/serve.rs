@@ -1,0 +1,149 @@
+//! The data port's accepted connections: the TLS handshake and `Hello` in the connection's
+//! task, then an upstream's `Open` (see `upstream`) or `Fetch` requests (the pull server).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use shardcast_protocol::{ErrorCode, Frame, HostId, Manifest, ModelDigest};
+use tokio::net::TcpStream;
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::{CHECK_AHEAD, ChainError, Node};
+use crate::repair::RepairRequest;
+use crate::store::{Check, StoreError};
+use crate::wire::Conn;
+
+impl Node {
+    /// Serves one accepted connection (an upstream hop or a puller) until it ends.
+    /// Errors are answered with an `Error` frame and logged; they never affect other
+    /// connections.
+    /// The TLS handshake runs here, in the connection's task: a peer without a valid
+    /// certificate is dropped before a single frame is read.
+    pub async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: String) {
+        let span = info_span!("conn", %peer, host = tracing::field::Empty);
+        let (stream, identity) = match self.transport.secure(stream).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.stats.tls_refused.fetch_add(1, Ordering::Relaxed);
+                let _enter = span.enter();
+                warn!("refusing connection: {e}");
+                return;
+            }
+        };
+        let mut conn = self.conn(stream);
+        let result = async {
+            let limit = self.cfg.limits.handshake_timeout;
+            let remote =
+                match tokio::time::timeout(limit, self.handshake(&mut conn, &identity)).await {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        self.counters
+                            .handshake_timeouts
+                            .fetch_add(1, Ordering::Relaxed);
+                        return Err(ChainError::Timeout(limit));
+                    }
+                };
+            tracing::Span::current().record("host", remote.as_str());
+            // From here a silent peer (between frames or mid-frame) is dropped.
+            conn.reader
+                .set_idle_timeout(Some(self.cfg.limits.peer_idle_timeout));
+            self.serve_requests(&mut conn, &remote).await
+        }
+        .instrument(span.clone())
+        .await;
+        if let Err(e) = result {
+            let _enter = span.enter();
+            match e.code() {
+                Some(code) => {
+                    warn!("refusing peer: {e}");
+                    let _ = conn
+                        .writer
+                        .send_now(&Frame::error(code, e.to_string()))
+                        .await;
+                }
+                None => debug!("connection ended: {e}"),
+            }
+        }
+    }
+
+    async fn serve_requests(
+        self: &Arc<Self>,
+        conn: &mut Conn,
+        remote: &HostId,
+    ) -> Result<(), ChainError> {
+        let mut offered: Option<Manifest> = None;
+        loop {
+            let Some(frame) = conn.reader.read().await? else {
+                return Ok(());
+            };
+            match frame {
+                Frame::Manifest(m) => offered = Some(m),
+                Frame::Open(header) => {
+                    let sess = self.join_session(&header, offered.take(), remote)?;
+                    return self.handle_upstream(conn, sess, remote).await;
+                }
+                Frame::Fetch {
+                    model,
+                    shard,
+                    start,
+                    end,
+                } => {
+                    self.serve_fetch(conn, model, shard, start, end).await?;
+                }
+                Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
+                other => {
+                    return Err(ChainError::protocol(format!(
+                        "expected Manifest, Open or Fetch, got {:?}",
+                        other.ty()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Answers a `Fetch` with every requested chunk held verified here, then `Done`.
+    async fn serve_fetch(
+        &self,
+        conn: &mut Conn,
+        model: ModelDigest,
+        shard: u32,
+        start: u32,
+        end: u32,
+    ) -> Result<(), ChainError> {
+        let Some(local) = self.store.existing_shard(&model, shard) else {
+            return Err(ChainError::refused(
+                ErrorCode::UnknownModel,
+                format!("this host holds no copy of model {model} shard {shard}"),
+            ));
+        };
+        let end = end.min(local.total_chunks());
+        for index in start..end {
+            if local.is_verified(index) {
+                let ahead = index.saturating_add(1);
+                local.check_ahead(
+                    ahead..ahead.saturating_add(CHECK_AHEAD).min(end),
+                    Check::Serve,
+                );
+                let data = match local.read_checked(index, false, Check::Serve).await {
+                    Ok(d) => d,
+                    // Dropped by the check (or meanwhile): never sent; repaired in the
+                    // background. The puller asks another source for what is missing.
+                    Err(StoreError::CorruptChunk { .. }) => {
+                        self.repairs
+                            .request(RepairRequest::new(local.clone(), vec![index]));
+                        continue;
+                    }
+                    Err(StoreError::NotVerified { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                };
+                conn.writer.send_chunk(shard, index, &data).await?;
+            } else if local.is_dropped(index) {
+                // Dropped by a check ahead: repaired in the background like the one above.
+                self.repairs
+                    .request(RepairRequest::new(local.clone(), vec![index]));
+            }
+        }
+        conn.writer.send_now(&Frame::Done).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,279 @@
+//! [`ShardSession`]: one shard of a chain session on this host, its RAII gauges, and
+//! [`Node::store_chunk`], the one path by which a chunk is verified, written and counted.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use shardcast_protocol::{
+    ErrorCode, Frame, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
+};
+use tokio::sync::{broadcast, watch};
+use tracing::warn;
+
+use super::proto::Verdict;
+use super::{ChainError, MAX_PROGRESS_HOSTS, Node, NodeStats};
+use crate::store::Shard;
+
+/// A chunk on its way into a session's store.
+pub(super) enum Incoming {
+    /// Bytes from a peer, to verify against the manifest.
+    Unverified(Bytes),
+    /// Verified already (an origin fetch verifies as it reads).
+    Verified(VerifiedChunk),
+}
+
+/// Where a stored chunk came from (for counters and logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ChunkFrom {
+    /// An upstream hop of the session.
+    Upstream,
+    /// A holder answering `Fetch`.
+    Holder,
+    /// An origin.
+    Origin,
+}
+
+/// Where a forwarder stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum ForwardState {
+    Running,
+    Finished(Result<(), String>),
+}
+
+/// One shard's part of a chain session on this host. See the module docs.
+pub struct ShardSession {
+    /// The session id.
+    pub id: SessionId,
+    /// Model version.
+    pub model: ModelDigest,
+    /// Its manifest.
+    pub manifest: Arc<Manifest>,
+    /// The shard in the local store.
+    pub shard: Arc<Shard>,
+    /// Chunk range `start..end`.
+    pub start: u32,
+    /// One past the last chunk.
+    pub end: u32,
+    /// Fallback source for missing chunks.
+    pub origin: String,
+    /// The controller's plan token, passed on in every `Open` this hop sends.
+    pub token: Bytes,
+    /// When this host joined the session.
+    pub started: Instant,
+    pub(super) feeders: watch::Sender<usize>,
+    pub(super) progress: broadcast::Sender<Frame>,
+    pub(super) hop_progress: Mutex<BTreeMap<String, (u32, u32)>>,
+    pub(super) forward: watch::Sender<ForwardState>,
+    pub(super) failed: watch::Sender<Option<String>>,
+    pub(super) write_lock: tokio::sync::Mutex<()>,
+}
+
+impl ShardSession {
+    pub(super) fn shard_index(&self) -> u32 {
+        self.shard.index()
+    }
+
+    /// Chunks of the range verified here.
+    pub fn verified(&self) -> u32 {
+        // Called after every chunk: use the store's running count for whole-shard ranges
+        // (the common case) instead of building a bitmap of the range.
+        if self.start == 0 && self.end == self.shard.total_chunks() {
+            self.shard.verified_count()
+        } else {
+            self.shard.verified_set(self.start, self.end).len()
+        }
+    }
+
+    /// Chunks in the range.
+    pub fn total(&self) -> u32 {
+        self.end - self.start
+    }
+
+    /// Whether every chunk of the range is verified here.
+    pub fn complete(&self) -> bool {
+        self.verified() == self.total()
+    }
+
+    /// Progress of the hosts below, as relayed to this host: host → (verified, total).
+    pub fn hop_progress(&self) -> BTreeMap<String, (u32, u32)> {
+        self.hop_progress
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default()
+    }
+
+    /// `None` while running; `Some(Ok)` when the range is here and the forwarder finished;
+    /// `Some(Err)` when it cannot finish.
+    pub fn outcome(&self) -> Option<Result<(), String>> {
+        if let Some(e) = self.failed.borrow().clone() {
+            return Some(Err(e));
+        }
+        match &*self.forward.borrow() {
+            ForwardState::Finished(r) if self.complete() => Some(r.clone()),
+            _ => None,
+        }
+    }
+
+    /// Marks the session failed (it cannot complete here).
+    pub(crate) fn fail(&self, why: String) {
+        warn!(session = %self.id, shard = self.shard_index(), "session failed: {why}");
+        self.failed.send_replace(Some(why));
+    }
+
+    /// Waits until [`ShardSession::outcome`] is `Some`.
+    pub async fn finished(&self) -> Result<(), String> {
+        let mut verified = self.shard.subscribe();
+        let mut forward = self.forward.subscribe();
+        let mut failed = self.failed.subscribe();
+        loop {
+            if let Some(r) = self.outcome() {
+                return r;
+            }
+            tokio::select! {
+                r = verified.changed() => if r.is_err() { return Err("store closed".into()) },
+                r = forward.changed() => if r.is_err() { return Err("forwarder gone".into()) },
+                r = failed.changed() => if r.is_err() { return Err("session gone".into()) },
+            }
+        }
+    }
+
+    /// Records a host's relayed progress; false (not recorded) when the table is full.
+    pub(super) fn record_progress(&self, host: &HostId, verified: u32, total: u32) -> bool {
+        let Ok(mut m) = self.hop_progress.lock() else {
+            return false;
+        };
+        if let Some(v) = m.get_mut(host.as_str()) {
+            *v = (verified, total);
+            return true;
+        }
+        if m.len() >= MAX_PROGRESS_HOSTS {
+            return false;
+        }
+        m.insert(host.to_string(), (verified, total));
+        true
+    }
+}
+
+/// Counts a live feeder (an upstream connection or a fill task) for as long as it lives.
+pub(super) struct FeederGuard(watch::Sender<usize>);
+
+impl FeederGuard {
+    pub(super) fn new(tx: &watch::Sender<usize>) -> Self {
+        tx.send_modify(|n| *n += 1);
+        Self(tx.clone())
+    }
+}
+
+impl Drop for FeederGuard {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// Holds one unit of [`NodeStats::sessions_active`] for as long as it lives, so the gauge
+/// follows whichever task outlives the session's work, however it ends.
+pub(super) struct ActiveSession(Arc<NodeStats>);
+
+impl ActiveSession {
+    fn new(stats: &Arc<NodeStats>) -> Self {
+        stats.sessions_total.fetch_add(1, Ordering::Relaxed);
+        stats.sessions_active.fetch_add(1, Ordering::Relaxed);
+        Self(stats.clone())
+    }
+}
+
+impl Drop for ActiveSession {
+    fn drop(&mut self) {
+        self.0.sessions_active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Node {
+    /// A new session, and its unit of the active-session gauge: the caller keeps the guard
+    /// for as long as the session counts as active.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new_session(
+        &self,
+        id: SessionId,
+        model: ModelDigest,
+        manifest: Arc<Manifest>,
+        shard: Arc<Shard>,
+        start: u32,
+        end: u32,
+        origin: String,
+        token: Bytes,
+    ) -> (Arc<ShardSession>, ActiveSession) {
+        let active = ActiveSession::new(&self.stats);
+        let sess = Arc::new(ShardSession {
+            id,
+            model,
+            manifest,
+            shard,
+            start,
+            end,
+            origin,
+            token,
+            started: Instant::now(),
+            feeders: watch::Sender::new(0),
+            progress: broadcast::Sender::new(256),
+            hop_progress: Mutex::default(),
+            forward: watch::Sender::new(ForwardState::Running),
+            failed: watch::Sender::new(None),
+            write_lock: tokio::sync::Mutex::new(()),
+        });
+        (sess, active)
+    }
+
+    /// Verifies, stores and counts one chunk of `sess`'s shard: the one path by which
+    /// chunks from an upstream, a holder (`Fetch`) and an origin enter the store. Hashing
+    /// runs off the I/O threads. `Ok(Verdict::Corrupt)`: it failed verification and was
+    /// dropped (a session's sender sends it again).
+    pub(super) async fn store_chunk(
+        &self,
+        sess: &ShardSession,
+        index: u32,
+        chunk: Incoming,
+        from: ChunkFrom,
+    ) -> Result<Verdict, ChainError> {
+        let chunk = match chunk {
+            Incoming::Verified(chunk) => chunk,
+            Incoming::Unverified(data) => {
+                let (manifest, shard) = (sess.manifest.clone(), sess.shard_index());
+                // BLAKE3 of a chunk takes ~0.3 ms per MiB: hash off the I/O threads.
+                let verified =
+                    tokio::task::spawn_blocking(move || manifest.verified(shard, index, data))
+                        .await
+                        .map_err(|e| {
+                            ChainError::refused(ErrorCode::Internal, format!("verify task: {e}"))
+                        })?;
+                match verified {
+                    Ok(chunk) => chunk,
+                    Err(e) => {
+                        self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
+                        warn!(
+                            chunk = index,
+                            ?from,
+                            "dropping chunk that failed verification: {e}"
+                        );
+                        return Ok(Verdict::Corrupt);
+                    }
+                }
+            }
+        };
+        let len = chunk.data().len() as u64;
+        {
+            // Writes to one file serialise on its inode lock in the kernel; queue them here
+            // (an async wait) rather than have threads spin on that lock.
+            let _serial = sess.write_lock.lock().await;
+            sess.shard.write(chunk).await?;
+        }
+        self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
+        if from == ChunkFrom::Origin {
+            self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);
+        }
+        Ok(Verdict::Stored)
+    }
+}

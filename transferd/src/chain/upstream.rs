@@ -1,0 +1,298 @@
+//! Joining a session (plan token, fallback origin policy, session cap, manifest) and
+//! receiving from an upstream: frames into the [`Inbound`] machine, chunks through
+//! `store_chunk`, its answers back as `Ack`/`Nack`/`Progress`, then `Done` once the session
+//! is complete here.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::StreamExt;
+use shardcast_protocol::{
+    ErrorCode, Frame, HostId, Manifest, SessionHeader, SessionId, plan::PlanClaims,
+};
+use tracing::{Instrument, debug, info, info_span};
+
+use super::proto::{Inbound, InboundFrame, Verdict};
+use super::session::{ActiveSession, ChunkFrom, FeederGuard, Incoming};
+use super::{ChainError, Node, ShardSession, now};
+use crate::store::BindingSource;
+use crate::wire::Conn;
+
+impl Node {
+    /// Checks the `Open`'s plan token: signed by the controller (a certificate of the
+    /// cluster CA with the `controller` role), not expired, for this model, naming this
+    /// host, the sender and every downstream hop. Without TLS (`insecure_plaintext`) there
+    /// is no CA to check a signature against, and sessions are accepted as before.
+    fn authorize_open(
+        &self,
+        header: &SessionHeader,
+        remote: &HostId,
+    ) -> Result<Option<PlanClaims>, ChainError> {
+        let Some(tls) = self.transport.tls() else {
+            return Ok(None);
+        };
+        let refuse = |why: String| {
+            self.stats
+                .sessions_unauthorised
+                .fetch_add(1, Ordering::Relaxed);
+            ChainError::refused(
+                ErrorCode::Refused,
+                format!("session {} not authorised: {why}", header.session),
+            )
+        };
+        if header.token.is_empty() {
+            return Err(refuse(
+                "no plan token (sessions are started by the controller)".into(),
+            ));
+        }
+        let claims = tls
+            .verify_plan(&header.token, rustls::pki_types::UnixTime::now())
+            .map_err(|e| refuse(e.to_string()))?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        claims
+            .authorises(&header.model, &self.host, remote, &header.downstream, now)
+            .map_err(refuse)?;
+        Ok(Some(claims))
+    }
+
+    /// Finds the session for `header`, or creates it (and its forwarder and recovery
+    /// monitor).
+    pub(super) fn join_session(
+        self: &Arc<Self>,
+        header: &SessionHeader,
+        offered: Option<Manifest>,
+        remote: &HostId,
+    ) -> Result<Arc<ShardSession>, ChainError> {
+        // Nothing of a session the controller did not authorise is kept: not even its
+        // manifest.
+        let claims = self.authorize_open(header, remote)?;
+        let key = (header.session, header.shard);
+        if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            debug!(session = %header.session, shard = header.shard, "joining running session");
+            return Ok(s);
+        }
+        // A fallback origin outside this host's policy refuses the session before anything
+        // is stored: the peer does not get to make this host read where it says.
+        if !header.origin.is_empty() && !header.origin.starts_with("shardcast://") {
+            self.cfg.origins.check(&header.origin).map_err(|e| {
+                ChainError::refused(ErrorCode::Refused, format!("fallback origin: {e}"))
+            })?;
+        }
+        let held = self.sessions.lock().map(|m| m.len()).unwrap_or(0);
+        if held >= self.cfg.limits.max_sessions {
+            self.stats.sessions_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!("this host already holds {held} sessions (max_sessions); retry later"),
+            ));
+        }
+        let manifest = match self.store.manifest(&header.model) {
+            Some(m) => m,
+            None => match offered {
+                Some(m) if m.digest() == header.model => self.store.put_manifest(&m)?,
+                Some(m) => {
+                    return Err(ChainError::refused(
+                        ErrorCode::UnknownModel,
+                        format!(
+                            "manifest digest {} does not match the session's model {}",
+                            m.digest(),
+                            header.model
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(ChainError::refused(
+                        ErrorCode::UnknownModel,
+                        format!(
+                            "model {} is unknown here and no manifest was sent",
+                            header.model
+                        ),
+                    ));
+                }
+            },
+        };
+        // The controller signed this plan for its name's current version: the name means
+        // this version here from now on (never because a manifest says so).
+        if let Some(name) = claims.as_ref().and_then(|c| c.name.as_ref())
+            && *name == manifest.name
+        {
+            self.store
+                .bind_name(name, header.model, BindingSource::Plan)?;
+        }
+        let chunks = manifest
+            .shard(header.shard)
+            .map_err(|e| ChainError::refused(ErrorCode::NoSuchChunk, e.to_string()))?
+            .chunks
+            .len() as u32;
+        if header.end > chunks || header.start > header.end {
+            return Err(ChainError::refused(
+                ErrorCode::NoSuchChunk,
+                format!(
+                    "range {}..{} is outside shard {} ({chunks} chunks)",
+                    header.start, header.end, header.shard
+                ),
+            ));
+        }
+        let shard = match self.store.existing_shard(&header.model, header.shard) {
+            Some(s) if s.tier() == header.tier || s.is_complete() => s,
+            _ => self.store.shard(&header.model, header.shard, header.tier)?,
+        };
+        self.repairs.note_source(header.model, &header.origin);
+        // Dropped (and the gauge with it) if another connection created the session first.
+        let (sess, active) = self.new_session(
+            header.session,
+            header.model,
+            manifest,
+            shard,
+            header.start,
+            header.end,
+            header.origin.clone(),
+            header.token.clone(),
+        );
+        let mut map = self
+            .sessions
+            .lock()
+            .map_err(|_| ChainError::refused(ErrorCode::Internal, "session table poisoned"))?;
+        // Another connection may have created it while we were opening the shard.
+        if let Some(s) = map.get(&key) {
+            return Ok(s.clone());
+        }
+        map.insert(key, sess.clone());
+        drop(map);
+        self.spawn_forwarder(&sess, header.downstream.clone());
+        self.spawn_recovery(&sess);
+        self.spawn_reaper(&sess, key, active);
+        Ok(sess)
+    }
+
+    /// Removes a hop session from the table once it has finished, so a later session id can
+    /// reuse nothing stale; the session counts as active until then.
+    fn spawn_reaper(
+        self: &Arc<Self>,
+        sess: &Arc<ShardSession>,
+        key: (SessionId, u32),
+        active: ActiveSession,
+    ) {
+        let node = self.clone();
+        let sess = sess.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = sess.finished() => {}
+                _ = node.cancel.cancelled() => {}
+            }
+            // Let late joiners (a failover racing completion) still find it for a moment.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            if let Ok(mut m) = node.sessions.lock() {
+                m.remove(&key);
+            }
+            drop(active);
+        });
+    }
+
+    /// Reads chunks from one upstream connection into the session.
+    pub(super) async fn handle_upstream(
+        self: &Arc<Self>,
+        conn: &mut Conn,
+        sess: Arc<ShardSession>,
+        remote: &HostId,
+    ) -> Result<(), ChainError> {
+        let span = info_span!("upstream", session = %sess.id, model = %sess.model, shard = sess.shard_index(), peer = %remote);
+        async move {
+            let guard = FeederGuard::new(&sess.feeders);
+            let have = sess.shard.verified_set(sess.start, sess.end);
+            info!(have = have.len(), total = sess.total(), "session accepted");
+            conn.writer.send_now(&Frame::Accept { have }).await?;
+            let mut relayed = sess.progress.subscribe();
+            let shard = sess.shard_index();
+            let mut inbound = Inbound::new(shard, sess.start..sess.end, self.cfg.inbound());
+            // Verify+store runs concurrently with reading the next chunks off the wire, so
+            // a hop's throughput is bounded by its slowest stage, not their sum.
+            let mut pending = futures::stream::FuturesUnordered::new();
+            while inbound.feeding() {
+                tokio::select! {
+                    biased;
+                    _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
+                    Some((index, verdict)) = pending.next(), if !pending.is_empty() => {
+                        let verdict: Verdict = verdict?;
+                        let reply = inbound.handle_verdict(now(), index, verdict, sess.complete());
+                        let frame = match reply.verdict {
+                            Verdict::Stored => Frame::Ack { shard, index },
+                            Verdict::Corrupt => Frame::Nack { shard, index },
+                        };
+                        conn.writer.send(&frame).await?;
+                        if reply.progress {
+                            conn.writer.send(&self.own_progress(&sess)).await?;
+                        }
+                        conn.writer.flush().await?;
+                    }
+                    frame = conn.reader.read(), if inbound.wants_frame() => match frame? {
+                        Some(Frame::Chunk { shard: s, index, data }) => {
+                            inbound.handle_frame(InboundFrame::Chunk { shard: s, index }).map_err(|_| {
+                                ChainError::protocol(format!(
+                                    "chunk {s}/{index} is outside the session's shard {shard} range {}..{}",
+                                    sess.start, sess.end
+                                ))
+                            })?;
+                            let (node, sess) = (self.clone(), sess.clone());
+                            pending.push(async move {
+                                (index, node.store_chunk(&sess, index, Incoming::Unverified(data), ChunkFrom::Upstream).await)
+                            });
+                        }
+                        Some(Frame::Done) => {
+                            let _ = inbound.handle_frame(InboundFrame::Done);
+                        }
+                        Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
+                        Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} in a session", other.ty()))),
+                        None => return Err(ChainError::Closed),
+                    },
+                    p = relayed.recv() => if let Ok(p) = p {
+                        conn.writer.send_now(&p).await?;
+                    },
+                }
+            }
+            // The upstream has sent all it will; it is no longer feeding us. If chunks are
+            // still missing, the recovery monitor fetches them from the fallback source.
+            drop(guard);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
+                    r = sess.finished() => {
+                        return match r {
+                            Ok(()) => {
+                                // Relay what is still queued from below (the tail's final
+                                // Progress in particular) before our own and Done.
+                                while let Ok(p) = relayed.try_recv() {
+                                    conn.writer.send(&p).await?;
+                                }
+                                conn.writer.send(&self.own_progress(&sess)).await?;
+                                conn.writer.send_now(&Frame::Done).await?;
+                                info!(elapsed_ms = sess.started.elapsed().as_millis() as u64, "session complete");
+                                Ok(())
+                            }
+                            Err(e) => Err(ChainError::refused(ErrorCode::NoSuchChunk, format!("session cannot complete: {e}"))),
+                        };
+                    }
+                    p = relayed.recv() => if let Ok(p) = p {
+                        conn.writer.send_now(&p).await?;
+                    },
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    fn own_progress(&self, sess: &ShardSession) -> Frame {
+        Frame::Progress {
+            host: self.host.clone(),
+            shard: sess.shard_index(),
+            verified: sess.verified(),
+            total: sess.total(),
+        }
+    }
+}
