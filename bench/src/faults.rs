@@ -115,6 +115,8 @@ pub struct FaultsOpts {
     pub at: Duration,
     /// Per-trial limit.
     pub timeout: Duration,
+    /// Extra transferd arguments for every host (to try other timeouts).
+    pub daemon_args: Vec<String>,
 }
 
 /// One trial.
@@ -248,6 +250,7 @@ async fn run_trial(
         opts.origin_rate,
         origin_dir,
         "faults",
+        &opts.daemon_args,
     )
     .await?;
     let mut api = c.controller.client().await?;

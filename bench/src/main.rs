@@ -109,6 +109,10 @@ enum Cmd {
         /// Write the report as JSON (`results`: one record per trial).
         #[arg(long)]
         json: Option<PathBuf>,
+        /// An extra transferd argument for every host (repeat it), e.g.
+        /// `--daemon-arg=--write-timeout-s --daemon-arg=3`.
+        #[arg(long = "daemon-arg", allow_hyphen_values = true)]
+        daemon_args: Vec<String>,
     },
     /// Cold start through the controller on an emulated cluster (needs root): every host
     /// pulling from a rate-capped HTTP origin in its own namespace, vs shardcast's plan.
@@ -375,6 +379,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             at_s,
             timeout_s,
             json,
+            daemon_args,
         } => {
             prepare_emulation()?;
             if !(0.0..=3600.0).contains(&at_s) {
@@ -391,6 +396,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 trials,
                 at: Duration::from_secs_f64(at_s),
                 timeout: Duration::from_secs(timeout_s),
+                daemon_args,
             };
             let report = shardcast_bench::faults::run_faults(&opts).await?;
             emit(&report, json)

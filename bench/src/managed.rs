@@ -500,13 +500,15 @@ pub(crate) struct EmulatedCluster {
 }
 
 impl EmulatedCluster {
-    /// Starts it; `label` names the scratch directory and the progress line.
+    /// Starts it; `label` names the scratch directory and the progress line; every
+    /// transferd also gets `daemon_args`.
     pub(crate) async fn start(
         hosts: usize,
         rate: u64,
         origin_rate: u64,
         origin_dir: &Path,
         label: &str,
+        daemon_args: &[String],
     ) -> anyhow::Result<Self> {
         let net = EmulatedNet::create(hosts + 1, Some(rate), None)?;
         let scratch = scratch_dir(label)?;
@@ -538,6 +540,7 @@ impl EmulatedCluster {
                 "--origin-allow".into(),
                 origin.url.clone(),
             ]);
+            o.extra_args.extend(daemon_args.iter().cloned());
             daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
         }
         wait_hosts_up(&controller, hosts, Duration::from_secs(30)).await?;
@@ -619,8 +622,15 @@ async fn cold_start_method(
     sources: &str,
     origin_dir: &Path,
 ) -> anyhow::Result<ColdStartResult> {
-    let c =
-        EmulatedCluster::start(opts.hosts, opts.rate, opts.origin_rate, origin_dir, method).await?;
+    let c = EmulatedCluster::start(
+        opts.hosts,
+        opts.rate,
+        opts.origin_rate,
+        origin_dir,
+        method,
+        &[],
+    )
+    .await?;
     let (origin, manifest) = (&c.origin, &c.manifest);
     let mut api = c.controller.client().await?;
     let before = origin.bytes_sent();
