@@ -352,6 +352,27 @@ impl Daemon {
         self.child.as_ref().and_then(Child::id)
     }
 
+    /// The memory-tier file of shard `shard` of `manifest` on this daemon.
+    pub fn memory_shard_path(&self, manifest: &Manifest, shard: usize) -> PathBuf {
+        self.memory_dir
+            .join("models")
+            .join(manifest.digest().to_hex())
+            .join(manifest.shards[shard].path.as_str())
+    }
+
+    /// Sends `signal` (`"STOP"`, `"CONT"`, …) to the process, by PID: a host that is alive
+    /// but silent, and back.
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let pid = self.pid().context("the daemon is not running")?;
+        let ok = std::process::Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .context("running kill")?
+            .success();
+        anyhow::ensure!(ok, "kill -{signal} {pid} failed");
+        Ok(())
+    }
+
     /// Kills the process (SIGKILL, by PID) and waits for it: a host dying mid-transfer.
     pub async fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -598,4 +619,19 @@ pub async fn wait_complete(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(done)
+}
+
+/// Flips one byte of a file in place, at `at` (a rotten DRAM bit, or a write behind the
+/// daemon's back; a daemon maps the same page).
+pub fn flip_byte(path: &Path, at: u64) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at)?;
+    f.write_all_at(&[b[0] ^ 0x01], at)?;
+    Ok(())
 }

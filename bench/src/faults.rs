@@ -26,7 +26,7 @@ use serde::Serialize;
 use shardcast_protocol::Manifest;
 use shardcast_protocol::controller::{PlanStatus, PrewarmRequest, WatchPlanRequest};
 
-use crate::cluster::Daemon;
+use crate::cluster::{Daemon, flip_byte};
 use crate::managed::{EmulatedCluster, origin_model, ready_times};
 use crate::scenario::MODEL_NAME;
 
@@ -207,37 +207,6 @@ pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
     })
 }
 
-/// Sends `signal` ("STOP", "CONT") to `d`'s process, by PID.
-fn signal(d: &Daemon, signal: &str) -> anyhow::Result<()> {
-    let pid = d.pid().context("the daemon is not running")?;
-    let ok = std::process::Command::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .status()
-        .context("running kill")?
-        .success();
-    anyhow::ensure!(ok, "kill -{signal} {pid} failed");
-    Ok(())
-}
-
-/// Flips one byte at rest in the first chunk of `d`'s memory-tier copy.
-fn flip_first_byte(d: &Daemon, manifest: &Manifest) -> anyhow::Result<()> {
-    use std::os::unix::fs::FileExt;
-    let path = d
-        .memory_dir
-        .join("models")
-        .join(manifest.digest().to_hex())
-        .join(manifest.shards[0].path.as_str());
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, 100)?;
-    f.write_all_at(&[b[0] ^ 0x01], 100)?;
-    Ok(())
-}
-
 async fn run_trial(
     opts: &FaultsOpts,
     origin_dir: &Path,
@@ -304,13 +273,13 @@ async fn run_trial(
                 tokio::time::sleep(Duration::from_secs(3)).await;
                 daemons[vi].restart().await?;
             }
-            Fault::Stop => signal(&daemons[vi], "STOP")?,
+            Fault::Stop => daemons[vi].signal("STOP")?,
             Fault::LinkDown => {
                 net.set_link(vi, false)?;
                 tokio::time::sleep(Duration::from_secs(8)).await;
                 net.set_link(vi, true)?;
             }
-            Fault::Corrupt => flip_first_byte(&daemons[vi], manifest)?,
+            Fault::Corrupt => flip_byte(&daemons[vi].memory_shard_path(manifest, 0), 100)?,
         }
         Ok(())
     };
@@ -318,7 +287,7 @@ async fn run_trial(
     if fault == Fault::Stop
         && let Some(vi) = vi
     {
-        signal(&daemons[vi], "CONT")?;
+        daemons[vi].signal("CONT")?;
     }
     struck?;
     let (_, ready) = ended?;

@@ -27,24 +27,13 @@ async fn wait_metric(d: &Daemon, name: &str, at_least: u64, timeout: Duration) -
 
 /// The memory-tier file of shard `shard` of `manifest` on `d`.
 fn shard_file(d: &Daemon, digest: &str, manifest: &Manifest, shard: usize) -> PathBuf {
-    d.memory_dir
-        .join("models")
-        .join(digest)
-        .join(manifest.shards[shard].path.as_str())
+    assert_eq!(digest, manifest.digest().to_hex());
+    d.memory_shard_path(manifest, shard)
 }
 
-/// Flips one byte of a file in place (a rotten DRAM bit, or a write behind the daemon's
-/// back; the daemon maps the same page).
+/// Flips one byte of a file in place.
 fn flip(path: &Path, at: u64) {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, at).unwrap();
-    f.write_all_at(&[b[0] ^ 0x01], at).unwrap();
+    shardcast_bench::cluster::flip_byte(path, at).unwrap();
 }
 
 fn source_flags(

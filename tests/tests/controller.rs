@@ -406,17 +406,6 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
     }
 }
 
-/// Sends `signal` (e.g. "STOP", "CONT") to `d`'s process, by PID.
-fn signal(d: &Daemon, signal: &str) {
-    let pid = d.pid().expect("a running daemon");
-    let ok = std::process::Command::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{signal} {pid} failed");
-}
-
 /// Status says what really happened: a middle hop stopped (alive but silent) is marked
 /// `lost` and the plan finishes without it; once it runs again and completes its copy, its
 /// heartbeat makes it `done` (with the time), the ended plan's outcome is recomputed, and
@@ -427,10 +416,10 @@ async fn a_lost_receiver_that_completes_later_is_reported_done() {
     let victim = a.chains[0].hops[1].clone();
     let d = c.daemon(&victim).unwrap();
     wait_fraction(&mut api, &a.plan_id, 0.15).await;
-    signal(d, "STOP");
+    d.signal("STOP").unwrap();
     let ended = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120)).await;
     // Run it again whatever happened, so the process can be cleaned up.
-    signal(d, "CONT");
+    d.signal("CONT").unwrap();
     let ended = ended.unwrap();
     assert_eq!(host_state(&ended, &victim), "lost", "{ended:?}");
     assert!(ended.message.contains(&victim), "{ended:?}");

@@ -95,9 +95,8 @@ impl AgentService {
         let tiers = self
             .node
             .store
-            .holdings()
+            .holdings_of(digest)
             .iter()
-            .filter(|h| h.digest == *digest)
             .map(|h| self.with_gpus(model_status(h)))
             .collect();
         GetModelStatusResponse { tiers }

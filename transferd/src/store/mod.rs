@@ -906,35 +906,51 @@ impl ShardStore {
     /// Every (model, tier) copy present, with per-shard progress.
     pub fn holdings(&self) -> Vec<Holding> {
         let models = lock(&self.inner.models);
-        let mut out = Vec::new();
-        for (digest, model) in models.iter() {
-            for tier in TIERS {
-                let Some(shards) = model.tiers.get(&tier) else {
-                    continue;
-                };
-                let shards = model
-                    .manifest
-                    .shards
-                    .iter()
-                    .enumerate()
-                    .map(|(i, e)| ShardState {
-                        path: e.path.clone(),
-                        size: e.size,
-                        verified: shards.get(&(i as u32)).map_or(0, |s| s.verified_count()),
-                        total: e.chunks.len() as u32,
-                    })
-                    .collect();
-                out.push(Holding {
-                    digest: *digest,
-                    name: model.manifest.name.clone(),
-                    tier,
-                    dir: self.model_dir(digest, tier),
-                    shards,
-                });
-            }
-        }
+        let mut out: Vec<Holding> = models
+            .iter()
+            .flat_map(|(digest, model)| self.model_holdings(digest, model))
+            .collect();
         out.sort_by(|a, b| (a.name.as_str(), a.digest).cmp(&(b.name.as_str(), b.digest)));
         out
+    }
+
+    /// The holdings of one model (one per tier with any of it), memory first: what
+    /// [`ShardStore::holdings`] lists for `digest`, without visiting the other models.
+    pub fn holdings_of(&self, digest: &ModelDigest) -> Vec<Holding> {
+        let models = lock(&self.inner.models);
+        models
+            .get(digest)
+            .map(|m| self.model_holdings(digest, m).collect())
+            .unwrap_or_default()
+    }
+
+    fn model_holdings<'a>(
+        &'a self,
+        digest: &'a ModelDigest,
+        model: &'a Model,
+    ) -> impl Iterator<Item = Holding> + 'a {
+        TIERS.into_iter().filter_map(move |tier| {
+            let shards = model.tiers.get(&tier)?;
+            let shards = model
+                .manifest
+                .shards
+                .iter()
+                .enumerate()
+                .map(|(i, e)| ShardState {
+                    path: e.path.clone(),
+                    size: e.size,
+                    verified: shards.get(&(i as u32)).map_or(0, |s| s.verified_count()),
+                    total: e.chunks.len() as u32,
+                })
+                .collect();
+            Some(Holding {
+                digest: *digest,
+                name: model.manifest.name.clone(),
+                tier,
+                dir: self.model_dir(digest, tier),
+                shards,
+            })
+        })
     }
 
     /// The directory holding model `d`'s shard files in `tier`, under their original
