@@ -18,6 +18,8 @@ pub const HELLO_MAGIC: &[u8; 4] = b"SHCS";
 pub const HEADER_LEN: usize = 5;
 /// Most downstream hops a session header may list.
 pub const MAX_HOPS: usize = 1024;
+/// Most upstream hops (holders above the receiver) a session header may list.
+pub const MAX_UPSTREAM_HOPS: usize = 64;
 /// Longest hop address (`host:port`) in bytes.
 pub const MAX_ADDR_LEN: usize = 255;
 /// Longest origin URI in bytes.
@@ -147,6 +149,11 @@ pub struct SessionHeader {
     /// session is authorised for. Every hop verifies it and passes it on unchanged. Empty
     /// only between daemons running with `insecure_plaintext`.
     pub token: Bytes,
+    /// The hosts above the receiver that hold (or are receiving) the range, nearest first:
+    /// the sender, then its own upstream list, at most [`MAX_UPSTREAM_HOPS`]. A hop whose
+    /// upstream stalls or vanishes pulls what it lacks from these before it reads the
+    /// origin. Encoded after the token (protocol version 3).
+    pub upstream: Vec<Hop>,
 }
 
 /// Error codes carried by [`Frame::Error`].
@@ -236,6 +243,8 @@ pub enum FrameType {
     Done = 0x09,
     /// [`Frame::Nack`]
     Nack = 0x0a,
+    /// [`Frame::Keepalive`]
+    Keepalive = 0x0b,
     /// [`Frame::Error`]
     Error = 0x0f,
 }
@@ -254,6 +263,7 @@ impl FrameType {
             0x08 => Self::Fetch,
             0x09 => Self::Done,
             0x0a => Self::Nack,
+            0x0b => Self::Keepalive,
             0x0f => Self::Error,
             other => return Err(DecodeError::UnknownFrameType(other)),
         })
@@ -268,7 +278,16 @@ impl FrameType {
             Self::Accept => (crate::manifest::MAX_CHUNKS_PER_SHARD / 8) as usize + 8,
             // Hops: each at most 2 + 255 + 2 + 255 bytes.
             Self::Open => {
-                16 + 32 + 13 + 2 + MAX_URI_LEN + 2 + MAX_HOPS * 514 + 4 + crate::plan::MAX_TOKEN_LEN
+                16 + 32
+                    + 13
+                    + 2
+                    + MAX_URI_LEN
+                    + 2
+                    + MAX_HOPS * 514
+                    + 4
+                    + crate::plan::MAX_TOKEN_LEN
+                    + 2
+                    + MAX_UPSTREAM_HOPS * 514
             }
             _ => MAX_CONTROL_LEN,
         }
@@ -376,6 +395,10 @@ pub enum Frame {
     /// The sender has nothing more to send on this connection; as a reply, the receiver
     /// holds the whole range verified.
     Done,
+    /// A sender that has had nothing to send for a while says it is alive (it waits for its
+    /// own upstream), so its receiver can tell a starved upstream from a stalled one. Empty
+    /// body.
+    Keepalive,
     /// An error; the connection closes after it.
     Error {
         /// What went wrong, machine-readable.
@@ -399,6 +422,7 @@ impl Frame {
             Self::Progress { .. } => FrameType::Progress,
             Self::Fetch { .. } => FrameType::Fetch,
             Self::Done => FrameType::Done,
+            Self::Keepalive => FrameType::Keepalive,
             Self::Error { .. } => FrameType::Error,
         }
     }
@@ -434,13 +458,18 @@ impl Frame {
                         .sum::<usize>()
                     + 4
                     + h.token.len()
+                    + 2
+                    + h.upstream
+                        .iter()
+                        .map(|hop| codec::str_len(hop.host.as_str()) + codec::str_len(&hop.addr))
+                        .sum::<usize>()
             }
             Self::Accept { have } => have.encoded_len(),
             Self::Chunk { data, .. } => 4 + 4 + 4 + data.len(),
             Self::Ack { .. } | Self::Nack { .. } => 8,
             Self::Progress { host, .. } => codec::str_len(host.as_str()) + 12,
             Self::Fetch { .. } => 32 + 12,
-            Self::Done => 0,
+            Self::Done | Self::Keepalive => 0,
             Self::Error { message, .. } => 2 + codec::str_len(message),
         }
     }
@@ -469,6 +498,12 @@ impl Frame {
                 }
                 buf.put_u32(h.token.len() as u32);
                 buf.put_slice(&h.token);
+                let upstream = &h.upstream[..h.upstream.len().min(MAX_UPSTREAM_HOPS)];
+                buf.put_u16(upstream.len() as u16);
+                for hop in upstream {
+                    codec::put_str(buf, hop.host.as_str());
+                    codec::put_str(buf, &hop.addr);
+                }
             }
             Self::Accept { have } => have.encode(buf),
             Self::Chunk { shard, index, data } => {
@@ -503,7 +538,7 @@ impl Frame {
                 buf.put_u32(*start);
                 buf.put_u32(*end);
             }
-            Self::Done => {}
+            Self::Done | Self::Keepalive => {}
             Self::Error { code, message } => {
                 buf.put_u16(code.to_u16());
                 codec::put_str(buf, message);
@@ -556,20 +591,7 @@ impl Frame {
                 }
                 let tier = Tier::from_u8(get_u8(b)?)?;
                 let origin = get_str(b, "origin", MAX_URI_LEN)?;
-                let n = get_u16(b)? as usize;
-                if n > MAX_HOPS {
-                    return Err(DecodeError::TooLong {
-                        field: "downstream hops",
-                        len: n as u64,
-                        max: MAX_HOPS as u64,
-                    });
-                }
-                let mut downstream = Vec::with_capacity(n);
-                for _ in 0..n {
-                    let host = get_host(b)?;
-                    let addr = get_str(b, "hop address", MAX_ADDR_LEN)?;
-                    downstream.push(Hop { host, addr });
-                }
+                let downstream = get_hops(b, "downstream hops", MAX_HOPS)?;
                 let n = get_u32(b)? as usize;
                 if n > crate::plan::MAX_TOKEN_LEN {
                     return Err(DecodeError::TooLong {
@@ -580,6 +602,7 @@ impl Frame {
                 }
                 codec::need(b, n)?;
                 let token = b.copy_to_bytes(n);
+                let upstream = get_hops(b, "upstream hops", MAX_UPSTREAM_HOPS)?;
                 Self::Open(SessionHeader {
                     session,
                     model,
@@ -590,6 +613,7 @@ impl Frame {
                     origin,
                     downstream,
                     token,
+                    upstream,
                 })
             }
             FrameType::Accept => Self::Accept {
@@ -646,6 +670,7 @@ impl Frame {
                 }
             }
             FrameType::Done => Self::Done,
+            FrameType::Keepalive => Self::Keepalive,
             FrameType::Error => Self::Error {
                 code: ErrorCode::from_u16(get_u16(b)?),
                 message: get_str(b, "error message", MAX_MESSAGE_LEN)?,
@@ -656,6 +681,25 @@ impl Frame {
         }
         Ok(frame)
     }
+}
+
+/// A `u16` count of hops, at most `max`, each a host id and an address.
+fn get_hops<B: Buf>(b: &mut B, field: &'static str, max: usize) -> Result<Vec<Hop>, DecodeError> {
+    let n = get_u16(b)? as usize;
+    if n > max {
+        return Err(DecodeError::TooLong {
+            field,
+            len: n as u64,
+            max: max as u64,
+        });
+    }
+    let mut hops = Vec::with_capacity(n);
+    for _ in 0..n {
+        let host = get_host(b)?;
+        let addr = get_str(b, "hop address", MAX_ADDR_LEN)?;
+        hops.push(Hop { host, addr });
+    }
+    Ok(hops)
 }
 
 fn get_host<B: Buf>(b: &mut B) -> Result<HostId, DecodeError> {

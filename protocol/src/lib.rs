@@ -75,4 +75,4 @@ pub use name::{HostId, ModelName, NameError, ShardPath};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer
 /// with another version is refused with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;

@@ -14,7 +14,9 @@ use bytes::{BufMut, Bytes};
 use fuzz_checks::{FrameOutcome, check_frame_bytes, check_manifest_bytes};
 use proptest::prelude::*;
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
-use shardcast_protocol::frame::{FrameHeader, HEADER_LEN, HELLO_MAGIC, MAX_HOPS, MAX_MESSAGE_LEN};
+use shardcast_protocol::frame::{
+    FrameHeader, HEADER_LEN, HELLO_MAGIC, MAX_HOPS, MAX_MESSAGE_LEN, MAX_UPSTREAM_HOPS,
+};
 use shardcast_protocol::manifest::{
     MAX_CHUNK_SIZE, MAX_CHUNKS_PER_SHARD, MAX_MANIFEST_LEN, MAX_SHARDS, MIN_CHUNK_SIZE,
 };
@@ -23,7 +25,7 @@ use shardcast_protocol::{
     ModelDigest, ModelName, SessionHeader, SessionId, ShardEntry, ShardPath, Tier,
 };
 
-const ALL_TYPES: [FrameType; 11] = [
+const ALL_TYPES: [FrameType; 12] = [
     FrameType::Hello,
     FrameType::Manifest,
     FrameType::Open,
@@ -34,6 +36,7 @@ const ALL_TYPES: [FrameType; 11] = [
     FrameType::Progress,
     FrameType::Fetch,
     FrameType::Done,
+    FrameType::Keepalive,
     FrameType::Error,
 ];
 
@@ -85,6 +88,7 @@ fn sample_frames() -> Vec<Frame> {
             },
         ],
         token: bytes::Bytes::from_static(b"signed plan token"),
+        upstream: Vec::new(),
     };
     vec![
         Frame::Hello {
@@ -256,6 +260,7 @@ fn per_type_maximum_body_lengths() {
     assert_eq!(FrameType::Progress.max_body_len(), control);
     assert_eq!(FrameType::Fetch.max_body_len(), control);
     assert_eq!(FrameType::Done.max_body_len(), control);
+    assert_eq!(FrameType::Keepalive.max_body_len(), control);
     assert_eq!(FrameType::Error.max_body_len(), control);
     assert_eq!(FrameType::Manifest.max_body_len(), MAX_MANIFEST_LEN);
     assert_eq!(
@@ -268,7 +273,16 @@ fn per_type_maximum_body_lengths() {
     );
     assert_eq!(
         FrameType::Open.max_body_len(),
-        16 + 32 + 13 + 2 + 4096 + 2 + MAX_HOPS * 514 + 4 + shardcast_protocol::plan::MAX_TOKEN_LEN
+        16 + 32
+            + 13
+            + 2
+            + 4096
+            + 2
+            + MAX_HOPS * 514
+            + 4
+            + shardcast_protocol::plan::MAX_TOKEN_LEN
+            + 2
+            + MAX_UPSTREAM_HOPS * 514
     );
     // The largest valid bodies fit their bound.
     let full_chunk = Frame::Chunk {
@@ -304,6 +318,13 @@ fn per_type_maximum_body_lengths() {
             MAX_HOPS
         ],
         token: bytes::Bytes::from(vec![0u8; shardcast_protocol::plan::MAX_TOKEN_LEN]),
+        upstream: vec![
+            Hop {
+                host: longest.parse().unwrap(),
+                addr: longest.clone()
+            };
+            MAX_UPSTREAM_HOPS
+        ],
     });
     assert_eq!(
         full_open.encoded_len() - HEADER_LEN,
@@ -321,7 +342,7 @@ fn unknown_frame_types_are_rejected() {
     assert_eq!(
         known,
         [
-            0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x0a, 0x07, 0x08, 0x09, 0x0f
+            0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x0a, 0x07, 0x08, 0x09, 0x0b, 0x0f
         ]
     );
     for b in 0..=u8::MAX {

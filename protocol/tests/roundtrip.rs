@@ -25,6 +25,7 @@ fn wire_type(frame: &Frame) -> u8 {
         Frame::Progress { .. } => 0x07,
         Frame::Fetch { .. } => 0x08,
         Frame::Done => 0x09,
+        Frame::Keepalive => 0x0b,
         Frame::Error { .. } => 0x0f,
     }
 }
@@ -210,8 +211,8 @@ fn hello_golden_bytes() {
         host: "host-a".parse().unwrap(),
     };
     let enc = encode_to_vec(&f);
-    // length 15 | type 0x01 | "SHCS" | version 2 | host: length 6, "host-a"
-    assert_eq!(hex::encode(&enc), "0000000f015348435300020006686f73742d61");
+    // length 15 | type 0x01 | "SHCS" | version 3 | host: length 6, "host-a"
+    assert_eq!(hex::encode(&enc), "0000000f015348435300030006686f73742d61");
 }
 
 /// Fixed encodings of the other small frames, so that the layouts in `docs/PROTOCOL.md`
@@ -221,6 +222,7 @@ fn golden_bytes_of_small_frames() {
     let fetch_hex = format!("0000002d 08 {} 00000001 00000002 00000003", "11".repeat(32));
     let cases: Vec<(Frame, &str)> = vec![
         (Frame::Done, "0000000109"),
+        (Frame::Keepalive, "000000010b"),
         (
             Frame::Ack {
                 shard: 1,
@@ -306,6 +308,10 @@ fn open_layout() {
             addr: "b:1".into(),
         }],
         token: Bytes::from_static(b"tok"),
+        upstream: vec![Hop {
+            host: "a".parse().unwrap(),
+            addr: "a:2".into(),
+        }],
     };
     let enc = encode_to_vec(&Frame::Open(h.clone()));
     let mut b = Bytes::from(enc.clone());
@@ -323,7 +329,12 @@ fn open_layout() {
     assert_eq!(&b.copy_to_bytes(3)[..], b"b:1");
     assert_eq!(b.get_u32(), 3, "token length");
     assert_eq!(&b.copy_to_bytes(3)[..], b"tok");
+    assert_eq!(b.get_u16(), 1, "upstream hop count");
+    assert_eq!((b.get_u16(), b.get_u8()), (1, b'a'));
+    assert_eq!(b.get_u16(), 3);
+    assert_eq!(&b.copy_to_bytes(3)[..], b"a:2");
     assert!(!b.has_remaining());
+
 
     let mut mem = Vec::new();
     Frame::Open(SessionHeader {

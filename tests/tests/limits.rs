@@ -81,6 +81,7 @@ async fn silent_peers_are_closed_in_every_phase() {
         origin: String::new(),
         downstream: vec![],
         token: shardcast_tests::plan_token(manifest.digest(), &["stalled-upstream", "recv-1"]),
+        upstream: Vec::new(),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();
@@ -155,6 +156,7 @@ async fn sessions_beyond_the_cap_are_refused() {
             origin: String::new(),
             downstream: vec![],
             token: shardcast_tests::plan_token(manifest.digest(), &["opener", "recv-1"]),
+            upstream: Vec::new(),
         })
         .encode(&mut out);
         s.write_all(&out).await.unwrap();

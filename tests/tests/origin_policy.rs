@@ -361,6 +361,7 @@ async fn a_fallback_origin_outside_policy_refuses_the_session() {
         origin: "http://169.254.169.254/latest/".into(),
         downstream: vec![],
         token: shardcast_tests::plan_token(manifest.digest(), &["attacker", "recv-1"]),
+        upstream: Vec::new(),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();

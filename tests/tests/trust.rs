@@ -376,6 +376,7 @@ async fn open_as_mallory(
         origin: String::new(),
         downstream,
         token,
+        upstream: Vec::new(),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();

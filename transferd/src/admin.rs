@@ -186,6 +186,24 @@ pub fn render(node: &Node) -> String {
         s.downstream_failovers.load(Ordering::Relaxed),
     );
     metric(
+        "upstream_stalls_total",
+        "counter",
+        "Upstream connections dropped after stall_timeout without a chunk or a keepalive.",
+        s.upstream_stalls.load(Ordering::Relaxed),
+    );
+    metric(
+        "downstream_stalls_total",
+        "counter",
+        "Downstream connections given up after stall_timeout without an answer or a drained write.",
+        s.downstream_stalls.load(Ordering::Relaxed),
+    );
+    metric(
+        "chunks_from_holders_total",
+        "counter",
+        "Chunks pulled from another holder (Fetch: recovery from a hop above, imports from a peer) rather than the origin.",
+        s.chunks_from_holders.load(Ordering::Relaxed),
+    );
+    metric(
         "origin_refused_total",
         "counter",
         "Origins, redirects, resolved addresses or shard paths refused by the origin allow-list.",

@@ -81,9 +81,14 @@ pub struct Args {
     /// fallback source [default: 2000].
     #[arg(long, env = "SHARDCAST_UPSTREAM_GRACE_MS")]
     pub upstream_grace_ms: Option<u64>,
-    /// Seconds of silence after which a downstream hop is treated as dead [default: 30].
+    /// Seconds a hop waits for a peer's answer while setting up a connection (`Hello`,
+    /// `Accept`) or for a holder answering `Fetch` [default: 30].
     #[arg(long, env = "SHARDCAST_IDLE_TIMEOUT_S")]
     pub idle_timeout_s: Option<u64>,
+    /// Milliseconds without progress after which a neighbour hop (upstream or downstream)
+    /// is stalled — dead, stopped or cut off — and bypassed [default: 2000; at least 200].
+    #[arg(long, env = "SHARDCAST_STALL_TIMEOUT_MS")]
+    pub stall_timeout_ms: Option<u64>,
     /// Concurrent range reads from an origin [default: 8].
     #[arg(long, env = "SHARDCAST_ORIGIN_PARALLEL")]
     pub origin_parallel: Option<usize>,
@@ -280,6 +285,7 @@ struct FileConfig {
     window: Option<usize>,
     upstream_grace_ms: Option<u64>,
     idle_timeout_s: Option<u64>,
+    stall_timeout_ms: Option<u64>,
     origin_parallel: Option<usize>,
     pipeline_depth: Option<usize>,
     verify_on_recover: Option<bool>,
@@ -543,6 +549,13 @@ impl Config {
             .unwrap_or(defaults.idle_timeout.as_secs());
         if idle_timeout_s == 0 {
             bail!("idle_timeout_s must be at least 1");
+        }
+        let stall_timeout_ms = args
+            .stall_timeout_ms
+            .or(file.stall_timeout_ms)
+            .unwrap_or(defaults.stall_timeout.as_millis() as u64);
+        if stall_timeout_ms < 200 {
+            bail!("stall_timeout_ms must be at least 200 (it is {stall_timeout_ms})");
         }
         let origin_allow = if args.origin_allow.is_empty() {
             file.origin_allow.unwrap_or_default()
@@ -839,6 +852,7 @@ impl Config {
                         .unwrap_or(defaults.upstream_grace.as_millis() as u64),
                 ),
                 idle_timeout: Duration::from_secs(idle_timeout_s),
+                stall_timeout: Duration::from_millis(stall_timeout_ms),
                 origin_parallel,
                 pipeline_depth,
                 origins: OriginAccess::new(origins),

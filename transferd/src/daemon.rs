@@ -106,6 +106,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     };
     let data_addr = data.local_addr()?;
     let (agent_addr, admin_addr) = (agent.describe()?, admin.describe()?);
+    // Hops below name this host to recover from when their upstream stalls.
+    match &config.inventory.advertise {
+        Some(a) => node.set_advertised(a.clone()),
+        None if !data_addr.ip().is_unspecified() => node.set_advertised(data_addr.to_string()),
+        None => {}
+    }
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));

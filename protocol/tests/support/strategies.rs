@@ -166,10 +166,10 @@ pub(crate) fn session_header() -> impl Strategy<Value = SessionHeader> {
         tier(),
         origin(),
         hops,
-        proptest::collection::vec(any::<u8>(), 0..64),
+        (proptest::collection::vec(any::<u8>(), 0..64), vec(hop(), 0..4)),
     )
         .prop_map(
-            |(session, model, shard, (start, end), tier, origin, downstream, token)| {
+            |(session, model, shard, (start, end), tier, origin, downstream, (token, upstream))| {
                 SessionHeader {
                     session: SessionId(session),
                     model: ModelDigest(model),
@@ -180,6 +180,7 @@ pub(crate) fn session_header() -> impl Strategy<Value = SessionHeader> {
                     origin,
                     downstream,
                     token: bytes::Bytes::from(token),
+                    upstream,
                 }
             },
         )
@@ -241,6 +242,7 @@ pub(crate) fn frame() -> impl Strategy<Value = Frame> {
             }
         }),
         Just(Frame::Done),
+        Just(Frame::Keepalive),
         (error_code(), message()).prop_map(|(code, message)| Frame::Error { code, message }),
     ]
 }

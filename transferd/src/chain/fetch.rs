@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use shardcast_protocol::{Frame, Manifest, SessionId, Tier, VerifiedChunk};
+use shardcast_protocol::{Frame, HostId, Manifest, SessionId, Tier, VerifiedChunk};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -33,7 +33,7 @@ impl Node {
                 _ => return Ok(()),
             };
             return self
-                .pull_from_holder(sess, addr, span)
+                .pull_from_holder(sess, addr, None, span, self.cfg.idle_timeout)
                 .await
                 .map_err(|e| format!("holder {addr}: {e}"));
         }
@@ -60,14 +60,17 @@ impl Node {
         }
     }
 
-    /// Pulls every chunk of `span` (within the session's range) that `addr` holds.
-    async fn pull_from_holder(
+    /// Pulls every chunk of `span` (within the session's range) that `addr` holds; the
+    /// holder must be host `expect` when given, and answer each frame within `patience`.
+    pub(super) async fn pull_from_holder(
         &self,
         sess: &ShardSession,
         addr: &str,
+        expect: Option<&HostId>,
         span: std::ops::Range<u32>,
+        patience: std::time::Duration,
     ) -> Result<(), ChainError> {
-        let (mut conn, peer) = self.connect(addr, None).await?;
+        let (mut conn, peer) = self.connect(addr, expect).await?;
         self.handshake(&mut conn, &peer).await?;
         let shard = sess.shard_index();
         let fetch = Frame::Fetch {
@@ -78,7 +81,7 @@ impl Node {
         };
         conn.writer.send_now(&fetch).await?;
         loop {
-            match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+            match read_timeout(&mut conn, patience).await? {
                 Frame::Chunk {
                     shard: s,
                     index,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bytes::BytesMut;
-use shardcast_protocol::{ErrorCode, Frame, Hop, SessionHeader};
+use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, SessionHeader};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::proto::{Answer, LocalCopy, Repair, SendOutcome, SendWindow, Transmit};
@@ -15,6 +15,7 @@ use super::{CHECK_AHEAD, ChainError, Node, ShardSession, now, read_timeout, slee
 use crate::repair::RepairRequest;
 use crate::store::Shard;
 use crate::store::{Check, StoreError};
+use crate::wire::Conn;
 
 impl Node {
     pub(super) fn spawn_forwarder(self: &Arc<Self>, sess: &Arc<ShardSession>, hops: Vec<Hop>) {
@@ -64,6 +65,9 @@ impl Node {
                     self.stats
                         .downstream_failovers
                         .fetch_add(1, Ordering::Relaxed);
+                    if e.is_stall() {
+                        self.stats.downstream_stalls.fetch_add(1, Ordering::Relaxed);
+                    }
                     warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
                     failures.push(format!("{} ({}): {e}", hop.host, hop.addr));
                 }
@@ -82,50 +86,15 @@ impl Node {
         hop: &Hop,
         rest: &[Hop],
     ) -> Result<(), ChainError> {
-        let (mut conn, peer) = self.connect(&hop.addr, Some(&hop.host)).await?;
-        let remote = self.handshake(&mut conn, &peer).await?;
-        if remote != hop.host {
-            return Err(ChainError::refused(
-                ErrorCode::Refused,
-                format!(
-                    "{} answered as host {remote}, expected {}",
-                    hop.addr, hop.host
-                ),
-            ));
-        }
-        conn.writer
-            .send(&Frame::Manifest((*sess.manifest).clone()))
-            .await?;
-        let header = SessionHeader {
-            session: sess.id,
-            model: sess.model,
-            shard: sess.shard_index(),
-            start: sess.start,
-            end: sess.end,
-            tier: sess.shard.tier(),
-            origin: sess.origin.clone(),
-            downstream: rest.to_vec(),
-            token: sess.token.clone(),
-        };
-        conn.writer.send_now(&Frame::Open(header)).await?;
-        let acked = match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
-            Frame::Accept { have } if have.range() == (sess.start..sess.end) => have,
-            Frame::Accept { have } => {
-                return Err(ChainError::protocol(format!(
-                    "Accept covers {:?}, expected {}..{}",
-                    have.range(),
-                    sess.start,
-                    sess.end
-                )));
-            }
-            Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
-            other => {
-                return Err(ChainError::protocol(format!(
-                    "expected Accept, got {:?}",
-                    other.ty()
-                )));
-            }
-        };
+        // A hop that does not even accept within twice the stall timeout is stalled too
+        // (a stopped host's kernel still completes the TCP handshake).
+        let setup = self.cfg.stall_timeout * 2;
+        let (mut conn, acked) = tokio::time::timeout(setup, self.open_downstream(sess, hop, rest))
+            .await
+            .map_err(|_| ChainError::Timeout(setup))??;
+        // From here on, a chunk write the downstream does not drain within the stall
+        // timeout means it is stalled (its receive buffer is full and it reads nothing).
+        conn.writer.set_write_timeout(Some(self.cfg.stall_timeout));
         info!(peer = %hop.host, already = acked.len(), "downstream accepted");
         let shard = sess.shard_index();
         let copy: &Shard = &sess.shard;
@@ -140,6 +109,7 @@ impl Node {
                 let (index, recheck) = match transmit {
                     Transmit::Done => {
                         conn.writer.send(&Frame::Done).await?;
+                        window.note_sent(now());
                         continue;
                     }
                     Transmit::Chunk { index, recheck } => (index, recheck),
@@ -174,9 +144,16 @@ impl Node {
                     data = bad.freeze();
                 }
                 conn.writer.send_chunk(shard, index, &data).await?;
+                window.note_sent(now());
+            }
+            if window.keepalive_due(now()) {
+                // Nothing to send (our own upstream is slow or stalled): say we are alive.
+                conn.writer.send(&Frame::Keepalive).await?;
+                window.note_sent(now());
             }
             conn.writer.flush().await?;
             let deadline = window.poll_timeout();
+            let keepalive = window.poll_keepalive();
             let answer = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return Err(ChainError::refused(ErrorCode::Refused, "host is shutting down")),
@@ -215,6 +192,7 @@ impl Node {
                         _ => continue,
                     }
                 }
+                () = sleep_until(keepalive) => continue,
             };
             match window.handle_answer(now(), answer) {
                 None => {}
@@ -224,6 +202,57 @@ impl Node {
                 }
                 Some(SendOutcome::Failed(f)) => return Err(f.into()),
             }
+        }
+    }
+
+    /// Connects to `hop`, opens the session there and returns what its `Accept` says it
+    /// holds.
+    async fn open_downstream(
+        &self,
+        sess: &Arc<ShardSession>,
+        hop: &Hop,
+        rest: &[Hop],
+    ) -> Result<(Conn, ChunkSet), ChainError> {
+        let (mut conn, peer) = self.connect(&hop.addr, Some(&hop.host)).await?;
+        let remote = self.handshake(&mut conn, &peer).await?;
+        if remote != hop.host {
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                format!(
+                    "{} answered as host {remote}, expected {}",
+                    hop.addr, hop.host
+                ),
+            ));
+        }
+        conn.writer
+            .send(&Frame::Manifest((*sess.manifest).clone()))
+            .await?;
+        let header = SessionHeader {
+            session: sess.id,
+            model: sess.model,
+            shard: sess.shard_index(),
+            start: sess.start,
+            end: sess.end,
+            tier: sess.shard.tier(),
+            origin: sess.origin.clone(),
+            downstream: rest.to_vec(),
+            token: sess.token.clone(),
+            upstream: sess.upstream_for(self.own_hop(), &hop.host),
+        };
+        conn.writer.send_now(&Frame::Open(header)).await?;
+        match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+            Frame::Accept { have } if have.range() == (sess.start..sess.end) => Ok((conn, have)),
+            Frame::Accept { have } => Err(ChainError::protocol(format!(
+                "Accept covers {:?}, expected {}..{}",
+                have.range(),
+                sess.start,
+                sess.end
+            ))),
+            Frame::Error { code, message } => Err(ChainError::Remote { code, message }),
+            other => Err(ChainError::protocol(format!(
+                "expected Accept, got {:?}",
+                other.ty()
+            ))),
         }
     }
 

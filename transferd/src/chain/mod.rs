@@ -105,9 +105,17 @@ pub struct ChainConfig {
     /// How long a hop whose upstream vanished waits for a replacement upstream (the
     /// upstream's upstream failing over to it) before fetching from the fallback source.
     pub upstream_grace: Duration,
-    /// Silence from a downstream hop, while chunks or `Done` await its answer, after which
-    /// it is treated as dead.
+    /// Longest wait for a peer's answer in the connection set-up (`Hello`, `Accept`) and
+    /// for a holder answering `Fetch`.
     pub idle_timeout: Duration,
+    /// A neighbour that makes no progress for this long is stalled — dead, stopped or cut
+    /// off — and is bypassed: a downstream that answers nothing while chunks await its
+    /// answer, or that drains no chunk write; an upstream that sends nothing (no chunk, no
+    /// `Keepalive`) while this hop waits for one. Senders with nothing to send say they are
+    /// alive every quarter of it. Rationale: 2 s is about 1 s of scheduling noise on a
+    /// loaded host plus a few chunk times at the slowest links we plan for (1 MiB at
+    /// 10 Mbit/s is 0.8 s); heartbeats (10 s) stay the controller's slower signal.
+    pub stall_timeout: Duration,
     /// Concurrent range reads when filling from an origin.
     pub origin_parallel: usize,
     /// The origin allow-list, checked for every origin this host opens (fills, a
@@ -132,6 +140,7 @@ impl Default for ChainConfig {
             window: 16,
             upstream_grace: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(30),
+            stall_timeout: Duration::from_secs(2),
             origin_parallel: 8,
             origins: OriginAccess::default(),
             limits: Limits::default(),
@@ -147,7 +156,8 @@ impl ChainConfig {
     fn send_window(&self) -> SendWindowConfig {
         SendWindowConfig {
             window: self.window,
-            idle_timeout: self.idle_timeout,
+            stall_timeout: self.stall_timeout,
+            keepalive: self.stall_timeout / 4,
             max_resends: self.max_resends,
         }
     }
@@ -157,6 +167,7 @@ impl ChainConfig {
         InboundConfig {
             pipeline_depth: self.pipeline_depth,
             progress_interval: self.progress_interval,
+            stall_timeout: self.stall_timeout,
         }
     }
 }
@@ -180,6 +191,15 @@ pub struct NodeStats {
     pub downstream_failovers: AtomicU64,
     /// Times a hop fetched missing chunks from a fallback source.
     pub upstream_recoveries: AtomicU64,
+    /// Upstream connections dropped because the upstream sent nothing (no chunk, no
+    /// `Keepalive`) for `stall_timeout`.
+    pub upstream_stalls: AtomicU64,
+    /// Downstream connections given up because the downstream answered nothing or drained
+    /// no write for `stall_timeout`.
+    pub downstream_stalls: AtomicU64,
+    /// Chunks pulled from another holder with `Fetch` (a recovering hop from a hop above
+    /// it, an import or a partition from a peer) rather than from the origin.
+    pub chunks_from_holders: AtomicU64,
     /// Data-port connections refused in the TLS handshake (no certificate, another CA,
     /// expired, not a `host`).
     pub tls_refused: AtomicU64,
@@ -249,6 +269,15 @@ impl ChainError {
 
     fn protocol(message: impl Into<String>) -> Self {
         Self::refused(ErrorCode::ProtocolViolation, message)
+    }
+
+    /// Whether the peer made no progress within a deadline (silent, or draining no write):
+    /// stalled rather than refusing or broken.
+    fn is_stall(&self) -> bool {
+        matches!(
+            self,
+            Self::Timeout(_) | Self::Wire(WireError::Idle(_) | WireError::WriteStalled(_))
+        )
     }
 
     /// The code to send the peer, if the fault is worth telling it about.
@@ -329,6 +358,9 @@ pub struct Node {
     pub conn_limits: Arc<ConnLimits>,
     sessions: Mutex<HashMap<(SessionId, u32), Arc<ShardSession>>>,
     heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
+    /// This host's data address as peers reach it (set once the listener is up, when it
+    /// is known): named in the upstream list of every `Open` this host sends.
+    advertised: std::sync::OnceLock<String>,
 }
 
 impl Node {
@@ -361,6 +393,7 @@ impl Node {
             repairs: Repairs::new(),
             sessions: Mutex::default(),
             heads: Mutex::default(),
+            advertised: std::sync::OnceLock::new(),
         });
         if tokio::runtime::Handle::try_current().is_ok() {
             crate::repair::spawn(&node);
@@ -412,6 +445,19 @@ impl Node {
             s.fail(why.to_string());
         }
         hit.len()
+    }
+
+    /// Sets the data address peers reach this host at (once; later calls are ignored).
+    pub fn set_advertised(&self, addr: String) {
+        let _ = self.advertised.set(addr);
+    }
+
+    /// This host as a hop, when its data address is known.
+    fn own_hop(&self) -> Option<shardcast_protocol::Hop> {
+        self.advertised.get().map(|addr| shardcast_protocol::Hop {
+            host: self.host.clone(),
+            addr: addr.clone(),
+        })
     }
 
     /// A head session by id.

@@ -33,8 +33,10 @@ mod send;
 #[cfg(test)]
 mod sim;
 
-pub(crate) use receive::{Inbound, InboundConfig, InboundFrame, Verdict};
-pub(crate) use recovery::{AfterFill, RecoveryAction, RecoveryMonitor, Watched};
+pub(crate) use receive::{Inbound, InboundConfig, InboundFrame, Stalled, Verdict};
+pub(crate) use recovery::{
+    AfterFill, RecoveryAction, RecoveryMonitor, Source, Watched, all_stalled, recovery_sources,
+};
 pub(crate) use send::{
     Answer, LocalCopy, Repair, SendFailure, SendOutcome, SendWindow, SendWindowConfig, Transmit,
 };

@@ -1,12 +1,16 @@
 //! The recovery monitor of a hop session: the [`RecoveryMonitor`] decides; this task
-//! watches the session's feeders and runs the fetches it asks for.
+//! watches the session's feeders and runs the fetches it asks for, from the sources
+//! [`recovery_sources`] orders (live holders above, nearest first, then the origin).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use shardcast_protocol::Hop;
 use tracing::{info, warn};
 
-use super::proto::{AfterFill, RecoveryAction, RecoveryMonitor, Watched};
+use super::proto::{
+    AfterFill, RecoveryAction, RecoveryMonitor, Source, Watched, all_stalled, recovery_sources,
+};
 use super::session::FeederGuard;
 use super::{Node, ShardSession, now, sleep_until};
 
@@ -14,6 +18,12 @@ use super::{Node, ShardSession, now, sleep_until};
 /// retry covers a transient origin error, a third a holder that is still being filled; more
 /// only delays the controller's re-plan of a receiver that cannot finish.
 const RECOVERY_ATTEMPTS: u32 = 3;
+
+/// Pulls in a row that bring nothing new before a holder is left for the next source.
+/// Rationale: a live holder above that is itself still receiving has new chunks at every
+/// pull; four empty pulls a quarter stall timeout apart (about a stall timeout in all) mean
+/// it is starved too.
+const EMPTY_PULLS: u32 = 4;
 
 impl Node {
     /// Watches a hop session: when no upstream is feeding it and it is incomplete, waits
@@ -23,16 +33,15 @@ impl Node {
         let sess = sess.clone();
         tokio::spawn(async move {
             let mut feeders = sess.feeders.subscribe();
-            let mut monitor = RecoveryMonitor::new(
-                node.cfg.upstream_grace,
-                RECOVERY_ATTEMPTS,
-                !sess.origin.is_empty(),
-            );
+            let mut monitor = RecoveryMonitor::new(node.cfg.upstream_grace, RECOVERY_ATTEMPTS);
             while !node.cancel.is_cancelled() {
+                let (up, stalled) = sess.upstream_view();
                 let seen = Watched {
                     feeders: *feeders.borrow_and_update(),
                     complete: sess.complete(),
                     failed: sess.failed.borrow().is_some(),
+                    no_failover: all_stalled(&up, &stalled),
+                    has_source: !recovery_sources(&up, &stalled, &sess.origin).is_empty(),
                 };
                 match monitor.poll(now(), seen) {
                     RecoveryAction::Stop => return,
@@ -46,15 +55,11 @@ impl Node {
                         node.stats
                             .upstream_recoveries
                             .fetch_add(1, Ordering::Relaxed);
-                        let missing: Vec<u32> = sess
-                            .shard
-                            .verified_set(sess.start, sess.end)
-                            .missing()
-                            .collect();
-                        info!(session = %sess.id, shard = sess.shard_index(), attempt, missing = missing.len(), source = %sess.origin, "no upstream; fetching missing chunks from fallback");
+                        let sources = recovery_sources(&up, &stalled, &sess.origin);
+                        info!(session = %sess.id, shard = sess.shard_index(), attempt, missing = sess.total() - sess.verified(), sources = sources.len(), "no upstream; fetching missing chunks");
                         let guard = FeederGuard::new(&sess.feeders);
                         let _ = feeders.borrow_and_update();
-                        let result = node.fill(&sess, &sess.origin, missing).await;
+                        let result = node.recover_from(&sess, &sources).await;
                         drop(guard);
                         match monitor.fill_finished(result, sess.complete()) {
                             AfterFill::Stop => return,
@@ -68,5 +73,70 @@ impl Node {
                 }
             }
         });
+    }
+
+    /// Fetches what the session lacks from `sources` in order, until it is complete.
+    async fn recover_from(&self, sess: &ShardSession, sources: &[Source]) -> Result<(), String> {
+        let mut errors = Vec::new();
+        for source in sources {
+            if sess.complete() {
+                break;
+            }
+            let missing: Vec<u32> = sess
+                .shard
+                .verified_set(sess.start, sess.end)
+                .missing()
+                .collect();
+            let result = match source {
+                Source::Holder(hop) => {
+                    info!(session = %sess.id, holder = %hop.host, missing = missing.len(), "pulling from a holder above");
+                    self.pull_while_progressing(sess, hop).await
+                }
+                Source::Origin(uri) => {
+                    info!(session = %sess.id, source = %uri, missing = missing.len(), "fetching from the fallback source");
+                    self.fill(sess, uri, missing).await
+                }
+            };
+            if let Err(e) = result {
+                warn!(session = %sess.id, "recovery source failed: {e}");
+                errors.push(e);
+            }
+        }
+        if sess.complete() || errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
+    /// Pulls from a holder above for as long as it has something new: a hop above that is
+    /// still receiving has more at each pull.
+    async fn pull_while_progressing(&self, sess: &ShardSession, hop: &Hop) -> Result<(), String> {
+        let mut empty = 0;
+        loop {
+            let missing = sess.shard.verified_set(sess.start, sess.end);
+            let span = match (missing.missing().next(), missing.missing().last()) {
+                (Some(first), Some(last)) => first..last.saturating_add(1),
+                _ => return Ok(()),
+            };
+            let before = sess.verified();
+            let setup = self.cfg.stall_timeout * 2;
+            tokio::time::timeout(
+                setup,
+                self.pull_from_holder(sess, &hop.addr, Some(&hop.host), span, setup),
+            )
+            .await
+            .map_err(|_| format!("holder {} made no progress within {setup:?}", hop.host))?
+            .map_err(|e| format!("holder {}: {e}", hop.host))?;
+            if sess.verified() > before {
+                empty = 0;
+                continue;
+            }
+            empty += 1;
+            if empty >= EMPTY_PULLS {
+                return Ok(());
+            }
+            tokio::time::sleep(self.cfg.stall_timeout / 4).await;
+        }
     }
 }

@@ -1,14 +1,15 @@
 //! [`ShardSession`]: one shard of a chain session on this host, its RAII gauges, and
 //! [`Node::store_chunk`], the one path by which a chunk is verified, written and counted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    ErrorCode, Frame, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
+    ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
+    frame::MAX_UPSTREAM_HOPS,
 };
 use tokio::sync::{broadcast, watch};
 use tracing::warn;
@@ -69,6 +70,11 @@ pub struct ShardSession {
     pub(super) forward: watch::Sender<ForwardState>,
     pub(super) failed: watch::Sender<Option<String>>,
     pub(super) write_lock: tokio::sync::Mutex<()>,
+    /// The holders above this hop, nearest first, from the latest `Open` (a failover's
+    /// `Open` comes from a hop above a stalled one, so it lists only live hops).
+    pub(super) upstream: Mutex<Vec<Hop>>,
+    /// Upstream hosts this session found stalled: never asked again by this session.
+    pub(super) stalled: Mutex<HashSet<HostId>>,
 }
 
 impl ShardSession {
@@ -138,6 +144,38 @@ impl ShardSession {
                 r = failed.changed() => if r.is_err() { return Err("session gone".into()) },
             }
         }
+    }
+
+    /// The holders above this hop, nearest first, as the latest `Open` listed them.
+    pub(super) fn set_upstream(&self, hops: &[Hop]) {
+        if let Ok(mut u) = self.upstream.lock() {
+            *u = hops.to_vec();
+        }
+    }
+
+    /// Notes an upstream host as stalled.
+    pub(super) fn note_stalled(&self, host: &HostId) {
+        if let Ok(mut s) = self.stalled.lock() {
+            s.insert(host.clone());
+        }
+    }
+
+    /// The upstream holders (nearest first) and the hosts found stalled.
+    pub(super) fn upstream_view(&self) -> (Vec<Hop>, HashSet<HostId>) {
+        let up = self.upstream.lock().map(|u| u.clone()).unwrap_or_default();
+        let stalled = self.stalled.lock().map(|s| s.clone()).unwrap_or_default();
+        (up, stalled)
+    }
+
+    /// The upstream list to send in an `Open` from this host (`me`: this host's hop, when
+    /// its data address is known) to `to`: this host, then the live holders above it.
+    pub(super) fn upstream_for(&self, me: Option<Hop>, to: &HostId) -> Vec<Hop> {
+        let (up, stalled) = self.upstream_view();
+        me.into_iter()
+            .chain(up)
+            .filter(|h| h.host != *to && !stalled.contains(&h.host))
+            .take(MAX_UPSTREAM_HOPS)
+            .collect()
     }
 
     /// Records a host's relayed progress; false (not recorded) when the table is full.
@@ -223,6 +261,8 @@ impl Node {
             forward: watch::Sender::new(ForwardState::Running),
             failed: watch::Sender::new(None),
             write_lock: tokio::sync::Mutex::new(()),
+            upstream: Mutex::default(),
+            stalled: Mutex::default(),
         });
         (sess, active)
     }
@@ -271,8 +311,14 @@ impl Node {
             sess.shard.write(chunk).await?;
         }
         self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
-        if from == ChunkFrom::Origin {
-            self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);
+        match from {
+            ChunkFrom::Origin => {
+                self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);
+            }
+            ChunkFrom::Holder => {
+                self.stats.chunks_from_holders.fetch_add(1, Ordering::Relaxed);
+            }
+            ChunkFrom::Upstream => {}
         }
         Ok(Verdict::Stored)
     }

@@ -11,11 +11,11 @@ use futures::StreamExt;
 use shardcast_protocol::{
     ErrorCode, Frame, HostId, Manifest, SessionHeader, SessionId, plan::PlanClaims,
 };
-use tracing::{Instrument, debug, info, info_span};
+use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::proto::{Inbound, InboundFrame, Verdict};
+use super::proto::{Inbound, InboundFrame, Stalled, Verdict};
 use super::session::{ActiveSession, ChunkFrom, FeederGuard, Incoming};
-use super::{ChainError, Node, ShardSession, now};
+use super::{ChainError, Node, ShardSession, now, sleep_until};
 use crate::store::BindingSource;
 use crate::wire::Conn;
 
@@ -56,6 +56,17 @@ impl Node {
         claims
             .authorises(&header.model, &self.host, remote, &header.downstream, now)
             .map_err(refuse)?;
+        // A recovering hop pulls from the upstream hops: only hosts of the plan.
+        if let Some(h) = header
+            .upstream
+            .iter()
+            .find(|h| !claims.hosts.contains(&h.host))
+        {
+            return Err(refuse(format!(
+                "upstream hop {} is not a host of plan {}",
+                h.host, claims.plan
+            )));
+        }
         Ok(Some(claims))
     }
 
@@ -73,6 +84,7 @@ impl Node {
         let key = (header.session, header.shard);
         if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
             debug!(session = %header.session, shard = header.shard, "joining running session");
+            s.set_upstream(&header.upstream);
             return Ok(s);
         }
         // A fallback origin outside this host's policy refuses the session before anything
@@ -159,8 +171,10 @@ impl Node {
             .map_err(|_| ChainError::refused(ErrorCode::Internal, "session table poisoned"))?;
         // Another connection may have created it while we were opening the shard.
         if let Some(s) = map.get(&key) {
+            s.set_upstream(&header.upstream);
             return Ok(s.clone());
         }
+        sess.set_upstream(&header.upstream);
         map.insert(key, sess.clone());
         drop(map);
         self.spawn_forwarder(&sess, header.downstream.clone());
@@ -208,7 +222,7 @@ impl Node {
             conn.writer.send_now(&Frame::Accept { have }).await?;
             let mut relayed = sess.progress.subscribe();
             let shard = sess.shard_index();
-            let mut inbound = Inbound::new(shard, sess.start..sess.end, self.cfg.inbound());
+            let mut inbound = Inbound::new(shard, sess.start..sess.end, self.cfg.inbound(), now());
             // Verify+store runs concurrently with reading the next chunks off the wire, so
             // a hop's throughput is bounded by its slowest stage, not their sum.
             let mut pending = futures::stream::FuturesUnordered::new();
@@ -231,7 +245,7 @@ impl Node {
                     }
                     frame = conn.reader.read(), if inbound.wants_frame() => match frame? {
                         Some(Frame::Chunk { shard: s, index, data }) => {
-                            inbound.handle_frame(InboundFrame::Chunk { shard: s, index }).map_err(|_| {
+                            inbound.handle_frame(now(), InboundFrame::Chunk { shard: s, index }).map_err(|_| {
                                 ChainError::protocol(format!(
                                     "chunk {s}/{index} is outside the session's shard {shard} range {}..{}",
                                     sess.start, sess.end
@@ -243,7 +257,10 @@ impl Node {
                             });
                         }
                         Some(Frame::Done) => {
-                            let _ = inbound.handle_frame(InboundFrame::Done);
+                            let _ = inbound.handle_frame(now(), InboundFrame::Done);
+                        }
+                        Some(Frame::Keepalive) => {
+                            let _ = inbound.handle_frame(now(), InboundFrame::Keepalive);
                         }
                         Some(Frame::Error { code, message }) => return Err(ChainError::Remote { code, message }),
                         Some(other) => return Err(ChainError::protocol(format!("unexpected {:?} in a session", other.ty()))),
@@ -252,6 +269,16 @@ impl Node {
                     p = relayed.recv() => if let Ok(p) = p {
                         conn.writer.send_now(&p).await?;
                     },
+                    () = sleep_until(inbound.poll_timeout()) => {
+                        if let Some(Stalled(d)) = inbound.handle_timeout(now()) {
+                            // Dead, stopped or cut off: drop it, so the hop above it fails
+                            // over to us or the recovery monitor pulls from elsewhere.
+                            self.stats.upstream_stalls.fetch_add(1, Ordering::Relaxed);
+                            sess.note_stalled(remote);
+                            warn!(stall_ms = d.as_millis() as u64, "upstream sent nothing (no chunk, no keepalive): stalled; dropping it");
+                            return Err(ChainError::Timeout(d));
+                        }
+                    }
                 }
             }
             // The upstream has sent all it will; it is no longer feeding us. If chunks are

@@ -6,6 +6,12 @@
 //! due (at most every `progress_interval`, and always once the range is complete). The
 //! upstream stops feeding the session once it has sent `Done` and every chunk it sent has
 //! been answered.
+//!
+//! It also watches the upstream's liveness: while it waits for a frame (the pipeline has
+//! room and `Done` has not come), an upstream that sends nothing — no chunk and no
+//! `Keepalive` — for `stall_timeout` is stalled (dead, stopped or cut off), and the driver
+//! drops it so the session can be fed from elsewhere. Time spent with the pipeline full is
+//! this hop's own slowness and does not count against the upstream.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -17,6 +23,8 @@ pub(crate) struct InboundConfig {
     pub(crate) pipeline_depth: usize,
     /// Minimum interval between this hop's own `Progress` frames.
     pub(crate) progress_interval: Duration,
+    /// Silence of the upstream, while a frame is awaited, after which it is stalled.
+    pub(crate) stall_timeout: Duration,
 }
 
 /// A frame from the upstream that the session acts on.
@@ -31,6 +39,8 @@ pub(crate) enum InboundFrame {
     },
     /// The upstream has sent everything it will.
     Done,
+    /// The upstream is alive with nothing to send.
+    Keepalive,
 }
 
 /// A chunk outside the session's shard or range: the upstream broke the protocol.
@@ -72,11 +82,17 @@ pub(crate) struct Inbound {
     verifying: usize,
     upstream_done: bool,
     last_progress: Option<Instant>,
+    /// Since when a frame has been awaited without one arriving (`None`: not waiting).
+    waiting_since: Option<Instant>,
 }
+
+/// The upstream sent nothing for this long while a frame was awaited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stalled(pub(crate) Duration);
 
 impl Inbound {
     /// The receiving end of a session over `range` of `shard`.
-    pub(crate) fn new(shard: u32, range: Range<u32>, cfg: InboundConfig) -> Self {
+    pub(crate) fn new(shard: u32, range: Range<u32>, cfg: InboundConfig, now: Instant) -> Self {
         Self {
             cfg,
             shard,
@@ -84,7 +100,34 @@ impl Inbound {
             verifying: 0,
             upstream_done: false,
             last_progress: None,
+            waiting_since: Some(now),
         }
+    }
+
+    /// Starts or stops the liveness clock as the pipeline fills and drains.
+    fn rearm(&mut self, now: Instant) {
+        if !self.wants_frame() {
+            self.waiting_since = None;
+        } else if self.waiting_since.is_none() {
+            self.waiting_since = Some(now);
+        }
+    }
+
+    /// When the upstream counts as stalled if nothing arrives, while a frame is awaited.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        self.waiting_since.map(|t| t + self.cfg.stall_timeout)
+    }
+
+    /// The time passed: the upstream is stalled if it stayed silent past the deadline. A
+    /// deadline passed by far more than the timeout means this process did not run (it was
+    /// stopped, or starved of CPU): the clock restarts instead.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) -> Option<Stalled> {
+        let due = self.poll_timeout().filter(|&t| now >= t)?;
+        if super::send::late(now, due, self.cfg.stall_timeout) {
+            self.waiting_since = Some(now);
+            return None;
+        }
+        Some(Stalled(self.cfg.stall_timeout))
     }
 
     /// Whether the driver should read the next frame now: the upstream has not finished
@@ -95,7 +138,18 @@ impl Inbound {
 
     /// A frame from the upstream. A chunk within the session is admitted: verify and store
     /// it, then report [`Inbound::handle_verdict`].
-    pub(crate) fn handle_frame(&mut self, frame: InboundFrame) -> Result<(), OutOfRange> {
+    pub(crate) fn handle_frame(
+        &mut self,
+        now: Instant,
+        frame: InboundFrame,
+    ) -> Result<(), OutOfRange> {
+        self.waiting_since = None;
+        let r = self.admit(frame);
+        self.rearm(now);
+        r
+    }
+
+    fn admit(&mut self, frame: InboundFrame) -> Result<(), OutOfRange> {
         match frame {
             InboundFrame::Chunk { shard, index } => {
                 if shard != self.shard || !self.range.contains(&index) {
@@ -104,6 +158,7 @@ impl Inbound {
                 self.verifying += 1;
             }
             InboundFrame::Done => self.upstream_done = true,
+            InboundFrame::Keepalive => {}
         }
         Ok(())
     }
@@ -118,6 +173,7 @@ impl Inbound {
         complete: bool,
     ) -> Reply {
         self.verifying = self.verifying.saturating_sub(1);
+        self.rearm(now);
         let due = self
             .last_progress
             .is_none_or(|t| now.saturating_duration_since(t) >= self.cfg.progress_interval);

@@ -3,10 +3,20 @@
 //! A session is fed while some upstream connection or fill task is writing into it. When
 //! nothing has fed an incomplete session for `upstream_grace` (time for the upstream's
 //! upstream to fail over to this hop), the monitor asks for a fetch of the missing chunks
-//! from the session's fallback source; a session without one fails. A fetch that leaves the
-//! session incomplete is retried after another grace period, up to `max_attempts` in all.
+//! from its sources; a session without any fails. When every holder above this hop was
+//! found stalled, nobody can fail over to it, and the fetch starts at once. A fetch that
+//! leaves the session incomplete is retried after another grace period, up to
+//! `max_attempts` in all.
+//!
+//! The sources, in order ([`recovery_sources`]): the holders above this hop, nearest
+//! first, except those found stalled, then the origin. So a hop that comes back after a
+//! stall (or restarts) pulls from the hop above it, and the origin is read only for what no
+//! live holder above has.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
+
+use shardcast_protocol::{Hop, HostId};
 
 /// What the monitor observes of its session at each poll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +27,40 @@ pub(crate) struct Watched {
     pub(crate) complete: bool,
     /// The session failed (it cannot complete here).
     pub(crate) failed: bool,
+    /// Every holder above this hop was found stalled: no failover will come.
+    pub(crate) no_failover: bool,
+    /// There is a source to fetch from (a live holder above, or an origin).
+    pub(crate) has_source: bool,
+}
+
+/// Where a recovering hop fetches from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// A holder above this hop (`Fetch`), named by its certificate's host id.
+    Holder(Hop),
+    /// An origin URI, or `shardcast://host:port` for a holder the plan named.
+    Origin(String),
+}
+
+/// The sources of a recovery, in the order to try them: the holders above (nearest first)
+/// not found stalled, then the origin (if any).
+pub(crate) fn recovery_sources(
+    upstream: &[Hop],
+    stalled: &HashSet<HostId>,
+    origin: &str,
+) -> Vec<Source> {
+    upstream
+        .iter()
+        .filter(|h| !stalled.contains(&h.host))
+        .cloned()
+        .map(Source::Holder)
+        .chain((!origin.is_empty()).then(|| Source::Origin(origin.to_string())))
+        .collect()
+}
+
+/// Whether every holder above was found stalled (and there was at least one).
+pub(crate) fn all_stalled(upstream: &[Hop], stalled: &HashSet<HostId>) -> bool {
+    !upstream.is_empty() && upstream.iter().all(|h| stalled.contains(&h.host))
 }
 
 /// What the driver does next.
@@ -52,19 +96,17 @@ pub(crate) enum AfterFill {
 pub(crate) struct RecoveryMonitor {
     grace: Duration,
     max_attempts: u32,
-    has_fallback: bool,
     attempts: u32,
     /// Since when nothing feeds the session.
     unfed_since: Option<Instant>,
 }
 
 impl RecoveryMonitor {
-    /// A monitor for a session with (or without) a fallback source.
-    pub(crate) fn new(grace: Duration, max_attempts: u32, has_fallback: bool) -> Self {
+    /// A monitor that waits `grace` for a failover and fetches at most `max_attempts` times.
+    pub(crate) fn new(grace: Duration, max_attempts: u32) -> Self {
         Self {
             grace,
             max_attempts,
-            has_fallback,
             attempts: 0,
             unfed_since: None,
         }
@@ -80,13 +122,18 @@ impl RecoveryMonitor {
             return RecoveryAction::Wait(None);
         }
         let since = *self.unfed_since.get_or_insert(now);
-        let deadline = since + self.grace;
+        let grace = if seen.no_failover {
+            Duration::ZERO
+        } else {
+            self.grace
+        };
+        let deadline = since + grace;
         if now < deadline {
             return RecoveryAction::Wait(Some(deadline));
         }
         self.unfed_since = None;
         self.attempts += 1;
-        if !self.has_fallback {
+        if !seen.has_source {
             return RecoveryAction::Fail(
                 "upstream vanished and the session has no fallback source".into(),
             );

@@ -5,8 +5,10 @@
 //! chunks repaired after failing re-verification here, then the lowest chunk not sent yet
 //! that this host holds verified), keeps at most `window` chunks unanswered, sends `Done`
 //! once every chunk of the range is acknowledged, and fails the connection on silence
-//! (`idle_timeout` while it waits for an answer) or on a chunk refused more than
-//! `max_resends` times although it verifies here.
+//! (`stall_timeout` while it waits for an answer) or on a chunk refused more than
+//! `max_resends` times although it verifies here. When it has sent nothing for `keepalive`
+//! (it waits for its own upstream), it asks for a `Keepalive`, so that the downstream can
+//! tell a starved sender from a stalled one.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::ops::Range;
@@ -32,8 +34,10 @@ pub(crate) struct SendWindowConfig {
     /// Chunks sent but not yet answered by `Ack` or `Nack`, at most.
     pub(crate) window: usize,
     /// Silence from the downstream, while chunks or `Done` await its answer, after which
-    /// the connection fails.
-    pub(crate) idle_timeout: Duration,
+    /// the connection fails (the downstream is stalled: dead, stopped or cut off).
+    pub(crate) stall_timeout: Duration,
+    /// Time without sending anything after which a `Keepalive` is due.
+    pub(crate) keepalive: Duration,
     /// How often one chunk may be re-sent after `Nack`s (our copy verifying each time).
     pub(crate) max_resends: u32,
 }
@@ -103,6 +107,12 @@ pub(crate) enum SendFailure {
     EarlyDone,
 }
 
+/// Whether a timer due at `due` that fired at `now` fired so late (by more than half of
+/// `timeout`) that this process cannot have been running: stopped, or starved of CPU.
+pub(crate) fn late(now: Instant, due: Instant, timeout: Duration) -> bool {
+    now.saturating_duration_since(due) > timeout / 2
+}
+
 /// The send window of one downstream connection. See the module docs.
 #[derive(Debug)]
 pub(crate) struct SendWindow {
@@ -129,6 +139,7 @@ pub(crate) struct SendWindow {
     cursor: u32,
     done_sent: bool,
     last_heard: Instant,
+    last_sent: Instant,
     outcome: Option<SendOutcome>,
 }
 
@@ -150,6 +161,7 @@ impl SendWindow {
             range,
             done_sent: false,
             last_heard: now,
+            last_sent: now,
             outcome: None,
         }
     }
@@ -272,17 +284,41 @@ impl SendWindow {
     /// When the window gives up on a silent downstream, if it is waiting for one.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
         let waiting = !self.in_flight.is_empty() || self.done_sent;
-        (waiting && self.outcome.is_none()).then(|| self.last_heard + self.cfg.idle_timeout)
+        (waiting && self.outcome.is_none()).then(|| self.last_heard + self.cfg.stall_timeout)
     }
 
     /// The time passed: fails the window if the downstream stayed silent past its deadline.
+    /// A deadline passed by far more than the timeout itself means this process did not
+    /// run (it was stopped, or starved of CPU), not that the downstream was silent: the
+    /// clock restarts instead, and the downstream gets a full period to answer.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> Option<SendOutcome> {
-        if self.poll_timeout().is_some_and(|t| now >= t) {
+        if let Some(t) = self.poll_timeout().filter(|&t| now >= t) {
+            if late(now, t, self.cfg.stall_timeout) {
+                self.last_heard = now;
+                return None;
+            }
             self.outcome = Some(SendOutcome::Failed(SendFailure::Silent(
-                self.cfg.idle_timeout,
+                self.cfg.stall_timeout,
             )));
         }
         self.outcome.clone()
+    }
+
+    /// Something (a chunk, `Done`, a `Keepalive`) was written to the downstream at `now`.
+    pub(crate) fn note_sent(&mut self, now: Instant) {
+        self.last_sent = now;
+    }
+
+    /// When a `Keepalive` is due, if the window is still running.
+    pub(crate) fn poll_keepalive(&self) -> Option<Instant> {
+        self.outcome
+            .is_none()
+            .then(|| self.last_sent + self.cfg.keepalive)
+    }
+
+    /// Whether to send a `Keepalive` now (then report [`SendWindow::note_sent`]).
+    pub(crate) fn keepalive_due(&self, now: Instant) -> bool {
+        self.poll_keepalive().is_some_and(|t| now >= t)
     }
 
     /// Whether another chunk may be sent now (the driver waits for local chunks only then).

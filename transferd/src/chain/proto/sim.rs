@@ -14,13 +14,15 @@ use shardcast_protocol::ChunkSet;
 use super::receive::OutOfRange;
 use super::*;
 
-const IDLE: Duration = Duration::from_secs(30);
+const IDLE: Duration = Duration::from_secs(2);
+const KEEPALIVE: Duration = Duration::from_millis(500);
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 fn cfg(window: usize, max_resends: u32) -> SendWindowConfig {
     SendWindowConfig {
         window,
-        idle_timeout: IDLE,
+        stall_timeout: IDLE,
+        keepalive: KEEPALIVE,
         max_resends,
     }
 }
@@ -339,16 +341,64 @@ fn chunks_dropped_by_the_scrub_are_repaired_and_only_needed_ones_resent() {
     );
 }
 
+#[test]
+fn a_sender_with_nothing_to_send_asks_for_keepalives() {
+    // The downstream holds nothing, we hold nothing yet (our upstream is slow).
+    let t0 = Instant::now();
+    let mut w = SendWindow::new(set(0..4, []), cfg(4, 1), t0);
+    let empty = OwnCopy::default();
+    assert_eq!(w.poll_transmit(&empty), None);
+    // Nothing in flight: no silence deadline, only the keepalive.
+    assert_eq!(w.poll_timeout(), None);
+    assert_eq!(w.poll_keepalive(), Some(t0 + KEEPALIVE));
+    assert!(!w.keepalive_due(t0 + KEEPALIVE / 2));
+    assert!(w.keepalive_due(t0 + KEEPALIVE));
+    w.note_sent(t0 + KEEPALIVE);
+    assert_eq!(w.poll_keepalive(), Some(t0 + KEEPALIVE * 2));
+    // A chunk sent counts as a sign of life too.
+    let t1 = t0 + KEEPALIVE + Duration::from_millis(100);
+    w.note_sent(t1);
+    assert_eq!(w.poll_keepalive(), Some(t1 + KEEPALIVE));
+}
+
+#[test]
+fn a_late_timer_means_we_did_not_run_not_that_the_peer_was_silent() {
+    let (t0, own, mut w) = start(0..4, [], 4, 1);
+    assert!(w.poll_transmit(&own).is_some());
+    // Fired on time: the downstream is stalled.
+    let mut on_time = SendWindow::new(set(0..4, []), cfg(4, 1), t0);
+    on_time.poll_transmit(&own);
+    assert_eq!(
+        on_time.handle_timeout(t0 + IDLE + IDLE / 4),
+        Some(SendOutcome::Failed(SendFailure::Silent(IDLE)))
+    );
+    // Fired far past its deadline (this process was stopped for a minute): the clock
+    // restarts and the downstream gets a full period.
+    let resumed = t0 + Duration::from_secs(60);
+    assert_eq!(w.handle_timeout(resumed), None);
+    assert_eq!(w.poll_timeout(), Some(resumed + IDLE));
+    assert_eq!(
+        w.handle_timeout(resumed + IDLE),
+        Some(SendOutcome::Failed(SendFailure::Silent(IDLE)))
+    );
+}
+
 // ---- Inbound, scripted ----
 
 fn inbound(depth: usize) -> Inbound {
+    inbound_at(depth, Instant::now())
+}
+
+fn inbound_at(depth: usize, t0: Instant) -> Inbound {
     Inbound::new(
         7,
         10..20,
         InboundConfig {
             pipeline_depth: depth,
             progress_interval: PROGRESS_EVERY,
+            stall_timeout: IDLE,
         },
+        t0,
     )
 }
 
@@ -357,16 +407,16 @@ fn inbound_admits_up_to_the_pipeline_depth_and_refuses_foreign_chunks() {
     let mut rx = inbound(2);
     let chunk = |shard, index| InboundFrame::Chunk { shard, index };
     assert_eq!(
-        rx.handle_frame(chunk(7, 20)),
+        rx.handle_frame(Instant::now(), chunk(7, 20)),
         Err(OutOfRange {
             shard: 7,
             index: 20
         })
     );
-    assert!(rx.handle_frame(chunk(6, 10)).is_err());
-    assert!(rx.handle_frame(chunk(7, 10)).is_ok());
+    assert!(rx.handle_frame(Instant::now(), chunk(6, 10)).is_err());
+    assert!(rx.handle_frame(Instant::now(), chunk(7, 10)).is_ok());
     assert!(rx.wants_frame());
-    assert!(rx.handle_frame(chunk(7, 11)).is_ok());
+    assert!(rx.handle_frame(Instant::now(), chunk(7, 11)).is_ok());
     assert!(!rx.wants_frame());
     rx.handle_verdict(Instant::now(), 11, Verdict::Stored, false);
     assert!(rx.wants_frame());
@@ -377,7 +427,7 @@ fn inbound_progress_is_throttled_in_virtual_time_and_sent_on_completion() {
     let t0 = Instant::now();
     let mut rx = inbound(4);
     let progress_at = |rx: &mut Inbound, t, complete| {
-        rx.handle_frame(InboundFrame::Chunk {
+        rx.handle_frame(Instant::now(), InboundFrame::Chunk {
             shard: 7,
             index: 10,
         })
@@ -393,17 +443,60 @@ fn inbound_progress_is_throttled_in_virtual_time_and_sent_on_completion() {
 #[test]
 fn inbound_feeds_until_done_and_every_chunk_answered() {
     let mut rx = inbound(4);
-    rx.handle_frame(InboundFrame::Chunk {
+    rx.handle_frame(Instant::now(), InboundFrame::Chunk {
         shard: 7,
         index: 12,
     })
     .unwrap();
-    rx.handle_frame(InboundFrame::Done).unwrap();
+    rx.handle_frame(Instant::now(), InboundFrame::Done).unwrap();
     assert!(!rx.wants_frame());
     assert!(rx.feeding());
     let r = rx.handle_verdict(Instant::now(), 12, Verdict::Corrupt, false);
     assert_eq!(r.verdict, Verdict::Corrupt);
     assert!(!rx.feeding());
+}
+
+#[test]
+fn an_upstream_silent_while_a_frame_is_awaited_is_stalled() {
+    let t0 = Instant::now();
+    let mut rx = inbound_at(4, t0);
+    assert_eq!(rx.poll_timeout(), Some(t0 + IDLE));
+    assert_eq!(rx.handle_timeout(t0 + IDLE / 2), None);
+    // A keepalive is a sign of life: the clock restarts.
+    let t1 = t0 + IDLE / 2;
+    rx.handle_frame(t1, InboundFrame::Keepalive).unwrap();
+    assert_eq!(rx.poll_timeout(), Some(t1 + IDLE));
+    assert_eq!(rx.handle_timeout(t1 + IDLE), Some(Stalled(IDLE)));
+}
+
+#[test]
+fn time_with_the_pipeline_full_does_not_count_against_the_upstream() {
+    let t0 = Instant::now();
+    let mut rx = inbound_at(2, t0);
+    for index in [10, 11] {
+        rx.handle_frame(t0, InboundFrame::Chunk { shard: 7, index })
+            .unwrap();
+    }
+    // Full: this hop is the slow one; no deadline runs.
+    assert!(!rx.wants_frame());
+    assert_eq!(rx.poll_timeout(), None);
+    assert_eq!(rx.handle_timeout(t0 + IDLE * 10), None);
+    // Room again: the upstream gets a full period from then.
+    let t1 = t0 + IDLE * 10;
+    rx.handle_verdict(t1, 10, Verdict::Stored, false);
+    assert_eq!(rx.poll_timeout(), Some(t1 + IDLE));
+    // After Done nothing more is awaited.
+    rx.handle_frame(t1, InboundFrame::Done).unwrap();
+    assert_eq!(rx.poll_timeout(), None);
+}
+
+#[test]
+fn an_inbound_timer_that_fires_late_restarts_the_clock() {
+    let t0 = Instant::now();
+    let mut rx = inbound_at(4, t0);
+    let resumed = t0 + Duration::from_secs(60);
+    assert_eq!(rx.handle_timeout(resumed), None);
+    assert_eq!(rx.poll_timeout(), Some(resumed + IDLE));
 }
 
 // ---- RecoveryMonitor, scripted ----
@@ -415,13 +508,15 @@ fn watched(feeders: usize) -> Watched {
         feeders,
         complete: false,
         failed: false,
+        no_failover: false,
+        has_source: true,
     }
 }
 
 #[test]
 fn recovery_waits_the_grace_then_fetches() {
     let t0 = Instant::now();
-    let mut m = RecoveryMonitor::new(GRACE, 3, true);
+    let mut m = RecoveryMonitor::new(GRACE, 3);
     assert_eq!(m.poll(t0, watched(1)), RecoveryAction::Wait(None));
     assert_eq!(
         m.poll(t0, watched(0)),
@@ -442,7 +537,7 @@ fn recovery_waits_the_grace_then_fetches() {
 #[test]
 fn recovery_skips_the_fetch_when_an_upstream_rejoins_in_the_grace() {
     let t0 = Instant::now();
-    let mut m = RecoveryMonitor::new(GRACE, 3, true);
+    let mut m = RecoveryMonitor::new(GRACE, 3);
     m.poll(t0, watched(0));
     assert_eq!(
         m.poll(t0 + GRACE / 2, watched(1)),
@@ -459,10 +554,14 @@ fn recovery_skips_the_fetch_when_an_upstream_rejoins_in_the_grace() {
 #[test]
 fn recovery_without_a_fallback_fails_after_the_grace() {
     let t0 = Instant::now();
-    let mut m = RecoveryMonitor::new(GRACE, 3, false);
-    m.poll(t0, watched(0));
+    let mut m = RecoveryMonitor::new(GRACE, 3);
+    let none = Watched {
+        has_source: false,
+        ..watched(0)
+    };
+    m.poll(t0, none);
     assert!(matches!(
-        m.poll(t0 + GRACE, watched(0)),
+        m.poll(t0 + GRACE, none),
         RecoveryAction::Fail(why) if why.contains("no fallback source")
     ));
 }
@@ -470,7 +569,7 @@ fn recovery_without_a_fallback_fails_after_the_grace() {
 #[test]
 fn recovery_gives_up_after_its_attempts() {
     let mut t = Instant::now();
-    let mut m = RecoveryMonitor::new(GRACE, 3, true);
+    let mut m = RecoveryMonitor::new(GRACE, 3);
     for attempt in 1..=3 {
         m.poll(t, watched(0));
         t += GRACE;
@@ -490,7 +589,7 @@ fn recovery_gives_up_after_its_attempts() {
 #[test]
 fn recovery_stops_once_complete_or_failed() {
     let t0 = Instant::now();
-    let mut m = RecoveryMonitor::new(GRACE, 3, true);
+    let mut m = RecoveryMonitor::new(GRACE, 3);
     m.poll(t0, watched(0));
     assert_eq!(
         m.poll(t0 + GRACE, watched(0)),
@@ -507,6 +606,50 @@ fn recovery_stops_once_complete_or_failed() {
         ..watched(0)
     };
     assert_eq!(m.poll(t0, failed), RecoveryAction::Stop);
+}
+
+fn hop(name: &str) -> shardcast_protocol::Hop {
+    shardcast_protocol::Hop {
+        host: name.parse().unwrap(),
+        addr: format!("{name}:7000"),
+    }
+}
+
+#[test]
+fn recovery_sources_are_live_holders_above_nearest_first_then_the_origin() {
+    let up = [hop("b"), hop("a"), hop("head")];
+    let none = std::collections::HashSet::new();
+    assert_eq!(
+        recovery_sources(&up, &none, "https://origin/m"),
+        vec![
+            Source::Holder(hop("b")),
+            Source::Holder(hop("a")),
+            Source::Holder(hop("head")),
+            Source::Origin("https://origin/m".into()),
+        ]
+    );
+    let stalled: std::collections::HashSet<_> = ["b".parse().unwrap()].into();
+    assert_eq!(
+        recovery_sources(&up, &stalled, ""),
+        vec![Source::Holder(hop("a")), Source::Holder(hop("head"))]
+    );
+    assert!(!all_stalled(&up, &stalled));
+    let everyone: std::collections::HashSet<_> =
+        up.iter().map(|h| h.host.clone()).collect();
+    assert!(all_stalled(&up, &everyone));
+    assert!(!all_stalled(&[], &everyone), "no list: a failover may still come");
+    assert!(recovery_sources(&up, &everyone, "").is_empty());
+}
+
+#[test]
+fn recovery_fetches_at_once_when_every_holder_above_is_stalled() {
+    let t0 = Instant::now();
+    let mut m = RecoveryMonitor::new(GRACE, 3);
+    let head_stalled = Watched {
+        no_failover: true,
+        ..watched(0)
+    };
+    assert_eq!(m.poll(t0, head_stalled), RecoveryAction::Fetch { attempt: 1 });
 }
 
 // ---- a sender and a receiver in virtual time ----
@@ -601,7 +744,9 @@ impl Pair {
                 InboundConfig {
                     pipeline_depth: 3,
                     progress_interval: PROGRESS_EVERY,
+                    stall_timeout: IDLE,
                 },
+                now,
             ),
             held: have,
             writes: BTreeMap::new(),
@@ -676,11 +821,11 @@ impl Pair {
                 match self.to_rx.pop_front() {
                     Some(Down::Chunk { index, corrupt }) => {
                         let frame = InboundFrame::Chunk { shard: 0, index };
-                        assert_eq!(self.rx.handle_frame(frame), Ok(()));
+                        assert_eq!(self.rx.handle_frame(self.now, frame), Ok(()));
                         self.verifying.push((index, corrupt));
                     }
                     Some(Down::Done) => {
-                        assert_eq!(self.rx.handle_frame(InboundFrame::Done), Ok(()));
+                        assert_eq!(self.rx.handle_frame(self.now, InboundFrame::Done), Ok(()));
                     }
                     None => {}
                 }
@@ -993,7 +1138,8 @@ proptest! {
         events in proptest::collection::vec((0usize..3, 0u64..3_000, any::<bool>(), any::<bool>()), 0..60),
     ) {
         let mut now = Instant::now();
-        let mut m = RecoveryMonitor::new(GRACE, 3, has_fallback);
+        let mut m = RecoveryMonitor::new(GRACE, 3);
+        let watched = |feeders| Watched { has_source: has_fallback, ..watched(feeders) };
         let mut fetches = 0;
         let mut ended = false;
         // Random feeders, time and fill results first.
