@@ -335,7 +335,6 @@ fn open_layout() {
     assert_eq!(&b.copy_to_bytes(3)[..], b"a:2");
     assert!(!b.has_remaining());
 
-
     let mut mem = Vec::new();
     Frame::Open(SessionHeader {
         tier: Tier::Memory,

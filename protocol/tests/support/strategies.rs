@@ -166,7 +166,10 @@ pub(crate) fn session_header() -> impl Strategy<Value = SessionHeader> {
         tier(),
         origin(),
         hops,
-        (proptest::collection::vec(any::<u8>(), 0..64), vec(hop(), 0..4)),
+        (
+            proptest::collection::vec(any::<u8>(), 0..64),
+            vec(hop(), 0..4),
+        ),
     )
         .prop_map(
             |(session, model, shard, (start, end), tier, origin, downstream, (token, upstream))| {

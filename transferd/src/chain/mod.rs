@@ -158,6 +158,7 @@ impl ChainConfig {
             window: self.window,
             stall_timeout: self.stall_timeout,
             keepalive: self.stall_timeout / 4,
+            done_timeout: self.idle_timeout,
             max_resends: self.max_resends,
         }
     }

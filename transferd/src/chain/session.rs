@@ -316,7 +316,9 @@ impl Node {
                 self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);
             }
             ChunkFrom::Holder => {
-                self.stats.chunks_from_holders.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .chunks_from_holders
+                    .fetch_add(1, Ordering::Relaxed);
             }
             ChunkFrom::Upstream => {}
         }

@@ -38,6 +38,10 @@ pub(crate) struct SendWindowConfig {
     pub(crate) stall_timeout: Duration,
     /// Time without sending anything after which a `Keepalive` is due.
     pub(crate) keepalive: Duration,
+    /// Silence after `Done` while every chunk is acknowledged: the downstream holds the
+    /// range and answers `Done` once the chain below it finished, so this is only the outer
+    /// bound (failing over would not help).
+    pub(crate) done_timeout: Duration,
     /// How often one chunk may be re-sent after `Nack`s (our copy verifying each time).
     pub(crate) max_resends: u32,
 }
@@ -139,6 +143,8 @@ pub(crate) struct SendWindow {
     cursor: u32,
     done_sent: bool,
     last_heard: Instant,
+    /// Since when chunks await an answer (set when one is sent into an empty window).
+    waiting_since: Option<Instant>,
     last_sent: Instant,
     outcome: Option<SendOutcome>,
 }
@@ -161,6 +167,7 @@ impl SendWindow {
             range,
             done_sent: false,
             last_heard: now,
+            waiting_since: None,
             last_sent: now,
             outcome: None,
         }
@@ -278,13 +285,37 @@ impl SendWindow {
             Answer::Done if self.done_sent => self.outcome = Some(SendOutcome::Complete),
             Answer::Done => self.outcome = Some(SendOutcome::Failed(SendFailure::EarlyDone)),
         }
+        if self.in_flight.is_empty() {
+            self.waiting_since = None;
+        }
         self.outcome.clone()
+    }
+
+    /// When the window gives up on a silent downstream, if it is waiting for one, and the
+    /// silence that takes: the stall timeout while chunks await an answer (counted from the
+    /// later of the last answer and the moment they started waiting, so a quiet spell with
+    /// nothing in flight does not count), the `Done` timeout while only `Done` does.
+    fn deadline(&self) -> Option<(Instant, Duration)> {
+        if self.outcome.is_some() {
+            return None;
+        }
+        if !self.in_flight.is_empty() {
+            let since = self
+                .waiting_since
+                .map_or(self.last_heard, |w| w.max(self.last_heard));
+            return Some((since + self.cfg.stall_timeout, self.cfg.stall_timeout));
+        }
+        self.done_sent.then(|| {
+            (
+                self.last_heard + self.cfg.done_timeout,
+                self.cfg.done_timeout,
+            )
+        })
     }
 
     /// When the window gives up on a silent downstream, if it is waiting for one.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        let waiting = !self.in_flight.is_empty() || self.done_sent;
-        (waiting && self.outcome.is_none()).then(|| self.last_heard + self.cfg.stall_timeout)
+        self.deadline().map(|(t, _)| t)
     }
 
     /// The time passed: fails the window if the downstream stayed silent past its deadline.
@@ -292,14 +323,12 @@ impl SendWindow {
     /// run (it was stopped, or starved of CPU), not that the downstream was silent: the
     /// clock restarts instead, and the downstream gets a full period to answer.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> Option<SendOutcome> {
-        if let Some(t) = self.poll_timeout().filter(|&t| now >= t) {
-            if late(now, t, self.cfg.stall_timeout) {
+        if let Some((t, silence)) = self.deadline().filter(|&(t, _)| now >= t) {
+            if late(now, t, silence) {
                 self.last_heard = now;
                 return None;
             }
-            self.outcome = Some(SendOutcome::Failed(SendFailure::Silent(
-                self.cfg.stall_timeout,
-            )));
+            self.outcome = Some(SendOutcome::Failed(SendFailure::Silent(silence)));
         }
         self.outcome.clone()
     }
@@ -307,6 +336,9 @@ impl SendWindow {
     /// Something (a chunk, `Done`, a `Keepalive`) was written to the downstream at `now`.
     pub(crate) fn note_sent(&mut self, now: Instant) {
         self.last_sent = now;
+        if !self.in_flight.is_empty() && self.waiting_since.is_none() {
+            self.waiting_since = Some(now);
+        }
     }
 
     /// When a `Keepalive` is due, if the window is still running.

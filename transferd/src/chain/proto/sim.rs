@@ -16,6 +16,7 @@ use super::*;
 
 const IDLE: Duration = Duration::from_secs(2);
 const KEEPALIVE: Duration = Duration::from_millis(500);
+const DONE_TIMEOUT: Duration = Duration::from_secs(30);
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 fn cfg(window: usize, max_resends: u32) -> SendWindowConfig {
@@ -23,6 +24,7 @@ fn cfg(window: usize, max_resends: u32) -> SendWindowConfig {
         window,
         stall_timeout: IDLE,
         keepalive: KEEPALIVE,
+        done_timeout: DONE_TIMEOUT,
         max_resends,
     }
 }
@@ -148,7 +150,30 @@ fn a_receiver_holding_everything_gets_done_at_once() {
         pump(&mut w, &mut OwnCopy::default(), &mut Vec::new()),
         [Transmit::Done]
     );
-    assert_eq!(w.poll_timeout(), Some(t0 + IDLE));
+    // Only Done awaits an answer: the downstream holds the range, so only the long bound.
+    assert_eq!(w.poll_timeout(), Some(t0 + DONE_TIMEOUT));
+}
+
+#[test]
+fn a_quiet_spell_with_nothing_in_flight_does_not_count_as_silence() {
+    // The sender's own upstream was slow: nothing in flight for a while.
+    let t0 = Instant::now();
+    let mut w = SendWindow::new(set(0..4, []), cfg(4, 1), t0);
+    let mut own = OwnCopy::default();
+    assert_eq!(w.poll_transmit(&own), None);
+    assert_eq!(w.poll_timeout(), None);
+    // A chunk arrives 1.5 s later and is sent: the downstream gets a full stall timeout
+    // from then, not from the last answer long ago.
+    let t1 = t0 + Duration::from_millis(1500);
+    own.verified.insert(0);
+    assert!(w.poll_transmit(&own).is_some());
+    w.note_sent(t1);
+    assert_eq!(w.poll_timeout(), Some(t1 + IDLE));
+    assert_eq!(w.handle_timeout(t0 + IDLE), None);
+    assert_eq!(
+        w.handle_timeout(t1 + IDLE),
+        Some(SendOutcome::Failed(SendFailure::Silent(IDLE)))
+    );
 }
 
 #[test]
@@ -427,10 +452,13 @@ fn inbound_progress_is_throttled_in_virtual_time_and_sent_on_completion() {
     let t0 = Instant::now();
     let mut rx = inbound(4);
     let progress_at = |rx: &mut Inbound, t, complete| {
-        rx.handle_frame(Instant::now(), InboundFrame::Chunk {
-            shard: 7,
-            index: 10,
-        })
+        rx.handle_frame(
+            Instant::now(),
+            InboundFrame::Chunk {
+                shard: 7,
+                index: 10,
+            },
+        )
         .unwrap();
         rx.handle_verdict(t, 10, Verdict::Stored, complete).progress
     };
@@ -443,10 +471,13 @@ fn inbound_progress_is_throttled_in_virtual_time_and_sent_on_completion() {
 #[test]
 fn inbound_feeds_until_done_and_every_chunk_answered() {
     let mut rx = inbound(4);
-    rx.handle_frame(Instant::now(), InboundFrame::Chunk {
-        shard: 7,
-        index: 12,
-    })
+    rx.handle_frame(
+        Instant::now(),
+        InboundFrame::Chunk {
+            shard: 7,
+            index: 12,
+        },
+    )
     .unwrap();
     rx.handle_frame(Instant::now(), InboundFrame::Done).unwrap();
     assert!(!rx.wants_frame());
@@ -634,10 +665,12 @@ fn recovery_sources_are_live_holders_above_nearest_first_then_the_origin() {
         vec![Source::Holder(hop("a")), Source::Holder(hop("head"))]
     );
     assert!(!all_stalled(&up, &stalled));
-    let everyone: std::collections::HashSet<_> =
-        up.iter().map(|h| h.host.clone()).collect();
+    let everyone: std::collections::HashSet<_> = up.iter().map(|h| h.host.clone()).collect();
     assert!(all_stalled(&up, &everyone));
-    assert!(!all_stalled(&[], &everyone), "no list: a failover may still come");
+    assert!(
+        !all_stalled(&[], &everyone),
+        "no list: a failover may still come"
+    );
     assert!(recovery_sources(&up, &everyone, "").is_empty());
 }
 
@@ -649,7 +682,10 @@ fn recovery_fetches_at_once_when_every_holder_above_is_stalled() {
         no_failover: true,
         ..watched(0)
     };
-    assert_eq!(m.poll(t0, head_stalled), RecoveryAction::Fetch { attempt: 1 });
+    assert_eq!(
+        m.poll(t0, head_stalled),
+        RecoveryAction::Fetch { attempt: 1 }
+    );
 }
 
 // ---- a sender and a receiver in virtual time ----
@@ -789,6 +825,9 @@ impl Pair {
                 let sent = pump(&mut self.tx, &mut self.local, &mut asked);
                 self.repairs.extend(asked.iter().map(|r| r.index));
                 self.frames += sent.len();
+                if !sent.is_empty() {
+                    self.tx.note_sent(self.now);
+                }
                 for t in sent {
                     match t {
                         Transmit::Chunk { index, .. } => {
