@@ -65,6 +65,10 @@ def test_cuda_ipc_tensors_are_views_of_the_daemons_gpu_memory(cuda_cluster):
                 assert region.base <= got.data_ptr() < region.base + region.size, k  # no copy
         assert f.metadata() == {"format": "pt", "producer": "shardcast-tests"}
         kept = f.get_tensor("lm_head.weight")
+        # A second reader in this process shares the opened handle.
+        with shardcast.safe_open(MODEL, framework="pt", device=f"cuda:{gpu}", agent=agent) as g:
+            assert g._region(gpu) is region
+            assert torch.equal(g.get_tensor("extra.ids"), want["extra.ids"])
     torch.cuda.synchronize()
     assert torch.equal(kept, want["lm_head.weight"])  # valid after close
 

@@ -4,6 +4,7 @@ PyTorch (``__cuda_array_interface__``): no host copy, no second GPU allocation."
 
 import ctypes
 import threading
+import weakref
 
 from . import errors
 
@@ -15,7 +16,7 @@ class _CUipcMemHandle(ctypes.Structure):
 
 
 _lib = None
-_lock = threading.Lock()
+_lock = threading.RLock()
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 
 
@@ -111,3 +112,17 @@ class IpcRegion:
 
     def __del__(self):
         self.close()
+
+
+_open_regions = weakref.WeakValueDictionary()
+
+
+def open_region(torch, gpu, handle_hex, offset, size):
+    """The :class:`IpcRegion` of a handle, shared while any reader or tensor of this process
+    still uses it (a handle is opened once per process and closed after its last user)."""
+    key = (gpu, handle_hex, offset)
+    with _lock:
+        r = _open_regions.get(key)
+        if r is None:
+            r = _open_regions[key] = IpcRegion(torch, gpu, handle_hex, offset, size)
+        return r

@@ -310,13 +310,13 @@ class SafeOpen:
     def _region(self, gpu):
         r = self._regions.get(gpu)
         if r is None:
-            from ._cuda import IpcRegion
+            from ._cuda import open_region
 
             dev = next(d for d in self.handoff.devices if d.gpu == gpu)
             if dev.handle.get("kind") != "cuda-ipc":
                 raise errors.ShardcastError(f"GPU {gpu}: the hand-off has no CUDA IPC handle")
-            r = self._regions[gpu] = IpcRegion(self._torch, gpu, dev.handle["handle"],
-                                               int(dev.handle.get("offset", 0)), dev.size)
+            r = self._regions[gpu] = open_region(self._torch, gpu, dev.handle["handle"],
+                                                 int(dev.handle.get("offset", 0)), dev.size)
         return r
 
     def _full(self, t):
