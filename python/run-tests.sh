@@ -32,7 +32,6 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 "$PY" -m pip install -q "$ROOT/python[test]"
 if [ "${SHARDCAST_TEST_TORCH:-0}" = 1 ]; then
     "$PY" -m pip install -q torch
