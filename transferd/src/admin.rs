@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{Method, StatusCode};
 use axum::routing::get;
 use gpu_loader::manager::GpuManager;
@@ -75,12 +75,20 @@ pub async fn serve(
 }
 
 /// `GET /v1/handoff/{model}`: the hand-off JSON for inference processes on this host
-/// (`examples/python/handoff.py`).
+/// (`examples/python/handoff.py`, the `shardcast` Python package). `?tensors=a,b` and
+/// `?prefix=p` (both repeatable) list only the tensors a tensor-parallel rank uses
+/// ([`crate::gpu::Selection`]); `404` for a model the host does not know, `400` for a
+/// selection naming tensors the model lacks, `409` while it cannot be handed off.
 async fn handoff(
     State((node, gpus)): State<(Arc<Node>, Arc<GpuManager>)>,
     Path(model): Path<String>,
+    Query(query): Query<Vec<(String, String)>>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
+    let select = match crate::gpu::Selection::from_query(&query) {
+        Ok(s) => s,
+        Err(e) => return (StatusCode::BAD_REQUEST, e + "\n").into_response(),
+    };
     let Some(digest) = node.store.resolve(&model) else {
         return (
             StatusCode::NOT_FOUND,
@@ -88,9 +96,12 @@ async fn handoff(
         )
             .into_response();
     };
-    match crate::gpu::handoff(&node, &gpus, &digest) {
+    match crate::gpu::handoff(&node, &gpus, &digest, &select) {
         Ok(h) => axum::Json(h).into_response(),
-        Err(e) => (StatusCode::CONFLICT, e + "\n").into_response(),
+        Err(e @ crate::gpu::HandoffError::Invalid(_)) => {
+            (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()
+        }
+        Err(e) => (StatusCode::CONFLICT, format!("{e}\n")).into_response(),
     }
 }
 

@@ -725,8 +725,8 @@ impl Agent for AgentService {
             self.node.store.resolve(&key).ok_or_else(|| {
                 Status::not_found(format!("model {key:?} is not known on this host"))
             })?;
-        let h = crate::gpu::handoff(&self.node, &self.gpus, &digest)
-            .map_err(Status::failed_precondition)?;
+        let h = crate::gpu::handoff(&self.node, &self.gpus, &digest, &Default::default())
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
         let json = serde_json::to_string(&h).map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::GetHandoffResponse { json }))
     }

@@ -435,20 +435,119 @@ pub enum LoadFailure {
     Manager(ManagerError),
 }
 
+/// Which tensors a hand-off lists: every one (the default), or those named in `names` or
+/// starting with one of `prefixes` (`GET /v1/handoff/{model}?tensors=a,b&prefix=model.layers.3.`).
+/// A tensor-parallel rank asks for what it uses; on the memory tier only the chunks holding
+/// the selected tensors (and the headers) are re-checked before the files are offered.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Exact tensor names.
+    pub names: std::collections::BTreeSet<String>,
+    /// Name prefixes.
+    pub prefixes: Vec<String>,
+}
+
+impl Selection {
+    /// Every tensor.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// Parses query pairs: `tensors` (comma-separated names; repeatable) and `prefix`
+    /// (repeatable); other keys are refused.
+    pub fn from_query(pairs: &[(String, String)]) -> Result<Self, String> {
+        let mut s = Self::default();
+        for (k, v) in pairs {
+            match k.as_str() {
+                "tensors" | "tensor" => s.names.extend(
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|n| !n.is_empty())
+                        .map(String::from),
+                ),
+                "prefix" if !v.is_empty() => s.prefixes.push(v.clone()),
+                "prefix" => {}
+                other => {
+                    return Err(format!(
+                        "unknown hand-off parameter {other:?}; expected tensors or prefix"
+                    ));
+                }
+            }
+        }
+        Ok(s)
+    }
+
+    /// Whether it selects every tensor.
+    pub fn is_all(&self) -> bool {
+        self.names.is_empty() && self.prefixes.is_empty()
+    }
+
+    /// Whether tensor `name` is selected.
+    pub fn wants(&self, name: &str) -> bool {
+        self.is_all()
+            || self.names.contains(name)
+            || self.prefixes.iter().any(|p| name.starts_with(p.as_str()))
+    }
+
+    /// Keeps the selected tensors (and the shards holding them). Names that match no
+    /// tensor are an error: a rank asking for a tensor the model lacks is misconfigured.
+    pub fn apply(&self, mut h: Handoff) -> Result<Handoff, HandoffError> {
+        if self.is_all() {
+            return Ok(h);
+        }
+        let missing: Vec<&String> = self
+            .names
+            .iter()
+            .filter(|n| !h.tensors.iter().any(|t| &t.name == *n))
+            .collect();
+        if !missing.is_empty() {
+            let shown: Vec<&&String> = missing.iter().take(8).collect();
+            return Err(HandoffError::Invalid(format!(
+                "model {} has no tensors named {shown:?}{}",
+                h.name,
+                if missing.len() > 8 { " …" } else { "" }
+            )));
+        }
+        h.tensors.retain(|t| self.wants(&t.name));
+        let used: std::collections::BTreeSet<&str> =
+            h.tensors.iter().map(|t| t.shard.as_str()).collect();
+        let used: std::collections::BTreeSet<String> = used.into_iter().map(String::from).collect();
+        h.shards.retain(|s| used.contains(&s.path));
+        Ok(h)
+    }
+}
+
+/// Why a hand-off is not offered.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    /// Not now: loading, incomplete, being repaired (HTTP 409).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The request does not fit the model (HTTP 400).
+    #[error("{0}")]
+    Invalid(String),
+}
+
 /// The hand-off of `digest`: from the GPUs when it is resident there, else the memory-tier
-/// files (when the model is complete in memory).
-pub fn handoff(node: &Node, gpus: &GpuManager, digest: &ModelDigest) -> Result<Handoff, String> {
+/// files (when the model is complete in memory), listing the tensors `select` chooses.
+pub fn handoff(
+    node: &Node,
+    gpus: &GpuManager,
+    digest: &ModelDigest,
+    select: &Selection,
+) -> Result<Handoff, HandoffError> {
+    let unavailable = HandoffError::Unavailable;
     match gpus.handoff(&digest.to_hex()) {
-        Ok(h) => return Ok(h),
+        Ok(h) => return select.apply(h),
         Err(ManagerError::Busy(m)) => {
-            return Err(format!("model {m} is still loading onto GPUs"));
+            return Err(unavailable(format!("model {m} is still loading onto GPUs")));
         }
         Err(_) => {}
     }
     let manifest = node
         .store
         .manifest(digest)
-        .ok_or_else(|| format!("model {digest} is unknown on this host"))?;
+        .ok_or_else(|| unavailable(format!("model {digest} is unknown on this host")))?;
     let mut shards = Vec::new();
     let mut copies = Vec::new();
     for (i, s) in manifest.shards.iter().enumerate() {
@@ -456,34 +555,157 @@ pub fn handoff(node: &Node, gpus: &GpuManager, digest: &ModelDigest) -> Result<H
             .store
             .existing_shard(digest, i as u32)
             .filter(|sh| sh.tier() == Tier::Memory && sh.is_complete())
-            .ok_or_else(|| format!("model {digest} is not complete in this host's memory tier"))?;
+            .ok_or_else(|| {
+                unavailable(format!(
+                    "model {digest} is not complete in this host's memory tier"
+                ))
+            })?;
         shards.push((s.path.to_string(), shard.path().to_path_buf(), s.size));
         copies.push(shard);
     }
-    // The inference process maps these files: every chunk not verified within the trust
-    // window is re-hashed first (off the async workers where the runtime allows).
-    let check = || -> Result<(), String> {
-        for shard in &copies {
-            for c in 0..shard.total_chunks() {
-                match shard.check(c, false, Check::Handoff) {
-                    Ok(_) => {}
-                    Err(e @ StoreError::CorruptChunk { .. }) => {
-                        node.repairs
-                            .request(RepairRequest::new(shard.clone(), vec![c]));
-                        return Err(format!("{e}; it is being repaired, retry the hand-off"));
-                    }
-                    Err(e) => return Err(e.to_string()),
+    // The inference process maps these files: every chunk it may read that was not
+    // verified within the trust window is re-hashed first. A whole hand-off checks every
+    // chunk before the index is read; with a selection, first each shard's header (the
+    // index comes from it), then only the selected tensors' chunks.
+    let check = |i: usize, chunks: std::ops::Range<u32>| -> Result<(), HandoffError> {
+        let shard = &copies[i];
+        for c in chunks {
+            match shard.check(c, false, Check::Handoff) {
+                Ok(_) => {}
+                Err(e @ StoreError::CorruptChunk { .. }) => {
+                    node.repairs
+                        .request(RepairRequest::new(shard.clone(), vec![c]));
+                    return Err(unavailable(format!(
+                        "{e}; it is being repaired, retry the hand-off"
+                    )));
                 }
+                Err(e) => return Err(unavailable(e.to_string())),
             }
         }
         Ok(())
     };
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(check)?;
+    let before_index = || -> Result<(), HandoffError> {
+        for (i, shard) in copies.iter().enumerate() {
+            if select.is_all() {
+                check(i, 0..shard.total_chunks())?;
+                continue;
+            }
+            check(i, shard.chunks_covering(0, 8))?;
+            let mut len = [0u8; 8];
+            let end = match shard.read_at(0, &mut len) {
+                Ok(()) => 8u64.saturating_add(u64::from_le_bytes(len)),
+                Err(_) => shard.size(),
+            };
+            let end = usize::try_from(end.min(shard.size())).unwrap_or(usize::MAX);
+            check(i, shard.chunks_covering(0, end))?;
         }
-        _ => check()?,
+        Ok(())
+    };
+    blocking(before_index)?;
+    let h = handoff::memory_file(&digest.to_hex(), manifest.name.as_str(), &shards)
+        .map_err(|e| unavailable(e.to_string()))?;
+    let h = select.apply(h)?;
+    if !select.is_all() {
+        let tensors = || -> Result<(), HandoffError> {
+            for (i, shard) in copies.iter().enumerate() {
+                let Some(slot) = h.shards.iter().find(|s| s.path == shards[i].0) else {
+                    continue;
+                };
+                for t in h.tensors.iter().filter(|t| t.shard == slot.path) {
+                    let at = t.offset.saturating_sub(slot.offset);
+                    let len = usize::try_from(t.nbytes).unwrap_or(usize::MAX);
+                    check(i, shard.chunks_covering(at, len))?;
+                }
+            }
+            Ok(())
+        };
+        blocking(tensors)?;
     }
-    handoff::memory_file(&digest.to_hex(), manifest.name.as_str(), &shards)
-        .map_err(|e| e.to_string())
+    Ok(h)
+}
+
+/// Runs `f` off the async workers where the runtime allows (multi-threaded), else inline.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_loader::handoff::HandoffShard;
+
+    fn pairs(q: &[(&str, &str)]) -> Vec<(String, String)> {
+        q.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn sample() -> Handoff {
+        let t = |name: &str, shard: &str, offset| TensorEntry {
+            name: name.into(),
+            dtype: "F32".into(),
+            shape: vec![2],
+            offset,
+            nbytes: 8,
+            shard: shard.into(),
+        };
+        let s = |path: &str, offset| HandoffShard {
+            path: path.into(),
+            file: format!("/mem/{path}"),
+            offset,
+            size: 100,
+        };
+        Handoff {
+            model: "ab".into(),
+            name: "org/m".into(),
+            kind: "memory-file".into(),
+            devices: vec![],
+            shards: vec![
+                s("a.safetensors", 0),
+                s("b.safetensors", 4096),
+                s("config.json", 8192),
+            ],
+            tensors: vec![
+                t("layers.0.q", "a.safetensors", 16),
+                t("layers.0.o", "a.safetensors", 24),
+                t("layers.1.q", "b.safetensors", 4112),
+            ],
+            partition: None,
+        }
+    }
+
+    #[test]
+    fn a_selection_keeps_named_and_prefixed_tensors_and_their_shards() {
+        let all = Selection::from_query(&[]).unwrap();
+        assert!(all.is_all());
+        assert_eq!(all.apply(sample()).unwrap().tensors.len(), 3);
+
+        let sel = Selection::from_query(&pairs(&[("tensors", "layers.1.q, layers.0.o")])).unwrap();
+        let h = sel.apply(sample()).unwrap();
+        let names: Vec<&str> = h.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["layers.0.o", "layers.1.q"]);
+        let shards: Vec<&str> = h.shards.iter().map(|s| s.path.as_str()).collect();
+        assert_eq!(shards, ["a.safetensors", "b.safetensors"]);
+
+        let sel = Selection::from_query(&pairs(&[("prefix", "layers.0.")])).unwrap();
+        let h = sel.apply(sample()).unwrap();
+        assert_eq!(h.tensors.len(), 2);
+        assert_eq!(h.shards.len(), 1);
+        assert_eq!(h.shards[0].path, "a.safetensors");
+    }
+
+    #[test]
+    fn a_selection_naming_a_missing_tensor_or_an_unknown_key_is_refused() {
+        let sel = Selection::from_query(&pairs(&[("tensors", "layers.9.q")])).unwrap();
+        let e = sel.apply(sample()).unwrap_err();
+        assert!(matches!(e, HandoffError::Invalid(_)), "{e}");
+        assert!(e.to_string().contains("layers.9.q"), "{e}");
+        let e = Selection::from_query(&pairs(&[("rank", "1")])).unwrap_err();
+        assert!(e.contains("rank"), "{e}");
+    }
 }

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs the Python package's tests against real transferd/controller processes on loopback.
+#
+#   python/run-tests.sh                 # everything (GPU tests skip without PyTorch + CUDA)
+#   python/run-tests.sh -k safe_open    # arguments go to pytest
+#   SHARDCAST_TEST_TORCH=1 python/run-tests.sh   # also install PyTorch (large) for the torch tests
+#
+# Needs Rust (cargo) and python3. Creates python/.venv, installs ./python[test] into it
+# (numpy, safetensors, pytest), builds the Rust binaries (cargo build --bins; a no-op when
+# they are fresh) and runs pytest. On a host without internet but with numpy, safetensors,
+# pytest (and torch) installed, skip all this and run
+#   PYTHONPATH=python/src python3 -m pytest python/tests        (add -m gpu for the GPU ones)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+VENV="${SHARDCAST_VENV:-$ROOT/python/.venv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    if ! python3 -m venv "$VENV" 2>/dev/null; then
+        rm -rf "$VENV"
+        # Debian/Ubuntu ship venv's ensurepip separately.
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            echo "python3 -m venv failed: installing python3-venv" >&2
+            apt-get update -qq
+            ver="$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "python${ver}-venv" \
+                || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
+            python3 -m venv "$VENV"
+        else
+            echo "python3 -m venv failed; install python3-venv (apt-get install python3-venv)" >&2
+            exit 1
+        fi
+    fi
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q "$ROOT/python[test]"
+if [ "${SHARDCAST_TEST_TORCH:-0}" = 1 ]; then
+    "$PY" -m pip install -q torch
+fi
+
+(cd "$ROOT" && cargo build --bins)
+export SHARDCAST_BIN_DIR="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
+
+cd "$ROOT"
+exec "$PY" -m pytest python/tests "$@"
