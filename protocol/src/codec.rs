@@ -106,6 +106,13 @@ pub(crate) fn get_bytes<B: Buf>(
     max: usize,
 ) -> Result<Bytes, DecodeError> {
     let len = get_u16(buf)? as usize;
+    check_len(field, len, max)?;
+    need(buf, len)?;
+    Ok(buf.copy_to_bytes(len))
+}
+
+/// `TooLong` when a length or count read off the wire exceeds its field's maximum.
+pub(crate) fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), DecodeError> {
     if len > max {
         return Err(DecodeError::TooLong {
             field,
@@ -113,8 +120,7 @@ pub(crate) fn get_bytes<B: Buf>(
             max: max as u64,
         });
     }
-    need(buf, len)?;
-    Ok(buf.copy_to_bytes(len))
+    Ok(())
 }
 
 /// Reads a `u16`-length-prefixed UTF-8 string of at most `max` bytes.

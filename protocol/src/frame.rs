@@ -686,13 +686,7 @@ impl Frame {
 /// A `u16` count of hops, at most `max`, each a host id and an address.
 fn get_hops<B: Buf>(b: &mut B, field: &'static str, max: usize) -> Result<Vec<Hop>, DecodeError> {
     let n = get_u16(b)? as usize;
-    if n > max {
-        return Err(DecodeError::TooLong {
-            field,
-            len: n as u64,
-            max: max as u64,
-        });
-    }
+    codec::check_len(field, n, max)?;
     let mut hops = Vec::with_capacity(n);
     for _ in 0..n {
         let host = get_host(b)?;

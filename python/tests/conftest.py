@@ -5,6 +5,7 @@ host a real GPU), with a small safetensors model in a ``file://`` origin.
 Binaries come from ``$SHARDCAST_BIN_DIR`` or ``<repo>/target/debug`` (``cargo build --bins``).
 """
 
+import contextlib
 import json
 import os
 import select
@@ -255,19 +256,12 @@ class Cluster:
             p.kill()
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """A controller, ``host-1`` (2 simulated GPUs, admin over HTTPS) and ``host-2`` (no GPUs,
-    admin on a Unix socket), both managed; the model registered and held in both memory
-    tiers, and resident on host-1's simulated GPUs."""
-    root = tmp_path_factory.mktemp("shardcast-py")
+@contextlib.contextmanager
+def managed(root):
+    """A :class:`Cluster` under ``root`` that is stopped (its logs printed when the body
+    failed) and removed at the end, unless ``SHARDCAST_KEEP_SCRATCH`` is set."""
     c = Cluster(root)
     try:
-        c.start_controller()
-        c.start_daemon("host-1", gpu_args=("--gpu-backend", "simulated", "--sim-gpus", "2", "--sim-gpu-memory",
-                                           "64MiB", "--sim-pcie-rate", "2GB/s"))
-        c.start_daemon("host-2", admin_socket=True)
-        c.wait_hosts(2)
         yield c
     except BaseException:
         sys.stderr.write(c.logs())
@@ -276,6 +270,21 @@ def cluster(tmp_path_factory):
         c.stop()
         if os.environ.get("SHARDCAST_KEEP_SCRATCH") is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """A controller, ``host-1`` (2 simulated GPUs, admin over HTTPS) and ``host-2`` (no GPUs,
+    admin on a Unix socket), both managed; the model registered and held in both memory
+    tiers, and resident on host-1's simulated GPUs."""
+    root = tmp_path_factory.mktemp("shardcast-py")
+    with managed(root) as c:
+        c.start_controller()
+        c.start_daemon("host-1", gpu_args=("--gpu-backend", "simulated", "--sim-gpus", "2", "--sim-gpu-memory",
+                                           "64MiB", "--sim-pcie-rate", "2GB/s"))
+        c.start_daemon("host-2", admin_socket=True)
+        c.wait_hosts(2)
+        yield c
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,11 @@
 Run: ``PYTHONPATH=python/src python3 -m pytest python/tests -m gpu`` (skipped without
 PyTorch + CUDA)."""
 
-import shutil
-import sys
-
 import pytest
 
 import shardcast
 import shardcast.vllm as sv
-from conftest import MODEL, Cluster, torch_or_none
+from conftest import MODEL, managed, torch_or_none
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def cuda_cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("shardcast-cuda")
-    c = Cluster(root)
-    try:
+    with managed(root) as c:
         c.start_controller()
         c.start_daemon("cuda-1", gpu_args=("--gpu-backend", "cuda", "--gpu-budget", "2GiB"))
         c.wait_hosts(1)
@@ -29,12 +25,6 @@ def cuda_cluster(tmp_path_factory):
         done = platform.wait(platform.prewarm(MODEL, hosts=["cuda-1"], tier="gpu"), timeout=120)
         assert done["state"] == "done", done
         yield c
-    except BaseException:
-        sys.stderr.write(c.logs())
-        raise
-    finally:
-        c.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def reference_torch(origin, device):

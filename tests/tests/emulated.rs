@@ -97,3 +97,40 @@ async fn emulated_cold_start_reads_the_origin_once() {
         sc.ready_s
     );
 }
+
+/// Faults on the emulated cluster, through the controller: a stopped hop and a cut link, at
+/// the head and in the middle of the chain, each healed later (the link comes up after 8 s,
+/// the stopped host continues once the plan has ended). Every healthy host must end
+/// byte-exact and the plan's report must match what every host really holds. What the
+/// faults cost is `shardcast-bench faults`' figure, not this test's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_stalls_and_cut_links_end_exact_and_reported_truly() {
+    use shardcast_bench::faults::{Fault, FaultsOpts, Position, run_faults};
+    if let Err(why) = netns::available() {
+        eprintln!("SKIPPED: emulated cluster needs root and iproute2: {why}");
+        return;
+    }
+    let opts = FaultsOpts {
+        hosts: 4,
+        size: 64 << 20,
+        shards: 1,
+        rate: 200_000_000 / 8,
+        origin_rate: 200_000_000 / 8,
+        faults: vec![Fault::Stop, Fault::LinkDown],
+        positions: vec![Position::Head, Position::Middle],
+        trials: 1,
+        at: Duration::from_secs(1),
+        timeout: Duration::from_secs(120),
+        daemon_args: Vec::new(),
+    };
+    let report = run_faults(&opts).await.unwrap();
+    assert_eq!(report.results.len(), 4);
+    for t in &report.results {
+        assert!(t.exact, "{:?} at {:?}: a healthy copy is not exact", t.fault, t.position);
+        assert!(
+            t.status_true,
+            "{:?} at {:?}: the plan's report is not what the hosts hold: {}",
+            t.fault, t.position, t.plan
+        );
+    }
+}
