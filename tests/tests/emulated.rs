@@ -126,7 +126,11 @@ async fn emulated_stalls_and_cut_links_end_exact_and_reported_truly() {
     let report = run_faults(&opts).await.unwrap();
     assert_eq!(report.results.len(), 4);
     for t in &report.results {
-        assert!(t.exact, "{:?} at {:?}: a healthy copy is not exact", t.fault, t.position);
+        assert!(
+            t.exact,
+            "{:?} at {:?}: a healthy copy is not exact",
+            t.fault, t.position
+        );
         assert!(
             t.status_true,
             "{:?} at {:?}: the plan's report is not what the hosts hold: {}",
