@@ -179,6 +179,9 @@ pub enum ErrorCode {
     ProtocolViolation,
     /// Anything else.
     Internal,
+    /// The session already has a live upstream: the `Open` comes from a host that was
+    /// bypassed (stopped or cut off) and is back; it should not feed this hop a second copy.
+    AlreadyFed,
     /// A code this build does not know.
     Other(u16),
 }
@@ -197,6 +200,7 @@ impl ErrorCode {
             Self::Storage => 8,
             Self::ProtocolViolation => 9,
             Self::Internal => 10,
+            Self::AlreadyFed => 11,
             Self::Other(v) => v,
         }
     }
@@ -214,6 +218,7 @@ impl ErrorCode {
             8 => Self::Storage,
             9 => Self::ProtocolViolation,
             10 => Self::Internal,
+            11 => Self::AlreadyFed,
             v => Self::Other(v),
         }
     }

@@ -209,6 +209,12 @@ pub fn render(node: &Node) -> String {
         s.downstream_stalls.load(Ordering::Relaxed),
     );
     metric(
+        "second_upstreams_refused_total",
+        "counter",
+        "Opens of a running session refused because its upstream is alive (a bypassed host that came back).",
+        s.second_upstreams_refused.load(Ordering::Relaxed),
+    );
+    metric(
         "chunks_from_holders_total",
         "counter",
         "Chunks pulled from another holder (Fetch: recovery from a hop above, imports from a peer) rather than the origin.",

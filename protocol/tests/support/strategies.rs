@@ -192,7 +192,7 @@ pub(crate) fn session_header() -> impl Strategy<Value = SessionHeader> {
 /// Error codes: every known code and unknown ones, always in their canonical form
 /// (`ErrorCode::from_u16`), since `Other(v)` for a known `v` is not canonical.
 pub(crate) fn error_code() -> impl Strategy<Value = ErrorCode> {
-    prop_oneof![1u16..=10, any::<u16>(), Just(0u16), Just(u16::MAX)].prop_map(ErrorCode::from_u16)
+    prop_oneof![1u16..=11, any::<u16>(), Just(0u16), Just(u16::MAX)].prop_map(ErrorCode::from_u16)
 }
 
 /// Error messages: empty, short Unicode, and up to the maximum length.

@@ -40,7 +40,32 @@ impl Node {
         let mut failures = Vec::new();
         while !hops.is_empty() {
             let hop = hops.remove(0);
-            match self.forward_to(sess, &hop, &hops).await {
+            let mut result = self.forward_to(sess, &hop, &hops).await;
+            if matches!(
+                &result,
+                Err(ChainError::Remote {
+                    code: ErrorCode::AlreadyFed,
+                    ..
+                })
+            ) {
+                // Its upstream may have died a moment ago without it noticing yet: once
+                // more, then on down the list (we are a bypassed host that came back).
+                tokio::time::sleep(self.cfg.stall_timeout / 4).await;
+                result = self.forward_to(sess, &hop, &hops).await;
+                if let Err(ChainError::Remote {
+                    code: ErrorCode::AlreadyFed,
+                    message,
+                }) = &result
+                {
+                    // The chain below goes on without us; so does everything after this
+                    // hop. We complete our own copy as a leaf.
+                    warn!(peer = %hop.host, "bypassed while stopped or cut off; rejoining as a leaf: {message}");
+                    sess.bypassed.send_replace(Some(hop.clone()));
+                    failures.push(format!("bypassed: {} is fed by a live upstream", hop.host));
+                    return Err(failures.join("; "));
+                }
+            }
+            match result {
                 Ok(()) => {
                     return if failures.is_empty() {
                         Ok(())

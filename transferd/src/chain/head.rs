@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use shardcast_protocol::{ErrorCode, Hop, Manifest, ModelDigest, SessionId, Tier};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::session::FeederGuard;
 use super::{ChainError, Node, ShardSession};
@@ -159,11 +159,54 @@ impl Node {
                 .missing()
                 .collect();
             let origin = sess.origin.clone();
-            if let Err(e) = node.fill(&sess, &origin, missing).await {
+            let mut bypassed = sess.bypassed.subscribe();
+            let result = tokio::select! {
+                r = node.fill(&sess, &origin, missing) => r,
+                below = bypassed_by(&mut bypassed) => {
+                    node.rejoin_as_leaf(&sess, below, &origin).await
+                }
+            };
+            if let Err(e) = result {
                 sess.fail(format!("origin fetch failed: {e}"));
             } else if !sess.complete() {
                 sess.fail("origin did not provide every chunk".into());
             }
         });
+    }
+
+    /// This host was stopped or cut off and the chain went on from the origin without it:
+    /// the hop `below` holds (or is receiving) the rest. Pulls from it rather than reading
+    /// the origin a second time; the origin only for what it cannot give.
+    async fn rejoin_as_leaf(
+        &self,
+        sess: &ShardSession,
+        below: Option<Hop>,
+        origin: &str,
+    ) -> Result<(), String> {
+        if let Some(hop) = below {
+            info!(session = %sess.id, below = %hop.host, "bypassed: pulling the rest from the hop below instead of the origin");
+            if let Err(e) = self.pull_while_progressing(sess, &hop).await {
+                warn!(session = %sess.id, "pulling from the hop below failed: {e}");
+            }
+        }
+        let missing: Vec<u32> = sess
+            .shard
+            .verified_set(sess.start, sess.end)
+            .missing()
+            .collect();
+        self.fill(sess, origin, missing).await
+    }
+}
+
+/// The hop below that answered `AlreadyFed` (see [`ShardSession`]'s `bypassed`); never
+/// returns if the session ends first. The watch's lock is not held past the clone.
+async fn bypassed_by(rx: &mut tokio::sync::watch::Receiver<Option<Hop>>) -> Option<Hop> {
+    let hop = match rx.wait_for(Option::is_some).await {
+        Ok(r) => r.clone(),
+        Err(_) => None,
+    };
+    match hop {
+        Some(hop) => Some(hop),
+        None => std::future::pending().await,
     }
 }

@@ -198,6 +198,9 @@ pub struct NodeStats {
     /// Downstream connections given up because the downstream answered nothing or drained
     /// no write for `stall_timeout`.
     pub downstream_stalls: AtomicU64,
+    /// `Open`s of a running session refused because its upstream is alive (a host that
+    /// was cut off or stopped and came back; it completes as a leaf instead).
+    pub second_upstreams_refused: AtomicU64,
     /// Chunks pulled from another holder with `Fetch` (a recovering hop from a hop above
     /// it, an import or a partition from a peer) rather than from the origin.
     pub chunks_from_holders: AtomicU64,

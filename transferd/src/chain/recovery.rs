@@ -111,7 +111,11 @@ impl Node {
 
     /// Pulls from a holder above for as long as it has something new: a hop above that is
     /// still receiving has more at each pull.
-    async fn pull_while_progressing(&self, sess: &ShardSession, hop: &Hop) -> Result<(), String> {
+    pub(super) async fn pull_while_progressing(
+        &self,
+        sess: &ShardSession,
+        hop: &Hop,
+    ) -> Result<(), String> {
         let mut empty = 0;
         loop {
             let missing = sess.shard.verified_set(sess.start, sess.end);

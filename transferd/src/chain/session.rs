@@ -75,6 +75,12 @@ pub struct ShardSession {
     pub(super) upstream: Mutex<Vec<Hop>>,
     /// Upstream hosts this session found stalled: never asked again by this session.
     pub(super) stalled: Mutex<HashSet<HostId>>,
+    /// What last fed the session — an upstream host (`Some`) or a fetch from a holder or
+    /// the origin (`None`) — and when.
+    pub(super) heard: Mutex<Option<(Option<HostId>, Instant)>>,
+    /// Set when the hop below answered `AlreadyFed`: the chain went on without this host
+    /// (it was stopped or cut off), and that hop holds or receives what it lacks.
+    pub(super) bypassed: watch::Sender<Option<Hop>>,
 }
 
 impl ShardSession {
@@ -150,6 +156,39 @@ impl ShardSession {
     pub(super) fn set_upstream(&self, hops: &[Hop]) {
         if let Ok(mut u) = self.upstream.lock() {
             *u = hops.to_vec();
+        }
+    }
+
+    /// Notes a frame from upstream host `host` (`None`: a chunk fetched from a holder or
+    /// the origin).
+    pub(super) fn heard_from(&self, host: Option<&HostId>) {
+        if let Ok(mut h) = self.heard.lock() {
+            match h.as_mut() {
+                Some((who, at)) if who.as_ref() == host => *at = Instant::now(),
+                _ => *h = Some((host.cloned(), Instant::now())),
+            }
+        }
+    }
+
+    /// What fed the session within `within`, if that was not `host`: a live upstream or a
+    /// running fetch, which a second upstream would only duplicate.
+    pub(super) fn live_feed_besides(
+        &self,
+        host: &HostId,
+        within: std::time::Duration,
+    ) -> Option<String> {
+        if *self.feeders.borrow() == 0 {
+            return None;
+        }
+        let h = self.heard.lock().ok()?;
+        match h.as_ref() {
+            Some((who, at)) if at.elapsed() < within && who.as_ref() != Some(host) => {
+                Some(who.as_ref().map_or_else(
+                    || "a fetch from the holders above or the origin".to_string(),
+                    |w| format!("upstream {w}"),
+                ))
+            }
+            _ => None,
         }
     }
 
@@ -263,6 +302,8 @@ impl Node {
             write_lock: tokio::sync::Mutex::new(()),
             upstream: Mutex::default(),
             stalled: Mutex::default(),
+            heard: Mutex::default(),
+            bypassed: watch::Sender::new(None),
         });
         (sess, active)
     }
@@ -311,6 +352,9 @@ impl Node {
             sess.shard.write(chunk).await?;
         }
         self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
+        if from != ChunkFrom::Upstream {
+            sess.heard_from(None);
+        }
         match from {
             ChunkFrom::Origin => {
                 self.stats.origin_bytes.fetch_add(len, Ordering::Relaxed);

@@ -83,6 +83,22 @@ impl Node {
         let claims = self.authorize_open(header, remote)?;
         let key = (header.session, header.shard);
         if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            // A hop above a stalled one fails over to us once our upstream has been silent
+            // for a stall timeout. An `Open` while our upstream is plainly alive comes from
+            // a host that was itself cut off or stopped and is back: a second feed would
+            // only halve the live one's bandwidth. It rejoins as a leaf instead.
+            if let Some(live) = s.live_feed_besides(remote, self.cfg.stall_timeout / 2) {
+                self.stats
+                    .second_upstreams_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(ChainError::refused(
+                    ErrorCode::AlreadyFed,
+                    format!(
+                        "session {} shard {} is fed by {live}, which is alive; not taking a second upstream",
+                        header.session, header.shard
+                    ),
+                ));
+            }
             debug!(session = %header.session, shard = header.shard, "joining running session");
             s.set_upstream(&header.upstream);
             return Ok(s);
@@ -243,7 +259,7 @@ impl Node {
                         }
                         conn.writer.flush().await?;
                     }
-                    frame = conn.reader.read(), if inbound.wants_frame() => match frame? {
+                    frame = conn.reader.read(), if inbound.wants_frame() => match frame.inspect(|_| sess.heard_from(Some(remote)))? {
                         Some(Frame::Chunk { shard: s, index, data }) => {
                             inbound.handle_frame(now(), InboundFrame::Chunk { shard: s, index }).map_err(|_| {
                                 ChainError::protocol(format!(
