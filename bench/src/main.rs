@@ -247,6 +247,17 @@ enum Cmd {
         /// Threads filling staging buffers [default: the CPU count, at most 4].
         #[arg(long)]
         fill_threads: Option<usize>,
+        /// Host → GPU path: registered (DMA straight from the mapped model files; falls
+        /// back to staging if the device refuses to register them) or staging.
+        #[arg(long, default_value = "registered", value_parser = parse_host_path)]
+        host_path: gpu_loader::loader::HostPath,
+        /// Copy streams per GPU on the registered path (1 to 8).
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=8))]
+        copy_streams: u8,
+        /// Directory for the model's shard files, which are mapped (memory-backed like the
+        /// memory tier) [default: /dev/shm, else the temp dir].
+        #[arg(long)]
+        model_dir: Option<PathBuf>,
         /// Also measure a partitioned load: the last of this many partitions first, then
         /// completion (0: skip).
         #[arg(long, default_value_t = 4)]
@@ -508,6 +519,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             staging_buffers,
             staging_size,
             fill_threads,
+            host_path,
+            copy_streams,
+            model_dir,
             partitions,
             json,
         } => {
@@ -524,6 +538,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 fill_threads: fill_threads
                     .unwrap_or_else(|| gpu_loader::loader::LoadOptions::default().fill_threads),
                 partitions,
+                host_path,
+                copy_streams: usize::from(copy_streams),
+                model_dir,
             };
             let report =
                 tokio::task::spawn_blocking(move || shardcast_bench::loader_bench::run(&opts))
@@ -596,4 +613,13 @@ fn emit<T: serde::Serialize>(report: &T, json: Option<PathBuf>) -> anyhow::Resul
         scenario::write_json(&path, report)?;
     }
     Ok(())
+}
+
+/// `--host-path`: `registered` or `staging`.
+fn parse_host_path(v: &str) -> Result<gpu_loader::loader::HostPath, String> {
+    match v {
+        "registered" => Ok(gpu_loader::loader::HostPath::Registered),
+        "staging" => Ok(gpu_loader::loader::HostPath::Staging),
+        other => Err(format!("expected registered or staging, got {other:?}")),
+    }
 }

@@ -16,7 +16,10 @@
 //! * [`index`]: the model's layout in its region and the tensor index from the safetensors
 //!   headers (direct tensor addressing).
 //! * [`loader`]: the streaming pipeline (issuer, completer, peer waiter).
-//! * [`source`]: an in-memory chunk source verified at a paced rate (benchmarks, tests).
+//! * [`source`]: a chunk source (heap memory or mapped files) verified at a paced rate
+//!   (benchmarks, tests).
+//! * [`mapped`]: read-only file maps as host memory a device can register (DMA straight
+//!   from the page cache).
 //! * [`handoff`]: what an inference process needs to map the weights without copying.
 //! * [`manager`]: a host's GPUs: backend selection, pools, loads and their status.
 
@@ -26,6 +29,7 @@ pub mod handoff;
 pub mod index;
 pub mod loader;
 pub mod manager;
+pub mod mapped;
 pub mod pool;
 pub mod sim;
 pub mod source;

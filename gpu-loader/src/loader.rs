@@ -15,13 +15,27 @@
 //!
 //! Every byte crosses PCIe once when peers exist. Bytes per GPU are published in
 //! [`LoadProgress`] as they land.
+//!
+//! # Host paths: registered or staging
+//!
+//! When the source's shards are mapped files ([`ChunkSource::host_memory`]: transferd's
+//! memory tier is files in tmpfs, mapped), the loader first registers each mapping with the
+//! first GPU ([`Device::register_host`], CUDA `cuMemHostRegister`), and the fillers issue
+//! copies straight from the mapping ([`Device::copy_htod_registered`]) on
+//! [`LoadOptions::copy_streams`] streams in turn: no CPU copy into staging, which caps the
+//! staging path at what the fillers' memcpy sustains. A piece is still copied only once the
+//! source says its chunks are verified (and after [`ChunkSource::check_direct`]), exactly as
+//! on the staging path; the ring's slots then only bound the copies in flight. When
+//! registration is off, impossible (a shard that is not a mapped file, a backend that cannot)
+//! or refused (a driver error), the load uses the staging ring, and [`LoadReport::host_path`]
+//! with [`LoadReport::fallback_reason`] says which path ran and why.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::device::{Completion, DevSpan, Device, GpuError, Staging};
+use crate::device::{Completion, DevSpan, Device, GpuError, HostMemory, HostRegistration, Staging};
 use crate::index::{Layout, LoadMap};
 
 /// One shard as the source describes it.
@@ -50,6 +64,23 @@ pub trait ChunkSource: Send + Sync {
     ) -> Result<bool, String>;
     /// Reads verified bytes of `shard` at `offset` into `buf`.
     fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
+    /// The whole of `shard` as host memory a device can register (a read-only map of the
+    /// shard's file), for copies with no staging copy; `None` (the default) when the shard
+    /// is not a mapped file. Its bytes at an offset must be what [`ChunkSource::read`]
+    /// returns there.
+    fn host_memory(&self, shard: usize) -> Option<Arc<dyn HostMemory>> {
+        let _ = shard;
+        None
+    }
+    /// Called before bytes `offset .. offset + len` of `shard`, whose chunks are verified,
+    /// are copied to a GPU straight from [`ChunkSource::host_memory`] (so [`ChunkSource::read`]
+    /// is not called for them): whatever `read` checks besides verification (transferd
+    /// re-hashes chunks that may have rotted at rest, and repairs a bad one). The default
+    /// checks nothing.
+    fn check_direct(&self, shard: usize, offset: u64, len: u64) -> std::io::Result<()> {
+        let _ = (shard, offset, len);
+        Ok(())
+    }
 }
 
 /// Loader settings.
@@ -63,9 +94,19 @@ pub struct LoadOptions {
     pub chunk_timeout: Duration,
     /// Threads copying verified chunks into staging buffers at once (at most one per
     /// buffer). One core's memcpy is slower than a PCIe Gen5 link, so a single filler
-    /// would cap the host → GPU rate.
+    /// would cap the host → GPU rate. On the registered path they only wait for chunks and
+    /// issue copies.
     pub fill_threads: usize,
+    /// Copy from the source's mapped files directly (register them with the GPU) when it
+    /// has them; `false` always uses the staging ring.
+    pub register_host: bool,
+    /// Copy streams per GPU on the registered path (copies go to them in turn, so one
+    /// copy's start does not wait for the previous one's end); 1 to 8.
+    pub copy_streams: usize,
 }
+
+/// The most copy streams per GPU ([`LoadOptions::copy_streams`]).
+pub const MAX_COPY_STREAMS: usize = 8;
 
 impl Default for LoadOptions {
     fn default() -> Self {
@@ -76,7 +117,30 @@ impl Default for LoadOptions {
             fill_threads: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
                 .min(4),
+            register_host: true,
+            // Four streams keep a few copies queued on the DMA engines; more gain nothing
+            // when one link is the limit (`shardcast-bench loader --copy-streams N`).
+            copy_streams: 4,
         }
+    }
+}
+
+/// How bytes went from host memory to the first GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostPath {
+    /// Straight from the source's registered (page-locked) mapped files.
+    Registered,
+    /// Through the ring of pinned staging buffers, filled by CPU copies.
+    Staging,
+}
+
+impl std::fmt::Display for HostPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Registered => "registered",
+            Self::Staging => "staging",
+        })
     }
 }
 
@@ -213,6 +277,16 @@ pub struct LoadReport {
     pub peer_siblings: usize,
     /// Siblings fed from the host (no peer path).
     pub host_siblings: usize,
+    /// Which host → GPU path ran.
+    pub host_path: HostPath,
+    /// Why the staging ring ran instead of the registered path (`None` when registered).
+    pub fallback_reason: Option<String>,
+    /// Seconds spent registering (page-locking) the source's mappings before the first
+    /// copy, included in `elapsed_s` (0 on the staging path, or when registration failed
+    /// at once).
+    pub register_s: f64,
+    /// Copy streams used per GPU (1 on the staging path).
+    pub copy_streams: usize,
 }
 
 /// A target GPU and the span of the model's region on it.
@@ -272,9 +346,64 @@ fn pieces(
     Ok(out)
 }
 
-/// A filled piece: its place in the load order, the piece, its buffer, and the copies to
-/// wait for.
-type Staged = (usize, Piece, Box<dyn Staging>, Vec<Box<dyn Completion>>);
+/// An issued piece: its place in the load order, the piece, its staging buffer (none on the
+/// registered path: the slot only bounds the copies in flight), and the copies to wait for.
+type Staged = (
+    usize,
+    Piece,
+    Option<Box<dyn Staging>>,
+    Vec<Box<dyn Completion>>,
+);
+
+/// Registers the mapped files of every shard `map` reads with `primary` (see the module
+/// docs), or says why not: the registrations by shard (`None` for shards the load does not
+/// read), or the reason to use the staging ring.
+fn register(
+    source: &dyn ChunkSource,
+    map: &LoadMap,
+    primary: &Arc<dyn Device>,
+    host_fed: &[&Arc<dyn Device>],
+    opts: &LoadOptions,
+) -> Result<Vec<Option<Arc<dyn HostRegistration>>>, String> {
+    if !opts.register_host {
+        return Err("register_host is off".into());
+    }
+    let kind = primary.info().kind;
+    if let Some(d) = host_fed.iter().find(|d| d.info().kind != kind) {
+        return Err(format!(
+            "GPU {} is fed from the host but is a {} device, the first GPU a {kind} one",
+            d.info().index,
+            d.info().kind
+        ));
+    }
+    let shards = source.shards();
+    let mut regs: Vec<Option<Arc<dyn HostRegistration>>> = vec![None; shards.len()];
+    for e in &map.extents {
+        let Some(slot) = regs.get_mut(e.shard) else {
+            return Err(format!("no shard {}", e.shard));
+        };
+        if slot.is_some() {
+            continue;
+        }
+        let shard = &shards[e.shard];
+        let Some(mem) = source.host_memory(e.shard) else {
+            return Err(format!("shard {} is not a mapped file", shard.path));
+        };
+        let mapped = mem.as_bytes().len() as u64;
+        if mapped < shard.size {
+            return Err(format!(
+                "shard {}: its mapping has {mapped} bytes, the shard {}",
+                shard.path, shard.size
+            ));
+        }
+        *slot = Some(
+            primary
+                .register_host(mem)
+                .map_err(|e| format!("registering shard {}: {e}", shard.path))?,
+        );
+    }
+    Ok(regs)
+}
 
 fn add_ns(counter: &AtomicU64, d: Duration) {
     counter.fetch_add(
@@ -338,13 +467,51 @@ pub fn load_map(
         let d = targets[i].device.info();
         d.peers.iter().any(|(p, _)| *p == pidx) && d.kind == primary.device.info().kind
     });
+    // Pieces are the calibrated transfer size (the elbow) on both paths: on the registered
+    // path a piece coalesces the verified chunks under it into one copy.
     let work = pieces(layout, map, source.shards(), opts.staging_size as u64)?;
     let total: u64 = map.bytes;
     let t0 = Instant::now();
 
-    let (free_tx, free_rx) = mpsc::sync_channel::<Box<dyn Staging>>(opts.staging_buffers);
-    for _ in 0..opts.staging_buffers {
-        let b = primary.device.alloc_staging(opts.staging_size)?;
+    let host_fed: Vec<&Arc<dyn Device>> = host_sibs.iter().map(|&i| &targets[i].device).collect();
+    let registered = register(source, map, &primary.device, &host_fed, opts);
+    let register_s = t0.elapsed().as_secs_f64();
+    let (regs, fallback_reason) = match registered {
+        Ok(r) => (Some(r), None),
+        Err(why) => (None, Some(why)),
+    };
+    let copy_streams = if regs.is_some() {
+        opts.copy_streams.clamp(1, MAX_COPY_STREAMS)
+    } else {
+        1
+    };
+    match &fallback_reason {
+        None => tracing::info!(
+            device = primary.device.info().index,
+            register_s,
+            copy_streams,
+            "host → GPU path: registered (copies straight from the mapped shards)"
+        ),
+        Some(why) if !opts.register_host => {
+            tracing::info!(reason = %why, "host → GPU path: staging")
+        }
+        Some(why) => tracing::warn!(
+            reason = %why,
+            "host → GPU path: staging (registering the shards' memory failed or is impossible)"
+        ),
+    }
+    // The ring: staging buffers, or on the registered path empty slots bounding the copies
+    // in flight (enough to keep every stream busy).
+    let slots = match regs {
+        Some(_) => opts.staging_buffers.max(4 * copy_streams),
+        None => opts.staging_buffers,
+    };
+    let (free_tx, free_rx) = mpsc::sync_channel::<Option<Box<dyn Staging>>>(slots);
+    for _ in 0..slots {
+        let b = match regs {
+            Some(_) => None,
+            None => Some(primary.device.alloc_staging(opts.staging_size)?),
+        };
         let _ = free_tx.send(b);
     }
     let free_rx = Mutex::new(free_rx);
@@ -361,12 +528,12 @@ pub fn load_map(
     let waited_data_ns = AtomicU64::new(0);
     let waited_staging_ns = AtomicU64::new(0);
     let next_piece = AtomicUsize::new(0);
-    let fillers = opts.fill_threads.clamp(1, opts.staging_buffers);
+    let fillers = opts.fill_threads.clamp(1, slots);
+    let regs = regs.as_deref();
 
     std::thread::scope(|scope| {
-        let (staged_tx, staged_rx) = mpsc::sync_channel::<Staged>(opts.staging_buffers);
-        let (peer_tx, peer_rx) =
-            mpsc::sync_channel::<(u64, usize, Box<dyn Completion>)>(opts.staging_buffers * 4);
+        let (staged_tx, staged_rx) = mpsc::sync_channel::<Staged>(slots);
+        let (peer_tx, peer_rx) = mpsc::sync_channel::<(u64, usize, Box<dyn Completion>)>(slots * 4);
 
         // Completer: takes the pieces in order (fillers finish them out of order), waits
         // their copies, recycles the buffers, fans out over peers.
@@ -435,10 +602,11 @@ pub fn load_map(
             })
         };
 
-        // Fillers: each takes a free staging buffer, then the next piece (so the piece the
-        // completer waits for always has a buffer), waits for its chunks, copies them into
-        // the buffer and issues the host → GPU copies. Several run at once so the copy into
-        // pinned memory (one CPU core's memcpy) does not cap the PCIe rate.
+        // Fillers: each takes a free slot, then the next piece (so the piece the completer
+        // waits for always has a slot), waits for its chunks, copies them into the slot's
+        // staging buffer and issues the host → GPU copies, or on the registered path issues
+        // the copies straight from the mapping, on the streams in turn. Several run at once
+        // so the copy into pinned memory (one CPU core's memcpy) does not cap the PCIe rate.
         let filler = || {
             let staged_tx = staged_tx.clone();
             let (free_rx, next_piece, work, fail) = (&free_rx, &next_piece, &work, &fail);
@@ -512,9 +680,13 @@ pub fn load_map(
                         break;
                     }
                     let n = piece.len as usize;
-                    if let Err(e) =
-                        source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n])
-                    {
+                    let filled = match (&mut b, regs) {
+                        (Some(b), _) => {
+                            source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n])
+                        }
+                        (None, _) => source.check_direct(piece.shard, piece.offset, piece.len),
+                    };
+                    if let Err(e) = filled {
                         fail(LoadError::Io {
                             shard: shard.path.clone(),
                             source: e,
@@ -526,7 +698,34 @@ pub fn load_map(
                     let issued = (|| {
                         for &t in std::iter::once(&0).chain(host_sibs.iter()) {
                             let dst = targets[t].span.sub(at, piece.len)?;
-                            completions.push(targets[t].device.copy_htod(dst, &*b)?);
+                            let dev = &targets[t].device;
+                            let c = match (&b, regs) {
+                                (Some(b), _) => dev.copy_htod(dst, &**b)?,
+                                (None, Some(regs)) => {
+                                    let reg = regs
+                                        .get(piece.shard)
+                                        .and_then(Option::as_ref)
+                                        .ok_or_else(|| {
+                                            GpuError::Invalid(format!(
+                                                "shard {} was not registered",
+                                                piece.shard
+                                            ))
+                                        })?;
+                                    dev.copy_htod_registered(
+                                        dst,
+                                        reg,
+                                        piece.offset,
+                                        seq % copy_streams,
+                                    )?
+                                }
+                                (None, None) => {
+                                    return Err(GpuError::Invalid(
+                                        "a slot without a staging buffer on the staging path"
+                                            .into(),
+                                    ));
+                                }
+                            };
+                            completions.push(c);
                         }
                         Ok::<_, GpuError>(())
                     })();
@@ -574,5 +773,13 @@ pub fn load_map(
         waited_for_staging_s: waited_staging_ns.load(Ordering::Relaxed) as f64 / 1e9,
         peer_siblings: peer_sibs.len(),
         host_siblings: host_sibs.len(),
+        host_path: if regs.is_some() {
+            HostPath::Registered
+        } else {
+            HostPath::Staging
+        },
+        fallback_reason,
+        register_s: if regs.is_some() { register_s } else { 0.0 },
+        copy_streams,
     })
 }
