@@ -254,6 +254,9 @@ enum Cmd {
         /// Copy streams per GPU on the registered path (1 to 8).
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=8))]
         copy_streams: u8,
+        /// Bytes registered (pinned) at a time on the registered path, ahead of the copies.
+        #[arg(long, default_value = "128MiB", value_parser = parse_size)]
+        register_segment: u64,
         /// Directory for the model's shard files, which are mapped (memory-backed like the
         /// memory tier) [default: /dev/shm, else the temp dir].
         #[arg(long)]
@@ -521,6 +524,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             fill_threads,
             host_path,
             copy_streams,
+            register_segment,
             model_dir,
             partitions,
             json,
@@ -540,6 +544,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 partitions,
                 host_path,
                 copy_streams: usize::from(copy_streams),
+                register_segment,
                 model_dir,
             };
             let report =

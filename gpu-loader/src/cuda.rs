@@ -1938,6 +1938,62 @@ mod tests {
 
     #[test]
     #[ignore = "needs an NVIDIA GPU and driver"]
+    fn registration_rate_by_segment_and_threads() {
+        use crate::device::HostSlice;
+        let shm = Path::new("/dev/shm");
+        let dir = if shm.is_dir() {
+            tempfile::tempdir_in(shm)
+        } else {
+            tempfile::tempdir()
+        }
+        .expect("dir");
+        let dev = Arc::clone(&gpus()[0]);
+        let len: usize = 4 << 30;
+        let path = dir.path().join("big.bin");
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&path).expect("create");
+            let block = vec![7u8; 64 << 20];
+            for _ in 0..len / block.len() {
+                f.write_all(&block).expect("write");
+            }
+        }
+        let map: Arc<dyn HostMemory> = crate::mapped::MappedFile::open(&path).expect("map");
+        for seg in [64usize << 20, 256 << 20, 1 << 30, 4 << 30] {
+            for threads in [1usize, 2, 4, 8] {
+                let segs: Vec<(usize, usize)> =
+                    (0..len / seg).map(|k| (k * seg, seg)).collect();
+                let next = std::sync::atomic::AtomicUsize::new(0);
+                let regs = std::sync::Mutex::new(Vec::new());
+                let t0 = Instant::now();
+                std::thread::scope(|s| {
+                    for _ in 0..threads.min(segs.len()) {
+                        s.spawn(|| {
+                            loop {
+                                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                let Some(&(start, n)) = segs.get(k) else { break };
+                                let slice = HostSlice::new(map.clone(), start, n).expect("slice");
+                                let r = dev.register_host(Arc::new(slice)).expect("register");
+                                regs.lock().expect("lock").push(r);
+                            }
+                        });
+                    }
+                });
+                let reg_s = t0.elapsed().as_secs_f64();
+                let t1 = Instant::now();
+                drop(regs);
+                let unreg_s = t1.elapsed().as_secs_f64();
+                eprintln!(
+                    "segment {:>5} MiB, {threads} threads: register {reg_s:.3} s ({:.1} GB/s), unregister {unreg_s:.3} s",
+                    seg >> 20,
+                    len as f64 / reg_s / 1e9
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
     fn absurd_alloc_is_out_of_memory() {
         let dev = &gpus()[0];
         let requested = dev.info().memory_bytes * 4;

@@ -158,6 +158,41 @@ impl HostMemory for memmap2::Mmap {
     }
 }
 
+/// A part of a [`HostMemory`] (`start .. start + len`), itself a [`HostMemory`]: the unit
+/// the loader registers, so that pinning the next part overlaps the copies from this one.
+pub struct HostSlice {
+    memory: Arc<dyn HostMemory>,
+    start: usize,
+    len: usize,
+}
+
+impl HostSlice {
+    /// Bytes `start .. start + len` of `memory`; `None` when they are not all inside it.
+    pub fn new(memory: Arc<dyn HostMemory>, start: usize, len: usize) -> Option<Self> {
+        let end = start.checked_add(len)?;
+        (end <= memory.as_bytes().len()).then_some(Self { memory, start, len })
+    }
+
+    /// Offset of the slice in the whole memory.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+}
+
+impl HostMemory for HostSlice {
+    fn as_bytes(&self) -> &[u8] {
+        // Checked in `new`, and the memory's bytes never change length (its contract).
+        self.memory
+            .as_bytes()
+            .get(self.start..self.start + self.len)
+            .unwrap_or_default()
+    }
+
+    fn read_only(&self) -> bool {
+        self.memory.read_only()
+    }
+}
+
 /// [`HostMemory`] registered with a device ([`Device::register_host`]): copies from it
 /// ([`Device::copy_htod_registered`]) are DMA straight from its pages. Unregistered when the
 /// last `Arc` goes, which is after every copy from it finished (each copy's completion

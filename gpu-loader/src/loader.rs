@@ -103,6 +103,9 @@ pub struct LoadOptions {
     /// Copy streams per GPU on the registered path (copies go to them in turn, so one
     /// copy's start does not wait for the previous one's end); 1 to 8.
     pub copy_streams: usize,
+    /// Bytes registered (pinned) at a time on the registered path, a multiple of the page
+    /// size: the first copy waits for one segment, the rest are pinned ahead of the copies.
+    pub register_segment: u64,
 }
 
 /// The most copy streams per GPU ([`LoadOptions::copy_streams`]).
@@ -121,6 +124,7 @@ impl Default for LoadOptions {
             // Four streams keep a few copies queued on the DMA engines; more gain nothing
             // when one link is the limit (`shardcast-bench loader --copy-streams N`).
             copy_streams: 4,
+            register_segment: DEFAULT_REGISTER_SEGMENT,
         }
     }
 }
@@ -279,12 +283,20 @@ pub struct LoadReport {
     pub host_siblings: usize,
     /// Which host → GPU path ran.
     pub host_path: HostPath,
-    /// Why the staging ring ran instead of the registered path (`None` when registered).
+    /// Why the staging ring ran instead of the registered path; on the registered path, why
+    /// some segments went through staging (`staged_bytes`). `None` when every byte was
+    /// copied from registered memory.
     pub fallback_reason: Option<String>,
-    /// Seconds spent registering (page-locking) the source's mappings before the first
-    /// copy, included in `elapsed_s` (0 on the staging path, or when registration failed
-    /// at once).
+    /// Seconds spent registering (page-locking) the source's mappings, segment by segment,
+    /// by all pinner threads together: overlapped with the copies, except the first segment
+    /// (0 on the staging path).
     pub register_s: f64,
+    /// Time the fillers waited for a segment to be registered (summed over fillers): where
+    /// pinning, not the copies, was the limit.
+    pub waited_for_register_s: f64,
+    /// Bytes copied through staging buffers (all of them on the staging path; on the
+    /// registered path those of segments that failed to register).
+    pub staged_bytes: u64,
     /// Copy streams used per GPU (1 on the staging path).
     pub copy_streams: usize,
 }
@@ -307,11 +319,14 @@ struct Piece {
     dest: u64,
 }
 
+/// The load's pieces: `map`'s extents cut into pieces of at most `size` bytes, and also at
+/// every multiple of `cut` in the shard (registration segments) when given.
 fn pieces(
     layout: &Layout,
     map: &LoadMap,
     source: &[SourceShard],
     size: u64,
+    cut: Option<u64>,
 ) -> Result<Vec<Piece>, LoadError> {
     if layout.shards.len() != source.len() {
         return Err(LoadError::Invalid(format!(
@@ -333,7 +348,10 @@ fn pieces(
         }
         let mut off = 0;
         while off < e.len {
-            let len = size.min(e.len - off);
+            let mut len = size.min(e.len - off);
+            if let Some(c) = cut.filter(|&c| c > 0) {
+                len = len.min(c - (e.offset + off) % c);
+            }
             out.push(Piece {
                 shard: e.shard,
                 offset: e.offset + off,
@@ -355,16 +373,26 @@ type Staged = (
     Vec<Box<dyn Completion>>,
 );
 
-/// Registers the mapped files of every shard `map` reads with `primary` (see the module
-/// docs), or says why not: the registrations by shard (`None` for shards the load does not
-/// read), or the reason to use the staging ring.
-fn register(
+/// Bytes pinned per registration on the registered path, by default
+/// ([`LoadOptions::register_segment`]). Pinning runs at 15–30 GB/s on the
+/// H100 host measured (4 KiB pages; `registration_rate_by_segment_and_threads` in `cuda`),
+/// below the ≈ 52 GB/s of the copies from pinned memory, so the loader pins segment by
+/// segment ahead of the copies instead of every shard before the first one. At 128 MiB the
+/// first copy waits for one segment only (a few ms) and the per-call cost is small.
+pub const DEFAULT_REGISTER_SEGMENT: u64 = 128 << 20;
+
+/// Threads pinning segments ahead of the copies: two pinned about 1.8× faster than one on
+/// the H100 host; more did not help (the driver serialises much of the work).
+const PINNERS: usize = 2;
+
+/// The shards' host memory, when the registered path is possible, or why not.
+fn host_memories(
     source: &dyn ChunkSource,
     map: &LoadMap,
     primary: &Arc<dyn Device>,
     host_fed: &[&Arc<dyn Device>],
     opts: &LoadOptions,
-) -> Result<Vec<Option<Arc<dyn HostRegistration>>>, String> {
+) -> Result<Vec<Option<Arc<dyn HostMemory>>>, String> {
     if !opts.register_host {
         return Err("register_host is off".into());
     }
@@ -377,9 +405,9 @@ fn register(
         ));
     }
     let shards = source.shards();
-    let mut regs: Vec<Option<Arc<dyn HostRegistration>>> = vec![None; shards.len()];
-    for e in &map.extents {
-        let Some(slot) = regs.get_mut(e.shard) else {
+    let mut mems: Vec<Option<Arc<dyn HostMemory>>> = vec![None; shards.len()];
+    for e in map.extents.iter().filter(|e| e.len > 0) {
+        let Some(slot) = mems.get_mut(e.shard) else {
             return Err(format!("no shard {}", e.shard));
         };
         if slot.is_some() {
@@ -396,13 +424,138 @@ fn register(
                 shard.path, shard.size
             ));
         }
-        *slot = Some(
-            primary
-                .register_host(mem)
-                .map_err(|e| format!("registering shard {}: {e}", shard.path))?,
-        );
+        *slot = Some(mem);
     }
-    Ok(regs)
+    Ok(mems)
+}
+
+/// A registration segment's state.
+enum SegState {
+    /// Not registered yet.
+    Pending,
+    /// Registered.
+    Ready(Arc<dyn HostRegistration>),
+    /// Registering it failed: its pieces go through staging.
+    Failed(String),
+}
+
+/// The registration segments of one load (shard, index of the segment in it),
+/// in the order the pieces first use them, registered ahead of the copies by the pinner
+/// threads. The registrations live until the table is dropped at the end of the load (every
+/// copy's completion also holds its registration until the copy is done).
+struct Segments {
+    /// Segment size, bytes.
+    size: u64,
+    /// The shards' paths, for messages.
+    paths: Vec<String>,
+    order: Vec<(usize, u64)>,
+    position: std::collections::HashMap<(usize, u64), usize>,
+    states: Mutex<Vec<SegState>>,
+    registered: std::sync::Condvar,
+    /// The next position in `order` for a pinner to take.
+    next: AtomicUsize,
+    /// Nanoseconds spent registering (all pinners).
+    register_ns: AtomicU64,
+}
+
+impl Segments {
+    fn new(work: &[Piece], size: u64, shards: &[SourceShard]) -> Self {
+        let mut order = Vec::new();
+        let mut position = std::collections::HashMap::new();
+        for p in work {
+            let key = (p.shard, p.offset / size);
+            position.entry(key).or_insert_with(|| {
+                order.push(key);
+                order.len() - 1
+            });
+        }
+        let states = order.iter().map(|_| SegState::Pending).collect();
+        Self {
+            size,
+            paths: shards.iter().map(|s| s.path.clone()).collect(),
+            order,
+            position,
+            states: Mutex::new(states),
+            registered: std::sync::Condvar::new(),
+            next: AtomicUsize::new(0),
+            register_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Registers segment `pos` with `device` and records the outcome.
+    fn register(&self, pos: usize, mems: &[Option<Arc<dyn HostMemory>>], device: &dyn Device) {
+        let Some(&(shard, seg)) = self.order.get(pos) else {
+            return;
+        };
+        let t = Instant::now();
+        let state = (|| {
+            let mem = mems
+                .get(shard)
+                .and_then(Option::clone)
+                .ok_or_else(|| format!("shard {shard} has no host memory"))?;
+            let start = seg * self.size;
+            let len = (mem.as_bytes().len() as u64).saturating_sub(start).min(self.size);
+            let slice = usize::try_from(start)
+                .ok()
+                .zip(usize::try_from(len).ok())
+                .and_then(|(start, len)| crate::device::HostSlice::new(mem, start, len))
+                .ok_or_else(|| format!("segment {seg} of shard {shard} is outside its mapping"))?;
+            device
+                .register_host(Arc::new(slice))
+                .map_err(|e| {
+                    let path = self.paths.get(shard).map_or("?", String::as_str);
+                    format!("registering shard {path} (bytes {start}..{}): {e}", start + len)
+                })
+        })();
+        add_ns(&self.register_ns, t.elapsed());
+        let state = match state {
+            Ok(r) => SegState::Ready(r),
+            Err(why) => SegState::Failed(why),
+        };
+        if let Some(s) = self.states.lock().unwrap_or_else(PoisonError::into_inner).get_mut(pos) {
+            *s = state;
+        }
+        self.registered.notify_all();
+    }
+
+    /// Registers segments in order until none is left or `stop` is set.
+    fn pin_ahead(&self, mems: &[Option<Arc<dyn HostMemory>>], device: &dyn Device, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            let pos = self.next.fetch_add(1, Ordering::Relaxed);
+            if pos >= self.order.len() {
+                break;
+            }
+            self.register(pos, mems, device);
+        }
+    }
+
+    /// The registration of `piece`'s segment and the piece's offset in it
+    /// ([`From::Registered`]), waiting while it is pending (`Ok(None)` when `stop` was set
+    /// meanwhile); `Err` when registering it failed.
+    fn of(&self, piece: &Piece, stop: &AtomicBool) -> Result<Option<From>, String> {
+        let seg = piece.offset / self.size;
+        let Some(&pos) = self.position.get(&(piece.shard, seg)) else {
+            return Err(format!("no registration segment for shard {}", piece.shard));
+        };
+        let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match states.get(pos) {
+                Some(SegState::Ready(r)) => {
+                    let off = piece.offset - seg * self.size;
+                    return Ok(Some(From::Registered(r.clone(), off)));
+                }
+                Some(SegState::Failed(why)) => return Err(why.clone()),
+                Some(SegState::Pending) if !stop.load(Ordering::Relaxed) => {
+                    states = self
+                        .registered
+                        .wait_timeout(states, Duration::from_millis(200))
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+                _ => return Ok(None),
+            }
+        }
+    }
 }
 
 fn add_ns(counter: &AtomicU64, d: Duration) {
@@ -447,6 +600,12 @@ pub fn load_map(
     let Some(primary) = targets.first() else {
         return Err(LoadError::Invalid("no target GPU".into()));
     };
+    if opts.register_segment == 0 || opts.register_segment % 4096 != 0 {
+        return Err(LoadError::Invalid(format!(
+            "register_segment must be a positive multiple of 4096, got {}",
+            opts.register_segment
+        )));
+    }
     if opts.staging_buffers == 0 || opts.staging_size == 0 {
         return Err(LoadError::Invalid(
             "the staging ring needs buffers of some size".into(),
@@ -467,48 +626,65 @@ pub fn load_map(
         let d = targets[i].device.info();
         d.peers.iter().any(|(p, _)| *p == pidx) && d.kind == primary.device.info().kind
     });
+    let host_fed: Vec<&Arc<dyn Device>> = host_sibs.iter().map(|&i| &targets[i].device).collect();
+    let mems = host_memories(source, map, &primary.device, &host_fed, opts);
     // Pieces are the calibrated transfer size (the elbow) on both paths: on the registered
-    // path a piece coalesces the verified chunks under it into one copy.
-    let work = pieces(layout, map, source.shards(), opts.staging_size as u64)?;
+    // path a piece coalesces the verified chunks under it into one copy, and never crosses
+    // a registration segment.
+    let cut = mems.is_ok().then_some(opts.register_segment);
+    let work = pieces(layout, map, source.shards(), opts.staging_size as u64, cut)?;
     let total: u64 = map.bytes;
     let t0 = Instant::now();
 
-    let host_fed: Vec<&Arc<dyn Device>> = host_sibs.iter().map(|&i| &targets[i].device).collect();
-    let registered = register(source, map, &primary.device, &host_fed, opts);
-    let register_s = t0.elapsed().as_secs_f64();
-    let (regs, fallback_reason) = match registered {
-        Ok(r) => (Some(r), None),
+    // The first segment decides the path: registered when it registers (the pinners then
+    // register the others ahead of the copies), else the staging ring for the whole load.
+    let direct = mems.and_then(|mems| {
+        let segs = Segments::new(&work, opts.register_segment, source.shards());
+        if !segs.order.is_empty() {
+            segs.next.store(1, Ordering::Relaxed);
+            segs.register(0, &mems, &*primary.device);
+            let states = segs.states.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(SegState::Failed(why)) = states.first() {
+                return Err(why.clone());
+            }
+        }
+        Ok((mems, segs))
+    });
+    let (direct, fallback_reason) = match direct {
+        Ok(d) => (Some(d), None),
         Err(why) => (None, Some(why)),
     };
-    let copy_streams = if regs.is_some() {
+    let copy_streams = if direct.is_some() {
         opts.copy_streams.clamp(1, MAX_COPY_STREAMS)
     } else {
         1
     };
-    match &fallback_reason {
-        None => tracing::info!(
+    match (&fallback_reason, &direct) {
+        (None, Some((_, segs))) => tracing::info!(
             device = primary.device.info().index,
-            register_s,
+            segments = segs.order.len(),
+            first_segment_s = segs.register_ns.load(Ordering::Relaxed) as f64 / 1e9,
             copy_streams,
             "host → GPU path: registered (copies straight from the mapped shards)"
         ),
-        Some(why) if !opts.register_host => {
+        (Some(why), _) if !opts.register_host => {
             tracing::info!(reason = %why, "host → GPU path: staging")
         }
-        Some(why) => tracing::warn!(
+        (Some(why), _) => tracing::warn!(
             reason = %why,
             "host → GPU path: staging (registering the shards' memory failed or is impossible)"
         ),
+        (None, None) => {}
     }
     // The ring: staging buffers, or on the registered path empty slots bounding the copies
     // in flight (enough to keep every stream busy).
-    let slots = match regs {
+    let slots = match direct {
         Some(_) => opts.staging_buffers.max(4 * copy_streams),
         None => opts.staging_buffers,
     };
     let (free_tx, free_rx) = mpsc::sync_channel::<Option<Box<dyn Staging>>>(slots);
     for _ in 0..slots {
-        let b = match regs {
+        let b = match direct {
             Some(_) => None,
             None => Some(primary.device.alloc_staging(opts.staging_size)?),
         };
@@ -529,9 +705,21 @@ pub fn load_map(
     let waited_staging_ns = AtomicU64::new(0);
     let next_piece = AtomicUsize::new(0);
     let fillers = opts.fill_threads.clamp(1, slots);
-    let regs = regs.as_deref();
+    // On the registered path: time the fillers waited for a segment's registration, bytes
+    // that went through a filler's own staging buffer because their segment failed to
+    // register, and the first such failure.
+    let waited_register_ns = AtomicU64::new(0);
+    let staged_bytes = AtomicU64::new(0);
+    let partial: Mutex<Option<String>> = Mutex::new(None);
+    let segs = direct.as_ref().map(|(_, s)| s);
 
     std::thread::scope(|scope| {
+        // Pinners: register the remaining segments ahead of the copies.
+        if let Some((mems, segs)) = &direct {
+            for _ in 0..PINNERS {
+                scope.spawn(|| segs.pin_ahead(mems, &*primary.device, &progress.cancel));
+            }
+        }
         let (staged_tx, staged_rx) = mpsc::sync_channel::<Staged>(slots);
         let (peer_tx, peer_rx) = mpsc::sync_channel::<(u64, usize, Box<dyn Completion>)>(slots * 4);
 
@@ -612,7 +800,12 @@ pub fn load_map(
             let (free_rx, next_piece, work, fail) = (&free_rx, &next_piece, &work, &fail);
             let (waited_data_ns, waited_staging_ns, host_sibs) =
                 (&waited_data_ns, &waited_staging_ns, &host_sibs);
+            let (waited_register_ns, staged_bytes, partial) =
+                (&waited_register_ns, &staged_bytes, &partial);
             move || {
+                // A staging buffer of this filler's own, made only when a segment failed to
+                // register.
+                let mut own: Option<Box<dyn Staging>> = None;
                 loop {
                     if progress.cancel.load(Ordering::Relaxed) {
                         break;
@@ -680,11 +873,49 @@ pub fn load_map(
                         break;
                     }
                     let n = piece.len as usize;
-                    let filled = match (&mut b, regs) {
-                        (Some(b), _) => {
+                    // Where the piece's bytes come from.
+                    let from = match (&b, segs) {
+                        (Some(_), _) => From::Ring,
+                        (None, Some(segs)) => {
+                            let w = Instant::now();
+                            let r = segs.of(piece, &progress.cancel);
+                            add_ns(waited_register_ns, w.elapsed());
+                            match r {
+                                Ok(Some(from)) => from,
+                                Ok(None) => break,
+                                Err(why) => {
+                                    partial
+                                        .lock()
+                                        .unwrap_or_else(PoisonError::into_inner)
+                                        .get_or_insert(why);
+                                    From::Own
+                                }
+                            }
+                        }
+                        (None, None) => {
+                            fail(LoadError::Invalid(
+                                "a slot without a staging buffer on the staging path".into(),
+                            ));
+                            break;
+                        }
+                    };
+                    if matches!(from, From::Own) && own.is_none() {
+                        match primary.device.alloc_staging(opts.staging_size) {
+                            Ok(o) => own = Some(o),
+                            Err(e) => {
+                                fail(e.into());
+                                break;
+                            }
+                        }
+                    }
+                    let filled = match (&from, &mut b, &mut own) {
+                        (From::Registered(..), _, _) => {
+                            source.check_direct(piece.shard, piece.offset, piece.len)
+                        }
+                        (From::Ring, Some(b), _) | (From::Own, _, Some(b)) => {
                             source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n])
                         }
-                        (None, _) => source.check_direct(piece.shard, piece.offset, piece.len),
+                        _ => Err(std::io::Error::other("no buffer for the piece")),
                     };
                     if let Err(e) = filled {
                         fail(LoadError::Io {
@@ -699,36 +930,28 @@ pub fn load_map(
                         for &t in std::iter::once(&0).chain(host_sibs.iter()) {
                             let dst = targets[t].span.sub(at, piece.len)?;
                             let dev = &targets[t].device;
-                            let c = match (&b, regs) {
-                                (Some(b), _) => dev.copy_htod(dst, &**b)?,
-                                (None, Some(regs)) => {
-                                    let reg = regs
-                                        .get(piece.shard)
-                                        .and_then(Option::as_ref)
-                                        .ok_or_else(|| {
-                                            GpuError::Invalid(format!(
-                                                "shard {} was not registered",
-                                                piece.shard
-                                            ))
-                                        })?;
-                                    dev.copy_htod_registered(
-                                        dst,
-                                        reg,
-                                        piece.offset,
-                                        seq % copy_streams,
-                                    )?
+                            let c = match (&from, &b, &own) {
+                                (From::Registered(reg, off), _, _) => {
+                                    dev.copy_htod_registered(dst, reg, *off, seq % copy_streams)?
                                 }
-                                (None, None) => {
-                                    return Err(GpuError::Invalid(
-                                        "a slot without a staging buffer on the staging path"
-                                            .into(),
-                                    ));
+                                (From::Ring, Some(b), _) => dev.copy_htod(dst, &**b)?,
+                                (From::Own, _, Some(o)) => {
+                                    // The filler's own buffer is refilled for its next piece:
+                                    // wait for the copy here.
+                                    dev.copy_htod(dst, &**o)?.wait()?;
+                                    continue;
+                                }
+                                _ => {
+                                    return Err(GpuError::Invalid("no buffer for the piece".into()));
                                 }
                             };
                             completions.push(c);
                         }
                         Ok::<_, GpuError>(())
                     })();
+                    if matches!(from, From::Own) && issued.is_ok() {
+                        staged_bytes.fetch_add(piece.len, Ordering::Relaxed);
+                    }
                     if let Err(e) = issued {
                         // Wait what was issued before the buffer goes away.
                         for c in completions {
@@ -760,6 +983,14 @@ pub fn load_map(
         return Err(LoadError::Cancelled);
     }
     let elapsed_s = t0.elapsed().as_secs_f64();
+    let fallback_reason = match partial.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        Some(why) => {
+            let staged = staged_bytes.load(Ordering::Relaxed);
+            tracing::warn!(reason = %why, staged, "some segments failed to register: their bytes went through staging");
+            Some(format!("{why} ({staged} bytes went through staging)"))
+        }
+        None => fallback_reason,
+    };
     Ok(LoadReport {
         bytes: total,
         elapsed_s,
@@ -773,13 +1004,28 @@ pub fn load_map(
         waited_for_staging_s: waited_staging_ns.load(Ordering::Relaxed) as f64 / 1e9,
         peer_siblings: peer_sibs.len(),
         host_siblings: host_sibs.len(),
-        host_path: if regs.is_some() {
+        host_path: if direct.is_some() {
             HostPath::Registered
         } else {
             HostPath::Staging
         },
         fallback_reason,
-        register_s: if regs.is_some() { register_s } else { 0.0 },
+        register_s: segs.map_or(0.0, |s| s.register_ns.load(Ordering::Relaxed) as f64 / 1e9),
+        waited_for_register_s: waited_register_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        staged_bytes: match direct {
+            Some(_) => staged_bytes.load(Ordering::Relaxed),
+            None => total,
+        },
         copy_streams,
     })
+}
+
+/// Where a piece's bytes are copied from.
+enum From {
+    /// A staging buffer of the ring.
+    Ring,
+    /// A registration, at this offset in it.
+    Registered(Arc<dyn HostRegistration>, u64),
+    /// The filler's own staging buffer (its segment failed to register).
+    Own,
 }

@@ -169,6 +169,8 @@ pub struct SimDevice {
     external: AtomicU64,
     /// Refuse host memory registrations.
     refuse_registration: AtomicBool,
+    /// Registrations still accepted before refusing (`u64::MAX`: no limit).
+    registrations_left: AtomicU64,
     stream: Mutex<mpsc::Sender<Op>>,
 }
 
@@ -223,6 +225,7 @@ pub fn devices(opts: &SimOptions) -> Result<Vec<Arc<SimDevice>>, GpuError> {
             regions: Mutex::default(),
             external: AtomicU64::new(0),
             refuse_registration: AtomicBool::new(opts.refuse_registration),
+            registrations_left: AtomicU64::new(u64::MAX),
             stream: Mutex::new(tx),
         }));
     }
@@ -389,6 +392,12 @@ impl SimDevice {
     /// might; the loader then falls back to its staging ring. For tests.
     pub fn set_refuse_registration(&self, refuse: bool) {
         self.refuse_registration.store(refuse, Ordering::Relaxed);
+    }
+
+    /// Accepts `n` more host memory registrations, then refuses the others (as a driver out
+    /// of pinnable memory might, part-way through a load). For tests.
+    pub fn refuse_registration_after(&self, n: u64) {
+        self.registrations_left.store(n, Ordering::Relaxed);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Regions> {
@@ -601,7 +610,15 @@ impl Device for SimDevice {
         &self,
         memory: Arc<dyn HostMemory>,
     ) -> Result<Arc<dyn HostRegistration>, GpuError> {
-        if self.refuse_registration.load(Ordering::Relaxed) {
+        let allowed = self
+            .registrations_left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| match n {
+                u64::MAX => Some(n),
+                0 => None,
+                n => Some(n - 1),
+            })
+            .is_ok();
+        if self.refuse_registration.load(Ordering::Relaxed) || !allowed {
             return Err(GpuError::Device {
                 device: self.info.index,
                 message: "host memory registration refused (simulated driver error)".into(),

@@ -440,7 +440,13 @@ fn the_registered_path_lands_every_byte_over_peers_host_siblings_and_streams() {
     let (_files_dir, files) = shard_files(&data);
     let total: u64 = data.iter().map(|d| d.1.len() as u64).sum();
     // 3 GPUs with peer paths; 2 without (the sibling copies from the same registration).
-    for (nvlink, copy_streams) in [(2_000_000_000u64, 1), (2_000_000_000, 3), (0, 4)] {
+    // Segments of 128 MiB (one per shard), and of 256 KiB (several per shard: pieces are cut
+    // at their bounds, and pinned ahead of the copies).
+    for (nvlink, copy_streams, segment) in [
+        (2_000_000_000u64, 1, 128 << 20),
+        (2_000_000_000, 3, 256 << 10),
+        (0, 4, 256 << 10),
+    ] {
         let gpus = if nvlink > 0 { 3 } else { 2 };
         let r = rig(&data, gpus, 2_000_000_000, nvlink);
         let src = PacedSource::from_files(files.clone(), 256 << 10).unwrap();
@@ -450,11 +456,13 @@ fn the_registered_path_lands_every_byte_over_peers_host_siblings_and_streams() {
             staging_buffers: 3,
             staging_size: 1 << 20,
             copy_streams,
+            register_segment: segment,
             ..Default::default()
         };
         let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
         assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
         assert_eq!(rep.fallback_reason, None);
+        assert_eq!(rep.staged_bytes, 0);
         assert_eq!(rep.copy_streams, copy_streams);
         assert!(rep.register_s >= 0.0 && rep.register_s <= rep.elapsed_s);
         assert_eq!(rep.bytes, total);
@@ -541,6 +549,33 @@ fn a_refused_registration_falls_back_to_staging_and_says_why() {
         refusing.register_host(shard).unwrap().len(),
         data[0].1.len() as u64
     );
+}
+
+#[test]
+fn segments_that_fail_to_register_mid_load_go_through_staging() {
+    let data = model(&[3 << 20, 2 << 20 | 9]);
+    let (_files_dir, files) = shard_files(&data);
+    for gpus_nvlink in [(2, 2_000_000_000u64), (2, 0)] {
+        let r = rig(&data, gpus_nvlink.0, 2_000_000_000, gpus_nvlink.1);
+        // The first three 256 KiB segments register, the rest are refused.
+        r.sims[0].refuse_registration_after(3);
+        let src = PacedSource::from_files(files.clone(), 256 << 10).unwrap();
+        src.deliver(0, None);
+        let p = LoadProgress::new(r.layout.total, &[0, 1]);
+        let opts = LoadOptions {
+            staging_buffers: 4,
+            staging_size: 192 << 10,
+            register_segment: 256 << 10,
+            fill_threads: 3,
+            ..Default::default()
+        };
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+        assert!(rep.staged_bytes > 0 && rep.staged_bytes < rep.bytes - (512 << 10), "{rep:?}");
+        let why = rep.fallback_reason.clone().unwrap();
+        assert!(why.contains("refused") && why.contains("went through staging"), "{why}");
+        check_bytes(&r, &data);
+    }
 }
 
 fn files_of(dir: &tempfile::TempDir) -> Vec<PathBuf> {
