@@ -257,6 +257,13 @@ enum Cmd {
         /// Bytes registered (pinned) at a time on the registered path, ahead of the copies.
         #[arg(long, default_value = "128MiB", value_parser = parse_size)]
         register_segment: u64,
+        /// Least bytes per copy on the registered path (verified chunks are coalesced).
+        #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+        copy_size: u64,
+        /// Keep registrations between loads, as transferd does while a shard stays in the
+        /// memory tier (the PCIe pass then reuses those of its first pass).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        keep_registrations: bool,
         /// Directory for the model's shard files, which are mapped (memory-backed like the
         /// memory tier) [default: /dev/shm, else the temp dir].
         #[arg(long)]
@@ -525,6 +532,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             host_path,
             copy_streams,
             register_segment,
+            copy_size,
+            keep_registrations,
             model_dir,
             partitions,
             json,
@@ -545,6 +554,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 host_path,
                 copy_streams: usize::from(copy_streams),
                 register_segment,
+                copy_size: usize::try_from(copy_size)?,
+                keep_registrations,
                 model_dir,
             };
             let report =

@@ -1934,6 +1934,46 @@ mod tests {
             }
             d.free_region(span).expect("free");
         }
+        // Registrations kept between loads: the second load registers nothing; dropping the
+        // source (the mappings' owner) lets the cache unregister them.
+        let cache = crate::loader::RegistrationCache::new();
+        let opts = LoadOptions {
+            staging_size: 2 << 20,
+            register_segment: 16 << 20,
+            registrations: Some(cache.clone()),
+            ..LoadOptions::default()
+        };
+        let src = PacedSource::from_files(files.clone(), 1 << 20).expect("source");
+        src.deliver(0, None);
+        for pass in 0..2 {
+            let span = d.alloc_region(layout.total).expect("region");
+            let targets = [Target {
+                device: d.clone(),
+                span,
+            }];
+            let p = LoadProgress::new(layout.total, &[dev.info().index]);
+            let rep = load(&*src, &layout, &targets, &opts, &p).expect("load");
+            eprintln!(
+                "kept registrations, pass {pass}: {}",
+                serde_json::to_string(&rep).expect("json")
+            );
+            assert_eq!(rep.host_path, HostPath::Registered);
+            let reused = if pass == 0 { 0 } else { rep.registrations };
+            assert_eq!(rep.registrations_reused, reused, "{rep:?}");
+            for (slot, bytes) in layout.shards.iter().zip(&data) {
+                let got = d
+                    .read(span.sub(slot.offset, bytes.len() as u64).expect("span"))
+                    .expect("read");
+                assert!(got == *bytes, "{} differs (pass {pass})", slot.path);
+            }
+            d.free_region(span).expect("free");
+        }
+        drop(src);
+        assert_eq!(
+            cache.sweep(),
+            layout.shards.iter().map(|s| s.size).sum::<u64>()
+        );
+        assert_eq!(cache.registered_bytes(), 0);
     }
 
     #[test]
@@ -1961,8 +2001,7 @@ mod tests {
         let map: Arc<dyn HostMemory> = crate::mapped::MappedFile::open(&path).expect("map");
         for seg in [64usize << 20, 256 << 20, 1 << 30, 4 << 30] {
             for threads in [1usize, 2, 4, 8] {
-                let segs: Vec<(usize, usize)> =
-                    (0..len / seg).map(|k| (k * seg, seg)).collect();
+                let segs: Vec<(usize, usize)> = (0..len / seg).map(|k| (k * seg, seg)).collect();
                 let next = std::sync::atomic::AtomicUsize::new(0);
                 let regs = std::sync::Mutex::new(Vec::new());
                 let t0 = Instant::now();
@@ -1971,7 +2010,9 @@ mod tests {
                         s.spawn(|| {
                             loop {
                                 let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(&(start, n)) = segs.get(k) else { break };
+                                let Some(&(start, n)) = segs.get(k) else {
+                                    break;
+                                };
                                 let slice = HostSlice::new(map.clone(), start, n).expect("slice");
                                 let r = dev.register_host(Arc::new(slice)).expect("register");
                                 regs.lock().expect("lock").push(r);

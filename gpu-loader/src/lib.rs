@@ -5,7 +5,8 @@
 //! buffers, overlapped with the network transfer; sibling GPUs get peer copies over NVLink.
 //!
 //! * [`device`]: the device trait (one allocation per region, staging buffers, in-order copy
-//!   stream, events, peer copies, IPC handles) and its errors.
+//!   stream, events, peer copies, IPC handles, registered host memory copied from on a few
+//!   streams) and its errors.
 //! * [`cuda`]: the CUDA backend (cudarc with dynamic loading; "no CUDA driver" is a normal
 //!   condition, detected before the first driver call).
 //! * [`sim`]: the simulated backend: a tmpfs file per region, copies paced to PCIe and NVLink
@@ -15,7 +16,8 @@
 //!   ahead); locks against eviction during sibling copies.
 //! * [`index`]: the model's layout in its region and the tensor index from the safetensors
 //!   headers (direct tensor addressing).
-//! * [`loader`]: the streaming pipeline (issuer, completer, peer waiter).
+//! * [`loader`]: the streaming pipeline (fillers, completer, peer waiter; host memory
+//!   registered segment by segment, or the staging ring as the reported fallback).
 //! * [`source`]: a chunk source (heap memory or mapped files) verified at a paced rate
 //!   (benchmarks, tests).
 //! * [`mapped`]: read-only file maps as host memory a device can register (DMA straight

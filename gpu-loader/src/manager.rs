@@ -348,6 +348,11 @@ impl GpuManager {
     /// with no devices and a note saying why.
     pub fn open(cfg: &ManagerConfig) -> Self {
         let mut opts = cfg.load.clone();
+        // Shard mappings stay registered between loads while the memory tier holds them
+        // (see `RegistrationCache`): only a mapping's first load pays for pinning it.
+        if opts.register_host && opts.registrations.is_none() {
+            opts.registrations = Some(crate::loader::RegistrationCache::new());
+        }
         let mut calibrated = None;
         let (devices, note): (Vec<Arc<dyn Device>>, String) = match &cfg.backend {
             BackendChoice::None => (Vec::new(), "GPU loading disabled".into()),

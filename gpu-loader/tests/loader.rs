@@ -571,9 +571,15 @@ fn segments_that_fail_to_register_mid_load_go_through_staging() {
         };
         let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
         assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
-        assert!(rep.staged_bytes > 0 && rep.staged_bytes < rep.bytes - (512 << 10), "{rep:?}");
+        assert!(
+            rep.staged_bytes > 0 && rep.staged_bytes < rep.bytes - (512 << 10),
+            "{rep:?}"
+        );
         let why = rep.fallback_reason.clone().unwrap();
-        assert!(why.contains("refused") && why.contains("went through staging"), "{why}");
+        assert!(
+            why.contains("refused") && why.contains("went through staging"),
+            "{why}"
+        );
         check_bytes(&r, &data);
     }
 }
@@ -691,4 +697,39 @@ fn the_registered_path_copies_only_verified_chunks() {
     let p = LoadProgress::new(r.layout.total, &[0]);
     let e = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap_err();
     assert!(e.to_string().contains("upstream vanished"), "{e}");
+}
+
+#[test]
+fn kept_registrations_are_reused_and_released_with_their_mapping() {
+    let data = model(&[3 << 20, 1 << 20 | 5]);
+    let (_files_dir, files) = shard_files(&data);
+    let cache = gpu_loader::loader::RegistrationCache::new();
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 1 << 20,
+        register_segment: 1 << 20,
+        registrations: Some(cache.clone()),
+        ..Default::default()
+    };
+    let src = PacedSource::from_files(files.clone(), 256 << 10).unwrap();
+    src.deliver(0, None);
+    for pass in 0..2 {
+        let r = rig(&data, 1, 2_000_000_000, 0);
+        let p = LoadProgress::new(r.layout.total, &[0]);
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+        let segments: usize = data.iter().map(|d| d.1.len().div_ceil(1 << 20)).sum();
+        assert_eq!(rep.registrations, segments, "1 MiB segments: {rep:?}");
+        let reused = if pass == 0 { 0 } else { rep.registrations };
+        assert_eq!(rep.registrations_reused, reused, "pass {pass}: {rep:?}");
+        check_bytes(&r, &data);
+    }
+    let total: u64 = data.iter().map(|d| d.1.len() as u64).sum();
+    assert_eq!(cache.registered_bytes(), total);
+    // Still held by the source: kept.
+    assert_eq!(cache.sweep(), 0);
+    // The source (the owner of the mappings) is gone: released.
+    drop(src);
+    assert_eq!(cache.sweep(), total);
+    assert_eq!(cache.registered_bytes(), 0);
 }
