@@ -19,16 +19,24 @@
 //! # Host paths: registered or staging
 //!
 //! When the source's shards are mapped files ([`ChunkSource::host_memory`]: transferd's
-//! memory tier is files in tmpfs, mapped), the loader first registers each mapping with the
-//! first GPU ([`Device::register_host`], CUDA `cuMemHostRegister`), and the fillers issue
-//! copies straight from the mapping ([`Device::copy_htod_registered`]) on
-//! [`LoadOptions::copy_streams`] streams in turn: no CPU copy into staging, which caps the
-//! staging path at what the fillers' memcpy sustains. A piece is still copied only once the
-//! source says its chunks are verified (and after [`ChunkSource::check_direct`]), exactly as
-//! on the staging path; the ring's slots then only bound the copies in flight. When
-//! registration is off, impossible (a shard that is not a mapped file, a backend that cannot)
-//! or refused (a driver error), the load uses the staging ring, and [`LoadReport::host_path`]
-//! with [`LoadReport::fallback_reason`] says which path ran and why.
+//! memory tier is files in tmpfs, mapped), the loader registers the mappings with the first
+//! GPU ([`Device::register_host`], CUDA `cuMemHostRegister`) in
+//! [`LoadOptions::register_segment`] segments: the first before any copy (it decides the
+//! path), the others on two pinner threads a few segments ahead of the copies. The fillers
+//! issue copies of at least [`LoadOptions::copy_size`] straight from the mapping
+//! ([`Device::copy_htod_registered`]) on [`LoadOptions::copy_streams`] streams in turn: no
+//! CPU copy into staging, which caps the staging path at what the fillers' memcpy sustains.
+//! A piece is still copied only once the source says its chunks are verified (and after
+//! [`ChunkSource::check_direct`]), exactly as on the staging path; the ring's slots then only
+//! bound the copies in flight. With a [`RegistrationCache`] the registrations outlive the
+//! load, so only the first load of a mapping pays for pinning it (pinning is slower than the
+//! copies and, on CUDA, does not overlap them).
+//!
+//! When registration is off, impossible (a shard that is not a mapped file, a backend that
+//! cannot) or refused (a driver error) for the first segment, the load uses the staging
+//! ring; a later segment that fails goes through a filler's own staging buffer.
+//! [`LoadReport::host_path`] with [`LoadReport::fallback_reason`] says which path ran and
+//! why.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;

@@ -427,6 +427,13 @@ impl GpuManager {
         }
     }
 
+    /// Unregisters the host memory kept registered for loads (shard mappings) that nobody
+    /// but the manager holds any more (the store dropped the shard); returns the bytes.
+    /// Call it now and then: until then those pages stay pinned.
+    pub fn release_unused_registrations(&self) -> u64 {
+        self.opts.registrations.as_ref().map_or(0, |c| c.sweep())
+    }
+
     /// What the backend found (or why nothing).
     pub fn note(&self) -> &str {
         &self.note
