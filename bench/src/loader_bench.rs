@@ -9,7 +9,14 @@
 //!
 //! On a CUDA machine (`--backend cuda`) the report also gives the pipeline's host → device
 //! rate next to a plain pinned `cuMemcpyHtoD` peak measured in the same run.
+//!
+//! The model's shard files are written to a memory-backed directory (`/dev/shm` by default,
+//! `--model-dir`) and mapped, which is what transferd's memory tier is, so by default the
+//! loader takes its registered path (DMA straight from the mapped files); `--host-path
+//! staging` forces the staging ring. The report says which path ran (and why, after a
+//! fallback) and how long registering the mappings took.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,7 +24,8 @@ use anyhow::{Context, bail};
 use gpu_loader::cuda::{self, CudaDevice, CudaOptions};
 use gpu_loader::device::{Device, DeviceKind};
 use gpu_loader::index::{Layout, LoadMap, tensor_index, tensor_ranges};
-use gpu_loader::loader::{LoadOptions, LoadProgress, Target, load, load_map};
+use gpu_loader::loader::{HostPath, LoadOptions, LoadProgress, LoadReport, Target, load, load_map};
+use gpu_loader::mapped::MappedFile;
 use gpu_loader::pool::GpuPool;
 use gpu_loader::sim::{self, SimOptions};
 use gpu_loader::source::PacedSource;
@@ -50,6 +58,21 @@ pub struct LoaderOpts {
     pub fill_threads: usize,
     /// Partitions for the partitioned-load measurement (0 or 1: skipped).
     pub partitions: u32,
+    /// The host path to ask for: registered (falls back to staging if registration fails)
+    /// or staging.
+    pub host_path: HostPath,
+    /// Copy streams per GPU on the registered path.
+    pub copy_streams: usize,
+    /// Bytes registered at a time on the registered path.
+    pub register_segment: u64,
+    /// Least bytes per copy on the registered path.
+    pub copy_size: usize,
+    /// Keep registrations between loads (as transferd does while a shard stays in the
+    /// memory tier): the PCIe pass then reuses what its first pass registered.
+    pub keep_registrations: bool,
+    /// Where to write the model's shard files (memory-backed; `None`: `/dev/shm` when it
+    /// exists, else the temp dir).
+    pub model_dir: Option<PathBuf>,
 }
 
 /// A partitioned load with completion on one GPU, every chunk already in host memory
@@ -92,6 +115,13 @@ pub struct CudaFigures {
     pub pipeline_htod_bps: f64,
     /// pipeline / peak (target ≥ 0.9).
     pub ratio: f64,
+    /// Host path of the PCIe pass the rate is of.
+    pub host_path: HostPath,
+    /// The first PCIe pass's rate (the first load of the mappings: registering them is
+    /// included unless `--keep-registrations false` makes every load register), bytes/s.
+    pub first_load_htod_bps: f64,
+    /// first_load_htod_bps / peak.
+    pub first_load_ratio: f64,
     /// Transfer-size calibration (Torpor's elbow) and write-combined vs portable pinned.
     pub calibration: cuda::Calibration,
 }
@@ -107,6 +137,29 @@ pub struct LoaderReport {
     pub bytes: u64,
     /// Staging buffers × size.
     pub staging: String,
+    /// Where the model's shard files were (mapped read-only by the source).
+    pub model_dir: String,
+    /// Host path asked for (`--host-path`).
+    pub host_path_requested: HostPath,
+    /// Host path that ran in the PCIe pass (`registered` or `staging`).
+    pub host_path: HostPath,
+    /// Why staging ran instead of the registered path.
+    pub fallback_reason: Option<String>,
+    /// Seconds registering the mappings took in the PCIe pass (all pinner threads, mostly
+    /// overlapped with the copies).
+    pub register_s: f64,
+    /// Seconds the PCIe pass's fillers waited for registrations (summed over fillers).
+    pub waited_for_register_s: f64,
+    /// Copy streams per GPU used in the PCIe pass.
+    pub copy_streams: usize,
+    /// The PCIe pass's loader report (the second load of the same mapped files: with
+    /// kept registrations, nothing left to register).
+    pub pcie_report: LoadReport,
+    /// The first PCIe pass's loader report (warms the page cache and the allocator; on the
+    /// registered path it registers the mappings).
+    pub pcie_first_report: LoadReport,
+    /// The streamed pipeline's loader report.
+    pub pipeline_report: LoadReport,
     /// Stages alone.
     pub stages: Vec<Stage>,
     /// The streamed pipeline (all stages at once), seconds.
@@ -130,8 +183,25 @@ pub struct LoaderReport {
     pub partition: Option<PartitionFigures>,
 }
 
-fn model(opts: &LoaderOpts) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
-    let dir = tempfile::tempdir()?;
+/// The model: shard files in a memory-backed directory, mapped.
+struct Model {
+    dir: tempfile::TempDir,
+    /// (name, file) per shard, for sources.
+    files: Vec<(String, PathBuf)>,
+    /// (name, map) per shard, for checking what landed.
+    maps: Vec<(String, Arc<MappedFile>)>,
+}
+
+fn model(opts: &LoaderOpts) -> anyhow::Result<Model> {
+    let parent = match &opts.model_dir {
+        Some(d) => d.clone(),
+        None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
+        None => std::env::temp_dir(),
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("shardcast-loader-model-")
+        .tempdir_in(&parent)
+        .with_context(|| format!("a model directory in {}", parent.display()))?;
     let m = synth::generate(
         dir.path(),
         &SynthSpec {
@@ -139,15 +209,32 @@ fn model(opts: &LoaderOpts) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
             shards: opts.shards,
             seed: 3,
         },
-    )?;
-    m.files
+    )
+    .with_context(|| {
+        format!(
+            "writing the model into {} (too small? pick another with --model-dir)",
+            parent.display()
+        )
+    })?;
+    let files: Vec<(String, PathBuf)> = m
+        .files
         .iter()
-        .map(|(name, _)| {
-            let bytes =
-                std::fs::read(dir.path().join(name)).with_context(|| format!("reading {name}"))?;
-            Ok((name.clone(), bytes))
+        .map(|(name, _)| (name.clone(), dir.path().join(name)))
+        .collect();
+    let maps = files
+        .iter()
+        .map(|(name, path)| {
+            let map = MappedFile::open(path).with_context(|| format!("mapping {name}"))?;
+            Ok((name.clone(), map))
         })
-        .collect()
+        .collect::<anyhow::Result<_>>()?;
+    Ok(Model { dir, files, maps })
+}
+
+impl Model {
+    fn source(&self, chunk: u32) -> anyhow::Result<Arc<PacedSource>> {
+        PacedSource::from_files(self.files.clone(), chunk).context("mapping the model's files")
+    }
 }
 
 struct Gpus {
@@ -220,13 +307,18 @@ fn targets(g: &mut Gpus, label: &str, n: usize, total: u64) -> anyhow::Result<Ve
     Ok(out)
 }
 
-fn verify(targets: &[Target], layout: &Layout, data: &[(String, Vec<u8>)]) -> anyhow::Result<bool> {
+fn verify(
+    targets: &[Target],
+    layout: &Layout,
+    data: &[(String, Arc<MappedFile>)],
+) -> anyhow::Result<bool> {
     for t in targets {
-        for (slot, (_, bytes)) in layout.shards.iter().zip(data) {
+        for (slot, (_, map)) in layout.shards.iter().zip(data) {
+            let bytes = map.as_slice();
             let got = t
                 .device
                 .read(t.span.sub(slot.offset, bytes.len() as u64)?)?;
-            if got != *bytes {
+            if got != bytes {
                 return Ok(false);
             }
         }
@@ -236,12 +328,13 @@ fn verify(targets: &[Target], layout: &Layout, data: &[(String, Vec<u8>)]) -> an
 
 /// Runs the loader benchmark.
 pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
-    let data = model(opts)?;
-    let bytes: u64 = data.iter().map(|d| d.1.len() as u64).sum();
+    let m = model(opts)?;
+    let data = &m.maps;
+    let bytes: u64 = data.iter().map(|d| d.1.as_slice().len() as u64).sum();
     let layout = Layout::new(
         &data
             .iter()
-            .map(|(p, d)| (p.clone(), d.len() as u64))
+            .map(|(p, d)| (p.clone(), d.as_slice().len() as u64))
             .collect::<Vec<_>>(),
     );
     let mut g = open(opts, layout.total)?;
@@ -250,6 +343,13 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
         staging_buffers: opts.staging_buffers,
         staging_size: opts.staging_size,
         fill_threads: opts.fill_threads,
+        register_host: opts.host_path == HostPath::Registered,
+        copy_streams: opts.copy_streams,
+        register_segment: opts.register_segment,
+        copy_size: opts.copy_size,
+        registrations: opts
+            .keep_registrations
+            .then(gpu_loader::loader::RegistrationCache::new),
         ..LoadOptions::default()
     };
     let chunk = 1 << 20;
@@ -261,7 +361,7 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     };
 
     // Network alone.
-    let src = PacedSource::new(data.clone(), chunk);
+    let src = m.source(chunk)?;
     let net_s = src
         .deliver(opts.net_rate, None)
         .join()
@@ -270,21 +370,40 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     eprintln!("network alone: {net_s:.3} s");
 
     // PCIe alone: every chunk already verified, one GPU. The first pass warms the host's
-    // allocator and page cache (this VM pays heavily for first-touch pages) and is not kept.
-    let src = PacedSource::new(data.clone(), chunk);
+    // allocator and page cache (this VM pays heavily for first-touch pages) and, on the
+    // registered path, registers the mappings (kept for the second pass, as transferd keeps
+    // them while the shards stay in the memory tier); it is reported on its own.
+    let src = m.source(chunk)?;
     src.deliver(0, None)
         .join()
         .map_err(|_| anyhow::anyhow!("pacer panicked"))?;
-    let mut rep = None;
-    for pass in ["warm-up", "pcie"] {
+    let mut reps = Vec::new();
+    for pass in ["first", "pcie"] {
         let t = targets(&mut g, pass, 1, layout.total)?;
         let p = LoadProgress::new(bytes, &[t[0].device.info().index]);
-        rep = Some(load(&*src, &layout, &t, &lopts, &p)?);
+        reps.push(load(&*src, &layout, &t, &lopts, &p)?);
     }
-    let rep = rep.context("no PCIe pass ran")?;
-    stages.push(stage("pcie", rep.elapsed_s));
-    eprintln!("pcie alone: {:.3} s", rep.elapsed_s);
-    let pcie_bps = bytes as f64 / rep.elapsed_s;
+    let pcie_rep = reps.pop().context("no PCIe pass ran")?;
+    let first_rep = reps.pop().context("no first PCIe pass ran")?;
+    eprintln!(
+        "pcie, first load of the mapping: {:.3} s, host path {} (registering {:.3} s)",
+        first_rep.elapsed_s, first_rep.host_path, first_rep.register_s
+    );
+    stages.push(stage("pcie", pcie_rep.elapsed_s));
+    eprintln!(
+        "pcie alone: {:.3} s, host path {} (registering {:.3} s, waited for it {:.3} s, {} copy streams){}",
+        pcie_rep.elapsed_s,
+        pcie_rep.host_path,
+        pcie_rep.register_s,
+        pcie_rep.waited_for_register_s,
+        pcie_rep.copy_streams,
+        pcie_rep
+            .fallback_reason
+            .as_deref()
+            .map(|r| format!(", fell back: {r}"))
+            .unwrap_or_default()
+    );
+    let pcie_bps = bytes as f64 / pcie_rep.elapsed_s;
 
     // NVLink alone: the region of GPU 0 peer-copied to GPU 1 in staging-sized pieces.
     if two {
@@ -313,7 +432,7 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     // Everything at once.
     let n = if two { 2 } else { 1 };
     let t = targets(&mut g, "pipeline", n, layout.total)?;
-    let src = PacedSource::new(data.clone(), chunk);
+    let src = m.source(chunk)?;
     let gpus: Vec<u32> = t.iter().map(|t| t.device.info().index).collect();
     let p = LoadProgress::new(bytes, &gpus);
     let t0 = Instant::now();
@@ -322,16 +441,10 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     let pipeline_s = t0.elapsed().as_secs_f64();
     let _ = pacer.join();
     eprintln!("pipeline: {pipeline_s:.3} s ({rep:?})");
-    let verified = verify(&t, &layout, &data)?;
+    let verified = verify(&t, &layout, data)?;
 
     let partition = if opts.partitions > 1 {
-        Some(partitioned(
-            &mut g,
-            &data,
-            &layout,
-            &lopts,
-            opts.partitions,
-        )?)
+        Some(partitioned(&mut g, &m, &layout, &lopts, opts.partitions)?)
     } else {
         None
     };
@@ -354,6 +467,9 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
                 peak_htod_bps: peak,
                 pipeline_htod_bps: pcie_bps,
                 ratio: pcie_bps / peak,
+                host_path: pcie_rep.host_path,
+                first_load_htod_bps: bytes as f64 / first_rep.elapsed_s,
+                first_load_ratio: bytes as f64 / first_rep.elapsed_s / peak,
                 calibration,
             })
         }
@@ -367,9 +483,19 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
         devices: g.devices.iter().map(|d| d.info().name.clone()).collect(),
         bytes,
         staging: format!(
-            "{} × {} B, {} fill threads",
-            opts.staging_buffers, opts.staging_size, opts.fill_threads
+            "{} × {} B, {} fill threads; registered path: copies of at least {} B",
+            opts.staging_buffers,
+            opts.staging_size,
+            opts.fill_threads,
+            opts.copy_size.max(opts.staging_size)
         ),
+        model_dir: m.dir.path().display().to_string(),
+        host_path_requested: opts.host_path,
+        host_path: pcie_rep.host_path,
+        fallback_reason: pcie_rep.fallback_reason.clone(),
+        register_s: pcie_rep.register_s,
+        waited_for_register_s: pcie_rep.waited_for_register_s,
+        copy_streams: pcie_rep.copy_streams,
         stages,
         pipeline_s,
         bound_s,
@@ -380,6 +506,9 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
         verified,
         cuda,
         partition,
+        pcie_report: pcie_rep,
+        pcie_first_report: first_rep,
+        pipeline_report: rep,
     })
 }
 
@@ -387,14 +516,15 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
 /// loads the last part first, then the rest, onto one GPU.
 fn partitioned(
     g: &mut Gpus,
-    data: &[(String, Vec<u8>)],
+    m: &Model,
     layout: &Layout,
     lopts: &LoadOptions,
     p: u32,
 ) -> anyhow::Result<PartitionFigures> {
     use shardcast_policies::profile::{Bandwidths, group_of, profile_from_tensors};
+    let data = &m.maps;
     let index = tensor_index(layout, |i, off, len| {
-        Ok(data[i].1[off as usize..off as usize + len].to_vec())
+        Ok(data[i].1.as_slice()[off as usize..off as usize + len].to_vec())
     })?;
     let tensors: Vec<(String, u64)> = index.iter().map(|t| (t.name.clone(), t.nbytes)).collect();
     let profile = profile_from_tensors("bench", &tensors, &Bandwidths::default());
@@ -412,7 +542,7 @@ fn partitioned(
     }
     let ranges = tensor_ranges(layout, &index, |n| part.contains(&group_of(n)));
     let map = LoadMap::partition(layout, &ranges, true);
-    let src = PacedSource::new(data.to_vec(), 1 << 20);
+    let src = m.source(1 << 20)?;
     src.deliver(0, None)
         .join()
         .map_err(|_| anyhow::anyhow!("pacer panicked"))?;

@@ -247,6 +247,27 @@ enum Cmd {
         /// Threads filling staging buffers [default: the CPU count, at most 4].
         #[arg(long)]
         fill_threads: Option<usize>,
+        /// Host → GPU path: registered (DMA straight from the mapped model files; falls
+        /// back to staging if the device refuses to register them) or staging.
+        #[arg(long, default_value = "registered", value_parser = parse_host_path)]
+        host_path: gpu_loader::loader::HostPath,
+        /// Copy streams per GPU on the registered path (1 to 8).
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=8))]
+        copy_streams: u8,
+        /// Bytes registered (pinned) at a time on the registered path, ahead of the copies.
+        #[arg(long, default_value = "128MiB", value_parser = parse_size)]
+        register_segment: u64,
+        /// Least bytes per copy on the registered path (verified chunks are coalesced).
+        #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+        copy_size: u64,
+        /// Keep registrations between loads, as transferd does while a shard stays in the
+        /// memory tier (the PCIe pass then reuses those of its first pass).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        keep_registrations: bool,
+        /// Directory for the model's shard files, which are mapped (memory-backed like the
+        /// memory tier) [default: /dev/shm, else the temp dir].
+        #[arg(long)]
+        model_dir: Option<PathBuf>,
         /// Also measure a partitioned load: the last of this many partitions first, then
         /// completion (0: skip).
         #[arg(long, default_value_t = 4)]
@@ -508,6 +529,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             staging_buffers,
             staging_size,
             fill_threads,
+            host_path,
+            copy_streams,
+            register_segment,
+            copy_size,
+            keep_registrations,
+            model_dir,
             partitions,
             json,
         } => {
@@ -524,6 +551,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 fill_threads: fill_threads
                     .unwrap_or_else(|| gpu_loader::loader::LoadOptions::default().fill_threads),
                 partitions,
+                host_path,
+                copy_streams: usize::from(copy_streams),
+                register_segment,
+                copy_size: usize::try_from(copy_size)?,
+                keep_registrations,
+                model_dir,
             };
             let report =
                 tokio::task::spawn_blocking(move || shardcast_bench::loader_bench::run(&opts))
@@ -596,4 +629,13 @@ fn emit<T: serde::Serialize>(report: &T, json: Option<PathBuf>) -> anyhow::Resul
         scenario::write_json(&path, report)?;
     }
     Ok(())
+}
+
+/// `--host-path`: `registered` or `staging`.
+fn parse_host_path(v: &str) -> Result<gpu_loader::loader::HostPath, String> {
+    match v {
+        "registered" => Ok(gpu_loader::loader::HostPath::Registered),
+        "staging" => Ok(gpu_loader::loader::HostPath::Staging),
+        other => Err(format!("expected registered or staging, got {other:?}")),
+    }
 }

@@ -7,7 +7,10 @@
 //! (`cuMemAlloc`, freed with `cuMemFree` when the model is evicted; nothing at start),
 //! pinned staging buffers (`cuMemHostAlloc`), issues host → device and peer copies on its
 //! stream with an event per copy as the [`Completion`], reads memory back for verification,
-//! and hands regions to consumer processes as CUDA IPC handles. [`calibrate`] and
+//! and hands regions to consumer processes as CUDA IPC handles. It also registers host
+//! memory (`cuMemHostRegister`, portable, read-only for read-only maps: the memory tier's
+//! shard mappings) so copies DMA straight from it, on a few extra copy streams made on first
+//! use (see "Registered host memory" below). [`calibrate`] and
 //! [`peak_htod`] measure the host → device path (the copy-size "elbow" of Torpor §4.3 and the
 //! plain pinned reference rate).
 //!
@@ -53,6 +56,21 @@
 //!   fallback tends to give every GPU its own id: it under-reports sharing (conservative for
 //!   interference-aware placement), and never groups GPUs that do not share a bus.
 //!
+//! # Registered host memory
+//!
+//! [`Device::register_host`] page-locks a [`HostMemory`] (a read-only file map) with
+//! `cuMemHostRegister` and `CU_MEMHOSTREGISTER_PORTABLE` (usable from every context, so
+//! sibling GPUs fed from the host copy from the same registration) plus
+//! `CU_MEMHOSTREGISTER_READ_ONLY` when the memory is read-only (required to pin a
+//! `PROT_READ` map on most platforms; when the driver refuses the flag, registration is
+//! tried once without it). `CU_MEMHOSTREGISTER_DEVICEMAP` is not asked for: the loader only
+//! issues DMA copies, never kernels reading host memory. The [`CudaRegistration`] holds an
+//! `Arc` of the memory, and every copy's completion holds the registration until the copy
+//! has finished (a completion dropped without waiting synchronises its event first), so
+//! `cuMemHostUnregister` (on the registration's drop) runs after every copy from it, and the
+//! mapping is released after that. Registration pins every page: its time grows with the
+//! mapping's size and the loader reports it.
+//!
 //! # Unsafe code
 //!
 //! All `unsafe` of the loader is confined to this module (the workspace denies it
@@ -78,14 +96,19 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 use std::ptr::{self, NonNull};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
 use cudarc::driver::sys::{self, CUresult};
 
 use crate::device::{
-    Completion, DevSpan, Device, DeviceInfo, DeviceKind, GpuError, IpcHandle, Staging,
+    Completion, DevSpan, Device, DeviceInfo, DeviceKind, GpuError, HostMemory, HostRegistration,
+    IpcHandle, Staging,
 };
+use crate::loader::MAX_COPY_STREAMS;
+
+/// The smallest page size: registered memory must start on a page (a file map always does).
+const MIN_PAGE: usize = 4096;
 
 /// Whether the CUDA driver library can be loaded, checked without calling into cudarc
 /// (whose first call panics when the library is missing).
@@ -514,11 +537,22 @@ impl Staging for CudaStaging {
 }
 
 /// A copy in flight on a CUDA stream: an event recorded after it.
-#[derive(Debug)]
 struct CudaCompletion {
     /// The event; null once destroyed.
     event: sys::CUevent,
     ctx: Arc<Context>,
+    /// The registered host memory the copy reads, kept registered (and mapped) until the
+    /// copy is done: dropped only after the event was waited.
+    keep: Option<Arc<dyn HostRegistration>>,
+}
+
+impl std::fmt::Debug for CudaCompletion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCompletion")
+            .field("event", &self.event)
+            .field("registered_source", &self.keep.is_some())
+            .finish()
+    }
 }
 
 // SAFETY: a CUevent is an opaque driver handle usable from any thread with its context current
@@ -556,8 +590,126 @@ impl Completion for CudaCompletion {
 
 impl Drop for CudaCompletion {
     fn drop(&mut self) {
+        // Dropped without waiting while it keeps registered memory: the copy must finish
+        // before the registration can go (it is released right after this).
+        if self.keep.is_some() && !self.event.is_null() {
+            let event = self.event;
+            let synced = self.ctx.make_current().and_then(|()| {
+                // SAFETY: `event` is a live event of the current context (only `destroy`
+                // nulls it).
+                check(self.ctx.index, "cuEventSynchronize", || unsafe {
+                    sys::cuEventSynchronize(event)
+                })
+            });
+            if let Err(e) = synced {
+                tracing::warn!(device = self.ctx.index, error = %e, "waiting a dropped copy from registered memory");
+            }
+        }
         if let Err(e) = self.destroy() {
             tracing::warn!(device = self.ctx.index, error = %e, "destroying a copy event");
+        }
+    }
+}
+
+/// Host memory registered with `cuMemHostRegister` (see the module docs); unregistered on
+/// drop, which comes after every copy from it finished.
+pub struct CudaRegistration {
+    /// Address of the first registered byte (the memory's), for checks and the unregister.
+    addr: usize,
+    /// Bytes registered.
+    len: usize,
+    /// The `cuMemHostRegister` flags that succeeded.
+    flags: c_uint,
+    /// Seconds the registration (page pinning) took.
+    register_s: f64,
+    /// The context it was registered in (current for the unregister).
+    ctx: Arc<Context>,
+    /// What keeps the bytes mapped; released after the unregister (fields drop after
+    /// `Drop::drop`).
+    memory: Arc<dyn HostMemory>,
+}
+
+impl std::fmt::Debug for CudaRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaRegistration")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("flags", &self.flags)
+            .field("register_s", &self.register_s)
+            .finish()
+    }
+}
+
+impl CudaRegistration {
+    /// Whether it was registered `CU_MEMHOSTREGISTER_READ_ONLY`.
+    pub fn read_only(&self) -> bool {
+        self.flags & sys::CU_MEMHOSTREGISTER_READ_ONLY != 0
+    }
+
+    /// Seconds `cuMemHostRegister` took (pinning every page).
+    pub fn register_s(&self) -> f64 {
+        self.register_s
+    }
+
+    /// The registered bytes `offset .. offset + len`, after checking that the memory is
+    /// still where it was registered.
+    fn range(&self, offset: usize, len: usize) -> Result<&[u8], GpuError> {
+        let bytes = self.memory.as_bytes();
+        if bytes.as_ptr() as usize != self.addr || bytes.len() != self.len {
+            return Err(GpuError::Invalid(
+                "registered host memory moved since it was registered".into(),
+            ));
+        }
+        offset
+            .checked_add(len)
+            .and_then(|end| bytes.get(offset..end))
+            .ok_or_else(|| {
+                GpuError::Invalid(format!(
+                    "copy of {len} bytes at {offset} from a registration of {} bytes",
+                    self.len
+                ))
+            })
+    }
+}
+
+impl HostRegistration for CudaRegistration {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn device(&self) -> u32 {
+        self.ctx.index
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl Drop for CudaRegistration {
+    fn drop(&mut self) {
+        let p = self.memory.as_bytes().as_ptr().cast_mut().cast::<c_void>();
+        if p as usize != self.addr {
+            tracing::warn!(
+                device = self.ctx.index,
+                "registered host memory moved; not unregistering it"
+            );
+            return;
+        }
+        let index = self.ctx.index;
+        let result = self.ctx.make_current().and_then(|()| {
+            // SAFETY: `p` is the address registered by `cuMemHostRegister_v2` in
+            // `register_host` and is unregistered once here. No copy reads it any more: each
+            // copy's completion holds this registration until the copy finished (waited, or
+            // synchronised when dropped), and this runs when the last holder is gone. The
+            // memory itself stays mapped until `self.memory` is released after this.
+            check(index, "cuMemHostUnregister", || unsafe {
+                sys::cuMemHostUnregister(p)
+            })
+        });
+        match result {
+            Ok(()) => tracing::debug!(device = index, bytes = self.len, "host memory unregistered"),
+            Err(e) => tracing::warn!(device = index, error = %e, "unregistering host memory"),
         }
     }
 }
@@ -578,6 +730,11 @@ pub struct CudaDevice {
     // are freed, and the context is released last (every wrapper also holds an `Arc` of it).
     /// The copy stream.
     stream: Stream,
+    /// Extra copy streams for copies from registered memory (`stream` is number 0, these
+    /// 1, 2, …), made on first use, never removed before the device is dropped.
+    lanes: Mutex<Vec<Stream>>,
+    /// Create streams at the greatest priority.
+    stream_priority_high: bool,
     /// Live regions (one device allocation per model), freed by `free_region` or on drop.
     /// Read-locked from a span's check until its copy is enqueued; write-locked only to add
     /// or remove one.
@@ -635,7 +792,7 @@ impl CudaDevice {
     /// Waits until no copy issued so far can touch this device's memory: its own stream,
     /// and every context that may run peer copies reading from it.
     fn quiesce(&self) -> Result<(), GpuError> {
-        self.stream.synchronize()?;
+        self.sync_streams()?;
         for ctx in &self.peer_readers {
             ctx.make_current()?;
             // SAFETY: the context is current; no arguments.
@@ -646,8 +803,46 @@ impl CudaDevice {
         self.ctx.make_current()
     }
 
+    /// Waits for every copy stream of this device (the first and the extra ones).
+    fn sync_streams(&self) -> Result<(), GpuError> {
+        self.stream.synchronize()?;
+        for lane in self
+            .lanes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
+            lane.synchronize()?;
+        }
+        self.ctx.make_current()
+    }
+
+    /// Copy stream number `n` (modulo [`MAX_COPY_STREAMS`]): 0 is the first stream, the
+    /// others are made on first use. The handle stays valid while the device lives.
+    fn lane(&self, n: usize) -> Result<sys::CUstream, GpuError> {
+        let n = n % MAX_COPY_STREAMS;
+        if n == 0 {
+            return Ok(self.stream.raw);
+        }
+        let mut lanes = self.lanes.lock().unwrap_or_else(PoisonError::into_inner);
+        while lanes.len() < n {
+            lanes.push(Stream::create(&self.ctx, self.stream_priority_high)?);
+        }
+        Ok(lanes[n - 1].raw)
+    }
+
     /// Records an event on the copy stream, as the completion of the copies issued so far.
     fn record(&self) -> Result<Box<dyn Completion>, GpuError> {
+        self.record_on(self.stream.raw, None)
+    }
+
+    /// Records an event on `stream` (a live stream of this device, its context current), as
+    /// the completion of the copies issued on it so far; the completion keeps `keep`.
+    fn record_on(
+        &self,
+        stream: sys::CUstream,
+        keep: Option<Arc<dyn HostRegistration>>,
+    ) -> Result<Box<dyn Completion>, GpuError> {
         let index = self.info.index;
         let mut event: sys::CUevent = ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
@@ -659,8 +854,8 @@ impl CudaDevice {
         let completion = Box::new(CudaCompletion {
             event,
             ctx: Arc::clone(&self.ctx),
+            keep,
         });
-        let stream = self.stream.raw;
         // SAFETY: `event` and `stream` are live handles of the current context.
         check(index, "cuEventRecord", || unsafe {
             sys::cuEventRecord(event, stream)
@@ -831,6 +1026,123 @@ impl Device for CudaDevice {
         self.record()
     }
 
+    fn register_host(
+        &self,
+        memory: Arc<dyn HostMemory>,
+    ) -> Result<Arc<dyn HostRegistration>, GpuError> {
+        let index = self.info.index;
+        let bytes = memory.as_bytes();
+        let (addr, len) = (bytes.as_ptr() as usize, bytes.len());
+        if len == 0 {
+            return Err(GpuError::Invalid(
+                "registering 0 bytes of host memory".into(),
+            ));
+        }
+        if addr % MIN_PAGE != 0 {
+            return Err(GpuError::Unsupported(format!(
+                "host memory at {addr:#x} does not start on a page"
+            )));
+        }
+        let p = bytes.as_ptr().cast_mut().cast::<c_void>();
+        let portable = sys::CU_MEMHOSTREGISTER_PORTABLE;
+        let attempts: &[c_uint] = if memory.read_only() {
+            &[portable | sys::CU_MEMHOSTREGISTER_READ_ONLY, portable]
+        } else {
+            &[portable]
+        };
+        self.ctx.make_current()?;
+        let mut failures = Vec::new();
+        for &flags in attempts {
+            let start = Instant::now();
+            // SAFETY: `p .. p + len` is host memory mapped for as long as `memory` lives
+            // (the `HostMemory` contract), and the registration made from it below holds
+            // `memory` until after `cuMemHostUnregister`. The driver only pins the pages and
+            // records the range; with READ_ONLY it maps them read-only for the device, and
+            // without it nothing writes them either (only host → device copies read them).
+            // The context is current.
+            match call(|| unsafe { sys::cuMemHostRegister_v2(p, len, flags) }) {
+                Ok(()) => {
+                    let register_s = start.elapsed().as_secs_f64();
+                    tracing::debug!(
+                        device = index,
+                        bytes = len,
+                        flags,
+                        register_s,
+                        "host memory registered"
+                    );
+                    return Ok(Arc::new(CudaRegistration {
+                        addr,
+                        len,
+                        flags,
+                        register_s,
+                        ctx: Arc::clone(&self.ctx),
+                        memory,
+                    }));
+                }
+                Err(e) => failures.push(format!(
+                    "flags {flags:#x}: {}",
+                    cu_error(index, "cuMemHostRegister_v2", e)
+                )),
+            }
+        }
+        Err(GpuError::Device {
+            device: index,
+            message: format!(
+                "registering {len} bytes of host memory failed ({})",
+                failures.join("; ")
+            ),
+        })
+    }
+
+    fn copy_htod_registered(
+        &self,
+        dst: DevSpan,
+        src: &Arc<dyn HostRegistration>,
+        offset: u64,
+        stream: usize,
+    ) -> Result<Box<dyn Completion>, GpuError> {
+        let Some(reg) = src.as_any().downcast_ref::<CudaRegistration>() else {
+            return Err(GpuError::Unsupported(format!(
+                "copy to CUDA device {} from another backend's registration",
+                self.info.index
+            )));
+        };
+        let len = to_usize(dst.len)?;
+        let host = reg.range(to_usize(offset)?, len)?;
+        self.ctx.make_current()?;
+        let lane = self.lane(stream)?;
+        let regions = self.regions();
+        let dptr = self.resolve(&regions, &dst)?;
+        if len > 0 {
+            let host = host.as_ptr().cast::<c_void>();
+            // SAFETY: `host` has `len` readable bytes of registered (portable, so usable from
+            // this context) host memory (`range` checked them against the registration);
+            // `dptr` has `len` bytes inside a live region of this device (`resolve`; the
+            // region list stays read-locked until the copy is enqueued, and a freed region's
+            // copies are waited for before `cuMemFree`); `lane` is a live stream of the
+            // current context. The memory stays registered and mapped until the copy is
+            // done: the completion returned below holds the registration (if recording it
+            // fails, the stream is synchronised before returning).
+            check(self.info.index, "cuMemcpyHtoDAsync_v2", || unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dptr, host, len, lane)
+            })?;
+        }
+        drop(regions);
+        match self.record_on(lane, Some(Arc::clone(src))) {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                // No event to wait on: wait for the copy here, before the caller may drop
+                // the registration.
+                let raw = lane;
+                // SAFETY: `raw` is a live stream of the current context.
+                let _ = check(self.info.index, "cuStreamSynchronize", || unsafe {
+                    sys::cuStreamSynchronize(raw)
+                });
+                Err(e)
+            }
+        }
+    }
+
     fn copy_peer(
         &self,
         dst: DevSpan,
@@ -890,8 +1202,8 @@ impl Device for CudaDevice {
         let sptr = self.resolve(&regions, &src)?;
         let len = to_usize(src.len)?;
         // cuMemcpyDtoH runs on the legacy default stream, which does not wait for the
-        // non-blocking copy stream: wait for earlier copies explicitly.
-        self.stream.synchronize()?;
+        // non-blocking copy streams: wait for earlier copies explicitly.
+        self.sync_streams()?;
         let mut out = vec![0u8; len];
         if len > 0 {
             let host = out.as_mut_ptr().cast::<c_void>();
@@ -1073,6 +1385,8 @@ pub fn devices(opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, GpuError> {
                 pci_bus_id: o.pci_bus_id,
                 write_combined: opts.write_combined,
                 stream: o.stream,
+                lanes: Mutex::new(Vec::new()),
+                stream_priority_high: opts.stream_priority_high,
                 regions: RwLock::new(Vec::new()),
                 peer_readers,
                 ctx: o.ctx,
@@ -1450,6 +1764,273 @@ mod tests {
             ..region
         };
         assert!(matches!(dev.read(other_device), Err(GpuError::Invalid(_))));
+    }
+
+    /// A file of `len` patterned bytes in `dir`, mapped read-only.
+    fn mapped_pattern(dir: &Path, len: usize) -> Arc<crate::mapped::MappedFile> {
+        let path = dir.join("shard.bin");
+        let bytes: Vec<u8> = (0..len).map(|k| (k * 13 % 241) as u8).collect();
+        std::fs::write(&path, &bytes).expect("write the shard file");
+        crate::mapped::MappedFile::open(&path).expect("map the shard file")
+    }
+
+    /// Registers `map` on `dev`, copies pieces of it on several streams, reads them back;
+    /// then checks that dropping the registration unregistered the memory.
+    fn registered_round_trip(dev: &Arc<CudaDevice>, map: &Arc<crate::mapped::MappedFile>) {
+        let len = map.as_slice().len() as u64;
+        let mem: Arc<dyn HostMemory> = map.clone();
+        let reg = dev
+            .register_host(mem.clone())
+            .expect("register the mapping");
+        assert_eq!(reg.len(), len);
+        assert_eq!(reg.device(), dev.info().index);
+        let cuda_reg = reg
+            .as_any()
+            .downcast_ref::<CudaRegistration>()
+            .expect("a CUDA registration");
+        eprintln!(
+            "registered {len} bytes in {:.4} s, read-only flag: {}",
+            cuda_reg.register_s(),
+            cuda_reg.read_only()
+        );
+        // Registering the same memory again while it is registered is refused.
+        assert!(dev.register_host(mem.clone()).is_err());
+
+        let region = dev.alloc_region(len + (1 << 20)).expect("region");
+        let cases: [(u64, u64, u64); 6] = [
+            (0, 0, 4 << 20),
+            (4 << 20, 4 << 20, 4 << 20),
+            (123, 77, 1_000_003),
+            (len - 5, 1 << 20, 5),
+            (8 << 20, 9 << 20, len - (8 << 20)),
+            (0, 3, len),
+        ];
+        let mut pending = Vec::new();
+        for (k, &(src_off, dst_off, n)) in cases.iter().enumerate() {
+            let span = region.sub(dst_off, n).expect("span");
+            let c = dev
+                .copy_htod_registered(span, &reg, src_off, k)
+                .expect("copy from registered memory");
+            pending.push((span, src_off, n, c));
+        }
+        // Copies on different streams may overlap: check each on its own, after its wait.
+        for (span, src_off, n, c) in pending {
+            c.wait().expect("wait");
+            let want = &map.as_slice()[src_off as usize..(src_off + n) as usize];
+            // Later copies may have overwritten overlapping bytes: re-copy alone to check.
+            let c = dev
+                .copy_htod_registered(span, &reg, src_off, 1)
+                .expect("copy");
+            c.wait().expect("wait");
+            assert!(
+                dev.read(span).expect("read") == want,
+                "offset {src_off}, {n} bytes"
+            );
+        }
+        // Out of the registration, or past the region: refused, not copied.
+        assert!(matches!(
+            dev.copy_htod_registered(region.sub(0, 16).expect("span"), &reg, len - 8, 0),
+            Err(GpuError::Invalid(_))
+        ));
+        let past_end = DevSpan {
+            offset: len,
+            len: 2 << 20,
+            ..region
+        };
+        assert!(matches!(
+            dev.copy_htod_registered(past_end, &reg, 0, 0),
+            Err(GpuError::Invalid(_))
+        ));
+        // A completion dropped without waiting keeps the registration until its copy is
+        // done; then dropping the registration unregisters the memory, so it can be
+        // registered again.
+        drop(dev.copy_htod_registered(region.sub(0, len).expect("span"), &reg, 0, 2));
+        drop(reg);
+        let again = dev
+            .register_host(mem)
+            .expect("registered again after the unregister");
+        drop(again);
+        dev.free_region(region).expect("free");
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn registered_file_mapping_round_trip() {
+        let dev = &gpus()[0];
+        let dir = tempfile::tempdir().expect("temp dir");
+        let map = mapped_pattern(dir.path(), (16 << 20) + 123);
+        registered_round_trip(dev, &map);
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn registered_tmpfs_mapping_round_trip() {
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            eprintln!("skipped: no /dev/shm");
+            return;
+        }
+        let dev = &gpus()[0];
+        let dir = tempfile::tempdir_in(shm).expect("a directory in /dev/shm");
+        let map = mapped_pattern(dir.path(), (16 << 20) + 4096 + 5);
+        registered_round_trip(dev, &map);
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn loader_takes_the_registered_path_on_a_gpu() {
+        use crate::index::Layout;
+        use crate::loader::{HostPath, LoadOptions, LoadProgress, Target, load};
+        use crate::source::PacedSource;
+        let dev = Arc::clone(&gpus()[0]);
+        let base = if Path::new("/dev/shm").is_dir() {
+            tempfile::tempdir_in("/dev/shm")
+        } else {
+            tempfile::tempdir()
+        }
+        .expect("temp dir");
+        let sizes = [(24 << 20) + 17, 8 << 20, 3];
+        let mut files = Vec::new();
+        let mut data = Vec::new();
+        for (i, &n) in sizes.iter().enumerate() {
+            let bytes: Vec<u8> = (0..n)
+                .map(|k: usize| ((k * 7 + i * 31) % 251) as u8)
+                .collect();
+            let path = base.path().join(format!("shard-{i}"));
+            std::fs::write(&path, &bytes).expect("write");
+            files.push((format!("shard-{i}"), path));
+            data.push(bytes);
+        }
+        let layout = Layout::new(
+            &files
+                .iter()
+                .zip(&data)
+                .map(|((name, _), d)| (name.clone(), d.len() as u64))
+                .collect::<Vec<_>>(),
+        );
+        let d: Arc<dyn Device> = dev.clone();
+        for (register_host, want) in [(true, HostPath::Registered), (false, HostPath::Staging)] {
+            let span = d.alloc_region(layout.total).expect("region");
+            let targets = [Target {
+                device: d.clone(),
+                span,
+            }];
+            let src = PacedSource::from_files(files.clone(), 1 << 20).expect("source");
+            src.deliver(0, None);
+            let opts = LoadOptions {
+                staging_size: 2 << 20,
+                register_host,
+                ..LoadOptions::default()
+            };
+            let p = LoadProgress::new(layout.total, &[dev.info().index]);
+            let rep = load(&*src, &layout, &targets, &opts, &p).expect("load");
+            eprintln!("{}", serde_json::to_string(&rep).expect("json"));
+            assert_eq!(rep.host_path, want, "{rep:?}");
+            for (slot, bytes) in layout.shards.iter().zip(&data) {
+                let got = d
+                    .read(span.sub(slot.offset, bytes.len() as u64).expect("span"))
+                    .expect("read");
+                assert!(got == *bytes, "{} differs ({want})", slot.path);
+            }
+            d.free_region(span).expect("free");
+        }
+        // Registrations kept between loads: the second load registers nothing; dropping the
+        // source (the mappings' owner) lets the cache unregister them.
+        let cache = crate::loader::RegistrationCache::new();
+        let opts = LoadOptions {
+            staging_size: 2 << 20,
+            register_segment: 16 << 20,
+            registrations: Some(cache.clone()),
+            ..LoadOptions::default()
+        };
+        let src = PacedSource::from_files(files.clone(), 1 << 20).expect("source");
+        src.deliver(0, None);
+        for pass in 0..2 {
+            let span = d.alloc_region(layout.total).expect("region");
+            let targets = [Target {
+                device: d.clone(),
+                span,
+            }];
+            let p = LoadProgress::new(layout.total, &[dev.info().index]);
+            let rep = load(&*src, &layout, &targets, &opts, &p).expect("load");
+            eprintln!(
+                "kept registrations, pass {pass}: {}",
+                serde_json::to_string(&rep).expect("json")
+            );
+            assert_eq!(rep.host_path, HostPath::Registered);
+            let reused = if pass == 0 { 0 } else { rep.registrations };
+            assert_eq!(rep.registrations_reused, reused, "{rep:?}");
+            for (slot, bytes) in layout.shards.iter().zip(&data) {
+                let got = d
+                    .read(span.sub(slot.offset, bytes.len() as u64).expect("span"))
+                    .expect("read");
+                assert!(got == *bytes, "{} differs (pass {pass})", slot.path);
+            }
+            d.free_region(span).expect("free");
+        }
+        drop(src);
+        assert_eq!(
+            cache.sweep(),
+            layout.shards.iter().map(|s| s.size).sum::<u64>()
+        );
+        assert_eq!(cache.registered_bytes(), 0);
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn registration_rate_by_segment_and_threads() {
+        use crate::device::HostSlice;
+        let shm = Path::new("/dev/shm");
+        let dir = if shm.is_dir() {
+            tempfile::tempdir_in(shm)
+        } else {
+            tempfile::tempdir()
+        }
+        .expect("dir");
+        let dev = Arc::clone(&gpus()[0]);
+        let len: usize = 4 << 30;
+        let path = dir.path().join("big.bin");
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&path).expect("create");
+            let block = vec![7u8; 64 << 20];
+            for _ in 0..len / block.len() {
+                f.write_all(&block).expect("write");
+            }
+        }
+        let map: Arc<dyn HostMemory> = crate::mapped::MappedFile::open(&path).expect("map");
+        for seg in [64usize << 20, 256 << 20, 1 << 30, 4 << 30] {
+            for threads in [1usize, 2, 4, 8] {
+                let segs: Vec<(usize, usize)> = (0..len / seg).map(|k| (k * seg, seg)).collect();
+                let next = std::sync::atomic::AtomicUsize::new(0);
+                let regs = std::sync::Mutex::new(Vec::new());
+                let t0 = Instant::now();
+                std::thread::scope(|s| {
+                    for _ in 0..threads.min(segs.len()) {
+                        s.spawn(|| {
+                            loop {
+                                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                let Some(&(start, n)) = segs.get(k) else {
+                                    break;
+                                };
+                                let slice = HostSlice::new(map.clone(), start, n).expect("slice");
+                                let r = dev.register_host(Arc::new(slice)).expect("register");
+                                regs.lock().expect("lock").push(r);
+                            }
+                        });
+                    }
+                });
+                let reg_s = t0.elapsed().as_secs_f64();
+                let t1 = Instant::now();
+                drop(regs);
+                let unreg_s = t1.elapsed().as_secs_f64();
+                eprintln!(
+                    "segment {:>5} MiB, {threads} threads: register {reg_s:.3} s ({:.1} GB/s), unregister {unreg_s:.3} s",
+                    seg >> 20,
+                    len as f64 / reg_s / 1e9
+                );
+            }
+        }
     }
 
     #[test]

@@ -134,6 +134,82 @@ pub trait Staging: Send {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// Host memory that a device can register (page-lock for DMA) and copy from directly, with
+/// no staging copy: a read-only map of a memory-tier shard file (see [`crate::mapped`]).
+///
+/// The contract: [`HostMemory::as_bytes`] returns the same bytes (same address, same length)
+/// every time, and they stay mapped for as long as the value lives. A device keeps an `Arc`
+/// of the memory in its registration, and every copy from it keeps the registration, so the
+/// memory outlives both; devices also check the address again before each copy.
+pub trait HostMemory: Send + Sync {
+    /// The bytes.
+    fn as_bytes(&self) -> &[u8];
+    /// Whether the memory is mapped read-only (CUDA then registers it `READ_ONLY`).
+    fn read_only(&self) -> bool;
+}
+
+impl HostMemory for memmap2::Mmap {
+    fn as_bytes(&self) -> &[u8] {
+        self
+    }
+
+    fn read_only(&self) -> bool {
+        true
+    }
+}
+
+/// A part of a [`HostMemory`] (`start .. start + len`), itself a [`HostMemory`]: the unit
+/// the loader registers, so that pinning the next part overlaps the copies from this one.
+pub struct HostSlice {
+    memory: Arc<dyn HostMemory>,
+    start: usize,
+    len: usize,
+}
+
+impl HostSlice {
+    /// Bytes `start .. start + len` of `memory`; `None` when they are not all inside it.
+    pub fn new(memory: Arc<dyn HostMemory>, start: usize, len: usize) -> Option<Self> {
+        let end = start.checked_add(len)?;
+        (end <= memory.as_bytes().len()).then_some(Self { memory, start, len })
+    }
+
+    /// Offset of the slice in the whole memory.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+}
+
+impl HostMemory for HostSlice {
+    fn as_bytes(&self) -> &[u8] {
+        // Checked in `new`, and the memory's bytes never change length (its contract).
+        self.memory
+            .as_bytes()
+            .get(self.start..self.start + self.len)
+            .unwrap_or_default()
+    }
+
+    fn read_only(&self) -> bool {
+        self.memory.read_only()
+    }
+}
+
+/// [`HostMemory`] registered with a device ([`Device::register_host`]): copies from it
+/// ([`Device::copy_htod_registered`]) are DMA straight from its pages. Unregistered when the
+/// last `Arc` goes, which is after every copy from it finished (each copy's completion
+/// holds the registration until the copy is done).
+pub trait HostRegistration: Send + Sync {
+    /// Bytes registered.
+    fn len(&self) -> u64;
+    /// Whether nothing is registered (never: registrations are of at least one byte).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The device index it was registered with.
+    fn device(&self) -> u32;
+    /// For a backend to recognise its own registrations.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
 /// A copy in flight: wait before reusing its source buffer.
 pub trait Completion: Send {
     /// Blocks until the copy has finished (CUDA: event synchronize).
@@ -196,6 +272,42 @@ pub trait Device: Send + Sync {
     /// Starts copying `src[..dst.len]` into `dst` on this device's copy stream (in order
     /// with earlier copies). The caller keeps `src` unchanged until the completion is waited.
     fn copy_htod(&self, dst: DevSpan, src: &dyn Staging) -> Result<Box<dyn Completion>, GpuError>;
+
+    /// Registers `memory` for direct host → device copies (CUDA: `cuMemHostRegister`,
+    /// portable, so every GPU of the backend can copy from it). Registering pins every page
+    /// of it and can take a while for large mappings. Devices that cannot register return
+    /// an error; the loader then uses the staging ring.
+    fn register_host(
+        &self,
+        memory: Arc<dyn HostMemory>,
+    ) -> Result<Arc<dyn HostRegistration>, GpuError> {
+        let _ = memory;
+        Err(GpuError::Unsupported(format!(
+            "{} device {} cannot register host memory",
+            self.info().kind,
+            self.info().index
+        )))
+    }
+
+    /// Starts copying `src[offset .. offset + dst.len]` into `dst` on copy stream `stream`
+    /// of this device (0 is the stream [`Device::copy_htod`] uses; a device has a few, a
+    /// larger number wraps around). Copies on one stream run in order; copies on different
+    /// streams may overlap. `src` may be a registration of another device of the same
+    /// backend. The completion keeps `src` registered until the copy is done.
+    fn copy_htod_registered(
+        &self,
+        dst: DevSpan,
+        src: &Arc<dyn HostRegistration>,
+        offset: u64,
+        stream: usize,
+    ) -> Result<Box<dyn Completion>, GpuError> {
+        let _ = (dst, src, offset, stream);
+        Err(GpuError::Unsupported(format!(
+            "{} device {} cannot copy from registered host memory",
+            self.info().kind,
+            self.info().index
+        )))
+    }
 
     /// Starts a device-to-device copy from `src` (on another device) into `dst` (on this one)
     /// over the peer path (NVLink). `Unsupported` when peer access is not enabled.

@@ -5,7 +5,8 @@
 //! buffers, overlapped with the network transfer; sibling GPUs get peer copies over NVLink.
 //!
 //! * [`device`]: the device trait (one allocation per region, staging buffers, in-order copy
-//!   stream, events, peer copies, IPC handles) and its errors.
+//!   stream, events, peer copies, IPC handles, registered host memory copied from on a few
+//!   streams) and its errors.
 //! * [`cuda`]: the CUDA backend (cudarc with dynamic loading; "no CUDA driver" is a normal
 //!   condition, detected before the first driver call).
 //! * [`sim`]: the simulated backend: a tmpfs file per region, copies paced to PCIe and NVLink
@@ -15,8 +16,12 @@
 //!   ahead); locks against eviction during sibling copies.
 //! * [`index`]: the model's layout in its region and the tensor index from the safetensors
 //!   headers (direct tensor addressing).
-//! * [`loader`]: the streaming pipeline (issuer, completer, peer waiter).
-//! * [`source`]: an in-memory chunk source verified at a paced rate (benchmarks, tests).
+//! * [`loader`]: the streaming pipeline (fillers, completer, peer waiter; host memory
+//!   registered segment by segment, or the staging ring as the reported fallback).
+//! * [`source`]: a chunk source (heap memory or mapped files) verified at a paced rate
+//!   (benchmarks, tests).
+//! * [`mapped`]: read-only file maps as host memory a device can register (DMA straight
+//!   from the page cache).
 //! * [`handoff`]: what an inference process needs to map the weights without copying.
 //! * [`manager`]: a host's GPUs: backend selection, pools, loads and their status.
 
@@ -26,6 +31,7 @@ pub mod handoff;
 pub mod index;
 pub mod loader;
 pub mod manager;
+pub mod mapped;
 pub mod pool;
 pub mod sim;
 pub mod source;

@@ -15,13 +15,37 @@
 //!
 //! Every byte crosses PCIe once when peers exist. Bytes per GPU are published in
 //! [`LoadProgress`] as they land.
+//!
+//! # Host paths: registered or staging
+//!
+//! When the source's shards are mapped files ([`ChunkSource::host_memory`]: transferd's
+//! memory tier is files in tmpfs, mapped), the loader registers the mappings with the first
+//! GPU ([`Device::register_host`], CUDA `cuMemHostRegister`) in
+//! [`LoadOptions::register_segment`] segments: the first before any copy (it decides the
+//! path), the others on two pinner threads a few segments ahead of the copies. The fillers
+//! issue copies of at least [`LoadOptions::copy_size`] straight from the mapping
+//! ([`Device::copy_htod_registered`]) on [`LoadOptions::copy_streams`] streams in turn: no
+//! CPU copy into staging, which caps the staging path at what the fillers' memcpy sustains.
+//! A piece is still copied only once the source says its chunks are verified (and after
+//! [`ChunkSource::check_direct`]), exactly as on the staging path; the ring's slots then only
+//! bound the copies in flight. With a [`RegistrationCache`] the registrations outlive the
+//! load, so only the first load of a mapping pays for pinning it (pinning is slower than the
+//! copies and, on CUDA, does not overlap them).
+//!
+//! When registration is off, impossible (a shard that is not a mapped file, a backend that
+//! cannot) or refused (a driver error) for the first segment, the load uses the staging
+//! ring; a later segment that fails goes through a filler's own staging buffer.
+//! [`LoadReport::host_path`] with [`LoadReport::fallback_reason`] says which path ran and
+//! why.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::device::{Completion, DevSpan, Device, GpuError, Staging};
+use crate::device::{
+    Completion, DevSpan, Device, GpuError, HostMemory, HostRegistration, HostSlice, Staging,
+};
 use crate::index::{Layout, LoadMap};
 
 /// One shard as the source describes it.
@@ -50,6 +74,23 @@ pub trait ChunkSource: Send + Sync {
     ) -> Result<bool, String>;
     /// Reads verified bytes of `shard` at `offset` into `buf`.
     fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
+    /// The whole of `shard` as host memory a device can register (a read-only map of the
+    /// shard's file), for copies with no staging copy; `None` (the default) when the shard
+    /// is not a mapped file. Its bytes at an offset must be what [`ChunkSource::read`]
+    /// returns there.
+    fn host_memory(&self, shard: usize) -> Option<Arc<dyn HostMemory>> {
+        let _ = shard;
+        None
+    }
+    /// Called before bytes `offset .. offset + len` of `shard`, whose chunks are verified,
+    /// are copied to a GPU straight from [`ChunkSource::host_memory`] (so [`ChunkSource::read`]
+    /// is not called for them): whatever `read` checks besides verification (transferd
+    /// re-hashes chunks that may have rotted at rest, and repairs a bad one). The default
+    /// checks nothing.
+    fn check_direct(&self, shard: usize, offset: u64, len: u64) -> std::io::Result<()> {
+        let _ = (shard, offset, len);
+        Ok(())
+    }
 }
 
 /// Loader settings.
@@ -63,9 +104,30 @@ pub struct LoadOptions {
     pub chunk_timeout: Duration,
     /// Threads copying verified chunks into staging buffers at once (at most one per
     /// buffer). One core's memcpy is slower than a PCIe Gen5 link, so a single filler
-    /// would cap the host → GPU rate.
+    /// would cap the host → GPU rate. On the registered path they only wait for chunks and
+    /// issue copies.
     pub fill_threads: usize,
+    /// Copy from the source's mapped files directly (register them with the GPU) when it
+    /// has them; `false` always uses the staging ring.
+    pub register_host: bool,
+    /// Copy streams per GPU on the registered path (copies go to them in turn, so one
+    /// copy's start does not wait for the previous one's end); 1 to 8.
+    pub copy_streams: usize,
+    /// Bytes registered (pinned) at a time on the registered path, a multiple of the page
+    /// size: the first copy waits for one segment, the rest are pinned ahead of the copies.
+    pub register_segment: u64,
+    /// Bytes per copy on the registered path, at least: verified chunks are coalesced into
+    /// copies of `max(copy_size, staging_size)` (larger copies cost less per byte:
+    /// measured on the H100, 4 MiB copies reached 0.82 of the pinned peak, 16 MiB 0.88).
+    pub copy_size: usize,
+    /// Registrations kept across loads: a mapping registered by one load is reused by the
+    /// next ones while its owner (the memory tier) still holds it. `None`: each load
+    /// registers what it copies and unregisters it when it ends.
+    pub registrations: Option<Arc<RegistrationCache>>,
 }
+
+/// The most copy streams per GPU ([`LoadOptions::copy_streams`]).
+pub const MAX_COPY_STREAMS: usize = 8;
 
 impl Default for LoadOptions {
     fn default() -> Self {
@@ -76,7 +138,33 @@ impl Default for LoadOptions {
             fill_threads: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
                 .min(4),
+            register_host: true,
+            // Four streams keep a few copies queued on the DMA engines; more gain nothing
+            // when one link is the limit (`shardcast-bench loader --copy-streams N`).
+            copy_streams: 4,
+            register_segment: DEFAULT_REGISTER_SEGMENT,
+            copy_size: 16 << 20,
+            registrations: None,
         }
+    }
+}
+
+/// How bytes went from host memory to the first GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostPath {
+    /// Straight from the source's registered (page-locked) mapped files.
+    Registered,
+    /// Through the ring of pinned staging buffers, filled by CPU copies.
+    Staging,
+}
+
+impl std::fmt::Display for HostPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Registered => "registered",
+            Self::Staging => "staging",
+        })
     }
 }
 
@@ -213,6 +301,28 @@ pub struct LoadReport {
     pub peer_siblings: usize,
     /// Siblings fed from the host (no peer path).
     pub host_siblings: usize,
+    /// Which host → GPU path ran.
+    pub host_path: HostPath,
+    /// Why the staging ring ran instead of the registered path; on the registered path, why
+    /// some segments went through staging (`staged_bytes`). `None` when every byte was
+    /// copied from registered memory.
+    pub fallback_reason: Option<String>,
+    /// Seconds spent registering (page-locking) the source's mappings, segment by segment,
+    /// by all pinner threads together: overlapped with the copies, except the first segment
+    /// (0 on the staging path).
+    pub register_s: f64,
+    /// Time the fillers waited for a segment to be registered (summed over fillers): where
+    /// pinning, not the copies, was the limit.
+    pub waited_for_register_s: f64,
+    /// Registration segments the load copied from.
+    pub registrations: usize,
+    /// Of those, the ones registered already (kept from an earlier load).
+    pub registrations_reused: usize,
+    /// Bytes copied through staging buffers (all of them on the staging path; on the
+    /// registered path those of segments that failed to register).
+    pub staged_bytes: u64,
+    /// Copy streams used per GPU (1 on the staging path).
+    pub copy_streams: usize,
 }
 
 /// A target GPU and the span of the model's region on it.
@@ -233,11 +343,14 @@ struct Piece {
     dest: u64,
 }
 
+/// The load's pieces: `map`'s extents cut into pieces of at most `size` bytes, and also at
+/// every multiple of `cut` in the shard (registration segments) when given.
 fn pieces(
     layout: &Layout,
     map: &LoadMap,
     source: &[SourceShard],
     size: u64,
+    cut: Option<u64>,
 ) -> Result<Vec<Piece>, LoadError> {
     if layout.shards.len() != source.len() {
         return Err(LoadError::Invalid(format!(
@@ -259,7 +372,10 @@ fn pieces(
         }
         let mut off = 0;
         while off < e.len {
-            let len = size.min(e.len - off);
+            let mut len = size.min(e.len - off);
+            if let Some(c) = cut.filter(|&c| c > 0) {
+                len = len.min(c - (e.offset + off) % c);
+            }
             out.push(Piece {
                 shard: e.shard,
                 offset: e.offset + off,
@@ -272,9 +388,373 @@ fn pieces(
     Ok(out)
 }
 
-/// A filled piece: its place in the load order, the piece, its buffer, and the copies to
-/// wait for.
-type Staged = (usize, Piece, Box<dyn Staging>, Vec<Box<dyn Completion>>);
+/// An issued piece: its place in the load order, the piece, its staging buffer (none on the
+/// registered path: the slot only bounds the copies in flight), and the copies to wait for.
+type Staged = (
+    usize,
+    Piece,
+    Option<Box<dyn Staging>>,
+    Vec<Box<dyn Completion>>,
+);
+
+/// Bytes pinned per registration on the registered path, by default
+/// ([`LoadOptions::register_segment`]). Pinning runs at 15–30 GB/s on the
+/// H100 host measured (4 KiB pages; `registration_rate_by_segment_and_threads` in `cuda`),
+/// below the ≈ 52 GB/s of the copies from pinned memory, so the loader pins segment by
+/// segment ahead of the copies instead of every shard before the first one. At 128 MiB the
+/// first copy waits for one segment only (a few ms) and the per-call cost is small.
+pub const DEFAULT_REGISTER_SEGMENT: u64 = 128 << 20;
+
+/// Threads pinning segments ahead of the copies: two pinned about 1.8× faster than one on
+/// the H100 host; more did not help (the driver serialises much of the work).
+const PINNERS: usize = 2;
+
+/// Segments the pinners may register past the last one a filler asked for. The driver
+/// serialises registering with the copy calls, so pinning far ahead delays the copies that
+/// are due now (a partition's, the first bytes of a model); a few segments keep the copies
+/// from waiting for their segment.
+const PIN_AHEAD: usize = 3;
+
+/// Registrations of host memory kept across loads ([`LoadOptions::registrations`]).
+///
+/// Pinning runs at 15–30 GB/s and, measured on the H100 host, does not overlap the copies
+/// (the driver serialises `cuMemHostRegister` with the copy calls of other threads), so a
+/// load that registers its mappings is bound by pinning plus copying. Kept registrations make
+/// every later load of the same mapping copy at the link's rate. A mapping stays registered
+/// (pinned, so never swapped or migrated) while anyone but the cache holds it: for
+/// transferd, while the shard is in the memory tier and so already in RAM. [`RegistrationCache::sweep`],
+/// run at the start of each load, unregisters mappings that only the cache still holds.
+#[derive(Default)]
+pub struct RegistrationCache {
+    mappings: Mutex<Vec<CachedMapping>>,
+}
+
+/// One mapping's kept registrations.
+struct CachedMapping {
+    memory: Arc<dyn HostMemory>,
+    /// By (start, len) in the mapping.
+    segments: std::collections::HashMap<(usize, usize), Arc<dyn HostRegistration>>,
+}
+
+impl std::fmt::Debug for RegistrationCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistrationCache")
+            .field("registered_bytes", &self.registered_bytes())
+            .finish()
+    }
+}
+
+/// Whether two handles name the same memory (the same allocation).
+fn same_memory(a: &Arc<dyn HostMemory>, b: &Arc<dyn HostMemory>) -> bool {
+    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+}
+
+impl RegistrationCache {
+    /// An empty cache.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// Bytes registered and kept.
+    pub fn registered_bytes(&self) -> u64 {
+        self.mappings
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .flat_map(|m| m.segments.values())
+            .map(|r| r.len())
+            .sum()
+    }
+
+    /// Unregisters the mappings nobody but the cache holds any more (their owner dropped
+    /// them: the shard left the memory tier); returns the bytes released.
+    pub fn sweep(&self) -> u64 {
+        let mut gone = Vec::new();
+        self.mappings
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain_mut(|m| {
+                // Held by: the cache, each kept segment's slice, and others.
+                let others = Arc::strong_count(&m.memory) > 1 + m.segments.len();
+                if !others {
+                    gone.extend(m.segments.drain().map(|(_, r)| r));
+                }
+                others
+            });
+        // Unregistered here, outside the lock (each drop calls the driver).
+        let bytes = gone.iter().map(|r| r.len()).sum();
+        drop(gone);
+        bytes
+    }
+
+    /// The kept registration of `memory[start .. start + len]`, or a new one made with
+    /// `device` and kept; whether it was kept already.
+    fn get_or_register(
+        &self,
+        memory: &Arc<dyn HostMemory>,
+        start: usize,
+        len: usize,
+        device: &dyn Device,
+    ) -> Result<(Arc<dyn HostRegistration>, bool), GpuError> {
+        {
+            let mappings = self.mappings.lock().unwrap_or_else(PoisonError::into_inner);
+            let kept = mappings
+                .iter()
+                .find(|m| same_memory(&m.memory, memory))
+                .and_then(|m| m.segments.get(&(start, len)));
+            // Registrations are portable: any GPU of the backend copies from them.
+            if let Some(r) = kept {
+                return Ok((r.clone(), true));
+            }
+        }
+        let slice = HostSlice::new(memory.clone(), start, len)
+            .ok_or_else(|| GpuError::Invalid(format!("bytes {start}+{len} outside the memory")))?;
+        // Registered outside the lock: pinning takes a while.
+        let reg = device.register_host(Arc::new(slice))?;
+        let mut mappings = self.mappings.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = match mappings.iter().position(|m| same_memory(&m.memory, memory)) {
+            Some(at) => at,
+            None => {
+                mappings.push(CachedMapping {
+                    memory: memory.clone(),
+                    segments: Default::default(),
+                });
+                mappings.len() - 1
+            }
+        };
+        // Two loads registering the same segment at once: the driver refuses the second
+        // (already registered), so at most one gets here for a segment.
+        mappings[at].segments.insert((start, len), reg.clone());
+        Ok((reg, false))
+    }
+}
+
+/// The shards' host memory, when the registered path is possible, or why not.
+fn host_memories(
+    source: &dyn ChunkSource,
+    map: &LoadMap,
+    primary: &Arc<dyn Device>,
+    host_fed: &[&Arc<dyn Device>],
+    opts: &LoadOptions,
+) -> Result<Vec<Option<Arc<dyn HostMemory>>>, String> {
+    if !opts.register_host {
+        return Err("register_host is off".into());
+    }
+    let kind = primary.info().kind;
+    if let Some(d) = host_fed.iter().find(|d| d.info().kind != kind) {
+        return Err(format!(
+            "GPU {} is fed from the host but is a {} device, the first GPU a {kind} one",
+            d.info().index,
+            d.info().kind
+        ));
+    }
+    let shards = source.shards();
+    let mut mems: Vec<Option<Arc<dyn HostMemory>>> = vec![None; shards.len()];
+    for e in map.extents.iter().filter(|e| e.len > 0) {
+        let Some(slot) = mems.get_mut(e.shard) else {
+            return Err(format!("no shard {}", e.shard));
+        };
+        if slot.is_some() {
+            continue;
+        }
+        let shard = &shards[e.shard];
+        let Some(mem) = source.host_memory(e.shard) else {
+            return Err(format!("shard {} is not a mapped file", shard.path));
+        };
+        let mapped = mem.as_bytes().len() as u64;
+        if mapped < shard.size {
+            return Err(format!(
+                "shard {}: its mapping has {mapped} bytes, the shard {}",
+                shard.path, shard.size
+            ));
+        }
+        *slot = Some(mem);
+    }
+    Ok(mems)
+}
+
+/// A registration segment's state.
+enum SegState {
+    /// Not registered yet.
+    Pending,
+    /// Registered.
+    Ready(Arc<dyn HostRegistration>),
+    /// Registering it failed: its pieces go through staging.
+    Failed(String),
+}
+
+/// The registration segments of one load (shard, index of the segment in it),
+/// in the order the pieces first use them, registered ahead of the copies by the pinner
+/// threads. The registrations live until the table is dropped at the end of the load (every
+/// copy's completion also holds its registration until the copy is done).
+struct Segments {
+    /// Segment size, bytes.
+    size: u64,
+    /// The shards' paths, for messages.
+    paths: Vec<String>,
+    order: Vec<(usize, u64)>,
+    position: std::collections::HashMap<(usize, u64), usize>,
+    states: Mutex<Vec<SegState>>,
+    registered: std::sync::Condvar,
+    /// The next position in `order` for a pinner to take.
+    next: AtomicUsize,
+    /// Nanoseconds spent registering (all pinners).
+    register_ns: AtomicU64,
+    /// Segments found registered already (kept by the cache).
+    reused: AtomicUsize,
+    /// The furthest position a filler asked for.
+    frontier: AtomicUsize,
+}
+
+impl Segments {
+    fn new(work: &[Piece], size: u64, shards: &[SourceShard]) -> Self {
+        let mut order = Vec::new();
+        let mut position = std::collections::HashMap::new();
+        for p in work {
+            let key = (p.shard, p.offset / size);
+            position.entry(key).or_insert_with(|| {
+                order.push(key);
+                order.len() - 1
+            });
+        }
+        let states = order.iter().map(|_| SegState::Pending).collect();
+        Self {
+            size,
+            paths: shards.iter().map(|s| s.path.clone()).collect(),
+            order,
+            position,
+            states: Mutex::new(states),
+            registered: std::sync::Condvar::new(),
+            next: AtomicUsize::new(0),
+            register_ns: AtomicU64::new(0),
+            reused: AtomicUsize::new(0),
+            frontier: AtomicUsize::new(0),
+        }
+    }
+
+    /// Registers segment `pos` with `device` (or takes it from `cache`) and records the
+    /// outcome.
+    fn register(
+        &self,
+        pos: usize,
+        mems: &[Option<Arc<dyn HostMemory>>],
+        device: &dyn Device,
+        cache: Option<&RegistrationCache>,
+    ) {
+        let Some(&(shard, seg)) = self.order.get(pos) else {
+            return;
+        };
+        let t = Instant::now();
+        let state = (|| {
+            let mem = mems
+                .get(shard)
+                .and_then(Option::clone)
+                .ok_or_else(|| format!("shard {shard} has no host memory"))?;
+            let start = seg * self.size;
+            let len = (mem.as_bytes().len() as u64)
+                .saturating_sub(start)
+                .min(self.size);
+            let outside = || format!("segment {seg} of shard {shard} is outside its mapping");
+            let (s, n) = usize::try_from(start)
+                .ok()
+                .zip(usize::try_from(len).ok())
+                .ok_or_else(outside)?;
+            let registered = match cache {
+                Some(c) => c.get_or_register(&mem, s, n, device).map(|(r, kept)| {
+                    if kept {
+                        self.reused.fetch_add(1, Ordering::Relaxed);
+                    }
+                    r
+                }),
+                None => HostSlice::new(mem, s, n)
+                    .ok_or_else(|| GpuError::Invalid(outside()))
+                    .and_then(|slice| device.register_host(Arc::new(slice))),
+            };
+            registered.map_err(|e| {
+                let path = self.paths.get(shard).map_or("?", String::as_str);
+                format!(
+                    "registering shard {path} (bytes {start}..{}): {e}",
+                    start + len
+                )
+            })
+        })();
+        add_ns(&self.register_ns, t.elapsed());
+        let state = match state {
+            Ok(r) => SegState::Ready(r),
+            Err(why) => SegState::Failed(why),
+        };
+        if let Some(s) = self
+            .states
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(pos)
+        {
+            *s = state;
+        }
+        self.registered.notify_all();
+    }
+
+    /// Registers segments in order until none is left or `stop` is set.
+    fn pin_ahead(
+        &self,
+        mems: &[Option<Arc<dyn HostMemory>>],
+        device: &dyn Device,
+        cache: Option<&RegistrationCache>,
+        stop: &AtomicBool,
+    ) {
+        while !stop.load(Ordering::Relaxed) {
+            let pos = self.next.fetch_add(1, Ordering::Relaxed);
+            if pos >= self.order.len() {
+                break;
+            }
+            // Not too far ahead of the copies (see `PIN_AHEAD`).
+            let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
+            while pos > self.frontier.load(Ordering::Relaxed) + PIN_AHEAD
+                && !stop.load(Ordering::Relaxed)
+            {
+                states = self
+                    .registered
+                    .wait_timeout(states, Duration::from_millis(200))
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            drop(states);
+            self.register(pos, mems, device, cache);
+        }
+    }
+
+    /// The registration of `piece`'s segment and the piece's offset in it
+    /// ([`From::Registered`]), waiting while it is pending (`Ok(None)` when `stop` was set
+    /// meanwhile); `Err` when registering it failed.
+    fn of(&self, piece: &Piece, stop: &AtomicBool) -> Result<Option<From>, String> {
+        let seg = piece.offset / self.size;
+        let Some(&pos) = self.position.get(&(piece.shard, seg)) else {
+            return Err(format!("no registration segment for shard {}", piece.shard));
+        };
+        let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.frontier.fetch_max(pos, Ordering::Relaxed) < pos {
+            // The pinners may go further now.
+            self.registered.notify_all();
+        }
+        loop {
+            match states.get(pos) {
+                Some(SegState::Ready(r)) => {
+                    let off = piece.offset - seg * self.size;
+                    return Ok(Some(From::Registered(r.clone(), off)));
+                }
+                Some(SegState::Failed(why)) => return Err(why.clone()),
+                Some(SegState::Pending) if !stop.load(Ordering::Relaxed) => {
+                    states = self
+                        .registered
+                        .wait_timeout(states, Duration::from_millis(200))
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+                _ => return Ok(None),
+            }
+        }
+    }
+}
 
 fn add_ns(counter: &AtomicU64, d: Duration) {
     counter.fetch_add(
@@ -318,6 +798,12 @@ pub fn load_map(
     let Some(primary) = targets.first() else {
         return Err(LoadError::Invalid("no target GPU".into()));
     };
+    if opts.register_segment == 0 || opts.register_segment % 4096 != 0 {
+        return Err(LoadError::Invalid(format!(
+            "register_segment must be a positive multiple of 4096, got {}",
+            opts.register_segment
+        )));
+    }
     if opts.staging_buffers == 0 || opts.staging_size == 0 {
         return Err(LoadError::Invalid(
             "the staging ring needs buffers of some size".into(),
@@ -338,13 +824,93 @@ pub fn load_map(
         let d = targets[i].device.info();
         d.peers.iter().any(|(p, _)| *p == pidx) && d.kind == primary.device.info().kind
     });
-    let work = pieces(layout, map, source.shards(), opts.staging_size as u64)?;
+    let cache = opts.registrations.as_deref();
+    if let Some(c) = cache {
+        let released = c.sweep();
+        if released > 0 {
+            tracing::debug!(
+                bytes = released,
+                "unregistered host memory its owner dropped"
+            );
+        }
+    }
+    let host_fed: Vec<&Arc<dyn Device>> = host_sibs.iter().map(|&i| &targets[i].device).collect();
+    let mems = host_memories(source, map, &primary.device, &host_fed, opts);
+    // Pieces: on the staging path a staging buffer each (the calibrated elbow); on the
+    // registered path at least that and at least `copy_size` (a piece coalesces the
+    // verified chunks under it into one copy), never crossing a registration segment.
+    let staging_work = |cut| pieces(layout, map, source.shards(), opts.staging_size as u64, cut);
+    let direct_piece = opts.copy_size.max(opts.staging_size);
+    let direct_work = match &mems {
+        Ok(_) => Some(pieces(
+            layout,
+            map,
+            source.shards(),
+            direct_piece as u64,
+            Some(opts.register_segment),
+        )?),
+        Err(_) => None,
+    };
     let total: u64 = map.bytes;
     let t0 = Instant::now();
 
-    let (free_tx, free_rx) = mpsc::sync_channel::<Box<dyn Staging>>(opts.staging_buffers);
-    for _ in 0..opts.staging_buffers {
-        let b = primary.device.alloc_staging(opts.staging_size)?;
+    // The first segment decides the path: registered when it registers (the pinners then
+    // register the others ahead of the copies), else the staging ring for the whole load.
+    let direct = mems.and_then(|mems| {
+        let work = direct_work.as_deref().unwrap_or_default();
+        let segs = Segments::new(work, opts.register_segment, source.shards());
+        if !segs.order.is_empty() {
+            segs.next.store(1, Ordering::Relaxed);
+            segs.register(0, &mems, &*primary.device, cache);
+            let states = segs.states.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(SegState::Failed(why)) = states.first() {
+                return Err(why.clone());
+            }
+        }
+        Ok((mems, segs))
+    });
+    let (direct, fallback_reason) = match direct {
+        Ok(d) => (Some(d), None),
+        Err(why) => (None, Some(why)),
+    };
+    let (work, piece_size) = match (&direct, direct_work) {
+        (Some(_), Some(w)) => (w, direct_piece),
+        _ => (staging_work(None)?, opts.staging_size),
+    };
+    let copy_streams = if direct.is_some() {
+        opts.copy_streams.clamp(1, MAX_COPY_STREAMS)
+    } else {
+        1
+    };
+    match (&fallback_reason, &direct) {
+        (None, Some((_, segs))) => tracing::info!(
+            device = primary.device.info().index,
+            segments = segs.order.len(),
+            first_segment_s = segs.register_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            copy_streams,
+            "host → GPU path: registered (copies straight from the mapped shards)"
+        ),
+        (Some(why), _) if !opts.register_host => {
+            tracing::info!(reason = %why, "host → GPU path: staging")
+        }
+        (Some(why), _) => tracing::warn!(
+            reason = %why,
+            "host → GPU path: staging (registering the shards' memory failed or is impossible)"
+        ),
+        (None, None) => {}
+    }
+    // The ring: staging buffers, or on the registered path empty slots bounding the copies
+    // in flight (enough to keep every stream busy).
+    let slots = match direct {
+        Some(_) => opts.staging_buffers.max(4 * copy_streams),
+        None => opts.staging_buffers,
+    };
+    let (free_tx, free_rx) = mpsc::sync_channel::<Option<Box<dyn Staging>>>(slots);
+    for _ in 0..slots {
+        let b = match direct {
+            Some(_) => None,
+            None => Some(primary.device.alloc_staging(opts.staging_size)?),
+        };
         let _ = free_tx.send(b);
     }
     let free_rx = Mutex::new(free_rx);
@@ -361,12 +927,24 @@ pub fn load_map(
     let waited_data_ns = AtomicU64::new(0);
     let waited_staging_ns = AtomicU64::new(0);
     let next_piece = AtomicUsize::new(0);
-    let fillers = opts.fill_threads.clamp(1, opts.staging_buffers);
+    let fillers = opts.fill_threads.clamp(1, slots);
+    // On the registered path: time the fillers waited for a segment's registration, bytes
+    // that went through a filler's own staging buffer because their segment failed to
+    // register, and the first such failure.
+    let waited_register_ns = AtomicU64::new(0);
+    let staged_bytes = AtomicU64::new(0);
+    let partial: Mutex<Option<String>> = Mutex::new(None);
+    let segs = direct.as_ref().map(|(_, s)| s);
 
     std::thread::scope(|scope| {
-        let (staged_tx, staged_rx) = mpsc::sync_channel::<Staged>(opts.staging_buffers);
-        let (peer_tx, peer_rx) =
-            mpsc::sync_channel::<(u64, usize, Box<dyn Completion>)>(opts.staging_buffers * 4);
+        // Pinners: register the remaining segments ahead of the copies.
+        if let Some((mems, segs)) = &direct {
+            for _ in 0..PINNERS {
+                scope.spawn(|| segs.pin_ahead(mems, &*primary.device, cache, &progress.cancel));
+            }
+        }
+        let (staged_tx, staged_rx) = mpsc::sync_channel::<Staged>(slots);
+        let (peer_tx, peer_rx) = mpsc::sync_channel::<(u64, usize, Box<dyn Completion>)>(slots * 4);
 
         // Completer: takes the pieces in order (fillers finish them out of order), waits
         // their copies, recycles the buffers, fans out over peers.
@@ -435,16 +1013,22 @@ pub fn load_map(
             })
         };
 
-        // Fillers: each takes a free staging buffer, then the next piece (so the piece the
-        // completer waits for always has a buffer), waits for its chunks, copies them into
-        // the buffer and issues the host → GPU copies. Several run at once so the copy into
-        // pinned memory (one CPU core's memcpy) does not cap the PCIe rate.
+        // Fillers: each takes a free slot, then the next piece (so the piece the completer
+        // waits for always has a slot), waits for its chunks, copies them into the slot's
+        // staging buffer and issues the host → GPU copies, or on the registered path issues
+        // the copies straight from the mapping, on the streams in turn. Several run at once
+        // so the copy into pinned memory (one CPU core's memcpy) does not cap the PCIe rate.
         let filler = || {
             let staged_tx = staged_tx.clone();
             let (free_rx, next_piece, work, fail) = (&free_rx, &next_piece, &work, &fail);
             let (waited_data_ns, waited_staging_ns, host_sibs) =
                 (&waited_data_ns, &waited_staging_ns, &host_sibs);
+            let (waited_register_ns, staged_bytes, partial) =
+                (&waited_register_ns, &staged_bytes, &partial);
             move || {
+                // A staging buffer of this filler's own, made only when a segment failed to
+                // register.
+                let mut own: Option<Box<dyn Staging>> = None;
                 loop {
                     if progress.cancel.load(Ordering::Relaxed) {
                         break;
@@ -512,9 +1096,51 @@ pub fn load_map(
                         break;
                     }
                     let n = piece.len as usize;
-                    if let Err(e) =
-                        source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n])
-                    {
+                    // Where the piece's bytes come from.
+                    let from = match (&b, segs) {
+                        (Some(_), _) => From::Ring,
+                        (None, Some(segs)) => {
+                            let w = Instant::now();
+                            let r = segs.of(piece, &progress.cancel);
+                            add_ns(waited_register_ns, w.elapsed());
+                            match r {
+                                Ok(Some(from)) => from,
+                                Ok(None) => break,
+                                Err(why) => {
+                                    partial
+                                        .lock()
+                                        .unwrap_or_else(PoisonError::into_inner)
+                                        .get_or_insert(why);
+                                    From::Own
+                                }
+                            }
+                        }
+                        (None, None) => {
+                            fail(LoadError::Invalid(
+                                "a slot without a staging buffer on the staging path".into(),
+                            ));
+                            break;
+                        }
+                    };
+                    if matches!(from, From::Own) && own.is_none() {
+                        match primary.device.alloc_staging(piece_size) {
+                            Ok(o) => own = Some(o),
+                            Err(e) => {
+                                fail(e.into());
+                                break;
+                            }
+                        }
+                    }
+                    let filled = match (&from, &mut b, &mut own) {
+                        (From::Registered(..), _, _) => {
+                            source.check_direct(piece.shard, piece.offset, piece.len)
+                        }
+                        (From::Ring, Some(b), _) | (From::Own, _, Some(b)) => {
+                            source.read(piece.shard, piece.offset, &mut b.as_mut_slice()[..n])
+                        }
+                        _ => Err(std::io::Error::other("no buffer for the piece")),
+                    };
+                    if let Err(e) = filled {
                         fail(LoadError::Io {
                             shard: shard.path.clone(),
                             source: e,
@@ -526,10 +1152,31 @@ pub fn load_map(
                     let issued = (|| {
                         for &t in std::iter::once(&0).chain(host_sibs.iter()) {
                             let dst = targets[t].span.sub(at, piece.len)?;
-                            completions.push(targets[t].device.copy_htod(dst, &*b)?);
+                            let dev = &targets[t].device;
+                            let c = match (&from, &b, &own) {
+                                (From::Registered(reg, off), _, _) => {
+                                    dev.copy_htod_registered(dst, reg, *off, seq % copy_streams)?
+                                }
+                                (From::Ring, Some(b), _) => dev.copy_htod(dst, &**b)?,
+                                (From::Own, _, Some(o)) => {
+                                    // The filler's own buffer is refilled for its next piece:
+                                    // wait for the copy here.
+                                    dev.copy_htod(dst, &**o)?.wait()?;
+                                    continue;
+                                }
+                                _ => {
+                                    return Err(GpuError::Invalid(
+                                        "no buffer for the piece".into(),
+                                    ));
+                                }
+                            };
+                            completions.push(c);
                         }
                         Ok::<_, GpuError>(())
                     })();
+                    if matches!(from, From::Own) && issued.is_ok() {
+                        staged_bytes.fetch_add(piece.len, Ordering::Relaxed);
+                    }
                     if let Err(e) = issued {
                         // Wait what was issued before the buffer goes away.
                         for c in completions {
@@ -561,6 +1208,14 @@ pub fn load_map(
         return Err(LoadError::Cancelled);
     }
     let elapsed_s = t0.elapsed().as_secs_f64();
+    let fallback_reason = match partial.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        Some(why) => {
+            let staged = staged_bytes.load(Ordering::Relaxed);
+            tracing::warn!(reason = %why, staged, "some segments failed to register: their bytes went through staging");
+            Some(format!("{why} ({staged} bytes went through staging)"))
+        }
+        None => fallback_reason,
+    };
     Ok(LoadReport {
         bytes: total,
         elapsed_s,
@@ -574,5 +1229,30 @@ pub fn load_map(
         waited_for_staging_s: waited_staging_ns.load(Ordering::Relaxed) as f64 / 1e9,
         peer_siblings: peer_sibs.len(),
         host_siblings: host_sibs.len(),
+        host_path: if direct.is_some() {
+            HostPath::Registered
+        } else {
+            HostPath::Staging
+        },
+        fallback_reason,
+        register_s: segs.map_or(0.0, |s| s.register_ns.load(Ordering::Relaxed) as f64 / 1e9),
+        waited_for_register_s: waited_register_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        registrations_reused: segs.map_or(0, |s| s.reused.load(Ordering::Relaxed)),
+        registrations: segs.map_or(0, |s| s.order.len()),
+        staged_bytes: match direct {
+            Some(_) => staged_bytes.load(Ordering::Relaxed),
+            None => total,
+        },
+        copy_streams,
     })
+}
+
+/// Where a piece's bytes are copied from.
+enum From {
+    /// A staging buffer of the ring.
+    Ring,
+    /// A registration, at this offset in it.
+    Registered(Arc<dyn HostRegistration>, u64),
+    /// The filler's own staging buffer (its segment failed to register).
+    Own,
 }

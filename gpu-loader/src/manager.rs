@@ -17,7 +17,9 @@ use crate::cuda::{self, CudaOptions};
 use crate::device::{Device, DeviceInfo, DeviceKind, GpuError};
 use crate::handoff::{Handoff, HandoffDevice, HandoffShard};
 use crate::index::{Layout, LoadMap, ShardRange, TensorEntry, tensor_index};
-use crate::loader::{ChunkSource, LoadOptions, LoadProgress, LoadReport, Target, load_map};
+use crate::loader::{
+    ChunkSource, HostPath, LoadOptions, LoadProgress, LoadReport, Target, load_map,
+};
 use crate::pool::{GpuPool, PoolError, REGION_ALIGN, Region};
 use crate::sim::{self, SimOptions};
 use shardcast_policies::evict::{self, ClusterCopies, GpuState, Heaviness};
@@ -267,6 +269,12 @@ pub struct ModelGpuStatus {
     pub elapsed_s: f64,
     /// Set for a partitioned load.
     pub partition: Option<PartitionStatus>,
+    /// How the finished load moved bytes host → GPU (`None` while loading).
+    pub host_path: Option<HostPath>,
+    /// Why the staging ring ran instead of the registered path.
+    pub fallback_reason: Option<String>,
+    /// Seconds spent registering the shard mappings (0 on the staging path).
+    pub register_s: f64,
 }
 
 /// One GPU's pool, for status.
@@ -340,6 +348,11 @@ impl GpuManager {
     /// with no devices and a note saying why.
     pub fn open(cfg: &ManagerConfig) -> Self {
         let mut opts = cfg.load.clone();
+        // Shard mappings stay registered between loads while the memory tier holds them
+        // (see `RegistrationCache`): only a mapping's first load pays for pinning it.
+        if opts.register_host && opts.registrations.is_none() {
+            opts.registrations = Some(crate::loader::RegistrationCache::new());
+        }
         let mut calibrated = None;
         let (devices, note): (Vec<Arc<dyn Device>>, String) = match &cfg.backend {
             BackendChoice::None => (Vec::new(), "GPU loading disabled".into()),
@@ -412,6 +425,13 @@ impl GpuManager {
             epoch: Instant::now(),
             evictions: Mutex::default(),
         }
+    }
+
+    /// Unregisters the host memory kept registered for loads (shard mappings) that nobody
+    /// but the manager holds any more (the store dropped the shard); returns the bytes.
+    /// Call it now and then: until then those pages stay pinned.
+    pub fn release_unused_registrations(&self) -> u64 {
+        self.opts.registrations.as_ref().map_or(0, |c| c.sweep())
     }
 
     /// What the backend found (or why nothing).
@@ -850,7 +870,7 @@ impl GpuManager {
                 let Some(l) = loads.get_mut(&model) else { return };
                 match r {
                     Ok(rep) => {
-                        info!(model = %model, gpus = ?l.gpus, elapsed_s = rep.elapsed_s, partition_s = rep.first_s, "model resident on GPUs");
+                        info!(model = %model, gpus = ?l.gpus, elapsed_s = rep.elapsed_s, partition_s = rep.first_s, host_path = %rep.host_path, register_s = rep.register_s, "model resident on GPUs");
                         l.state = LoadState::Resident;
                         l.report = Some(rep);
                         l.index = match &l.partition {
@@ -910,6 +930,9 @@ impl GpuManager {
                     live_s: l.progress.first_done_s(),
                     complete: p.complete,
                 }),
+                host_path: l.report.as_ref().map(|r| r.host_path),
+                fallback_reason: l.report.as_ref().and_then(|r| r.fallback_reason.clone()),
+                register_s: l.report.as_ref().map_or(0.0, |r| r.register_s),
             })
             .collect();
         out.sort_by(|a, b| a.model.cmp(&b.model));

@@ -11,18 +11,25 @@
 //! issued, each paced so the stream never goes faster than the configured rate. Memory held
 //! by other processes (an inference engine on the same GPU) can be simulated with
 //! [`SimDevice::set_external_use`]: allocations then fail as `cudaMalloc` would.
+//!
+//! Host memory registration ([`Device::register_host`]) is simulated too: a registration
+//! keeps the mapping alive and copies from it read the mapping directly, paced like the
+//! staged copies (all copy streams share the one paced worker: one PCIe link). A device can
+//! be told to refuse registrations ([`SimOptions::refuse_registration`],
+//! [`SimDevice::set_refuse_registration`]) so the loader's fallback to staging can be tested.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::device::{
-    Completion, DevSpan, Device, DeviceInfo, DeviceKind, GpuError, IpcHandle, Staging,
+    Completion, DevSpan, Device, DeviceInfo, DeviceKind, GpuError, HostMemory, HostRegistration,
+    IpcHandle, Staging,
 };
 
 /// Settings of the simulated devices of one host.
@@ -41,6 +48,9 @@ pub struct SimOptions {
     /// Directory for the regions' backing files (tmpfs, e.g. `/dev/shm/...`). It belongs to
     /// these devices: region files left in it (by a crash) are removed when they start.
     pub dir: PathBuf,
+    /// Refuse to register host memory, as a driver might (so the loader falls back to its
+    /// staging ring). Default `false`.
+    pub refuse_registration: bool,
 }
 
 impl SimOptions {
@@ -54,6 +64,7 @@ impl SimOptions {
             nvlink_bps: 2_500_000_000,
             per_switch: 2,
             dir: dir.to_path_buf(),
+            refuse_registration: false,
         }
     }
 }
@@ -102,6 +113,16 @@ enum Op {
         len: usize,
         done: mpsc::SyncSender<Result<(), GpuError>>,
     },
+    /// From registered host memory, read in place.
+    Registered {
+        dst: Arc<File>,
+        offset: u64,
+        /// Keeps the memory registered (and mapped) until the copy is done.
+        src: Arc<dyn HostRegistration>,
+        src_offset: usize,
+        len: usize,
+        done: mpsc::SyncSender<Result<(), GpuError>>,
+    },
     Peer {
         dst: Arc<File>,
         offset: u64,
@@ -146,6 +167,10 @@ pub struct SimDevice {
     regions: Mutex<Regions>,
     /// Bytes "held by other processes" (see [`SimDevice::set_external_use`]).
     external: AtomicU64,
+    /// Refuse host memory registrations.
+    refuse_registration: AtomicBool,
+    /// Registrations still accepted before refusing (`u64::MAX`: no limit).
+    registrations_left: AtomicU64,
     stream: Mutex<mpsc::Sender<Op>>,
 }
 
@@ -199,6 +224,8 @@ pub fn devices(opts: &SimOptions) -> Result<Vec<Arc<SimDevice>>, GpuError> {
             dir: opts.dir.clone(),
             regions: Mutex::default(),
             external: AtomicU64::new(0),
+            refuse_registration: AtomicBool::new(opts.refuse_registration),
+            registrations_left: AtomicU64::new(u64::MAX),
             stream: Mutex::new(tx),
         }));
     }
@@ -248,6 +275,30 @@ fn stream_worker(device: u32, rx: mpsc::Receiver<Op>, pcie: u64, nvlink: u64) {
                 drop(data);
                 let _ = done.send(r);
             }
+            Op::Registered {
+                dst,
+                offset,
+                src,
+                src_offset,
+                len,
+                done,
+            } => {
+                pcie.pace(len as u64);
+                let r = match src.as_any().downcast_ref::<SimRegistration>() {
+                    Some(reg) => match src_offset
+                        .checked_add(len)
+                        .and_then(|end| reg.memory.as_bytes().get(src_offset..end))
+                    {
+                        Some(bytes) => dst.write_all_at(bytes, offset).map_err(|e| io("write", e)),
+                        None => Err(GpuError::Invalid(
+                            "copy past the end of the registered memory".into(),
+                        )),
+                    },
+                    None => Err(GpuError::Invalid("not a simulated registration".into())),
+                };
+                drop(src);
+                let _ = done.send(r);
+            }
             Op::Peer {
                 dst,
                 offset,
@@ -292,6 +343,25 @@ impl Staging for SimStaging {
     }
 }
 
+/// Host memory "registered" with a simulated device: nothing is pinned; the registration
+/// keeps the memory alive for the copies that read it.
+struct SimRegistration {
+    memory: Arc<dyn HostMemory>,
+    device: u32,
+}
+
+impl HostRegistration for SimRegistration {
+    fn len(&self) -> u64 {
+        self.memory.as_bytes().len() as u64
+    }
+    fn device(&self) -> u32 {
+        self.device
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 struct SimCompletion(mpsc::Receiver<Result<(), GpuError>>, u32);
 
 impl Completion for SimCompletion {
@@ -316,6 +386,18 @@ impl SimDevice {
     /// [`GpuError::OutOfMemory`] when it is gone. For tests.
     pub fn set_external_use(&self, bytes: u64) {
         self.external.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Makes this device refuse (or accept again) host memory registrations, as a driver
+    /// might; the loader then falls back to its staging ring. For tests.
+    pub fn set_refuse_registration(&self, refuse: bool) {
+        self.refuse_registration.store(refuse, Ordering::Relaxed);
+    }
+
+    /// Accepts `n` more host memory registrations, then refuses the others (as a driver out
+    /// of pinnable memory might, part-way through a load). For tests.
+    pub fn refuse_registration_after(&self, n: u64) {
+        self.registrations_left.store(n, Ordering::Relaxed);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Regions> {
@@ -519,6 +601,69 @@ impl Device for SimDevice {
             offset: at,
             data,
             len: n,
+            done: tx,
+        })?;
+        Ok(Box::new(SimCompletion(rx, self.info.index)))
+    }
+
+    fn register_host(
+        &self,
+        memory: Arc<dyn HostMemory>,
+    ) -> Result<Arc<dyn HostRegistration>, GpuError> {
+        let allowed = self
+            .registrations_left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| match n {
+                u64::MAX => Some(n),
+                0 => None,
+                n => Some(n - 1),
+            })
+            .is_ok();
+        if self.refuse_registration.load(Ordering::Relaxed) || !allowed {
+            return Err(GpuError::Device {
+                device: self.info.index,
+                message: "host memory registration refused (simulated driver error)".into(),
+            });
+        }
+        if memory.as_bytes().is_empty() {
+            return Err(GpuError::Invalid("registering 0 bytes".into()));
+        }
+        Ok(Arc::new(SimRegistration {
+            memory,
+            device: self.info.index,
+        }))
+    }
+
+    fn copy_htod_registered(
+        &self,
+        dst: DevSpan,
+        src: &Arc<dyn HostRegistration>,
+        offset: u64,
+        _stream: usize,
+    ) -> Result<Box<dyn Completion>, GpuError> {
+        if src.as_any().downcast_ref::<SimRegistration>().is_none() {
+            return Err(GpuError::Unsupported(
+                "copy to a simulated device from another backend's registration".into(),
+            ));
+        }
+        let (file, at) = self.check(dst)?;
+        let len = usize::try_from(dst.len).map_err(|_| GpuError::Invalid("len".into()))?;
+        let src_offset = usize::try_from(offset).map_err(|_| GpuError::Invalid("offset".into()))?;
+        if offset
+            .checked_add(dst.len)
+            .is_none_or(|end| end > src.len())
+        {
+            return Err(GpuError::Invalid(format!(
+                "copy of {len} bytes at {offset} from a registration of {} bytes",
+                src.len()
+            )));
+        }
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.submit(Op::Registered {
+            dst: file,
+            offset: at,
+            src: Arc::clone(src),
+            src_offset,
+            len,
             done: tx,
         })?;
         Ok(Box::new(SimCompletion(rx, self.info.index)))

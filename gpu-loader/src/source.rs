@@ -1,16 +1,41 @@
 //! A [`ChunkSource`] over shards held in memory whose chunks become verified in order at a
 //! paced rate, the way a chain transfer delivers them. Used by the loader benchmark
 //! (`shardcast-bench loader`) and the tests to drive the pipeline without a network.
+//!
+//! The shards are either plain heap memory ([`PacedSource::new`]) or files mapped read-only
+//! ([`PacedSource::from_files`]), which is what transferd's memory tier is: files in a tmpfs
+//! directory, mapped. Only mapped shards offer [`ChunkSource::host_memory`], so only they can
+//! take the loader's registered (no staging copy) path.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::device::HostMemory;
 use crate::loader::{ChunkSource, SourceShard};
+use crate::mapped::MappedFile;
+
+/// Where a shard's bytes are.
+enum ShardBytes {
+    /// On the heap: no registration possible.
+    Heap(Vec<u8>),
+    /// A read-only map of a file.
+    Mapped(Arc<MappedFile>),
+}
+
+impl ShardBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Heap(v) => v,
+            Self::Mapped(m) => m.as_slice(),
+        }
+    }
+}
 
 /// Shards in memory, "verified" over time.
 pub struct PacedSource {
     shards: Vec<SourceShard>,
-    data: Vec<Vec<u8>>,
+    data: Vec<ShardBytes>,
     verified: Mutex<Vec<u32>>,
     cv: Condvar,
     fail: Mutex<Option<String>>,
@@ -29,10 +54,34 @@ impl PacedSource {
                 })
                 .collect(),
             verified: Mutex::new(vec![0; data.len()]),
-            data: data.into_iter().map(|(_, d)| d).collect(),
+            data: data.into_iter().map(|(_, d)| ShardBytes::Heap(d)).collect(),
             cv: Condvar::new(),
             fail: Mutex::new(None),
         })
+    }
+
+    /// `(path in the model, file)` shards, each file mapped read-only (see
+    /// [`MappedFile::open`]: the files must stay as they are while the source lives), split
+    /// into `chunk`-byte chunks, none verified yet.
+    pub fn from_files(files: Vec<(String, PathBuf)>, chunk: u32) -> std::io::Result<Arc<Self>> {
+        let mut shards = Vec::with_capacity(files.len());
+        let mut data = Vec::with_capacity(files.len());
+        for (path, file) in files {
+            let m = MappedFile::open(&file)?;
+            shards.push(SourceShard {
+                path,
+                size: m.as_slice().len() as u64,
+                chunk_size: chunk.max(1),
+            });
+            data.push(ShardBytes::Mapped(m));
+        }
+        Ok(Arc::new(Self {
+            verified: Mutex::new(vec![0; shards.len()]),
+            shards,
+            data,
+            cv: Condvar::new(),
+            fail: Mutex::new(None),
+        }))
     }
 
     /// Marks every chunk verified, in order, at `rate` bytes/s (0: all at once), on a
@@ -118,9 +167,17 @@ impl ChunkSource for PacedSource {
             .ok_or_else(|| std::io::Error::other(format!("no shard {shard}")))?;
         let o = usize::try_from(offset).map_err(std::io::Error::other)?;
         let src = d
+            .as_slice()
             .get(o..o + buf.len())
             .ok_or_else(|| std::io::Error::other("read past the end of the shard"))?;
         buf.copy_from_slice(src);
         Ok(())
+    }
+
+    fn host_memory(&self, shard: usize) -> Option<Arc<dyn HostMemory>> {
+        match self.data.get(shard)? {
+            ShardBytes::Heap(_) => None,
+            ShardBytes::Mapped(m) => Some(m.clone() as Arc<dyn HostMemory>),
+        }
     }
 }

@@ -1,12 +1,19 @@
 //! The streaming loader on simulated devices: bytes and offsets, overlap of network, PCIe and
-//! NVLink, back-pressure of the staging ring, out-of-memory and a failed transfer.
+//! NVLink, back-pressure of the staging ring, out-of-memory and a failed transfer; the
+//! registered host path (copies straight from mapped shard files) and its fallback to the
+//! staging ring.
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use gpu_loader::device::{Device, GpuError};
+use gpu_loader::device::{Device, GpuError, HostMemory};
 use gpu_loader::index::{Layout, LoadMap, tensor_index, tensor_ranges};
-use gpu_loader::loader::{LoadError, LoadOptions, LoadProgress, Target, load, load_map};
+use gpu_loader::loader::{
+    ChunkSource, HostPath, LoadError, LoadOptions, LoadProgress, SourceShard, Target, load,
+    load_map,
+};
 use gpu_loader::pool::{GpuPool, PoolError};
 use gpu_loader::sim::{SimOptions, devices};
 use gpu_loader::source::PacedSource;
@@ -47,6 +54,8 @@ fn model(sizes: &[usize]) -> Vec<(String, Vec<u8>)> {
 
 struct Rig {
     targets: Vec<Target>,
+    /// The simulated devices (to make them refuse registrations).
+    sims: Vec<Arc<gpu_loader::sim::SimDevice>>,
     /// Own the regions the targets point into (dropping a pool frees them).
     _pools: Vec<GpuPool>,
     _dir: tempfile::TempDir,
@@ -59,6 +68,7 @@ fn rig(data: &[(String, Vec<u8>)], gpus: u32, pcie: u64, nvlink: u64) -> Rig {
     o.pcie_bps = pcie;
     o.nvlink_bps = nvlink;
     let devs = devices(&o).unwrap();
+    let sims = devs.clone();
     let layout = Layout::new(
         &data
             .iter()
@@ -76,6 +86,7 @@ fn rig(data: &[(String, Vec<u8>)], gpus: u32, pcie: u64, nvlink: u64) -> Rig {
         .unzip();
     Rig {
         targets,
+        sims,
         _pools: pools,
         _dir: dir,
         layout,
@@ -400,4 +411,325 @@ fn parallel_fillers_land_every_byte_and_report_progress_in_load_order() {
         assert!(rep.first_s <= rep.elapsed_s, "{rep:?}");
         check_bytes(&r, &data);
     }
+}
+
+// ---- The registered host path. ----
+
+/// Writes the shards as files (in a memory-backed directory when there is one, like the
+/// memory tier) and returns the directory and `(path in the model, file)` pairs.
+fn shard_files(data: &[(String, Vec<u8>)]) -> (tempfile::TempDir, Vec<(String, PathBuf)>) {
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        tempfile::tempdir_in("/dev/shm").unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    };
+    let files = data
+        .iter()
+        .map(|(name, bytes)| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).unwrap();
+            (name.clone(), path)
+        })
+        .collect();
+    (dir, files)
+}
+
+#[test]
+fn the_registered_path_lands_every_byte_over_peers_host_siblings_and_streams() {
+    let data = model(&[3 << 20, 5 << 20 | 12, 1 << 20]);
+    let (_files_dir, files) = shard_files(&data);
+    let total: u64 = data.iter().map(|d| d.1.len() as u64).sum();
+    // 3 GPUs with peer paths; 2 without (the sibling copies from the same registration).
+    // Segments of 128 MiB (one per shard), and of 256 KiB (several per shard: pieces are cut
+    // at their bounds, and pinned ahead of the copies).
+    for (nvlink, copy_streams, segment) in [
+        (2_000_000_000u64, 1, 128 << 20),
+        (2_000_000_000, 3, 256 << 10),
+        (0, 4, 256 << 10),
+    ] {
+        let gpus = if nvlink > 0 { 3 } else { 2 };
+        let r = rig(&data, gpus, 2_000_000_000, nvlink);
+        let src = PacedSource::from_files(files.clone(), 256 << 10).unwrap();
+        src.deliver(0, None);
+        let p = LoadProgress::new(r.layout.total, &[0, 1, 2][..gpus as usize]);
+        let opts = LoadOptions {
+            staging_buffers: 3,
+            staging_size: 1 << 20,
+            copy_streams,
+            register_segment: segment,
+            ..Default::default()
+        };
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+        assert_eq!(rep.fallback_reason, None);
+        assert_eq!(rep.staged_bytes, 0);
+        assert_eq!(rep.copy_streams, copy_streams);
+        assert!(rep.register_s >= 0.0 && rep.register_s <= rep.elapsed_s);
+        assert_eq!(rep.bytes, total);
+        assert!(
+            p.snapshot().iter().all(|(_, b)| *b == total),
+            "{:?}",
+            p.snapshot()
+        );
+        if nvlink > 0 {
+            assert_eq!((rep.peer_siblings, rep.host_siblings), (2, 0));
+        } else {
+            assert_eq!((rep.peer_siblings, rep.host_siblings), (0, 1));
+        }
+        check_bytes(&r, &data);
+    }
+}
+
+#[test]
+fn the_registered_path_streams_a_partition_first_then_completes() {
+    let data = model(&[1 << 20, 2 << 20 | 20, 1 << 20, 1 << 20]);
+    let (_files_dir, files) = shard_files(&data);
+    let r = rig(&data, 2, 400_000_000, 800_000_000);
+    let idx = tensor_index(&r.layout, |i, off, len| {
+        Ok(data[i].1[off as usize..off as usize + len].to_vec())
+    })
+    .unwrap();
+    let ranges = tensor_ranges(&r.layout, &idx, |n| n.starts_with("model.layers.3."));
+    let map = LoadMap::partition(&r.layout, &ranges, true);
+    let src = PacedSource::from_files(files, 64 << 10).unwrap();
+    let p = LoadProgress::with_first(map.bytes, map.first_bytes, &[0, 1]);
+    let opts = LoadOptions {
+        staging_buffers: 6,
+        staging_size: 96 << 10,
+        fill_threads: 3,
+        copy_streams: 2,
+        ..Default::default()
+    };
+    src.deliver(300_000_000, None);
+    let rep = load_map(&*src, &r.layout, &map, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+    assert_eq!((rep.bytes, rep.first_bytes), (map.bytes, map.first_bytes));
+    assert!(rep.first_s <= rep.elapsed_s, "{rep:?}");
+    check_bytes(&r, &data);
+}
+
+#[test]
+fn a_refused_registration_falls_back_to_staging_and_says_why() {
+    let data = model(&[3 << 20, 2 << 20 | 7]);
+    let (_files_dir, files) = shard_files(&data);
+    let r = rig(&data, 2, 2_000_000_000, 2_000_000_000);
+    r.sims[0].set_refuse_registration(true);
+    let src = PacedSource::from_files(files, 256 << 10).unwrap();
+    src.deliver(0, None);
+    let p = LoadProgress::new(r.layout.total, &[0, 1]);
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 1 << 20,
+        ..Default::default()
+    };
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Staging, "{rep:?}");
+    let why = rep.fallback_reason.clone().expect("a reason");
+    assert!(
+        why.contains("refused") && why.contains("registering shard"),
+        "{why}"
+    );
+    assert_eq!((rep.register_s, rep.copy_streams), (0.0, 1));
+    check_bytes(&r, &data);
+
+    // Refused from the start through the options.
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = SimOptions::new(dir.path(), 1, 64 << 20);
+    o.refuse_registration = true;
+    let refusing = devices(&o).unwrap().remove(0);
+    let shard = gpu_loader::mapped::MappedFile::open(&files_of(&_files_dir)[0]).unwrap();
+    let e = refusing
+        .register_host(shard.clone())
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("refused"), "{e}");
+    // And accepted again once allowed.
+    refusing.set_refuse_registration(false);
+    assert_eq!(
+        refusing.register_host(shard).unwrap().len(),
+        data[0].1.len() as u64
+    );
+}
+
+#[test]
+fn segments_that_fail_to_register_mid_load_go_through_staging() {
+    let data = model(&[3 << 20, 2 << 20 | 9]);
+    let (_files_dir, files) = shard_files(&data);
+    for gpus_nvlink in [(2, 2_000_000_000u64), (2, 0)] {
+        let r = rig(&data, gpus_nvlink.0, 2_000_000_000, gpus_nvlink.1);
+        // The first three 256 KiB segments register, the rest are refused.
+        r.sims[0].refuse_registration_after(3);
+        let src = PacedSource::from_files(files.clone(), 256 << 10).unwrap();
+        src.deliver(0, None);
+        let p = LoadProgress::new(r.layout.total, &[0, 1]);
+        let opts = LoadOptions {
+            staging_buffers: 4,
+            staging_size: 192 << 10,
+            register_segment: 256 << 10,
+            fill_threads: 3,
+            ..Default::default()
+        };
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+        assert!(
+            rep.staged_bytes > 0 && rep.staged_bytes < rep.bytes - (512 << 10),
+            "{rep:?}"
+        );
+        let why = rep.fallback_reason.clone().unwrap();
+        assert!(
+            why.contains("refused") && why.contains("went through staging"),
+            "{why}"
+        );
+        check_bytes(&r, &data);
+    }
+}
+
+fn files_of(dir: &tempfile::TempDir) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn sources_without_mapped_files_or_with_registration_off_use_staging() {
+    let data = model(&[2 << 20, 1 << 20 | 3]);
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 1 << 20,
+        ..Default::default()
+    };
+    // Heap memory: nothing to register.
+    let r = rig(&data, 1, 2_000_000_000, 0);
+    let src = PacedSource::new(data.clone(), 256 << 10);
+    src.deliver(0, None);
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Staging);
+    let why = rep.fallback_reason.unwrap();
+    assert!(why.contains("not a mapped file"), "{why}");
+    check_bytes(&r, &data);
+    // Mapped files, but `register_host = false`.
+    let (_files_dir, files) = shard_files(&data);
+    let r = rig(&data, 1, 2_000_000_000, 0);
+    let src = PacedSource::from_files(files, 256 << 10).unwrap();
+    src.deliver(0, None);
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let off = LoadOptions {
+        register_host: false,
+        ..opts.clone()
+    };
+    let rep = load(&*src, &r.layout, &r.targets, &off, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Staging);
+    assert_eq!(rep.fallback_reason.as_deref(), Some("register_host is off"));
+    check_bytes(&r, &data);
+}
+
+/// A mapped source that checks, whenever the loader is about to copy straight from the
+/// mapping, that every chunk under the range is already verified, and counts the bytes.
+struct Watched {
+    inner: Arc<PacedSource>,
+    direct_bytes: AtomicU64,
+    unverified: Mutex<Vec<(usize, u64, u64)>>,
+}
+
+impl ChunkSource for Watched {
+    fn shards(&self) -> &[SourceShard] {
+        self.inner.shards()
+    }
+    fn wait_verified(
+        &self,
+        shard: usize,
+        first: u32,
+        last: u32,
+        timeout: Duration,
+    ) -> Result<bool, String> {
+        self.inner.wait_verified(shard, first, last, timeout)
+    }
+    fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read(shard, offset, buf)
+    }
+    fn host_memory(&self, shard: usize) -> Option<Arc<dyn HostMemory>> {
+        self.inner.host_memory(shard)
+    }
+    fn check_direct(&self, shard: usize, offset: u64, len: u64) -> std::io::Result<()> {
+        let cs = u64::from(self.shards()[shard].chunk_size);
+        let (first, last) = ((offset / cs) as u32, ((offset + len - 1) / cs) as u32);
+        if self.inner.wait_verified(shard, first, last, Duration::ZERO) != Ok(true) {
+            self.unverified.lock().unwrap().push((shard, offset, len));
+        }
+        self.direct_bytes.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[test]
+fn the_registered_path_copies_only_verified_chunks() {
+    let data = model(&[4 << 20, 3 << 20 | 5]);
+    let (_files_dir, files) = shard_files(&data);
+    let r = rig(&data, 2, 1_000_000_000, 1_000_000_000);
+    let src = Watched {
+        inner: PacedSource::from_files(files.clone(), 256 << 10).unwrap(),
+        direct_bytes: AtomicU64::new(0),
+        unverified: Mutex::new(Vec::new()),
+    };
+    let p = LoadProgress::new(r.layout.total, &[0, 1]);
+    let opts = LoadOptions {
+        staging_buffers: 4,
+        staging_size: 512 << 10,
+        ..Default::default()
+    };
+    // Chunks arrive slowly (about 0.1 s for the model): the copies wait for them.
+    src.inner.deliver(70_000_000, None);
+    let rep = load(&src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+    assert!(rep.waited_for_data_s > 0.0, "{rep:?}");
+    assert_eq!(*src.unverified.lock().unwrap(), vec![]);
+    assert_eq!(src.direct_bytes.load(Ordering::Relaxed), rep.bytes);
+    check_bytes(&r, &data);
+
+    // An upstream that vanishes fails the load, as on the staging path.
+    let r = rig(&data, 1, 1_000_000_000, 0);
+    let src = PacedSource::from_files(files, 1 << 20).unwrap();
+    src.deliver(50_000_000, Some(2 << 20));
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let e = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap_err();
+    assert!(e.to_string().contains("upstream vanished"), "{e}");
+}
+
+#[test]
+fn kept_registrations_are_reused_and_released_with_their_mapping() {
+    let data = model(&[3 << 20, 1 << 20 | 5]);
+    let (_files_dir, files) = shard_files(&data);
+    let cache = gpu_loader::loader::RegistrationCache::new();
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 1 << 20,
+        register_segment: 1 << 20,
+        registrations: Some(cache.clone()),
+        ..Default::default()
+    };
+    let src = PacedSource::from_files(files.clone(), 256 << 10).unwrap();
+    src.deliver(0, None);
+    for pass in 0..2 {
+        let r = rig(&data, 1, 2_000_000_000, 0);
+        let p = LoadProgress::new(r.layout.total, &[0]);
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+        let segments: usize = data.iter().map(|d| d.1.len().div_ceil(1 << 20)).sum();
+        assert_eq!(rep.registrations, segments, "1 MiB segments: {rep:?}");
+        let reused = if pass == 0 { 0 } else { rep.registrations };
+        assert_eq!(rep.registrations_reused, reused, "pass {pass}: {rep:?}");
+        check_bytes(&r, &data);
+    }
+    let total: u64 = data.iter().map(|d| d.1.len() as u64).sum();
+    assert_eq!(cache.registered_bytes(), total);
+    // Still held by the source: kept.
+    assert_eq!(cache.sweep(), 0);
+    // The source (the owner of the mappings) is gone: released.
+    drop(src);
+    assert_eq!(cache.sweep(), total);
+    assert_eq!(cache.registered_bytes(), 0);
 }

@@ -701,6 +701,9 @@ impl Agent for AgentService {
                 partition_bytes: m.partition.as_ref().map_or(0, |p| p.bytes),
                 partition_live_s: m.partition.as_ref().and_then(|p| p.live_s),
                 partition_complete: m.partition.as_ref().is_some_and(|p| p.complete),
+                host_path: m.host_path.map(|p| p.to_string()).unwrap_or_default(),
+                host_path_reason: m.fallback_reason.clone().unwrap_or_default(),
+                register_s: m.register_s,
             })
             .collect();
         Ok(Response::new(pb::GpuStatusResponse {

@@ -189,6 +189,14 @@ pub struct Args {
     /// memcpy is slower than PCIe Gen5) [default: the CPU count, at most 4].
     #[arg(long, env = "SHARDCAST_STAGING_FILL_THREADS")]
     pub staging_fill_threads: Option<usize>,
+    /// Register the memory tier's shard mappings with the GPU (pinned host memory) and copy
+    /// from them directly, with no CPU copy into staging; the staging ring is the fallback
+    /// when registration fails [default: true].
+    #[arg(long, env = "SHARDCAST_REGISTER_HOST")]
+    pub register_host: Option<bool>,
+    /// Copy streams per GPU for copies from registered shard mappings, 1 to 8 [default: 4].
+    #[arg(long, env = "SHARDCAST_COPY_STREAMS")]
+    pub copy_streams: Option<usize>,
     /// Cluster CA bundle (PEM) that peers' and the controller's certificates must chain to.
     #[arg(long, env = "SHARDCAST_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
@@ -316,6 +324,8 @@ struct FileConfig {
     staging_buffers: Option<usize>,
     staging_size: Option<String>,
     staging_fill_threads: Option<usize>,
+    register_host: Option<bool>,
+    copy_streams: Option<usize>,
     tls_ca: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
@@ -766,6 +776,16 @@ impl Config {
                 args.staging_fill_threads.or(file.staging_fill_threads),
                 m.load.fill_threads,
                 64,
+            )?;
+            m.load.register_host = args
+                .register_host
+                .or(file.register_host)
+                .unwrap_or(m.load.register_host);
+            m.load.copy_streams = bounded(
+                "copy_streams",
+                args.copy_streams.or(file.copy_streams),
+                m.load.copy_streams,
+                gpu_loader::loader::MAX_COPY_STREAMS,
             )?;
             // "auto" (the default): calibrated at start-up on CUDA (Torpor's elbow), 4 MiB on
             // simulated devices.

@@ -115,6 +115,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));
+    tasks.spawn(release_registrations(gpus.clone(), cancel.clone()));
     {
         let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService::new(
             node.clone(),
@@ -252,6 +253,33 @@ impl ApiListener {
         match self {
             Self::Tcp(l) => grpc::incoming_tcp(l, security, cancel.cancelled_owned()),
             Self::Unix(l, _, access) => grpc::incoming_unix(l, access, cancel.cancelled_owned()),
+        }
+    }
+}
+
+/// How often shard mappings that left the memory tier are unregistered from the GPUs.
+/// Until then their pages stay pinned (a removed shard's memory is not given back), so the
+/// period bounds how long evicted shards keep host memory; a sweep is a lock and a count per
+/// kept mapping, plus the unregistering (≈ 0.03 s per 4 GiB measured on an H100 host).
+const REGISTRATION_SWEEP: Duration = Duration::from_secs(5);
+
+/// Unregisters, every [`REGISTRATION_SWEEP`], the shard mappings kept registered for GPU
+/// loads that the store no longer holds.
+async fn release_registrations(gpus: Arc<GpuManager>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(REGISTRATION_SWEEP);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let g = gpus.clone();
+        // Unregistering calls the driver: off the runtime.
+        if let Ok(bytes) =
+            tokio::task::spawn_blocking(move || g.release_unused_registrations()).await
+            && bytes > 0
+        {
+            tracing::debug!(bytes, "unregistered shard mappings the store dropped");
         }
     }
 }

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpu_loader::device::HostMemory;
 use gpu_loader::handoff::{self, Handoff};
 use gpu_loader::index::{self, Layout, ShardRange, TensorEntry};
 use gpu_loader::loader::{ChunkSource, SourceShard};
@@ -165,6 +166,32 @@ impl ChunkSource for StoreSource {
         }
         s.read_at(offset, buf)
             .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+
+    fn host_memory(&self, shard: usize) -> Option<Arc<dyn HostMemory>> {
+        let map = self.shards.get(shard)?.mapping()?;
+        Some(map as Arc<dyn HostMemory>)
+    }
+
+    /// What [`ChunkSource::read`] checks before its copy: the chunks are sound at rest (a
+    /// chunk past the trust window is re-hashed, a bad one repaired or the load fails), so a
+    /// GPU copying straight from the mapping gets the same guarantee.
+    fn check_direct(&self, shard: usize, offset: u64, len: u64) -> std::io::Result<()> {
+        let s = self
+            .shards
+            .get(shard)
+            .ok_or_else(|| std::io::Error::other(format!("no shard {shard}")))?;
+        if s.is_removed() {
+            return Err(std::io::Error::other(format!(
+                "{} was removed from the store",
+                s.path().display()
+            )));
+        }
+        let len = usize::try_from(len).map_err(std::io::Error::other)?;
+        for c in s.chunks_covering(offset, len) {
+            self.ensure_sound(s, c)?;
+        }
+        Ok(())
     }
 }
 

@@ -35,6 +35,11 @@ impl ShardMap {
         Ok(Self(Arc::new(map)))
     }
 
+    /// The map itself, shared (for a GPU to register and copy verified chunks from).
+    pub(super) fn shared(&self) -> Arc<Mmap> {
+        self.0.clone()
+    }
+
     /// The bytes in `range`, or `None` if it lies outside the map.
     pub(super) fn slice(&self, range: Range<usize>) -> Option<&[u8]> {
         self.0.get(range)

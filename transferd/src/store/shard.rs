@@ -641,6 +641,14 @@ impl Shard {
         self.read_raw(index)
     }
 
+    /// The read-only shared map of the whole data file (`None` for an empty shard), for a
+    /// GPU to register and copy from directly (gpu-loader's registered path: DMA from the
+    /// page cache, no staging copy). Like [`Shard::read_at`] it checks nothing: only bytes of
+    /// chunks that are verified and passed [`Shard::check`] may be copied from it.
+    pub fn mapping(&self) -> Option<Arc<memmap2::Mmap>> {
+        self.map.as_ref().map(ShardMap::shared)
+    }
+
     /// Copies bytes `offset..offset + buf.len()` of the data file into `buf`, without any
     /// check: call [`Shard::check`] on [`Shard::chunks_covering`] first.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
