@@ -4,9 +4,11 @@
 //! means `main`.
 //!
 //! Implemented against the documented Hub HTTP API rather than the `hf-hub` crate:
-//! `hf-hub` downloads whole files into its own cache directory and offers no ranged reads,
-//! while a chain head needs parallel `Range` reads straight into the chain, and every
-//! request must go through the origin policy's HTTP client. The API used:
+//! `hf-hub` (0.4, and as far as checked the 1.0 rewrite) downloads whole files into its
+//! cache or a local directory through its own HTTP client, while a chain head needs
+//! parallel `Range` reads straight into the chain, and every request must go through the
+//! origin policy's HTTP client (address filtering, redirect rules, no proxy). The API
+//! used:
 //!
 //! * `GET {endpoint}/api/models/{org}/{name}/revision/{revision}?blobs=true`: the
 //!   revision's `siblings` (`rfilename`, and `size` with `blobs=true`);
