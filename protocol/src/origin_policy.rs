@@ -2,7 +2,9 @@
 //!
 //! An operator lists allowed origin *prefixes* (`origin_allow`): `file://` roots, HTTP(S) URL
 //! prefixes such as `https://models.example.com/org/`, and (once the reader exists)
-//! `s3://bucket/prefix/`. Both the controller (at register time) and every transferd (for
+//! `s3://bucket/prefix/`, and Hugging Face repositories (`hf://org/` for every repository of
+//! an organisation, `hf://org/name` for one repository at any revision, `hf://org/name@rev`
+//! for one revision). Both the controller (at register time) and every transferd (for
 //! every origin it opens: imports, chain heads, a session's fallback origin, partition
 //! loads) check a URI against the same [`OriginPolicy`]. This module is pure: no I/O, no
 //! DNS, no clock. The daemon adds what needs I/O on top (symlink resolution beneath a
@@ -56,7 +58,7 @@ pub enum PolicyError {
     },
     /// The scheme is not one shardcast reads from.
     #[error(
-        "unsupported origin {uri:?}: use file:///absolute/path, http://host/path, https://host/path or s3://bucket/prefix"
+        "unsupported origin {uri:?}: use file:///absolute/path, http://host/path, https://host/path, s3://bucket/prefix or hf://org/name@revision"
     )]
     UnsupportedScheme {
         /// The URI as given.
@@ -111,8 +113,10 @@ pub enum OriginScheme {
     Http,
     /// HTTP over TLS.
     Https,
-    /// An S3 bucket (policy only; no reader yet).
+    /// An S3 (or S3-compatible) bucket.
     S3,
+    /// A Hugging Face Hub repository (`hf://org/name@revision`).
+    Hf,
 }
 
 impl OriginScheme {
@@ -122,6 +126,7 @@ impl OriginScheme {
             Self::Http => "http",
             Self::Https => "https",
             Self::S3 => "s3",
+            Self::Hf => "hf",
         }
     }
 }
@@ -140,6 +145,8 @@ pub enum Authority {
     },
     /// S3: the bucket name.
     Bucket(String),
+    /// Hugging Face: the organisation (or user) owning the repository, case kept.
+    HubOrg(String),
 }
 
 /// A network host as written in a URI, normalised.
@@ -171,6 +178,8 @@ pub struct OriginLocation {
     segments: Vec<String>,
     /// The written URI ended in `/`.
     dir: bool,
+    /// `hf://` only: the revision written after `@` in the repository name.
+    revision: Option<String>,
 }
 
 impl OriginLocation {
@@ -193,6 +202,7 @@ impl OriginLocation {
             "http" => OriginScheme::Http,
             "https" => OriginScheme::Https,
             "s3" => OriginScheme::S3,
+            "hf" => OriginScheme::Hf,
             _ => {
                 return Err(PolicyError::UnsupportedScheme {
                     uri: uri.to_string(),
@@ -262,6 +272,14 @@ impl OriginLocation {
                     ));
                 }
             },
+            OriginScheme::Hf => match url.host_str() {
+                Some(org) if valid_hub_name(org) => Authority::HubOrg(org.to_string()),
+                _ => {
+                    return Err(invalid(
+                        "expected hf://org/name@revision with an organisation of letters, digits, '-', '_' or '.'",
+                    ));
+                }
+            },
         };
         let path = url.path();
         let dir = path.ends_with('/');
@@ -291,6 +309,30 @@ impl OriginLocation {
             }
             segments.push(decoded);
         }
+        let mut revision = None;
+        if scheme == OriginScheme::Hf {
+            if segments.len() > 1 {
+                return Err(invalid(
+                    "a Hugging Face origin is hf://org/name@revision: no path below the repository",
+                ));
+            }
+            if let Some(repo) = segments.first_mut()
+                && let Some((name, rev)) = repo.split_once('@')
+            {
+                if !valid_hub_revision(rev) {
+                    return Err(invalid(
+                        "the revision after '@' must be a branch, tag or commit of letters, digits, '-', '_' or '.'",
+                    ));
+                }
+                revision = Some(rev.to_string());
+                *repo = name.to_string();
+            }
+            if segments.first().is_some_and(|name| !valid_hub_name(name)) {
+                return Err(invalid(
+                    "the repository name must be letters, digits, '-', '_' or '.'",
+                ));
+            }
+        }
         if scheme == OriginScheme::File && segments.is_empty() {
             return Err(invalid(
                 "file:/// (the whole file system) cannot be an origin",
@@ -301,7 +343,14 @@ impl OriginLocation {
             authority,
             segments,
             dir,
+            revision,
         })
+    }
+
+    /// The revision of an `hf://org/name@revision` location (`None` when none is written,
+    /// and for other schemes).
+    pub fn revision(&self) -> Option<&str> {
+        self.revision.as_deref()
     }
 
     /// The scheme.
@@ -331,6 +380,7 @@ impl OriginLocation {
             && self.authority == prefix.authority
             && self.segments.len() >= prefix.segments.len()
             && self.segments[..prefix.segments.len()] == prefix.segments[..]
+            && (prefix.revision.is_none() || prefix.revision == self.revision)
     }
 }
 
@@ -340,10 +390,13 @@ impl fmt::Display for OriginLocation {
         match &self.authority {
             Authority::Local => {}
             Authority::Net { host, port } => write!(f, "{host}:{port}")?,
-            Authority::Bucket(b) => f.write_str(b)?,
+            Authority::Bucket(b) | Authority::HubOrg(b) => f.write_str(b)?,
         }
         for s in &self.segments {
             write!(f, "/{}", encode_segment(s))?;
+        }
+        if let Some(rev) = &self.revision {
+            write!(f, "@{rev}")?;
         }
         if self.dir || self.segments.is_empty() {
             f.write_str("/")?;
@@ -380,7 +433,8 @@ impl OriginPrefix {
 impl fmt::Display for OriginPrefix {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut l = self.location.clone();
-        l.dir = true;
+        // A repository name is not a directory: `hf://org/name@main`, not `…@main/`.
+        l.dir = l.scheme != OriginScheme::Hf || l.segments.is_empty();
         l.fmt(f)
     }
 }
@@ -606,6 +660,25 @@ fn valid_bucket(b: &str) -> bool {
         && !b.contains("..")
 }
 
+/// Hugging Face organisation and repository names: 1-96 letters, digits, `-`, `_`, `.`, not
+/// starting with `.` or `-`.
+fn valid_hub_name(n: &str) -> bool {
+    (1..=96).contains(&n.len())
+        && n.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        && !n.starts_with(['.', '-'])
+}
+
+/// A Hugging Face revision as accepted here: a branch, tag or commit name of letters,
+/// digits, `-`, `_`, `.` (names with `/`, such as `refs/pr/1`, are not supported).
+fn valid_hub_revision(r: &str) -> bool {
+    (1..=255).contains(&r.len())
+        && r.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        && !r.starts_with('.')
+        && !r.contains("..")
+}
+
 /// Decodes `%XX` escapes; `None` if an escape is malformed or the result is not UTF-8.
 pub fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
@@ -828,5 +901,50 @@ mod tests {
             let _ = p.check(&s);
             let _ = p.check(&t);
         }
+    }
+
+    #[test]
+    fn hugging_face_repositories() {
+        let p = policy(&["hf://acme/", "hf://Other/model@v1"]);
+        let ok = p.check("hf://acme/llama@main").unwrap();
+        assert_eq!(ok.location.segments(), ["llama"]);
+        assert_eq!(ok.location.revision(), Some("main"));
+        assert_eq!(ok.location.to_string(), "hf://acme/llama@main");
+        assert!(
+            p.check("hf://acme/llama")
+                .unwrap()
+                .location
+                .revision()
+                .is_none()
+        );
+        assert!(p.check("hf://Other/model@v1").is_ok());
+        // A prefix with a revision allows only that revision; org names keep their case.
+        assert!(matches!(
+            p.check("hf://Other/model@main"),
+            Err(PolicyError::NotAllowed { .. })
+        ));
+        assert!(matches!(
+            p.check("hf://other/model@v1"),
+            Err(PolicyError::NotAllowed { .. })
+        ));
+        assert!(matches!(
+            p.check("hf://acme-evil/llama"),
+            Err(PolicyError::NotAllowed { .. })
+        ));
+        for bad in [
+            "hf://acme/llama/extra",
+            "hf://acme/llama@",
+            "hf://acme/llama@a/b",
+            "hf://acme/.hidden",
+            "hf://acme/llama@..",
+            "hf://-acme/llama",
+        ] {
+            assert!(
+                matches!(p.check(bad), Err(PolicyError::Invalid { .. })),
+                "{bad}: {:?}",
+                p.check(bad)
+            );
+        }
+        assert_eq!(p.describe(), "hf://acme/, hf://Other/model@v1");
     }
 }

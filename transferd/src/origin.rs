@@ -11,6 +11,11 @@
 //!   list comes from `model.safetensors.index.json` (its `weight_map` values); without an
 //!   index, `model.safetensors` alone. Sizes come from `HEAD` `Content-Length`.
 //! * `http(s)://host/path/file` (not ending in `/`): that one file.
+//! * `s3://bucket/prefix/`: every object under the prefix (through `object_store`; see
+//!   [`s3`] for credentials, endpoints and retries); `s3://bucket/key` without the
+//!   trailing `/`: that one object if it exists, else the prefix `key/`.
+//! * `hf://org/name@revision`: every file of one revision of a Hugging Face Hub repository
+//!   (see [`hf`]).
 //!
 //! Every origin is opened through [`Origin::parse`] with the host's [`OriginAccess`]: the
 //! URI must pass the allow-list ([`shardcast_protocol::origin_policy`]); a `file://` path
@@ -51,6 +56,9 @@ use shardcast_protocol::{
     VerifyError,
 };
 use tokio::sync::mpsc;
+
+mod hf;
+mod s3;
 
 /// Attempts per chunk in [`fetch_chunks`]: the first try and 3 retries. Rationale: a flaky
 /// object store or a torn read rarely fails twice in a row; a chunk that fails four times
@@ -151,7 +159,7 @@ impl OriginAccess {
 pub enum OriginError {
     /// The URI's scheme is not one shardcast reads from.
     #[error(
-        "unsupported origin {uri:?}: use file:///absolute/path, http://host/path or https://host/path"
+        "unsupported origin {uri:?}: use file:///absolute/path, http://host/path, https://host/path, s3://bucket/prefix or hf://org/name@revision"
     )]
     UnsupportedScheme {
         /// The URI as given.
@@ -304,6 +312,31 @@ pub enum OriginError {
         #[source]
         source: VerifyError,
     },
+    /// An object store (S3) has no object under that key, or the bucket does not exist.
+    #[error("no such object {uri}")]
+    NoSuchObject {
+        /// `s3://bucket/key`, with what was missing.
+        uri: String,
+    },
+    /// The origin refused the credentials (or their absence).
+    #[error("access denied to {uri} (check credentials: {hint}): {detail}")]
+    AccessDenied {
+        /// The object or repository.
+        uri: String,
+        /// Which credentials are used and where they come from.
+        hint: &'static str,
+        /// The origin's answer.
+        detail: String,
+    },
+    /// An object store request failed after `object_store`'s own retries.
+    #[error("object store request for {uri} failed: {}", error_chain(source))]
+    ObjectStore {
+        /// The object.
+        uri: String,
+        /// The client's error.
+        #[source]
+        source: object_store::Error,
+    },
     /// A background read task panicked or was cancelled.
     #[error("a background read task failed: {0}")]
     Task(#[source] tokio::task::JoinError),
@@ -329,6 +362,7 @@ impl OriginError {
             | Self::ShortRead { .. }
             | Self::Corrupt { .. }
             | Self::Io { .. }
+            | Self::ObjectStore { .. }
             | Self::Task(_) => true,
             Self::HttpStatus { status, .. } => matches!(status, 408 | 429 | 500..=599),
             _ => false,
@@ -365,12 +399,18 @@ enum Source {
         url: Url,
         name: ShardPath,
     },
+    /// An S3 bucket and prefix.
+    S3(s3::S3Source),
+    /// A Hugging Face Hub repository revision.
+    Hf(hf::HfSource),
 }
 
 impl Origin {
-    /// Parses an origin URI (`file:///abs/dir`, `file:///abs/file`, `http(s)://…/dir/` or
-    /// `http(s)://…/file`) and checks it against `access`'s allow-list. Does no I/O; every
-    /// later read is checked again (symbolic links, redirects, resolved addresses).
+    /// Parses an origin URI (`file:///abs/dir`, `file:///abs/file`, `http(s)://…/dir/`,
+    /// `http(s)://…/file`, `s3://bucket/prefix` or `hf://org/name@revision`) and checks it
+    /// against `access`'s allow-list before anything else. Does no network I/O (an `hf://`
+    /// origin reads its token file); every later read is checked again (symbolic links,
+    /// redirects, resolved addresses).
     pub fn parse(uri: &str, access: &OriginAccess) -> Result<Self, OriginError> {
         let invalid = |reason: String| OriginError::InvalidUri {
             uri: uri.to_string(),
@@ -382,11 +422,6 @@ impl Origin {
                 uri: uri.to_string(),
             },
         })?;
-        if location.scheme() == OriginScheme::S3 {
-            return Err(OriginError::UnsupportedScheme {
-                uri: uri.to_string(),
-            });
-        }
         let allowed = access
             .policy
             .check_location(uri, location)
@@ -421,11 +456,8 @@ impl Origin {
                     Source::HttpFile { client, url, name }
                 }
             }
-            OriginScheme::S3 => {
-                return Err(OriginError::UnsupportedScheme {
-                    uri: uri.to_string(),
-                });
-            }
+            OriginScheme::S3 => Source::S3(s3::S3Source::open(uri, &allowed.location, access)?),
+            OriginScheme::Hf => Source::Hf(hf::HfSource::open(uri, &allowed.location, access)?),
         };
         Ok(Self {
             inner: Arc::new(Inner {
@@ -464,6 +496,8 @@ impl Origin {
             Source::HttpFile { client, url, name } => {
                 vec![(name.clone(), head_size(client, url).await?)]
             }
+            Source::S3(s3) => s3.list().await?,
+            Source::Hf(hf) => hf.list().await?,
         };
         if files.is_empty() {
             return Err(OriginError::Empty {
@@ -573,6 +607,22 @@ impl Origin {
                 });
                 (url.to_string(), read.await?)
             }
+            Source::S3(s3) => {
+                s3.stream(&path, |piece| {
+                    hasher.update(piece);
+                    self.count(piece.len());
+                    let _ = progress.send(piece.len() as u64);
+                })
+                .await?
+            }
+            Source::Hf(hf) => {
+                let url = hf.url(&path)?;
+                let read = self.stream_http(&hf.client, &url, |piece| {
+                    hasher.update(piece);
+                    let _ = progress.send(piece.len() as u64);
+                });
+                (url.to_string(), read.await.map_err(|e| hf.error(e))?)
+            }
         };
         finish_shard(location, hasher, read, size, path)
     }
@@ -633,6 +683,17 @@ impl Origin {
                     return Err(self.not_found(path));
                 }
                 self.read_http_range(client, url, offset, len).await
+            }
+            Source::S3(s3) => {
+                let data = s3.read_range(path, offset, len).await?;
+                self.count(data.len());
+                Ok(data)
+            }
+            Source::Hf(hf) => {
+                let url = hf.url(path)?;
+                self.read_http_range(&hf.client, &url, offset, len)
+                    .await
+                    .map_err(|e| hf.error(e))
             }
         }
     }
@@ -705,6 +766,10 @@ impl Origin {
             Source::HttpDir { base, .. } => shard_url(base, path.as_str())
                 .map_or_else(|_| format!("{base}{path}"), |u| u.to_string()),
             Source::HttpFile { url, .. } => url.to_string(),
+            Source::S3(s3) => s3.location(path),
+            Source::Hf(hf) => hf
+                .url(path)
+                .map_or_else(|_| format!("{}{path}", hf.files), |u| u.to_string()),
         }
     }
 
@@ -1023,11 +1088,7 @@ fn read_local_range(
 /// addresses ([`PolicyResolver`]), and proxies from the environment are ignored (a proxy
 /// would resolve names where the policy cannot see them).
 fn http_client(access: &OriginAccess) -> Result<reqwest::Client, OriginError> {
-    static TLS_PROVIDER: Once = Once::new();
-    TLS_PROVIDER.call_once(|| {
-        // Fails only if the embedding program installed a provider first: then use that.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    });
+    install_tls_provider();
     let redirects = access.clone();
     let redirect = reqwest::redirect::Policy::custom(move |attempt| {
         if attempt.previous().len() >= MAX_REDIRECTS {
@@ -1052,6 +1113,15 @@ fn http_client(access: &OriginAccess) -> Result<reqwest::Client, OriginError> {
         })
         .build()
         .map_err(OriginError::Client)
+}
+
+/// Installs the ring TLS provider for `reqwest` once per process.
+fn install_tls_provider() {
+    static TLS_PROVIDER: Once = Once::new();
+    TLS_PROVIDER.call_once(|| {
+        // Fails only if the embedding program installed a provider first: then use that.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
 }
 
 /// Resolves host names with the system resolver, then drops every address the policy does
@@ -1418,13 +1488,7 @@ mod tests {
 
     #[test]
     fn bad_uris_are_refused_clearly() {
-        for uri in [
-            "s3://bucket/model",
-            "ftp://host/x",
-            "/abs/path",
-            "model",
-            "hdfs:///x",
-        ] {
+        for uri in ["ftp://host/x", "/abs/path", "model", "hdfs:///x"] {
             let err = Origin::parse(uri, &OriginAccess::default()).unwrap_err();
             assert!(
                 matches!(err, OriginError::UnsupportedScheme { .. }),
@@ -1443,6 +1507,23 @@ mod tests {
         assert_eq!(o.uri(), "https://example.com/models/llama/");
         assert!(open("HTTP://example.com/a%20b.safetensors").is_ok());
         assert!(open("file:///tmp/a%20b").is_ok());
+        // S3 and Hugging Face origins open without any request.
+        assert!(open("s3://bucket/models/llama/").is_ok());
+        assert!(open("hf://acme/tiny@main").is_ok());
+        let err = open("hf://acme/").unwrap_err();
+        assert!(err.to_string().contains("name one repository"), "{err}");
+        for uri in ["hf://acme/tiny/extra", "s3://Bucket/x"] {
+            let err = Origin::parse(uri, &OriginAccess::default()).unwrap_err();
+            assert!(
+                matches!(err, OriginError::InvalidUri { .. }),
+                "{uri}: {err}"
+            );
+        }
+        // Outside the allow-list: refused before the client is even set up.
+        let access = allowing("s3://bucket/models/");
+        let err = Origin::parse("s3://bucket/other/", &access).unwrap_err();
+        assert!(matches!(err, OriginError::Policy(_)), "{err}");
+        assert_eq!(access.refused(), 1);
     }
 
     #[tokio::test]

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Starts moto's S3-compatible server (https://pypi.org/project/moto/) on 127.0.0.1:PORT for
+# the s3:// origin tests. Creates a virtual environment under the Cargo target directory and
+# installs `moto[server]` into it on first use (later runs reuse it), then replaces itself
+# with the server, so the caller's child PID is the server's and can be killed by PID.
+#
+#   tests/support/s3-server.sh PORT
+#
+# Exit status 3 (and a line on stderr) when python3 or pip are unavailable: the tests print
+# that reason and skip.
+set -euo pipefail
+port="${1:?usage: s3-server.sh PORT}"
+here="$(cd "$(dirname "$0")" && pwd)"
+target="${CARGO_TARGET_DIR:-$here/../../target}"
+venv="$target/s3-test-venv"
+if ! command -v python3 >/dev/null 2>&1; then
+    echo "s3-server.sh: python3 not found" >&2
+    exit 3
+fi
+if [ ! -x "$venv/bin/moto_server" ]; then
+    # One installer at a time when several tests start servers at once.
+    mkdir -p "$target"
+    exec 9>"$target/s3-test-venv.lock"
+    flock 9
+    if [ ! -x "$venv/bin/moto_server" ]; then
+        rm -rf "$venv"
+        if ! python3 -m venv "$venv" >&2; then
+            echo "s3-server.sh: python3 -m venv failed (is the venv module installed?)" >&2
+            exit 3
+        fi
+        if ! "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]>=5,<6' >&2; then
+            rm -rf "$venv"
+            echo "s3-server.sh: pip install 'moto[server]' failed (no package index reachable?)" >&2
+            exit 3
+        fi
+    fi
+    exec 9>&-
+fi
+exec "$venv/bin/moto_server" -H 127.0.0.1 -p "$port"
