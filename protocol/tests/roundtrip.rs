@@ -194,13 +194,14 @@ fn known_error_codes_have_fixed_wire_values() {
         (ErrorCode::Storage, 8),
         (ErrorCode::ProtocolViolation, 9),
         (ErrorCode::Internal, 10),
+        (ErrorCode::AlreadyFed, 11),
     ];
     for (code, v) in table {
         assert_eq!(code.to_u16(), v);
         assert_eq!(ErrorCode::from_u16(v), code);
     }
     assert_eq!(ErrorCode::from_u16(0), ErrorCode::Other(0));
-    assert_eq!(ErrorCode::from_u16(11), ErrorCode::Other(11));
+    assert_eq!(ErrorCode::from_u16(12), ErrorCode::Other(12));
 }
 
 /// A fixed `Hello`, byte for byte: the example in `docs/PROTOCOL.md` is this encoding.
