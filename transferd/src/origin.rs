@@ -1102,10 +1102,22 @@ fn http_client(access: &OriginAccess) -> Result<reqwest::Client, OriginError> {
             }
         }
     });
+    policy_client(access, redirect, reqwest::header::HeaderMap::new())
+}
+
+/// A `reqwest` client under the origin policy: the given redirect policy and default
+/// headers, host names resolved only to permitted addresses ([`PolicyResolver`]), no proxy
+/// from the environment, and the origin timeouts.
+fn policy_client(
+    access: &OriginAccess,
+    redirect: reqwest::redirect::Policy,
+    headers: reqwest::header::HeaderMap,
+) -> Result<reqwest::Client, OriginError> {
     reqwest::Client::builder()
         .connect_timeout(HTTP_CONNECT_TIMEOUT)
         .read_timeout(HTTP_READ_TIMEOUT)
         .tcp_nodelay(true)
+        .default_headers(headers)
         .redirect(redirect)
         .no_proxy()
         .dns_resolver(PolicyResolver {

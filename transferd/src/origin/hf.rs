@@ -31,8 +31,7 @@ use shardcast_protocol::ShardPath;
 use shardcast_protocol::origin_policy::{Authority, OriginLocation};
 
 use super::{
-    HTTP_CONNECT_TIMEOUT, HTTP_READ_TIMEOUT, MAX_INDEX_LEN, MAX_REDIRECTS, OriginAccess,
-    OriginError, PolicyResolver, check_status, head_size, http_err,
+    MAX_INDEX_LEN, MAX_REDIRECTS, OriginAccess, OriginError, check_status, head_size, http_err,
 };
 
 /// The public Hub.
@@ -275,16 +274,5 @@ fn hub_client(
             }
         }
     });
-    reqwest::Client::builder()
-        .connect_timeout(HTTP_CONNECT_TIMEOUT)
-        .read_timeout(HTTP_READ_TIMEOUT)
-        .tcp_nodelay(true)
-        .default_headers(headers)
-        .redirect(redirect)
-        .no_proxy()
-        .dns_resolver(PolicyResolver {
-            access: access.clone(),
-        })
-        .build()
-        .map_err(OriginError::Client)
+    super::policy_client(access, redirect, headers)
 }
