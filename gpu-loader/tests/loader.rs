@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use gpu_loader::device::{Device, GpuError, HostMemory};
 use gpu_loader::index::{Layout, LoadMap, tensor_index, tensor_ranges};
 use gpu_loader::loader::{
-    ChunkSource, HostPath, LoadError, LoadOptions, LoadProgress, SourceShard, Target, load,
-    load_map,
+    ChunkSource, HostPath, LoadError, LoadOptions, LoadProgress, LoadReport, SourceShard, Target,
+    load, load_map,
 };
 use gpu_loader::pool::{GpuPool, PoolError};
 use gpu_loader::sim::{SimOptions, devices};
@@ -155,19 +155,32 @@ fn every_byte_on_every_gpu_over_peers_and_host_path() {
         };
         let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
         let total: u64 = data.iter().map(|d| d.1.len() as u64).sum();
-        assert_eq!(rep.bytes, total);
-        assert!(
-            p.snapshot().iter().all(|(_, b)| *b == total),
-            "{:?}",
-            p.snapshot()
-        );
-        if nvlink > 0 {
-            assert_eq!((rep.peer_siblings, rep.host_siblings), (2, 0));
-        } else {
-            assert_eq!((rep.peer_siblings, rep.host_siblings), (0, 1));
-        }
-        check_bytes(&r, &data);
+        check_full_load(&rep, &p, total, nvlink, &r, &data);
     }
+}
+
+/// A whole load onto three GPUs: every byte counted and on every GPU, siblings fed over
+/// NVLink when it exists (else from the host), and the bytes exact.
+fn check_full_load(
+    rep: &LoadReport,
+    p: &LoadProgress,
+    total: u64,
+    nvlink: u64,
+    r: &Rig,
+    data: &[(String, Vec<u8>)],
+) {
+    assert_eq!(rep.bytes, total);
+    assert!(
+        p.snapshot().iter().all(|(_, b)| *b == total),
+        "{:?}",
+        p.snapshot()
+    );
+    if nvlink > 0 {
+        assert_eq!((rep.peer_siblings, rep.host_siblings), (2, 0));
+    } else {
+        assert_eq!((rep.peer_siblings, rep.host_siblings), (0, 1));
+    }
+    check_bytes(r, data);
 }
 
 #[test]
@@ -465,18 +478,7 @@ fn the_registered_path_lands_every_byte_over_peers_host_siblings_and_streams() {
         assert_eq!(rep.staged_bytes, 0);
         assert_eq!(rep.copy_streams, copy_streams);
         assert!(rep.register_s >= 0.0 && rep.register_s <= rep.elapsed_s);
-        assert_eq!(rep.bytes, total);
-        assert!(
-            p.snapshot().iter().all(|(_, b)| *b == total),
-            "{:?}",
-            p.snapshot()
-        );
-        if nvlink > 0 {
-            assert_eq!((rep.peer_siblings, rep.host_siblings), (2, 0));
-        } else {
-            assert_eq!((rep.peer_siblings, rep.host_siblings), (0, 1));
-        }
-        check_bytes(&r, &data);
+        check_full_load(&rep, &p, total, nvlink, &r, &data);
     }
 }
 
