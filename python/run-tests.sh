@@ -6,8 +6,7 @@
 #   SHARDCAST_TEST_TORCH=1 python/run-tests.sh   # also install PyTorch (large) for the torch tests
 #
 # Needs Rust (cargo) and python3. Creates python/.venv, installs ./python[test] into it
-# (numpy, safetensors, pytest), builds the Rust binaries (cargo build --bins; a no-op when
-# they are fresh) and runs pytest. On a host without internet but with numpy, safetensors,
+# (numpy, safetensors, pytest), builds the Rust binaries (a no-op when they are fresh) and runs pytest. On a host without internet but with numpy, safetensors,
 # pytest (and torch) installed, skip all this and run
 #   PYTHONPATH=python/src python3 -m pytest python/tests        (add -m gpu for the GPU ones)
 set -euo pipefail
@@ -37,7 +36,9 @@ if [ "${SHARDCAST_TEST_TORCH:-0}" = 1 ]; then
     "$PY" -m pip install -q torch
 fi
 
-(cd "$ROOT" && cargo build --bins)
+# The same feature set as the Rust test harness builds the daemons with (workspace, tests),
+# so after `cargo nextest run --workspace` this is a no-op instead of a rebuild.
+(cd "$ROOT" && cargo build --workspace --tests --bins)
 export SHARDCAST_BIN_DIR="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
 
 cd "$ROOT"
