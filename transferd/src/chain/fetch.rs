@@ -61,7 +61,8 @@ impl Node {
     }
 
     /// Pulls every chunk of `span` (within the session's range) that `addr` holds; the
-    /// holder must be host `expect` when given, and answer each frame within `patience`.
+    /// holder must be host `expect` when given, be connected within twice `patience`, and
+    /// send each frame within `patience`.
     pub(super) async fn pull_from_holder(
         &self,
         sess: &ShardSession,
@@ -70,8 +71,15 @@ impl Node {
         span: std::ops::Range<u32>,
         patience: std::time::Duration,
     ) -> Result<(), ChainError> {
-        let (mut conn, peer) = self.connect(addr, expect).await?;
-        self.handshake(&mut conn, &peer).await?;
+        // A stopped holder's kernel still completes the TCP handshake: bound the set-up too.
+        let setup = patience * 2;
+        let mut conn = tokio::time::timeout(setup, async {
+            let (mut conn, peer) = self.connect(addr, expect).await?;
+            self.handshake(&mut conn, &peer).await?;
+            Ok::<_, ChainError>(conn)
+        })
+        .await
+        .map_err(|_| ChainError::Timeout(setup))??;
         let shard = sess.shard_index();
         let fetch = Frame::Fetch {
             model: sess.model,

@@ -36,12 +36,13 @@ impl Node {
             let mut monitor = RecoveryMonitor::new(node.cfg.upstream_grace, RECOVERY_ATTEMPTS);
             while !node.cancel.is_cancelled() {
                 let (up, stalled) = sess.upstream_view();
+                let sources = recovery_sources(&up, &stalled, &sess.origin);
                 let seen = Watched {
                     feeders: *feeders.borrow_and_update(),
                     complete: sess.complete(),
                     failed: sess.failed.borrow().is_some(),
                     no_failover: all_stalled(&up, &stalled),
-                    has_source: !recovery_sources(&up, &stalled, &sess.origin).is_empty(),
+                    has_source: !sources.is_empty(),
                 };
                 match monitor.poll(now(), seen) {
                     RecoveryAction::Stop => return,
@@ -55,7 +56,6 @@ impl Node {
                         node.stats
                             .upstream_recoveries
                             .fetch_add(1, Ordering::Relaxed);
-                        let sources = recovery_sources(&up, &stalled, &sess.origin);
                         info!(session = %sess.id, shard = sess.shard_index(), attempt, missing = sess.total() - sess.verified(), sources = sources.len(), "no upstream; fetching missing chunks");
                         let guard = FeederGuard::new(&sess.feeders);
                         let _ = feeders.borrow_and_update();
@@ -82,17 +82,17 @@ impl Node {
             if sess.complete() {
                 break;
             }
-            let missing: Vec<u32> = sess
-                .shard
-                .verified_set(sess.start, sess.end)
-                .missing()
-                .collect();
             let result = match source {
                 Source::Holder(hop) => {
-                    info!(session = %sess.id, holder = %hop.host, missing = missing.len(), "pulling from a holder above");
+                    info!(session = %sess.id, holder = %hop.host, "pulling from a holder above");
                     self.pull_while_progressing(sess, hop).await
                 }
                 Source::Origin(uri) => {
+                    let missing: Vec<u32> = sess
+                        .shard
+                        .verified_set(sess.start, sess.end)
+                        .missing()
+                        .collect();
                     info!(session = %sess.id, source = %uri, missing = missing.len(), "fetching from the fallback source");
                     self.fill(sess, uri, missing).await
                 }
@@ -118,19 +118,23 @@ impl Node {
     ) -> Result<(), String> {
         let mut empty = 0;
         loop {
-            let missing = sess.shard.verified_set(sess.start, sess.end);
-            let span = match (missing.missing().next(), missing.missing().last()) {
-                (Some(first), Some(last)) => first..last.saturating_add(1),
-                _ => return Ok(()),
+            let held = sess.shard.verified_set(sess.start, sess.end);
+            let mut missing = held.missing();
+            let span = match (missing.next(), missing.last()) {
+                (Some(first), last) => first..last.unwrap_or(first).saturating_add(1),
+                (None, _) => return Ok(()),
             };
             let before = sess.verified();
-            let setup = self.cfg.stall_timeout * 2;
-            tokio::time::timeout(
-                setup,
-                self.pull_from_holder(sess, &hop.addr, Some(&hop.host), span, setup),
+            // A holder that stops answering for a stall timeout is left for the next source;
+            // a long pull that keeps delivering is not cut short.
+            self.pull_from_holder(
+                sess,
+                &hop.addr,
+                Some(&hop.host),
+                span,
+                self.cfg.stall_timeout,
             )
             .await
-            .map_err(|_| format!("holder {} made no progress within {setup:?}", hop.host))?
             .map_err(|e| format!("holder {}: {e}", hop.host))?;
             if sess.verified() > before {
                 empty = 0;
