@@ -41,25 +41,16 @@ impl Node {
         while !hops.is_empty() {
             let hop = hops.remove(0);
             let mut result = self.forward_to(sess, &hop, &hops).await;
-            if matches!(
-                &result,
-                Err(ChainError::Remote {
-                    code: ErrorCode::AlreadyFed,
-                    ..
-                })
-            ) {
-                // Its upstream may have died a moment ago without it noticing yet: once
-                // more, then on down the list (we are a bypassed host that came back).
+            if result.as_ref().is_err_and(ChainError::is_already_fed) {
+                // Its upstream may have died a moment ago without it noticing yet: ask once
+                // more. If it is still fed, the chain below goes on without us (we are a
+                // bypassed host that came back): stop, and complete our own copy as a leaf.
                 tokio::time::sleep(self.cfg.stall_timeout / 4).await;
                 result = self.forward_to(sess, &hop, &hops).await;
-                if let Err(ChainError::Remote {
-                    code: ErrorCode::AlreadyFed,
-                    message,
-                }) = &result
+                if let Err(e) = &result
+                    && e.is_already_fed()
                 {
-                    // The chain below goes on without us; so does everything after this
-                    // hop. We complete our own copy as a leaf.
-                    warn!(peer = %hop.host, "bypassed while stopped or cut off; rejoining as a leaf: {message}");
+                    warn!(peer = %hop.host, "bypassed while stopped or cut off; rejoining as a leaf: {e}");
                     sess.bypassed.send_replace(Some(hop.clone()));
                     failures.push(format!("bypassed: {} is fed by a live upstream", hop.host));
                     return Err(failures.join("; "));

@@ -284,6 +284,17 @@ impl ChainError {
         )
     }
 
+    /// Whether the peer refused a second upstream because a live one feeds it.
+    fn is_already_fed(&self) -> bool {
+        matches!(
+            self,
+            Self::Remote {
+                code: ErrorCode::AlreadyFed,
+                ..
+            }
+        )
+    }
+
     /// The code to send the peer, if the fault is worth telling it about.
     fn code(&self) -> Option<ErrorCode> {
         match self {
