@@ -313,6 +313,14 @@ pub struct Controller {
     authz: Arc<shardcast_identity::grpc::AuthzStats>,
     http: Arc<shardcast_identity::http::HttpStats>,
     origin_refused: std::sync::atomic::AtomicU64,
+    /// Registrations in progress, by model name.
+    registrations: Mutex<HashMap<String, Registration>>,
+}
+
+/// A registration in progress: who reads the origin, and its outcome once it ends.
+struct Registration {
+    info: shardcast_protocol::controller::Registration,
+    outcome: watch::Receiver<Option<Result<ModelInfo, ApiError>>>,
 }
 
 impl Controller {
@@ -391,6 +399,7 @@ impl Controller {
             authz: Arc::default(),
             http: Arc::default(),
             origin_refused: std::sync::atomic::AtomicU64::new(0),
+            registrations: Mutex::default(),
         });
         for (id, burst) in resume {
             info!(plan = %id, "resuming a plan in flight");
@@ -787,7 +796,105 @@ impl Controller {
     }
 
     /// Registers a model by reading its origin through a live transferd.
-    pub async fn register_model(&self, req: RegisterModelRequest) -> Result<ModelInfo, ApiError> {
+    /// `RegisterModel`: checks the request, then registers as a job of its own (a caller
+    /// that goes away does not stop it; the same name and origin again joins it) and waits
+    /// for it unless `no_wait`.
+    pub async fn register_model(
+        self: &Arc<Self>,
+        req: RegisterModelRequest,
+    ) -> Result<ModelInfo, ApiError> {
+        let name = ModelName::new(&req.name)
+            .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
+        let origin = req.origin.trim().to_string();
+        let no_wait = req.no_wait;
+        let mut outcome = {
+            let mut regs = lock(&self.registrations);
+            match regs.get(name.as_str()) {
+                Some(r) if r.info.origin == origin => r.outcome.clone(),
+                Some(r) => {
+                    return Err(ApiError {
+                        code: tonic::Code::Aborted,
+                        message: format!(
+                            "{name} is being registered from {} (through {}); wait for it to end",
+                            r.info.origin, r.info.via_host
+                        ),
+                    });
+                }
+                None => {
+                    // Checked here so a bad request is answered at once, not by the job.
+                    if !req.profile_json.trim().is_empty() {
+                        crate::autoscaler::parse_profile(&req.profile_json)?;
+                    }
+                    self.check_origin(&origin)?;
+                    let via = self.registration_host(&req.via_host)?;
+                    let (tx, rx) = watch::channel(None);
+                    regs.insert(
+                        name.to_string(),
+                        Registration {
+                            info: shardcast_protocol::controller::Registration {
+                                name: name.to_string(),
+                                origin: origin.clone(),
+                                via_host: via.clone(),
+                                started_at: now_unix(),
+                            },
+                            outcome: rx.clone(),
+                        },
+                    );
+                    let me = self.clone();
+                    let job_name = name.to_string();
+                    tokio::spawn(async move {
+                        let r = me.register_now(req, via).await;
+                        if let Err(e) = &r {
+                            warn!(model = %job_name, "registration failed: {}", e.message);
+                        }
+                        lock(&me.registrations).remove(&job_name);
+                        tx.send_replace(Some(r));
+                    });
+                    rx
+                }
+            }
+        };
+        if no_wait {
+            return Ok(ModelInfo {
+                name: name.to_string(),
+                origin,
+                ..Default::default()
+            });
+        }
+        let r = outcome
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| ApiError::internal("the registration task ended without an outcome"))?
+            .clone();
+        r.unwrap_or_else(|| Err(ApiError::internal("no outcome")))
+    }
+
+    /// The host that reads the origin: `wanted` if given (it must be up), else any live
+    /// host.
+    fn registration_host(&self, wanted: &str) -> Result<String, ApiError> {
+        let st = lock(&self.state);
+        if wanted.is_empty() {
+            return st
+                .hosts
+                .values()
+                .find(|h| h.up)
+                .map(|h| h.report.host_id.clone())
+                .ok_or_else(|| plan_error(PlanError::NoLiveHost));
+        }
+        match st.hosts.get(wanted) {
+            None => Err(plan_error(PlanError::UnknownHost(wanted.to_string()))),
+            Some(h) if !h.up => Err(plan_error(PlanError::HostDown(wanted.to_string()))),
+            Some(h) => Ok(h.report.host_id.clone()),
+        }
+    }
+
+    /// The registration itself: `via` builds the manifest (and keeps the copy), then the
+    /// model is recorded.
+    async fn register_now(
+        &self,
+        req: RegisterModelRequest,
+        via: String,
+    ) -> Result<ModelInfo, ApiError> {
         let name = ModelName::new(&req.name)
             .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
         let profile_json = if req.profile_json.trim().is_empty() {
@@ -797,25 +904,6 @@ impl Controller {
             Some(req.profile_json.clone())
         };
         let origin = req.origin.trim().to_string();
-        self.check_origin(&origin)?;
-        let via = {
-            let st = lock(&self.state);
-            if req.via_host.is_empty() {
-                st.hosts
-                    .values()
-                    .find(|h| h.up)
-                    .map(|h| h.report.host_id.clone())
-                    .ok_or_else(|| plan_error(PlanError::NoLiveHost))?
-            } else {
-                match st.hosts.get(&req.via_host) {
-                    None => return Err(plan_error(PlanError::UnknownHost(req.via_host.clone()))),
-                    Some(h) if !h.up => {
-                        return Err(plan_error(PlanError::HostDown(req.via_host.clone())));
-                    }
-                    Some(h) => h.report.host_id.clone(),
-                }
-            }
-        };
         info!(model = %name, %origin, via = %via, "registering: building the manifest");
         let mut agent = self.agent(&via)?;
         let resp = agent
@@ -909,9 +997,19 @@ impl Controller {
 
     /// Every registered model (manifests left out).
     pub fn list_models(&self) -> ListModelsResponse {
-        let st = lock(&self.state);
+        let models = lock(&self.state)
+            .models
+            .values()
+            .map(|m| m.info(None))
+            .collect();
+        let mut registering: Vec<_> = lock(&self.registrations)
+            .values()
+            .map(|r| r.info.clone())
+            .collect();
+        registering.sort_by(|a, b| a.name.cmp(&b.name));
         ListModelsResponse {
-            models: st.models.values().map(|m| m.info(None)).collect(),
+            models,
+            registering,
         }
     }
 
