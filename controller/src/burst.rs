@@ -231,7 +231,7 @@ impl Controller {
             name: name.to_string(),
             ended_at: None,
         };
-        self.persist_plan(&record)?;
+        self.persist_plan_now(&record)?;
         lock(&self.state).add_plan(record);
         tokio::spawn(self.clone().run_burst(id.clone()));
         Ok(id)

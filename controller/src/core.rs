@@ -306,6 +306,12 @@ pub(crate) struct State {
     persisted: HashMap<String, String>,
     pub(crate) plans: HashMap<String, PlanRecord>,
     pub(crate) watchers: HashMap<String, watch::Sender<PlanStatus>>,
+    /// Host → the plans (running or ended) it is a receiver of, so a heartbeat looks only
+    /// at its own plans ([`reconcile_receivers`]) instead of every plan ever made: with
+    /// 1000 hosts heartbeating each second and plans kept after they end, the scan was
+    /// O(plans × receivers) per heartbeat. A plan's receivers are fixed when it is made
+    /// (re-plans change sources, not receivers).
+    receiver_plans: HashMap<String, Vec<String>>,
 }
 
 impl State {
@@ -314,6 +320,17 @@ impl State {
         let id = record.status.plan_id.clone();
         self.watchers
             .insert(id.clone(), watch::Sender::new(record.status.clone()));
+        self.insert_plan(id, record);
+    }
+
+    /// Adds a plan record (without a watch channel) and indexes its receivers.
+    fn insert_plan(&mut self, id: String, record: PlanRecord) {
+        for h in &record.status.hosts {
+            let plans = self.receiver_plans.entry(h.host.clone()).or_default();
+            if !plans.contains(&id) {
+                plans.push(id.clone());
+            }
+        }
         self.plans.insert(id, record);
     }
 
@@ -378,6 +395,8 @@ pub struct Controller {
     store: Arc<dyn StateStore>,
     pub(crate) state: Mutex<State>,
     agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
+    /// Host reports and plan progress, committed in batches off the state lock.
+    writes: Arc<crate::write_behind::WriteBehind>,
     cancel: CancellationToken,
     scaler: crate::autoscaler::Autoscaler,
     usage: crate::tiers::Usage,
@@ -437,18 +456,21 @@ impl Controller {
                         st.watchers
                             .insert(id.clone(), watch::Sender::new(p.status.clone()));
                     }
-                    st.plans.insert(id, p);
+                    st.insert_plan(id, p);
                 }
                 Err(e) => warn!(plan = %id, "skipping unreadable plan record: {e}"),
             }
         }
         let usage = crate::tiers::Usage::restore(store.as_ref())?;
         let ptables = crate::ptables::PlanStore::restore(store.as_ref())?;
+        let writes = crate::write_behind::WriteBehind::new(store.clone());
+        tokio::spawn(writes.clone().run(cancel.clone()));
         let me = Arc::new(Self {
             cfg,
             store,
             state: Mutex::new(st),
             agents: Mutex::default(),
+            writes,
             cancel,
             scaler: crate::autoscaler::Autoscaler::default(),
             usage,
@@ -782,7 +804,10 @@ impl Controller {
             gpu_reserved: entry.gpu_reserved.clone(),
         };
         if st.persisted.get(&id) != Some(&sig) {
-            self.put_json(Table::Hosts, &id, &record)?;
+            // Queued, not committed under the lock (see `write_behind`).
+            let bytes =
+                serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
+            self.writes.put(Table::Hosts, &id, bytes);
             st.persisted.insert(id.clone(), sig);
         }
         let events = reconcile_receivers(&mut st, &id);
@@ -1363,7 +1388,8 @@ impl Controller {
                 }
             }
         }
-        self.persist_plan(&record)?;
+        // Durable before any chain starts.
+        self.persist_plan_now(&record)?;
         for t in touched {
             self.put_json(Table::Hosts, &t.report.host_id, &t)?;
         }
@@ -1379,8 +1405,19 @@ impl Controller {
         })
     }
 
+    /// Queues the plan's record (progress: the newest record wins; committed within
+    /// `write_behind::BATCH_WINDOW`, off the state lock).
     pub(crate) fn persist_plan(&self, p: &PlanRecord) -> Result<(), ApiError> {
-        self.put_json(Table::Plans, &p.status.plan_id, p)
+        let bytes = serde_json::to_vec(p).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.writes.put(Table::Plans, &p.status.plan_id, bytes);
+        Ok(())
+    }
+
+    /// Commits the plan's record now (a new plan, before its chains start).
+    pub(crate) fn persist_plan_now(&self, p: &PlanRecord) -> Result<(), ApiError> {
+        let bytes = serde_json::to_vec(p).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.writes.put_now(Table::Plans, &p.status.plan_id, &bytes)?;
+        Ok(())
     }
 
     /// Stores `value` as JSON under `key`.
@@ -1598,6 +1635,7 @@ impl Controller {
             }
             // Poll outside the lock.
             let mut updates = Vec::new();
+            let mut to_poll = Vec::new();
             for (host, up, gpus) in active {
                 if !up {
                     updates.push((host, None));
@@ -1617,11 +1655,25 @@ impl Controller {
                     }
                 }
                 let latest = lock(&pushed.latest).get(&host).cloned();
-                let polled = match latest {
-                    Some(p) => Ok(p),
-                    None => self.poll_host(&host, &digest, tier).await,
-                };
-                updates.push((host, Some(polled)));
+                match latest {
+                    Some(p) => updates.push((host, Some(Ok(p)))),
+                    None => to_poll.push(host),
+                }
+            }
+            // Receivers without a pushed status (a plan's first round: every receiver) are
+            // polled concurrently: one after the other, 1000 receivers took seconds per round.
+            {
+                use futures::StreamExt;
+                let (digest, me) = (&digest, &*self);
+                let mut polls = futures::stream::iter(to_poll)
+                    .map(|host| async move {
+                        let polled = me.poll_host(&host, digest, tier).await;
+                        (host, Some(polled))
+                    })
+                    .buffer_unordered(POLL_CONCURRENCY);
+                while let Some(u) = polls.next().await {
+                    updates.push(u);
+                }
             }
             let now = Instant::now();
             let mut stalled = Vec::new();
@@ -1638,8 +1690,16 @@ impl Controller {
                     return;
                 };
                 let created = plan.status.created_at;
+                // By host: a linear search per update made a round O(receivers²).
+                let at: HashMap<String, usize> = plan
+                    .status
+                    .hosts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, h)| (h.host.clone(), i))
+                    .collect();
                 for (host, polled) in updates {
-                    let Some(h) = plan.status.hosts.iter_mut().find(|h| h.host == host) else {
+                    let Some(h) = at.get(&host).and_then(|&i| plan.status.hosts.get_mut(i)) else {
                         continue;
                     };
                     match polled {
@@ -2147,6 +2207,10 @@ fn origin_each(
     plan
 }
 
+/// Receivers a plan's loop polls at once (each poll is one `GetModelStatus` with a 2 s
+/// timeout; the first reaches a host over a new mutually authenticated connection).
+const POLL_CONCURRENCY: usize = 64;
+
 /// A receiver's progress, as polled or pushed.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Polled {
@@ -2216,7 +2280,13 @@ fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
         .collect();
     let now = now_unix();
     let mut events = Vec::new();
-    for plan in st.plans.values_mut() {
+    let Some(ids) = st.receiver_plans.get(host) else {
+        return Vec::new();
+    };
+    for id in ids {
+        let Some(plan) = st.plans.get_mut(id) else {
+            continue;
+        };
         let Ok(tier) = parse_tier(&plan.status.tier) else {
             continue;
         };
@@ -2307,4 +2377,98 @@ fn unix_now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod receiver_index_tests {
+    use super::*;
+    use shardcast_protocol::controller::HeldModel;
+
+    fn plan(id: &str, digest: &str, hosts: &[(&str, &str)]) -> PlanRecord {
+        PlanRecord {
+            status: PlanStatus {
+                plan_id: id.into(),
+                digest: digest.into(),
+                tier: "memory".into(),
+                state: "running".into(),
+                hosts: hosts
+                    .iter()
+                    .map(|(h, state)| HostProgress {
+                        host: (*h).into(),
+                        state: (*state).into(),
+                        total: 10,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+            runs: Vec::new(),
+            origin: String::new(),
+            name: "m".into(),
+            ended_at: None,
+        }
+    }
+
+    fn holding(host: &str, digest: &str) -> HostEntry {
+        HostEntry {
+            report: HostReport {
+                host_id: host.into(),
+                holdings: vec![HeldModel {
+                    digest: digest.into(),
+                    tier: "memory".into(),
+                    complete: true,
+                    bytes_verified: 10,
+                    total_bytes: 10,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            last_seen: Instant::now(),
+            up: true,
+            gpu_reserved: BTreeMap::new(),
+            booked_at: HashMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_reconciles_only_the_plans_its_host_receives_in() {
+        let mut st = State::default();
+        st.add_plan(plan("a", "d1", &[("h1", "lost"), ("h2", "done")]));
+        // Another plan of the same model where h1 is not a receiver: untouched.
+        st.add_plan(plan("b", "d1", &[("h2", "lost")]));
+        // Many plans h1 is not part of (restored ones are indexed too).
+        for i in 0..1000 {
+            st.insert_plan(
+                format!("x{i}"),
+                plan(&format!("x{i}"), "d1", &[("h9", "lost")]),
+            );
+        }
+        st.hosts.insert("h1".into(), holding("h1", "d1"));
+        assert_eq!(st.receiver_plans["h1"], vec!["a".to_string()]);
+        assert_eq!(st.receiver_plans["h9"].len(), 1000);
+        let events = reconcile_receivers(&mut st, "h1");
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].plan_id, "a");
+        assert_eq!(st.plans["a"].status.hosts[0].state, "done");
+        assert_eq!(st.plans["b"].status.hosts[0].state, "lost");
+        assert!(
+            st.plans
+                .values()
+                .filter(|p| p.status.plan_id.starts_with('x'))
+                .all(|p| p.status.hosts[0].state == "lost")
+        );
+        // Nothing left to recover: a second heartbeat changes nothing.
+        assert!(reconcile_receivers(&mut st, "h1").is_empty());
+        // A host in no plan.
+        st.hosts.insert("h3".into(), holding("h3", "d1"));
+        assert!(reconcile_receivers(&mut st, "h3").is_empty());
+    }
+
+    #[test]
+    fn the_index_does_not_list_a_plan_twice() {
+        let mut st = State::default();
+        st.add_plan(plan("a", "d1", &[("h1", "pending")]));
+        st.insert_plan("a".into(), plan("a", "d1", &[("h1", "pending")]));
+        assert_eq!(st.receiver_plans["h1"], vec!["a".to_string()]);
+    }
 }
