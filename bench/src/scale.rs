@@ -347,6 +347,7 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     // Register first, so GetStatus has a model to report during the steady window.
+    eprintln!("scale: all up at {:.3} s", started.elapsed().as_secs_f64());
     let t0 = Instant::now();
     client
         .register_model(RegisterModelRequest {
@@ -391,6 +392,10 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
         .context("prewarm")?
         .into_inner();
     report.plan_ms = w1.elapsed().as_secs_f64() * 1000.0;
+    eprintln!(
+        "scale: plan accepted at {:.3} s",
+        started.elapsed().as_secs_f64()
+    );
     report.chains = accepted.chains.len();
     report.estimate_s = accepted.estimate_s;
     let status = loop {
@@ -422,11 +427,7 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
         .get_status(GetStatusRequest { model: name.into() })
         .await?
         .into_inner();
-    report.status_holders = holders
-        .hosts
-        .iter()
-        .filter(|h| h.up && h.memory)
-        .count();
+    report.status_holders = holders.hosts.iter().filter(|h| h.up && h.memory).count();
     report.swarm_holders = swarm.holders(&digest).len();
     report.controller_cpu_s = cpu() - cpu_start;
     if let Some((rss, peak)) = process_rss_mib(pid) {

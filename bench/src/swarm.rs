@@ -269,6 +269,10 @@ pub struct SimHost {
     pub agent_addr: SocketAddr,
     tls: Option<Arc<TlsContext>>,
     state: Mutex<HostState>,
+    /// Woken when a copy is scheduled or removed (watch streams sleep until then, or until
+    /// the next progress report or completion is due, instead of ticking every 20 ms:
+    /// a thousand hosts ticking cost more CPU than the controller under test).
+    changed: tokio::sync::Notify,
 }
 
 impl SimHost {
@@ -357,8 +361,7 @@ impl SimHost {
         st.manifests
             .entry(digest.clone())
             .or_insert_with(|| manifest.clone());
-        st.names
-            .insert(manifest.name.to_string(), digest.clone());
+        st.names.insert(manifest.name.to_string(), digest.clone());
         let copy = st
             .copies
             .entry((digest, tier))
@@ -382,6 +385,27 @@ impl SimHost {
             };
             at += Duration::from_secs_f64(a.size as f64 / bps.max(1.0));
         }
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// For `digest`'s incomplete copies: whether bytes are arriving, and the earliest
+    /// instant one completes.
+    fn arriving(&self, digest: &str) -> (bool, Option<Instant>) {
+        let st = lock(&self.state);
+        let now = Instant::now();
+        let mut arriving = false;
+        let mut first_done: Option<Instant> = None;
+        for ((d, _), c) in &st.copies {
+            if d != digest || c.complete(now) {
+                continue;
+            }
+            arriving |= c.shards.iter().any(|a| a.start.is_some());
+            if let Some(t) = c.done_at() {
+                first_done = Some(first_done.map_or(t, |f| f.min(t)));
+            }
+        }
+        (arriving, first_done)
     }
 
     fn holds_complete(&self, digest: &str) -> bool {
@@ -398,6 +422,7 @@ struct Shared {
     opts: SwarmOpts,
     hosts: HashMap<String, Arc<SimHost>>,
     cancel: CancellationToken,
+    started: Instant,
 }
 
 /// The agent API of one simulated host.
@@ -591,7 +616,13 @@ impl Agent for SimAgent {
                 receivers.push(peer.clone());
             }
             for (pos, r) in receivers.iter().enumerate() {
-                r.schedule(&manifest, tier, &c.shards, now + hop_delay * pos as u32, bps);
+                r.schedule(
+                    &manifest,
+                    tier,
+                    &c.shards,
+                    now + hop_delay * pos as u32,
+                    bps,
+                );
             }
         }
         let session_id = if req.session_id.is_empty() {
@@ -641,28 +672,44 @@ impl Agent for SimAgent {
             host: Arc<SimHost>,
             cancel: CancellationToken,
             digest: String,
-            tick: tokio::time::Interval,
             until: tokio::time::Instant,
             last: Option<pb::GetModelStatusResponse>,
             sent: tokio::time::Instant,
         }
-        let mut tick = tokio::time::interval(WATCH_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let w = W {
             host: self.host.clone(),
             cancel: self.shared.cancel.clone(),
             digest,
-            tick,
             until: tokio::time::Instant::now() + WATCH_LIMIT,
             last: None,
             sent: tokio::time::Instant::now(),
         };
         let stream = futures::stream::unfold(w, |mut w| async move {
             loop {
-                tokio::select! {
-                    _ = w.cancel.cancelled() => return None,
-                    _ = tokio::time::sleep_until(w.until) => return None,
-                    _ = w.tick.tick() => {}
+                if w.last.is_some() {
+                    // Registered before looking, so a change made meanwhile is not missed.
+                    let changed = w.host.changed.notified();
+                    tokio::pin!(changed);
+                    changed.as_mut().enable();
+                    let (arriving, done) = w.host.arriving(&w.digest);
+                    // What transferd's 20 ms check would see: completion (a milestone) at
+                    // once, byte progress at most every WATCH_PROGRESS_EVERY.
+                    let mut next = w.until;
+                    if arriving {
+                        next = next.min(w.sent + WATCH_PROGRESS_EVERY);
+                    }
+                    if let Some(d) = done {
+                        next = next.min(tokio::time::Instant::from_std(d) + WATCH_EVERY);
+                    }
+                    // Never sooner than transferd's check (no spinning on a due report
+                    // whose bytes did not move).
+                    let next = next.max(tokio::time::Instant::now() + WATCH_EVERY);
+                    tokio::select! {
+                        _ = w.cancel.cancelled() => return None,
+                        _ = tokio::time::sleep_until(w.until) => return None,
+                        _ = tokio::time::sleep_until(next) => {}
+                        _ = changed => {}
+                    }
                 }
                 let now = w.host.status_of(&w.digest);
                 let send = match &w.last {
@@ -723,6 +770,7 @@ impl Agent for SimAgent {
         })?;
         let now = Instant::now();
         let removed = lock(&self.host.state).copies.remove(&(digest, tier));
+        self.host.changed.notify_waiters();
         Ok(Response::new(pb::EvictModelResponse {
             removed: removed.is_some(),
             bytes_freed: removed.map(|c| c.verified(now)).unwrap_or(0),
@@ -818,6 +866,7 @@ impl Swarm {
                 agent_addr: l.local_addr()?,
                 tls,
                 state: Mutex::default(),
+                changed: tokio::sync::Notify::new(),
             });
             listeners.push(l);
             order.push(host.clone());
@@ -827,6 +876,7 @@ impl Swarm {
             opts,
             hosts,
             cancel: cancel.clone(),
+            started: Instant::now(),
         });
         let heartbeats = Arc::new(HeartbeatStats::default());
         let heartbeating = Arc::new(AtomicBool::new(true));
@@ -928,6 +978,10 @@ async fn heartbeat_loop(
         }
     };
     let mut client = InventoryClient::new(channel);
+    // Diagnostics: `SHARDCAST_SWARM_SLOW_MS=n` prints every heartbeat slower than n ms.
+    let slow_ms: Option<u64> = std::env::var("SHARDCAST_SWARM_SLOW_MS")
+        .ok()
+        .and_then(|v| v.parse().ok());
     tokio::select! {
         _ = shared.cancel.cancelled() => return,
         _ = tokio::time::sleep(offset) => {}
@@ -948,13 +1002,20 @@ async fn heartbeat_loop(
         let us = t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
         match r {
             Ok(Ok(resp)) => {
+                if slow_ms.is_some_and(|ms| u64::from(us) >= ms * 1000) {
+                    eprintln!(
+                        "swarm: slow heartbeat of {} ({} ms) at {:.3} s",
+                        host.id,
+                        us / 1000,
+                        shared.started.elapsed().as_secs_f64()
+                    );
+                }
                 stats.ok.fetch_add(1, Ordering::Relaxed);
                 lock(&stats.samples_us).push(us);
                 // The registry's answer: names not registered are unbound (as transferd).
                 let names = resp.into_inner().names;
                 let mut st = lock(&host.state);
-                st.names
-                    .retain(|n, _| names.iter().any(|b| b.name == *n));
+                st.names.retain(|n, _| names.iter().any(|b| b.name == *n));
             }
             Ok(Err(s)) => {
                 stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -995,6 +1056,7 @@ mod tests {
             agent_addr: "127.0.0.1:1".parse().unwrap(),
             tls: None,
             state: Mutex::default(),
+            changed: tokio::sync::Notify::new(),
         }
     }
 

@@ -397,6 +397,11 @@ pub struct Controller {
     agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
     /// Host reports and plan progress, committed in batches off the state lock.
     writes: Arc<crate::write_behind::WriteBehind>,
+    /// Agents that answered at least once, and the gate for first contacts: a plan's
+    /// first round opens a mutually authenticated connection to every receiver, and 1000
+    /// handshakes at once starved heartbeats and API calls of CPU for over a second.
+    reached: Mutex<HashSet<String>>,
+    first_contact: tokio::sync::Semaphore,
     cancel: CancellationToken,
     scaler: crate::autoscaler::Autoscaler,
     usage: crate::tiers::Usage,
@@ -471,6 +476,8 @@ impl Controller {
             state: Mutex::new(st),
             agents: Mutex::default(),
             writes,
+            reached: Mutex::default(),
+            first_contact: tokio::sync::Semaphore::new(FIRST_CONTACTS),
             cancel,
             scaler: crate::autoscaler::Autoscaler::default(),
             usage,
@@ -1416,7 +1423,8 @@ impl Controller {
     /// Commits the plan's record now (a new plan, before its chains start).
     pub(crate) fn persist_plan_now(&self, p: &PlanRecord) -> Result<(), ApiError> {
         let bytes = serde_json::to_vec(p).map_err(|e| ApiError::internal(e.to_string()))?;
-        self.writes.put_now(Table::Plans, &p.status.plan_id, &bytes)?;
+        self.writes
+            .put_now(Table::Plans, &p.status.plan_id, &bytes)?;
         Ok(())
     }
 
@@ -1608,12 +1616,19 @@ impl Controller {
         let mut watching: HashSet<String> = HashSet::new();
         let mut tick = tokio::time::interval(self.cfg.poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_round = Instant::now() - MIN_ROUND;
         loop {
             tokio::select! {
                 _ = self.cancel.cancelled() => return,
                 _ = tick.tick() => {}
                 _ = pushed.wake.notified() => {}
             }
+            // At most one round per MIN_ROUND: with 1000 receivers pushing progress, a
+            // round per push kept a core busy and the state lock contended.
+            if let Some(wait) = MIN_ROUND.checked_sub(last_round.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+            last_round = Instant::now();
             while let Some(ended) = streams.try_join_next() {
                 if let Ok(host) = ended {
                     watching.remove(&host);
@@ -1679,6 +1694,7 @@ impl Controller {
             let mut stalled = Vec::new();
             let mut changed = false;
             let mut ended = false;
+            let mut newly_done: HashSet<String> = HashSet::new();
             {
                 let mut st = lock(&self.state);
                 let total = st
@@ -1782,6 +1798,9 @@ impl Controller {
                                 changed = true;
                             }
                             if complete {
+                                if h.state != "done" {
+                                    newly_done.insert(host.clone());
+                                }
                                 h.state = "done".into();
                                 h.bytes = h.total;
                                 h.done_s = (now_unix() - created).max(0.0);
@@ -1801,17 +1820,19 @@ impl Controller {
                         stalled.push(host.clone());
                     }
                 }
-                let done_hosts: Vec<(String, u64)> = plan
-                    .status
-                    .hosts
-                    .iter()
-                    .filter(|h| h.state == "done")
-                    .map(|h| (h.host.clone(), h.total))
-                    .collect();
                 if plan.settle() {
                     changed = true;
                     ended = true;
                 }
+                // Hosts done in this round (every done host once the plan ends): marking
+                // every done receiver on every round cost O(receivers) lookups per round.
+                let done_hosts: Vec<(String, u64)> = plan
+                    .status
+                    .hosts
+                    .iter()
+                    .filter(|h| h.state == "done" && (ended || newly_done.contains(&h.host)))
+                    .map(|h| (h.host.clone(), h.total))
+                    .collect();
                 for (host, bytes) in done_hosts {
                     if let Some(e) = st.hosts.get_mut(&host) {
                         e.mark_complete(&digest, &name, data_tier(tier), bytes);
@@ -1900,6 +1921,15 @@ impl Controller {
         }
     }
 
+    /// A permit for calling `host`'s agent while it never answered (its first call opens
+    /// the connection); `None` once it has.
+    async fn first_contact_gate(&self, host: &str) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        if lock(&self.reached).contains(host) {
+            return None;
+        }
+        self.first_contact.acquire().await.ok()
+    }
+
     /// Progress of `digest` in the tier on `host` (and on its GPUs).
     pub(crate) async fn poll_host(
         &self,
@@ -1908,6 +1938,7 @@ impl Controller {
         tier: Tier,
     ) -> Result<Polled, String> {
         let mut agent = self.agent(host).map_err(|e| e.message)?;
+        let gate = self.first_contact_gate(host).await;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
             agent.get_model_status(GetModelStatusRequest {
@@ -1915,6 +1946,10 @@ impl Controller {
             }),
         )
         .await;
+        drop(gate);
+        if matches!(r, Ok(Ok(_))) {
+            lock(&self.reached).insert(host.to_string());
+        }
         match r {
             Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
             Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(Polled::default()),
@@ -1937,11 +1972,14 @@ impl Controller {
             return host;
         };
         let req = GetModelStatusRequest { model: digest };
+        let gate = self.first_contact_gate(&host).await;
         let Ok(Ok(resp)) =
             tokio::time::timeout(Duration::from_secs(2), agent.watch_model_status(req)).await
         else {
             return host;
         };
+        drop(gate);
+        lock(&self.reached).insert(host.clone());
         let mut stream = resp.into_inner();
         while let Ok(Some(status)) = stream.message().await {
             lock(&pushed.latest).insert(host.clone(), polled_from(&status, tier));
@@ -2210,6 +2248,13 @@ fn origin_each(
 /// Receivers a plan's loop polls at once (each poll is one `GetModelStatus` with a 2 s
 /// timeout; the first reaches a host over a new mutually authenticated connection).
 const POLL_CONCURRENCY: usize = 64;
+
+/// Agents contacted for the first time at once (see `Controller::first_contact`).
+const FIRST_CONTACTS: usize = 16;
+
+/// The shortest time between two rounds of a plan's loop (the agents check their status
+/// every 20 ms too, so completion is still seen within tens of milliseconds).
+const MIN_ROUND: Duration = Duration::from_millis(20);
 
 /// A receiver's progress, as polled or pushed.
 #[derive(Debug, Default, Clone)]

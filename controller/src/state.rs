@@ -199,8 +199,14 @@ mod tests {
             (Table::Hosts, "h".into(), b"3".to_vec()),
         ])
         .unwrap();
-        assert_eq!(s.get(Table::Hosts, "h").unwrap().as_deref(), Some(&b"3"[..]));
-        assert_eq!(s.get(Table::Plans, "p").unwrap().as_deref(), Some(&b"2"[..]));
+        assert_eq!(
+            s.get(Table::Hosts, "h").unwrap().as_deref(),
+            Some(&b"3"[..])
+        );
+        assert_eq!(
+            s.get(Table::Plans, "p").unwrap().as_deref(),
+            Some(&b"2"[..])
+        );
     }
 
     #[test]

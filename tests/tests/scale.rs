@@ -24,8 +24,8 @@ const REPLICAS: u32 = 64;
 const HEARTBEAT_MS: u64 = 1000;
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load()
--> anyhow::Result<()> {
+async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -> anyhow::Result<()>
+{
     let dir = tempfile::tempdir()?;
     let origin_bps = 2_500_000_000 / 8;
     let controller = start_controller(dir.path(), HEARTBEAT_MS, origin_bps, false, &[]).await?;
@@ -174,7 +174,10 @@ async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load()
         slowest < Duration::from_secs(2),
         "a round of status queries took {slowest:?}"
     );
-    assert!(plan_time < Duration::from_secs(2), "planning took {plan_time:?}");
+    assert!(
+        plan_time < Duration::from_secs(2),
+        "planning took {plan_time:?}"
+    );
     let (ok, failed, _) = swarm.heartbeats.take();
     assert_eq!(
         failed,
