@@ -21,7 +21,7 @@ use shardcast_protocol::controller::{
 use shardcast_protocol::units::{format_bytes, parse_size};
 use tonic::transport::Channel;
 
-use crate::error::code_name;
+use shardcast_protocol::code_name;
 
 /// `shardcast`: operate a shardcast cluster through its controller.
 #[derive(Debug, Parser)]
