@@ -13,7 +13,9 @@
 //! * [`burst`]: partitioned bursts (`ScaleOut` with `partitions`); [`tiers`]: the memory
 //!   and disk tier sweeper and GPU-slot reconciliation; [`scrape`]: load from Prometheus.
 //! * [`inventory`]: hosts' heartbeats, liveness, GPU reservations; the placement view.
-//! * [`state`]: the durable store behind a trait (redb by default).
+//! * [`state`]: the durable store behind a trait (redb by default); [`write_behind`]: the
+//!   frequent, superseding writes (host reports, plan progress) committed in batches off
+//!   the state lock.
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
 //!   failures to gRPC codes and HTTP statuses.
 //! * [`server`]: the `shardcast-controller` process. The `shardcast` operator CLI is its own
@@ -36,3 +38,4 @@ pub mod server;
 pub mod state;
 pub mod tiers;
 pub mod wire;
+pub mod write_behind;
