@@ -524,6 +524,9 @@ impl Agent for SimAgent {
             manifest: encode_to_vec(&*manifest),
             total_bytes: manifest.total_bytes(),
             shards: manifest.shards.len() as u32,
+            // A registration's `keep` is not simulated: the copy is only "held" once
+            // fetched, so the controller plans the first prewarm from the origin.
+            kept: req.fetch,
         }))
     }
 
