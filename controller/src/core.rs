@@ -1456,10 +1456,12 @@ impl Controller {
         Ok(())
     }
 
-    /// Stores `value` as JSON under `key`.
+    /// Stores `value` as JSON under `key` now. Through the write-behind, so an older value
+    /// of the key still queued there (a host record from a heartbeat) is dropped instead of
+    /// overwriting this one when its batch commits.
     fn put_json<T: Serialize>(&self, table: Table, key: &str, value: &T) -> Result<(), ApiError> {
         let bytes = serde_json::to_vec(value).map_err(|e| ApiError::internal(e.to_string()))?;
-        self.store.put(table, key, &bytes)?;
+        self.writes.put_now(table, key, &bytes)?;
         Ok(())
     }
 

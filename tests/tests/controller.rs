@@ -1369,12 +1369,32 @@ async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
     let again = partition_plan(&mut api, 4).await;
     assert_eq!(again["stored"], true);
     assert_eq!(again["table"], four["table"]);
-    // A restarted controller answers from its state store.
+    // A restarted controller answers from its state store. (Host reports are committed
+    // in batches: one that changed in the last moments before the kill is learnt again
+    // from the host's next heartbeat, so wait for that before asking.)
     c.controller.kill().await;
+    let killed = Instant::now();
     c.controller.restart().await.unwrap();
     let mut api = c.controller.client().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let h = api
+            .list_hosts(shardcast_protocol::controller::ListHostsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let seen = h.hosts.iter().any(|h| {
+            h.report.as_ref().is_some_and(|r| !r.gpus.is_empty())
+                && Duration::from_secs_f64(h.last_seen_s) < killed.elapsed()
+        });
+        if seen {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{h:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let after = partition_plan(&mut api, 4).await;
-    assert_eq!(after["stored"], true);
+    assert_eq!(after["stored"], true, "{after}\nbefore the restart: {four}");
     assert_eq!(after["table"], four["table"]);
     // A new profile (slower layers) replaces the tables: the default one is computed again
     // at registration, the others on their next request.
