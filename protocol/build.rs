@@ -5,11 +5,28 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let fds = protox::compile(["proto/agent.proto", "proto/controller.proto"], ["proto"])?;
-    tonic_prost_build::configure()
-        .type_attribute(
-            ".shardcast.controller.v1",
-            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
-        )
+    let mut config = tonic_prost_build::configure().message_attribute(
+        ".shardcast.controller.v1",
+        "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+    );
+    // Enum fields are numbers on the gRPC wire and their lowercase names in JSON.
+    for (field, module) in [
+        ("PrewarmRequest.tier", "tier"),
+        ("ScaleOutRequest.tier", "tier"),
+        ("EvictRequest.tier", "tier"),
+        ("ReportLoadRequest.tier", "tier"),
+        ("PlanStatus.tier", "tier"),
+        ("PlanStatus.state", "plan_state"),
+        ("PlanStatus.kind", "plan_kind"),
+        ("HostProgress.state", "receiver_state"),
+        ("HostProgress.gpu_state", "gpu_state"),
+    ] {
+        config = config.field_attribute(
+            format!(".shardcast.controller.v1.{field}"),
+            format!("#[serde(with = \"crate::api::json::{module}\")]"),
+        );
+    }
+    config
         .field_attribute(
             ".shardcast.controller.v1.ModelInfo.manifest",
             "#[serde(skip)]",

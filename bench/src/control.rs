@@ -434,7 +434,7 @@ pub async fn wait_plan(
             })
             .await?
             .into_inner();
-        if s.state != "running" {
+        if s.state().label() != "running" {
             return Ok(s);
         }
         if Instant::now() >= deadline {

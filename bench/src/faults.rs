@@ -235,7 +235,7 @@ async fn run_trial(
         .prewarm(PrewarmRequest {
             model: MODEL_NAME.into(),
             replicas: opts.hosts as u32,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -309,7 +309,7 @@ async fn run_trial(
             .hosts
             .iter()
             .find(|h| h.host == d.host_id.as_str())
-            .is_some_and(|h| h.state == "done");
+            .is_some_and(|h| h.state().label() == "done");
         said == d.verify_copy(manifest).is_ok()
     });
     let plan = format!(
@@ -360,7 +360,7 @@ async fn settle(
             s.hosts
                 .iter()
                 .find(|h| h.host == d.host_id.as_str())
-                .is_some_and(|h| h.state == "done")
+                .is_some_and(|h| h.state().label() == "done")
                 == d.verify_copy(manifest).is_ok()
         });
         if agrees || Instant::now() >= deadline {

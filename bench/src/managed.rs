@@ -55,12 +55,19 @@ pub async fn ready_times(
         pb.set_length(s.hosts.iter().map(|h| h.total).sum::<u64>().max(1));
         pb.set_position(s.hosts.iter().map(|h| h.bytes).sum());
         for h in &s.hosts {
-            let is_ready = h.state == "done" || h.state == "local";
+            let is_ready = h.state().label() == "done" || h.state().label() == "local";
             if is_ready && !ready.iter().any(|(x, _)| *x == h.host) {
-                ready.push((h.host.clone(), if h.state == "local" { 0.0 } else { now }));
+                ready.push((
+                    h.host.clone(),
+                    if h.state().label() == "local" {
+                        0.0
+                    } else {
+                        now
+                    },
+                ));
             }
         }
-        if s.state != "running" {
+        if s.state().label() != "running" {
             ready.sort_by(|a, b| a.0.cmp(&b.0));
             return Ok((s, ready));
         }
@@ -290,7 +297,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
                     partitions: 0,
                     model: MODEL_NAME.into(),
                     replicas: (opts.hosts - half) as u32,
-                    tier: "memory".into(),
+                    tier: shardcast_protocol::controller::Tier::Memory as i32,
                 })
                 .await
             }
@@ -316,7 +323,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
         .await?;
         pb.finish_and_clear();
         let ready_s = t0.elapsed().as_secs_f64();
-        if status.state != "done" {
+        if status.state().label() != "done" {
             bail!(
                 "plan {} ended {}: {}",
                 status.plan_id,
@@ -327,7 +334,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
         let received: Vec<&str> = status
             .hosts
             .iter()
-            .filter(|h| h.state == "done")
+            .filter(|h| h.state().label() == "done")
             .map(|h| h.host.as_str())
             .collect();
         for h in &received {
@@ -341,7 +348,11 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
             plan: accepted.plan_id,
             sources,
             received: received.len(),
-            already: status.hosts.iter().filter(|h| h.state == "local").count(),
+            already: status
+                .hosts
+                .iter()
+                .filter(|h| h.state().label() == "local")
+                .count(),
             estimate_s: accepted.estimate_s,
             ready_s,
             origin_bytes: stats.bytes_sent.load(Ordering::Relaxed) - before,
@@ -682,7 +693,7 @@ async fn cold_start_method(
         .prewarm(PrewarmRequest {
             model: MODEL_NAME.into(),
             replicas: opts.hosts as u32,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             sources: sources.into(),
             ..Default::default()
         })
@@ -691,7 +702,7 @@ async fn cold_start_method(
         .into_inner();
     let (status, ready) = ready_times(&mut api, &accepted.plan_id, t0, opts.timeout, &pb).await?;
     pb.finish_and_clear();
-    if status.state != "done" || ready.len() != opts.hosts {
+    if status.state().label() != "done" || ready.len() != opts.hosts {
         bail!(
             "plan {} ended {} with {} of {} hosts ready: {}",
             status.plan_id,
@@ -823,7 +834,7 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
         .prewarm(PrewarmRequest {
             model: MODEL_NAME.into(),
             replicas: hosts as u32,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -838,7 +849,7 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
         &pb,
     )
     .await?;
-    if st.state != "done" {
+    if st.state().label() != "done" {
         bail!("memory prewarm ended {}: {}", st.state, st.message);
     }
     verify_all(&cluster.daemons, &manifest)?;
@@ -849,7 +860,7 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
         .prewarm(PrewarmRequest {
             model: MODEL_NAME.into(),
             hosts: vec!["host-1".into()],
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             ..Default::default()
         })
         .await
@@ -873,7 +884,8 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     let (st, _) = ready_times(&mut api, &a.plan_id, t0, Duration::from_secs(600), &pb).await?;
-    if st.state != "done" || st.hosts.iter().any(|h| h.gpu_state != "resident") {
+    if st.state().label() != "done" || st.hosts.iter().any(|h| h.gpu_state().label() != "resident")
+    {
         bail!("whole GPU replica ended {}: {:?}", st.state, st.hosts);
     }
 
@@ -883,7 +895,7 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
         .scale_out(ScaleOutRequest {
             model: MODEL_NAME.into(),
             replicas: 1,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: opts.partitions,
         })
         .await
@@ -892,7 +904,7 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
     let names: Vec<String> = a
         .hosts
         .iter()
-        .filter(|h| h.state == "loading")
+        .filter(|h| h.state().label() == "loading")
         .map(|h| h.host.clone())
         .collect();
     if names.len() != opts.partitions as usize {

@@ -385,7 +385,7 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
         .prewarm(PrewarmRequest {
             model: name.into(),
             replicas: opts.replicas,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -405,7 +405,7 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
             })
             .await?
             .into_inner();
-        if s.state != "running" {
+        if s.state().label() != "running" {
             break s;
         }
         if Instant::now() >= w1 + opts.timeout {
@@ -418,8 +418,12 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
     report.during_prewarm = phase_of(&swarm, &log, 1, w1.elapsed(), cpu() - c1);
     stop.cancel();
     let _ = prober.await;
-    report.plan_state = status.state.clone();
-    report.plan_done = status.hosts.iter().filter(|h| h.state == "done").count();
+    report.plan_state = status.state().label().to_string();
+    report.plan_done = status
+        .hosts
+        .iter()
+        .filter(|h| h.state().label() == "done")
+        .count();
     let digest = status.digest.clone();
     // Give every receiver one heartbeat to report its copy.
     tokio::time::sleep(Duration::from_millis(opts.heartbeat_ms * 2)).await;

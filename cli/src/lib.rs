@@ -14,9 +14,9 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{
-    EvictRequest, GetModelRequest, GetStatusRequest, HostProgress, ListHostsRequest,
-    ListModelsRequest, ListPlansRequest, PlanAccepted, PlanStatus, PrewarmRequest,
-    RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
+    EvictRequest, GetModelRequest, GetStatusRequest, GpuState, HostProgress, ListHostsRequest,
+    ListModelsRequest, ListPlansRequest, PlanAccepted, PlanKind, PlanState, PlanStatus,
+    PrewarmRequest, ReceiverState, RegisterModelRequest, ScaleOutRequest, Tier, WatchPlanRequest,
 };
 use shardcast_protocol::units::{format_bytes, parse_size};
 use tonic::transport::Channel;
@@ -703,7 +703,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     model,
                     replicas: replicas.unwrap_or(0),
                     hosts,
-                    tier,
+                    tier: tier_arg(&tier)?,
                     sources,
                 })
                 .await?
@@ -721,7 +721,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 .scale_out(ScaleOutRequest {
                     model,
                     replicas,
-                    tier,
+                    tier: tier_arg(&tier)?,
                     partitions,
                 })
                 .await?
@@ -735,7 +735,11 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Evict { model, hosts, tier } => {
             let r = c
-                .evict(EvictRequest { model, hosts, tier })
+                .evict(EvictRequest {
+                    model,
+                    hosts,
+                    tier: tier_arg(&tier)?,
+                })
                 .await?
                 .into_inner();
             if json {
@@ -792,7 +796,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     arrival_rate,
                     queue_len: queue,
                     service_rate,
-                    tier,
+                    tier: tier_arg(&tier)?,
                 })
                 .await?
                 .into_inner();
@@ -878,17 +882,19 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                         let done = p
                             .hosts
                             .iter()
-                            .filter(|h| h.state == "done" || h.state == "local")
+                            .filter(|h| {
+                                matches!(h.state(), ReceiverState::Done | ReceiverState::Local)
+                            })
                             .count();
                         vec![
                             p.plan_id.clone(),
                             p.model.clone(),
-                            if p.kind == "burst" {
-                                format!("{} (burst)", p.tier)
+                            if p.kind() == PlanKind::Burst {
+                                format!("{} (burst)", p.tier().label())
                             } else {
-                                p.tier.clone()
+                                p.tier().label().to_string()
                             },
-                            p.state.clone(),
+                            p.state().label().to_string(),
                             format!("{done}/{}", p.hosts.len()),
                             format!("{:.1}s", p.elapsed_s),
                             format!("{:.1}s", p.estimate_s),
@@ -959,7 +965,11 @@ async fn accepted(
                 table(&["SOURCE", "CHAIN", "SHARDS", "BYTES", "ESTIMATE"], rows)
             );
         }
-        for h in a.hosts.iter().filter(|h| h.state != "pending") {
+        for h in a
+            .hosts
+            .iter()
+            .filter(|h| h.state() != ReceiverState::Pending)
+        {
             let note = if h.error.is_empty() {
                 &h.source
             } else {
@@ -977,7 +987,7 @@ async fn accepted(
 }
 
 fn plan_result(p: &PlanStatus) -> Result<(), CliError> {
-    match p.state.as_str() {
+    match p.state().label() {
         "failed" => Err(CliError {
             exit: 6,
             message: format!("plan {} failed: {}", p.plan_id, p.message),
@@ -1031,7 +1041,7 @@ async fn watch(
                     format!("{} ({})", host_state(h), h.error)
                 };
                 bar.set_message(msg);
-                if !is_running_state(&h.state) && !bar.is_finished() {
+                if !is_running_state(h.state()) && !bar.is_finished() {
                     bar.finish();
                 }
             } else if !json {
@@ -1059,7 +1069,7 @@ async fn watch(
     }
     // The stream ends with the final state; ask once more in case it was cut short.
     let last = match last {
-        Some(l) if l.state != "running" => l,
+        Some(l) if l.state() != PlanState::Running => l,
         _ => c
             .get_plan(WatchPlanRequest {
                 plan_id: plan.to_string(),
@@ -1081,7 +1091,7 @@ async fn watch(
             .map(|h| {
                 let gpu = if h.gpus == 0 {
                     "-".to_string()
-                } else if h.gpu_state.is_empty() {
+                } else if h.gpu_state() == GpuState::Unspecified {
                     format!("{} slots", h.gpus)
                 } else {
                     format!(
@@ -1105,7 +1115,7 @@ async fn watch(
             "{}",
             table(&["HOST", "STATE", "SOURCE", "BYTES", "GPUS", "NOTE"], rows)
         );
-        let live = if last.kind == "burst" && last.live_s > 0.0 {
+        let live = if last.kind() == PlanKind::Burst && last.live_s > 0.0 {
             format!("; every partition live at {:.2} s", last.live_s)
         } else {
             String::new()
@@ -1130,12 +1140,12 @@ async fn watch(
 /// `loading [1.2/4 partition-live at 1.08 s]`.
 fn host_state(h: &HostProgress) -> String {
     if h.partition.is_empty() {
-        return h.state.clone();
+        return h.state().label().to_string();
     }
-    let mut s = format!("{} [{}", h.state, h.partition);
-    if !h.gpu_state.is_empty() {
+    let mut s = format!("{} [{}", h.state().label(), h.partition);
+    if h.gpu_state() != GpuState::Unspecified {
         s.push(' ');
-        s.push_str(&h.gpu_state);
+        s.push_str(h.gpu_state().label());
     }
     if h.live_s > 0.0 {
         s.push_str(&format!(", live at {:.2} s", h.live_s));
@@ -1144,8 +1154,25 @@ fn host_state(h: &HostProgress) -> String {
     s
 }
 
-fn is_running_state(s: &str) -> bool {
-    matches!(s, "pending" | "receiving" | "joined" | "loading")
+fn is_running_state(s: ReceiverState) -> bool {
+    matches!(
+        s,
+        ReceiverState::Pending
+            | ReceiverState::Receiving
+            | ReceiverState::Joined
+            | ReceiverState::Loading
+    )
+}
+
+/// A `--tier` argument: memory, disk or gpu.
+fn tier_arg(s: &str) -> Result<i32, CliError> {
+    match Tier::from_label(s) {
+        Some(Tier::Unspecified) | None => Err(usage(format!(
+            "--tier must be one of {}, got {s:?}",
+            Tier::LABELS.join(", ")
+        ))),
+        Some(t) => Ok(t as i32),
+    }
 }
 
 fn print_json<T: Serialize>(v: &T) {

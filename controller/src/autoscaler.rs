@@ -98,12 +98,8 @@ impl Controller {
                 "service_rate (requests per second one replica serves) must be above 0",
             ));
         }
-        let tier = if req.tier.is_empty() {
-            "memory".to_string()
-        } else {
-            req.tier.clone()
-        };
-        let (name, replicas, load_time_s, holders) = self.scaling_view(&req.model, &tier)?;
+        let tier = crate::wire::tier_of(req.tier)?;
+        let (name, replicas, load_time_s, holders) = self.scaling_view(&req.model, tier)?;
         if req.arrival_rate > 0.0
             && let Ok(info) = self.get_model(&name)
         {
@@ -125,7 +121,7 @@ impl Controller {
         };
         // GPU replicas may instead be partitioned bursts (Flashpoint §4.2): offer the best
         // plan for the current queue when it splits the model.
-        let burst = if tier == "gpu" {
+        let burst = if tier == shardcast_placement::Tier::Gpu {
             self.burst_option(&name, req.queue_len, load_time_s).await
         } else {
             None
@@ -167,7 +163,7 @@ impl Controller {
                     match self.scale_out(ScaleOutRequest {
                         model: name.clone(),
                         replicas: full,
-                        tier: tier.clone(),
+                        tier: crate::wire::pb_tier(tier) as i32,
                         partitions: 0,
                     }) {
                         Ok(a) => event.plan_id = a.plan_id,
@@ -185,7 +181,7 @@ impl Controller {
                 match self.scale_out(ScaleOutRequest {
                     model: name.clone(),
                     replicas: add,
-                    tier: tier.clone(),
+                    tier: crate::wire::pb_tier(tier) as i32,
                     partitions: 0,
                 }) {
                     Ok(a) => {
@@ -219,7 +215,7 @@ impl Controller {
                         .evict(EvictRequest {
                             model: name.clone(),
                             hosts: victims.clone(),
-                            tier: tier.clone(),
+                            tier: crate::wire::pb_tier(tier) as i32,
                         })
                         .await
                     {

@@ -58,10 +58,10 @@ impl Controller {
         req: shardcast_protocol::controller::ScaleOutRequest,
     ) -> Result<Accepted, ApiError> {
         if req.partitions > 1 {
-            if req.tier != shardcast_placement::Tier::Gpu.as_str() {
+            let tier = crate::wire::tier_of(req.tier)?;
+            if tier != shardcast_placement::Tier::Gpu {
                 return Err(ApiError::invalid(format!(
-                    "partitions need tier gpu (a partition is a GPU load), got {:?}",
-                    req.tier
+                    "partitions need tier gpu (a partition is a GPU load), got {tier}"
                 )));
             }
             return Ok(self

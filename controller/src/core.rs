@@ -205,14 +205,6 @@ fn agent_tier(tier: Tier) -> i32 {
     }
 }
 
-fn parse_tier(s: &str) -> Result<Tier, ApiError> {
-    if s.is_empty() {
-        return Ok(Tier::Memory);
-    }
-    s.parse::<Tier>()
-        .map_err(|_| ApiError::invalid(format!("tier must be memory, disk or gpu, got {s:?}")))
-}
-
 fn plan_error(e: PlanError) -> ApiError {
     match e {
         PlanError::NoLiveHost => ApiError::unavailable(
@@ -633,9 +625,8 @@ impl Controller {
     pub fn scaling_view(
         &self,
         key: &str,
-        tier: &str,
+        tier: Tier,
     ) -> Result<(String, u32, f64, Vec<String>), ApiError> {
-        let tier = parse_tier(tier)?;
         let st = lock(&self.state);
         let m = st.model(key)?.clone();
         let holders: Vec<String> = match tier {
@@ -1092,7 +1083,7 @@ impl Controller {
 
     /// `Prewarm`: make `replicas` replicas (or the named hosts) hold the model.
     pub fn prewarm(self: &Arc<Self>, req: PrewarmRequest) -> Result<Accepted, ApiError> {
-        let tier = parse_tier(&req.tier)?;
+        let tier = crate::wire::tier_of(req.tier)?;
         let target = if req.hosts.is_empty() {
             if req.replicas == 0 {
                 return Err(ApiError::invalid(
@@ -1266,7 +1257,7 @@ impl Controller {
 
     /// `ScaleOut`: `replicas` more replicas than exist now.
     pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
-        let tier = parse_tier(&req.tier)?;
+        let tier = crate::wire::tier_of(req.tier)?;
         if req.replicas == 0 {
             return Err(ApiError::invalid("replicas must be at least 1"));
         }
@@ -1495,7 +1486,7 @@ impl Controller {
 
     /// `Evict`: remove the model's copy in `tier` from hosts.
     pub async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, ApiError> {
-        let tier = parse_tier(&req.tier)?;
+        let tier = crate::wire::tier_of(req.tier)?;
         let (digest, targets) = {
             let st = lock(&self.state);
             let m = st.model(&req.model)?;

@@ -16,8 +16,8 @@ use shardcast_protocol::controller::{
 use tonic::{Request, Response, Status};
 
 use crate::core::{Controller, now_unix};
-use crate::plan::PlanState;
 use crate::wire::plan_status;
+use shardcast_protocol::controller::PlanState;
 
 /// Both gRPC services share one controller.
 #[derive(Clone)]
@@ -54,7 +54,7 @@ pub fn plan_updates(c: &Controller, id: &str) -> Result<PlanStream, crate::error
                     plan_status(&rx.borrow_and_update(), now_unix())
                 }
             };
-            let ended = status.state != PlanState::Running.as_str();
+            let ended = status.state() != PlanState::Running;
             Some((Ok(status), (None, rx, ended)))
         },
     )))

@@ -194,7 +194,8 @@ pub fn reports(samples: &[Sample], cfg: &ScrapeConfig) -> Vec<ReportLoadRequest>
                 arrival_rate: lambda?,
                 queue_len: queue.filter(|q| q.is_finite() && *q >= 0.0).unwrap_or(0.0) as u32,
                 service_rate: mu?,
-                tier,
+                // A `tier` label that names no tier: the series is not a load report.
+                tier: shardcast_protocol::controller::Tier::from_label(&tier)? as i32,
             })
         })
         .collect()
@@ -321,7 +322,7 @@ mod tests {
                 r[0].arrival_rate,
                 r[0].queue_len,
                 r[0].service_rate,
-                r[0].tier.as_str()
+                r[0].tier().label()
             ),
             ("org/m", 30.0, 4, 10.0, "gpu")
         );

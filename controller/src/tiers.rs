@@ -349,7 +349,9 @@ impl Controller {
                     .evict(EvictRequest {
                         model: digest.clone(),
                         hosts: vec![h.host.clone()],
-                        tier: tier.clone(),
+                        tier: shardcast_protocol::controller::Tier::from_label(&tier)
+                            .unwrap_or(shardcast_protocol::controller::Tier::Memory)
+                            as i32,
                     })
                     .await;
                 let (kind, reason) = match r {

@@ -2,22 +2,79 @@
 //! messages: the gRPC front end ([`crate::grpc`]) and the HTTP/JSON one ([`crate::http`])
 //! convert here, and nowhere else, so the core never compares or builds state strings.
 
-use shardcast_protocol::controller::{HostProgress, PlanAccepted, PlanStatus, PlannedChain};
+use shardcast_placement::Tier;
+use shardcast_protocol::controller::{
+    self as pb, HostProgress, PlanAccepted, PlanStatus, PlannedChain,
+};
 
-use crate::plan::{Accepted, ChainSummary, Plan, ReceiverProgress};
+use crate::error::ApiError;
+use crate::plan::{
+    Accepted, ChainSummary, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState,
+};
+
+/// A request's tier: unspecified is memory; a number this build does not know is refused.
+pub fn tier_of(v: i32) -> Result<Tier, ApiError> {
+    match pb::Tier::try_from(v) {
+        Ok(pb::Tier::Unspecified | pb::Tier::Memory) => Ok(Tier::Memory),
+        Ok(pb::Tier::Disk) => Ok(Tier::Disk),
+        Ok(pb::Tier::Gpu) => Ok(Tier::Gpu),
+        Err(_) => Err(ApiError::invalid(format!(
+            "tier must be memory, disk or gpu, got {v}"
+        ))),
+    }
+}
+
+/// The wire's tier.
+pub fn pb_tier(t: Tier) -> pb::Tier {
+    match t {
+        Tier::Memory => pb::Tier::Memory,
+        Tier::Disk => pb::Tier::Disk,
+        Tier::Gpu => pb::Tier::Gpu,
+    }
+}
+
+/// The typed core and the wire name their states alike: each maps by name, both ways.
+macro_rules! by_name {
+    ($core:ident <-> $wire:ident) => {
+        impl From<$core> for pb::$wire {
+            fn from(v: $core) -> Self {
+                // Every core name is a wire name (tested below).
+                pb::$wire::from_label(v.as_str()).unwrap_or(pb::$wire::Unspecified)
+            }
+        }
+
+        impl TryFrom<pb::$wire> for $core {
+            type Error = String;
+
+            fn try_from(v: pb::$wire) -> Result<Self, String> {
+                v.label()
+                    .parse()
+                    .map_err(|e: crate::plan::UnknownName| e.to_string())
+            }
+        }
+    };
+}
+
+by_name!(PlanState <-> PlanState);
+by_name!(PlanKind <-> PlanKind);
+by_name!(ReceiverState <-> ReceiverState);
+by_name!(GpuState <-> GpuState);
 
 impl From<&ReceiverProgress> for HostProgress {
     fn from(r: &ReceiverProgress) -> Self {
         Self {
             host: r.host.clone(),
-            state: r.state.to_string(),
+            state: pb::ReceiverState::from(r.state) as i32,
             bytes: r.bytes,
             total: r.total,
             source: r.source.clone(),
             error: r.error.clone(),
             gpus: r.gpus,
             gpu_bytes: r.gpu_bytes,
-            gpu_state: r.gpu_state.map(|g| g.to_string()).unwrap_or_default(),
+            gpu_state: r
+                .gpu_state
+                .map_or(pb::GpuState::Unspecified, pb::GpuState::from)
+                as i32,
             partition: r.partition.clone(),
             live_s: r.live_s,
             done_s: r.done_s,
@@ -45,8 +102,8 @@ pub fn plan_status(p: &Plan, now: f64) -> PlanStatus {
         plan_id: p.id.clone(),
         model: p.model.clone(),
         digest: p.digest.clone(),
-        tier: p.tier.to_string(),
-        state: p.state.to_string(),
+        tier: pb_tier(p.tier) as i32,
+        state: pb::PlanState::from(p.state) as i32,
         hosts: p.hosts.iter().map(HostProgress::from).collect(),
         estimate_s: p.estimate_s,
         elapsed_s: p.elapsed_s(now),
@@ -54,7 +111,7 @@ pub fn plan_status(p: &Plan, now: f64) -> PlanStatus {
         chains: p.chains.iter().map(PlannedChain::from).collect(),
         replans: p.replans,
         created_at: p.created_at,
-        kind: p.kind.to_string(),
+        kind: pb::PlanKind::from(p.kind) as i32,
         live_s: p.live_s,
     }
 }
@@ -83,21 +140,23 @@ struct LegacyPlanRecord {
 
 /// Reads a legacy (unversioned) plan record; an error names what does not parse.
 pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
-    use crate::plan::{GpuState, PlanKind, PlanState, ReceiverState};
     let r: LegacyPlanRecord = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
     let s = r.status;
+    let tier = tier_of(s.tier).map_err(|e| e.message)?;
+    let state = PlanState::try_from(s.state())?;
+    let kind = match s.kind() {
+        pb::PlanKind::Unspecified => PlanKind::Chains,
+        k => PlanKind::try_from(k)?,
+    };
     let hosts = s
         .hosts
         .into_iter()
         .map(|h| {
             Ok(ReceiverProgress {
-                state: h
-                    .state
-                    .parse::<ReceiverState>()
-                    .map_err(|e| e.to_string())?,
-                gpu_state: match h.gpu_state.as_str() {
-                    "" => None,
-                    g => Some(g.parse::<GpuState>().map_err(|e| e.to_string())?),
+                state: ReceiverState::try_from(h.state())?,
+                gpu_state: match h.gpu_state() {
+                    pb::GpuState::Unspecified => None,
+                    g => Some(GpuState::try_from(g)?),
                 },
                 host: h.host,
                 bytes: h.bytes,
@@ -113,12 +172,9 @@ pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
         })
         .collect::<Result<Vec<_>, String>>()?;
     Ok(Plan {
-        tier: s.tier.parse().map_err(|e| format!("{e}"))?,
-        state: s.state.parse::<PlanState>().map_err(|e| e.to_string())?,
-        kind: match s.kind.as_str() {
-            "" => PlanKind::Chains,
-            k => k.parse::<PlanKind>().map_err(|e| e.to_string())?,
-        },
+        tier,
+        state,
+        kind,
         id: s.plan_id,
         model: s.model,
         digest: s.digest,
@@ -183,13 +239,40 @@ mod tests {
         // And back to the wire as it was.
         let s = plan_status(&p, 5.0);
         assert_eq!(
-            (s.state.as_str(), s.kind.as_str(), s.elapsed_s),
-            ("running", "burst", 2.0)
+            (s.state(), s.kind(), s.elapsed_s),
+            (pb::PlanState::Running, pb::PlanKind::Burst, 2.0)
         );
-        assert_eq!(s.hosts[0].gpu_state, "loading");
+        assert_eq!(s.hosts[0].gpu_state(), pb::GpuState::Loading);
 
         let bad = json.to_string().replace("receiving", "dreaming");
         let e = legacy_plan(bad.as_bytes()).unwrap_err();
         assert!(e.contains("dreaming"), "{e}");
+    }
+
+    #[test]
+    fn every_core_state_has_its_wire_name() {
+        for s in PlanState::ALL {
+            let w = pb::PlanState::from(*s);
+            assert_ne!(w, pb::PlanState::Unspecified);
+            assert_eq!(PlanState::try_from(w), Ok(*s));
+        }
+        for s in PlanKind::ALL {
+            assert_eq!(PlanKind::try_from(pb::PlanKind::from(*s)), Ok(*s));
+        }
+        for s in ReceiverState::ALL {
+            let w = pb::ReceiverState::from(*s);
+            assert_ne!(w, pb::ReceiverState::Unspecified);
+            assert_eq!(ReceiverState::try_from(w), Ok(*s));
+        }
+        for s in GpuState::ALL {
+            let w = pb::GpuState::from(*s);
+            assert_ne!(w, pb::GpuState::Unspecified);
+            assert_eq!(GpuState::try_from(w), Ok(*s));
+        }
+        for t in [Tier::Memory, Tier::Disk, Tier::Gpu] {
+            assert_eq!(tier_of(pb_tier(t) as i32).unwrap(), t);
+        }
+        assert_eq!(tier_of(0).unwrap(), Tier::Memory);
+        assert!(tier_of(99).is_err());
     }
 }

@@ -122,7 +122,7 @@ async fn prewarm_hosts(api: &mut ControllerClient<Channel>, h: Vec<String>) -> S
         model: MODEL.into(),
         replicas: 0,
         hosts: h,
-        tier: "memory".into(),
+        tier: shardcast_protocol::controller::Tier::Memory as i32,
         sources: String::new(),
     })
     .await
@@ -145,7 +145,7 @@ fn host_state<'a>(p: &'a PlanStatus, host: &str) -> &'a str {
     p.hosts
         .iter()
         .find(|h| h.host == host)
-        .map(|h| h.state.as_str())
+        .map(|h| h.state().label())
         .unwrap_or("absent")
 }
 
@@ -168,7 +168,11 @@ async fn wait_fraction(api: &mut ControllerClient<Channel>, plan: &str, at_least
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(p.state, "running", "plan ended before the fault: {p:?}");
+        assert_eq!(
+            p.state().label(),
+            "running",
+            "plan ended before the fault: {p:?}"
+        );
         if fraction(&p) >= at_least {
             return;
         }
@@ -269,7 +273,7 @@ async fn prewarm_then_peers(http: bool) {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             hosts: hosts(1..=4),
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -283,7 +287,7 @@ async fn prewarm_then_peers(http: bool) {
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     for h in hosts(1..=4) {
         assert!(
             matches!(host_state(&done, &h), "done" | "local"),
@@ -299,7 +303,7 @@ async fn prewarm_then_peers(http: bool) {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             hosts: hosts(5..=8),
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -317,7 +321,7 @@ async fn prewarm_then_peers(http: bool) {
     let done = wait_plan(&mut api, &b.plan_id, Duration::from_secs(120))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     for h in hosts(5..=8) {
         c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
     }
@@ -329,7 +333,10 @@ async fn prewarm_then_peers(http: bool) {
         .await
         .unwrap();
     assert!(done.chains.is_empty(), "{done:?}");
-    assert!(done.hosts.iter().all(|h| h.state == "local"), "{done:?}");
+    assert!(
+        done.hosts.iter().all(|h| h.state().label() == "local"),
+        "{done:?}"
+    );
 
     // Status lists all eight as complete in memory.
     let st = api
@@ -354,7 +361,7 @@ async fn prewarm_then_peers(http: bool) {
             partitions: 0,
             model: MODEL.into(),
             replicas: 1,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
         })
         .await
         .unwrap_err();
@@ -373,7 +380,7 @@ async fn prewarm_then_peers(http: bool) {
         .evict(EvictRequest {
             model: MODEL.into(),
             hosts: hosts(7..=8),
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
         })
         .await
         .unwrap()
@@ -408,7 +415,7 @@ async fn prewarm_every_host(
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: n as u32,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -434,9 +441,9 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     let dead = done.hosts.iter().find(|h| h.host == victim).unwrap();
-    assert_eq!(dead.state, "lost", "{dead:?}");
+    assert_eq!(dead.state().label(), "lost", "{dead:?}");
     assert!(dead.error.contains("heartbeat"), "{dead:?}");
     assert!(done.message.contains(&victim), "{done:?}");
     for d in c.daemons.iter().filter(|d| d.host_id.as_str() != victim) {
@@ -483,7 +490,7 @@ async fn a_lost_receiver_that_completes_later_is_reported_done() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     d.verify_copy(&manifest).unwrap();
-    assert_eq!(now.state, "done");
+    assert_eq!(now.state().label(), "done");
     assert!(!now.message.contains(&victim), "{now:?}");
     let h = now.hosts.iter().find(|h| h.host == victim).unwrap();
     assert!(h.error.contains("after it was marked lost"), "{h:?}");
@@ -525,7 +532,7 @@ async fn controller_restarted_mid_plan_finishes_it() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 4,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -549,8 +556,11 @@ async fn controller_restarted_mid_plan_finishes_it() {
     let done = wait_plan(&mut api, &plan, Duration::from_secs(120))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
-    assert!(done.hosts.iter().all(|h| h.state == "done"), "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    assert!(
+        done.hosts.iter().all(|h| h.state().label() == "done"),
+        "{done:?}"
+    );
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
     }
@@ -569,7 +579,7 @@ async fn controller_restarted_mid_plan_finishes_it() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(p.state, "done");
+    assert_eq!(p.state().label(), "done");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -593,15 +603,15 @@ async fn concurrent_prewarms_of_one_model_send_it_to_each_host_once() {
     let pb = wait_plan(&mut api, &b, Duration::from_secs(120))
         .await
         .unwrap();
-    assert_eq!(pa.state, "done", "{pa:?}");
-    assert_eq!(pb.state, "done", "{pb:?}");
+    assert_eq!(pa.state().label(), "done", "{pa:?}");
+    assert_eq!(pb.state().label(), "done", "{pb:?}");
     // Whichever plan came second joined the first's transfers for hosts 3 and 4.
     let joined: usize = [&pa, &pb]
         .iter()
         .map(|p| {
             p.hosts
                 .iter()
-                .filter(|h| h.source.len() == 16 || h.state == "joined")
+                .filter(|h| h.source.len() == 16 || h.state().label() == "joined")
                 .count()
         })
         .sum();
@@ -696,11 +706,12 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
         ),
         "{e:?}"
     );
+    // A tier this build does not know is a number outside the enum on the gRPC wire.
     let pw = |model: &str, replicas: u32, tier: &str, hosts: Vec<String>| PrewarmRequest {
         model: model.into(),
         replicas,
         hosts,
-        tier: tier.into(),
+        tier: shardcast_protocol::controller::Tier::from_label(tier).map_or(99, |t| t as i32),
         sources: String::new(),
     };
     let cases = [
@@ -724,7 +735,7 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
         .evict(EvictRequest {
             model: MODEL.into(),
             hosts: vec!["nope".into()],
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
         })
         .await
         .unwrap_err();
@@ -866,7 +877,8 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
         wait_plan(&mut api, &first, Duration::from_secs(60))
             .await
             .unwrap()
-            .state,
+            .state()
+            .label(),
         "done"
     );
     // The origin goes away: from now on only the holders can serve the model.
@@ -877,7 +889,7 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             hosts: hosts(3..=4),
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -898,7 +910,7 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
     let done = wait_plan(&mut api, &plan.plan_id, Duration::from_secs(90))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     assert!(done.replans >= 1, "{done:?}");
     assert!(done.message.contains("re-planned"), "{done:?}");
     for h in hosts(3..=4) {
@@ -923,7 +935,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 5,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             ..Default::default()
         })
         .await
@@ -934,7 +946,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     let chunks: u64 = manifest.shards.iter().map(|s| s.chunks.len() as u64).sum();
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
@@ -946,7 +958,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
             partitions: 0,
             model: MODEL.into(),
             replicas: 4,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
         })
         .await
         .unwrap()
@@ -957,13 +969,13 @@ async fn gpu_replicas_share_one_copy_per_host() {
     let done = wait_plan(&mut api, &b.plan_id, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     // A prewarm of 9 GPU replicas is already satisfied: it reserves nothing more.
     let again = api
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 9,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             ..Default::default()
         })
         .await
@@ -977,7 +989,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
             partitions: 0,
             model: MODEL.into(),
             replicas: 4,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
         })
         .await
         .unwrap_err();
@@ -994,7 +1006,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
     api.evict(EvictRequest {
         model: MODEL.into(),
         hosts: vec![],
-        tier: "gpu".into(),
+        tier: shardcast_protocol::controller::Tier::Gpu as i32,
     })
     .await
     .unwrap();
@@ -1031,7 +1043,7 @@ async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 4,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             ..Default::default()
         })
         .await
@@ -1040,10 +1052,10 @@ async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(90))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     for h in &done.hosts {
         assert_eq!(h.gpus, 2, "{h:?}");
-        assert_eq!(h.gpu_state, "resident", "{h:?}");
+        assert_eq!(h.gpu_state().label(), "resident", "{h:?}");
         assert_eq!(h.gpu_bytes, 2 * manifest.total_bytes(), "{h:?}");
     }
     for d in &c.daemons {
@@ -1067,7 +1079,7 @@ async fn reported_load_scales_out_then_in_and_evicts() {
         arrival_rate: rate,
         queue_len: 0,
         service_rate: 10.0,
-        tier: "memory".into(),
+        tier: shardcast_protocol::controller::Tier::Memory as i32,
     };
     // 30 req/s at 10 per replica, 1.05 headroom: 4 replicas, so 3 more.
     let up = api
@@ -1082,7 +1094,7 @@ async fn reported_load_scales_out_then_in_and_evicts() {
     let done = wait_plan(&mut api, &up.plan_id, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
     }
@@ -1169,7 +1181,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
         .scale_out(ScaleOutRequest {
             model: MODEL.into(),
             replicas: 1,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             partitions: 2,
         })
         .await
@@ -1179,7 +1191,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
         .scale_out(ScaleOutRequest {
             model: MODEL.into(),
             replicas: 1,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: 2,
         })
         .await
@@ -1192,7 +1204,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
     assert!(
         a.hosts
             .iter()
-            .all(|h| h.state == "loading" && h.source == "peer"),
+            .all(|h| h.state().label() == "loading" && h.source == "peer"),
         "{a:?}"
     );
     assert!(a.estimate_s > 0.0);
@@ -1250,7 +1262,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
         .await
         .unwrap();
     assert_eq!(
-        (done.state.as_str(), done.kind.as_str()),
+        (done.state().label(), done.kind().label()),
         ("done", "burst"),
         "{done:?}"
     );
@@ -1263,7 +1275,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
     assert_eq!(parts, ["1.1/2", "1.2/2"], "{done:?}");
     for h in &done.hosts {
         assert_eq!(
-            (h.state.as_str(), h.gpu_state.as_str()),
+            (h.state().label(), h.gpu_state().label()),
             ("done", "resident"),
             "{h:?}"
         );
@@ -1279,7 +1291,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
         listed
             .plans
             .iter()
-            .any(|p| p.plan_id == a.plan_id && p.kind == "burst")
+            .any(|p| p.plan_id == a.plan_id && p.kind().label() == "burst")
     );
     // The CLI follows it like any plan and says when the partitions went live.
     let (code, out, err) = cli(&c.controller, &["watch", &a.plan_id]).await;
@@ -1453,7 +1465,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
         .scale_out(ScaleOutRequest {
             model: MODEL.into(),
             replicas: 1,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: 2,
         })
         .await
@@ -1462,7 +1474,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
     assert!(
         a.hosts
             .iter()
-            .all(|h| h.state == "loading" && h.source == "origin"),
+            .all(|h| h.state().label() == "loading" && h.source == "origin"),
         "{a:?}"
     );
     let reserved = |r: &shardcast_protocol::controller::ListHostsResponse| -> u32 {
@@ -1528,7 +1540,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
         .await
         .unwrap();
     assert_eq!(
-        (failed.state.as_str(), failed.kind.as_str()),
+        (failed.state().label(), failed.kind().label()),
         ("failed", "burst"),
         "{failed:?}"
     );
@@ -1536,7 +1548,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
         failed
             .hosts
             .iter()
-            .all(|h| h.state == "failed" && !h.error.is_empty()),
+            .all(|h| h.state().label() == "failed" && !h.error.is_empty()),
         "{failed:?}"
     );
 }
@@ -1588,7 +1600,7 @@ async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
                 model: (*name).into(),
                 replicas: 0,
                 hosts: vec!["host-1".into()],
-                tier: "memory".into(),
+                tier: shardcast_protocol::controller::Tier::Memory as i32,
                 sources: String::new(),
             })
             .await
@@ -1598,7 +1610,7 @@ async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
         let done = wait_plan(&mut api, &id, Duration::from_secs(60))
             .await
             .unwrap();
-        assert_eq!(done.state, "done", "{done:?}");
+        assert_eq!(done.state().label(), "done", "{done:?}");
     }
     // 12 MiB of 24: 50% > 45%. Once a heartbeat reports it, the sweeper evicts the old
     // model (down to 40% = 9.6 MiB) and keeps the new one.
@@ -1710,7 +1722,7 @@ async fn load_scraped_from_a_prometheus_endpoint_scales_out() {
     let done = wait_plan(&mut api, &up.plan_id, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
     }
@@ -1754,7 +1766,7 @@ async fn names_follow_the_controllers_registry() {
     let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     let h3 = c.daemon("host-3").unwrap();
     assert_eq!(resolved(h3, MODEL).await.as_deref(), Some(d1.as_str()));
 
@@ -1770,7 +1782,7 @@ async fn names_follow_the_controllers_registry() {
     let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     assert_eq!(resolved(h3, MODEL).await.as_deref(), Some(d2.as_str()));
     let received = h3.stats().await.unwrap().bytes_received;
 
@@ -1859,7 +1871,7 @@ async fn a_rotated_controller_certificate_signs_the_next_plans_without_a_restart
     let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     assert!(
         issued.elapsed() < FIRST_CERT_LIFE,
         "the first prewarm took longer than the first certificate lives; nothing left to test"
@@ -1909,7 +1921,7 @@ async fn a_rotated_controller_certificate_signs_the_next_plans_without_a_restart
         .await
         .unwrap();
     assert_eq!(
-        done.state,
+        done.state().label(),
         "done",
         "{done:?}; logs {}",
         c.controller.log.display()
@@ -1953,10 +1965,10 @@ async fn completion_is_pushed_by_the_agents_not_polled() {
     let done = wait_plan(&mut api, &plan, Duration::from_secs(30))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     assert!(done.elapsed_s < 2.5, "the plan waited for a poll: {done:?}");
     for h in &done.hosts {
-        assert_eq!(h.state, "done", "{h:?}");
+        assert_eq!(h.state().label(), "done", "{h:?}");
         assert!(h.done_s > 0.0 && h.done_s <= done.elapsed_s + 0.05, "{h:?}");
         c.daemon(&h.host).unwrap().verify_copy(&manifest).unwrap();
     }

@@ -114,7 +114,7 @@ async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -
         .prewarm(PrewarmRequest {
             model: name.into(),
             replicas: REPLICAS,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await?
@@ -124,12 +124,12 @@ async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -
     assert_eq!(receivers.len(), REPLICAS as usize, "64 distinct receivers");
     assert!(receivers.is_subset(&swarm.host_ids()));
     let status = wait_plan(&mut client, &accepted.plan_id, Duration::from_secs(60)).await?;
-    assert_eq!(status.state, "done", "{status:?}");
+    assert_eq!(status.state().label(), "done", "{status:?}");
     assert!(
         status
             .hosts
             .iter()
-            .all(|h| h.state == "done" && h.bytes == 256 << 20),
+            .all(|h| h.state().label() == "done" && h.bytes == 256 << 20),
         "{:?}",
         status.hosts
     );

@@ -1,0 +1,140 @@
+//! The controller API's enums by name: each is a number on the gRPC wire and its
+//! lowercase name in the HTTP/JSON API, the CLI and messages (`memory`, `running`,
+//! `partition-live`); `Unspecified` is the empty string (a request's tier: memory).
+
+use crate::controller::{GpuState, PlanKind, PlanState, ReceiverState, Tier};
+
+macro_rules! labels {
+    ($ty:ident { $($v:ident => $s:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Every name but the empty one, for messages.
+            pub const LABELS: &'static [&'static str] = &[$($s),+];
+
+            /// Its name (`""` for `Unspecified`).
+            pub fn label(self) -> &'static str {
+                match self {
+                    Self::Unspecified => "",
+                    $(Self::$v => $s),+
+                }
+            }
+
+            /// The variant named `s` (`""` is `Unspecified`).
+            pub fn from_label(s: &str) -> Option<Self> {
+                match s {
+                    "" => Some(Self::Unspecified),
+                    $($s => Some(Self::$v),)+
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+labels!(Tier { Memory => "memory", Disk => "disk", Gpu => "gpu" });
+labels!(PlanState { Running => "running", Done => "done", Failed => "failed" });
+labels!(PlanKind { Chains => "chains", Burst => "burst" });
+labels!(ReceiverState {
+    Pending => "pending",
+    Receiving => "receiving",
+    Joined => "joined",
+    Loading => "loading",
+    Done => "done",
+    Local => "local",
+    Lost => "lost",
+    Failed => "failed",
+});
+labels!(GpuState {
+    Loading => "loading",
+    PartitionLive => "partition-live",
+    Resident => "resident",
+    Failed => "failed",
+    Unavailable => "unavailable",
+});
+
+/// `serde(with)` modules for the enum fields of the API's messages (see `build.rs`): the
+/// name in JSON; a number this build does not know is written as the number, and a name
+/// it does not know is an error that lists the known ones.
+pub mod json {
+    macro_rules! module {
+        ($m:ident, $ty:ident, $what:literal) => {
+            #[doc = concat!("`", stringify!($ty), "` fields by name.")]
+            pub mod $m {
+                use serde::de::Error as _;
+                use serde::{Deserialize, Deserializer, Serializer};
+
+                use crate::controller::$ty;
+
+                /// The field's name.
+                pub fn serialize<S: Serializer>(v: &i32, s: S) -> Result<S::Ok, S::Error> {
+                    match $ty::try_from(*v) {
+                        Ok(e) => s.serialize_str(e.label()),
+                        Err(_) => s.serialize_i32(*v),
+                    }
+                }
+
+                /// A name (or the number).
+                pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<i32, D::Error> {
+                    #[derive(Deserialize)]
+                    #[serde(untagged)]
+                    enum Raw {
+                        Name(String),
+                        Number(i32),
+                    }
+                    match Raw::deserialize(d)? {
+                        Raw::Number(n) => $ty::try_from(n).map(|e| e as i32).map_err(|_| {
+                            D::Error::custom(format!("{} {n} is not one this build knows", $what))
+                        }),
+                        Raw::Name(s) => $ty::from_label(&s).map(|e| e as i32).ok_or_else(|| {
+                            D::Error::custom(format!(
+                                "unknown {} {s:?}: expected one of {}",
+                                $what,
+                                $ty::LABELS.join(", ")
+                            ))
+                        }),
+                    }
+                }
+            }
+        };
+    }
+
+    module!(tier, Tier, "tier");
+    module!(plan_state, PlanState, "plan state");
+    module!(plan_kind, PlanKind, "plan kind");
+    module!(receiver_state, ReceiverState, "receiver state");
+    module!(gpu_state, GpuState, "GPU state");
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::controller::{HostProgress, PlanState, PrewarmRequest, ReceiverState, Tier};
+
+    #[test]
+    fn json_uses_names_and_refuses_unknown_ones() {
+        let req: PrewarmRequest =
+            serde_json::from_str(r#"{"model": "m", "replicas": 2, "tier": "gpu"}"#).unwrap();
+        assert_eq!(req.tier(), Tier::Gpu);
+        let req: PrewarmRequest = serde_json::from_str(r#"{"model": "m", "tier": ""}"#).unwrap();
+        assert_eq!(req.tier(), Tier::Unspecified);
+        let req: PrewarmRequest = serde_json::from_str(r#"{"model": "m"}"#).unwrap();
+        assert_eq!(req.tier(), Tier::Unspecified);
+        let e = serde_json::from_str::<PrewarmRequest>(r#"{"tier": "ssd"}"#).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unknown tier \"ssd\": expected one of memory, disk, gpu"),
+            "{e}"
+        );
+        let h = HostProgress {
+            state: ReceiverState::Receiving as i32,
+            gpu_state: crate::controller::GpuState::PartitionLive as i32,
+            ..Default::default()
+        };
+        let v = serde_json::to_value(&h).unwrap();
+        assert_eq!(v["state"], "receiving");
+        assert_eq!(v["gpu_state"], "partition-live");
+        let back: HostProgress = serde_json::from_value(v).unwrap();
+        assert_eq!(back, h);
+        for s in PlanState::LABELS {
+            assert_eq!(PlanState::from_label(s).unwrap().label(), *s);
+        }
+    }
+}
