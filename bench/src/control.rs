@@ -420,6 +420,25 @@ pub async fn wait_hosts_up(
     }
 }
 
+/// The hosts that hold `model` complete in their memory tier, as the controller sees them.
+pub async fn memory_holders(
+    api: &mut ControllerClient<Channel>,
+    model: &str,
+) -> anyhow::Result<Vec<String>> {
+    Ok(api
+        .get_status(shardcast_protocol::controller::GetStatusRequest {
+            model: model.into(),
+        })
+        .await
+        .context("GetStatus")?
+        .into_inner()
+        .hosts
+        .into_iter()
+        .filter(|h| h.memory)
+        .map(|h| h.host)
+        .collect())
+}
+
 /// Polls a plan until it has ended (or `timeout`), returning its final status.
 pub async fn wait_plan(
     client: &mut ControllerClient<Channel>,

@@ -239,18 +239,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
     let t0 = Instant::now();
     let (manifest, _) = register(&mut api, &origin_url).await?;
     // The host that read the origin to hash the model kept what it read.
-    let keepers: Vec<String> = api
-        .get_status(shardcast_protocol::controller::GetStatusRequest {
-            model: MODEL_NAME.into(),
-        })
-        .await
-        .context("GetStatus")?
-        .into_inner()
-        .hosts
-        .into_iter()
-        .filter(|h| h.memory)
-        .map(|h| h.host)
-        .collect();
+    let keepers = crate::control::memory_holders(&mut api, MODEL_NAME).await?;
     for h in &keepers {
         cluster.daemon(h)?.verify_copy(&manifest)?;
     }

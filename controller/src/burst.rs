@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 use crate::core::{Controller, StallClock, lock, now_unix};
 use crate::error::ApiError;
-use crate::plan::{Accepted, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState};
+use crate::plan::{Accepted, GpuState, Plan, PlanKind, ReceiverProgress, ReceiverState};
 
 /// Most partitions a burst may use.
 pub const MAX_PARTITIONS: u32 = 64;
@@ -204,22 +204,16 @@ impl Controller {
     ) -> Result<String, ApiError> {
         let id = hex::encode(rand::random::<[u8; 8]>());
         let record = Plan {
-            id: id.clone(),
-            model: name.to_string(),
-            digest: digest.to_string(),
-            tier: shardcast_placement::Tier::Gpu,
-            state: PlanState::Running,
-            kind: PlanKind::Burst,
-            hosts: hosts.to_vec(),
             estimate_s,
-            message: String::new(),
-            chains: Vec::new(),
-            runs: Vec::new(),
-            replans: 0,
-            created_at: now_unix(),
-            ended_at: None,
-            live_s: 0.0,
-            origin: origin.to_string(),
+            ..Plan::started(
+                id.clone(),
+                (name, digest),
+                shardcast_placement::Tier::Gpu,
+                PlanKind::Burst,
+                hosts.to_vec(),
+                origin,
+                now_unix(),
+            )
         };
         self.persist_plan_now(&record)?;
         lock(&self.state).add_plan(record);

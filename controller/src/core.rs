@@ -1380,22 +1380,18 @@ impl Controller {
             })
             .collect();
         let record = Plan {
-            id: id.clone(),
-            model: model.name.clone(),
-            digest: model.digest.clone(),
-            tier,
-            state: PlanState::Running,
-            kind: PlanKind::Chains,
-            hosts: hosts.clone(),
             estimate_s: plan.estimate_s,
-            message: String::new(),
             chains: chains.clone(),
             runs,
-            replans: 0,
-            created_at: now_unix(),
-            ended_at: None,
-            live_s: 0.0,
-            origin: model.origin.clone(),
+            ..Plan::started(
+                id.clone(),
+                (model.name.clone(), model.digest.clone()),
+                tier,
+                PlanKind::Chains,
+                hosts.clone(),
+                model.origin.clone(),
+                now_unix(),
+            )
         };
         // GPU slots are reserved when the plan is made.
         let mut touched = Vec::new();
@@ -2313,34 +2309,29 @@ fn unix_now() -> u64 {
 #[cfg(test)]
 mod receiver_index_tests {
     use super::*;
-    use crate::plan::{PlanKind, PlanState, ReceiverProgress, ReceiverState};
+    use crate::plan::{PlanKind, ReceiverProgress, ReceiverState};
     use shardcast_protocol::controller::HeldModel;
 
     fn plan(id: &str, digest: &str, hosts: &[(&str, ReceiverState)]) -> Plan {
+        let hosts = hosts
+            .iter()
+            .map(|(h, state)| {
+                let mut r = ReceiverProgress::new(*h, *state);
+                r.total = 10;
+                r
+            })
+            .collect();
         Plan {
-            id: id.into(),
-            model: "m".into(),
-            digest: digest.into(),
-            tier: Tier::Memory,
-            state: PlanState::Running,
-            kind: PlanKind::Chains,
-            hosts: hosts
-                .iter()
-                .map(|(h, state)| {
-                    let mut r = ReceiverProgress::new(*h, *state);
-                    r.total = 10;
-                    r
-                })
-                .collect(),
             estimate_s: 1.0,
-            message: String::new(),
-            chains: Vec::new(),
-            runs: Vec::new(),
-            replans: 0,
-            created_at: 10.0,
-            ended_at: None,
-            live_s: 0.0,
-            origin: String::new(),
+            ..Plan::started(
+                id,
+                ("m", digest),
+                Tier::Memory,
+                PlanKind::Chains,
+                hosts,
+                "",
+                10.0,
+            )
         }
     }
 

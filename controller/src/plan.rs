@@ -440,6 +440,37 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// A running plan of `kind` with these receivers, made at `created_at` (seconds since
+    /// the epoch); no chains, runs or estimate yet (set them with struct update syntax).
+    pub fn started(
+        id: impl Into<String>,
+        (model, digest): (impl Into<String>, impl Into<String>),
+        tier: Tier,
+        kind: PlanKind,
+        hosts: Vec<ReceiverProgress>,
+        origin: impl Into<String>,
+        created_at: f64,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            model: model.into(),
+            digest: digest.into(),
+            tier,
+            state: PlanState::Running,
+            kind,
+            hosts,
+            estimate_s: 0.0,
+            message: String::new(),
+            chains: Vec::new(),
+            runs: Vec::new(),
+            replans: 0,
+            created_at,
+            ended_at: None,
+            live_s: 0.0,
+            origin: origin.into(),
+        }
+    }
+
     /// Still running.
     pub fn running(&self) -> bool {
         self.state == PlanState::Running
@@ -693,27 +724,22 @@ mod tests {
     }
 
     fn plan(states: &[ReceiverState]) -> Plan {
+        let hosts = states
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ReceiverProgress::new(format!("h{i}"), *s))
+            .collect();
         Plan {
-            id: "p".into(),
-            model: "m".into(),
-            digest: "d".into(),
-            tier: Tier::Memory,
-            state: PlanState::Running,
-            kind: PlanKind::Chains,
-            hosts: states
-                .iter()
-                .enumerate()
-                .map(|(i, s)| ReceiverProgress::new(format!("h{i}"), *s))
-                .collect(),
             estimate_s: 1.0,
-            message: String::new(),
-            chains: Vec::new(),
-            runs: Vec::new(),
-            replans: 0,
-            created_at: 10.0,
-            ended_at: None,
-            live_s: 0.0,
-            origin: "file:///m".into(),
+            ..Plan::started(
+                "p",
+                ("m", "d"),
+                Tier::Memory,
+                PlanKind::Chains,
+                hosts,
+                "file:///m",
+                10.0,
+            )
         }
     }
 

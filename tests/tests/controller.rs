@@ -5,7 +5,9 @@
 use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::{Daemon, DaemonOpts};
-use shardcast_bench::control::{ControllerProc, HttpAs, ManagedCluster, cli_bin, wait_plan};
+use shardcast_bench::control::{
+    ControllerProc, HttpAs, ManagedCluster, cli_bin, memory_holders, wait_plan,
+};
 use shardcast_bench::origin_server::{OriginStats, serve};
 use shardcast_bench::synth::{self, SynthSpec};
 use shardcast_identity::Role;
@@ -248,18 +250,7 @@ async fn prewarm_then_peers(http: bool) {
         (total..total + (64 << 10)).contains(&registered),
         "{registered} bytes served for a {total}-byte model"
     );
-    let keepers: Vec<String> = api
-        .get_status(GetStatusRequest {
-            model: MODEL.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .hosts
-        .into_iter()
-        .filter(|h| h.memory)
-        .map(|h| h.host)
-        .collect();
+    let keepers = memory_holders(&mut api, MODEL).await.unwrap();
     assert_eq!(keepers.len(), 1, "{keepers:?}");
     let keeper = keepers[0].clone();
     c.daemon(&keeper).unwrap().verify_copy(&manifest).unwrap();
