@@ -394,6 +394,42 @@ impl Controller {
         store: Arc<dyn StateStore>,
         cancel: CancellationToken,
     ) -> Result<Arc<Self>, ApiError> {
+        let (me, resume) = Self::load(cfg, store, cancel)?;
+        for (id, burst) in resume {
+            info!(plan = %id, "resuming a plan in flight");
+            if burst {
+                tokio::spawn(me.clone().run_burst(id));
+            } else {
+                tokio::spawn(me.clone().run_plan(id));
+            }
+        }
+        tokio::spawn(me.clone().expiry_loop());
+        if me.cfg.tiers.enabled {
+            tokio::spawn(me.clone().tier_loop());
+        }
+        if let Some(s) = me.cfg.scrape.clone() {
+            tokio::spawn(me.clone().scrape_loop(s));
+        }
+        Ok(me)
+    }
+
+    /// Loads the state for reads only (a follower replica's view, `crate::ha`): no plan
+    /// runner, sweeper, scraper or expiry loop runs; its writes are refused by the store.
+    pub fn open_read_only(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<Arc<Self>, ApiError> {
+        Ok(Self::load(cfg, store, cancel)?.0)
+    }
+
+    /// The stored state, and the plans in flight (id, is a burst).
+    #[allow(clippy::type_complexity)]
+    fn load(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<(Arc<Self>, Vec<(String, bool)>), ApiError> {
         let mut st = State::default();
         let started = Instant::now();
         for (name, bytes) in store.list(Table::Models)? {
@@ -457,22 +493,7 @@ impl Controller {
             http: Arc::default(),
             origin_refused: std::sync::atomic::AtomicU64::new(0),
         });
-        for (id, burst) in resume {
-            info!(plan = %id, "resuming a plan in flight");
-            if burst {
-                tokio::spawn(me.clone().run_burst(id));
-            } else {
-                tokio::spawn(me.clone().run_plan(id));
-            }
-        }
-        tokio::spawn(me.clone().expiry_loop());
-        if me.cfg.tiers.enabled {
-            tokio::spawn(me.clone().tier_loop());
-        }
-        if let Some(s) = me.cfg.scrape.clone() {
-            tokio::spawn(me.clone().scrape_loop(s));
-        }
-        Ok(me)
+        Ok((me, resume))
     }
 
     /// The configuration.

@@ -13,7 +13,10 @@
 //! * [`burst`]: partitioned bursts (`ScaleOut` with `partitions`); [`tiers`]: the memory
 //!   and disk tier sweeper and GPU-slot reconciliation; [`scrape`]: load from Prometheus.
 //! * [`inventory`]: hosts' heartbeats, liveness, GPU reservations; the placement view.
-//! * [`state`]: the durable store behind a trait (redb by default).
+//! * [`state`]: the durable store behind a trait (redb by default); [`etcd`]: the store
+//!   on etcd, with fenced writes; [`ha`]: leader election among replicas on etcd, the
+//!   follower's read-only view and the gate that refuses its writes with the leader's
+//!   address.
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
 //!   failures to gRPC codes and HTTP statuses.
 //! * [`server`]: the `shardcast-controller` process; [`cli`]: the `shardcast` CLI.
@@ -26,7 +29,9 @@ pub mod burst;
 pub mod cli;
 pub mod core;
 pub mod error;
+pub mod etcd;
 pub mod grpc;
+pub mod ha;
 pub mod http;
 pub mod inventory;
 pub mod ptables;
