@@ -46,7 +46,7 @@ use crate::etcd::{Campaign, EtcdStore, LeaderInfo};
 use crate::state::StateStore;
 
 /// Metadata key (gRPC) and header (HTTP) naming the leader's address on a refusal.
-pub const LEADER_HEADER: &str = "x-shardcast-leader";
+pub const LEADER_HEADER: &str = shardcast_identity::failover::LEADER_HEADER;
 
 /// The controller the API serves now, with its HTTP routes.
 pub struct Active {
@@ -226,9 +226,10 @@ impl<B> Gate<B, tonic::body::Body> for LeaderGate {
         }
         let (msg, leader) = self.0.refusal();
         let mut status = tonic::Status::unavailable(msg);
-        if let Some(l) = leader
-            && let Ok(v) = l.grpc.parse()
-        {
+        // Always present on a refusal (empty: no leader known), so clients can tell it
+        // from an UNAVAILABLE of the call itself.
+        let hint = leader.map(|l| l.grpc).unwrap_or_default();
+        if let Ok(v) = hint.parse() {
             status.metadata_mut().insert(LEADER_HEADER, v);
         }
         Err(status.into_http())

@@ -527,8 +527,8 @@ pub enum ClientSecurity {
     "invalid service address {addr:?}: {reason} (expected host:port, http://host:port or unix:/path)"
 )]
 pub struct AddrError {
-    addr: String,
-    reason: String,
+    pub(crate) addr: String,
+    pub(crate) reason: String,
 }
 
 /// Why [`connect`] failed.
