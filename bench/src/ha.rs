@@ -557,3 +557,132 @@ pub async fn wait_plan(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Options of the `failover` benchmark.
+#[derive(Debug, Clone)]
+pub struct FailoverOpts {
+    /// Leader kills.
+    pub trials: usize,
+    /// transferd processes.
+    pub hosts: usize,
+    /// Lease TTL given to the replicas, milliseconds.
+    pub lease_ttl_ms: u64,
+}
+
+/// One trial of the `failover` benchmark.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FailoverTrial {
+    /// The replica killed (`ctl-N`).
+    pub killed: String,
+    /// The replica that took the write.
+    pub new_leader: String,
+    /// SIGKILL of the leader → the first write (a prewarm) accepted, seconds.
+    pub write_s: f64,
+}
+
+/// The `failover` benchmark's report.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FailoverReport {
+    /// Every trial, in order.
+    pub trials: Vec<FailoverTrial>,
+    /// Median of `write_s`.
+    pub median_s: f64,
+    /// Largest `write_s`.
+    pub max_s: f64,
+    /// Lease TTL the replicas ran with, milliseconds.
+    pub lease_ttl_ms: u64,
+}
+
+/// Three replicas on a real etcd and `hosts` daemons; `trials` times: SIGKILL the leader
+/// and time the first write the fail-over client gets accepted (a prewarm onto a host
+/// that already holds the model: a plan is created and stored), then restart the killed
+/// replica as a follower.
+pub async fn run_failover(opts: &FailoverOpts) -> anyhow::Result<FailoverReport> {
+    use shardcast_protocol::controller::{PrewarmRequest, RegisterModelRequest};
+    let origins = tempfile::Builder::new()
+        .prefix("shardcast-failover-origin-")
+        .tempdir()?;
+    let model_dir = origins.path().join("model");
+    std::fs::create_dir_all(&model_dir)?;
+    crate::synth::generate(
+        &model_dir,
+        &crate::synth::SynthSpec {
+            total_bytes: 4 << 20,
+            shards: 1,
+            seed: 7,
+        },
+    )?;
+    let root = format!("file://{}/", origins.path().display());
+    let allow = vec!["--origin-allow".to_string(), root.clone()];
+    let mut ctl_args = allow.clone();
+    ctl_args.extend(["--lease-ttl-ms".into(), opts.lease_ttl_ms.to_string()]);
+    let mut c = HaCluster::start(3, opts.hosts, ctl_args, &[], |_, o| {
+        o.extra_args.extend(allow.clone());
+    })
+    .await?;
+    let mut api = c.client()?;
+    api.register_model(RegisterModelRequest {
+        name: "bench/failover".into(),
+        origin: format!("file://{}", model_dir.display()),
+        chunk_size: 1 << 20,
+        via_host: String::new(),
+        profile_json: String::new(),
+    })
+    .await?;
+    let write = || PrewarmRequest {
+        model: "bench/failover".into(),
+        hosts: vec!["host-1".into()],
+        tier: "memory".into(),
+        ..Default::default()
+    };
+    let first = api.prewarm(write()).await?.into_inner().plan_id;
+    wait_plan(&mut api, &first, Duration::from_secs(60)).await?;
+    let mut trials = Vec::new();
+    for t in 0..opts.trials {
+        let old = c.wait_leader(Duration::from_secs(30)).await?;
+        // Hosts report to the leader before it is killed.
+        c.wait_hosts_up(opts.hosts, Duration::from_secs(30)).await?;
+        let t0 = Instant::now();
+        c.controllers[old].kill().await;
+        let deadline = t0 + Duration::from_secs(60);
+        loop {
+            match api.prewarm(write()).await {
+                Ok(_) => break,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!("trial {t}: write refused: {e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => bail!("trial {t}: no write accepted within 60 s: {e}"),
+            }
+        }
+        let write_s = t0.elapsed().as_secs_f64();
+        let new = c.leader().await;
+        trials.push(FailoverTrial {
+            killed: format!("ctl-{}", old + 1),
+            new_leader: new.map(|i| format!("ctl-{}", i + 1)).unwrap_or_default(),
+            write_s,
+        });
+        eprintln!(
+            "trial {}/{}: killed ctl-{} → write accepted after {write_s:.2} s",
+            t + 1,
+            opts.trials,
+            old + 1
+        );
+        c.controllers[old].restart().await?;
+        wait_role(&c.controllers[old], "follower", Duration::from_secs(20)).await?;
+    }
+    let mut times: Vec<f64> = trials.iter().map(|t| t.write_s).collect();
+    times.sort_by(f64::total_cmp);
+    let median_s = match times.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => times[n / 2],
+        n => (times[n / 2 - 1] + times[n / 2]) / 2.0,
+    };
+    let max_s = times.last().copied().unwrap_or(0.0);
+    Ok(FailoverReport {
+        trials,
+        median_s,
+        max_s,
+        lease_ttl_ms: opts.lease_ttl_ms,
+    })
+}
