@@ -51,7 +51,9 @@ pub fn etcd_bin() -> anyhow::Result<PathBuf> {
     if let Some(p) = find() {
         return Ok(p);
     }
-    let mut tried = INSTALL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut tried = INSTALL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if tried.is_none() {
         // SAFETY-free check of root: the effective uid from /proc.
         let root = std::fs::read_to_string("/proc/self/status")
@@ -163,10 +165,7 @@ impl EtcdProc {
             }
             if Instant::now() >= deadline {
                 let _ = child.start_kill();
-                bail!(
-                    "etcd not healthy within 20 s; see {}",
-                    self.log.display()
-                );
+                bail!("etcd not healthy within 20 s; see {}", self.log.display());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -426,8 +425,13 @@ impl HaCluster {
             .pki
             .as_ref()
             .context("the replicas run without TLS")?;
-        let security = ClientSecurity::Tls(pki.client(Role::Admin)?, Expect::Role(Role::Controller));
-        let addrs: Vec<String> = self.controllers.iter().map(|c| c.grpc.to_string()).collect();
+        let security =
+            ClientSecurity::Tls(pki.client(Role::Admin)?, Expect::Role(Role::Controller));
+        let addrs: Vec<String> = self
+            .controllers
+            .iter()
+            .map(|c| c.grpc.to_string())
+            .collect();
         let ch = FailoverChannel::new(&addrs, security, Duration::from_secs(20))?;
         Ok(ControllerClient::new(ch)
             .max_decoding_message_size(128 << 20)
@@ -518,7 +522,10 @@ pub async fn wait_role(c: &ControllerProc, want: &str, timeout: Duration) -> any
             return Ok(());
         }
         if Instant::now() >= deadline {
-            bail!("controller at {} is {now:?}, not {want}, after {timeout:?}", c.grpc);
+            bail!(
+                "controller at {} is {now:?}, not {want}, after {timeout:?}",
+                c.grpc
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
+use shardcast_identity::failover::FailoverChannel;
 use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{
     EvictRequest, GetModelRequest, GetStatusRequest, HostProgress, ListHostsRequest,
@@ -19,7 +20,6 @@ use shardcast_protocol::controller::{
     RegisterModelRequest, ScaleOutRequest, WatchPlanRequest,
 };
 use shardcast_protocol::units::{format_bytes, parse_size};
-use shardcast_identity::failover::FailoverChannel;
 
 /// How long a call keeps trying while no controller replica takes it (an election after
 /// the leader died takes a few seconds).

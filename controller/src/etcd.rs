@@ -28,8 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp,
-    TxnOpResponse,
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 use serde::{Deserialize, Serialize};
 use tracing::warn;
@@ -156,12 +155,9 @@ impl EtcdStore {
             opts = opts.with_user(u.clone(), p.clone());
         }
         let endpoints = cfg.endpoints.clone();
-        let client = wait(
-            &handle,
-            cfg.timeout,
-            "connect",
-            async move { Client::connect(endpoints, Some(opts)).await },
-        )?;
+        let client = wait(&handle, cfg.timeout, "connect", async move {
+            Client::connect(endpoints, Some(opts)).await
+        })?;
         Ok(Arc::new(Self {
             rt: Some(rt),
             handle,
@@ -367,7 +363,10 @@ impl StateStore for EtcdStore {
     }
 
     fn get(&self, table: Table, key: &str) -> Result<Option<Vec<u8>>, StateError> {
-        let mut kv = self.client.kv_client().max_decoding_message_size(usize::MAX);
+        let mut kv = self
+            .client
+            .kv_client()
+            .max_decoding_message_size(usize::MAX);
         let k = self.key(table, key);
         let resp = self.block("get", async move { kv.get(k, None).await })?;
         Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
@@ -381,7 +380,10 @@ impl StateStore for EtcdStore {
         let mut out = Vec::new();
         let mut from = prefix.clone().into_bytes();
         loop {
-            let mut kv = self.client.kv_client().max_decoding_message_size(usize::MAX);
+            let mut kv = self
+                .client
+                .kv_client()
+                .max_decoding_message_size(usize::MAX);
             let (start, end2) = (from.clone(), end.clone());
             let resp = self.block("list", async move {
                 kv.get(

@@ -210,7 +210,9 @@ pub fn http_router(slot: Slot, replica: Replica) -> Router {
             }),
         )
         .fallback_service(HttpSwitch(slot))
-        .layer(shardcast_identity::grpc::GateLayer::gate(LeaderGate(replica)))
+        .layer(shardcast_identity::grpc::GateLayer::gate(LeaderGate(
+            replica,
+        )))
 }
 
 /// Refuses writes on a replica that does not lead, naming the leader.
@@ -219,8 +221,7 @@ pub struct LeaderGate(pub Replica);
 
 impl<B> Gate<B, tonic::body::Body> for LeaderGate {
     fn admit(&self, req: &mut http::Request<B>) -> Result<(), http::Response<tonic::body::Body>> {
-        if crate::auth::permission(req.uri().path()) == Some(Permission::Read)
-            || self.0.is_leader()
+        if crate::auth::permission(req.uri().path()) == Some(Permission::Read) || self.0.is_leader()
         {
             return Ok(());
         }
@@ -287,7 +288,9 @@ pub async fn first_view(
                 warn!("loading the state from etcd: {e}; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
-            Err(e) => anyhow::bail!("loading the state from etcd (gave up after {patience:?}): {e}"),
+            Err(e) => {
+                anyhow::bail!("loading the state from etcd (gave up after {patience:?}): {e}")
+            }
         }
     }
 }
@@ -374,7 +377,9 @@ pub async fn run(
                 Ok(Campaign::Lost(leader)) => {
                     quiet.reset();
                     role.send_if_modified(|r| {
-                        let next = Role::Follower { leader: leader.clone() };
+                        let next = Role::Follower {
+                            leader: leader.clone(),
+                        };
                         if *r == next {
                             false
                         } else {

@@ -27,8 +27,8 @@ use tracing::{info, warn};
 use crate::core::{Controller, ControllerConfig};
 use crate::grpc::GrpcApi;
 use crate::ha::{Active, LeaderGate, Replica, Slot, Switch};
-use shardcast_identity::grpc::GateLayer;
 use crate::state::RedbStore;
+use shardcast_identity::grpc::GateLayer;
 
 /// Command line (every flag also reads an environment variable).
 #[derive(Debug, Parser)]
@@ -460,11 +460,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         });
     }
     {
-        let router = crate::ha::http_router(slot.clone(), replica.clone()).layer(HttpAuthLayer::new(
-            crate::auth::http_permission,
-            Arc::new(tokens),
-            authz.clone(),
-        ));
+        let router =
+            crate::ha::http_router(slot.clone(), replica.clone()).layer(HttpAuthLayer::new(
+                crate::auth::http_permission,
+                Arc::new(tokens),
+                authz.clone(),
+            ));
         let incoming = grpc::incoming_tcp(
             http,
             match &tls {
@@ -516,13 +517,19 @@ async fn start_replica(
         );
     }
     if !(10..=10_000).contains(&args.campaign_ms) {
-        bail!("campaign_ms must be between 10 and 10000, got {}", args.campaign_ms);
+        bail!(
+            "campaign_ms must be between 10 and 10000, got {}",
+            args.campaign_ms
+        );
     }
     if !(100..=60_000).contains(&args.etcd_timeout_ms) {
         bail!("etcd_timeout_ms must be between 100 and 60000");
     }
     if !args.etcd_prefix.starts_with('/') || args.etcd_prefix.len() < 2 {
-        bail!("etcd_prefix must start with / and name something, got {:?}", args.etcd_prefix);
+        bail!(
+            "etcd_prefix must start with / and name something, got {:?}",
+            args.etcd_prefix
+        );
     }
     let user = match &args.etcd_user {
         Some(u) => Some((
@@ -543,18 +550,24 @@ async fn start_replica(
         .await
         .context("etcd connect task")?
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let grpc = args.advertise.clone().unwrap_or_else(|| grpc_addr.to_string());
+    let grpc = args
+        .advertise
+        .clone()
+        .unwrap_or_else(|| grpc_addr.to_string());
     let http = args
         .advertise_http
         .clone()
         .unwrap_or_else(|| http_addr.to_string());
     if grpc_addr.ip().is_unspecified() && args.advertise.is_none() {
-        warn!("the gRPC listener is {grpc_addr}: set --advertise to the address clients should be sent to");
+        warn!(
+            "the gRPC listener is {grpc_addr}: set --advertise to the address clients should be sent to"
+        );
     }
     let id = args.replica_id.clone().unwrap_or_else(|| grpc.clone());
     let view = crate::ha::first_view(&cfg, store.clone(), cancel, Duration::from_secs(30)).await?;
     let slot: Slot = Arc::new(arc_swap::ArcSwap::new(view));
-    let (role_tx, role_rx) = tokio::sync::watch::channel(crate::ha::Role::Follower { leader: None });
+    let (role_tx, role_rx) =
+        tokio::sync::watch::channel(crate::ha::Role::Follower { leader: None });
     let ha = crate::ha::HaConfig {
         me: crate::etcd::LeaderInfo {
             id: id.clone(),

@@ -40,11 +40,7 @@ fn origin(size: u64, seed: u64) -> (tempfile::TempDir, String) {
     (dir, uri)
 }
 
-async fn start(
-    n: usize,
-    proxied: &[usize],
-    opts: impl FnMut(usize, &mut DaemonOpts),
-) -> HaCluster {
+async fn start(n: usize, proxied: &[usize], opts: impl FnMut(usize, &mut DaemonOpts)) -> HaCluster {
     let root = format!("file://{}/", shardcast_tests::origins_root().display());
     let allow = shardcast_tests::allow_args(&[root.as_str()]);
     let mut opts = opts;
@@ -345,7 +341,10 @@ async fn a_replica_cut_off_from_etcd_stops_acting_as_leader() {
         .await
         .unwrap();
     let stepped = cut_at.elapsed();
-    assert!(stepped < Duration::from_secs(3), "stepped down after {stepped:?}");
+    assert!(
+        stepped < Duration::from_secs(3),
+        "stepped down after {stepped:?}"
+    );
     // It refuses writes, over HTTP (503, naming no leader it cannot see) and gRPC.
     let (status, body) = c.controllers[0]
         .http(HttpAs::Cert(Role::Admin), "POST", "/v1/evict", "{}")
