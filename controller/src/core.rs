@@ -66,6 +66,12 @@ pub struct ControllerConfig {
     /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
     /// empty, which refuses every registration with a message saying how to allow one.
     pub origins: OriginPolicy,
+    /// Refusal and HTTP-timeout counters (`/metrics`), shared by every `Controller` opened
+    /// with this configuration (a replica's successive views and terms, `crate::ha`).
+    pub api_stats: (
+        Arc<shardcast_identity::grpc::AuthzStats>,
+        Arc<shardcast_identity::http::HttpStats>,
+    ),
 }
 
 impl Default for ControllerConfig {
@@ -83,6 +89,7 @@ impl Default for ControllerConfig {
             tls: None,
             signer: None,
             origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
+            api_stats: Default::default(),
         }
     }
 }
@@ -480,6 +487,7 @@ impl Controller {
         }
         let usage = crate::tiers::Usage::restore(store.as_ref())?;
         let ptables = crate::ptables::PlanStore::restore(store.as_ref())?;
+        let (authz, http) = cfg.api_stats.clone();
         let me = Arc::new(Self {
             cfg,
             store,
@@ -489,8 +497,8 @@ impl Controller {
             scaler: crate::autoscaler::Autoscaler::default(),
             usage,
             ptables,
-            authz: Arc::default(),
-            http: Arc::default(),
+            authz,
+            http,
             origin_refused: std::sync::atomic::AtomicU64::new(0),
         });
         Ok((me, resume))
