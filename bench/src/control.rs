@@ -40,7 +40,7 @@ pub fn controller_bin() -> anyhow::Result<PathBuf> {
 
 /// Where the `shardcast` CLI binary is (`$SHARDCAST_CLI_BIN` overrides).
 pub fn cli_bin() -> anyhow::Result<PathBuf> {
-    workspace_bin("shardcast", "shardcast-controller", "SHARDCAST_CLI_BIN")
+    workspace_bin("shardcast", "shardcast-cli", "SHARDCAST_CLI_BIN")
 }
 
 /// A running controller process. Killed (by PID) when dropped.

@@ -14,11 +14,11 @@ use std::time::Instant;
 use shardcast_policies::partition::PartitionPlan;
 use shardcast_policies::profile::ModelProfile;
 use shardcast_protocol::agent as apb;
-use shardcast_protocol::controller::{HostProgress, PlanAccepted, PlanStatus};
 use tracing::{info, warn};
 
-use crate::core::{Controller, PlanRecord, Polled, StallClock, is_active, lock, now_unix};
+use crate::core::{Controller, StallClock, lock, now_unix};
 use crate::error::ApiError;
+use crate::plan::{Accepted, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState};
 
 /// Most partitions a burst may use.
 pub const MAX_PARTITIONS: u32 = 64;
@@ -56,9 +56,9 @@ impl Controller {
     pub async fn scale_out_any(
         self: &Arc<Self>,
         req: shardcast_protocol::controller::ScaleOutRequest,
-    ) -> Result<PlanAccepted, ApiError> {
+    ) -> Result<Accepted, ApiError> {
         if req.partitions > 1 {
-            if !matches!(req.tier.as_str(), "gpu") {
+            if req.tier != shardcast_placement::Tier::Gpu.as_str() {
                 return Err(ApiError::invalid(format!(
                     "partitions need tier gpu (a partition is a GPU load), got {:?}",
                     req.tier
@@ -105,7 +105,7 @@ impl Controller {
         model: &str,
         replicas: u32,
         partitions: u32,
-    ) -> Result<(PlanAccepted, Vec<BurstPart>), ApiError> {
+    ) -> Result<(Accepted, Vec<BurstPart>), ApiError> {
         if replicas == 0 {
             return Err(ApiError::invalid("replicas must be at least 1"));
         }
@@ -150,31 +150,21 @@ impl Controller {
                 .await
             {
                 Ok(()) => {
-                    hosts.push(HostProgress {
-                        host: host.clone(),
-                        state: "loading".into(),
-                        total: m.total_bytes,
-                        source: if holders.is_empty() {
-                            "origin".into()
-                        } else {
-                            "peer".into()
-                        },
-                        gpus: 1,
-                        gpu_state: "loading".into(),
-                        partition: part.label.clone(),
-                        ..Default::default()
-                    });
+                    let mut h = ReceiverProgress::new(host.clone(), ReceiverState::Loading);
+                    h.total = m.total_bytes;
+                    h.source = if holders.is_empty() { "origin" } else { "peer" }.into();
+                    h.gpus = 1;
+                    h.gpu_state = Some(GpuState::Loading);
+                    h.partition = part.label.clone();
+                    hosts.push(h);
                     parts.push(part);
                 }
                 Err(e) => {
                     self.release_gpu_slot(&host, &m.digest);
                     warn!(host, model = %m.name, "burst partition not started: {}", e.message);
-                    hosts.push(HostProgress {
-                        host,
-                        state: "failed".into(),
-                        error: e.message,
-                        ..Default::default()
-                    });
+                    let mut h = ReceiverProgress::new(host, ReceiverState::Failed);
+                    h.error = e.message;
+                    hosts.push(h);
                 }
             }
         }
@@ -192,7 +182,7 @@ impl Controller {
         let id = self.track_burst(&m.name, &m.digest, &m.origin, plan.cold_start_s, &hosts)?;
         info!(plan = %id, model = %m.name, replicas, partitions, sources = holders.len(), cold_start_s = plan.cold_start_s, "burst started");
         Ok((
-            PlanAccepted {
+            Accepted {
                 plan_id: id,
                 estimate_s: plan.cold_start_s,
                 chains: Vec::new(),
@@ -210,26 +200,26 @@ impl Controller {
         digest: &str,
         origin: &str,
         estimate_s: f64,
-        hosts: &[HostProgress],
+        hosts: &[ReceiverProgress],
     ) -> Result<String, ApiError> {
         let id = hex::encode(rand::random::<[u8; 8]>());
-        let record = PlanRecord {
-            status: PlanStatus {
-                plan_id: id.clone(),
-                model: name.to_string(),
-                digest: digest.to_string(),
-                tier: "gpu".into(),
-                state: "running".into(),
-                hosts: hosts.to_vec(),
-                estimate_s,
-                created_at: now_unix(),
-                kind: "burst".into(),
-                ..Default::default()
-            },
+        let record = Plan {
+            id: id.clone(),
+            model: name.to_string(),
+            digest: digest.to_string(),
+            tier: shardcast_placement::Tier::Gpu,
+            state: PlanState::Running,
+            kind: PlanKind::Burst,
+            hosts: hosts.to_vec(),
+            estimate_s,
+            message: String::new(),
+            chains: Vec::new(),
             runs: Vec::new(),
-            origin: origin.to_string(),
-            name: name.to_string(),
+            replans: 0,
+            created_at: now_unix(),
             ended_at: None,
+            live_s: 0.0,
+            origin: origin.to_string(),
         };
         self.persist_plan(&record)?;
         lock(&self.state).add_plan(record);
@@ -254,20 +244,19 @@ impl Controller {
             }
             let (digest, active) = {
                 let st = lock(&self.state);
-                let Some(p) = st.plans.get(&id).filter(|p| p.status.state == "running") else {
+                let Some(p) = st.plans.get(&id).filter(|p| p.running()) else {
                     return;
                 };
                 let active: Vec<(String, bool)> = p
-                    .status
                     .hosts
                     .iter()
-                    .filter(|h| is_active(&h.state))
+                    .filter(|h| h.state.is_active())
                     .map(|h| {
                         let up = st.hosts.get(&h.host).is_some_and(|e| e.up);
                         (h.host.clone(), up)
                     })
                     .collect();
-                (p.status.digest.clone(), active)
+                (p.digest.clone(), active)
             };
             let mut polled = Vec::new();
             for (host, up) in active {
@@ -287,18 +276,23 @@ impl Controller {
             let Some(plan) = st.plans.get_mut(&id) else {
                 return;
             };
-            let elapsed = (now_unix() - plan.status.created_at).max(0.0);
+            let elapsed = plan.elapsed_s(now_unix());
             let mut changed = false;
             let mut done = Vec::new();
             for (host, r) in polled {
-                let Some(h) = plan.status.hosts.iter_mut().find(|h| h.host == host) else {
+                let Some(h) = plan.receiver_mut(&host) else {
                     continue;
                 };
-                changed |= burst_step(h, r, elapsed);
-                let moved = h.bytes + h.gpu_bytes;
+                changed |= match r {
+                    None => h.lose("the host stopped heartbeating during the burst"),
+                    // An agent that does not answer while heartbeating: the stall timer
+                    // decides.
+                    Some(Err(e)) => h.unanswered(e),
+                    Some(Ok(seen)) => h.observe_burst(&seen, elapsed),
+                };
                 let timeout = self.config().stall_timeout;
-                if progress.stalled(&host, moved, now, timeout) && is_active(&h.state) {
-                    h.state = "failed".into();
+                if progress.stalled(&host, h.moved(), now, timeout) && h.state.is_active() {
+                    h.state = ReceiverState::Failed;
                     h.error = format!(
                         "no progress for {timeout:?} (data {} bytes, GPU {} bytes)",
                         h.bytes, h.gpu_bytes
@@ -306,27 +300,23 @@ impl Controller {
                     warn!(plan = %id, host = %host, "burst partition stalled");
                     changed = true;
                 }
-                if h.state == "done" {
+                if h.state == ReceiverState::Done {
                     done.push((host, h.total));
                 }
             }
-            let started: Vec<&HostProgress> = plan
-                .status
+            let started: Vec<&ReceiverProgress> = plan
                 .hosts
                 .iter()
                 .filter(|h| !h.partition.is_empty())
                 .collect();
-            if plan.status.live_s == 0.0
-                && !started.is_empty()
-                && started.iter().all(|h| h.live_s > 0.0)
-            {
-                plan.status.live_s = started.iter().map(|h| h.live_s).fold(0.0, f64::max);
-                info!(plan = %id, model = %plan.name, live_s = plan.status.live_s, "burst live: every partition serves");
+            if plan.live_s == 0.0 && !started.is_empty() && started.iter().all(|h| h.live_s > 0.0) {
+                plan.live_s = started.iter().map(|h| h.live_s).fold(0.0, f64::max);
+                info!(plan = %id, model = %plan.model, live_s = plan.live_s, "burst live: every partition serves");
                 changed = true;
             }
-            let ended = plan.settle();
+            let ended = plan.settle(now_unix());
             changed |= ended;
-            let name = plan.name.clone();
+            let name = plan.model.clone();
             for (host, bytes) in done {
                 if let Some(e) = st.hosts.get_mut(&host) {
                     e.mark_complete(&digest, &name, "memory", bytes);
@@ -387,41 +377,4 @@ impl Controller {
         info!(host, model = name, partition = %part.label, groups = part.groups.len(), "burst partition started");
         Ok(())
     }
-}
-
-/// Applies one poll of a burst host to its progress; `elapsed` is the plan's age. True when
-/// something changed. `None` is a host that stopped heartbeating.
-fn burst_step(h: &mut HostProgress, polled: Option<Result<Polled, String>>, elapsed: f64) -> bool {
-    let before = h.clone();
-    match polled {
-        None => {
-            h.state = "lost".into();
-            h.error = "the host stopped heartbeating during the burst".into();
-        }
-        // An agent that does not answer while heartbeating: the stall timer decides.
-        Some(Err(e)) => h.error = e,
-        Some(Ok(p)) => {
-            h.error.clear();
-            h.bytes = p.bytes;
-            if let Some((bytes, state)) = p.gpu {
-                h.gpu_bytes = bytes;
-                if (state == "partition-live" || state == "resident") && h.live_s == 0.0 {
-                    h.live_s = elapsed.max(f64::MIN_POSITIVE);
-                }
-                match state.as_str() {
-                    "failed" => {
-                        h.state = "failed".into();
-                        h.error = "loading the partition failed (see the host's GpuStatus)".into();
-                    }
-                    "resident" if p.complete => {
-                        h.state = "done".into();
-                        h.bytes = h.total;
-                    }
-                    _ => {}
-                }
-                h.gpu_state = state;
-            }
-        }
-    }
-    *h != before
 }

@@ -19,10 +19,9 @@ use shardcast_protocol::agent::agent_client::AgentClient;
 use shardcast_protocol::agent::{self as apb, GetModelStatusRequest, ImportModelRequest};
 use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::controller::{
-    Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostProgress, HostReport,
-    HostState, ListHostsResponse, ListModelsResponse, ListPlansResponse, ModelInfo, ModelStatus,
-    NameBinding, PlanAccepted, PlanStatus, PlannedChain, PrewarmRequest, RegisterModelRequest,
-    ScaleOutRequest, ShardInfo,
+    Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostReport, HostState,
+    ListHostsResponse, ListModelsResponse, ModelInfo, ModelStatus, NameBinding, PrewarmRequest,
+    RegisterModelRequest, ScaleOutRequest, ShardInfo,
 };
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use shardcast_protocol::{HostId, Manifest, ModelName};
@@ -33,6 +32,11 @@ use tracing::{info, warn};
 
 use crate::error::ApiError;
 use crate::inventory::{self, HostEntry, HostRecord, Pending};
+pub use crate::plan::ChainRun;
+use crate::plan::{
+    Accepted, ChainSummary, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState,
+    Seen, StoredPlan,
+};
 use crate::state::{StateStore, Table};
 
 /// Controller tuning.
@@ -154,72 +158,6 @@ impl ModelRecord {
     }
 }
 
-/// One chain as started on the data plane.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ChainRun {
-    /// Host whose agent heads the chain.
-    pub head: String,
-    /// Session id (hex), chosen by the controller.
-    pub session: String,
-    /// Receivers after the head.
-    pub hops: Vec<String>,
-    /// Shards (empty = all).
-    pub shards: Vec<u32>,
-    /// Fetch from the origin (the head is the only receiver, or the head is a receiver).
-    pub from_origin: bool,
-    /// Started on the agent.
-    pub started: bool,
-    /// Why starting it failed.
-    pub error: String,
-}
-
-/// A plan, as persisted.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct PlanRecord {
-    /// What callers see.
-    pub status: PlanStatus,
-    /// Chains started (or to start).
-    pub runs: Vec<ChainRun>,
-    /// Origin URI (fallback for every hop).
-    pub origin: String,
-    /// Model name.
-    pub name: String,
-    /// Seconds since the epoch when it ended.
-    pub ended_at: Option<f64>,
-}
-
-impl PlanRecord {
-    /// Ends the plan once no host is in progress: `done` when any host holds a copy (done or
-    /// local), else `failed`, naming the hosts it finished without. True when it ended now.
-    /// Called again on an ended plan (a receiver completed after it was marked lost), it
-    /// recomputes the outcome and keeps the end time.
-    pub(crate) fn settle(&mut self) -> bool {
-        let hosts = &self.status.hosts;
-        if hosts.iter().any(|h| is_active(&h.state)) {
-            return false;
-        }
-        let any_ok = hosts
-            .iter()
-            .any(|h| h.state == "done" || h.state == "local");
-        let lost: Vec<&str> = hosts
-            .iter()
-            .filter(|h| h.state == "lost" || h.state == "failed")
-            .map(|h| h.host.as_str())
-            .collect();
-        let was_running = self.status.state == "running";
-        if !lost.is_empty() {
-            self.status.message = format!("finished without {}: see their errors", lost.join(", "));
-        } else if self.status.message.starts_with("finished without") {
-            self.status.message.clear();
-        }
-        self.status.state = if any_ok { "done" } else { "failed" }.into();
-        if self.ended_at.is_none() {
-            self.ended_at = Some(now_unix());
-        }
-        was_running
-    }
-}
-
 /// When each host of a plan last made progress (data-plane plus GPU bytes), to find the
 /// ones stalled for longer than `stall_timeout`.
 #[derive(Default)]
@@ -246,12 +184,6 @@ impl StallClock {
     pub(crate) fn restart(&mut self, host: &str) {
         self.0.insert(host.to_string(), (0, Instant::now()));
     }
-}
-
-const ACTIVE: [&str; 4] = ["pending", "receiving", "joined", "loading"];
-
-pub(crate) fn is_active(state: &str) -> bool {
-    ACTIVE.contains(&state)
 }
 
 pub(crate) fn now_unix() -> f64 {
@@ -311,17 +243,17 @@ pub(crate) struct State {
     pub(crate) hosts: BTreeMap<String, HostEntry>,
     /// Signature of each host's last persisted report.
     persisted: HashMap<String, String>,
-    pub(crate) plans: HashMap<String, PlanRecord>,
-    pub(crate) watchers: HashMap<String, watch::Sender<PlanStatus>>,
+    pub(crate) plans: HashMap<String, Plan>,
+    pub(crate) watchers: HashMap<String, watch::Sender<Plan>>,
 }
 
 impl State {
     /// Adds a plan and the channel its watchers subscribe to.
-    pub(crate) fn add_plan(&mut self, record: PlanRecord) {
-        let id = record.status.plan_id.clone();
+    pub(crate) fn add_plan(&mut self, plan: Plan) {
+        let id = plan.id.clone();
         self.watchers
-            .insert(id.clone(), watch::Sender::new(record.status.clone()));
-        self.plans.insert(id, record);
+            .insert(id.clone(), watch::Sender::new(plan.clone()));
+        self.plans.insert(id, plan);
     }
 
     fn model(&self, key: &str) -> Result<&ModelRecord, ApiError> {
@@ -341,15 +273,10 @@ impl State {
     /// Bytes still to arrive on each host from plans in flight.
     fn pending(&self) -> Pending {
         let mut p = Pending::new();
-        for plan in self.plans.values() {
-            if plan.status.state != "running" {
-                continue;
-            }
-            let tier = parse_tier(&plan.status.tier)
-                .map(data_tier)
-                .unwrap_or("memory");
-            for h in &plan.status.hosts {
-                if h.state == "pending" || h.state == "receiving" {
+        for plan in self.plans.values().filter(|p| p.running()) {
+            let tier = data_tier(plan.tier);
+            for h in &plan.hosts {
+                if h.state.awaits_data() {
                     *p.entry((h.host.clone(), tier)).or_default() +=
                         h.total.saturating_sub(h.bytes);
                 }
@@ -362,16 +289,12 @@ impl State {
     fn in_flight(&self, digest: &str, tier: Tier) -> BTreeMap<String, String> {
         let mut out = BTreeMap::new();
         for plan in self.plans.values() {
-            if plan.status.state != "running" || plan.status.digest != digest {
+            if !plan.running() || plan.digest != digest || data_tier(plan.tier) != data_tier(tier) {
                 continue;
             }
-            let same = parse_tier(&plan.status.tier).is_ok_and(|t| data_tier(t) == data_tier(tier));
-            if !same {
-                continue;
-            }
-            for h in &plan.status.hosts {
-                if h.state == "pending" || h.state == "receiving" {
-                    out.insert(h.host.clone(), plan.status.plan_id.clone());
+            for h in &plan.hosts {
+                if h.state.awaits_data() {
+                    out.insert(h.host.clone(), plan.id.clone());
                 }
             }
         }
@@ -473,12 +396,19 @@ impl Controller {
         }
         let mut resume = Vec::new();
         for (id, bytes) in store.list(Table::Plans)? {
-            match serde_json::from_slice::<PlanRecord>(&bytes) {
+            let plan = serde_json::from_slice::<StoredPlan>(&bytes)
+                .map(StoredPlan::into_plan)
+                .map_err(|e| e.to_string())
+                .or_else(|e| {
+                    crate::wire::legacy_plan(&bytes)
+                        .map_err(|l| format!("{e}; as a legacy record: {l}"))
+                });
+            match plan {
                 Ok(p) => {
-                    if p.status.state == "running" {
-                        resume.push((id.clone(), p.status.kind == "burst"));
+                    if p.running() {
+                        resume.push((id.clone(), p.kind == PlanKind::Burst));
                         st.watchers
-                            .insert(id.clone(), watch::Sender::new(p.status.clone()));
+                            .insert(id.clone(), watch::Sender::new(p.clone()));
                     }
                     st.plans.insert(id, p);
                 }
@@ -613,14 +543,13 @@ impl Controller {
         };
         let busy = |host: &str, digest: &str| -> bool {
             st.plans.values().any(|p| {
-                p.status.state == "running"
-                    && p.status.digest == digest
+                p.running()
+                    && p.digest == digest
                     && (p
-                        .status
                         .hosts
                         .iter()
-                        .any(|h| h.host == host && is_active(&h.state))
-                        || p.status.chains.iter().any(|c| c.source == host))
+                        .any(|h| h.host == host && h.state.is_active())
+                        || p.chains.iter().any(|c| c.source == host))
             })
         };
         st.hosts
@@ -720,13 +649,9 @@ impl Controller {
         let measured = st
             .plans
             .values()
-            .filter(|p| {
-                p.status.digest == m.digest
-                    && p.status.state == "done"
-                    && !p.status.chains.is_empty()
-            })
-            .max_by(|a, b| a.status.created_at.total_cmp(&b.status.created_at))
-            .map(|p| snapshot(p).elapsed_s);
+            .filter(|p| p.digest == m.digest && p.state == PlanState::Done && !p.chains.is_empty())
+            .max_by(|a, b| a.created_at.total_cmp(&b.created_at))
+            .map(|p| p.elapsed_s(now_unix()));
         let load_time_s = measured
             .unwrap_or_else(|| m.total_bytes as f64 / self.cfg.plan.default_nic_bps.max(1) as f64);
         Ok((m.name.clone(), replicas, load_time_s, holders))
@@ -817,9 +742,9 @@ impl Controller {
         let events = reconcile_receivers(&mut st, &id);
         for e in events {
             if let Some(plan) = st.plans.get(&e.plan_id) {
-                info!(plan = %e.plan_id, host = %id, state = %plan.status.state, "{}", e.reason);
+                info!(plan = %e.plan_id, host = %id, state = %plan.state, "{}", e.reason);
                 if let Some(w) = st.watchers.get(&e.plan_id) {
-                    w.send_replace(snapshot(plan));
+                    w.send_replace(plan.clone());
                 }
                 if let Err(err) = self.persist_plan(plan) {
                     warn!(plan = %e.plan_id, "persisting plan: {err}");
@@ -1036,8 +961,8 @@ impl Controller {
         let mut plans: Vec<String> = st
             .plans
             .values()
-            .filter(|p| p.status.digest == m.digest && p.status.state == "running")
-            .map(|p| p.status.plan_id.clone())
+            .filter(|p| p.digest == m.digest && p.running())
+            .map(|p| p.id.clone())
             .collect();
         plans.sort();
         Ok(ModelStatus {
@@ -1050,7 +975,7 @@ impl Controller {
     // ---- plans ----
 
     /// `Prewarm`: make `replicas` replicas (or the named hosts) hold the model.
-    pub fn prewarm(self: &Arc<Self>, req: PrewarmRequest) -> Result<PlanAccepted, ApiError> {
+    pub fn prewarm(self: &Arc<Self>, req: PrewarmRequest) -> Result<Accepted, ApiError> {
         let tier = parse_tier(&req.tier)?;
         let target = if req.hosts.is_empty() {
             if req.replicas == 0 {
@@ -1176,12 +1101,11 @@ impl Controller {
                     .get(digest)
                     .is_some_and(|at| h.last_seen.saturating_duration_since(*at) < grace);
                 let moving = st.plans.values().any(|p| {
-                    p.status.state == "running"
-                        && p.status.digest == *digest
-                        && p.status
-                            .hosts
+                    p.running()
+                        && p.digest == *digest
+                        && p.hosts
                             .iter()
-                            .any(|x| x.host == *host && is_active(&x.state))
+                            .any(|x| x.host == *host && x.state.is_active())
                 });
                 if fresh || moving {
                     continue;
@@ -1225,7 +1149,7 @@ impl Controller {
     }
 
     /// `ScaleOut`: `replicas` more replicas than exist now.
-    pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<PlanAccepted, ApiError> {
+    pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
         let tier = parse_tier(&req.tier)?;
         if req.replicas == 0 {
             return Err(ApiError::invalid("replicas must be at least 1"));
@@ -1257,7 +1181,7 @@ impl Controller {
         tier: Tier,
         each_from_origin: bool,
         target: impl FnOnce(&State, &ModelRecord) -> Result<Option<Target>, ApiError>,
-    ) -> Result<PlanAccepted, ApiError> {
+    ) -> Result<Accepted, ApiError> {
         let mut st = lock(&self.state);
         let model = st.model(key)?.clone();
         self.usage.touch(&model.digest);
@@ -1308,7 +1232,7 @@ impl Controller {
             for h in &c.hops {
                 source_of.entry(h.clone()).or_insert_with(|| source.clone());
             }
-            chains.push(PlannedChain {
+            chains.push(ChainSummary {
                 source: source.clone(),
                 source_tier,
                 hops: c.hops.clone(),
@@ -1319,62 +1243,52 @@ impl Controller {
             runs.push(chain_run(&c.source, &c.hops, &c.shards));
         }
         let total = model.total_bytes;
-        let hosts: Vec<HostProgress> = plan
+        let hosts: Vec<ReceiverProgress> = plan
             .receivers
             .iter()
             .map(|r: &Receiver| {
                 let (state, source, bytes) = match r.kind {
                     // Already in memory; with GPU slots to fill it still has to load.
                     ReceiverKind::Local if tier == Tier::Gpu && r.gpus > 0 => {
-                        ("loading", "local".to_string(), total)
+                        (ReceiverState::Loading, "local".to_string(), total)
                     }
-                    ReceiverKind::Local => ("local", "local".to_string(), total),
+                    ReceiverKind::Local => (ReceiverState::Local, "local".to_string(), total),
                     ReceiverKind::Joined => (
-                        "joined",
+                        ReceiverState::Joined,
                         in_flight.get(&r.host).cloned().unwrap_or_default(),
                         0,
                     ),
                     ReceiverKind::New => (
-                        "pending",
+                        ReceiverState::Pending,
                         source_of.get(&r.host).cloned().unwrap_or_default(),
                         0,
                     ),
                 };
-                HostProgress {
-                    host: r.host.clone(),
-                    state: state.into(),
-                    bytes,
-                    total,
-                    source,
-                    error: String::new(),
-                    gpus: r.gpus,
-                    ..Default::default()
-                }
+                let mut h = ReceiverProgress::new(r.host.clone(), state);
+                h.bytes = bytes;
+                h.total = total;
+                h.source = source;
+                h.gpus = r.gpus;
+                h
             })
             .collect();
-        let created_at = now_unix();
-        let status = PlanStatus {
-            plan_id: id.clone(),
+        let record = Plan {
+            id: id.clone(),
             model: model.name.clone(),
             digest: model.digest.clone(),
-            tier: tier.to_string(),
-            state: "running".into(),
+            tier,
+            state: PlanState::Running,
+            kind: PlanKind::Chains,
             hosts: hosts.clone(),
             estimate_s: plan.estimate_s,
-            elapsed_s: 0.0,
             message: String::new(),
             chains: chains.clone(),
-            replans: 0,
-            created_at,
-            kind: "chains".into(),
-            live_s: 0.0,
-        };
-        let record = PlanRecord {
-            status: status.clone(),
             runs,
-            origin: model.origin.clone(),
-            name: model.name.clone(),
+            replans: 0,
+            created_at: now_unix(),
             ended_at: None,
+            live_s: 0.0,
+            origin: model.origin.clone(),
         };
         // GPU slots are reserved when the plan is made.
         let mut touched = Vec::new();
@@ -1400,7 +1314,7 @@ impl Controller {
         drop(st);
         info!(plan = %id, model = %model.name, ?tier, receivers = plan.receivers.len(), chains = chains.len(), estimate_s = plan.estimate_s, "plan made");
         tokio::spawn(self.clone().run_plan(id.clone()));
-        Ok(PlanAccepted {
+        Ok(Accepted {
             plan_id: id,
             estimate_s: plan.estimate_s,
             chains,
@@ -1408,8 +1322,12 @@ impl Controller {
         })
     }
 
-    pub(crate) fn persist_plan(&self, p: &PlanRecord) -> Result<(), ApiError> {
-        self.put_json(Table::Plans, &p.status.plan_id, p)
+    /// Saves a plan (as its versioned record).
+    pub(crate) fn persist_plan(&self, p: &Plan) -> Result<(), ApiError> {
+        let bytes = serde_json::to_vec(&crate::plan::StoredPlanRef::V1(p))
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        self.store.put(Table::Plans, &p.id, &bytes)?;
+        Ok(())
     }
 
     /// Stores `value` as JSON under `key`.
@@ -1419,39 +1337,32 @@ impl Controller {
         Ok(())
     }
 
-    /// A plan's status now.
-    pub fn get_plan(&self, id: &str) -> Result<PlanStatus, ApiError> {
+    /// A plan now.
+    pub fn get_plan(&self, id: &str) -> Result<Plan, ApiError> {
         let st = lock(&self.state);
-        let p = st
-            .plans
+        st.plans
             .get(id)
-            .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))?;
-        Ok(snapshot(p))
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))
     }
 
     /// Every plan, newest first.
-    pub fn list_plans(&self) -> ListPlansResponse {
+    pub fn list_plans(&self) -> Vec<Plan> {
         let st = lock(&self.state);
-        let mut plans: Vec<PlanStatus> = st.plans.values().map(snapshot).collect();
+        let mut plans: Vec<Plan> = st.plans.values().cloned().collect();
         plans.sort_by(|a, b| b.created_at.total_cmp(&a.created_at));
-        ListPlansResponse { plans }
+        plans
     }
 
-    /// A receiver of a plan's status changes; `None` when the plan has ended (its final
-    /// status comes from [`Self::get_plan`]).
-    pub fn watch_plan(
-        &self,
-        id: &str,
-    ) -> Result<(PlanStatus, Option<watch::Receiver<PlanStatus>>), ApiError> {
+    /// A receiver of a plan's changes; `None` when the plan has ended (its final state
+    /// comes from [`Self::get_plan`]).
+    pub fn watch_plan(&self, id: &str) -> Result<(Plan, Option<watch::Receiver<Plan>>), ApiError> {
         let st = lock(&self.state);
         let p = st
             .plans
             .get(id)
             .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))?;
-        Ok((
-            snapshot(p),
-            st.watchers.get(id).map(watch::Sender::subscribe),
-        ))
+        Ok((p.clone(), st.watchers.get(id).map(watch::Sender::subscribe)))
     }
 
     /// `Evict`: remove the model's copy in `tier` from hosts.
@@ -1483,16 +1394,15 @@ impl Controller {
             };
             // Refuse while a plan still moves the model to one of them.
             for p in st.plans.values() {
-                if p.status.state == "running" && p.status.digest == digest {
+                if p.running() && p.digest == digest {
                     if let Some(h) = p
-                        .status
                         .hosts
                         .iter()
-                        .find(|h| is_active(&h.state) && targets.contains(&h.host))
+                        .find(|h| h.state.is_active() && targets.contains(&h.host))
                     {
                         return Err(ApiError::precondition(format!(
                             "plan {} is still moving the model to {}; wait for it (shardcast watch {})",
-                            p.status.plan_id, h.host, p.status.plan_id
+                            p.id, h.host, p.id
                         )));
                     }
                 }
@@ -1572,7 +1482,7 @@ impl Controller {
     ) {
         let Some(plan) = st.plans.get(id) else { return };
         if let Some(w) = st.watchers.get(id) {
-            w.send_replace(snapshot(plan));
+            w.send_replace(plan.clone());
         }
         if ended || last_persist.elapsed() >= Duration::from_secs(1) {
             if let Err(e) = self.persist_plan(plan) {
@@ -1581,7 +1491,7 @@ impl Controller {
             *last_persist = Instant::now();
         }
         if ended {
-            info!(plan = %id, kind = %plan.status.kind, state = %plan.status.state, elapsed_s = snapshot(plan).elapsed_s, "plan ended");
+            info!(plan = %id, kind = %plan.kind, state = %plan.state, elapsed_s = plan.elapsed_s(now_unix()), "plan ended");
             st.watchers.remove(id);
         }
     }
@@ -1666,16 +1576,14 @@ impl Controller {
                 let Some(plan) = st.plans.get_mut(&id) else {
                     return;
                 };
-                let created = plan.status.created_at;
+                let elapsed = plan.elapsed_s(now_unix());
                 for (host, polled) in updates {
-                    let Some(h) = plan.status.hosts.iter_mut().find(|h| h.host == host) else {
+                    let Some(h) = plan.receiver_mut(&host) else {
                         continue;
                     };
                     match polled {
                         None => {
-                            h.state = "lost".into();
-                            h.error = "the host stopped heartbeating during the transfer".into();
-                            changed = true;
+                            changed |= h.lose("the host stopped heartbeating during the transfer");
                             warn!(plan = %id, host = %host, "receiver lost");
                             self.autoscaler().record_event(Event {
                                 at: now_unix(),
@@ -1690,94 +1598,27 @@ impl Controller {
                                 hosts: vec![host.clone()],
                             });
                         }
-                        Some(Err(e)) => {
-                            // An agent that does not answer while heartbeating: keep waiting;
-                            // the stall timer decides.
-                            if h.error != e {
-                                h.error = e;
-                                changed = true;
-                            }
-                        }
-                        Some(Ok(Polled {
-                            bytes,
-                            complete,
-                            gpu,
-                        })) => {
-                            let gpu_note = gpu_asked.get(&host).cloned().flatten();
-                            let want_error = gpu_note.clone().unwrap_or_default();
-                            if h.error != want_error {
-                                h.error = want_error;
-                                changed = true;
-                            }
-                            // Tier gpu: done only once the GPUs hold it too (or the host
-                            // has no GPUs to load onto).
-                            let complete = if tier == Tier::Gpu && h.gpus > 0 {
-                                let (gb, state) = match (&gpu_note, gpu) {
-                                    (Some(_), _) => (0, "unavailable".to_string()),
-                                    (None, Some((b, s))) => (b, s),
-                                    (None, None) => (0, String::new()),
-                                };
-                                if h.gpu_bytes != gb || h.gpu_state != state {
-                                    h.gpu_bytes = gb;
-                                    h.gpu_state = state.clone();
-                                    changed = true;
-                                }
-                                if complete && state == "failed" {
-                                    h.state = "failed".into();
-                                    h.error =
-                                        "loading onto the GPUs failed (see the host's GpuStatus)"
-                                            .into();
-                                    changed = true;
-                                    false
-                                } else {
-                                    if complete
-                                        && h.state != "loading"
-                                        && state != "resident"
-                                        && state != "unavailable"
-                                    {
-                                        h.state = "loading".into();
-                                        changed = true;
-                                    }
-                                    complete && (state == "resident" || state == "unavailable")
-                                }
-                            } else {
-                                complete
-                            };
-                            if let Some(t) = total {
-                                h.total = t;
-                            }
-                            if bytes != h.bytes {
-                                h.bytes = bytes;
-                                changed = true;
-                            }
-                            if complete {
-                                h.state = "done".into();
-                                h.bytes = h.total;
-                                h.done_s = (now_unix() - created).max(0.0);
-                                changed = true;
-                            } else if h.state == "failed" {
-                            } else if h.state == "pending" && bytes > 0 {
-                                h.state = "receiving".into();
-                                changed = true;
-                            }
+                        // An agent that does not answer while heartbeating: keep waiting;
+                        // the stall timer decides.
+                        Some(Err(e)) => changed |= h.unanswered(e),
+                        Some(Ok(seen)) => {
+                            let refused = gpu_asked.get(&host).cloned().flatten();
+                            changed |= h.observe(&seen, tier, refused.as_deref(), total, elapsed);
                         }
                     }
-                    // Progress is data-plane bytes plus bytes landed on GPUs.
-                    let moved = h.bytes + h.gpu_bytes;
-                    if progress.stalled(&host, moved, now, self.cfg.stall_timeout)
-                        && is_active(&h.state)
+                    if progress.stalled(&host, h.moved(), now, self.cfg.stall_timeout)
+                        && h.state.is_active()
                     {
                         stalled.push(host.clone());
                     }
                 }
                 let done_hosts: Vec<(String, u64)> = plan
-                    .status
                     .hosts
                     .iter()
-                    .filter(|h| h.state == "done")
+                    .filter(|h| h.state == ReceiverState::Done)
                     .map(|h| (h.host.clone(), h.total))
                     .collect();
-                if plan.settle() {
+                if plan.settle(now_unix()) {
                     changed = true;
                     ended = true;
                 }
@@ -1811,16 +1652,11 @@ impl Controller {
         id: &str,
     ) -> Option<(String, String, Tier, Vec<(String, bool, u32)>)> {
         let st = lock(&self.state);
-        let plan = st.plans.get(id)?;
-        if plan.status.state != "running" {
-            return None;
-        }
-        let tier = parse_tier(&plan.status.tier).ok()?;
+        let plan = st.plans.get(id).filter(|p| p.running())?;
         let active = plan
-            .status
             .hosts
             .iter()
-            .filter(|h| is_active(&h.state))
+            .filter(|h| h.state.is_active())
             .map(|h| {
                 (
                     h.host.clone(),
@@ -1829,7 +1665,7 @@ impl Controller {
                 )
             })
             .collect();
-        Some((plan.status.digest.clone(), plan.name.clone(), tier, active))
+        Some((plan.digest.clone(), plan.model.clone(), plan.tier, active))
     }
 
     /// Asks `host` to load the model onto `gpus` GPUs.
@@ -1875,7 +1711,7 @@ impl Controller {
         host: &str,
         digest: &str,
         tier: Tier,
-    ) -> Result<Polled, String> {
+    ) -> Result<Seen, String> {
         let mut agent = self.agent(host).map_err(|e| e.message)?;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
@@ -1886,7 +1722,7 @@ impl Controller {
         .await;
         match r {
             Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
-            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(Polled::default()),
+            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(Seen::default()),
             Ok(Err(s)) => Err(format!("agent of {host}: {}", s.message())),
             Ok(Ok(resp)) => Ok(polled_from(&resp.into_inner(), tier)),
         }
@@ -1924,13 +1760,7 @@ impl Controller {
         let (runs, origin, digest, tier) = {
             let st = lock(&self.state);
             let Some(p) = st.plans.get(id) else { return };
-            let tier = parse_tier(&p.status.tier).unwrap_or(Tier::Memory);
-            (
-                p.runs.clone(),
-                p.origin.clone(),
-                p.status.digest.clone(),
-                tier,
-            )
+            (p.runs.clone(), p.origin.clone(), p.digest.clone(), p.tier)
         };
         let manifest = lock(&self.state).manifests.get(&digest).cloned();
         let Some(manifest) = manifest else {
@@ -2071,12 +1901,12 @@ impl Controller {
             let mut st = lock(&self.state);
             let pending = st.pending();
             let Some(plan) = st.plans.get(id) else { return };
-            let digest = plan.status.digest.clone();
+            let digest = plan.digest.clone();
             let Some(model) = st.models.values().find(|m| m.digest == digest).cloned() else {
                 return;
             };
-            let tier = parse_tier(&plan.status.tier).unwrap_or(Tier::Memory);
-            let replans = plan.status.replans;
+            let tier = plan.tier;
+            let replans = plan.replans;
             let mut cluster = inventory::cluster_view(&st.hosts, &digest, &pending);
             // Stalled receivers are not sources.
             for h in &mut cluster {
@@ -2088,13 +1918,8 @@ impl Controller {
                 return;
             };
             if replans >= self.cfg.max_replans {
-                for h in plan
-                    .status
-                    .hosts
-                    .iter_mut()
-                    .filter(|h| stalled.contains(&h.host))
-                {
-                    h.state = "failed".into();
+                for h in plan.hosts.iter_mut().filter(|h| stalled.contains(&h.host)) {
+                    h.state = ReceiverState::Failed;
                     h.error = format!(
                         "no progress for {:?} after {replans} re-plans",
                         self.cfg.stall_timeout
@@ -2110,8 +1935,8 @@ impl Controller {
                 .collect();
             let chains =
                 placement::plan_chains(&cluster, &model.spec(), tier, &live, &self.cfg.plan);
-            plan.status.replans += 1;
-            plan.status.message = format!(
+            plan.replans += 1;
+            plan.message = format!(
                 "re-planned {} receiver(s) that made no progress for {:?}",
                 live.len(),
                 self.cfg.stall_timeout
@@ -2122,15 +1947,10 @@ impl Controller {
                     Source::Origin => "origin".to_string(),
                     Source::Peer { host, .. } => host.clone(),
                 };
-                for h in plan
-                    .status
-                    .hosts
-                    .iter_mut()
-                    .filter(|h| c.hops.contains(&h.host))
-                {
+                for h in plan.hosts.iter_mut().filter(|h| c.hops.contains(&h.host)) {
                     h.source = source.clone();
-                    if h.state == "joined" {
-                        h.state = "receiving".into();
+                    if h.state == ReceiverState::Joined {
+                        h.state = ReceiverState::Receiving;
                     }
                 }
                 plan.runs.push(chain_run(&c.source, &c.hops, &c.shards));
@@ -2174,15 +1994,6 @@ fn origin_each(
         .collect();
     plan.estimate_s = plan.chains.iter().map(|c| c.estimate_s).fold(0.0, f64::max);
     plan
-}
-
-/// A receiver's progress, as polled or pushed.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct Polled {
-    pub(crate) bytes: u64,
-    pub(crate) complete: bool,
-    /// Tier gpu: (bytes on the GPUs, "loading" | "partition-live" | "resident" | "failed").
-    pub(crate) gpu: Option<(u64, String)>,
 }
 
 /// Why a GPU load could not be requested.
@@ -2246,41 +2057,31 @@ fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
     let now = now_unix();
     let mut events = Vec::new();
     for plan in st.plans.values_mut() {
-        let Ok(tier) = parse_tier(&plan.status.tier) else {
-            continue;
-        };
-        let digest = plan.status.digest.as_str();
+        // Since the plan began, even when it has ended: when the copy was seen.
+        let (tier, elapsed) = (plan.tier, (now - plan.created_at).max(0.0));
+        let digest = plan.digest.as_str();
         if !complete.contains(&(digest, data_tier(tier))) {
             continue;
         }
-        let created = plan.status.created_at;
+        let is_resident = resident.contains(digest);
         let mut recovered = false;
-        for h in plan
-            .status
-            .hosts
-            .iter_mut()
-            .filter(|h| h.host == host && (h.state == "lost" || h.state == "failed"))
-        {
-            if tier == Tier::Gpu && h.gpus > 0 && !resident.contains(digest) {
+        for h in plan.hosts.iter_mut().filter(|h| h.host == host) {
+            let Some(was) = h.recover(tier, is_resident, elapsed) else {
                 continue;
-            }
-            let was = std::mem::replace(&mut h.state, "done".into());
-            h.bytes = h.total;
-            h.done_s = (now - created).max(0.0);
-            h.error = format!("completed after it was marked {was} (seen in its heartbeat)");
+            };
             events.push(Event {
                 at: now,
-                model: plan.name.clone(),
+                model: plan.model.clone(),
                 kind: "receiver-recovered".into(),
                 reason: format!("host {host} holds a complete copy after it was marked {was}"),
-                plan_id: plan.status.plan_id.clone(),
+                plan_id: plan.id.clone(),
                 delta: 0,
                 hosts: vec![host.to_string()],
             });
             recovered = true;
         }
-        if recovered && plan.status.state != "running" {
-            plan.settle();
+        if recovered && !plan.running() {
+            plan.settle(now);
         }
     }
     events
@@ -2289,45 +2090,23 @@ fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
 /// What receivers' agents pushed last (`WatchModelStatus`), and the plan loop's wake-up.
 #[derive(Default)]
 pub(crate) struct Pushed {
-    latest: Mutex<HashMap<String, Polled>>,
+    latest: Mutex<HashMap<String, Seen>>,
     wake: tokio::sync::Notify,
 }
 
 /// A receiver's progress in `tier` from its agent's model status.
-fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Polled {
+fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Seen {
     let want = agent_tier(tier);
     resp.tiers
         .iter()
         .find(|t| t.tier == want)
-        .map(|t| Polled {
+        .map(|t| Seen {
             bytes: t.bytes_verified,
             complete: t.complete,
-            gpu: (!t.gpus.is_empty()).then(|| {
-                let bytes = t.gpus.iter().map(|g| g.bytes).sum();
-                let state = if t.gpus.iter().any(|g| g.state == "failed") {
-                    "failed"
-                } else if t.gpus.iter().all(|g| g.state == "resident") {
-                    "resident"
-                } else if t
-                    .gpus
-                    .iter()
-                    .all(|g| g.state == "resident" || g.state == "partition-live")
-                {
-                    "partition-live"
-                } else {
-                    "loading"
-                };
-                (bytes, state.to_string())
-            }),
+            gpu: GpuState::of_gpus(t.gpus.iter().map(|g| g.state.as_str()))
+                .map(|s| (t.gpus.iter().map(|g| g.bytes).sum(), s)),
         })
         .unwrap_or_default()
-}
-
-pub(crate) fn snapshot(p: &PlanRecord) -> PlanStatus {
-    let mut s = p.status.clone();
-    let end = p.ended_at.unwrap_or_else(now_unix);
-    s.elapsed_s = (end - s.created_at).max(0.0);
-    s
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).

@@ -15,7 +15,9 @@ use shardcast_protocol::controller::{
 };
 use tonic::{Request, Response, Status};
 
-use crate::core::Controller;
+use crate::core::{Controller, now_unix};
+use crate::plan::PlanState;
+use crate::wire::plan_status;
 
 /// Both gRPC services share one controller.
 #[derive(Clone)]
@@ -23,9 +25,18 @@ pub struct GrpcApi(pub Arc<Controller>);
 
 type PlanStream = Pin<Box<dyn Stream<Item = Result<PlanStatus, Status>> + Send>>;
 
+/// Every plan as callers see it, newest first.
+pub fn list_plans(c: &Controller) -> ListPlansResponse {
+    let now = now_unix();
+    ListPlansResponse {
+        plans: c.list_plans().iter().map(|p| plan_status(p, now)).collect(),
+    }
+}
+
 /// A stream of a plan's status: now, then on every change, ending after the final state.
 pub fn plan_updates(c: &Controller, id: &str) -> Result<PlanStream, crate::error::ApiError> {
     let (first, rx) = c.watch_plan(id)?;
+    let first = plan_status(&first, now_unix());
     let Some(rx) = rx else {
         return Ok(Box::pin(futures::stream::iter([Ok(first)])));
     };
@@ -40,10 +51,10 @@ pub fn plan_updates(c: &Controller, id: &str) -> Result<PlanStream, crate::error
                 None => {
                     // A value sent just before the plan ended is still seen here.
                     rx.changed().await.ok()?;
-                    rx.borrow_and_update().clone()
+                    plan_status(&rx.borrow_and_update(), now_unix())
                 }
             };
-            let ended = status.state != "running";
+            let ended = status.state != PlanState::Running.as_str();
             Some((Ok(status), (None, rx, ended)))
         },
     )))
@@ -80,7 +91,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<PrewarmRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
-        Ok(Response::new(self.0.prewarm(request.into_inner())?))
+        Ok(Response::new(self.0.prewarm(request.into_inner())?.into()))
     }
 
     async fn scale_out(
@@ -88,7 +99,7 @@ impl ControllerApi for GrpcApi {
         request: Request<ScaleOutRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
         Ok(Response::new(
-            self.0.scale_out_any(request.into_inner()).await?,
+            self.0.scale_out_any(request.into_inner()).await?.into(),
         ))
     }
 
@@ -115,16 +126,17 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<WatchPlanRequest>,
     ) -> Result<Response<PlanStatus>, Status> {
-        Ok(Response::new(
-            self.0.get_plan(&request.into_inner().plan_id)?,
-        ))
+        Ok(Response::new(plan_status(
+            &self.0.get_plan(&request.into_inner().plan_id)?,
+            now_unix(),
+        )))
     }
 
     async fn list_plans(
         &self,
         _request: Request<ListPlansRequest>,
     ) -> Result<Response<ListPlansResponse>, Status> {
-        Ok(Response::new(self.0.list_plans()))
+        Ok(Response::new(list_plans(&self.0)))
     }
 
     async fn get_status(

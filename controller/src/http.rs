@@ -39,8 +39,9 @@ use shardcast_protocol::controller::{
     RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
 };
 
-use crate::core::Controller;
+use crate::core::{Controller, now_unix};
 use crate::error::ApiError;
+use crate::wire::plan_status;
 
 type Ctl = State<Arc<Controller>>;
 
@@ -84,14 +85,14 @@ pub fn router(c: Arc<Controller>) -> Router {
         .route(
             "/v1/prewarm",
             post(|State(c): Ctl, b: Bytes| async move {
-                json(body::<PrewarmRequest>(&b).and_then(|r| c.prewarm(r)))
+                json(body::<PrewarmRequest>(&b).and_then(|r| c.prewarm(r)).map(PlanAccepted::from))
             }),
         )
         .route(
             "/v1/scale-out",
             post(|State(c): Ctl, b: Bytes| async move {
                 match body::<ScaleOutRequest>(&b) {
-                    Ok(req) => json(c.scale_out_any(req).await),
+                    Ok(req) => json(c.scale_out_any(req).await.map(PlanAccepted::from)),
                     Err(e) => json::<PlanAccepted>(Err(e)),
                 }
             }),
@@ -107,11 +108,13 @@ pub fn router(c: Arc<Controller>) -> Router {
         )
         .route(
             "/v1/plans",
-            get(|State(c): Ctl| async move { json(Ok(c.list_plans())) }),
+            get(|State(c): Ctl| async move { json(Ok(crate::grpc::list_plans(&c))) }),
         )
         .route(
             "/v1/plans/{id}",
-            get(|State(c): Ctl, Path(id): Path<String>| async move { json(c.get_plan(&id)) }),
+            get(|State(c): Ctl, Path(id): Path<String>| async move {
+                json(c.get_plan(&id).map(|p| plan_status(&p, now_unix())))
+            }),
         )
         .route("/v1/plans/{id}/watch", get(watch))
         .route(

@@ -19,14 +19,14 @@
 //!   address.
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
 //!   failures to gRPC codes and HTTP statuses.
-//! * [`server`]: the `shardcast-controller` process; [`cli`]: the `shardcast` CLI.
+//! * [`server`]: the `shardcast-controller` process. The `shardcast` operator CLI is its own
+//!   crate (`shardcast-cli`), so it does not link the server.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod auth;
 pub mod autoscaler;
 pub mod burst;
-pub mod cli;
 pub mod core;
 pub mod error;
 pub mod etcd;
@@ -34,8 +34,10 @@ pub mod grpc;
 pub mod ha;
 pub mod http;
 pub mod inventory;
+pub mod plan;
 pub mod ptables;
 pub mod scrape;
 pub mod server;
 pub mod state;
 pub mod tiers;
+pub mod wire;

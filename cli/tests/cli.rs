@@ -1,19 +1,7 @@
-//! The two binaries as a user meets them: help, bad flags, and an unreachable controller.
-//! (Having integration tests here also makes `cargo test` build both binaries before the
-//! cluster tests in `shardcast-tests` start them.)
+//! The `shardcast` CLI as a user meets it: usage errors, an unreachable controller, a
+//! missing certificate, identities, offline plans.
 
 use std::process::Command;
-
-#[test]
-fn controller_rejects_bad_settings_with_a_message() {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardcast-controller"))
-        .args(["--heartbeat-ms", "1", "--state-dir", "/nonexistent/never"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("heartbeat_ms"), "{err}");
-}
 
 #[test]
 fn cli_reports_an_unreachable_controller() {

@@ -25,7 +25,7 @@ use shardcast_protocol::units::{format_bytes, parse_size};
 /// the leader died takes a few seconds).
 const FAILOVER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(15);
 
-use crate::error::code_name;
+use shardcast_protocol::code_name;
 
 /// `shardcast`: operate a shardcast cluster through its controller.
 #[derive(Debug, Parser)]

@@ -1,7 +1,7 @@
-//! `shardcast`: the operator CLI (see `shardcast_controller::cli`).
+//! `shardcast`: the operator CLI (see `shardcast_cli`).
 
 use clap::Parser;
-use shardcast_controller::cli::{Cli, run};
+use shardcast_cli::{Cli, run};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {

@@ -1,0 +1,755 @@
+//! Plans and their receivers as the controller's core holds them: typed states, the
+//! transitions a receiver goes through as pure functions of what its host reports, and the
+//! versioned record a plan is persisted as. The wire messages (`PlanStatus`,
+//! `HostProgress`, `PlanAccepted`) are made from these only at the edge, in
+//! [`crate::wire`].
+//!
+//! A receiver's life:
+//!
+//! ```text
+//!   pending ──bytes──▶ receiving ──complete──▶ done
+//!      │                   │   └─(tier gpu: data complete, GPUs loading)─▶ loading ──resident──▶ done
+//!      │                   │
+//!      └───────────────────┴──▶ lost (stopped heartbeating) | failed (GPU load failed,
+//!                                 no progress after the re-plans)
+//!   local (held it already) · joined (receiving it in another plan) ──re-plan──▶ receiving
+//!   lost | failed ──heartbeat reports a complete copy──▶ done
+//! ```
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use shardcast_placement::Tier;
+
+/// Declares a string-named state enum: its variants, wire names, `as_str`, `Display`
+/// and `FromStr` (the names are what the HTTP/JSON API and the CLI show).
+macro_rules! named_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vm])* #[serde(rename = $s)] $v),+
+        }
+
+        impl $name {
+            /// Every variant.
+            pub const ALL: &'static [Self] = &[$(Self::$v),+];
+
+            /// The name on the wire and in messages.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$v => $s),+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = UnknownName;
+
+            fn from_str(s: &str) -> Result<Self, UnknownName> {
+                match s {
+                    $($s => Ok(Self::$v),)+
+                    _ => Err(UnknownName {
+                        what: stringify!($name),
+                        name: s.to_string(),
+                    }),
+                }
+            }
+        }
+    };
+}
+
+/// A name that is none of an enum's variants.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {name:?}")]
+pub struct UnknownName {
+    what: &'static str,
+    name: String,
+}
+
+named_enum! {
+    /// Where a plan is.
+    PlanState {
+        /// Some receiver is still in progress.
+        Running = "running",
+        /// Ended with at least one receiver holding a copy.
+        Done = "done",
+        /// Ended with none holding a copy.
+        Failed = "failed",
+    }
+}
+
+named_enum! {
+    /// How a plan moves the model.
+    PlanKind {
+        /// A prewarm or scale-out moved by chain plans.
+        Chains = "chains",
+        /// A partitioned burst: each host loads its partition first, then the rest.
+        Burst = "burst",
+    }
+}
+
+named_enum! {
+    /// Where one receiver of a plan is.
+    ReceiverState {
+        /// Its chain has not delivered anything yet.
+        Pending = "pending",
+        /// Bytes are arriving.
+        Receiving = "receiving",
+        /// It receives the model in another plan in flight.
+        Joined = "joined",
+        /// Tier gpu: the data is here, the GPUs are loading it (or a burst partition loads).
+        Loading = "loading",
+        /// It holds a verified copy (and, tier gpu, its GPUs hold it).
+        Done = "done",
+        /// It held the model before the plan.
+        Local = "local",
+        /// It stopped heartbeating during the plan.
+        Lost = "lost",
+        /// It cannot finish (a GPU load failed, no progress after the re-plans, a part that
+        /// did not start).
+        Failed = "failed",
+    }
+}
+
+impl ReceiverState {
+    /// Still moving: the plan waits for it.
+    pub fn is_active(self) -> bool {
+        matches!(
+            self,
+            Self::Pending | Self::Receiving | Self::Joined | Self::Loading
+        )
+    }
+
+    /// It holds a copy now.
+    pub fn holds_copy(self) -> bool {
+        matches!(self, Self::Done | Self::Local)
+    }
+
+    /// The plan gave up on it.
+    pub fn gave_up(self) -> bool {
+        matches!(self, Self::Lost | Self::Failed)
+    }
+
+    /// Data still to arrive counts against the host's free space.
+    pub fn awaits_data(self) -> bool {
+        matches!(self, Self::Pending | Self::Receiving)
+    }
+}
+
+named_enum! {
+    /// Where a receiver's GPUs are with the model (tier gpu), summed over its GPUs.
+    GpuState {
+        /// Some GPU is still loading.
+        Loading = "loading",
+        /// Every GPU holds at least its partition (bursts).
+        PartitionLive = "partition-live",
+        /// Every GPU holds the whole model.
+        Resident = "resident",
+        /// A load failed.
+        Failed = "failed",
+        /// The host has no GPU backend (or refused the load): the model is in its memory
+        /// tier.
+        Unavailable = "unavailable",
+    }
+}
+
+impl GpuState {
+    /// One state for a host from its GPUs' own (the agent's `GpuLoad.state` names):
+    /// failed if any failed, resident if all are, partition-live if all are at least
+    /// that, else loading. `None` without GPUs.
+    pub fn of_gpus<'a>(states: impl IntoIterator<Item = &'a str>) -> Option<Self> {
+        let mut any = false;
+        let (mut failed, mut all_resident, mut all_live) = (false, true, true);
+        for s in states {
+            any = true;
+            failed |= s == "failed";
+            all_resident &= s == "resident";
+            all_live &= s == "resident" || s == "partition-live";
+        }
+        any.then_some(if failed {
+            Self::Failed
+        } else if all_resident {
+            Self::Resident
+        } else if all_live {
+            Self::PartitionLive
+        } else {
+            Self::Loading
+        })
+    }
+
+    /// The GPUs serve the model (or the host has none to load onto).
+    pub fn serves(self) -> bool {
+        matches!(self, Self::Resident | Self::Unavailable)
+    }
+}
+
+/// One receiver of a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReceiverProgress {
+    /// Host id.
+    pub host: String,
+    /// Where it is.
+    pub state: ReceiverState,
+    /// Verified bytes on the host.
+    pub bytes: u64,
+    /// The model's size.
+    pub total: u64,
+    /// Host id of its chain's source, `origin`, `local`, `peer` or the other plan's id.
+    pub source: String,
+    /// Why it is not moving, or a note on how it ended.
+    pub error: String,
+    /// GPU slots reserved on it (tier gpu).
+    pub gpus: u32,
+    /// Tier gpu: bytes on its GPUs (summed).
+    pub gpu_bytes: u64,
+    /// Tier gpu: its GPUs' state.
+    pub gpu_state: Option<GpuState>,
+    /// Bursts: its partition (`r.k/p`).
+    pub partition: String,
+    /// Bursts: seconds from the plan's start until its partition was live (0 until then).
+    pub live_s: f64,
+    /// Seconds from the plan's start until it held a verified copy (0 until then).
+    pub done_s: f64,
+}
+
+impl ReceiverProgress {
+    /// A receiver in `state` with nothing moved yet.
+    pub fn new(host: impl Into<String>, state: ReceiverState) -> Self {
+        Self {
+            host: host.into(),
+            state,
+            bytes: 0,
+            total: 0,
+            source: String::new(),
+            error: String::new(),
+            gpus: 0,
+            gpu_bytes: 0,
+            gpu_state: None,
+            partition: String::new(),
+            live_s: 0.0,
+            done_s: 0.0,
+        }
+    }
+
+    /// Progress, as the stall clock counts it: data-plane bytes plus GPU bytes.
+    pub fn moved(&self) -> u64 {
+        self.bytes.saturating_add(self.gpu_bytes)
+    }
+
+    /// The host stopped heartbeating. True when this changed the receiver.
+    pub fn lose(&mut self, why: &str) -> bool {
+        let before = (self.state, self.error.len());
+        self.state = ReceiverState::Lost;
+        if self.error != why {
+            self.error = why.to_string();
+        }
+        before != (self.state, self.error.len())
+    }
+
+    /// Its agent did not answer (the host still heartbeats): only the note changes; the
+    /// stall clock decides. True when the note changed.
+    pub fn unanswered(&mut self, why: String) -> bool {
+        let changed = self.error != why;
+        self.error = why;
+        changed
+    }
+
+    /// One report of a chain plan's receiver: `seen` is what its agent says; `gpu_refused`
+    /// is why the host could not be asked to load (tier gpu); `total` the model's size if
+    /// known; `elapsed` the plan's age. Tier gpu receivers with GPU slots are done only once
+    /// their GPUs serve the model. True when something changed.
+    pub fn observe(
+        &mut self,
+        seen: &Seen,
+        tier: Tier,
+        gpu_refused: Option<&str>,
+        total: Option<u64>,
+        elapsed: f64,
+    ) -> bool {
+        let before = self.clone();
+        self.error = gpu_refused.unwrap_or_default().to_string();
+        let complete = if tier == Tier::Gpu && self.gpus > 0 {
+            let (gb, gs) = match (gpu_refused, seen.gpu) {
+                (Some(_), _) => (0, Some(GpuState::Unavailable)),
+                (None, Some((b, s))) => (b, Some(s)),
+                (None, None) => (0, None),
+            };
+            self.gpu_bytes = gb;
+            self.gpu_state = gs;
+            if seen.complete && gs == Some(GpuState::Failed) {
+                self.state = ReceiverState::Failed;
+                self.error = "loading onto the GPUs failed (see the host's GpuStatus)".into();
+                false
+            } else {
+                let serves = gs.is_some_and(GpuState::serves);
+                if seen.complete && !serves {
+                    self.state = ReceiverState::Loading;
+                }
+                seen.complete && serves
+            }
+        } else {
+            seen.complete
+        };
+        if let Some(t) = total {
+            self.total = t;
+        }
+        self.bytes = seen.bytes;
+        if complete {
+            self.state = ReceiverState::Done;
+            self.bytes = self.total;
+            if before.state != ReceiverState::Done {
+                self.done_s = elapsed.max(0.0);
+            }
+        } else if self.state == ReceiverState::Pending && seen.bytes > 0 {
+            self.state = ReceiverState::Receiving;
+        }
+        *self != before
+    }
+
+    /// One report of a burst host (loading its partition, then the rest). True when
+    /// something changed.
+    pub fn observe_burst(&mut self, seen: &Seen, elapsed: f64) -> bool {
+        let before = self.clone();
+        self.error.clear();
+        self.bytes = seen.bytes;
+        if let Some((bytes, gs)) = seen.gpu {
+            self.gpu_bytes = bytes;
+            if matches!(gs, GpuState::PartitionLive | GpuState::Resident) && self.live_s == 0.0 {
+                self.live_s = elapsed.max(f64::MIN_POSITIVE);
+            }
+            match gs {
+                GpuState::Failed => {
+                    self.state = ReceiverState::Failed;
+                    self.error = "loading the partition failed (see the host's GpuStatus)".into();
+                }
+                GpuState::Resident if seen.complete => {
+                    self.state = ReceiverState::Done;
+                    self.bytes = self.total;
+                }
+                _ => {}
+            }
+            self.gpu_state = Some(gs);
+        }
+        *self != before
+    }
+
+    /// A heartbeat shows the host holds a complete copy (resident on its GPUs when
+    /// `resident`, for tier gpu): a receiver the plan gave up on is done again. Returns the
+    /// state it had when it recovered.
+    pub fn recover(&mut self, tier: Tier, resident: bool, elapsed: f64) -> Option<ReceiverState> {
+        if !self.state.gave_up() || (tier == Tier::Gpu && self.gpus > 0 && !resident) {
+            return None;
+        }
+        let was = std::mem::replace(&mut self.state, ReceiverState::Done);
+        self.bytes = self.total;
+        self.done_s = elapsed.max(0.0);
+        self.error = format!("completed after it was marked {was} (seen in its heartbeat)");
+        Some(was)
+    }
+}
+
+/// What a receiver's agent reports about the model (polled or pushed).
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Seen {
+    /// Verified bytes in the plan's data tier.
+    pub bytes: u64,
+    /// Every chunk verified there.
+    pub complete: bool,
+    /// Tier gpu: bytes on its GPUs and their state, when it has GPUs loading the model.
+    pub gpu: Option<(u64, GpuState)>,
+}
+
+/// One chain of a plan, as planned (what callers see).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChainSummary {
+    /// Host id of the source, or `origin`.
+    pub source: String,
+    /// `memory`, `disk` or `origin`.
+    pub source_tier: String,
+    /// Receivers in order.
+    pub hops: Vec<String>,
+    /// Shards (empty = all).
+    pub shards: Vec<u32>,
+    /// Bytes it moves.
+    pub bytes: u64,
+    /// Its estimate.
+    pub estimate_s: f64,
+}
+
+/// One chain as started on the data plane.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChainRun {
+    /// Host whose agent heads the chain.
+    pub head: String,
+    /// Session id (hex), chosen by the controller.
+    pub session: String,
+    /// Receivers after the head.
+    pub hops: Vec<String>,
+    /// Shards (empty = all).
+    pub shards: Vec<u32>,
+    /// Fetch from the origin (the head is the only receiver, or the head is a receiver).
+    pub from_origin: bool,
+    /// Started on the agent.
+    pub started: bool,
+    /// Why starting it failed.
+    pub error: String,
+}
+
+/// A plan: what it moves where, its receivers, and the chains started for it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Id (hex).
+    pub id: String,
+    /// Model name.
+    pub model: String,
+    /// Hex manifest digest.
+    pub digest: String,
+    /// Target tier.
+    pub tier: Tier,
+    /// Where it is.
+    pub state: PlanState,
+    /// Chains or a burst.
+    pub kind: PlanKind,
+    /// Its receivers.
+    pub hosts: Vec<ReceiverProgress>,
+    /// Estimated seconds until every receiver holds a copy.
+    pub estimate_s: f64,
+    /// A note for callers (re-plans, hosts it finished without).
+    pub message: String,
+    /// Chains as planned.
+    pub chains: Vec<ChainSummary>,
+    /// Chains started (or to start).
+    pub runs: Vec<ChainRun>,
+    /// Times stalled receivers were re-planned.
+    pub replans: u32,
+    /// Seconds since the epoch when it was made.
+    pub created_at: f64,
+    /// Seconds since the epoch when it ended.
+    pub ended_at: Option<f64>,
+    /// Bursts: seconds until every started partition was live (0 until then).
+    pub live_s: f64,
+    /// Origin URI (every hop's fallback).
+    pub origin: String,
+}
+
+impl Plan {
+    /// Still running.
+    pub fn running(&self) -> bool {
+        self.state == PlanState::Running
+    }
+
+    /// Seconds from its start to its end, or to `now` while it runs.
+    pub fn elapsed_s(&self, now: f64) -> f64 {
+        (self.ended_at.unwrap_or(now) - self.created_at).max(0.0)
+    }
+
+    /// Its receiver on `host`.
+    pub fn receiver_mut(&mut self, host: &str) -> Option<&mut ReceiverProgress> {
+        self.hosts.iter_mut().find(|h| h.host == host)
+    }
+
+    /// Ends the plan once no receiver is active: `done` when any holds a copy, else
+    /// `failed`, naming the ones it finished without. True when it ended now. Called again
+    /// on an ended plan (a receiver completed after it was marked lost), it recomputes the
+    /// outcome and keeps the end time.
+    pub fn settle(&mut self, now: f64) -> bool {
+        if self.hosts.iter().any(|h| h.state.is_active()) {
+            return false;
+        }
+        let any_ok = self.hosts.iter().any(|h| h.state.holds_copy());
+        let lost: Vec<&str> = self
+            .hosts
+            .iter()
+            .filter(|h| h.state.gave_up())
+            .map(|h| h.host.as_str())
+            .collect();
+        let was_running = self.running();
+        if !lost.is_empty() {
+            self.message = format!("finished without {}: see their errors", lost.join(", "));
+        } else if self.message.starts_with("finished without") {
+            self.message.clear();
+        }
+        self.state = if any_ok {
+            PlanState::Done
+        } else {
+            PlanState::Failed
+        };
+        if self.ended_at.is_none() {
+            self.ended_at = Some(now);
+        }
+        was_running
+    }
+}
+
+/// A plan just made: its id, estimate, chains and receivers (what `Prewarm` and `ScaleOut`
+/// answer).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Accepted {
+    /// The plan's id.
+    pub plan_id: String,
+    /// Estimated seconds until every receiver holds a copy.
+    pub estimate_s: f64,
+    /// Chains as planned (none for a burst).
+    pub chains: Vec<ChainSummary>,
+    /// Its receivers and how they get the model.
+    pub hosts: Vec<ReceiverProgress>,
+}
+
+/// A plan as persisted: versioned, so a later layout can still read this one.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "version")]
+pub enum StoredPlan {
+    /// The first typed layout.
+    #[serde(rename = "1")]
+    V1(Plan),
+}
+
+/// [`StoredPlan`] by reference, for saving without a copy (the same JSON).
+#[derive(Debug, Serialize)]
+#[serde(tag = "version")]
+pub enum StoredPlanRef<'a> {
+    /// The first typed layout.
+    #[serde(rename = "1")]
+    V1(&'a Plan),
+}
+
+impl From<Plan> for StoredPlan {
+    fn from(p: Plan) -> Self {
+        Self::V1(p)
+    }
+}
+
+impl StoredPlan {
+    /// The plan in it.
+    pub fn into_plan(self) -> Plan {
+        match self {
+            Self::V1(p) => p,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rx(state: ReceiverState) -> ReceiverProgress {
+        let mut r = ReceiverProgress::new("h1", state);
+        r.total = 100;
+        r
+    }
+
+    fn seen(bytes: u64, complete: bool, gpu: Option<(u64, GpuState)>) -> Seen {
+        Seen {
+            bytes,
+            complete,
+            gpu,
+        }
+    }
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_errors() {
+        for s in ReceiverState::ALL {
+            assert_eq!(s.as_str().parse::<ReceiverState>(), Ok(*s));
+            let json = serde_json::to_string(s).unwrap();
+            assert_eq!(json, format!("\"{}\"", s.as_str()));
+        }
+        for s in GpuState::ALL {
+            assert_eq!(s.as_str().parse::<GpuState>(), Ok(*s));
+        }
+        for s in PlanState::ALL {
+            assert_eq!(s.as_str().parse::<PlanState>(), Ok(*s));
+        }
+        let e = "sleeping".parse::<ReceiverState>().unwrap_err();
+        assert_eq!(e.to_string(), "unknown ReceiverState \"sleeping\"");
+    }
+
+    #[test]
+    fn pending_receives_then_completes_in_a_data_tier() {
+        let mut r = rx(ReceiverState::Pending);
+        assert!(!r.observe(&seen(0, false, None), Tier::Memory, None, None, 1.0));
+        assert!(r.observe(&seen(40, false, None), Tier::Memory, None, None, 2.0));
+        assert_eq!(r.state, ReceiverState::Receiving);
+        assert!(r.observe(&seen(100, true, None), Tier::Memory, None, Some(100), 3.0));
+        assert_eq!(
+            (r.state, r.bytes, r.done_s),
+            (ReceiverState::Done, 100, 3.0)
+        );
+        // Seen again: nothing changes, the time it was done stays.
+        assert!(!r.observe(&seen(100, true, None), Tier::Memory, None, Some(100), 9.0));
+        assert_eq!(r.done_s, 3.0);
+    }
+
+    #[test]
+    fn tier_gpu_is_done_only_once_the_gpus_serve() {
+        let mut r = rx(ReceiverState::Receiving);
+        r.gpus = 1;
+        let loading = seen(100, true, Some((10, GpuState::Loading)));
+        assert!(r.observe(&loading, Tier::Gpu, None, None, 1.0));
+        assert_eq!(r.state, ReceiverState::Loading);
+        assert_eq!(r.gpu_state, Some(GpuState::Loading));
+        let resident = seen(100, true, Some((100, GpuState::Resident)));
+        assert!(r.observe(&resident, Tier::Gpu, None, None, 2.0));
+        assert_eq!(r.state, ReceiverState::Done);
+
+        // A failed load fails the receiver, with a reason.
+        let mut r = rx(ReceiverState::Receiving);
+        r.gpus = 2;
+        assert!(r.observe(
+            &seen(100, true, Some((5, GpuState::Failed))),
+            Tier::Gpu,
+            None,
+            None,
+            1.0
+        ));
+        assert_eq!(r.state, ReceiverState::Failed);
+        assert!(r.error.contains("GPUs failed"), "{}", r.error);
+
+        // A host that cannot load: done once the data is here, with the reason kept.
+        let mut r = rx(ReceiverState::Receiving);
+        r.gpus = 1;
+        assert!(r.observe(
+            &seen(100, true, None),
+            Tier::Gpu,
+            Some("GPU load refused"),
+            None,
+            1.0
+        ));
+        assert_eq!(r.state, ReceiverState::Done);
+        assert_eq!(r.gpu_state, Some(GpuState::Unavailable));
+        assert_eq!(r.error, "GPU load refused");
+    }
+
+    #[test]
+    fn gpu_state_of_several_gpus() {
+        assert_eq!(GpuState::of_gpus([]), None);
+        assert_eq!(
+            GpuState::of_gpus(["resident", "resident"]),
+            Some(GpuState::Resident)
+        );
+        assert_eq!(
+            GpuState::of_gpus(["resident", "partition-live"]),
+            Some(GpuState::PartitionLive)
+        );
+        assert_eq!(
+            GpuState::of_gpus(["resident", "loading"]),
+            Some(GpuState::Loading)
+        );
+        assert_eq!(
+            GpuState::of_gpus(["resident", "failed"]),
+            Some(GpuState::Failed)
+        );
+        // A state this build does not know is still loading, not done.
+        assert_eq!(GpuState::of_gpus(["warming"]), Some(GpuState::Loading));
+    }
+
+    #[test]
+    fn burst_host_goes_live_then_completes_or_fails() {
+        let mut r = rx(ReceiverState::Loading);
+        assert!(r.observe_burst(&seen(30, false, Some((30, GpuState::Loading))), 1.0));
+        assert_eq!(r.live_s, 0.0);
+        assert!(r.observe_burst(&seen(50, false, Some((50, GpuState::PartitionLive))), 2.0));
+        assert_eq!(r.live_s, 2.0);
+        assert_eq!(r.state, ReceiverState::Loading);
+        assert!(r.observe_burst(&seen(100, true, Some((100, GpuState::Resident))), 5.0));
+        assert_eq!(
+            (r.state, r.live_s, r.bytes),
+            (ReceiverState::Done, 2.0, 100)
+        );
+
+        let mut r = rx(ReceiverState::Loading);
+        assert!(r.observe_burst(&seen(10, false, Some((1, GpuState::Failed))), 1.0));
+        assert_eq!(r.state, ReceiverState::Failed);
+    }
+
+    #[test]
+    fn lost_or_failed_receivers_recover_from_a_heartbeat() {
+        let mut r = rx(ReceiverState::Lost);
+        assert_eq!(
+            r.recover(Tier::Memory, false, 7.0),
+            Some(ReceiverState::Lost)
+        );
+        assert_eq!(
+            (r.state, r.bytes, r.done_s),
+            (ReceiverState::Done, 100, 7.0)
+        );
+        assert!(r.error.contains("marked lost"));
+        // Done already: nothing to recover.
+        assert_eq!(r.recover(Tier::Memory, false, 8.0), None);
+        // Tier gpu with slots: only once resident.
+        let mut r = rx(ReceiverState::Failed);
+        r.gpus = 1;
+        assert_eq!(r.recover(Tier::Gpu, false, 1.0), None);
+        assert_eq!(r.recover(Tier::Gpu, true, 1.0), Some(ReceiverState::Failed));
+        // An active receiver is the plan runner's to update.
+        let mut r = rx(ReceiverState::Receiving);
+        assert_eq!(r.recover(Tier::Memory, false, 1.0), None);
+    }
+
+    fn plan(states: &[ReceiverState]) -> Plan {
+        Plan {
+            id: "p".into(),
+            model: "m".into(),
+            digest: "d".into(),
+            tier: Tier::Memory,
+            state: PlanState::Running,
+            kind: PlanKind::Chains,
+            hosts: states
+                .iter()
+                .enumerate()
+                .map(|(i, s)| ReceiverProgress::new(format!("h{i}"), *s))
+                .collect(),
+            estimate_s: 1.0,
+            message: String::new(),
+            chains: Vec::new(),
+            runs: Vec::new(),
+            replans: 0,
+            created_at: 10.0,
+            ended_at: None,
+            live_s: 0.0,
+            origin: "file:///m".into(),
+        }
+    }
+
+    #[test]
+    fn a_plan_settles_when_no_receiver_is_active() {
+        use ReceiverState::*;
+        let mut p = plan(&[Done, Receiving]);
+        assert!(!p.settle(11.0));
+        assert!(p.running());
+        p.hosts[1].state = Lost;
+        assert!(p.settle(12.0));
+        assert_eq!(p.state, PlanState::Done);
+        assert_eq!(p.message, "finished without h1: see their errors");
+        assert_eq!(p.elapsed_s(100.0), 2.0);
+        // Recovered later: the note goes, the end time stays.
+        p.hosts[1].state = Done;
+        assert!(!p.settle(20.0));
+        assert_eq!((p.message.as_str(), p.ended_at), ("", Some(12.0)));
+
+        let mut p = plan(&[Failed, Lost]);
+        assert!(p.settle(11.0));
+        assert_eq!(p.state, PlanState::Failed);
+        let mut p = plan(&[Local]);
+        assert!(p.settle(11.0));
+        assert_eq!(p.state, PlanState::Done);
+    }
+
+    #[test]
+    fn stored_plans_carry_their_version() {
+        let p = plan(&[ReceiverState::Pending]);
+        let json = serde_json::to_string(&StoredPlan::from(p.clone())).unwrap();
+        assert_eq!(json, serde_json::to_string(&StoredPlanRef::V1(&p)).unwrap());
+        assert!(json.starts_with("{\"version\":\"1\""), "{json}");
+        let back: StoredPlan = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.into_plan(), p);
+        let unknown = json.replacen("\"1\"", "\"99\"", 1);
+        assert!(serde_json::from_str::<StoredPlan>(&unknown).is_err());
+    }
+}
