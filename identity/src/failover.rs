@@ -5,7 +5,8 @@
 //! [`FailoverChannel`] sends each call to the replica that answered last; on a refusal
 //! that names the leader it resends to the leader at once, and on a connection failure or
 //! a refusal without a leader (an election in progress) it tries the next replica, round
-//! after round, until `patience` runs out. Then the caller gets the last answer.
+//! after round, until `patience` runs out. Then the caller gets the last answer. With one
+//! address it is a plain channel.
 //!
 //! Each request's body is buffered so it can be sent again: fine for the controller's
 //! unary and server-streaming calls (its API has no client-streaming call).
@@ -125,8 +126,12 @@ impl tower::Service<http::Request<tonic::body::Body>> for FailoverChannel {
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
         let inner = self.inner.clone();
         Box::pin(async move {
-            let (parts, body) = req.into_parts();
             let n = inner.channels.len();
+            if n == 1 {
+                // One controller: nothing to fail over to; errors reach the caller at once.
+                return inner.channels[0].clone().oneshot(req).await;
+            }
+            let (parts, body) = req.into_parts();
             // A body that cannot be buffered (too large, or failing) goes once, as is.
             let bytes: Option<Bytes> = match http_body_util::Limited::new(body, MAX_BUFFERED)
                 .collect()
