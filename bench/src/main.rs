@@ -22,8 +22,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Local cluster on loopback (no root), through the controller: register a synthetic
-    /// model behind a rate-capped HTTP origin, prewarm half the hosts (one origin read feeds
-    /// a chain), scale out to the rest (served by peers, no origin traffic), prewarm all.
+    /// model behind a rate-capped HTTP origin (one origin read, kept by the host that hashes
+    /// it), prewarm half the hosts (a chain from that copy), scale out to the rest (served
+    /// by peers), prewarm all; no origin traffic after the registration.
     Demo {
         /// Model size.
         #[arg(long, default_value = "512MiB", value_parser = parse_size)]

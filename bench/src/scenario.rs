@@ -216,6 +216,7 @@ async fn import_on(
             chunk_size,
             tier: PbTier::Memory as i32,
             fetch,
+            keep: false,
             manifest: vec![],
             bind_name: None,
         })
@@ -521,6 +522,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
                             chunk_size: 0,
                             tier: PbTier::Memory as i32,
                             fetch: true,
+                            keep: false,
                             manifest: encoded,
                             bind_name: None,
                         };

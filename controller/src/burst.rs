@@ -354,6 +354,7 @@ impl Controller {
                 chunk_size: 0,
                 tier: apb::Tier::Memory as i32,
                 fetch: false,
+                keep: false,
                 manifest: manifest.to_vec(),
                 bind_name: Some(self.current_name(digest).is_some()),
             })

@@ -67,6 +67,10 @@ pub struct ControllerConfig {
     /// Signs each chain's plan token (model, hosts, expiry) with the controller's key
     /// (`None`: insecure mode, sessions carry no token).
     pub signer: Option<Arc<arc_swap::ArcSwap<shardcast_identity::plan::PlanSigner>>>,
+    /// The host that reads the origin to build a registered model's manifest keeps the
+    /// bytes (best effort, in its memory tier), so registering and prewarming read the
+    /// origin once. Default true.
+    pub register_keeps_copy: bool,
     /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
     /// empty, which refuses every registration with a message saying how to allow one.
     pub origins: OriginPolicy,
@@ -94,6 +98,7 @@ impl Default for ControllerConfig {
             signer: None,
             origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
             api_stats: Default::default(),
+            register_keeps_copy: true,
         }
     }
 }
@@ -851,6 +856,9 @@ impl Controller {
                 fetch: false,
                 manifest: Vec::new(),
                 bind_name: None,
+                // The host keeps what it reads to build the manifest, so a prewarm that
+                // follows is served from it: the origin is read once, not twice.
+                keep: self.cfg.register_keeps_copy,
             })
             .await
             .map_err(|s| ApiError {
@@ -899,7 +907,14 @@ impl Controller {
             }
             self.store.put(Table::Manifests, &digest, &resp.manifest)?;
             self.put_json(Table::Models, name.as_str(), &record)?;
-            info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), "model registered");
+            info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), kept_on = %if resp.kept { via.as_str() } else { "-" }, "model registered");
+            // Its next heartbeat says so too; a prewarm made before then must already
+            // see the copy, not plan a second read of the origin.
+            if resp.kept
+                && let Some(h) = st.hosts.get_mut(&via)
+            {
+                h.mark_complete(&digest, name.as_str(), "memory", record.total_bytes);
+            }
             st.manifests.insert(digest, Arc::new(resp.manifest.clone()));
             let info = record.info(Some(&resp.manifest));
             st.models.insert(name.to_string(), record);
@@ -1825,6 +1840,7 @@ impl Controller {
                 chunk_size: 0,
                 tier: agent_tier(tier),
                 fetch: true,
+                keep: false,
                 manifest: manifest.to_vec(),
                 // The host's name follows only the registry's current version.
                 bind_name: Some(self.current_name(digest).is_some()),

@@ -205,6 +205,12 @@ pub struct Args {
     /// milliseconds.
     #[arg(long, env = "SHARDCAST_CAMPAIGN_MS", default_value_t = 250)]
     pub campaign_ms: u64,
+    /// Whether the host that reads a model's origin to build its manifest at registration
+    /// keeps the bytes in its memory tier (best effort), so a prewarm that follows is served
+    /// from it and the origin is read once, not twice. `false` leaves registration a read
+    /// that keeps nothing (cold-start benchmarks that measure the origin path use it).
+    #[arg(long, env = "SHARDCAST_REGISTER_KEEP_COPY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub register_keep_copy: bool,
 }
 
 /// The controller's TLS identity, or `None` in insecure mode (checked: loopback only).
@@ -342,6 +348,7 @@ impl Args {
             scrape,
             origins: OriginPolicy::parse(&self.origin_allow, Enforcer::Controller)
                 .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?,
+            register_keeps_copy: self.register_keep_copy,
             ..ControllerConfig::default()
         })
     }

@@ -79,6 +79,7 @@ impl TestCluster {
                 chunk_size: 256 << 10,
                 tier: Tier::Memory as i32,
                 fetch: true,
+                keep: false,
                 manifest: vec![],
                 bind_name: None,
             })

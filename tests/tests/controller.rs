@@ -53,6 +53,8 @@ impl Origin {
 
 /// `ManagedCluster::start` whose controller and daemons allow the origins root (where
 /// [`Origin::new`] puts models) and `http` (HTTP origins bound before the cluster starts).
+/// Registration keeps no copy unless `ctl_args` say so: these tests follow a model from
+/// the origin through chains (the kept copy is tested in `prewarm_then_peers`).
 async fn start_cluster_allowing(
     n: usize,
     mut ctl_args: Vec<String>,
@@ -64,6 +66,9 @@ async fn start_cluster_allowing(
     prefixes.extend_from_slice(http);
     let allow = shardcast_tests::allow_args(&prefixes);
     ctl_args.extend(allow.clone());
+    if !ctl_args.iter().any(|a| a == "--register-keep-copy") {
+        ctl_args.extend(["--register-keep-copy".into(), "false".into()]);
+    }
     ManagedCluster::start(n, ctl_args, move |i, o| {
         o.extra_args.extend(allow.clone());
         opts(i, o);
@@ -125,10 +130,12 @@ async fn prewarm_hosts(api: &mut ControllerClient<Channel>, h: Vec<String>) -> S
     .plan_id
 }
 
+/// Bytes the daemons read from origins: chunks fetched plus reads to build manifests.
 async fn origin_bytes(daemons: &[Daemon]) -> u64 {
     let mut total = 0;
     for d in daemons {
-        total += d.stats().await.unwrap().origin_bytes;
+        let s = d.stats().await.unwrap();
+        total += s.origin_bytes + s.manifest_bytes;
     }
     total
 }
@@ -192,7 +199,8 @@ async fn prewarm_then_peers(http: bool) {
     // The HTTP origin's port is bound first so the cluster can allow exactly it.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/", listener.local_addr().unwrap());
-    let c = start_cluster_allowing(8, vec![], &[&url], |_, _| {})
+    let keep = ["--register-keep-copy", "true"].map(String::from).to_vec();
+    let c = start_cluster_allowing(8, keep, &[&url], |_, _| {})
         .await
         .unwrap();
     let origin = Origin::new(24 << 20, 3);
@@ -226,10 +234,35 @@ async fn prewarm_then_peers(http: bool) {
         .into_inner();
     let manifest: Manifest = decode_exact(m.manifest.into()).unwrap();
     let total = manifest.total_bytes();
-    // Registration read the origin once to hash it (the HTTP server counts that read).
+    // Registration read the origin once to hash it (the HTTP server counts that read, and
+    // the few KiB of safetensors headers its file discovery reads), and the host that read
+    // it kept what it read: it holds the model now.
     let registered = served(&c, counter).await;
+    assert!(
+        (total..total + (64 << 10)).contains(&registered),
+        "{registered} bytes served for a {total}-byte model"
+    );
+    let keepers: Vec<String> = api
+        .get_status(GetStatusRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .hosts
+        .into_iter()
+        .filter(|h| h.memory)
+        .map(|h| h.host)
+        .collect();
+    assert_eq!(keepers.len(), 1, "{keepers:?}");
+    let keeper = keepers[0].clone();
+    c.daemon(&keeper).unwrap().verify_copy(&manifest).unwrap();
+    let kept = c.daemon(&keeper).unwrap().stats().await.unwrap().kept_bytes;
+    assert_eq!(kept, total);
 
-    // First prewarm: nobody holds the model, so one chain from the origin through all four.
+    // First prewarm of four hosts: the keeper is a source (it holds the model already), so
+    // the chain starts there and the origin serves nothing more: register + prewarm read
+    // it once.
     let a = api
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
@@ -240,19 +273,23 @@ async fn prewarm_then_peers(http: bool) {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(a.chains.len(), 1, "{a:?}");
-    assert_eq!(a.chains[0].source, "origin");
+    assert!(!a.chains.is_empty(), "{a:?}");
+    for ch in &a.chains {
+        assert_eq!(ch.source, keeper, "{a:?}");
+    }
     assert!(a.estimate_s > 0.0);
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
         .await
         .unwrap();
     assert_eq!(done.state, "done", "{done:?}");
     for h in hosts(1..=4) {
-        assert_eq!(host_state(&done, &h), "done");
+        assert!(
+            matches!(host_state(&done, &h), "done" | "local"),
+            "{done:?}"
+        );
         c.daemon(&h).unwrap().verify_copy(&manifest).unwrap();
     }
-    // The origin was read once, not once per host.
-    assert_eq!(served(&c, counter).await - registered, total);
+    assert_eq!(served(&c, counter).await - registered, 0);
 
     // Second prewarm on the other four: served by the holders, the origin serves nothing.
     let before = served(&c, counter).await;

@@ -54,6 +54,7 @@ async fn import(d: &Daemon, origin: &str, fetch: bool, manifest: Vec<u8>) -> (St
             chunk_size: 256 << 10,
             tier: Tier::Memory as i32,
             fetch,
+            keep: false,
             manifest,
             bind_name: None,
         })

@@ -191,6 +191,18 @@ pub fn render(node: &Node) -> String {
         s.origin_bytes.load(Ordering::Relaxed),
     );
     metric(
+        "manifest_bytes_total",
+        "counter",
+        "Bytes read from origins to build manifests (registration, imports).",
+        s.manifest_bytes.load(Ordering::Relaxed),
+    );
+    metric(
+        "kept_bytes_total",
+        "counter",
+        "Bytes stored from the copy kept while building a manifest (the origin not read again).",
+        s.kept_bytes.load(Ordering::Relaxed),
+    );
+    metric(
         "downstream_failovers_total",
         "counter",
         "Dead or refusing downstream hops skipped.",

@@ -20,7 +20,7 @@ use shardcast_protocol::{
     ErrorCode, Hop, HostId, Manifest, ModelDigest, ModelName, SessionId, Tier,
 };
 use tonic::{Request, Response, Status};
-use tracing::info;
+use tracing::{info, warn};
 
 use gpu_loader::manager::{GpuManager, LoadState, ManagerError, ModelGpuStatus};
 
@@ -238,8 +238,22 @@ impl Agent for AgentService {
         } else {
             req.chunk_size
         };
+        // Bytes read to build the manifest are kept (one read of the origin, not two) when
+        // asked to, or when the data is wanted anyway.
+        let staging = if req.manifest.is_empty() && (req.keep || req.fetch) {
+            match self.node.store.staging(tier) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    warn!(model = %name, "not keeping the bytes read to build the manifest: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut kept = false;
         let manifest = if req.manifest.is_empty() {
-            info!(model = %name, origin = %req.origin, "building manifest from origin");
+            info!(model = %name, origin = %req.origin, keep = staging.is_some(), "building manifest from origin");
             // Hashing a large model takes minutes: log progress every GiB.
             let logged = std::sync::atomic::AtomicU64::new(0);
             let progress = |done: u64| {
@@ -248,16 +262,23 @@ impl Agent for AgentService {
                     info!(hashed_gib = gib, "building manifest");
                 }
             };
-            origin
-                .build_manifest(name, chunk_size, &progress)
-                .await
-                .map_err(|e| match e {
-                    crate::origin::OriginError::Policy(_)
-                    | crate::origin::OriginError::SymlinkEscape { .. } => {
-                        Status::permission_denied(format!("reading origin {}: {e}", req.origin))
-                    }
-                    e => Status::unavailable(format!("reading origin {}: {e}", req.origin)),
-                })?
+            let keep = staging.as_ref().map(|s| s as &dyn crate::origin::KeepSink);
+            let built = origin
+                .build_manifest_keeping(name, chunk_size, &progress, keep)
+                .await;
+            self.node
+                .stats
+                .manifest_bytes
+                .fetch_add(origin.bytes_read(), Ordering::Relaxed);
+            let (m, all_kept) = built.map_err(|e| match e {
+                crate::origin::OriginError::Policy(_)
+                | crate::origin::OriginError::SymlinkEscape { .. } => {
+                    Status::permission_denied(format!("reading origin {}: {e}", req.origin))
+                }
+                e => Status::unavailable(format!("reading origin {}: {e}", req.origin)),
+            })?;
+            kept = all_kept;
+            m
         } else {
             let m: Manifest = decode_exact(req.manifest.into())
                 .map_err(|e| Status::invalid_argument(format!("manifest: {e}")))?;
@@ -274,11 +295,23 @@ impl Agent for AgentService {
             .store
             .put_manifest(&manifest)
             .map_err(|e| Status::internal(format!("storing manifest: {e}")))?;
-        if req.fetch {
+        if let Some(staging) = staging.as_ref().filter(|_| kept) {
+            if let Err(e) = self
+                .node
+                .adopt_staged(&manifest, staging, &req.origin, tier)
+                .await
+            {
+                warn!(model = %manifest.name, "keeping the copy read to build the manifest failed: {e}");
+                kept = false;
+            }
+        }
+        drop(staging);
+        if req.fetch && !kept {
             self.node
                 .fetch_model(&manifest, &req.origin, tier)
                 .await
                 .map_err(|e| Status::unavailable(format!("fetching from {}: {e}", req.origin)))?;
+            kept = true;
         }
         // Bound once the import succeeded: a failed fetch leaves the name as it was.
         if req.bind_name.unwrap_or(true) {
@@ -292,6 +325,7 @@ impl Agent for AgentService {
             manifest: encode_to_vec(&*manifest),
             total_bytes: manifest.total_bytes(),
             shards: manifest.shards.len() as u32,
+            kept,
         }))
     }
 
@@ -554,6 +588,8 @@ impl Agent for AgentService {
             sessions_active: s.sessions_active.load(Ordering::Relaxed),
             sessions_total: s.sessions_total.load(Ordering::Relaxed),
             origin_bytes: s.origin_bytes.load(Ordering::Relaxed),
+            manifest_bytes: s.manifest_bytes.load(Ordering::Relaxed),
+            kept_bytes: s.kept_bytes.load(Ordering::Relaxed),
             downstream_failovers: s.downstream_failovers.load(Ordering::Relaxed),
             bytes_reverified: st.bytes_reverified.load(Ordering::Relaxed),
             bytes_scrubbed: st.bytes_scrubbed.load(Ordering::Relaxed),

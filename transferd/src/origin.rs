@@ -49,7 +49,7 @@ use futures::{StreamExt, TryStreamExt};
 use reqwest::{StatusCode, Url, header};
 use shardcast_protocol::manifest::{MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use shardcast_protocol::origin_policy::{
-    self, OriginLocation, OriginPolicy, OriginScheme, PolicyError,
+    self, Enforcer, OriginLocation, OriginPolicy, OriginScheme, PolicyError,
 };
 use shardcast_protocol::{
     DecodeError, Manifest, ModelName, ShardEntry, ShardHasher, ShardPath, VerifiedChunk,
@@ -479,6 +479,23 @@ impl Origin {
         self.inner.bytes_read.load(Ordering::Relaxed)
     }
 
+    /// A local directory this host wrote itself (bytes kept while building a manifest),
+    /// read back as an origin. Not subject to the allow-list: the path is the store's, not
+    /// a caller's; reads still resolve beneath it with no symlinks.
+    pub fn staged(dir: PathBuf) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                uri: format!("file://{}", dir.display()),
+                source: Source::Local {
+                    path: dir.clone(),
+                    root: dir,
+                },
+                bytes_read: AtomicU64::new(0),
+                access: OriginAccess::new(OriginPolicy::new(Vec::new(), Enforcer::Host)),
+            }),
+        }
+    }
+
     fn count(&self, n: usize) {
         self.inner.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
     }
@@ -516,6 +533,22 @@ impl Origin {
         chunk_size: u32,
         progress: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<Manifest, OriginError> {
+        self.build_manifest_keeping(name, chunk_size, progress, None)
+            .await
+            .map(|(m, _)| m)
+    }
+
+    /// [`build_manifest`](Self::build_manifest), writing every byte read into the file
+    /// `keep` opens for its shard as well, so the model need not be read from the origin a
+    /// second time. Keeping is best effort: a shard whose file cannot be opened or written
+    /// is only hashed (logged). Returns the manifest and whether every shard was kept whole.
+    pub async fn build_manifest_keeping(
+        &self,
+        name: ModelName,
+        chunk_size: u32,
+        progress: &(dyn Fn(u64) + Send + Sync),
+        keep: Option<&dyn KeepSink>,
+    ) -> Result<(Manifest, bool), OriginError> {
         // Refuse a bad chunk size before reading possibly hundreds of GiB.
         if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) {
             return Err(OriginError::Manifest(DecodeError::Invalid {
@@ -526,9 +559,12 @@ impl Origin {
         let files = self.list().await?;
         let (progress_tx, mut progress_rx) = mpsc::unbounded_channel::<u64>();
         let hashing = futures::stream::iter(files)
-            .map(|(path, size)| self.hash_shard(path, size, chunk_size, progress_tx.clone()))
+            .map(|(path, size)| {
+                let tee = Tee::open(keep, &path);
+                self.hash_shard(path, size, chunk_size, progress_tx.clone(), tee)
+            })
             .buffered(HASH_PARALLEL)
-            .try_collect::<Vec<ShardEntry>>();
+            .try_collect::<Vec<(ShardEntry, bool)>>();
         let mut hashing = pin!(hashing);
         let mut done = 0u64;
         let shards = loop {
@@ -545,17 +581,22 @@ impl Origin {
             done += n;
             progress(done);
         }
-        Manifest::new(name, chunk_size, shards).map_err(OriginError::Manifest)
+        let kept = keep.is_some() && shards.iter().all(|(_, kept)| *kept);
+        let shards = shards.into_iter().map(|(e, _)| e).collect();
+        let manifest = Manifest::new(name, chunk_size, shards).map_err(OriginError::Manifest)?;
+        Ok((manifest, kept))
     }
 
-    /// Hashes one shard, sending the byte count of each piece read on `progress`.
+    /// Hashes one shard, sending the byte count of each piece read on `progress` and
+    /// writing each piece to `tee`. Returns its entry and whether `tee` kept it whole.
     async fn hash_shard(
         &self,
         path: ShardPath,
         size: u64,
         chunk_size: u32,
         progress: mpsc::UnboundedSender<u64>,
-    ) -> Result<ShardEntry, OriginError> {
+        mut tee: Tee,
+    ) -> Result<(ShardEntry, bool), OriginError> {
         let mut hasher = ShardHasher::new(chunk_size);
         self.check_shard(&path)?;
         let (location, read) = match &self.inner.source {
@@ -565,7 +606,7 @@ impl Origin {
                 let (dir, root, shard, origin) =
                     (origin.clone(), root.clone(), path.clone(), self.clone());
                 let stop_flag = stop.0.clone();
-                let (file, hasher, read) = blocking(move || {
+                let (file, hasher, read, tee) = blocking(move || {
                     let (file, root) = resolve_local(&dir, &root, &shard)?;
                     let mut f = open_beneath(&file, &root)?;
                     let mut buf = vec![0u8; HASH_READ_SIZE];
@@ -578,21 +619,25 @@ impl Origin {
                             Err(e) => return Err(io_err("read", &file, e)),
                         };
                         hasher.update(&buf[..n]);
+                        tee.write(&buf[..n]);
                         read += n as u64;
                         origin.count(n);
                         let _ = progress.send(n as u64);
                     }
-                    Ok((file, hasher, read))
+                    Ok((file, hasher, read, tee))
                 })
                 .await
                 .map_err(|e| self.inner.access.note(e))?;
                 drop(stop);
-                return finish_shard(file.display().to_string(), hasher, read, size, path);
+                let kept = tee.finish(&path, read);
+                return finish_shard(file.display().to_string(), hasher, read, size, path)
+                    .map(|e| (e, kept));
             }
             Source::HttpDir { client, base } => {
                 let url = shard_url(base, path.as_str())?;
                 let read = self.stream_http(client, &url, |piece| {
                     hasher.update(piece);
+                    tee.write(piece);
                     let _ = progress.send(piece.len() as u64);
                 });
                 (url.to_string(), read.await?)
@@ -603,6 +648,7 @@ impl Origin {
                 }
                 let read = self.stream_http(client, url, |piece| {
                     hasher.update(piece);
+                    tee.write(piece);
                     let _ = progress.send(piece.len() as u64);
                 });
                 (url.to_string(), read.await?)
@@ -610,6 +656,7 @@ impl Origin {
             Source::S3(s3) => {
                 s3.stream(&path, |piece| {
                     hasher.update(piece);
+                    tee.write(piece);
                     self.count(piece.len());
                     let _ = progress.send(piece.len() as u64);
                 })
@@ -619,12 +666,14 @@ impl Origin {
                 let url = hf.url(&path)?;
                 let read = self.stream_http(&hf.client, &url, |piece| {
                     hasher.update(piece);
+                    tee.write(piece);
                     let _ = progress.send(piece.len() as u64);
                 });
                 (url.to_string(), read.await.map_err(|e| hf.error(e))?)
             }
         };
-        finish_shard(location, hasher, read, size, path)
+        let kept = tee.finish(&path, read);
+        finish_shard(location, hasher, read, size, path).map(|e| (e, kept))
     }
 
     /// GETs `url` whole, handing each piece of the body to `each`; returns the byte count.
@@ -876,6 +925,59 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .map_err(OriginError::Task)?
+}
+
+/// Where [`Origin::build_manifest_keeping`] keeps what it reads: one file per shard.
+pub trait KeepSink: Send + Sync {
+    /// A new, empty file for `shard`'s bytes.
+    fn open(&self, shard: &ShardPath) -> io::Result<std::fs::File>;
+}
+
+/// One shard's copy while it is hashed: best effort, so the first failed write drops the
+/// file and the shard is only hashed.
+struct Tee {
+    file: Option<std::fs::File>,
+    failed: Option<io::Error>,
+}
+
+impl Tee {
+    fn open(keep: Option<&dyn KeepSink>, shard: &ShardPath) -> Self {
+        let Some(keep) = keep else {
+            return Self {
+                file: None,
+                failed: None,
+            };
+        };
+        match keep.open(shard) {
+            Ok(f) => Self {
+                file: Some(f),
+                failed: None,
+            },
+            Err(e) => Self {
+                file: None,
+                failed: Some(e),
+            },
+        }
+    }
+
+    fn write(&mut self, piece: &[u8]) {
+        use std::io::Write;
+        if let Some(f) = &mut self.file
+            && let Err(e) = f.write_all(piece)
+        {
+            self.file = None;
+            self.failed = Some(e);
+        }
+    }
+
+    /// True when all `read` bytes were kept; a failure is logged once here.
+    fn finish(self, shard: &ShardPath, read: u64) -> bool {
+        if let Some(e) = self.failed {
+            tracing::warn!(shard = %shard, bytes = read, "not keeping the shard read to build the manifest (it will be read again when fetched): {e}");
+            return false;
+        }
+        self.file.is_some()
+    }
 }
 
 fn finish_shard(
@@ -1329,7 +1431,7 @@ mod tests {
     use hyper::{Request, Response};
     use hyper_util::rt::TokioIo;
     use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
-    use shardcast_protocol::origin_policy::{Enforcer, percent_decode};
+    use shardcast_protocol::origin_policy::percent_decode;
 
     use super::*;
 
@@ -1387,6 +1489,57 @@ mod tests {
         std::fs::create_dir_all(dir.path().join(".git")).unwrap();
         std::fs::write(dir.path().join(".git/config"), b"x").unwrap();
         (dir, files)
+    }
+
+    /// Keeps each shard in a file under a directory; fails for shards named `refuse`.
+    struct DirSink(PathBuf);
+
+    impl KeepSink for DirSink {
+        fn open(&self, shard: &ShardPath) -> io::Result<std::fs::File> {
+            if shard.as_str().ends_with("b.bin") && self.0.ends_with("refuse") {
+                return Err(io::Error::other("no room"));
+            }
+            let p = self.0.join(shard.as_str());
+            std::fs::create_dir_all(p.parent().unwrap())?;
+            std::fs::File::create(p)
+        }
+    }
+
+    #[tokio::test]
+    async fn building_a_manifest_can_keep_what_it_reads() {
+        let (dir, files) = model_dir();
+        let origin = open(&file_uri(dir.path())).unwrap();
+        let plain = origin
+            .build_manifest(model(), CHUNK, &|_| {})
+            .await
+            .unwrap();
+        let keep = tempfile::tempdir().unwrap();
+        let sink = DirSink(keep.path().join("ok"));
+        let (m, kept) = origin
+            .build_manifest_keeping(model(), CHUNK, &|_| {}, Some(&sink))
+            .await
+            .unwrap();
+        assert_eq!(m, plain);
+        assert!(kept);
+        for (name, data) in &files {
+            assert_eq!(&std::fs::read(sink.0.join(name)).unwrap(), data, "{name}");
+        }
+        // Read back as a staged origin: the same bytes, and no allow-list involved.
+        let staged = Origin::staged(sink.0.clone());
+        let back = staged
+            .read_range(&shard("a.safetensors"), 7, 100)
+            .await
+            .unwrap();
+        assert_eq!(&back[..], &files[0].1[7..107]);
+
+        // A shard that cannot be kept is still hashed: the same manifest, not kept.
+        let sink = DirSink(keep.path().join("refuse"));
+        let (m, kept) = origin
+            .build_manifest_keeping(model(), CHUNK, &|_| {}, Some(&sink))
+            .await
+            .unwrap();
+        assert_eq!(m, plain);
+        assert!(!kept);
     }
 
     #[tokio::test]

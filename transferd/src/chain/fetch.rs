@@ -7,7 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use shardcast_protocol::{Frame, HostId, Manifest, SessionId, Tier, VerifiedChunk};
 use tokio::sync::mpsc;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::session::{ChunkFrom, Incoming};
 use super::{ChainError, Node, ShardSession, read_timeout};
@@ -38,6 +38,19 @@ impl Node {
                 .map_err(|e| format!("holder {addr}: {e}"));
         }
         let origin = Origin::parse(source, &self.cfg.origins).map_err(|e| e.to_string())?;
+        self.fill_from(sess, &origin, missing, ChunkFrom::Origin)
+            .await
+    }
+
+    /// Fills `missing` chunks of the session from `origin`, each verified and stored as
+    /// coming `from` there.
+    async fn fill_from(
+        &self,
+        sess: &ShardSession,
+        origin: &Origin,
+        missing: Vec<u32>,
+        from: ChunkFrom,
+    ) -> Result<(), String> {
         let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.cfg.origin_parallel.max(1) * 2);
         let fetch = {
             let origin = origin.clone();
@@ -50,7 +63,7 @@ impl Node {
         };
         while let Some(chunk) = rx.recv().await {
             let index = chunk.index();
-            self.store_chunk(sess, index, Incoming::Verified(chunk), ChunkFrom::Origin)
+            self.store_chunk(sess, index, Incoming::Verified(chunk), from)
                 .await
                 .map_err(|e| e.to_string())?;
         }
@@ -132,6 +145,52 @@ impl Node {
                 .is_some_and(|sh| sh.is_complete());
             if !complete {
                 return Err(format!("origin did not provide every chunk of shard {s}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves a model whose bytes were kept while its manifest was built (`staging`) into
+    /// `tier`, one shard at a time, each chunk verified on the one path every chunk takes,
+    /// and each shard's staged file removed as soon as it is in (so the tier holds about one
+    /// shard twice at most). `origin` (the real one) is noted for repairs.
+    pub async fn adopt_staged(
+        &self,
+        manifest: &Arc<Manifest>,
+        staging: &crate::store::Staging,
+        origin: &str,
+        tier: Tier,
+    ) -> Result<(), String> {
+        let model = manifest.digest();
+        self.repairs.note_source(model, origin);
+        let staged = Origin::staged(staging.path());
+        for (s, entry) in manifest.shards.iter().enumerate() {
+            let s = s as u32;
+            let shard = self
+                .store
+                .shard(&model, s, tier)
+                .map_err(|e| e.to_string())?;
+            let total = shard.total_chunks();
+            let missing: Vec<u32> = shard.verified_set(0, total).missing().collect();
+            if !missing.is_empty() {
+                let (sess, _active) = self.new_session(
+                    SessionId([0; 16]),
+                    model,
+                    manifest.clone(),
+                    shard.clone(),
+                    0,
+                    total,
+                    String::new(),
+                    Bytes::new(),
+                );
+                self.fill_from(&sess, &staged, missing, ChunkFrom::Kept)
+                    .await?;
+            }
+            if !shard.is_complete() {
+                return Err(format!("the kept copy of shard {s} is incomplete"));
+            }
+            if let Err(e) = staging.remove(&entry.path) {
+                warn!(model = %model, shard = s, "removing a staged shard: {e}");
             }
         }
         Ok(())

@@ -188,6 +188,10 @@ pub struct NodeStats {
     pub sessions_total: AtomicU64,
     /// Payload bytes fetched from origins.
     pub origin_bytes: AtomicU64,
+    /// Bytes read from origins to build manifests (registration, imports).
+    pub manifest_bytes: AtomicU64,
+    /// Bytes stored from the copy kept while a manifest was built (not read twice).
+    pub kept_bytes: AtomicU64,
     /// Times a forwarder skipped a dead or refusing downstream hop.
     pub downstream_failovers: AtomicU64,
     /// Times a hop fetched missing chunks from a fallback source.

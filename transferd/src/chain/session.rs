@@ -35,6 +35,8 @@ pub(super) enum ChunkFrom {
     Holder,
     /// An origin.
     Origin,
+    /// The copy this host kept while it read the origin to build the manifest.
+    Kept,
 }
 
 /// Where a forwarder stands.
@@ -363,6 +365,9 @@ impl Node {
                 self.stats
                     .chunks_from_holders
                     .fetch_add(1, Ordering::Relaxed);
+            }
+            ChunkFrom::Kept => {
+                self.stats.kept_bytes.fetch_add(len, Ordering::Relaxed);
             }
             ChunkFrom::Upstream => {}
         }

@@ -467,6 +467,55 @@ fn shard_file(model_rel: &Path, path: &ShardPath) -> Result<PathBuf, StoreError>
     }
 }
 
+/// Where bytes read before their model's digest is known wait, relative to a tier root.
+const STAGING: &str = "staging";
+
+/// A directory in a tier for the bytes read while a manifest is built (the model's digest,
+/// and so its place in the store, is known only at the end). Each shard's file is created
+/// beneath the tier root with the store's modes, symlinks refused. Removed when dropped;
+/// what a crash leaves is removed when the store opens.
+#[derive(Debug)]
+pub struct Staging {
+    dir: Arc<TierDir>,
+    rel: PathBuf,
+}
+
+impl Staging {
+    /// The directory, to read the kept bytes back ([`crate::origin::Origin::staged`]).
+    pub fn path(&self) -> PathBuf {
+        self.dir.root().join(&self.rel)
+    }
+
+    /// Removes one shard's file once its bytes are in the store.
+    pub fn remove(&self, shard: &ShardPath) -> Result<(), StoreError> {
+        self.dir.remove_tree(&shard_file(&self.rel, shard)?)
+    }
+}
+
+impl crate::origin::KeepSink for Staging {
+    fn open(&self, shard: &ShardPath) -> std::io::Result<std::fs::File> {
+        let to_io = |e: StoreError| std::io::Error::other(e.to_string());
+        let rel = shard_file(&self.rel, shard).map_err(to_io)?;
+        if let Some(parent) = rel.parent() {
+            self.dir.create_dir_all(parent).map_err(to_io)?;
+        }
+        let f = self
+            .dir
+            .open_file(&rel, beneath::Access::ReadWriteCreate)
+            .map_err(to_io)?;
+        f.set_len(0)?;
+        Ok(f)
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Err(e) = self.dir.remove_tree(&self.rel) {
+            tracing::warn!(dir = %self.path().display(), "removing a staging directory: {e}");
+        }
+    }
+}
+
 /// `models/<digest-hex>`, relative to a tier root.
 fn model_rel(d: &ModelDigest) -> PathBuf {
     Path::new("models").join(d.to_hex())
@@ -570,6 +619,8 @@ impl ShardStore {
         let mut n = self.inner.disk.remove_temps(Path::new("manifests"))?;
         for tier in TIERS {
             let dir = self.dir(tier);
+            // Copies kept while building a manifest, left by a crash: never adopted.
+            dir.remove_tree(Path::new(STAGING))?;
             for (name, ty) in dir.list(Path::new("state"))? {
                 if ty == rustix::fs::FileType::Directory {
                     n += dir.remove_temps(&Path::new("state").join(name))?;
@@ -658,6 +709,14 @@ impl ShardStore {
             }
         }
         Ok(())
+    }
+
+    /// A new staging directory in `tier` (see [`Staging`]).
+    pub fn staging(&self, tier: Tier) -> Result<Staging, StoreError> {
+        let rel = Path::new(STAGING).join(hex::encode(rand::random::<[u8; 8]>()));
+        let dir = self.dir(tier).clone();
+        dir.create_dir_all(&rel)?;
+        Ok(Staging { dir, rel })
     }
 
     /// The directory a tier lives in.
