@@ -56,6 +56,7 @@ pub struct ControllerProc {
     /// Log file.
     pub log: PathBuf,
     extra: Vec<String>,
+    heartbeat_ms: u64,
     child: Option<Child>,
     /// The cluster CA (mutual TLS on the TCP listeners); `None`: insecure plaintext.
     pub pki: Option<Arc<ClusterPki>>,
@@ -77,6 +78,16 @@ pub enum HttpAs {
 impl ControllerProc {
     /// Starts a controller whose state and socket live under `root`, with extra flags.
     pub async fn start(root: &Path, extra: Vec<String>) -> anyhow::Result<Self> {
+        Self::start_with_heartbeat(root, extra, HEARTBEAT_MS).await
+    }
+
+    /// [`Self::start`] with another `--heartbeat-ms` (the scale benchmark runs the
+    /// production default, 1000, with a thousand simulated hosts).
+    pub async fn start_with_heartbeat(
+        root: &Path,
+        extra: Vec<String>,
+        heartbeat_ms: u64,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
         let mut c = Self {
             grpc: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -85,6 +96,7 @@ impl ControllerProc {
             state_dir: root.join("state"),
             log: root.join("controller.log"),
             extra,
+            heartbeat_ms,
             child: None,
             pki: Some(ClusterPki::shared()?),
         };
@@ -109,7 +121,7 @@ impl ControllerProc {
             .arg("--state-dir")
             .arg(&self.state_dir)
             .arg("--heartbeat-ms")
-            .arg(HEARTBEAT_MS.to_string())
+            .arg(self.heartbeat_ms.to_string())
             .args(match &self.pki {
                 Some(pki) => pki.args(Role::Controller, "controller")?,
                 None => vec!["--insecure-plaintext".into()],

@@ -634,6 +634,7 @@ pub async fn run_failover(opts: &FailoverOpts) -> anyhow::Result<FailoverReport>
         chunk_size: 1 << 20,
         via_host: String::new(),
         profile_json: String::new(),
+        no_wait: false,
     })
     .await?;
     let write = || PrewarmRequest {

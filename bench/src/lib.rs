@@ -13,6 +13,9 @@
 //! * [`synth`]: synthetic safetensors models.
 //! * [`origin_server`]: a rate-capped HTTP origin standing in for cloud storage.
 //! * [`scenario`]: the `demo` and `chain` scenarios and their reports.
+//! * [`swarm`]: many simulated hosts in one process (real heartbeats, real agent API, no
+//!   bytes moved): a load generator for the controller.
+//! * [`scale`]: the `scale` benchmark: a real controller under a swarm of 1000 hosts.
 
 pub mod cluster;
 pub mod control;
@@ -23,5 +26,7 @@ pub mod managed;
 pub mod netns;
 pub mod origin_server;
 pub mod pki;
+pub mod scale;
 pub mod scenario;
+pub mod swarm;
 pub mod synth;

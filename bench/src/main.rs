@@ -294,6 +294,52 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The controller at datacenter scale: a real `shardcast-controller` under a swarm of
+    /// simulated hosts in this process (real heartbeats with a certificate each, the real
+    /// agent API; NO bytes move: transfers are simulated at `--link-rate`). Heartbeat and
+    /// status-API latency, then a prewarm of `--replicas` (plan time, time to done).
+    Scale {
+        /// Simulated hosts.
+        #[arg(long, default_value_t = 1000)]
+        hosts: usize,
+        /// Racks they are spread over.
+        #[arg(long, default_value_t = 25)]
+        racks: usize,
+        /// Replicas of the prewarm.
+        #[arg(long, default_value_t = 64)]
+        replicas: u32,
+        /// Heartbeat period (the controller's --heartbeat-ms).
+        #[arg(long, default_value_t = 1000)]
+        heartbeat_ms: u64,
+        /// Model size (simulated).
+        #[arg(long, default_value = "4GiB", value_parser = parse_size)]
+        size: u64,
+        /// Shards of the model.
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        /// Simulated per-host link rate.
+        #[arg(long, default_value = "10Gbit")]
+        link_rate: String,
+        /// Simulated origin rate per connection.
+        #[arg(long, default_value = "2.5Gbit")]
+        origin_rate: String,
+        /// Seconds of steady state (heartbeats and status queries, no plan) measured.
+        #[arg(long, default_value_t = 20)]
+        window_s: u64,
+        /// Longest wait for the hosts to come up, and for the prewarm.
+        #[arg(long, default_value_t = 180)]
+        timeout_s: u64,
+        /// Run the controller in its documented plaintext mode (no certificates).
+        #[arg(long)]
+        insecure: bool,
+        /// An extra flag for the controller, passed through unchanged (repeatable), e.g.
+        /// another state backend: `--controller-arg=--state-dir=/fast/disk`.
+        #[arg(long = "controller-arg", allow_hyphen_values = true)]
+        controller_args: Vec<String>,
+        /// Write the report as JSON too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
     OriginServer {
         /// Directory to serve.
@@ -364,6 +410,39 @@ async fn interrupted() -> &'static str {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Cmd::Scale {
+            hosts,
+            racks,
+            replicas,
+            heartbeat_ms,
+            size,
+            shards,
+            link_rate,
+            origin_rate,
+            window_s,
+            timeout_s,
+            insecure,
+            controller_args,
+            json,
+        } => {
+            let opts = shardcast_bench::scale::ScaleOpts {
+                hosts,
+                racks,
+                replicas,
+                heartbeat_ms,
+                size,
+                shards,
+                link_bps: finite_rate("link-rate", &link_rate)?,
+                origin_bps: finite_rate("origin-rate", &origin_rate)?,
+                window: Duration::from_secs(window_s),
+                timeout: Duration::from_secs(timeout_s),
+                insecure,
+                controller_args,
+            };
+            let report = shardcast_bench::scale::run_scale(&opts).await?;
+            eprint!("{}", shardcast_bench::scale::summary(&report));
+            emit(&report, json)
+        }
         Cmd::Burst {
             size,
             shards,

@@ -98,6 +98,7 @@ async fn register(
             chunk_size: 0,
             via_host: String::new(),
             profile_json: String::new(),
+            no_wait: false,
         })
         .await
         .context("RegisterModel")?

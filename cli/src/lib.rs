@@ -89,8 +89,13 @@ pub enum Command {
         /// output bytes) for partition plans and the autoscaler.
         #[arg(long)]
         profile: Option<std::path::PathBuf>,
+        /// Return once the registration has started; it goes on on the controller, and
+        /// `shardcast models` lists it until it ends. (Without it, interrupting the command
+        /// does not stop the registration either.)
+        #[arg(long)]
+        no_wait: bool,
     },
-    /// List registered models.
+    /// List registered models (and registrations in progress).
     Models,
     /// Show one model's manifest summary.
     Model {
@@ -524,6 +529,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             chunk_size,
             via,
             profile,
+            no_wait,
         } => {
             let profile_json = match profile {
                 None => String::new(),
@@ -537,8 +543,10 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     u32::try_from(v).map_err(|_| usage("--chunk-size must be below 4 GiB"))?
                 }
             };
-            if !json {
-                eprintln!("reading {origin} to build the manifest (large models take a while)…");
+            if !json && !no_wait {
+                eprintln!(
+                    "reading {origin} to build the manifest (large models take a while; the registration goes on if this command is interrupted)…"
+                );
             }
             let m = c
                 .register_model(RegisterModelRequest {
@@ -547,11 +555,17 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     chunk_size,
                     via_host: via.unwrap_or_default(),
                     profile_json,
+                    no_wait,
                 })
                 .await?
                 .into_inner();
             if json {
                 print_json(&m);
+            } else if no_wait {
+                println!(
+                    "registering {} from {} (`shardcast models` lists it until it ends)",
+                    m.name, m.origin
+                );
             } else {
                 println!(
                     "registered {} {} ({}, {} shards)",
@@ -584,6 +598,28 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     "{}",
                     table(&["MODEL", "DIGEST", "SIZE", "SHARDS", "ORIGIN"], rows)
                 );
+                if !r.registering.is_empty() {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_secs_f64())
+                        .unwrap_or(0.0);
+                    let rows = r
+                        .registering
+                        .iter()
+                        .map(|g| {
+                            vec![
+                                g.name.clone(),
+                                g.via_host.clone(),
+                                format!("{:.0}s", (now - g.started_at).max(0.0)),
+                                g.origin.clone(),
+                            ]
+                        })
+                        .collect();
+                    print!(
+                        "\nregistering:\n{}",
+                        table(&["MODEL", "READ BY", "FOR", "ORIGIN"], rows)
+                    );
+                }
             }
         }
         Command::Model { model } => {

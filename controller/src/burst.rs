@@ -221,7 +221,7 @@ impl Controller {
             live_s: 0.0,
             origin: origin.to_string(),
         };
-        self.persist_plan(&record)?;
+        self.persist_plan_now(&record)?;
         lock(&self.state).add_plan(record);
         tokio::spawn(self.clone().run_burst(id.clone()));
         Ok(id)

@@ -250,6 +250,12 @@ pub(crate) struct State {
     persisted: HashMap<String, String>,
     pub(crate) plans: HashMap<String, Plan>,
     pub(crate) watchers: HashMap<String, watch::Sender<Plan>>,
+    /// Host → the plans (running or ended) it is a receiver of, so a heartbeat looks only
+    /// at its own plans ([`reconcile_receivers`]) instead of every plan ever made: with
+    /// 1000 hosts heartbeating each second and plans kept after they end, the scan was
+    /// O(plans × receivers) per heartbeat. A plan's receivers are fixed when it is made
+    /// (re-plans change sources, not receivers).
+    receiver_plans: HashMap<String, Vec<String>>,
 }
 
 impl State {
@@ -258,6 +264,17 @@ impl State {
         let id = plan.id.clone();
         self.watchers
             .insert(id.clone(), watch::Sender::new(plan.clone()));
+        self.insert_plan(id, plan);
+    }
+
+    /// Adds a plan (without a watch channel) and indexes its receivers.
+    fn insert_plan(&mut self, id: String, plan: Plan) {
+        for h in &plan.hosts {
+            let plans = self.receiver_plans.entry(h.host.clone()).or_default();
+            if !plans.contains(&id) {
+                plans.push(id.clone());
+            }
+        }
         self.plans.insert(id, plan);
     }
 
@@ -313,6 +330,13 @@ pub struct Controller {
     store: Arc<dyn StateStore>,
     pub(crate) state: Mutex<State>,
     agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
+    /// Host reports and plan progress, committed in batches off the state lock.
+    writes: Arc<crate::write_behind::WriteBehind>,
+    /// Agents that answered at least once, and the gate for first contacts: a plan's
+    /// first round opens a mutually authenticated connection to every receiver, and 1000
+    /// handshakes at once starved heartbeats and API calls of CPU for over a second.
+    reached: Mutex<HashSet<String>>,
+    first_contact: tokio::sync::Semaphore,
     cancel: CancellationToken,
     scaler: crate::autoscaler::Autoscaler,
     usage: crate::tiers::Usage,
@@ -320,6 +344,14 @@ pub struct Controller {
     authz: Arc<shardcast_identity::grpc::AuthzStats>,
     http: Arc<shardcast_identity::http::HttpStats>,
     origin_refused: std::sync::atomic::AtomicU64,
+    /// Registrations in progress, by model name.
+    registrations: Mutex<HashMap<String, Registration>>,
+}
+
+/// A registration in progress: who reads the origin, and its outcome once it ends.
+struct Registration {
+    info: shardcast_protocol::controller::Registration,
+    outcome: watch::Receiver<Option<Result<ModelInfo, ApiError>>>,
 }
 
 impl Controller {
@@ -415,7 +447,7 @@ impl Controller {
                         st.watchers
                             .insert(id.clone(), watch::Sender::new(p.clone()));
                     }
-                    st.plans.insert(id, p);
+                    st.insert_plan(id, p);
                 }
                 Err(e) => warn!(plan = %id, "skipping unreadable plan record: {e}"),
             }
@@ -423,11 +455,16 @@ impl Controller {
         let usage = crate::tiers::Usage::restore(store.as_ref())?;
         let ptables = crate::ptables::PlanStore::restore(store.as_ref())?;
         let (authz, http) = cfg.api_stats.clone();
+        let writes = crate::write_behind::WriteBehind::new(store.clone());
+        tokio::spawn(writes.clone().run(cancel.clone()));
         let me = Arc::new(Self {
             cfg,
             store,
             state: Mutex::new(st),
             agents: Mutex::default(),
+            writes,
+            reached: Mutex::default(),
+            first_contact: tokio::sync::Semaphore::new(FIRST_CONTACTS),
             cancel,
             scaler: crate::autoscaler::Autoscaler::default(),
             usage,
@@ -435,6 +472,7 @@ impl Controller {
             authz,
             http,
             origin_refused: std::sync::atomic::AtomicU64::new(0),
+            registrations: Mutex::default(),
         });
         Ok((me, resume))
     }
@@ -741,7 +779,10 @@ impl Controller {
             gpu_reserved: entry.gpu_reserved.clone(),
         };
         if st.persisted.get(&id) != Some(&sig) {
-            self.put_json(Table::Hosts, &id, &record)?;
+            // Queued, not committed under the lock (see `write_behind`).
+            let bytes =
+                serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
+            self.writes.put(Table::Hosts, &id, bytes);
             st.persisted.insert(id.clone(), sig);
         }
         let events = reconcile_receivers(&mut st, &id);
@@ -816,7 +857,105 @@ impl Controller {
     }
 
     /// Registers a model by reading its origin through a live transferd.
-    pub async fn register_model(&self, req: RegisterModelRequest) -> Result<ModelInfo, ApiError> {
+    /// `RegisterModel`: checks the request, then registers as a job of its own (a caller
+    /// that goes away does not stop it; the same name and origin again joins it) and waits
+    /// for it unless `no_wait`.
+    pub async fn register_model(
+        self: &Arc<Self>,
+        req: RegisterModelRequest,
+    ) -> Result<ModelInfo, ApiError> {
+        let name = ModelName::new(&req.name)
+            .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
+        let origin = req.origin.trim().to_string();
+        let no_wait = req.no_wait;
+        let mut outcome = {
+            let mut regs = lock(&self.registrations);
+            match regs.get(name.as_str()) {
+                Some(r) if r.info.origin == origin => r.outcome.clone(),
+                Some(r) => {
+                    return Err(ApiError {
+                        code: tonic::Code::Aborted,
+                        message: format!(
+                            "{name} is being registered from {} (through {}); wait for it to end",
+                            r.info.origin, r.info.via_host
+                        ),
+                    });
+                }
+                None => {
+                    // Checked here so a bad request is answered at once, not by the job.
+                    if !req.profile_json.trim().is_empty() {
+                        crate::autoscaler::parse_profile(&req.profile_json)?;
+                    }
+                    self.check_origin(&origin)?;
+                    let via = self.registration_host(&req.via_host)?;
+                    let (tx, rx) = watch::channel(None);
+                    regs.insert(
+                        name.to_string(),
+                        Registration {
+                            info: shardcast_protocol::controller::Registration {
+                                name: name.to_string(),
+                                origin: origin.clone(),
+                                via_host: via.clone(),
+                                started_at: now_unix(),
+                            },
+                            outcome: rx.clone(),
+                        },
+                    );
+                    let me = self.clone();
+                    let job_name = name.to_string();
+                    tokio::spawn(async move {
+                        let r = me.register_now(req, via).await;
+                        if let Err(e) = &r {
+                            warn!(model = %job_name, "registration failed: {}", e.message);
+                        }
+                        lock(&me.registrations).remove(&job_name);
+                        tx.send_replace(Some(r));
+                    });
+                    rx
+                }
+            }
+        };
+        if no_wait {
+            return Ok(ModelInfo {
+                name: name.to_string(),
+                origin,
+                ..Default::default()
+            });
+        }
+        let r = outcome
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| ApiError::internal("the registration task ended without an outcome"))?
+            .clone();
+        r.unwrap_or_else(|| Err(ApiError::internal("no outcome")))
+    }
+
+    /// The host that reads the origin: `wanted` if given (it must be up), else any live
+    /// host.
+    fn registration_host(&self, wanted: &str) -> Result<String, ApiError> {
+        let st = lock(&self.state);
+        if wanted.is_empty() {
+            return st
+                .hosts
+                .values()
+                .find(|h| h.up)
+                .map(|h| h.report.host_id.clone())
+                .ok_or_else(|| plan_error(PlanError::NoLiveHost));
+        }
+        match st.hosts.get(wanted) {
+            None => Err(plan_error(PlanError::UnknownHost(wanted.to_string()))),
+            Some(h) if !h.up => Err(plan_error(PlanError::HostDown(wanted.to_string()))),
+            Some(h) => Ok(h.report.host_id.clone()),
+        }
+    }
+
+    /// The registration itself: `via` builds the manifest (and keeps the copy), then the
+    /// model is recorded.
+    async fn register_now(
+        &self,
+        req: RegisterModelRequest,
+        via: String,
+    ) -> Result<ModelInfo, ApiError> {
         let name = ModelName::new(&req.name)
             .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
         let profile_json = if req.profile_json.trim().is_empty() {
@@ -826,25 +965,6 @@ impl Controller {
             Some(req.profile_json.clone())
         };
         let origin = req.origin.trim().to_string();
-        self.check_origin(&origin)?;
-        let via = {
-            let st = lock(&self.state);
-            if req.via_host.is_empty() {
-                st.hosts
-                    .values()
-                    .find(|h| h.up)
-                    .map(|h| h.report.host_id.clone())
-                    .ok_or_else(|| plan_error(PlanError::NoLiveHost))?
-            } else {
-                match st.hosts.get(&req.via_host) {
-                    None => return Err(plan_error(PlanError::UnknownHost(req.via_host.clone()))),
-                    Some(h) if !h.up => {
-                        return Err(plan_error(PlanError::HostDown(req.via_host.clone())));
-                    }
-                    Some(h) => h.report.host_id.clone(),
-                }
-            }
-        };
         info!(model = %name, %origin, via = %via, "registering: building the manifest");
         let mut agent = self.agent(&via)?;
         let resp = agent
@@ -938,9 +1058,19 @@ impl Controller {
 
     /// Every registered model (manifests left out).
     pub fn list_models(&self) -> ListModelsResponse {
-        let st = lock(&self.state);
+        let models = lock(&self.state)
+            .models
+            .values()
+            .map(|m| m.info(None))
+            .collect();
+        let mut registering: Vec<_> = lock(&self.registrations)
+            .values()
+            .map(|r| r.info.clone())
+            .collect();
+        registering.sort_by(|a, b| a.name.cmp(&b.name));
         ListModelsResponse {
-            models: st.models.values().map(|m| m.info(None)).collect(),
+            models,
+            registering,
         }
     }
 
@@ -1321,7 +1451,8 @@ impl Controller {
                 }
             }
         }
-        self.persist_plan(&record)?;
+        // Durable before any chain starts.
+        self.persist_plan_now(&record)?;
         for t in touched {
             self.put_json(Table::Hosts, &t.report.host_id, &t)?;
         }
@@ -1337,18 +1468,29 @@ impl Controller {
         })
     }
 
-    /// Saves a plan (as its versioned record).
+    /// Queues the plan (as its versioned record; progress: the newest record wins,
+    /// committed within `write_behind::BATCH_WINDOW`, off the state lock).
     pub(crate) fn persist_plan(&self, p: &Plan) -> Result<(), ApiError> {
         let bytes = serde_json::to_vec(&crate::plan::StoredPlanRef::V1(p))
             .map_err(|e| ApiError::internal(e.to_string()))?;
-        self.store.put(Table::Plans, &p.id, &bytes)?;
+        self.writes.put(Table::Plans, &p.id, bytes);
         Ok(())
     }
 
-    /// Stores `value` as JSON under `key`.
+    /// Commits the plan now (a new plan, before its chains start).
+    pub(crate) fn persist_plan_now(&self, p: &Plan) -> Result<(), ApiError> {
+        let bytes = serde_json::to_vec(&crate::plan::StoredPlanRef::V1(p))
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        self.writes.put_now(Table::Plans, &p.id, &bytes)?;
+        Ok(())
+    }
+
+    /// Stores `value` as JSON under `key` now. Through the write-behind, so an older value
+    /// of the key still queued there (a host record from a heartbeat) is dropped instead of
+    /// overwriting this one when its batch commits.
     fn put_json<T: Serialize>(&self, table: Table, key: &str, value: &T) -> Result<(), ApiError> {
         let bytes = serde_json::to_vec(value).map_err(|e| ApiError::internal(e.to_string()))?;
-        self.store.put(table, key, &bytes)?;
+        self.writes.put_now(table, key, &bytes)?;
         Ok(())
     }
 
@@ -1525,12 +1667,19 @@ impl Controller {
         let mut watching: HashSet<String> = HashSet::new();
         let mut tick = tokio::time::interval(self.cfg.poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_round = Instant::now() - MIN_ROUND;
         loop {
             tokio::select! {
                 _ = self.cancel.cancelled() => return,
                 _ = tick.tick() => {}
                 _ = pushed.wake.notified() => {}
             }
+            // At most one round per MIN_ROUND: with 1000 receivers pushing progress, a
+            // round per push kept a core busy and the state lock contended.
+            if let Some(wait) = MIN_ROUND.checked_sub(last_round.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+            last_round = Instant::now();
             while let Some(ended) = streams.try_join_next() {
                 if let Ok(host) = ended {
                     watching.remove(&host);
@@ -1552,6 +1701,7 @@ impl Controller {
             }
             // Poll outside the lock.
             let mut updates = Vec::new();
+            let mut to_poll = Vec::new();
             for (host, up, gpus) in active {
                 if !up {
                     updates.push((host, None));
@@ -1571,16 +1721,31 @@ impl Controller {
                     }
                 }
                 let latest = lock(&pushed.latest).get(&host).cloned();
-                let polled = match latest {
-                    Some(p) => Ok(p),
-                    None => self.poll_host(&host, &digest, tier).await,
-                };
-                updates.push((host, Some(polled)));
+                match latest {
+                    Some(p) => updates.push((host, Some(Ok(p)))),
+                    None => to_poll.push(host),
+                }
+            }
+            // Receivers without a pushed status (a plan's first round: every receiver) are
+            // polled concurrently: one after the other, 1000 receivers took seconds per round.
+            {
+                use futures::StreamExt;
+                let (digest, me) = (&digest, &*self);
+                let mut polls = futures::stream::iter(to_poll)
+                    .map(|host| async move {
+                        let polled = me.poll_host(&host, digest, tier).await;
+                        (host, Some(polled))
+                    })
+                    .buffer_unordered(POLL_CONCURRENCY);
+                while let Some(u) = polls.next().await {
+                    updates.push(u);
+                }
             }
             let now = Instant::now();
             let mut stalled = Vec::new();
             let mut changed = false;
             let mut ended = false;
+            let mut newly_done: HashSet<String> = HashSet::new();
             {
                 let mut st = lock(&self.state);
                 let total = st
@@ -1592,8 +1757,16 @@ impl Controller {
                     return;
                 };
                 let elapsed = plan.elapsed_s(now_unix());
+                // By host: `receiver_mut`'s linear search per update made a round
+                // O(receivers²).
+                let at: HashMap<String, usize> = plan
+                    .hosts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, h)| (h.host.clone(), i))
+                    .collect();
                 for (host, polled) in updates {
-                    let Some(h) = plan.receiver_mut(&host) else {
+                    let Some(h) = at.get(&host).and_then(|&i| plan.hosts.get_mut(i)) else {
                         continue;
                     };
                     match polled {
@@ -1618,7 +1791,11 @@ impl Controller {
                         Some(Err(e)) => changed |= h.unanswered(e),
                         Some(Ok(seen)) => {
                             let refused = gpu_asked.get(&host).cloned().flatten();
+                            let was_done = h.state == ReceiverState::Done;
                             changed |= h.observe(&seen, tier, refused.as_deref(), total, elapsed);
+                            if !was_done && h.state == ReceiverState::Done {
+                                newly_done.insert(host.clone());
+                            }
                         }
                     }
                     if progress.stalled(&host, h.moved(), now, self.cfg.stall_timeout)
@@ -1627,16 +1804,20 @@ impl Controller {
                         stalled.push(host.clone());
                     }
                 }
-                let done_hosts: Vec<(String, u64)> = plan
-                    .hosts
-                    .iter()
-                    .filter(|h| h.state == ReceiverState::Done)
-                    .map(|h| (h.host.clone(), h.total))
-                    .collect();
                 if plan.settle(now_unix()) {
                     changed = true;
                     ended = true;
                 }
+                // Hosts done in this round (every done host once the plan ends): marking
+                // every done receiver on every round cost O(receivers) lookups per round.
+                let done_hosts: Vec<(String, u64)> = plan
+                    .hosts
+                    .iter()
+                    .filter(|h| {
+                        h.state == ReceiverState::Done && (ended || newly_done.contains(&h.host))
+                    })
+                    .map(|h| (h.host.clone(), h.total))
+                    .collect();
                 for (host, bytes) in done_hosts {
                     if let Some(e) = st.hosts.get_mut(&host) {
                         e.mark_complete(&digest, &name, data_tier(tier), bytes);
@@ -1720,6 +1901,15 @@ impl Controller {
         }
     }
 
+    /// A permit for calling `host`'s agent while it never answered (its first call opens
+    /// the connection); `None` once it has.
+    async fn first_contact_gate(&self, host: &str) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        if lock(&self.reached).contains(host) {
+            return None;
+        }
+        self.first_contact.acquire().await.ok()
+    }
+
     /// Progress of `digest` in the tier on `host` (and on its GPUs).
     pub(crate) async fn poll_host(
         &self,
@@ -1728,6 +1918,7 @@ impl Controller {
         tier: Tier,
     ) -> Result<Seen, String> {
         let mut agent = self.agent(host).map_err(|e| e.message)?;
+        let gate = self.first_contact_gate(host).await;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
             agent.get_model_status(GetModelStatusRequest {
@@ -1735,6 +1926,10 @@ impl Controller {
             }),
         )
         .await;
+        drop(gate);
+        if matches!(r, Ok(Ok(_))) {
+            lock(&self.reached).insert(host.to_string());
+        }
         match r {
             Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
             Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(Seen::default()),
@@ -1757,11 +1952,14 @@ impl Controller {
             return host;
         };
         let req = GetModelStatusRequest { model: digest };
+        let gate = self.first_contact_gate(&host).await;
         let Ok(Ok(resp)) =
             tokio::time::timeout(Duration::from_secs(2), agent.watch_model_status(req)).await
         else {
             return host;
         };
+        drop(gate);
+        lock(&self.reached).insert(host.clone());
         let mut stream = resp.into_inner();
         while let Ok(Some(status)) = stream.message().await {
             lock(&pushed.latest).insert(host.clone(), polled_from(&status, tier));
@@ -2012,6 +2210,17 @@ fn origin_each(
     plan
 }
 
+/// Receivers a plan's loop polls at once (each poll is one `GetModelStatus` with a 2 s
+/// timeout; the first reaches a host over a new mutually authenticated connection).
+const POLL_CONCURRENCY: usize = 64;
+
+/// Agents contacted for the first time at once (see `Controller::first_contact`).
+const FIRST_CONTACTS: usize = 16;
+
+/// The shortest time between two rounds of a plan's loop (the agents check their status
+/// every 20 ms too, so completion is still seen within tens of milliseconds).
+const MIN_ROUND: Duration = Duration::from_millis(20);
+
 /// Why a GPU load could not be requested.
 enum GpuAsk {
     /// Not yet (the host does not know the model yet, or did not answer).
@@ -2072,7 +2281,13 @@ fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
         .collect();
     let now = now_unix();
     let mut events = Vec::new();
-    for plan in st.plans.values_mut() {
+    let Some(ids) = st.receiver_plans.get(host) else {
+        return Vec::new();
+    };
+    for id in ids {
+        let Some(plan) = st.plans.get_mut(id) else {
+            continue;
+        };
         // Since the plan began, even when it has ended: when the copy was seen.
         let (tier, elapsed) = (plan.tier, (now - plan.created_at).max(0.0));
         let digest = plan.digest.as_str();
@@ -2131,4 +2346,109 @@ fn unix_now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod receiver_index_tests {
+    use super::*;
+    use crate::plan::{PlanKind, PlanState, ReceiverProgress, ReceiverState};
+    use shardcast_protocol::controller::HeldModel;
+
+    fn plan(id: &str, digest: &str, hosts: &[(&str, ReceiverState)]) -> Plan {
+        Plan {
+            id: id.into(),
+            model: "m".into(),
+            digest: digest.into(),
+            tier: Tier::Memory,
+            state: PlanState::Running,
+            kind: PlanKind::Chains,
+            hosts: hosts
+                .iter()
+                .map(|(h, state)| {
+                    let mut r = ReceiverProgress::new(*h, *state);
+                    r.total = 10;
+                    r
+                })
+                .collect(),
+            estimate_s: 1.0,
+            message: String::new(),
+            chains: Vec::new(),
+            runs: Vec::new(),
+            replans: 0,
+            created_at: 10.0,
+            ended_at: None,
+            live_s: 0.0,
+            origin: String::new(),
+        }
+    }
+
+    fn holding(host: &str, digest: &str) -> HostEntry {
+        HostEntry {
+            report: HostReport {
+                host_id: host.into(),
+                holdings: vec![HeldModel {
+                    digest: digest.into(),
+                    tier: "memory".into(),
+                    complete: true,
+                    bytes_verified: 10,
+                    total_bytes: 10,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            last_seen: Instant::now(),
+            up: true,
+            gpu_reserved: BTreeMap::new(),
+            booked_at: HashMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_reconciles_only_the_plans_its_host_receives_in() {
+        let mut st = State::default();
+        st.add_plan(plan(
+            "a",
+            "d1",
+            &[("h1", ReceiverState::Lost), ("h2", ReceiverState::Done)],
+        ));
+        // Another plan of the same model where h1 is not a receiver: untouched.
+        st.add_plan(plan("b", "d1", &[("h2", ReceiverState::Lost)]));
+        // Many plans h1 is not part of (restored ones are indexed too).
+        for i in 0..1000 {
+            st.insert_plan(
+                format!("x{i}"),
+                plan(&format!("x{i}"), "d1", &[("h9", ReceiverState::Lost)]),
+            );
+        }
+        st.hosts.insert("h1".into(), holding("h1", "d1"));
+        assert_eq!(st.receiver_plans["h1"], vec!["a".to_string()]);
+        assert_eq!(st.receiver_plans["h9"].len(), 1000);
+        let events = reconcile_receivers(&mut st, "h1");
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].plan_id, "a");
+        assert_eq!(st.plans["a"].hosts[0].state, ReceiverState::Done);
+        assert_eq!(st.plans["b"].hosts[0].state, ReceiverState::Lost);
+        assert!(
+            st.plans
+                .values()
+                .filter(|p| p.id.starts_with('x'))
+                .all(|p| p.hosts[0].state == ReceiverState::Lost)
+        );
+        // Nothing left to recover: a second heartbeat changes nothing.
+        assert!(reconcile_receivers(&mut st, "h1").is_empty());
+        // A host in no plan.
+        st.hosts.insert("h3".into(), holding("h3", "d1"));
+        assert!(reconcile_receivers(&mut st, "h3").is_empty());
+    }
+
+    #[test]
+    fn the_index_does_not_list_a_plan_twice() {
+        let mut st = State::default();
+        st.add_plan(plan("a", "d1", &[("h1", ReceiverState::Pending)]));
+        st.insert_plan(
+            "a".into(),
+            plan("a", "d1", &[("h1", ReceiverState::Pending)]),
+        );
+        assert_eq!(st.receiver_plans["h1"], vec!["a".to_string()]);
+    }
 }

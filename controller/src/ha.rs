@@ -274,16 +274,18 @@ pub struct HaConfig {
 
 /// The first view, before any election: the stored state, read-only. Retries while etcd
 /// is unreachable, for at most `patience`.
+/// Also the token that ends the view's own tasks (its write-behind) once it is replaced.
 pub async fn first_view(
     cfg: &ControllerConfig,
     store: Arc<EtcdStore>,
     cancel: &CancellationToken,
     patience: Duration,
-) -> anyhow::Result<Arc<Active>> {
+) -> anyhow::Result<(Arc<Active>, CancellationToken)> {
     let until = Instant::now() + patience;
     loop {
-        match read_only(cfg, store.clone(), cancel.child_token()).await {
-            Ok(a) => return Ok(a),
+        let token = cancel.child_token();
+        match read_only(cfg, store.clone(), token.clone()).await {
+            Ok(a) => return Ok((a, token)),
             Err(e) if Instant::now() < until => {
                 warn!("loading the state from etcd: {e}; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -318,7 +320,10 @@ pub async fn run(
     slot: Slot,
     role: watch::Sender<Role>,
     cancel: CancellationToken,
+    first_view: CancellationToken,
 ) {
+    // Ends the tasks of the view in the slot when another replaces it.
+    let mut view_token = first_view;
     let mut seen_revision = -1;
     let mut lease: Option<i64> = None;
     let mut quiet = Quiet::default();
@@ -336,12 +341,18 @@ pub async fn run(
             }
             match store.revision().await {
                 Ok(r) if r != seen_revision => {
-                    match read_only(&cfg, store.clone(), cancel.child_token()).await {
+                    let token = cancel.child_token();
+                    match read_only(&cfg, store.clone(), token.clone()).await {
                         Ok(view) => {
                             slot.store(view);
+                            view_token.cancel();
+                            view_token = token;
                             seen_revision = r;
                         }
-                        Err(e) => quiet.warn(&format!("reloading the follower's view: {e}")),
+                        Err(e) => {
+                            token.cancel();
+                            quiet.warn(&format!("reloading the follower's view: {e}"));
+                        }
                     }
                 }
                 Ok(_) => {}
@@ -402,7 +413,10 @@ pub async fn run(
             tokio::task::spawn_blocking(move || Controller::open(cfg, store, term)).await
         };
         match opened {
-            Ok(Ok(ctl)) => slot.store(Active::new(ctl)),
+            Ok(Ok(ctl)) => {
+                slot.store(Active::new(ctl));
+                view_token.cancel();
+            }
             other => {
                 let e = match other {
                     Ok(Err(e)) => e.to_string(),

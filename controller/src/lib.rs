@@ -13,10 +13,11 @@
 //! * [`burst`]: partitioned bursts (`ScaleOut` with `partitions`); [`tiers`]: the memory
 //!   and disk tier sweeper and GPU-slot reconciliation; [`scrape`]: load from Prometheus.
 //! * [`inventory`]: hosts' heartbeats, liveness, GPU reservations; the placement view.
-//! * [`state`]: the durable store behind a trait (redb by default); [`etcd`]: the store
-//!   on etcd, with fenced writes; [`ha`]: leader election among replicas on etcd, the
-//!   follower's read-only view and the gate that refuses its writes with the leader's
-//!   address.
+//! * [`state`]: the durable store behind a trait (redb by default); [`write_behind`]: the
+//!   frequent, superseding writes (host reports, plan progress) committed in batches off
+//!   the state lock; [`etcd`]: the store on etcd, with fenced writes; [`ha`]: leader
+//!   election among replicas on etcd, the follower's read-only view and the gate that
+//!   refuses its writes with the leader's address.
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
 //!   failures to gRPC codes and HTTP statuses.
 //! * [`server`]: the `shardcast-controller` process. The `shardcast` operator CLI is its own
@@ -41,3 +42,4 @@ pub mod server;
 pub mod state;
 pub mod tiers;
 pub mod wire;
+pub mod write_behind;

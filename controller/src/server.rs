@@ -571,7 +571,8 @@ async fn start_replica(
         );
     }
     let id = args.replica_id.clone().unwrap_or_else(|| grpc.clone());
-    let view = crate::ha::first_view(&cfg, store.clone(), cancel, Duration::from_secs(30)).await?;
+    let (view, view_token) =
+        crate::ha::first_view(&cfg, store.clone(), cancel, Duration::from_secs(30)).await?;
     let slot: Slot = Arc::new(arc_swap::ArcSwap::new(view));
     let (role_tx, role_rx) =
         tokio::sync::watch::channel(crate::ha::Role::Follower { leader: None });
@@ -592,6 +593,7 @@ async fn start_replica(
         slot.clone(),
         role_tx,
         cancel.clone(),
+        view_token,
     ));
     Ok((slot, Replica::new(id, role_rx)))
 }

@@ -11,7 +11,7 @@ use std::path::Path;
 use redb::{Database, ReadableTable, TableDefinition};
 
 /// The tables of the controller's state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Table {
     /// Model name → `ModelRecord` (JSON).
     Models,
@@ -81,6 +81,14 @@ pub trait StateStore: Send + Sync + 'static {
     fn get(&self, table: Table, key: &str) -> Result<Option<Vec<u8>>, StateError>;
     /// Every entry of `table`, in key order.
     fn list(&self, table: Table) -> Result<Vec<(String, Vec<u8>)>, StateError>;
+    /// Inserts or replaces several keys, in one transaction where the store has them (the
+    /// default writes them one by one). Used by `write_behind`.
+    fn put_many(&self, writes: &[(Table, String, Vec<u8>)]) -> Result<(), StateError> {
+        for (table, key, value) in writes {
+            self.put(*table, key, value)?;
+        }
+        Ok(())
+    }
 }
 
 /// The embedded default: one redb file.
@@ -114,6 +122,17 @@ impl StateStore for RedbStore {
         {
             let mut t = tx.open_table(table.def()).map_err(StateError::from)?;
             t.insert(key, value).map_err(StateError::from)?;
+        }
+        tx.commit().map_err(StateError::from)
+    }
+
+    /// One transaction (one fsync) for the whole batch.
+    fn put_many(&self, writes: &[(Table, String, Vec<u8>)]) -> Result<(), StateError> {
+        let tx = self.db.begin_write().map_err(StateError::from)?;
+        for (table, key, value) in writes {
+            let mut t = tx.open_table(table.def()).map_err(StateError::from)?;
+            t.insert(key.as_str(), value.as_slice())
+                .map_err(StateError::from)?;
         }
         tx.commit().map_err(StateError::from)
     }
@@ -173,6 +192,26 @@ mod tests {
             Some(&b"x"[..])
         );
         assert_eq!(s.get(Table::Hosts, "h").unwrap(), None);
+    }
+
+    #[test]
+    fn put_many_writes_every_table_in_one_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RedbStore::open(&dir.path().join("state.redb")).unwrap();
+        s.put_many(&[
+            (Table::Hosts, "h".into(), b"1".to_vec()),
+            (Table::Plans, "p".into(), b"2".to_vec()),
+            (Table::Hosts, "h".into(), b"3".to_vec()),
+        ])
+        .unwrap();
+        assert_eq!(
+            s.get(Table::Hosts, "h").unwrap().as_deref(),
+            Some(&b"3"[..])
+        );
+        assert_eq!(
+            s.get(Table::Plans, "p").unwrap().as_deref(),
+            Some(&b"2"[..])
+        );
     }
 
     #[test]

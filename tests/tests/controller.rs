@@ -93,6 +93,7 @@ async fn register(api: &mut ControllerClient<Channel>, origin: &Origin) -> Manif
             chunk_size: 256 << 10,
             via_host: String::new(),
             profile_json: String::new(),
+            no_wait: false,
         })
         .await
         .unwrap()
@@ -228,6 +229,7 @@ async fn prewarm_then_peers(http: bool) {
             chunk_size: 256 << 10,
             via_host: String::new(),
             profile_json: String::new(),
+            no_wait: false,
         })
         .await
         .unwrap()
@@ -853,6 +855,7 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
             chunk_size: 256 << 10,
             via_host: String::new(),
             profile_json: String::new(),
+            no_wait: false,
         })
         .await
         .unwrap()
@@ -1333,6 +1336,7 @@ async fn register_profile(api: &mut ControllerClient<Channel>, origin: &Origin, 
         chunk_size: 256 << 10,
         via_host: String::new(),
         profile_json: profile.into(),
+        no_wait: false,
     })
     .await
     .unwrap();
@@ -1365,12 +1369,32 @@ async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
     let again = partition_plan(&mut api, 4).await;
     assert_eq!(again["stored"], true);
     assert_eq!(again["table"], four["table"]);
-    // A restarted controller answers from its state store.
+    // A restarted controller answers from its state store. (Host reports are committed
+    // in batches: one that changed in the last moments before the kill is learnt again
+    // from the host's next heartbeat, so wait for that before asking.)
     c.controller.kill().await;
+    let killed = Instant::now();
     c.controller.restart().await.unwrap();
     let mut api = c.controller.client().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let h = api
+            .list_hosts(shardcast_protocol::controller::ListHostsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let seen = h.hosts.iter().any(|h| {
+            h.report.as_ref().is_some_and(|r| !r.gpus.is_empty())
+                && Duration::from_secs_f64(h.last_seen_s) < killed.elapsed()
+        });
+        if seen {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{h:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let after = partition_plan(&mut api, 4).await;
-    assert_eq!(after["stored"], true);
+    assert_eq!(after["stored"], true, "{after}\nbefore the restart: {four}");
     assert_eq!(after["table"], four["table"]);
     // A new profile (slower layers) replaces the tables: the default one is computed again
     // at registration, the others on their next request.
@@ -1409,6 +1433,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
         chunk_size: 256 << 10,
         via_host: String::new(),
         profile_json: origin_profile(&origin),
+        no_wait: false,
     })
     .await
     .unwrap();
@@ -1551,6 +1576,7 @@ async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
                 chunk_size: 256 << 10,
                 via_host: String::new(),
                 profile_json: String::new(),
+                no_wait: false,
             })
             .await
             .unwrap()
@@ -1933,5 +1959,110 @@ async fn completion_is_pushed_by_the_agents_not_polled() {
         assert_eq!(h.state, "done", "{h:?}");
         assert!(h.done_s > 0.0 && h.done_s <= done.elapsed_s + 0.05, "{h:?}");
         c.daemon(&h.host).unwrap().verify_copy(&manifest).unwrap();
+    }
+}
+
+/// Registration runs as a job of its own: `no_wait` answers at once and `ListModels`
+/// shows it in progress; the same name and origin again joins it (the origin is read
+/// once); another origin for that name is refused while it runs; a caller that gives up
+/// does not stop it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_is_a_job_that_callers_join_and_can_leave() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    let c = start_cluster_allowing(2, vec![], &[&url], |_, _| {})
+        .await
+        .unwrap();
+    // 4 MiB at 4 MiB/s: each registration takes about a second.
+    let origin = Origin::new(4 << 20, 2);
+    let stats = std::sync::Arc::new(OriginStats::default());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    tokio::spawn(serve(
+        origin.dir.path().to_path_buf(),
+        listener,
+        Some(4 << 20),
+        stats.clone(),
+        stop.clone(),
+    ));
+    let req = |name: &str, origin: &str, no_wait: bool| RegisterModelRequest {
+        name: name.into(),
+        origin: origin.into(),
+        chunk_size: 256 << 10,
+        via_host: String::new(),
+        profile_json: String::new(),
+        no_wait,
+    };
+    let mut api = c.controller.client().await.unwrap();
+    let t0 = Instant::now();
+    let started = api
+        .register_model(req(MODEL, &url, true))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert_eq!(
+        (started.name.as_str(), started.digest.as_str()),
+        (MODEL, "")
+    );
+    let listed = api
+        .list_models(ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.models.is_empty(), "{listed:?}");
+    assert_eq!(listed.registering.len(), 1, "{listed:?}");
+    assert_eq!(listed.registering[0].origin, url);
+    assert!(!listed.registering[0].via_host.is_empty());
+
+    // Another origin for the same name is refused while it runs.
+    let err = api
+        .register_model(req(MODEL, &origin.uri(), false))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{err:?}");
+    assert!(err.message().contains("being registered"), "{err:?}");
+
+    // The same registration again joins the one in progress and gets its outcome.
+    let m = api
+        .register_model(req(MODEL, &url, false))
+        .await
+        .unwrap()
+        .into_inner();
+    let manifest: Manifest = decode_exact(m.manifest.into()).unwrap();
+    let served = stats.bytes_sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (manifest.total_bytes()..manifest.total_bytes() + (64 << 10)).contains(&served),
+        "the origin served {served} bytes for one {}-byte model",
+        manifest.total_bytes()
+    );
+    let listed = api
+        .list_models(ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.registering.is_empty(), "{listed:?}");
+    assert_eq!(listed.models.len(), 1);
+
+    // A caller that gives up: the registration still ends with the model registered.
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        api.register_model(req("test/other", &url, false)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "it should take longer than 300 ms");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let listed = api
+            .list_models(ListModelsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if listed.models.iter().any(|m| m.name == "test/other") {
+            assert!(listed.registering.is_empty(), "{listed:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{listed:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

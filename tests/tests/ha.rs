@@ -61,6 +61,7 @@ async fn register(api: &mut Api, name: &str, uri: &str) -> Manifest {
             chunk_size: 256 << 10,
             via_host: String::new(),
             profile_json: String::new(),
+            no_wait: false,
         })
         .await
         .unwrap()

@@ -1,0 +1,195 @@
+//! The controller at 1000 hosts: a real `shardcast-controller` process under a swarm of
+//! 1000 simulated hosts (`shardcast_bench::swarm`), each heartbeating over gRPC with its
+//! own host certificate and serving the agent API on its own loopback port. The simulated
+//! hosts move no bytes (transfers are timed at a simulated link rate); what is under test
+//! is the control plane: every host registered and up, a prewarm of 64 replicas planned,
+//! run and completed with every receiver reporting the model, and the status APIs
+//! answering throughout.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use shardcast_bench::control::wait_plan;
+use shardcast_bench::scale::{SIM_ORIGIN_PREFIX, hosts_up, start_controller};
+use shardcast_bench::swarm::{SimModel, Swarm, SwarmOpts};
+use shardcast_protocol::controller::{
+    GetStatusRequest, ListHostsRequest, ListPlansRequest, PrewarmRequest, RegisterModelRequest,
+};
+
+const HOSTS: usize = 1000;
+const REPLICAS: u32 = 64;
+const HEARTBEAT_MS: u64 = 1000;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let origin_bps = 2_500_000_000 / 8;
+    let controller = start_controller(dir.path(), HEARTBEAT_MS, origin_bps, false, &[]).await?;
+    let name = "sim/scale-test";
+    let origin = format!("{SIM_ORIGIN_PREFIX}scale-test/");
+    let model = SimModel::zeros(name, &origin, 256 << 20, 2, 1 << 20)?;
+    let swarm = Swarm::start(SwarmOpts {
+        hosts: HOSTS,
+        racks: 25,
+        heartbeat: Duration::from_millis(HEARTBEAT_MS),
+        link_bps: 10_000_000_000 / 8,
+        origin_bps,
+        mem_capacity: 512 << 30,
+        disk_capacity: 4 << 40,
+        controller: controller.grpc.to_string(),
+        pki: controller.pki.clone(),
+        catalog: vec![model],
+    })
+    .await?;
+    let mut client = controller.client().await?;
+
+    // Every host registers over its own mutually authenticated connection and is up.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hosts_up(&mut client).await? < HOSTS {
+        ensure!(
+            Instant::now() < deadline,
+            "not every host came up within 30 s (last heartbeat error: {})",
+            swarm.heartbeats.last_error()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let listed = client.list_hosts(ListHostsRequest {}).await?.into_inner();
+    let ids: BTreeSet<String> = listed
+        .hosts
+        .iter()
+        .filter_map(|h| h.report.as_ref().map(|r| r.host_id.clone()))
+        .collect();
+    assert_eq!(ids, swarm.host_ids(), "ListHosts lists exactly the swarm");
+    for h in &listed.hosts {
+        let r = h.report.as_ref().context("a host without its report")?;
+        let sim = swarm.host(&r.host_id).context("an unknown host")?;
+        assert!(h.up, "{} is not up", r.host_id);
+        assert_eq!(r.agent_addr, sim.agent_addr.to_string());
+        assert_eq!(r.rack, sim.rack);
+    }
+
+    // Registration goes through one simulated host's ImportModel.
+    let info = client
+        .register_model(RegisterModelRequest {
+            name: name.into(),
+            origin,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    assert_eq!(info.total_bytes, 256 << 20);
+
+    // Status queries run the whole time; each must answer.
+    let stop = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(AtomicU64::new(0));
+    let prober = {
+        let (mut c, stop, answered) = (client.clone(), stop.clone(), answered.clone());
+        let name = name.to_string();
+        tokio::spawn(async move {
+            let mut slowest = Duration::ZERO;
+            while !stop.load(Ordering::Relaxed) {
+                let t0 = Instant::now();
+                c.get_status(GetStatusRequest {
+                    model: name.clone(),
+                })
+                .await
+                .context("GetStatus under load")?;
+                let hosts = c.list_hosts(ListHostsRequest {}).await?.into_inner();
+                ensure!(hosts.hosts.len() == HOSTS, "ListHosts lost hosts");
+                c.list_plans(ListPlansRequest {}).await?;
+                slowest = slowest.max(t0.elapsed());
+                answered.fetch_add(3, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            anyhow::Ok(slowest)
+        })
+    };
+
+    let t0 = Instant::now();
+    let accepted = client
+        .prewarm(PrewarmRequest {
+            model: name.into(),
+            replicas: REPLICAS,
+            tier: "memory".into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let plan_time = t0.elapsed();
+    let receivers: BTreeSet<String> = accepted.hosts.iter().map(|h| h.host.clone()).collect();
+    assert_eq!(receivers.len(), REPLICAS as usize, "64 distinct receivers");
+    assert!(receivers.is_subset(&swarm.host_ids()));
+    let status = wait_plan(&mut client, &accepted.plan_id, Duration::from_secs(60)).await?;
+    assert_eq!(status.state, "done", "{status:?}");
+    assert!(
+        status
+            .hosts
+            .iter()
+            .all(|h| h.state == "done" && h.bytes == 256 << 20),
+        "{:?}",
+        status.hosts
+    );
+    let done = t0.elapsed();
+
+    // Every receiver holds the model (in its simulated store) and reports it: GetStatus
+    // shows exactly the 64 receivers with a complete memory copy once they heartbeated.
+    assert_eq!(swarm.holders(&status.digest), receivers);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = client
+            .get_status(GetStatusRequest { model: name.into() })
+            .await?
+            .into_inner();
+        let holders: BTreeSet<String> = s
+            .hosts
+            .iter()
+            .filter(|h| h.up && h.memory && h.memory_bytes == 256 << 20)
+            .map(|h| h.host.clone())
+            .collect();
+        if holders == receivers {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "GetStatus shows {} holders, not the plan's {} receivers",
+            holders.len(),
+            receivers.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    stop.store(true, Ordering::Relaxed);
+    let slowest = prober.await??;
+    assert!(
+        answered.load(Ordering::Relaxed) >= 30,
+        "status queries answered: {}",
+        answered.load(Ordering::Relaxed)
+    );
+    // Generous bounds (a loaded 2-core CI machine); the benchmark reports the real numbers.
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a round of status queries took {slowest:?}"
+    );
+    assert!(
+        plan_time < Duration::from_secs(2),
+        "planning took {plan_time:?}"
+    );
+    let (ok, failed, _) = swarm.heartbeats.take();
+    assert_eq!(
+        failed,
+        0,
+        "heartbeats failed: {}",
+        swarm.heartbeats.last_error()
+    );
+    assert!(ok >= HOSTS as u64, "only {ok} heartbeats answered");
+    assert_eq!(hosts_up(&mut client).await?, HOSTS, "a host went down");
+    eprintln!(
+        "{HOSTS} hosts: plan {plan_time:?}, 64 replicas done after {done:?}, {ok} heartbeats, slowest status round {slowest:?}"
+    );
+    swarm.stop().await;
+    Ok(())
+}
