@@ -4,6 +4,7 @@
 //!
 //! * [`cluster`]: real `transferd` processes on loopback or in namespaces.
 //! * [`control`]: a `shardcast-controller` process with daemons reporting to it.
+//! * [`ha`]: controller replicas on a real etcd, with a partitioning relay (`failover`).
 //! * [`faults`]: one fault (kill, stop, link down, corruption) × chain position on the
 //!   emulated cluster, against the no-fault ready time (`faults`).
 //! * [`loader_bench`]: the GPU loader's stages alone and overlapped (`loader`).
@@ -19,6 +20,7 @@
 pub mod cluster;
 pub mod control;
 pub mod faults;
+pub mod ha;
 pub mod loader_bench;
 pub mod managed;
 pub mod netns;

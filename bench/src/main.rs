@@ -65,6 +65,23 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Controller fail-over: three `shardcast-controller` replicas on a real etcd (on
+    /// loopback) and daemons; each trial SIGKILLs the leader and times the first write
+    /// (a prewarm) the fail-over client gets accepted, then restarts the killed replica.
+    Failover {
+        /// Leader kills.
+        #[arg(long, default_value_t = 10)]
+        trials: usize,
+        /// transferd processes.
+        #[arg(long, default_value_t = 2)]
+        hosts: usize,
+        /// The replicas' leader lease TTL, milliseconds.
+        #[arg(long, default_value_t = 3000)]
+        lease_ttl_ms: u64,
+        /// Write the report as JSON too.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// One fault × chain position on an emulated cluster (needs root): a prewarm of every
     /// host through the controller with a host killed, stopped, cut off or its copy
     /// corrupted `--at-s` in; the healthy hosts' ready time against the no-fault one, their
@@ -442,6 +459,26 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .context("--pcie-rate must be a finite rate")?,
             };
             let report = shardcast_bench::managed::run_burst(&opts).await?;
+            emit(&report, json)
+        }
+        Cmd::Failover {
+            trials,
+            hosts,
+            lease_ttl_ms,
+            json,
+        } => {
+            let opts = shardcast_bench::ha::FailoverOpts {
+                trials,
+                hosts,
+                lease_ttl_ms,
+            };
+            let report = shardcast_bench::ha::run_failover(&opts).await?;
+            eprintln!(
+                "fail-over (SIGKILL of the leader → first accepted write) over {} trials: median {:.2} s, max {:.2} s",
+                report.trials.len(),
+                report.median_s,
+                report.max_s
+            );
             emit(&report, json)
         }
         Cmd::Demo {

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
+use shardcast_identity::failover::FailoverChannel;
 use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{
     EvictRequest, GetModelRequest, GetStatusRequest, GpuState, HostProgress, ListHostsRequest,
@@ -19,7 +20,10 @@ use shardcast_protocol::controller::{
     PrewarmRequest, ReceiverState, RegisterModelRequest, ScaleOutRequest, Tier, WatchPlanRequest,
 };
 use shardcast_protocol::units::{format_bytes, parse_size};
-use tonic::transport::Channel;
+
+/// How long a call keeps trying while no controller replica takes it (an election after
+/// the leader died takes a few seconds).
+const FAILOVER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(15);
 
 use shardcast_protocol::code_name;
 
@@ -31,7 +35,8 @@ use shardcast_protocol::code_name;
     about = "Operate a shardcast cluster through its controller"
 )]
 pub struct Cli {
-    /// Controller gRPC address: host:port, http://host:port or unix:/path.
+    /// Controller gRPC address: host:port, http://host:port or unix:/path; or every
+    /// replica's, comma-separated (calls follow the elected leader).
     #[arg(
         long,
         global = true,
@@ -506,8 +511,13 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         };
         return offline_plan(profile, *max_partitions, gpu_memory, *queue, cli.json);
     }
-    let channel = shardcast_identity::grpc::lazy(&cli.controller, client_security(&cli)?)
-        .map_err(|e| usage(e.to_string()))?;
+    // Several replicas (comma-separated): calls follow the leader and fail over.
+    let channel = FailoverChannel::new(
+        &shardcast_identity::failover::split_addrs(&cli.controller),
+        client_security(&cli)?,
+        FAILOVER_PATIENCE,
+    )
+    .map_err(|e| usage(e.to_string()))?;
     let mut c = ControllerClient::new(channel)
         .max_decoding_message_size(128 << 20)
         .max_encoding_message_size(128 << 20);
@@ -927,7 +937,7 @@ fn tier_cell(complete: bool, bytes: u64, total: u64) -> String {
 }
 
 async fn accepted(
-    c: &mut ControllerClient<Channel>,
+    c: &mut ControllerClient<FailoverChannel>,
     a: PlanAccepted,
     json: bool,
     no_wait: bool,
@@ -999,7 +1009,7 @@ fn plan_result(p: &PlanStatus) -> Result<(), CliError> {
 /// Follows a plan: progress bars on a terminal, one line per change otherwise, or the final
 /// status as JSON.
 async fn watch(
-    c: &mut ControllerClient<Channel>,
+    c: &mut ControllerClient<FailoverChannel>,
     plan: &str,
     json: bool,
 ) -> Result<PlanStatus, CliError> {

@@ -74,6 +74,12 @@ pub struct ControllerConfig {
     /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
     /// empty, which refuses every registration with a message saying how to allow one.
     pub origins: OriginPolicy,
+    /// Refusal and HTTP-timeout counters (`/metrics`), shared by every `Controller` opened
+    /// with this configuration (a replica's successive views and terms, `crate::ha`).
+    pub api_stats: (
+        Arc<shardcast_identity::grpc::AuthzStats>,
+        Arc<shardcast_identity::http::HttpStats>,
+    ),
 }
 
 impl Default for ControllerConfig {
@@ -91,6 +97,7 @@ impl Default for ControllerConfig {
             tls: None,
             signer: None,
             origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
+            api_stats: Default::default(),
             register_keeps_copy: true,
         }
     }
@@ -346,6 +353,42 @@ impl Controller {
         store: Arc<dyn StateStore>,
         cancel: CancellationToken,
     ) -> Result<Arc<Self>, ApiError> {
+        let (me, resume) = Self::load(cfg, store, cancel)?;
+        for (id, burst) in resume {
+            info!(plan = %id, "resuming a plan in flight");
+            if burst {
+                tokio::spawn(me.clone().run_burst(id));
+            } else {
+                tokio::spawn(me.clone().run_plan(id));
+            }
+        }
+        tokio::spawn(me.clone().expiry_loop());
+        if me.cfg.tiers.enabled {
+            tokio::spawn(me.clone().tier_loop());
+        }
+        if let Some(s) = me.cfg.scrape.clone() {
+            tokio::spawn(me.clone().scrape_loop(s));
+        }
+        Ok(me)
+    }
+
+    /// Loads the state for reads only (a follower replica's view, `crate::ha`): no plan
+    /// runner, sweeper, scraper or expiry loop runs; its writes are refused by the store.
+    pub fn open_read_only(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<Arc<Self>, ApiError> {
+        Ok(Self::load(cfg, store, cancel)?.0)
+    }
+
+    /// The stored state, and the plans in flight (id, is a burst).
+    #[allow(clippy::type_complexity)]
+    fn load(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<(Arc<Self>, Vec<(String, bool)>), ApiError> {
         let mut st = State::default();
         let started = Instant::now();
         for (name, bytes) in store.list(Table::Models)? {
@@ -403,6 +446,7 @@ impl Controller {
         }
         let usage = crate::tiers::Usage::restore(store.as_ref())?;
         let ptables = crate::ptables::PlanStore::restore(store.as_ref())?;
+        let (authz, http) = cfg.api_stats.clone();
         let writes = crate::write_behind::WriteBehind::new(store.clone());
         tokio::spawn(writes.clone().run(cancel.clone()));
         let me = Arc::new(Self {
@@ -417,27 +461,12 @@ impl Controller {
             scaler: crate::autoscaler::Autoscaler::default(),
             usage,
             ptables,
-            authz: Arc::default(),
-            http: Arc::default(),
+            authz,
+            http,
             origin_refused: std::sync::atomic::AtomicU64::new(0),
             registrations: Mutex::default(),
         });
-        for (id, burst) in resume {
-            info!(plan = %id, "resuming a plan in flight");
-            if burst {
-                tokio::spawn(me.clone().run_burst(id));
-            } else {
-                tokio::spawn(me.clone().run_plan(id));
-            }
-        }
-        tokio::spawn(me.clone().expiry_loop());
-        if me.cfg.tiers.enabled {
-            tokio::spawn(me.clone().tier_loop());
-        }
-        if let Some(s) = me.cfg.scrape.clone() {
-            tokio::spawn(me.clone().scrape_loop(s));
-        }
-        Ok(me)
+        Ok((me, resume))
     }
 
     /// The configuration.

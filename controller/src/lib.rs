@@ -15,7 +15,9 @@
 //! * [`inventory`]: hosts' heartbeats, liveness, GPU reservations; the placement view.
 //! * [`state`]: the durable store behind a trait (redb by default); [`write_behind`]: the
 //!   frequent, superseding writes (host reports, plan progress) committed in batches off
-//!   the state lock.
+//!   the state lock; [`etcd`]: the store on etcd, with fenced writes; [`ha`]: leader
+//!   election among replicas on etcd, the follower's read-only view and the gate that
+//!   refuses its writes with the leader's address.
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
 //!   failures to gRPC codes and HTTP statuses.
 //! * [`server`]: the `shardcast-controller` process. The `shardcast` operator CLI is its own
@@ -28,7 +30,9 @@ pub mod autoscaler;
 pub mod burst;
 pub mod core;
 pub mod error;
+pub mod etcd;
 pub mod grpc;
+pub mod ha;
 pub mod http;
 pub mod inventory;
 pub mod plan;

@@ -26,7 +26,9 @@ use tracing::{info, warn};
 
 use crate::core::{Controller, ControllerConfig};
 use crate::grpc::GrpcApi;
+use crate::ha::{Active, LeaderGate, Replica, Slot, Switch};
 use crate::state::RedbStore;
+use shardcast_identity::grpc::GateLayer;
 
 /// Command line (every flag also reads an environment variable).
 #[derive(Debug, Parser)]
@@ -160,6 +162,49 @@ pub struct Args {
     /// refuses every registration. Each transferd enforces its own `origin_allow` too.
     #[arg(long, env = "SHARDCAST_ORIGIN_ALLOW", value_delimiter = ',')]
     pub origin_allow: Vec<String>,
+    /// Where the state lives: unset for the embedded store in --state-dir (one replica),
+    /// or `etcd://host:port[,host:port...]` for several replicas with one elected leader
+    /// (docs/OPERATIONS.md, "High availability").
+    #[arg(long, env = "SHARDCAST_STATE")]
+    pub state: Option<String>,
+    /// Key prefix of this cluster's state in etcd.
+    #[arg(long, env = "SHARDCAST_ETCD_PREFIX", default_value = "/shardcast")]
+    pub etcd_prefix: String,
+    /// etcd's --max-request-bytes: records above it (large manifests) are refused with a
+    /// clear error; raise both together.
+    #[arg(
+        long,
+        env = "SHARDCAST_ETCD_MAX_REQUEST_BYTES",
+        default_value_t = crate::etcd::ETCD_DEFAULT_MAX_REQUEST_BYTES
+    )]
+    pub etcd_max_request_bytes: usize,
+    /// The longest one etcd call may take, milliseconds.
+    #[arg(long, env = "SHARDCAST_ETCD_TIMEOUT_MS", default_value_t = 2000)]
+    pub etcd_timeout_ms: u64,
+    /// etcd user, when etcd's authentication is enabled (the password is read from
+    /// SHARDCAST_ETCD_PASSWORD).
+    #[arg(long, env = "SHARDCAST_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// This replica's name in the election [default: the advertised gRPC address].
+    #[arg(long, env = "SHARDCAST_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// gRPC address clients and hosts should use for this replica when it leads
+    /// [default: the gRPC listener's address].
+    #[arg(long, env = "SHARDCAST_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// HTTP address clients should use for this replica when it leads [default: the HTTP
+    /// listener's address].
+    #[arg(long, env = "SHARDCAST_ADVERTISE_HTTP")]
+    pub advertise_http: Option<String>,
+    /// Leader lease TTL, milliseconds (whole seconds in etcd; at least 2000). A leader
+    /// that cannot renew it for 2/3 of this steps down; a killed leader is replaced
+    /// after about this long.
+    #[arg(long, env = "SHARDCAST_LEASE_TTL_MS", default_value_t = 3000)]
+    pub lease_ttl_ms: u64,
+    /// How often a follower campaigns and reloads its view when the state changed,
+    /// milliseconds.
+    #[arg(long, env = "SHARDCAST_CAMPAIGN_MS", default_value_t = 250)]
+    pub campaign_ms: u64,
     /// Whether the host that reads a model's origin to build its manifest at registration
     /// keeps the bytes in its memory tier (best effort), so a prewarm that follows is served
     /// from it and the origin is read once, not twice. `false` leaves registration a read
@@ -337,13 +382,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
         tokio::spawn(follow_rotation(ctx.clone(), signer.clone(), cancel.clone()));
     }
-    let path = args.state_dir.join("state.redb");
-    let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
-        .await
-        .context("state store task")??;
-    let controller = Controller::open(cfg, Arc::new(store), cancel.clone())
-        .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
-
     let grpc = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding gRPC listener {}", args.listen))?;
@@ -360,17 +398,38 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let (grpc_addr, http_addr) = (grpc.local_addr()?, http.local_addr()?);
 
-    let api = GrpcApi(controller.clone());
-    let authz = controller.authz_stats();
+    let (slot, replica, state_note) = match &args.state {
+        None => {
+            let path = args.state_dir.join("state.redb");
+            let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
+                .await
+                .context("state store task")??;
+            let controller = Controller::open(cfg, Arc::new(store), cancel.clone())
+                .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
+            let slot: Slot = Arc::new(arc_swap::ArcSwap::new(Active::new(controller)));
+            (slot, Replica::solo(), args.state_dir.display().to_string())
+        }
+        Some(url) => {
+            let (slot, replica) =
+                start_replica(&args, url, cfg, grpc_addr, http_addr, &cancel).await?;
+            (slot, replica, url.clone())
+        }
+    };
+
+    let authz = slot.load().ctl.authz_stats();
+    let http_stats = slot.load().ctl.http_stats();
     let services = || {
         tonic::transport::Server::builder()
             .layer(AuthzLayer::new(crate::auth::permission, authz.clone()))
-            .add_service(
-                ControllerServer::new(api.clone())
+            .layer(GateLayer::gate(LeaderGate(replica.clone())))
+            .add_service(Switch::new(slot.clone(), |c| {
+                ControllerServer::new(GrpcApi(c))
                     .max_decoding_message_size(128 << 20)
-                    .max_encoding_message_size(128 << 20),
-            )
-            .add_service(InventoryServer::new(api.clone()))
+                    .max_encoding_message_size(128 << 20)
+            }))
+            .add_service(Switch::new(slot.clone(), |c| {
+                InventoryServer::new(GrpcApi(c))
+            }))
     };
     let mut tasks = tokio::task::JoinSet::new();
     {
@@ -408,11 +467,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         });
     }
     {
-        let router = crate::http::router(controller.clone()).layer(HttpAuthLayer::new(
-            crate::auth::http_permission,
-            Arc::new(tokens),
-            authz.clone(),
-        ));
+        let router =
+            crate::ha::http_router(slot.clone(), replica.clone()).layer(HttpAuthLayer::new(
+                crate::auth::http_permission,
+                Arc::new(tokens),
+                authz.clone(),
+            ));
         let incoming = grpc::incoming_tcp(
             http,
             match &tls {
@@ -425,7 +485,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             incoming,
             router,
             http_limits,
-            controller.http_stats(),
+            http_stats,
             cancel.clone(),
         ));
     }
@@ -434,7 +494,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .as_ref()
         .map(|p| format!(" unix={}", p.display()))
         .unwrap_or_default();
-    info!(%grpc_addr, %http_addr, state = %args.state_dir.display(), "controller ready");
+    info!(%grpc_addr, %http_addr, state = %state_note, "controller ready");
     println!("READY grpc={grpc_addr} http={http_addr}{unix_note}");
 
     shutdown_signal().await;
@@ -445,6 +505,97 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     })
     .await;
     Ok(())
+}
+
+/// Connects to etcd, loads the first (read-only) view and starts this replica's election.
+async fn start_replica(
+    args: &Args,
+    url: &str,
+    cfg: ControllerConfig,
+    grpc_addr: SocketAddr,
+    http_addr: SocketAddr,
+    cancel: &CancellationToken,
+) -> anyhow::Result<(Slot, Replica)> {
+    let endpoints = crate::etcd::EtcdConfig::parse_url(url).map_err(anyhow::Error::msg)?;
+    if !(2000..=60_000).contains(&args.lease_ttl_ms) {
+        bail!(
+            "lease_ttl_ms must be between 2000 and 60000, got {}",
+            args.lease_ttl_ms
+        );
+    }
+    if !(10..=10_000).contains(&args.campaign_ms) {
+        bail!(
+            "campaign_ms must be between 10 and 10000, got {}",
+            args.campaign_ms
+        );
+    }
+    if !(100..=60_000).contains(&args.etcd_timeout_ms) {
+        bail!("etcd_timeout_ms must be between 100 and 60000");
+    }
+    if !args.etcd_prefix.starts_with('/') || args.etcd_prefix.len() < 2 {
+        bail!(
+            "etcd_prefix must start with / and name something, got {:?}",
+            args.etcd_prefix
+        );
+    }
+    let user = match &args.etcd_user {
+        Some(u) => Some((
+            u.clone(),
+            std::env::var("SHARDCAST_ETCD_PASSWORD")
+                .context("--etcd-user needs the password in SHARDCAST_ETCD_PASSWORD")?,
+        )),
+        None => None,
+    };
+    let etcd_cfg = crate::etcd::EtcdConfig {
+        endpoints,
+        prefix: args.etcd_prefix.clone(),
+        max_request_bytes: args.etcd_max_request_bytes,
+        timeout: Duration::from_millis(args.etcd_timeout_ms),
+        user,
+    };
+    let store = tokio::task::spawn_blocking(move || crate::etcd::EtcdStore::connect(&etcd_cfg))
+        .await
+        .context("etcd connect task")?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let grpc = args
+        .advertise
+        .clone()
+        .unwrap_or_else(|| grpc_addr.to_string());
+    let http = args
+        .advertise_http
+        .clone()
+        .unwrap_or_else(|| http_addr.to_string());
+    if grpc_addr.ip().is_unspecified() && args.advertise.is_none() {
+        warn!(
+            "the gRPC listener is {grpc_addr}: set --advertise to the address clients should be sent to"
+        );
+    }
+    let id = args.replica_id.clone().unwrap_or_else(|| grpc.clone());
+    let (view, view_token) =
+        crate::ha::first_view(&cfg, store.clone(), cancel, Duration::from_secs(30)).await?;
+    let slot: Slot = Arc::new(arc_swap::ArcSwap::new(view));
+    let (role_tx, role_rx) =
+        tokio::sync::watch::channel(crate::ha::Role::Follower { leader: None });
+    let ha = crate::ha::HaConfig {
+        me: crate::etcd::LeaderInfo {
+            id: id.clone(),
+            grpc,
+            http,
+        },
+        ttl: Duration::from_millis(args.lease_ttl_ms),
+        campaign: Duration::from_millis(args.campaign_ms),
+    };
+    info!(%id, prefix = %args.etcd_prefix, "state in etcd: campaigning for leadership");
+    tokio::spawn(crate::ha::run(
+        cfg,
+        ha,
+        store,
+        slot.clone(),
+        role_tx,
+        cancel.clone(),
+        view_token,
+    ));
+    Ok((slot, Replica::new(id, role_rx)))
 }
 
 /// Plan tokens are signed with the controller's TLS key: as soon as the TLS context

@@ -1,5 +1,5 @@
-//! Durable controller state behind a small trait, so a distributed store (etcd, a SQL
-//! database) can replace the embedded default later.
+//! Durable controller state behind a small trait: the embedded redb file by default,
+//! etcd ([`crate::etcd::EtcdStore`]) for several controller replicas.
 //!
 //! The controller keeps six tables: registered models (JSON records), their manifests (raw
 //! canonical bytes), hosts' last reports, plans (JSON records, in flight and finished),
@@ -29,15 +29,20 @@ pub enum Table {
 }
 
 impl Table {
-    fn def(self) -> TableDefinition<'static, &'static str, &'static [u8]> {
-        TableDefinition::new(match self {
+    /// The table's name (redb table, etcd key segment).
+    pub fn name(self) -> &'static str {
+        match self {
             Self::Models => "models",
             Self::Manifests => "manifests",
             Self::Hosts => "hosts",
             Self::Plans => "plans",
             Self::Usage => "usage",
             Self::PartitionPlans => "partition_plans",
-        })
+        }
+    }
+
+    fn def(self) -> TableDefinition<'static, &'static str, &'static [u8]> {
+        TableDefinition::new(self.name())
     }
 
     const ALL: [Self; 6] = [

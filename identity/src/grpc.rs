@@ -419,6 +419,13 @@ impl<S, G: Clone> tower::Layer<S> for GateLayer<G> {
     }
 }
 
+impl<G> GateLayer<G> {
+    /// A layer running `gate` before every call (for gates defined outside this crate).
+    pub fn gate(gate: G) -> Self {
+        Self(gate)
+    }
+}
+
 /// The service a [`GateLayer`] wraps around the routes.
 #[derive(Clone)]
 pub struct Gated<S, G> {
@@ -520,8 +527,8 @@ pub enum ClientSecurity {
     "invalid service address {addr:?}: {reason} (expected host:port, http://host:port or unix:/path)"
 )]
 pub struct AddrError {
-    addr: String,
-    reason: String,
+    pub(crate) addr: String,
+    pub(crate) reason: String,
 }
 
 /// Why [`connect`] failed.

@@ -20,6 +20,7 @@
 //! loopback. Non-goals: revocation lists (short-lived certificates and rotation instead),
 //! external identity providers.
 
+pub mod failover;
 pub mod grpc;
 pub mod http;
 pub mod pki;

@@ -117,7 +117,8 @@ pub struct Args {
     #[arg(long, env = "SHARDCAST_LOG_FORMAT")]
     pub log_format: Option<String>,
     /// Controller inventory address to heartbeat to (`host:port`, `http://host:port` or
-    /// `unix:/path`) [default: none, the daemon runs unmanaged].
+    /// `unix:/path`), or every replica's, comma-separated: heartbeats follow the elected
+    /// leader [default: none, the daemon runs unmanaged].
     #[arg(long, env = "SHARDCAST_CONTROLLER")]
     pub controller: Option<String>,
     /// Data-plane address peers use to reach this host [default: the listen address; required

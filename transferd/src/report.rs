@@ -54,7 +54,13 @@ pub async fn run(
         }
         _ => shardcast_identity::grpc::ClientSecurity::Plaintext,
     };
-    let channel = match shardcast_identity::grpc::lazy(&controller, security) {
+    // Several controller replicas (comma-separated): heartbeats follow the leader, whose
+    // inventory is the one placement uses.
+    let channel = match shardcast_identity::failover::FailoverChannel::new(
+        &shardcast_identity::failover::split_addrs(&controller),
+        security,
+        inv.heartbeat.max(Duration::from_secs(2)),
+    ) {
         Ok(c) => c,
         Err(e) => {
             warn!("not reporting to the controller: {e}");

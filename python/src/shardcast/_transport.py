@@ -156,6 +156,7 @@ class Endpoint:
     def error(self, status, raw, not_found=errors.NotFound):
         """The exception for an error answer."""
         code = None
+        doc = None
         message = raw.decode("utf-8", "replace").strip()
         try:
             doc = json.loads(raw)
@@ -180,5 +181,10 @@ class Endpoint:
         if status == 409:
             return errors.NotReady(f"{where}: {message}", status=status, code=code)
         if status == 503:
-            return self.unavailable(f"{where}: {message}", status=status, code=code)
+            e = self.unavailable(f"{where}: {message}", status=status, code=code)
+            # A controller replica that is not the leader names it (or null while none is).
+            if isinstance(doc, dict) and "leader" in doc:
+                e.not_leader = True
+                e.leader = doc.get("leader")
+            return e
         return errors.ApiError(f"{where}: {status} {message}", status=status, code=code)

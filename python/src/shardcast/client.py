@@ -35,18 +35,57 @@ class Client:
     scale out and report load, ``admin`` may also register and evict.
     """
 
+    #: How long a call keeps trying while no controller replica takes it (seconds).
+    failover_patience = 15.0
+
     def __init__(self, url=None, *, ca=None, cert=None, key=None, token=None, token_file=None, timeout=60.0):
         url = url or os.environ.get(ENV_CONTROLLER, DEFAULT_CONTROLLER)
-        self.url = url
-        self._ep = Endpoint(url, ca=ca, cert=cert, key=key, token=token, token_file=token_file, timeout=timeout,
-                            unavailable=errors.ControllerUnavailable, what="controller")
+        # Several controller replicas (a list, or comma-separated): calls follow the leader.
+        urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url) if u.strip()]
+        if not urls:
+            raise errors.ShardcastError("no controller address given")
+        self.url = ",".join(urls)
+        self._eps = [Endpoint(u, ca=ca, cert=cert, key=key, token=token, token_file=token_file, timeout=timeout,
+                              unavailable=errors.ControllerUnavailable, what="controller") for u in urls]
+        self._current = 0
+
+    @property
+    def _ep(self):
+        return self._eps[self._current]
 
     def __repr__(self):
         return f"shardcast.Client({self.url!r})"
 
     def _call(self, method, path, body=None, query=None, model_route=False):
-        return self._ep.call(method, path, body=body, query=query,
-                             not_found=errors.UnknownModel if model_route else errors.NotFound)
+        not_found = errors.UnknownModel if model_route else errors.NotFound
+        if len(self._eps) == 1:
+            return self._ep.call(method, path, body=body, query=query, not_found=not_found)
+        # A follower refuses writes with 503 and names the leader; a dead replica does not
+        # answer. Follow the hint, else try the next replica, for at most failover_patience.
+        deadline = time.monotonic() + self.failover_patience
+        misses = 0
+        while True:
+            i = self._current
+            try:
+                return self._eps[i].call(method, path, body=body, query=query, not_found=not_found)
+            except errors.Unavailable as e:
+                refusal = getattr(e, "not_leader", False)
+                if e.status is not None and not refusal:
+                    raise  # a 503 of the call itself (e.g. no live host)
+                misses += 1
+                if time.monotonic() >= deadline:
+                    raise
+                nxt = None
+                leader = getattr(e, "leader", None) or {}
+                for j, ep in enumerate(self._eps):
+                    if j != i and leader.get("http") and ep.host and \
+                            f"{ep.host}:{ep.port}" == leader.get("http"):
+                        nxt = j
+                if nxt is None:
+                    nxt = (i + 1) % len(self._eps)
+                    if misses % len(self._eps) == 0:
+                        time.sleep(0.2)
+                self._current = nxt
 
     # -- models ------------------------------------------------------------------------
     def healthy(self):
