@@ -546,7 +546,7 @@ pub async fn wait_plan(
             .await;
         if let Ok(s) = s {
             let s = s.into_inner();
-            if s.state != "running" {
+            if s.state().label() != "running" {
                 return Ok(s);
             }
             if Instant::now() >= deadline {
@@ -640,7 +640,7 @@ pub async fn run_failover(opts: &FailoverOpts) -> anyhow::Result<FailoverReport>
     let write = || PrewarmRequest {
         model: "bench/failover".into(),
         hosts: vec!["host-1".into()],
-        tier: "memory".into(),
+        tier: shardcast_protocol::controller::Tier::Memory as i32,
         ..Default::default()
     };
     let first = api.prewarm(write()).await?.into_inner().plan_id;

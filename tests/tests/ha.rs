@@ -80,7 +80,7 @@ async fn wait_fraction(api: &mut Api, plan: &str, at_least: f64) {
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(p.state, "running", "plan ended before the fault: {p:?}");
+        assert_eq!(p.state().label(), "running", "plan ended before the fault: {p:?}");
         let (done, total) = p
             .hosts
             .iter()
@@ -164,7 +164,7 @@ async fn leader_killed_during_prewarm_a_new_leader_finishes_it() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 3,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -178,15 +178,15 @@ async fn leader_killed_during_prewarm_a_new_leader_finishes_it() {
     let done = wait_plan(&mut api, &plan, Duration::from_secs(120))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     // The host that built the manifest kept the copy at registration ("local").
     assert!(
         done.hosts
             .iter()
-            .all(|h| h.state == "done" || h.state == "local"),
+            .all(|h| h.state().label() == "done" || h.state().label() == "local"),
         "{done:?}"
     );
-    assert!(done.hosts.iter().any(|h| h.state == "done"), "{done:?}");
+    assert!(done.hosts.iter().any(|h| h.state().label() == "done"), "{done:?}");
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
     }
@@ -238,7 +238,7 @@ async fn leader_killed_during_a_burst_a_new_leader_finishes_it() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             hosts: vec!["host-1".into()],
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -248,12 +248,12 @@ async fn leader_killed_during_a_burst_a_new_leader_finishes_it() {
     let p = wait_plan(&mut api, &first, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(p.state, "done", "{p:?}");
+    assert_eq!(p.state().label(), "done", "{p:?}");
     let burst = api
         .scale_out(ScaleOutRequest {
             model: MODEL.into(),
             replicas: 1,
-            tier: "gpu".into(),
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: 2,
         })
         .await
@@ -267,7 +267,7 @@ async fn leader_killed_during_a_burst_a_new_leader_finishes_it() {
         .await
         .unwrap();
     assert_eq!(
-        (done.state.as_str(), done.kind.as_str()),
+        (done.state().label(), done.kind().label()),
         ("done", "burst"),
         "{done:?}"
     );
@@ -325,7 +325,7 @@ async fn etcd_restarted_under_the_replicas_they_reconnect_and_carry_on() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 2,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -335,7 +335,7 @@ async fn etcd_restarted_under_the_replicas_they_reconnect_and_carry_on() {
     let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     let models = api
         .list_models(ListModelsRequest {})
         .await
@@ -379,7 +379,7 @@ async fn a_replica_cut_off_from_etcd_stops_acting_as_leader() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 1,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -395,7 +395,7 @@ async fn a_replica_cut_off_from_etcd_stops_acting_as_leader() {
         .prewarm(PrewarmRequest {
             model: MODEL.into(),
             replicas: 2,
-            tier: "memory".into(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
             ..Default::default()
         })
         .await
@@ -405,7 +405,7 @@ async fn a_replica_cut_off_from_etcd_stops_acting_as_leader() {
     let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!(done.state, "done", "{done:?}");
+    assert_eq!(done.state().label(), "done", "{done:?}");
     // The cut-off replica stays a follower and names the new leader once healed.
     assert_eq!(role(&c.controllers[0]).await.as_deref(), Some("follower"));
     proxy.heal();
