@@ -80,7 +80,11 @@ async fn wait_fraction(api: &mut Api, plan: &str, at_least: f64) {
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(p.state().label(), "running", "plan ended before the fault: {p:?}");
+        assert_eq!(
+            p.state().label(),
+            "running",
+            "plan ended before the fault: {p:?}"
+        );
         let (done, total) = p
             .hosts
             .iter()
@@ -186,7 +190,10 @@ async fn leader_killed_during_prewarm_a_new_leader_finishes_it() {
             .all(|h| h.state().label() == "done" || h.state().label() == "local"),
         "{done:?}"
     );
-    assert!(done.hosts.iter().any(|h| h.state().label() == "done"), "{done:?}");
+    assert!(
+        done.hosts.iter().any(|h| h.state().label() == "done"),
+        "{done:?}"
+    );
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
     }
