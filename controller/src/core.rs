@@ -770,10 +770,17 @@ impl Controller {
             gpu_reserved: entry.gpu_reserved.clone(),
         };
         if st.persisted.get(&id) != Some(&sig) {
-            // Queued, not committed under the lock (see `write_behind`).
             let bytes =
                 serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
-            self.writes.put(Table::Hosts, &id, bytes);
+            if st.persisted.contains_key(&id) {
+                // A change of a known host: queued, not committed under the lock (see
+                // `write_behind`).
+                self.writes.put(Table::Hosts, &id, bytes);
+            } else {
+                // A host the state has never held: committed before it is answered, so a
+                // controller that takes over (or restarts) right after still knows it.
+                self.writes.put_now(Table::Hosts, &id, &bytes)?;
+            }
             st.persisted.insert(id.clone(), sig);
         }
         let events = reconcile_receivers(&mut st, &id);
