@@ -202,6 +202,18 @@ pub struct DaemonOpts {
 }
 
 impl DaemonOpts {
+    /// Gives the daemon `n` simulated GPUs of `memory` each (`--gpu-backend simulated`).
+    pub fn sim_gpus(&mut self, n: u32, memory: &str) {
+        self.extra_args.extend([
+            "--gpu-backend".into(),
+            "simulated".into(),
+            "--sim-gpus".into(),
+            n.to_string(),
+            "--sim-gpu-memory".into(),
+            memory.into(),
+        ]);
+    }
+
     /// A daemon on loopback with no caps.
     pub fn local(host_id: impl Into<String>) -> Self {
         Self {
@@ -375,10 +387,7 @@ impl Daemon {
 
     /// Kills the process (SIGKILL, by PID) and waits for it: a host dying mid-transfer.
     pub async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-        }
+        kill_child(&mut self.child).await;
     }
 
     /// Starts the daemon again on the same data port and directories (its store recovers).
@@ -562,6 +571,15 @@ impl Drop for Daemon {
         if let Some(child) = self.child.as_mut() {
             let _ = child.start_kill();
         }
+    }
+}
+
+/// SIGKILLs the process in `child` (by its PID) and reaps it; nothing when it is not
+/// running.
+pub async fn kill_child(child: &mut Option<tokio::process::Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.start_kill();
+        let _ = c.wait().await;
     }
 }
 

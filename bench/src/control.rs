@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use shardcast_protocol::controller::controller_client::ControllerClient;
-use shardcast_protocol::controller::{ListHostsRequest, PlanStatus, WatchPlanRequest};
+use shardcast_protocol::controller::{ListHostsRequest, PlanState, PlanStatus, WatchPlanRequest};
 
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
@@ -151,10 +151,7 @@ impl ControllerProc {
 
     /// SIGKILL (by PID) and wait: a controller crash.
     pub async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-        }
+        crate::cluster::kill_child(&mut self.child).await;
     }
 
     /// Starts it again on the same ports and state.
@@ -439,9 +436,38 @@ pub async fn memory_holders(
         .collect())
 }
 
-/// Polls a plan until it has ended (or `timeout`), returning its final status.
-pub async fn wait_plan(
-    client: &mut ControllerClient<Channel>,
+/// A channel a controller client can run over: a plain [`Channel`] or the fail-over one
+/// (`shardcast_identity::failover::FailoverChannel`), so the helpers here serve both.
+pub trait ApiChannel:
+    tonic::client::GrpcService<
+        tonic::body::Body,
+        Error: Into<tonic::codegen::StdError>,
+        ResponseBody: tonic::codegen::Body<
+            Data = bytes::Bytes,
+            Error: Into<tonic::codegen::StdError> + Send,
+        > + Send
+                          + 'static,
+    >
+{
+}
+
+impl<T> ApiChannel for T where
+    T: tonic::client::GrpcService<
+            tonic::body::Body,
+            Error: Into<tonic::codegen::StdError>,
+            ResponseBody: tonic::codegen::Body<
+                Data = bytes::Bytes,
+                Error: Into<tonic::codegen::StdError> + Send,
+            > + Send
+                              + 'static,
+        >
+{
+}
+
+/// Polls a plan until it has ended (or `timeout`), returning its final status. A failed
+/// poll (a controller restarting, a leader changing) is retried until the deadline.
+pub async fn wait_plan<T: ApiChannel>(
+    client: &mut ControllerClient<T>,
     plan: &str,
     timeout: Duration,
 ) -> anyhow::Result<PlanStatus> {
@@ -451,20 +477,65 @@ pub async fn wait_plan(
             .get_plan(WatchPlanRequest {
                 plan_id: plan.to_string(),
             })
-            .await?
-            .into_inner();
-        if s.state().label() != "running" {
-            return Ok(s);
-        }
-        if Instant::now() >= deadline {
-            bail!(
-                "plan {plan} still running after {timeout:?}: {:?}",
-                s.hosts
-                    .iter()
-                    .map(|h| format!("{}={}({}/{})", h.host, h.state, h.bytes, h.total))
-                    .collect::<Vec<_>>()
-            );
+            .await;
+        match s {
+            Ok(s) => {
+                let s = s.into_inner();
+                if s.state() != PlanState::Running {
+                    return Ok(s);
+                }
+                if Instant::now() >= deadline {
+                    bail!(
+                        "plan {plan} still running after {timeout:?}: {:?}",
+                        s.hosts
+                            .iter()
+                            .map(|h| format!(
+                                "{}={}({}/{})",
+                                h.host,
+                                h.state().label(),
+                                h.bytes,
+                                h.total
+                            ))
+                            .collect::<Vec<_>>()
+                    );
+                }
+            }
+            Err(e) if Instant::now() >= deadline => bail!("plan {plan}: {e}"),
+            Err(_) => {}
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until `plan`, still running, has moved at least `at_least` of its receivers'
+/// bytes (60 s at most); panics otherwise (a test helper: the fault must land mid-plan).
+pub async fn wait_fraction<T: ApiChannel>(
+    api: &mut ControllerClient<T>,
+    plan: &str,
+    at_least: f64,
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let p = api
+            .get_plan(WatchPlanRequest {
+                plan_id: plan.into(),
+            })
+            .await
+            .expect("GetPlan")
+            .into_inner();
+        assert_eq!(
+            p.state(),
+            PlanState::Running,
+            "plan ended before the fault: {p:?}"
+        );
+        let (done, total) = p
+            .hosts
+            .iter()
+            .fold((0u64, 0u64), |(d, t), h| (d + h.bytes, t + h.total));
+        if total > 0 && done as f64 / total as f64 >= at_least {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no progress: {p:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -20,13 +20,13 @@ use anyhow::{Context, bail};
 use shardcast_identity::failover::FailoverChannel;
 use shardcast_identity::grpc::ClientSecurity;
 use shardcast_identity::{Expect, Role};
+use shardcast_protocol::controller::ListHostsRequest;
 use shardcast_protocol::controller::controller_client::ControllerClient;
-use shardcast_protocol::controller::{ListHostsRequest, PlanStatus, WatchPlanRequest};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::{Daemon, DaemonOpts};
-use crate::control::{ControllerProc, HEARTBEAT_MS, HttpAs};
+use crate::control::{ControllerProc, HEARTBEAT_MS, HttpAs, wait_plan};
 
 /// How to get etcd when it is missing.
 const INSTALL_HINT: &str = "etcd is needed for the controller's high-availability tests: run .ci/setup as root, \
@@ -180,10 +180,7 @@ impl EtcdProc {
 
     /// SIGKILL (by PID) and wait.
     pub async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-        }
+        crate::cluster::kill_child(&mut self.child).await;
     }
 
     /// Starts it again on the same ports and data directory.
@@ -526,40 +523,6 @@ pub async fn wait_role(c: &ControllerProc, want: &str, timeout: Duration) -> any
                 "controller at {} is {now:?}, not {want}, after {timeout:?}",
                 c.grpc
             );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Polls a plan through the failover client until it has ended (or `timeout`).
-pub async fn wait_plan(
-    api: &mut ControllerClient<FailoverChannel>,
-    plan: &str,
-    timeout: Duration,
-) -> anyhow::Result<PlanStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let s = api
-            .get_plan(WatchPlanRequest {
-                plan_id: plan.to_string(),
-            })
-            .await;
-        if let Ok(s) = s {
-            let s = s.into_inner();
-            if s.state().label() != "running" {
-                return Ok(s);
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "plan {plan} still running after {timeout:?}: {:?}",
-                    s.hosts
-                        .iter()
-                        .map(|h| format!("{}={}({}/{})", h.host, h.state, h.bytes, h.total))
-                        .collect::<Vec<_>>()
-                );
-            }
-        } else if Instant::now() >= deadline {
-            bail!("plan {plan}: {s:?}");
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -804,16 +804,9 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
     ctl_args.extend(["--register-keep-copy".into(), "false".into()]);
     let cluster = ManagedCluster::start(hosts, ctl_args, |_, o| {
         o.extra_args.extend(allow.clone());
-        o.extra_args.extend([
-            "--gpu-backend".into(),
-            "simulated".into(),
-            "--sim-gpus".into(),
-            "1".into(),
-            "--sim-gpu-memory".into(),
-            gpu_mem.clone(),
-            "--sim-pcie-rate".into(),
-            pcie.clone(),
-        ]);
+        o.sim_gpus(1, &gpu_mem);
+        o.extra_args
+            .extend(["--sim-pcie-rate".into(), pcie.clone()]);
     })
     .await?;
     let mut api = cluster.controller.client().await?;

@@ -881,9 +881,12 @@ impl Controller {
                 }
                 None => {
                     // Checked here so a bad request is answered at once, not by the job.
-                    if !req.profile_json.trim().is_empty() {
+                    let profile = if req.profile_json.trim().is_empty() {
+                        None
+                    } else {
                         crate::autoscaler::parse_profile(&req.profile_json)?;
-                    }
+                        Some(req.profile_json.clone())
+                    };
                     self.check_origin(&origin)?;
                     let via = self.registration_host(&req.via_host)?;
                     let (tx, rx) = watch::channel(None);
@@ -900,9 +903,12 @@ impl Controller {
                         },
                     );
                     let me = self.clone();
-                    let job_name = name.to_string();
+                    let (job_name, job_model) = (name.to_string(), name.clone());
+                    let (job_origin, chunk_size) = (origin.clone(), req.chunk_size);
                     tokio::spawn(async move {
-                        let r = me.register_now(req, via).await;
+                        let r = me
+                            .register_now(job_model, job_origin, profile, chunk_size, via)
+                            .await;
                         if let Err(e) = &r {
                             warn!(model = %job_name, "registration failed: {}", e.message);
                         }
@@ -951,25 +957,19 @@ impl Controller {
     /// model is recorded.
     async fn register_now(
         &self,
-        req: RegisterModelRequest,
+        name: ModelName,
+        origin: String,
+        profile_json: Option<String>,
+        chunk_size: u32,
         via: String,
     ) -> Result<ModelInfo, ApiError> {
-        let name = ModelName::new(&req.name)
-            .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
-        let profile_json = if req.profile_json.trim().is_empty() {
-            None
-        } else {
-            crate::autoscaler::parse_profile(&req.profile_json)?;
-            Some(req.profile_json.clone())
-        };
-        let origin = req.origin.trim().to_string();
         info!(model = %name, %origin, via = %via, "registering: building the manifest");
         let mut agent = self.agent(&via)?;
         let resp = agent
             .import_model(ImportModelRequest {
                 name: name.to_string(),
                 origin: origin.clone(),
-                chunk_size: req.chunk_size,
+                chunk_size,
                 tier: apb::Tier::Memory as i32,
                 fetch: false,
                 manifest: Vec::new(),
@@ -1497,12 +1497,13 @@ impl Controller {
             .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))
     }
 
-    /// Every plan, newest first.
-    pub fn list_plans(&self) -> Vec<Plan> {
+    /// Every plan as `view` renders it, newest first (rendered under the lock, so the
+    /// plans' chain runs are not copied for a listing).
+    pub fn list_plans<R>(&self, view: impl Fn(&Plan) -> R) -> Vec<R> {
         let st = lock(&self.state);
-        let mut plans: Vec<Plan> = st.plans.values().cloned().collect();
+        let mut plans: Vec<&Plan> = st.plans.values().collect();
         plans.sort_by(|a, b| b.created_at.total_cmp(&a.created_at));
-        plans
+        plans.into_iter().map(view).collect()
     }
 
     /// A receiver of a plan's changes; `None` when the plan has ended (its final state

@@ -29,7 +29,7 @@ type PlanStream = Pin<Box<dyn Stream<Item = Result<PlanStatus, Status>> + Send>>
 pub fn list_plans(c: &Controller) -> ListPlansResponse {
     let now = now_unix();
     ListPlansResponse {
-        plans: c.list_plans().iter().map(|p| plan_status(p, now)).collect(),
+        plans: c.list_plans(|p| plan_status(p, now)),
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::{Daemon, DaemonOpts};
 use shardcast_bench::control::{
-    ControllerProc, HttpAs, ManagedCluster, cli_bin, memory_holders, wait_plan,
+    ControllerProc, HttpAs, ManagedCluster, cli_bin, memory_holders, wait_fraction, wait_plan,
 };
 use shardcast_bench::origin_server::{OriginStats, serve};
 use shardcast_bench::synth::{self, SynthSpec};
@@ -103,18 +103,6 @@ async fn register(api: &mut ControllerClient<Channel>, origin: &Origin) -> Manif
     decode_exact(m.manifest.into()).unwrap()
 }
 
-/// Gives a daemon `n` simulated GPUs of `memory` each.
-fn sim_gpus(o: &mut shardcast_bench::cluster::DaemonOpts, n: u32, memory: &str) {
-    o.extra_args.extend([
-        "--gpu-backend".into(),
-        "simulated".into(),
-        "--sim-gpus".into(),
-        n.to_string(),
-        "--sim-gpu-memory".into(),
-        memory.into(),
-    ]);
-}
-
 fn hosts(range: std::ops::RangeInclusive<usize>) -> Vec<String> {
     range.map(|i| format!("host-{i}")).collect()
 }
@@ -149,38 +137,6 @@ fn host_state<'a>(p: &'a PlanStatus, host: &str) -> &'a str {
         .find(|h| h.host == host)
         .map(|h| h.state().label())
         .unwrap_or("absent")
-}
-
-/// Sum of one plan's receiver progress as a fraction.
-fn fraction(p: &PlanStatus) -> f64 {
-    let (b, t) = p
-        .hosts
-        .iter()
-        .fold((0u64, 0u64), |(b, t), h| (b + h.bytes, t + h.total));
-    if t == 0 { 0.0 } else { b as f64 / t as f64 }
-}
-
-async fn wait_fraction(api: &mut ControllerClient<Channel>, plan: &str, at_least: f64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let p = api
-            .get_plan(WatchPlanRequest {
-                plan_id: plan.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(
-            p.state().label(),
-            "running",
-            "plan ended before the fault: {p:?}"
-        );
-        if fraction(&p) >= at_least {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no progress: {p:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Bytes an origin served: counted by the HTTP origin server itself, or for a `file://`
@@ -1013,7 +969,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
-    let c = start_cluster(2, vec![], |_, o| sim_gpus(o, 2, "128MiB"))
+    let c = start_cluster(2, vec![], |_, o| o.sim_gpus(2, "128MiB"))
         .await
         .unwrap();
     let origin = Origin::new(12 << 20, 2);
@@ -1155,7 +1111,7 @@ async fn reported_load_scales_out_then_in_and_evicts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
     use shardcast_protocol::agent::GpuStatusRequest;
-    let c = start_cluster(3, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
+    let c = start_cluster(3, vec![], |_, o| o.sim_gpus(1, "128MiB"))
         .await
         .unwrap();
     let origin = Origin::new(16 << 20, 2);
@@ -1347,7 +1303,7 @@ async fn register_profile(api: &mut ControllerClient<Channel>, origin: &Origin, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
-    let mut c = start_cluster(1, vec![], |_, o| sim_gpus(o, 1, "128MiB"))
+    let mut c = start_cluster(1, vec![], |_, o| o.sim_gpus(1, "128MiB"))
         .await
         .unwrap();
     let origin = Origin::new(16 << 20, 2);
@@ -1424,7 +1380,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
     let c = start_cluster(
         2,
         ["--tier-sweep-ms", "200"].map(String::from).to_vec(),
-        |_, o| sim_gpus(o, 1, "128MiB"),
+        |_, o| o.sim_gpus(1, "128MiB"),
     )
     .await
     .unwrap();

@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::DaemonOpts;
-use shardcast_bench::control::{HttpAs, cli_bin};
-use shardcast_bench::ha::{HaCluster, role, wait_plan, wait_role};
+use shardcast_bench::control::{HttpAs, cli_bin, wait_fraction, wait_plan};
+use shardcast_bench::ha::{HaCluster, role, wait_role};
 use shardcast_bench::synth::{self, SynthSpec};
 use shardcast_identity::Role;
 use shardcast_identity::failover::FailoverChannel;
@@ -17,7 +17,7 @@ use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{
     GetStatusRequest, ListModelsRequest, ListPlansRequest, PrewarmRequest, RegisterModelRequest,
-    ScaleOutRequest, WatchPlanRequest,
+    ScaleOutRequest,
 };
 
 const MODEL: &str = "test/ha";
@@ -69,32 +69,23 @@ async fn register(api: &mut Api, name: &str, uri: &str) -> Manifest {
     decode_exact(m.manifest.into()).unwrap()
 }
 
-/// Waits until `plan` has moved at least `at_least` of its bytes (still running).
-async fn wait_fraction(api: &mut Api, plan: &str, at_least: f64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let p = api
-            .get_plan(WatchPlanRequest {
-                plan_id: plan.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(
-            p.state().label(),
-            "running",
-            "plan ended before the fault: {p:?}"
-        );
-        let (done, total) = p
-            .hosts
-            .iter()
-            .fold((0u64, 0u64), |(d, t), h| (d + h.bytes, t + h.total));
-        if total > 0 && done as f64 / total as f64 >= at_least {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no progress: {p:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// A prewarm of the model onto both hosts, through whichever replica leads, that ends done.
+async fn prewarm_both_hosts(api: &mut Api) {
+    let plan = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 2,
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .plan_id;
+    let done = wait_plan(api, &plan, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
 }
 
 async fn cli(c: &HaCluster, args: &[&str]) -> (i32, String, String) {
@@ -227,14 +218,7 @@ async fn leader_killed_during_prewarm_a_new_leader_finishes_it() {
 async fn leader_killed_during_a_burst_a_new_leader_finishes_it() {
     let mut c = start(3, &[], |_, o| {
         o.egress_rate = "8MB/s".into();
-        o.extra_args.extend([
-            "--gpu-backend".into(),
-            "simulated".into(),
-            "--sim-gpus".into(),
-            "1".into(),
-            "--sim-gpu-memory".into(),
-            "128MiB".into(),
-        ]);
+        o.sim_gpus(1, "128MiB");
     })
     .await;
     let (_dir, uri) = origin(16 << 20, 22);
@@ -328,21 +312,7 @@ async fn etcd_restarted_under_the_replicas_they_reconnect_and_carry_on() {
     // Writes work again, and nothing stored before the outage is lost.
     let (_dir2, uri2) = origin(2 << 20, 24);
     register(&mut api, "test/ha-after", &uri2).await;
-    let plan = api
-        .prewarm(PrewarmRequest {
-            model: MODEL.into(),
-            replicas: 2,
-            tier: shardcast_protocol::controller::Tier::Memory as i32,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .plan_id;
-    let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(done.state().label(), "done", "{done:?}");
+    prewarm_both_hosts(&mut api).await;
     let models = api
         .list_models(ListModelsRequest {})
         .await
@@ -398,21 +368,7 @@ async fn a_replica_cut_off_from_etcd_stops_acting_as_leader() {
     let new = c.wait_leader(Duration::from_secs(15)).await.unwrap();
     assert_ne!(new, 0);
     c.wait_hosts_up(2, Duration::from_secs(20)).await.unwrap();
-    let plan = api
-        .prewarm(PrewarmRequest {
-            model: MODEL.into(),
-            replicas: 2,
-            tier: shardcast_protocol::controller::Tier::Memory as i32,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .plan_id;
-    let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(done.state().label(), "done", "{done:?}");
+    prewarm_both_hosts(&mut api).await;
     // The cut-off replica stays a follower and names the new leader once healed.
     assert_eq!(role(&c.controllers[0]).await.as_deref(), Some("follower"));
     proxy.heal();

@@ -355,6 +355,14 @@ fn status_hint(status: u16) -> &'static str {
 }
 
 impl OriginError {
+    /// `uri` cannot be used as an origin, for `reason`.
+    pub(crate) fn invalid_uri(uri: &str, reason: impl Into<String>) -> Self {
+        Self::InvalidUri {
+            uri: uri.to_string(),
+            reason: reason.into(),
+        }
+    }
+
     /// Whether trying the same read again might succeed.
     fn is_transient(&self) -> bool {
         match self {
@@ -412,10 +420,7 @@ impl Origin {
     /// origin reads its token file); every later read is checked again (symbolic links,
     /// redirects, resolved addresses).
     pub fn parse(uri: &str, access: &OriginAccess) -> Result<Self, OriginError> {
-        let invalid = |reason: String| OriginError::InvalidUri {
-            uri: uri.to_string(),
-            reason,
-        };
+        let invalid = |reason: String| OriginError::invalid_uri(uri, reason);
         let location = OriginLocation::parse(uri).map_err(|e| match e {
             PolicyError::Invalid { reason, .. } => invalid(reason),
             _ => OriginError::UnsupportedScheme {

@@ -66,10 +66,7 @@ impl HfSource {
         location: &OriginLocation,
         access: &OriginAccess,
     ) -> Result<Self, OriginError> {
-        let invalid = |reason: String| OriginError::InvalidUri {
-            uri: uri.to_string(),
-            reason,
-        };
+        let invalid = |reason: String| OriginError::invalid_uri(uri, reason);
         let Authority::HubOrg(org) = location.authority() else {
             return Err(invalid("no organisation".into()));
         };

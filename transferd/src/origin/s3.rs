@@ -84,10 +84,7 @@ impl S3Source {
         location: &OriginLocation,
         access: &OriginAccess,
     ) -> Result<Self, OriginError> {
-        let invalid = |reason: String| OriginError::InvalidUri {
-            uri: uri.to_string(),
-            reason,
-        };
+        let invalid = |reason: String| OriginError::invalid_uri(uri, reason);
         let Authority::Bucket(bucket) = location.authority() else {
             return Err(invalid("no bucket".into()));
         };
