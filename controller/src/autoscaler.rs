@@ -1,76 +1,74 @@
-//! Load-driven autoscaling and partition plans, wired to the controller: `ReportLoad` runs
+//! Load-driven autoscaling: `ReportLoad` (from the FaaS, or the scraper) runs
 //! `shardcast_policies::autoscale::decide` and carries its decision out through the same
-//! paths as the API (`ScaleOut` for scale-up, `Evict` for scale-down); every decision is
-//! recorded with its reason (`ListEvents`, `shardcast events`, and a counter per kind on the
-//! HTTP `/metrics`). `GetPartitionPlan` answers from the model's stored partition-plan table
-//! (`ptables`), built from its registered profile or from the tensor index of a host that
-//! holds it.
+//! paths as the API (`ScaleOut` for scale-up, a partitioned burst when the partition table
+//! offers a faster one, `Evict` for scale-down); every decision is recorded with its reason
+//! in the [`EventLog`] (`ListEvents`, `shardcast events`, a counter per kind on `/metrics`).
+//!
+//! A service holding narrow handles: the [`Fleet`] it scales (the core, wired in
+//! `crate::services`), the partition tables, the event log and the last-use record.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 
+use shardcast_placement::Tier;
 use shardcast_policies::autoscale::{self, Action, LoadReport, ModelScaleState, ScalerConfig};
-use shardcast_policies::profile::{self, Bandwidths, ModelProfile};
-use shardcast_protocol::agent::GetHandoffRequest;
 use shardcast_protocol::controller::{
-    Event, EvictRequest, GetPartitionPlanRequest, ListEventsResponse, PartitionPlanResponse,
-    ReportLoadRequest, ScaleOutRequest,
+    Event, EvictRequest, EvictResponse, ReportLoadRequest, ScaleOutRequest,
 };
-use tracing::{info, warn};
 
-use crate::core::Controller;
+use crate::burst::BurstPart;
 use crate::error::ApiError;
+use crate::events::EventLog;
+use crate::lock;
+use crate::plan::Accepted;
+use crate::ptables::{ModelSource, PartitionTables};
+use crate::usage::Usage;
 
-/// Decisions kept in memory for `ListEvents`.
-pub const EVENTS_KEPT: usize = 1000;
+/// A model's replicas as the autoscaler sees them.
+#[derive(Debug, Clone)]
+pub struct ScalingView {
+    /// Model name.
+    pub name: String,
+    /// Manifest digest.
+    pub digest: String,
+    /// Replicas now (held, in flight, or GPU slots reserved).
+    pub replicas: u32,
+    /// Load time: the last finished plan that moved the model, else an estimate.
+    pub load_time_s: f64,
+    /// Live hosts holding it in the tier, sorted by id.
+    pub holders: Vec<String>,
+}
 
-/// The autoscaler's memory: per-model state, recent events, counters.
-#[derive(Default)]
-pub struct Autoscaler {
+/// What the autoscaler acts on: the cluster's replicas, and the operations that add or
+/// remove them (the same ones the API serves).
+pub trait Fleet: Send + Sync + 'static {
+    /// The model's replicas in `tier`.
+    fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, ApiError>;
+    /// `ScaleOut` by whole replicas.
+    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ApiError>;
+    /// A partitioned burst of `replicas` × `partitions`.
+    fn burst(
+        &self,
+        model: &str,
+        replicas: u32,
+        partitions: u32,
+    ) -> impl Future<Output = Result<(Accepted, Vec<BurstPart>), ApiError>> + Send;
+    /// `Evict`.
+    fn evict(
+        &self,
+        req: EvictRequest,
+    ) -> impl Future<Output = Result<EvictResponse, ApiError>> + Send;
+}
+
+/// The autoscaler: per-model scaling state, acting on a [`Fleet`].
+pub struct Autoscaler<F, M> {
     cfg: ScalerConfig,
     states: Mutex<HashMap<String, ModelScaleState>>,
-    events: Mutex<VecDeque<Event>>,
-    counters: Mutex<BTreeMap<String, u64>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl Autoscaler {
-    fn record(&self, e: Event) -> Event {
-        info!(model = %e.model, kind = %e.kind, delta = e.delta, "autoscaler: {}", e.reason);
-        *lock(&self.counters).entry(e.kind.clone()).or_default() += 1;
-        let mut ev = lock(&self.events);
-        if ev.len() >= EVENTS_KEPT {
-            ev.pop_back();
-        }
-        ev.push_front(e.clone());
-        e
-    }
-
-    /// Records an event from elsewhere in the controller (tier evictions).
-    pub fn record_event(&self, e: Event) -> Event {
-        self.record(e)
-    }
-
-    /// Decision counts per kind, for `/metrics`.
-    pub fn counters(&self) -> BTreeMap<String, u64> {
-        lock(&self.counters).clone()
-    }
-
-    /// Recent events, newest first.
-    pub fn events(&self, model: &str, limit: usize) -> ListEventsResponse {
-        let ev = lock(&self.events);
-        ListEventsResponse {
-            events: ev
-                .iter()
-                .filter(|e| model.is_empty() || e.model == model)
-                .take(if limit == 0 { 100 } else { limit })
-                .cloned()
-                .collect(),
-        }
-    }
+    fleet: Arc<F>,
+    tables: Arc<PartitionTables<M>>,
+    events: Arc<EventLog>,
+    usage: Arc<Usage>,
 }
 
 fn now_unix() -> f64 {
@@ -80,9 +78,26 @@ fn now_unix() -> f64 {
         .unwrap_or(0.0)
 }
 
-impl Controller {
+impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
+    /// An autoscaler with the default policy settings.
+    pub fn new(
+        fleet: Arc<F>,
+        tables: Arc<PartitionTables<M>>,
+        events: Arc<EventLog>,
+        usage: Arc<Usage>,
+    ) -> Self {
+        Self {
+            cfg: ScalerConfig::default(),
+            states: Mutex::default(),
+            fleet,
+            tables,
+            events,
+            usage,
+        }
+    }
+
     /// `ReportLoad`: decide and act.
-    pub async fn report_load(self: &Arc<Self>, req: ReportLoadRequest) -> Result<Event, ApiError> {
+    pub async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, ApiError> {
         for (name, v) in [
             ("arrival_rate", req.arrival_rate),
             ("service_rate", req.service_rate),
@@ -99,15 +114,18 @@ impl Controller {
             ));
         }
         let tier = crate::wire::tier_of(req.tier)?;
-        let (name, replicas, load_time_s, holders) = self.scaling_view(&req.model, tier)?;
-        if req.arrival_rate > 0.0
-            && let Ok(info) = self.get_model(&name)
-        {
-            self.usage().touch(&info.digest);
+        let ScalingView {
+            name,
+            digest,
+            replicas,
+            load_time_s,
+            holders,
+        } = self.fleet.scaling_view(&req.model, tier)?;
+        if req.arrival_rate > 0.0 {
+            self.usage.touch(&digest);
         }
-        let scaler = self.autoscaler();
         let now = now_unix();
-        let mut state = lock(&scaler.states).get(&name).cloned().unwrap_or_default();
+        let mut state = lock(&self.states).get(&name).cloned().unwrap_or_default();
         // Reality wins over memory: replicas are what the cluster holds now.
         state.replicas = replicas;
         state.partitioned = 0;
@@ -121,12 +139,12 @@ impl Controller {
         };
         // GPU replicas may instead be partitioned bursts (Flashpoint §4.2): offer the best
         // plan for the current queue when it splits the model.
-        let burst = if tier == shardcast_placement::Tier::Gpu {
+        let burst = if tier == Tier::Gpu {
             self.burst_option(&name, req.queue_len, load_time_s).await
         } else {
             None
         };
-        let (decision, next) = autoscale::decide(&scaler.cfg, &state, &report, now, burst.as_ref());
+        let (decision, next) = autoscale::decide(&self.cfg, &state, &report, now, burst.as_ref());
         let mut event = Event {
             at: now,
             model: name.clone(),
@@ -140,7 +158,7 @@ impl Controller {
             Action::None => {}
             Action::ScaleUp { full, partitioned } if partitioned > 0 => {
                 let p = burst.map_or(2, |b| b.partitions);
-                match self.burst(&name, partitioned, p).await {
+                match self.fleet.burst(&name, partitioned, p).await {
                     Ok((a, parts)) => {
                         event.kind = "burst".into();
                         event.delta = partitioned as i32;
@@ -160,7 +178,7 @@ impl Controller {
                     }
                 }
                 if full > 0 {
-                    match self.scale_out(ScaleOutRequest {
+                    match self.fleet.scale_out(ScaleOutRequest {
                         model: name.clone(),
                         replicas: full,
                         tier: crate::wire::pb_tier(tier) as i32,
@@ -178,7 +196,7 @@ impl Controller {
             }
             Action::ScaleUp { full, partitioned } => {
                 let add = full.saturating_add(partitioned);
-                match self.scale_out(ScaleOutRequest {
+                match self.fleet.scale_out(ScaleOutRequest {
                     model: name.clone(),
                     replicas: add,
                     tier: crate::wire::pb_tier(tier) as i32,
@@ -212,6 +230,7 @@ impl Controller {
                     event.reason = format!("{} — nothing evictable", event.reason);
                 } else {
                     match self
+                        .fleet
                         .evict(EvictRequest {
                             model: name.clone(),
                             hosts: victims.clone(),
@@ -233,99 +252,10 @@ impl Controller {
                 }
             }
         }
-        lock(&scaler.states).insert(name, next);
-        Ok(scaler.record(event))
+        lock(&self.states).insert(name, next);
+        Ok(self.events.record(event))
     }
 
-    /// A model's profile: the registered one, else one derived from the tensor index of a
-    /// live host holding it (marked estimated). With the model's name and the smallest GPU
-    /// memory reported in the cluster.
-    pub async fn model_profile(
-        &self,
-        key: &str,
-    ) -> Result<(String, ModelProfile, Option<u64>), ApiError> {
-        let (name, digest, registered_profile, holder, smallest_gpu) =
-            self.partition_inputs(key)?;
-        let stored = || self.plan_store().derived(&name, &digest);
-        let profile: ModelProfile = match registered_profile.or_else(stored) {
-            Some(p) => p,
-            None => {
-                let host = holder.ok_or_else(|| {
-                    ApiError::precondition(format!(
-                        "model {name} has no registered profile and no live host holds it to read its tensor index; prewarm it or register it with a profile"
-                    ))
-                })?;
-                let mut agent = self.agent_client(&host)?;
-                let h = agent
-                    .get_handoff(GetHandoffRequest {
-                        model: digest.clone(),
-                    })
-                    .await
-                    .map_err(|s| ApiError::unavailable(format!("host {host}: {}", s.message())))?
-                    .into_inner();
-                let v: serde_json::Value = serde_json::from_str(&h.json)
-                    .map_err(|e| ApiError::internal(format!("hand-off of {host}: {e}")))?;
-                let tensors: Vec<(String, u64)> = v["tensors"]
-                    .as_array()
-                    .map(|a| {
-                        a.iter()
-                            .filter_map(|t| {
-                                Some((t["name"].as_str()?.to_string(), t["nbytes"].as_u64()?))
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                if tensors.is_empty() {
-                    return Err(ApiError::precondition(format!(
-                        "model {name} has no safetensors tensors to derive a profile from; register it with a profile"
-                    )));
-                }
-                let p = profile::profile_from_tensors(&name, &tensors, &Bandwidths::default());
-                self.plan_store()
-                    .set_derived(self.store(), &name, &digest, &p);
-                p
-            }
-        };
-        Ok((name, profile, smallest_gpu))
-    }
-
-    /// `GetPartitionPlan`.
-    pub async fn partition_plan(
-        &self,
-        req: GetPartitionPlanRequest,
-    ) -> Result<PartitionPlanResponse, ApiError> {
-        let max_p = if req.max_partitions == 0 {
-            crate::ptables::DEFAULT_MAX_PARTITIONS
-        } else {
-            req.max_partitions as usize
-        };
-        let queue = req.queue.max(1);
-        let (name, profile, table, stored) = self
-            .plan_table(
-                &req.model,
-                max_p,
-                (req.gpu_memory > 0).then_some(req.gpu_memory),
-                crate::ptables::table_queue(queue),
-            )
-            .await?;
-        let chosen = table.best_for(queue).cloned();
-        let json = serde_json::json!({
-            "model": name,
-            "gpu_memory": table.gpu_memory,
-            "queue": queue,
-            "stored": stored,
-            "chosen": chosen,
-            "table": table,
-            "profile": profile,
-        });
-        Ok(PartitionPlanResponse {
-            json: json.to_string(),
-            estimated: profile.estimated,
-        })
-    }
-}
-
-impl Controller {
     /// The partitioned alternative offered to the autoscaler for a GPU scale-up: the best
     /// plan for `queue` from the model's partition table when it uses more than one
     /// partition. Its cold start is the plan's, scaled by how the measured load time of a
@@ -337,6 +267,7 @@ impl Controller {
         measured_load_s: f64,
     ) -> Option<autoscale::BurstOption> {
         let (_, profile, table, _) = self
+            .tables
             .plan_table(
                 model,
                 crate::ptables::DEFAULT_MAX_PARTITIONS,
@@ -361,16 +292,4 @@ impl Controller {
             cold_start_s: best.cold_start_s * scale,
         })
     }
-}
-
-/// Parses a registered profile (`RegisterModel.profile_json`).
-pub fn parse_profile(json: &str) -> Result<ModelProfile, ApiError> {
-    let p: ModelProfile =
-        serde_json::from_str(json).map_err(|e| ApiError::invalid(format!("profile_json: {e}")))?;
-    p.validate()
-        .map_err(|e| ApiError::invalid(format!("profile_json: {e}")))?;
-    if p.groups.len() > 100_000 {
-        warn!("a profile with {} groups", p.groups.len());
-    }
-    Ok(p)
 }

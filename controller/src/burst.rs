@@ -51,61 +51,15 @@ pub fn partition_groups(profile: &ModelProfile, plan: &PartitionPlan) -> Vec<Vec
 }
 
 impl Controller {
-    /// `ScaleOut` as the API serves it: a partitioned burst when `partitions > 1`, else
-    /// whole replicas by chain plans.
-    pub async fn scale_out_any(
-        self: &Arc<Self>,
-        req: shardcast_protocol::controller::ScaleOutRequest,
-    ) -> Result<Accepted, ApiError> {
-        if req.partitions > 1 {
-            let tier = crate::wire::tier_of(req.tier)?;
-            if tier != shardcast_placement::Tier::Gpu {
-                return Err(ApiError::invalid(format!(
-                    "partitions need tier gpu (a partition is a GPU load), got {tier}"
-                )));
-            }
-            return Ok(self
-                .burst(&req.model, req.replicas, req.partitions)
-                .await?
-                .0);
-        }
-        self.scale_out(req)
-    }
-
-    /// The partition plan a burst of `partitions` uses for `model` at `queue` requests,
-    /// with the profile it came from.
-    pub async fn burst_plan(
-        &self,
-        model: &str,
-        partitions: u32,
-        queue: u32,
-    ) -> Result<(ModelProfile, PartitionPlan), ApiError> {
-        let (_, profile, table, _) = self
-            .plan_table(
-                model,
-                partitions as usize,
-                None,
-                crate::ptables::table_queue(queue),
-            )
-            .await?;
-        let plan = table
-            .best_with_partitions(partitions as usize, queue.max(1))
-            .ok_or_else(|| {
-                ApiError::precondition(format!(
-                    "model {model} cannot be split into {partitions} partitions (it has {} layer groups)",
-                    profile.groups.len()
-                ))
-            })?;
-        Ok((profile, plan))
-    }
-
-    /// `ScaleOut` with `partitions > 1`: `replicas` partitioned replicas on new hosts.
+    /// `ScaleOut` with `partitions > 1`: `replicas` partitioned replicas on new hosts, by
+    /// `plan` (from the partition-plan service, `crate::ptables`) over `profile`.
     pub async fn burst(
         self: &Arc<Self>,
         model: &str,
         replicas: u32,
-        partitions: u32,
+        (profile, plan): (ModelProfile, PartitionPlan),
     ) -> Result<(Accepted, Vec<BurstPart>), ApiError> {
+        let partitions = plan.partition_count() as u32;
         if replicas == 0 {
             return Err(ApiError::invalid("replicas must be at least 1"));
         }
@@ -114,7 +68,6 @@ impl Controller {
                 "partitions must be between 2 and {MAX_PARTITIONS} (1 is a whole replica: leave it 0)"
             )));
         }
-        let (profile, plan) = self.burst_plan(model, partitions, 1).await?;
         let groups = partition_groups(&profile, &plan);
         let (m, manifest, holders, free) = self.burst_inputs(model)?;
         let need = (replicas * partitions) as usize;
@@ -233,7 +186,7 @@ impl Controller {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = self.cancelled() => return,
+                _ = self.cancel_token().cancelled() => return,
                 _ = tick.tick() => {}
             }
             let (digest, active) = {
@@ -313,7 +266,7 @@ impl Controller {
             let name = plan.model.clone();
             for (host, bytes) in done {
                 if let Some(e) = st.hosts.get_mut(&host) {
-                    e.mark_complete(&digest, &name, "memory", bytes);
+                    e.mark_complete(&digest, &name, crate::inventory::DataTier::Memory, bytes);
                 }
             }
             if changed {

@@ -8,7 +8,7 @@
 //! agents never happen under the lock.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -19,7 +19,7 @@ use shardcast_protocol::agent::agent_client::AgentClient;
 use shardcast_protocol::agent::{self as apb, GetModelStatusRequest, ImportModelRequest};
 use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::controller::{
-    Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostReport, HostState,
+    Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostState,
     ListHostsResponse, ListModelsResponse, ModelInfo, ModelStatus, NameBinding, PrewarmRequest,
     RegisterModelRequest, ScaleOutRequest, ShardInfo,
 };
@@ -30,14 +30,23 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tracing::{info, warn};
 
-use crate::error::ApiError;
-use crate::inventory::{self, HostEntry, HostRecord, Pending};
+use crate::error::{
+    AgentError, AgentFailure, ApiError, EvictError, HeartbeatError, HostUnavailable, LookupError,
+    RegisterError,
+};
+use crate::events::EventLog;
+use crate::inventory::{self, DataTier, HostEntry, HostView, Pending, StoredHost};
 pub use crate::plan::ChainRun;
 use crate::plan::{
-    Accepted, ChainSummary, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState,
-    Seen, StoredPlan,
+    Accepted, ChainSummary, GpuState, Plan, PlanKind, ReceiverProgress, ReceiverState, Seen,
+    StoredPlan,
 };
 use crate::state::{StateStore, Table};
+use crate::usage::Usage;
+
+/// What runs after a model is registered (with a profile), given its name.
+pub type AfterRegister =
+    Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
 
 /// Controller tuning.
 #[derive(Debug, Clone)]
@@ -57,10 +66,6 @@ pub struct ControllerConfig {
     /// Host → GPU rate (bytes/s) used to class models light/medium/heavy from their
     /// profiles (Torpor §5.3). Default 25 GB/s (PCIe 4.0 x16 in practice).
     pub pcie_bps: f64,
-    /// Host memory and disk tiers kept under their watermarks.
-    pub tiers: crate::tiers::TierConfig,
-    /// Scrape load from a Prometheus endpoint.
-    pub scrape: Option<crate::scrape::ScrapeConfig>,
     /// The controller's TLS identity for reaching agents over TCP (`None`: plaintext,
     /// insecure mode or agents on Unix sockets only).
     pub tls: Option<Arc<shardcast_identity::TlsContext>>,
@@ -92,8 +97,6 @@ impl Default for ControllerConfig {
             stall_timeout: Duration::from_secs(10),
             max_replans: 3,
             pcie_bps: 25e9,
-            tiers: crate::tiers::TierConfig::default(),
-            scrape: None,
             tls: None,
             signer: None,
             origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
@@ -198,10 +201,10 @@ pub(crate) fn now_unix() -> f64 {
         .unwrap_or(0.0)
 }
 
-fn data_tier(tier: Tier) -> &'static str {
+pub(crate) fn data_tier(tier: Tier) -> DataTier {
     match tier {
-        Tier::Disk => "disk",
-        Tier::Memory | Tier::Gpu => "memory",
+        Tier::Disk => DataTier::Disk,
+        Tier::Memory | Tier::Gpu => DataTier::Memory,
     }
 }
 
@@ -214,29 +217,21 @@ fn agent_tier(tier: Tier) -> i32 {
 
 fn plan_error(e: PlanError) -> ApiError {
     match e {
-        PlanError::NoLiveHost => ApiError::unavailable(
-            "no live host: no transferd has heartbeated recently (start transferd with --controller pointing here)",
-        ),
-        PlanError::UnknownHost(h) => ApiError::not_found(format!(
-            "host {h:?} is not known to the controller (see `shardcast hosts`)"
-        )),
-        PlanError::HostDown(h) => {
-            ApiError::unavailable(format!("host {h:?} is down (it stopped heartbeating)"))
-        }
+        PlanError::NoLiveHost => HostUnavailable::NoLiveHost.into(),
+        PlanError::UnknownHost(h) => HostUnavailable::Unknown(h).into(),
+        PlanError::HostDown(h) => HostUnavailable::Down(h).into(),
         e @ PlanError::NotEnoughCapacity { .. } => ApiError::exhausted(e.to_string()),
         PlanError::InvalidRequest(m) => ApiError::invalid(m),
     }
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
+pub(crate) use crate::lock;
 
 #[derive(Default)]
 pub(crate) struct State {
     /// By name (latest version).
-    models: BTreeMap<String, ModelRecord>,
-    manifests: HashMap<String, Arc<Vec<u8>>>,
+    pub(crate) models: BTreeMap<String, ModelRecord>,
+    pub(crate) manifests: HashMap<String, Arc<Vec<u8>>>,
     pub(crate) hosts: BTreeMap<String, HostEntry>,
     /// Signature of each host's last persisted report.
     persisted: HashMap<String, String>,
@@ -270,18 +265,14 @@ impl State {
         self.plans.insert(id, plan);
     }
 
-    fn model(&self, key: &str) -> Result<&ModelRecord, ApiError> {
+    pub(crate) fn model(&self, key: &str) -> Result<&ModelRecord, LookupError> {
         if key.is_empty() {
-            return Err(ApiError::invalid("a model name or digest is required"));
+            return Err(LookupError::NoKey);
         }
         self.models
             .get(key)
             .or_else(|| self.models.values().find(|m| m.digest == key))
-            .ok_or_else(|| {
-                ApiError::not_found(format!(
-                    "model {key:?} is not registered (register it with `shardcast register {key} <origin>`)"
-                ))
-            })
+            .ok_or_else(|| LookupError::UnknownModel(key.to_string()))
     }
 
     /// Bytes still to arrive on each host from plans in flight.
@@ -300,7 +291,7 @@ impl State {
     }
 
     /// Hosts receiving `digest` into `tier`'s data tier in plans in flight, with the plan.
-    fn in_flight(&self, digest: &str, tier: Tier) -> BTreeMap<String, String> {
+    pub(crate) fn in_flight(&self, digest: &str, tier: Tier) -> BTreeMap<String, String> {
         let mut out = BTreeMap::new();
         for plan in self.plans.values() {
             if !plan.running() || plan.digest != digest || data_tier(plan.tier) != data_tier(tier) {
@@ -330,9 +321,13 @@ pub struct Controller {
     reached: Mutex<HashSet<String>>,
     first_contact: tokio::sync::Semaphore,
     cancel: CancellationToken,
-    scaler: crate::autoscaler::Autoscaler,
-    usage: crate::tiers::Usage,
-    ptables: crate::ptables::PlanStore,
+    /// Decisions and plan events (`ListEvents`), shared with the services.
+    events: Arc<EventLog>,
+    /// Last uses of each model, shared with the tier sweeper.
+    usage: Arc<Usage>,
+    /// Run after a model is registered, before its registration ends (the partition-plan
+    /// service precomputes the model's tables), set once by `crate::services`.
+    after_register: std::sync::OnceLock<AfterRegister>,
     authz: Arc<shardcast_identity::grpc::AuthzStats>,
     http: Arc<shardcast_identity::http::HttpStats>,
     origin_refused: std::sync::atomic::AtomicU64,
@@ -343,7 +338,7 @@ pub struct Controller {
 /// A registration in progress: who reads the origin, and its outcome once it ends.
 struct Registration {
     info: shardcast_protocol::controller::Registration,
-    outcome: watch::Receiver<Option<Result<ModelInfo, ApiError>>>,
+    outcome: watch::Receiver<Option<Result<ModelInfo, RegisterError>>>,
 }
 
 impl Controller {
@@ -363,17 +358,11 @@ impl Controller {
             }
         }
         tokio::spawn(me.clone().expiry_loop());
-        if me.cfg.tiers.enabled {
-            tokio::spawn(me.clone().tier_loop());
-        }
-        if let Some(s) = me.cfg.scrape.clone() {
-            tokio::spawn(me.clone().scrape_loop(s));
-        }
         Ok(me)
     }
 
     /// Loads the state for reads only (a follower replica's view, `crate::ha`): no plan
-    /// runner, sweeper, scraper or expiry loop runs; its writes are refused by the store.
+    /// runner or expiry loop runs; its writes are refused by the store.
     pub fn open_read_only(
         cfg: ControllerConfig,
         store: Arc<dyn StateStore>,
@@ -403,16 +392,16 @@ impl Controller {
             st.manifests.insert(digest, Arc::new(bytes));
         }
         for (id, bytes) in store.list(Table::Hosts)? {
-            match serde_json::from_slice::<HostRecord>(&bytes) {
+            match StoredHost::read(&bytes) {
                 Ok(r) => {
                     st.persisted
-                        .insert(id.clone(), HostEntry::signature(&r.report));
+                        .insert(id.clone(), HostEntry::signature(&r.host));
                     // Up until proven otherwise: hosts get one heartbeat window after a
                     // controller restart before they are marked down.
                     st.hosts.insert(
                         id,
                         HostEntry {
-                            report: r.report,
+                            report: r.host,
                             last_seen: started,
                             up: true,
                             gpu_reserved: r.gpu_reserved,
@@ -444,8 +433,7 @@ impl Controller {
                 Err(e) => warn!(plan = %id, "skipping unreadable plan record: {e}"),
             }
         }
-        let usage = crate::tiers::Usage::restore(store.as_ref())?;
-        let ptables = crate::ptables::PlanStore::restore(store.as_ref())?;
+        let usage = Arc::new(Usage::restore(store.as_ref())?);
         let (authz, http) = cfg.api_stats.clone();
         let writes = crate::write_behind::WriteBehind::new(store.clone());
         tokio::spawn(writes.clone().run(cancel.clone()));
@@ -458,9 +446,9 @@ impl Controller {
             reached: Mutex::default(),
             first_contact: tokio::sync::Semaphore::new(FIRST_CONTACTS),
             cancel,
-            scaler: crate::autoscaler::Autoscaler::default(),
+            events: Arc::default(),
             usage,
-            ptables,
+            after_register: std::sync::OnceLock::new(),
             authz,
             http,
             origin_refused: std::sync::atomic::AtomicU64::new(0),
@@ -502,13 +490,12 @@ impl Controller {
         self.http.clone()
     }
 
-    fn agent(&self, host: &str) -> Result<AgentClient<Channel>, ApiError> {
+    fn agent(&self, host: &str) -> Result<AgentClient<Channel>, AgentError> {
         let addr = {
             let st = lock(&self.state);
-            let h = st
-                .hosts
-                .get(host)
-                .ok_or_else(|| ApiError::not_found(format!("host {host:?} is not known")))?;
+            let h = st.hosts.get(host).ok_or_else(|| {
+                AgentError::unreachable(host, "the host is not known to the controller")
+            })?;
             h.report.agent_addr.clone()
         };
         let mut agents = lock(&self.agents);
@@ -522,7 +509,7 @@ impl Controller {
         let security = match &self.cfg.tls {
             Some(ctx) if !addr.starts_with("unix:") => {
                 let id = shardcast_identity::Identity::new(shardcast_identity::Role::Host, host)
-                    .map_err(|e| ApiError::internal(format!("host {host}: {e}")))?;
+                    .map_err(|e| AgentError::unreachable(host, e))?;
                 shardcast_identity::grpc::ClientSecurity::Tls(
                     ctx.clone(),
                     shardcast_identity::Expect::Exactly(id),
@@ -531,7 +518,7 @@ impl Controller {
             _ => shardcast_identity::grpc::ClientSecurity::Plaintext,
         };
         let channel = shardcast_identity::grpc::lazy(&addr, security)
-            .map_err(|e| ApiError::unavailable(format!("host {host}: {e}")))?;
+            .map_err(|e| AgentError::unreachable(host, e))?;
         let client = AgentClient::new(channel)
             .max_decoding_message_size(128 << 20)
             .max_encoding_message_size(128 << 20);
@@ -539,193 +526,34 @@ impl Controller {
         Ok(client)
     }
 
-    /// The state store.
-    pub(crate) fn store(&self) -> &dyn StateStore {
-        self.store.as_ref()
-    }
-
-    /// Stored partition-plan tables.
-    pub(crate) fn plan_store(&self) -> &crate::ptables::PlanStore {
-        &self.ptables
+    /// The state store, shared.
+    pub(crate) fn store_handle(&self) -> Arc<dyn StateStore> {
+        self.store.clone()
     }
 
     /// When each model was last used (for the tier sweeper's LRU).
-    pub fn usage(&self) -> &crate::tiers::Usage {
+    pub fn usage(&self) -> &Arc<Usage> {
         &self.usage
     }
 
+    /// Decisions and plan events.
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
+    }
+
+    /// Sets what runs after each registration (once; later calls are ignored).
+    pub fn after_register(&self, hook: AfterRegister) {
+        let _ = self.after_register.set(hook);
+    }
+
     /// Cancelled when the controller shuts down.
-    pub(crate) fn cancelled(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
-        self.cancel.cancelled()
-    }
-
-    /// Each up host's memory and disk use and the model copies in them, for the tier
-    /// sweeper.
-    pub(crate) fn tier_view(&self, origins_durable: bool) -> Vec<crate::tiers::HostTiers> {
-        use crate::tiers::{HostTiers, TierCopy};
-        let st = lock(&self.state);
-        let copies = |digest: &str| -> u32 {
-            st.hosts
-                .values()
-                .filter(|h| h.up)
-                .map(|h| {
-                    ["memory", "disk"]
-                        .iter()
-                        .filter(|t| h.holding(digest, t).is_some_and(|x| x.complete))
-                        .count() as u32
-                })
-                .sum()
-        };
-        let busy = |host: &str, digest: &str| -> bool {
-            st.plans.values().any(|p| {
-                p.running()
-                    && p.digest == digest
-                    && (p
-                        .hosts
-                        .iter()
-                        .any(|h| h.host == host && h.state.is_active())
-                        || p.chains.iter().any(|c| c.source == host))
-            })
-        };
-        st.hosts
-            .values()
-            .filter(|h| h.up)
-            .map(|h| {
-                let r = &h.report;
-                let items = r
-                    .holdings
-                    .iter()
-                    .map(|x| {
-                        let m = st.models.values().find(|m| m.digest == x.digest);
-                        TierCopy {
-                            tier: x.tier.clone(),
-                            digest: x.digest.clone(),
-                            name: m.map_or_else(|| x.name.clone(), |m| m.name.clone()),
-                            bytes: x.bytes_verified,
-                            pinned: busy(&r.host_id, &x.digest)
-                                || (x.tier == "memory" && h.gpu_reserved.contains_key(&x.digest)),
-                            copies: copies(&x.digest),
-                            registered: m.is_some(),
-                            origin_available: origins_durable
-                                && m.is_some_and(|m| !m.origin.is_empty()),
-                        }
-                    })
-                    .collect();
-                // The tiers' own share: what the store holds plus the free space. Files of
-                // other programs on the same filesystem are not the cache's to make room
-                // for (evicting models would not free them).
-                let held = |tier: &str| -> u64 {
-                    r.holdings
-                        .iter()
-                        .filter(|x| x.tier == tier)
-                        .map(|x| x.bytes_verified)
-                        .sum()
-                };
-                let (mem_used, disk_used) = (held("memory"), held("disk"));
-                HostTiers {
-                    host: r.host_id.clone(),
-                    mem_capacity: mem_used
-                        .saturating_add(r.mem_free)
-                        .min(r.mem_capacity.max(mem_used)),
-                    mem_used,
-                    disk_capacity: disk_used
-                        .saturating_add(r.disk_free)
-                        .min(r.disk_capacity.max(disk_used)),
-                    disk_used,
-                    items,
-                }
-            })
-            .collect()
-    }
-
-    /// The autoscaler's state and events.
-    pub fn autoscaler(&self) -> &crate::autoscaler::Autoscaler {
-        &self.scaler
+    pub fn cancel_token(&self) -> &CancellationToken {
+        &self.cancel
     }
 
     /// An agent client for `host`.
-    pub fn agent_client(&self, host: &str) -> Result<AgentClient<Channel>, ApiError> {
+    pub fn agent_client(&self, host: &str) -> Result<AgentClient<Channel>, AgentError> {
         self.agent(host)
-    }
-
-    /// (name, replicas now, load time, hosts holding it in the tier sorted by id) for the
-    /// autoscaler. Load time: the last finished plan that moved the model, else an
-    /// estimate at the default NIC rate.
-    pub fn scaling_view(
-        &self,
-        key: &str,
-        tier: Tier,
-    ) -> Result<(String, u32, f64, Vec<String>), ApiError> {
-        let st = lock(&self.state);
-        let m = st.model(key)?.clone();
-        let holders: Vec<String> = match tier {
-            Tier::Gpu => st
-                .hosts
-                .values()
-                .filter(|h| h.up && h.gpu_reserved.contains_key(&m.digest))
-                .map(|h| h.report.host_id.clone())
-                .collect(),
-            t => st
-                .hosts
-                .values()
-                .filter(|h| {
-                    h.up && h
-                        .holding(&m.digest, data_tier(t))
-                        .is_some_and(|x| x.complete)
-                })
-                .map(|h| h.report.host_id.clone())
-                .collect(),
-        };
-        let replicas = match tier {
-            Tier::Gpu => gpu_reserved(&st, &m.digest),
-            t => (holders.len() + st.in_flight(&m.digest, t).len()) as u32,
-        };
-        let measured = st
-            .plans
-            .values()
-            .filter(|p| p.digest == m.digest && p.state == PlanState::Done && !p.chains.is_empty())
-            .max_by(|a, b| a.created_at.total_cmp(&b.created_at))
-            .map(|p| p.elapsed_s(now_unix()));
-        let load_time_s = measured
-            .unwrap_or_else(|| m.total_bytes as f64 / self.cfg.plan.default_nic_bps.max(1) as f64);
-        Ok((m.name.clone(), replicas, load_time_s, holders))
-    }
-
-    /// (name, digest, registered profile, a live host holding it in memory, smallest GPU
-    /// memory reported) for partition planning.
-    #[allow(clippy::type_complexity)]
-    pub fn partition_inputs(
-        &self,
-        key: &str,
-    ) -> Result<
-        (
-            String,
-            String,
-            Option<shardcast_policies::profile::ModelProfile>,
-            Option<String>,
-            Option<u64>,
-        ),
-        ApiError,
-    > {
-        let st = lock(&self.state);
-        let m = st.model(key)?.clone();
-        let profile = m
-            .profile
-            .as_deref()
-            .map(crate::autoscaler::parse_profile)
-            .transpose()?;
-        let holder = st
-            .hosts
-            .values()
-            .find(|h| h.up && h.holding(&m.digest, "memory").is_some_and(|x| x.complete))
-            .map(|h| h.report.host_id.clone());
-        let smallest_gpu = st
-            .hosts
-            .values()
-            .flat_map(|h| h.report.gpus.iter().map(|g| g.memory_bytes))
-            .filter(|&b| b > 0)
-            .min();
-        Ok((m.name, m.digest, profile, holder, smallest_gpu))
     }
 
     // ---- inventory ----
@@ -733,12 +561,10 @@ impl Controller {
     /// A heartbeat (the first one registers the host). The answer carries the registry's
     /// current version of every model name the report mentions: hosts resolve names only
     /// through it.
-    pub fn heartbeat(&self, report: HostReport) -> Result<HeartbeatResponse, ApiError> {
-        HostId::new(&report.host_id).map_err(|e| ApiError::invalid(format!("host_id: {e}")))?;
+    pub fn heartbeat(&self, report: HostView) -> Result<HeartbeatResponse, HeartbeatError> {
+        HostId::new(&report.host_id).map_err(|e| HeartbeatError::BadHostId(e.to_string()))?;
         if report.data_addr.is_empty() || report.agent_addr.is_empty() {
-            return Err(ApiError::invalid(
-                "a heartbeat needs data_addr and agent_addr (set `advertise` on the transferd)",
-            ));
+            return Err(HeartbeatError::NoAddress);
         }
         let sig = HostEntry::signature(&report);
         let asked: BTreeSet<String> = report
@@ -765,13 +591,10 @@ impl Controller {
         entry.report = report;
         entry.last_seen = Instant::now();
         entry.up = true;
-        let record = HostRecord {
-            report: entry.report.clone(),
-            gpu_reserved: entry.gpu_reserved.clone(),
-        };
+        let record = StoredHost::of(entry);
         if st.persisted.get(&id) != Some(&sig) {
             let bytes =
-                serde_json::to_vec(&record).map_err(|e| ApiError::internal(e.to_string()))?;
+                serde_json::to_vec(&record).map_err(|e| HeartbeatError::Store(e.to_string()))?;
             if st.persisted.contains_key(&id) {
                 // A change of a known host: queued, not committed under the lock (see
                 // `write_behind`).
@@ -779,7 +602,9 @@ impl Controller {
             } else {
                 // A host the state has never held: committed before it is answered, so a
                 // controller that takes over (or restarts) right after still knows it.
-                self.writes.put_now(Table::Hosts, &id, &bytes)?;
+                self.writes
+                    .put_now(Table::Hosts, &id, &bytes)
+                    .map_err(|e| HeartbeatError::Store(e.to_string()))?;
             }
             st.persisted.insert(id.clone(), sig);
         }
@@ -794,7 +619,7 @@ impl Controller {
                     warn!(plan = %e.plan_id, "persisting plan: {err}");
                 }
             }
-            self.autoscaler().record_event(e);
+            self.events.record(e);
         }
         let names = asked
             .into_iter()
@@ -819,7 +644,7 @@ impl Controller {
                 .hosts
                 .values()
                 .map(|h| HostState {
-                    report: Some(h.report.clone()),
+                    report: Some(crate::wire::host_report(&h.report)),
                     up: h.up,
                     last_seen_s: now.saturating_duration_since(h.last_seen).as_secs_f64(),
                     gpus_reserved: h.reserved_gpus(),
@@ -832,18 +657,18 @@ impl Controller {
 
     /// Checks an origin against the allow-list: a malformed URI is `INVALID_ARGUMENT`, one
     /// outside the list `PERMISSION_DENIED` (counted and logged with the origin).
-    pub fn check_origin(&self, origin: &str) -> Result<(), ApiError> {
+    pub fn check_origin(&self, origin: &str) -> Result<(), RegisterError> {
         use shardcast_protocol::origin_policy::PolicyError;
         match self.cfg.origins.check(origin) {
             Ok(_) => Ok(()),
             Err(e @ (PolicyError::Invalid { .. } | PolicyError::UnsupportedScheme { .. })) => {
-                Err(ApiError::invalid(e.to_string()))
+                Err(RegisterError::OriginInvalid(e.to_string()))
             }
             Err(e) => {
                 self.origin_refused
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 warn!(%origin, "origin refused by policy: {e}");
-                Err(ApiError::permission_denied(e.to_string()))
+                Err(RegisterError::OriginRefused(e.to_string()))
             }
         }
     }
@@ -861,9 +686,11 @@ impl Controller {
     pub async fn register_model(
         self: &Arc<Self>,
         req: RegisterModelRequest,
-    ) -> Result<ModelInfo, ApiError> {
-        let name = ModelName::new(&req.name)
-            .map_err(|e| ApiError::invalid(format!("model name {:?}: {e}", req.name)))?;
+    ) -> Result<ModelInfo, RegisterError> {
+        let name = ModelName::new(&req.name).map_err(|e| RegisterError::BadName {
+            name: req.name.clone(),
+            why: e.to_string(),
+        })?;
         let origin = req.origin.trim().to_string();
         let no_wait = req.no_wait;
         let mut outcome = {
@@ -871,12 +698,10 @@ impl Controller {
             match regs.get(name.as_str()) {
                 Some(r) if r.info.origin == origin => r.outcome.clone(),
                 Some(r) => {
-                    return Err(ApiError {
-                        code: tonic::Code::Aborted,
-                        message: format!(
-                            "{name} is being registered from {} (through {}); wait for it to end",
-                            r.info.origin, r.info.via_host
-                        ),
+                    return Err(RegisterError::InProgress {
+                        name: name.to_string(),
+                        origin: r.info.origin.clone(),
+                        via: r.info.via_host.clone(),
                     });
                 }
                 None => {
@@ -884,7 +709,7 @@ impl Controller {
                     let profile = if req.profile_json.trim().is_empty() {
                         None
                     } else {
-                        crate::autoscaler::parse_profile(&req.profile_json)?;
+                        parse_profile(&req.profile_json).map_err(RegisterError::BadProfile)?;
                         Some(req.profile_json.clone())
                     };
                     self.check_origin(&origin)?;
@@ -910,7 +735,7 @@ impl Controller {
                             .register_now(job_model, job_origin, profile, chunk_size, via)
                             .await;
                         if let Err(e) = &r {
-                            warn!(model = %job_name, "registration failed: {}", e.message);
+                            warn!(model = %job_name, "registration failed: {e}");
                         }
                         lock(&me.registrations).remove(&job_name);
                         tx.send_replace(Some(r));
@@ -929,14 +754,14 @@ impl Controller {
         let r = outcome
             .wait_for(Option::is_some)
             .await
-            .map_err(|_| ApiError::internal("the registration task ended without an outcome"))?
+            .map_err(|_| RegisterError::Lost)?
             .clone();
-        r.unwrap_or_else(|| Err(ApiError::internal("no outcome")))
+        r.unwrap_or(Err(RegisterError::Lost))
     }
 
     /// The host that reads the origin: `wanted` if given (it must be up), else any live
     /// host.
-    fn registration_host(&self, wanted: &str) -> Result<String, ApiError> {
+    fn registration_host(&self, wanted: &str) -> Result<String, HostUnavailable> {
         let st = lock(&self.state);
         if wanted.is_empty() {
             return st
@@ -944,11 +769,11 @@ impl Controller {
                 .values()
                 .find(|h| h.up)
                 .map(|h| h.report.host_id.clone())
-                .ok_or_else(|| plan_error(PlanError::NoLiveHost));
+                .ok_or(HostUnavailable::NoLiveHost);
         }
         match st.hosts.get(wanted) {
-            None => Err(plan_error(PlanError::UnknownHost(wanted.to_string()))),
-            Some(h) if !h.up => Err(plan_error(PlanError::HostDown(wanted.to_string()))),
+            None => Err(HostUnavailable::Unknown(wanted.to_string())),
+            Some(h) if !h.up => Err(HostUnavailable::Down(wanted.to_string())),
             Some(h) => Ok(h.report.host_id.clone()),
         }
     }
@@ -962,9 +787,13 @@ impl Controller {
         profile_json: Option<String>,
         chunk_size: u32,
         via: String,
-    ) -> Result<ModelInfo, ApiError> {
+    ) -> Result<ModelInfo, RegisterError> {
         info!(model = %name, %origin, via = %via, "registering: building the manifest");
-        let mut agent = self.agent(&via)?;
+        let read_error = |agent| RegisterError::OriginRead {
+            origin: origin.clone(),
+            agent,
+        };
+        let mut agent = self.agent(&via).map_err(read_error)?;
         let resp = agent
             .import_model(ImportModelRequest {
                 name: name.to_string(),
@@ -979,23 +808,18 @@ impl Controller {
                 keep: self.cfg.register_keeps_copy,
             })
             .await
-            .map_err(|s| ApiError {
-                code: match s.code() {
-                    tonic::Code::Unknown | tonic::Code::Internal => tonic::Code::Unavailable,
-                    c => c,
-                },
-                message: format!(
-                    "reading origin {origin} through host {via}: {}",
-                    s.message()
-                ),
-            })?
+            .map_err(|s| read_error(AgentError::from_status(&via, &s)))?
             .into_inner();
-        let manifest: Manifest = decode_exact(resp.manifest.clone().into())
-            .map_err(|e| ApiError::internal(format!("host {via} returned a bad manifest: {e}")))?;
+        let bad = |why: String| RegisterError::BadManifest {
+            via: via.clone(),
+            why,
+        };
+        let manifest: Manifest =
+            decode_exact(resp.manifest.clone().into()).map_err(|e| bad(e.to_string()))?;
         let digest = manifest.digest().to_hex();
         if digest != resp.digest {
-            return Err(ApiError::internal(format!(
-                "host {via} returned manifest {digest} but said {}",
+            return Err(bad(format!(
+                "its digest is {digest} but it said {}",
                 resp.digest
             )));
         }
@@ -1023,15 +847,19 @@ impl Controller {
             {
                 return Ok(old.info(Some(&resp.manifest)));
             }
-            self.store.put(Table::Manifests, &digest, &resp.manifest)?;
-            self.put_json(Table::Models, name.as_str(), &record)?;
+            let stored = |e: &dyn std::fmt::Display| RegisterError::Store(e.to_string());
+            self.store
+                .put(Table::Manifests, &digest, &resp.manifest)
+                .map_err(|e| stored(&e))?;
+            self.put_json(Table::Models, name.as_str(), &record)
+                .map_err(|e| stored(&e))?;
             info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), kept_on = %if resp.kept { via.as_str() } else { "-" }, "model registered");
             // Its next heartbeat says so too; a prewarm made before then must already
             // see the copy, not plan a second read of the origin.
             if resp.kept
                 && let Some(h) = st.hosts.get_mut(&via)
             {
-                h.mark_complete(&digest, name.as_str(), "memory", record.total_bytes);
+                h.mark_complete(&digest, name.as_str(), DataTier::Memory, record.total_bytes);
             }
             st.manifests.insert(digest, Arc::new(resp.manifest.clone()));
             let info = record.info(Some(&resp.manifest));
@@ -1039,17 +867,8 @@ impl Controller {
             info
         };
         // Plans are precomputed and stored with the model (Flashpoint §4.2.2).
-        if with_profile
-            && let Err(e) = self
-                .plan_table(
-                    name.as_str(),
-                    crate::ptables::DEFAULT_MAX_PARTITIONS,
-                    None,
-                    crate::ptables::table_queue(1),
-                )
-                .await
-        {
-            warn!(model = %name, "no partition plans for the registered profile: {}", e.message);
+        if with_profile && let Some(hook) = self.after_register.get() {
+            hook(name.to_string()).await;
         }
         Ok(info)
     }
@@ -1073,20 +892,20 @@ impl Controller {
     }
 
     /// One model, with its manifest.
-    pub fn get_model(&self, key: &str) -> Result<ModelInfo, ApiError> {
+    pub fn get_model(&self, key: &str) -> Result<ModelInfo, LookupError> {
         let st = lock(&self.state);
         let m = st.model(key)?;
         Ok(m.info(st.manifests.get(&m.digest).map(|b| b.as_slice())))
     }
 
     /// Where a model is.
-    pub fn get_status(&self, key: &str) -> Result<ModelStatus, ApiError> {
+    pub fn get_status(&self, key: &str) -> Result<ModelStatus, LookupError> {
         let st = lock(&self.state);
         let m = st.model(key)?;
         let mut hosts = Vec::new();
         for h in st.hosts.values() {
-            let mem = h.holding(&m.digest, "memory");
-            let disk = h.holding(&m.digest, "disk");
+            let mem = h.holding(&m.digest, DataTier::Memory);
+            let disk = h.holding(&m.digest, DataTier::Disk);
             let gpus = h.gpu_reserved.get(&m.digest).copied().unwrap_or(0);
             if mem.is_none() && disk.is_none() && gpus == 0 {
                 continue;
@@ -1169,7 +988,10 @@ impl Controller {
             .get(&m.digest)
             .cloned()
             .ok_or_else(|| ApiError::internal(format!("no manifest for {}", m.name)))?;
-        let holds = |h: &HostEntry| h.holding(&m.digest, "memory").is_some_and(|x| x.complete);
+        let holds = |h: &HostEntry| {
+            h.holding(&m.digest, DataTier::Memory)
+                .is_some_and(|x| x.complete)
+        };
         let holders: Vec<String> = st
             .hosts
             .values()
@@ -1205,10 +1027,7 @@ impl Controller {
         };
         *h.gpu_reserved.entry(digest.to_string()).or_default() += 1;
         h.booked_at.insert(digest.to_string(), Instant::now());
-        let rec = HostRecord {
-            report: h.report.clone(),
-            gpu_reserved: h.gpu_reserved.clone(),
-        };
+        let rec = StoredHost::of(h);
         drop(st);
         self.put_json(Table::Hosts, host, &rec)
     }
@@ -1219,53 +1038,10 @@ impl Controller {
         if let Some(h) = st.hosts.get_mut(host)
             && h.gpu_reserved.remove(digest).is_some()
         {
-            let rec = HostRecord {
-                report: h.report.clone(),
-                gpu_reserved: h.gpu_reserved.clone(),
-            };
+            let rec = StoredHost::of(h);
             drop(st);
             let _ = self.put_json(Table::Hosts, host, &rec);
         }
-    }
-
-    /// GPU reservations the hosts' own reports contradict: the load failed there, or the
-    /// host's GPU manager evicted the model to make room. Reservations of a plan still moving
-    /// the model to the host, and ones younger than two heartbeats (the report may predate
-    /// the load), stand. Returns (host, digest, model name, why).
-    pub(crate) fn stale_gpu_bookings(&self) -> Vec<(String, String, String, String)> {
-        let st = lock(&self.state);
-        let grace = self.cfg.heartbeat * 2;
-        let mut out = Vec::new();
-        for h in st.hosts.values().filter(|h| h.up) {
-            let host = &h.report.host_id;
-            for digest in h.gpu_reserved.keys() {
-                let fresh = h
-                    .booked_at
-                    .get(digest)
-                    .is_some_and(|at| h.last_seen.saturating_duration_since(*at) < grace);
-                let moving = st.plans.values().any(|p| {
-                    p.running()
-                        && p.digest == *digest
-                        && p.hosts
-                            .iter()
-                            .any(|x| x.host == *host && x.state.is_active())
-                });
-                if fresh || moving {
-                    continue;
-                }
-                if let Some(why) =
-                    crate::tiers::stale_booking(digest, &h.report.gpu_loads, &h.report.gpu_evicted)
-                {
-                    let name = st
-                        .models
-                        .values()
-                        .find(|m| m.digest == *digest)
-                        .map_or_else(|| digest.clone(), |m| m.name.clone());
-                    out.push((host.clone(), digest.clone(), name, why));
-                }
-            }
-        }
-        out
     }
 
     /// The heaviness of a model for `LoadModel` (Torpor §5.3) from its registered profile:
@@ -1279,7 +1055,7 @@ impl Controller {
                 .find(|m| m.digest == digest)
                 .and_then(|m| m.profile.clone())
         };
-        let Some(p) = profile.and_then(|j| crate::autoscaler::parse_profile(&j).ok()) else {
+        let Some(p) = profile.and_then(|j| parse_profile(&j).ok()) else {
             return String::new();
         };
         let h = shardcast_policies::evict::heaviness(
@@ -1438,17 +1214,14 @@ impl Controller {
                 {
                     *h.gpu_reserved.entry(model.digest.clone()).or_default() += r.gpus;
                     h.booked_at.insert(model.digest.clone(), Instant::now());
-                    touched.push(HostRecord {
-                        report: h.report.clone(),
-                        gpu_reserved: h.gpu_reserved.clone(),
-                    });
+                    touched.push(StoredHost::of(h));
                 }
             }
         }
         // Durable before any chain starts.
         self.persist_plan_now(&record)?;
         for t in touched {
-            self.put_json(Table::Hosts, &t.report.host_id, &t)?;
+            self.put_json(Table::Hosts, &t.host.host_id, &t)?;
         }
         st.add_plan(record);
         drop(st);
@@ -1489,12 +1262,12 @@ impl Controller {
     }
 
     /// A plan now.
-    pub fn get_plan(&self, id: &str) -> Result<Plan, ApiError> {
+    pub fn get_plan(&self, id: &str) -> Result<Plan, LookupError> {
         let st = lock(&self.state);
         st.plans
             .get(id)
             .cloned()
-            .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))
+            .ok_or_else(|| LookupError::UnknownPlan(id.to_string()))
     }
 
     /// Every plan as `view` renders it, newest first (rendered under the lock, so the
@@ -1508,28 +1281,32 @@ impl Controller {
 
     /// A receiver of a plan's changes; `None` when the plan has ended (its final state
     /// comes from [`Self::get_plan`]).
-    pub fn watch_plan(&self, id: &str) -> Result<(Plan, Option<watch::Receiver<Plan>>), ApiError> {
+    pub fn watch_plan(
+        &self,
+        id: &str,
+    ) -> Result<(Plan, Option<watch::Receiver<Plan>>), LookupError> {
         let st = lock(&self.state);
         let p = st
             .plans
             .get(id)
-            .ok_or_else(|| ApiError::not_found(format!("no plan {id:?}")))?;
+            .ok_or_else(|| LookupError::UnknownPlan(id.to_string()))?;
         Ok((p.clone(), st.watchers.get(id).map(watch::Sender::subscribe)))
     }
 
     /// `Evict`: remove the model's copy in `tier` from hosts.
-    pub async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, ApiError> {
-        let tier = crate::wire::tier_of(req.tier)?;
+    pub async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
+        let tier = crate::wire::tier_of(req.tier).map_err(|e| EvictError::Invalid(e.message))?;
         let (digest, targets) = {
             let st = lock(&self.state);
             let m = st.model(&req.model)?;
             let digest = m.digest.clone();
             for h in &req.hosts {
-                let e = st.hosts.get(h).ok_or_else(|| {
-                    ApiError::not_found(format!("host {h:?} is not known to the controller"))
-                })?;
+                let e = st
+                    .hosts
+                    .get(h)
+                    .ok_or_else(|| HostUnavailable::Unknown(h.clone()))?;
                 if tier != Tier::Gpu && !e.up {
-                    return Err(ApiError::unavailable(format!("host {h:?} is down")));
+                    return Err(HostUnavailable::Down(h.clone()).into());
                 }
             }
             let targets: Vec<String> = if req.hosts.is_empty() {
@@ -1552,10 +1329,10 @@ impl Controller {
                         .iter()
                         .find(|h| h.state.is_active() && targets.contains(&h.host))
                     {
-                        return Err(ApiError::precondition(format!(
-                            "plan {} is still moving the model to {}; wait for it (shardcast watch {})",
-                            p.id, h.host, p.id
-                        )));
+                        return Err(EvictError::StillMoving {
+                            plan: p.id.clone(),
+                            host: h.host.clone(),
+                        });
                     }
                 }
             }
@@ -1568,11 +1345,9 @@ impl Controller {
                 if let Some(e) = st.hosts.get_mut(h)
                     && e.gpu_reserved.remove(&digest).is_some()
                 {
-                    let rec = HostRecord {
-                        report: e.report.clone(),
-                        gpu_reserved: e.gpu_reserved.clone(),
-                    };
-                    self.put_json(Table::Hosts, h, &rec)?;
+                    let rec = StoredHost::of(e);
+                    self.put_json(Table::Hosts, h, &rec)
+                        .map_err(|e| EvictError::Store(e.to_string()))?;
                     evicted.push(h.clone());
                 }
             }
@@ -1588,10 +1363,7 @@ impl Controller {
                         tier: agent_tier(tier),
                     })
                     .await
-                    .map_err(|s| ApiError {
-                        code: s.code(),
-                        message: format!("host {h}: {}", s.message()),
-                    })
+                    .map_err(|s| AgentError::from_status(h, &s))
             }
             .await;
             match r {
@@ -1602,20 +1374,14 @@ impl Controller {
                     evicted.push(h.clone());
                 }
                 // The host never heard of the model: nothing to remove.
-                Err(e) if e.code == tonic::Code::NotFound => evicted.push(h.clone()),
+                Err(e) if e.failure == AgentFailure::NotFound => evicted.push(h.clone()),
                 Err(e) => failures.push(e),
             }
         }
         info!(model = %digest, ?tier, hosts = ?evicted, "evicted");
         match failures.into_iter().next() {
             None => Ok(EvictResponse { evicted }),
-            Some(e) => Err(ApiError {
-                code: e.code,
-                message: format!(
-                    "{} (evicted from {:?} before this failure)",
-                    e.message, evicted
-                ),
-            }),
+            Some(first) => Err(EvictError::Partial { evicted, first }),
         }
     }
 
@@ -1768,7 +1534,7 @@ impl Controller {
                         None => {
                             changed |= h.lose("the host stopped heartbeating during the transfer");
                             warn!(plan = %id, host = %host, "receiver lost");
-                            self.autoscaler().record_event(Event {
+                            self.events.record(Event {
                                 at: now_unix(),
                                 model: name.clone(),
                                 kind: "receiver-lost".into(),
@@ -2173,7 +1939,7 @@ impl Controller {
 }
 
 /// GPU slots reserved for `digest` on live hosts.
-fn gpu_reserved(st: &State, digest: &str) -> u32 {
+pub(crate) fn gpu_reserved(st: &State, digest: &str) -> u32 {
     st.hosts
         .values()
         .filter(|h| h.up)
@@ -2257,12 +2023,12 @@ fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
     let Some(entry) = st.hosts.get(host) else {
         return Vec::new();
     };
-    let complete: HashSet<(&str, &str)> = entry
+    let complete: HashSet<(&str, DataTier)> = entry
         .report
         .holdings
         .iter()
         .filter(|h| h.complete)
-        .map(|h| (h.digest.as_str(), h.tier.as_str()))
+        .map(|h| (h.digest.as_str(), h.tier))
         .collect();
     if complete.is_empty() {
         return Vec::new();
@@ -2271,7 +2037,7 @@ fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
         .report
         .gpu_loads
         .iter()
-        .filter(|g| g.state == "resident")
+        .filter(|g| g.state == GpuState::Resident)
         .map(|g| g.digest.as_str())
         .collect();
     let now = now_unix();
@@ -2343,11 +2109,21 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// Parses a registered profile (`RegisterModel.profile_json`).
+pub fn parse_profile(json: &str) -> Result<shardcast_policies::profile::ModelProfile, String> {
+    let p: shardcast_policies::profile::ModelProfile =
+        serde_json::from_str(json).map_err(|e| e.to_string())?;
+    p.validate().map_err(|e| e.to_string())?;
+    if p.groups.len() > 100_000 {
+        warn!("a profile with {} groups", p.groups.len());
+    }
+    Ok(p)
+}
+
 #[cfg(test)]
 mod receiver_index_tests {
     use super::*;
     use crate::plan::{PlanKind, ReceiverProgress, ReceiverState};
-    use shardcast_protocol::controller::HeldModel;
 
     fn plan(id: &str, digest: &str, hosts: &[(&str, ReceiverState)]) -> Plan {
         let hosts = hosts
@@ -2374,15 +2150,15 @@ mod receiver_index_tests {
 
     fn holding(host: &str, digest: &str) -> HostEntry {
         HostEntry {
-            report: HostReport {
+            report: HostView {
                 host_id: host.into(),
-                holdings: vec![HeldModel {
+                holdings: vec![inventory::Holding {
                     digest: digest.into(),
-                    tier: "memory".into(),
+                    name: String::new(),
+                    tier: DataTier::Memory,
                     complete: true,
                     bytes_verified: 10,
                     total_bytes: 10,
-                    ..Default::default()
                 }],
                 ..Default::default()
             },

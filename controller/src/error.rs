@@ -100,3 +100,389 @@ impl axum::response::IntoResponse for ApiError {
         (self.http_status(), axum::Json(body)).into_response()
     }
 }
+
+// ---- the core's errors, typed per operation ----
+//
+// The core's operations fail with these; the front ends map them to a gRPC code and an
+// HTTP status here (`From<…> for ApiError`), and nowhere else.
+
+/// A model, plan or host asked for by name that is not there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LookupError {
+    /// The request named nothing.
+    #[error("a model name or digest is required")]
+    NoKey,
+    /// Not registered.
+    #[error("model {0:?} is not registered (register it with `shardcast register {0} <origin>`)")]
+    UnknownModel(String),
+    /// No such plan.
+    #[error("no plan {0:?}")]
+    UnknownPlan(String),
+}
+
+/// The host an operation needs cannot do it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HostUnavailable {
+    /// No transferd has heartbeated recently.
+    #[error(
+        "no live host: no transferd has heartbeated recently (start transferd with --controller pointing here)"
+    )]
+    NoLiveHost,
+    /// Never heartbeated.
+    #[error("host {0:?} is not known to the controller (see `shardcast hosts`)")]
+    Unknown(String),
+    /// Stopped heartbeating.
+    #[error("host {0:?} is down (it stopped heartbeating)")]
+    Down(String),
+}
+
+/// How a call to a host's agent failed, from the agent's answer (or its absence).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentFailure {
+    /// The agent does not know what was asked for (a model it does not hold).
+    NotFound,
+    /// The agent refused: not allowed (its origin policy, its identity checks).
+    Refused,
+    /// The agent found the request malformed.
+    Invalid,
+    /// The agent is not in a state to do it.
+    Precondition,
+    /// The host is out of room.
+    Exhausted,
+    /// The agent could not be reached, or its own dependency (an origin) could not.
+    Unreachable,
+    /// The agent failed.
+    Failed,
+}
+
+/// A failed call to a host's agent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("host {host}: {message}")]
+pub struct AgentError {
+    /// The host.
+    pub host: String,
+    /// How.
+    pub failure: AgentFailure,
+    /// The agent's message (or the connection's).
+    pub message: String,
+}
+
+impl AgentError {
+    /// From the agent's gRPC answer.
+    pub fn from_status(host: &str, s: &tonic::Status) -> Self {
+        let failure = match s.code() {
+            Code::NotFound => AgentFailure::NotFound,
+            Code::PermissionDenied | Code::Unauthenticated => AgentFailure::Refused,
+            Code::InvalidArgument | Code::OutOfRange => AgentFailure::Invalid,
+            Code::FailedPrecondition | Code::AlreadyExists | Code::Aborted => {
+                AgentFailure::Precondition
+            }
+            Code::ResourceExhausted => AgentFailure::Exhausted,
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
+                AgentFailure::Unreachable
+            }
+            _ => AgentFailure::Failed,
+        };
+        Self {
+            host: host.to_string(),
+            failure,
+            message: s.message().to_string(),
+        }
+    }
+
+    /// The agent could not be reached (no channel, no identity to expect).
+    pub fn unreachable(host: &str, why: impl std::fmt::Display) -> Self {
+        Self {
+            host: host.to_string(),
+            failure: AgentFailure::Unreachable,
+            message: why.to_string(),
+        }
+    }
+}
+
+/// `Heartbeat`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeartbeatError {
+    /// Not a valid host id.
+    #[error("host_id: {0}")]
+    BadHostId(String),
+    /// No address to reach it at.
+    #[error("a heartbeat needs data_addr and agent_addr (set `advertise` on the transferd)")]
+    NoAddress,
+    /// A new host's record could not be stored.
+    #[error("storing the host: {0}")]
+    Store(String),
+}
+
+/// `RegisterModel`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    /// Not a valid model name.
+    #[error("model name {name:?}: {why}")]
+    BadName {
+        /// As given.
+        name: String,
+        /// Why not.
+        why: String,
+    },
+    /// The profile does not parse or validate.
+    #[error("profile_json: {0}")]
+    BadProfile(String),
+    /// Not an origin URI this build reads.
+    #[error("{0}")]
+    OriginInvalid(String),
+    /// Outside the origin allow-list.
+    #[error("{0}")]
+    OriginRefused(String),
+    /// No host to read the origin through.
+    #[error(transparent)]
+    Host(#[from] HostUnavailable),
+    /// The name is being registered from another origin.
+    #[error("{name} is being registered from {origin} (through {via}); wait for it to end")]
+    InProgress {
+        /// The model.
+        name: String,
+        /// The origin of the registration in progress.
+        origin: String,
+        /// The host reading it.
+        via: String,
+    },
+    /// The host could not read the origin or build the manifest.
+    #[error("reading origin {origin} through {agent}")]
+    OriginRead {
+        /// The origin.
+        origin: String,
+        /// The host's answer.
+        agent: AgentError,
+    },
+    /// The host's manifest is not what it says.
+    #[error("host {via} returned a bad manifest: {why}")]
+    BadManifest {
+        /// The host.
+        via: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// The registration's task ended without telling (it panicked).
+    #[error("the registration task ended without an outcome")]
+    Lost,
+    /// The model could not be stored.
+    #[error("storing the model: {0}")]
+    Store(String),
+}
+
+/// `Evict`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EvictError {
+    /// A malformed request.
+    #[error("{0}")]
+    Invalid(String),
+    /// No such model.
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+    /// A named host cannot be asked.
+    #[error(transparent)]
+    Host(#[from] HostUnavailable),
+    /// A plan still moves the model to a named host.
+    #[error(
+        "plan {plan} is still moving the model to {host}; wait for it (shardcast watch {plan})"
+    )]
+    StillMoving {
+        /// The plan.
+        plan: String,
+        /// The host.
+        host: String,
+    },
+    /// A host failed to evict; those before it did.
+    #[error("{first} (evicted from {evicted:?} before this failure)")]
+    Partial {
+        /// Hosts that evicted.
+        evicted: Vec<String>,
+        /// The first failure.
+        first: AgentError,
+    },
+    /// A GPU release could not be stored.
+    #[error("storing the host: {0}")]
+    Store(String),
+}
+
+impl From<LookupError> for ApiError {
+    fn from(e: LookupError) -> Self {
+        match e {
+            LookupError::NoKey => Self::invalid(e.to_string()),
+            _ => Self::not_found(e.to_string()),
+        }
+    }
+}
+
+impl From<HostUnavailable> for ApiError {
+    fn from(e: HostUnavailable) -> Self {
+        match e {
+            HostUnavailable::Unknown(_) => Self::not_found(e.to_string()),
+            _ => Self::unavailable(e.to_string()),
+        }
+    }
+}
+
+impl AgentFailure {
+    /// The code a caller sees for an agent's failure.
+    pub fn code(self) -> Code {
+        match self {
+            Self::NotFound => Code::NotFound,
+            Self::Refused => Code::PermissionDenied,
+            Self::Invalid => Code::InvalidArgument,
+            Self::Precondition => Code::FailedPrecondition,
+            Self::Exhausted => Code::ResourceExhausted,
+            Self::Unreachable | Self::Failed => Code::Unavailable,
+        }
+    }
+}
+
+impl From<AgentError> for ApiError {
+    fn from(e: AgentError) -> Self {
+        Self::new(e.failure.code(), e.to_string())
+    }
+}
+
+impl From<HeartbeatError> for ApiError {
+    fn from(e: HeartbeatError) -> Self {
+        match e {
+            HeartbeatError::Store(_) => Self::internal(e.to_string()),
+            _ => Self::invalid(e.to_string()),
+        }
+    }
+}
+
+impl From<RegisterError> for ApiError {
+    fn from(e: RegisterError) -> Self {
+        let m = e.to_string();
+        match e {
+            RegisterError::BadName { .. }
+            | RegisterError::BadProfile(_)
+            | RegisterError::OriginInvalid(_) => Self::invalid(m),
+            RegisterError::OriginRefused(_) => Self::permission_denied(m),
+            RegisterError::Host(h) => h.into(),
+            RegisterError::InProgress { .. } => Self::new(Code::Aborted, m),
+            RegisterError::OriginRead { agent, .. } => Self::new(agent.failure.code(), m),
+            RegisterError::BadManifest { .. } | RegisterError::Lost | RegisterError::Store(_) => {
+                Self::internal(m)
+            }
+        }
+    }
+}
+
+impl From<EvictError> for ApiError {
+    fn from(e: EvictError) -> Self {
+        let m = e.to_string();
+        match e {
+            EvictError::Invalid(_) => Self::invalid(m),
+            EvictError::Lookup(l) => l.into(),
+            EvictError::Host(h) => h.into(),
+            EvictError::StillMoving { .. } => Self::precondition(m),
+            EvictError::Partial { first, .. } => Self::new(first.failure.code(), m),
+            EvictError::Store(_) => Self::internal(m),
+        }
+    }
+}
+
+/// The front ends' conversions of each operation's error: to a gRPC status and to an HTTP
+/// response, through [`ApiError`].
+macro_rules! at_the_edge {
+    ($($e:ty),+) => {$(
+        impl From<$e> for tonic::Status {
+            fn from(e: $e) -> Self {
+                ApiError::from(e).into()
+            }
+        }
+
+        impl axum::response::IntoResponse for $e {
+            fn into_response(self) -> axum::response::Response {
+                ApiError::from(self).into_response()
+            }
+        }
+    )+};
+}
+
+at_the_edge!(
+    LookupError,
+    HostUnavailable,
+    AgentError,
+    HeartbeatError,
+    RegisterError,
+    EvictError
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_operation_error_maps_to_one_code_at_the_edge() {
+        let agent = |failure| AgentError {
+            host: "h1".into(),
+            failure,
+            message: "no".into(),
+        };
+        let cases: Vec<(ApiError, Code)> = vec![
+            (LookupError::NoKey.into(), Code::InvalidArgument),
+            (LookupError::UnknownModel("m".into()).into(), Code::NotFound),
+            (HostUnavailable::NoLiveHost.into(), Code::Unavailable),
+            (HostUnavailable::Unknown("h".into()).into(), Code::NotFound),
+            (HeartbeatError::NoAddress.into(), Code::InvalidArgument),
+            (
+                RegisterError::OriginRefused("outside".into()).into(),
+                Code::PermissionDenied,
+            ),
+            (
+                RegisterError::InProgress {
+                    name: "m".into(),
+                    origin: "o".into(),
+                    via: "h".into(),
+                }
+                .into(),
+                Code::Aborted,
+            ),
+            (
+                RegisterError::OriginRead {
+                    origin: "s3://b/m".into(),
+                    agent: agent(AgentFailure::Refused),
+                }
+                .into(),
+                Code::PermissionDenied,
+            ),
+            (
+                EvictError::StillMoving {
+                    plan: "p".into(),
+                    host: "h".into(),
+                }
+                .into(),
+                Code::FailedPrecondition,
+            ),
+            (
+                EvictError::Partial {
+                    evicted: vec!["a".into()],
+                    first: agent(AgentFailure::Unreachable),
+                }
+                .into(),
+                Code::Unavailable,
+            ),
+        ];
+        for (e, code) in cases {
+            assert_eq!(e.code, code, "{}", e.message);
+            assert!(!e.message.is_empty());
+        }
+        let e: ApiError = RegisterError::OriginRead {
+            origin: "s3://b/m".into(),
+            agent: agent(AgentFailure::NotFound),
+        }
+        .into();
+        assert_eq!(
+            e.message, "reading origin s3://b/m through host h1: no",
+            "the message names the origin and the host"
+        );
+        assert_eq!(
+            AgentError::from_status("h", &tonic::Status::unavailable("x")).failure,
+            AgentFailure::Unreachable
+        );
+    }
+}

@@ -16,12 +16,13 @@ use shardcast_protocol::controller::{
 use tonic::{Request, Response, Status};
 
 use crate::core::{Controller, now_unix};
+use crate::services::Services;
 use crate::wire::plan_status;
 use shardcast_protocol::controller::PlanState;
 
 /// Both gRPC services share one controller.
 #[derive(Clone)]
-pub struct GrpcApi(pub Arc<Controller>);
+pub struct GrpcApi(pub Arc<Services>);
 
 type PlanStream = Pin<Box<dyn Stream<Item = Result<PlanStatus, Status>> + Send>>;
 
@@ -67,7 +68,7 @@ impl ControllerApi for GrpcApi {
         request: Request<RegisterModelRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
         Ok(Response::new(
-            self.0.register_model(request.into_inner()).await?,
+            self.0.core.register_model(request.into_inner()).await?,
         ))
     }
 
@@ -75,7 +76,7 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
-        Ok(Response::new(self.0.list_models()))
+        Ok(Response::new(self.0.core.list_models()))
     }
 
     async fn get_model(
@@ -83,7 +84,7 @@ impl ControllerApi for GrpcApi {
         request: Request<GetModelRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
         Ok(Response::new(
-            self.0.get_model(&request.into_inner().model)?,
+            self.0.core.get_model(&request.into_inner().model)?,
         ))
     }
 
@@ -91,7 +92,9 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<PrewarmRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
-        Ok(Response::new(self.0.prewarm(request.into_inner())?.into()))
+        Ok(Response::new(
+            self.0.core.prewarm(request.into_inner())?.into(),
+        ))
     }
 
     async fn scale_out(
@@ -99,7 +102,7 @@ impl ControllerApi for GrpcApi {
         request: Request<ScaleOutRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
         Ok(Response::new(
-            self.0.scale_out_any(request.into_inner()).await?.into(),
+            self.0.scale_out(request.into_inner()).await?.into(),
         ))
     }
 
@@ -107,7 +110,9 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<EvictRequest>,
     ) -> Result<Response<EvictResponse>, Status> {
-        Ok(Response::new(self.0.evict(request.into_inner()).await?))
+        Ok(Response::new(
+            self.0.core.evict(request.into_inner()).await?,
+        ))
     }
 
     type WatchPlanStream = PlanStream;
@@ -117,7 +122,7 @@ impl ControllerApi for GrpcApi {
         request: Request<WatchPlanRequest>,
     ) -> Result<Response<Self::WatchPlanStream>, Status> {
         Ok(Response::new(plan_updates(
-            &self.0,
+            &self.0.core,
             &request.into_inner().plan_id,
         )?))
     }
@@ -127,7 +132,7 @@ impl ControllerApi for GrpcApi {
         request: Request<WatchPlanRequest>,
     ) -> Result<Response<PlanStatus>, Status> {
         Ok(Response::new(plan_status(
-            &self.0.get_plan(&request.into_inner().plan_id)?,
+            &self.0.core.get_plan(&request.into_inner().plan_id)?,
             now_unix(),
         )))
     }
@@ -136,7 +141,7 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListPlansRequest>,
     ) -> Result<Response<ListPlansResponse>, Status> {
-        Ok(Response::new(list_plans(&self.0)))
+        Ok(Response::new(list_plans(&self.0.core)))
     }
 
     async fn get_status(
@@ -144,7 +149,7 @@ impl ControllerApi for GrpcApi {
         request: Request<GetStatusRequest>,
     ) -> Result<Response<ModelStatus>, Status> {
         Ok(Response::new(
-            self.0.get_status(&request.into_inner().model)?,
+            self.0.core.get_status(&request.into_inner().model)?,
         ))
     }
 
@@ -152,14 +157,14 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListHostsRequest>,
     ) -> Result<Response<ListHostsResponse>, Status> {
-        Ok(Response::new(self.0.list_hosts()))
+        Ok(Response::new(self.0.core.list_hosts()))
     }
 
     async fn report_load(
         &self,
         request: Request<ReportLoadRequest>,
     ) -> Result<Response<ReportLoadResponse>, Status> {
-        let decision = self.0.report_load(request.into_inner()).await?;
+        let decision = self.0.autoscaler.report_load(request.into_inner()).await?;
         Ok(Response::new(ReportLoadResponse {
             decision: Some(decision),
         }))
@@ -171,7 +176,7 @@ impl ControllerApi for GrpcApi {
     ) -> Result<Response<ListEventsResponse>, Status> {
         let r = request.into_inner();
         Ok(Response::new(
-            self.0.autoscaler().events(&r.model, r.limit as usize),
+            self.0.events().list(&r.model, r.limit as usize),
         ))
     }
 
@@ -180,7 +185,7 @@ impl ControllerApi for GrpcApi {
         request: Request<GetPartitionPlanRequest>,
     ) -> Result<Response<PartitionPlanResponse>, Status> {
         Ok(Response::new(
-            self.0.partition_plan(request.into_inner()).await?,
+            self.0.tables.partition_plan(request.into_inner()).await?,
         ))
     }
 }
@@ -194,6 +199,8 @@ impl Inventory for GrpcApi {
         let peer = shardcast_identity::grpc::peer_of(&request);
         let report = request.into_inner();
         crate::auth::check_heartbeat(&peer, &report.host_id)?;
-        Ok(Response::new(self.0.heartbeat(report)?))
+        Ok(Response::new(
+            self.0.core.heartbeat(crate::wire::host_view(report)?)?,
+        ))
     }
 }

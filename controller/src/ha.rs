@@ -5,7 +5,7 @@
 //!   create it with my address, attached to my lease". The winner leads until its lease
 //!   ends; a replica that is killed stops renewing, etcd deletes the key when the lease
 //!   expires, and the next campaign round elsewhere wins.
-//! * **Leader.** Runs the full controller: [`Controller::open`] loads the state from etcd
+//! * **Leader.** Runs the full controller: [`Services::open`] loads the state from etcd
 //!   and resumes the plans in flight, as after a restart. Its writes are fenced on the
 //!   leader key's create revision ([`crate::etcd`]).
 //! * **Stepping down.** The leader renews its lease every TTL/6. When no renewal has
@@ -14,7 +14,7 @@
 //!   clears its write fence, and cancels its plan runners, sweeper, scraper and expiry
 //!   loop. Then it campaigns again like any follower.
 //! * **Followers.** Serve reads from a read-only view of the stored state
-//!   ([`Controller::open_read_only`]: no runner or loop starts), reloaded whenever etcd's
+//!   ([`Services::open_read_only`]: no runner or loop starts), reloaded whenever etcd's
 //!   revision has moved (checked every campaign round). Every write — including
 //!   heartbeats, so that the leader's inventory is the one placement uses — is refused:
 //!   gRPC `UNAVAILABLE` with the leader's address in the message and in the
@@ -41,8 +41,8 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 use tracing::{info, warn};
 
-use crate::core::{Controller, ControllerConfig};
 use crate::etcd::{Campaign, EtcdStore, LeaderInfo};
+use crate::services::{Config, Services};
 use crate::state::StateStore;
 
 /// Metadata key (gRPC) and header (HTTP) naming the leader's address on a refusal.
@@ -51,13 +51,13 @@ pub const LEADER_HEADER: &str = shardcast_identity::failover::LEADER_HEADER;
 /// The controller the API serves now, with its HTTP routes.
 pub struct Active {
     /// The leader's controller, or a follower's read-only view.
-    pub ctl: Arc<Controller>,
+    pub ctl: Arc<Services>,
     http: Router,
 }
 
 impl Active {
     /// Wraps `ctl` and builds its routes.
-    pub fn new(ctl: Arc<Controller>) -> Arc<Self> {
+    pub fn new(ctl: Arc<Services>) -> Arc<Self> {
         Arc::new(Self {
             http: crate::http::router(ctl.clone()),
             ctl,
@@ -149,12 +149,12 @@ impl Replica {
 #[derive(Clone)]
 pub struct Switch<S> {
     slot: Slot,
-    make: fn(Arc<Controller>) -> S,
+    make: fn(Arc<Services>) -> S,
 }
 
 impl<S> Switch<S> {
     /// Serves with `make(current controller)`.
-    pub fn new(slot: Slot, make: fn(Arc<Controller>) -> S) -> Self {
+    pub fn new(slot: Slot, make: fn(Arc<Services>) -> S) -> Self {
         Self { slot, make }
     }
 }
@@ -276,7 +276,7 @@ pub struct HaConfig {
 /// is unreachable, for at most `patience`.
 /// Also the token that ends the view's own tasks (its write-behind) once it is replaced.
 pub async fn first_view(
-    cfg: &ControllerConfig,
+    cfg: &Config,
     store: Arc<EtcdStore>,
     cancel: &CancellationToken,
     patience: Duration,
@@ -298,13 +298,13 @@ pub async fn first_view(
 }
 
 async fn read_only(
-    cfg: &ControllerConfig,
+    cfg: &Config,
     store: Arc<EtcdStore>,
     cancel: CancellationToken,
 ) -> Result<Arc<Active>, String> {
     let cfg = cfg.clone();
     let store: Arc<dyn StateStore> = store;
-    tokio::task::spawn_blocking(move || Controller::open_read_only(cfg, store, cancel))
+    tokio::task::spawn_blocking(move || Services::open_read_only(&cfg, store, cancel))
         .await
         .map_err(|e| e.to_string())?
         .map(Active::new)
@@ -314,7 +314,7 @@ async fn read_only(
 /// Runs this replica's election until `cancel`: follows, leads when elected, steps down
 /// when its lease cannot be renewed in time, and follows again.
 pub async fn run(
-    cfg: ControllerConfig,
+    cfg: Config,
     ha: HaConfig,
     store: Arc<EtcdStore>,
     slot: Slot,
@@ -410,7 +410,7 @@ pub async fn run(
         let opened = {
             let (cfg, store, term) = (cfg.clone(), store.clone(), term.clone());
             let store: Arc<dyn StateStore> = store;
-            tokio::task::spawn_blocking(move || Controller::open(cfg, store, term)).await
+            tokio::task::spawn_blocking(move || Services::open(&cfg, store, term)).await
         };
         match opened {
             Ok(Ok(ctl)) => {

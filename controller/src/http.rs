@@ -39,11 +39,12 @@ use shardcast_protocol::controller::{
     RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
 };
 
-use crate::core::{Controller, now_unix};
+use crate::core::now_unix;
 use crate::error::ApiError;
+use crate::services::Services;
 use crate::wire::plan_status;
 
-type Ctl = State<Arc<Controller>>;
+type Ctl = State<Arc<Services>>;
 
 fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
     if bytes.is_empty() {
@@ -52,23 +53,29 @@ fn body<T: DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("request body: {e}")))
 }
 
-fn json<T: Serialize>(r: Result<T, ApiError>) -> Response {
+/// An operation's answer: its value as JSON, or its error (typed per operation, mapped to
+/// a status through [`ApiError`]).
+fn json<T: Serialize, E: Into<ApiError>>(r: Result<T, E>) -> Response {
     match r {
         Ok(v) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
+        Err(e) => e.into().into_response(),
     }
 }
 
+fn ok<T: Serialize>(v: T) -> Response {
+    axum::Json(v).into_response()
+}
+
 /// The HTTP router.
-pub fn router(c: Arc<Controller>) -> Router {
+pub fn router(c: Arc<Services>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/v1/models",
-            get(|State(c): Ctl| async move { json(Ok(c.list_models())) }).post(
+            get(|State(c): Ctl| async move { ok(c.core.list_models()) }).post(
                 |State(c): Ctl, b: Bytes| async move {
                     match body::<RegisterModelRequest>(&b) {
-                        Ok(req) => json(c.register_model(req).await),
+                        Ok(req) => json(c.core.register_model(req).await),
                         Err(e) => e.into_response(),
                     }
                 },
@@ -76,24 +83,24 @@ pub fn router(c: Arc<Controller>) -> Router {
         )
         .route(
             "/v1/models/{*model}",
-            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.get_model(&m)) }),
+            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.core.get_model(&m)) }),
         )
         .route(
             "/v1/status/{*model}",
-            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.get_status(&m)) }),
+            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.core.get_status(&m)) }),
         )
         .route(
             "/v1/prewarm",
             post(|State(c): Ctl, b: Bytes| async move {
-                json(body::<PrewarmRequest>(&b).and_then(|r| c.prewarm(r)).map(PlanAccepted::from))
+                json(body::<PrewarmRequest>(&b).and_then(|r| c.core.prewarm(r)).map(PlanAccepted::from))
             }),
         )
         .route(
             "/v1/scale-out",
             post(|State(c): Ctl, b: Bytes| async move {
                 match body::<ScaleOutRequest>(&b) {
-                    Ok(req) => json(c.scale_out_any(req).await.map(PlanAccepted::from)),
-                    Err(e) => json::<PlanAccepted>(Err(e)),
+                    Ok(req) => json(c.scale_out(req).await.map(PlanAccepted::from)),
+                    Err(e) => json::<PlanAccepted, _>(Err(e)),
                 }
             }),
         )
@@ -101,25 +108,25 @@ pub fn router(c: Arc<Controller>) -> Router {
             "/v1/evict",
             post(|State(c): Ctl, b: Bytes| async move {
                 match body::<EvictRequest>(&b) {
-                    Ok(req) => json(c.evict(req).await),
+                    Ok(req) => json(c.core.evict(req).await),
                     Err(e) => e.into_response(),
                 }
             }),
         )
         .route(
             "/v1/plans",
-            get(|State(c): Ctl| async move { json(Ok(crate::grpc::list_plans(&c))) }),
+            get(|State(c): Ctl| async move { ok(crate::grpc::list_plans(&c.core)) }),
         )
         .route(
             "/v1/plans/{id}",
             get(|State(c): Ctl, Path(id): Path<String>| async move {
-                json(c.get_plan(&id).map(|p| plan_status(&p, now_unix())))
+                json(c.core.get_plan(&id).map(|p| plan_status(&p, now_unix())))
             }),
         )
         .route("/v1/plans/{id}/watch", get(watch))
         .route(
             "/v1/hosts",
-            get(|State(c): Ctl| async move { json(Ok(c.list_hosts())) }),
+            get(|State(c): Ctl| async move { ok(c.core.list_hosts()) }),
         )
         .route(
             "/v1/heartbeat",
@@ -128,7 +135,8 @@ pub fn router(c: Arc<Controller>) -> Router {
                 json(
                     body::<HostReport>(&b)
                         .and_then(|r| crate::auth::check_heartbeat(&peer, &r.host_id).map(|_| r))
-                        .and_then(|r| c.heartbeat(r)),
+                        .and_then(crate::wire::host_view)
+                        .and_then(|r| c.core.heartbeat(r).map_err(ApiError::from)),
                 )
             }),
         )
@@ -136,7 +144,7 @@ pub fn router(c: Arc<Controller>) -> Router {
             "/v1/load",
             post(|State(c): Ctl, b: Bytes| async move {
                 match body::<ReportLoadRequest>(&b) {
-                    Ok(req) => json(c.report_load(req).await.map(|d| ReportLoadResponse {
+                    Ok(req) => json(c.autoscaler.report_load(req).await.map(|d| ReportLoadResponse {
                         decision: Some(d),
                     })),
                     Err(e) => e.into_response(),
@@ -148,7 +156,7 @@ pub fn router(c: Arc<Controller>) -> Router {
             get(
                 |State(c): Ctl, Query(q): Query<std::collections::HashMap<String, String>>| async move {
                     let model = q.get("model").cloned().unwrap_or_default();
-                    json(Ok(c.autoscaler().events(&model, 100)))
+                    ok(c.events().list(&model, 100))
                 },
             ),
         )
@@ -156,7 +164,7 @@ pub fn router(c: Arc<Controller>) -> Router {
             "/v1/partition-plan",
             post(|State(c): Ctl, b: Bytes| async move {
                 match body::<GetPartitionPlanRequest>(&b) {
-                    Ok(req) => match c.partition_plan(req).await {
+                    Ok(req) => match c.tables.partition_plan(req).await {
                         Ok(r) => (
                             [(header::CONTENT_TYPE, "application/json")],
                             r.json,
@@ -174,12 +182,12 @@ pub fn router(c: Arc<Controller>) -> Router {
                 let mut out = String::from(
                     "# HELP shardcast_autoscaler_decisions_total Autoscaler decisions by kind.\n# TYPE shardcast_autoscaler_decisions_total counter\n",
                 );
-                for (kind, n) in c.autoscaler().counters() {
+                for (kind, n) in c.events().counters() {
                     out.push_str(&format!(
                         "shardcast_autoscaler_decisions_total{{kind=\"{kind}\"}} {n}\n"
                     ));
                 }
-                let authz = c.authz_stats();
+                let authz = c.core.authz_stats();
                 let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
                 out.push_str(&format!(
                     "# HELP shardcast_api_refused_total API calls refused, by reason.\n# TYPE shardcast_api_refused_total counter\nshardcast_api_refused_total{{reason=\"unauthenticated\"}} {}\nshardcast_api_refused_total{{reason=\"denied\"}} {}\n",
@@ -191,12 +199,12 @@ pub fn router(c: Arc<Controller>) -> Router {
                     out.push_str(&format!("shardcast_api_denied_total{{role=\"{role}\"}} {n}\n"));
                 }
                 out.push_str("# HELP shardcast_http_timeouts_total HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).\n# TYPE shardcast_http_timeouts_total counter\n");
-                for (stall, n) in c.http_stats().timeouts() {
+                for (stall, n) in c.core.http_stats().timeouts() {
                     out.push_str(&format!("shardcast_http_timeouts_total{{kind=\"{}\"}} {n}\n", stall.as_str()));
                 }
                 out.push_str(&format!(
                     "# HELP shardcast_origin_refused_total Registrations refused by the origin allow-list.\n# TYPE shardcast_origin_refused_total counter\nshardcast_origin_refused_total {}\n",
-                    c.origin_refusals()
+                    c.core.origin_refusals()
                 ));
                 out
             }),
@@ -208,7 +216,7 @@ pub fn router(c: Arc<Controller>) -> Router {
 }
 
 async fn watch(State(c): Ctl, Path(id): Path<String>) -> Response {
-    let stream = match crate::grpc::plan_updates(&c, &id) {
+    let stream = match crate::grpc::plan_updates(&c.core, &id) {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };

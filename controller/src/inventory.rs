@@ -1,18 +1,179 @@
 //! The host inventory: the last report of every transferd, whether it is up, and the GPU
 //! slots the controller reserved on it. Converts to the placement crate's plain view.
+//!
+//! A host's report is held as a typed [`HostView`] (tiers and GPU states are enums, not
+//! the wire's strings), converted from the `HostReport` message at the edge
+//! (`crate::wire::host_view`, which refuses unknown names), and persisted as a versioned
+//! [`StoredHost`] record; records written before it (the wire message itself) still load.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use shardcast_placement::{Held, HostInfo};
-use shardcast_protocol::controller::{HeldModel, HostReport};
+
+use crate::plan::{GpuState, UnknownName, named_enum};
+
+named_enum! {
+    /// A host's data tiers (the GPU tier is GPU slots, not a store).
+    DataTier {
+        /// Host memory (tmpfs or hugepages).
+        Memory = "memory",
+        /// Local disk.
+        Disk = "disk",
+    }
+}
+
+/// One GPU of a host.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    /// Index on the host.
+    pub index: u32,
+    /// Memory, bytes.
+    pub memory_bytes: u64,
+    /// GPUs sharing a PCIe switch report the same id.
+    pub pcie_switch: String,
+    /// GPUs this one reaches over NVLink.
+    pub nvlink_peers: Vec<u32>,
+}
+
+/// A model copy in one of the host's data tiers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holding {
+    /// Manifest digest (hex).
+    pub digest: String,
+    /// The name the host knows it by.
+    pub name: String,
+    /// Which tier.
+    pub tier: DataTier,
+    /// Every chunk verified.
+    pub complete: bool,
+    /// Bytes verified.
+    pub bytes_verified: u64,
+    /// The model's size.
+    pub total_bytes: u64,
+}
+
+/// A model on the host's GPUs, as its GPU manager reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuLoad {
+    /// Manifest digest (hex).
+    pub digest: String,
+    /// Where the load is.
+    pub state: GpuState,
+    /// GPUs it is on (or being loaded onto).
+    pub gpus: Vec<u32>,
+    /// A partitioned load's label (`1.2/4`); empty for a whole replica.
+    pub partition: String,
+    /// Why it failed.
+    pub error: String,
+}
+
+/// A host's last report, typed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostView {
+    /// Host id.
+    pub host_id: String,
+    /// Data-plane listener, as peers reach it.
+    pub data_addr: String,
+    /// Agent API, as the controller reaches it.
+    pub agent_addr: String,
+    /// Zone.
+    pub zone: String,
+    /// Rack.
+    pub rack: String,
+    /// NIC rate, bytes/s (0: unknown).
+    pub nic_bps: u64,
+    /// Memory tier capacity, bytes.
+    pub mem_capacity: u64,
+    /// Memory tier free, bytes.
+    pub mem_free: u64,
+    /// Disk tier capacity, bytes.
+    pub disk_capacity: u64,
+    /// Disk tier free, bytes.
+    pub disk_free: u64,
+    /// GPUs.
+    pub gpus: Vec<GpuInfo>,
+    /// Model copies in its tiers.
+    pub holdings: Vec<Holding>,
+    /// transferd's version.
+    pub version: String,
+    /// GPUs running replicas (set by the inference platform).
+    pub gpus_busy: u32,
+    /// Models on its GPUs.
+    pub gpu_loads: Vec<GpuLoad>,
+    /// Digests its GPU manager evicted to make room (recent ones).
+    pub gpu_evicted: Vec<String>,
+    /// Model names bound on the host.
+    pub bound_names: Vec<String>,
+}
+
+/// The version of [`StoredHost`] records written now.
+pub const HOST_RECORD_VERSION: &str = "2";
+
+/// A host as persisted: its last report and the GPU slots reserved on it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StoredHost {
+    /// [`HOST_RECORD_VERSION`].
+    pub version: String,
+    /// Last report.
+    pub host: HostView,
+    /// GPU reservations per model digest.
+    #[serde(default)]
+    pub gpu_reserved: BTreeMap<String, u32>,
+}
+
+impl StoredHost {
+    /// The record of `e`.
+    pub fn of(e: &HostEntry) -> Self {
+        Self {
+            version: HOST_RECORD_VERSION.into(),
+            host: e.report.clone(),
+            gpu_reserved: e.gpu_reserved.clone(),
+        }
+    }
+
+    /// Reads a record: this version, or a record written before versions (the
+    /// `HostReport` wire message and the reservations). A record of an unknown version is
+    /// an error naming it, not a guess.
+    pub fn read(bytes: &[u8]) -> Result<Self, String> {
+        #[derive(Deserialize)]
+        struct Version {
+            version: Option<String>,
+        }
+        let v: Version = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        match v.version.as_deref() {
+            Some(HOST_RECORD_VERSION) => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
+            Some(other) => Err(format!(
+                "host record version {other:?} is not known to this controller (it reads {HOST_RECORD_VERSION:?} and unversioned ones)"
+            )),
+            None => {
+                let legacy: LegacyHostRecord =
+                    serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+                Ok(Self {
+                    version: HOST_RECORD_VERSION.into(),
+                    host: crate::wire::host_view(legacy.report).map_err(|e| e.message)?,
+                    gpu_reserved: legacy.gpu_reserved,
+                })
+            }
+        }
+    }
+}
+
+/// A host record as written before records were versioned: the wire message.
+#[derive(Deserialize)]
+struct LegacyHostRecord {
+    report: shardcast_protocol::controller::HostReport,
+    #[serde(default)]
+    gpu_reserved: BTreeMap<String, u32>,
+}
 
 /// What the controller knows about one host.
 #[derive(Debug, Clone)]
 pub struct HostEntry {
     /// The last heartbeat's content.
-    pub report: HostReport,
+    pub report: HostView,
     /// When it arrived (or when the controller started, for hosts loaded from state).
     pub last_seen: Instant,
     /// Heartbeating within the allowed window.
@@ -25,24 +186,14 @@ pub struct HostEntry {
     pub booked_at: HashMap<String, Instant>,
 }
 
-/// The persisted part of a host entry.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct HostRecord {
-    /// Last report.
-    pub report: HostReport,
-    /// GPU reservations.
-    #[serde(default)]
-    pub gpu_reserved: BTreeMap<String, u32>,
-}
-
 impl HostEntry {
     /// GPU slots reserved for all models.
     pub fn reserved_gpus(&self) -> u32 {
         self.gpu_reserved.values().sum()
     }
 
-    /// The holding of `digest` in `tier` ("memory" or "disk").
-    pub fn holding(&self, digest: &str, tier: &str) -> Option<&HeldModel> {
+    /// The holding of `digest` in `tier`.
+    pub fn holding(&self, digest: &str, tier: DataTier) -> Option<&Holding> {
         self.report
             .holdings
             .iter()
@@ -51,7 +202,7 @@ impl HostEntry {
 
     /// Records that the host now holds a complete copy (before its next heartbeat says so),
     /// so a plan made right after this one sees it.
-    pub fn mark_complete(&mut self, digest: &str, name: &str, tier: &str, bytes: u64) {
+    pub fn mark_complete(&mut self, digest: &str, name: &str, tier: DataTier, bytes: u64) {
         match self
             .report
             .holdings
@@ -63,10 +214,10 @@ impl HostEntry {
                 h.bytes_verified = bytes;
                 h.total_bytes = bytes;
             }
-            None => self.report.holdings.push(HeldModel {
+            None => self.report.holdings.push(Holding {
                 digest: digest.into(),
                 name: name.into(),
-                tier: tier.into(),
+                tier,
                 complete: true,
                 bytes_verified: bytes,
                 total_bytes: bytes,
@@ -75,7 +226,7 @@ impl HostEntry {
     }
 
     /// Forgets a copy (after an eviction).
-    pub fn forget(&mut self, digest: &str, tier: &str) {
+    pub fn forget(&mut self, digest: &str, tier: DataTier) {
         self.report
             .holdings
             .retain(|h| !(h.digest == digest && h.tier == tier));
@@ -83,7 +234,7 @@ impl HostEntry {
 
     /// What changes slowly: a heartbeat that changes this is persisted; one that only moves
     /// free space is not.
-    pub fn signature(r: &HostReport) -> String {
+    pub fn signature(r: &HostView) -> String {
         let mut held: Vec<String> = r
             .holdings
             .iter()
@@ -105,7 +256,7 @@ impl HostEntry {
 
 /// Bytes still to arrive per host and data tier, from plans in flight: capacity they will
 /// use that heartbeats do not show yet.
-pub type Pending = HashMap<(String, &'static str), u64>;
+pub type Pending = HashMap<(String, DataTier), u64>;
 
 /// The placement view of the inventory for one model: only that model's holdings are
 /// included (placement looks at nothing else), so building it is O(hosts).
@@ -118,8 +269,12 @@ pub fn cluster_view(
         .values()
         .map(|e| {
             let r = &e.report;
-            let memory = e.holding(digest, "memory").is_some_and(|h| h.complete);
-            let disk = e.holding(digest, "disk").is_some_and(|h| h.complete);
+            let memory = e
+                .holding(digest, DataTier::Memory)
+                .is_some_and(|h| h.complete);
+            let disk = e
+                .holding(digest, DataTier::Disk)
+                .is_some_and(|h| h.complete);
             let mut holdings = HashMap::new();
             if memory || disk {
                 holdings.insert(
@@ -132,7 +287,7 @@ pub fn cluster_view(
                 );
             }
             let gpus = r.gpus.len() as u32;
-            let pend = |tier: &'static str| {
+            let pend = |tier: DataTier| {
                 pending
                     .get(&(r.host_id.clone(), tier))
                     .copied()
@@ -145,9 +300,9 @@ pub fn cluster_view(
                 up: e.up,
                 nic_bps: r.nic_bps,
                 mem_capacity: r.mem_capacity,
-                mem_free: r.mem_free.saturating_sub(pend("memory")),
+                mem_free: r.mem_free.saturating_sub(pend(DataTier::Memory)),
                 disk_capacity: r.disk_capacity,
-                disk_free: r.disk_free.saturating_sub(pend("disk")),
+                disk_free: r.disk_free.saturating_sub(pend(DataTier::Disk)),
                 gpus,
                 gpus_free: gpus
                     .saturating_sub(r.gpus_busy)
@@ -179,11 +334,10 @@ pub fn expire(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shardcast_protocol::controller::Gpu;
 
-    fn entry(id: &str, up: bool, held: &[(&str, &str, bool)]) -> HostEntry {
+    fn entry(id: &str, up: bool, held: &[(&str, DataTier, bool)]) -> HostEntry {
         HostEntry {
-            report: HostReport {
+            report: HostView {
                 host_id: id.into(),
                 data_addr: "127.0.0.1:1".into(),
                 agent_addr: "127.0.0.1:2".into(),
@@ -192,15 +346,17 @@ mod tests {
                 mem_free: 80,
                 disk_capacity: 1000,
                 disk_free: 900,
-                gpus: vec![Gpu::default(), Gpu::default()],
+                gpus: vec![GpuInfo::default(), GpuInfo::default()],
                 gpus_busy: 0,
                 holdings: held
                     .iter()
-                    .map(|(d, t, c)| HeldModel {
+                    .map(|(d, t, c)| Holding {
                         digest: (*d).into(),
-                        tier: (*t).into(),
+                        name: String::new(),
+                        tier: *t,
                         complete: *c,
-                        ..Default::default()
+                        bytes_verified: 0,
+                        total_bytes: 0,
                     })
                     .collect(),
                 ..Default::default()
@@ -215,15 +371,19 @@ mod tests {
     #[test]
     fn view_has_only_the_model_asked_for_and_subtracts_pending_and_reserved() {
         let mut hosts = BTreeMap::new();
-        let mut a = entry("a", true, &[("m1", "memory", true), ("m2", "disk", true)]);
+        let mut a = entry(
+            "a",
+            true,
+            &[("m1", DataTier::Memory, true), ("m2", DataTier::Disk, true)],
+        );
         a.gpu_reserved.insert("m9".into(), 1);
         hosts.insert("a".to_string(), a);
         hosts.insert(
             "b".to_string(),
-            entry("b", false, &[("m1", "memory", false)]),
+            entry("b", false, &[("m1", DataTier::Memory, false)]),
         );
         let mut pending = Pending::new();
-        pending.insert(("a".into(), "memory"), 30);
+        pending.insert(("a".into(), DataTier::Memory), 30);
         let v = cluster_view(&hosts, "m1", &pending);
         assert_eq!(v.len(), 2);
         let a = &v[0];
@@ -252,7 +412,7 @@ mod tests {
 
     #[test]
     fn signature_ignores_free_space_but_not_holdings() {
-        let a = entry("a", true, &[("m1", "memory", false)]).report;
+        let a = entry("a", true, &[("m1", DataTier::Memory, false)]).report;
         let mut b = a.clone();
         b.mem_free = 1;
         assert_eq!(HostEntry::signature(&a), HostEntry::signature(&b));
@@ -263,14 +423,46 @@ mod tests {
     #[test]
     fn mark_complete_and_forget() {
         let mut e = entry("a", true, &[]);
-        e.mark_complete("m1", "x/y", "memory", 42);
+        e.mark_complete("m1", "x/y", DataTier::Memory, 42);
         assert!(
-            e.holding("m1", "memory")
+            e.holding("m1", DataTier::Memory)
                 .is_some_and(|h| h.complete && h.total_bytes == 42)
         );
-        e.mark_complete("m1", "x/y", "memory", 42);
+        e.mark_complete("m1", "x/y", DataTier::Memory, 42);
         assert_eq!(e.report.holdings.len(), 1);
-        e.forget("m1", "memory");
-        assert!(e.holding("m1", "memory").is_none());
+        e.forget("m1", DataTier::Memory);
+        assert!(e.holding("m1", DataTier::Memory).is_none());
+    }
+
+    #[test]
+    fn host_records_are_versioned_and_unversioned_ones_still_load() {
+        let mut e = entry("a", true, &[("m1", DataTier::Disk, true)]);
+        e.gpu_reserved.insert("m1".into(), 2);
+        let bytes = serde_json::to_vec(&StoredHost::of(&e)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["version"], HOST_RECORD_VERSION);
+        assert_eq!(v["host"]["holdings"][0]["tier"], "disk");
+        let back = StoredHost::read(&bytes).unwrap();
+        assert_eq!(back.host, e.report);
+        assert_eq!(back.gpu_reserved, e.gpu_reserved);
+
+        // Written before versions: the wire message (tiers as strings).
+        let legacy = serde_json::json!({
+            "report": {"host_id": "a", "data_addr": "127.0.0.1:1", "agent_addr": "127.0.0.1:2",
+                       "holdings": [{"digest": "m1", "tier": "memory", "complete": true}]},
+            "gpu_reserved": {"m1": 1}
+        });
+        let old = StoredHost::read(legacy.to_string().as_bytes()).unwrap();
+        assert_eq!(old.host.holdings[0].tier, DataTier::Memory);
+        assert_eq!(old.gpu_reserved["m1"], 1);
+
+        let future = serde_json::json!({"version": "9", "host": {}});
+        let err = StoredHost::read(future.to_string().as_bytes()).unwrap_err();
+        assert!(err.contains("\"9\""), "{err}");
+        let bad_tier = serde_json::json!({
+            "report": {"host_id": "a", "holdings": [{"digest": "m1", "tier": "tape"}]}
+        });
+        let err = StoredHost::read(bad_tier.to_string().as_bytes()).unwrap_err();
+        assert!(err.contains("tape"), "{err}");
     }
 }

@@ -25,12 +25,19 @@
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+/// Locks `m`, going on through a poisoned lock (a panicked holder left the data whole:
+/// every critical section here writes whole values).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 pub mod auth;
 pub mod autoscaler;
 pub mod burst;
 pub mod core;
 pub mod error;
 pub mod etcd;
+pub mod events;
 pub mod grpc;
 pub mod ha;
 pub mod http;
@@ -39,7 +46,9 @@ pub mod plan;
 pub mod ptables;
 pub mod scrape;
 pub mod server;
+pub mod services;
 pub mod state;
 pub mod tiers;
+pub mod usage;
 pub mod wire;
 pub mod write_behind;

@@ -58,19 +58,22 @@ macro_rules! named_enum {
                     _ => Err(UnknownName {
                         what: stringify!($name),
                         name: s.to_string(),
+                        known: [$($s),+].join(", "),
                     }),
                 }
             }
         }
     };
 }
+pub(crate) use named_enum;
 
 /// A name that is none of an enum's variants.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown {what} {name:?}")]
+#[error("unknown {what} {name:?} (known: {known})")]
 pub struct UnknownName {
-    what: &'static str,
-    name: String,
+    pub(crate) what: &'static str,
+    pub(crate) name: String,
+    pub(crate) known: String,
 }
 
 named_enum! {
@@ -598,7 +601,11 @@ mod tests {
             assert_eq!(s.as_str().parse::<PlanState>(), Ok(*s));
         }
         let e = "sleeping".parse::<ReceiverState>().unwrap_err();
-        assert_eq!(e.to_string(), "unknown ReceiverState \"sleeping\"");
+        assert!(
+            e.to_string()
+                .starts_with("unknown ReceiverState \"sleeping\" (known: pending, receiving,"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -15,14 +15,15 @@
 //! (P = 8, the smallest GPU, queues up to 64) at once.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
-use shardcast_policies::partition::{self, PlanTable};
-use shardcast_policies::profile::{Bandwidths, ModelProfile};
+use shardcast_policies::partition::{self, PartitionPlan, PlanTable};
+use shardcast_policies::profile::{self, Bandwidths, ModelProfile};
+use shardcast_protocol::controller::{GetPartitionPlanRequest, PartitionPlanResponse};
 use tracing::{info, warn};
 
-use crate::core::Controller;
 use crate::error::ApiError;
 use crate::state::{StateError, StateStore, Table};
 
@@ -159,7 +160,82 @@ impl PlanStore {
     }
 }
 
-impl Controller {
+/// What partition planning needs to know of a model from the registry and inventory.
+#[derive(Debug, Clone)]
+pub struct PartitionInputs {
+    /// Model name.
+    pub name: String,
+    /// Manifest digest.
+    pub digest: String,
+    /// Its registered profile.
+    pub profile: Option<ModelProfile>,
+    /// A live host holding it in memory (to read its tensor index from).
+    pub holder: Option<String>,
+    /// The smallest GPU memory any host reports.
+    pub smallest_gpu: Option<u64>,
+}
+
+/// What the partition-plan service needs from the rest of the controller.
+pub trait ModelSource: Send + Sync + 'static {
+    /// The model's name, digest, registered profile, a holder and the smallest GPU.
+    fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, ApiError>;
+    /// (name, bytes) of each tensor of `digest` as `host`'s hand-off describes them.
+    fn tensor_index(
+        &self,
+        host: &str,
+        digest: &str,
+    ) -> impl Future<Output = Result<Vec<(String, u64)>, ApiError>> + Send;
+}
+
+/// The partition-plan service: answers `GetPartitionPlan` and the plans bursts and the
+/// autoscaler use, from the tables kept in the state store.
+pub struct PartitionTables<M> {
+    src: Arc<M>,
+    store: Arc<dyn StateStore>,
+    kept: PlanStore,
+}
+
+impl<M: ModelSource> PartitionTables<M> {
+    /// The tables `store` holds, over `src`.
+    pub fn restore(src: Arc<M>, store: Arc<dyn StateStore>) -> Result<Self, StateError> {
+        let kept = PlanStore::restore(store.as_ref())?;
+        Ok(Self { src, store, kept })
+    }
+
+    /// A model's profile: the registered one, else one derived from the tensor index of a
+    /// live host holding it (marked estimated). With the model's name and the smallest GPU
+    /// memory reported in the cluster.
+    pub async fn model_profile(
+        &self,
+        key: &str,
+    ) -> Result<(String, ModelProfile, Option<u64>), ApiError> {
+        let m = self.src.partition_inputs(key)?;
+        let stored = || self.kept.derived(&m.name, &m.digest);
+        let profile: ModelProfile = match m.profile.clone().or_else(stored) {
+            Some(p) => p,
+            None => {
+                let host = m.holder.as_deref().ok_or_else(|| {
+                    ApiError::precondition(format!(
+                        "model {} has no registered profile and no live host holds it to read its tensor index; prewarm it or register it with a profile",
+                        m.name
+                    ))
+                })?;
+                let tensors = self.src.tensor_index(host, &m.digest).await?;
+                if tensors.is_empty() {
+                    return Err(ApiError::precondition(format!(
+                        "model {} has no safetensors tensors to derive a profile from; register it with a profile",
+                        m.name
+                    )));
+                }
+                let p = profile::profile_from_tensors(&m.name, &tensors, &Bandwidths::default());
+                self.kept
+                    .set_derived(self.store.as_ref(), &m.name, &m.digest, &p);
+                p
+            }
+        };
+        Ok((m.name, profile, m.smallest_gpu))
+    }
+
     /// The partition-plan table of `model` for `max_partitions`, `gpu_memory` (`None`: the
     /// smallest GPU reported, else [`DEFAULT_GPU_MEMORY`]) and queues up to `max_queue`:
     /// the stored one when the profile and parameters match, else computed and stored.
@@ -174,7 +250,7 @@ impl Controller {
         let (name, profile, smallest_gpu) = self.model_profile(model).await?;
         let gpu_memory = gpu_memory.unwrap_or(smallest_gpu.unwrap_or(DEFAULT_GPU_MEMORY));
         let link_bps = Bandwidths::default().link_bps;
-        if let Some(t) = self.plan_store().table(
+        if let Some(t) = self.kept.table(
             &name,
             &profile,
             max_partitions,
@@ -196,9 +272,80 @@ impl Controller {
             ms = started.elapsed().as_secs_f64() * 1e3,
             "partition plans computed and stored"
         );
-        self.plan_store()
-            .put_table(self.store(), &name, &profile, &table);
+        self.kept
+            .put_table(self.store.as_ref(), &name, &profile, &table);
         Ok((name, profile, table, false))
+    }
+
+    /// Computes and stores a registered model's default table (Flashpoint §4.2.2: plans
+    /// are precomputed, not searched for when a burst needs one).
+    pub async fn precompute(&self, model: &str) {
+        if let Err(e) = self
+            .plan_table(model, DEFAULT_MAX_PARTITIONS, None, table_queue(1))
+            .await
+        {
+            warn!(
+                model,
+                "no partition plans for the registered profile: {}", e.message
+            );
+        }
+    }
+
+    /// `GetPartitionPlan`.
+    pub async fn partition_plan(
+        &self,
+        req: GetPartitionPlanRequest,
+    ) -> Result<PartitionPlanResponse, ApiError> {
+        let max_p = if req.max_partitions == 0 {
+            DEFAULT_MAX_PARTITIONS
+        } else {
+            req.max_partitions as usize
+        };
+        let queue = req.queue.max(1);
+        let (name, profile, table, stored) = self
+            .plan_table(
+                &req.model,
+                max_p,
+                (req.gpu_memory > 0).then_some(req.gpu_memory),
+                table_queue(queue),
+            )
+            .await?;
+        let chosen = table.best_for(queue).cloned();
+        let json = serde_json::json!({
+            "model": name,
+            "gpu_memory": table.gpu_memory,
+            "queue": queue,
+            "stored": stored,
+            "chosen": chosen,
+            "table": table,
+            "profile": profile,
+        });
+        Ok(PartitionPlanResponse {
+            json: json.to_string(),
+            estimated: profile.estimated,
+        })
+    }
+
+    /// The partition plan a burst of `partitions` uses for `model` at `queue` requests,
+    /// with the profile it came from.
+    pub async fn burst_plan(
+        &self,
+        model: &str,
+        partitions: u32,
+        queue: u32,
+    ) -> Result<(ModelProfile, PartitionPlan), ApiError> {
+        let (_, profile, table, _) = self
+            .plan_table(model, partitions as usize, None, table_queue(queue))
+            .await?;
+        let plan = table
+            .best_with_partitions(partitions as usize, queue.max(1))
+            .ok_or_else(|| {
+                ApiError::precondition(format!(
+                    "model {model} cannot be split into {partitions} partitions (it has {} layer groups)",
+                    profile.groups.len()
+                ))
+            })?;
+        Ok((profile, plan))
     }
 }
 

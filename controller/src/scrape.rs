@@ -20,13 +20,24 @@
 //! logged once per outage, never fatal.
 
 use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shardcast_protocol::controller::ReportLoadRequest;
+use shardcast_protocol::controller::{Event, ReportLoadRequest};
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::core::Controller;
+use crate::error::ApiError;
+
+/// Where scraped load goes: the autoscaler, as a `ReportLoad` would.
+pub trait LoadSink: Send + Sync + 'static {
+    /// One model's load.
+    fn report_load(
+        &self,
+        req: ReportLoadRequest,
+    ) -> impl Future<Output = Result<Event, ApiError>> + Send;
+}
 
 /// Scrape settings.
 #[derive(Debug, Clone)]
@@ -215,82 +226,84 @@ fn scrape_client(
     b.build()
 }
 
-impl Controller {
-    /// Scrapes `cfg.url` every `cfg.interval` until shutdown.
-    pub(crate) async fn scrape_loop(self: Arc<Self>, cfg: ScrapeConfig) {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let tls = self.config().tls.clone();
-        let mut reloads = tls.as_ref().map(|t| t.watch_reloads());
-        let mut client = match scrape_client(&cfg, tls.as_deref()) {
-            Ok(c) => c,
+/// Scrapes `cfg.url` every `cfg.interval` until `cancel`, feeding `sink`. With `tls`,
+/// `https://` endpoints are reached with the controller's certificate.
+pub async fn run<S: LoadSink>(
+    cfg: ScrapeConfig,
+    tls: Option<Arc<shardcast_identity::TlsContext>>,
+    sink: Arc<S>,
+    cancel: CancellationToken,
+) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut reloads = tls.as_ref().map(|t| t.watch_reloads());
+    let mut client = match scrape_client(&cfg, tls.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("load scraping disabled: cannot build an HTTP client: {e}");
+            return;
+        }
+    };
+    info!(url = %cfg.url, interval = ?cfg.interval, "scraping load");
+    let mut tick = tokio::time::interval(cfg.interval);
+    let mut failing = false;
+    let mut unknown: HashSet<String> = HashSet::new();
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        // A rotated certificate: present the new one from now on.
+        if let Some(r) = reloads.as_mut()
+            && r.has_changed().unwrap_or(false)
+        {
+            r.mark_unchanged();
+            match scrape_client(&cfg, tls.as_deref()) {
+                Ok(c) => client = c,
+                Err(e) => warn!("keeping the previous scrape client: {e}"),
+            }
+        }
+        let page = async {
+            let r = client
+                .get(&cfg.url)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            if !r.status().is_success() {
+                return Err(format!("HTTP {}", r.status()));
+            }
+            let text = r.text().await.map_err(|e| e.to_string())?;
+            parse_text(&text)
+        }
+        .await;
+        let samples = match page {
+            Ok(s) => {
+                if failing {
+                    info!(url = %cfg.url, "load endpoint is back");
+                    failing = false;
+                }
+                s
+            }
             Err(e) => {
-                warn!("load scraping disabled: cannot build an HTTP client: {e}");
-                return;
+                if !failing {
+                    warn!(url = %cfg.url, "scraping load failed (logged once until it works again): {e}");
+                    failing = true;
+                }
+                continue;
             }
         };
-        info!(url = %cfg.url, interval = ?cfg.interval, "scraping load");
-        let mut tick = tokio::time::interval(cfg.interval);
-        let mut failing = false;
-        let mut unknown: HashSet<String> = HashSet::new();
-        loop {
-            tokio::select! {
-                _ = self.cancelled() => return,
-                _ = tick.tick() => {}
-            }
-            // A rotated certificate: present the new one from now on.
-            if let Some(r) = reloads.as_mut()
-                && r.has_changed().unwrap_or(false)
-            {
-                r.mark_unchanged();
-                match scrape_client(&cfg, tls.as_deref()) {
-                    Ok(c) => client = c,
-                    Err(e) => warn!("keeping the previous scrape client: {e}"),
-                }
-            }
-            let page = async {
-                let r = client
-                    .get(&cfg.url)
-                    .send()
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if !r.status().is_success() {
-                    return Err(format!("HTTP {}", r.status()));
-                }
-                let text = r.text().await.map_err(|e| e.to_string())?;
-                parse_text(&text)
-            }
-            .await;
-            let samples = match page {
-                Ok(s) => {
-                    if failing {
-                        info!(url = %cfg.url, "load endpoint is back");
-                        failing = false;
+        for req in reports(&samples, &cfg) {
+            let model = req.model.clone();
+            match sink.report_load(req).await {
+                Ok(_) => {}
+                Err(e) if e.code == tonic::Code::NotFound => {
+                    if unknown.insert(model.clone()) {
+                        warn!(
+                            model,
+                            "scraped load for a model the controller does not know: {}", e.message
+                        );
                     }
-                    s
                 }
-                Err(e) => {
-                    if !failing {
-                        warn!(url = %cfg.url, "scraping load failed (logged once until it works again): {e}");
-                        failing = true;
-                    }
-                    continue;
-                }
-            };
-            for req in reports(&samples, &cfg) {
-                let model = req.model.clone();
-                match self.report_load(req).await {
-                    Ok(_) => {}
-                    Err(e) if e.code == tonic::Code::NotFound => {
-                        if unknown.insert(model.clone()) {
-                            warn!(
-                                model,
-                                "scraped load for a model the controller does not know: {}",
-                                e.message
-                            );
-                        }
-                    }
-                    Err(e) => warn!(model, "scraped load refused: {}", e.message),
-                }
+                Err(e) => warn!(model, "scraped load refused: {}", e.message),
             }
         }
     }

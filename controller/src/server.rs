@@ -24,9 +24,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::core::{Controller, ControllerConfig};
+use crate::core::ControllerConfig;
 use crate::grpc::GrpcApi;
 use crate::ha::{Active, LeaderGate, Replica, Slot, Switch};
+use crate::services::{Config, Services};
 use crate::state::RedbStore;
 use shardcast_identity::grpc::GateLayer;
 
@@ -260,7 +261,7 @@ impl Args {
     }
 
     /// The controller configuration these flags describe.
-    pub fn config(&self) -> anyhow::Result<ControllerConfig> {
+    pub fn config(&self) -> anyhow::Result<Config> {
         if !(50..=60_000).contains(&self.heartbeat_ms) {
             bail!(
                 "heartbeat_ms must be between 50 and 60000, got {}",
@@ -325,7 +326,7 @@ impl Args {
                 })
             }
         };
-        Ok(ControllerConfig {
+        let core = ControllerConfig {
             heartbeat: Duration::from_millis(self.heartbeat_ms),
             missed_heartbeats: self.missed_heartbeats,
             plan: PlanParams {
@@ -336,6 +337,13 @@ impl Args {
             },
             stall_timeout: Duration::from_secs(self.stall_timeout_s),
             poll: Duration::from_millis(self.poll_ms),
+            origins: OriginPolicy::parse(&self.origin_allow, Enforcer::Controller)
+                .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?,
+            register_keeps_copy: self.register_keep_copy,
+            ..ControllerConfig::default()
+        };
+        Ok(Config {
+            core,
             tiers: crate::tiers::TierConfig {
                 enabled: self.tier_sweep_ms > 0,
                 memory_high: self.memory_high,
@@ -346,10 +354,6 @@ impl Args {
                 origins_durable: !self.origins_not_durable,
             },
             scrape,
-            origins: OriginPolicy::parse(&self.origin_allow, Enforcer::Controller)
-                .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?,
-            register_keeps_copy: self.register_keep_copy,
-            ..ControllerConfig::default()
         })
     }
 }
@@ -363,22 +367,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Some(p) => Tokens::load(p).context("loading the tokens file")?,
         None => Tokens::default(),
     };
-    cfg.tls = tls.clone();
+    cfg.core.tls = tls.clone();
     // Chains' plan tokens are signed with the controller's own TLS key and certificate.
-    cfg.signer = match &tls {
+    cfg.core.signer = match &tls {
         Some(ctx) => Some(Arc::new(arc_swap::ArcSwap::from_pointee(
             shardcast_identity::plan::PlanSigner::load(ctx.files())
                 .context("loading the controller's key for plan tokens")?,
         ))),
         None => None,
     };
-    if cfg.origins.is_empty() {
+    if cfg.core.origins.is_empty() {
         warn!("--origin-allow is empty: every model registration is refused");
     } else {
-        info!(allowed = %cfg.origins.describe(), "origin allow-list");
+        info!(allowed = %cfg.core.origins.describe(), "origin allow-list");
     }
     let cancel = CancellationToken::new();
-    if let (Some(ctx), Some(signer)) = (&tls, &cfg.signer) {
+    if let (Some(ctx), Some(signer)) = (&tls, &cfg.core.signer) {
         ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
         tokio::spawn(follow_rotation(ctx.clone(), signer.clone(), cancel.clone()));
     }
@@ -404,7 +408,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
                 .await
                 .context("state store task")??;
-            let controller = Controller::open(cfg, Arc::new(store), cancel.clone())
+            let controller = Services::open(&cfg, Arc::new(store), cancel.clone())
                 .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
             let slot: Slot = Arc::new(arc_swap::ArcSwap::new(Active::new(controller)));
             (slot, Replica::solo(), args.state_dir.display().to_string())
@@ -416,8 +420,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
     };
 
-    let authz = slot.load().ctl.authz_stats();
-    let http_stats = slot.load().ctl.http_stats();
+    let authz = slot.load().ctl.core.authz_stats();
+    let http_stats = slot.load().ctl.core.http_stats();
     let services = || {
         tonic::transport::Server::builder()
             .layer(AuthzLayer::new(crate::auth::permission, authz.clone()))
@@ -511,7 +515,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 async fn start_replica(
     args: &Args,
     url: &str,
-    cfg: ControllerConfig,
+    cfg: Config,
     grpc_addr: SocketAddr,
     http_addr: SocketAddr,
     cancel: &CancellationToken,

@@ -20,18 +20,25 @@
 //! to make room, is released (event `gpu-release`), so a failed burst partition or plan does
 //! not hold a GPU slot, nor count as a replica, until an operator evicts it.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shardcast_policies::evict::{
     self, ClusterCopies, DiskItem, TierItem, TierKind, choose_memory_evictions,
 };
-use shardcast_protocol::controller::{Event, EvictRequest, GpuLoad};
+use shardcast_protocol::controller::{Event, EvictRequest, EvictResponse};
+use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::core::Controller;
-use crate::state::{StateError, StateStore, Table};
+use crate::error::ApiError;
+use crate::events::EventLog;
+use crate::inventory::{DataTier, GpuLoad};
+use crate::lock;
+use crate::plan::GpuState;
+use crate::state::StateStore;
+use crate::usage::Usage;
 
 /// Watermark settings.
 #[derive(Debug, Clone)]
@@ -68,93 +75,13 @@ impl Default for TierConfig {
     }
 }
 
-/// When each model was last used (prewarmed, scaled, or reported with load), seconds since
-/// the epoch. Kept in the state store (table `usage`, flushed by each sweep), so a restarted
-/// controller still evicts the least recently used copies first.
-#[derive(Default)]
-pub struct Usage {
-    last: Mutex<HashMap<String, f64>>,
-    /// Digests touched since the last flush.
-    dirty: Mutex<HashSet<String>>,
-    /// Hosts whose "tier full" note was recorded.
-    full: Mutex<HashSet<String>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl Usage {
-    /// The last uses kept in `store`; an unreadable entry is skipped with a warning (it
-    /// counts as never used, the oldest).
-    pub fn restore(store: &dyn StateStore) -> Result<Self, StateError> {
-        let mut last = HashMap::new();
-        for (digest, bytes) in store.list(Table::Usage)? {
-            match std::str::from_utf8(&bytes)
-                .ok()
-                .and_then(|s| s.parse::<f64>().ok())
-                .filter(|t| t.is_finite())
-            {
-                Some(t) => {
-                    last.insert(digest, t);
-                }
-                None => warn!(model = %digest, "skipping an unreadable last-use record"),
-            }
-        }
-        Ok(Self {
-            last: Mutex::new(last),
-            ..Self::default()
-        })
-    }
-
-    /// Writes the uses recorded since the last flush.
-    pub fn flush(&self, store: &dyn StateStore) -> Result<(), StateError> {
-        let dirty: Vec<String> = lock(&self.dirty).drain().collect();
-        for (n, digest) in dirty.iter().enumerate() {
-            let t = self.last(digest);
-            if let Err(e) = store.put(Table::Usage, digest, t.to_string().as_bytes()) {
-                // Try again next time.
-                lock(&self.dirty).extend(dirty[n..].iter().cloned());
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-
-    /// Records a use of `digest` now.
-    pub fn touch(&self, digest: &str) {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
-        lock(&self.last).insert(digest.to_string(), now);
-        lock(&self.dirty).insert(digest.to_string());
-    }
-
-    /// Whether a "tier full" note for `host` is news: recorded when the host becomes full,
-    /// not again on every sweep while it stays full (`full = false` clears it).
-    fn new_note(&self, host: &str, full: bool) -> bool {
-        let mut m = lock(&self.full);
-        if !full {
-            m.remove(host);
-            return false;
-        }
-        m.insert(host.to_string())
-    }
-
-    /// Last use of `digest` (0: never recorded).
-    pub fn last(&self, digest: &str) -> f64 {
-        lock(&self.last).get(digest).copied().unwrap_or(0.0)
-    }
-}
-
 /// Why a GPU reservation of `digest` on a host no longer stands, from the host's report of
 /// its GPUs: the load failed there, or its GPU manager evicted the model to make room and
 /// has not loaded it again. `None`: the reservation stands (loading, live, resident, or not
 /// started yet).
 pub fn stale_booking(digest: &str, loads: &[GpuLoad], evicted: &[String]) -> Option<String> {
     match loads.iter().find(|l| l.digest == digest) {
-        Some(l) if l.state == "failed" => Some(if l.error.is_empty() {
+        Some(l) if l.state == GpuState::Failed => Some(if l.error.is_empty() {
             "the GPU load failed on the host".to_string()
         } else {
             format!("the GPU load failed on the host: {}", l.error)
@@ -170,8 +97,8 @@ pub fn stale_booking(digest: &str, loads: &[GpuLoad], evicted: &[String]) -> Opt
 /// One copy on a host, as the sweeper sees it.
 #[derive(Debug, Clone)]
 pub struct TierCopy {
-    /// `memory` or `disk`.
-    pub tier: String,
+    /// Which tier.
+    pub tier: DataTier,
     /// Model digest.
     pub digest: String,
     /// Model name.
@@ -211,7 +138,7 @@ pub fn sweep_host(
     h: &HostTiers,
     cfg: &TierConfig,
     usage: &Usage,
-) -> (Vec<(String, String, String)>, Vec<String>) {
+) -> (Vec<(DataTier, String, String)>, Vec<String>) {
     let mut out = Vec::new();
     let mut notes = Vec::new();
     let copies = |c: &TierCopy| ClusterCopies {
@@ -227,7 +154,7 @@ pub fn sweep_host(
         let items: Vec<TierItem> = h
             .items
             .iter()
-            .filter(|c| c.tier == "memory")
+            .filter(|c| c.tier == DataTier::Memory)
             .map(|c| TierItem {
                 model: c.digest.clone(),
                 bytes: c.bytes,
@@ -255,14 +182,14 @@ pub fn sweep_host(
             chosen = choose_memory_evictions(&items, evictable.min(need));
         }
         for d in chosen.unwrap_or_default() {
-            out.push(("memory".into(), d, why.clone()));
+            out.push((DataTier::Memory, d, why.clone()));
         }
     }
     if h.disk_capacity > 0 {
         let items: Vec<DiskItem> = h
             .items
             .iter()
-            .filter(|c| c.tier == "disk")
+            .filter(|c| c.tier == DataTier::Disk)
             .map(|c| DiskItem {
                 model: c.digest.clone(),
                 bytes: c.bytes,
@@ -291,51 +218,122 @@ pub fn sweep_host(
             ));
         }
         for d in plan.evict {
-            out.push(("disk".into(), d, why.clone()));
+            out.push((DataTier::Disk, d, why.clone()));
         }
     }
     (out, notes)
 }
 
-impl Controller {
-    pub(crate) async fn tier_loop(self: Arc<Self>) {
-        let mut tick = tokio::time::interval(self.config().tiers.interval);
+/// A GPU reservation the host's own report contradicts.
+#[derive(Debug, Clone)]
+pub struct StaleBooking {
+    /// Host id.
+    pub host: String,
+    /// Model digest.
+    pub digest: String,
+    /// Model name (the digest when not registered).
+    pub name: String,
+    /// Why it no longer stands ([`stale_booking`]).
+    pub why: String,
+}
+
+/// What the sweeper needs from the rest of the controller: the hosts' tiers as the last
+/// heartbeats describe them, the GPU reservations to release, and eviction.
+pub trait TierTarget: Send + Sync + 'static {
+    /// Each up host's memory and disk use and the model copies in them.
+    fn tier_view(&self, origins_durable: bool) -> Vec<HostTiers>;
+    /// GPU reservations the hosts' reports contradict.
+    fn stale_gpu_bookings(&self) -> Vec<StaleBooking>;
+    /// Releases one GPU reservation.
+    fn release_gpu_slot(&self, host: &str, digest: &str);
+    /// `Evict`, as the API does it.
+    fn evict(
+        &self,
+        req: EvictRequest,
+    ) -> impl Future<Output = Result<EvictResponse, ApiError>> + Send;
+}
+
+/// The tier sweeper: keeps every host's memory and disk tiers under their high watermarks
+/// and releases GPU reservations the hosts contradict. Holds only the handles it needs.
+pub struct TierSweeper<T> {
+    cfg: TierConfig,
+    target: Arc<T>,
+    usage: Arc<Usage>,
+    events: Arc<EventLog>,
+    store: Arc<dyn StateStore>,
+    /// Hosts whose "tier full" note was recorded.
+    full: Mutex<HashSet<String>>,
+}
+
+impl<T: TierTarget> TierSweeper<T> {
+    /// A sweeper over `target`.
+    pub fn new(
+        cfg: TierConfig,
+        target: Arc<T>,
+        usage: Arc<Usage>,
+        events: Arc<EventLog>,
+        store: Arc<dyn StateStore>,
+    ) -> Self {
+        Self {
+            cfg,
+            target,
+            usage,
+            events,
+            store,
+            full: Mutex::default(),
+        }
+    }
+
+    /// Sweeps every `interval` until `cancel`, then records the last uses once more.
+    pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
+        let mut tick = tokio::time::interval(self.cfg.interval);
         loop {
             tokio::select! {
-                _ = self.cancelled() => {
-                    let _ = self.usage().flush(self.store());
+                _ = cancel.cancelled() => {
+                    let _ = self.usage.flush(self.store.as_ref());
                     return;
                 }
                 _ = tick.tick() => {}
             }
-            self.sweep_tiers().await;
-            if let Err(e) = self.usage().flush(self.store()) {
+            self.sweep().await;
+            if let Err(e) = self.usage.flush(self.store.as_ref()) {
                 warn!("recording last uses: {e}");
             }
         }
     }
 
+    /// Whether a "tier full" note for `host` is news: recorded when the host becomes full,
+    /// not again on every sweep while it stays full (`full = false` clears it).
+    fn new_note(&self, host: &str, full: bool) -> bool {
+        let mut m = lock(&self.full);
+        if !full {
+            m.remove(host);
+            return false;
+        }
+        m.insert(host.to_string())
+    }
+
     /// One pass over every live host's tiers; returns the events it recorded.
-    pub async fn sweep_tiers(&self) -> Vec<Event> {
-        let cfg = self.config().tiers.clone();
+    pub async fn sweep(&self) -> Vec<Event> {
+        let cfg = &self.cfg;
         let mut events = Vec::new();
         // GPU reservations first: a failed or evicted GPU copy frees its slot, so the
         // autoscaler does not count it as a replica and placement can use the GPU again.
-        for (host, digest, name, why) in self.stale_gpu_bookings() {
-            self.release_gpu_slot(&host, &digest);
-            warn!(host = %host, model = %name, "GPU reservation released: {why}");
-            events.push(self.autoscaler().record_event(Event {
+        for b in self.target.stale_gpu_bookings() {
+            self.target.release_gpu_slot(&b.host, &b.digest);
+            warn!(host = %b.host, model = %b.name, "GPU reservation released: {}", b.why);
+            events.push(self.events.record(Event {
                 at: now(),
-                model: name,
+                model: b.name,
                 kind: "gpu-release".into(),
-                reason: format!("host {host}: {why}"),
+                reason: format!("host {}: {}", b.host, b.why),
                 plan_id: String::new(),
                 delta: -1,
-                hosts: vec![host],
+                hosts: vec![b.host],
             }));
         }
-        for h in self.tier_view(cfg.origins_durable) {
-            let (evictions, notes) = sweep_host(&h, &cfg, self.usage());
+        for h in self.target.tier_view(cfg.origins_durable) {
+            let (evictions, notes) = sweep_host(&h, cfg, &self.usage);
             tracing::debug!(host = %h.host, mem_used = h.mem_used, disk_used = h.disk_used, ?evictions, ?notes, "tier sweep");
             let name_of = |d: &str| {
                 h.items
@@ -346,12 +344,14 @@ impl Controller {
             for (tier, digest, why) in evictions {
                 let name = name_of(&digest);
                 let r = self
+                    .target
                     .evict(EvictRequest {
                         model: digest.clone(),
                         hosts: vec![h.host.clone()],
-                        tier: shardcast_protocol::controller::Tier::from_label(&tier)
-                            .unwrap_or(shardcast_protocol::controller::Tier::Memory)
-                            as i32,
+                        tier: match tier {
+                            DataTier::Memory => shardcast_protocol::controller::Tier::Memory,
+                            DataTier::Disk => shardcast_protocol::controller::Tier::Disk,
+                        } as i32,
                     })
                     .await;
                 let (kind, reason) = match r {
@@ -361,7 +361,7 @@ impl Controller {
                         ("error", format!("{why} — eviction failed: {}", e.message))
                     }
                 };
-                events.push(self.autoscaler().record_event(Event {
+                events.push(self.events.record(Event {
                     at: now(),
                     model: name,
                     kind: kind.into(),
@@ -371,9 +371,9 @@ impl Controller {
                     hosts: vec![h.host.clone()],
                 }));
             }
-            let news = self.usage().new_note(&h.host, !notes.is_empty());
+            let news = self.new_note(&h.host, !notes.is_empty());
             for n in notes.into_iter().filter(|_| news) {
-                events.push(self.autoscaler().record_event(Event {
+                events.push(self.events.record(Event {
                     at: now(),
                     model: String::new(),
                     kind: "tier-full".into(),
@@ -401,7 +401,7 @@ mod tests {
 
     fn copy(tier: &str, digest: &str, mib: u64, copies: u32) -> TierCopy {
         TierCopy {
-            tier: tier.into(),
+            tier: tier.parse().unwrap(),
             digest: digest.into(),
             name: digest.into(),
             bytes: mib << 20,
@@ -415,12 +415,12 @@ mod tests {
     fn host(items: Vec<TierCopy>, mem_cap_mib: u64) -> HostTiers {
         let mem_used = items
             .iter()
-            .filter(|c| c.tier == "memory")
+            .filter(|c| c.tier == DataTier::Memory)
             .map(|c| c.bytes)
             .sum();
         let disk_used = items
             .iter()
-            .filter(|c| c.tier == "disk")
+            .filter(|c| c.tier == DataTier::Disk)
             .map(|c| c.bytes)
             .sum();
         HostTiers {
@@ -491,16 +491,17 @@ mod tests {
         usage.touch("new");
         let (ev, _) = sweep_host(&h, &TierConfig::default(), &usage);
         assert_eq!(ev.len(), 1);
-        assert_eq!((ev[0].0.as_str(), ev[0].1.as_str()), ("disk", "old"));
+        assert_eq!((ev[0].0, ev[0].1.as_str()), (DataTier::Disk, "old"));
     }
 
     #[test]
     fn gpu_bookings_go_when_the_host_reports_a_failure_or_an_eviction() {
         let load = |d: &str, state: &str, error: &str| GpuLoad {
             digest: d.into(),
-            state: state.into(),
+            state: state.parse().unwrap(),
             error: error.into(),
-            ..Default::default()
+            gpus: Vec::new(),
+            partition: String::new(),
         };
         let loads = vec![
             load("failed", "failed", "fetching partition: origin gone"),
@@ -517,23 +518,5 @@ mod tests {
         assert!(why.contains("evicted"), "{why}");
         // Not started yet (a plan still moving it): stands.
         assert_eq!(stale_booking("pending", &loads, &evicted), None);
-    }
-
-    #[test]
-    fn last_uses_survive_a_restart() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("state.redb");
-        {
-            let store = crate::state::RedbStore::open(&path).unwrap();
-            let usage = Usage::restore(&store).unwrap();
-            usage.touch("a");
-            usage.flush(&store).unwrap();
-            store.put(Table::Usage, "bad", b"not a time").unwrap();
-        }
-        let store = crate::state::RedbStore::open(&path).unwrap();
-        let usage = Usage::restore(&store).unwrap();
-        assert!(usage.last("a") > 1.0e9, "{}", usage.last("a"));
-        assert_eq!(usage.last("bad"), 0.0);
-        assert_eq!(usage.last("never"), 0.0);
     }
 }

@@ -8,6 +8,7 @@ use shardcast_protocol::controller::{
 };
 
 use crate::error::ApiError;
+use crate::inventory::{GpuInfo, GpuLoad, Holding, HostView};
 use crate::plan::{
     Accepted, ChainSummary, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState,
 };
@@ -200,6 +201,124 @@ pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
         live_s: s.live_s,
         origin: r.origin,
     })
+}
+
+/// A heartbeat's report, typed: tiers and GPU states by name. An unknown name is an
+/// `INVALID_ARGUMENT` that lists the known ones (a host of a newer version must not be
+/// placed on by guesses).
+pub fn host_view(r: pb::HostReport) -> Result<HostView, ApiError> {
+    let host = r.host_id.clone();
+    let bad = |what: &str, e: crate::plan::UnknownName| {
+        ApiError::invalid(format!("host {host:?}: {what}: {e}"))
+    };
+    let holdings = r
+        .holdings
+        .into_iter()
+        .map(|h| {
+            Ok(Holding {
+                tier: h.tier.parse().map_err(|e| bad("holdings", e))?,
+                digest: h.digest,
+                name: h.name,
+                complete: h.complete,
+                bytes_verified: h.bytes_verified,
+                total_bytes: h.total_bytes,
+            })
+        })
+        .collect::<Result<_, ApiError>>()?;
+    let gpu_loads = r
+        .gpu_loads
+        .into_iter()
+        .map(|l| {
+            Ok(GpuLoad {
+                state: l.state.parse().map_err(|e| bad("gpu_loads", e))?,
+                digest: l.digest,
+                gpus: l.gpus,
+                partition: l.partition,
+                error: l.error,
+            })
+        })
+        .collect::<Result<_, ApiError>>()?;
+    Ok(HostView {
+        host_id: r.host_id,
+        data_addr: r.data_addr,
+        agent_addr: r.agent_addr,
+        zone: r.zone,
+        rack: r.rack,
+        nic_bps: r.nic_bps,
+        mem_capacity: r.mem_capacity,
+        mem_free: r.mem_free,
+        disk_capacity: r.disk_capacity,
+        disk_free: r.disk_free,
+        gpus: r
+            .gpus
+            .into_iter()
+            .map(|g| GpuInfo {
+                index: g.index,
+                memory_bytes: g.memory_bytes,
+                pcie_switch: g.pcie_switch,
+                nvlink_peers: g.nvlink_peers,
+            })
+            .collect(),
+        holdings,
+        version: r.version,
+        gpus_busy: r.gpus_busy,
+        gpu_loads,
+        gpu_evicted: r.gpu_evicted,
+        bound_names: r.bound_names,
+    })
+}
+
+/// A host's report for the API (`ListHosts`).
+pub fn host_report(v: &HostView) -> pb::HostReport {
+    pb::HostReport {
+        host_id: v.host_id.clone(),
+        data_addr: v.data_addr.clone(),
+        agent_addr: v.agent_addr.clone(),
+        zone: v.zone.clone(),
+        rack: v.rack.clone(),
+        nic_bps: v.nic_bps,
+        mem_capacity: v.mem_capacity,
+        mem_free: v.mem_free,
+        disk_capacity: v.disk_capacity,
+        disk_free: v.disk_free,
+        gpus: v
+            .gpus
+            .iter()
+            .map(|g| pb::Gpu {
+                index: g.index,
+                memory_bytes: g.memory_bytes,
+                pcie_switch: g.pcie_switch.clone(),
+                nvlink_peers: g.nvlink_peers.clone(),
+            })
+            .collect(),
+        holdings: v
+            .holdings
+            .iter()
+            .map(|h| pb::HeldModel {
+                digest: h.digest.clone(),
+                name: h.name.clone(),
+                tier: h.tier.to_string(),
+                complete: h.complete,
+                bytes_verified: h.bytes_verified,
+                total_bytes: h.total_bytes,
+            })
+            .collect(),
+        version: v.version.clone(),
+        gpus_busy: v.gpus_busy,
+        gpu_loads: v
+            .gpu_loads
+            .iter()
+            .map(|l| pb::GpuLoad {
+                digest: l.digest.clone(),
+                state: l.state.to_string(),
+                gpus: l.gpus.clone(),
+                partition: l.partition.clone(),
+                error: l.error.clone(),
+            })
+            .collect(),
+        gpu_evicted: v.gpu_evicted.clone(),
+        bound_names: v.bound_names.clone(),
+    }
 }
 
 #[cfg(test)]

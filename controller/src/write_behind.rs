@@ -129,6 +129,16 @@ impl WriteBehind {
                 Err(e) => warn!("the state writer task failed: {e}"),
             }
             if stop || cancel.is_cancelled() {
+                // Writes queued while that batch committed (the last ones before a
+                // shutdown) are committed too, not dropped.
+                if self.queued() > 0 {
+                    let me = self.clone();
+                    match tokio::task::spawn_blocking(move || me.flush()).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => warn!("committing the last queued state writes: {e}"),
+                        Err(e) => warn!("the state writer task failed: {e}"),
+                    }
+                }
                 return;
             }
             if self.queued() > 0 {

@@ -1,0 +1,454 @@
+//! The controller's services, wired together: the core (`crate::core`: registry,
+//! inventory, plans, bursts, eviction) and the services around it, each holding only the
+//! handles it needs:
+//!
+//! * the partition-plan tables ([`PartitionTables`]) read models through [`ModelSource`];
+//! * the autoscaler ([`Autoscaler`]) scales a [`Fleet`] and asks the tables for bursts;
+//! * the tier sweeper ([`TierSweeper`]) sees hosts' tiers and evicts through [`TierTarget`];
+//! * the scraper (`crate::scrape::run`) feeds the autoscaler through [`LoadSink`];
+//! * the [`EventLog`] and the last-use record ([`Usage`]) are shared values.
+//!
+//! The core knows none of them: the traits are implemented here, over the core's state.
+//! Both front ends (`crate::grpc`, `crate::http`) serve a [`Services`].
+
+use std::sync::Arc;
+
+use shardcast_placement::Tier;
+use shardcast_protocol::agent::GetHandoffRequest;
+use shardcast_protocol::controller::{
+    Event, EvictRequest, EvictResponse, ReportLoadRequest, ScaleOutRequest,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::autoscaler::{Autoscaler, Fleet, ScalingView};
+use crate::burst::{BurstPart, MAX_PARTITIONS};
+use crate::core::{
+    Controller, ControllerConfig, data_tier, gpu_reserved, lock, now_unix, parse_profile,
+};
+use crate::error::ApiError;
+use crate::events::EventLog;
+use crate::inventory::DataTier;
+use crate::plan::{Accepted, PlanState};
+use crate::ptables::{ModelSource, PartitionInputs, PartitionTables};
+use crate::scrape::{LoadSink, ScrapeConfig};
+use crate::state::StateStore;
+use crate::tiers::{
+    HostTiers, StaleBooking, TierConfig, TierCopy, TierSweeper, TierTarget, stale_booking,
+};
+
+/// The whole controller's settings: the core's and the services'.
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    /// The core: heartbeats, placement, plans, identity, origins.
+    pub core: ControllerConfig,
+    /// Host memory and disk tiers kept under their watermarks.
+    pub tiers: TierConfig,
+    /// Scrape load from a Prometheus endpoint.
+    pub scrape: Option<ScrapeConfig>,
+}
+
+/// The partition tables over the core.
+pub type Tables = PartitionTables<Controller>;
+
+/// The autoscaler over the core.
+pub type Scaler = Autoscaler<ClusterFleet, Controller>;
+
+/// The controller: the core and its services.
+pub struct Services {
+    /// Registry, inventory, plans, bursts, eviction.
+    pub core: Arc<Controller>,
+    /// Partition-plan tables.
+    pub tables: Arc<Tables>,
+    /// The autoscaler.
+    pub autoscaler: Arc<Scaler>,
+    /// The tier sweeper.
+    pub sweeper: Arc<TierSweeper<Controller>>,
+}
+
+impl Services {
+    /// The leader's controller: loads the state, resumes plans in flight, and starts the
+    /// tier sweeper and the scraper (when configured) until `cancel`.
+    pub fn open(
+        cfg: &Config,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<Arc<Self>, ApiError> {
+        let core = Controller::open(cfg.core.clone(), store, cancel.clone())?;
+        let me = Self::wire(cfg, core)?;
+        if cfg.tiers.enabled {
+            tokio::spawn(me.sweeper.clone().run(cancel.clone()));
+        }
+        if let Some(s) = cfg.scrape.clone() {
+            tokio::spawn(crate::scrape::run(
+                s,
+                cfg.core.tls.clone(),
+                me.autoscaler.clone(),
+                cancel,
+            ));
+        }
+        Ok(me)
+    }
+
+    /// A follower's read-only view (`crate::ha`): nothing runs, writes are refused.
+    pub fn open_read_only(
+        cfg: &Config,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<Arc<Self>, ApiError> {
+        Self::wire(
+            cfg,
+            Controller::open_read_only(cfg.core.clone(), store, cancel)?,
+        )
+    }
+
+    fn wire(cfg: &Config, core: Arc<Controller>) -> Result<Arc<Self>, ApiError> {
+        let store = core.store_handle();
+        let tables = Arc::new(PartitionTables::restore(core.clone(), store.clone())?);
+        // Weak: the core holds the hook, the tables hold the core.
+        let weak = Arc::downgrade(&tables);
+        core.after_register(Arc::new(move |name| {
+            let tables = weak.clone();
+            Box::pin(async move {
+                if let Some(t) = tables.upgrade() {
+                    t.precompute(&name).await;
+                }
+            })
+        }));
+        let fleet = Arc::new(ClusterFleet {
+            core: core.clone(),
+            tables: tables.clone(),
+        });
+        let autoscaler = Arc::new(Autoscaler::new(
+            fleet,
+            tables.clone(),
+            core.events().clone(),
+            core.usage().clone(),
+        ));
+        let sweeper = Arc::new(TierSweeper::new(
+            cfg.tiers.clone(),
+            core.clone(),
+            core.usage().clone(),
+            core.events().clone(),
+            store,
+        ));
+        Ok(Arc::new(Self {
+            core,
+            tables,
+            autoscaler,
+            sweeper,
+        }))
+    }
+
+    /// Decisions and plan events.
+    pub fn events(&self) -> &EventLog {
+        self.core.events()
+    }
+
+    /// `ScaleOut` as the API serves it: a partitioned burst when `partitions > 1`, else
+    /// whole replicas by chain plans.
+    pub async fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+        if req.partitions > 1 {
+            let tier = crate::wire::tier_of(req.tier)?;
+            if tier != Tier::Gpu {
+                return Err(ApiError::invalid(format!(
+                    "partitions need tier gpu (a partition is a GPU load), got {tier}"
+                )));
+            }
+            return Ok(burst(
+                &self.core,
+                &self.tables,
+                &req.model,
+                req.replicas,
+                req.partitions,
+            )
+            .await?
+            .0);
+        }
+        self.core.scale_out(req)
+    }
+}
+
+/// A partitioned burst: the plan from the tables, then the core starts it.
+async fn burst(
+    core: &Arc<Controller>,
+    tables: &Tables,
+    model: &str,
+    replicas: u32,
+    partitions: u32,
+) -> Result<(Accepted, Vec<BurstPart>), ApiError> {
+    if replicas == 0 {
+        return Err(ApiError::invalid("replicas must be at least 1"));
+    }
+    if !(2..=MAX_PARTITIONS).contains(&partitions) {
+        return Err(ApiError::invalid(format!(
+            "partitions must be between 2 and {MAX_PARTITIONS} (1 is a whole replica: leave it 0)"
+        )));
+    }
+    let plan = tables.burst_plan(model, partitions, 1).await?;
+    core.burst(model, replicas, plan).await
+}
+
+/// The cluster as the autoscaler scales it: the core, plus the tables for bursts.
+pub struct ClusterFleet {
+    core: Arc<Controller>,
+    tables: Arc<Tables>,
+}
+
+impl Fleet for ClusterFleet {
+    fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, ApiError> {
+        self.core.scaling_view(key, tier)
+    }
+
+    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+        self.core.scale_out(req)
+    }
+
+    async fn burst(
+        &self,
+        model: &str,
+        replicas: u32,
+        partitions: u32,
+    ) -> Result<(Accepted, Vec<BurstPart>), ApiError> {
+        burst(&self.core, &self.tables, model, replicas, partitions).await
+    }
+
+    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, ApiError> {
+        Ok(self.core.evict(req).await?)
+    }
+}
+
+impl LoadSink for Scaler {
+    async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, ApiError> {
+        Self::report_load(self, req).await
+    }
+}
+
+impl ModelSource for Controller {
+    fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, ApiError> {
+        let st = lock(&self.state);
+        let m = st.model(key)?.clone();
+        let profile = m
+            .profile
+            .as_deref()
+            .map(parse_profile)
+            .transpose()
+            .map_err(|e| ApiError::internal(format!("the stored profile of {}: {e}", m.name)))?;
+        let holder = st
+            .hosts
+            .values()
+            .find(|h| {
+                h.up && h
+                    .holding(&m.digest, DataTier::Memory)
+                    .is_some_and(|x| x.complete)
+            })
+            .map(|h| h.report.host_id.clone());
+        let smallest_gpu = st
+            .hosts
+            .values()
+            .flat_map(|h| h.report.gpus.iter().map(|g| g.memory_bytes))
+            .filter(|&b| b > 0)
+            .min();
+        Ok(PartitionInputs {
+            name: m.name,
+            digest: m.digest,
+            profile,
+            holder,
+            smallest_gpu,
+        })
+    }
+
+    async fn tensor_index(&self, host: &str, digest: &str) -> Result<Vec<(String, u64)>, ApiError> {
+        let mut agent = self.agent_client(host)?;
+        let h = agent
+            .get_handoff(GetHandoffRequest {
+                model: digest.to_string(),
+            })
+            .await
+            .map_err(|s| ApiError::unavailable(format!("host {host}: {}", s.message())))?
+            .into_inner();
+        let v: serde_json::Value = serde_json::from_str(&h.json)
+            .map_err(|e| ApiError::internal(format!("hand-off of {host}: {e}")))?;
+        Ok(v["tensors"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| Some((t["name"].as_str()?.to_string(), t["nbytes"].as_u64()?)))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+}
+
+impl TierTarget for Controller {
+    fn tier_view(&self, origins_durable: bool) -> Vec<HostTiers> {
+        let st = lock(&self.state);
+        let copies = |digest: &str| -> u32 {
+            st.hosts
+                .values()
+                .filter(|h| h.up)
+                .map(|h| {
+                    DataTier::ALL
+                        .iter()
+                        .filter(|t| h.holding(digest, **t).is_some_and(|x| x.complete))
+                        .count() as u32
+                })
+                .sum()
+        };
+        let busy = |host: &str, digest: &str| -> bool {
+            st.plans.values().any(|p| {
+                p.running()
+                    && p.digest == digest
+                    && (p
+                        .hosts
+                        .iter()
+                        .any(|h| h.host == host && h.state.is_active())
+                        || p.chains.iter().any(|c| c.source == host))
+            })
+        };
+        st.hosts
+            .values()
+            .filter(|h| h.up)
+            .map(|h| {
+                let r = &h.report;
+                let items = r
+                    .holdings
+                    .iter()
+                    .map(|x| {
+                        let m = st.models.values().find(|m| m.digest == x.digest);
+                        TierCopy {
+                            tier: x.tier,
+                            digest: x.digest.clone(),
+                            name: m.map_or_else(|| x.name.clone(), |m| m.name.clone()),
+                            bytes: x.bytes_verified,
+                            pinned: busy(&r.host_id, &x.digest)
+                                || (x.tier == DataTier::Memory
+                                    && h.gpu_reserved.contains_key(&x.digest)),
+                            copies: copies(&x.digest),
+                            registered: m.is_some(),
+                            origin_available: origins_durable
+                                && m.is_some_and(|m| !m.origin.is_empty()),
+                        }
+                    })
+                    .collect();
+                // The tiers' own share: what the store holds plus the free space. Files of
+                // other programs on the same filesystem are not the cache's to make room
+                // for (evicting models would not free them).
+                let held = |tier: DataTier| -> u64 {
+                    r.holdings
+                        .iter()
+                        .filter(|x| x.tier == tier)
+                        .map(|x| x.bytes_verified)
+                        .sum()
+                };
+                let (mem_used, disk_used) = (held(DataTier::Memory), held(DataTier::Disk));
+                HostTiers {
+                    host: r.host_id.clone(),
+                    mem_capacity: mem_used
+                        .saturating_add(r.mem_free)
+                        .min(r.mem_capacity.max(mem_used)),
+                    mem_used,
+                    disk_capacity: disk_used
+                        .saturating_add(r.disk_free)
+                        .min(r.disk_capacity.max(disk_used)),
+                    disk_used,
+                    items,
+                }
+            })
+            .collect()
+    }
+
+    fn stale_gpu_bookings(&self) -> Vec<StaleBooking> {
+        let st = lock(&self.state);
+        let grace = self.config().heartbeat * 2;
+        let mut out = Vec::new();
+        for h in st.hosts.values().filter(|h| h.up) {
+            let host = &h.report.host_id;
+            for digest in h.gpu_reserved.keys() {
+                let fresh = h
+                    .booked_at
+                    .get(digest)
+                    .is_some_and(|at| h.last_seen.saturating_duration_since(*at) < grace);
+                let moving = st.plans.values().any(|p| {
+                    p.running()
+                        && p.digest == *digest
+                        && p.hosts
+                            .iter()
+                            .any(|x| x.host == *host && x.state.is_active())
+                });
+                if fresh || moving {
+                    continue;
+                }
+                if let Some(why) = stale_booking(digest, &h.report.gpu_loads, &h.report.gpu_evicted)
+                {
+                    let name = st
+                        .models
+                        .values()
+                        .find(|m| m.digest == *digest)
+                        .map_or_else(|| digest.clone(), |m| m.name.clone());
+                    out.push(StaleBooking {
+                        host: host.clone(),
+                        digest: digest.clone(),
+                        name,
+                        why,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    fn release_gpu_slot(&self, host: &str, digest: &str) {
+        Self::release_gpu_slot(self, host, digest)
+    }
+
+    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, ApiError> {
+        Ok(Self::evict(self, req).await?)
+    }
+}
+
+impl Controller {
+    /// A model's replicas in `tier`, for the autoscaler. Load time: the last finished plan
+    /// that moved the model, else an estimate at the default NIC rate.
+    pub fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, ApiError> {
+        let st = lock(&self.state);
+        let m = st.model(key)?.clone();
+        let holders: Vec<String> = match tier {
+            Tier::Gpu => st
+                .hosts
+                .values()
+                .filter(|h| h.up && h.gpu_reserved.contains_key(&m.digest))
+                .map(|h| h.report.host_id.clone())
+                .collect(),
+            t => st
+                .hosts
+                .values()
+                .filter(|h| {
+                    h.up && h
+                        .holding(&m.digest, data_tier(t))
+                        .is_some_and(|x| x.complete)
+                })
+                .map(|h| h.report.host_id.clone())
+                .collect(),
+        };
+        let replicas = match tier {
+            Tier::Gpu => gpu_reserved(&st, &m.digest),
+            t => (holders.len() + st.in_flight(&m.digest, t).len()) as u32,
+        };
+        let measured = st
+            .plans
+            .values()
+            .filter(|p| p.digest == m.digest && p.state == PlanState::Done && !p.chains.is_empty())
+            .max_by(|a, b| a.created_at.total_cmp(&b.created_at))
+            .map(|p| p.elapsed_s(now_unix()));
+        let load_time_s = measured.unwrap_or_else(|| {
+            m.total_bytes as f64 / self.config().plan.default_nic_bps.max(1) as f64
+        });
+        Ok(ScalingView {
+            name: m.name.clone(),
+            digest: m.digest.clone(),
+            replicas,
+            load_time_s,
+            holders,
+        })
+    }
+}
