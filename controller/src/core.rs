@@ -113,9 +113,20 @@ impl ControllerConfig {
     }
 }
 
-/// A registered model.
+/// The version of [`ModelRecord`]s written now.
+pub const MODEL_RECORD_VERSION: &str = "1";
+
+fn model_record_version() -> String {
+    MODEL_RECORD_VERSION.to_string()
+}
+
+/// A registered model, as persisted (table `models`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModelRecord {
+    /// [`MODEL_RECORD_VERSION`]; records written before versions have none and read as
+    /// version 1 (the same shape).
+    #[serde(default = "model_record_version")]
+    pub version: String,
     /// Name.
     pub name: String,
     /// Hex manifest digest.
@@ -136,6 +147,19 @@ pub struct ModelRecord {
 }
 
 impl ModelRecord {
+    /// Reads a stored record; a version this controller does not know is an error naming
+    /// it, not a guess.
+    pub fn read(bytes: &[u8]) -> Result<Self, String> {
+        let m: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        if m.version != MODEL_RECORD_VERSION {
+            return Err(format!(
+                "model record version {:?} is not known to this controller (it reads {MODEL_RECORD_VERSION:?})",
+                m.version
+            ));
+        }
+        Ok(m)
+    }
+
     fn info(&self, manifest: Option<&[u8]>) -> ModelInfo {
         ModelInfo {
             name: self.name.clone(),
@@ -381,7 +405,7 @@ impl Controller {
         let mut st = State::default();
         let started = Instant::now();
         for (name, bytes) in store.list(Table::Models)? {
-            match serde_json::from_slice::<ModelRecord>(&bytes) {
+            match ModelRecord::read(&bytes) {
                 Ok(m) => {
                     st.models.insert(name, m);
                 }
@@ -824,6 +848,7 @@ impl Controller {
             )));
         }
         let record = ModelRecord {
+            version: model_record_version(),
             name: name.to_string(),
             digest: digest.clone(),
             origin,
@@ -1244,7 +1269,7 @@ impl Controller {
         Ok(())
     }
 
-    /// Commits the plan now (a new plan, before its chains start).
+    /// Commits the plan now (a new plan, before its chains start; an ended one).
     pub(crate) fn persist_plan_now(&self, p: &Plan) -> Result<(), ApiError> {
         let bytes = serde_json::to_vec(&crate::plan::StoredPlanRef::V1(p))
             .map_err(|e| ApiError::internal(e.to_string()))?;
@@ -1403,7 +1428,14 @@ impl Controller {
             w.send_replace(plan.clone());
         }
         if ended || last_persist.elapsed() >= Duration::from_secs(1) {
-            if let Err(e) = self.persist_plan(plan) {
+            // The end is committed at once (a controller killed right after must not come
+            // back with the plan running); progress is queued.
+            let r = if ended {
+                self.persist_plan_now(plan)
+            } else {
+                self.persist_plan(plan)
+            };
+            if let Err(e) = r {
                 warn!(plan = %id, "persisting plan: {e}");
             }
             *last_persist = Instant::now();
@@ -2123,6 +2155,22 @@ pub fn parse_profile(json: &str) -> Result<shardcast_policies::profile::ModelPro
 #[cfg(test)]
 mod receiver_index_tests {
     use super::*;
+
+    #[test]
+    fn model_records_are_versioned_and_unversioned_ones_still_load() {
+        let old = serde_json::json!({
+            "name": "org/m", "digest": "ab", "origin": "file:///m", "chunk_size": 4,
+            "total_bytes": 8, "shards": [["w.bin", 8, 2]], "registered_at": 1.0
+        });
+        let m = ModelRecord::read(old.to_string().as_bytes()).unwrap();
+        assert_eq!(m.version, MODEL_RECORD_VERSION);
+        let v: serde_json::Value = serde_json::to_value(&m).unwrap();
+        assert_eq!(v["version"], MODEL_RECORD_VERSION);
+        let mut future = old.clone();
+        future["version"] = "7".into();
+        let e = ModelRecord::read(future.to_string().as_bytes()).unwrap_err();
+        assert!(e.contains("\"7\""), "{e}");
+    }
     use crate::plan::{PlanKind, ReceiverProgress, ReceiverState};
 
     fn plan(id: &str, digest: &str, hosts: &[(&str, ReceiverState)]) -> Plan {

@@ -394,4 +394,39 @@ mod tests {
         assert_eq!(tier_of(0).unwrap(), Tier::Memory);
         assert!(tier_of(99).is_err());
     }
+
+    #[test]
+    fn a_report_with_an_unknown_tier_or_gpu_state_is_refused_by_name() {
+        let report = |tier: &str, state: &str| pb::HostReport {
+            host_id: "h1".into(),
+            holdings: vec![pb::HeldModel {
+                digest: "d".into(),
+                tier: tier.into(),
+                ..Default::default()
+            }],
+            gpu_loads: vec![pb::GpuLoad {
+                digest: "d".into(),
+                state: state.into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let v = host_view(report("disk", "partition-live")).unwrap();
+        assert_eq!(v.holdings[0].tier, crate::inventory::DataTier::Disk);
+        assert_eq!(v.gpu_loads[0].state, GpuState::PartitionLive);
+        assert_eq!(host_report(&v), report("disk", "partition-live"));
+        let e = host_view(report("tape", "resident")).unwrap_err();
+        assert_eq!(e.code, tonic::Code::InvalidArgument);
+        assert!(
+            e.message.contains("\"tape\"") && e.message.contains("memory, disk"),
+            "{}",
+            e.message
+        );
+        let e = host_view(report("memory", "asleep")).unwrap_err();
+        assert!(
+            e.message.contains("gpu_loads") && e.message.contains("\"asleep\""),
+            "{}",
+            e.message
+        );
+    }
 }
