@@ -18,7 +18,7 @@ use shardcast_protocol::controller::{
 };
 
 use crate::burst::BurstPart;
-use crate::error::ApiError;
+use crate::error::{EvictError, LoadError, LookupError, PlanRequestError, ScaleOutError};
 use crate::events::EventLog;
 use crate::lock;
 use crate::plan::Accepted;
@@ -44,21 +44,21 @@ pub struct ScalingView {
 /// remove them (the same ones the API serves).
 pub trait Fleet: Send + Sync + 'static {
     /// The model's replicas in `tier`.
-    fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, ApiError>;
+    fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError>;
     /// `ScaleOut` by whole replicas.
-    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ApiError>;
+    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, PlanRequestError>;
     /// A partitioned burst of `replicas` × `partitions`.
     fn burst(
         &self,
         model: &str,
         replicas: u32,
         partitions: u32,
-    ) -> impl Future<Output = Result<(Accepted, Vec<BurstPart>), ApiError>> + Send;
+    ) -> impl Future<Output = Result<(Accepted, Vec<BurstPart>), ScaleOutError>> + Send;
     /// `Evict`.
     fn evict(
         &self,
         req: EvictRequest,
-    ) -> impl Future<Output = Result<EvictResponse, ApiError>> + Send;
+    ) -> impl Future<Output = Result<EvictResponse, EvictError>> + Send;
 }
 
 /// The autoscaler: per-model scaling state, acting on a [`Fleet`].
@@ -97,23 +97,23 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
     }
 
     /// `ReportLoad`: decide and act.
-    pub async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, ApiError> {
+    pub async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, LoadError> {
         for (name, v) in [
             ("arrival_rate", req.arrival_rate),
             ("service_rate", req.service_rate),
         ] {
             if !v.is_finite() || v < 0.0 {
-                return Err(ApiError::invalid(format!(
+                return Err(LoadError::Invalid(format!(
                     "{name} must be a finite number ≥ 0, got {v}"
                 )));
             }
         }
         if req.service_rate <= 0.0 {
-            return Err(ApiError::invalid(
-                "service_rate (requests per second one replica serves) must be above 0",
+            return Err(LoadError::Invalid(
+                "service_rate (requests per second one replica serves) must be above 0".into(),
             ));
         }
-        let tier = crate::wire::tier_of(req.tier)?;
+        let tier = crate::wire::tier_of(req.tier).map_err(|e| LoadError::Invalid(e.message))?;
         let ScalingView {
             name,
             digest,
@@ -173,7 +173,7 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                         event.kind = "error".into();
                         event.reason = format!(
                             "{} — burst of {partitioned} × {p} failed: {}",
-                            event.reason, e.message
+                            event.reason, e
                         );
                     }
                 }
@@ -186,10 +186,8 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                     }) {
                         Ok(a) => event.plan_id = a.plan_id,
                         Err(e) => {
-                            event.reason = format!(
-                                "{} — scale-up of {full} failed: {}",
-                                event.reason, e.message
-                            );
+                            event.reason =
+                                format!("{} — scale-up of {full} failed: {}", event.reason, e);
                         }
                     }
                 }
@@ -211,7 +209,7 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                     Err(e) => {
                         event.kind = "error".into();
                         event.reason =
-                            format!("{} — scale-up of {add} failed: {}", event.reason, e.message);
+                            format!("{} — scale-up of {add} failed: {}", event.reason, e);
                     }
                 }
             }
@@ -245,8 +243,7 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                         }
                         Err(e) => {
                             event.kind = "error".into();
-                            event.reason =
-                                format!("{} — scale-down failed: {}", event.reason, e.message);
+                            event.reason = format!("{} — scale-down failed: {}", event.reason, e);
                         }
                     }
                 }

@@ -17,7 +17,7 @@ use shardcast_protocol::agent as apb;
 use tracing::{info, warn};
 
 use crate::core::{Controller, StallClock, lock, now_unix};
-use crate::error::ApiError;
+use crate::error::{AgentError, PlanRequestError};
 use crate::plan::{Accepted, GpuState, Plan, PlanKind, ReceiverProgress, ReceiverState};
 
 /// Most partitions a burst may use.
@@ -58,13 +58,15 @@ impl Controller {
         model: &str,
         replicas: u32,
         (profile, plan): (ModelProfile, PartitionPlan),
-    ) -> Result<(Accepted, Vec<BurstPart>), ApiError> {
+    ) -> Result<(Accepted, Vec<BurstPart>), PlanRequestError> {
         let partitions = plan.partition_count() as u32;
         if replicas == 0 {
-            return Err(ApiError::invalid("replicas must be at least 1"));
+            return Err(PlanRequestError::Invalid(
+                "replicas must be at least 1".into(),
+            ));
         }
         if !(2..=MAX_PARTITIONS).contains(&partitions) {
-            return Err(ApiError::invalid(format!(
+            return Err(PlanRequestError::Invalid(format!(
                 "partitions must be between 2 and {MAX_PARTITIONS} (1 is a whole replica: leave it 0)"
             )));
         }
@@ -72,7 +74,7 @@ impl Controller {
         let (m, manifest, holders, free) = self.burst_inputs(model)?;
         let need = (replicas * partitions) as usize;
         if free.len() < need {
-            return Err(ApiError::exhausted(format!(
+            return Err(PlanRequestError::Capacity(format!(
                 "a burst of {replicas} × {partitions} partitions needs {need} hosts with a free GPU and no GPU replica of {}; {} have one",
                 m.name,
                 free.len()
@@ -114,23 +116,22 @@ impl Controller {
                 }
                 Err(e) => {
                     self.release_gpu_slot(&host, &m.digest);
-                    warn!(host, model = %m.name, "burst partition not started: {}", e.message);
+                    warn!(host, model = %m.name, "burst partition not started: {e}");
                     let mut h = ReceiverProgress::new(host, ReceiverState::Failed);
-                    h.error = e.message;
+                    h.error = e.to_string();
                     hosts.push(h);
                 }
             }
         }
         if parts.is_empty() {
-            return Err(ApiError::unavailable(format!(
-                "no burst partition of {} could start: {}",
-                m.name,
-                hosts
+            return Err(PlanRequestError::NothingStarted {
+                model: m.name.clone(),
+                why: hosts
                     .iter()
                     .map(|h| format!("{}: {}", h.host, h.error))
                     .collect::<Vec<_>>()
-                    .join("; ")
-            )));
+                    .join("; "),
+            });
         }
         let id = self.track_burst(&m.name, &m.digest, &m.origin, plan.cold_start_s, &hosts)?;
         info!(plan = %id, model = %m.name, replicas, partitions, sources = holders.len(), cold_start_s = plan.cold_start_s, "burst started");
@@ -154,7 +155,7 @@ impl Controller {
         origin: &str,
         estimate_s: f64,
         hosts: &[ReceiverProgress],
-    ) -> Result<String, ApiError> {
+    ) -> Result<String, PlanRequestError> {
         let id = hex::encode(rand::random::<[u8; 8]>());
         let record = Plan {
             estimate_s,
@@ -168,7 +169,8 @@ impl Controller {
                 now_unix(),
             )
         };
-        self.persist_plan_now(&record)?;
+        self.persist_plan_now(&record)
+            .map_err(|e| PlanRequestError::Store(e.message))?;
         lock(&self.state).add_plan(record);
         tokio::spawn(self.clone().run_burst(id.clone()));
         Ok(id)
@@ -290,10 +292,9 @@ impl Controller {
         part: &BurstPart,
         source: &str,
         heaviness: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), AgentError> {
         let mut agent = self.agent_client(host)?;
-        let remote =
-            |s: tonic::Status| ApiError::unavailable(format!("host {host}: {}", s.message()));
+        let remote = |s: tonic::Status| AgentError::from_status(host, &s);
         agent
             .import_model(apb::ImportModelRequest {
                 name: name.to_string(),

@@ -32,7 +32,7 @@ use tracing::{info, warn};
 
 use crate::error::{
     AgentError, AgentFailure, ApiError, EvictError, HeartbeatError, HostUnavailable, LookupError,
-    RegisterError,
+    PlanRequestError, RegisterError,
 };
 use crate::events::EventLog;
 use crate::inventory::{self, DataTier, HostEntry, HostView, Pending, StoredHost};
@@ -239,13 +239,13 @@ fn agent_tier(tier: Tier) -> i32 {
     }
 }
 
-fn plan_error(e: PlanError) -> ApiError {
+fn plan_error(e: PlanError) -> PlanRequestError {
     match e {
         PlanError::NoLiveHost => HostUnavailable::NoLiveHost.into(),
         PlanError::UnknownHost(h) => HostUnavailable::Unknown(h).into(),
         PlanError::HostDown(h) => HostUnavailable::Down(h).into(),
-        e @ PlanError::NotEnoughCapacity { .. } => ApiError::exhausted(e.to_string()),
-        PlanError::InvalidRequest(m) => ApiError::invalid(m),
+        e @ PlanError::NotEnoughCapacity { .. } => PlanRequestError::Capacity(e.to_string()),
+        PlanError::InvalidRequest(m) => PlanRequestError::Invalid(m),
     }
 }
 
@@ -962,12 +962,13 @@ impl Controller {
     // ---- plans ----
 
     /// `Prewarm`: make `replicas` replicas (or the named hosts) hold the model.
-    pub fn prewarm(self: &Arc<Self>, req: PrewarmRequest) -> Result<Accepted, ApiError> {
-        let tier = crate::wire::tier_of(req.tier)?;
+    pub fn prewarm(self: &Arc<Self>, req: PrewarmRequest) -> Result<Accepted, PlanRequestError> {
+        let tier =
+            crate::wire::tier_of(req.tier).map_err(|e| PlanRequestError::Invalid(e.message))?;
         let target = if req.hosts.is_empty() {
             if req.replicas == 0 {
-                return Err(ApiError::invalid(
-                    "replicas must be at least 1 (or name the hosts)",
+                return Err(PlanRequestError::Invalid(
+                    "replicas must be at least 1 (or name the hosts)".into(),
                 ));
             }
             Target::Replicas(req.replicas)
@@ -978,7 +979,7 @@ impl Controller {
             "" | "auto" => false,
             "origin" => true,
             other => {
-                return Err(ApiError::invalid(format!(
+                return Err(PlanRequestError::Invalid(format!(
                     "sources must be auto or origin, got {other:?}"
                 )));
             }
@@ -1005,14 +1006,14 @@ impl Controller {
     pub(crate) fn burst_inputs(
         &self,
         key: &str,
-    ) -> Result<(ModelRecord, Arc<Vec<u8>>, Vec<String>, Vec<String>), ApiError> {
+    ) -> Result<(ModelRecord, Arc<Vec<u8>>, Vec<String>, Vec<String>), PlanRequestError> {
         let st = lock(&self.state);
         let m = st.model(key)?.clone();
         let manifest = st
             .manifests
             .get(&m.digest)
             .cloned()
-            .ok_or_else(|| ApiError::internal(format!("no manifest for {}", m.name)))?;
+            .ok_or_else(|| PlanRequestError::NoManifest(m.name.clone()))?;
         let holds = |h: &HostEntry| {
             h.holding(&m.digest, DataTier::Memory)
                 .is_some_and(|x| x.complete)
@@ -1045,16 +1046,21 @@ impl Controller {
 
     /// Books one GPU slot of `digest` on `host` (a burst partition), persisted like a
     /// plan's reservation.
-    pub(crate) fn reserve_gpu_slot(&self, host: &str, digest: &str) -> Result<(), ApiError> {
+    pub(crate) fn reserve_gpu_slot(
+        &self,
+        host: &str,
+        digest: &str,
+    ) -> Result<(), PlanRequestError> {
         let mut st = lock(&self.state);
         let Some(h) = st.hosts.get_mut(host) else {
-            return Err(ApiError::not_found(format!("host {host:?} is not known")));
+            return Err(HostUnavailable::Unknown(host.to_string()).into());
         };
         *h.gpu_reserved.entry(digest.to_string()).or_default() += 1;
         h.booked_at.insert(digest.to_string(), Instant::now());
         let rec = StoredHost::of(h);
         drop(st);
         self.put_json(Table::Hosts, host, &rec)
+            .map_err(|e| PlanRequestError::Store(e.message))
     }
 
     /// Releases what [`reserve_gpu_slot`](Self::reserve_gpu_slot) booked.
@@ -1093,10 +1099,13 @@ impl Controller {
     }
 
     /// `ScaleOut`: `replicas` more replicas than exist now.
-    pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
-        let tier = crate::wire::tier_of(req.tier)?;
+    pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<Accepted, PlanRequestError> {
+        let tier =
+            crate::wire::tier_of(req.tier).map_err(|e| PlanRequestError::Invalid(e.message))?;
         if req.replicas == 0 {
-            return Err(ApiError::invalid("replicas must be at least 1"));
+            return Err(PlanRequestError::Invalid(
+                "replicas must be at least 1".into(),
+            ));
         }
         self.make_plan(&req.model, tier, false, |st, m| {
             let current: u32 = match tier {
@@ -1124,8 +1133,8 @@ impl Controller {
         key: &str,
         tier: Tier,
         each_from_origin: bool,
-        target: impl FnOnce(&State, &ModelRecord) -> Result<Option<Target>, ApiError>,
-    ) -> Result<Accepted, ApiError> {
+        target: impl FnOnce(&State, &ModelRecord) -> Result<Option<Target>, PlanRequestError>,
+    ) -> Result<Accepted, PlanRequestError> {
         let mut st = lock(&self.state);
         let model = st.model(key)?.clone();
         self.usage.touch(&model.digest);
@@ -1244,9 +1253,11 @@ impl Controller {
             }
         }
         // Durable before any chain starts.
-        self.persist_plan_now(&record)?;
+        let stored = |e: ApiError| PlanRequestError::Store(e.message);
+        self.persist_plan_now(&record).map_err(stored)?;
         for t in touched {
-            self.put_json(Table::Hosts, &t.host.host_id, &t)?;
+            self.put_json(Table::Hosts, &t.host.host_id, &t)
+                .map_err(stored)?;
         }
         st.add_plan(record);
         drop(st);

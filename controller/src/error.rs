@@ -306,6 +306,161 @@ pub enum EvictError {
     Store(String),
 }
 
+/// `Prewarm`, `ScaleOut` and bursts: making a plan.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanRequestError {
+    /// A malformed request.
+    #[error("{0}")]
+    Invalid(String),
+    /// No such model.
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+    /// No host, or a named one is unknown or down.
+    #[error(transparent)]
+    Host(#[from] HostUnavailable),
+    /// More than the cluster can take.
+    #[error("{0}")]
+    Capacity(String),
+    /// No part of a burst could start.
+    #[error("no burst partition of {model} could start: {why}")]
+    NothingStarted {
+        /// The model.
+        model: String,
+        /// Each host's failure.
+        why: String,
+    },
+    /// The registry lacks the model's manifest (a damaged state).
+    #[error("no manifest for {0}")]
+    NoManifest(String),
+    /// The plan or a reservation could not be stored.
+    #[error("storing the plan: {0}")]
+    Store(String),
+}
+
+/// A model's profile and partition plans (`GetPartitionPlan`, the plan of a burst).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PartitionError {
+    /// No such model.
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+    /// No registered profile and no live holder to derive one from.
+    #[error(
+        "model {0} has no registered profile and no live host holds it to read its tensor index; prewarm it or register it with a profile"
+    )]
+    NoProfileSource(String),
+    /// The holder's copy has no safetensors tensors.
+    #[error(
+        "model {0} has no safetensors tensors to derive a profile from; register it with a profile"
+    )]
+    NoTensors(String),
+    /// The holder could not be asked for its tensor index.
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// The holder's hand-off does not parse.
+    #[error("hand-off of {host}: {why}")]
+    BadHandoff {
+        /// The holder.
+        host: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// The stored profile does not parse (a damaged state).
+    #[error("the stored profile of {name}: {why}")]
+    BadStoredProfile {
+        /// The model.
+        name: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// No plan fits (the GPU memory, the profile).
+    #[error("no partition plan: {0}")]
+    Unplannable(String),
+    /// The model has fewer layer groups than partitions asked for.
+    #[error(
+        "model {model} cannot be split into {partitions} partitions (it has {groups} layer groups)"
+    )]
+    CannotSplit {
+        /// The model.
+        model: String,
+        /// Asked for.
+        partitions: u32,
+        /// Its layer groups.
+        groups: usize,
+    },
+}
+
+/// `ScaleOut`: whole replicas, or a partitioned burst (which needs a partition plan).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScaleOutError {
+    /// Making the plan.
+    #[error(transparent)]
+    Plan(#[from] PlanRequestError),
+    /// The burst's partition plan.
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+}
+
+/// `ReportLoad` (the autoscaler's decision itself is never an error: a failed action is
+/// an event).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// A malformed report.
+    #[error("{0}")]
+    Invalid(String),
+    /// No such model.
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+}
+
+impl From<PartitionError> for ApiError {
+    fn from(e: PartitionError) -> Self {
+        let m = e.to_string();
+        match e {
+            PartitionError::Lookup(l) => l.into(),
+            PartitionError::Agent(a) => Self::new(Code::Unavailable, format!("{a}")),
+            PartitionError::BadHandoff { .. } | PartitionError::BadStoredProfile { .. } => {
+                Self::internal(m)
+            }
+            PartitionError::NoProfileSource(_)
+            | PartitionError::NoTensors(_)
+            | PartitionError::Unplannable(_)
+            | PartitionError::CannotSplit { .. } => Self::precondition(m),
+        }
+    }
+}
+
+impl From<ScaleOutError> for ApiError {
+    fn from(e: ScaleOutError) -> Self {
+        match e {
+            ScaleOutError::Plan(p) => p.into(),
+            ScaleOutError::Partition(p) => p.into(),
+        }
+    }
+}
+
+impl From<LoadError> for ApiError {
+    fn from(e: LoadError) -> Self {
+        match e {
+            LoadError::Invalid(m) => Self::invalid(m),
+            LoadError::Lookup(l) => l.into(),
+        }
+    }
+}
+
+impl From<PlanRequestError> for ApiError {
+    fn from(e: PlanRequestError) -> Self {
+        let m = e.to_string();
+        match e {
+            PlanRequestError::Invalid(_) => Self::invalid(m),
+            PlanRequestError::Lookup(l) => l.into(),
+            PlanRequestError::Host(h) => h.into(),
+            PlanRequestError::Capacity(_) => Self::exhausted(m),
+            PlanRequestError::NothingStarted { .. } => Self::unavailable(m),
+            PlanRequestError::NoManifest(_) | PlanRequestError::Store(_) => Self::internal(m),
+        }
+    }
+}
+
 impl From<LookupError> for ApiError {
     fn from(e: LookupError) -> Self {
         match e {
@@ -409,7 +564,11 @@ at_the_edge!(
     AgentError,
     HeartbeatError,
     RegisterError,
-    EvictError
+    EvictError,
+    PlanRequestError,
+    PartitionError,
+    ScaleOutError,
+    LoadError
 );
 
 #[cfg(test)]
@@ -449,6 +608,31 @@ mod tests {
                 }
                 .into(),
                 Code::PermissionDenied,
+            ),
+            (
+                PlanRequestError::Capacity("4 hosts".into()).into(),
+                Code::ResourceExhausted,
+            ),
+            (
+                PlanRequestError::Lookup(LookupError::UnknownModel("m".into())).into(),
+                Code::NotFound,
+            ),
+            (
+                PartitionError::NoProfileSource("m".into()).into(),
+                Code::FailedPrecondition,
+            ),
+            (
+                ScaleOutError::Partition(PartitionError::CannotSplit {
+                    model: "m".into(),
+                    partitions: 8,
+                    groups: 4,
+                })
+                .into(),
+                Code::FailedPrecondition,
+            ),
+            (
+                LoadError::Invalid("rate".into()).into(),
+                Code::InvalidArgument,
             ),
             (
                 EvictError::StillMoving {

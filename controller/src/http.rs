@@ -92,7 +92,7 @@ pub fn router(c: Arc<Services>) -> Router {
         .route(
             "/v1/prewarm",
             post(|State(c): Ctl, b: Bytes| async move {
-                json(body::<PrewarmRequest>(&b).and_then(|r| c.core.prewarm(r)).map(PlanAccepted::from))
+                json(body::<PrewarmRequest>(&b).and_then(|r| c.core.prewarm(r).map_err(ApiError::from)).map(PlanAccepted::from))
             }),
         )
         .route(

@@ -24,7 +24,7 @@ use shardcast_policies::profile::{self, Bandwidths, ModelProfile};
 use shardcast_protocol::controller::{GetPartitionPlanRequest, PartitionPlanResponse};
 use tracing::{info, warn};
 
-use crate::error::ApiError;
+use crate::error::PartitionError;
 use crate::state::{StateError, StateStore, Table};
 
 /// Plan tables kept per model.
@@ -178,13 +178,13 @@ pub struct PartitionInputs {
 /// What the partition-plan service needs from the rest of the controller.
 pub trait ModelSource: Send + Sync + 'static {
     /// The model's name, digest, registered profile, a holder and the smallest GPU.
-    fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, ApiError>;
+    fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, PartitionError>;
     /// (name, bytes) of each tensor of `digest` as `host`'s hand-off describes them.
     fn tensor_index(
         &self,
         host: &str,
         digest: &str,
-    ) -> impl Future<Output = Result<Vec<(String, u64)>, ApiError>> + Send;
+    ) -> impl Future<Output = Result<Vec<(String, u64)>, PartitionError>> + Send;
 }
 
 /// The partition-plan service: answers `GetPartitionPlan` and the plans bursts and the
@@ -208,24 +208,19 @@ impl<M: ModelSource> PartitionTables<M> {
     pub async fn model_profile(
         &self,
         key: &str,
-    ) -> Result<(String, ModelProfile, Option<u64>), ApiError> {
+    ) -> Result<(String, ModelProfile, Option<u64>), PartitionError> {
         let m = self.src.partition_inputs(key)?;
         let stored = || self.kept.derived(&m.name, &m.digest);
         let profile: ModelProfile = match m.profile.clone().or_else(stored) {
             Some(p) => p,
             None => {
-                let host = m.holder.as_deref().ok_or_else(|| {
-                    ApiError::precondition(format!(
-                        "model {} has no registered profile and no live host holds it to read its tensor index; prewarm it or register it with a profile",
-                        m.name
-                    ))
-                })?;
+                let host = m
+                    .holder
+                    .as_deref()
+                    .ok_or_else(|| PartitionError::NoProfileSource(m.name.clone()))?;
                 let tensors = self.src.tensor_index(host, &m.digest).await?;
                 if tensors.is_empty() {
-                    return Err(ApiError::precondition(format!(
-                        "model {} has no safetensors tensors to derive a profile from; register it with a profile",
-                        m.name
-                    )));
+                    return Err(PartitionError::NoTensors(m.name.clone()));
                 }
                 let p = profile::profile_from_tensors(&m.name, &tensors, &Bandwidths::default());
                 self.kept
@@ -246,7 +241,7 @@ impl<M: ModelSource> PartitionTables<M> {
         max_partitions: usize,
         gpu_memory: Option<u64>,
         max_queue: u32,
-    ) -> Result<(String, ModelProfile, PlanTable, bool), ApiError> {
+    ) -> Result<(String, ModelProfile, PlanTable, bool), PartitionError> {
         let (name, profile, smallest_gpu) = self.model_profile(model).await?;
         let gpu_memory = gpu_memory.unwrap_or(smallest_gpu.unwrap_or(DEFAULT_GPU_MEMORY));
         let link_bps = Bandwidths::default().link_bps;
@@ -263,7 +258,7 @@ impl<M: ModelSource> PartitionTables<M> {
         let started = std::time::Instant::now();
         let table =
             partition::precompute(&profile, max_partitions, gpu_memory, link_bps, max_queue)
-                .map_err(|e| ApiError::precondition(format!("no partition plan: {e}")))?;
+                .map_err(|e| PartitionError::Unplannable(e.to_string()))?;
         info!(
             model = %name,
             max_partitions,
@@ -284,10 +279,7 @@ impl<M: ModelSource> PartitionTables<M> {
             .plan_table(model, DEFAULT_MAX_PARTITIONS, None, table_queue(1))
             .await
         {
-            warn!(
-                model,
-                "no partition plans for the registered profile: {}", e.message
-            );
+            warn!(model, "no partition plans for the registered profile: {e}");
         }
     }
 
@@ -295,7 +287,7 @@ impl<M: ModelSource> PartitionTables<M> {
     pub async fn partition_plan(
         &self,
         req: GetPartitionPlanRequest,
-    ) -> Result<PartitionPlanResponse, ApiError> {
+    ) -> Result<PartitionPlanResponse, PartitionError> {
         let max_p = if req.max_partitions == 0 {
             DEFAULT_MAX_PARTITIONS
         } else {
@@ -333,17 +325,16 @@ impl<M: ModelSource> PartitionTables<M> {
         model: &str,
         partitions: u32,
         queue: u32,
-    ) -> Result<(ModelProfile, PartitionPlan), ApiError> {
+    ) -> Result<(ModelProfile, PartitionPlan), PartitionError> {
         let (_, profile, table, _) = self
             .plan_table(model, partitions as usize, None, table_queue(queue))
             .await?;
         let plan = table
             .best_with_partitions(partitions as usize, queue.max(1))
-            .ok_or_else(|| {
-                ApiError::precondition(format!(
-                    "model {model} cannot be split into {partitions} partitions (it has {} layer groups)",
-                    profile.groups.len()
-                ))
+            .ok_or_else(|| PartitionError::CannotSplit {
+                model: model.to_string(),
+                partitions,
+                groups: profile.groups.len(),
             })?;
         Ok((profile, plan))
     }

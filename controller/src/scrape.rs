@@ -28,7 +28,7 @@ use shardcast_protocol::controller::{Event, ReportLoadRequest};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::error::ApiError;
+use crate::error::{LoadError, LookupError};
 
 /// Where scraped load goes: the autoscaler, as a `ReportLoad` would.
 pub trait LoadSink: Send + Sync + 'static {
@@ -36,7 +36,7 @@ pub trait LoadSink: Send + Sync + 'static {
     fn report_load(
         &self,
         req: ReportLoadRequest,
-    ) -> impl Future<Output = Result<Event, ApiError>> + Send;
+    ) -> impl Future<Output = Result<Event, LoadError>> + Send;
 }
 
 /// Scrape settings.
@@ -295,15 +295,15 @@ pub async fn run<S: LoadSink>(
             let model = req.model.clone();
             match sink.report_load(req).await {
                 Ok(_) => {}
-                Err(e) if e.code == tonic::Code::NotFound => {
+                Err(e @ LoadError::Lookup(LookupError::UnknownModel(_))) => {
                     if unknown.insert(model.clone()) {
                         warn!(
                             model,
-                            "scraped load for a model the controller does not know: {}", e.message
+                            "scraped load for a model the controller does not know: {e}"
                         );
                     }
                 }
-                Err(e) => warn!(model, "scraped load refused: {}", e.message),
+                Err(e) => warn!(model, "scraped load refused: {e}"),
             }
         }
     }

@@ -25,7 +25,10 @@ use crate::burst::{BurstPart, MAX_PARTITIONS};
 use crate::core::{
     Controller, ControllerConfig, data_tier, gpu_reserved, lock, now_unix, parse_profile,
 };
-use crate::error::ApiError;
+use crate::error::{
+    AgentError, ApiError, EvictError, LoadError, LookupError, PartitionError, PlanRequestError,
+    ScaleOutError,
+};
 use crate::events::EventLog;
 use crate::inventory::DataTier;
 use crate::plan::{Accepted, PlanState};
@@ -146,13 +149,15 @@ impl Services {
 
     /// `ScaleOut` as the API serves it: a partitioned burst when `partitions > 1`, else
     /// whole replicas by chain plans.
-    pub async fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+    pub async fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ScaleOutError> {
         if req.partitions > 1 {
-            let tier = crate::wire::tier_of(req.tier)?;
+            let tier =
+                crate::wire::tier_of(req.tier).map_err(|e| PlanRequestError::Invalid(e.message))?;
             if tier != Tier::Gpu {
-                return Err(ApiError::invalid(format!(
+                return Err(PlanRequestError::Invalid(format!(
                     "partitions need tier gpu (a partition is a GPU load), got {tier}"
-                )));
+                ))
+                .into());
             }
             return Ok(burst(
                 &self.core,
@@ -164,7 +169,7 @@ impl Services {
             .await?
             .0);
         }
-        self.core.scale_out(req)
+        Ok(self.core.scale_out(req)?)
     }
 }
 
@@ -175,17 +180,18 @@ async fn burst(
     model: &str,
     replicas: u32,
     partitions: u32,
-) -> Result<(Accepted, Vec<BurstPart>), ApiError> {
+) -> Result<(Accepted, Vec<BurstPart>), ScaleOutError> {
     if replicas == 0 {
-        return Err(ApiError::invalid("replicas must be at least 1"));
+        return Err(PlanRequestError::Invalid("replicas must be at least 1".into()).into());
     }
     if !(2..=MAX_PARTITIONS).contains(&partitions) {
-        return Err(ApiError::invalid(format!(
+        return Err(PlanRequestError::Invalid(format!(
             "partitions must be between 2 and {MAX_PARTITIONS} (1 is a whole replica: leave it 0)"
-        )));
+        ))
+        .into());
     }
     let plan = tables.burst_plan(model, partitions, 1).await?;
-    core.burst(model, replicas, plan).await
+    Ok(core.burst(model, replicas, plan).await?)
 }
 
 /// The cluster as the autoscaler scales it: the core, plus the tables for bursts.
@@ -195,11 +201,11 @@ pub struct ClusterFleet {
 }
 
 impl Fleet for ClusterFleet {
-    fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, ApiError> {
+    fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError> {
         self.core.scaling_view(key, tier)
     }
 
-    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ApiError> {
+    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, PlanRequestError> {
         self.core.scale_out(req)
     }
 
@@ -208,23 +214,23 @@ impl Fleet for ClusterFleet {
         model: &str,
         replicas: u32,
         partitions: u32,
-    ) -> Result<(Accepted, Vec<BurstPart>), ApiError> {
+    ) -> Result<(Accepted, Vec<BurstPart>), ScaleOutError> {
         burst(&self.core, &self.tables, model, replicas, partitions).await
     }
 
-    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, ApiError> {
-        Ok(self.core.evict(req).await?)
+    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
+        self.core.evict(req).await
     }
 }
 
 impl LoadSink for Scaler {
-    async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, ApiError> {
+    async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, LoadError> {
         Self::report_load(self, req).await
     }
 }
 
 impl ModelSource for Controller {
-    fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, ApiError> {
+    fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, PartitionError> {
         let st = lock(&self.state);
         let m = st.model(key)?.clone();
         let profile = m
@@ -232,7 +238,10 @@ impl ModelSource for Controller {
             .as_deref()
             .map(parse_profile)
             .transpose()
-            .map_err(|e| ApiError::internal(format!("the stored profile of {}: {e}", m.name)))?;
+            .map_err(|why| PartitionError::BadStoredProfile {
+                name: m.name.clone(),
+                why,
+            })?;
         let holder = st
             .hosts
             .values()
@@ -257,17 +266,24 @@ impl ModelSource for Controller {
         })
     }
 
-    async fn tensor_index(&self, host: &str, digest: &str) -> Result<Vec<(String, u64)>, ApiError> {
+    async fn tensor_index(
+        &self,
+        host: &str,
+        digest: &str,
+    ) -> Result<Vec<(String, u64)>, PartitionError> {
         let mut agent = self.agent_client(host)?;
         let h = agent
             .get_handoff(GetHandoffRequest {
                 model: digest.to_string(),
             })
             .await
-            .map_err(|s| ApiError::unavailable(format!("host {host}: {}", s.message())))?
+            .map_err(|s| AgentError::from_status(host, &s))?
             .into_inner();
-        let v: serde_json::Value = serde_json::from_str(&h.json)
-            .map_err(|e| ApiError::internal(format!("hand-off of {host}: {e}")))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&h.json).map_err(|e| PartitionError::BadHandoff {
+                host: host.to_string(),
+                why: e.to_string(),
+            })?;
         Ok(v["tensors"]
             .as_array()
             .map(|a| {
@@ -401,15 +417,15 @@ impl TierTarget for Controller {
         Self::release_gpu_slot(self, host, digest)
     }
 
-    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, ApiError> {
-        Ok(Self::evict(self, req).await?)
+    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
+        Self::evict(self, req).await
     }
 }
 
 impl Controller {
     /// A model's replicas in `tier`, for the autoscaler. Load time: the last finished plan
     /// that moved the model, else an estimate at the default NIC rate.
-    pub fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, ApiError> {
+    pub fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError> {
         let st = lock(&self.state);
         let m = st.model(key)?.clone();
         let holders: Vec<String> = match tier {

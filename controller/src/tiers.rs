@@ -32,7 +32,7 @@ use shardcast_protocol::controller::{Event, EvictRequest, EvictResponse};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::error::ApiError;
+use crate::error::EvictError;
 use crate::events::EventLog;
 use crate::inventory::{DataTier, GpuLoad};
 use crate::lock;
@@ -250,7 +250,7 @@ pub trait TierTarget: Send + Sync + 'static {
     fn evict(
         &self,
         req: EvictRequest,
-    ) -> impl Future<Output = Result<EvictResponse, ApiError>> + Send;
+    ) -> impl Future<Output = Result<EvictResponse, EvictError>> + Send;
 }
 
 /// The tier sweeper: keeps every host's memory and disk tiers under their high watermarks
@@ -357,8 +357,8 @@ impl<T: TierTarget> TierSweeper<T> {
                 let (kind, reason) = match r {
                     Ok(_) => ("tier-evict", why),
                     Err(e) => {
-                        warn!(host = %h.host, model = %name, "tier eviction failed: {}", e.message);
-                        ("error", format!("{why} — eviction failed: {}", e.message))
+                        warn!(host = %h.host, model = %name, "tier eviction failed: {e}");
+                        ("error", format!("{why} — eviction failed: {e}"))
                     }
                 };
                 events.push(self.events.record(Event {
