@@ -235,8 +235,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Default)]
 pub(crate) struct State {
     /// By name (latest version).
-    models: BTreeMap<String, ModelRecord>,
-    manifests: HashMap<String, Arc<Vec<u8>>>,
+    pub(crate) models: BTreeMap<String, ModelRecord>,
+    pub(crate) manifests: HashMap<String, Arc<Vec<u8>>>,
     pub(crate) hosts: BTreeMap<String, HostEntry>,
     /// Signature of each host's last persisted report.
     persisted: HashMap<String, String>,
@@ -247,7 +247,7 @@ pub(crate) struct State {
     /// 1000 hosts heartbeating each second and plans kept after they end, the scan was
     /// O(plans × receivers) per heartbeat. A plan's receivers are fixed when it is made
     /// (re-plans change sources, not receivers).
-    receiver_plans: HashMap<String, Vec<String>>,
+    pub(crate) receiver_plans: HashMap<String, Vec<String>>,
 }
 
 impl State {
@@ -260,7 +260,7 @@ impl State {
     }
 
     /// Adds a plan (without a watch channel) and indexes its receivers.
-    fn insert_plan(&mut self, id: String, plan: Plan) {
+    pub(crate) fn insert_plan(&mut self, id: String, plan: Plan) {
         for h in &plan.hosts {
             let plans = self.receiver_plans.entry(h.host.clone()).or_default();
             if !plans.contains(&id) {
@@ -407,32 +407,14 @@ impl Controller {
                 Ok(r) => {
                     st.persisted
                         .insert(id.clone(), HostEntry::signature(&r.report));
-                    // Up until proven otherwise: hosts get one heartbeat window after a
-                    // controller restart before they are marked down.
-                    st.hosts.insert(
-                        id,
-                        HostEntry {
-                            report: r.report,
-                            last_seen: started,
-                            up: true,
-                            gpu_reserved: r.gpu_reserved,
-                            booked_at: HashMap::new(),
-                        },
-                    );
+                    st.hosts.insert(id, HostEntry::restored(r, started));
                 }
                 Err(e) => warn!(host = %id, "skipping unreadable host record: {e}"),
             }
         }
         let mut resume = Vec::new();
         for (id, bytes) in store.list(Table::Plans)? {
-            let plan = serde_json::from_slice::<StoredPlan>(&bytes)
-                .map(StoredPlan::into_plan)
-                .map_err(|e| e.to_string())
-                .or_else(|e| {
-                    crate::wire::legacy_plan(&bytes)
-                        .map_err(|l| format!("{e}; as a legacy record: {l}"))
-                });
-            match plan {
+            match StoredPlan::decode(&bytes) {
                 Ok(p) => {
                     if p.running() {
                         resume.push((id.clone(), p.kind == PlanKind::Burst));

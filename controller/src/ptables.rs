@@ -75,6 +75,24 @@ impl PlanStore {
         Ok(Self(Mutex::new(m)))
     }
 
+    /// One stored record changed (a follower's view, `crate::ha`): `None` deleted it.
+    pub fn apply_stored(&self, name: &str, bytes: Option<&[u8]>) {
+        let decoded = bytes.map(serde_json::from_slice::<StoredPlans>);
+        let mut m = self.lock();
+        match decoded {
+            Some(Ok(p)) => {
+                m.insert(name.to_string(), p);
+            }
+            Some(Err(e)) => {
+                warn!(model = %name, "skipping an unreadable partition-plan record: {e}");
+                m.remove(name);
+            }
+            None => {
+                m.remove(name);
+            }
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, StoredPlans>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
