@@ -23,8 +23,8 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{
-    GetStatusRequest, ListHostsRequest, ListPlansRequest, PrewarmRequest, RegisterModelRequest,
-    WatchPlanRequest,
+    GetModelRequest, GetStatusRequest, ListHostsRequest, ListPlansRequest, PrewarmRequest,
+    RegisterModelRequest, WatchPlanRequest,
 };
 use tonic::transport::Channel;
 
@@ -290,6 +290,12 @@ pub struct ScaleReport {
     /// The follower replicas (etcd).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub followers: Vec<FollowerReport>,
+    /// The registration answered by the leader → the model read on a follower, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub follower_sees_register_ms: Option<f64>,
+    /// The prewarm accepted by the leader → the plan read on a follower, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub follower_sees_plan_ms: Option<f64>,
     /// The leader killed during a second prewarm (`--kill-leader`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kill: Option<KillReport>,
@@ -621,6 +627,8 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
         controller_rss_mib: 0.0,
         controller_peak_rss_mib: 0.0,
         followers: Vec::new(),
+        follower_sees_register_ms: None,
+        follower_sees_plan_ms: None,
         kill: None,
     };
     let deadline = started + opts.timeout;
@@ -653,6 +661,20 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
         .await
         .context("registering the simulated model")?;
     report.register_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    let mut follower_client = match followers.first() {
+        Some(&f) => Some(ctl.client(f).await?),
+        None => None,
+    };
+    if let Some(fc) = &mut follower_client {
+        let seen = Instant::now();
+        let key = name.to_string();
+        report.follower_sees_register_ms = until_read(|| {
+            let (mut fc, key) = (fc.clone(), key.clone());
+            async move { fc.get_model(GetModelRequest { model: key }).await.is_ok() }
+        })
+        .await
+        .then(|| seen.elapsed().as_secs_f64() * 1000.0);
+    }
 
     // Steady state: heartbeats and status queries, no plan; on the leader and on a
     // follower.
@@ -707,6 +729,16 @@ pub async fn run_scale(opts: &ScaleOpts) -> anyhow::Result<ScaleReport> {
     );
     report.chains = accepted.chains.len();
     report.estimate_s = accepted.estimate_s;
+    if let Some(fc) = &mut follower_client {
+        let seen = Instant::now();
+        let id = accepted.plan_id.clone();
+        report.follower_sees_plan_ms = until_read(|| {
+            let (mut fc, id) = (fc.clone(), id.clone());
+            async move { fc.get_plan(WatchPlanRequest { plan_id: id }).await.is_ok() }
+        })
+        .await
+        .then(|| seen.elapsed().as_secs_f64() * 1000.0);
+    }
     let status = loop {
         let s = client
             .get_plan(WatchPlanRequest {
@@ -873,6 +905,22 @@ async fn kill_leader_during_prewarm(
     })
 }
 
+/// Calls `read` every millisecond until it says yes (true) or 5 s pass (false).
+async fn until_read<F, Fut>(mut read: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if read().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    false
+}
+
 /// CPU cores used by each process between two readings `wall` apart.
 fn cores(before: &[f64], after: &[f64], wall: Duration) -> Vec<f64> {
     let secs = wall.as_secs_f64().max(1e-9);
@@ -1001,6 +1049,11 @@ pub fn summary(r: &ScaleReport) -> String {
         r.heartbeat_failures
     );
     let opt = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |n| n.to_string());
+    if let (Some(m), Some(p)) = (r.follower_sees_register_ms, r.follower_sees_plan_ms) {
+        out.push_str(&format!(
+            "a follower reads the registered model {m:.1} ms after the leader answered, the plan {p:.1} ms after\n"
+        ));
+    }
     for f in &r.followers {
         out.push_str(&format!(
             "follower {}: {:.2} CPU s, RSS {:.0} MiB; view loaded whole {} time(s), {} changes applied, watch resumed {}\n",
