@@ -95,7 +95,8 @@ pub struct ViewStats {
     full_loads: AtomicU64,
     /// Records changed through the watch.
     applied: AtomicU64,
-    /// Watches that broke and were resumed from the last revision seen.
+    /// Watches that broke (each resumed from the first revision not seen, at the next
+    /// campaign round; attempts while etcd is unreachable count too).
     resumed: AtomicU64,
     /// The etcd revision the view reflects (0: none yet, or leading).
     revision: AtomicI64,
@@ -390,6 +391,9 @@ struct FollowerView {
     /// is none, a compaction overtook it, or the slot holds a leader's controller).
     next: Option<i64>,
     watch: Option<mpsc::Receiver<WatchEvent>>,
+    /// The view was loaded and no watch has started from it yet (no need to check that
+    /// etcd still has its revision).
+    fresh: bool,
     /// A broken watch was logged; quiet until it works again.
     broken_logged: bool,
 }
@@ -405,6 +409,7 @@ impl FollowerView {
                 self.token = token;
                 self.next = Some(revision + 1);
                 self.watch = None;
+                self.fresh = true;
                 self.stats.full_loads.fetch_add(1, Ordering::Relaxed);
                 self.stats.revision.store(revision, Ordering::Relaxed);
                 Ok(())
@@ -416,11 +421,31 @@ impl FollowerView {
         }
     }
 
-    /// Starts a watch from the first revision not seen, unless one runs.
-    fn ensure_watch(&mut self) {
-        if let (None, Some(next)) = (&self.watch, self.next) {
-            self.watch = Some(self.store.watch(next, self.token.child_token()));
+    /// Starts a watch from the first revision not seen, unless one runs (once per campaign
+    /// round at most, so an unreachable etcd is not retried in a loop). Resuming after a
+    /// break, it first checks that etcd has not gone back to an older revision (restored
+    /// from a backup, or replaced): a watch from a revision that etcd has not reached would
+    /// wait, silently, instead of failing; the view is then loaded whole.
+    async fn ensure_watch(&mut self) -> Result<(), String> {
+        let (None, Some(next)) = (&self.watch, self.next) else {
+            return Ok(());
+        };
+        if !self.fresh {
+            let now = self.store.revision().await.map_err(|e| e.to_string())?;
+            if now < next - 1 {
+                warn!(
+                    now,
+                    next,
+                    "follower view: etcd's revision is behind the view's (etcd restored or replaced): reloading the whole state"
+                );
+                self.load().await?;
+            }
         }
+        if let Some(next) = self.next {
+            self.watch = Some(self.store.watch(next, self.token.child_token()));
+            self.fresh = false;
+        }
+        Ok(())
     }
 
     /// The watch's next event (pending while there is no watch).
@@ -507,6 +532,7 @@ pub async fn run(
         token: first.token,
         next: Some(first.revision + 1),
         watch: None,
+        fresh: true,
         broken_logged: false,
     };
     let mut lease: Option<i64> = None;
@@ -528,7 +554,6 @@ pub async fn run(
         store.set_fence(None);
         // Follow until elected.
         let (revision, lease_id, renewed) = loop {
-            view.ensure_watch();
             // The campaign tick first: a stream of changes must not hold the election off.
             tokio::select! {
                 biased;
@@ -550,6 +575,10 @@ pub async fn run(
                 && let Err(e) = view.load().await
             {
                 unreachable(&mut quiet, format!("loading the follower's view: {e}"));
+                continue;
+            }
+            if let Err(e) = view.ensure_watch().await {
+                unreachable(&mut quiet, format!("watching the state: {e}"));
                 continue;
             }
             let l = match lease {

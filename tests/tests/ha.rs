@@ -415,7 +415,7 @@ async fn view_counts(c: &HaCluster, i: usize) -> (u64, u64, u64) {
 }
 
 /// What a replica's read API says: models, plans (id, state, receivers' states) and the
-/// model's holders.
+/// model's holders (or GetStatus's error code).
 async fn reads(
     c: &HaCluster,
     i: usize,
@@ -448,17 +448,20 @@ async fn reads(
         })
         .collect();
     plans.sort();
-    let mut holders: Vec<String> = api
+    let mut holders: Vec<String> = match api
         .get_status(GetStatusRequest {
             model: MODEL.into(),
         })
         .await
-        .unwrap()
-        .into_inner()
-        .hosts
-        .into_iter()
-        .map(|h| format!("{} memory={} disk={}", h.host, h.memory, h.disk))
-        .collect();
+    {
+        Ok(st) => st
+            .into_inner()
+            .hosts
+            .into_iter()
+            .map(|h| format!("{} memory={} disk={}", h.host, h.memory, h.disk))
+            .collect(),
+        Err(e) => vec![format!("GetStatus: {:?}", e.code())],
+    };
     holders.sort();
     (models, plans, holders)
 }
@@ -537,6 +540,36 @@ async fn followers_follow_a_watch_and_reload_only_after_a_compaction() {
         log.contains("reloading the whole state"),
         "the reload is logged: {log}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_replaced_by_an_empty_one_followers_load_the_new_state() {
+    // A follower's watch resumes from the revision it needs; an etcd that lost its data (or
+    // was restored from an older backup) is behind that revision, and a watch from there
+    // would wait silently: the follower must notice and load the state whole.
+    let mut c = start(1, &[], |_, _| {}).await;
+    let (_dir, uri) = origin(2 << 20, 28);
+    let mut api = c.client().unwrap();
+    register(&mut api, MODEL, &uri).await;
+    for i in [1, 2] {
+        wait_same_reads(&c, 0, i).await;
+    }
+    c.etcd.kill().await;
+    std::fs::remove_dir_all(&c.etcd.data).unwrap();
+    c.etcd.restart().await.unwrap();
+    // A new election on the empty etcd; the hosts register again with whoever leads.
+    c.wait_hosts_up(1, Duration::from_secs(30)).await.unwrap();
+    let leader = c.wait_leader(Duration::from_secs(10)).await.unwrap();
+    let (models, _, _) = reads(&c, leader).await;
+    assert!(models.is_empty(), "the new etcd holds no model: {models:?}");
+    for i in (0..3).filter(|&i| i != leader) {
+        wait_same_reads(&c, leader, i).await;
+        let (loads, _, _) = view_counts(&c, i).await;
+        assert!(
+            loads >= 2,
+            "replica {i} loaded the new state whole: {loads}"
+        );
+    }
 }
 
 fn etcd_config(etcd: &EtcdProc, prefix: &str, max_request_bytes: usize) -> EtcdConfig {
