@@ -336,6 +336,19 @@ enum Cmd {
         /// another state backend: `--controller-arg=--state-dir=/fast/disk`.
         #[arg(long = "controller-arg", allow_hyphen_values = true)]
         controller_args: Vec<String>,
+        /// Where the controllers keep their state: `embedded` (one controller, redb) or
+        /// `etcd` (an etcd member started on loopback and `--controllers` replicas on it;
+        /// hosts heartbeat to every replica and follow the leader).
+        #[arg(long, default_value = "embedded")]
+        store: shardcast_bench::scale::StoreKind,
+        /// Controller replicas (etcd only).
+        #[arg(long, default_value_t = 1)]
+        controllers: usize,
+        /// After the measured prewarm, run a second one and SIGKILL the leader during it:
+        /// how long hosts could not heartbeat, and whether the new leader finishes the plan
+        /// (etcd, at least 2 replicas).
+        #[arg(long)]
+        kill_leader: bool,
         /// Write the report as JSON too.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -423,6 +436,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             timeout_s,
             insecure,
             controller_args,
+            store,
+            controllers,
+            kill_leader,
             json,
         } => {
             let opts = shardcast_bench::scale::ScaleOpts {
@@ -438,6 +454,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 timeout: Duration::from_secs(timeout_s),
                 insecure,
                 controller_args,
+                store,
+                controllers,
+                kill_leader,
             };
             let report = shardcast_bench::scale::run_scale(&opts).await?;
             eprint!("{}", shardcast_bench::scale::summary(&report));

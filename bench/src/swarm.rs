@@ -5,6 +5,9 @@
 //! - it heartbeats to the controller's `Inventory.Heartbeat` over gRPC on its own
 //!   connection, with its own `host` certificate from the cluster CA (mutual TLS, exactly
 //!   like a transferd; `--insecure` runs the controller in its documented plaintext mode);
+//!   given several controller replicas it follows the leader as transferd does (one
+//!   `FailoverChannel` per host: a follower's refusal names the leader in
+//!   `x-shardcast-leader`, a dead replica is skipped);
 //! - it serves the `Agent` gRPC API on its own loopback port behind the same mutual TLS and
 //!   the same per-method authorisation table as transferd (`transferd::agent::permission`),
 //!   so the controller dials it, checks its identity and calls `ImportModel`, `StartChain`,
@@ -31,6 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use shardcast_identity::failover::FailoverChannel;
 use shardcast_identity::grpc::{AuthzLayer, AuthzStats, ClientSecurity, TcpSecurity};
 use shardcast_identity::{Alpn, Expect, Role, TlsContext};
 use shardcast_protocol::agent::agent_server::{Agent, AgentServer};
@@ -113,8 +117,9 @@ pub struct SwarmOpts {
     pub mem_capacity: u64,
     /// Disk-tier capacity each host reports.
     pub disk_capacity: u64,
-    /// The controller's gRPC address (`host:port`).
-    pub controller: String,
+    /// The controller's gRPC address (`host:port`), or every replica's (on etcd): each
+    /// host's heartbeats follow the leader among them.
+    pub controllers: Vec<String>,
     /// The cluster CA: each host gets its own certificate. `None`: plaintext (the
     /// controller must run with `--insecure-plaintext`).
     pub pki: Option<Arc<ClusterPki>>,
@@ -129,14 +134,24 @@ pub struct HeartbeatStats {
     ok: AtomicU64,
     failed: AtomicU64,
     last_error: Mutex<String>,
+    /// Gaps between a host's consecutive answered heartbeats longer than two periods
+    /// (its heartbeats failed or waited meanwhile), with when the gap ended.
+    gaps: Mutex<Vec<(Instant, Duration)>>,
 }
 
 impl HeartbeatStats {
     /// Clears the samples and counters (start of a measurement window).
     pub fn reset(&self) {
         lock(&self.samples_us).clear();
+        lock(&self.gaps).clear();
         self.ok.store(0, Ordering::Relaxed);
         self.failed.store(0, Ordering::Relaxed);
+    }
+
+    /// Hosts' gaps between answered heartbeats longer than two periods since the last
+    /// reset: (when the gap ended, its length).
+    pub fn gaps(&self) -> Vec<(Instant, Duration)> {
+        lock(&self.gaps).clone()
     }
 
     /// (answered, failed, round trips in µs) since the last reset.
@@ -973,7 +988,13 @@ async fn heartbeat_loop(
         Some(ctx) => ClientSecurity::Tls(ctx.clone(), Expect::Role(Role::Controller)),
         None => ClientSecurity::Plaintext,
     };
-    let channel = match shardcast_identity::grpc::lazy(&shared.opts.controller, security) {
+    // As transferd: one channel over every replica that follows the leader, patient for
+    // a period (at least 2 s) while no replica takes the heartbeat.
+    let channel = match FailoverChannel::new(
+        &shared.opts.controllers,
+        security,
+        shared.opts.heartbeat.max(Duration::from_secs(2)),
+    ) {
         Ok(c) => c,
         Err(e) => {
             *lock(&stats.last_error) = e.to_string();
@@ -981,6 +1002,7 @@ async fn heartbeat_loop(
         }
     };
     let mut client = InventoryClient::new(channel);
+    let mut last_ok: Option<Instant> = None;
     // Diagnostics: `SHARDCAST_SWARM_SLOW_MS=n` prints every heartbeat slower than n ms.
     let slow_ms: Option<u64> = std::env::var("SHARDCAST_SWARM_SLOW_MS")
         .ok()
@@ -1005,6 +1027,12 @@ async fn heartbeat_loop(
         let us = t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
         match r {
             Ok(Ok(resp)) => {
+                let now = Instant::now();
+                if let Some(prev) = last_ok.replace(now)
+                    && now - prev > shared.opts.heartbeat * 2
+                {
+                    lock(&stats.gaps).push((now, now - prev));
+                }
                 if slow_ms.is_some_and(|ms| u64::from(us) >= ms * 1000) {
                     eprintln!(
                         "swarm: slow heartbeat of {} ({} ms) at {:.3} s",
@@ -1111,7 +1139,7 @@ mod tests {
             origin_bps: 1,
             mem_capacity: 1 << 40,
             disk_capacity: 1 << 40,
-            controller: "127.0.0.1:1".into(),
+            controllers: vec!["127.0.0.1:1".into()],
             pki: None,
             catalog: Vec::new(),
         }

@@ -266,7 +266,7 @@ pub(crate) struct State {
     /// 1000 hosts heartbeating each second and plans kept after they end, the scan was
     /// O(plans × receivers) per heartbeat. A plan's receivers are fixed when it is made
     /// (re-plans change sources, not receivers).
-    receiver_plans: HashMap<String, Vec<String>>,
+    pub(crate) receiver_plans: HashMap<String, Vec<String>>,
 }
 
 impl State {
@@ -279,7 +279,7 @@ impl State {
     }
 
     /// Adds a plan (without a watch channel) and indexes its receivers.
-    fn insert_plan(&mut self, id: String, plan: Plan) {
+    pub(crate) fn insert_plan(&mut self, id: String, plan: Plan) {
         for h in &plan.hosts {
             let plans = self.receiver_plans.entry(h.host.clone()).or_default();
             if !plans.contains(&id) {
@@ -420,32 +420,14 @@ impl Controller {
                 Ok(r) => {
                     st.persisted
                         .insert(id.clone(), HostEntry::signature(&r.host));
-                    // Up until proven otherwise: hosts get one heartbeat window after a
-                    // controller restart before they are marked down.
-                    st.hosts.insert(
-                        id,
-                        HostEntry {
-                            report: r.host,
-                            last_seen: started,
-                            up: true,
-                            gpu_reserved: r.gpu_reserved,
-                            booked_at: HashMap::new(),
-                        },
-                    );
+                    st.hosts.insert(id, HostEntry::restored(r, started));
                 }
                 Err(e) => warn!(host = %id, "skipping unreadable host record: {e}"),
             }
         }
         let mut resume = Vec::new();
         for (id, bytes) in store.list(Table::Plans)? {
-            let plan = serde_json::from_slice::<StoredPlan>(&bytes)
-                .map(StoredPlan::into_plan)
-                .map_err(|e| e.to_string())
-                .or_else(|e| {
-                    crate::wire::legacy_plan(&bytes)
-                        .map_err(|l| format!("{e}; as a legacy record: {l}"))
-                });
-            match plan {
+            match StoredPlan::decode(&bytes) {
                 Ok(p) => {
                     if p.running() {
                         resume.push((id.clone(), p.kind == PlanKind::Burst));

@@ -17,20 +17,34 @@
 //! controller's `--etcd-max-request-bytes`; a value above it is refused with an error that
 //! names both flags (docs/OPERATIONS.md).
 //!
+//! Batches: [`StateStore::put_many`] (the write-behind's batches of host reports and plan
+//! progress) commits fenced transactions of at most `--etcd-max-txn-ops` puts (etcd's
+//! `--max-txn-ops`, 128 by default) and at most the request limit in bytes; each batch
+//! is atomic, and the first batch refused by the fence ends the call with the same
+//! "no longer the leader" error as a single put (earlier batches stay committed).
+//!
+//! Followers read the state at one revision ([`EtcdSnapshot`]) and then follow it with a
+//! watch from the next revision ([`EtcdStore::watch`]), applying each change to their view
+//! instead of reloading everything ([`crate::ha`]).
+//!
 //! The [`StateStore`] trait is synchronous and is called from the controller's async
 //! code (often under its state lock, as redb's commits are). The etcd client is async, so
 //! the store owns a small runtime of its own; a call runs there and the caller waits on a
 //! channel, bounded by `--etcd-timeout-ms`. The caller never blocks a thread the etcd call
 //! itself needs.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchClient, WatchOptions,
 };
 use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::core::lock;
@@ -40,6 +54,14 @@ use crate::state::{StateError, StateStore, Table};
 pub const ETCD_DEFAULT_MAX_REQUEST_BYTES: usize = 1536 * 1024;
 /// Room kept under the request limit for the key, the comparison and framing.
 const REQUEST_OVERHEAD: usize = 4096;
+/// etcd's own default `--max-txn-ops`: the most operations one transaction may hold.
+pub const ETCD_DEFAULT_MAX_TXN_OPS: usize = 128;
+/// Bytes a put adds to a transaction besides its key and value (protobuf tags and lengths
+/// are a few bytes; generous so that a batch never meets the request limit).
+const OP_OVERHEAD: usize = 32;
+/// Watch responses queued for the follower before the watch waits for it: a burst of
+/// transactions (a plan's hosts completing) queues here instead of in etcd.
+const WATCH_BUFFER: usize = 256;
 
 /// Where the state lives in etcd.
 #[derive(Debug, Clone)]
@@ -50,6 +72,8 @@ pub struct EtcdConfig {
     pub prefix: String,
     /// etcd's `--max-request-bytes`: larger values are refused here with a clear error.
     pub max_request_bytes: usize,
+    /// etcd's `--max-txn-ops`: the most puts one `put_many` transaction holds.
+    pub max_txn_ops: usize,
     /// The longest one etcd call may take.
     pub timeout: Duration,
     /// etcd user and password (etcd's own authentication), if enabled on the cluster.
@@ -110,6 +134,7 @@ pub struct EtcdStore {
     client: Client,
     prefix: String,
     max_value: usize,
+    max_txn_ops: usize,
     timeout: Duration,
     /// The leader key's create revision while this replica leads; `None`: writes refused.
     fence: Mutex<Option<i64>>,
@@ -164,6 +189,7 @@ impl EtcdStore {
             client,
             prefix: cfg.prefix.trim_end_matches('/').to_string(),
             max_value: cfg.max_request_bytes.saturating_sub(REQUEST_OVERHEAD),
+            max_txn_ops: cfg.max_txn_ops.max(1),
             timeout: cfg.timeout,
             fence: Mutex::new(None),
         }))
@@ -225,8 +251,9 @@ impl EtcdStore {
         })
     }
 
-    /// One fenced write: `op` applies only while the leader key is still this term's.
-    fn fenced(&self, what: &str, op: TxnOp) -> Result<(), StateError> {
+    /// One fenced transaction: `ops` apply (all of them) only while the leader key is still
+    /// this term's.
+    fn fenced(&self, what: &str, ops: Vec<TxnOp>) -> Result<(), StateError> {
         let revision = self.fence()?;
         let txn = Txn::new()
             .when([Compare::create_revision(
@@ -234,7 +261,7 @@ impl EtcdStore {
                 CompareOp::Equal,
                 revision,
             )])
-            .and_then([op]);
+            .and_then(ops);
         let mut kv = self.client.kv_client();
         let resp = self.block(what, async move { kv.txn(txn).await })?;
         if resp.succeeded() {
@@ -246,6 +273,21 @@ impl EtcdStore {
                 "write refused: this controller replica is no longer the leader (fenced by the leader key's revision)",
             ))
         }
+    }
+
+    /// Refuses a value etcd would refuse, with the flags to change.
+    fn check_size(&self, table: Table, key: &str, value: &[u8]) -> Result<(), StateError> {
+        if value.len() <= self.max_value {
+            return Ok(());
+        }
+        Err(StateError::from_display(format!(
+            "{} record {key:?} is {} bytes, over the etcd request limit ({} bytes with room for the key): \
+             start etcd with a larger --max-request-bytes and pass the same value to the controller's \
+             --etcd-max-request-bytes (docs/OPERATIONS.md)",
+            table.name(),
+            value.len(),
+            self.max_value + REQUEST_OVERHEAD,
+        )))
     }
 
     /// The store's current revision (changes on every write anywhere in etcd).
@@ -343,36 +385,31 @@ where
     }
 }
 
-impl StateStore for EtcdStore {
-    fn put(&self, table: Table, key: &str, value: &[u8]) -> Result<(), StateError> {
-        if value.len() > self.max_value {
-            return Err(StateError::from_display(format!(
-                "{} record {key:?} is {} bytes, over the etcd request limit ({} bytes with room for the key): \
-                 start etcd with a larger --max-request-bytes and pass the same value to the controller's \
-                 --etcd-max-request-bytes (docs/OPERATIONS.md)",
-                table.name(),
-                value.len(),
-                self.max_value + REQUEST_OVERHEAD,
-            )));
-        }
-        self.fenced("put", TxnOp::put(self.key(table, key), value, None))
-    }
-
-    fn delete(&self, table: Table, key: &str) -> Result<(), StateError> {
-        self.fenced("delete", TxnOp::delete(self.key(table, key), None))
-    }
-
-    fn get(&self, table: Table, key: &str) -> Result<Option<Vec<u8>>, StateError> {
+impl EtcdStore {
+    /// One value, at `revision` (`None`: the latest).
+    fn get_at(
+        &self,
+        table: Table,
+        key: &str,
+        revision: Option<i64>,
+    ) -> Result<Option<Vec<u8>>, StateError> {
         let mut kv = self
             .client
             .kv_client()
             .max_decoding_message_size(usize::MAX);
         let k = self.key(table, key);
-        let resp = self.block("get", async move { kv.get(k, None).await })?;
+        let opts = revision.map(|r| GetOptions::new().with_revision(r));
+        let resp = self.block("get", async move { kv.get(k, opts).await })?;
         Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
     }
 
-    fn list(&self, table: Table) -> Result<Vec<(String, Vec<u8>)>, StateError> {
+    /// Every entry of `table`, at `revision` (`None`: the latest; each page then reads the
+    /// latest, so pages may come from different revisions).
+    fn list_at(
+        &self,
+        table: Table,
+        revision: Option<i64>,
+    ) -> Result<Vec<(String, Vec<u8>)>, StateError> {
         // Many manifests can exceed any single response limit: one page of keys at a time.
         const PAGE: i64 = 256;
         let prefix = self.table_prefix(table);
@@ -385,13 +422,11 @@ impl StateStore for EtcdStore {
                 .kv_client()
                 .max_decoding_message_size(usize::MAX);
             let (start, end2) = (from.clone(), end.clone());
-            let resp = self.block("list", async move {
-                kv.get(
-                    start,
-                    Some(GetOptions::new().with_range(end2).with_limit(PAGE)),
-                )
-                .await
-            })?;
+            let mut opts = GetOptions::new().with_range(end2).with_limit(PAGE);
+            if let Some(r) = revision {
+                opts = opts.with_revision(r);
+            }
+            let resp = self.block("list", async move { kv.get(start, Some(opts)).await })?;
             let kvs = resp.kvs();
             for kv in kvs {
                 match std::str::from_utf8(kv.key()) {
@@ -413,6 +448,301 @@ impl StateStore for EtcdStore {
         }
         Ok(out)
     }
+}
+
+impl StateStore for EtcdStore {
+    fn put(&self, table: Table, key: &str, value: &[u8]) -> Result<(), StateError> {
+        self.check_size(table, key, value)?;
+        self.fenced("put", vec![TxnOp::put(self.key(table, key), value, None)])
+    }
+
+    /// Fenced transactions of at most `max_txn_ops` puts and the request limit in bytes,
+    /// in order; each is atomic. etcd refuses a transaction naming a key twice, so a key
+    /// given twice is written once, with its last value.
+    fn put_many(&self, writes: &[(Table, String, Vec<u8>)]) -> Result<(), StateError> {
+        for (table, key, value) in writes {
+            self.check_size(*table, key, value)?;
+        }
+        let mut last: HashMap<(Table, &str), usize> = HashMap::with_capacity(writes.len());
+        for (i, (table, key, _)) in writes.iter().enumerate() {
+            last.insert((*table, key.as_str()), i);
+        }
+        let mut batch = Vec::new();
+        let mut bytes = 0usize;
+        for (i, (table, key, value)) in writes.iter().enumerate() {
+            if last.get(&(*table, key.as_str())) != Some(&i) {
+                continue;
+            }
+            let key = self.key(*table, key);
+            let size = key.len() + value.len() + OP_OVERHEAD;
+            if !batch.is_empty()
+                && (batch.len() >= self.max_txn_ops || bytes + size > self.max_value)
+            {
+                self.fenced("put_many", std::mem::take(&mut batch))?;
+                bytes = 0;
+            }
+            batch.push(TxnOp::put(key, value.as_slice(), None));
+            bytes += size;
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.fenced("put_many", batch)
+    }
+
+    fn delete(&self, table: Table, key: &str) -> Result<(), StateError> {
+        self.fenced("delete", vec![TxnOp::delete(self.key(table, key), None)])
+    }
+
+    fn get(&self, table: Table, key: &str) -> Result<Option<Vec<u8>>, StateError> {
+        self.get_at(table, key, None)
+    }
+
+    fn list(&self, table: Table) -> Result<Vec<(String, Vec<u8>)>, StateError> {
+        self.list_at(table, None)
+    }
+}
+
+/// The state as etcd held it at one revision, read-only: what a follower loads its view
+/// from, so that the view is one consistent snapshot and the watch that follows it starts
+/// at the next revision. Reading it fails once etcd has compacted that revision away
+/// (the view is loaded right after the revision is taken). Its writes are refused as a
+/// follower's are.
+#[derive(Debug)]
+pub struct EtcdSnapshot {
+    store: Arc<EtcdStore>,
+    revision: i64,
+}
+
+impl EtcdSnapshot {
+    /// The state at `revision`.
+    pub fn new(store: Arc<EtcdStore>, revision: i64) -> Self {
+        Self { store, revision }
+    }
+
+    /// The revision it reads at.
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+
+    fn refused() -> StateError {
+        StateError::from_display(
+            "this controller replica is not the leader: state writes are refused",
+        )
+    }
+}
+
+impl StateStore for EtcdSnapshot {
+    fn put(&self, _: Table, _: &str, _: &[u8]) -> Result<(), StateError> {
+        Err(Self::refused())
+    }
+
+    fn put_many(&self, _: &[(Table, String, Vec<u8>)]) -> Result<(), StateError> {
+        Err(Self::refused())
+    }
+
+    fn delete(&self, _: Table, _: &str) -> Result<(), StateError> {
+        Err(Self::refused())
+    }
+
+    fn get(&self, table: Table, key: &str) -> Result<Option<Vec<u8>>, StateError> {
+        self.store.get_at(table, key, Some(self.revision))
+    }
+
+    fn list(&self, table: Table) -> Result<Vec<(String, Vec<u8>)>, StateError> {
+        self.store.list_at(table, Some(self.revision))
+    }
+}
+
+/// One stored record that changed, as a watch saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// Its table.
+    pub table: Table,
+    /// Its key in the table.
+    pub key: String,
+    /// The new value; `None`: deleted.
+    pub value: Option<Vec<u8>>,
+}
+
+/// Why a watch ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchLoss {
+    /// etcd compacted its history past the revision the watch needed: the changes in
+    /// between are gone, only a whole reload can catch up.
+    Compacted {
+        /// The first revision the watcher had not seen.
+        needed: i64,
+        /// etcd's compaction revision.
+        compacted: i64,
+    },
+    /// The stream failed or ended (etcd unreachable or restarted, or it cancelled the
+    /// watch); a new watch from the next revision may resume it.
+    Broken(String),
+}
+
+impl std::fmt::Display for WatchLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Compacted { needed, compacted } => write!(
+                f,
+                "etcd compacted its history up to revision {compacted}, past revision {needed} the watch needed"
+            ),
+            Self::Broken(why) => write!(f, "the watch broke: {why}"),
+        }
+    }
+}
+
+/// What a state watch reports, in revision order.
+#[derive(Debug)]
+pub enum WatchEvent {
+    /// The changes of one or more revisions, up to and including `revision`, in commit
+    /// order; one transaction's changes always arrive together.
+    Changes {
+        /// The last revision these changes complete.
+        revision: i64,
+        /// The records changed (keys outside the tables are left out).
+        changes: Vec<Change>,
+        /// The leader key was deleted (its lease expired or was revoked): an election is
+        /// open.
+        leader_gone: bool,
+    },
+    /// The watch ended; nothing follows.
+    Lost(WatchLoss),
+}
+
+impl EtcdStore {
+    /// Watches every table from `from` (inclusive) until `cancel`, the receiver is
+    /// dropped, or the watch is lost (the last event then says why). Runs on the store's
+    /// runtime.
+    pub fn watch(&self, from: i64, cancel: CancellationToken) -> mpsc::Receiver<WatchEvent> {
+        let (tx, rx) = mpsc::channel(WATCH_BUFFER);
+        let client = self
+            .client
+            .watch_client()
+            .max_decoding_message_size(usize::MAX);
+        let prefix = format!("{}/", self.prefix);
+        let leader = self.leader_key();
+        let timeout = self.timeout;
+        self.handle.spawn(async move {
+            let pump = Pump {
+                prefix,
+                leader,
+                timeout,
+                tx: tx.clone(),
+                cancel: cancel.clone(),
+            };
+            if let Some(loss) = pump.run(client, from).await {
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    _ = tx.send(WatchEvent::Lost(loss)) => {}
+                }
+            }
+        });
+        rx
+    }
+}
+
+/// Forwards one etcd watch's responses as [`WatchEvent`]s.
+struct Pump {
+    prefix: String,
+    leader: String,
+    timeout: Duration,
+    tx: mpsc::Sender<WatchEvent>,
+    cancel: CancellationToken,
+}
+
+impl Pump {
+    /// Runs until cancelled or the receiver is gone (`None`) or the watch is lost.
+    async fn run(&self, mut client: WatchClient, from: i64) -> Option<WatchLoss> {
+        let opts = WatchOptions::new().with_prefix().with_start_revision(from);
+        let started = tokio::select! {
+            _ = self.cancel.cancelled() => return None,
+            r = tokio::time::timeout(self.timeout, client.watch(self.prefix.clone(), Some(opts))) => r,
+        };
+        let mut stream = match started {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Some(WatchLoss::Broken(format!("starting it: {e}"))),
+            Err(_) => {
+                return Some(WatchLoss::Broken(format!(
+                    "starting it: no answer within {:?}",
+                    self.timeout
+                )));
+            }
+        };
+        let mut next = from;
+        loop {
+            let msg = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return None,
+                m = stream.message() => m,
+            };
+            let resp = match msg {
+                Ok(Some(r)) => r,
+                Ok(None) => return Some(WatchLoss::Broken("etcd ended the stream".into())),
+                Err(e) => return Some(WatchLoss::Broken(e.to_string())),
+            };
+            if resp.compact_revision() > 0 {
+                return Some(WatchLoss::Compacted {
+                    needed: next,
+                    compacted: resp.compact_revision(),
+                });
+            }
+            if resp.canceled() {
+                return Some(WatchLoss::Broken(format!(
+                    "etcd cancelled it: {}",
+                    resp.cancel_reason()
+                )));
+            }
+            if resp.events().is_empty() {
+                // The "created" answer, or a progress notification.
+                continue;
+            }
+            let mut revision = next.saturating_sub(1);
+            let mut changes = Vec::with_capacity(resp.events().len());
+            let mut leader_gone = false;
+            for ev in resp.events() {
+                let Some(kv) = ev.kv() else { continue };
+                revision = revision.max(kv.mod_revision());
+                // A deletion's record is a tombstone without a create revision (how etcd
+                // itself tells the two apart; `Event::event_type` would panic on a type
+                // number it does not know).
+                let deleted = kv.create_revision() == 0;
+                if kv.key() == self.leader.as_bytes() {
+                    leader_gone |= deleted;
+                    continue;
+                }
+                match split_key(&self.prefix, kv.key()) {
+                    Some((table, key)) => changes.push(Change {
+                        table,
+                        key,
+                        value: (!deleted).then(|| kv.value().to_vec()),
+                    }),
+                    None => tracing::debug!(
+                        key = %String::from_utf8_lossy(kv.key()),
+                        "watch: a key outside the state's tables"
+                    ),
+                }
+            }
+            next = revision + 1;
+            let event = WatchEvent::Changes {
+                revision,
+                changes,
+                leader_gone,
+            };
+            tokio::select! {
+                _ = self.cancel.cancelled() => return None,
+                r = self.tx.send(event) => if r.is_err() { return None },
+            }
+        }
+    }
+}
+
+/// `<prefix><table>/<key>` → (table, key).
+fn split_key(prefix: &str, key: &[u8]) -> Option<(Table, String)> {
+    let rest = std::str::from_utf8(key).ok()?.strip_prefix(prefix)?;
+    let (table, key) = rest.split_once('/')?;
+    Some((Table::from_name(table)?, key.to_string()))
 }
 
 /// The first key after every key starting with `prefix`.
@@ -441,6 +771,22 @@ mod tests {
         assert!(EtcdConfig::parse_url("etcd://").is_err());
         assert!(EtcdConfig::parse_url("etcd://host").is_err());
         assert!(EtcdConfig::parse_url("etcd://host:notaport").is_err());
+    }
+
+    #[test]
+    fn watched_keys_split_into_table_and_key() {
+        assert_eq!(
+            split_key("/sc/", b"/sc/plans/abc"),
+            Some((Table::Plans, "abc".into()))
+        );
+        assert_eq!(
+            split_key("/sc/", b"/sc/models/org/name"),
+            Some((Table::Models, "org/name".into()))
+        );
+        assert_eq!(split_key("/sc/", b"/sc/leader"), None);
+        assert_eq!(split_key("/sc/", b"/sc/nosuchtable/x"), None);
+        assert_eq!(split_key("/sc/", b"/other/plans/x"), None);
+        assert_eq!(split_key("/sc/", b"/sc/plans/\xff"), None);
     }
 
     #[test]

@@ -187,6 +187,18 @@ pub struct HostEntry {
 }
 
 impl HostEntry {
+    /// An entry read from the state, up and seen at `now`: hosts get one heartbeat window
+    /// after a controller (re)loads the state before they are marked down.
+    pub fn restored(record: StoredHost, now: Instant) -> Self {
+        Self {
+            report: record.host,
+            last_seen: now,
+            up: true,
+            gpu_reserved: record.gpu_reserved,
+            booked_at: HashMap::new(),
+        }
+    }
+
     /// GPU slots reserved for all models.
     pub fn reserved_gpus(&self) -> u32 {
         self.gpu_reserved.values().sum()

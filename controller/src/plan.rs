@@ -567,6 +567,16 @@ impl StoredPlan {
             Self::V1(p) => p,
         }
     }
+
+    /// A stored plan record: the typed layout, else the legacy one (`crate::wire`).
+    pub fn decode(bytes: &[u8]) -> Result<Plan, String> {
+        serde_json::from_slice::<Self>(bytes)
+            .map(Self::into_plan)
+            .map_err(|e| e.to_string())
+            .or_else(|e| {
+                crate::wire::legacy_plan(bytes).map_err(|l| format!("{e}; as a legacy record: {l}"))
+            })
+    }
 }
 
 #[cfg(test)]

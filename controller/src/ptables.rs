@@ -76,6 +76,24 @@ impl PlanStore {
         Ok(Self(Mutex::new(m)))
     }
 
+    /// One stored record changed (a follower's view, `crate::ha`): `None` deleted it.
+    pub fn apply_stored(&self, name: &str, bytes: Option<&[u8]>) {
+        let decoded = bytes.map(serde_json::from_slice::<StoredPlans>);
+        let mut m = self.lock();
+        match decoded {
+            Some(Ok(p)) => {
+                m.insert(name.to_string(), p);
+            }
+            Some(Err(e)) => {
+                warn!(model = %name, "skipping an unreadable partition-plan record: {e}");
+                m.remove(name);
+            }
+            None => {
+                m.remove(name);
+            }
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, StoredPlans>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -200,6 +218,11 @@ impl<M: ModelSource> PartitionTables<M> {
     pub fn restore(src: Arc<M>, store: Arc<dyn StateStore>) -> Result<Self, StateError> {
         let kept = PlanStore::restore(store.as_ref())?;
         Ok(Self { src, store, kept })
+    }
+
+    /// One stored record changed (a follower's view, `crate::ha`): `None` deleted it.
+    pub fn apply_stored(&self, name: &str, bytes: Option<&[u8]>) {
+        self.kept.apply_stored(name, bytes);
     }
 
     /// A model's profile: the registered one, else one derived from the tensor index of a

@@ -179,6 +179,14 @@ pub struct Args {
         default_value_t = crate::etcd::ETCD_DEFAULT_MAX_REQUEST_BYTES
     )]
     pub etcd_max_request_bytes: usize,
+    /// etcd's --max-txn-ops: batched writes (host reports, plan progress) are committed in
+    /// fenced transactions of at most this many puts.
+    #[arg(
+        long,
+        env = "SHARDCAST_ETCD_MAX_TXN_OPS",
+        default_value_t = crate::etcd::ETCD_DEFAULT_MAX_TXN_OPS
+    )]
+    pub etcd_max_txn_ops: usize,
     /// The longest one etcd call may take, milliseconds.
     #[arg(long, env = "SHARDCAST_ETCD_TIMEOUT_MS", default_value_t = 2000)]
     pub etcd_timeout_ms: u64,
@@ -202,8 +210,8 @@ pub struct Args {
     /// after about this long.
     #[arg(long, env = "SHARDCAST_LEASE_TTL_MS", default_value_t = 3000)]
     pub lease_ttl_ms: u64,
-    /// How often a follower campaigns and reloads its view when the state changed,
-    /// milliseconds.
+    /// How often a follower campaigns for leadership, milliseconds (its view follows
+    /// etcd through a watch, not on this period).
     #[arg(long, env = "SHARDCAST_CAMPAIGN_MS", default_value_t = 250)]
     pub campaign_ms: u64,
     /// Whether the host that reads a model's origin to build its manifest at registration
@@ -533,6 +541,12 @@ async fn start_replica(
             args.campaign_ms
         );
     }
+    if !(1..=100_000).contains(&args.etcd_max_txn_ops) {
+        bail!(
+            "etcd_max_txn_ops must be between 1 and 100000 (etcd's --max-txn-ops), got {}",
+            args.etcd_max_txn_ops
+        );
+    }
     if !(100..=60_000).contains(&args.etcd_timeout_ms) {
         bail!("etcd_timeout_ms must be between 100 and 60000");
     }
@@ -554,6 +568,7 @@ async fn start_replica(
         endpoints,
         prefix: args.etcd_prefix.clone(),
         max_request_bytes: args.etcd_max_request_bytes,
+        max_txn_ops: args.etcd_max_txn_ops,
         timeout: Duration::from_millis(args.etcd_timeout_ms),
         user,
     };
@@ -575,8 +590,9 @@ async fn start_replica(
         );
     }
     let id = args.replica_id.clone().unwrap_or_else(|| grpc.clone());
-    let (view, view_token) =
-        crate::ha::first_view(&cfg, store.clone(), cancel, Duration::from_secs(30)).await?;
+    let stats = Arc::new(crate::ha::ViewStats::default());
+    let (view, first) =
+        crate::ha::first_view(&cfg, store.clone(), cancel, Duration::from_secs(30), &stats).await?;
     let slot: Slot = Arc::new(arc_swap::ArcSwap::new(view));
     let (role_tx, role_rx) =
         tokio::sync::watch::channel(crate::ha::Role::Follower { leader: None });
@@ -597,9 +613,10 @@ async fn start_replica(
         slot.clone(),
         role_tx,
         cancel.clone(),
-        view_token,
+        first,
+        stats.clone(),
     ));
-    Ok((slot, Replica::new(id, role_rx)))
+    Ok((slot, Replica::new(id, role_rx, stats)))
 }
 
 /// Plan tokens are signed with the controller's TLS key: as soon as the TLS context

@@ -41,11 +41,17 @@ impl Table {
         }
     }
 
+    /// The table called `name` (an etcd key segment), if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.name() == name)
+    }
+
     fn def(self) -> TableDefinition<'static, &'static str, &'static [u8]> {
         TableDefinition::new(self.name())
     }
 
-    const ALL: [Self; 6] = [
+    /// Every table.
+    pub const ALL: [Self; 6] = [
         Self::Models,
         Self::Manifests,
         Self::Hosts,
@@ -82,7 +88,9 @@ pub trait StateStore: Send + Sync + 'static {
     /// Every entry of `table`, in key order.
     fn list(&self, table: Table) -> Result<Vec<(String, Vec<u8>)>, StateError>;
     /// Inserts or replaces several keys, in one transaction where the store has them (the
-    /// default writes them one by one). Used by `write_behind`.
+    /// default writes them one by one; etcd commits fenced batches of at most its
+    /// `--max-txn-ops`, each atomic). A key given twice takes its last value. Used by
+    /// `write_behind`.
     fn put_many(&self, writes: &[(Table, String, Vec<u8>)]) -> Result<(), StateError> {
         for (table, key, value) in writes {
             self.put(*table, key, value)?;
@@ -212,6 +220,14 @@ mod tests {
             s.get(Table::Plans, "p").unwrap().as_deref(),
             Some(&b"2"[..])
         );
+    }
+
+    #[test]
+    fn table_names_round_trip() {
+        for t in Table::ALL {
+            assert_eq!(Table::from_name(t.name()), Some(t));
+        }
+        assert_eq!(Table::from_name("leader"), None);
     }
 
     #[test]

@@ -26,11 +26,7 @@ impl Usage {
     pub fn restore(store: &dyn StateStore) -> Result<Self, StateError> {
         let mut last = HashMap::new();
         for (digest, bytes) in store.list(Table::Usage)? {
-            match std::str::from_utf8(&bytes)
-                .ok()
-                .and_then(|s| s.parse::<f64>().ok())
-                .filter(|t| t.is_finite())
-            {
+            match Self::decode(&bytes) {
                 Some(t) => {
                     last.insert(digest, t);
                 }
@@ -41,6 +37,31 @@ impl Usage {
             last: Mutex::new(last),
             ..Self::default()
         })
+    }
+
+    /// A stored last-use record: seconds since the epoch, decimal text.
+    fn decode(bytes: &[u8]) -> Option<f64> {
+        std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .filter(|t| t.is_finite())
+    }
+
+    /// One stored record changed (a follower's view, `crate::ha`): `None` deleted it.
+    pub fn apply_stored(&self, digest: &str, bytes: Option<&[u8]>) {
+        let mut last = lock(&self.last);
+        match bytes.map(Self::decode) {
+            Some(Some(t)) => {
+                last.insert(digest.to_string(), t);
+            }
+            Some(None) => {
+                warn!(model = %digest, "skipping an unreadable last-use record");
+                last.remove(digest);
+            }
+            None => {
+                last.remove(digest);
+            }
+        }
     }
 
     /// Writes the uses recorded since the last flush.

@@ -4,7 +4,10 @@
 //! hosts move no bytes (transfers are timed at a simulated link rate); what is under test
 //! is the control plane: every host registered and up, a prewarm of 64 replicas planned,
 //! run and completed with every receiver reporting the model, and the status APIs
-//! answering throughout.
+//! answering throughout. Then the same swarm against three controller replicas on a real
+//! etcd: hosts follow the leader from a follower's refusal, the prewarm completes, no host
+//! is lost or marked down, and a follower's view (kept by its etcd watch) shows the same
+//! holders.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -13,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use shardcast_bench::control::wait_plan;
-use shardcast_bench::scale::{SIM_ORIGIN_PREFIX, hosts_up, start_controller};
+use shardcast_bench::scale::{
+    SIM_ORIGIN_PREFIX, ScaleControllers, StoreKind, hosts_up, start_controller,
+};
 use shardcast_bench::swarm::{SimModel, Swarm, SwarmOpts};
 use shardcast_protocol::controller::{
     GetStatusRequest, ListHostsRequest, ListPlansRequest, PrewarmRequest, RegisterModelRequest,
@@ -40,7 +45,7 @@ async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -
         origin_bps,
         mem_capacity: 512 << 30,
         disk_capacity: 4 << 40,
-        controller: controller.grpc.to_string(),
+        controllers: vec![controller.grpc.to_string()],
         pki: controller.pki.clone(),
         catalog: vec![model],
     })
@@ -189,6 +194,179 @@ async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -
     assert_eq!(hosts_up(&mut client).await?, HOSTS, "a host went down");
     eprintln!(
         "{HOSTS} hosts: plan {plan_time:?}, 64 replicas done after {done:?}, {ok} heartbeats, slowest status round {slowest:?}"
+    );
+    swarm.stop().await;
+    Ok(())
+}
+
+/// Hosts `GetStatus` shows holding a complete memory copy of `model`, up.
+async fn memory_holders<T: shardcast_bench::control::ApiChannel>(
+    client: &mut shardcast_protocol::controller::controller_client::ControllerClient<T>,
+    model: &str,
+    bytes: u64,
+) -> anyhow::Result<BTreeSet<String>> {
+    let s = client
+        .get_status(GetStatusRequest {
+            model: model.into(),
+        })
+        .await?
+        .into_inner();
+    Ok(s.hosts
+        .iter()
+        .filter(|h| h.up && h.memory && h.memory_bytes == bytes)
+        .map(|h| h.host.clone())
+        .collect())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thousand_hosts_on_three_replicas_on_etcd_prewarm_64_none_lost() -> anyhow::Result<()> {
+    let t_start = Instant::now();
+    let dir = tempfile::tempdir()?;
+    let origin_bps = 2_500_000_000 / 8;
+    let ctl = ScaleControllers::start(
+        dir.path(),
+        StoreKind::Etcd,
+        3,
+        HEARTBEAT_MS,
+        origin_bps,
+        false,
+        &[],
+    )
+    .await?;
+    let leader = ctl.wait_leader(Duration::from_secs(20)).await?;
+    let follower = (leader + 1) % 3;
+    let name = "sim/scale-etcd";
+    let origin = format!("{SIM_ORIGIN_PREFIX}scale-etcd/");
+    let size = 256 << 20;
+    let model = SimModel::zeros(name, &origin, size, 2, 1 << 20)?;
+    // The leader listed last: every host's first heartbeat is refused by a follower that
+    // names the leader, and the host follows.
+    let mut addrs = ctl.grpc_addrs();
+    addrs.rotate_left(leader + 1);
+    let swarm = Swarm::start(SwarmOpts {
+        hosts: HOSTS,
+        racks: 25,
+        heartbeat: Duration::from_millis(HEARTBEAT_MS),
+        link_bps: 10_000_000_000 / 8,
+        origin_bps,
+        mem_capacity: 512 << 30,
+        disk_capacity: 4 << 40,
+        controllers: addrs,
+        pki: ctl.replicas[0].pki.clone(),
+        catalog: vec![model],
+    })
+    .await?;
+    let mut client = ctl.client(leader).await?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hosts_up(&mut client).await? < HOSTS {
+        ensure!(
+            Instant::now() < deadline,
+            "not every host came up at the leader within 30 s (last heartbeat error: {})",
+            swarm.heartbeats.last_error()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let listed = client.list_hosts(ListHostsRequest {}).await?.into_inner();
+    let ids: BTreeSet<String> = listed
+        .hosts
+        .iter()
+        .filter_map(|h| h.report.as_ref().map(|r| r.host_id.clone()))
+        .collect();
+    assert_eq!(ids, swarm.host_ids(), "the leader lists exactly the swarm");
+
+    // Writes through the client that follows the leader.
+    let mut api = ctl.failover_client()?;
+    api.register_model(RegisterModelRequest {
+        name: name.into(),
+        origin,
+        ..Default::default()
+    })
+    .await?;
+    let t0 = Instant::now();
+    let accepted = api
+        .prewarm(PrewarmRequest {
+            model: name.into(),
+            replicas: REPLICAS,
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let plan_time = t0.elapsed();
+    let receivers: BTreeSet<String> = accepted.hosts.iter().map(|h| h.host.clone()).collect();
+    assert_eq!(receivers.len(), REPLICAS as usize, "64 distinct receivers");
+    let status = wait_plan(&mut api, &accepted.plan_id, Duration::from_secs(60)).await?;
+    assert_eq!(status.state().label(), "done", "{status:?}");
+    assert!(
+        status
+            .hosts
+            .iter()
+            .all(|h| h.state().label() == "done" && h.bytes == size),
+        "{:?}",
+        status.hosts
+    );
+    let done = t0.elapsed();
+    assert_eq!(swarm.holders(&status.digest), receivers);
+
+    // The leader, then a follower (its view kept by the watch), show the 64 holders.
+    let mut follower_client = ctl.client(follower).await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let at_leader = memory_holders(&mut client, name, size).await?;
+        let at_follower = memory_holders(&mut follower_client, name, size).await?;
+        if at_leader == receivers && at_follower == receivers {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "holders: the leader shows {}, the follower {}, the plan has {}",
+            at_leader.len(),
+            at_follower.len(),
+            receivers.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let follower_plan = follower_client
+        .get_plan(shardcast_protocol::controller::WatchPlanRequest {
+            plan_id: accepted.plan_id.clone(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(follower_plan.state().label(), "done");
+    let view = ctl
+        .view_counts(follower)
+        .await
+        .context("the follower's view counters")?;
+    assert_eq!(
+        view.0, 1,
+        "the follower loaded the state whole only once: {view:?}"
+    );
+    assert!(view.1 >= HOSTS as u64, "changes applied: {view:?}");
+
+    // No host lost, none marked down, no heartbeat failed.
+    let listed = client.list_hosts(ListHostsRequest {}).await?.into_inner();
+    assert_eq!(listed.hosts.len(), HOSTS, "the leader lost hosts");
+    let down: Vec<String> = listed
+        .hosts
+        .iter()
+        .filter(|h| !h.up)
+        .filter_map(|h| h.report.as_ref().map(|r| r.host_id.clone()))
+        .collect();
+    assert!(down.is_empty(), "hosts marked down: {down:?}");
+    let (ok, failed, _) = swarm.heartbeats.take();
+    assert_eq!(
+        failed,
+        0,
+        "heartbeats failed: {}",
+        swarm.heartbeats.last_error()
+    );
+    assert!(
+        plan_time < Duration::from_secs(2),
+        "planning took {plan_time:?}"
+    );
+    eprintln!(
+        "{HOSTS} hosts on 3 replicas: plan {plan_time:?}, 64 done after {done:?}, {ok} heartbeats, follower view {view:?}, test {:?}",
+        t_start.elapsed()
     );
     swarm.stop().await;
     Ok(())
