@@ -365,7 +365,7 @@ async fn start_server(
                 .arg(ip.to_string())
                 // s3-setup.py's IAM calls go unauthenticated; every later request is checked.
                 .env("INITIAL_NO_AUTH_ACTION_COUNT", "3");
-            spawn_quiet(cmd, "moto")?
+            spawn_logged(cmd, "moto", &scratch.join("moto.log"))?
         }
         OriginKind::S3rver => {
             prepare(kind).await?;
@@ -374,7 +374,7 @@ async fn start_server(
                 .arg(port.to_string())
                 .arg(scratch.join("s3rver-data"))
                 .arg(ip.to_string());
-            spawn_quiet(cmd, "s3rver")?
+            spawn_logged(cmd, "s3rver", &scratch.join("s3rver.log"))?
         }
     };
     // Upload from the server's own namespace (not across the measured link), signed.
@@ -394,9 +394,11 @@ async fn start_server(
         .context("running tests/support/s3-setup.py")?;
     if !out.status.success() {
         bail!(
-            "uploading the model to {} failed: {}",
+            "uploading the model to {} failed: {}\n{} log: {}",
             kind.name(),
-            String::from_utf8_lossy(&out.stderr).trim()
+            String::from_utf8_lossy(&out.stderr).trim(),
+            kind.name(),
+            crate::cluster::tail(&scratch.join(format!("{}.log", kind.name())))
         );
     }
     let keys: serde_json::Value =
@@ -415,7 +417,25 @@ async fn start_server(
     })
 }
 
-/// Spawns a server that prints no `READY` line (readiness is the upload's connect).
+/// Spawns a server that prints no `READY` line (readiness is the upload's connect), its
+/// output appended to `log`.
+fn spawn_logged(mut cmd: Command, what: &str, log: &Path) -> anyhow::Result<Proc> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("opening {}", log.display()))?;
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(file.try_clone()?))
+        .stderr(Stdio::from(file))
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {what}"))?;
+    Ok(Proc { child })
+}
+
+/// Spawns a process whose output is not wanted.
 fn spawn_quiet(mut cmd: Command, what: &str) -> anyhow::Result<Proc> {
     let child = cmd
         .stdin(Stdio::null())

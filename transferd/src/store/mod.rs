@@ -4,9 +4,11 @@
 //! under `/dev/shm`, which inference processes on the host map directly) and a **disk
 //! tier**. Chunks arrive as [`VerifiedChunk`]s (already checked against the manifest's
 //! BLAKE3 hash), are written at their offset into a preallocated shard file, and only then
-//! is their bit set in a persisted per-shard bitmap. Readers (chain forwarders, the GPU
-//! loader) get verified chunks zero-copy from a memory map and wait for progress on a
-//! [`tokio::sync::watch`] channel.
+//! is their bit set in a persisted per-shard bitmap. The one other way in is a file this
+//! daemon kept while it hashed a model's origin to build the manifest: moved into place
+//! whole, its chunks verified but not yet trusted ([`ShardStore::adopt_kept`]). Readers
+//! (chain forwarders, the GPU loader) get verified chunks zero-copy from a memory map and
+//! wait for progress on a [`tokio::sync::watch`] channel.
 //!
 //! ```text
 //!  chain session ──VerifiedChunk──▶ Shard::write ──▶ ChunkWriter (pwrite | io_uring) ──▶ data file
