@@ -228,12 +228,15 @@ impl Drop for Proc {
     }
 }
 
-/// `program` on this host, or inside host `i`'s namespace of `net`.
+/// `program` on this host, or inside host `i`'s namespace of `net`; killed (by PID) if
+/// dropped before it ends, so a timed-out wait leaves nothing behind.
 fn command(net: Option<&EmulatedNet>, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
-    match net {
+    let mut cmd: Command = match net {
         Some(net) => net.command(i, program).into(),
         None => Command::new(program),
-    }
+    };
+    cmd.kill_on_drop(true);
+    cmd
 }
 
 /// Spawns `cmd` and waits for a stdout line starting with `READY `; returns the process
@@ -271,7 +274,7 @@ async fn spawn_ready(mut cmd: Command, what: &str) -> anyhow::Result<(Proc, Stri
 async fn install(script: &str) -> anyhow::Result<()> {
     let out = tokio::time::timeout(
         START_TIMEOUT,
-        Command::new("bash")
+        command(None, 0, "bash")
             .arg(support_dir().join(script))
             .arg("install")
             .stdin(Stdio::null())
