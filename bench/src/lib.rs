@@ -12,6 +12,8 @@
 //! * [`netns`]: emulated clusters (network namespaces, a bridge, `tc` rate caps).
 //! * [`synth`]: synthetic safetensors models.
 //! * [`origin_server`]: a rate-capped HTTP origin standing in for cloud storage.
+//! * [`origin_bench`]: one model read from the HTTP origin and from S3-compatible servers
+//!   (moto, s3rver), on loopback or across one emulated link, next to iperf3 (`origin`).
 //! * [`scenario`]: the `demo` and `chain` scenarios and their reports.
 //! * [`swarm`]: many simulated hosts in one process (real heartbeats, real agent API, no
 //!   bytes moved): a load generator for the controller.
@@ -24,6 +26,7 @@ pub mod ha;
 pub mod loader_bench;
 pub mod managed;
 pub mod netns;
+pub mod origin_bench;
 pub mod origin_server;
 pub mod pki;
 pub mod scale;

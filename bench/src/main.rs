@@ -353,6 +353,56 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Origin read throughput: one model read by a real transferd (streaming GETs to build
+    /// the manifest, then parallel ranged GETs into its memory tier, verified) from this
+    /// tool's HTTP origin server and from S3-compatible servers (moto, s3rver; installed
+    /// under the target directory on first use), on loopback or with --emulate across one
+    /// link capped by tc (needs root), next to iperf3 over the same link.
+    Origin {
+        /// Servers in one namespace, the reader in another, joined by a capped link.
+        #[arg(long)]
+        emulate: bool,
+        /// Model size.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+        size: u64,
+        /// Safetensors shards (one S3 object each).
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        /// The link's cap (with --emulate).
+        #[arg(long, default_value = "1Gbit")]
+        rate: String,
+        /// Comma-separated servers: http, moto, s3rver.
+        #[arg(long, default_value = "http,s3rver,moto", value_delimiter = ',')]
+        origins: Vec<shardcast_bench::origin_bench::OriginKind>,
+        /// Concurrent ranged GETs of the reader [default: transferd's].
+        #[arg(long)]
+        origin_parallel: Option<usize>,
+        /// Manifest chunk size: the size of each ranged GET [default: transferd's, 1 MiB].
+        #[arg(long, value_parser = parse_size)]
+        chunk_size: Option<u64>,
+        /// Seconds iperf3 measures the link's raw TCP rate (0: skip).
+        #[arg(long, default_value_t = 5)]
+        iperf_seconds: u32,
+        /// Limit on each read, seconds.
+        #[arg(long, default_value_t = 600)]
+        timeout_s: u64,
+        /// Write the report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// (Internal, for `origin --emulate`) relays TCP connections to LISTEN on to TO.
+    #[command(hide = true)]
+    Relay {
+        /// Listen address.
+        #[arg(long)]
+        listen: String,
+        /// Where each connection is relayed.
+        #[arg(long)]
+        to: std::net::SocketAddr,
+        /// Exit after this many seconds.
+        #[arg(long, default_value_t = 3600)]
+        lifetime_s: u64,
+    },
     /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
     OriginServer {
         /// Directory to serve.
@@ -698,6 +748,44 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 tokio::task::spawn_blocking(move || shardcast_bench::loader_bench::run(&opts))
                     .await??;
             emit(&report, json)
+        }
+        Cmd::Origin {
+            emulate,
+            size,
+            shards,
+            rate,
+            origins,
+            origin_parallel,
+            chunk_size,
+            iperf_seconds,
+            timeout_s,
+            json,
+        } => {
+            let chunk_size = u32::try_from(chunk_size.unwrap_or(0))
+                .map_err(|_| anyhow::anyhow!("--chunk-size is too large"))?;
+            if emulate {
+                prepare_emulation()?;
+            }
+            let opts = shardcast_bench::origin_bench::OriginBenchOpts {
+                emulate,
+                size,
+                shards,
+                rate: emulate.then(|| finite_rate("rate", &rate)).transpose()?,
+                origins,
+                origin_parallel,
+                chunk_size,
+                timeout: Duration::from_secs(timeout_s),
+                iperf_seconds,
+            };
+            let report = shardcast_bench::origin_bench::run_origin_bench(&opts).await?;
+            emit(&report, json)
+        }
+        Cmd::Relay {
+            listen,
+            to,
+            lifetime_s,
+        } => {
+            shardcast_bench::origin_bench::relay(&listen, to, Duration::from_secs(lifetime_s)).await
         }
         Cmd::OriginServer {
             dir,

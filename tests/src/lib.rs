@@ -68,24 +68,47 @@ impl TestCluster {
         })
     }
 
-    /// Imports the model on the source (which then holds it in its memory tier).
+    /// Imports the model on the source (which then holds it in its memory tier): one read
+    /// of the origin, hashed as it is read and kept (the copy's chunks are verified but not
+    /// trusted: each is re-hashed before its bytes first leave the store).
     pub async fn import_on_source(&self) -> anyhow::Result<(String, Manifest)> {
+        self.import_on_source_with(Vec::new()).await
+    }
+
+    /// Imports the model on the source in two steps: the manifest, then every chunk from
+    /// the origin through the verified path, so each is trusted for the source's
+    /// `reverify_after_ms` from its arrival, like a chunk a chain delivers.
+    pub async fn import_on_source_verified(&self) -> anyhow::Result<(String, Manifest)> {
         let resp = self.daemons[0]
             .agent()
             .await?
-            .import_model(ImportModelRequest {
-                name: "test/model".into(),
-                origin: self.origin_uri.clone(),
-                chunk_size: 256 << 10,
-                tier: Tier::Memory as i32,
-                fetch: true,
-                keep: false,
-                manifest: vec![],
-                bind_name: None,
-            })
+            .import_model(self.import_request(false, Vec::new()))
+            .await?
+            .into_inner();
+        self.import_on_source_with(resp.manifest).await
+    }
+
+    async fn import_on_source_with(&self, manifest: Vec<u8>) -> anyhow::Result<(String, Manifest)> {
+        let resp = self.daemons[0]
+            .agent()
+            .await?
+            .import_model(self.import_request(true, manifest))
             .await?
             .into_inner();
         Ok((resp.digest, decode_exact(resp.manifest.into())?))
+    }
+
+    fn import_request(&self, fetch: bool, manifest: Vec<u8>) -> ImportModelRequest {
+        ImportModelRequest {
+            name: "test/model".into(),
+            origin: self.origin_uri.clone(),
+            chunk_size: 256 << 10,
+            tier: Tier::Memory as i32,
+            fetch,
+            keep: false,
+            manifest,
+            bind_name: None,
+        }
     }
 
     /// Starts one chain from daemon `head` through `hops` (daemon indices).

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Starts moto's S3-compatible server (https://pypi.org/project/moto/) on 127.0.0.1:PORT for
-# the s3:// origin tests. Creates a virtual environment under the Cargo target directory and
-# installs `moto[server]` into it on first use (later runs reuse it), then replaces itself
-# with the server, so the caller's child PID is the server's and can be killed by PID.
+# Starts moto's S3-compatible server (https://pypi.org/project/moto/) on HOST:PORT (HOST
+# defaults to 127.0.0.1) for the s3:// origin tests and the `origin` benchmark. Creates a
+# virtual environment under the Cargo target directory and installs `moto[server]` into it
+# on first use (later runs reuse it), then replaces itself with the server, so the caller's
+# child PID is the server's and can be killed by PID. `install` only installs (the
+# benchmark runs it before starting the server in a network namespace, which has no route
+# to the package index).
 #
-#   tests/support/s3-server.sh PORT
+#   tests/support/s3-server.sh PORT [HOST]
+#   tests/support/s3-server.sh install
 #
 # Exit status 3 (and a line on stderr) when python3 or pip are unavailable: the tests print
 # that reason and skip.
 set -euo pipefail
-port="${1:?usage: s3-server.sh PORT}"
+port="${1:?usage: s3-server.sh PORT [HOST] | install}"
+host="${2:-127.0.0.1}"
 here="$(cd "$(dirname "$0")" && pwd)"
 target="${CARGO_TARGET_DIR:-$here/../../target}"
 venv="$target/s3-test-venv"
@@ -36,4 +41,7 @@ if [ ! -x "$venv/bin/moto_server" ]; then
     fi
     exec 9>&-
 fi
-exec "$venv/bin/moto_server" -H 127.0.0.1 -p "$port"
+if [ "$port" = install ]; then
+    exit 0
+fi
+exec "$venv/bin/moto_server" -H "$host" -p "$port"

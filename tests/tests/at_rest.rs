@@ -92,8 +92,9 @@ async fn byte_flipped_at_rest_is_caught_before_serving_and_repaired() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
-    // The source trusts its chunks for ten minutes, so the rotten chunk goes out once; the
-    // receiver's Nack makes the source re-hash, drop and repair it, then send good bytes.
+    // The source trusts its chunks for ten minutes from their arrival (through the verified
+    // path), so the rotten chunk goes out once; the receiver's Nack makes the source
+    // re-hash, drop and repair it, then send good bytes.
     let c = TestCluster::start(
         2,
         8 * MIB,
@@ -102,7 +103,7 @@ async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
     )
     .await
     .unwrap();
-    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let (digest, manifest) = c.import_on_source_verified().await.unwrap();
     flip(
         &shard_file(&c.daemons[0], &digest, &manifest, 0),
         5 * CHUNK + 7,
@@ -135,6 +136,46 @@ async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
         0,
         "bad bytes never resent"
     );
+    assert_eq!(
+        wait_metric(src, "chunks_repaired_total", 1, Duration::from_secs(10)).await,
+        1
+    );
+    src.verify_copy(&manifest).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_copy_is_rehashed_before_its_first_send() {
+    // The copy kept while the manifest was built is moved into the store without a second
+    // hash and is not trusted (even with a ten-minute window): the source re-hashes each
+    // chunk before sending it, so a byte that rotted after the import never leaves it.
+    let c = TestCluster::start(
+        2,
+        8 * MIB,
+        1,
+        source_flags(&["--reverify-after-ms", "600000", "--scrub-rate", "off"]),
+    )
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let src = &c.daemons[0];
+    assert_eq!(
+        src.stats().await.unwrap().kept_bytes,
+        manifest.total_bytes(),
+        "the import kept what it read"
+    );
+    flip(&shard_file(src, &digest, &manifest, 0), 5 * CHUNK + 7);
+    c.start_chain(0, &digest, &[1, 2], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait(&[1, 2], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+        assert_eq!(d.stats().await.unwrap().chunks_corrupt, 0, "bad bytes sent");
+    }
+    assert_eq!(metric(src, "chunks_corrupt_at_rest_total").await, 1);
+    assert!(metric(src, "chunks_reverified_total").await >= manifest.total_chunks());
     assert_eq!(
         wait_metric(src, "chunks_repaired_total", 1, Duration::from_secs(10)).await,
         1

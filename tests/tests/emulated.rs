@@ -138,3 +138,55 @@ async fn emulated_stalls_and_cut_links_end_exact_and_reported_truly() {
         );
     }
 }
+
+/// `shardcast-bench origin --emulate` at a small size: the servers in one namespace, a
+/// transferd behind a relay in another, the link capped at 200 Mbit/s. Every copy exact,
+/// and no read faster than the cap (so the bytes crossed the shaped link).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_origin_benchmark_reads_across_the_capped_link() {
+    use shardcast_bench::origin_bench::{OriginBenchOpts, OriginKind, prepare, run_origin_bench};
+    if let Err(why) = netns::available() {
+        eprintln!("SKIPPED: emulated cluster needs root and iproute2: {why}");
+        return;
+    }
+    let mut origins = vec![OriginKind::Http];
+    match prepare(OriginKind::S3rver).await {
+        Ok(()) => origins.push(OriginKind::S3rver),
+        Err(e) => eprintln!("SKIPPING s3rver: {e:#}"),
+    }
+    let cap = 200_000_000 / 8;
+    let opts = OriginBenchOpts {
+        emulate: true,
+        size: 16 << 20,
+        shards: 2,
+        rate: Some(cap),
+        origins: origins.clone(),
+        origin_parallel: None,
+        chunk_size: 0,
+        timeout: Duration::from_secs(120),
+        iperf_seconds: 1,
+    };
+    let report = run_origin_bench(&opts).await.unwrap();
+    assert_eq!(report.mode, "emulated");
+    assert_eq!(report.rate_bits_per_s, Some(200_000_000));
+    assert_eq!(report.runs.len(), origins.len());
+    for run in &report.runs {
+        let name = run.origin.name();
+        assert!(run.digest_matches && run.verified, "{name}: not exact");
+        assert!(run.relay_cpu_s_per_gb.is_some(), "{name}: no relay");
+        let of_cap = run.fetch_of_cap.unwrap();
+        assert!(
+            of_cap < 1.1,
+            "{name}: {of_cap:.2} of the cap: not through the link"
+        );
+    }
+    let left = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    let left = String::from_utf8_lossy(&left.stdout);
+    assert!(
+        !left.contains(&format!("shcbench-{}-", std::process::id())),
+        "namespaces left behind: {left}"
+    );
+}

@@ -551,3 +551,53 @@ async fn hf_origin_all_files_of_a_revision_with_a_token() {
         );
     }
 }
+
+// ---------------------------------------------------------------- the `origin` benchmark
+
+/// The servers `shardcast-bench origin` can run here: HTTP always, each S3 server once its
+/// install succeeds (skipped, saying why, where python3/pip or node/npm are missing).
+async fn bench_origins() -> Vec<shardcast_bench::origin_bench::OriginKind> {
+    use shardcast_bench::origin_bench::{OriginKind, prepare};
+    let mut kinds = vec![OriginKind::Http];
+    for kind in [OriginKind::S3rver, OriginKind::Moto] {
+        match prepare(kind).await {
+            Ok(()) => kinds.push(kind),
+            Err(e) => eprintln!("SKIPPING {} in the origin benchmark: {e:#}", kind.name()),
+        }
+    }
+    kinds
+}
+
+/// `shardcast-bench origin` at a small size on loopback: each server's model read through a
+/// real transferd (manifest, then ranged fetch), digest and copy exact, and the report
+/// complete. Its namespace variant is in `tests/emulated.rs`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn origin_benchmark_reads_every_server_byte_exact() {
+    use shardcast_bench::origin_bench::{OriginBenchOpts, run_origin_bench};
+    let origins = bench_origins().await;
+    let opts = OriginBenchOpts {
+        emulate: false,
+        size: 8 << 20,
+        shards: 2,
+        rate: None,
+        origins: origins.clone(),
+        origin_parallel: Some(4),
+        chunk_size: 256 << 10,
+        timeout: Duration::from_secs(120),
+        iperf_seconds: 1,
+    };
+    let report = run_origin_bench(&opts).await.unwrap();
+    assert_eq!(report.mode, "loopback");
+    assert_eq!(report.chunk_size, 256 << 10);
+    assert_eq!(report.origin_parallel, 4);
+    assert_eq!(report.runs.len(), origins.len());
+    for (run, kind) in report.runs.iter().zip(&origins) {
+        assert_eq!(run.origin, *kind);
+        assert!(run.digest_matches, "{}: the manifest differs", kind.name());
+        assert!(run.verified, "{}: the copy is not exact", kind.name());
+        assert!(run.fetch_mb_per_s > 0.0 && run.manifest_mb_per_s > 0.0);
+        assert!(run.fetch_of_cap.is_none() && run.relay_cpu_s_per_gb.is_none());
+    }
+    let json = serde_json::to_value(&report).unwrap();
+    assert!(json["runs"][0]["fetch_mb_per_s"].is_number(), "{json}");
+}

@@ -3,6 +3,7 @@
 //! repairs.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use shardcast_protocol::{Frame, HostId, Manifest, SessionId, Tier, VerifiedChunk};
@@ -151,9 +152,14 @@ impl Node {
     }
 
     /// Moves a model whose bytes were kept while its manifest was built (`staging`) into
-    /// `tier`, one shard at a time, each chunk verified on the one path every chunk takes,
-    /// and each shard's staged file removed as soon as it is in (so the tier holds about one
-    /// shard twice at most). `origin` (the real one) is noted for repairs.
+    /// `tier`, one shard at a time. A shard the tier does not hold yet is renamed into place
+    /// and its chunks marked verified without hashing them a second time (see
+    /// [`crate::store::ShardStore::adopt_kept`] for why that is safe: the file is ours and
+    /// holds exactly the bytes that were hashed; each chunk is still re-hashed before its
+    /// bytes first leave the store). A shard the tier already holds in part, or one whose
+    /// rename fails, is topped up from the staged file on the verified path every chunk
+    /// takes, and that staged file removed once it is in. `origin` (the real one) is noted
+    /// for repairs.
     pub async fn adopt_staged(
         &self,
         manifest: &Arc<Manifest>,
@@ -166,6 +172,18 @@ impl Node {
         let staged = Origin::staged(staging.path());
         for (s, entry) in manifest.shards.iter().enumerate() {
             let s = s as u32;
+            match self.store.adopt_kept(&model, s, tier, staging) {
+                Ok(Some(shard)) if shard.is_complete() => {
+                    self.stats
+                        .kept_bytes
+                        .fetch_add(entry.size, Ordering::Relaxed);
+                    continue;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(model = %model, shard = s, "cannot move the kept file into place; copying it through verification: {e}");
+                }
+            }
             let shard = self
                 .store
                 .shard(&model, s, tier)

@@ -472,6 +472,41 @@ impl TierDir {
             .map_err(|e| super::io_err(&self.root.join(rel))(errno_io(e)))
     }
 
+    /// Moves the regular file `from` to `to`, both beneath the root (`to`'s directory must
+    /// exist), replacing a regular file at `to`. Nothing is followed: a symlink at `from`,
+    /// at `to` or on the way to either is refused (counted, logged), and anything at `from`
+    /// but a regular file is an error. Both names stay on the tier's file system unless a
+    /// directory between is a mount point, which the kernel refuses (`EXDEV`).
+    pub(super) fn rename_file(&self, from: &Path, to: &Path) -> Result<(), StoreError> {
+        let (from_comps, to_comps) = (components(from)?, components(to)?);
+        let (Some((from_name, _)), Some((to_name, _))) =
+            (from_comps.split_last(), to_comps.split_last())
+        else {
+            return Err(StoreError::InvalidPath {
+                path: from.display().to_string(),
+            });
+        };
+        let from_dir = self.open_dir(from.parent())?;
+        let to_dir = self.open_dir(to.parent())?;
+        let st = rfs::statat(&from_dir, *from_name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| super::io_err(&self.root.join(from))(errno_io(e)))?;
+        match FileType::from_raw_mode(st.st_mode) {
+            FileType::RegularFile => {}
+            FileType::Symlink => return Err(self.fail(from, WalkError::Symlink)),
+            _ => {
+                return Err(super::io_err(&self.root.join(from))(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "not a regular file",
+                )));
+            }
+        }
+        if is_symlink(to_dir.as_fd(), to_name) {
+            return Err(self.fail(to, WalkError::Symlink));
+        }
+        rfs::renameat(&from_dir, *from_name, &to_dir, *to_name)
+            .map_err(|e| super::io_err(&self.root.join(to))(errno_io(e)))
+    }
+
     /// The type of `rel` without following a symlink in its last component; `None` if it
     /// does not exist.
     pub(super) fn kind(&self, rel: &Path) -> Result<Option<FileType>, StoreError> {

@@ -4,9 +4,11 @@
 //! under `/dev/shm`, which inference processes on the host map directly) and a **disk
 //! tier**. Chunks arrive as [`VerifiedChunk`]s (already checked against the manifest's
 //! BLAKE3 hash), are written at their offset into a preallocated shard file, and only then
-//! is their bit set in a persisted per-shard bitmap. Readers (chain forwarders, the GPU
-//! loader) get verified chunks zero-copy from a memory map and wait for progress on a
-//! [`tokio::sync::watch`] channel.
+//! is their bit set in a persisted per-shard bitmap. The one other way in is a file this
+//! daemon kept while it hashed a model's origin to build the manifest: moved into place
+//! whole, its chunks verified but not yet trusted ([`ShardStore::adopt_kept`]). Readers
+//! (chain forwarders, the GPU loader) get verified chunks zero-copy from a memory map and
+//! wait for progress on a [`tokio::sync::watch`] channel.
 //!
 //! ```text
 //!  chain session ──VerifiedChunk──▶ Shard::write ──▶ ChunkWriter (pwrite | io_uring) ──▶ data file
@@ -840,6 +842,9 @@ impl ShardStore {
     /// must cover it plus what the tier's open shards have still to write (their files are
     /// sparse until written), and the configured capacity must cover every open shard plus
     /// it.
+    ///
+    /// With `on_file_system` (a kept file moved in, whose bytes already take their room)
+    /// only the configured capacity is checked.
     fn check_space(
         &self,
         model: &Model,
@@ -847,6 +852,7 @@ impl ShardStore {
         digest: ModelDigest,
         shard: u32,
         tier: Tier,
+        on_file_system: bool,
     ) -> Result<(), StoreError> {
         let size = model
             .manifest
@@ -862,7 +868,11 @@ impl ShardStore {
             allocated = allocated.saturating_add(s.size());
             pending = pending.saturating_add(s.unwritten_bytes());
         }
-        let free = self.dir(tier).available()?;
+        let free = if on_file_system {
+            u64::MAX
+        } else {
+            self.dir(tier).available()?
+        };
         let cap = match tier {
             Tier::Memory => self.inner.memory_capacity,
             Tier::Disk => self.inner.disk_capacity,
@@ -896,21 +906,12 @@ impl ShardStore {
         if let Some(s) = model.tiers.get(&tier).and_then(|t| t.get(&shard)) {
             return Ok(s.clone());
         }
-        self.check_space(model, &models, *d, shard, tier)?;
+        self.check_space(model, &models, *d, shard, tier, false)?;
         let model = models
             .get_mut(d)
             .ok_or(StoreError::UnknownModel { digest: *d })?;
         let spec = self.spec(&model.manifest, *d, shard, tier)?;
-        if !model.tiers.contains_key(&tier) {
-            let dir = self.dir(tier);
-            let state = state_rel(d);
-            dir.create_dir_all(&state)?;
-            dir.create_dir_all(&model_rel(d))?;
-            dir.write_atomic(
-                &state.join(MANIFEST_FILE),
-                &encode_to_vec(model.manifest.as_ref()),
-            )?;
-        }
+        self.prepare_tier_copy(d, model, tier)?;
         let s = Arc::new(Shard::open(spec, OpenMode::Create)?);
         model
             .tiers
@@ -918,6 +919,110 @@ impl ShardStore {
             .or_default()
             .insert(shard, s.clone());
         Ok(s)
+    }
+
+    /// Creates the directories and the state manifest of `model`'s copy in `tier` when the
+    /// tier has none of it yet.
+    fn prepare_tier_copy(
+        &self,
+        d: &ModelDigest,
+        model: &Model,
+        tier: Tier,
+    ) -> Result<(), StoreError> {
+        if model.tiers.contains_key(&tier) {
+            return Ok(());
+        }
+        let dir = self.dir(tier);
+        let state = state_rel(d);
+        dir.create_dir_all(&state)?;
+        dir.create_dir_all(&model_rel(d))?;
+        dir.write_atomic(
+            &state.join(MANIFEST_FILE),
+            &encode_to_vec(model.manifest.as_ref()),
+        )
+    }
+
+    /// Moves the file `staging` kept for shard `shard` of model `d` into `tier` as that
+    /// shard, every chunk marked verified **without hashing it again**. `Ok(None)` when the
+    /// tier already has the shard open (the caller tops it up through the verified path) or
+    /// `staging` is in another tier (a rename cannot cross file systems).
+    ///
+    /// Why trusting the hashes taken while the file was written is safe:
+    ///
+    /// * **Who wrote it.** [`Staging`] creates the file beneath the tier root (owned by the
+    ///   daemon's euid, not writable by group or others, checked at start-up), in a
+    ///   directory named at random, `0600`/`0640`, with no symlink followed on any
+    ///   component; the rename below follows none either and refuses a symlink at either
+    ///   end. Only this uid or root can change the file: the same principals that could
+    ///   change any shard file after its chunks were verified.
+    /// * **What it holds.** [`Origin::build_manifest_keeping`](crate::origin::Origin::build_manifest_keeping)
+    ///   writes into it, in order and with `write_all`, the very buffers `ShardHasher`
+    ///   hashed for the manifest; one failed write drops the copy (`kept` false, no
+    ///   adoption at all), and its length is checked against the manifest here. The file
+    ///   is closed before this runs and renamed, not copied, so no byte passes through
+    ///   another buffer on the way.
+    /// * **What is left: corruption at rest** (a bit flipped in memory or on disk between
+    ///   the hash and a read, or a write by root). Every stored chunk has that exposure after
+    ///   it is verified, and the store answers it the same way here: adopted chunks get no
+    ///   trust stamp (like chunks recovered at start-up without re-hashing), so
+    ///   [`Shard::check`] re-hashes each one before its bytes first leave the store (to a
+    ///   peer, a GPU or a hand-off), and the scrub re-hashes idle ones. The second hash of
+    ///   the old copy-through path protected nothing those checks do not.
+    ///
+    /// Only the configured capacity is checked (the bytes are already on the file system).
+    /// If the shard cannot be opened after the rename, the file is moved back.
+    pub fn adopt_kept(
+        &self,
+        d: &ModelDigest,
+        shard: u32,
+        tier: Tier,
+        staging: &Staging,
+    ) -> Result<Option<Arc<Shard>>, StoreError> {
+        let mut models = lock(&self.inner.models);
+        let model = models
+            .get(d)
+            .ok_or(StoreError::UnknownModel { digest: *d })?;
+        if model
+            .tiers
+            .get(&tier)
+            .is_some_and(|t| t.contains_key(&shard))
+            || !Arc::ptr_eq(&staging.dir, self.dir(tier))
+        {
+            return Ok(None);
+        }
+        let entry = model
+            .manifest
+            .shard(shard)
+            .map_err(|_| StoreError::NoSuchShard { digest: *d, shard })?;
+        let staged = shard_file(&staging.rel, &entry.path)?;
+        self.check_space(model, &models, *d, shard, tier, true)?;
+        let model = models
+            .get_mut(d)
+            .ok_or(StoreError::UnknownModel { digest: *d })?;
+        let spec = self.spec(&model.manifest, *d, shard, tier)?;
+        self.prepare_tier_copy(d, model, tier)?;
+        let dir = self.dir(tier);
+        let data_rel = spec.data_rel.clone();
+        if let Some(parent) = data_rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+            dir.create_dir_all(parent)?;
+        }
+        dir.rename_file(&staged, &data_rel)?;
+        let s = match Shard::open(spec, OpenMode::Adopt) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                // Back where the caller's fallback (a verified copy) looks for it.
+                if let Err(back) = dir.rename_file(&data_rel, &staged) {
+                    tracing::warn!(error = %back, "moving a kept file back to staging");
+                }
+                return Err(e);
+            }
+        };
+        model
+            .tiers
+            .entry(tier)
+            .or_default()
+            .insert(shard, s.clone());
+        Ok(Some(s))
     }
 
     /// The shard if some tier already has it: the copy with the most verified chunks, the

@@ -45,6 +45,12 @@ pub(super) enum OpenMode {
         /// Re-hash chunks marked verified.
         verify: bool,
     },
+    /// A file this daemon wrote while hashing it, moved into place
+    /// ([`ShardStore::adopt_kept`](super::ShardStore::adopt_kept)): it must already have the
+    /// manifest's size; every chunk is marked verified without a trust stamp, as after a
+    /// recovery without re-hashing, so each is re-hashed before its bytes first leave the
+    /// store.
+    Adopt,
 }
 
 /// Where a shard's files are (relative to its tier root) and what it belongs to.
@@ -145,6 +151,14 @@ impl BitState {
             removed: false,
         }
     }
+    /// Every chunk verified, none trusted (stamps 0: re-hashed before first use).
+    fn full(total: u32) -> Self {
+        let mut st = Self::empty(total);
+        for i in 0..total {
+            st.insert(i);
+        }
+        st
+    }
     fn stamp(&self, i: u32) -> u64 {
         self.verified_at.get(i as usize).copied().unwrap_or(0)
     }
@@ -220,6 +234,12 @@ impl Shard {
         let file = dir.open_file(&data_rel, Access::ReadWriteCreate)?;
         let len = file.metadata().map_err(io_err(&data_path))?.len();
         if len != size {
+            if mode == OpenMode::Adopt {
+                return Err(StoreError::Corrupt {
+                    path: data_path,
+                    reason: format!("kept file has {len} bytes; the manifest says {size}"),
+                });
+            }
             file.set_len(size).map_err(io_err(&data_path))?;
         }
         let map = if size > 0 {
@@ -228,7 +248,11 @@ impl Shard {
             None
         };
 
-        let mut state = BitState::empty(total);
+        let mut state = if mode == OpenMode::Adopt {
+            BitState::full(total)
+        } else {
+            BitState::empty(total)
+        };
         let mut rewrite = true;
         if let OpenMode::Recover { verify } = mode {
             match read_bits(&dir, &bits_rel, total) {

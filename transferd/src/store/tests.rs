@@ -401,3 +401,116 @@ async fn write_errors_are_returned() {
         assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{writer:?}");
     }
 }
+
+/// Writes `data` as a kept file for `path` through `staging`, as the manifest build does.
+fn keep(staging: &Staging, path: &str, data: &[u8]) {
+    use std::io::Write;
+    let mut f = crate::origin::KeepSink::open(staging, &ShardPath::new(path).unwrap()).unwrap();
+    f.write_all(data).unwrap();
+}
+
+#[tokio::test]
+async fn kept_files_are_adopted_without_rehashing_and_checked_before_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let (m, data) = model(
+        "org/kept",
+        &[
+            ("sub/a.safetensors", 3 * 4096 + 100),
+            ("b.bin", 4096),
+            ("c.bin", 2 * 4096),
+        ],
+    );
+    let d = m.digest();
+    store.put_manifest(&m).unwrap();
+    let staging = store.staging(Tier::Memory).unwrap();
+    keep(&staging, "sub/a.safetensors", &data[0]);
+    // A kept file that is not the shard's size (a truncated copy) is refused and left.
+    keep(&staging, "b.bin", &data[1][..100]);
+    // c.bin is corrupted after it was hashed: a bit flipped at rest.
+    let mut rotten = data[2].clone();
+    rotten[4096 + 7] ^= 1;
+    keep(&staging, "c.bin", &rotten);
+
+    let a = store
+        .adopt_kept(&d, 0, Tier::Memory, &staging)
+        .unwrap()
+        .unwrap();
+    assert!(a.is_complete());
+    assert!(
+        !staging.path().join("sub/a.safetensors").exists(),
+        "moved, not copied"
+    );
+    assert_eq!(
+        std::fs::read(store.model_dir(&d, Tier::Memory).join("sub/a.safetensors")).unwrap(),
+        data[0]
+    );
+    // Marked verified without hashing, but not trusted: the first read re-hashes.
+    let before = store.stats().chunks_reverified.load(Ordering::Relaxed);
+    assert!((0..a.total_chunks()).all(|i| a.needs_check(i)));
+    assert_eq!(&a.read(1).unwrap()[..], &data[0][4096..2 * 4096]);
+    assert_eq!(
+        store.stats().chunks_reverified.load(Ordering::Relaxed),
+        before + 1
+    );
+    assert!(!a.needs_check(1));
+    // Open already: the caller tops it up instead.
+    assert!(
+        store
+            .adopt_kept(&d, 0, Tier::Memory, &staging)
+            .unwrap()
+            .is_none()
+    );
+    // Another tier than the staging's: not renamed across.
+    assert!(
+        store
+            .adopt_kept(&d, 0, Tier::Disk, &staging)
+            .unwrap()
+            .is_none()
+    );
+
+    let err = store.adopt_kept(&d, 1, Tier::Memory, &staging).unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+    assert!(
+        staging.path().join("b.bin").exists(),
+        "moved back for the fallback"
+    );
+    assert!(store.tier_shard(&d, 1, Tier::Memory).is_none());
+
+    let c = store
+        .adopt_kept(&d, 2, Tier::Memory, &staging)
+        .unwrap()
+        .unwrap();
+    assert!(c.read(0).is_ok());
+    let err = c.read(1).unwrap_err();
+    assert!(
+        matches!(err, StoreError::CorruptChunk { index: 1, .. }),
+        "{err}"
+    );
+    assert!(!c.is_complete());
+
+    // The bits are persisted: a restart recovers the adopted shard as held.
+    drop((a, c, staging));
+    drop(store);
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, true)).unwrap();
+    let holding = &store.holdings_of(&d)[0];
+    assert_eq!(holding.shards[0].verified, holding.shards[0].total);
+    assert_eq!(holding.shards[2].verified, holding.shards[2].total - 1);
+}
+
+#[test]
+fn adopting_refuses_a_symlink_planted_as_the_kept_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let (m, data) = model("org/kept", &[("a.bin", 4096)]);
+    let d = m.digest();
+    store.put_manifest(&m).unwrap();
+    let staging = store.staging(Tier::Memory).unwrap();
+    let outside = dir.path().join("outside");
+    std::fs::write(&outside, &data[0]).unwrap();
+    std::os::unix::fs::symlink(&outside, staging.path().join("a.bin")).unwrap();
+    let err = store.adopt_kept(&d, 0, Tier::Memory, &staging).unwrap_err();
+    assert!(matches!(err, StoreError::Symlink { .. }), "{err}");
+    assert!(store.tier_shard(&d, 0, Tier::Memory).is_none());
+    assert!(!store.model_dir(&d, Tier::Memory).join("a.bin").exists());
+}
