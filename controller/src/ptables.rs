@@ -36,15 +36,52 @@ pub const DEFAULT_MAX_PARTITIONS: usize = 8;
 /// Per-GPU memory budget when no host reports its GPUs.
 pub const DEFAULT_GPU_MEMORY: u64 = 16 << 30;
 
-/// What is stored for one model.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+/// The version of [`StoredPlans`] records written now.
+pub const PLANS_RECORD_VERSION: &str = "1";
+
+fn plans_record_version() -> String {
+    PLANS_RECORD_VERSION.to_string()
+}
+
+/// What is stored for one model (table `partition_plans`), versioned: records written
+/// before versions have none and read as version 1 (the same shape).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StoredPlans {
+    /// [`PLANS_RECORD_VERSION`].
+    #[serde(default = "plans_record_version")]
+    pub version: String,
     /// Digest of the model the derived profile was read from.
     pub digest: String,
     /// The profile derived from a holder's tensor index (none with a registered profile).
     pub derived: Option<ModelProfile>,
     /// (profile, table) pairs, least recently used first.
     pub tables: Vec<(ModelProfile, PlanTable)>,
+}
+
+impl Default for StoredPlans {
+    fn default() -> Self {
+        Self {
+            version: plans_record_version(),
+            digest: String::new(),
+            derived: None,
+            tables: Vec::new(),
+        }
+    }
+}
+
+impl StoredPlans {
+    /// Reads a stored record; a version this controller does not know is an error naming
+    /// it (the tables are then computed again: they are a cache).
+    pub fn read(bytes: &[u8]) -> Result<Self, String> {
+        let p: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        if p.version != PLANS_RECORD_VERSION {
+            return Err(format!(
+                "partition-plan record version {:?} is not known to this controller (it reads {PLANS_RECORD_VERSION:?})",
+                p.version
+            ));
+        }
+        Ok(p)
+    }
 }
 
 /// The longest queue a table covers for a request at `queue`: a power of two, at least 64,
@@ -66,7 +103,7 @@ impl PlanStore {
     pub fn restore(store: &dyn StateStore) -> Result<Self, StateError> {
         let mut m = HashMap::new();
         for (name, bytes) in store.list(Table::PartitionPlans)? {
-            match serde_json::from_slice::<StoredPlans>(&bytes) {
+            match StoredPlans::read(&bytes) {
                 Ok(p) => {
                     m.insert(name, p);
                 }
@@ -78,7 +115,7 @@ impl PlanStore {
 
     /// One stored record changed (a follower's view, `crate::ha`): `None` deleted it.
     pub fn apply_stored(&self, name: &str, bytes: Option<&[u8]>) {
-        let decoded = bytes.map(serde_json::from_slice::<StoredPlans>);
+        let decoded = bytes.map(StoredPlans::read);
         let mut m = self.lock();
         match decoded {
             Some(Ok(p)) => {
@@ -429,5 +466,18 @@ mod tests {
         assert_eq!(table_queue(64), 64);
         assert_eq!(table_queue(65), 128);
         assert_eq!(table_queue(u32::MAX), u32::MAX);
+    }
+
+    #[test]
+    fn records_are_versioned_and_unversioned_ones_still_load() {
+        let old = serde_json::json!({"digest": "d1", "derived": null, "tables": []});
+        let p = StoredPlans::read(old.to_string().as_bytes()).unwrap();
+        assert_eq!(p.version, PLANS_RECORD_VERSION);
+        let written = serde_json::to_value(StoredPlans::default()).unwrap();
+        assert_eq!(written["version"], PLANS_RECORD_VERSION);
+        let mut future = old;
+        future["version"] = "3".into();
+        let e = StoredPlans::read(future.to_string().as_bytes()).unwrap_err();
+        assert!(e.contains("\"3\""), "{e}");
     }
 }
