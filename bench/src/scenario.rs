@@ -180,12 +180,12 @@ impl ProcCpu {
         self.user_s + self.system_s
     }
 
-    /// `self - before`, per GB (10^9 bytes) of `bytes`.
-    fn per_gb_since(&self, before: &ProcCpu, bytes: u64) -> ProcCpu {
+    /// These seconds per GB (10^9 bytes) of `bytes`.
+    fn per_gb(&self, bytes: u64) -> Self {
         let gb = bytes as f64 / 1e9;
-        ProcCpu {
-            user_s: (self.user_s - before.user_s) / gb,
-            system_s: (self.system_s - before.system_s) / gb,
+        Self {
+            user_s: self.user_s / gb,
+            system_s: self.system_s / gb,
         }
     }
 }
@@ -984,7 +984,6 @@ pub async fn run_hop_bench(
             bail!("the receiver's copy did not verify ({config})");
         }
         let gb = report.bytes as f64 / 1e9;
-        let none = ProcCpu::default();
         let receiver = r.receiver_cpu.first().copied().unwrap_or_default();
         runs.push(HopRun {
             config: config.into(),
@@ -992,8 +991,8 @@ pub async fn run_hop_bench(
             cpu_util: r.cpu_util,
             source_cpu_s_per_gb: r.source_cpu_s / gb,
             receiver_cpu_s_per_gb: r.receiver_cpu_s.first().copied().unwrap_or(0.0) / gb,
-            source_cpu_per_gb: r.source_cpu.per_gb_since(&none, report.bytes),
-            receiver_cpu_per_gb: receiver.per_gb_since(&none, report.bytes),
+            source_cpu_per_gb: r.source_cpu.per_gb(report.bytes),
+            receiver_cpu_per_gb: receiver.per_gb(report.bytes),
             source_bytes_reverified: r.source_bytes_reverified,
         });
     }
@@ -1044,7 +1043,15 @@ pub async fn run_hop_bench(
 /// `perf report`'s flat self-time listing of `data`, one symbol a line.
 fn perf_report_text(data: &Path) -> anyhow::Result<String> {
     let out = std::process::Command::new("perf")
-        .args(["report", "--no-children", "--sort", "sym", "--stdio", "-g", "none"])
+        .args([
+            "report",
+            "--no-children",
+            "--sort",
+            "sym",
+            "--stdio",
+            "-g",
+            "none",
+        ])
         .args(["--percent-limit", "0.01", "-i"])
         .arg(data)
         .stderr(std::process::Stdio::null())
@@ -1063,7 +1070,15 @@ pub fn profile_category(symbol: &str, kernel: bool) -> &'static str {
     if any(&["blake3"]) {
         "hashing (BLAKE3)"
     } else if any(&[
-        "aes", "gcm", "ghash", "gfp_", "chacha", "poly1305", "rustls", "ring_core", "_ring",
+        "aes",
+        "gcm",
+        "ghash",
+        "gfp_",
+        "chacha",
+        "poly1305",
+        "rustls",
+        "ring_core",
+        "_ring",
     ]) {
         "TLS/crypto"
     } else if any(&[
@@ -1084,14 +1099,23 @@ pub fn profile_category(symbol: &str, kernel: bool) -> &'static str {
     ]) {
         "memcpy/memset"
     } else if any(&[
-        "malloc", "free", "realloc", "calloc", "alloc", "kmem_cache", "rmqueue", "mi_", "je_",
-        "folio_add", "lru",
+        "malloc",
+        "free",
+        "realloc",
+        "calloc",
+        "alloc",
+        "kmem_cache",
+        "rmqueue",
+        "mi_",
+        "je_",
+        "folio_add",
+        "lru",
     ]) {
         "allocation (heap, pages)"
     } else if kernel
         && any(&[
-            "tcp", "skb", "sock", "ip_", "ip6", "net_", "netif", "napi", "loopback", "dev_",
-            "nf_", "__inet", "inet_",
+            "tcp", "skb", "sock", "ip_", "ip6", "net_", "netif", "napi", "loopback", "dev_", "nf_",
+            "__inet", "inet_",
         ])
     {
         "kernel TCP"
