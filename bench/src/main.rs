@@ -227,6 +227,13 @@ enum Cmd {
         /// Safetensors shards (one session and TCP connection per shard).
         #[arg(long, default_value_t = 1)]
         shards: usize,
+        /// After the measured runs, run the TLS hop once more with `perf record -g`
+        /// attached to the receiver's transferd and report where its cycles went.
+        #[arg(long)]
+        profile: bool,
+        /// Keep perf's data file of the profiled run here (implies --profile).
+        #[arg(long)]
+        profile_data: Option<PathBuf>,
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -681,6 +688,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let opts = ChainBenchOpts {
                 plaintext: false,
                 source_args: Vec::new(),
+                perf_receiver: None,
                 mode,
                 receivers,
                 size,
@@ -700,8 +708,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Hop { size, shards, json } => {
-            let report = scenario::run_hop_bench(size, shards, true).await?;
+        Cmd::Hop {
+            size,
+            shards,
+            profile,
+            profile_data,
+            json,
+        } => {
+            let profile = (profile || profile_data.is_some()).then_some(profile_data);
+            let report = scenario::run_hop_bench(size, shards, profile, true).await?;
             emit(&report, json)
         }
         Cmd::Loader {

@@ -92,6 +92,9 @@ pub struct ChainBenchOpts {
     pub plaintext: bool,
     /// Extra transferd arguments for the source only (e.g. `--reverify-after-ms 0`).
     pub source_args: Vec<String>,
+    /// Record the first receiver's transferd with `perf record -g` for the whole transfer
+    /// into this file (loopback only; `perf` must be installed and allowed to attach).
+    pub perf_receiver: Option<PathBuf>,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -113,6 +116,10 @@ pub struct MethodResult {
     pub source_cpu_s: f64,
     /// CPU seconds each receiver's transferd spent during the transfer, in chain order.
     pub receiver_cpu_s: Vec<f64>,
+    /// The source's CPU time during the transfer, user and system apart.
+    pub source_cpu: ProcCpu,
+    /// Each receiver's CPU time during the transfer, user and system apart.
+    pub receiver_cpu: Vec<ProcCpu>,
     /// Bytes the source re-hashed on the serve path during the transfer.
     pub source_bytes_reverified: u64,
 }
@@ -157,22 +164,63 @@ fn cpu_sample() -> Option<(u64, u64)> {
     Some((total - idle, total))
 }
 
-/// CPU seconds (user + system) process `pid` has used, from /proc/<pid>/stat (fields 14
-/// and 15, in USER_HZ ticks, which Linux fixes at 100 for every /proc interface).
-pub fn process_cpu_s(pid: u32) -> Option<f64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may contain spaces: count fields after its ')'.
-    let rest = &text[text.rfind(')')? + 1..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / 100.0)
+/// CPU seconds a process has used, user and system apart.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ProcCpu {
+    /// Seconds in user mode (utime).
+    pub user_s: f64,
+    /// Seconds in the kernel on the process's behalf (stime): syscalls, the TCP stack,
+    /// page-cache copies, page faults.
+    pub system_s: f64,
 }
 
-/// CPU seconds of each daemon so far (0 for one without a process).
-fn daemons_cpu_s(daemons: &[Daemon]) -> Vec<f64> {
+impl ProcCpu {
+    /// User + system.
+    pub fn total_s(&self) -> f64 {
+        self.user_s + self.system_s
+    }
+
+    /// These seconds per GB (10^9 bytes) of `bytes`.
+    fn per_gb(&self, bytes: u64) -> Self {
+        let gb = bytes as f64 / 1e9;
+        Self {
+            user_s: self.user_s / gb,
+            system_s: self.system_s / gb,
+        }
+    }
+}
+
+/// CPU time process `pid` has used, from /proc/<pid>/stat (fields 14 and 15, utime and
+/// stime, in USER_HZ ticks, which Linux fixes at 100 for every /proc interface). `None`
+/// when the process is gone or the file does not parse.
+pub fn process_cpu(pid: u32) -> Option<ProcCpu> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_proc_stat_cpu(&text)
+}
+
+/// Parses utime and stime out of the text of a /proc/<pid>/stat file.
+fn parse_proc_stat_cpu(text: &str) -> Option<ProcCpu> {
+    // The command name (field 2) may contain spaces and ')': count fields after its last ')'.
+    let rest = text.get(text.rfind(')')? + 1..)?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime = f.get(11)?.parse::<u64>().ok()?;
+    let stime = f.get(12)?.parse::<u64>().ok()?;
+    Some(ProcCpu {
+        user_s: utime as f64 / 100.0,
+        system_s: stime as f64 / 100.0,
+    })
+}
+
+/// CPU seconds (user + system) process `pid` has used, from /proc/<pid>/stat.
+pub fn process_cpu_s(pid: u32) -> Option<f64> {
+    process_cpu(pid).map(|c| c.total_s())
+}
+
+/// CPU time of each daemon so far (zero for one without a process).
+fn daemons_cpu(daemons: &[Daemon]) -> Vec<ProcCpu> {
     daemons
         .iter()
-        .map(|d| d.pid().and_then(process_cpu_s).unwrap_or(0.0))
+        .map(|d| d.pid().and_then(process_cpu).unwrap_or_default())
         .collect()
 }
 
@@ -375,20 +423,33 @@ async fn run_method(
     };
     let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
     let reverified0 = daemons[0].stats().await?.bytes_reverified;
+    let perf = match (&opts.perf_receiver, receivers.first().and_then(|d| d.pid())) {
+        (Some(out), Some(pid)) => Some(PerfRecord::start(pid, out)?),
+        _ => None,
+    };
     let cpu0 = cpu_sample();
-    let proc0 = daemons_cpu_s(&daemons);
+    let proc0 = daemons_cpu(&daemons);
     let t0 = Instant::now();
     start_chain(&daemons[0], &digest, None, origin_uri, chains).await?;
     let done = wait_complete(&receivers, &digest, t0, opts.timeout, |b| {
         pb.set_position(b)
     })
-    .await?;
+    .await;
     let cpu = cpu_util(cpu0, cpu_sample());
-    let procs: Vec<f64> = daemons_cpu_s(&daemons)
+    let proc1 = daemons_cpu(&daemons);
+    if let Some(perf) = perf {
+        perf.stop().await?;
+    }
+    let done = done?;
+    let split: Vec<ProcCpu> = proc1
         .iter()
         .zip(&proc0)
-        .map(|(b, a)| b - a)
+        .map(|(b, a)| ProcCpu {
+            user_s: b.user_s - a.user_s,
+            system_s: b.system_s - a.system_s,
+        })
         .collect();
+    let procs: Vec<f64> = split.iter().map(ProcCpu::total_s).collect();
     let reverified = daemons[0].stats().await?.bytes_reverified - reverified0;
     pb.finish_and_clear();
     let mut per = Vec::new();
@@ -419,8 +480,49 @@ async fn run_method(
         cpu_util: cpu,
         source_cpu_s: procs[0],
         receiver_cpu_s: procs[1..].to_vec(),
+        source_cpu: split[0],
+        receiver_cpu: split[1..].to_vec(),
         source_bytes_reverified: reverified,
     })
+}
+
+/// `perf record -g` attached to one process, stopped (SIGINT, by PID) when asked.
+struct PerfRecord {
+    child: tokio::process::Child,
+}
+
+impl PerfRecord {
+    fn start(pid: u32, out: &Path) -> anyhow::Result<Self> {
+        let child = tokio::process::Command::new("perf")
+            .args(["record", "-g", "-F", "999", "-q", "-o"])
+            .arg(out)
+            .args(["-p", &pid.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting perf record (is perf installed?)")?;
+        Ok(Self { child })
+    }
+
+    /// Stops recording and waits (at most 30 s) for perf to write its file.
+    async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(pid) = self.child.id() {
+            // Our own child, by its PID (perf writes its file on SIGINT, not on SIGKILL).
+            tokio::process::Command::new("kill")
+                .args(["-INT", &pid.to_string()])
+                .status()
+                .await
+                .context("sending SIGINT to perf record")?;
+        }
+        match tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await {
+            Ok(status) => {
+                status.context("waiting for perf record")?;
+                Ok(())
+            }
+            Err(_) => bail!("perf record did not stop within 30 s of SIGINT"),
+        }
+    }
 }
 
 /// Options of `demo`.
@@ -636,8 +738,37 @@ pub struct HopRun {
     pub source_cpu_s_per_gb: f64,
     /// CPU seconds the receiver's transferd spent per GB moved.
     pub receiver_cpu_s_per_gb: f64,
+    /// The source's CPU seconds per GB, user and system apart.
+    pub source_cpu_per_gb: ProcCpu,
+    /// The receiver's CPU seconds per GB, user and system apart.
+    pub receiver_cpu_per_gb: ProcCpu,
     /// Bytes the source re-hashed before serving them.
     pub source_bytes_reverified: u64,
+}
+
+/// Where the receiver's cycles went in one hop run, from `perf record -g` attached to its
+/// transferd for the whole transfer (`hop --profile`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReceiverProfile {
+    /// The configuration profiled (a run of its own after the measured ones, since perf
+    /// itself costs cycles).
+    pub config: String,
+    /// Bytes/s of the profiled run (lower than unprofiled: perf shares the cores).
+    pub bytes_per_s: f64,
+    /// Percent of the receiver's samples by category (self time of each symbol, folded
+    /// by [`profile_category`]), largest first.
+    pub categories: Vec<ProfileShare>,
+    /// The symbols with the most self time.
+    pub top_symbols: Vec<ProfileShare>,
+}
+
+/// One line of a [`ReceiverProfile`].
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileShare {
+    /// Category or symbol (`[k]` kernel, `[.]` user space).
+    pub name: String,
+    /// Percent of samples.
+    pub percent: f64,
 }
 
 /// The background scrub measured alone: one daemon holding the model, every chunk idle
@@ -666,6 +797,10 @@ pub struct HopReport {
     pub raw_tcp_sender_cpu_s_per_gb: Option<f64>,
     /// iperf3's receiver CPU seconds per GB.
     pub raw_tcp_receiver_cpu_s_per_gb: Option<f64>,
+    /// iperf3's sender CPU seconds per GB, user and system apart.
+    pub raw_tcp_sender_cpu_per_gb: Option<ProcCpu>,
+    /// iperf3's receiver CPU seconds per GB, user and system apart.
+    pub raw_tcp_receiver_cpu_per_gb: Option<ProcCpu>,
     /// One chain hop with mutual TLS, BLAKE3 verification and store writes, bytes/s.
     pub hop_bytes_per_s: f64,
     /// hop / raw TCP.
@@ -685,6 +820,8 @@ pub struct HopReport {
     pub runs: Vec<HopRun>,
     /// The scrub alone.
     pub scrub: ScrubReport,
+    /// Where the receiver's cycles went (`--profile`; `None` without it).
+    pub receiver_profile: Option<ReceiverProfile>,
 }
 
 /// Raw loopback TCP from iperf3: bytes/s, and the sender's and receiver's CPU seconds per
@@ -693,6 +830,8 @@ struct Iperf {
     bytes_per_s: f64,
     sender_cpu_s_per_gb: f64,
     receiver_cpu_s_per_gb: f64,
+    sender_cpu_per_gb: ProcCpu,
+    receiver_cpu_per_gb: ProcCpu,
 }
 
 /// Measures raw loopback TCP with iperf3 (server and client are separate processes, killed
@@ -744,10 +883,16 @@ fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<Iperf>> {
     let cpu = &json["end"]["cpu_utilization_percent"];
     let gb = bps / 8.0 * f64::from(seconds) / 1e9;
     let per_gb = |pct: Option<f64>| pct.map_or(0.0, |p| p / 100.0 * f64::from(seconds) / gb);
+    let split = |side: &str| ProcCpu {
+        user_s: per_gb(cpu[format!("{side}_user")].as_f64()),
+        system_s: per_gb(cpu[format!("{side}_system")].as_f64()),
+    };
     Ok(Some(Iperf {
         bytes_per_s: bps / 8.0,
         sender_cpu_s_per_gb: per_gb(cpu["host_total"].as_f64()),
         receiver_cpu_s_per_gb: per_gb(cpu["remote_total"].as_f64()),
+        sender_cpu_per_gb: split("host"),
+        receiver_cpu_per_gb: split("remote"),
     }))
 }
 
@@ -795,8 +940,15 @@ async fn measure_scrub(size: u64, shards: usize, seconds: u64) -> anyhow::Result
 
 /// Runs the `hop` benchmark: iperf3 on loopback, then a model of `size` bytes through one
 /// chain hop (source → receiver, both real daemons, no caps) with mutual TLS, with TLS but
-/// no serve-path re-verification, and in plaintext; then the scrub alone.
-pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::Result<HopReport> {
+/// no serve-path re-verification, and in plaintext; then the scrub alone. With `profile`
+/// (`Some`), the TLS hop runs once more under `perf record -g` on the receiver, whose data
+/// file is kept at the given path (else removed).
+pub async fn run_hop_bench(
+    size: u64,
+    shards: usize,
+    profile: Option<Option<PathBuf>>,
+    progress: bool,
+) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
     let mut opts = ChainBenchOpts {
         mode: NetMode::Local,
@@ -811,6 +963,7 @@ pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::
         window: 0,
         plaintext: false,
         source_args: Vec::new(),
+        perf_receiver: None,
     };
     let configs: [(&str, bool, &[&str]); 3] = [
         ("tls", false, &[]),
@@ -831,15 +984,39 @@ pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::
             bail!("the receiver's copy did not verify ({config})");
         }
         let gb = report.bytes as f64 / 1e9;
+        let receiver = r.receiver_cpu.first().copied().unwrap_or_default();
         runs.push(HopRun {
             config: config.into(),
             bytes_per_s: report.bytes as f64 / r.completion_s,
             cpu_util: r.cpu_util,
             source_cpu_s_per_gb: r.source_cpu_s / gb,
             receiver_cpu_s_per_gb: r.receiver_cpu_s.first().copied().unwrap_or(0.0) / gb,
+            source_cpu_per_gb: r.source_cpu.per_gb(report.bytes),
+            receiver_cpu_per_gb: receiver.per_gb(report.bytes),
             source_bytes_reverified: r.source_bytes_reverified,
         });
     }
+    let receiver_profile = if let Some(keep) = profile {
+        // The production configuration once more, with perf attached to the receiver.
+        let dir = scratch_dir("perf")?;
+        let data = keep.unwrap_or_else(|| dir.path().join("receiver.perf.data"));
+        opts.plaintext = false;
+        opts.source_args = Vec::new();
+        opts.perf_receiver = Some(data.clone());
+        let report = run_chain_bench(&opts).await?;
+        let r = report.results.first().context("no result")?;
+        let bytes_per_s = report.bytes as f64 / r.completion_s;
+        let text = tokio::task::spawn_blocking(move || perf_report_text(&data)).await??;
+        let (categories, top_symbols) = fold_profile(&text, 15);
+        Some(ReceiverProfile {
+            config: "tls".into(),
+            bytes_per_s,
+            categories,
+            top_symbols,
+        })
+    } else {
+        None
+    };
     let scrub = measure_scrub(size.min(1 << 30), shards, 5).await?;
     let (tls, no_reverify, plain) = (&runs[0], &runs[1], &runs[2]);
     Ok(HopReport {
@@ -848,6 +1025,8 @@ pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::
         raw_tcp_bytes_per_s: raw.as_ref().map(|r| r.bytes_per_s),
         raw_tcp_sender_cpu_s_per_gb: raw.as_ref().map(|r| r.sender_cpu_s_per_gb),
         raw_tcp_receiver_cpu_s_per_gb: raw.as_ref().map(|r| r.receiver_cpu_s_per_gb),
+        raw_tcp_sender_cpu_per_gb: raw.as_ref().map(|r| r.sender_cpu_per_gb),
+        raw_tcp_receiver_cpu_per_gb: raw.as_ref().map(|r| r.receiver_cpu_per_gb),
         hop_bytes_per_s: tls.bytes_per_s,
         ratio: raw.as_ref().map(|r| tls.bytes_per_s / r.bytes_per_s),
         cpu_util: tls.cpu_util,
@@ -857,5 +1036,180 @@ pub async fn run_hop_bench(size: u64, shards: usize, progress: bool) -> anyhow::
         reverify_throughput_ratio: tls.bytes_per_s / no_reverify.bytes_per_s,
         runs,
         scrub,
+        receiver_profile,
     })
+}
+
+/// `perf report`'s flat self-time listing of `data`, one symbol a line.
+fn perf_report_text(data: &Path) -> anyhow::Result<String> {
+    let out = std::process::Command::new("perf")
+        .args([
+            "report",
+            "--no-children",
+            "--sort",
+            "sym",
+            "--stdio",
+            "-g",
+            "none",
+        ])
+        .args(["--percent-limit", "0.01", "-i"])
+        .arg(data)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .context("running perf report")?;
+    anyhow::ensure!(out.status.success(), "perf report failed: {}", out.status);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The category a symbol's self time is folded into. `kernel` says whether perf marked it
+/// `[k]`. Copies are matched before the kernel's TCP stack, so the kernel's copies to and
+/// from user space count as copies.
+pub fn profile_category(symbol: &str, kernel: bool) -> &'static str {
+    let s = symbol.to_ascii_lowercase();
+    let any = |keys: &[&str]| keys.iter().any(|k| s.contains(k));
+    if any(&["blake3"]) {
+        "hashing (BLAKE3)"
+    } else if any(&[
+        "aes",
+        "gcm",
+        "ghash",
+        "gfp_",
+        "chacha",
+        "poly1305",
+        "rustls",
+        "ring_core",
+        "_ring",
+    ]) {
+        "TLS/crypto"
+    } else if any(&[
+        "memcpy",
+        "memmove",
+        "copy_user",
+        "copy_to_user",
+        "copy_from_user",
+        "copy_page",
+        "copy_folio",
+        "_copy_to_iter",
+        "_copy_from_iter",
+        "copyin",
+        "copyout",
+        "rep_movs",
+        "memset",
+        "clear_page",
+    ]) {
+        "memcpy/memset"
+    } else if any(&[
+        "malloc",
+        "free",
+        "realloc",
+        "calloc",
+        "alloc",
+        "kmem_cache",
+        "rmqueue",
+        "mi_",
+        "je_",
+        "folio_add",
+        "lru",
+    ]) {
+        "allocation (heap, pages)"
+    } else if kernel
+        && any(&[
+            "tcp", "skb", "sock", "ip_", "ip6", "net_", "netif", "napi", "loopback", "dev_", "nf_",
+            "__inet", "inet_",
+        ])
+    {
+        "kernel TCP"
+    } else if kernel {
+        "kernel other (syscalls, scheduler, page cache, faults)"
+    } else {
+        "other user space (tokio, framing, protocol)"
+    }
+}
+
+/// Folds `perf report --stdio --sort sym -g none` output into categories (largest first)
+/// and the `top` symbols. Lines that do not parse are skipped.
+pub fn fold_profile(report: &str, top: usize) -> (Vec<ProfileShare>, Vec<ProfileShare>) {
+    let mut by_cat: std::collections::BTreeMap<&'static str, f64> = Default::default();
+    let mut symbols = Vec::new();
+    for line in report.lines() {
+        let line = line.trim();
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((pct, rest)) = line.split_once('%') else {
+            continue;
+        };
+        let Ok(pct) = pct.trim().parse::<f64>() else {
+            continue;
+        };
+        let rest = rest.trim();
+        let (kernel, symbol) = if let Some(sym) = rest.strip_prefix("[k]") {
+            (true, sym.trim())
+        } else if let Some(sym) = rest.strip_prefix("[.]") {
+            (false, sym.trim())
+        } else {
+            (false, rest)
+        };
+        *by_cat.entry(profile_category(symbol, kernel)).or_default() += pct;
+        symbols.push(ProfileShare {
+            name: format!("{} {symbol}", if kernel { "[k]" } else { "[.]" }),
+            percent: pct,
+        });
+    }
+    let mut categories: Vec<ProfileShare> = by_cat
+        .into_iter()
+        .map(|(name, percent)| ProfileShare {
+            name: name.into(),
+            percent,
+        })
+        .collect();
+    categories.sort_by(|a, b| b.percent.total_cmp(&a.percent));
+    symbols.sort_by(|a, b| b.percent.total_cmp(&a.percent));
+    symbols.truncate(top);
+    (categories, symbols)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_stat_cpu_splits_user_and_system_and_survives_odd_names() {
+        let line = "4242 (transferd) x) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 9";
+        let cpu = parse_proc_stat_cpu(line).unwrap();
+        assert_eq!(cpu.user_s, 2.5);
+        assert_eq!(cpu.system_s, 0.75);
+        assert!(parse_proc_stat_cpu("no parenthesis").is_none());
+        assert!(parse_proc_stat_cpu("1 (short) S 1 2").is_none());
+        assert!(parse_proc_stat_cpu("1 (bad) S 1 2 3 4 5 6 7 8 9 10 x y").is_none());
+    }
+
+    #[test]
+    fn perf_report_lines_fold_into_categories() {
+        let report = "\
+# Samples: 1K of event 'cpu-clock'
+#
+    30.00%  [.] _blake3_hash_many_avx512
+    20.00%  [k] copy_user_enhanced_fast_string
+    15.00%  [.] aes_gcm_dec_update_vaes_avx2
+    10.00%  [k] tcp_recvmsg_locked
+     5.00%  [.] __memmove_avx_unaligned_erms
+     5.00%  [k] clear_page_erms
+     5.00%  [.] malloc
+     4.00%  [k] entry_SYSCALL_64
+     3.00%  [.] tokio::runtime::task::raw::poll
+     3.00%  garbage without a percent
+";
+        let (cats, top) = fold_profile(report, 2);
+        let get = |n: &str| cats.iter().find(|c| c.name == n).map(|c| c.percent);
+        assert_eq!(get("hashing (BLAKE3)"), Some(30.0));
+        assert_eq!(get("memcpy/memset"), Some(30.0));
+        assert_eq!(get("TLS/crypto"), Some(15.0));
+        assert_eq!(get("kernel TCP"), Some(10.0));
+        assert_eq!(get("allocation (heap, pages)"), Some(5.0));
+        assert!(get("kernel other (syscalls, scheduler, page cache, faults)").is_some());
+        assert!(get("other user space (tokio, framing, protocol)").is_some());
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0].name, "[.] _blake3_hash_many_avx512");
+    }
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use shardcast_protocol::codec::{Codec, DecodeError};
 use shardcast_protocol::frame::{FrameHeader, HEADER_LEN};
 use shardcast_protocol::{ErrorCode, Frame};
@@ -95,7 +95,18 @@ pub struct FrameBudget {
     total: usize,
     /// Frames that had to wait for room.
     pub waits: AtomicU64,
+    /// Buffers of charged frame bodies whose bytes were all dropped, kept for the next
+    /// bodies (at most [`IDLE_BODY_BYTES`] in all).
+    idle: std::sync::Mutex<Vec<Vec<u8>>>,
 }
+
+/// Most bytes of idle body buffers the [`FrameBudget`] keeps for reuse. Reusing them
+/// spares each chunk a fresh allocation: glibc serves a 1 MiB body from a fresh `mmap` (or
+/// a heap it trimmed), so every page was faulted in and zeroed by the kernel
+/// (`clear_page_erms` in the receiver's profile, docs/BENCHMARKS.md "Where the receiver's
+/// cycles go") — a pass over every byte before the socket's bytes are even copied in.
+/// 32 MiB: a few connections' pipelines of 1 MiB chunks.
+pub const IDLE_BODY_BYTES: usize = 32 << 20;
 
 impl FrameBudget {
     /// A budget of `bytes` (at least one frame of [`UNCHARGED_BODY`]).
@@ -105,6 +116,7 @@ impl FrameBudget {
             sem: Arc::new(Semaphore::new(total)),
             total,
             waits: AtomicU64::new(0),
+            idle: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -121,6 +133,38 @@ impl FrameBudget {
     /// Bytes granted to frames now.
     pub fn in_use(&self) -> usize {
         self.total - self.sem.available_permits().min(self.total)
+    }
+
+    /// An empty buffer with room for `len` bytes: an idle one when one fits (at most twice
+    /// the size needed, so small bodies do not pin big buffers), else a new one.
+    fn body_buffer(&self, len: usize) -> Vec<u8> {
+        if len > UNCHARGED_BODY {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let fit = idle
+                .iter()
+                .position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
+            if let Some(i) = fit {
+                return idle.swap_remove(i);
+            }
+        }
+        Vec::with_capacity(len)
+    }
+
+    /// Takes back a body's buffer once nothing refers to its bytes (dropped when the idle
+    /// buffers already hold [`IDLE_BODY_BYTES`]).
+    fn recycle(&self, mut buf: Vec<u8>) {
+        buf.clear();
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let held: usize = idle.iter().map(Vec::capacity).sum();
+        if held + buf.capacity() <= IDLE_BODY_BYTES {
+            idle.push(buf);
+        }
+    }
+
+    /// Idle body buffers kept for reuse, in bytes.
+    pub fn idle_bytes(&self) -> usize {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        idle.iter().map(Vec::capacity).sum()
     }
 
     /// Grants room for a body of `len` bytes (nothing for a small one), waiting for it
@@ -145,15 +189,22 @@ impl FrameBudget {
 }
 
 /// A frame body that holds its grant of the [`FrameBudget`] until its last byte is
-/// dropped.
+/// dropped, and then gives its buffer back to the budget for the next body.
 struct Charged {
-    bytes: Bytes,
+    buf: Vec<u8>,
+    budget: Arc<FrameBudget>,
     _grant: OwnedSemaphorePermit,
 }
 
 impl AsRef<[u8]> for Charged {
     fn as_ref(&self) -> &[u8] {
-        &self.bytes
+        &self.buf
+    }
+}
+
+impl Drop for Charged {
+    fn drop(&mut self) {
+        self.budget.recycle(std::mem::take(&mut self.buf));
     }
 }
 
@@ -175,7 +226,7 @@ pub struct FrameReader<R> {
     header: [u8; HEADER_LEN],
     header_filled: usize,
     /// The body being read, once the header is parsed and its room granted.
-    body: Option<(FrameHeader, BytesMut, Option<OwnedSemaphorePermit>)>,
+    body: Option<(FrameHeader, Vec<u8>, Option<OwnedSemaphorePermit>)>,
     /// When the bytes received last may pass the ingress limiter; no more is read before.
     ready_at: Option<tokio::time::Instant>,
     /// Longest silence while a frame is awaited; `None`: wait forever.
@@ -286,7 +337,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 // allocated for the body.
                 let head = FrameHeader::parse(self.header)?;
                 let grant = self.budget.grant(head.body_len).await;
-                self.body = Some((head, BytesMut::with_capacity(head.body_len), grant));
+                let buf = self.budget.body_buffer(head.body_len);
+                self.body = Some((head, buf, grant));
             }
             let Some((head, body, grant)) = self.body.as_mut() else {
                 return Err(WireError::Truncated);
@@ -294,10 +346,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             let remaining = head.body_len - body.len();
             if remaining == 0 {
                 let ty = head.ty;
-                let bytes = std::mem::take(body).freeze();
+                let buf = std::mem::take(body);
                 let body = match grant.take() {
-                    Some(g) => Bytes::from_owner(Charged { bytes, _grant: g }),
-                    None => bytes,
+                    Some(g) => Bytes::from_owner(Charged {
+                        buf,
+                        budget: self.budget.clone(),
+                        _grant: g,
+                    }),
+                    None => Bytes::from(buf),
                 };
                 self.body = None;
                 self.header_filled = 0;
@@ -701,5 +757,52 @@ mod tests {
         ));
         assert_eq!(budget.in_use(), 0);
         writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn charged_body_buffers_are_reused_once_dropped_and_bounded() {
+        let budget = FrameBudget::unlimited();
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let mut w = FrameWriter::new(a, RateLimiter::unlimited(), Arc::default());
+        let mut r = FrameReader::new(b, RateLimiter::unlimited(), Arc::default(), budget.clone());
+        let writer = tokio::spawn(async move {
+            for i in 0..3u32 {
+                let data = Bytes::from(vec![i as u8 + 1; 300 << 10]);
+                w.send(&Frame::Chunk {
+                    shard: 0,
+                    index: i,
+                    data,
+                })
+                .await
+                .unwrap();
+            }
+            w.shutdown().await.unwrap();
+        });
+        let first = r.read().await.unwrap().unwrap();
+        let Frame::Chunk { data, .. } = first else {
+            panic!("expected a chunk")
+        };
+        assert!(data.iter().all(|b| *b == 1));
+        let ptr = data.as_ptr();
+        assert_eq!(budget.idle_bytes(), 0);
+        drop(data);
+        assert!(budget.idle_bytes() >= 300 << 10);
+        // The next body of the same size is read into the same buffer, with its own bytes.
+        let Some(Frame::Chunk { data, index, .. }) = r.read().await.unwrap() else {
+            panic!("expected a chunk")
+        };
+        assert_eq!(index, 1);
+        assert_eq!(budget.idle_bytes(), 0);
+        assert!(data.iter().all(|b| *b == 2));
+        // The body starts after the chunk's 12 bytes of fixed fields.
+        assert_eq!(data.as_ptr(), ptr);
+        drop(data);
+        let _ = r.read().await.unwrap().unwrap();
+        writer.await.unwrap();
+        // Never more than IDLE_BODY_BYTES kept.
+        for _ in 0..(IDLE_BODY_BYTES / (1 << 20)) + 4 {
+            budget.recycle(Vec::with_capacity(1 << 20));
+        }
+        assert!(budget.idle_bytes() <= IDLE_BODY_BYTES);
     }
 }
