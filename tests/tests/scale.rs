@@ -28,6 +28,34 @@ const HOSTS: usize = 1000;
 const REPLICAS: u32 = 64;
 const HEARTBEAT_MS: u64 = 1000;
 
+/// Waits (30 s at most) until `client`'s controller lists every host of `swarm` up, and
+/// checks that it lists exactly the swarm; returns the listing.
+async fn all_up(
+    client: &mut shardcast_protocol::controller::controller_client::ControllerClient<
+        tonic::transport::Channel,
+    >,
+    swarm: &Swarm,
+    at: &str,
+) -> anyhow::Result<shardcast_protocol::controller::ListHostsResponse> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hosts_up(client).await? < HOSTS {
+        ensure!(
+            Instant::now() < deadline,
+            "not every host came up at {at} within 30 s (last heartbeat error: {})",
+            swarm.heartbeats.last_error()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let listed = client.list_hosts(ListHostsRequest {}).await?.into_inner();
+    let ids: BTreeSet<String> = listed
+        .hosts
+        .iter()
+        .filter_map(|h| h.report.as_ref().map(|r| r.host_id.clone()))
+        .collect();
+    assert_eq!(ids, swarm.host_ids(), "{at} lists exactly the swarm");
+    Ok(listed)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -> anyhow::Result<()>
 {
@@ -53,22 +81,7 @@ async fn a_thousand_hosts_heartbeat_prewarm_64_and_status_answers_under_load() -
     let mut client = controller.client().await?;
 
     // Every host registers over its own mutually authenticated connection and is up.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while hosts_up(&mut client).await? < HOSTS {
-        ensure!(
-            Instant::now() < deadline,
-            "not every host came up within 30 s (last heartbeat error: {})",
-            swarm.heartbeats.last_error()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let listed = client.list_hosts(ListHostsRequest {}).await?.into_inner();
-    let ids: BTreeSet<String> = listed
-        .hosts
-        .iter()
-        .filter_map(|h| h.report.as_ref().map(|r| r.host_id.clone()))
-        .collect();
-    assert_eq!(ids, swarm.host_ids(), "ListHosts lists exactly the swarm");
+    let listed = all_up(&mut client, &swarm, "the controller").await?;
     for h in &listed.hosts {
         let r = h.report.as_ref().context("a host without its report")?;
         let sim = swarm.host(&r.host_id).context("an unknown host")?;
@@ -257,22 +270,7 @@ async fn a_thousand_hosts_on_three_replicas_on_etcd_prewarm_64_none_lost() -> an
     })
     .await?;
     let mut client = ctl.client(leader).await?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while hosts_up(&mut client).await? < HOSTS {
-        ensure!(
-            Instant::now() < deadline,
-            "not every host came up at the leader within 30 s (last heartbeat error: {})",
-            swarm.heartbeats.last_error()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let listed = client.list_hosts(ListHostsRequest {}).await?.into_inner();
-    let ids: BTreeSet<String> = listed
-        .hosts
-        .iter()
-        .filter_map(|h| h.report.as_ref().map(|r| r.host_id.clone()))
-        .collect();
-    assert_eq!(ids, swarm.host_ids(), "the leader lists exactly the swarm");
+    let _ = all_up(&mut client, &swarm, "the leader").await?;
 
     // Writes through the client that follows the leader.
     let mut api = ctl.failover_client()?;
