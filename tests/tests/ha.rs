@@ -559,9 +559,22 @@ async fn etcd_replaced_by_an_empty_one_followers_load_the_new_state() {
     c.etcd.restart().await.unwrap();
     // A new election on the empty etcd; the hosts register again with whoever leads.
     c.wait_hosts_up(1, Duration::from_secs(30)).await.unwrap();
-    let leader = c.wait_leader(Duration::from_secs(10)).await.unwrap();
-    let (models, _, _) = reads(&c, leader).await;
-    assert!(models.is_empty(), "the new etcd holds no model: {models:?}");
+    // The leader of the old etcd may still answer for up to 2/3 of its lease's TTL (its
+    // renewal on the new etcd fails: "lease not found", then it steps down); the leader to
+    // check is the one elected on the new, empty etcd.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let leader = loop {
+        let leader = c.wait_leader(Duration::from_secs(10)).await.unwrap();
+        let (models, _, _) = reads(&c, leader).await;
+        if models.is_empty() {
+            break leader;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no leader serves the new etcd's empty state: {models:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     for i in (0..3).filter(|&i| i != leader) {
         wait_same_reads(&c, leader, i).await;
         let (loads, _, _) = view_counts(&c, i).await;
