@@ -437,26 +437,12 @@ impl HaCluster {
 
     /// The index of the replica that says it leads now, if one does.
     pub async fn leader(&self) -> Option<usize> {
-        for (i, c) in self.controllers.iter().enumerate() {
-            if c.pid().is_some() && role(c).await.as_deref() == Some("leader") {
-                return Some(i);
-            }
-        }
-        None
+        leader_of(&self.controllers).await
     }
 
     /// Waits (bounded) until a replica leads; its index.
     pub async fn wait_leader(&self, timeout: Duration) -> anyhow::Result<usize> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(i) = self.leader().await {
-                return Ok(i);
-            }
-            if Instant::now() >= deadline {
-                bail!("no controller replica leads after {timeout:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_leader_of(&self.controllers, timeout).await
     }
 
     /// Waits until at least `n` hosts are up in the leader's inventory.
@@ -656,4 +642,31 @@ pub async fn run_failover(opts: &FailoverOpts) -> anyhow::Result<FailoverReport>
         max_s,
         lease_ttl_ms: opts.lease_ttl_ms,
     })
+}
+
+/// The index of the running replica among `controllers` that says it leads now, if one does.
+pub async fn leader_of(controllers: &[ControllerProc]) -> Option<usize> {
+    for (i, c) in controllers.iter().enumerate() {
+        if c.pid().is_some() && role(c).await.as_deref() == Some("leader") {
+            return Some(i);
+        }
+    }
+    None
+}
+
+/// Waits (bounded by `timeout`) until one of `controllers` leads; its index.
+pub async fn wait_leader_of(
+    controllers: &[ControllerProc],
+    timeout: Duration,
+) -> anyhow::Result<usize> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(i) = leader_of(controllers).await {
+            return Ok(i);
+        }
+        if Instant::now() >= deadline {
+            bail!("no controller replica leads after {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

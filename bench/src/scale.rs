@@ -467,26 +467,15 @@ impl ScaleControllers {
         if self.etcd.is_none() {
             return Some(0);
         }
-        for (i, c) in self.replicas.iter().enumerate() {
-            if c.pid().is_some() && crate::ha::role(c).await.as_deref() == Some("leader") {
-                return Some(i);
-            }
-        }
-        None
+        crate::ha::leader_of(&self.replicas).await
     }
 
     /// Waits (bounded) until a replica leads.
     pub async fn wait_leader(&self, timeout: Duration) -> anyhow::Result<usize> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(i) = self.leader().await {
-                return Ok(i);
-            }
-            if Instant::now() >= deadline {
-                bail!("no controller replica leads after {timeout:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        if self.etcd.is_none() {
+            return Ok(0);
         }
+        crate::ha::wait_leader_of(&self.replicas, timeout).await
     }
 
     /// A client of one replica (admin certificate, or plaintext without TLS).
