@@ -18,6 +18,7 @@ use shardcast_protocol::controller::{
 };
 
 use crate::burst::BurstPart;
+use crate::core::now_unix;
 use crate::error::{EvictError, LoadError, LookupError, PlanRequestError, ScaleOutError};
 use crate::events::EventLog;
 use crate::lock;
@@ -69,13 +70,6 @@ pub struct Autoscaler<F, M> {
     tables: Arc<PartitionTables<M>>,
     events: Arc<EventLog>,
     usage: Arc<Usage>,
-}
-
-fn now_unix() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
 }
 
 impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {

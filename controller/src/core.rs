@@ -1264,10 +1264,7 @@ impl Controller {
 
     /// Commits the plan now (a new plan, before its chains start; an ended one).
     pub(crate) fn persist_plan_now(&self, p: &Plan) -> Result<(), ApiError> {
-        let bytes = serde_json::to_vec(&crate::plan::StoredPlanRef::V1(p))
-            .map_err(|e| ApiError::internal(e.to_string()))?;
-        self.writes.put_now(Table::Plans, &p.id, &bytes)?;
-        Ok(())
+        self.put_json(Table::Plans, &p.id, &crate::plan::StoredPlanRef::V1(p))
     }
 
     /// Stores `value` as JSON under `key` now. Through the write-behind, so an older value

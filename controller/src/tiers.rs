@@ -32,6 +32,7 @@ use shardcast_protocol::controller::{Event, EvictRequest, EvictResponse};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::core::now_unix;
 use crate::error::EvictError;
 use crate::events::EventLog;
 use crate::inventory::{DataTier, GpuLoad};
@@ -323,7 +324,7 @@ impl<T: TierTarget> TierSweeper<T> {
             self.target.release_gpu_slot(&b.host, &b.digest);
             warn!(host = %b.host, model = %b.name, "GPU reservation released: {}", b.why);
             events.push(self.events.record(Event {
-                at: now(),
+                at: now_unix(),
                 model: b.name,
                 kind: "gpu-release".into(),
                 reason: format!("host {}: {}", b.host, b.why),
@@ -362,7 +363,7 @@ impl<T: TierTarget> TierSweeper<T> {
                     }
                 };
                 events.push(self.events.record(Event {
-                    at: now(),
+                    at: now_unix(),
                     model: name,
                     kind: kind.into(),
                     reason,
@@ -374,7 +375,7 @@ impl<T: TierTarget> TierSweeper<T> {
             let news = self.new_note(&h.host, !notes.is_empty());
             for n in notes.into_iter().filter(|_| news) {
                 events.push(self.events.record(Event {
-                    at: now(),
+                    at: now_unix(),
                     model: String::new(),
                     kind: "tier-full".into(),
                     reason: format!("host {}: {n}", h.host),
@@ -386,13 +387,6 @@ impl<T: TierTarget> TierSweeper<T> {
         }
         events
     }
-}
-
-fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
 }
 
 #[cfg(test)]
