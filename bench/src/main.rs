@@ -203,7 +203,7 @@ enum Cmd {
         /// Per-host link rate (emulated mode).
         #[arg(long, default_value = "1Gbit")]
         rate: String,
-        /// Comma-separated methods: chain-tcp, star.
+        /// Comma-separated methods: chain-tcp, chain-quic, star.
         #[arg(long, default_value = "chain-tcp,star", value_delimiter = ',')]
         methods: Vec<Method>,
         /// Write the report as JSON.
@@ -234,6 +234,9 @@ enum Cmd {
         /// Keep perf's data file of the profiled run here (implies --profile).
         #[arg(long)]
         profile_data: Option<PathBuf>,
+        /// The transport of the profiled run: tcp (TLS over TCP) or quic.
+        #[arg(long, default_value = "tcp")]
+        profile_transport: shardcast_protocol::HopTransport,
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -713,10 +716,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             shards,
             profile,
             profile_data,
+            profile_transport,
             json,
         } => {
             let profile = (profile || profile_data.is_some()).then_some(profile_data);
-            let report = scenario::run_hop_bench(size, shards, profile, true).await?;
+            let method = match profile_transport {
+                shardcast_protocol::HopTransport::Tcp => scenario::Method::ChainTcp,
+                shardcast_protocol::HopTransport::Quic => scenario::Method::ChainQuic,
+            };
+            let report = scenario::run_hop_bench(size, shards, profile, method, true).await?;
             emit(&report, json)
         }
         Cmd::Loader {

@@ -287,6 +287,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoStep>> {
                     model: MODEL_NAME.into(),
                     replicas: (opts.hosts - half) as u32,
                     tier: shardcast_protocol::controller::Tier::Memory as i32,
+                    ..Default::default()
                 })
                 .await
             }
@@ -879,6 +880,7 @@ pub async fn run_burst(opts: &BurstOpts) -> anyhow::Result<BurstReport> {
             replicas: 1,
             tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: opts.partitions,
+            ..Default::default()
         })
         .await
         .context("ScaleOut partitions")?

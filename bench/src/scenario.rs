@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use shardcast_protocol::Manifest;
 use shardcast_protocol::agent::{Chain, ImportModelRequest, StartChainRequest, Tier as PbTier};
 use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::units::format_bytes;
+use shardcast_protocol::{HopTransport, Manifest};
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::{Daemon, DaemonOpts, wait_complete};
@@ -39,6 +39,8 @@ pub enum NetMode {
 pub enum Method {
     /// One chain through every receiver, headed by the source.
     ChainTcp,
+    /// The same chain with its hops dialling each other over QUIC.
+    ChainQuic,
     /// Every receiver pulls from the single source at once (one 1-hop chain each).
     Star,
 }
@@ -48,7 +50,16 @@ impl Method {
     pub fn name(self) -> &'static str {
         match self {
             Self::ChainTcp => "chain-tcp",
+            Self::ChainQuic => "chain-quic",
             Self::Star => "star",
+        }
+    }
+
+    /// How the method's hops dial each other.
+    pub fn transport(self) -> HopTransport {
+        match self {
+            Self::ChainQuic => HopTransport::Quic,
+            Self::ChainTcp | Self::Star => HopTransport::Tcp,
         }
     }
 }
@@ -58,9 +69,10 @@ impl std::str::FromStr for Method {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "chain-tcp" | "chain" => Ok(Self::ChainTcp),
+            "chain-quic" => Ok(Self::ChainQuic),
             "star" => Ok(Self::Star),
             other => Err(format!(
-                "unknown method {other:?}; expected chain-tcp or star"
+                "unknown method {other:?}; expected chain-tcp, chain-quic or star"
             )),
         }
     }
@@ -282,6 +294,7 @@ async fn start_chain(
     manifest: Option<&Manifest>,
     origin: &str,
     chains: Vec<Vec<&Daemon>>,
+    transport: HopTransport,
 ) -> anyhow::Result<String> {
     let mut req = StartChainRequest {
         session_id: String::new(),
@@ -299,6 +312,7 @@ async fn start_chain(
             })
             .collect(),
         plan_token: Vec::new(),
+        transport: shardcast_protocol::agent::Transport::from(transport) as i32,
     };
     head.sign_chain(&mut req)?;
     Ok(head
@@ -398,6 +412,11 @@ async fn run_method(
                 net.is_none(),
                 "plaintext daemons are allowed on loopback only"
             );
+            anyhow::ensure!(
+                method.transport() == HopTransport::Tcp,
+                "QUIC needs the daemons' TLS identity: {} cannot run in plaintext",
+                method.name()
+            );
             o.pki = None;
         }
         o.extra_args
@@ -418,7 +437,7 @@ async fn run_method(
     let (digest, manifest) = import_on(&daemons[0], origin_uri, true, opts.chunk_size).await?;
     let receivers: Vec<&Daemon> = daemons[1..].iter().collect();
     let chains = match method {
-        Method::ChainTcp => vec![receivers.clone()],
+        Method::ChainTcp | Method::ChainQuic => vec![receivers.clone()],
         Method::Star => receivers.iter().map(|d| vec![*d]).collect(),
     };
     let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
@@ -430,7 +449,15 @@ async fn run_method(
     let cpu0 = cpu_sample();
     let proc0 = daemons_cpu(&daemons);
     let t0 = Instant::now();
-    start_chain(&daemons[0], &digest, None, origin_uri, chains).await?;
+    start_chain(
+        &daemons[0],
+        &digest,
+        None,
+        origin_uri,
+        chains,
+        method.transport(),
+    )
+    .await?;
     let done = wait_complete(&receivers, &digest, t0, opts.timeout, |b| {
         pb.set_position(b)
     })
@@ -641,6 +668,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
                     None,
                     &origin_url,
                     vec![receivers.clone()],
+                    HopTransport::Tcp,
                 )
                 .await?;
             }
@@ -653,6 +681,7 @@ pub async fn run_demo(opts: &DemoOpts) -> anyhow::Result<Vec<DemoRow>> {
                     Some(&manifest),
                     &origin_url,
                     vec![receivers[1..].to_vec()],
+                    HopTransport::Tcp,
                 )
                 .await?;
             }
@@ -727,8 +756,8 @@ pub fn write_json<T: Serialize>(path: &PathBuf, value: &T) -> anyhow::Result<()>
 #[derive(Debug, Clone, Serialize)]
 pub struct HopRun {
     /// What ran: `tls` (the production configuration), `tls-no-reverify` (the source
-    /// trusts its chunks for a day, so nothing is re-hashed on the serve path) or
-    /// `plaintext` (`insecure_plaintext`).
+    /// trusts its chunks for a day, so nothing is re-hashed on the serve path),
+    /// `plaintext` (`insecure_plaintext`) or `quic` (the hop over QUIC).
     pub config: String,
     /// Bytes/s through the hop.
     pub bytes_per_s: f64,
@@ -816,6 +845,12 @@ pub struct HopReport {
     /// TLS hop / the TLS hop without serve-path re-verification: what re-hashing chunks
     /// older than `reverify_after_ms` costs in throughput.
     pub reverify_throughput_ratio: f64,
+    /// The same hop over QUIC (mutual TLS 1.3 under the same CA), bytes/s, in the same run.
+    pub quic_hop_bytes_per_s: f64,
+    /// QUIC hop / raw TCP.
+    pub quic_ratio: Option<f64>,
+    /// QUIC hop / TLS-over-TCP hop.
+    pub quic_vs_tls: f64,
     /// Every configuration, in the order run.
     pub runs: Vec<HopRun>,
     /// The scrub alone.
@@ -939,14 +974,16 @@ async fn measure_scrub(size: u64, shards: usize, seconds: u64) -> anyhow::Result
 }
 
 /// Runs the `hop` benchmark: iperf3 on loopback, then a model of `size` bytes through one
-/// chain hop (source → receiver, both real daemons, no caps) with mutual TLS, with TLS but
-/// no serve-path re-verification, and in plaintext; then the scrub alone. With `profile`
-/// (`Some`), the TLS hop runs once more under `perf record -g` on the receiver, whose data
-/// file is kept at the given path (else removed).
+/// chain hop (source → receiver, both real daemons, no caps) with mutual TLS over TCP,
+/// with TLS but no serve-path re-verification, in plaintext, and over QUIC; then the scrub
+/// alone. With `profile` (`Some`), the hop runs once more over `profile_method`'s transport
+/// under `perf record -g` on the receiver, whose data file is kept at the given path
+/// (else removed).
 pub async fn run_hop_bench(
     size: u64,
     shards: usize,
     profile: Option<Option<PathBuf>>,
+    profile_method: Method,
     progress: bool,
 ) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
@@ -965,18 +1002,21 @@ pub async fn run_hop_bench(
         source_args: Vec::new(),
         perf_receiver: None,
     };
-    let configs: [(&str, bool, &[&str]); 3] = [
-        ("tls", false, &[]),
+    let configs: [(&str, bool, &[&str], Method); 4] = [
+        ("tls", false, &[], Method::ChainTcp),
         (
             "tls-no-reverify",
             false,
             &["--reverify-after-ms", "86400000"],
+            Method::ChainTcp,
         ),
-        ("plaintext", true, &[]),
+        ("plaintext", true, &[], Method::ChainTcp),
+        ("quic", false, &[], Method::ChainQuic),
     ];
     let mut runs = Vec::new();
-    for (config, plaintext, args) in configs {
+    for (config, plaintext, args, method) in configs {
         opts.plaintext = plaintext;
+        opts.methods = vec![method];
         opts.source_args = args.iter().map(|a| a.to_string()).collect();
         let report = run_chain_bench(&opts).await?;
         let r = report.results.first().context("no result")?;
@@ -1001,6 +1041,7 @@ pub async fn run_hop_bench(
         let dir = scratch_dir("perf")?;
         let data = keep.unwrap_or_else(|| dir.path().join("receiver.perf.data"));
         opts.plaintext = false;
+        opts.methods = vec![profile_method];
         opts.source_args = Vec::new();
         opts.perf_receiver = Some(data.clone());
         let report = run_chain_bench(&opts).await?;
@@ -1009,7 +1050,11 @@ pub async fn run_hop_bench(
         let text = tokio::task::spawn_blocking(move || perf_report_text(&data)).await??;
         let (categories, top_symbols) = fold_profile(&text, 15);
         Some(ReceiverProfile {
-            config: "tls".into(),
+            config: match profile_method {
+                Method::ChainQuic => "quic",
+                _ => "tls",
+            }
+            .into(),
             bytes_per_s,
             categories,
             top_symbols,
@@ -1018,7 +1063,7 @@ pub async fn run_hop_bench(
         None
     };
     let scrub = measure_scrub(size.min(1 << 30), shards, 5).await?;
-    let (tls, no_reverify, plain) = (&runs[0], &runs[1], &runs[2]);
+    let (tls, no_reverify, plain, quic) = (&runs[0], &runs[1], &runs[2], &runs[3]);
     Ok(HopReport {
         bytes: size,
         shards,
@@ -1034,6 +1079,9 @@ pub async fn run_hop_bench(
         plaintext_cpu_util: plain.cpu_util,
         tls_vs_plaintext: tls.bytes_per_s / plain.bytes_per_s,
         reverify_throughput_ratio: tls.bytes_per_s / no_reverify.bytes_per_s,
+        quic_hop_bytes_per_s: quic.bytes_per_s,
+        quic_ratio: raw.as_ref().map(|r| quic.bytes_per_s / r.bytes_per_s),
+        quic_vs_tls: quic.bytes_per_s / tls.bytes_per_s,
         runs,
         scrub,
         receiver_profile,

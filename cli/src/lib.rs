@@ -17,7 +17,8 @@ use shardcast_protocol::controller::controller_client::ControllerClient;
 use shardcast_protocol::controller::{
     EvictRequest, GetModelRequest, GetStatusRequest, GpuState, HostProgress, ListHostsRequest,
     ListModelsRequest, ListPlansRequest, PlanAccepted, PlanKind, PlanState, PlanStatus,
-    PrewarmRequest, ReceiverState, RegisterModelRequest, ScaleOutRequest, Tier, WatchPlanRequest,
+    PrewarmRequest, ReceiverState, RegisterModelRequest, ScaleOutRequest, Tier, Transport,
+    WatchPlanRequest,
 };
 use shardcast_protocol::units::{format_bytes, parse_size};
 
@@ -121,6 +122,10 @@ pub enum Command {
         /// origin itself: the baseline without shardcast).
         #[arg(long, default_value = "auto")]
         sources: String,
+        /// tcp or quic: how the chains' hops dial each other [default: the controller's
+        /// --transport].
+        #[arg(long, default_value = "")]
+        transport: String,
         /// Return once the plan is made instead of watching it.
         #[arg(long)]
         no_wait: bool,
@@ -140,6 +145,10 @@ pub enum Command {
         /// full replica.
         #[arg(long, default_value_t = 0)]
         partitions: u32,
+        /// tcp or quic: how the chains' hops dial each other [default: the controller's
+        /// --transport].
+        #[arg(long, default_value = "")]
+        transport: String,
         /// Return once the plan is made.
         #[arg(long)]
         no_wait: bool,
@@ -703,6 +712,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             hosts,
             tier,
             sources,
+            transport,
             no_wait,
         } => {
             if replicas.is_none() && hosts.is_empty() {
@@ -715,6 +725,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     hosts,
                     tier: tier_arg(&tier)?,
                     sources,
+                    transport: transport_arg(&transport)?,
                 })
                 .await?
                 .into_inner();
@@ -725,6 +736,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             replicas,
             tier,
             partitions,
+            transport,
             no_wait,
         } => {
             let a = c
@@ -733,6 +745,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                     replicas,
                     tier: tier_arg(&tier)?,
                     partitions,
+                    transport: transport_arg(&transport)?,
                 })
                 .await?
                 .into_inner();
@@ -1183,6 +1196,16 @@ fn tier_arg(s: &str) -> Result<i32, CliError> {
         ))),
         Some(t) => Ok(t as i32),
     }
+}
+
+/// `""` leaves the choice to the controller.
+fn transport_arg(s: &str) -> Result<i32, CliError> {
+    Transport::from_label(s).map(|t| t as i32).ok_or_else(|| {
+        usage(format!(
+            "--transport must be one of {}, got {s:?}",
+            Transport::LABELS.join(", ")
+        ))
+    })
 }
 
 fn print_json<T: Serialize>(v: &T) {

@@ -177,6 +177,7 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                         replicas: full,
                         tier: crate::wire::pb_tier(tier) as i32,
                         partitions: 0,
+                        transport: 0,
                     }) {
                         Ok(a) => event.plan_id = a.plan_id,
                         Err(e) => {
@@ -193,6 +194,7 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                     replicas: add,
                     tier: crate::wire::pb_tier(tier) as i32,
                     partitions: 0,
+                    transport: 0,
                 }) {
                     Ok(a) => {
                         event.kind = "scale-up".into();

@@ -76,6 +76,9 @@ pub struct ControllerConfig {
     /// bytes (best effort, in its memory tier), so registering and prewarming read the
     /// origin once. Default true.
     pub register_keeps_copy: bool,
+    /// How the hops of a plan's chains dial each other when the request does not say
+    /// (`--transport`; TCP by default).
+    pub transport: shardcast_protocol::HopTransport,
     /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
     /// empty, which refuses every registration with a message saying how to allow one.
     pub origins: OriginPolicy,
@@ -102,6 +105,7 @@ impl Default for ControllerConfig {
             origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
             api_stats: Default::default(),
             register_keeps_copy: true,
+            transport: shardcast_protocol::HopTransport::Tcp,
         }
     }
 }
@@ -957,6 +961,8 @@ impl Controller {
         } else {
             Target::Hosts(req.hosts.clone())
         };
+        let transport = crate::wire::transport_of(req.transport, self.cfg.transport)
+            .map_err(|e| PlanRequestError::Invalid(e.message))?;
         let each_from_origin = match req.sources.as_str() {
             "" | "auto" => false,
             "origin" => true,
@@ -966,7 +972,7 @@ impl Controller {
                 )));
             }
         };
-        self.make_plan(&req.model, tier, each_from_origin, |st, m| {
+        self.make_plan(&req.model, tier, (each_from_origin, transport), |st, m| {
             // GPU slots are counted by reservation: a gpu prewarm of k makes sure k slots are
             // reserved for the model, reserving only the missing ones.
             if tier == Tier::Gpu
@@ -1089,7 +1095,9 @@ impl Controller {
                 "replicas must be at least 1".into(),
             ));
         }
-        self.make_plan(&req.model, tier, false, |st, m| {
+        let transport = crate::wire::transport_of(req.transport, self.cfg.transport)
+            .map_err(|e| PlanRequestError::Invalid(e.message))?;
+        self.make_plan(&req.model, tier, (false, transport), |st, m| {
             let current: u32 = match tier {
                 // Placement sees only free GPU slots: ask for the additional ones.
                 Tier::Gpu => return Ok(Some(Target::Replicas(req.replicas))),
@@ -1114,7 +1122,7 @@ impl Controller {
         self: &Arc<Self>,
         key: &str,
         tier: Tier,
-        each_from_origin: bool,
+        (each_from_origin, transport): (bool, shardcast_protocol::HopTransport),
         target: impl FnOnce(&State, &ModelRecord) -> Result<Option<Target>, PlanRequestError>,
     ) -> Result<Accepted, PlanRequestError> {
         let mut st = lock(&self.state);
@@ -1211,6 +1219,7 @@ impl Controller {
             estimate_s: plan.estimate_s,
             chains: chains.clone(),
             runs,
+            transport,
             ..Plan::started(
                 id.clone(),
                 (model.name.clone(), model.digest.clone()),
@@ -1753,10 +1762,16 @@ impl Controller {
 
     /// Starts the chains of a plan that have not been started.
     async fn start_runs(&self, id: &str) {
-        let (runs, origin, digest, tier) = {
+        let (runs, origin, digest, tier, transport) = {
             let st = lock(&self.state);
             let Some(p) = st.plans.get(id) else { return };
-            (p.runs.clone(), p.origin.clone(), p.digest.clone(), p.tier)
+            (
+                p.runs.clone(),
+                p.origin.clone(),
+                p.digest.clone(),
+                p.tier,
+                p.transport,
+            )
         };
         let manifest = lock(&self.state).manifests.get(&digest).cloned();
         let Some(manifest) = manifest else {
@@ -1768,7 +1783,9 @@ impl Controller {
             if run.started {
                 continue;
             }
-            let r = self.start_run(run, &manifest, &origin, &digest, tier).await;
+            let r = self
+                .start_run(run, &manifest, (&origin, &digest), tier, transport)
+                .await;
             if let Err(e) = &r {
                 warn!(plan = %id, head = %run.head, "starting a chain failed: {e}");
             }
@@ -1803,9 +1820,9 @@ impl Controller {
         &self,
         run: &ChainRun,
         manifest: &Arc<Vec<u8>>,
-        origin: &str,
-        digest: &str,
+        (origin, digest): (&str, &str),
         tier: Tier,
+        transport: shardcast_protocol::HopTransport,
     ) -> Result<(), String> {
         let mut agent = self.agent(&run.head).map_err(|e| e.message)?;
         if run.hops.is_empty() {
@@ -1883,6 +1900,7 @@ impl Controller {
                     .collect(),
             }],
             plan_token,
+            transport: apb::Transport::from(transport) as i32,
         };
         match tokio::time::timeout(Duration::from_secs(10), agent.start_chain(req)).await {
             Err(_) => Err(format!("agent of {} did not answer StartChain", run.head)),

@@ -440,6 +440,9 @@ pub struct Plan {
     pub live_s: f64,
     /// Origin URI (every hop's fallback).
     pub origin: String,
+    /// How its chains' hops dial each other (records from before transports: TCP).
+    #[serde(default)]
+    pub transport: shardcast_protocol::HopTransport,
 }
 
 impl Plan {
@@ -471,6 +474,7 @@ impl Plan {
             ended_at: None,
             live_s: 0.0,
             origin: origin.into(),
+            transport: shardcast_protocol::HopTransport::Tcp,
         }
     }
 

@@ -220,6 +220,10 @@ pub struct Args {
     /// that keeps nothing (cold-start benchmarks that measure the origin path use it).
     #[arg(long, env = "SHARDCAST_REGISTER_KEEP_COPY", default_value_t = true, action = clap::ArgAction::Set)]
     pub register_keep_copy: bool,
+    /// How the hops of a plan's chains dial each other, unless the request says otherwise:
+    /// `tcp`, or `quic` (every transferd listens on both unless started with quic = false).
+    #[arg(long, env = "SHARDCAST_TRANSPORT", default_value = "tcp")]
+    pub transport: shardcast_protocol::HopTransport,
 }
 
 /// The controller's TLS identity, or `None` in insecure mode (checked: loopback only).
@@ -348,6 +352,7 @@ impl Args {
             origins: OriginPolicy::parse(&self.origin_allow, Enforcer::Controller)
                 .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?,
             register_keeps_copy: self.register_keep_copy,
+            transport: self.transport,
             ..ControllerConfig::default()
         };
         Ok(Config {

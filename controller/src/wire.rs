@@ -3,6 +3,7 @@
 //! convert here, and nowhere else, so the core never compares or builds state strings.
 
 use shardcast_placement::Tier;
+use shardcast_protocol::HopTransport;
 use shardcast_protocol::controller::{
     self as pb, HostProgress, PlanAccepted, PlanStatus, PlannedChain,
 };
@@ -23,6 +24,14 @@ pub fn tier_of(v: i32) -> Result<Tier, ApiError> {
             "tier must be memory, disk or gpu, got {v}"
         ))),
     }
+}
+
+/// A request's transport: unspecified is `default` (the controller's `--transport`); a
+/// number this build does not know is refused.
+pub fn transport_of(v: i32, default: HopTransport) -> Result<HopTransport, ApiError> {
+    pb::Transport::try_from(v)
+        .map(|t| t.hop().unwrap_or(default))
+        .map_err(|_| ApiError::invalid(format!("transport must be tcp or quic, got {v}")))
 }
 
 /// The wire's tier.
@@ -114,6 +123,7 @@ pub fn plan_status(p: &Plan, now: f64) -> PlanStatus {
         created_at: p.created_at,
         kind: pb::PlanKind::from(p.kind) as i32,
         live_s: p.live_s,
+        transport: pb::Transport::from(p.transport) as i32,
     }
 }
 
@@ -200,6 +210,8 @@ pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
         ended_at: r.ended_at,
         live_s: s.live_s,
         origin: r.origin,
+        // Legacy records predate transports: every chain ran over TCP.
+        transport: HopTransport::Tcp,
     })
 }
 

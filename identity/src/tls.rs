@@ -511,6 +511,20 @@ impl TlsContext {
         self.loaded.load().clients[index(Alpn::Http)].clone()
     }
 
+    /// The current server configuration for `alpn` (a client certificate of the CA is
+    /// required), for transports that drive rustls themselves: quinn wraps it for QUIC.
+    /// Take it again after [`Self::watch_reloads`] changes.
+    pub fn server_config(&self, alpn: Alpn) -> Arc<ServerConfig> {
+        self.loaded.load().servers[index(alpn)].clone()
+    }
+
+    /// The current client configuration for `alpn` (presents this member's certificate,
+    /// checks the server's chain but not its name: compare the peer's identity with
+    /// [`Expect::check`]), for transports that drive rustls themselves.
+    pub fn client_config(&self, alpn: Alpn) -> Arc<ClientConfig> {
+        self.loaded.load().clients[index(alpn)].clone()
+    }
+
     /// The files.
     pub fn files(&self) -> &TlsFiles {
         &self.files

@@ -2,7 +2,7 @@
 //! lowercase name in the HTTP/JSON API, the CLI and messages (`memory`, `running`,
 //! `partition-live`); `Unspecified` is the empty string (a request's tier: memory).
 
-use crate::controller::{GpuState, PlanKind, PlanState, ReceiverState, Tier};
+use crate::controller::{GpuState, PlanKind, PlanState, ReceiverState, Tier, Transport};
 
 macro_rules! labels {
     ($ty:ident { $($v:ident => $s:literal),+ $(,)? }) => {
@@ -31,6 +31,7 @@ macro_rules! labels {
 }
 
 labels!(Tier { Memory => "memory", Disk => "disk", Gpu => "gpu" });
+labels!(Transport { Tcp => "tcp", Quic => "quic" });
 labels!(PlanState { Running => "running", Done => "done", Failed => "failed" });
 labels!(PlanKind { Chains => "chains", Burst => "burst" });
 labels!(ReceiverState {
@@ -50,6 +51,33 @@ labels!(GpuState {
     Failed => "failed",
     Unavailable => "unavailable",
 });
+
+/// The wire names of the hop transport, in both APIs.
+macro_rules! transport_names {
+    ($($api:ident),+) => {$(
+        impl From<crate::HopTransport> for crate::$api::Transport {
+            fn from(t: crate::HopTransport) -> Self {
+                match t {
+                    crate::HopTransport::Tcp => Self::Tcp,
+                    crate::HopTransport::Quic => Self::Quic,
+                }
+            }
+        }
+
+        impl crate::$api::Transport {
+            /// The transport named, or `None` for `Unspecified` (the default applies).
+            pub fn hop(self) -> Option<crate::HopTransport> {
+                match self {
+                    Self::Unspecified => None,
+                    Self::Tcp => Some(crate::HopTransport::Tcp),
+                    Self::Quic => Some(crate::HopTransport::Quic),
+                }
+            }
+        }
+    )+};
+}
+
+transport_names!(agent, controller);
 
 /// `serde(with)` modules for the enum fields of the API's messages (see `build.rs`): the
 /// name in JSON; a number this build does not know is written as the number, and a name
@@ -98,6 +126,7 @@ pub mod json {
     }
 
     module!(tier, Tier, "tier");
+    module!(transport, Transport, "transport");
     module!(plan_state, PlanState, "plan state");
     module!(plan_kind, PlanKind, "plan kind");
     module!(receiver_state, ReceiverState, "receiver state");

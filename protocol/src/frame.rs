@@ -115,6 +115,68 @@ impl std::str::FromStr for Tier {
     }
 }
 
+/// How a hop reaches the next one: chosen per cluster by the controller, overridable per
+/// plan, carried in every `Open` so each hop dials its downstream the same way.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum HopTransport {
+    /// TCP (with mutual TLS unless the daemons run `insecure_plaintext`).
+    #[default]
+    Tcp,
+    /// QUIC (over UDP, mutual TLS 1.3 with the same certificates), one connection per
+    /// pair of hosts and one stream per (session, shard).
+    Quic,
+}
+
+impl HopTransport {
+    fn to_u8(self) -> u8 {
+        match self {
+            Self::Tcp => 0,
+            Self::Quic => 1,
+        }
+    }
+
+    fn from_u8(v: u8) -> Result<Self, DecodeError> {
+        match v {
+            0 => Ok(Self::Tcp),
+            1 => Ok(Self::Quic),
+            other => Err(DecodeError::Invalid {
+                field: "transport",
+                reason: format!("{other}"),
+            }),
+        }
+    }
+
+    /// `"tcp"` or `"quic"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Quic => "quic",
+        }
+    }
+}
+
+impl std::fmt::Display for HopTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for HopTransport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "tcp" => Ok(Self::Tcp),
+            "quic" => Ok(Self::Quic),
+            other => Err(format!(
+                "unknown transport {other:?}; expected \"tcp\" or \"quic\""
+            )),
+        }
+    }
+}
+
 /// One downstream hop of a chain.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hop {
@@ -154,6 +216,9 @@ pub struct SessionHeader {
     /// upstream stalls or vanishes pulls what it lacks from these before it reads the
     /// origin. Encoded after the token (protocol version 3).
     pub upstream: Vec<Hop>,
+    /// How the receiver dials its downstream hops (and the holders it pulls from).
+    /// Encoded last, one byte (protocol version 4).
+    pub transport: HopTransport,
 }
 
 /// Error codes carried by [`Frame::Error`].
@@ -293,6 +358,7 @@ impl FrameType {
                     + crate::plan::MAX_TOKEN_LEN
                     + 2
                     + MAX_UPSTREAM_HOPS * 514
+                    + 1
             }
             _ => MAX_CONTROL_LEN,
         }
@@ -468,6 +534,7 @@ impl Frame {
                         .iter()
                         .map(|hop| codec::str_len(hop.host.as_str()) + codec::str_len(&hop.addr))
                         .sum::<usize>()
+                    + 1
             }
             Self::Accept { have } => have.encoded_len(),
             Self::Chunk { data, .. } => 4 + 4 + 4 + data.len(),
@@ -509,6 +576,7 @@ impl Frame {
                     codec::put_str(buf, hop.host.as_str());
                     codec::put_str(buf, &hop.addr);
                 }
+                buf.put_u8(h.transport.to_u8());
             }
             Self::Accept { have } => have.encode(buf),
             Self::Chunk { shard, index, data } => {
@@ -608,6 +676,7 @@ impl Frame {
                 codec::need(b, n)?;
                 let token = b.copy_to_bytes(n);
                 let upstream = get_hops(b, "upstream hops", MAX_UPSTREAM_HOPS)?;
+                let transport = HopTransport::from_u8(get_u8(b)?)?;
                 Self::Open(SessionHeader {
                     session,
                     model,
@@ -619,6 +688,7 @@ impl Frame {
                     downstream,
                     token,
                     upstream,
+                    transport,
                 })
             }
             FrameType::Accept => Self::Accept {

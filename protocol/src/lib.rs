@@ -70,7 +70,7 @@ pub mod controller {
 
 pub use chunkset::ChunkSet;
 pub use codec::{Codec, DecodeError};
-pub use frame::{ErrorCode, Frame, FrameType, Hop, SessionHeader, SessionId, Tier};
+pub use frame::{ErrorCode, Frame, FrameType, Hop, HopTransport, SessionHeader, SessionId, Tier};
 pub use manifest::{
     ChunkHash, Manifest, ModelDigest, ShardEntry, ShardHasher, VerifiedChunk, VerifyError,
 };
@@ -78,7 +78,7 @@ pub use name::{HostId, ModelName, NameError, ShardPath};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer
 /// with another version is refused with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// gRPC status code names as the gRPC spec spells them (`NOT_FOUND`), used in JSON error
 /// bodies and CLI messages.

@@ -89,6 +89,7 @@ fn sample_frames() -> Vec<Frame> {
         ],
         token: bytes::Bytes::from_static(b"signed plan token"),
         upstream: Vec::new(),
+        transport: Default::default(),
     };
     vec![
         Frame::Hello {
@@ -325,6 +326,7 @@ fn per_type_maximum_body_lengths() {
             };
             MAX_UPSTREAM_HOPS
         ],
+        transport: Default::default(),
     });
     assert_eq!(
         full_open.encoded_len() - HEADER_LEN,

@@ -295,7 +295,7 @@ fn golden_bytes_of_small_frames() {
 /// The `Open` layout, field by field, as documented.
 #[test]
 fn open_layout() {
-    use shardcast_protocol::{Hop, SessionHeader, SessionId, Tier};
+    use shardcast_protocol::{Hop, HopTransport, SessionHeader, SessionId, Tier};
     let h = SessionHeader {
         session: SessionId([0xab; 16]),
         model: ModelDigest([0xcd; 32]),
@@ -313,6 +313,7 @@ fn open_layout() {
             host: "a".parse().unwrap(),
             addr: "a:2".into(),
         }],
+        transport: HopTransport::Quic,
     };
     let enc = encode_to_vec(&Frame::Open(h.clone()));
     let mut b = Bytes::from(enc.clone());
@@ -334,6 +335,7 @@ fn open_layout() {
     assert_eq!((b.get_u16(), b.get_u8()), (1, b'a'));
     assert_eq!(b.get_u16(), 3);
     assert_eq!(&b.copy_to_bytes(3)[..], b"a:2");
+    assert_eq!(b.get_u8(), 1, "transport: 0 = TCP, 1 = QUIC");
     assert!(!b.has_remaining());
 
     let mut mem = Vec::new();

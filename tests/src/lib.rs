@@ -6,8 +6,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use shardcast_bench::cluster::{Daemon, DaemonOpts, wait_complete};
 use shardcast_bench::synth::{self, SynthSpec};
-use shardcast_protocol::Manifest;
 use shardcast_protocol::agent::{Chain, ImportModelRequest, StartChainRequest, Tier};
+use shardcast_protocol::{HopTransport, Manifest};
+
 use shardcast_protocol::codec::decode_exact;
 
 /// A test cluster: daemon 0 is the source, the rest are receivers.
@@ -20,6 +21,9 @@ pub struct TestCluster {
     pub origin_uri: String,
     /// Scratch space of the daemons.
     pub scratch: tempfile::TempDir,
+    /// How the hops of the chains [`Self::start_chain`] starts dial each other (TCP unless
+    /// a test sets it).
+    pub transport: HopTransport,
 }
 
 impl TestCluster {
@@ -65,6 +69,7 @@ impl TestCluster {
             origin,
             origin_uri,
             scratch,
+            transport: HopTransport::Tcp,
         })
     }
 
@@ -130,6 +135,7 @@ impl TestCluster {
                 hops: hops.iter().map(|&i| self.daemons[i].hop()).collect(),
             }],
             plan_token: Vec::new(),
+            transport: shardcast_protocol::agent::Transport::from(self.transport) as i32,
         };
         self.daemons[head].sign_chain(&mut req)?;
         Ok(self.daemons[head]

@@ -1,8 +1,11 @@
-//! Multi-process chain tests on loopback: real transferd processes, real sockets.
+//! Multi-process chain tests on loopback: real transferd processes, real sockets. The
+//! chain and failure tests run twice, with the hops dialling each other over TCP (`tcp::`)
+//! and over QUIC (`quic::`).
 
 use std::time::Duration;
 
 use shardcast_bench::cluster::DaemonOpts;
+use shardcast_protocol::HopTransport;
 use shardcast_protocol::agent::{ImportModelRequest, StartChainRequest, Tier};
 use shardcast_tests::TestCluster;
 
@@ -18,9 +21,9 @@ fn cap_receivers(rate: &'static str) -> impl FnMut(usize, &mut DaemonOpts) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chain_of_eight_receivers_is_byte_exact() {
-    let c = TestCluster::start(8, 48 * MIB, 3, |_, _| {}).await.unwrap();
+async fn chain_of_eight_receivers_is_byte_exact(transport: HopTransport) {
+    let mut c = TestCluster::start(8, 48 * MIB, 3, |_, _| {}).await.unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1, 2, 3, 4, 5, 6, 7, 8], &c.origin_uri)
         .await
@@ -64,12 +67,12 @@ async fn kill_head_mid_chain(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn middle_hop_killed_mid_transfer_others_complete() {
+async fn middle_hop_killed_mid_transfer_others_complete(transport: HopTransport) {
     // 200 Mbit/s per daemon: 48 MiB takes ~2 s, leaving time to kill a hop mid-way.
     let mut c = TestCluster::start(5, 48 * MIB, 2, cap_receivers("200Mbit"))
         .await
         .unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1, 2, 3, 4, 5], &c.origin_uri)
         .await
@@ -87,19 +90,18 @@ async fn middle_hop_killed_mid_transfer_others_complete() {
     assert!(c.daemons[1].stats().await.unwrap().downstream_failovers >= 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn head_killed_hops_recover_from_origin() {
+async fn head_killed_hops_recover_from_origin(transport: HopTransport) {
     let mut c = TestCluster::start(3, 32 * MIB, 1, cap_receivers("100Mbit"))
         .await
         .unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     let origin = c.origin_uri.clone();
     kill_head_mid_chain(&mut c, &digest, &manifest, &origin).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn corrupt_chunk_in_flight_is_detected_and_resent() {
-    let c = TestCluster::start(3, 16 * MIB, 2, |i, o| {
+async fn corrupt_chunk_in_flight_is_detected_and_resent(transport: HopTransport) {
+    let mut c = TestCluster::start(3, 16 * MIB, 2, |i, o| {
         if i == 0 {
             o.env
                 .push(("SHARDCAST_ENABLE_FAULT_INJECTION".into(), "1".into()));
@@ -109,6 +111,7 @@ async fn corrupt_chunk_in_flight_is_detected_and_resent() {
     })
     .await
     .unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1, 2, 3], &c.origin_uri)
         .await
@@ -131,12 +134,12 @@ async fn corrupt_chunk_in_flight_is_detected_and_resent() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restarted_receiver_resumes_without_refetching_verified_chunks() {
+async fn restarted_receiver_resumes_without_refetching_verified_chunks(transport: HopTransport) {
     let total = 32 * MIB;
     let mut c = TestCluster::start(1, total, 1, cap_receivers("100Mbit"))
         .await
         .unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1], "").await.unwrap();
     c.wait_bytes(1, &digest, 12 * MIB, Duration::from_secs(60))
@@ -200,10 +203,10 @@ async fn bad_requests_get_clear_errors() {
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shards_striped_over_two_chains_run_concurrently() {
+async fn shards_striped_over_two_chains_run_concurrently(transport: HopTransport) {
     use shardcast_protocol::agent::Chain;
-    let c = TestCluster::start(3, 24 * MIB, 2, |_, _| {}).await.unwrap();
+    let mut c = TestCluster::start(3, 24 * MIB, 2, |_, _| {}).await.unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     let hops = |order: &[usize]| {
         order
@@ -225,6 +228,7 @@ async fn shards_striped_over_two_chains_run_concurrently() {
                 hops: hops(&[3, 2, 1]),
             },
         ],
+        transport: shardcast_protocol::agent::Transport::from(transport) as i32,
         ..Default::default()
     };
     c.daemons[0].sign_chain(&mut req).unwrap();
@@ -311,13 +315,13 @@ async fn egress_cap_holds_under_concurrent_sessions() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn head_killed_hops_recover_from_another_holder() {
+async fn head_killed_hops_recover_from_another_holder(transport: HopTransport) {
     // Daemon 4 also holds the model; the session names it as the fallback source
     // (`shardcast://addr`), so when the head dies the hops pull from it, not the origin.
     let mut c = TestCluster::start(4, 32 * MIB, 1, cap_receivers("100Mbit"))
         .await
         .unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     let mut holder = c.daemons[4].agent().await.unwrap();
     holder
@@ -345,3 +349,35 @@ async fn head_killed_hops_recover_from_another_holder() {
         "the holder served the missing chunks"
     );
 }
+
+/// Each test above, once per transport.
+macro_rules! over_each_transport {
+    ($($name:ident),+ $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::HopTransport::Tcp).await
+                }
+            )+
+        }
+        mod quic {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::HopTransport::Quic).await
+                }
+            )+
+        }
+    };
+}
+
+over_each_transport!(
+    chain_of_eight_receivers_is_byte_exact,
+    middle_hop_killed_mid_transfer_others_complete,
+    head_killed_hops_recover_from_origin,
+    corrupt_chunk_in_flight_is_detected_and_resent,
+    restarted_receiver_resumes_without_refetching_verified_chunks,
+    shards_striped_over_two_chains_run_concurrently,
+    head_killed_hops_recover_from_another_holder,
+);

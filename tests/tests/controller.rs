@@ -114,6 +114,7 @@ async fn prewarm_hosts(api: &mut ControllerClient<Channel>, h: Vec<String>) -> S
         hosts: h,
         tier: shardcast_protocol::controller::Tier::Memory as i32,
         sources: String::new(),
+        ..Default::default()
     })
     .await
     .unwrap()
@@ -309,6 +310,7 @@ async fn prewarm_then_peers(http: bool) {
             model: MODEL.into(),
             replicas: 1,
             tier: shardcast_protocol::controller::Tier::Memory as i32,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -660,6 +662,7 @@ async fn bad_input_gets_precise_errors_and_changes_nothing() {
         hosts,
         tier: shardcast_protocol::controller::Tier::from_label(tier).map_or(99, |t| t as i32),
         sources: String::new(),
+        ..Default::default()
     };
     let cases = [
         (pw("no/such-model", 1, "memory", vec![]), Code::NotFound),
@@ -906,6 +909,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
             model: MODEL.into(),
             replicas: 4,
             tier: shardcast_protocol::controller::Tier::Gpu as i32,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -937,6 +941,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
             model: MODEL.into(),
             replicas: 4,
             tier: shardcast_protocol::controller::Tier::Gpu as i32,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -1130,6 +1135,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
             replicas: 1,
             tier: shardcast_protocol::controller::Tier::Memory as i32,
             partitions: 2,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -1140,6 +1146,7 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
             replicas: 1,
             tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: 2,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -1414,6 +1421,7 @@ async fn a_burst_partition_that_fails_on_its_host_frees_its_gpu_slot() {
             replicas: 1,
             tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: 2,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -1549,6 +1557,7 @@ async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
                 hosts: vec!["host-1".into()],
                 tier: shardcast_protocol::controller::Tier::Memory as i32,
                 sources: String::new(),
+                ..Default::default()
             })
             .await
             .unwrap()

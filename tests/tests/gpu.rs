@@ -113,6 +113,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
             hops: vec![gpu.hop()],
         }],
         plan_token: Vec::new(),
+        ..Default::default()
     };
     source.sign_chain(&mut req).unwrap();
     source

@@ -256,6 +256,7 @@ async fn leader_killed_during_a_burst_a_new_leader_finishes_it() {
             replicas: 1,
             tier: shardcast_protocol::controller::Tier::Gpu as i32,
             partitions: 2,
+            ..Default::default()
         })
         .await
         .unwrap()

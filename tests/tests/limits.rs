@@ -82,6 +82,7 @@ async fn silent_peers_are_closed_in_every_phase() {
         downstream: vec![],
         token: shardcast_tests::plan_token(manifest.digest(), &["stalled-upstream", "recv-1"]),
         upstream: Vec::new(),
+        transport: Default::default(),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();
@@ -157,6 +158,7 @@ async fn sessions_beyond_the_cap_are_refused() {
             downstream: vec![],
             token: shardcast_tests::plan_token(manifest.digest(), &["opener", "recv-1"]),
             upstream: Vec::new(),
+            transport: Default::default(),
         })
         .encode(&mut out);
         s.write_all(&out).await.unwrap();

@@ -362,6 +362,7 @@ async fn a_fallback_origin_outside_policy_refuses_the_session() {
         downstream: vec![],
         token: shardcast_tests::plan_token(manifest.digest(), &["attacker", "recv-1"]),
         upstream: Vec::new(),
+        transport: Default::default(),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();

@@ -377,6 +377,7 @@ async fn open_as_mallory(
         downstream,
         token,
         upstream: Vec::new(),
+        transport: Default::default(),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();

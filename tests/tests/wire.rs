@@ -74,6 +74,7 @@ async fn hostile_frames_are_refused_and_the_daemon_keeps_serving() {
         downstream: vec![],
         token: shardcast_tests::plan_token(ModelDigest([9; 32]), &["attacker", "recv-1"]),
         upstream: Vec::new(),
+        transport: Default::default(),
     })
     .encode(&mut out);
     s.write_all(&out).await.unwrap();

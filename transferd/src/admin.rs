@@ -353,7 +353,7 @@ pub fn render(node: &Node) -> String {
         "Admin HTTP requests refused for want of an identity (no certificate, no or an unknown token).",
         s.admin_authz.unauthenticated.load(Ordering::Relaxed),
     );
-    if let Some(tls) = node.transport.tls() {
+    if let Some(tls) = node.transports.tls() {
         let t = &tls.stats;
         metric(
             "tls_handshakes_accepted_total",
@@ -385,6 +385,67 @@ pub fn render(node: &Node) -> String {
             "Certificate reloads that failed (the running certificate stays).",
             t.reload_failures.load(Ordering::Relaxed),
         );
+    }
+    if let Some(q) = node.transports.quic() {
+        let (qs, o) = (&q.stats, q.offload());
+        for (name, help, v) in [
+            (
+                "quic_connections_dialled_total",
+                "QUIC connections this host opened to peers.",
+                qs.dialled.load(Ordering::Relaxed),
+            ),
+            (
+                "quic_connections_accepted_total",
+                "QUIC connections accepted (handshake completed, a host's certificate).",
+                qs.accepted.load(Ordering::Relaxed),
+            ),
+            (
+                "quic_connections_refused_total",
+                "Incoming QUIC connections refused in the handshake or timed out.",
+                qs.refused.load(Ordering::Relaxed),
+            ),
+            (
+                "quic_connections_reused_total",
+                "Sessions that opened their stream on a connection already held.",
+                qs.reused.load(Ordering::Relaxed),
+            ),
+            (
+                "quic_streams_opened_total",
+                "QUIC streams opened (one per session and shard sent).",
+                qs.streams_opened.load(Ordering::Relaxed),
+            ),
+            (
+                "quic_streams_accepted_total",
+                "QUIC streams accepted from peers.",
+                qs.streams_accepted.load(Ordering::Relaxed),
+            ),
+        ] {
+            metric(name, "counter", help, v);
+        }
+        for (name, help, v) in [
+            (
+                "quic_gso_segments",
+                "Datagrams per send with UDP GSO (1: none).",
+                o.gso_segments,
+            ),
+            (
+                "quic_gro_segments",
+                "Datagrams per receive with UDP GRO (1: none).",
+                o.gro_segments,
+            ),
+            (
+                "quic_udp_recv_buffer_bytes",
+                "Receive buffer the kernel granted the QUIC socket.",
+                o.recv_buffer,
+            ),
+            (
+                "quic_udp_send_buffer_bytes",
+                "Send buffer the kernel granted the QUIC socket.",
+                o.send_buffer,
+            ),
+        ] {
+            metric(name, "gauge", help, v as u64);
+        }
     }
     let st = node.store.stats();
     for (name, kind, help, v) in [

@@ -17,7 +17,7 @@ use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::frame::{MAX_ADDR_LEN, MAX_HOPS, MAX_URI_LEN};
 use shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE;
 use shardcast_protocol::{
-    ErrorCode, Hop, HostId, Manifest, ModelDigest, ModelName, SessionId, Tier,
+    ErrorCode, Hop, HopTransport, HostId, Manifest, ModelDigest, ModelName, SessionId, Tier,
 };
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
@@ -420,7 +420,16 @@ impl Agent for AgentService {
                 hops,
             });
         }
-        if self.node.transport.tls().is_some() && req.plan_token.is_empty() {
+        // Unspecified: TCP, as before transports could be chosen.
+        let transport = pb::Transport::try_from(req.transport)
+            .map(|t| t.hop().unwrap_or(HopTransport::Tcp))
+            .map_err(|_| {
+                Status::invalid_argument(format!(
+                    "transport {} is not one this build knows (tcp or quic)",
+                    req.transport
+                ))
+            })?;
+        if self.node.transports.tls().is_some() && req.plan_token.is_empty() {
             return Err(Status::invalid_argument(
                 "plan_token is required: hops accept only sessions the controller signed",
             ));
@@ -434,6 +443,7 @@ impl Agent for AgentService {
                 tier,
                 chains,
                 req.plan_token.into(),
+                transport,
             )
             .map_err(chain_status)?;
         Ok(Response::new(StartChainResponse {

@@ -40,6 +40,11 @@ pub struct Args {
     /// Data-plane listener (hop-to-hop chains) [default: 0.0.0.0:7400].
     #[arg(long, env = "SHARDCAST_LISTEN")]
     pub listen: Option<SocketAddr>,
+    /// QUIC listener (UDP) on the data listener's address and port, so sessions whose plan
+    /// asks for QUIC reach this host; it uses the TLS identity, so `insecure_plaintext`
+    /// turns it off [default: true].
+    #[arg(long, env = "SHARDCAST_QUIC")]
+    pub quic: Option<bool>,
     /// Agent gRPC listener: `host:port`, or `unix:/path/to.sock` for a local socket
     /// [default: 0.0.0.0:7401].
     #[arg(long, env = "SHARDCAST_AGENT_LISTEN")]
@@ -282,6 +287,7 @@ fn gpu_budget(
 struct FileConfig {
     host_id: Option<String>,
     listen: Option<SocketAddr>,
+    quic: Option<bool>,
     agent_listen: Option<String>,
     admin_listen: Option<String>,
     tokens_file: Option<PathBuf>,
@@ -393,6 +399,8 @@ pub struct Config {
     pub host_id: HostId,
     /// Data-plane listener.
     pub listen: SocketAddr,
+    /// Whether the QUIC listener is bound too (UDP, same address and port as `listen`).
+    pub quic: bool,
     /// Agent gRPC listener.
     pub agent_listen: ListenAddr,
     /// Admin HTTP listener.
@@ -844,6 +852,7 @@ impl Config {
         Ok(Self {
             host_id,
             listen,
+            quic: args.quic.or(file.quic).unwrap_or(true),
             agent_listen,
             admin_listen,
             tokens_file: args.tokens_file.or(file.tokens_file),

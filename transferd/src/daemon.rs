@@ -24,7 +24,7 @@ use crate::chain::{Faults, Node};
 use crate::config::{Config, ListenAddr, Security};
 use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
-use crate::transport::Transport;
+use crate::transport::{Quic, Transport, Transports};
 
 /// How long in-flight work may take to wind down after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -64,14 +64,37 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             None
         }
     };
-    let transport = match &tls {
-        Some(ctx) => Transport::Tls(ctx.clone()),
-        None => Transport::InsecureTcp,
+    let data = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding data listener {}", config.listen))?;
+    let data_addr = data.local_addr()?;
+    let transports = Transports {
+        tcp: match &tls {
+            Some(ctx) => Transport::Tls(ctx.clone()),
+            None => Transport::InsecureTcp,
+        },
+        // QUIC on the data port's number (UDP), with the same identity.
+        quic: match (&tls, config.quic) {
+            (Some(ctx), true) => {
+                let q = Quic::bind(data_addr, ctx.clone())
+                    .context("binding the QUIC listener (set quic = false to run without)")?;
+                q.log_ready();
+                q.follow_reloads(cancel.clone());
+                Some(Transport::Quic(q))
+            }
+            (None, true) => {
+                info!(
+                    "no QUIC listener: QUIC needs the TLS identity, and insecure_plaintext is set"
+                );
+                None
+            }
+            (_, false) => None,
+        },
     };
     let node = Node::new(
         config.host_id.clone(),
         store,
-        transport,
+        transports,
         RateLimiter::new(config.ingress_rate),
         RateLimiter::new(config.egress_rate),
         config.chain.clone(),
@@ -90,9 +113,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .await
             .context("GPU start-up task")?,
     );
-    let data = TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("binding data listener {}", config.listen))?;
     let agent = ApiListener::bind(&config.agent_listen, "agent", SocketAccess::Owner).await?;
     // Inference processes in the store's group may read hand-offs from the admin socket.
     let admin_access = match config.store.group {
@@ -104,7 +124,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         Some(p) => Tokens::load(p).context("loading the tokens file")?,
         None => Tokens::default(),
     };
-    let data_addr = data.local_addr()?;
     let (agent_addr, admin_addr) = (agent.describe()?, admin.describe()?);
     // Hops below name this host to recover from when their upstream stalls.
     match &config.inventory.advertise {
@@ -115,6 +134,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));
+    if let Some(q) = node.transports.quic() {
+        tasks.spawn(quic_accept_loop(node.clone(), q.clone(), cancel.clone()));
+    }
     tasks.spawn(release_registrations(gpus.clone(), cancel.clone()));
     {
         let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService::new(
@@ -289,7 +311,7 @@ async fn accept_loop(node: Arc<Node>, listener: TcpListener, cancel: Cancellatio
         tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
-            accepted = node.transport.accept(&listener) => match accepted {
+            accepted = node.transports.tcp.accept(&listener) => match accepted {
                 // Admit (connection caps), spawn; the handshake happens inside the task.
                 Ok((stream, peer)) => match crate::limits::admit(&node.conn_limits, &peer) {
                     Ok(permit) => {
@@ -308,6 +330,48 @@ async fn accept_loop(node: Arc<Node>, listener: TcpListener, cancel: Cancellatio
                 }
             },
         }
+    }
+}
+
+/// Accepts QUIC connections until `cancel`: each is admitted against the connection caps
+/// like a TCP one, completes its handshake in its own task, then serves every stream the
+/// peer opens (one per session and shard) as the TCP listener serves a connection.
+async fn quic_accept_loop(node: Arc<Node>, quic: Arc<Quic>, cancel: CancellationToken) {
+    loop {
+        let incoming = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => {
+                quic.close();
+                return;
+            }
+            i = quic.incoming() => match i {
+                Some(i) => i,
+                None => return,
+            },
+        };
+        let peer = incoming.remote_address().to_string();
+        let permit = match crate::limits::admit(&node.conn_limits, &peer) {
+            Ok(p) => p,
+            Err(e) => {
+                warn!(%peer, "refusing QUIC connection: {e}");
+                incoming.refuse();
+                continue;
+            }
+        };
+        let (node, quic) = (node.clone(), quic.clone());
+        tokio::spawn(async move {
+            let limit = node.cfg.limits.handshake_timeout;
+            match quic.establish(incoming, limit).await {
+                Ok((conn, id)) => node.serve_quic_connection(&quic, conn, id, peer).await,
+                Err(e) => {
+                    node.stats
+                        .tls_refused
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    warn!(%peer, "refusing QUIC connection: {e}");
+                }
+            }
+            drop(permit);
+        });
     }
 }
 

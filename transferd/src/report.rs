@@ -45,7 +45,7 @@ pub async fn run(
 ) {
     // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
     // (its 0600 mode is the authentication); plaintext TCP only in insecure mode.
-    let security = match node.transport.tls() {
+    let security = match node.transports.tls() {
         Some(ctx) if !controller.starts_with("unix:") => {
             shardcast_identity::grpc::ClientSecurity::Tls(
                 ctx.clone(),

@@ -169,10 +169,20 @@ pub(crate) fn session_header() -> impl Strategy<Value = SessionHeader> {
         (
             proptest::collection::vec(any::<u8>(), 0..64),
             vec(hop(), 0..4),
+            any::<bool>(),
         ),
     )
         .prop_map(
-            |(session, model, shard, (start, end), tier, origin, downstream, (token, upstream))| {
+            |(
+                session,
+                model,
+                shard,
+                (start, end),
+                tier,
+                origin,
+                downstream,
+                (token, upstream, quic),
+            )| {
                 SessionHeader {
                     session: SessionId(session),
                     model: ModelDigest(model),
@@ -184,6 +194,11 @@ pub(crate) fn session_header() -> impl Strategy<Value = SessionHeader> {
                     downstream,
                     token: bytes::Bytes::from(token),
                     upstream,
+                    transport: if quic {
+                        shardcast_protocol::HopTransport::Quic
+                    } else {
+                        shardcast_protocol::HopTransport::Tcp
+                    },
                 }
             },
         )

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use shardcast_protocol::{Frame, HostId, Manifest, SessionId, Tier, VerifiedChunk};
+use shardcast_protocol::{Frame, HopTransport, HostId, Manifest, SessionId, Tier, VerifiedChunk};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
@@ -85,15 +85,26 @@ impl Node {
         span: std::ops::Range<u32>,
         patience: std::time::Duration,
     ) -> Result<(), ChainError> {
+        let result = self.pull_chunks(sess, addr, expect, span, patience).await;
+        if let Err(e) = &result {
+            self.forget_path(sess.transport, addr, e);
+        }
+        result
+    }
+
+    async fn pull_chunks(
+        &self,
+        sess: &ShardSession,
+        addr: &str,
+        expect: Option<&HostId>,
+        span: std::ops::Range<u32>,
+        patience: std::time::Duration,
+    ) -> Result<(), ChainError> {
         // A stopped holder's kernel still completes the TCP handshake: bound the set-up too.
         let setup = patience * 2;
-        let mut conn = tokio::time::timeout(setup, async {
-            let (mut conn, peer) = self.connect(addr, expect).await?;
-            self.handshake(&mut conn, &peer).await?;
-            Ok::<_, ChainError>(conn)
-        })
-        .await
-        .map_err(|_| ChainError::Timeout(setup))??;
+        let (mut conn, _) = tokio::time::timeout(setup, self.connect(sess.transport, addr, expect))
+            .await
+            .map_err(|_| ChainError::Timeout(setup))??;
         let shard = sess.shard_index();
         let fetch = Frame::Fetch {
             model: sess.model,
@@ -199,7 +210,7 @@ impl Node {
                     0,
                     total,
                     String::new(),
-                    Bytes::new(),
+                    (Bytes::new(), HopTransport::Tcp),
                 );
                 self.fill_from(&sess, &staged, missing, ChunkFrom::Kept)
                     .await?;
@@ -255,7 +266,7 @@ impl Node {
                 start,
                 end,
                 source.to_string(),
-                Bytes::new(),
+                (Bytes::new(), HopTransport::Tcp),
             );
             self.fill(&sess, source, missing).await?;
             debug!(model = %model, shard = s, start, end, "chunks fetched");

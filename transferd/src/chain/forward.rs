@@ -84,6 +84,7 @@ impl Node {
                     if e.is_stall() {
                         self.stats.downstream_stalls.fetch_add(1, Ordering::Relaxed);
                     }
+                    self.forget_path(sess.transport, &hop.addr, &e);
                     warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
                     failures.push(format!("{} ({}): {e}", hop.host, hop.addr));
                 }
@@ -229,8 +230,9 @@ impl Node {
         hop: &Hop,
         rest: &[Hop],
     ) -> Result<(Conn, ChunkSet), ChainError> {
-        let (mut conn, peer) = self.connect(&hop.addr, Some(&hop.host)).await?;
-        let remote = self.handshake(&mut conn, &peer).await?;
+        let (mut conn, remote) = self
+            .connect(sess.transport, &hop.addr, Some(&hop.host))
+            .await?;
         if remote != hop.host {
             return Err(ChainError::refused(
                 ErrorCode::Refused,
@@ -254,6 +256,7 @@ impl Node {
             downstream: rest.to_vec(),
             token: sess.token.clone(),
             upstream: sess.upstream_for(self.own_hop(), &hop.host),
+            transport: sess.transport,
         };
         conn.writer.send_now(&Frame::Open(header)).await?;
         match read_timeout(&mut conn, self.cfg.idle_timeout).await? {

@@ -1,29 +1,63 @@
-//! Connections between hops: connecting to a hop's data port and the `Hello` exchange,
-//! bound to the host id of the peer's certificate.
+//! Connections between hops: connecting to a hop's data port (over the session's
+//! transport) and the `Hello` exchange, bound to the host id of the peer's certificate.
 
 use std::sync::atomic::Ordering;
 
 use shardcast_identity::{Peer, Role};
-use shardcast_protocol::{ErrorCode, Frame, HostId, PROTOCOL_VERSION};
+use tracing::debug;
+use shardcast_protocol::{ErrorCode, Frame, HopTransport, HostId, PROTOCOL_VERSION};
 
 use super::{ChainError, Node, read_timeout};
+use crate::transport::Transport;
 use crate::wire::BoxStream;
 use crate::wire::{Conn, WireError};
 
 impl Node {
-    /// Connects to a hop's data port; with TLS the peer must be a `host` (exactly
-    /// `expect` when given).
+    /// Connects to a hop's data port over `kind` and exchanges `Hello`s; with TLS or QUIC
+    /// the peer must be a `host` (exactly `expect` when given). Returns the connection and
+    /// the host id the peer's `Hello` named (its certificate's).
     pub(super) async fn connect(
         &self,
+        kind: HopTransport,
         addr: &str,
         expect: Option<&HostId>,
-    ) -> Result<(Conn, Peer), ChainError> {
-        let (stream, peer) = self
-            .transport
-            .connect(addr, expect)
-            .await
-            .map_err(WireError::Io)?;
-        Ok((self.conn(stream), peer))
+    ) -> Result<(Conn, HostId), ChainError> {
+        let transport = self.transports.get(kind).map_err(WireError::Io)?;
+        // A QUIC stream may ride on a held connection whose peer restarted: its `Hello`
+        // then fails at once (the stateless reset); one more try dials anew.
+        let tries = if matches!(transport, Transport::Quic(_)) { 2 } else { 1 };
+        let mut attempt = 1;
+        loop {
+            let (stream, peer) = transport
+                .connect(addr, expect)
+                .await
+                .map_err(WireError::Io)?;
+            let mut conn = self.conn(stream);
+            match self.handshake(&mut conn, &peer).await {
+                Ok(host) => return Ok((conn, host)),
+                Err(e) => {
+                    self.forget_path(kind, addr, &e);
+                    if attempt == tries || !e.is_path_fault() {
+                        return Err(e);
+                    }
+                    debug!(%addr, "Hello over a held QUIC connection failed ({e}); dialling anew");
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    /// After a session's stream to `addr` failed with `e`: when the path itself failed
+    /// (silence, a broken stream) rather than the peer refusing, the QUIC connection held to
+    /// it is closed, so the next session dials anew instead of reusing a connection to a
+    /// peer that died or restarted behind the same address. TCP holds nothing between
+    /// sessions.
+    pub(super) fn forget_path(&self, kind: HopTransport, addr: &str, e: &ChainError) {
+        if e.is_path_fault()
+            && let Ok(Transport::Quic(q)) = self.transports.get(kind)
+        {
+            q.forget(addr);
+        }
     }
 
     pub(super) fn conn(&self, stream: BoxStream) -> Conn {

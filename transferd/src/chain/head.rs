@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use shardcast_protocol::{ErrorCode, Hop, Manifest, ModelDigest, SessionId, Tier};
+use shardcast_protocol::{ErrorCode, Hop, HopTransport, Manifest, ModelDigest, SessionId, Tier};
 use tracing::{info, warn};
 
 use super::session::FeederGuard;
@@ -37,7 +37,9 @@ pub struct ChainSpec {
 }
 
 impl Node {
-    /// Starts a chain session headed by this host (the agent API's `StartChain`).
+    /// Starts a chain session headed by this host (the agent API's `StartChain`); its hops
+    /// dial each other with `transport`.
+    #[allow(clippy::too_many_arguments)]
     pub fn start_chain(
         self: &Arc<Self>,
         id: SessionId,
@@ -46,8 +48,13 @@ impl Node {
         tier: Tier,
         chains: Vec<ChainSpec>,
         token: Bytes,
+        transport: HopTransport,
     ) -> Result<Arc<HeadSession>, ChainError> {
         let model = manifest.digest();
+        // Refused before anything starts when this host cannot dial that way.
+        self.transports
+            .get(transport)
+            .map_err(|e| ChainError::refused(ErrorCode::Refused, e.to_string()))?;
         let nshards = manifest.shards.len() as u32;
         // Validate the whole plan before starting anything: a rejected request changes nothing.
         let mut plan = Vec::new();
@@ -104,7 +111,7 @@ impl Node {
                 0,
                 end,
                 origin.clone(),
-                token.clone(),
+                (token.clone(), transport),
             );
             if !sess.complete() {
                 self.spawn_head_fill(&sess);

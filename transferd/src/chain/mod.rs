@@ -84,7 +84,7 @@ use crate::origin::OriginAccess;
 use crate::repair::Repairs;
 use crate::store::{Shard, ShardStore};
 use crate::throttle::RateLimiter;
-use crate::transport::Transport;
+use crate::transport::Transports;
 use crate::wire::{ByteCounters, Conn, FrameBudget, WireError};
 
 /// Chunks a sender re-verifies ahead of the one it is sending (when they are not trusted):
@@ -288,6 +288,16 @@ impl ChainError {
         )
     }
 
+    /// Whether the path to the peer failed (silence, a broken stream, a closed
+    /// connection), as opposed to the peer answering with a refusal.
+    fn is_path_fault(&self) -> bool {
+        self.is_stall()
+            || matches!(
+                self,
+                Self::Closed | Self::Wire(WireError::Io(_) | WireError::Truncated)
+            )
+    }
+
     /// Whether the peer refused a second upstream because a live one feeds it.
     fn is_already_fed(&self) -> bool {
         matches!(
@@ -353,8 +363,8 @@ pub struct Node {
     pub host: HostId,
     /// The local store.
     pub store: ShardStore,
-    /// Transport to other hops.
-    pub transport: Transport,
+    /// Transports to other hops: TCP, and QUIC when bound.
+    pub transports: Transports,
     /// Daemon-wide ingress cap.
     pub ingress: RateLimiter,
     /// Daemon-wide egress cap.
@@ -389,7 +399,7 @@ impl Node {
     pub fn new(
         host: HostId,
         store: ShardStore,
-        transport: Transport,
+        transports: Transports,
         ingress: RateLimiter,
         egress: RateLimiter,
         cfg: ChainConfig,
@@ -399,7 +409,7 @@ impl Node {
         let node = Arc::new(Self {
             host,
             store,
-            transport,
+            transports,
             ingress,
             egress,
             counters: Arc::default(),

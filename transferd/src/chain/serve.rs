@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use shardcast_identity::{Identity, Peer};
 use shardcast_protocol::{ErrorCode, Frame, HostId, Manifest, ModelDigest};
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug, info_span, warn};
@@ -11,6 +12,9 @@ use tracing::{Instrument, debug, info_span, warn};
 use super::{CHECK_AHEAD, ChainError, Node};
 use crate::repair::RepairRequest;
 use crate::store::{Check, StoreError};
+use crate::transport::Quic;
+use crate::transport::quic::QuicStream;
+use crate::wire::BoxStream;
 use crate::wire::Conn;
 
 impl Node {
@@ -20,16 +24,60 @@ impl Node {
     /// The TLS handshake runs here, in the connection's task: a peer without a valid
     /// certificate is dropped before a single frame is read.
     pub async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: String) {
-        let span = info_span!("conn", %peer, host = tracing::field::Empty);
-        let (stream, identity) = match self.transport.secure(stream).await {
+        let (stream, identity) = match self.transports.tcp.secure(stream).await {
             Ok(s) => s,
             Err(e) => {
                 self.stats.tls_refused.fetch_add(1, Ordering::Relaxed);
-                let _enter = span.enter();
-                warn!("refusing connection: {e}");
+                warn!(%peer, "refusing connection: {e}");
                 return;
             }
         };
+        self.serve_stream(stream, identity, peer).await;
+    }
+
+    /// Serves the streams a peer opens on an established QUIC connection, each in its own
+    /// task like an accepted TCP connection (and admitted against the same caps), until the
+    /// connection closes or the daemon stops.
+    pub async fn serve_quic_connection(
+        self: Arc<Self>,
+        quic: &Quic,
+        conn: quinn::Connection,
+        identity: Identity,
+        peer: String,
+    ) {
+        loop {
+            let (send, recv) = tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                s = conn.accept_bi() => match s {
+                    Ok(s) => s,
+                    Err(e) => {
+                        debug!(%peer, "QUIC connection ended: {e}");
+                        return;
+                    }
+                },
+            };
+            quic.stats.streams_accepted.fetch_add(1, Ordering::Relaxed);
+            let permit = match crate::limits::admit(&self.conn_limits, &peer) {
+                Ok(p) => p,
+                Err(e) => {
+                    // Dropping the halves resets the stream; the peer sees the refusal.
+                    warn!(%peer, "refusing QUIC stream: {e}");
+                    continue;
+                }
+            };
+            let (me, identity, peer) = (self.clone(), identity.clone(), peer.clone());
+            tokio::spawn(async move {
+                let stream = Box::new(QuicStream::new(send, recv));
+                me.serve_stream(stream, Peer::Cert(identity), peer).await;
+                drop(permit);
+            });
+        }
+    }
+
+    /// Serves one authenticated stream (a TCP connection after its TLS handshake, or a
+    /// QUIC stream): the `Hello` exchange, then an upstream's `Open` or `Fetch` requests.
+    async fn serve_stream(self: Arc<Self>, stream: BoxStream, identity: Peer, peer: String) {
+        let span = info_span!("conn", %peer, host = tracing::field::Empty);
         let mut conn = self.conn(stream);
         let result = async {
             let limit = self.cfg.limits.handshake_timeout;

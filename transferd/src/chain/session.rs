@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
+    ErrorCode, Frame, Hop, HopTransport, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
     frame::MAX_UPSTREAM_HOPS,
 };
 use tokio::sync::{broadcast, watch};
@@ -64,6 +64,9 @@ pub struct ShardSession {
     pub origin: String,
     /// The controller's plan token, passed on in every `Open` this hop sends.
     pub token: Bytes,
+    /// How this hop dials the hops below it and the holders it pulls from (the plan's
+    /// choice, passed on in every `Open` this hop sends).
+    pub transport: HopTransport,
     /// When this host joined the session.
     pub started: Instant,
     pub(super) feeders: watch::Sender<usize>,
@@ -283,7 +286,7 @@ impl Node {
         start: u32,
         end: u32,
         origin: String,
-        token: Bytes,
+        (token, transport): (Bytes, HopTransport),
     ) -> (Arc<ShardSession>, ActiveSession) {
         let active = ActiveSession::new(&self.stats);
         let sess = Arc::new(ShardSession {
@@ -295,6 +298,7 @@ impl Node {
             end,
             origin,
             token,
+            transport,
             started: Instant::now(),
             feeders: watch::Sender::new(0),
             progress: broadcast::Sender::new(256),

@@ -29,7 +29,7 @@ impl Node {
         header: &SessionHeader,
         remote: &HostId,
     ) -> Result<Option<PlanClaims>, ChainError> {
-        let Some(tls) = self.transport.tls() else {
+        let Some(tls) = self.transports.tls() else {
             return Ok(None);
         };
         let refuse = |why: String| {
@@ -179,7 +179,7 @@ impl Node {
             header.start,
             header.end,
             header.origin.clone(),
-            header.token.clone(),
+            (header.token.clone(), header.transport),
         );
         let mut map = self
             .sessions

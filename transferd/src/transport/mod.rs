@@ -1,5 +1,5 @@
 //! Transports: how a hop reaches the next one. The chain logic only sees a
-//! [`BoxStream`] and the [`Peer`] behind it; QUIC will be another variant here.
+//! [`BoxStream`] and the [`Peer`] behind it, whichever variant carried it.
 //!
 //! - [`Transport::Tls`] (the default in every configuration): TCP with mutual TLS 1.3 under
 //!   the cluster CA. A peer without a valid certificate with the `host` role is refused in
@@ -8,15 +8,26 @@
 //!   the plan names.
 //! - [`Transport::InsecureTcp`]: plaintext, only behind `insecure_plaintext = true` on
 //!   loopback listeners (benchmarks and quick experiments); peers are [`Peer::Insecure`].
+//! - [`Transport::Quic`] ([`quic`]): QUIC over UDP on the data port's number, with the same
+//!   certificates and checks as TLS; one connection per pair of hosts, a stream per session
+//!   and shard. It needs the TLS identity, so a daemon with `insecure_plaintext` has none.
+//!
+//! A host listens on every transport it has ([`Transports`]); each session's `Open` says
+//! which one its hops dial ([`HopTransport`], chosen per cluster by the controller and
+//! overridable per plan).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use shardcast_identity::{Alpn, Expect, Identity, Peer, Role, TlsContext};
-use shardcast_protocol::HostId;
+use shardcast_protocol::{HopTransport, HostId};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::wire::BoxStream;
+
+pub mod quic;
+
+pub use quic::Quic;
 
 /// How long to wait for a downstream hop to accept a connection before failing over.
 /// Rationale: a live transferd on a datacenter network answers a SYN in well under a
@@ -30,6 +41,50 @@ pub enum Transport {
     Tls(Arc<TlsContext>),
     /// Plain TCP, no authentication (`insecure_plaintext`, loopback only).
     InsecureTcp,
+    /// QUIC with mutual TLS 1.3 under the cluster CA.
+    Quic(Arc<Quic>),
+}
+
+/// The transports a host has: TCP always, QUIC when its endpoint is bound.
+#[derive(Debug, Clone)]
+pub struct Transports {
+    /// TCP, with TLS unless `insecure_plaintext`.
+    pub tcp: Transport,
+    /// QUIC ([`Transport::Quic`]), `None` when off (`quic = false`, or no TLS identity).
+    pub quic: Option<Transport>,
+}
+
+impl Transports {
+    /// TCP only.
+    pub fn tcp(tcp: Transport) -> Self {
+        Self { tcp, quic: None }
+    }
+
+    /// The transport a session's hops dial with.
+    pub fn get(&self, kind: HopTransport) -> std::io::Result<&Transport> {
+        match kind {
+            HopTransport::Tcp => Ok(&self.tcp),
+            HopTransport::Quic => self.quic.as_ref().ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::Unsupported,
+                    "the session asks for QUIC, but this host has no QUIC endpoint (quic = false, or insecure_plaintext)",
+                )
+            }),
+        }
+    }
+
+    /// The QUIC endpoint, when there is one.
+    pub fn quic(&self) -> Option<&Arc<Quic>> {
+        match &self.quic {
+            Some(Transport::Quic(q)) => Some(q),
+            _ => None,
+        }
+    }
+
+    /// The TLS context, when there is one.
+    pub fn tls(&self) -> Option<&Arc<TlsContext>> {
+        self.tcp.tls()
+    }
 }
 
 impl Transport {
@@ -40,6 +95,9 @@ impl Transport {
         addr: &str,
         expect: Option<&HostId>,
     ) -> std::io::Result<(BoxStream, Peer)> {
+        if let Self::Quic(q) = self {
+            return q.connect(addr, expect).await;
+        }
         let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
             .await
             .map_err(|_| {
@@ -51,6 +109,7 @@ impl Transport {
         stream.set_nodelay(true)?;
         match self {
             Self::InsecureTcp => Ok((Box::new(stream), Peer::Insecure)),
+            Self::Quic(_) => unreachable!("QUIC dials above"),
             Self::Tls(ctx) => {
                 let expect = match expect {
                     Some(h) => Expect::Exactly(
@@ -91,6 +150,9 @@ impl Transport {
                 let (s, id) = ctx.accept(stream, Alpn::Data).await?;
                 Ok((Box::new(s), Peer::Cert(id)))
             }
+            Self::Quic(_) => Err(shardcast_identity::TlsError::Handshake(
+                std::io::Error::other("a TCP connection reached the QUIC transport"),
+            )),
         }
     }
 
@@ -98,7 +160,7 @@ impl Transport {
     pub fn tls(&self) -> Option<&Arc<TlsContext>> {
         match self {
             Self::Tls(c) => Some(c),
-            Self::InsecureTcp => None,
+            Self::InsecureTcp | Self::Quic(_) => None,
         }
     }
 }

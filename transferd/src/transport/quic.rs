@@ -1,0 +1,513 @@
+//! QUIC between hops, over quinn: one connection per pair of hosts, one bidirectional
+//! stream per (session, shard), the same frames as over TCP.
+//!
+//! - **Identity.** The connection's TLS 1.3 handshake uses this host's certificate and the
+//!   cluster CA ([`TlsContext::server_config`] / [`TlsContext::client_config`], ALPN
+//!   `shardcast/1`): the server requires a client certificate of the CA, and the dialler
+//!   checks the server's identity against the hop its plan names, exactly as over TCP. A
+//!   peer without a certificate is refused in the handshake, before any stream exists.
+//!   Certificate reloads reach the listener ([`Quic::follow_reloads`]) and every new dial.
+//! - **Connections.** [`Quic::connect`] keeps one connection per (address, expected host)
+//!   and opens a stream on it for each session and shard, so a four-shard model between two
+//!   hosts is one handshake and one congestion controller instead of four. A connection
+//!   whose peer died closes within [`IDLE_TIMEOUT`] (keep-alives every [`KEEP_ALIVE`]) and
+//!   the next dial makes a new one; [`Quic::forget`] drops one at once when a stream on it
+//!   failed its `Hello`.
+//! - **Tuning** (the constants below, with their reasons): windows sized for high
+//!   bandwidth-delay links, Cubic congestion control (as Linux TCP), MTU discovery up to
+//!   jumbo frames, UDP buffers of [`UDP_BUFFER`], GSO/GRO whenever the kernel offers them
+//!   (quinn-udp probes; [`Offload`] says what this host got).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use shardcast_identity::tls::identity_of;
+use shardcast_identity::{Alpn, Expect, Identity, Peer, Role, TlsContext};
+use shardcast_protocol::HostId;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::CONNECT_TIMEOUT;
+use crate::wire::BoxStream;
+
+/// Receive window of one stream, one (session, shard). Rationale: at 100 Gbit/s and a 1 ms
+/// datacenter round trip (queueing included) the bandwidth-delay product is 12.5 MB, and the
+/// chain keeps at most `window` (16 by default) 1 MiB chunks unacknowledged: 16 MiB lets one
+/// stream run at line rate with the chain's window, not QUIC's, as the limit.
+pub const STREAM_WINDOW: u32 = 16 << 20;
+/// Receive window of a connection (every stream between two hosts). Rationale: four shards
+/// streaming at once at [`STREAM_WINDOW`]; it also bounds what one authenticated peer can make
+/// this host buffer ahead of the frame budget.
+pub const CONNECTION_WINDOW: u32 = 64 << 20;
+/// Bytes in flight on one connection, every stream together: the same as the receive window.
+pub const SEND_WINDOW: u64 = CONNECTION_WINDOW as u64;
+/// Streams a peer may have open at once on one connection. Rationale: one per (session,
+/// shard) an upstream runs to this host, the same bound as `max_connections_per_ip` for TCP.
+pub const MAX_STREAMS: u32 = 1024;
+/// Keep-alive period of an idle connection. Rationale: a few bytes a second keep an idle
+/// connection (and any NAT or firewall state) alive, so the next session reuses it.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(1);
+/// A connection that hears nothing for this long is closed, with its streams. Rationale:
+/// five missed keep-alives; a peer that was killed or restarted is forgotten within 5 s,
+/// while the chain's own stall detection (2 s) has long since bypassed it.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest UDP payload MTU discovery probes for. Rationale: a 9000-byte jumbo frame less
+/// the IPv6 and UDP headers; fewer, larger packets cost less CPU per byte, and paths with
+/// 1500-byte frames settle below it (quinn starts at 1200 and probes up).
+pub const MTU_CEILING: u16 = 8952;
+/// Socket buffer sizes asked for. Rationale: a window's worth of datagrams can arrive while
+/// the endpoint task is busy; the kernel default (about 208 KiB) drops packets at Gbit/s
+/// rates. The kernel caps the value at `net.core.{r,w}mem_max`; [`Offload`] reports what
+/// was granted.
+pub const UDP_BUFFER: usize = 8 << 20;
+/// SNI sent by clients (servers are identified by their certificate's identity, not a name).
+const SERVER_NAME: &str = "shardcast.cluster";
+
+/// What this host's UDP socket got from the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Offload {
+    /// Datagrams sent per `sendmsg` with UDP GSO (1: none).
+    pub gso_segments: usize,
+    /// Datagrams received per `recvmsg` with UDP GRO (1: none).
+    pub gro_segments: usize,
+    /// Receive buffer in bytes.
+    pub recv_buffer: usize,
+    /// Send buffer in bytes.
+    pub send_buffer: usize,
+}
+
+/// Counters of the QUIC endpoint (exported on `/metrics`).
+#[derive(Debug, Default)]
+pub struct QuicStats {
+    /// Connections this host dialled.
+    pub dialled: AtomicU64,
+    /// Connections accepted (handshake completed).
+    pub accepted: AtomicU64,
+    /// Incoming connections refused in the handshake (no certificate, another CA,
+    /// expired, not a `host`) or that did not finish it in time.
+    pub refused: AtomicU64,
+    /// Streams opened on this host's connections (one per session and shard sent).
+    pub streams_opened: AtomicU64,
+    /// Streams accepted from peers.
+    pub streams_accepted: AtomicU64,
+    /// Dialled connections reused for a new stream.
+    pub reused: AtomicU64,
+}
+
+/// Why an incoming QUIC connection was not established.
+#[derive(Debug, thiserror::Error)]
+pub enum QuicAcceptError {
+    /// The handshake failed (no certificate, another CA, expired, wrong protocol…).
+    #[error("QUIC handshake failed: {0}")]
+    Handshake(#[from] quinn::ConnectionError),
+    /// The handshake did not finish in time.
+    #[error("QUIC handshake timed out after {0:?}")]
+    Timeout(Duration),
+    /// The peer's certificate holds no usable identity, or not a host's.
+    #[error("peer certificate: {0}")]
+    Identity(String),
+}
+
+/// A connection slot: dials to one (address, host) are serialised, so sessions that start
+/// together share one connection instead of racing to make several.
+type Slot = Arc<tokio::sync::Mutex<Option<quinn::Connection>>>;
+
+/// This host's QUIC endpoint: the listener on the data port's number (UDP) and the dialler.
+pub struct Quic {
+    endpoint: quinn::Endpoint,
+    tls: Arc<TlsContext>,
+    transport: Arc<quinn::TransportConfig>,
+    conns: Mutex<HashMap<(SocketAddr, Option<HostId>), Slot>>,
+    offload: Offload,
+    /// Counters.
+    pub stats: QuicStats,
+}
+
+impl std::fmt::Debug for Quic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Quic")
+            .field("local", &self.endpoint.local_addr().ok())
+            .field("offload", &self.offload)
+            .finish()
+    }
+}
+
+/// The transport parameters of every connection (see the constants for the values).
+fn transport_config() -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    t.stream_receive_window(quinn::VarInt::from_u32(STREAM_WINDOW))
+        .receive_window(quinn::VarInt::from_u32(CONNECTION_WINDOW))
+        .send_window(SEND_WINDOW)
+        .max_concurrent_bidi_streams(quinn::VarInt::from_u32(MAX_STREAMS))
+        .max_concurrent_uni_streams(quinn::VarInt::from_u32(0))
+        .keep_alive_interval(Some(KEEP_ALIVE))
+        .max_idle_timeout(Some(
+            quinn::IdleTimeout::try_from(IDLE_TIMEOUT).expect("5 s is a valid idle timeout"),
+        ));
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(MTU_CEILING);
+    t.mtu_discovery_config(Some(mtu));
+    t
+}
+
+fn server_config(
+    tls: &TlsContext,
+    transport: &Arc<quinn::TransportConfig>,
+) -> std::io::Result<quinn::ServerConfig> {
+    let crypto = QuicServerConfig::try_from(tls.server_config(Alpn::Data))
+        .map_err(|e| std::io::Error::other(format!("QUIC server TLS configuration: {e}")))?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    cfg.transport_config(transport.clone());
+    // Hosts do not move: a packet from another address is not this connection's.
+    cfg.migration(false);
+    Ok(cfg)
+}
+
+/// A UDP socket bound to `addr` with [`UDP_BUFFER`]-sized buffers (as far as the kernel
+/// grants them).
+fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    // Best effort: the kernel clamps, and a smaller buffer only costs drops, not function.
+    let _ = socket.set_recv_buffer_size(UDP_BUFFER);
+    let _ = socket.set_send_buffer_size(UDP_BUFFER);
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+/// The key of this host's stateless-reset tokens, derived from its private key (BLAKE3 in
+/// derive-key mode: one-way, and distinct from every other use of the key). A restarted
+/// transferd derives the same key, so a peer still holding a connection to its previous
+/// run gets a valid stateless reset (RFC 9000 §10.3) at its next packet and dials anew at
+/// once, instead of waiting out [`IDLE_TIMEOUT`] — as TCP learns from a reset. A new key
+/// file changes the key; connections from before it then end by the idle timeout.
+fn reset_key(tls: &TlsContext) -> std::io::Result<Arc<dyn quinn::crypto::HmacKey>> {
+    let path = &tls.files().key;
+    let secret = std::fs::read(path).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("reading {}: {e}", path.display()))
+    })?;
+    let key = blake3::derive_key("shardcast 2026-11 QUIC stateless reset key", &secret);
+    Ok(Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key)))
+}
+
+/// The host identity in a QUIC connection's peer certificate chain.
+fn peer_identity(conn: &quinn::Connection) -> Result<Identity, String> {
+    let certs = conn
+        .peer_identity()
+        .and_then(|any| {
+            any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                .ok()
+        })
+        .ok_or("the peer presented no certificate")?;
+    let leaf = certs.first().ok_or("the peer presented no certificate")?;
+    identity_of(leaf).map_err(|e| e.to_string())
+}
+
+impl Quic {
+    /// Binds the endpoint (UDP) on `addr`, serving and dialling with `tls`'s identity.
+    pub fn bind(addr: SocketAddr, tls: Arc<TlsContext>) -> std::io::Result<Arc<Self>> {
+        let socket = udp_socket(addr)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("QUIC listener {addr}: {e}")))?;
+        let sref = socket2::SockRef::from(&socket);
+        let (recv_buffer, send_buffer) = (
+            sref.recv_buffer_size().unwrap_or(0),
+            sref.send_buffer_size().unwrap_or(0),
+        );
+        let state = quinn::udp::UdpSocketState::new((&socket).into())?;
+        let offload = Offload {
+            gso_segments: state.max_gso_segments(),
+            gro_segments: state.gro_segments(),
+            recv_buffer,
+            send_buffer,
+        };
+        let transport = Arc::new(transport_config());
+        let endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::new(reset_key(&tls)?),
+            Some(server_config(&tls, &transport)?),
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )?;
+        Ok(Arc::new(Self {
+            endpoint,
+            tls,
+            transport,
+            conns: Mutex::new(HashMap::new()),
+            offload,
+            stats: QuicStats::default(),
+        }))
+    }
+
+    /// The bound UDP address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// What the kernel granted the socket.
+    pub fn offload(&self) -> Offload {
+        self.offload
+    }
+
+    /// Rebuilds the listener's TLS configuration after every certificate reload, until
+    /// `cancel`.
+    pub fn follow_reloads(self: &Arc<Self>, cancel: CancellationToken) {
+        let me = self.clone();
+        let mut reloads = self.tls.watch_reloads();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    changed = reloads.changed() => if changed.is_err() { return },
+                }
+                match server_config(&me.tls, &me.transport) {
+                    Ok(cfg) => me.endpoint.set_server_config(Some(cfg)),
+                    Err(e) => warn!("QUIC listener keeps its previous certificate: {e}"),
+                }
+            }
+        });
+    }
+
+    /// Opens a stream to the hop at `addr` (`host:port`, UDP), on the connection already
+    /// held to it or a new one; the server must be a `host`, exactly `expect` when given.
+    pub async fn connect(
+        &self,
+        addr: &str,
+        expect: Option<&HostId>,
+    ) -> std::io::Result<(BoxStream, Peer)> {
+        let target = resolve(addr).await?;
+        let slot = {
+            let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+            conns.retain(|_, s| s.try_lock().map_or(true, |c| c.as_ref().is_some_and(live)));
+            conns.entry((target, expect.cloned())).or_default().clone()
+        };
+        let mut held = slot.lock().await;
+        // A held connection first; if it fails to open a stream, one new connection.
+        for fresh in [false, true] {
+            let conn = match held.as_ref() {
+                Some(c) if live(c) && !fresh => {
+                    self.stats.reused.fetch_add(1, Ordering::Relaxed);
+                    c.clone()
+                }
+                _ => {
+                    let c = self.dial(addr, target, expect).await?;
+                    *held = Some(c.clone());
+                    c
+                }
+            };
+            let id = peer_identity(&conn).map_err(std::io::Error::other)?;
+            match tokio::time::timeout(CONNECT_TIMEOUT, conn.open_bi()).await {
+                Ok(Ok((send, recv))) => {
+                    self.stats.streams_opened.fetch_add(1, Ordering::Relaxed);
+                    return Ok((Box::new(QuicStream { send, recv }), Peer::Cert(id)));
+                }
+                Ok(Err(e)) if !fresh => {
+                    debug!(%addr, "held QUIC connection is gone ({e}); dialling again");
+                }
+                Ok(Err(e)) => return Err(std::io::Error::other(format!("{addr}: {e}"))),
+                Err(_) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "{addr}: no QUIC stream within {CONNECT_TIMEOUT:?} (the peer's stream limit)"
+                        ),
+                    ));
+                }
+            }
+        }
+        unreachable!("the loop returns on its second pass")
+    }
+
+    /// A new connection to `target`, its server checked against `expect`.
+    async fn dial(
+        &self,
+        addr: &str,
+        target: SocketAddr,
+        expect: Option<&HostId>,
+    ) -> std::io::Result<quinn::Connection> {
+        let crypto = QuicClientConfig::try_from(self.tls.client_config(Alpn::Data))
+            .map_err(|e| std::io::Error::other(format!("QUIC client TLS configuration: {e}")))?;
+        let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
+        cfg.transport_config(self.transport.clone());
+        let connecting = self
+            .endpoint
+            .connect_with(cfg, target, SERVER_NAME)
+            .map_err(|e| std::io::Error::other(format!("{addr}: {e}")))?;
+        let conn = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("QUIC connect to {addr} timed out after {CONNECT_TIMEOUT:?}"),
+                ));
+            }
+            Ok(Err(e)) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{addr}: QUIC handshake: {e}"),
+                ));
+            }
+            Ok(Ok(c)) => c,
+        };
+        let expect = match expect {
+            Some(h) => Expect::Exactly(
+                Identity::new(Role::Host, h.as_str()).map_err(std::io::Error::other)?,
+            ),
+            None => Expect::Role(Role::Host),
+        };
+        let checked =
+            peer_identity(&conn).and_then(|id| expect.check(&id).map_err(|e| e.to_string()));
+        if let Err(e) = checked {
+            self.tls
+                .stats
+                .connect_refused
+                .fetch_add(1, Ordering::Relaxed);
+            conn.close(quinn::VarInt::from_u32(1), b"wrong peer");
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("{addr}: {e}"),
+            ));
+        }
+        self.stats.dialled.fetch_add(1, Ordering::Relaxed);
+        debug!(%addr, "QUIC connection up");
+        Ok(conn)
+    }
+
+    /// Closes and drops the connections held to `addr` (a stream on one failed its `Hello`:
+    /// the peer may have restarted behind the same address).
+    pub fn forget(&self, addr: &str) {
+        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        conns.retain(|(a, _), slot| {
+            let same = a.to_string() == addr;
+            if same
+                && let Ok(mut held) = slot.try_lock()
+                && let Some(c) = held.take()
+            {
+                c.close(quinn::VarInt::from_u32(2), b"stream failed");
+            }
+            !same
+        });
+    }
+
+    /// The next incoming connection attempt; `None` once the endpoint is closed.
+    pub async fn incoming(&self) -> Option<quinn::Incoming> {
+        self.endpoint.accept().await
+    }
+
+    /// Completes an incoming connection's handshake within `limit` and returns it with the
+    /// peer's identity, which must be a `host`'s.
+    pub async fn establish(
+        &self,
+        incoming: quinn::Incoming,
+        limit: Duration,
+    ) -> Result<(quinn::Connection, Identity), QuicAcceptError> {
+        let result = async {
+            let connecting = incoming.accept()?;
+            let conn = tokio::time::timeout(limit, connecting)
+                .await
+                .map_err(|_| QuicAcceptError::Timeout(limit))??;
+            let id = peer_identity(&conn).map_err(QuicAcceptError::Identity)?;
+            if id.role != Role::Host {
+                conn.close(quinn::VarInt::from_u32(1), b"not a host");
+                return Err(QuicAcceptError::Identity(format!("{id} is not a host")));
+            }
+            Ok((conn, id))
+        }
+        .await;
+        match &result {
+            Ok(_) => self.stats.accepted.fetch_add(1, Ordering::Relaxed),
+            Err(_) => self.stats.refused.fetch_add(1, Ordering::Relaxed),
+        };
+        result
+    }
+
+    /// Closes every connection (shutdown).
+    pub fn close(&self) {
+        self.endpoint
+            .close(quinn::VarInt::from_u32(0), b"shutting down");
+    }
+
+    /// Logs where it listens and what the socket got.
+    pub fn log_ready(&self) {
+        let o = self.offload;
+        info!(
+            addr = ?self.endpoint.local_addr().ok(),
+            gso_segments = o.gso_segments,
+            gro_segments = o.gro_segments,
+            recv_buffer = o.recv_buffer,
+            send_buffer = o.send_buffer,
+            "QUIC listening"
+        );
+        if o.recv_buffer < UDP_BUFFER {
+            info!(
+                granted = o.recv_buffer,
+                asked = UDP_BUFFER,
+                "the kernel capped the QUIC receive buffer (raise net.core.rmem_max for high-rate links)"
+            );
+        }
+    }
+}
+
+/// A connection that has not closed.
+fn live(c: &quinn::Connection) -> bool {
+    c.close_reason().is_none()
+}
+
+async fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
+    tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("resolving {addr}: {e}")))?
+        .next()
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{addr} resolves to no address"),
+            )
+        })
+}
+
+/// One bidirectional QUIC stream as a byte stream: what a session runs over.
+pub struct QuicStream {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+}
+
+impl QuicStream {
+    /// Joins a stream's two halves.
+    pub fn new(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
+        Self { send, recv }
+    }
+}
+
+impl AsyncRead for QuicStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.recv).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for QuicStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        AsyncWrite::poll_write(Pin::new(&mut self.send), cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        AsyncWrite::poll_flush(Pin::new(&mut self.send), cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        AsyncWrite::poll_shutdown(Pin::new(&mut self.send), cx)
+    }
+}
