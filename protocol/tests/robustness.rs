@@ -284,6 +284,7 @@ fn per_type_maximum_body_lengths() {
             + shardcast_protocol::plan::MAX_TOKEN_LEN
             + 2
             + MAX_UPSTREAM_HOPS * 514
+            + 1
     );
     // The largest valid bodies fit their bound.
     let full_chunk = Frame::Chunk {
@@ -468,6 +469,29 @@ fn open_with_invalid_fields() {
     assert!(matches!(
         Frame::decode(&mut framed(FrameType::Open, &bad_tier)),
         Err(DecodeError::Invalid { field: "tier", .. })
+    ));
+    // A transport byte this version does not know (nor a missing one).
+    let mut bad_transport = open_prefix(0, 1, 0);
+    bad_transport.put_u16(0); // no hops
+    bad_transport.put_u32(0); // no token
+    bad_transport.put_u16(0); // no upstream hops
+    let mut missing_transport = bad_transport.clone();
+    bad_transport.put_u8(2);
+    assert!(matches!(
+        Frame::decode(&mut framed(FrameType::Open, &bad_transport)),
+        Err(DecodeError::Invalid {
+            field: "transport",
+            ..
+        })
+    ));
+    assert!(matches!(
+        Frame::decode(&mut framed(FrameType::Open, &missing_transport)),
+        Err(DecodeError::Truncated { .. })
+    ));
+    missing_transport.put_u8(1);
+    assert!(matches!(
+        Frame::decode(&mut framed(FrameType::Open, &missing_transport)),
+        Ok(Frame::Open(h)) if h.transport == shardcast_protocol::HopTransport::Quic
     ));
     let mut long_origin = open_prefix(0, 1, 0);
     long_origin.truncate(long_origin.len() - 2);

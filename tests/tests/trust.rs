@@ -121,6 +121,61 @@ async fn the_data_port_refuses_strangers_and_impostors() {
 }
 
 /// Every `rpc` of a service in a `.proto` file, as gRPC paths.
+/// Dials `addr` over QUIC as `who` (from an endpoint of its own on loopback), sends a
+/// `Hello` naming `host` and returns the frames that came back; `Err` when the connection
+/// or stream could not be made.
+async fn quic_hello(
+    who: std::sync::Arc<TlsContext>,
+    addr: std::net::SocketAddr,
+    host: &str,
+) -> anyhow::Result<Vec<Frame>> {
+    let quic = transferd::transport::Quic::bind("127.0.0.1:0".parse()?, who)?;
+    let (mut s, _) = quic.connect(&addr.to_string(), None).await?;
+    send_hello(&mut s, host).await;
+    Ok(read_frames(&mut s).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quic_port_refuses_strangers_and_impostors() {
+    let c = TestCluster::start(1, 2 * 1024 * 1024, 1, |_, _| {})
+        .await
+        .unwrap();
+    let target = &c.daemons[1];
+    let addr = target.data_addr;
+    let pki = ClusterPki::shared().unwrap();
+
+    // A certificate from another CA: refused in the handshake, before any stream.
+    let stranger_pki = ClusterPki::new().unwrap();
+    let stranger = TlsContext::load(stranger_pki.files(Role::Host, "recv-1").unwrap()).unwrap();
+    let err = quic_hello(stranger, addr, "recv-1").await.unwrap_err();
+    assert!(err.to_string().contains("handshake"), "{err:#}");
+
+    // A valid certificate that is not a host's: the connection is closed unanswered.
+    let reader = pki.client(Role::Read).unwrap();
+    match quic_hello(reader, addr, "test-read").await {
+        Ok(frames) => assert!(frames.is_empty(), "a reader got frames: {frames:?}"),
+        Err(e) => assert!(e.to_string().contains("not a host"), "{e:#}"),
+    }
+
+    // A valid host certificate whose Hello claims another host (the source).
+    let mallory = TlsContext::load(pki.files(Role::Host, "mallory").unwrap()).unwrap();
+    let frames = quic_hello(mallory, addr, "source").await.unwrap();
+    assert_eq!(error_code(&frames), Some(ErrorCode::Refused), "{frames:?}");
+
+    // Counted; the listener still carries a real chain over QUIC.
+    assert!(metric(target, "quic_connections_refused_total").await >= 2);
+    assert!(metric(target, "hello_identity_mismatch_total").await >= 1);
+    let mut c = c;
+    c.transport = shardcast_protocol::HopTransport::Quic;
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1], "").await.unwrap();
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].verify_copy(&manifest).unwrap();
+    assert_eq!(metric(&c.daemons[0], "quic_streams_opened_total").await, 1);
+}
+
 fn rpc_paths(proto: &str, package: &str) -> Vec<String> {
     let mut service = "";
     let mut out = Vec::new();
