@@ -165,5 +165,20 @@ mod tests {
         for s in PlanState::LABELS {
             assert_eq!(PlanState::from_label(s).unwrap().label(), *s);
         }
+        let req: PrewarmRequest =
+            serde_json::from_str(r#"{"model": "m", "transport": "quic"}"#).unwrap();
+        assert_eq!(req.transport().hop(), Some(crate::HopTransport::Quic));
+        let req: PrewarmRequest = serde_json::from_str(r#"{"model": "m"}"#).unwrap();
+        assert_eq!(
+            req.transport().hop(),
+            None,
+            "unspecified: the controller's default"
+        );
+        let e = serde_json::from_str::<PrewarmRequest>(r#"{"transport": "udp"}"#).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unknown transport \"udp\": expected one of tcp, quic"),
+            "{e}"
+        );
     }
 }

@@ -2034,3 +2034,69 @@ async fn registration_is_a_job_that_callers_join_and_can_leave() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_as_the_clusters_transport_with_a_tcp_override_per_plan() {
+    use shardcast_protocol::controller::Transport;
+    let quic = ["--transport", "quic"].map(String::from).to_vec();
+    let c = start_cluster(3, quic, |_, _| {}).await.unwrap();
+    let origin = Origin::new(8 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+
+    // The cluster's default: the chain's hops dial each other over QUIC.
+    let id = prewarm_hosts(&mut api, hosts(1..=2)).await;
+    let done = wait_plan(&mut api, &id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    assert_eq!(done.transport(), Transport::Quic, "{done:?}");
+    let mut streams = 0;
+    for h in hosts(1..=2) {
+        let d = c.daemon(&h).unwrap();
+        d.verify_copy(&manifest).unwrap();
+        streams += shardcast_tests::metric(d, "quic_streams_accepted_total").await;
+    }
+    assert!(
+        streams >= 2,
+        "the receivers accepted {streams} QUIC streams"
+    );
+
+    // A plan that asks for TCP gets TCP: no QUIC stream reaches host-3.
+    let id = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            hosts: hosts(3..=3),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
+            transport: Transport::Tcp as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .plan_id;
+    let done = wait_plan(&mut api, &id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    assert_eq!(done.transport(), Transport::Tcp, "{done:?}");
+    let d3 = c.daemon("host-3").unwrap();
+    d3.verify_copy(&manifest).unwrap();
+    assert_eq!(
+        shardcast_tests::metric(d3, "quic_streams_accepted_total").await,
+        0
+    );
+
+    // A transport this build does not know is refused by name.
+    let err = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 1,
+            transport: 9,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("tcp or quic"), "{}", err.message());
+}

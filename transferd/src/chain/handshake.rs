@@ -4,8 +4,8 @@
 use std::sync::atomic::Ordering;
 
 use shardcast_identity::{Peer, Role};
-use tracing::debug;
 use shardcast_protocol::{ErrorCode, Frame, HopTransport, HostId, PROTOCOL_VERSION};
+use tracing::debug;
 
 use super::{ChainError, Node, read_timeout};
 use crate::transport::Transport;
@@ -25,7 +25,11 @@ impl Node {
         let transport = self.transports.get(kind).map_err(WireError::Io)?;
         // A QUIC stream may ride on a held connection whose peer restarted: its `Hello`
         // then fails at once (the stateless reset); one more try dials anew.
-        let tries = if matches!(transport, Transport::Quic(_)) { 2 } else { 1 };
+        let tries = if matches!(transport, Transport::Quic(_)) {
+            2
+        } else {
+            1
+        };
         let mut attempt = 1;
         loop {
             let (stream, peer) = transport

@@ -191,11 +191,13 @@ fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
 /// file changes the key; connections from before it then end by the idle timeout.
 fn reset_key(tls: &TlsContext) -> std::io::Result<Arc<dyn quinn::crypto::HmacKey>> {
     let path = &tls.files().key;
-    let secret = std::fs::read(path).map_err(|e| {
-        std::io::Error::new(e.kind(), format!("reading {}: {e}", path.display()))
-    })?;
+    let secret = std::fs::read(path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("reading {}: {e}", path.display())))?;
     let key = blake3::derive_key("shardcast 2026-11 QUIC stateless reset key", &secret);
-    Ok(Arc::new(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key)))
+    Ok(Arc::new(ring::hmac::Key::new(
+        ring::hmac::HMAC_SHA256,
+        &key,
+    )))
 }
 
 /// The host identity in a QUIC connection's peer certificate chain.
