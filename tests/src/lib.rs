@@ -344,3 +344,28 @@ pub fn hello(host: &str) -> Vec<u8> {
     .encode(&mut out);
     out
 }
+
+/// Generates, for each named `async fn name(transport: HopTransport)` of the calling test
+/// file, two tests: `tcp::name` and `quic::name`, the same test with the hops dialling each
+/// other over TCP and over QUIC.
+#[macro_export]
+macro_rules! over_each_transport {
+    ($($name:ident),+ $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(shardcast_protocol::HopTransport::Tcp).await
+                }
+            )+
+        }
+        mod quic {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(shardcast_protocol::HopTransport::Quic).await
+                }
+            )+
+        }
+    };
+}

@@ -350,29 +350,7 @@ async fn head_killed_hops_recover_from_another_holder(transport: HopTransport) {
     );
 }
 
-/// Each test above, once per transport.
-macro_rules! over_each_transport {
-    ($($name:ident),+ $(,)?) => {
-        mod tcp {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::HopTransport::Tcp).await
-                }
-            )+
-        }
-        mod quic {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::HopTransport::Quic).await
-                }
-            )+
-        }
-    };
-}
-
-over_each_transport!(
+shardcast_tests::over_each_transport!(
     chain_of_eight_receivers_is_byte_exact,
     middle_hop_killed_mid_transfer_others_complete,
     head_killed_hops_recover_from_origin,

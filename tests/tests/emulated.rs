@@ -7,7 +7,7 @@ use shardcast_bench::netns;
 use shardcast_bench::scenario::{ChainBenchOpts, Method, NetMode, run_chain_bench};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn emulated_chain_beats_star_and_verifies() {
+async fn emulated_chain_beats_star_and_verifies_over_tcp_and_quic() {
     if let Err(why) = netns::available() {
         eprintln!("SKIPPED: emulated cluster needs root and iproute2: {why}");
         return;
@@ -21,19 +21,26 @@ async fn emulated_chain_beats_star_and_verifies() {
         size: 24 << 20,
         shards: 2,
         rate: Some(200_000_000 / 8),
-        methods: vec![Method::ChainTcp, Method::Star],
+        methods: vec![Method::ChainTcp, Method::Star, Method::ChainQuic],
         timeout: Duration::from_secs(120),
         progress: false,
         chunk_size: 0,
         window: 0,
     };
     let report = run_chain_bench(&opts).await.unwrap();
-    assert_eq!(report.results.len(), 2);
+    assert_eq!(report.results.len(), 3);
     for r in &report.results {
         assert!(r.verified, "{} copies must be byte-exact", r.method);
         assert_eq!(r.per_receiver_s.len(), 4);
     }
-    let (chain, star) = (&report.results[0], &report.results[1]);
+    let (chain, star, quic) = (&report.results[0], &report.results[1], &report.results[2]);
+    // Over QUIC through the same veths (1500-byte MTU) and caps: a chain, not a star.
+    assert!(
+        quic.completion_s < star.completion_s,
+        "chain-quic {:.2}s vs star {:.2}s",
+        quic.completion_s,
+        star.completion_s
+    );
     // The chain needs about one link-time; the star shares the source's uplink four ways.
     assert!(
         chain.completion_s < report.ideal_s * 1.6,

@@ -3,11 +3,13 @@
 //! that comes back. The neighbours must notice at the hop (`stall_timeout`), not after the
 //! 30 s write timeout or the 60 s peer idle timeout: the healthy hosts complete while the
 //! stalled one is still stopped, and the counters say which detection fired. The time it
-//! costs is measured by `shardcast-bench faults`, not here.
+//! costs is measured by `shardcast-bench faults`, not here. Each test runs over TCP
+//! (`tcp::`) and over QUIC (`quic::`).
 
 use std::time::Duration;
 
 use shardcast_bench::cluster::DaemonOpts;
+use shardcast_protocol::HopTransport;
 use shardcast_tests::{TestCluster, metric};
 
 const MIB: u64 = 1 << 20;
@@ -31,15 +33,17 @@ const HEALTHY_WITHIN: Duration = Duration::from_secs(25);
 
 async fn chain_of(
     receivers: usize,
+    transport: HopTransport,
 ) -> (
     TestCluster,
     String,
     shardcast_protocol::Manifest,
     Vec<usize>,
 ) {
-    let c = TestCluster::start(receivers, 48 * MIB, 2, opts())
+    let mut c = TestCluster::start(receivers, 48 * MIB, 2, opts())
         .await
         .unwrap();
+    c.transport = transport;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     let hops: Vec<usize> = (1..=receivers).collect();
     c.start_chain(0, &digest, &hops, &c.origin_uri)
@@ -48,9 +52,8 @@ async fn chain_of(
     (c, digest, manifest, hops)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_middle_hop_is_bypassed_and_rejoins_as_a_leaf() {
-    let (c, digest, manifest, _) = chain_of(5).await;
+async fn a_stopped_middle_hop_is_bypassed_and_rejoins_as_a_leaf(transport: HopTransport) {
+    let (c, digest, manifest, _) = chain_of(5, transport).await;
     c.wait_bytes(3, &digest, 8 * MIB, Duration::from_secs(60))
         .await
         .unwrap();
@@ -80,9 +83,10 @@ async fn a_stopped_middle_hop_is_bypassed_and_rejoins_as_a_leaf() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_head_is_noticed_by_the_first_hop_which_alone_reads_the_origin() {
-    let (c, digest, manifest, _) = chain_of(3).await;
+async fn a_stopped_head_is_noticed_by_the_first_hop_which_alone_reads_the_origin(
+    transport: HopTransport,
+) {
+    let (c, digest, manifest, _) = chain_of(3, transport).await;
     c.wait_bytes(1, &digest, 4 * MIB, Duration::from_secs(60))
         .await
         .unwrap();
@@ -106,9 +110,10 @@ async fn a_stopped_head_is_noticed_by_the_first_hop_which_alone_reads_the_origin
     c.daemons[0].signal("CONT").unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_tail_costs_the_others_nothing_and_completes_when_it_comes_back() {
-    let (c, digest, manifest, _) = chain_of(3).await;
+async fn a_stopped_tail_costs_the_others_nothing_and_completes_when_it_comes_back(
+    transport: HopTransport,
+) {
+    let (c, digest, manifest, _) = chain_of(3, transport).await;
     c.wait_bytes(3, &digest, 4 * MIB, Duration::from_secs(60))
         .await
         .unwrap();
@@ -125,9 +130,8 @@ async fn a_stopped_tail_costs_the_others_nothing_and_completes_when_it_comes_bac
     assert_eq!(c.daemons[3].stats().await.unwrap().origin_bytes, 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_faults_in_one_chain_a_stopped_hop_and_a_killed_one() {
-    let (mut c, digest, manifest, _) = chain_of(6).await;
+async fn two_faults_in_one_chain_a_stopped_hop_and_a_killed_one(transport: HopTransport) {
+    let (mut c, digest, manifest, _) = chain_of(6, transport).await;
     c.wait_bytes(5, &digest, 4 * MIB, Duration::from_secs(60))
         .await
         .unwrap();
@@ -150,3 +154,10 @@ async fn two_faults_in_one_chain_a_stopped_hop_and_a_killed_one() {
         .unwrap();
     c.daemons[2].verify_copy(&manifest).unwrap();
 }
+
+shardcast_tests::over_each_transport!(
+    a_stopped_middle_hop_is_bypassed_and_rejoins_as_a_leaf,
+    a_stopped_head_is_noticed_by_the_first_hop_which_alone_reads_the_origin,
+    a_stopped_tail_costs_the_others_nothing_and_completes_when_it_comes_back,
+    two_faults_in_one_chain_a_stopped_hop_and_a_killed_one,
+);
