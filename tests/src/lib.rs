@@ -147,6 +147,15 @@ impl TestCluster {
             .session_id)
     }
 
+    /// Checks the cluster still works after whatever a test did to it: imports the model
+    /// on the source, chains it to daemon 1 and verifies daemon 1's copy byte for byte.
+    pub async fn serves_a_chain(&self) -> anyhow::Result<()> {
+        let (digest, manifest) = self.import_on_source().await?;
+        self.start_chain(0, &digest, &[1], "").await?;
+        self.wait(&[1], &digest, Duration::from_secs(60)).await?;
+        self.daemons[1].verify_copy(&manifest).map(drop)
+    }
+
     /// Waits until every daemon in `which` holds a complete copy, or fails after `timeout`.
     pub async fn wait(
         &self,

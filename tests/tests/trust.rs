@@ -112,12 +112,7 @@ async fn the_data_port_refuses_strangers_and_impostors() {
     // Counted, and the daemon still serves a real chain.
     assert!(metric(target, "data_tls_refused_total").await >= 2);
     assert!(metric(target, "hello_identity_mismatch_total").await >= 2);
-    let (digest, manifest) = c.import_on_source().await.unwrap();
-    c.start_chain(0, &digest, &[1], "").await.unwrap();
-    c.wait(&[1], &digest, Duration::from_secs(60))
-        .await
-        .unwrap();
-    c.daemons[1].verify_copy(&manifest).unwrap();
+    c.serves_a_chain().await.unwrap();
 }
 
 /// Every `rpc` of a service in a `.proto` file, as gRPC paths.
@@ -167,12 +162,7 @@ async fn the_quic_port_refuses_strangers_and_impostors() {
     assert!(metric(target, "hello_identity_mismatch_total").await >= 1);
     let mut c = c;
     c.transport = shardcast_protocol::HopTransport::Quic;
-    let (digest, manifest) = c.import_on_source().await.unwrap();
-    c.start_chain(0, &digest, &[1], "").await.unwrap();
-    c.wait(&[1], &digest, Duration::from_secs(60))
-        .await
-        .unwrap();
-    c.daemons[1].verify_copy(&manifest).unwrap();
+    c.serves_a_chain().await.unwrap();
     assert_eq!(metric(&c.daemons[0], "quic_streams_opened_total").await, 1);
 }
 

@@ -13,6 +13,7 @@ use tracing::{debug, warn};
 use super::session::{ChunkFrom, Incoming};
 use super::{ChainError, Node, ShardSession, read_timeout};
 use crate::origin::{self, Origin};
+use crate::wire::Conn;
 
 impl Node {
     /// Fetches `missing` chunks of the session's shard from `source` into the store:
@@ -85,26 +86,30 @@ impl Node {
         span: std::ops::Range<u32>,
         patience: std::time::Duration,
     ) -> Result<(), ChainError> {
-        let result = self.pull_chunks(sess, addr, expect, span, patience).await;
+        // A stopped holder's kernel still completes the TCP handshake: bound the set-up too.
+        let setup = patience * 2;
+        let result = async {
+            let connect = self.connect(sess.transport, addr, expect);
+            let (mut conn, _) = tokio::time::timeout(setup, connect)
+                .await
+                .map_err(|_| ChainError::Timeout(setup))??;
+            self.fetch_over(sess, &mut conn, span, patience).await
+        }
+        .await;
         if let Err(e) = &result {
             self.forget_path(sess.transport, addr, e);
         }
         result
     }
 
-    async fn pull_chunks(
+    /// Sends `Fetch` for `span` on `conn` and stores every chunk the holder answers with.
+    async fn fetch_over(
         &self,
         sess: &ShardSession,
-        addr: &str,
-        expect: Option<&HostId>,
+        conn: &mut Conn,
         span: std::ops::Range<u32>,
         patience: std::time::Duration,
     ) -> Result<(), ChainError> {
-        // A stopped holder's kernel still completes the TCP handshake: bound the set-up too.
-        let setup = patience * 2;
-        let (mut conn, _) = tokio::time::timeout(setup, self.connect(sess.transport, addr, expect))
-            .await
-            .map_err(|_| ChainError::Timeout(setup))??;
         let shard = sess.shard_index();
         let fetch = Frame::Fetch {
             model: sess.model,
@@ -114,7 +119,7 @@ impl Node {
         };
         conn.writer.send_now(&fetch).await?;
         loop {
-            match read_timeout(&mut conn, patience).await? {
+            match read_timeout(conn, patience).await? {
                 Frame::Chunk {
                     shard: s,
                     index,
