@@ -789,6 +789,10 @@ pub struct ReceiverProfile {
     pub categories: Vec<ProfileShare>,
     /// The symbols with the most self time.
     pub top_symbols: Vec<ProfileShare>,
+    /// Percent of the receiver's samples by the work they belong to, read from each
+    /// sample's call chain (a `memcpy` under rustls is a TLS copy, `copy_to_iter` under
+    /// `tcp_recvmsg` the socket's): [`fold_by_path`].
+    pub by_path: Vec<ProfileShare>,
 }
 
 /// One line of a [`ReceiverProfile`].
@@ -1047,8 +1051,12 @@ pub async fn run_hop_bench(
         let report = run_chain_bench(&opts).await?;
         let r = report.results.first().context("no result")?;
         let bytes_per_s = report.bytes as f64 / r.completion_s;
-        let text = tokio::task::spawn_blocking(move || perf_report_text(&data)).await??;
+        let (text, script) = tokio::task::spawn_blocking(move || {
+            anyhow::Ok((perf_report_text(&data)?, perf_script_text(&data)?))
+        })
+        .await??;
         let (categories, top_symbols) = fold_profile(&text, 15);
+        let by_path = fold_by_path(&script);
         Some(ReceiverProfile {
             config: match profile_method {
                 Method::ChainQuic => "quic",
@@ -1058,6 +1066,7 @@ pub async fn run_hop_bench(
             bytes_per_s,
             categories,
             top_symbols,
+            by_path,
         })
     } else {
         None
@@ -1107,6 +1116,135 @@ fn perf_report_text(data: &Path) -> anyhow::Result<String> {
         .context("running perf report")?;
     anyhow::ensure!(out.status.success(), "perf report failed: {}", out.status);
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `perf script`'s samples of `data`, each a header line and its call chain (leaf first),
+/// symbols only, samples separated by blank lines.
+fn perf_script_text(data: &Path) -> anyhow::Result<String> {
+    let out = std::process::Command::new("perf")
+        .args(["script", "-F", "comm,ip,sym", "-i"])
+        .arg(data)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .context("running perf script")?;
+    anyhow::ensure!(out.status.success(), "perf script failed: {}", out.status);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// What a sample's call chain (`frames`, leaf first) was doing, by the first rule that
+/// matches: the owner of a copy or of crypto is found among the callers, so the flat
+/// profile's "memcpy" splits into TLS's, QUIC's, the socket's and the store's. Kernel
+/// chains are complete; user-space ones stop where a function keeps no frame pointer
+/// (release builds), and such samples are named by their leaf ("caller not seen").
+pub fn path_category(frames: &[&str]) -> &'static str {
+    let has = |keys: &[&str]| frames.iter().any(|f| keys.iter().any(|k| f.contains(k)));
+    let leaf = frames.first().copied().unwrap_or("");
+    let leaf_is = |keys: &[&str]| keys.iter().any(|k| leaf.contains(k));
+    let copy = leaf_is(&[
+        "memcpy",
+        "memmove",
+        "memset",
+        "copy_",
+        "_copy",
+        "clear_page",
+    ]);
+    if has(&["blake3"]) {
+        "hashing (BLAKE3)"
+    } else if has(&["rustls"]) {
+        if copy {
+            "TLS: copies"
+        } else if leaf_is(&["aes", "gcm", "ghash"]) {
+            "TLS: AES-GCM"
+        } else {
+            "TLS: other"
+        }
+    } else if has(&["quinn"]) {
+        if copy {
+            "QUIC: copies"
+        } else if leaf_is(&["aes", "gcm", "ghash", "ring"]) {
+            "QUIC: AES-GCM"
+        } else if has(&[
+            "udp_recvmsg",
+            "udp_sendmsg",
+            "__sys_recvmmsg",
+            "__sys_sendmsg",
+        ]) {
+            "QUIC: socket (kernel UDP)"
+        } else {
+            "QUIC: protocol"
+        }
+    } else if has(&["udp_recvmsg", "__sys_recvmmsg", "udp_gro_receive"]) {
+        "socket receive (kernel UDP)"
+    } else if has(&["udp_sendmsg", "udp_send_skb", "__sys_sendmsg"]) {
+        "socket send (kernel UDP)"
+    } else if has(&["tcp_recvmsg", "sock_recvmsg", "sys_recvfrom"]) {
+        "socket receive (kernel TCP)"
+    } else if has(&["tcp_sendmsg", "sock_sendmsg", "sys_sendto", "sys_writev"]) {
+        "socket send (kernel TCP)"
+    } else if has(&[
+        "shmem_file_write_iter",
+        "generic_perform_write",
+        "ksys_pwrite64",
+        "write_all_at",
+    ]) {
+        "store write (page cache)"
+    } else if has(&["exc_page_fault", "handle_mm_fault"]) {
+        "page faults"
+    } else if has(&[
+        "malloc",
+        "free",
+        "realloc",
+        "alloc::",
+        "__rust_alloc",
+        "__rust_dealloc",
+    ]) {
+        "allocation"
+    } else if has(&[
+        "schedule",
+        "finish_task_switch",
+        "futex",
+        "try_to_wake_up",
+        "epoll",
+    ]) {
+        "scheduling and wake-ups"
+    } else if leaf_is(&["aes", "gcm", "ghash"]) {
+        // Release builds keep no frame pointers, so a user-space chain often ends at the
+        // leaf: crypto whose caller perf could not see.
+        "AES-GCM (caller not seen)"
+    } else if copy {
+        "copies (caller not seen)"
+    } else {
+        "other"
+    }
+}
+
+/// Folds `perf script` output (see [`perf_script_text`]) into the percent of samples per
+/// [`path_category`], largest first.
+pub fn fold_by_path(script: &str) -> Vec<ProfileShare> {
+    let mut by: std::collections::BTreeMap<&'static str, u64> = Default::default();
+    let mut total = 0u64;
+    for sample in script.split("\n\n") {
+        // Frame lines are indented: `<address> <symbol>`; the header is not.
+        let frames: Vec<&str> = sample
+            .lines()
+            .filter(|l| l.starts_with(char::is_whitespace))
+            .filter_map(|l| l.trim().split_once(' ').map(|(_, sym)| sym.trim()))
+            .collect();
+        if frames.is_empty() {
+            continue;
+        }
+        total += 1;
+        *by.entry(path_category(&frames)).or_default() += 1;
+    }
+    let mut out: Vec<ProfileShare> = by
+        .into_iter()
+        .map(|(name, n)| ProfileShare {
+            name: name.into(),
+            percent: 100.0 * n as f64 / total.max(1) as f64,
+        })
+        .collect();
+    out.sort_by(|a, b| b.percent.total_cmp(&a.percent));
+    out
 }
 
 /// The category a symbol's self time is folded into. `kernel` says whether perf marked it
@@ -1259,5 +1397,58 @@ mod tests {
         assert!(get("other user space (tokio, framing, protocol)").is_some());
         assert_eq!(top.len(), 2);
         assert_eq!(top[0].name, "[.] _blake3_hash_many_avx512");
+    }
+
+    #[test]
+    fn samples_fold_by_what_their_callers_were_doing() {
+        // `perf script -F comm,ip,sym` as perf 6.1 prints it: a header, then the chain.
+        let script = "\
+transferd
+\tffffffff81a0 __memmove_avx512_unaligned_erms
+\t55d0 rustls::conn::ConnectionCommon::read_tls
+\t55d1 tokio_rustls::common::Stream::read_io
+
+transferd
+\tffffffff81a1 _copy_to_iter
+\tffffffff81a2 tcp_recvmsg_locked
+\tffffffff81a3 tcp_recvmsg
+
+transferd
+\tffffffff81a4 copy_folio_from_iter_atomic
+\tffffffff81a5 generic_perform_write
+\tffffffff81a6 shmem_file_write_iter
+
+transferd
+\t55d2 __memmove_avx512_unaligned_erms
+\t55d3 quinn_proto::connection::assembler::Assembler::read
+
+transferd
+\t55d4 _blake3_hash_many_avx512
+\t55d5 blake3::Hasher::update
+
+transferd
+\t55d6 ring_core_0_17_14__aes_gcm_dec_update_vaes_avx2
+\t55d7 rustls::record_layer::RecordLayer::decrypt_incoming
+
+transferd
+\t55d8 tokio::runtime::task::raw::poll
+
+header only, no frames
+";
+        let folded = fold_by_path(script);
+        let get = |n: &str| folded.iter().find(|c| c.name == n).map(|c| c.percent);
+        let one = 100.0 / 7.0;
+        for name in [
+            "TLS: copies",
+            "socket receive (kernel TCP)",
+            "store write (page cache)",
+            "QUIC: copies",
+            "hashing (BLAKE3)",
+            "TLS: AES-GCM",
+            "other",
+        ] {
+            let got = get(name).unwrap_or_else(|| panic!("{name} missing from {folded:?}"));
+            assert!((got - one).abs() < 1e-9, "{name}: {got}");
+        }
     }
 }
