@@ -359,3 +359,24 @@ shardcast_tests::over_each_transport!(
     shards_striped_over_two_chains_run_concurrently,
     head_killed_hops_recover_from_another_holder,
 );
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_without_a_tls_identity_is_refused_with_the_reason() {
+    // Plaintext daemons (loopback only) have no certificate, so no QUIC endpoint.
+    let mut c = TestCluster::start(1, 4 * MIB, 1, |_, o| o.pki = None)
+        .await
+        .unwrap();
+    c.transport = HopTransport::Quic;
+    let (digest, _) = c.import_on_source().await.unwrap();
+    let err = c.start_chain(0, &digest, &[1], "").await.unwrap_err();
+    let status = err.downcast_ref::<tonic::Status>().expect("a gRPC status");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(
+        status.message().contains("no QUIC endpoint"),
+        "{}",
+        status.message()
+    );
+    // TCP still works on the same daemons.
+    c.transport = HopTransport::Tcp;
+    c.serves_a_chain().await.unwrap();
+}

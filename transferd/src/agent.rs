@@ -429,6 +429,11 @@ impl Agent for AgentService {
                     req.transport
                 ))
             })?;
+        // Refused before anything starts when this host cannot dial that way.
+        self.node
+            .transports
+            .get(transport)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
         if self.node.transports.tls().is_some() && req.plan_token.is_empty() {
             return Err(Status::invalid_argument(
                 "plan_token is required: hops accept only sessions the controller signed",
