@@ -155,10 +155,16 @@ pub struct ChainReport {
 
 /// A scratch directory, on tmpfs when there is one (the memory tier is meant to be tmpfs).
 pub fn scratch_dir(label: &str) -> anyhow::Result<tempfile::TempDir> {
+    // `SHARDCAST_BENCH_SCRATCH`: another tmpfs (one mounted with huge pages, say).
+    let chosen = std::env::var_os("SHARDCAST_BENCH_SCRATCH").map(std::path::PathBuf::from);
     let shm = Path::new("/dev/shm");
     let builder = tempfile::Builder::new()
         .prefix(&format!("shardcast-{label}-"))
-        .tempdir_in(if shm.is_dir() { shm } else { Path::new("/tmp") });
+        .tempdir_in(match &chosen {
+            Some(dir) => dir.as_path(),
+            None if shm.is_dir() => shm,
+            None => Path::new("/tmp"),
+        });
     builder.context("creating a scratch directory")
 }
 
