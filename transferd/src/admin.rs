@@ -388,63 +388,70 @@ pub fn render(node: &Node) -> String {
     }
     if let Some(q) = node.transports.quic() {
         let (qs, o) = (&q.stats, q.offload());
-        for (name, help, v) in [
+        let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        for (name, kind, help, v) in [
             (
                 "quic_connections_dialled_total",
+                "counter",
                 "QUIC connections this host opened to peers.",
-                qs.dialled.load(Ordering::Relaxed),
+                count(&qs.dialled),
             ),
             (
                 "quic_connections_accepted_total",
+                "counter",
                 "QUIC connections accepted (handshake completed, a host's certificate).",
-                qs.accepted.load(Ordering::Relaxed),
+                count(&qs.accepted),
             ),
             (
                 "quic_connections_refused_total",
+                "counter",
                 "Incoming QUIC connections refused in the handshake or timed out.",
-                qs.refused.load(Ordering::Relaxed),
+                count(&qs.refused),
             ),
             (
                 "quic_connections_reused_total",
+                "counter",
                 "Sessions that opened their stream on a connection already held.",
-                qs.reused.load(Ordering::Relaxed),
+                count(&qs.reused),
             ),
             (
                 "quic_streams_opened_total",
+                "counter",
                 "QUIC streams opened (one per session and shard sent).",
-                qs.streams_opened.load(Ordering::Relaxed),
+                count(&qs.streams_opened),
             ),
             (
                 "quic_streams_accepted_total",
+                "counter",
                 "QUIC streams accepted from peers.",
-                qs.streams_accepted.load(Ordering::Relaxed),
+                count(&qs.streams_accepted),
             ),
-        ] {
-            metric(name, "counter", help, v);
-        }
-        for (name, help, v) in [
             (
                 "quic_gso_segments",
+                "gauge",
                 "Datagrams per send with UDP GSO (1: none).",
-                o.gso_segments,
+                o.gso_segments as u64,
             ),
             (
                 "quic_gro_segments",
+                "gauge",
                 "Datagrams per receive with UDP GRO (1: none).",
-                o.gro_segments,
+                o.gro_segments as u64,
             ),
             (
                 "quic_udp_recv_buffer_bytes",
+                "gauge",
                 "Receive buffer the kernel granted the QUIC socket.",
-                o.recv_buffer,
+                o.recv_buffer as u64,
             ),
             (
                 "quic_udp_send_buffer_bytes",
+                "gauge",
                 "Send buffer the kernel granted the QUIC socket.",
-                o.send_buffer,
+                o.send_buffer as u64,
             ),
         ] {
-            metric(name, "gauge", help, v as u64);
+            metric(name, kind, help, v);
         }
     }
     let st = node.store.stats();
