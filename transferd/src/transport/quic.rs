@@ -124,7 +124,9 @@ pub struct Quic {
     endpoint: quinn::Endpoint,
     tls: Arc<TlsContext>,
     transport: Arc<quinn::TransportConfig>,
-    conns: Mutex<HashMap<(SocketAddr, Option<HostId>), Slot>>,
+    /// Held connections by the address as plans name it (`host:port`, a name or an IP)
+    /// and the host expected there.
+    conns: Mutex<HashMap<(String, Option<HostId>), Slot>>,
     offload: Offload,
     /// Counters.
     pub stats: QuicStats,
@@ -283,11 +285,13 @@ impl Quic {
         addr: &str,
         expect: Option<&HostId>,
     ) -> std::io::Result<(BoxStream, Peer)> {
-        let target = resolve(addr).await?;
         let slot = {
             let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
             conns.retain(|_, s| s.try_lock().map_or(true, |c| c.as_ref().is_some_and(live)));
-            conns.entry((target, expect.cloned())).or_default().clone()
+            conns
+                .entry((addr.to_string(), expect.cloned()))
+                .or_default()
+                .clone()
         };
         let mut held = slot.lock().await;
         // A held connection first; if it fails to open a stream, one new connection.
@@ -298,7 +302,7 @@ impl Quic {
                     c.clone()
                 }
                 _ => {
-                    let c = self.dial(addr, target, expect).await?;
+                    let c = self.dial(addr, resolve(addr).await?, expect).await?;
                     *held = Some(c.clone());
                     c
                 }
@@ -385,7 +389,7 @@ impl Quic {
     pub fn forget(&self, addr: &str) {
         let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
         conns.retain(|(a, _), slot| {
-            let same = a.to_string() == addr;
+            let same = a == addr;
             if same
                 && let Ok(mut held) = slot.try_lock()
                 && let Some(c) = held.take()
@@ -511,5 +515,81 @@ impl AsyncWrite for QuicStream {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         AsyncWrite::poll_shutdown(Pin::new(&mut self.send), cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shardcast_identity::TlsFiles;
+    use shardcast_identity::pki::{IssueRequest, PkiDir};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    fn host(pki: &PkiDir, name: &str) -> Arc<TlsContext> {
+        let f = pki
+            .issue(&IssueRequest::new(Identity::new(Role::Host, name).unwrap()))
+            .unwrap();
+        TlsContext::load(TlsFiles {
+            ca: pki.ca().cert,
+            cert: f.cert,
+            key: f.key,
+        })
+        .unwrap()
+    }
+
+    /// Echoes the first bytes of every stream the endpoint accepts.
+    fn echo(server: Arc<Quic>) {
+        tokio::spawn(async move {
+            while let Some(incoming) = server.incoming().await {
+                let Ok((conn, _)) = server.establish(incoming, Duration::from_secs(5)).await else {
+                    continue;
+                };
+                tokio::spawn(async move {
+                    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                        let mut buf = [0u8; 4];
+                        if recv.read_exact(&mut buf).await.is_ok() {
+                            let _ = send.write_all(&buf).await;
+                        }
+                    }
+                });
+            }
+        });
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streams_share_a_connection_and_forget_closes_it_by_the_name_dialled() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = PkiDir::new(dir.path());
+        pki.init("test CA", Duration::from_secs(3600)).unwrap();
+        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b")).unwrap();
+        echo(server.clone());
+        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a")).unwrap();
+        // By name, as a plan may give it: the same connection for both streams.
+        let addr = format!("localhost:{}", server.local_addr().unwrap().port());
+        let b: HostId = "b".parse().unwrap();
+        for _ in 0..2 {
+            let (mut s, peer) = client.connect(&addr, Some(&b)).await.unwrap();
+            assert_eq!(peer, Peer::Cert(Identity::new(Role::Host, "b").unwrap()));
+            s.write_all(b"ping").await.unwrap();
+            let mut back = [0u8; 4];
+            s.read_exact(&mut back).await.unwrap();
+            assert_eq!(&back, b"ping");
+        }
+        assert_eq!(client.stats.dialled.load(Ordering::Relaxed), 1);
+        assert_eq!(client.stats.reused.load(Ordering::Relaxed), 1);
+        // Forgotten by the name it was dialled with: the next stream dials anew.
+        client.forget(&addr);
+        let (mut s, _) = client.connect(&addr, Some(&b)).await.unwrap();
+        s.write_all(b"pong").await.unwrap();
+        let mut back = [0u8; 4];
+        s.read_exact(&mut back).await.unwrap();
+        assert_eq!(client.stats.dialled.load(Ordering::Relaxed), 2);
+        // Another host behind that address is refused by name.
+        let c: HostId = "c".parse().unwrap();
+        match client.connect(&addr, Some(&c)).await {
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}"),
+            Ok(_) => panic!("host b was taken for host c"),
+        }
     }
 }
