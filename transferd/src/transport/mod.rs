@@ -40,6 +40,31 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// per connection keeps 8192 connections (the cap) under 512 MiB.
 pub const TLS_READ_BUFFER: usize = 64 << 10;
 
+/// A TCP connection to `addr` with `TCP_NODELAY`, within [`CONNECT_TIMEOUT`].
+async fn tcp_connect(addr: &str) -> std::io::Result<TcpStream> {
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("connect to {addr} timed out after {CONNECT_TIMEOUT:?}"),
+            )
+        })??;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+/// Whom a dialled data port must be: a `host`, exactly `expect` when the caller knows
+/// whom it is reaching (the plan's hop). Both TLS and QUIC check the server against it.
+fn expect_host(expect: Option<&HostId>) -> std::io::Result<Expect> {
+    Ok(match expect {
+        Some(h) => {
+            Expect::Exactly(Identity::new(Role::Host, h.as_str()).map_err(std::io::Error::other)?)
+        }
+        None => Expect::Role(Role::Host),
+    })
+}
+
 /// The byte-stream transport used between hops.
 #[derive(Debug, Clone)]
 pub enum Transport {
@@ -61,11 +86,6 @@ pub struct Transports {
 }
 
 impl Transports {
-    /// TCP only.
-    pub fn tcp(tcp: Transport) -> Self {
-        Self { tcp, quic: None }
-    }
-
     /// The transport a session's hops dial with.
     pub fn get(&self, kind: HopTransport) -> std::io::Result<&Transport> {
         match kind {
@@ -101,29 +121,13 @@ impl Transport {
         addr: &str,
         expect: Option<&HostId>,
     ) -> std::io::Result<(BoxStream, Peer)> {
-        if let Self::Quic(q) = self {
-            return q.connect(addr, expect).await;
-        }
-        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
-            .await
-            .map_err(|_| {
-                std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("connect to {addr} timed out after {CONNECT_TIMEOUT:?}"),
-                )
-            })??;
-        stream.set_nodelay(true)?;
         match self {
-            Self::InsecureTcp => Ok((Box::new(stream), Peer::Insecure)),
-            Self::Quic(_) => unreachable!("QUIC dials above"),
+            Self::Quic(q) => q.connect(addr, expect).await,
+            Self::InsecureTcp => Ok((Box::new(tcp_connect(addr).await?), Peer::Insecure)),
             Self::Tls(ctx) => {
-                let expect = match expect {
-                    Some(h) => Expect::Exactly(
-                        Identity::new(Role::Host, h.as_str()).map_err(std::io::Error::other)?,
-                    ),
-                    None => Expect::Role(Role::Host),
-                };
-                let stream = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, stream);
+                let expect = expect_host(expect)?;
+                let stream =
+                    tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, tcp_connect(addr).await?);
                 let (s, id) = ctx
                     .connect(stream, Alpn::Data, &expect)
                     .await

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use shardcast_identity::tls::identity_of;
-use shardcast_identity::{Alpn, Expect, Identity, Peer, Role, TlsContext};
+use shardcast_identity::{Alpn, Identity, Peer, Role, TlsContext};
 use shardcast_protocol::HostId;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
@@ -116,8 +116,9 @@ pub enum QuicAcceptError {
 }
 
 /// A connection slot: dials to one (address, host) are serialised, so sessions that start
-/// together share one connection instead of racing to make several.
-type Slot = Arc<tokio::sync::Mutex<Option<quinn::Connection>>>;
+/// together share one connection instead of racing to make several. The connection is held
+/// with its server's identity, checked once when it was dialled.
+type Slot = Arc<tokio::sync::Mutex<Option<(quinn::Connection, Identity)>>>;
 
 /// This host's QUIC endpoint: the listener on the data port's number (UDP) and the dialler.
 pub struct Quic {
@@ -287,56 +288,62 @@ impl Quic {
     ) -> std::io::Result<(BoxStream, Peer)> {
         let slot = {
             let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-            conns.retain(|_, s| s.try_lock().map_or(true, |c| c.as_ref().is_some_and(live)));
+            conns.retain(|_, s| {
+                s.try_lock()
+                    .map_or(true, |c| c.as_ref().is_some_and(|(c, _)| live(c)))
+            });
             conns
                 .entry((addr.to_string(), expect.cloned()))
                 .or_default()
                 .clone()
         };
         let mut held = slot.lock().await;
-        // A held connection first; if it fails to open a stream, one new connection.
-        for fresh in [false, true] {
-            let conn = match held.as_ref() {
-                Some(c) if live(c) && !fresh => {
+        // The held connection first; if it is gone (it cannot open a stream), one new one.
+        if let Some((conn, id)) = held.as_ref().filter(|(c, _)| live(c)) {
+            match self.open_stream(addr, conn, id).await {
+                Ok(s) => {
                     self.stats.reused.fetch_add(1, Ordering::Relaxed);
-                    c.clone()
+                    return Ok(s);
                 }
-                _ => {
-                    let c = self.dial(addr, resolve(addr).await?, expect).await?;
-                    *held = Some(c.clone());
-                    c
-                }
-            };
-            let id = peer_identity(&conn).map_err(std::io::Error::other)?;
-            match tokio::time::timeout(CONNECT_TIMEOUT, conn.open_bi()).await {
-                Ok(Ok((send, recv))) => {
-                    self.stats.streams_opened.fetch_add(1, Ordering::Relaxed);
-                    return Ok((Box::new(QuicStream { send, recv }), Peer::Cert(id)));
-                }
-                Ok(Err(e)) if !fresh => {
-                    debug!(%addr, "held QUIC connection is gone ({e}); dialling again");
-                }
-                Ok(Err(e)) => return Err(std::io::Error::other(format!("{addr}: {e}"))),
-                Err(_) => {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!(
-                            "{addr}: no QUIC stream within {CONNECT_TIMEOUT:?} (the peer's stream limit)"
-                        ),
-                    ));
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(e),
+                Err(e) => debug!(%addr, "held QUIC connection is gone ({e}); dialling again"),
             }
         }
-        unreachable!("the loop returns on its second pass")
+        let (conn, id) = self.dial(addr, expect).await?;
+        *held = Some((conn.clone(), id.clone()));
+        self.open_stream(addr, &conn, &id).await
     }
 
-    /// A new connection to `target`, its server checked against `expect`.
+    /// A new stream on `conn`, whose server is `id`.
+    async fn open_stream(
+        &self,
+        addr: &str,
+        conn: &quinn::Connection,
+        id: &Identity,
+    ) -> std::io::Result<(BoxStream, Peer)> {
+        match tokio::time::timeout(CONNECT_TIMEOUT, conn.open_bi()).await {
+            Ok(Ok((send, recv))) => {
+                self.stats.streams_opened.fetch_add(1, Ordering::Relaxed);
+                Ok((Box::new(QuicStream { send, recv }), Peer::Cert(id.clone())))
+            }
+            Ok(Err(e)) => Err(std::io::Error::other(format!("{addr}: {e}"))),
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "{addr}: no QUIC stream within {CONNECT_TIMEOUT:?} (the peer's stream limit)"
+                ),
+            )),
+        }
+    }
+
+    /// A new connection to `addr`, its server checked against `expect`; returns it with the
+    /// server's identity.
     async fn dial(
         &self,
         addr: &str,
-        target: SocketAddr,
         expect: Option<&HostId>,
-    ) -> std::io::Result<quinn::Connection> {
+    ) -> std::io::Result<(quinn::Connection, Identity)> {
+        let target = resolve(addr).await?;
         let crypto = QuicClientConfig::try_from(self.tls.client_config(Alpn::Data))
             .map_err(|e| std::io::Error::other(format!("QUIC client TLS configuration: {e}")))?;
         let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
@@ -360,28 +367,26 @@ impl Quic {
             }
             Ok(Ok(c)) => c,
         };
-        let expect = match expect {
-            Some(h) => Expect::Exactly(
-                Identity::new(Role::Host, h.as_str()).map_err(std::io::Error::other)?,
-            ),
-            None => Expect::Role(Role::Host),
+        let expect = super::expect_host(expect)?;
+        let checked = peer_identity(&conn)
+            .and_then(|id| expect.check(&id).map(|()| id).map_err(|e| e.to_string()));
+        let id = match checked {
+            Ok(id) => id,
+            Err(e) => {
+                self.tls
+                    .stats
+                    .connect_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                conn.close(quinn::VarInt::from_u32(1), b"wrong peer");
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{addr}: {e}"),
+                ));
+            }
         };
-        let checked =
-            peer_identity(&conn).and_then(|id| expect.check(&id).map_err(|e| e.to_string()));
-        if let Err(e) = checked {
-            self.tls
-                .stats
-                .connect_refused
-                .fetch_add(1, Ordering::Relaxed);
-            conn.close(quinn::VarInt::from_u32(1), b"wrong peer");
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!("{addr}: {e}"),
-            ));
-        }
         self.stats.dialled.fetch_add(1, Ordering::Relaxed);
         debug!(%addr, "QUIC connection up");
-        Ok(conn)
+        Ok((conn, id))
     }
 
     /// Closes and drops the connections held to `addr` (a stream on one failed its `Hello`:
@@ -392,7 +397,7 @@ impl Quic {
             let same = a == addr;
             if same
                 && let Ok(mut held) = slot.try_lock()
-                && let Some(c) = held.take()
+                && let Some((c, _)) = held.take()
             {
                 c.close(quinn::VarInt::from_u32(2), b"stream failed");
             }
