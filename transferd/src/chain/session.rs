@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    ErrorCode, Frame, Hop, HopTransport, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
+    Frame, Hop, HopTransport, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
     frame::MAX_UPSTREAM_HOPS,
 };
 use tokio::sync::{broadcast, watch};
@@ -16,7 +16,7 @@ use tracing::warn;
 
 use super::proto::Verdict;
 use super::{ChainError, MAX_PROGRESS_HOSTS, Node, NodeStats};
-use crate::store::Shard;
+use crate::store::{Shard, Written};
 
 /// A chunk on its way into a session's store.
 pub(super) enum Incoming {
@@ -325,37 +325,30 @@ impl Node {
         chunk: Incoming,
         from: ChunkFrom,
     ) -> Result<Verdict, ChainError> {
-        let chunk = match chunk {
-            Incoming::Verified(chunk) => chunk,
+        let len = match &chunk {
+            Incoming::Verified(c) => c.data().len(),
+            Incoming::Unverified(data) => data.len(),
+        } as u64;
+        match chunk {
+            Incoming::Verified(chunk) => {
+                // Writes to one file serialise on its inode lock in the kernel; queue them
+                // here (an async wait) rather than have threads spin on that lock.
+                let _serial = sess.write_lock.lock().await;
+                sess.shard.write(chunk).await?;
+            }
+            // BLAKE3 takes ~0.3 ms per MiB: hashed off the I/O threads, by the same
+            // blocking-pool task that then writes it (the shard serialises the writes).
             Incoming::Unverified(data) => {
-                let (manifest, shard) = (sess.manifest.clone(), sess.shard_index());
-                // BLAKE3 of a chunk takes ~0.3 ms per MiB: hash off the I/O threads.
-                let verified =
-                    tokio::task::spawn_blocking(move || manifest.verified(shard, index, data))
-                        .await
-                        .map_err(|e| {
-                            ChainError::refused(ErrorCode::Internal, format!("verify task: {e}"))
-                        })?;
-                match verified {
-                    Ok(chunk) => chunk,
-                    Err(e) => {
-                        self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
-                        warn!(
-                            chunk = index,
-                            ?from,
-                            "dropping chunk that failed verification: {e}"
-                        );
-                        return Ok(Verdict::Corrupt);
-                    }
+                if let Written::Corrupt(e) = sess.shard.verify_and_write(index, data).await? {
+                    self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
+                    warn!(
+                        chunk = index,
+                        ?from,
+                        "dropping chunk that failed verification: {e}"
+                    );
+                    return Ok(Verdict::Corrupt);
                 }
             }
-        };
-        let len = chunk.data().len() as u64;
-        {
-            // Writes to one file serialise on its inode lock in the kernel; queue them here
-            // (an async wait) rather than have threads spin on that lock.
-            let _serial = sess.write_lock.lock().await;
-            sess.shard.write(chunk).await?;
         }
         self.stats.chunks_verified.fetch_add(1, Ordering::Relaxed);
         if from != ChunkFrom::Upstream {

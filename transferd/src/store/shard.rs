@@ -19,12 +19,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use shardcast_protocol::{ChunkSet, Manifest, ModelDigest, Tier, VerifiedChunk};
+use shardcast_protocol::{ChunkSet, Manifest, ModelDigest, Tier, VerifiedChunk, VerifyError};
 use tokio::sync::{Notify, watch};
 
 use super::beneath::{Access, TierDir};
 use super::map::ShardMap;
-use super::writer::ChunkWriter;
+use super::writer::{ChunkWriter, WriterKind};
 use super::{Integrity, StoreError, io_err, lock};
 
 /// Magic at the start of a bitmap file.
@@ -100,6 +100,8 @@ pub struct Shard {
     /// `None` only for an empty (zero-byte) shard, which has no chunks to read.
     map: Option<ShardMap>,
     writer: Arc<ChunkWriter>,
+    /// Taken around each data write of [`Shard::verify_and_write`].
+    serial: Arc<Mutex<()>>,
     integrity: Arc<Integrity>,
     state: Mutex<BitState>,
     /// Woken whenever a chunk leaves the in-flight set (written or failed).
@@ -300,6 +302,7 @@ impl Shard {
             bits_file,
             map,
             writer,
+            serial: Arc::default(),
             integrity,
             state: Mutex::new(state),
             settled: Notify::new(),
@@ -397,7 +400,81 @@ impl Shard {
             return Err(mismatch());
         }
 
-        // Claim the chunk, or wait for whoever is writing it.
+        let Some(_claim) = self.claim(index).await? else {
+            return Ok(false);
+        };
+        self.writer
+            .write_at(self.file.clone(), offset, chunk.data().clone())
+            .await
+            .map_err(io_err(&self.data_path))?;
+        self.mark_written(index)
+    }
+
+    /// Verifies `data` as chunk `index` against this shard's manifest and, if it is sound
+    /// and not verified yet, writes it and marks its bit, as [`Shard::write`] does.
+    ///
+    /// With the `pwrite` writer the hash and the write run in one task on the blocking
+    /// pool: one hand-off per chunk instead of two, and the write copies bytes that the
+    /// hash has just pulled into that core's cache. A chunk already verified is still
+    /// hashed (a bad copy is reported, so its sender learns of it), not written again.
+    pub async fn verify_and_write(&self, index: u32, data: Bytes) -> Result<Written, StoreError> {
+        let (offset, _) = self.span(index)?;
+        let claim = self.claim(index).await?;
+        let (manifest, shard) = (self.manifest.clone(), self.index);
+        let verify = move |data: Bytes| manifest.verified(shard, index, data);
+        if claim.is_none() {
+            return Ok(match self.blocking(move || verify(data)).await? {
+                Ok(_) => Written::AlreadyHad,
+                Err(e) => Written::Corrupt(e),
+            });
+        }
+        if self.writer.kind() == WriterKind::Pwrite {
+            let (file, serial) = (self.file.clone(), self.serial.clone());
+            let written = self.blocking(move || {
+                verify(data).map(|chunk| {
+                    // Hashes run in parallel; writes to the file queue here, sleeping,
+                    // rather than spin on the inode lock in the kernel.
+                    let _serial = lock(&serial);
+                    file.write_all_at(chunk.data(), offset)
+                })
+            });
+            match written.await? {
+                Ok(w) => w.map_err(io_err(&self.data_path))?,
+                Err(e) => return Ok(Written::Corrupt(e)),
+            }
+        } else {
+            let chunk = match self.blocking(move || verify(data)).await? {
+                Ok(chunk) => chunk,
+                Err(e) => return Ok(Written::Corrupt(e)),
+            };
+            self.writer
+                .write_at(self.file.clone(), offset, chunk.data().clone())
+                .await
+                .map_err(io_err(&self.data_path))?;
+        }
+        Ok(if self.mark_written(index)? {
+            Written::Stored
+        } else {
+            Written::AlreadyHad
+        })
+    }
+
+    /// Runs `f`, work on this shard's file, on tokio's blocking pool.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, StoreError> {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| StoreError::Io {
+                path: self.data_path.clone(),
+                source: std::io::Error::other(format!("blocking task failed: {e}")),
+            })
+    }
+
+    /// Claims chunk `index` for writing, waiting for whoever is writing it now: `None` when
+    /// it is verified already (after that writer, if there was one, finished).
+    async fn claim(&self, index: u32) -> Result<Option<Claim<'_>>, StoreError> {
         loop {
             let wait = {
                 let mut st = lock(&self.state);
@@ -405,7 +482,7 @@ impl Shard {
                     return Err(self.removed());
                 }
                 if st.contains(index) {
-                    return Ok(false);
+                    return Ok(None);
                 }
                 if st.in_flight.insert(index) {
                     None
@@ -415,17 +492,15 @@ impl Shard {
                 }
             };
             match wait {
-                None => break,
+                None => return Ok(Some(Claim { shard: self, index })),
                 Some(settled) => settled.await,
             }
         }
-        let _claim = Claim { shard: self, index };
+    }
 
-        self.writer
-            .write_at(self.file.clone(), offset, chunk.data().clone())
-            .await
-            .map_err(io_err(&self.data_path))?;
-
+    /// Marks chunk `index` verified once its bytes are in the file: sets and persists its
+    /// bit, stamps it trusted and wakes the subscribers. `Ok(false)` if it was set already.
+    fn mark_written(&self, index: u32) -> Result<bool, StoreError> {
         // Crash safety: the bit is persisted only after the data write has completed (the
         // writer returned), so a crash at any point can lose verified bits (the chunk is
         // fetched again) but never leave a bit claiming data that was not written. Both
@@ -742,6 +817,17 @@ impl Shard {
 }
 
 /// Releases a chunk's in-flight claim, also when the writing future is dropped midway.
+/// What [`Shard::verify_and_write`] did with a chunk.
+#[derive(Debug)]
+pub enum Written {
+    /// Sound, written and marked verified.
+    Stored,
+    /// Sound; the shard had it verified already (nothing written).
+    AlreadyHad,
+    /// Did not match the manifest; nothing written.
+    Corrupt(VerifyError),
+}
+
 struct Claim<'a> {
     shard: &'a Shard,
     index: u32,

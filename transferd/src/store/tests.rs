@@ -93,6 +93,55 @@ async fn write_read_round_trip_with_every_writer() {
 }
 
 #[tokio::test]
+async fn verify_and_write_stores_sound_chunks_and_drops_bad_ones_with_every_writer() {
+    for writer in writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ShardStore::open(config(dir.path(), writer, false)).unwrap();
+        let (m, data) = model("org/model", &[("a.safetensors", 3 * 4096 + 100)]);
+        let d = m.digest();
+        store.put_manifest(&m).unwrap();
+        let shard = store.shard(&d, 0, Tier::Memory).unwrap();
+        let bytes = |i: u32| chunk(&m, &data, 0, i).data().clone();
+
+        // A flipped byte: refused, nothing written, the bit stays clear.
+        let mut bad = bytes(1).to_vec();
+        bad[7] ^= 0x40;
+        let got = shard.verify_and_write(1, Bytes::from(bad)).await.unwrap();
+        assert!(matches!(got, Written::Corrupt(_)), "{writer:?}: {got:?}");
+        assert!(!shard.is_verified(1));
+        let (off, len) = m.chunk_span(0, 1).unwrap();
+        let on_disk = std::fs::read(shard.path()).unwrap();
+        assert!(
+            on_disk[off as usize..off as usize + len]
+                .iter()
+                .all(|&b| b == 0),
+            "{writer:?}: a bad chunk reached the file"
+        );
+        // The wrong chunk's bytes at this index: refused too.
+        let got = shard.verify_and_write(2, bytes(0)).await.unwrap();
+        assert!(matches!(got, Written::Corrupt(_)), "{writer:?}: {got:?}");
+
+        let mut rx = shard.subscribe();
+        for i in 0..shard.total_chunks() {
+            let got = shard.verify_and_write(i, bytes(i)).await.unwrap();
+            assert!(
+                matches!(got, Written::Stored),
+                "{writer:?} chunk {i}: {got:?}"
+            );
+            assert_eq!(*rx.borrow_and_update(), i + 1);
+        }
+        assert!(shard.is_complete());
+        assert_eq!(std::fs::read(shard.path()).unwrap(), data[0], "{writer:?}");
+        // Again: already had it. A bad copy of a chunk it has is still reported.
+        let got = shard.verify_and_write(0, bytes(0)).await.unwrap();
+        assert!(matches!(got, Written::AlreadyHad), "{writer:?}: {got:?}");
+        let got = shard.verify_and_write(0, bytes(1)).await.unwrap();
+        assert!(matches!(got, Written::Corrupt(_)), "{writer:?}: {got:?}");
+        assert_eq!(std::fs::read(shard.path()).unwrap(), data[0], "{writer:?}");
+    }
+}
+
+#[tokio::test]
 async fn incomplete_shard_never_complete_and_unverified_reads_fail() {
     let dir = tempfile::tempdir().unwrap();
     let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
