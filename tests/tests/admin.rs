@@ -59,6 +59,14 @@ async fn the_admin_endpoint_serves_readers_and_refuses_everyone_else() {
     let (s, b) = get(HttpAs::Cert(Role::Controller), "/metrics").await;
     assert_eq!(s, 200, "{b}");
     assert!(b.contains("shardcast_admin_refused_total"), "{b}");
+    // The memory tier's page policy, as the daemon read it from its mount.
+    let huge = transferd::store::TierFs::of(&d.memory_dir).is_some_and(|f| f.huge_pages());
+    let gauge = format!(
+        "shardcast_memory_tier_huge_pages{{host=\"{}\"}} {}",
+        d.host_id,
+        u8::from(huge)
+    );
+    assert!(b.contains(&gauge), "{gauge} not in {b}");
     assert_eq!(get(HttpAs::Token(token.clone()), HANDOFF).await.0, 200);
     assert_eq!(get(HttpAs::Token(token), "/metrics").await.0, 200);
 

@@ -520,6 +520,12 @@ pub fn render(node: &Node) -> String {
         metric(name, kind, help, v.load(Ordering::Relaxed));
     }
     metric(
+        "memory_tier_huge_pages",
+        "gauge",
+        "1 when the memory tier is a tmpfs whose new pages can be huge (huge=within_size, always, advise or a kernel-wide force): chunk writes there cost several times less CPU than with 4 KiB pages.",
+        u64::from(node.store.memory_fs().is_some_and(|f| f.huge_pages())),
+    );
+    metric(
         "repairs_refused_total",
         "counter",
         "Repair requests refused because the repair queue was full.",

@@ -78,6 +78,7 @@ mod beneath;
 mod hardening_tests;
 mod map;
 pub mod names;
+mod pages;
 mod shard;
 #[cfg(test)]
 mod tests;
@@ -98,7 +99,8 @@ use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::{Manifest, ModelDigest, ModelName, ShardPath, Tier};
 
 pub use names::{Binding, BindingSource};
-pub use shard::{Check, Shard};
+pub use pages::TierFs;
+pub use shard::{Check, Shard, Written};
 pub use writer::{ChunkWriter, WriterKind};
 
 use beneath::{Access, Perms, TierDir};
@@ -389,6 +391,8 @@ struct Inner {
     memory: Arc<TierDir>,
     disk: Arc<TierDir>,
     writer: Arc<ChunkWriter>,
+    /// The memory tier's file system, where `/proc` tells.
+    memory_fs: Option<TierFs>,
     integrity: Arc<Integrity>,
     memory_capacity: Option<u64>,
     disk_capacity: Option<u64>,
@@ -533,6 +537,31 @@ fn known_manifest_rel(d: &ModelDigest) -> PathBuf {
     Path::new("manifests").join(format!("{}.scmf", d.to_hex()))
 }
 
+/// Says at start-up what the memory tier's file system does with pages, with a hint where
+/// it could be cheaper (see [`pages`]).
+fn report_memory_fs(root: &Path, fs: Option<&TierFs>) {
+    let Some(fs) = fs else {
+        tracing::info!(root = %root.display(), "memory tier: file system unknown (no /proc/self/mountinfo)");
+        return;
+    };
+    let (mount, fs_type, huge) = (fs.mount_point.display(), &fs.fs_type, fs.huge.as_deref());
+    match huge {
+        None => tracing::warn!(
+            root = %root.display(), %mount, fs_type,
+            "memory tier is not on tmpfs: its shards are page cache of a disk file system, \
+             written back and evictable; mount a tmpfs there"
+        ),
+        Some(_) if fs.huge_pages() => tracing::info!(
+            root = %root.display(), %mount, fs_type, huge, "memory tier: tmpfs with huge pages"
+        ),
+        Some(_) => tracing::info!(
+            root = %root.display(), %mount, fs_type, huge,
+            "memory tier: tmpfs with 4 KiB pages; a tmpfs mounted with huge=within_size \
+             makes writing received chunks several times cheaper (docs/OPERATIONS.md)"
+        ),
+    }
+}
+
 impl ShardStore {
     /// Opens the store: checks and opens the tier roots, creates their directories, removes
     /// stale temporary files, sets up the writer and recovers every model found in either
@@ -571,10 +600,13 @@ impl ShardStore {
         let writer = Arc::new(ChunkWriter::new(writer)?);
         tracing::debug!(writer = ?writer.kind(), "shard store writer");
         let names = Mutex::new(names::Names::load(&disk)?);
+        let memory_fs = TierFs::of(&memory_dir);
+        report_memory_fs(&memory_dir, memory_fs.as_ref());
         let inner = Inner {
             memory,
             disk,
             writer,
+            memory_fs,
             integrity: Arc::new(Integrity {
                 epoch: Instant::now(),
                 reverify_after,
@@ -592,6 +624,12 @@ impl ShardStore {
         store.remove_stale_temps()?;
         store.recover(verify_on_recover)?;
         Ok(store)
+    }
+
+    /// The memory tier's file system (type, mount, huge-page policy), where `/proc/self/mountinfo`
+    /// could tell.
+    pub fn memory_fs(&self) -> Option<&TierFs> {
+        self.inner.memory_fs.as_ref()
     }
 
     fn dir(&self, tier: Tier) -> &Arc<TierDir> {
