@@ -228,9 +228,12 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         shards: usize,
         /// After the measured runs, run the TLS hop once more with `perf record -g`
-        /// attached to the receiver's transferd and report where its cycles went.
+        /// attached to one transferd (--profile-side) and report where its cycles went.
         #[arg(long)]
         profile: bool,
+        /// The daemon the profiled run records.
+        #[arg(long, value_enum, default_value = "receiver")]
+        profile_side: scenario::Side,
         /// Keep perf's data file of the profiled run here (implies --profile).
         #[arg(long)]
         profile_data: Option<PathBuf>,
@@ -691,7 +694,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let opts = ChainBenchOpts {
                 plaintext: false,
                 source_args: Vec::new(),
-                perf_receiver: None,
+                perf: None,
                 mode,
                 receivers,
                 size,
@@ -717,6 +720,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             profile,
             profile_data,
             profile_transport,
+            profile_side,
             json,
         } => {
             let profile = (profile || profile_data.is_some()).then_some(profile_data);
@@ -724,7 +728,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 shardcast_protocol::HopTransport::Tcp => scenario::Method::ChainTcp,
                 shardcast_protocol::HopTransport::Quic => scenario::Method::ChainQuic,
             };
-            let report = scenario::run_hop_bench(size, shards, profile, method, true).await?;
+            let report =
+                scenario::run_hop_bench(size, shards, profile, method, profile_side, true).await?;
             emit(&report, json)
         }
         Cmd::Loader {

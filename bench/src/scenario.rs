@@ -104,9 +104,10 @@ pub struct ChainBenchOpts {
     pub plaintext: bool,
     /// Extra transferd arguments for the source only (e.g. `--reverify-after-ms 0`).
     pub source_args: Vec<String>,
-    /// Record the first receiver's transferd with `perf record -g` for the whole transfer
-    /// into this file (loopback only; `perf` must be installed and allowed to attach).
-    pub perf_receiver: Option<PathBuf>,
+    /// Record one transferd (the source's, or the first receiver's) with `perf record -g`
+    /// for the whole transfer into this file (loopback only; `perf` must be installed and
+    /// allowed to attach).
+    pub perf: Option<(Side, PathBuf)>,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -448,9 +449,18 @@ async fn run_method(
     };
     let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
     let reverified0 = daemons[0].stats().await?.bytes_reverified;
-    let perf = match (&opts.perf_receiver, receivers.first().and_then(|d| d.pid())) {
-        (Some(out), Some(pid)) => Some(PerfRecord::start(pid, out)?),
-        _ => None,
+    let perf = match &opts.perf {
+        Some((side, out)) => {
+            let daemon = match side {
+                Side::Source => daemons.first(),
+                Side::Receiver => receivers.first().copied(),
+            };
+            match daemon.and_then(|d| d.pid()) {
+                Some(pid) => Some(PerfRecord::start(pid, out)?),
+                None => None,
+            }
+        }
+        None => None,
     };
     let cpu0 = cpu_sample();
     let proc0 = daemons_cpu(&daemons);
@@ -781,10 +791,22 @@ pub struct HopRun {
     pub source_bytes_reverified: u64,
 }
 
-/// Where the receiver's cycles went in one hop run, from `perf record -g` attached to its
+/// Which daemon of a hop a profile is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Side {
+    /// The source: reads its store and sends.
+    Source,
+    /// The receiver: receives, verifies and stores.
+    Receiver,
+}
+
+/// Where one daemon's cycles went in one hop run, from `perf record -g` attached to its
 /// transferd for the whole transfer (`hop --profile`).
 #[derive(Debug, Clone, Serialize)]
-pub struct ReceiverProfile {
+pub struct HopProfile {
+    /// The daemon profiled.
+    pub side: Side,
     /// The configuration profiled (a run of its own after the measured ones, since perf
     /// itself costs cycles).
     pub config: String,
@@ -801,7 +823,7 @@ pub struct ReceiverProfile {
     pub by_path: Vec<ProfileShare>,
 }
 
-/// One line of a [`ReceiverProfile`].
+/// One line of a [`HopProfile`].
 #[derive(Debug, Clone, Serialize)]
 pub struct ProfileShare {
     /// Category or symbol (`[k]` kernel, `[.]` user space).
@@ -865,8 +887,8 @@ pub struct HopReport {
     pub runs: Vec<HopRun>,
     /// The scrub alone.
     pub scrub: ScrubReport,
-    /// Where the receiver's cycles went (`--profile`; `None` without it).
-    pub receiver_profile: Option<ReceiverProfile>,
+    /// Where the profiled daemon's cycles went (`--profile`; `None` without it).
+    pub profile: Option<HopProfile>,
 }
 
 /// Raw loopback TCP from iperf3: bytes/s, and the sender's and receiver's CPU seconds per
@@ -987,13 +1009,14 @@ async fn measure_scrub(size: u64, shards: usize, seconds: u64) -> anyhow::Result
 /// chain hop (source → receiver, both real daemons, no caps) with mutual TLS over TCP,
 /// with TLS but no serve-path re-verification, in plaintext, and over QUIC; then the scrub
 /// alone. With `profile` (`Some`), the hop runs once more over `profile_method`'s transport
-/// under `perf record -g` on the receiver, whose data file is kept at the given path
-/// (else removed).
+/// under `perf record -g` on `profile_side`'s daemon, whose data file is kept at the given
+/// path (else removed).
 pub async fn run_hop_bench(
     size: u64,
     shards: usize,
     profile: Option<Option<PathBuf>>,
     profile_method: Method,
+    profile_side: Side,
     progress: bool,
 ) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
@@ -1010,7 +1033,7 @@ pub async fn run_hop_bench(
         window: 0,
         plaintext: false,
         source_args: Vec::new(),
-        perf_receiver: None,
+        perf: None,
     };
     let configs: [(&str, bool, &[&str], Method); 4] = [
         ("tls", false, &[], Method::ChainTcp),
@@ -1046,14 +1069,14 @@ pub async fn run_hop_bench(
             source_bytes_reverified: r.source_bytes_reverified,
         });
     }
-    let receiver_profile = if let Some(keep) = profile {
-        // The production configuration once more, with perf attached to the receiver.
+    let profile = if let Some(keep) = profile {
+        // The production configuration once more, with perf attached to one side.
         let dir = scratch_dir("perf")?;
-        let data = keep.unwrap_or_else(|| dir.path().join("receiver.perf.data"));
+        let data = keep.unwrap_or_else(|| dir.path().join("hop.perf.data"));
         opts.plaintext = false;
         opts.methods = vec![profile_method];
         opts.source_args = Vec::new();
-        opts.perf_receiver = Some(data.clone());
+        opts.perf = Some((profile_side, data.clone()));
         let report = run_chain_bench(&opts).await?;
         let r = report.results.first().context("no result")?;
         let bytes_per_s = report.bytes as f64 / r.completion_s;
@@ -1063,7 +1086,8 @@ pub async fn run_hop_bench(
         .await??;
         let (categories, top_symbols) = fold_profile(&text, 15);
         let by_path = fold_by_path(&script);
-        Some(ReceiverProfile {
+        Some(HopProfile {
+            side: profile_side,
             config: match profile_method {
                 Method::ChainQuic => "quic",
                 _ => "tls",
@@ -1099,7 +1123,7 @@ pub async fn run_hop_bench(
         quic_vs_tls: quic.bytes_per_s / tls.bytes_per_s,
         runs,
         scrub,
-        receiver_profile,
+        profile,
     })
 }
 

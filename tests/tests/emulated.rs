@@ -15,7 +15,7 @@ async fn emulated_chain_beats_star_and_verifies_over_tcp_and_quic() {
     let opts = ChainBenchOpts {
         plaintext: false,
         source_args: Vec::new(),
-        perf_receiver: None,
+        perf: None,
         mode: NetMode::Emulate,
         receivers: 4,
         size: 24 << 20,
