@@ -100,16 +100,14 @@ impl Placement {
         match self {
             Self::Pwrite => {
                 for i in 0..CHUNKS {
-                    file.write_all_at(data, i * CHUNK as u64)
-                        .expect("pwrite");
+                    file.write_all_at(data, i * CHUNK as u64).expect("pwrite");
                 }
             }
             Self::FallocatePwrite => {
                 rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, FILE_LEN)
                     .expect("fallocate");
                 for i in 0..CHUNKS {
-                    file.write_all_at(data, i * CHUNK as u64)
-                        .expect("pwrite");
+                    file.write_all_at(data, i * CHUNK as u64).expect("pwrite");
                 }
             }
             Self::Mapped => {
@@ -146,7 +144,10 @@ fn bench(c: &mut Criterion) {
     targets.retain(|(name, root)| {
         let ok = tempfile::tempdir_in(root).is_ok();
         if !ok {
-            eprintln!("cannot create a file under {}; skipping {name}", root.display());
+            eprintln!(
+                "cannot create a file under {}; skipping {name}",
+                root.display()
+            );
         }
         ok
     });
@@ -166,7 +167,8 @@ fn bench(c: &mut Criterion) {
         for (name, w) in &writers {
             for (pages, written) in [("fresh", false), ("overwrite", true)] {
                 for conc in [1usize, 4] {
-                    let id = BenchmarkId::new(format!("{target}/{name}/{pages}"), format!("c{conc}"));
+                    let id =
+                        BenchmarkId::new(format!("{target}/{name}/{pages}"), format!("c{conc}"));
                     group.bench_with_input(id, &conc, |b, &conc| {
                         b.iter_batched_ref(
                             || Target::new(root, written, &data),
