@@ -218,6 +218,10 @@ enum Cmd {
         /// In-flight chunks per hop [default: transferd's].
         #[arg(long)]
         window: Option<usize>,
+        /// Random loss on every host's egress, in percent (e.g. `1` or `0.5%`; emulated
+        /// mode, needs `nft`): each packet a host sends is dropped with this probability.
+        #[arg(long, value_parser = parse_loss)]
+        loss: Option<u32>,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -680,7 +684,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             timeout_s,
             chunk_size,
             window,
+            loss,
         } => {
+            if loss.is_some() && !emulate {
+                anyhow::bail!("--loss needs --emulate (it drops packets in the hosts' namespaces)");
+            }
             let chunk_size = u32::try_from(chunk_size.unwrap_or(0))
                 .map_err(|_| anyhow::anyhow!("--chunk-size is too large"))?;
             let mode = if emulate {
@@ -705,6 +713,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 progress: true,
                 chunk_size,
                 window: window.unwrap_or(0),
+                loss_per_10000: loss.unwrap_or(0),
             };
             let report = scenario::run_chain_bench(&opts).await?;
             let text = serde_json::to_string_pretty(&report)?;
@@ -868,6 +877,19 @@ fn prepare_emulation() -> anyhow::Result<()> {
 }
 
 /// The rate in flag `--name`, which must be finite.
+/// A loss in percent (`1`, `0.5%`) as packets per 10 000.
+fn parse_loss(s: &str) -> Result<u32, String> {
+    let pct: f64 = s
+        .trim()
+        .trim_end_matches('%')
+        .parse()
+        .map_err(|_| format!("not a percentage: {s:?}"))?;
+    if !(0.0..=100.0).contains(&pct) {
+        return Err(format!("a loss is 0 to 100%, got {s}"));
+    }
+    Ok((pct * 100.0).round() as u32)
+}
+
 fn finite_rate(name: &str, v: &str) -> anyhow::Result<u64> {
     parse_rate(v)
         .map_err(anyhow::Error::msg)?

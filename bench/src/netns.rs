@@ -227,6 +227,70 @@ impl EmulatedNet {
         Ok(())
     }
 
+    /// Drops `per_10000` / 10 000 of the packets host `i` sends, chosen at random per
+    /// packet; 0 removes the loss. Needs `nft` ([`loss_available`]); it works without the
+    /// kernel's `netem`.
+    ///
+    /// The rule sits in the switch namespace, on the bridge's forward path for IPv4 frames
+    /// arriving from host `i`'s port, and the host's `eth0` gets `gso_max_segs 1`, so that
+    /// TCP and UDP GSO leave it as wire-sized frames and one drop is one lost frame (not a
+    /// 64 KiB super-packet: burst loss). That segmentation costs CPU a NIC would save. The
+    /// drops are counted ([`Self::dropped`]).
+    pub fn set_loss(&self, i: usize, per_10000: u32) -> anyhow::Result<()> {
+        ensure!(i < self.host_ns.len(), "no host {i} in this net");
+        ensure!(
+            per_10000 <= 10_000,
+            "a loss is at most 10000 per 10000, got {per_10000}"
+        );
+        let table = format!("{LOSS_TABLE}_{i}");
+        // Idempotent: the table is replaced as a whole.
+        let _ = nft(&self.switch_ns, &["delete", "table", "bridge", &table]);
+        // One wire frame per packet the host sends, so that one drop loses one frame: the
+        // kernel segments in software what TSO and UDP GSO would have sent as one.
+        let segs = if per_10000 == 0 { "65535" } else { "1" };
+        ip(&[
+            "-n",
+            &self.host_ns[i],
+            "link",
+            "set",
+            "eth0",
+            "gso_max_segs",
+            segs,
+        ])?;
+        if per_10000 == 0 {
+            return Ok(());
+        }
+        let (port, last) = (format!("p{i}"), (per_10000 - 1).to_string());
+        nft(&self.switch_ns, &["add", "table", "bridge", &table])?;
+        nft(
+            &self.switch_ns,
+            &[
+                "add", "chain", "bridge", &table, "forward", "{", "type", "filter", "hook",
+                "forward", "priority", "0", ";", "policy", "accept", ";", "}",
+            ],
+        )?;
+        // IPv4 frames only (ARP passes, so a host stays reachable at any loss). numgen
+        // yields 0..=9999, and nft refuses a bound outside that range: `<=` the last.
+        nft(
+            &self.switch_ns,
+            &[
+                "add", "rule", "bridge", &table, "forward", "iifname", &port, "ether", "type",
+                "ip", "numgen", "random", "mod", "10000", "<=", &last, "counter", "drop",
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Frames host `i`'s loss rule ([`Self::set_loss`]) has dropped so far (0 without one).
+    pub fn dropped(&self, i: usize) -> anyhow::Result<u64> {
+        ensure!(i < self.host_ns.len(), "no host {i} in this net");
+        let table = format!("{LOSS_TABLE}_{i}");
+        let Ok(listing) = nft(&self.switch_ns, &["list", "table", "bridge", &table]) else {
+            return Ok(0);
+        };
+        Ok(parse_dropped(&listing))
+    }
+
     /// Number of hosts.
     pub fn hosts(&self) -> usize {
         self.host_ns.len()
@@ -387,6 +451,31 @@ fn tc(args: &[&str]) -> anyhow::Result<String> {
     run_checked("tc", args)
 }
 
+/// The nftables tables [`EmulatedNet::set_loss`] installs in the switch namespace, one per
+/// host (`shardcast_loss_<i>`).
+const LOSS_TABLE: &str = "shardcast_loss";
+
+/// `nft args` inside namespace `ns`.
+fn nft(ns: &str, args: &[&str]) -> anyhow::Result<String> {
+    let mut all = vec!["netns", "exec", ns, "nft"];
+    all.extend_from_slice(args);
+    run_checked("ip", &all)
+}
+
+/// The packets counted by the loss rule in `nft list table`'s output
+/// (`… counter packets 12 bytes 18000 drop`).
+fn parse_dropped(listing: &str) -> u64 {
+    listing
+        .lines()
+        .filter(|l| l.contains("drop"))
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            words.find(|w| *w == "packets")?;
+            words.next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
 /// Runs `program args`, bounded by [`COMMAND_TIMEOUT`], and returns its stdout; a failure names
 /// the command line and its stderr.
 fn run_checked(program: &str, args: &[&str]) -> anyhow::Result<String> {
@@ -497,6 +586,40 @@ pub fn netem_available() -> Result<(), String> {
                 .map(drop)
             })
             .map_err(|e| format!("netem delay unavailable (CONFIG_NET_SCH_NETEM?): {e:#}"))
+        })
+        .clone()
+}
+
+/// Whether [`EmulatedNet::set_loss`] works here (emulated nets, and `nft` with the kernel's
+/// bridge nf_tables and `numgen`): `Ok`, or the reason. Checked once per process.
+///
+/// # Errors
+///
+/// The reason packet loss cannot be emulated.
+pub fn loss_available() -> Result<(), String> {
+    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+    RESULT
+        .get_or_init(|| {
+            available()?;
+            with_probe_ns(|ns| {
+                nft(ns, &["add", "table", "bridge", LOSS_TABLE])?;
+                nft(
+                    ns,
+                    &[
+                        "add", "chain", "bridge", LOSS_TABLE, "forward", "{", "type", "filter",
+                        "hook", "forward", "priority", "0", ";", "}",
+                    ],
+                )?;
+                nft(
+                    ns,
+                    &[
+                        "add", "rule", "bridge", LOSS_TABLE, "forward", "numgen", "random",
+                        "mod", "10000", "<=", "0", "counter", "drop",
+                    ],
+                )
+                .map(drop)
+            })
+            .map_err(|e| format!("packet loss unavailable (nft from Debian's nftables; the kernel's bridge nf_tables with numgen): {e:#}"))
         })
         .clone()
 }
@@ -1010,6 +1133,49 @@ mod tests {
         for r in per {
             assert!(r > 0.2 * cap as f64, "a sender starved: {r}");
         }
+    }
+
+    #[test]
+    fn drop_counts_are_read_from_the_loss_rule() {
+        let listing = "table bridge shardcast_loss_0 {\n\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n\t\tiifname \"p0\" ether type ip numgen random mod 10000 <= 99 counter packets 12 bytes 18000 drop\n\t}\n}\n";
+        assert_eq!(parse_dropped(listing), 12);
+        assert_eq!(parse_dropped("table bridge shardcast_loss_0 {\n}\n"), 0);
+        assert_eq!(parse_dropped("counter packets x drop"), 0);
+    }
+
+    #[test]
+    fn loss_drops_and_counts_what_a_host_sends_and_can_be_lifted() {
+        if skip() {
+            return;
+        }
+        if let Err(reason) = loss_available() {
+            eprintln!("skipping: {reason}");
+            return;
+        }
+        let net = EmulatedNet::create(2, None, None).expect("create");
+        assert!(net.set_loss(0, 10_001).is_err());
+        assert!(net.set_loss(5, 10).is_err());
+        let to = net.host_ip(1);
+        let send = |n: u32| {
+            // bash's /dev/udp: one datagram per redirection, no other tool needed.
+            let script = format!("for i in $(seq {n}); do echo x > /dev/udp/{to}/9; done");
+            let out = net
+                .command(0, "bash")
+                .args(["-c", &script])
+                .output()
+                .expect("run bash in the namespace");
+            assert!(out.status.success(), "{out:?}");
+        };
+        net.set_loss(0, 10_000).expect("all lost");
+        send(40);
+        assert_eq!(net.dropped(0).unwrap(), 40);
+        assert_eq!(net.dropped(1).unwrap(), 0, "host 1 has no loss rule");
+        net.set_loss(0, 5_000).expect("half lost");
+        send(400);
+        let half = net.dropped(0).unwrap();
+        assert!((100..300).contains(&half), "{half} of 400 dropped at 50%");
+        net.set_loss(0, 0).expect("lifted");
+        assert_eq!(net.dropped(0).unwrap(), 0);
     }
 
     #[test]

@@ -108,6 +108,8 @@ pub struct ChainBenchOpts {
     /// for the whole transfer into this file (loopback only; `perf` must be installed and
     /// allowed to attach).
     pub perf: Option<(Side, PathBuf)>,
+    /// Random loss on every host's egress, in packets per 10 000 (emulated mode; 0: none).
+    pub loss_per_10000: u32,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -135,6 +137,8 @@ pub struct MethodResult {
     pub receiver_cpu: Vec<ProcCpu>,
     /// Bytes the source re-hashed on the serve path during the transfer.
     pub source_bytes_reverified: u64,
+    /// Packets the emulated loss dropped, all hosts together (0 without a loss).
+    pub packets_dropped: u64,
 }
 
 /// The `chain` benchmark's JSON report.
@@ -150,6 +154,8 @@ pub struct ChainReport {
     pub ideal_s: f64,
     /// "emulate" or "local".
     pub mode: String,
+    /// Random loss on every host's egress, in percent (0: none).
+    pub loss_percent: f64,
     /// Per-method results.
     pub results: Vec<MethodResult>,
 }
@@ -390,6 +396,7 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
             "local"
         }
         .into(),
+        loss_percent: f64::from(opts.loss_per_10000) / 100.0,
         results,
     })
 }
@@ -405,6 +412,15 @@ async fn run_method(
         NetMode::Emulate => Some(EmulatedNet::create(hosts, opts.rate, None)?),
         NetMode::Local => None,
     };
+    if opts.loss_per_10000 > 0 {
+        let net = net
+            .as_ref()
+            .context("packet loss is emulated in the hosts' namespaces: it needs --emulate")?;
+        crate::netns::loss_available().map_err(anyhow::Error::msg)?;
+        for i in 0..hosts {
+            net.set_loss(i, opts.loss_per_10000)?;
+        }
+    }
     let scratch = scratch_dir(method.name())?;
     let mut daemons = Vec::new();
     for i in 0..hosts {
@@ -507,6 +523,12 @@ async fn run_method(
             ),
         }
     }
+    let mut packets_dropped = 0;
+    if let Some(net) = &net {
+        for i in 0..hosts {
+            packets_dropped += net.dropped(i)?;
+        }
+    }
     let mut verified = true;
     for d in &receivers {
         if let Err(e) = d.verify_copy(&manifest) {
@@ -526,6 +548,7 @@ async fn run_method(
         source_cpu: split[0],
         receiver_cpu: split[1..].to_vec(),
         source_bytes_reverified: reverified,
+        packets_dropped,
     })
 }
 
@@ -1034,6 +1057,7 @@ pub async fn run_hop_bench(
         plaintext: false,
         source_args: Vec::new(),
         perf: None,
+        loss_per_10000: 0,
     };
     let configs: [(&str, bool, &[&str], Method); 4] = [
         ("tls", false, &[], Method::ChainTcp),
