@@ -232,10 +232,11 @@ impl EmulatedNet {
     /// kernel's `netem`.
     ///
     /// The rule sits in the switch namespace, on the bridge's forward path for IPv4 frames
-    /// arriving from host `i`'s port, and the host's `eth0` gets `gso_max_segs 1`, so that
-    /// TCP and UDP GSO leave it as wire-sized frames and one drop is one lost frame (not a
-    /// 64 KiB super-packet: burst loss). That segmentation costs CPU a NIC would save. The
-    /// drops are counted ([`Self::dropped`]).
+    /// arriving from host `i`'s port, and the host's `eth0` has its TCP and UDP
+    /// segmentation offloads turned off (`ethtool`), so that GSO cuts super-packets into
+    /// wire-sized frames before they leave and one drop is one lost frame (not a 64 KiB
+    /// burst). That software segmentation costs some CPU a NIC would save. The drops are
+    /// counted ([`Self::dropped`]).
     pub fn set_loss(&self, i: usize, per_10000: u32) -> anyhow::Result<()> {
         ensure!(i < self.host_ns.len(), "no host {i} in this net");
         ensure!(
@@ -245,18 +246,26 @@ impl EmulatedNet {
         let table = format!("{LOSS_TABLE}_{i}");
         // Idempotent: the table is replaced as a whole.
         let _ = nft(&self.switch_ns, &["delete", "table", "bridge", &table]);
-        // One wire frame per packet the host sends, so that one drop loses one frame: the
-        // kernel segments in software what TSO and UDP GSO would have sent as one.
-        let segs = if per_10000 == 0 { "65535" } else { "1" };
-        ip(&[
-            "-n",
-            &self.host_ns[i],
-            "link",
-            "set",
-            "eth0",
-            "gso_max_segs",
-            segs,
-        ])?;
+        // Wire-sized frames out of the host, so that one drop loses one frame: with the
+        // veth's TCP and UDP segmentation offloads off, the kernel cuts the stacks' 64 KiB
+        // super-packets in software (GSO) just before the device, as a NIC would in
+        // hardware; the stacks above still build and acknowledge them whole.
+        let offload = if per_10000 == 0 { "on" } else { "off" };
+        run_checked(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.host_ns[i],
+                "ethtool",
+                "-K",
+                "eth0",
+                "tso",
+                offload,
+                "tx-udp-segmentation",
+                offload,
+            ],
+        )?;
         if per_10000 == 0 {
             return Ok(());
         }
@@ -590,8 +599,8 @@ pub fn netem_available() -> Result<(), String> {
         .clone()
 }
 
-/// Whether [`EmulatedNet::set_loss`] works here (emulated nets, and `nft` with the kernel's
-/// bridge nf_tables and `numgen`): `Ok`, or the reason. Checked once per process.
+/// Whether [`EmulatedNet::set_loss`] works here (emulated nets, `ethtool`, and `nft` with
+/// the kernel's bridge nf_tables and `numgen`): `Ok`, or the reason. Checked once per process.
 ///
 /// # Errors
 ///
@@ -602,6 +611,7 @@ pub fn loss_available() -> Result<(), String> {
         .get_or_init(|| {
             available()?;
             with_probe_ns(|ns| {
+                run_checked("ethtool", &["--version"])?;
                 nft(ns, &["add", "table", "bridge", LOSS_TABLE])?;
                 nft(
                     ns,
@@ -619,7 +629,7 @@ pub fn loss_available() -> Result<(), String> {
                 )
                 .map(drop)
             })
-            .map_err(|e| format!("packet loss unavailable (nft from Debian's nftables; the kernel's bridge nf_tables with numgen): {e:#}"))
+            .map_err(|e| format!("packet loss unavailable (nft from Debian's nftables and ethtool; the kernel's bridge nf_tables with numgen): {e:#}"))
         })
         .clone()
 }
