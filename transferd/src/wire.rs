@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use shardcast_protocol::codec::{Codec, DecodeError};
 use shardcast_protocol::frame::{FrameHeader, HEADER_LEN};
 use shardcast_protocol::{ErrorCode, Frame};
@@ -34,6 +35,50 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> AsyncStream for T {}
 
 /// A boxed stream from any transport.
 pub type BoxStream = Box<dyn AsyncStream>;
+
+/// The read half of a stream, as [`Conn`] reads frames from it.
+pub type BoxRead = Box<dyn AsyncRead + Unpin + Send>;
+
+/// The write half of a stream, as [`Conn`] writes frames to it.
+pub type BoxSink = Box<dyn FrameSink>;
+
+/// A write half that can be handed a chunk's bytes as they are.
+pub trait FrameSink: AsyncWrite + Unpin + Send {
+    /// Writes all of `data`. By default it is written like any other bytes (copied into
+    /// the socket, or into TLS records); a transport that can keep the `Bytes` themselves
+    /// until they are sent — QUIC's send buffer — takes them without a copy.
+    fn write_bytes(&mut self, data: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
+        Box::pin(async move { self.write_all(&data).await })
+    }
+}
+
+impl<T: AsyncWrite + Send> FrameSink for tokio::io::WriteHalf<T> {}
+impl FrameSink for tokio::io::DuplexStream {}
+impl FrameSink for BoxSink {
+    fn write_bytes(&mut self, data: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
+        (**self).write_bytes(data)
+    }
+}
+
+/// A stream taken apart for [`Conn`]: its read half and its write half.
+pub struct Halves {
+    /// Where frames are read from.
+    pub read: BoxRead,
+    /// Where frames are written to.
+    pub write: BoxSink,
+}
+
+impl From<BoxStream> for Halves {
+    /// Splits a stream whose two directions share one object (TCP, TLS) behind tokio's
+    /// split lock.
+    fn from(stream: BoxStream) -> Self {
+        let (read, write) = tokio::io::split(stream);
+        Self {
+            read: Box::new(read),
+            write: Box::new(write),
+        }
+    }
+}
 
 /// Why reading or writing frames failed.
 #[derive(Debug, thiserror::Error)]
@@ -373,6 +418,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
+/// A [`FrameWriter`]'s buffer: enough to batch small control frames and chunk headers into
+/// few syscalls; chunk payloads this large or larger bypass it.
+const WRITE_BUFFER: usize = 256 << 10;
+
 /// Writes frames, charging the egress limiter before each one.
 pub struct FrameWriter<W: AsyncWrite> {
     inner: BufWriter<W>,
@@ -383,13 +432,11 @@ pub struct FrameWriter<W: AsyncWrite> {
     write_timeout: Option<Duration>,
 }
 
-impl<W: AsyncWrite + Unpin> FrameWriter<W> {
+impl<W: FrameSink> FrameWriter<W> {
     /// Wraps a write half.
     pub fn new(inner: W, egress: RateLimiter, counters: Arc<ByteCounters>) -> Self {
-        // 256 KiB: enough to batch small control frames and chunk headers into few
-        // syscalls; chunk payloads larger than this bypass the buffer.
         Self {
-            inner: BufWriter::with_capacity(256 << 10, inner),
+            inner: BufWriter::with_capacity(WRITE_BUFFER, inner),
             egress,
             counters,
             scratch: Vec::new(),
@@ -439,7 +486,9 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         Ok(())
     }
 
-    /// Writes a `Chunk` frame without copying its payload.
+    /// Writes a `Chunk` frame without copying its payload into the buffer: a payload at
+    /// least the buffer's size goes to the stream as `Bytes` ([`FrameSink::write_bytes`])
+    /// after the buffered frames and the prefix.
     pub async fn send_chunk(
         &mut self,
         shard: u32,
@@ -451,7 +500,11 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         self.egress.acquire(total).await;
         self.timed(async |w| {
             w.write_all(&prefix).await?;
-            w.write_all(data).await
+            if data.len() < WRITE_BUFFER {
+                return w.write_all(data).await;
+            }
+            w.flush().await?;
+            w.get_mut().write_bytes(data.clone()).await
         })
         .await?;
         self.counters.sent.fetch_add(total, Ordering::Relaxed);
@@ -479,24 +532,23 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
 /// A connected peer: reader and writer halves of one stream.
 pub struct Conn {
     /// Incoming frames.
-    pub reader: FrameReader<tokio::io::ReadHalf<BoxStream>>,
+    pub reader: FrameReader<BoxRead>,
     /// Outgoing frames.
-    pub writer: FrameWriter<tokio::io::WriteHalf<BoxStream>>,
+    pub writer: FrameWriter<BoxSink>,
 }
 
 impl Conn {
-    /// Splits a stream into a framed reader and writer.
+    /// Frames a stream's halves.
     pub fn new(
-        stream: BoxStream,
+        stream: Halves,
         ingress: RateLimiter,
         egress: RateLimiter,
         counters: Arc<ByteCounters>,
         budget: Arc<FrameBudget>,
     ) -> Self {
-        let (r, w) = tokio::io::split(stream);
         Self {
-            reader: FrameReader::new(r, ingress, counters.clone(), budget),
-            writer: FrameWriter::new(w, egress, counters),
+            reader: FrameReader::new(stream.read, ingress, counters.clone(), budget),
+            writer: FrameWriter::new(stream.write, egress, counters),
         }
     }
 }
@@ -505,6 +557,85 @@ impl Conn {
 mod tests {
     use super::*;
     use shardcast_protocol::HostId;
+
+    /// A sink that records, in order, what reached it as plain writes and what as `Bytes`.
+    #[derive(Default)]
+    struct Recording(Vec<Result<Vec<u8>, Bytes>>);
+
+    impl AsyncWrite for Recording {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            self.0.push(Ok(buf.to_vec()));
+            std::task::Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    impl FrameSink for Recording {
+        fn write_bytes(&mut self, data: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
+            self.0.push(Err(data));
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn large_chunk_payloads_reach_the_sink_as_the_same_bytes_small_ones_are_buffered() {
+        let big = Bytes::from(vec![7u8; WRITE_BUFFER]);
+        let small = Bytes::from(vec![9u8; 1000]);
+        let mut w = FrameWriter::new(
+            Recording::default(),
+            RateLimiter::unlimited(),
+            Arc::default(),
+        );
+        w.send(&Frame::Keepalive).await.unwrap();
+        w.send_chunk(1, 2, &big).await.unwrap();
+        w.send_chunk(1, 3, &small).await.unwrap();
+        w.flush().await.unwrap();
+        let pieces = &w.inner.get_ref().0;
+        // The big payload was handed over as the very same allocation: no copy.
+        let owned: Vec<&Bytes> = pieces.iter().filter_map(|p| p.as_ref().err()).collect();
+        assert_eq!(owned.len(), 1, "only the big payload goes as Bytes");
+        assert_eq!(owned[0].as_ptr(), big.as_ptr());
+        // In order, the pieces are exactly the three frames' encodings.
+        let mut wire = Vec::new();
+        for p in pieces {
+            match p {
+                Ok(v) => wire.extend_from_slice(v),
+                Err(b) => wire.extend_from_slice(b),
+            }
+        }
+        let mut expected = Vec::new();
+        for f in [
+            Frame::Keepalive,
+            Frame::Chunk {
+                shard: 1,
+                index: 2,
+                data: big.clone(),
+            },
+            Frame::Chunk {
+                shard: 1,
+                index: 3,
+                data: small.clone(),
+            },
+        ] {
+            f.encode(&mut expected);
+        }
+        assert_eq!(wire, expected);
+    }
 
     #[tokio::test]
     async fn frames_cross_a_duplex_pipe() {

@@ -9,7 +9,7 @@ use tracing::debug;
 
 use super::{ChainError, Node, read_timeout};
 use crate::transport::Transport;
-use crate::wire::BoxStream;
+use crate::wire::Halves;
 use crate::wire::{Conn, WireError};
 
 impl Node {
@@ -64,9 +64,9 @@ impl Node {
         }
     }
 
-    pub(super) fn conn(&self, stream: BoxStream) -> Conn {
+    pub(super) fn conn(&self, stream: impl Into<Halves>) -> Conn {
         let mut conn = Conn::new(
-            stream,
+            stream.into(),
             self.ingress.clone(),
             self.egress.clone(),
             self.counters.clone(),

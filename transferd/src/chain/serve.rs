@@ -14,8 +14,8 @@ use crate::repair::RepairRequest;
 use crate::store::{Check, StoreError};
 use crate::transport::Quic;
 use crate::transport::quic::QuicStream;
-use crate::wire::BoxStream;
 use crate::wire::Conn;
+use crate::wire::Halves;
 
 impl Node {
     /// Serves one accepted connection (an upstream hop or a puller) until it ends.
@@ -32,7 +32,7 @@ impl Node {
                 return;
             }
         };
-        self.serve_stream(stream, identity, peer).await;
+        self.serve_stream(stream.into(), identity, peer).await;
     }
 
     /// Serves the streams a peer opens on an established QUIC connection, each in its own
@@ -67,7 +67,7 @@ impl Node {
             };
             let (me, identity, peer) = (self.clone(), identity.clone(), peer.clone());
             tokio::spawn(async move {
-                let stream = Box::new(QuicStream::new(send, recv));
+                let stream = QuicStream::new(send, recv).into();
                 me.serve_stream(stream, Peer::Cert(identity), peer).await;
                 drop(permit);
             });
@@ -76,7 +76,7 @@ impl Node {
 
     /// Serves one authenticated stream (a TCP connection after its TLS handshake, or a
     /// QUIC stream): the `Hello` exchange, then an upstream's `Open` or `Fetch` requests.
-    async fn serve_stream(self: Arc<Self>, stream: BoxStream, identity: Peer, peer: String) {
+    async fn serve_stream(self: Arc<Self>, stream: Halves, identity: Peer, peer: String) {
         let span = info_span!("conn", %peer, host = tracing::field::Empty);
         let mut conn = self.conn(stream);
         let result = async {

@@ -23,7 +23,7 @@ use shardcast_identity::{Alpn, Expect, Identity, Peer, Role, TlsContext};
 use shardcast_protocol::{HopTransport, HostId};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::wire::BoxStream;
+use crate::wire::{BoxStream, Halves};
 
 pub mod quic;
 
@@ -120,10 +120,11 @@ impl Transport {
         &self,
         addr: &str,
         expect: Option<&HostId>,
-    ) -> std::io::Result<(BoxStream, Peer)> {
+    ) -> std::io::Result<(Halves, Peer)> {
+        let boxed = |s: BoxStream| Halves::from(s);
         match self {
-            Self::Quic(q) => q.connect(addr, expect).await,
-            Self::InsecureTcp => Ok((Box::new(tcp_connect(addr).await?), Peer::Insecure)),
+            Self::Quic(q) => q.connect(addr, expect).await.map(|(s, p)| (s.into(), p)),
+            Self::InsecureTcp => Ok((boxed(Box::new(tcp_connect(addr).await?)), Peer::Insecure)),
             Self::Tls(ctx) => {
                 let expect = expect_host(expect)?;
                 let stream =
@@ -137,7 +138,7 @@ impl Transport {
                             format!("{addr}: {e}"),
                         )
                     })?;
-                Ok((Box::new(s), Peer::Cert(id)))
+                Ok((boxed(Box::new(s)), Peer::Cert(id)))
             }
         }
     }

@@ -26,6 +26,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
+use futures::future::BoxFuture;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use shardcast_identity::tls::identity_of;
 use shardcast_identity::{Alpn, Identity, Peer, Role, TlsContext};
@@ -35,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::CONNECT_TIMEOUT;
-use crate::wire::BoxStream;
+use crate::wire::{FrameSink, Halves};
 
 /// Receive window of one stream, one (session, shard). Rationale: at 100 Gbit/s and a 1 ms
 /// datacenter round trip (queueing included) the bandwidth-delay product is 12.5 MB, and the
@@ -285,7 +287,7 @@ impl Quic {
         &self,
         addr: &str,
         expect: Option<&HostId>,
-    ) -> std::io::Result<(BoxStream, Peer)> {
+    ) -> std::io::Result<(QuicStream, Peer)> {
         let slot = {
             let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
             conns.retain(|_, s| {
@@ -320,11 +322,11 @@ impl Quic {
         addr: &str,
         conn: &quinn::Connection,
         id: &Identity,
-    ) -> std::io::Result<(BoxStream, Peer)> {
+    ) -> std::io::Result<(QuicStream, Peer)> {
         match tokio::time::timeout(CONNECT_TIMEOUT, conn.open_bi()).await {
             Ok(Ok((send, recv))) => {
                 self.stats.streams_opened.fetch_add(1, Ordering::Relaxed);
-                Ok((Box::new(QuicStream { send, recv }), Peer::Cert(id.clone())))
+                Ok((QuicStream { send, recv }, Peer::Cert(id.clone())))
             }
             Ok(Err(e)) => Err(std::io::Error::other(format!("{addr}: {e}"))),
             Err(_) => Err(std::io::Error::new(
@@ -492,6 +494,28 @@ impl QuicStream {
     /// Joins a stream's two halves.
     pub fn new(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
         Self { send, recv }
+    }
+}
+
+/// A QUIC stream's two directions are separate objects already: framed without tokio's
+/// split lock, and with a write half that takes chunk payloads as `Bytes`.
+impl From<QuicStream> for Halves {
+    fn from(s: QuicStream) -> Self {
+        Self {
+            read: Box::new(s.recv),
+            write: Box::new(s.send),
+        }
+    }
+}
+
+/// quinn's send buffer keeps `Bytes` as they are until the peer acknowledges them: a
+/// chunk's payload (for a source, a slice of the shard's mapping) is packetised and
+/// encrypted from there, with no copy into a fresh allocation first. (`poll_write` copies
+/// each write into a new `Bytes`: for 1 MiB chunks, a fresh 1 MiB allocation whose pages
+/// the kernel faults in and zeroes, then a copy.)
+impl FrameSink for quinn::SendStream {
+    fn write_bytes(&mut self, data: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
+        Box::pin(async move { self.write_chunk(data).await.map_err(std::io::Error::from) })
     }
 }
 
