@@ -2,7 +2,7 @@
 //!
 //! A chunk written into a new shard file on tmpfs costs a page allocation per 4 KiB as
 //! well as the copy: `store_write` measured fresh 4 KiB pages at 2.2 GiB/s against
-//! 11.9 GiB/s on a tmpfs mounted with `huge=within_size` (docs/BENCHMARKS.md, issue #16),
+//! 11.0 GiB/s on a tmpfs mounted with `huge=within_size` (docs/BENCHMARKS.md, issue #16),
 //! and the receiving hop pays it for every byte. The store cannot choose the mount, so it
 //! finds out what the memory tier has, logs it at start-up (with a hint when huge pages
 //! would help) and exports it as a metric.
