@@ -579,6 +579,21 @@ fn target(addr: &str) -> Result<(Endpoint, Target), AddrError> {
     Ok((ep, Target::Tcp(hostport.to_string())))
 }
 
+/// A TCP connection to `addr` (`host:port`) with `TCP_NODELAY`, within `timeout`: how the
+/// API clients here and transferd's data-plane hops dial.
+pub async fn tcp_connect(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
+    let tcp = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("connect to {addr} timed out after {timeout:?}"),
+            )
+        })??;
+    tcp.set_nodelay(true)?;
+    Ok(tcp)
+}
+
 type Connector = tower::util::BoxCloneSyncService<
     Uri,
     TokioIo<Box<dyn Io>>,
@@ -593,15 +608,7 @@ fn connector(target: Target, security: ClientSecurity) -> Connector {
             let io: Box<dyn Io> = match &*target {
                 Target::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
                 Target::Tcp(hostport) => {
-                    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(hostport))
-                        .await
-                        .map_err(|_| {
-                            std::io::Error::new(
-                                std::io::ErrorKind::TimedOut,
-                                format!("connect to {hostport} timed out"),
-                            )
-                        })??;
-                    tcp.set_nodelay(true)?;
+                    let tcp = tcp_connect(hostport, CONNECT_TIMEOUT).await?;
                     match &security {
                         ClientSecurity::Plaintext => Box::new(tcp),
                         ClientSecurity::Tls(ctx, expect) => {

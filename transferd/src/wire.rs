@@ -53,6 +53,7 @@ pub trait FrameSink: AsyncWrite + Unpin + Send {
 }
 
 impl<T: AsyncWrite + Send> FrameSink for tokio::io::WriteHalf<T> {}
+#[cfg(test)]
 impl FrameSink for tokio::io::DuplexStream {}
 impl FrameSink for BoxSink {
     fn write_bytes(&mut self, data: Bytes) -> BoxFuture<'_, std::io::Result<()>> {

@@ -42,16 +42,7 @@ pub const TLS_READ_BUFFER: usize = 64 << 10;
 
 /// A TCP connection to `addr` with `TCP_NODELAY`, within [`CONNECT_TIMEOUT`].
 async fn tcp_connect(addr: &str) -> std::io::Result<TcpStream> {
-    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
-        .await
-        .map_err(|_| {
-            std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("connect to {addr} timed out after {CONNECT_TIMEOUT:?}"),
-            )
-        })??;
-    stream.set_nodelay(true)?;
-    Ok(stream)
+    shardcast_identity::grpc::tcp_connect(addr, CONNECT_TIMEOUT).await
 }
 
 /// Whom a dialled data port must be: a `host`, exactly `expect` when the caller knows
