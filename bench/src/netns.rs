@@ -251,43 +251,15 @@ impl EmulatedNet {
         // super-packets in software (GSO) just before the device, as a NIC would in
         // hardware; the stacks above still build and acknowledge them whole.
         let offload = if per_10000 == 0 { "on" } else { "off" };
-        run_checked(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.host_ns[i],
-                "ethtool",
-                "-K",
-                "eth0",
-                "tso",
-                offload,
-                "tx-udp-segmentation",
-                offload,
-            ],
+        in_ns(
+            &self.host_ns[i],
+            "ethtool",
+            &["-K", "eth0", "tso", offload, "tx-udp-segmentation", offload],
         )?;
         if per_10000 == 0 {
             return Ok(());
         }
-        let (port, last) = (format!("p{i}"), (per_10000 - 1).to_string());
-        nft(&self.switch_ns, &["add", "table", "bridge", &table])?;
-        nft(
-            &self.switch_ns,
-            &[
-                "add", "chain", "bridge", &table, "forward", "{", "type", "filter", "hook",
-                "forward", "priority", "0", ";", "policy", "accept", ";", "}",
-            ],
-        )?;
-        // IPv4 frames only (ARP passes, so a host stays reachable at any loss). numgen
-        // yields 0..=9999, and nft refuses a bound outside that range: `<=` the last.
-        nft(
-            &self.switch_ns,
-            &[
-                "add", "rule", "bridge", &table, "forward", "iifname", &port, "ether", "type",
-                "ip", "numgen", "random", "mod", "10000", "<=", &last, "counter", "drop",
-            ],
-        )?;
-        Ok(())
+        add_loss_rule(&self.switch_ns, &table, &format!("p{i}"), per_10000)
     }
 
     /// Frames host `i`'s loss rule ([`Self::set_loss`]) has dropped so far (0 without one).
@@ -464,11 +436,44 @@ fn tc(args: &[&str]) -> anyhow::Result<String> {
 /// host (`shardcast_loss_<i>`).
 const LOSS_TABLE: &str = "shardcast_loss";
 
-/// `nft args` inside namespace `ns`.
-fn nft(ns: &str, args: &[&str]) -> anyhow::Result<String> {
-    let mut all = vec!["netns", "exec", ns, "nft"];
+/// `program args` inside namespace `ns`.
+fn in_ns(ns: &str, program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let mut all = vec!["netns", "exec", ns, program];
     all.extend_from_slice(args);
     run_checked("ip", &all)
+}
+
+/// `nft args` inside namespace `ns`.
+fn nft(ns: &str, args: &[&str]) -> anyhow::Result<String> {
+    in_ns(ns, "nft", args)
+}
+
+/// Adds, in namespace `ns`, the bridge table `table` whose forward chain drops
+/// `per_10000` (1..=10000) / 10 000 of the IPv4 frames arriving from port `port`, counted.
+fn add_loss_rule(ns: &str, table: &str, port: &str, per_10000: u32) -> anyhow::Result<()> {
+    ensure!(
+        (1..=10_000).contains(&per_10000),
+        "a loss rule drops 1 to 10000 per 10000"
+    );
+    nft(ns, &["add", "table", "bridge", table])?;
+    nft(
+        ns,
+        &[
+            "add", "chain", "bridge", table, "forward", "{", "type", "filter", "hook", "forward",
+            "priority", "0", ";", "policy", "accept", ";", "}",
+        ],
+    )?;
+    // IPv4 frames only (ARP passes, so a host stays reachable at any loss). numgen yields
+    // 0..=9999, and nft refuses a bound outside that range: `<=` the last.
+    let last = (per_10000 - 1).to_string();
+    nft(
+        ns,
+        &[
+            "add", "rule", "bridge", table, "forward", "iifname", port, "ether", "type", "ip",
+            "numgen", "random", "mod", "10000", "<=", &last, "counter", "drop",
+        ],
+    )?;
+    Ok(())
 }
 
 /// The packets counted by the loss rule in `nft list table`'s output
@@ -612,22 +617,7 @@ pub fn loss_available() -> Result<(), String> {
             available()?;
             with_probe_ns(|ns| {
                 run_checked("ethtool", &["--version"])?;
-                nft(ns, &["add", "table", "bridge", LOSS_TABLE])?;
-                nft(
-                    ns,
-                    &[
-                        "add", "chain", "bridge", LOSS_TABLE, "forward", "{", "type", "filter",
-                        "hook", "forward", "priority", "0", ";", "}",
-                    ],
-                )?;
-                nft(
-                    ns,
-                    &[
-                        "add", "rule", "bridge", LOSS_TABLE, "forward", "numgen", "random",
-                        "mod", "10000", "<=", "0", "counter", "drop",
-                    ],
-                )
-                .map(drop)
+                add_loss_rule(ns, LOSS_TABLE, "p0", 1)
             })
             .map_err(|e| format!("packet loss unavailable (nft from Debian's nftables and ethtool; the kernel's bridge nf_tables with numgen): {e:#}"))
         })

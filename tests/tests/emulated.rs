@@ -6,28 +6,44 @@ use std::time::Duration;
 use shardcast_bench::netns;
 use shardcast_bench::scenario::{ChainBenchOpts, Method, NetMode, run_chain_bench};
 
+/// The emulated chain benchmark at a test's size: 2 shards over 200 Mbit/s links, TLS,
+/// transferd's defaults otherwise; `loss_per_10000` of each host's frames dropped.
+fn emulated(
+    receivers: usize,
+    size: u64,
+    methods: Vec<Method>,
+    loss_per_10000: u32,
+) -> ChainBenchOpts {
+    ChainBenchOpts {
+        plaintext: false,
+        source_args: Vec::new(),
+        perf: None,
+        loss_per_10000,
+        mode: NetMode::Emulate,
+        receivers,
+        size,
+        shards: 2,
+        rate: Some(200_000_000 / 8),
+        methods,
+        timeout: Duration::from_secs(120),
+        progress: false,
+        chunk_size: 0,
+        window: 0,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emulated_chain_beats_star_and_verifies_over_tcp_and_quic() {
     if let Err(why) = netns::available() {
         eprintln!("SKIPPED: emulated cluster needs root and iproute2: {why}");
         return;
     }
-    let opts = ChainBenchOpts {
-        plaintext: false,
-        source_args: Vec::new(),
-        perf: None,
-        loss_per_10000: 0,
-        mode: NetMode::Emulate,
-        receivers: 4,
-        size: 24 << 20,
-        shards: 2,
-        rate: Some(200_000_000 / 8),
-        methods: vec![Method::ChainTcp, Method::Star, Method::ChainQuic],
-        timeout: Duration::from_secs(120),
-        progress: false,
-        chunk_size: 0,
-        window: 0,
-    };
+    let opts = emulated(
+        4,
+        24 << 20,
+        vec![Method::ChainTcp, Method::Star, Method::ChainQuic],
+        0,
+    );
     let report = run_chain_bench(&opts).await.unwrap();
     assert_eq!(report.results.len(), 3);
     for r in &report.results {
@@ -75,22 +91,7 @@ async fn emulated_chains_over_tcp_and_quic_stay_exact_through_packet_loss() {
         eprintln!("SKIPPED: emulated loss needs root, iproute2 and nftables: {why}");
         return;
     }
-    let opts = ChainBenchOpts {
-        plaintext: false,
-        source_args: Vec::new(),
-        perf: None,
-        loss_per_10000: 200,
-        mode: NetMode::Emulate,
-        receivers: 3,
-        size: 16 << 20,
-        shards: 2,
-        rate: Some(200_000_000 / 8),
-        methods: vec![Method::ChainTcp, Method::ChainQuic],
-        timeout: Duration::from_secs(120),
-        progress: false,
-        chunk_size: 0,
-        window: 0,
-    };
+    let opts = emulated(3, 16 << 20, vec![Method::ChainTcp, Method::ChainQuic], 200);
     let report = run_chain_bench(&opts).await.unwrap();
     assert_eq!(report.loss_percent, 2.0);
     for r in &report.results {
