@@ -1202,8 +1202,22 @@ pub fn path_category(frames: &[&str]) -> &'static str {
         "_copy",
         "clear_page",
     ]);
+    // Kernel UDP entry points: under quinn they are QUIC's socket work, alone a socket's.
+    const UDP_RECV: &[&str] = &["udp_recvmsg", "__sys_recvmmsg", "udp_gro_receive"];
+    const UDP_SEND: &[&str] = &["udp_sendmsg", "udp_send_skb", "__sys_sendmsg"];
     if has(&["blake3"]) {
         "hashing (BLAKE3)"
+    } else if has(&["quinn"]) {
+        // Before rustls: quinn encrypts and decrypts its packets through rustls.
+        if copy {
+            "QUIC: copies"
+        } else if leaf_is(&["aes", "gcm", "ghash", "ring"]) {
+            "QUIC: AES-GCM"
+        } else if has(UDP_RECV) || has(UDP_SEND) {
+            "QUIC: socket (kernel UDP)"
+        } else {
+            "QUIC: protocol"
+        }
     } else if has(&["rustls"]) {
         if copy {
             "TLS: copies"
@@ -1212,24 +1226,9 @@ pub fn path_category(frames: &[&str]) -> &'static str {
         } else {
             "TLS: other"
         }
-    } else if has(&["quinn"]) {
-        if copy {
-            "QUIC: copies"
-        } else if leaf_is(&["aes", "gcm", "ghash", "ring"]) {
-            "QUIC: AES-GCM"
-        } else if has(&[
-            "udp_recvmsg",
-            "udp_sendmsg",
-            "__sys_recvmmsg",
-            "__sys_sendmsg",
-        ]) {
-            "QUIC: socket (kernel UDP)"
-        } else {
-            "QUIC: protocol"
-        }
-    } else if has(&["udp_recvmsg", "__sys_recvmmsg", "udp_gro_receive"]) {
+    } else if has(UDP_RECV) {
         "socket receive (kernel UDP)"
-    } else if has(&["udp_sendmsg", "udp_send_skb", "__sys_sendmsg"]) {
+    } else if has(UDP_SEND) {
         "socket send (kernel UDP)"
     } else if has(&["tcp_recvmsg", "sock_recvmsg", "sys_recvfrom"]) {
         "socket receive (kernel TCP)"
@@ -1485,14 +1484,20 @@ transferd
 \t55d7 rustls::record_layer::RecordLayer::decrypt_incoming
 
 transferd
+\t55d9 ring_core_0_17_14__aes_gcm_dec_update_vaes_avx2
+\t55da rustls::crypto::ring::quic::PacketKey::decrypt_in_place
+\t55db quinn_proto::connection::Connection::decrypt_packet
+
+transferd
 \t55d8 tokio::runtime::task::raw::poll
 
 header only, no frames
 ";
         let folded = fold_by_path(script);
         let get = |n: &str| folded.iter().find(|c| c.name == n).map(|c| c.percent);
-        let one = 100.0 / 7.0;
+        let one = 100.0 / 8.0;
         for name in [
+            "QUIC: AES-GCM",
             "TLS: copies",
             "socket receive (kernel TCP)",
             "store write (page cache)",
