@@ -1153,8 +1153,8 @@ pub async fn run_hop_bench(
 
 /// `perf report`'s flat self-time listing of `data`, one symbol a line.
 fn perf_report_text(data: &Path) -> anyhow::Result<String> {
-    let out = std::process::Command::new("perf")
-        .args([
+    perf_text(
+        &[
             "report",
             "--no-children",
             "--sort",
@@ -1162,26 +1162,30 @@ fn perf_report_text(data: &Path) -> anyhow::Result<String> {
             "--stdio",
             "-g",
             "none",
-        ])
-        .args(["--percent-limit", "0.01", "-i"])
-        .arg(data)
-        .stderr(std::process::Stdio::null())
-        .output()
-        .context("running perf report")?;
-    anyhow::ensure!(out.status.success(), "perf report failed: {}", out.status);
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+            "--percent-limit",
+            "0.01",
+        ],
+        data,
+    )
 }
 
 /// `perf script`'s samples of `data`, each a header line and its call chain (leaf first),
 /// symbols only, samples separated by blank lines.
 fn perf_script_text(data: &Path) -> anyhow::Result<String> {
+    perf_text(&["script", "-F", "comm,ip,sym"], data)
+}
+
+/// The output of `perf <args> -i data`.
+fn perf_text(args: &[&str], data: &Path) -> anyhow::Result<String> {
+    let what = args.first().copied().unwrap_or("");
     let out = std::process::Command::new("perf")
-        .args(["script", "-F", "comm,ip,sym", "-i"])
+        .args(args)
+        .arg("-i")
         .arg(data)
         .stderr(std::process::Stdio::null())
         .output()
-        .context("running perf script")?;
-    anyhow::ensure!(out.status.success(), "perf script failed: {}", out.status);
+        .with_context(|| format!("running perf {what}"))?;
+    anyhow::ensure!(out.status.success(), "perf {what} failed: {}", out.status);
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
