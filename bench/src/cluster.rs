@@ -441,7 +441,8 @@ impl Daemon {
         http_call(target, server, &who, method, path, "").await
     }
 
-    /// The admin endpoint's `/metrics` page, read with a `read` certificate.
+    /// The admin endpoint's `/metrics` page, read with a `read` certificate (parse it with
+    /// [`metric_value`]).
     pub async fn metrics(&self) -> anyhow::Result<String> {
         let (status, body) = self
             .admin(crate::control::HttpAs::Cert(Role::Read), "GET", "/metrics")
@@ -572,6 +573,20 @@ impl Drop for Daemon {
             let _ = child.start_kill();
         }
     }
+}
+
+/// The value of `host`'s metric `shardcast_<name>` in a `/metrics` text. `name` may carry
+/// labels after the host's: `admin_denied_total{role="host"}`.
+pub fn metric_value(text: &str, host: &HostId, name: &str) -> Option<u64> {
+    let (family, labels) = match name.split_once('{') {
+        Some((f, l)) => (f, format!(",{}", l.trim_end_matches('}'))),
+        None => (name, String::new()),
+    };
+    let prefix = format!("shardcast_{family}{{host=\"{host}\"{labels}}}");
+    text.lines()
+        .find(|l| l.starts_with(&prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// SIGKILLs the process in `child` (by its PID) and reaps it; nothing when it is not

@@ -70,6 +70,9 @@ pub struct LoaderOpts {
     /// Keep registrations between loads (as transferd does while a shard stays in the
     /// memory tier): the PCIe pass then reuses what its first pass registered.
     pub keep_registrations: bool,
+    /// Register the mappings ahead of the first load (with the kept registrations) and time
+    /// the pinning alone.
+    pub register_ahead: bool,
     /// Where to write the model's shard files (memory-backed; `None`: `/dev/shm` when it
     /// exists, else the temp dir).
     pub model_dir: Option<PathBuf>,
@@ -156,8 +159,11 @@ pub struct LoaderReport {
     /// kept registrations, nothing left to register).
     pub pcie_report: LoadReport,
     /// The first PCIe pass's loader report (warms the page cache and the allocator; on the
-    /// registered path it registers the mappings).
+    /// registered path it registers the mappings, unless they were registered ahead).
     pub pcie_first_report: LoadReport,
+    /// With `--register-ahead`: seconds registering every mapping took before the first
+    /// load, with no copy running (pinning alone).
+    pub register_ahead_s: Option<f64>,
     /// The streamed pipeline's loader report.
     pub pipeline_report: LoadReport,
     /// Stages alone.
@@ -377,6 +383,36 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     src.deliver(0, None)
         .join()
         .map_err(|_| anyhow::anyhow!("pacer panicked"))?;
+    let register_ahead_s = if opts.register_ahead {
+        let cache = lopts
+            .registrations
+            .as_ref()
+            .context("--register-ahead needs kept registrations (--keep-registrations true)")?;
+        anyhow::ensure!(
+            lopts.register_host,
+            "--register-ahead needs the registered path (--host-path registered)"
+        );
+        let dev = g.devices.first().context("no device")?.clone();
+        let t0 = Instant::now();
+        let never = || false;
+        // The source's own mappings: registrations are kept per mapping.
+        use gpu_loader::loader::ChunkSource;
+        for (i, shard) in src.shards().iter().enumerate() {
+            let path = &shard.path;
+            let mem = src.host_memory(i).context("an unmapped shard")?;
+            cache
+                .register_ahead(&mem, opts.register_segment, &*dev, &never)
+                .with_context(|| format!("registering {path} ahead"))?;
+        }
+        let s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "registered ahead: {s:.3} s ({:.1} GB/s pinning alone)",
+            bytes as f64 / s / 1e9
+        );
+        Some(s)
+    } else {
+        None
+    };
     let mut reps = Vec::new();
     for pass in ["first", "pcie"] {
         let t = targets(&mut g, pass, 1, layout.total)?;
@@ -391,12 +427,17 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     );
     stages.push(stage("pcie", pcie_rep.elapsed_s));
     eprintln!(
-        "pcie alone: {:.3} s, host path {} (registering {:.3} s, waited for it {:.3} s, {} copy streams){}",
+        "pcie alone: {:.3} s, host path {} (registering {:.3} s, waited for it {:.3} s, {} copy streams, {}){}",
         pcie_rep.elapsed_s,
         pcie_rep.host_path,
         pcie_rep.register_s,
         pcie_rep.waited_for_register_s,
         pcie_rep.copy_streams,
+        match (pcie_rep.numa_node, &pcie_rep.numa_reason) {
+            (Some(n), _) => format!("fillers and staging on NUMA node {n}"),
+            (None, Some(why)) => format!("not placed on a NUMA node: {why}"),
+            (None, None) => "not placed on a NUMA node".into(),
+        },
         pcie_rep
             .fallback_reason
             .as_deref()
@@ -508,6 +549,7 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
         partition,
         pcie_report: pcie_rep,
         pcie_first_report: first_rep,
+        register_ahead_s,
         pipeline_report: rep,
     })
 }

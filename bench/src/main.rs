@@ -299,6 +299,12 @@ enum Cmd {
         /// memory tier (the PCIe pass then reuses those of its first pass).
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         keep_registrations: bool,
+        /// Register the model's mappings ahead of the first load, as transferd does for the
+        /// memory tier's complete shards while no load runs, and report how long pinning
+        /// alone took (`register_ahead_s`); the first load then pins nothing. Needs the
+        /// registered path with kept registrations.
+        #[arg(long)]
+        register_ahead: bool,
         /// Directory for the model's shard files, which are mapped (memory-backed like the
         /// memory tier) [default: /dev/shm, else the temp dir].
         #[arg(long)]
@@ -757,6 +763,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             register_segment,
             copy_size,
             keep_registrations,
+            register_ahead,
             model_dir,
             partitions,
             json,
@@ -779,6 +786,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 register_segment,
                 copy_size: usize::try_from(copy_size)?,
                 keep_registrations,
+                register_ahead,
                 model_dir,
             };
             let report =

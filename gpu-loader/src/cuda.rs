@@ -1370,6 +1370,7 @@ pub fn devices(opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, GpuError> {
                 memory_bytes: o.memory_bytes,
                 pcie_switch: pcie_switch(&o.pci_bus_id),
                 peers,
+                numa_node: crate::numa::node_of_pci(&o.pci_bus_id),
             };
             tracing::info!(
                 device = info.index,
@@ -1378,6 +1379,7 @@ pub fn devices(opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, GpuError> {
                 pci = %o.pci_bus_id,
                 pcie_switch = %info.pcie_switch,
                 peers = ?info.peers,
+                numa_node = ?info.numa_node,
                 "CUDA device opened"
             );
             Arc::new(CudaDevice {
@@ -1697,6 +1699,21 @@ mod tests {
         let d = devices(&CudaOptions::default()).expect("CUDA devices");
         assert!(!d.is_empty(), "no CUDA device visible");
         d
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and driver"]
+    fn each_gpu_reports_the_numa_node_sysfs_gives_its_pci_address() {
+        for dev in gpus() {
+            let want = crate::numa::node_of_pci(dev.pci_bus_id());
+            eprintln!(
+                "GPU {} at {}: NUMA node {:?}",
+                dev.info().index,
+                dev.pci_bus_id(),
+                dev.info().numa_node
+            );
+            assert_eq!(dev.info().numa_node, want);
+        }
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub struct DeviceInfo {
     /// Peers reachable over NVLink (or another peer path), with the copy rate in bytes/s
     /// (0 when unknown). Only peers with peer access enabled are listed.
     pub peers: Vec<(u32, u64)>,
+    /// The host NUMA node the GPU's PCIe link hangs off (`None` when unknown): loads run
+    /// their fillers and allocate their staging buffers there ([`crate::numa`]).
+    pub numa_node: Option<u32>,
 }
 
 /// Errors of device operations.

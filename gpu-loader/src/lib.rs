@@ -24,6 +24,8 @@
 //!   from the page cache).
 //! * [`handoff`]: what an inference process needs to map the weights without copying.
 //! * [`manager`]: a host's GPUs: backend selection, pools, loads and their status.
+//! * [`numa`]: the GPU's NUMA node and CPUs, to run a load's fillers and allocate its
+//!   staging buffers near the GPU.
 
 pub mod cuda;
 pub mod device;
@@ -32,6 +34,13 @@ pub mod index;
 pub mod loader;
 pub mod manager;
 pub mod mapped;
+pub mod numa;
 pub mod pool;
 pub mod sim;
 pub mod source;
+
+/// Locks `m`, taking the data of a poisoned lock as it is (no critical section here leaves
+/// a half-done update behind).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

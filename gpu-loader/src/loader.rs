@@ -323,6 +323,13 @@ pub struct LoadReport {
     pub staged_bytes: u64,
     /// Copy streams used per GPU (1 on the staging path).
     pub copy_streams: usize,
+    /// The NUMA node the fillers ran on and the staging buffers were allocated on (the
+    /// first GPU's, [`crate::numa`]); `None` when they were not placed, see `numa_reason`.
+    #[serde(default)]
+    pub numa_node: Option<u32>,
+    /// Why the fillers and staging buffers were not placed on the GPU's NUMA node.
+    #[serde(default)]
+    pub numa_reason: Option<String>,
 }
 
 /// A target GPU and the span of the model's region on it.
@@ -420,20 +427,46 @@ const PIN_AHEAD: usize = 3;
 /// Pinning runs at 15–30 GB/s and, measured on the H100 host, does not overlap the copies
 /// (the driver serialises `cuMemHostRegister` with the copy calls of other threads), so a
 /// load that registers its mappings is bound by pinning plus copying. Kept registrations make
-/// every later load of the same mapping copy at the link's rate. A mapping stays registered
-/// (pinned, so never swapped or migrated) while anyone but the cache holds it: for
-/// transferd, while the shard is in the memory tier and so already in RAM. [`RegistrationCache::sweep`],
-/// run at the start of each load, unregisters mappings that only the cache still holds.
+/// every later load of the same mapping copy at the link's rate, and
+/// [`RegistrationCache::register_ahead`] lets the owner of a mapping pin it before any load
+/// asks (transferd does so for the memory tier's complete shards while no load runs), so
+/// even the first load finds it registered. A mapping stays registered (pinned, so never
+/// swapped or migrated) while anyone but the cache holds it: for transferd, while the shard
+/// is in the memory tier and so already in RAM. [`RegistrationCache::sweep`], run at the
+/// start of each load, unregisters mappings that only the cache still holds.
+///
+/// A segment being registered is marked pending, so a second caller for it (a load and the
+/// registrar ahead of it, or two loads) waits for the first instead of registering the same
+/// pages again, which the driver refuses.
 #[derive(Default)]
 pub struct RegistrationCache {
     mappings: Mutex<Vec<CachedMapping>>,
+    /// Signalled when a pending segment is registered or its registration failed.
+    settled: std::sync::Condvar,
 }
 
 /// One mapping's kept registrations.
 struct CachedMapping {
     memory: Arc<dyn HostMemory>,
     /// By (start, len) in the mapping.
-    segments: std::collections::HashMap<(usize, usize), Arc<dyn HostRegistration>>,
+    segments: std::collections::HashMap<(usize, usize), Kept>,
+}
+
+/// A segment of a kept mapping.
+enum Kept {
+    /// Registered.
+    Ready(Arc<dyn HostRegistration>),
+    /// Being registered by another thread.
+    Pending,
+}
+
+impl CachedMapping {
+    fn ready(&self) -> impl Iterator<Item = &Arc<dyn HostRegistration>> {
+        self.segments.values().filter_map(|k| match k {
+            Kept::Ready(r) => Some(r),
+            Kept::Pending => None,
+        })
+    }
 }
 
 impl std::fmt::Debug for RegistrationCache {
@@ -449,6 +482,26 @@ fn same_memory(a: &Arc<dyn HostMemory>, b: &Arc<dyn HostMemory>) -> bool {
     std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
 }
 
+/// Bytes `(start, len)` of registration segment `seg` of `size` bytes in a memory of
+/// `mapped` bytes (the last segment is shorter). Loads and [`RegistrationCache::register_ahead`]
+/// cut mappings the same way, so a segment pinned ahead is the one a load looks up.
+fn segment_span(mapped: u64, seg: u64, size: u64) -> Option<(usize, usize)> {
+    let start = seg.checked_mul(size)?;
+    let len = mapped.saturating_sub(start).min(size);
+    usize::try_from(start).ok().zip(usize::try_from(len).ok())
+}
+
+/// What one [`RegistrationCache::register_ahead`] call did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ahead {
+    /// Segments registered by this call.
+    pub segments: usize,
+    /// Bytes registered by this call.
+    pub bytes: u64,
+    /// Whether every segment of the memory is now registered (`false`: paused before the end).
+    pub complete: bool,
+}
+
 impl RegistrationCache {
     /// An empty cache.
     pub fn new() -> Arc<Self> {
@@ -457,11 +510,9 @@ impl RegistrationCache {
 
     /// Bytes registered and kept.
     pub fn registered_bytes(&self) -> u64 {
-        self.mappings
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        crate::lock(&self.mappings)
             .iter()
-            .flat_map(|m| m.segments.values())
+            .flat_map(CachedMapping::ready)
             .map(|r| r.len())
             .sum()
     }
@@ -470,17 +521,18 @@ impl RegistrationCache {
     /// them: the shard left the memory tier); returns the bytes released.
     pub fn sweep(&self) -> u64 {
         let mut gone = Vec::new();
-        self.mappings
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .retain_mut(|m| {
-                // Held by: the cache, each kept segment's slice, and others.
-                let others = Arc::strong_count(&m.memory) > 1 + m.segments.len();
-                if !others {
-                    gone.extend(m.segments.drain().map(|(_, r)| r));
-                }
-                others
-            });
+        crate::lock(&self.mappings).retain_mut(|m| {
+            // Held by: the cache, each kept segment's slice, and others (a registration in
+            // progress holds its slice too, so its mapping is kept).
+            let others = Arc::strong_count(&m.memory) > 1 + m.ready().count();
+            if !others {
+                gone.extend(m.segments.drain().filter_map(|(_, k)| match k {
+                    Kept::Ready(r) => Some(r),
+                    Kept::Pending => None,
+                }));
+            }
+            others
+        });
         // Unregistered here, outside the lock (each drop calls the driver).
         let bytes = gone.iter().map(|r| r.len()).sum();
         drop(gone);
@@ -488,7 +540,8 @@ impl RegistrationCache {
     }
 
     /// The kept registration of `memory[start .. start + len]`, or a new one made with
-    /// `device` and kept; whether it was kept already.
+    /// `device` and kept; whether it was kept already. Waits while another thread is
+    /// registering the same segment.
     fn get_or_register(
         &self,
         memory: &Arc<dyn HostMemory>,
@@ -496,38 +549,99 @@ impl RegistrationCache {
         len: usize,
         device: &dyn Device,
     ) -> Result<(Arc<dyn HostRegistration>, bool), GpuError> {
-        {
-            let mappings = self.mappings.lock().unwrap_or_else(PoisonError::into_inner);
-            let kept = mappings
-                .iter()
-                .find(|m| same_memory(&m.memory, memory))
-                .and_then(|m| m.segments.get(&(start, len)));
-            // Registrations are portable: any GPU of the backend copies from them.
-            if let Some(r) = kept {
-                return Ok((r.clone(), true));
-            }
-        }
         let slice = HostSlice::new(memory.clone(), start, len)
             .ok_or_else(|| GpuError::Invalid(format!("bytes {start}+{len} outside the memory")))?;
-        // Registered outside the lock: pinning takes a while.
-        let reg = device.register_host(Arc::new(slice))?;
-        let mut mappings = self.mappings.lock().unwrap_or_else(PoisonError::into_inner);
-        let at = match mappings.iter().position(|m| same_memory(&m.memory, memory)) {
-            Some(at) => at,
-            None => {
-                mappings.push(CachedMapping {
-                    memory: memory.clone(),
-                    segments: Default::default(),
-                });
-                mappings.len() - 1
+        let key = (start, len);
+        let mut mappings = crate::lock(&self.mappings);
+        loop {
+            let at = match mappings.iter().position(|m| same_memory(&m.memory, memory)) {
+                Some(at) => at,
+                None => {
+                    mappings.push(CachedMapping {
+                        memory: memory.clone(),
+                        segments: Default::default(),
+                    });
+                    mappings.len() - 1
+                }
+            };
+            match mappings[at].segments.get(&key) {
+                // Registrations are portable: any GPU of the backend copies from them.
+                Some(Kept::Ready(r)) => return Ok((r.clone(), true)),
+                Some(Kept::Pending) => {
+                    // The other registration ends (registered or failed) within one
+                    // driver call; the timeout only re-checks.
+                    mappings = self
+                        .settled
+                        .wait_timeout(mappings, Duration::from_millis(200))
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+                None => {
+                    mappings[at].segments.insert(key, Kept::Pending);
+                    break;
+                }
             }
-        };
-        // Two loads registering the same segment at once: the driver refuses the second
-        // (already registered), so at most one gets here for a segment.
-        mappings[at].segments.insert((start, len), reg.clone());
-        Ok((reg, false))
+        }
+        drop(mappings);
+        // Registered outside the lock: pinning takes a while.
+        let registered = device.register_host(Arc::new(slice));
+        let mut mappings = crate::lock(&self.mappings);
+        // A sweep keeps a mapping with a registration in progress, so it is still there.
+        if let Some(m) = mappings.iter_mut().find(|m| same_memory(&m.memory, memory)) {
+            match &registered {
+                Ok(r) => {
+                    m.segments.insert(key, Kept::Ready(r.clone()));
+                }
+                Err(_) => {
+                    m.segments.remove(&key);
+                }
+            }
+        }
+        mappings.retain(|m| !m.segments.is_empty());
+        drop(mappings);
+        self.settled.notify_all();
+        registered.map(|r| (r, false))
+    }
+
+    /// Registers (with `device`) and keeps every `segment`-byte segment of `memory` not
+    /// kept yet, in order, cut as a load cuts it ([`LoadOptions::register_segment`]), so
+    /// loads of it find it registered. Checks `pause` before each segment and returns early
+    /// when it says so (a load started: the driver serialises pinning with its copies).
+    /// Stops at the first segment the device refuses and returns that error.
+    pub fn register_ahead(
+        &self,
+        memory: &Arc<dyn HostMemory>,
+        segment: u64,
+        device: &dyn Device,
+        pause: &dyn Fn() -> bool,
+    ) -> Result<Ahead, GpuError> {
+        if segment == 0 || segment % PAGE != 0 {
+            return Err(GpuError::Invalid(format!(
+                "register_segment must be a positive multiple of {PAGE}, got {segment}"
+            )));
+        }
+        let mapped = memory.as_bytes().len() as u64;
+        let mut done = Ahead::default();
+        for seg in 0..mapped.div_ceil(segment) {
+            if pause() {
+                return Ok(done);
+            }
+            let (start, len) = segment_span(mapped, seg, segment).ok_or_else(|| {
+                GpuError::Invalid(format!("segment {seg} lies outside the address space"))
+            })?;
+            let (r, kept) = self.get_or_register(memory, start, len, device)?;
+            if !kept {
+                done.segments += 1;
+                done.bytes += r.len();
+            }
+        }
+        done.complete = true;
+        Ok(done)
     }
 }
+
+/// Registration segments start on pages ([`LoadOptions::register_segment`]).
+const PAGE: u64 = 4096;
 
 /// The shards' host memory, when the registered path is possible, or why not.
 fn host_memories(
@@ -650,15 +764,10 @@ impl Segments {
                 .get(shard)
                 .and_then(Option::clone)
                 .ok_or_else(|| format!("shard {shard} has no host memory"))?;
-            let start = seg * self.size;
-            let len = (mem.as_bytes().len() as u64)
-                .saturating_sub(start)
-                .min(self.size);
             let outside = || format!("segment {seg} of shard {shard} is outside its mapping");
-            let (s, n) = usize::try_from(start)
-                .ok()
-                .zip(usize::try_from(len).ok())
-                .ok_or_else(outside)?;
+            let (s, n) =
+                segment_span(mem.as_bytes().len() as u64, seg, self.size).ok_or_else(outside)?;
+            let (start, len) = (s as u64, n as u64);
             let registered = match cache {
                 Some(c) => c.get_or_register(&mem, s, n, device).map(|(r, kept)| {
                     if kept {
@@ -798,9 +907,9 @@ pub fn load_map(
     let Some(primary) = targets.first() else {
         return Err(LoadError::Invalid("no target GPU".into()));
     };
-    if opts.register_segment == 0 || opts.register_segment % 4096 != 0 {
+    if opts.register_segment == 0 || opts.register_segment % PAGE != 0 {
         return Err(LoadError::Invalid(format!(
-            "register_segment must be a positive multiple of 4096, got {}",
+            "register_segment must be a positive multiple of {PAGE}, got {}",
             opts.register_segment
         )));
     }
@@ -905,6 +1014,14 @@ pub fn load_map(
         Some(_) => opts.staging_buffers.max(4 * copy_streams),
         None => opts.staging_buffers,
     };
+    // The fillers run, and the staging buffers are allocated (their pages first touched),
+    // on the first GPU's NUMA node's CPUs.
+    let (near, ring_pin, numa_reason) = match crate::numa::Near::of(primary.device.info().numa_node)
+        .and_then(|n| n.pin().map(|pinned| (n, pinned)))
+    {
+        Ok((n, pinned)) => (Some(n), Some(pinned), None),
+        Err(why) => (None, None, Some(why)),
+    };
     let (free_tx, free_rx) = mpsc::sync_channel::<Option<Box<dyn Staging>>>(slots);
     for _ in 0..slots {
         let b = match direct {
@@ -913,6 +1030,7 @@ pub fn load_map(
         };
         let _ = free_tx.send(b);
     }
+    drop(ring_pin);
     let free_rx = Mutex::new(free_rx);
     let failed: Mutex<Option<LoadError>> = Mutex::new(None);
     let fail = |e: LoadError| {
@@ -1025,7 +1143,11 @@ pub fn load_map(
                 (&waited_data_ns, &waited_staging_ns, &host_sibs);
             let (waited_register_ns, staged_bytes, partial) =
                 (&waited_register_ns, &staged_bytes, &partial);
+            let near = &near;
             move || {
+                // On the GPU's node for the whole load (the fill's CPU copies, and the pages
+                // of a staging buffer of its own); the thread ends with the load.
+                let _pinned = near.as_ref().and_then(|n| n.pin().ok());
                 // A staging buffer of this filler's own, made only when a segment failed to
                 // register.
                 let mut own: Option<Box<dyn Staging>> = None;
@@ -1244,6 +1366,8 @@ pub fn load_map(
             None => total,
         },
         copy_streams,
+        numa_node: near.map(|n| n.node),
+        numa_reason,
     })
 }
 

@@ -7,19 +7,21 @@
 //! its load fails. An inference engine on the same GPU keeps the rest.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use serde::Serialize;
 use tracing::{info, warn};
 
 use crate::cuda::{self, CudaOptions};
-use crate::device::{Device, DeviceInfo, DeviceKind, GpuError};
+use crate::device::{Device, DeviceInfo, DeviceKind, GpuError, HostMemory};
 use crate::handoff::{Handoff, HandoffDevice, HandoffShard};
 use crate::index::{Layout, LoadMap, ShardRange, TensorEntry, tensor_index};
 use crate::loader::{
     ChunkSource, HostPath, LoadOptions, LoadProgress, LoadReport, Target, load_map,
 };
+use crate::lock;
 use crate::pool::{GpuPool, PoolError, REGION_ALIGN, Region};
 use crate::sim::{self, SimOptions};
 use shardcast_policies::evict::{self, ClusterCopies, GpuState, Heaviness};
@@ -148,6 +150,10 @@ pub struct ManagerConfig {
     /// eviction policy (Torpor §5.4: light models and extra replicas first, LRU; locked and
     /// loading models never) instead of refusing the load.
     pub auto_evict: bool,
+    /// Register host memory handed to [`GpuManager::register_ahead`] (transferd: the memory
+    /// tier's complete shards) while no load runs, so the first GPU load of a model already
+    /// in RAM does not pay for pinning it. Only with `load.register_host`.
+    pub register_ahead: bool,
 }
 
 impl Default for ManagerConfig {
@@ -158,6 +164,7 @@ impl Default for ManagerConfig {
             budget: GpuBudget::default(),
             load: LoadOptions::default(),
             auto_evict: true,
+            register_ahead: true,
         }
     }
 }
@@ -275,6 +282,11 @@ pub struct ModelGpuStatus {
     pub fallback_reason: Option<String>,
     /// Seconds spent registering the shard mappings (0 on the staging path).
     pub register_s: f64,
+    /// Registration segments the finished load copied from (registered path).
+    pub segments: usize,
+    /// Of those, the ones it found registered already (kept from an earlier load, or
+    /// registered ahead): it did not pin them.
+    pub segments_reused: usize,
 }
 
 /// One GPU's pool, for status.
@@ -334,14 +346,47 @@ pub struct GpuManager {
     auto_evict: bool,
     epoch: Instant,
     evictions: Mutex<Vec<Eviction>>,
+    /// Registering ahead of loads: on, off, or stopped (the device refused it).
+    ahead: Mutex<AheadState>,
+}
+
+/// Whether [`GpuManager::register_ahead`] registers anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AheadState {
+    /// Off: by configuration, with no devices, or with `register_host` off.
+    Off,
+    /// On.
+    On,
+    /// Stopped after the device refused a registration (the reason); loads still register
+    /// what they copy, or fall back to staging.
+    Stopped(String),
+}
+
+impl std::fmt::Display for AheadState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Off => f.write_str("off"),
+            Self::On => f.write_str("on"),
+            Self::Stopped(why) => write!(f, "stopped: {why}"),
+        }
+    }
+}
+
+/// What one [`GpuManager::register_ahead`] pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AheadReport {
+    /// Mappings now registered whole (including those registered before).
+    pub complete: usize,
+    /// Segments registered by this pass.
+    pub segments: usize,
+    /// Bytes registered by this pass.
+    pub bytes: u64,
+    /// The pass stopped early: a load started (or `stop` was set).
+    pub paused: bool,
 }
 
 /// Evictions remembered for status.
 const EVICTIONS_KEPT: usize = 100;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 impl GpuManager {
     /// Opens the backend. Never fails for lack of GPUs: a host without them gets a manager
@@ -409,9 +454,19 @@ impl GpuManager {
         if opts.staging_size == 0 {
             opts.staging_size = calibrated.unwrap_or(4 << 20);
         }
+        let ahead = if cfg.register_ahead
+            && opts.register_host
+            && opts.registrations.is_some()
+            && !devices.is_empty()
+        {
+            AheadState::On
+        } else {
+            AheadState::Off
+        };
         info!(
             gpus = devices.len(),
             staging_size = opts.staging_size,
+            register_ahead = %ahead,
             budget = %cfg.budget,
             "{note}; no GPU memory reserved ahead"
         );
@@ -424,7 +479,78 @@ impl GpuManager {
             auto_evict: cfg.auto_evict,
             epoch: Instant::now(),
             evictions: Mutex::default(),
+            ahead: Mutex::new(ahead),
         }
+    }
+
+    /// Whether registering ahead of loads is on, off or stopped.
+    pub fn ahead_state(&self) -> AheadState {
+        lock(&self.ahead).clone()
+    }
+
+    /// Bytes of host memory kept registered (pinned) for loads.
+    pub fn registered_host_bytes(&self) -> u64 {
+        self.opts
+            .registrations
+            .as_ref()
+            .map_or(0, |c| c.registered_bytes())
+    }
+
+    /// Whether a load is copying (registering now would delay its copies: the driver
+    /// serialises pinning with them).
+    fn loading(&self) -> bool {
+        lock(&self.loads)
+            .values()
+            .any(|l| l.state == LoadState::Loading)
+    }
+
+    /// Registers `memories` (name, memory) with the GPUs and keeps the registrations, segment
+    /// by segment as loads cut them, so later loads of them copy without pinning first.
+    /// Pauses (returns early, `paused`) when a load is running or `stop` is set; the next
+    /// call goes on where this one stopped. A refusal by the device stops registering ahead
+    /// for good (logged, and reported by [`GpuManager::ahead_state`]). Blocking: run it off
+    /// any async runtime.
+    pub fn register_ahead(
+        &self,
+        memories: &[(String, Arc<dyn HostMemory>)],
+        stop: &AtomicBool,
+    ) -> AheadReport {
+        let mut report = AheadReport::default();
+        let (Some(cache), Some(device)) = (self.opts.registrations.as_ref(), self.devices.first())
+        else {
+            return report;
+        };
+        if self.ahead_state() != AheadState::On {
+            return report;
+        }
+        let pause = || stop.load(Ordering::Relaxed) || self.loading();
+        for (name, memory) in memories {
+            if pause() {
+                report.paused = true;
+                return report;
+            }
+            match cache.register_ahead(memory, self.opts.register_segment, &**device, &pause) {
+                Ok(done) => {
+                    report.segments += done.segments;
+                    report.bytes += done.bytes;
+                    if !done.complete {
+                        report.paused = true;
+                        return report;
+                    }
+                    report.complete += 1;
+                }
+                Err(e) => {
+                    let why = format!("registering {name}: {e}");
+                    warn!(
+                        reason = %why,
+                        "registering the memory tier with the GPUs ahead of loads stopped; loads register what they copy"
+                    );
+                    *lock(&self.ahead) = AheadState::Stopped(why);
+                    return report;
+                }
+            }
+        }
+        report
     }
 
     /// Unregisters the host memory kept registered for loads (shard mappings) that nobody
@@ -870,7 +996,7 @@ impl GpuManager {
                 let Some(l) = loads.get_mut(&model) else { return };
                 match r {
                     Ok(rep) => {
-                        info!(model = %model, gpus = ?l.gpus, elapsed_s = rep.elapsed_s, partition_s = rep.first_s, host_path = %rep.host_path, register_s = rep.register_s, "model resident on GPUs");
+                        info!(model = %model, gpus = ?l.gpus, elapsed_s = rep.elapsed_s, partition_s = rep.first_s, host_path = %rep.host_path, register_s = rep.register_s, segments_reused = rep.registrations_reused, numa_node = ?rep.numa_node, "model resident on GPUs");
                         l.state = LoadState::Resident;
                         l.report = Some(rep);
                         l.index = match &l.partition {
@@ -933,6 +1059,8 @@ impl GpuManager {
                 host_path: l.report.as_ref().map(|r| r.host_path),
                 fallback_reason: l.report.as_ref().and_then(|r| r.fallback_reason.clone()),
                 register_s: l.report.as_ref().map_or(0.0, |r| r.register_s),
+                segments: l.report.as_ref().map_or(0, |r| r.registrations),
+                segments_reused: l.report.as_ref().map_or(0, |r| r.registrations_reused),
             })
             .collect();
         out.sort_by(|a, b| a.model.cmp(&b.model));

@@ -17,6 +17,9 @@
 //! staged copies (all copy streams share the one paced worker: one PCIe link). A device can
 //! be told to refuse registrations ([`SimOptions::refuse_registration`],
 //! [`SimDevice::set_refuse_registration`]) so the loader's fallback to staging can be tested.
+//! As CUDA does for portable registrations, memory overlapping a live registration of any
+//! simulated device in the process is refused ("already registered"), and pinning can be
+//! given a rate ([`SimOptions::pin_bps`]) so that registering takes time as it does on a host.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -51,6 +54,12 @@ pub struct SimOptions {
     /// Refuse to register host memory, as a driver might (so the loader falls back to its
     /// staging ring). Default `false`.
     pub refuse_registration: bool,
+    /// Pinning rate of host memory registrations, bytes/s (a registration of `n` bytes
+    /// takes `n / pin_bps`); 0 = instant. The H100 host measured 15–30 GB/s.
+    pub pin_bps: u64,
+    /// The host NUMA node the devices report ([`DeviceInfo::numa_node`]), so loads place
+    /// their fillers and staging buffers on it; `None` by default.
+    pub numa_node: Option<u32>,
 }
 
 impl SimOptions {
@@ -65,8 +74,18 @@ impl SimOptions {
             per_switch: 2,
             dir: dir.to_path_buf(),
             refuse_registration: false,
+            pin_bps: 0,
+            numa_node: None,
         }
     }
+}
+
+/// Host memory registered with any simulated device of this process, as (address, bytes):
+/// CUDA refuses to register memory that overlaps a live portable registration.
+static REGISTERED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn registered() -> std::sync::MutexGuard<'static, Vec<(usize, usize)>> {
+    REGISTERED.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Paces a stream: each transfer of `n` bytes takes `n / rate`, back to back.
@@ -171,6 +190,8 @@ pub struct SimDevice {
     refuse_registration: AtomicBool,
     /// Registrations still accepted before refusing (`u64::MAX`: no limit).
     registrations_left: AtomicU64,
+    /// See [`SimOptions::pin_bps`].
+    pin_bps: u64,
     stream: Mutex<mpsc::Sender<Op>>,
 }
 
@@ -207,6 +228,7 @@ pub fn devices(opts: &SimOptions) -> Result<Vec<Arc<SimDevice>>, GpuError> {
             memory_bytes: opts.memory_bytes,
             pcie_switch: format!("sim-switch-{}", i / per_switch),
             peers,
+            numa_node: opts.numa_node,
         };
         // Region files a previous run left behind (a crash) hold memory nobody uses.
         remove_stale_regions(&opts.dir, i);
@@ -226,6 +248,7 @@ pub fn devices(opts: &SimOptions) -> Result<Vec<Arc<SimDevice>>, GpuError> {
             external: AtomicU64::new(0),
             refuse_registration: AtomicBool::new(opts.refuse_registration),
             registrations_left: AtomicU64::new(u64::MAX),
+            pin_bps: opts.pin_bps,
             stream: Mutex::new(tx),
         }));
     }
@@ -344,10 +367,24 @@ impl Staging for SimStaging {
 }
 
 /// Host memory "registered" with a simulated device: nothing is pinned; the registration
-/// keeps the memory alive for the copies that read it.
+/// keeps the memory alive for the copies that read it, and its range in [`REGISTERED`]
+/// until it is dropped.
 struct SimRegistration {
     memory: Arc<dyn HostMemory>,
     device: u32,
+}
+
+impl Drop for SimRegistration {
+    fn drop(&mut self) {
+        let range = (
+            self.memory.as_bytes().as_ptr() as usize,
+            self.memory.as_bytes().len(),
+        );
+        let mut live = registered();
+        if let Some(at) = live.iter().position(|r| *r == range) {
+            live.swap_remove(at);
+        }
+    }
 }
 
 impl HostRegistration for SimRegistration {
@@ -624,8 +661,27 @@ impl Device for SimDevice {
                 message: "host memory registration refused (simulated driver error)".into(),
             });
         }
-        if memory.as_bytes().is_empty() {
+        let bytes = memory.as_bytes();
+        if bytes.is_empty() {
             return Err(GpuError::Invalid("registering 0 bytes".into()));
+        }
+        let (addr, len) = (bytes.as_ptr() as usize, bytes.len());
+        {
+            let mut live = registered();
+            if live.iter().any(|&(a, n)| addr < a + n && a < addr + len) {
+                return Err(GpuError::Device {
+                    device: self.info.index,
+                    message: "host memory already registered (simulated \
+                              CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)"
+                        .into(),
+                });
+            }
+            live.push((addr, len));
+        }
+        // Pinning takes time on a host (claimed above first, as the driver refuses a second
+        // registration of the same pages while the first is still pinning them).
+        if self.pin_bps > 0 {
+            std::thread::sleep(Duration::from_secs_f64(len as f64 / self.pin_bps as f64));
         }
         Ok(Arc::new(SimRegistration {
             memory,
@@ -740,6 +796,31 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().metadata().unwrap().blocks() * 512)
             .sum()
+    }
+
+    #[test]
+    fn overlapping_registrations_are_refused_on_every_device_until_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let devs = devices(&SimOptions::new(dir.path(), 2, 64 << 20)).unwrap();
+        let path = dir.path().join("shard");
+        std::fs::write(&path, vec![7u8; 3 * 4096]).unwrap();
+        let map: Arc<dyn HostMemory> = crate::mapped::MappedFile::open(&path).unwrap();
+        let part =
+            |start, len| Arc::new(crate::device::HostSlice::new(map.clone(), start, len).unwrap());
+        let first = devs[0].register_host(part(0, 2 * 4096)).unwrap();
+        // The same pages, a page inside them, on this device or another: refused.
+        for (dev, start, len) in [(0, 0, 2 * 4096), (1, 4096, 4096), (1, 0, 3 * 4096)] {
+            let e = devs[dev]
+                .register_host(part(start, len))
+                .map(|_| ())
+                .unwrap_err();
+            assert!(e.to_string().contains("already registered"), "{e}");
+        }
+        // Pages beside them register; after the drop, the first ones again.
+        let beside = devs[1].register_host(part(2 * 4096, 4096)).unwrap();
+        drop(first);
+        let again = devs[1].register_host(part(0, 2 * 4096)).unwrap();
+        drop((beside, again));
     }
 
     #[test]

@@ -63,10 +63,16 @@ struct Rig {
 }
 
 fn rig(data: &[(String, Vec<u8>)], gpus: u32, pcie: u64, nvlink: u64) -> Rig {
+    rig_with(data, gpus, |o| {
+        o.pcie_bps = pcie;
+        o.nvlink_bps = nvlink;
+    })
+}
+
+fn rig_with(data: &[(String, Vec<u8>)], gpus: u32, set: impl FnOnce(&mut SimOptions)) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let mut o = SimOptions::new(dir.path(), gpus, 1 << 30);
-    o.pcie_bps = pcie;
-    o.nvlink_bps = nvlink;
+    set(&mut o);
     let devs = devices(&o).unwrap();
     let sims = devs.clone();
     let layout = Layout::new(
@@ -734,4 +740,219 @@ fn kept_registrations_are_reused_and_released_with_their_mapping() {
     drop(src);
     assert_eq!(cache.sweep(), total);
     assert_eq!(cache.registered_bytes(), 0);
+}
+
+/// The mapped memory of every shard of `src`.
+fn memories(src: &PacedSource) -> Vec<Arc<dyn HostMemory>> {
+    (0..src.shards().len())
+        .map(|i| src.host_memory(i).expect("a mapped shard"))
+        .collect()
+}
+
+#[test]
+fn memory_registered_ahead_is_what_loads_copy_from() {
+    let data = model(&[3 << 20, 1 << 20 | 5]);
+    let (_files_dir, files) = shard_files(&data);
+    let cache = gpu_loader::loader::RegistrationCache::new();
+    let segment = 1u64 << 20;
+    let src = PacedSource::from_files(files, 256 << 10).unwrap();
+    src.deliver(0, None);
+    let r = rig(&data, 2, 2_000_000_000, 0);
+    let dev = &*r.targets[0].device;
+    let mems = memories(&src);
+    // Paused after two segments: what it registered is kept, and the next call goes on.
+    let asked = AtomicU64::new(0);
+    let pause_after_two = || asked.fetch_add(1, Ordering::Relaxed) >= 2;
+    let segs = |m: &Arc<dyn HostMemory>| (m.as_bytes().len() as u64).div_ceil(segment) as usize;
+    let first = cache
+        .register_ahead(&mems[0], segment, dev, &pause_after_two)
+        .unwrap();
+    assert_eq!(
+        (first.segments, first.bytes, first.complete),
+        (2, 2 << 20, false)
+    );
+    let never = || false;
+    let rest = cache
+        .register_ahead(&mems[0], segment, dev, &never)
+        .unwrap();
+    let len0 = mems[0].as_bytes().len() as u64;
+    assert_eq!(
+        (rest.segments, rest.bytes, rest.complete),
+        (segs(&mems[0]) - 2, len0 - (2 << 20), true)
+    );
+    let second = cache
+        .register_ahead(&mems[1], segment, dev, &never)
+        .unwrap();
+    assert_eq!((second.segments, second.complete), (segs(&mems[1]), true));
+    // Done once: a repeat registers nothing.
+    let again = cache
+        .register_ahead(&mems[0], segment, dev, &never)
+        .unwrap();
+    assert_eq!((again.segments, again.bytes, again.complete), (0, 0, true));
+    let total: u64 = mems.iter().map(|m| m.as_bytes().len() as u64).sum();
+    assert_eq!(cache.registered_bytes(), total);
+    // A segment size that is not whole pages is refused, not cut differently from loads.
+    let bad = cache
+        .register_ahead(&mems[0], 1000, dev, &never)
+        .unwrap_err();
+    assert!(bad.to_string().contains("multiple of 4096"), "{bad}");
+
+    // The load pins nothing: every segment it copies from was registered ahead, on either
+    // GPU (registrations are portable).
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 1 << 20,
+        register_segment: segment,
+        registrations: Some(cache.clone()),
+        ..Default::default()
+    };
+    let p = LoadProgress::new(r.layout.total, &[0, 1]);
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+    assert_eq!(
+        rep.registrations,
+        segs(&mems[0]) + segs(&mems[1]),
+        "{rep:?}"
+    );
+    assert_eq!(rep.registrations_reused, rep.registrations, "{rep:?}");
+    assert_eq!(rep.staged_bytes, 0, "{rep:?}");
+    check_bytes(&r, &data);
+    assert_eq!(cache.registered_bytes(), total);
+}
+
+#[test]
+fn a_load_during_registration_ahead_waits_for_the_segment_instead_of_pinning_it_twice() {
+    // Pinning at 40 MB/s: each 1 MiB segment takes ≈ 26 ms, so the load starts while the
+    // registrar is pinning. The simulated driver refuses a second registration of pages
+    // already registered (as CUDA does), so a load that pinned the same segment again would
+    // fall back to staging for it.
+    let data = model(&[4 << 20, 3 << 20 | 17]);
+    let (_files_dir, files) = shard_files(&data);
+    let cache = gpu_loader::loader::RegistrationCache::new();
+    let segment = 1u64 << 20;
+    let src = PacedSource::from_files(files, 256 << 10).unwrap();
+    src.deliver(0, None);
+    let r = rig_with(&data, 1, |o| {
+        o.pcie_bps = 2_000_000_000;
+        o.nvlink_bps = 0;
+        o.pin_bps = 40_000_000;
+    });
+    let mems = memories(&src);
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 1 << 20,
+        register_segment: segment,
+        registrations: Some(cache.clone()),
+        ..Default::default()
+    };
+    let started = std::sync::Barrier::new(2);
+    let (ahead, rep) = std::thread::scope(|s| {
+        let ahead = s.spawn(|| {
+            let dev = &*r.targets[0].device;
+            let pause = || false;
+            started.wait();
+            mems.iter()
+                .map(|m| cache.register_ahead(m, segment, dev, &pause).unwrap())
+                .collect::<Vec<_>>()
+        });
+        started.wait();
+        std::thread::sleep(Duration::from_millis(40));
+        let p = LoadProgress::new(r.layout.total, &[0]);
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        (ahead.join().unwrap(), rep)
+    });
+    assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+    assert_eq!(rep.staged_bytes, 0, "no segment refused: {rep:?}");
+    assert_eq!(rep.fallback_reason, None, "{rep:?}");
+    check_bytes(&r, &data);
+    // Every segment was pinned once, by one of the two.
+    let by_ahead: usize = ahead.iter().map(|a| a.segments).sum();
+    assert!(ahead.iter().all(|a| a.complete), "{ahead:?}");
+    assert!(by_ahead >= 1, "the registrar pinned some: {ahead:?}");
+    assert_eq!(
+        by_ahead + (rep.registrations - rep.registrations_reused),
+        rep.registrations,
+        "{ahead:?} {rep:?}"
+    );
+    let total: u64 = data.iter().map(|d| d.1.len() as u64).sum();
+    assert_eq!(cache.registered_bytes(), total);
+}
+
+/// A source that records, at each read (a filler copying into a staging buffer), whether
+/// the reading thread may run on a CPU outside `node_cpus`. On a single-node host (this
+/// one) every CPU is node 0's, so this checks the wiring, not a narrowing.
+struct Affinity {
+    inner: Arc<PacedSource>,
+    node_cpus: Vec<usize>,
+    reads: AtomicU64,
+    outside: AtomicU64,
+}
+
+impl ChunkSource for Affinity {
+    fn shards(&self) -> &[SourceShard] {
+        self.inner.shards()
+    }
+    fn wait_verified(
+        &self,
+        shard: usize,
+        first: u32,
+        last: u32,
+        timeout: Duration,
+    ) -> Result<bool, String> {
+        self.inner.wait_verified(shard, first, last, timeout)
+    }
+    fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let set = rustix::thread::sched_getaffinity(None)?;
+        let max = rustix::thread::CpuSet::MAX_CPU;
+        if (0..max).any(|c| set.is_set(c) && !self.node_cpus.contains(&c)) {
+            self.outside.fetch_add(1, Ordering::Relaxed);
+        }
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.read(shard, offset, buf)
+    }
+}
+
+#[test]
+fn fillers_run_on_the_gpus_numa_node_and_the_report_says_where() {
+    let data = model(&[3 << 20, 1 << 20 | 7]);
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 512 << 10,
+        fill_threads: 2,
+        ..Default::default()
+    };
+    let Ok(node0) = gpu_loader::numa::cpus_of_node(0) else {
+        eprintln!("SKIPPED: no /sys/devices/system/node/node0/cpulist on this host");
+        return;
+    };
+    // A GPU on node 0 (every Linux host has one): every filler read runs on node 0's CPUs.
+    let r = rig_with(&data, 1, |o| o.numa_node = Some(0));
+    let src = Affinity {
+        inner: PacedSource::new(data.clone(), 256 << 10),
+        node_cpus: node0,
+        reads: AtomicU64::new(0),
+        outside: AtomicU64::new(0),
+    };
+    src.inner.deliver(0, None);
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let before = rustix::thread::sched_getaffinity(None).unwrap();
+    let rep = load(&src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!((rep.numa_node, rep.numa_reason.as_deref()), (Some(0), None));
+    // The caller's own affinity is as it was (the ring was allocated under a pin).
+    assert!(rustix::thread::sched_getaffinity(None).unwrap() == before);
+    assert!(src.reads.load(Ordering::Relaxed) > 0);
+    assert_eq!(src.outside.load(Ordering::Relaxed), 0);
+    check_bytes(&r, &data);
+    // Unknown node, or a node this host does not have: loaded all the same, and said why.
+    for (node, why) in [(None, "not known"), (Some(4095), "node4095/cpulist")] {
+        let r = rig_with(&data, 1, |o| o.numa_node = node);
+        let src = PacedSource::new(data.clone(), 256 << 10);
+        src.deliver(0, None);
+        let p = LoadProgress::new(r.layout.total, &[0]);
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        assert_eq!(rep.numa_node, None);
+        let reason = rep.numa_reason.unwrap();
+        assert!(reason.contains(why), "{reason}");
+        check_bytes(&r, &data);
+    }
 }

@@ -415,3 +415,112 @@ fn eviction_makes_room_when_an_engine_holds_the_memory() {
     assert_eq!(m.evictions().len(), 1);
     assert!(m.model_status("third").is_none());
 }
+
+/// A source of one mapped shard file of `bytes` in `dir`, and its mapping.
+fn mapped_source(
+    dir: &std::path::Path,
+    bytes: usize,
+    seed: u8,
+) -> (Arc<PacedSource>, Arc<dyn gpu_loader::device::HostMemory>) {
+    let path = dir.join(format!("w{seed}.bin"));
+    std::fs::write(&path, vec![seed; bytes]).unwrap();
+    let src = PacedSource::from_files(vec![(format!("w{seed}.bin"), path)], MIB as u32).unwrap();
+    let mem = gpu_loader::loader::ChunkSource::host_memory(&*src, 0).unwrap();
+    (src, mem)
+}
+
+#[test]
+fn registering_ahead_waits_for_loads_and_stops_for_good_when_refused() {
+    use gpu_loader::manager::AheadState;
+    use std::sync::atomic::AtomicBool;
+    let dir = tempfile::tempdir().unwrap();
+    let files = tempfile::tempdir_in("/dev/shm").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+    let mut sim = SimOptions::new(dir.path(), 1, 256 * MIB as u64);
+    sim.pcie_bps = 0;
+    sim.nvlink_bps = 0;
+    let cfg = |register_ahead| ManagerConfig {
+        backend: BackendChoice::Simulated(sim.clone()),
+        register_ahead,
+        load: LoadOptions {
+            staging_buffers: 2,
+            staging_size: MIB,
+            register_segment: 4 * MIB as u64,
+            chunk_timeout: Duration::from_secs(5),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let stop = AtomicBool::new(false);
+    let (held, mem) = mapped_source(files.path(), 10 * MIB, 1);
+    let memories = vec![("w1.bin".to_string(), mem)];
+
+    // Off by configuration: nothing registered.
+    let off = GpuManager::open(&cfg(false));
+    assert_eq!(off.ahead_state(), AheadState::Off);
+    assert_eq!(off.register_ahead(&memories, &stop).bytes, 0);
+    assert_eq!(off.registered_host_bytes(), 0);
+    drop(off);
+
+    let m = Arc::new(GpuManager::open(&cfg(true)));
+    assert_eq!(m.ahead_state(), AheadState::On);
+    // A load in flight (its chunks never arrive; heap memory, so it registers nothing):
+    // registering waits for it.
+    let stuck = source(2 * MIB, 2);
+    m.start(request("stuck", Heaviness::Light, &[0]), stuck)
+        .unwrap();
+    let r = m.register_ahead(&memories, &stop);
+    assert!(r.paused && r.segments == 0, "{r:?}");
+    m.abort("stuck", "test over");
+    let t0 = Instant::now();
+    while m.model_status("stuck").unwrap().state == LoadState::Loading {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // No load: every 4 MiB segment of the 10 MiB shard is registered, then kept.
+    let r = m.register_ahead(&memories, &stop);
+    assert_eq!(
+        (r.complete, r.segments, r.bytes, r.paused),
+        (1, 3, 10 * MIB as u64, false)
+    );
+    assert_eq!(m.registered_host_bytes(), 10 * MIB as u64);
+    assert_eq!(m.register_ahead(&memories, &stop).segments, 0);
+    // Its load pins nothing and says so.
+    held.deliver(0, None);
+    m.start(request("held", Heaviness::Medium, &[0]), held.clone())
+        .unwrap();
+    until_resident(&m, "held");
+    let st = m.model_status("held").unwrap();
+    assert_eq!((st.segments, st.segments_reused), (3, 3), "{st:?}");
+    assert_eq!(st.host_path, Some(gpu_loader::loader::HostPath::Registered));
+
+    // A shard the driver refuses to register: registering ahead stops, with the reason.
+    let (_other, refused) = mapped_source(files.path(), 3 * MIB, 3);
+    refuse_registrations(&m, true);
+    let r = m.register_ahead(&[("w3.bin".to_string(), refused.clone())], &stop);
+    assert_eq!(r.segments, 0, "{r:?}");
+    let AheadState::Stopped(why) = m.ahead_state() else {
+        panic!("{:?}", m.ahead_state())
+    };
+    assert!(why.contains("w3.bin") && why.contains("refused"), "{why}");
+    // For good: the driver accepting again changes nothing until a restart.
+    refuse_registrations(&m, false);
+    assert_eq!(
+        m.register_ahead(&[("w3.bin".into(), refused)], &stop)
+            .segments,
+        0
+    );
+    // When the mapping's owner drops it, the kept registrations go.
+    m.evict("held").unwrap();
+    drop((held, memories));
+    assert_eq!(m.release_unused_registrations(), 10 * MIB as u64);
+    assert_eq!(m.registered_host_bytes(), 0);
+}
+
+/// Makes GPU 0's simulated driver refuse (or accept again) host memory registrations.
+fn refuse_registrations(m: &GpuManager, refuse: bool) {
+    let d = m.device(0).unwrap();
+    d.as_any()
+        .downcast_ref::<SimDevice>()
+        .unwrap()
+        .set_refuse_registration(refuse);
+}

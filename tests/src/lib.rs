@@ -301,15 +301,7 @@ pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> byt
 /// certificate.
 pub async fn metric(d: &Daemon, name: &str) -> u64 {
     let body = d.metrics().await.expect("admin /metrics");
-    let (family, labels) = match name.split_once('{') {
-        Some((f, l)) => (f, format!(",{}", l.trim_end_matches('}'))),
-        None => (name, String::new()),
-    };
-    let prefix = format!("shardcast_{family}{{host=\"{}\"{labels}}}", d.host_id);
-    body.lines()
-        .find(|l| l.starts_with(&prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+    shardcast_bench::cluster::metric_value(&body, &d.host_id, name)
         .unwrap_or_else(|| panic!("no metric {name} in {body}"))
 }
 

@@ -380,3 +380,65 @@ async fn quic_without_a_tls_identity_is_refused_with_the_reason() {
     c.transport = HopTransport::Tcp;
     c.serves_a_chain().await.unwrap();
 }
+
+/// A plaintext chain (`insecure_plaintext`, loopback) with `sendfile` on: the source and
+/// the middle hop send chunk payloads from their store files by `sendfile`, and every copy
+/// is byte-exact. Off (the default), nothing goes by `sendfile`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plaintext_chain_sends_chunks_from_the_store_files_by_sendfile() {
+    let sockets = tempfile::tempdir().unwrap();
+    let dir = sockets.path().to_path_buf();
+    let c = TestCluster::start(2, 8 * MIB, 1, move |i, o| {
+        o.pki = None;
+        o.extra_args.extend(["--sendfile".into(), "true".into()]);
+        // Plaintext HTTP is refused for /metrics: read it over the owner's Unix socket.
+        o.admin_socket = Some(dir.join(format!("admin-{i}.sock")));
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2], "").await.unwrap();
+    c.wait(&[1, 2], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // Every payload of at least the write buffer's size (256 KiB) that the source and the
+    // middle hop sent went from the file (a shard's short last chunk is buffered with the
+    // frames), and the kernel refused none.
+    let chunk = u64::from(manifest.chunk_size);
+    let large: u64 = manifest
+        .shards
+        .iter()
+        .flat_map(|s| (0..s.size.div_ceil(chunk)).map(move |i| chunk.min(s.size - i * chunk)))
+        .filter(|&len| len >= 256 << 10)
+        .sum();
+    assert!(large >= 7 * MIB, "{large}");
+    for d in &c.daemons[..2] {
+        let from_file = shardcast_tests::metric(d, "sendfile_bytes_total").await;
+        assert_eq!(from_file, large, "{}", d.host_id);
+        assert_eq!(
+            shardcast_tests::metric(d, "sendfile_refused_total").await,
+            0
+        );
+    }
+    assert_eq!(
+        shardcast_tests::metric(&c.daemons[2], "sendfile_bytes_total").await,
+        0
+    );
+
+    // The default: copied through user space, nothing by sendfile.
+    let dir = sockets.path().to_path_buf();
+    let c = TestCluster::start(1, 2 * MIB, 1, move |i, o| {
+        o.pki = None;
+        o.admin_socket = Some(dir.join(format!("default-{i}.sock")));
+    })
+    .await
+    .unwrap();
+    c.serves_a_chain().await.unwrap();
+    assert_eq!(
+        shardcast_tests::metric(&c.daemons[0], "sendfile_bytes_total").await,
+        0
+    );
+}

@@ -29,6 +29,17 @@ fn synthetic_origin(total_bytes: u64, shards: usize, seed: u64) -> (tempfile::Te
     (origin, uri)
 }
 
+/// The agent's `GpuStatus`.
+async fn gpu_status(
+    agent: &mut shardcast_protocol::agent::agent_client::AgentClient<tonic::transport::Channel>,
+) -> shardcast_protocol::agent::GpuStatusResponse {
+    agent
+        .gpu_status(GpuStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 async fn daemon(root: &std::path::Path, name: &str, extra: &[&str]) -> Daemon {
     let mut o = DaemonOpts::local(name);
     o.extra_args.extend(shardcast_tests::allow_args(&[]));
@@ -90,11 +101,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     // The GPU host learns the manifest, then the chain starts and the load with it.
     import(&gpu, &uri, false, encode_to_vec(&manifest)).await;
     let mut agent = gpu.agent().await.unwrap();
-    let st = agent
-        .gpu_status(GpuStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let st = gpu_status(&mut agent).await;
     assert_eq!(st.devices.len(), 2, "{st:?}");
     assert!(
         st.devices
@@ -133,11 +140,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     // While the chain is running, bytes already land on the GPUs.
     let mut saw_partial = false;
     let resident = loop {
-        let st = agent
-            .gpu_status(GpuStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
+        let st = gpu_status(&mut agent).await;
         let m = st
             .models
             .iter()
@@ -207,6 +210,59 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_in_the_memory_tier_is_registered_ahead_so_its_first_gpu_load_pins_nothing() {
+    let (_origin, uri) = synthetic_origin(12 << 20, 2, 13);
+    let root = tempfile::tempdir().unwrap();
+    let sim = ["--gpu-backend", "simulated", "--sim-gpus", "1"];
+    let d = daemon(root.path(), "ahead", &sim).await;
+    let mut agent = d.agent().await.unwrap();
+    let (digest, manifest) = import(&d, &uri, true, vec![]).await;
+    d.verify_copy(&manifest).unwrap();
+    let size: u64 = manifest.shards.iter().map(|s| s.size).sum();
+    // Registered within one sweep period (5 s) of landing, with no load asked for.
+    let t0 = Instant::now();
+    loop {
+        let st = gpu_status(&mut agent).await;
+        assert_eq!(st.register_ahead, "on");
+        if st.registered_host_bytes == size {
+            break;
+        }
+        assert!(st.registered_host_bytes < size, "{st:?}");
+        assert!(t0.elapsed() < Duration::from_secs(20), "{st:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = d.metrics().await.unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "shardcast_gpu_registered_host_bytes{{host=\"ahead\"}} {size}\n"
+        )),
+        "{metrics}"
+    );
+    // The first load copies from those registrations: every segment was pinned already.
+    agent.load_model(whole_load(&digest, 1)).await.unwrap();
+    let (m, _) = until_resident(&d, &digest).await;
+    assert_eq!(m.host_path, "registered", "{m:?}");
+    assert!(m.segments > 0 && m.segments_reused == m.segments, "{m:?}");
+
+    // Off: nothing is registered before a load, which then pins every segment itself.
+    let mut args = sim.to_vec();
+    args.extend(["--register-ahead", "false"]);
+    let off = daemon(root.path(), "no-ahead", &args).await;
+    let (digest, manifest) = import(&off, &uri, true, vec![]).await;
+    off.verify_copy(&manifest).unwrap();
+    let mut agent = off.agent().await.unwrap();
+    let st = gpu_status(&mut agent).await;
+    assert_eq!(
+        (st.register_ahead.as_str(), st.registered_host_bytes),
+        ("off", 0)
+    );
+    agent.load_model(whole_load(&digest, 1)).await.unwrap();
+    let (m, _) = until_resident(&off, &digest).await;
+    assert_eq!(m.host_path, "registered", "{m:?}");
+    assert!(m.segments > 0 && m.segments_reused == 0, "{m:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_cuda_driver_the_daemon_keeps_working() {
     if gpu_loader_driver_present() {
         eprintln!("SKIPPED: this host has a CUDA driver");
@@ -216,11 +272,7 @@ async fn without_a_cuda_driver_the_daemon_keeps_working() {
     let root = tempfile::tempdir().unwrap();
     let d = daemon(root.path(), "cuda-host", &["--gpu-backend", "cuda"]).await;
     let mut agent = d.agent().await.unwrap();
-    let st = agent
-        .gpu_status(GpuStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let st = gpu_status(&mut agent).await;
     assert!(st.devices.is_empty());
     assert!(st.note.contains("no CUDA driver"), "{}", st.note);
     let (digest, manifest) = import(&d, &uri, true, vec![]).await;
@@ -258,11 +310,7 @@ async fn until_resident(d: &Daemon, digest: &str) -> (shardcast_protocol::agent:
     let t0 = Instant::now();
     let mut saw_live = false;
     loop {
-        let st = agent
-            .gpu_status(GpuStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
+        let st = gpu_status(&mut agent).await;
         let m = st
             .models
             .iter()

@@ -56,15 +56,14 @@ pub async fn serve(
     limits: HttpLimits,
     cancel: CancellationToken,
 ) {
-    let handoff = Router::new()
+    let with_gpus = Router::new()
         .route("/v1/handoff/{model}", get(handoff))
+        .route("/metrics", get(metrics))
         .with_state((node.clone(), gpus));
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { (StatusCode::OK, "ready\n") }))
-        .route("/metrics", get(metrics))
-        .with_state(node.clone())
-        .merge(handoff)
+        .merge(with_gpus)
         .layer(HttpAuthLayer::new(
             permission,
             Arc::new(tokens),
@@ -105,8 +104,8 @@ async fn handoff(
     }
 }
 
-async fn metrics(State(node): State<Arc<Node>>) -> String {
-    render(&node)
+async fn metrics(State((node, gpus)): State<(Arc<Node>, Arc<GpuManager>)>) -> String {
+    render(&node, &gpus)
 }
 
 /// A counter family with one label besides `host`.
@@ -131,7 +130,7 @@ fn labelled(
 }
 
 /// Renders every data-plane counter in Prometheus text format.
-pub fn render(node: &Node) -> String {
+pub fn render(node: &Node, gpus: &GpuManager) -> String {
     let s = &node.stats;
     let c = &node.counters;
     let mut out = String::new();
@@ -153,6 +152,18 @@ pub fn render(node: &Node) -> String {
         "counter",
         "Bytes written to data-plane connections.",
         c.sent.load(Ordering::Relaxed),
+    );
+    metric(
+        "sendfile_bytes_total",
+        "counter",
+        "Chunk payload bytes sent from the store's files by the kernel (sendfile, plaintext TCP): no copy through user space.",
+        c.sendfile_bytes.load(Ordering::Relaxed),
+    );
+    metric(
+        "sendfile_refused_total",
+        "counter",
+        "Chunk payloads copied through user space because the kernel refused sendfile from their file (the first refusal is logged).",
+        c.sendfile_refused.load(Ordering::Relaxed),
     );
     metric(
         "chunks_verified_total",
@@ -388,6 +399,7 @@ pub fn render(node: &Node) -> String {
     }
     if let Some(q) = node.transports.quic() {
         let (qs, o) = (&q.stats, q.offload());
+        let t = qs.conns.totals();
         let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         for (name, kind, help, v) in [
             (
@@ -425,6 +437,48 @@ pub fn render(node: &Node) -> String {
                 "counter",
                 "QUIC streams accepted from peers.",
                 count(&qs.streams_accepted),
+            ),
+            (
+                "quic_rx_datagrams_total",
+                "counter",
+                "UDP datagrams received on QUIC connections (live and closed).",
+                t.rx_datagrams,
+            ),
+            (
+                "quic_tx_datagrams_total",
+                "counter",
+                "UDP datagrams sent on QUIC connections.",
+                t.tx_datagrams,
+            ),
+            (
+                "quic_tx_bytes_total",
+                "counter",
+                "UDP payload bytes sent on QUIC connections.",
+                t.tx_bytes,
+            ),
+            (
+                "quic_tx_ios_total",
+                "counter",
+                "Send calls that carried them (datagrams per call above 1: GSO worked).",
+                t.tx_ios,
+            ),
+            (
+                "quic_lost_packets_total",
+                "counter",
+                "Packets QUIC declared lost.",
+                t.lost_packets,
+            ),
+            (
+                "quic_congestion_events_total",
+                "counter",
+                "QUIC congestion events (window cuts).",
+                t.congestion_events,
+            ),
+            (
+                "quic_max_path_mtu_bytes",
+                "gauge",
+                "The largest UDP payload a QUIC connection's MTU discovery reached.",
+                t.max_mtu,
             ),
             (
                 "quic_gso_segments",
@@ -524,6 +578,12 @@ pub fn render(node: &Node) -> String {
         "gauge",
         "1 when the memory tier is a tmpfs whose new pages can be huge (huge=within_size, always, advise or a kernel-wide force): chunk writes there cost several times less CPU than with 4 KiB pages.",
         u64::from(node.store.memory_fs().is_some_and(|f| f.huge_pages())),
+    );
+    metric(
+        "gpu_registered_host_bytes",
+        "gauge",
+        "Host memory kept registered (pinned) with the GPUs for loads: memory-tier shard mappings, registered by a load or ahead of loads, released once the shard leaves the tier.",
+        gpus.registered_host_bytes(),
     );
     metric(
         "repairs_refused_total",

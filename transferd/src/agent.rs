@@ -730,6 +730,7 @@ impl Agent for AgentService {
                     peers: d.peers.iter().map(|p| p.0).collect(),
                     pool_bytes: cap,
                     pool_free: free,
+                    numa_node: d.numa_node,
                 }
             })
             .collect();
@@ -755,6 +756,8 @@ impl Agent for AgentService {
                 host_path: m.host_path.map(|p| p.to_string()).unwrap_or_default(),
                 host_path_reason: m.fallback_reason.clone().unwrap_or_default(),
                 register_s: m.register_s,
+                segments: u32::try_from(m.segments).unwrap_or(u32::MAX),
+                segments_reused: u32::try_from(m.segments_reused).unwrap_or(u32::MAX),
             })
             .collect();
         Ok(Response::new(pb::GpuStatusResponse {
@@ -767,6 +770,8 @@ impl Agent for AgentService {
                 .into_iter()
                 .map(|e| format!("GPU {}: {} ({})", e.gpu, e.model, e.reason))
                 .collect(),
+            registered_host_bytes: self.gpus.registered_host_bytes(),
+            register_ahead: self.gpus.ahead_state().to_string(),
         }))
     }
 

@@ -200,6 +200,11 @@ pub struct Args {
     /// when registration fails [default: true].
     #[arg(long, env = "SHARDCAST_REGISTER_HOST")]
     pub register_host: Option<bool>,
+    /// With register_host: register the memory tier's complete shards with the GPU while no
+    /// load runs, so that even the first GPU load of a model already in memory copies
+    /// without pinning first [default: true].
+    #[arg(long, env = "SHARDCAST_REGISTER_AHEAD")]
+    pub register_ahead: Option<bool>,
     /// Copy streams per GPU for copies from registered shard mappings, 1 to 8 [default: 4].
     #[arg(long, env = "SHARDCAST_COPY_STREAMS")]
     pub copy_streams: Option<usize>,
@@ -217,6 +222,11 @@ pub struct Args {
     /// TCP listener is on loopback. For benchmarks and experiments only [default: false].
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
     pub insecure_plaintext: Option<bool>,
+    /// With insecure_plaintext: send chunk payloads from the store's files with sendfile
+    /// (no copy through user space; copied instead where the kernel refuses). Measured
+    /// slower on loopback, so off [default: false].
+    #[arg(long, env = "SHARDCAST_SENDFILE")]
+    pub sendfile: Option<bool>,
     /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
     /// `https://models.example.com/org/`. Every origin this host opens must lie under
     /// one [default: none, so every origin is refused].
@@ -332,11 +342,13 @@ struct FileConfig {
     staging_size: Option<String>,
     staging_fill_threads: Option<usize>,
     register_host: Option<bool>,
+    register_ahead: Option<bool>,
     copy_streams: Option<usize>,
     tls_ca: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     insecure_plaintext: Option<bool>,
+    sendfile: Option<bool>,
     origin_allow: Option<Vec<String>>,
     handshake_timeout_ms: Option<u64>,
     peer_idle_timeout_s: Option<u64>,
@@ -790,6 +802,10 @@ impl Config {
                 .register_host
                 .or(file.register_host)
                 .unwrap_or(m.load.register_host);
+            m.register_ahead = args
+                .register_ahead
+                .or(file.register_ahead)
+                .unwrap_or(m.register_ahead);
             m.load.copy_streams = bounded(
                 "copy_streams",
                 args.copy_streams.or(file.copy_streams),
@@ -885,6 +901,7 @@ impl Config {
                 stall_timeout: Duration::from_millis(stall_timeout_ms),
                 origin_parallel,
                 pipeline_depth,
+                sendfile: args.sendfile.or(file.sendfile).unwrap_or(defaults.sendfile),
                 origins: OriginAccess::new(origins),
                 limits,
                 ..defaults

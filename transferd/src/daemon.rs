@@ -17,7 +17,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use gpu_loader::manager::GpuManager;
+use gpu_loader::device::HostMemory;
+use gpu_loader::manager::{AheadState, GpuManager};
 
 use crate::agent::AgentService;
 use crate::chain::{Faults, Node};
@@ -25,6 +26,7 @@ use crate::config::{Config, ListenAddr, Security};
 use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
 use crate::transport::{Quic, Transport, Transports};
+use shardcast_protocol::Tier;
 
 /// How long in-flight work may take to wind down after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -137,7 +139,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if let Some(q) = node.transports.quic() {
         tasks.spawn(quic_accept_loop(node.clone(), q.clone(), cancel.clone()));
     }
-    tasks.spawn(release_registrations(gpus.clone(), cancel.clone()));
+    tasks.spawn(keep_registrations(
+        node.clone(),
+        gpus.clone(),
+        cancel.clone(),
+    ));
     {
         let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService::new(
             node.clone(),
@@ -279,31 +285,78 @@ impl ApiListener {
     }
 }
 
-/// How often shard mappings that left the memory tier are unregistered from the GPUs.
-/// Until then their pages stay pinned (a removed shard's memory is not given back), so the
-/// period bounds how long evicted shards keep host memory; a sweep is a lock and a count per
-/// kept mapping, plus the unregistering (≈ 0.03 s per 4 GiB measured on an H100 host).
+/// How often shard mappings that left the memory tier are unregistered from the GPUs, and
+/// complete memory-tier shards not registered yet are registered ahead of loads. Until the
+/// sweep, a removed shard's pages stay pinned (its memory is not given back), so the period
+/// bounds how long evicted shards keep host memory; a sweep is a lock and a count per kept
+/// mapping, plus the unregistering (≈ 0.03 s per 4 GiB measured on an H100 host). A shard
+/// that lands in the memory tier is registered within one period, unless a load runs.
 const REGISTRATION_SWEEP: Duration = Duration::from_secs(5);
 
-/// Unregisters, every [`REGISTRATION_SWEEP`], the shard mappings kept registered for GPU
-/// loads that the store no longer holds.
-async fn release_registrations(gpus: Arc<GpuManager>, cancel: CancellationToken) {
+/// Every [`REGISTRATION_SWEEP`]: unregisters the shard mappings kept registered for GPU
+/// loads that the store no longer holds, then registers the memory tier's complete shards
+/// ahead of loads (see [`GpuManager::register_ahead`]; it pauses while a load runs).
+async fn keep_registrations(node: Arc<Node>, gpus: Arc<GpuManager>, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(REGISTRATION_SWEEP);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _stop_on_exit = StopOnDrop(stop.clone());
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let g = gpus.clone();
-        // Unregistering calls the driver: off the runtime.
-        if let Ok(bytes) =
-            tokio::task::spawn_blocking(move || g.release_unused_registrations()).await
-            && bytes > 0
-        {
-            tracing::debug!(bytes, "unregistered shard mappings the store dropped");
+        let (g, n, stop) = (gpus.clone(), node.clone(), stop.clone());
+        // Pinning and unregistering call the driver: off the runtime.
+        let pass = tokio::task::spawn_blocking(move || {
+            let released = g.release_unused_registrations();
+            let ahead = (g.ahead_state() == AheadState::On)
+                .then(|| g.register_ahead(&memory_tier_mappings(&n.store), &stop));
+            (released, ahead)
+        });
+        let Ok((released, ahead)) = pass.await else {
+            continue;
+        };
+        if released > 0 {
+            tracing::debug!(
+                bytes = released,
+                "unregistered shard mappings the store dropped"
+            );
+        }
+        if let Some(a) = ahead.filter(|a| a.segments > 0) {
+            info!(
+                shards = a.complete,
+                bytes = a.bytes,
+                paused_for_a_load = a.paused,
+                "registered memory-tier shards with the GPUs ahead of loads"
+            );
         }
     }
+}
+
+/// Sets the flag when dropped (the task ends or is aborted): a registration pass still
+/// running on the blocking pool then stops at its next segment.
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The mapped memory of every complete shard in the memory tier, named by its file.
+fn memory_tier_mappings(store: &ShardStore) -> Vec<(String, Arc<dyn HostMemory>)> {
+    store
+        .shard_keys()
+        .into_iter()
+        .filter(|(_, tier, _)| *tier == Tier::Memory)
+        .filter_map(|(d, tier, i)| store.tier_shard(&d, i, tier))
+        .filter(|s| s.is_complete() && !s.is_removed())
+        .filter_map(|s| {
+            let map = s.mapping()?;
+            Some((s.path().display().to_string(), map as Arc<dyn HostMemory>))
+        })
+        .collect()
 }
 
 async fn accept_loop(node: Arc<Node>, listener: TcpListener, cancel: CancellationToken) {

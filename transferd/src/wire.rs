@@ -50,6 +50,41 @@ pub trait FrameSink: AsyncWrite + Unpin + Send {
     fn write_bytes(&mut self, data: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
         Box::pin(async move { self.write_all(&data).await })
     }
+
+    /// Writes all of `data`, which are the bytes at `region` in a file, from the file where
+    /// the sink can (plaintext TCP: `sendfile`, no copy through user space); by default, and
+    /// wherever the kernel refuses the file, as [`FrameSink::write_bytes`].
+    fn send_file<'a>(
+        &'a mut self,
+        _region: &'a FileRegion,
+        data: Bytes,
+    ) -> BoxFuture<'a, std::io::Result<SentFrom>> {
+        Box::pin(async move {
+            self.write_bytes(data).await?;
+            Ok(SentFrom::Memory)
+        })
+    }
+}
+
+/// Where a chunk's payload lies in a file (the store's data file): what
+/// [`FrameSink::send_file`] sends from.
+#[derive(Debug, Clone)]
+pub struct FileRegion {
+    /// The file.
+    pub file: Arc<std::fs::File>,
+    /// The payload's first byte in it.
+    pub offset: u64,
+}
+
+/// How [`FrameSink::send_file`] sent a payload.
+#[derive(Debug)]
+pub enum SentFrom {
+    /// From the file, by the kernel (`sendfile`).
+    File,
+    /// From memory: the sink does not send from files.
+    Memory,
+    /// From memory because the kernel refused to send from the file (the error).
+    Refused(std::io::Error),
 }
 
 impl<T: AsyncWrite + Send> FrameSink for tokio::io::WriteHalf<T> {}
@@ -58,6 +93,131 @@ impl FrameSink for tokio::io::DuplexStream {}
 impl FrameSink for BoxSink {
     fn write_bytes(&mut self, data: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
         (**self).write_bytes(data)
+    }
+    fn send_file<'a>(
+        &'a mut self,
+        region: &'a FileRegion,
+        data: Bytes,
+    ) -> BoxFuture<'a, std::io::Result<SentFrom>> {
+        (**self).send_file(region, data)
+    }
+}
+
+/// The write half of a plaintext TCP connection: chunk payloads go from the store's file to
+/// the socket with `sendfile(2)` (the kernel passes the page-cache pages to the socket, no
+/// copy through user space). Where the kernel refuses (a file system without the
+/// operation), the payload is written from memory instead and the refusal reported.
+pub struct TcpSink(tokio::net::tcp::OwnedWriteHalf);
+
+impl TcpSink {
+    /// `sendfile` of `len` bytes from `region`; the bytes sent so far when it fails.
+    async fn sendfile(
+        &self,
+        region: &FileRegion,
+        len: usize,
+    ) -> Result<(), (usize, std::io::Error)> {
+        let stream: &tokio::net::TcpStream = self.0.as_ref();
+        let mut offset = region.offset;
+        let mut sent = 0;
+        while sent < len {
+            if let Err(e) = stream.writable().await {
+                return Err((sent, e));
+            }
+            let r = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                rustix::fs::sendfile(stream, &*region.file, Some(&mut offset), len - sent)
+                    .map_err(std::io::Error::from)
+            });
+            match r {
+                Ok(0) => {
+                    return Err((
+                        sent,
+                        std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "sendfile: the file ended before the chunk did",
+                        ),
+                    ));
+                }
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err((sent, e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AsyncWrite for TcpSink {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+impl FrameSink for TcpSink {
+    fn send_file<'a>(
+        &'a mut self,
+        region: &'a FileRegion,
+        data: Bytes,
+    ) -> BoxFuture<'a, std::io::Result<SentFrom>> {
+        Box::pin(async move {
+            match self.sendfile(region, data.len()).await {
+                Ok(()) => Ok(SentFrom::File),
+                // Refused by the kernel for this file (nothing of it went out, or part of
+                // it did): the rest from memory, the same bytes.
+                Err((sent, e)) if refused_sendfile(&e) => {
+                    self.write_all(&data[sent..]).await?;
+                    Ok(SentFrom::Refused(e))
+                }
+                Err((_, e)) => Err(e),
+            }
+        })
+    }
+}
+
+/// Whether a `sendfile` error means "not from this file" (send from memory instead) rather
+/// than a broken connection.
+fn refused_sendfile(e: &std::io::Error) -> bool {
+    matches!(
+        rustix::io::Errno::from_io_error(e),
+        Some(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP)
+    ) || e.kind() == std::io::ErrorKind::UnexpectedEof
+}
+
+impl Halves {
+    /// A plaintext TCP connection's halves: owned halves (no split lock) and a
+    /// [`TcpSink`] that sends chunk payloads from the store's files.
+    pub fn tcp(stream: tokio::net::TcpStream) -> Self {
+        let (read, write) = stream.into_split();
+        Self {
+            read: Box::new(read),
+            write: Box::new(TcpSink(write)),
+        }
     }
 }
 
@@ -125,6 +285,10 @@ pub struct ByteCounters {
     pub write_timeouts: AtomicU64,
     /// Accepted connections dropped because `Hello` did not complete in time.
     pub handshake_timeouts: AtomicU64,
+    /// Chunk payload bytes sent from the store's files by the kernel (`sendfile`).
+    pub sendfile_bytes: AtomicU64,
+    /// Chunk payloads sent from memory because the kernel refused `sendfile` for their file.
+    pub sendfile_refused: AtomicU64,
 }
 
 /// Frame bodies up to this length are not charged to the [`FrameBudget`]: control frames
@@ -472,7 +636,7 @@ impl<W: FrameSink> FrameWriter<W> {
     /// Buffers one frame (call [`FrameWriter::flush`] to push it out).
     pub async fn send(&mut self, frame: &Frame) -> Result<(), WireError> {
         if let Frame::Chunk { shard, index, data } = frame {
-            return self.send_chunk(*shard, *index, data).await;
+            return self.send_chunk(*shard, *index, data, None).await;
         }
         self.scratch.clear();
         frame.encode(&mut self.scratch);
@@ -488,26 +652,58 @@ impl<W: FrameSink> FrameWriter<W> {
     }
 
     /// Writes a `Chunk` frame without copying its payload into the buffer: a payload at
-    /// least the buffer's size goes to the stream as `Bytes` ([`FrameSink::write_bytes`])
-    /// after the buffered frames and the prefix.
+    /// least the buffer's size goes to the stream after the buffered frames and the prefix,
+    /// from `file` when given (the payload's place in the store's file:
+    /// [`FrameSink::send_file`]), else as `Bytes` ([`FrameSink::write_bytes`]).
     pub async fn send_chunk(
         &mut self,
         shard: u32,
         index: u32,
         data: &Bytes,
+        file: Option<&FileRegion>,
     ) -> Result<(), WireError> {
         let prefix = Frame::chunk_prefix(shard, index, data.len());
         let total = (prefix.len() + data.len()) as u64;
         self.egress.acquire(total).await;
-        self.timed(async |w| {
-            w.write_all(&prefix).await?;
-            if data.len() < WRITE_BUFFER {
-                return w.write_all(data).await;
+        let from = self
+            .timed(async |w| {
+                w.write_all(&prefix).await?;
+                if data.len() < WRITE_BUFFER {
+                    w.write_all(data).await?;
+                    return Ok(SentFrom::Memory);
+                }
+                w.flush().await?;
+                match file {
+                    Some(region) => w.get_mut().send_file(region, data.clone()).await,
+                    None => w
+                        .get_mut()
+                        .write_bytes(data.clone())
+                        .await
+                        .map(|()| SentFrom::Memory),
+                }
+            })
+            .await?;
+        match from {
+            SentFrom::File => {
+                self.counters
+                    .sendfile_bytes
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
             }
-            w.flush().await?;
-            w.get_mut().write_bytes(data.clone()).await
-        })
-        .await?;
+            SentFrom::Memory => {}
+            SentFrom::Refused(e) => {
+                // Said once per daemon; counted every time.
+                if self
+                    .counters
+                    .sendfile_refused
+                    .fetch_add(1, Ordering::Relaxed)
+                    == 0
+                {
+                    tracing::warn!(
+                        "the kernel refused sendfile from the store ({e}); chunks are copied through user space instead"
+                    );
+                }
+            }
+        }
         self.counters.sent.fetch_add(total, Ordering::Relaxed);
         Ok(())
     }
@@ -593,6 +789,83 @@ mod tests {
         }
     }
 
+    /// Plaintext TCP over loopback: chunk payloads go from a real file by `sendfile`, and
+    /// from memory where the file system refuses it (procfs answers `EINVAL`), counted and
+    /// byte-exact either way.
+    #[tokio::test]
+    async fn chunk_payloads_go_by_sendfile_and_from_memory_where_the_kernel_refuses() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let (sender, receiver) = (
+            Halves::tcp(client.unwrap()),
+            Halves::tcp(accepted.unwrap().0),
+        );
+        let counters = Arc::new(ByteCounters::default());
+        let mut w = FrameWriter::new(sender.write, RateLimiter::unlimited(), counters.clone());
+        let mut r = FrameReader::new(
+            receiver.read,
+            RateLimiter::unlimited(),
+            Arc::default(),
+            FrameBudget::unlimited(),
+        );
+        // Three chunks larger than the write buffer, in a real file.
+        const N: usize = WRITE_BUFFER + 12_345;
+        let content: Vec<u8> = (0..3 * N).map(|i| (i % 251) as u8).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.data");
+        std::fs::write(&path, &content).unwrap();
+        let file = Arc::new(std::fs::File::open(&path).unwrap());
+        let chunk = |i: usize| Bytes::copy_from_slice(&content[i * N..(i + 1) * N]);
+        let refusing = Arc::new(std::fs::File::open("/proc/self/status").unwrap());
+        let regions = [
+            Some(FileRegion {
+                file: file.clone(),
+                offset: 0,
+            }),
+            // procfs has no splice: the kernel refuses sendfile from it.
+            Some(FileRegion {
+                file: refusing,
+                offset: 0,
+            }),
+            Some(FileRegion {
+                file,
+                offset: 2 * N as u64,
+            }),
+            // No file (a chunk changed in flight): from memory.
+            None,
+        ];
+        let sending = async {
+            for (i, region) in regions.iter().enumerate() {
+                w.send_chunk(0, i as u32, &chunk(i.min(2)), region.as_ref())
+                    .await
+                    .unwrap();
+            }
+            w.flush().await.unwrap();
+        };
+        let receiving = async {
+            let mut got = Vec::new();
+            for _ in 0..regions.len() {
+                got.push(r.read().await.unwrap().unwrap());
+            }
+            got
+        };
+        let ((), got) = tokio::join!(sending, receiving);
+        for (i, frame) in got.into_iter().enumerate() {
+            let Frame::Chunk { index, data, .. } = frame else {
+                panic!("not a chunk: {frame:?}")
+            };
+            assert_eq!(index, i as u32);
+            assert!(data == chunk(i.min(2)), "chunk {i} differs");
+        }
+        assert_eq!(
+            counters.sendfile_bytes.load(Ordering::Relaxed),
+            2 * N as u64
+        );
+        assert_eq!(counters.sendfile_refused.load(Ordering::Relaxed), 1);
+    }
+
     #[tokio::test]
     async fn large_chunk_payloads_reach_the_sink_as_the_same_bytes_small_ones_are_buffered() {
         let big = Bytes::from(vec![7u8; WRITE_BUFFER]);
@@ -603,8 +876,8 @@ mod tests {
             Arc::default(),
         );
         w.send(&Frame::Keepalive).await.unwrap();
-        w.send_chunk(1, 2, &big).await.unwrap();
-        w.send_chunk(1, 3, &small).await.unwrap();
+        w.send_chunk(1, 2, &big, None).await.unwrap();
+        w.send_chunk(1, 3, &small, None).await.unwrap();
         w.flush().await.unwrap();
         let pieces = &w.inner.get_ref().0;
         // The big payload was handed over as the very same allocation: no copy.
@@ -819,7 +1092,7 @@ mod tests {
         let mut w = FrameWriter::new(a, RateLimiter::unlimited(), counters.clone());
         w.set_write_timeout(Some(Duration::from_secs(1)));
         let data = Bytes::from(vec![0u8; 1 << 20]);
-        let err = w.send_chunk(0, 0, &data).await.unwrap_err();
+        let err = w.send_chunk(0, 0, &data, None).await.unwrap_err();
         assert!(matches!(err, WireError::WriteStalled(_)), "{err}");
         assert_eq!(counters.write_timeouts.load(Ordering::Relaxed), 1);
     }

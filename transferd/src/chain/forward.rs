@@ -15,7 +15,7 @@ use super::{CHECK_AHEAD, ChainError, Node, ShardSession, now, read_timeout, slee
 use crate::repair::RepairRequest;
 use crate::store::Shard;
 use crate::store::{Check, StoreError};
-use crate::wire::Conn;
+use crate::wire::{Conn, FileRegion};
 
 impl Node {
     pub(super) fn spawn_forwarder(self: &Arc<Self>, sess: &Arc<ShardSession>, hops: Vec<Hop>) {
@@ -152,6 +152,14 @@ impl Node {
                 if recheck {
                     self.stats.chunks_resent.fetch_add(1, Ordering::Relaxed);
                 }
+                // With `sendfile` on, the payload's place in the store's file, to send it from
+                // there (plaintext TCP); not for a chunk corrupted in flight by fault injection.
+                let mut file = self
+                    .cfg
+                    .sendfile
+                    .then(|| sess.shard.chunk_in_file(index).ok())
+                    .flatten()
+                    .map(|(file, offset)| FileRegion { file, offset });
                 if self.faults.take(shard, index) {
                     warn!(chunk = index, "fault injection: corrupting chunk in flight");
                     let mut bad = BytesMut::from(&data[..]);
@@ -159,8 +167,11 @@ impl Node {
                         *b ^= 0xff;
                     }
                     data = bad.freeze();
+                    file = None;
                 }
-                conn.writer.send_chunk(shard, index, &data).await?;
+                conn.writer
+                    .send_chunk(shard, index, &data, file.as_ref())
+                    .await?;
                 window.note_sent(now());
             }
             if window.keepalive_due(now()) {

@@ -14,8 +14,8 @@ use crate::repair::RepairRequest;
 use crate::store::{Check, StoreError};
 use crate::transport::Quic;
 use crate::transport::quic::QuicStream;
-use crate::wire::Conn;
 use crate::wire::Halves;
+use crate::wire::{Conn, FileRegion};
 
 impl Node {
     /// Serves one accepted connection (an upstream hop or a puller) until it ends.
@@ -32,7 +32,7 @@ impl Node {
                 return;
             }
         };
-        self.serve_stream(stream.into(), identity, peer).await;
+        self.serve_stream(stream, identity, peer).await;
     }
 
     /// Serves the streams a peer opens on an established QUIC connection, each in its own
@@ -184,7 +184,15 @@ impl Node {
                     Err(StoreError::NotVerified { .. }) => continue,
                     Err(e) => return Err(e.into()),
                 };
-                conn.writer.send_chunk(shard, index, &data).await?;
+                let file = self
+                    .cfg
+                    .sendfile
+                    .then(|| local.chunk_in_file(index).ok())
+                    .flatten()
+                    .map(|(file, offset)| FileRegion { file, offset });
+                conn.writer
+                    .send_chunk(shard, index, &data, file.as_ref())
+                    .await?;
             } else if local.is_dropped(index) {
                 // Dropped by a check ahead: repaired in the background like the one above.
                 self.repairs

@@ -74,7 +74,6 @@ pub struct ShardSession {
     pub(super) hop_progress: Mutex<BTreeMap<String, (u32, u32)>>,
     pub(super) forward: watch::Sender<ForwardState>,
     pub(super) failed: watch::Sender<Option<String>>,
-    pub(super) write_lock: tokio::sync::Mutex<()>,
     /// The holders above this hop, nearest first, from the latest `Open` (a failover's
     /// `Open` comes from a hop above a stalled one, so it lists only live hops).
     pub(super) upstream: Mutex<Vec<Hop>>,
@@ -305,7 +304,6 @@ impl Node {
             hop_progress: Mutex::default(),
             forward: watch::Sender::new(ForwardState::Running),
             failed: watch::Sender::new(None),
-            write_lock: tokio::sync::Mutex::new(()),
             upstream: Mutex::default(),
             stalled: Mutex::default(),
             heard: Mutex::default(),
@@ -330,10 +328,8 @@ impl Node {
             Incoming::Unverified(data) => data.len(),
         } as u64;
         match chunk {
+            // The shard queues writes to its file (`Shard::write`).
             Incoming::Verified(chunk) => {
-                // Writes to one file serialise on its inode lock in the kernel; queue them
-                // here (an async wait) rather than have threads spin on that lock.
-                let _serial = sess.write_lock.lock().await;
                 sess.shard.write(chunk).await?;
             }
             // BLAKE3 takes ~0.3 ms per MiB: hashed off the I/O threads, by the same

@@ -428,7 +428,9 @@ struct Model {
     tiers: HashMap<Tier, HashMap<u32, Arc<Shard>>>,
 }
 
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Locks `m`, taking the data of a poisoned lock as it is (a panicking holder left no
+/// half-done update behind: every critical section is a plain assignment or a map edit).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 

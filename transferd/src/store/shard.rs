@@ -100,7 +100,7 @@ pub struct Shard {
     /// `None` only for an empty (zero-byte) shard, which has no chunks to read.
     map: Option<ShardMap>,
     writer: Arc<ChunkWriter>,
-    /// Taken around each data write of [`Shard::verify_and_write`].
+    /// Taken around each data write with the `pwrite` writer: writes to the file queue here.
     serial: Arc<Mutex<()>>,
     integrity: Arc<Integrity>,
     state: Mutex<BitState>,
@@ -403,11 +403,22 @@ impl Shard {
         let Some(_claim) = self.claim(index).await? else {
             return Ok(false);
         };
-        self.writer
-            .write_at(self.file.clone(), offset, chunk.data().clone())
-            .await
-            .map_err(io_err(&self.data_path))?;
+        self.write_at(offset, chunk.data().clone()).await?;
         self.mark_written(index)
+    }
+
+    /// Writes `data` at `offset` in the data file with this shard's writer. With `pwrite`
+    /// the write runs on the blocking pool and writes to the file queue on the shard's
+    /// `serial` lock (sleeping there rather than spinning on the inode lock in the kernel),
+    /// as the write half of [`Shard::verify_and_write`] does.
+    async fn write_at(&self, offset: u64, data: Bytes) -> Result<(), StoreError> {
+        if self.writer.kind() == WriterKind::Pwrite {
+            let pwrite = self.queued_pwrite();
+            self.blocking(move || pwrite(&data, offset)).await?
+        } else {
+            self.writer.write_at(self.file.clone(), offset, data).await
+        }
+        .map_err(io_err(&self.data_path))
     }
 
     /// Verifies `data` as chunk `index` against this shard's manifest and, if it is sound
@@ -429,15 +440,10 @@ impl Shard {
             });
         }
         if self.writer.kind() == WriterKind::Pwrite {
-            let (file, serial) = (self.file.clone(), self.serial.clone());
-            let written = self.blocking(move || {
-                verify(data).map(|chunk| {
-                    // Hashes run in parallel; writes to the file queue here, sleeping,
-                    // rather than spin on the inode lock in the kernel.
-                    let _serial = lock(&serial);
-                    file.write_all_at(chunk.data(), offset)
-                })
-            });
+            let pwrite = self.queued_pwrite();
+            // Hashes run in parallel; the writes queue on the shard's lock.
+            let written =
+                self.blocking(move || verify(data).map(|chunk| pwrite(chunk.data(), offset)));
             match written.await? {
                 Ok(w) => w.map_err(io_err(&self.data_path))?,
                 Err(e) => return Ok(Written::Corrupt(e)),
@@ -447,16 +453,24 @@ impl Shard {
                 Ok(chunk) => chunk,
                 Err(e) => return Ok(Written::Corrupt(e)),
             };
-            self.writer
-                .write_at(self.file.clone(), offset, chunk.data().clone())
-                .await
-                .map_err(io_err(&self.data_path))?;
+            self.write_at(offset, chunk.data().clone()).await?;
         }
         Ok(if self.mark_written(index)? {
             Written::Stored
         } else {
             Written::AlreadyHad
         })
+    }
+
+    /// A blocking `pwrite` of bytes at an offset in the data file, queued on the shard's
+    /// `serial` lock: writes to one file sleep there rather than spin on the inode lock in
+    /// the kernel. For the blocking pool.
+    fn queued_pwrite(&self) -> impl Fn(&[u8], u64) -> std::io::Result<()> + Send + 'static {
+        let (file, serial) = (self.file.clone(), self.serial.clone());
+        move |data, offset| {
+            let _serial = lock(&serial);
+            file.write_all_at(data, offset)
+        }
     }
 
     /// Runs `f`, work on this shard's file, on tokio's blocking pool.
@@ -738,6 +752,14 @@ impl Shard {
                 })??;
         }
         self.read_raw(index)
+    }
+
+    /// The data file and where chunk `index` starts in it, for sending the chunk from the
+    /// file (`sendfile`). The bytes there are the ones [`Shard::read`] returns, so the same
+    /// checks come first: only send a chunk [`Shard::read_checked`] has just returned.
+    pub fn chunk_in_file(&self, index: u32) -> Result<(Arc<File>, u64), StoreError> {
+        let (offset, _) = self.span(index)?;
+        Ok((self.file.clone(), offset))
     }
 
     /// The read-only shared map of the whole data file (`None` for an empty shard), for a

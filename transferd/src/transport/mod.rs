@@ -115,7 +115,7 @@ impl Transport {
         let boxed = |s: BoxStream| Halves::from(s);
         match self {
             Self::Quic(q) => q.connect(addr, expect).await.map(|(s, p)| (s.into(), p)),
-            Self::InsecureTcp => Ok((boxed(Box::new(tcp_connect(addr).await?)), Peer::Insecure)),
+            Self::InsecureTcp => Ok((Halves::tcp(tcp_connect(addr).await?), Peer::Insecure)),
             Self::Tls(ctx) => {
                 let expect = expect_host(expect)?;
                 let stream =
@@ -146,13 +146,13 @@ impl Transport {
     pub async fn secure(
         &self,
         stream: TcpStream,
-    ) -> Result<(BoxStream, Peer), shardcast_identity::TlsError> {
+    ) -> Result<(Halves, Peer), shardcast_identity::TlsError> {
         match self {
-            Self::InsecureTcp => Ok((Box::new(stream), Peer::Insecure)),
+            Self::InsecureTcp => Ok((Halves::tcp(stream), Peer::Insecure)),
             Self::Tls(ctx) => {
                 let stream = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, stream);
                 let (s, id) = ctx.accept(stream, Alpn::Data).await?;
-                Ok((Box::new(s), Peer::Cert(id)))
+                Ok((Halves::from(Box::new(s) as BoxStream), Peer::Cert(id)))
             }
             Self::Quic(_) => Err(shardcast_identity::TlsError::Handshake(
                 std::io::Error::other("a TCP connection reached the QUIC transport"),

@@ -14,9 +14,13 @@
 //!   the next dial makes a new one; [`Quic::forget`] drops one at once when a stream on it
 //!   failed its `Hello`.
 //! - **Tuning** (the constants below, with their reasons): windows sized for high
-//!   bandwidth-delay links, Cubic congestion control (as Linux TCP), MTU discovery up to
-//!   jumbo frames, UDP buffers of [`UDP_BUFFER`], GSO/GRO whenever the kernel offers them
-//!   (quinn-udp probes; [`Offload`] says what this host got).
+//!   bandwidth-delay links, Cubic congestion control (as Linux TCP), MTU discovery up to a
+//!   1500-byte Ethernet frame ([`MTU_CEILING`], and why not jumbo frames), UDP buffers of
+//!   [`UDP_BUFFER`], GSO/GRO whenever the kernel offers them (quinn-udp probes; [`Offload`]
+//!   says what this host got).
+//! - **Statistics.** [`ConnTotals`] sums quinn's per-connection figures over live and closed
+//!   connections (datagrams and bytes sent, transmits, packets declared lost, congestion
+//!   events, the largest path MTU reached) for `/metrics`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -37,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::CONNECT_TIMEOUT;
+use crate::store::lock;
 use crate::wire::{FrameSink, Halves};
 
 /// Receive window of one stream, one (session, shard). Rationale: at 100 Gbit/s and a 1 ms
@@ -60,10 +65,14 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// five missed keep-alives; a peer that was killed or restarted is forgotten within 5 s,
 /// while the chain's own stall detection (2 s) has long since bypassed it.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Largest UDP payload MTU discovery probes for. Rationale: a 9000-byte jumbo frame less
-/// the IPv6 and UDP headers; fewer, larger packets cost less CPU per byte, and paths with
-/// 1500-byte frames settle below it (quinn starts at 1200 and probes up).
-pub const MTU_CEILING: u16 = 8952;
+/// Largest UDP payload MTU discovery probes for, and the largest this endpoint accepts
+/// (advertised to peers). Rationale, measured (docs/BENCHMARKS.md, issue #16 step 4): a
+/// 1500-byte Ethernet frame less the IPv4 and UDP headers. An earlier ceiling of 8952 (jumbo
+/// frames) never took effect, because quinn's endpoint default capped the accepted payload
+/// at 1472; raised for real, on loopback, quinn's black-hole detection took the congestion
+/// losses of large packets for a black hole and fell back to 1200-byte packets for the rest
+/// of the transfer, and with a short cool-down the large packets were lost 3× as often.
+pub const MTU_CEILING: u16 = 1472;
 /// Socket buffer sizes asked for. Rationale: a window's worth of datagrams can arrive while
 /// the endpoint task is busy; the kernel default (about 208 KiB) drops packets at Gbit/s
 /// rates. The kernel caps the value at `net.core.{r,w}mem_max`; [`Offload`] reports what
@@ -101,6 +110,88 @@ pub struct QuicStats {
     pub streams_accepted: AtomicU64,
     /// Dialled connections reused for a new stream.
     pub reused: AtomicU64,
+    /// What quinn counts on this host's connections, live and closed.
+    pub conns: Arc<ConnTotals>,
+}
+
+/// quinn's per-connection statistics summed over this host's QUIC connections: those that
+/// have closed (added when they close) and those still open (read when asked).
+#[derive(Debug, Default)]
+pub struct ConnTotals {
+    closed: Mutex<QuicTotals>,
+    live: Mutex<Vec<quinn::Connection>>,
+}
+
+/// Sums of quinn's connection statistics ([`ConnTotals::totals`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QuicTotals {
+    /// UDP datagrams received.
+    pub rx_datagrams: u64,
+    /// UDP datagrams sent.
+    pub tx_datagrams: u64,
+    /// Bytes in them (UDP payload).
+    pub tx_bytes: u64,
+    /// Transmits that carried them (one `sendmsg` each): datagrams per transmit above 1
+    /// means GSO worked. (quinn counts receives per packet, not per call, so GRO does not
+    /// show in its statistics.)
+    pub tx_ios: u64,
+    /// Packets declared lost.
+    pub lost_packets: u64,
+    /// Congestion events (the window was cut).
+    pub congestion_events: u64,
+    /// The largest UDP payload any connection's MTU discovery reached, bytes.
+    pub max_mtu: u64,
+}
+
+impl QuicTotals {
+    fn add(&mut self, st: &quinn::ConnectionStats) {
+        self.rx_datagrams += st.udp_rx.datagrams;
+        self.tx_datagrams += st.udp_tx.datagrams;
+        self.tx_bytes += st.udp_tx.bytes;
+        self.tx_ios += st.udp_tx.ios;
+        self.lost_packets += st.path.lost_packets;
+        self.congestion_events += st.path.congestion_events;
+        self.max_mtu = self.max_mtu.max(u64::from(st.path.current_mtu));
+    }
+}
+
+impl ConnTotals {
+    /// Counts `conn` from now on: live until it closes, then in the closed totals (spawns
+    /// the watcher, so it needs a runtime).
+    fn watch(self: &Arc<Self>, conn: &quinn::Connection) {
+        lock(&self.live).push(conn.clone());
+        let (me, conn) = (self.clone(), conn.clone());
+        tokio::spawn(async move {
+            conn.closed().await;
+            let st = conn.stats();
+            // Moved from live to closed under both locks, so a reader never counts it
+            // twice or not at all.
+            let mut live = lock(&me.live);
+            live.retain(|c| c.stable_id() != conn.stable_id());
+            lock(&me.closed).add(&st);
+            drop(live);
+            debug!(
+                rx_datagrams = st.udp_rx.datagrams,
+                tx_datagrams = st.udp_tx.datagrams,
+                tx_ios = st.udp_tx.ios,
+                lost_packets = st.path.lost_packets,
+                congestion_events = st.path.congestion_events,
+                mtu = st.path.current_mtu,
+                rtt_us = st.path.rtt.as_micros() as u64,
+                "QUIC connection closed"
+            );
+        });
+    }
+
+    /// The sums over every connection, live and closed.
+    pub fn totals(&self) -> QuicTotals {
+        let live = lock(&self.live);
+        let mut t = *lock(&self.closed);
+        for c in live.iter() {
+            t.add(&c.stats());
+        }
+        t
+    }
 }
 
 /// Why an incoming QUIC connection was not established.
@@ -122,6 +213,12 @@ pub enum QuicAcceptError {
 /// with its server's identity, checked once when it was dialled.
 type Slot = Arc<tokio::sync::Mutex<Option<(quinn::Connection, Identity)>>>;
 
+/// Held connection slots, and when slots of closed connections were last dropped.
+struct Conns {
+    slots: HashMap<(String, Option<HostId>), Slot>,
+    swept: std::time::Instant,
+}
+
 /// This host's QUIC endpoint: the listener on the data port's number (UDP) and the dialler.
 pub struct Quic {
     endpoint: quinn::Endpoint,
@@ -129,7 +226,7 @@ pub struct Quic {
     transport: Arc<quinn::TransportConfig>,
     /// Held connections by the address as plans name it (`host:port`, a name or an IP)
     /// and the host expected there.
-    conns: Mutex<HashMap<(String, Option<HostId>), Slot>>,
+    conns: Mutex<Conns>,
     offload: Offload,
     /// Counters.
     pub stats: QuicStats,
@@ -236,8 +333,15 @@ impl Quic {
             send_buffer,
         };
         let transport = Arc::new(transport_config());
+        let mut endpoint_config = quinn::EndpointConfig::new(reset_key(&tls)?);
+        // The largest datagram this endpoint accepts, advertised to peers as the
+        // `max_udp_payload_size` transport parameter: the same ceiling as MTU discovery's
+        // (a larger discovery bound alone has no effect).
+        endpoint_config
+            .max_udp_payload_size(MTU_CEILING)
+            .map_err(|e| std::io::Error::other(format!("QUIC max UDP payload: {e}")))?;
         let endpoint = quinn::Endpoint::new(
-            quinn::EndpointConfig::new(reset_key(&tls)?),
+            endpoint_config,
             Some(server_config(&tls, &transport)?),
             socket,
             Arc::new(quinn::TokioRuntime),
@@ -246,7 +350,10 @@ impl Quic {
             endpoint,
             tls,
             transport,
-            conns: Mutex::new(HashMap::new()),
+            conns: Mutex::new(Conns {
+                slots: HashMap::new(),
+                swept: std::time::Instant::now(),
+            }),
             offload,
             stats: QuicStats::default(),
         }))
@@ -289,12 +396,19 @@ impl Quic {
         expect: Option<&HostId>,
     ) -> std::io::Result<(QuicStream, Peer)> {
         let slot = {
-            let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-            conns.retain(|_, s| {
-                s.try_lock()
-                    .map_or(true, |c| c.as_ref().is_some_and(|(c, _)| live(c)))
-            });
+            let mut conns = lock(&self.conns);
+            // Slots of closed connections (and failed dials) go, at most once per idle
+            // timeout: a connection closes within that anyway, and a dial does not scan
+            // every peer's slot.
+            if conns.swept.elapsed() >= IDLE_TIMEOUT {
+                conns.slots.retain(|_, s| {
+                    s.try_lock()
+                        .map_or(true, |c| c.as_ref().is_some_and(|(c, _)| live(c)))
+                });
+                conns.swept = std::time::Instant::now();
+            }
             conns
+                .slots
                 .entry((addr.to_string(), expect.cloned()))
                 .or_default()
                 .clone()
@@ -387,6 +501,7 @@ impl Quic {
             }
         };
         self.stats.dialled.fetch_add(1, Ordering::Relaxed);
+        self.stats.conns.watch(&conn);
         debug!(%addr, "QUIC connection up");
         Ok((conn, id))
     }
@@ -394,8 +509,8 @@ impl Quic {
     /// Closes and drops the connections held to `addr` (a stream on one failed its `Hello`:
     /// the peer may have restarted behind the same address).
     pub fn forget(&self, addr: &str) {
-        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-        conns.retain(|(a, _), slot| {
+        let mut conns = lock(&self.conns);
+        conns.slots.retain(|(a, _), slot| {
             let same = a == addr;
             if same
                 && let Ok(mut held) = slot.try_lock()
@@ -433,9 +548,14 @@ impl Quic {
         }
         .await;
         match &result {
-            Ok(_) => self.stats.accepted.fetch_add(1, Ordering::Relaxed),
-            Err(_) => self.stats.refused.fetch_add(1, Ordering::Relaxed),
-        };
+            Ok((conn, _)) => {
+                self.stats.accepted.fetch_add(1, Ordering::Relaxed);
+                self.stats.conns.watch(conn);
+            }
+            Err(_) => {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         result
     }
 
