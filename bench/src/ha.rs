@@ -1,5 +1,5 @@
 //! Controller replicas on a real etcd: the cluster behind the high-availability tests
-//! (`tests/tests/ha.rs`) and the `failover` benchmark.
+//! (`tests/tests/cluster/ha.rs`) and the `failover` benchmark.
 //!
 //! * [`EtcdProc`]: an `etcd` process on loopback (free ports, a data directory of its
 //!   own), killed by PID when dropped; restartable on the same ports and data.

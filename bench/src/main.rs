@@ -222,6 +222,10 @@ enum Cmd {
         /// mode, needs `nft`): each packet a host sends is dropped with this probability.
         #[arg(long, value_parser = parse_loss)]
         loss: Option<u32>,
+        /// MTU of every emulated link (e.g. 9000 for jumbo frames; emulated mode). QUIC
+        /// daemons then send packets of the matching size (`--quic-path-mtu`) [default: 1500].
+        #[arg(long)]
+        mtu: Option<u32>,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -691,9 +695,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             chunk_size,
             window,
             loss,
+            mtu,
         } => {
             if loss.is_some() && !emulate {
                 anyhow::bail!("--loss needs --emulate (it drops packets in the hosts' namespaces)");
+            }
+            if mtu.is_some() && !emulate {
+                anyhow::bail!("--mtu needs --emulate (it sets the MTU of the hosts' links)");
             }
             let chunk_size = u32::try_from(chunk_size.unwrap_or(0))
                 .map_err(|_| anyhow::anyhow!("--chunk-size is too large"))?;
@@ -720,6 +728,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 chunk_size,
                 window: window.unwrap_or(0),
                 loss_per_10000: loss.unwrap_or(0),
+                mtu,
             };
             let report = scenario::run_chain_bench(&opts).await?;
             let text = serde_json::to_string_pretty(&report)?;

@@ -304,6 +304,35 @@ impl EmulatedNet {
         &self.host_ns[i]
     }
 
+    /// Sets the MTU of every link: each host's `eth0`, its switch port and the bridge (e.g.
+    /// 9000 for a jumbo-frame network).
+    ///
+    /// # Errors
+    ///
+    /// `mtu` is outside 1280..=65535 (IPv6's minimum to a veth's maximum), or an `ip`
+    /// command fails.
+    pub fn set_mtu(&self, mtu: u32) -> anyhow::Result<()> {
+        ensure!(
+            (1280..=65535).contains(&mtu),
+            "an emulated link's MTU is 1280 to 65535 bytes, asked for {mtu}"
+        );
+        let m = mtu.to_string();
+        for (i, h) in self.host_ns.iter().enumerate() {
+            ip(&["-n", h, "link", "set", "eth0", "mtu", &m])?;
+            ip(&[
+                "-n",
+                &self.switch_ns,
+                "link",
+                "set",
+                &format!("p{i}"),
+                "mtu",
+                &m,
+            ])?;
+        }
+        ip(&["-n", &self.switch_ns, "link", "set", "br0", "mtu", &m])?;
+        Ok(())
+    }
+
     /// Name of the switch namespace holding the bridge and the ingress shapers.
     pub fn switch_ns_name(&self) -> &str {
         &self.switch_ns

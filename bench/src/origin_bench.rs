@@ -202,7 +202,7 @@ fn target_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
 }
 
-/// The S3 servers' scripts, shared with `tests/tests/origins.rs`.
+/// The S3 servers' scripts, shared with `tests/tests/cluster/origins.rs`.
 fn support_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/support")
 }

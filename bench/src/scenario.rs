@@ -110,6 +110,10 @@ pub struct ChainBenchOpts {
     pub perf: Option<(Side, PathBuf)>,
     /// Random loss on every host's egress, in packets per 10 000 (emulated mode; 0: none).
     pub loss_per_10000: u32,
+    /// MTU of every emulated link (emulated mode; `None`: 1500). QUIC daemons are told the
+    /// matching UDP payload size (`--quic-path-mtu`, the MTU less 28 bytes of IPv4 and UDP
+    /// headers); TCP finds its segment size from the link itself.
+    pub mtu: Option<u32>,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -199,6 +203,8 @@ pub struct ChainReport {
     pub mode: String,
     /// Random loss on every host's egress, in percent (0: none).
     pub loss_percent: f64,
+    /// MTU of the links (emulated mode; loopback's own otherwise, reported as 1500).
+    pub mtu: u32,
     /// Per-method results.
     pub results: Vec<MethodResult>,
 }
@@ -440,6 +446,7 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         }
         .into(),
         loss_percent: f64::from(opts.loss_per_10000) / 100.0,
+        mtu: opts.mtu.unwrap_or(1500),
         results,
     })
 }
@@ -463,6 +470,11 @@ async fn run_method(
         for i in 0..hosts {
             net.set_loss(i, opts.loss_per_10000)?;
         }
+    }
+    if let Some(mtu) = opts.mtu {
+        net.as_ref()
+            .context("the links' MTU is set in the hosts' namespaces: it needs --emulate")?
+            .set_mtu(mtu)?;
     }
     let scratch = scratch_dir(method.name())?;
     let mut daemons = Vec::new();
@@ -493,6 +505,11 @@ async fn run_method(
         }
         if i == 0 {
             o.extra_args.extend(opts.source_args.iter().cloned());
+        }
+        if let Some(mtu) = opts.mtu {
+            // The UDP payload of a full frame: the MTU less the IPv4 (20) and UDP (8) headers.
+            o.extra_args
+                .extend(["--quic-path-mtu".into(), (mtu - 28).to_string()]);
         }
         if let Some(net) = &net {
             o.data_ip = IpAddr::V4(net.host_ip(i));
@@ -1111,6 +1128,7 @@ pub async fn run_hop_bench(
         source_args: Vec::new(),
         perf: None,
         loss_per_10000: 0,
+        mtu: None,
     };
     let configs: [(&str, bool, &[&str], Method); 4] = [
         ("tls", false, &[], Method::ChainTcp),

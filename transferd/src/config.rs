@@ -22,6 +22,7 @@ use crate::chain::{ChainConfig, parse_fault_list};
 use crate::limits::Limits;
 use crate::origin::OriginAccess;
 use crate::store::{StoreConfig, WriterKind};
+use crate::transport::quic::{MAX_PATH_MTU, MIN_PATH_MTU};
 
 /// Command-line flags; each has an environment fallback and a TOML field of the same name.
 #[derive(Debug, Default, Parser)]
@@ -45,6 +46,13 @@ pub struct Args {
     /// turns it off [default: true].
     #[arg(long, env = "SHARDCAST_QUIC")]
     pub quic: Option<bool>,
+    /// UDP payload size every path between hosts is known to carry (8952 on a 9000-byte
+    /// jumbo-frame network): QUIC sends packets this large from the first one, without
+    /// discovery and without falling back below it. Only where the network guarantees it:
+    /// a larger packet than a path carries is lost, and the connection with it
+    /// [default: none: discovery from 1200 up to 1472 bytes].
+    #[arg(long, env = "SHARDCAST_QUIC_PATH_MTU")]
+    pub quic_path_mtu: Option<u16>,
     /// Agent gRPC listener: `host:port`, or `unix:/path/to.sock` for a local socket
     /// [default: 0.0.0.0:7401].
     #[arg(long, env = "SHARDCAST_AGENT_LISTEN")]
@@ -298,6 +306,7 @@ struct FileConfig {
     host_id: Option<String>,
     listen: Option<SocketAddr>,
     quic: Option<bool>,
+    quic_path_mtu: Option<u16>,
     agent_listen: Option<String>,
     admin_listen: Option<String>,
     tokens_file: Option<PathBuf>,
@@ -413,6 +422,8 @@ pub struct Config {
     pub listen: SocketAddr,
     /// Whether the QUIC listener is bound too (UDP, same address and port as `listen`).
     pub quic: bool,
+    /// The UDP payload size every path is declared to carry (`None`: discovered).
+    pub quic_path_mtu: Option<u16>,
     /// Agent gRPC listener.
     pub agent_listen: ListenAddr,
     /// Admin HTTP listener.
@@ -562,6 +573,13 @@ impl Config {
         };
         let defaults = ChainConfig::default();
         let window = bounded("window", args.window.or(file.window), defaults.window, 4096)?;
+        let quic_path_mtu = match args.quic_path_mtu.or(file.quic_path_mtu) {
+            Some(m) if !(MIN_PATH_MTU..=MAX_PATH_MTU).contains(&m) => bail!(
+                "quic_path_mtu must be between {MIN_PATH_MTU} and {MAX_PATH_MTU} bytes (a UDP \
+                 payload), got {m}"
+            ),
+            m => m,
+        };
         let origin_parallel = bounded(
             "origin_parallel",
             args.origin_parallel.or(file.origin_parallel),
@@ -869,6 +887,7 @@ impl Config {
             host_id,
             listen,
             quic: args.quic.or(file.quic).unwrap_or(true),
+            quic_path_mtu,
             agent_listen,
             admin_listen,
             tokens_file: args.tokens_file.or(file.tokens_file),
@@ -990,6 +1009,21 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("host_id"), "{err}");
+        for bad in [1000, 65528] {
+            let err = Config::load(Args {
+                quic_path_mtu: Some(bad),
+                ..tls_args()
+            })
+            .unwrap_err();
+            assert!(err.to_string().contains("quic_path_mtu"), "{err}");
+        }
+        std::fs::write(&path, "quic_path_mtu = 8952\n").unwrap();
+        let c = Config::load(Args {
+            config: Some(path.clone()),
+            ..tls_args()
+        })
+        .unwrap();
+        assert_eq!(c.quic_path_mtu, Some(8952));
     }
 
     fn tls_args() -> Args {

@@ -73,6 +73,10 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 /// losses of large packets for a black hole and fell back to 1200-byte packets for the rest
 /// of the transfer, and with a short cool-down the large packets were lost 3× as often.
 pub const MTU_CEILING: u16 = 1472;
+/// Smallest `quic_path_mtu` accepted: QUIC's own minimum UDP payload (RFC 9000 §14).
+pub const MIN_PATH_MTU: u16 = 1200;
+/// Largest `quic_path_mtu` accepted: the largest UDP payload QUIC can advertise.
+pub const MAX_PATH_MTU: u16 = 65527;
 /// Socket buffer sizes asked for. Rationale: a window's worth of datagrams can arrive while
 /// the endpoint task is busy; the kernel default (about 208 KiB) drops packets at Gbit/s
 /// rates. The kernel caps the value at `net.core.{r,w}mem_max`; [`Offload`] reports what
@@ -242,7 +246,12 @@ impl std::fmt::Debug for Quic {
 }
 
 /// The transport parameters of every connection (see the constants for the values).
-fn transport_config() -> quinn::TransportConfig {
+/// `path_mtu`: the UDP payload size the operator declares every path carries (jumbo
+/// frames); packets start at that size and never fall below it, and discovery is off. Why
+/// not discover it: on a congested link quinn's black-hole detection takes the losses of
+/// large packets for a black hole and drops to 1200 bytes for the rest of the transfer
+/// (BENCHMARKS, issue #16 step 4), so only a declared size holds jumbo packets under load.
+fn transport_config(path_mtu: Option<u16>) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     t.stream_receive_window(quinn::VarInt::from_u32(STREAM_WINDOW))
         .receive_window(quinn::VarInt::from_u32(CONNECTION_WINDOW))
@@ -253,9 +262,16 @@ fn transport_config() -> quinn::TransportConfig {
         .max_idle_timeout(Some(
             quinn::IdleTimeout::try_from(IDLE_TIMEOUT).expect("5 s is a valid idle timeout"),
         ));
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(MTU_CEILING);
-    t.mtu_discovery_config(Some(mtu));
+    match path_mtu {
+        Some(m) => {
+            t.initial_mtu(m).min_mtu(m).mtu_discovery_config(None);
+        }
+        None => {
+            let mut mtu = quinn::MtuDiscoveryConfig::default();
+            mtu.upper_bound(MTU_CEILING);
+            t.mtu_discovery_config(Some(mtu));
+        }
+    }
     t
 }
 
@@ -283,6 +299,64 @@ fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
     Ok(socket.into())
+}
+
+/// The most UDP payload one `sendmsg` may carry over IPv4 (65535 less the IPv4 and UDP
+/// headers): a GSO batch is one UDP datagram to the kernel until the device cuts it.
+const MAX_GSO_BYTES: usize = 65507;
+
+/// How many datagrams of `payload` bytes one GSO send may carry.
+fn gso_segments_for(payload: u16) -> usize {
+    (MAX_GSO_BYTES / usize::from(payload.max(1))).max(1)
+}
+
+/// quinn's UDP socket with its GSO batches capped at what one `sendmsg` can carry.
+///
+/// Why: quinn batches up to 10 datagrams per send whatever their size, and quinn-udp treats
+/// the kernel's `EMSGSIZE` as an MTU probe's expected failure, so it drops the whole batch
+/// without a word (quinn issue #2201, a fix in PR #2653 not merged). With jumbo packets
+/// (`quic_path_mtu` 8972) a batch of 10 is 89 KB, over the 64 KiB limit: on the emulated
+/// cluster a third of all packets vanished that way (BENCHMARKS, issue #16 step 5). At
+/// quinn's default packet size (1472 bytes, 10 per batch) the cap changes nothing.
+#[derive(Debug)]
+struct GsoCapped {
+    inner: Arc<dyn quinn::AsyncUdpSocket>,
+    max_segments: usize,
+}
+
+impl quinn::AsyncUdpSocket for GsoCapped {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn quinn::UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &quinn::udp::Transmit<'_>) -> std::io::Result<()> {
+        self.inner.try_send(transmit)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        meta: &mut [quinn::udp::RecvMeta],
+    ) -> Poll<std::io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments().min(self.max_segments)
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.inner.may_fragment()
+    }
 }
 
 /// The key of this host's stateless-reset tokens, derived from its private key (BLAKE3 in
@@ -317,7 +391,13 @@ fn peer_identity(conn: &quinn::Connection) -> Result<Identity, String> {
 
 impl Quic {
     /// Binds the endpoint (UDP) on `addr`, serving and dialling with `tls`'s identity.
-    pub fn bind(addr: SocketAddr, tls: Arc<TlsContext>) -> std::io::Result<Arc<Self>> {
+    /// `path_mtu`: the UDP payload size every path is declared to carry (`quic_path_mtu`),
+    /// or `None` to discover it up to [`MTU_CEILING`].
+    pub fn bind(
+        addr: SocketAddr,
+        tls: Arc<TlsContext>,
+        path_mtu: Option<u16>,
+    ) -> std::io::Result<Arc<Self>> {
         let socket = udp_socket(addr)
             .map_err(|e| std::io::Error::new(e.kind(), format!("QUIC listener {addr}: {e}")))?;
         let sref = socket2::SockRef::from(&socket);
@@ -332,19 +412,25 @@ impl Quic {
             recv_buffer,
             send_buffer,
         };
-        let transport = Arc::new(transport_config());
+        let transport = Arc::new(transport_config(path_mtu));
         let mut endpoint_config = quinn::EndpointConfig::new(reset_key(&tls)?);
         // The largest datagram this endpoint accepts, advertised to peers as the
         // `max_udp_payload_size` transport parameter: the same ceiling as MTU discovery's
-        // (a larger discovery bound alone has no effect).
+        // (a larger discovery bound alone has no effect), or the declared path MTU.
+        let max_payload = path_mtu.map_or(MTU_CEILING, |m| m.max(MTU_CEILING));
         endpoint_config
-            .max_udp_payload_size(MTU_CEILING)
+            .max_udp_payload_size(max_payload)
             .map_err(|e| std::io::Error::other(format!("QUIC max UDP payload: {e}")))?;
-        let endpoint = quinn::Endpoint::new(
+        let runtime = Arc::new(quinn::TokioRuntime);
+        let socket = Arc::new(GsoCapped {
+            inner: quinn::Runtime::wrap_udp_socket(&*runtime, socket)?,
+            max_segments: gso_segments_for(max_payload),
+        });
+        let endpoint = quinn::Endpoint::new_with_abstract_socket(
             endpoint_config,
             Some(server_config(&tls, &transport)?),
             socket,
-            Arc::new(quinn::TokioRuntime),
+            runtime,
         )?;
         Ok(Arc::new(Self {
             endpoint,
@@ -687,7 +773,8 @@ mod tests {
         .unwrap()
     }
 
-    /// Echoes the first bytes of every stream the endpoint accepts.
+    /// Echoes the first four bytes of every stream the endpoint accepts; a stream that
+    /// starts with `bulk` is read to its end first.
     fn echo(server: Arc<Quic>) {
         tokio::spawn(async move {
             while let Some(incoming) = server.incoming().await {
@@ -696,10 +783,19 @@ mod tests {
                 };
                 tokio::spawn(async move {
                     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                        let mut buf = [0u8; 4];
-                        if recv.read_exact(&mut buf).await.is_ok() {
+                        tokio::spawn(async move {
+                            let mut buf = [0u8; 4];
+                            if recv.read_exact(&mut buf).await.is_err() {
+                                return;
+                            }
+                            if &buf == b"bulk" {
+                                let mut sink = tokio::io::sink();
+                                if tokio::io::copy(&mut recv, &mut sink).await.is_err() {
+                                    return;
+                                }
+                            }
                             let _ = send.write_all(&buf).await;
-                        }
+                        });
                     }
                 });
             }
@@ -711,9 +807,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let pki = PkiDir::new(dir.path());
         pki.init("test CA", Duration::from_secs(3600)).unwrap();
-        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b")).unwrap();
+        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), None).unwrap();
         echo(server.clone());
-        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a")).unwrap();
+        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), None).unwrap();
         // By name, as a plan may give it: the same connection for both streams.
         let addr = format!("localhost:{}", server.local_addr().unwrap().port());
         let b: HostId = "b".parse().unwrap();
@@ -739,6 +835,68 @@ mod tests {
         match client.connect(&addr, Some(&c)).await {
             Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}"),
             Ok(_) => panic!("host b was taken for host c"),
+        }
+    }
+
+    /// A declared path MTU is used from the first packet (no discovery climbing to it), on
+    /// both sides; undeclared, discovery stops at [`MTU_CEILING`] although loopback carries
+    /// far more.
+    #[test]
+    fn gso_batches_fit_one_sendmsg() {
+        assert_eq!(gso_segments_for(1472), 44);
+        assert_eq!(gso_segments_for(8972), 7);
+        assert!(gso_segments_for(8972) * 8972 <= MAX_GSO_BYTES);
+        assert_eq!(gso_segments_for(65527), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_declared_path_mtu_is_used_at_once_and_discovery_stops_at_the_ceiling() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = PkiDir::new(dir.path());
+        pki.init("test CA", Duration::from_secs(3600)).unwrap();
+        let b: HostId = "b".parse().unwrap();
+        for (declared, want) in [(Some(8952), 8952), (None, u64::from(MTU_CEILING))] {
+            let server =
+                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), declared).unwrap();
+            echo(server.clone());
+            let client =
+                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), declared).unwrap();
+            let addr = server.local_addr().unwrap().to_string();
+            let (mut s, _) = client.connect(&addr, Some(&b)).await.unwrap();
+            s.write_all(b"ping").await.unwrap();
+            let mut back = [0u8; 4];
+            s.read_exact(&mut back).await.unwrap();
+            if declared.is_some() {
+                // At once: no probe has had time to run.
+                assert_eq!(client.stats.conns.totals().max_mtu, want);
+            }
+            // A bulk send in jumbo packets: GSO batches over 64 KiB would be dropped whole
+            // by the kernel (and silently by quinn-udp); capped, next to nothing is lost.
+            let (mut bulk, _) = client.connect(&addr, Some(&b)).await.unwrap();
+            bulk.write_all(b"bulk").await.unwrap();
+            bulk.write_all(&vec![7u8; 2 << 20]).await.unwrap();
+            bulk.shutdown().await.unwrap();
+            let mut back = [0u8; 4];
+            bulk.read_exact(&mut back).await.unwrap();
+            let t = client.stats.conns.totals();
+            assert!(
+                t.lost_packets * 20 < t.tx_datagrams,
+                "{} of {} datagrams lost",
+                t.lost_packets,
+                t.tx_datagrams
+            );
+            // Never above the ceiling or the declared size, however long discovery runs.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while client.stats.conns.totals().max_mtu < want && std::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert_eq!(
+                client.stats.conns.totals().max_mtu,
+                want,
+                "declared {declared:?}"
+            );
         }
     }
 }

@@ -543,7 +543,7 @@ async fn python_handoff_check(d: &Daemon, model: &str) -> String {
 
 /// On a host with a CUDA driver and PyTorch: a whole model and a partition with completion
 /// load onto the real GPUs, and every tensor read back through the CUDA IPC hand-off is
-/// byte-exact. Not run in CI (no GPU): `cargo test -p shardcast-tests --test gpu -- --ignored`.
+/// byte-exact. Not run in CI (no GPU): `cargo test -p shardcast-tests --test cluster -- --ignored gpu::`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA GPU and PyTorch"]
 async fn cuda_loads_are_byte_exact_through_the_ipc_handoff() {

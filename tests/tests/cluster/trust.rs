@@ -124,7 +124,7 @@ async fn quic_hello(
     addr: std::net::SocketAddr,
     host: &str,
 ) -> anyhow::Result<Vec<Frame>> {
-    let quic = transferd::transport::Quic::bind("127.0.0.1:0".parse()?, who)?;
+    let quic = transferd::transport::Quic::bind("127.0.0.1:0".parse()?, who, None)?;
     let (mut s, _) = quic.connect(&addr.to_string(), None).await?;
     send_hello(&mut s, host).await;
     Ok(read_frames(&mut s).await)
@@ -236,7 +236,7 @@ async fn agent_api_answers_each_role_by_the_table() {
     let pki = ClusterPki::shared().unwrap();
     let me = Identity::new(Role::Host, "agent-host").unwrap();
     let paths = rpc_paths(
-        include_str!("../../protocol/proto/agent.proto"),
+        include_str!("../../../protocol/proto/agent.proto"),
         "shardcast.agent.v1",
     );
     assert!(paths.len() >= 10, "{paths:?}");
@@ -295,7 +295,7 @@ async fn controller_api_answers_each_role_by_the_table() {
     .unwrap();
     let pki = ClusterPki::shared().unwrap();
     let paths = rpc_paths(
-        include_str!("../../protocol/proto/controller.proto"),
+        include_str!("../../../protocol/proto/controller.proto"),
         "shardcast.controller.v1",
     );
     for role in Role::ALL {
