@@ -112,7 +112,8 @@ pub struct ChainBenchOpts {
     pub loss_per_10000: u32,
     /// MTU of every emulated link (emulated mode; `None`: 1500). QUIC daemons are told the
     /// matching UDP payload size (`--quic-path-mtu`, the MTU less 28 bytes of IPv4 and UDP
-    /// headers); TCP finds its segment size from the link itself.
+    /// headers); TCP finds its segment size from the link itself. On loopback, whose MTU is
+    /// 65536 already, only the QUIC daemons' packet size changes.
     pub mtu: Option<u32>,
     /// Show progress bars.
     pub progress: bool,
@@ -471,10 +472,9 @@ async fn run_method(
             net.set_loss(i, opts.loss_per_10000)?;
         }
     }
-    if let Some(mtu) = opts.mtu {
-        net.as_ref()
-            .context("the links' MTU is set in the hosts' namespaces: it needs --emulate")?
-            .set_mtu(mtu)?;
+    // On loopback (MTU 65536) only QUIC's declared packet size changes.
+    if let (Some(mtu), Some(net)) = (opts.mtu, &net) {
+        net.set_mtu(mtu)?;
     }
     let scratch = scratch_dir(method.name())?;
     let mut daemons = Vec::new();
@@ -864,7 +864,8 @@ pub fn write_json<T: Serialize>(path: &PathBuf, value: &T) -> anyhow::Result<()>
 pub struct HopRun {
     /// What ran: `tls` (the production configuration), `tls-no-reverify` (the source
     /// trusts its chunks for a day, so nothing is re-hashed on the serve path),
-    /// `plaintext` (`insecure_plaintext`) or `quic` (the hop over QUIC).
+    /// `plaintext` (`insecure_plaintext`), `quic` (the hop over QUIC) or `quic-jumbo` (QUIC in
+    /// 8972-byte packets, `--quic-path-mtu`, as on a jumbo-frame network).
     pub config: String,
     /// Bytes/s through the hop.
     pub bytes_per_s: f64,
@@ -1130,16 +1131,22 @@ pub async fn run_hop_bench(
         loss_per_10000: 0,
         mtu: None,
     };
-    let configs: [(&str, bool, &[&str], Method); 4] = [
-        ("tls", false, &[], Method::ChainTcp),
+    // (name, plaintext, source-only arguments, transport, frame MTU the QUIC daemons are
+    // told: `quic-jumbo` sends 8972-byte packets, as on a 9000-byte jumbo-frame network;
+    // loopback carries them.)
+    type HopConfig<'a> = (&'a str, bool, &'a [&'a str], Method, Option<u32>);
+    let configs: [HopConfig<'_>; 5] = [
+        ("tls", false, &[], Method::ChainTcp, None),
         (
             "tls-no-reverify",
             false,
             &["--reverify-after-ms", "86400000"],
             Method::ChainTcp,
+            None,
         ),
-        ("plaintext", true, &[], Method::ChainTcp),
-        ("quic", false, &[], Method::ChainQuic),
+        ("plaintext", true, &[], Method::ChainTcp, None),
+        ("quic", false, &[], Method::ChainQuic, None),
+        ("quic-jumbo", false, &[], Method::ChainQuic, Some(9000)),
     ];
     // A warm-up run of the first configuration, not reported but its rate: the first
     // transfer after start-up pays for memory the guest has not touched lately (on the VM
@@ -1152,9 +1159,10 @@ pub async fn run_hop_bench(
         .first()
         .map(|r| warm.bytes as f64 / r.completion_s);
     let mut runs = Vec::new();
-    for (config, plaintext, args, method) in configs {
+    for (config, plaintext, args, method, mtu) in configs {
         opts.plaintext = plaintext;
         opts.methods = vec![method];
+        opts.mtu = mtu;
         opts.source_args = args.iter().map(|a| a.to_string()).collect();
         let report = run_chain_bench(&opts).await?;
         let r = report.results.first().context("no result")?;
@@ -1181,6 +1189,7 @@ pub async fn run_hop_bench(
         opts.plaintext = false;
         opts.methods = vec![profile_method];
         opts.source_args = Vec::new();
+        opts.mtu = None;
         opts.perf = Some((profile_side, data.clone()));
         let report = run_chain_bench(&opts).await?;
         let r = report.results.first().context("no result")?;
