@@ -226,6 +226,11 @@ enum Cmd {
         /// daemons then send packets of the matching size (`--quic-path-mtu`) [default: 1500].
         #[arg(long)]
         mtu: Option<u32>,
+        /// Run the first method once before the measured runs, not counted: the first
+        /// transfer after an earlier run's daemons left is slower on a VM whose guest memory
+        /// went cold.
+        #[arg(long)]
+        warm_up: bool,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -696,6 +701,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             window,
             loss,
             mtu,
+            warm_up,
         } => {
             if loss.is_some() && !emulate {
                 anyhow::bail!("--loss needs --emulate (it drops packets in the hosts' namespaces)");
@@ -729,6 +735,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 window: window.unwrap_or(0),
                 loss_per_10000: loss.unwrap_or(0),
                 mtu,
+                warm_up,
             };
             let report = scenario::run_chain_bench(&opts).await?;
             let text = serde_json::to_string_pretty(&report)?;

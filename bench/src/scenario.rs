@@ -115,6 +115,11 @@ pub struct ChainBenchOpts {
     /// headers); TCP finds its segment size from the link itself. On loopback, whose MTU is
     /// 65536 already, only the QUIC daemons' packet size changes.
     pub mtu: Option<u32>,
+    /// Run the first method once before the measured runs and report only its time
+    /// (`warm_up_s`): the first transfer after daemons of an earlier run left pays for
+    /// memory the VM's guest has not touched lately, which would count against the first
+    /// method only (on the 2-vCPU VM measured: TCP 11–12 s instead of 6.3–8.8 s).
+    pub warm_up: bool,
     /// Show progress bars.
     pub progress: bool,
 }
@@ -206,6 +211,8 @@ pub struct ChainReport {
     pub loss_percent: f64,
     /// MTU of the links (emulated mode; loopback's own otherwise, reported as 1500).
     pub mtu: u32,
+    /// Time of the warm-up run of the first method, not counted (`None`: none ran).
+    pub warm_up_s: Option<f64>,
     /// Per-method results.
     pub results: Vec<MethodResult>,
 }
@@ -411,6 +418,18 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         .context("origin dir")?;
     let model = make_model(origin_dir.path(), opts.size, opts.shards)?;
     let origin_uri = format!("file://{}", origin_dir.path().display());
+    let warm_up_s = match opts.methods.first() {
+        Some(&first) if opts.warm_up => {
+            let r = run_method(opts, first, &origin_uri, model.total_bytes)
+                .await
+                .with_context(|| format!("warm-up run of {}", first.name()))?;
+            if opts.progress {
+                eprintln!("   warm-up: {:.2} s (not counted)", r.completion_s);
+            }
+            Some(r.completion_s)
+        }
+        _ => None,
+    };
     let mut results = Vec::new();
     for &method in &opts.methods {
         let r = run_method(opts, method, &origin_uri, model.total_bytes)
@@ -448,6 +467,7 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         .into(),
         loss_percent: f64::from(opts.loss_per_10000) / 100.0,
         mtu: opts.mtu.unwrap_or(1500),
+        warm_up_s,
         results,
     })
 }
@@ -1130,6 +1150,8 @@ pub async fn run_hop_bench(
         perf: None,
         loss_per_10000: 0,
         mtu: None,
+        // The hop's own warm-up below (one TLS run whose rate it reports).
+        warm_up: false,
     };
     // (name, plaintext, source-only arguments, transport, frame MTU the QUIC daemons are
     // told: `quic-jumbo` sends 8972-byte packets, as on a 9000-byte jumbo-frame network;

@@ -442,3 +442,42 @@ async fn a_plaintext_chain_sends_chunks_from_the_store_files_by_sendfile() {
         0
     );
 }
+
+/// The chain benchmark on loopback with a warm-up run (`bench chain --warm-up`): the
+/// warm-up's time is reported apart, every measured method still runs and verifies, and the
+/// links' MTU (an emulated-network setting) is left alone on loopback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chain_bench_reports_its_warm_up_apart_from_the_measured_runs() {
+    use shardcast_bench::scenario::{ChainBenchOpts, Method, NetMode, run_chain_bench};
+    let opts = ChainBenchOpts {
+        plaintext: false,
+        source_args: Vec::new(),
+        perf: None,
+        loss_per_10000: 0,
+        mode: NetMode::Local,
+        receivers: 2,
+        size: 8 * MIB,
+        shards: 1,
+        rate: None,
+        methods: vec![Method::ChainTcp, Method::ChainQuic],
+        timeout: Duration::from_secs(60),
+        progress: false,
+        chunk_size: 0,
+        window: 0,
+        mtu: Some(9000),
+        warm_up: true,
+    };
+    let report = run_chain_bench(&opts).await.unwrap();
+    assert!(
+        report.warm_up_s.is_some_and(|s| s > 0.0),
+        "{:?}",
+        report.warm_up_s
+    );
+    assert_eq!(report.results.len(), 2);
+    for r in &report.results {
+        assert!(r.verified, "{} copies must be byte-exact", r.method);
+    }
+    // On loopback the QUIC daemons were told the jumbo packet size, and used it.
+    let quic = report.results[1].quic.as_ref().expect("QUIC figures");
+    assert_eq!(quic.max_path_mtu, 8972);
+}

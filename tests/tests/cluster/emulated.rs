@@ -30,6 +30,7 @@ fn emulated(
         chunk_size: 0,
         window: 0,
         mtu: None,
+        warm_up: false,
     }
 }
 
