@@ -421,6 +421,12 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
                 count(&qs.refused),
             ),
             (
+                "quic_path_mtu_refused_total",
+                "counter",
+                "QUIC dials and incoming connections refused because this host's route to the peer carries less than quic_path_mtu.",
+                count(&qs.path_mtu_refused),
+            ),
+            (
                 "quic_connections_reused_total",
                 "counter",
                 "Sessions that opened their stream on a connection already held.",

@@ -7,7 +7,7 @@ use std::time::Duration;
 use shardcast_bench::cluster::DaemonOpts;
 use shardcast_protocol::HopTransport;
 use shardcast_protocol::agent::{ImportModelRequest, StartChainRequest, Tier};
-use shardcast_tests::TestCluster;
+use shardcast_tests::{TestCluster, metric};
 
 const MIB: u64 = 1 << 20;
 
@@ -480,4 +480,41 @@ async fn chain_bench_reports_its_warm_up_apart_from_the_measured_runs() {
     // On loopback the QUIC daemons were told the jumbo packet size, and used it.
     let quic = report.results[1].quic.as_ref().expect("QUIC figures");
     assert_eq!(quic.max_path_mtu, 8972);
+}
+
+/// A QUIC path MTU declared larger than this host's route to its peer carries (65527 bytes
+/// of UDP payload over loopback, whose route MTU the kernel gives as 65535): the source refuses to dial the hop, logs
+/// why with both figures and counts it, instead of sending packets the kernel refuses with
+/// `EMSGSIZE` and quinn drops without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_path_mtu_above_the_route_is_refused_with_the_reason() {
+    let mut c = TestCluster::start(1, 4 * MIB, 1, |i, o| {
+        if i == 0 {
+            o.extra_args
+                .extend(["--quic-path-mtu".into(), "65527".into()]);
+        }
+    })
+    .await
+    .unwrap();
+    c.transport = HopTransport::Quic;
+    let (digest, _) = c.import_on_source().await.unwrap();
+    // Refused when StartChain dials, or by the session right after: either way, said.
+    let _ = c.start_chain(0, &digest, &[1], "").await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while metric(&c.daemons[0], "quic_path_mtu_refused_total").await == 0
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(metric(&c.daemons[0], "quic_path_mtu_refused_total").await >= 1);
+    let log = std::fs::read_to_string(&c.daemons[0].log).unwrap();
+    assert!(
+        log.contains("quic_path_mtu 65527 needs an MTU of 65555 bytes")
+            && log.contains("has 65535: lower quic_path_mtu to 65507"),
+        "{log}"
+    );
+    assert_eq!(
+        metric(&c.daemons[1], "quic_connections_accepted_total").await,
+        0
+    );
 }

@@ -114,6 +114,9 @@ pub struct QuicStats {
     pub streams_accepted: AtomicU64,
     /// Dialled connections reused for a new stream.
     pub reused: AtomicU64,
+    /// Dials and incoming connections refused because this host's route to the peer
+    /// carries less than the declared `quic_path_mtu`.
+    pub path_mtu_refused: AtomicU64,
     /// What quinn counts on this host's connections, live and closed.
     pub conns: Arc<ConnTotals>,
 }
@@ -210,6 +213,9 @@ pub enum QuicAcceptError {
     /// The peer's certificate holds no usable identity, or not a host's.
     #[error("peer certificate: {0}")]
     Identity(String),
+    /// This host's route to the peer carries less than the declared `quic_path_mtu`.
+    #[error("{0}")]
+    PathMtu(String),
 }
 
 /// A connection slot: dials to one (address, host) are serialised, so sessions that start
@@ -228,6 +234,8 @@ pub struct Quic {
     endpoint: quinn::Endpoint,
     tls: Arc<TlsContext>,
     transport: Arc<quinn::TransportConfig>,
+    /// The declared path MTU (`quic_path_mtu`), checked against the route to each peer.
+    path_mtu: Option<u16>,
     /// Held connections by the address as plans name it (`host:port`, a name or an IP)
     /// and the host expected there.
     conns: Mutex<Conns>,
@@ -299,6 +307,53 @@ fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
     Ok(socket.into())
+}
+
+/// Checks that this host's route to `peer` carries datagrams of `declared` bytes of UDP
+/// payload (`quic_path_mtu`), as the kernel knows it (`IP_MTU` of a socket connected to the
+/// peer: the interface's or route's MTU, or a smaller path MTU it has learnt). Why: with
+/// the path MTU declared, discovery is off, and a packet larger than the route carries is
+/// refused by the kernel with `EMSGSIZE`, which quinn-udp swallows; the connection would hang
+/// until its idle timeout with nothing said. Paths beyond this host's first hop are the
+/// operator's promise.
+///
+/// # Errors
+///
+/// The route's MTU is too small (the message says both figures), or the kernel could not
+/// say (no route).
+fn check_route_mtu(peer: SocketAddr, declared: u16) -> std::io::Result<()> {
+    let local: SocketAddr = if peer.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let probe = std::net::UdpSocket::bind(local)?;
+    probe.connect(peer)?;
+    let (route, headers) = if peer.is_ipv4() {
+        (rustix::net::sockopt::ip_mtu(&probe)?, 28)
+    } else {
+        (rustix::net::sockopt::ipv6_mtu(&probe)?, 48)
+    };
+    path_mtu_fits(peer, declared, route, headers).map_err(std::io::Error::other)
+}
+
+/// Whether a route of `route_mtu` bytes carries `declared` bytes of UDP payload after
+/// `headers` bytes of IP and UDP headers; the refusal says what to change.
+fn path_mtu_fits(
+    peer: SocketAddr,
+    declared: u16,
+    route_mtu: u32,
+    headers: u32,
+) -> Result<(), String> {
+    let needed = u32::from(declared) + headers;
+    if route_mtu >= needed {
+        return Ok(());
+    }
+    Err(format!(
+        "quic_path_mtu {declared} needs an MTU of {needed} bytes toward {peer}, but this \
+         host's route to it has {route_mtu}: lower quic_path_mtu to {} or raise the link's MTU",
+        route_mtu.saturating_sub(headers)
+    ))
 }
 
 /// The most UDP payload one `sendmsg` may carry over IPv4 (65535 less the IPv4 and UDP
@@ -436,6 +491,7 @@ impl Quic {
             endpoint,
             tls,
             transport,
+            path_mtu,
             conns: Mutex::new(Conns {
                 slots: HashMap::new(),
                 swept: std::time::Instant::now(),
@@ -546,6 +602,16 @@ impl Quic {
         expect: Option<&HostId>,
     ) -> std::io::Result<(quinn::Connection, Identity)> {
         let target = resolve(addr).await?;
+        if let Some(m) = self.path_mtu
+            && let Err(e) = check_route_mtu(target, m)
+        {
+            self.stats.path_mtu_refused.fetch_add(1, Ordering::Relaxed);
+            warn!(%addr, "QUIC dial refused: {e}");
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{addr}: {e}"),
+            ));
+        }
         let crypto = QuicClientConfig::try_from(self.tls.client_config(Alpn::Data))
             .map_err(|e| std::io::Error::other(format!("QUIC client TLS configuration: {e}")))?;
         let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
@@ -620,6 +686,13 @@ impl Quic {
         incoming: quinn::Incoming,
         limit: Duration,
     ) -> Result<(quinn::Connection, Identity), QuicAcceptError> {
+        if let Some(m) = self.path_mtu
+            && let Err(e) = check_route_mtu(incoming.remote_address(), m)
+        {
+            self.stats.path_mtu_refused.fetch_add(1, Ordering::Relaxed);
+            incoming.refuse();
+            return Err(QuicAcceptError::PathMtu(e.to_string()));
+        }
         let result = async {
             let connecting = incoming.accept()?;
             let conn = tokio::time::timeout(limit, connecting)
@@ -841,6 +914,23 @@ mod tests {
     /// A declared path MTU is used from the first packet (no discovery climbing to it), on
     /// both sides; undeclared, discovery stops at [`MTU_CEILING`] although loopback carries
     /// far more.
+    #[test]
+    fn a_declared_path_mtu_must_fit_the_route_to_the_peer() {
+        let peer: SocketAddr = "10.0.0.2:7400".parse().unwrap();
+        assert!(path_mtu_fits(peer, 8972, 9000, 28).is_ok());
+        assert!(path_mtu_fits(peer, 1472, 1500, 28).is_ok());
+        let e = path_mtu_fits(peer, 8972, 1500, 28).unwrap_err();
+        assert!(e.contains("quic_path_mtu 8972 needs an MTU of 9000 bytes toward 10.0.0.2:7400"));
+        assert!(e.contains("has 1500: lower quic_path_mtu to 1472"), "{e}");
+        let v6: SocketAddr = "[fd00::2]:7400".parse().unwrap();
+        assert!(path_mtu_fits(v6, 8952, 9000, 48).is_ok());
+        assert!(path_mtu_fits(v6, 8972, 9000, 48).is_err());
+        // Loopback's route, as the kernel reports it (65535 through IP_MTU), carries jumbo packets.
+        check_route_mtu("127.0.0.1:7400".parse().unwrap(), 8972).unwrap();
+        let e = check_route_mtu("127.0.0.1:7400".parse().unwrap(), 65527).unwrap_err();
+        assert!(e.to_string().contains("quic_path_mtu 65527"), "{e}");
+    }
+
     #[test]
     fn gso_batches_fit_one_sendmsg() {
         assert_eq!(gso_segments_for(1472), 44);
