@@ -527,9 +527,11 @@ async fn run_method(
             o.extra_args.extend(opts.source_args.iter().cloned());
         }
         if let Some(mtu) = opts.mtu {
-            // The UDP payload of a full frame: the MTU less the IPv4 (20) and UDP (8) headers.
+            // The UDP payload of a full frame (transferd refuses one below QUIC's minimum).
+            let payload =
+                mtu.saturating_sub(u32::from(transferd::transport::quic::IPV4_UDP_HEADERS));
             o.extra_args
-                .extend(["--quic-path-mtu".into(), (mtu - 28).to_string()]);
+                .extend(["--quic-path-mtu".into(), payload.to_string()]);
         }
         if let Some(net) = &net {
             o.data_ip = IpAddr::V4(net.host_ip(i));
@@ -1150,7 +1152,6 @@ pub async fn run_hop_bench(
         perf: None,
         loss_per_10000: 0,
         mtu: None,
-        // The hop's own warm-up below (one TLS run whose rate it reports).
         warm_up: false,
     };
     // (name, plaintext, source-only arguments, transport, frame MTU the QUIC daemons are
@@ -1170,23 +1171,22 @@ pub async fn run_hop_bench(
         ("quic", false, &[], Method::ChainQuic, None),
         ("quic-jumbo", false, &[], Method::ChainQuic, Some(9000)),
     ];
-    // A warm-up run of the first configuration, not reported but its rate: the first
-    // transfer after start-up pays for memory the guest has not touched lately (on the VM
-    // measured, 2× slower than the same build's next run), which would count against the
-    // first configuration only.
-    opts.methods = vec![Method::ChainTcp];
-    let warm = run_chain_bench(&opts).await?;
-    let warm_up_bytes_per_s = warm
-        .results
-        .first()
-        .map(|r| warm.bytes as f64 / r.completion_s);
+    // The first configuration runs once more before it is measured (`warm_up`), not
+    // reported but its rate: the first transfer after start-up pays for memory the guest
+    // has not touched lately (on the VM measured, 2× slower than the same build's next
+    // run), which would count against the first configuration only.
+    let mut warm_up_bytes_per_s = None;
     let mut runs = Vec::new();
-    for (config, plaintext, args, method, mtu) in configs {
+    for (i, (config, plaintext, args, method, mtu)) in configs.into_iter().enumerate() {
         opts.plaintext = plaintext;
         opts.methods = vec![method];
         opts.mtu = mtu;
+        opts.warm_up = i == 0;
         opts.source_args = args.iter().map(|a| a.to_string()).collect();
         let report = run_chain_bench(&opts).await?;
+        if let Some(s) = report.warm_up_s {
+            warm_up_bytes_per_s = Some(report.bytes as f64 / s);
+        }
         let r = report.results.first().context("no result")?;
         if !r.verified {
             bail!("the receiver's copy did not verify ({config})");
@@ -1212,6 +1212,7 @@ pub async fn run_hop_bench(
         opts.methods = vec![profile_method];
         opts.source_args = Vec::new();
         opts.mtu = None;
+        opts.warm_up = false;
         opts.perf = Some((profile_side, data.clone()));
         let report = run_chain_bench(&opts).await?;
         let r = report.results.first().context("no result")?;

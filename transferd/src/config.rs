@@ -46,8 +46,8 @@ pub struct Args {
     /// turns it off [default: true].
     #[arg(long, env = "SHARDCAST_QUIC")]
     pub quic: Option<bool>,
-    /// UDP payload size every path between hosts is known to carry (8952 on a 9000-byte
-    /// jumbo-frame network): QUIC sends packets this large from the first one, without
+    /// UDP payload size every path between hosts is known to carry (8972 on an IPv4 network
+    /// with 9000-byte jumbo frames, 8952 over IPv6): QUIC sends packets this large from the first one, without
     /// discovery and without falling back below it. Only where the network guarantees it:
     /// a larger packet than a path carries is lost, and the connection with it
     /// [default: none: discovery from 1200 up to 1472 bytes].

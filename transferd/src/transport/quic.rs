@@ -73,6 +73,10 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 /// losses of large packets for a black hole and fell back to 1200-byte packets for the rest
 /// of the transfer, and with a short cool-down the large packets were lost 3× as often.
 pub const MTU_CEILING: u16 = 1472;
+/// Bytes of an IPv4 frame's MTU that are headers, not UDP payload (IPv4 20 + UDP 8).
+pub const IPV4_UDP_HEADERS: u16 = 28;
+/// The same over IPv6 (IPv6 40 + UDP 8).
+pub const IPV6_UDP_HEADERS: u16 = 48;
 /// Smallest `quic_path_mtu` accepted: QUIC's own minimum UDP payload (RFC 9000 §14).
 pub const MIN_PATH_MTU: u16 = 1200;
 /// Largest `quic_path_mtu` accepted: the largest UDP payload QUIC can advertise.
@@ -330,11 +334,11 @@ fn check_route_mtu(peer: SocketAddr, declared: u16) -> std::io::Result<()> {
     let probe = std::net::UdpSocket::bind(local)?;
     probe.connect(peer)?;
     let (route, headers) = if peer.is_ipv4() {
-        (rustix::net::sockopt::ip_mtu(&probe)?, 28)
+        (rustix::net::sockopt::ip_mtu(&probe)?, IPV4_UDP_HEADERS)
     } else {
-        (rustix::net::sockopt::ipv6_mtu(&probe)?, 48)
+        (rustix::net::sockopt::ipv6_mtu(&probe)?, IPV6_UDP_HEADERS)
     };
-    path_mtu_fits(peer, declared, route, headers).map_err(std::io::Error::other)
+    path_mtu_fits(peer, declared, route, u32::from(headers)).map_err(std::io::Error::other)
 }
 
 /// Whether a route of `route_mtu` bytes carries `declared` bytes of UDP payload after
