@@ -720,15 +720,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 prepare_emulation()?;
             }
             let opts = ChainBenchOpts {
-                plaintext: false,
-                source_args: Vec::new(),
-                perf: None,
-                mode,
-                receivers,
-                size,
                 shards,
                 rate: parse_rate(&rate).map_err(anyhow::Error::msg)?,
-                methods,
                 timeout: Duration::from_secs(timeout_s),
                 progress: true,
                 chunk_size,
@@ -736,6 +729,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 loss_per_10000: loss.unwrap_or(0),
                 mtu,
                 warm_up,
+                ..ChainBenchOpts::new(mode, receivers, size, methods)
             };
             let report = scenario::run_chain_bench(&opts).await?;
             let text = serde_json::to_string_pretty(&report)?;

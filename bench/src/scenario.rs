@@ -124,6 +124,33 @@ pub struct ChainBenchOpts {
     pub progress: bool,
 }
 
+impl ChainBenchOpts {
+    /// `methods` moving `size` bytes in one shard to `receivers` hosts over `mode`, with
+    /// transferd's defaults for everything else: TLS, the default chunk size and window, no
+    /// loss, standard frames, no warm-up, no profile, no progress bars, 600 s per method.
+    /// Callers change what they measure with struct update syntax.
+    pub fn new(mode: NetMode, receivers: usize, size: u64, methods: Vec<Method>) -> Self {
+        Self {
+            mode,
+            receivers,
+            size,
+            shards: 1,
+            rate: None,
+            methods,
+            timeout: Duration::from_secs(600),
+            chunk_size: 0,
+            window: 0,
+            plaintext: false,
+            source_args: Vec::new(),
+            perf: None,
+            loss_per_10000: 0,
+            mtu: None,
+            warm_up: false,
+            progress: false,
+        }
+    }
+}
+
 /// One method's outcome.
 #[derive(Debug, Clone, Serialize)]
 pub struct MethodResult {
@@ -1137,22 +1164,9 @@ pub async fn run_hop_bench(
 ) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
     let mut opts = ChainBenchOpts {
-        mode: NetMode::Local,
-        receivers: 1,
-        size,
         shards,
-        rate: None,
-        methods: vec![Method::ChainTcp],
-        timeout: Duration::from_secs(600),
         progress,
-        chunk_size: 0,
-        window: 0,
-        plaintext: false,
-        source_args: Vec::new(),
-        perf: None,
-        loss_per_10000: 0,
-        mtu: None,
-        warm_up: false,
+        ..ChainBenchOpts::new(NetMode::Local, 1, size, vec![Method::ChainTcp])
     };
     // (name, plaintext, source-only arguments, transport, frame MTU the QUIC daemons are
     // told: `quic-jumbo` sends 8972-byte packets, as on a 9000-byte jumbo-frame network;

@@ -450,22 +450,15 @@ async fn a_plaintext_chain_sends_chunks_from_the_store_files_by_sendfile() {
 async fn chain_bench_reports_its_warm_up_apart_from_the_measured_runs() {
     use shardcast_bench::scenario::{ChainBenchOpts, Method, NetMode, run_chain_bench};
     let opts = ChainBenchOpts {
-        plaintext: false,
-        source_args: Vec::new(),
-        perf: None,
-        loss_per_10000: 0,
-        mode: NetMode::Local,
-        receivers: 2,
-        size: 8 * MIB,
-        shards: 1,
-        rate: None,
-        methods: vec![Method::ChainTcp, Method::ChainQuic],
         timeout: Duration::from_secs(60),
-        progress: false,
-        chunk_size: 0,
-        window: 0,
         mtu: Some(9000),
         warm_up: true,
+        ..ChainBenchOpts::new(
+            NetMode::Local,
+            2,
+            8 * MIB,
+            vec![Method::ChainTcp, Method::ChainQuic],
+        )
     };
     let report = run_chain_bench(&opts).await.unwrap();
     assert!(

@@ -15,22 +15,11 @@ fn emulated(
     loss_per_10000: u32,
 ) -> ChainBenchOpts {
     ChainBenchOpts {
-        plaintext: false,
-        source_args: Vec::new(),
-        perf: None,
         loss_per_10000,
-        mode: NetMode::Emulate,
-        receivers,
-        size,
         shards: 2,
         rate: Some(200_000_000 / 8),
-        methods,
         timeout: Duration::from_secs(120),
-        progress: false,
-        chunk_size: 0,
-        window: 0,
-        mtu: None,
-        warm_up: false,
+        ..ChainBenchOpts::new(NetMode::Emulate, receivers, size, methods)
     }
 }
 
