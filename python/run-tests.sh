@@ -4,6 +4,8 @@
 #   python/run-tests.sh                 # everything (GPU tests skip without PyTorch + CUDA)
 #   python/run-tests.sh -k safe_open    # arguments go to pytest
 #   SHARDCAST_TEST_TORCH=1 python/run-tests.sh   # also install PyTorch (large) for the torch tests
+#   SHARDCAST_TEST_VLLM=1 python/run-tests.sh    # also install vLLM (with PyTorch: ~9 GB, minutes)
+#                                                # for the tests that load through vLLM itself (CPU)
 #
 # Needs Rust (cargo) and python3. Creates python/.venv, installs ./python[test] into it
 # (numpy, safetensors, pytest), builds the Rust binaries (a no-op when they are fresh) and runs pytest. On a host without internet but with numpy, safetensors,
@@ -34,6 +36,10 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q "$ROOT/python[test]"
 if [ "${SHARDCAST_TEST_TORCH:-0}" = 1 ]; then
     "$PY" -m pip install -q torch
+fi
+if [ "${SHARDCAST_TEST_VLLM:-0}" = 1 ]; then
+    echo "installing vLLM into $VENV (about 9 GB with PyTorch; once)" >&2
+    "$PY" -m pip install -q vllm
 fi
 
 # The same feature set as the Rust test harness builds the daemons with (workspace, tests),

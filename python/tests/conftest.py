@@ -51,16 +51,26 @@ def cuda_available():
     return bool(torch is not None and torch.cuda.is_available())
 
 
+def vllm_available():
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs PyTorch with CUDA and a CUDA GPU")
     skip_torch = pytest.mark.skip(reason="needs PyTorch (pip install torch)")
+    skip_vllm = pytest.mark.skip(reason="needs vLLM (SHARDCAST_TEST_VLLM=1 python/run-tests.sh)")
     has_torch = torch_or_none() is not None
     has_cuda = cuda_available()
+    has_vllm = vllm_available()
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
         if "torch" in item.keywords and not has_torch:
             item.add_marker(skip_torch)
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(skip_vllm)
 
 
 # -- the model ---------------------------------------------------------------------------------

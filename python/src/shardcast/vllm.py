@@ -107,8 +107,7 @@ def make_loader_class(base):
             name = _model_name(self._cfg, model_config)
             agent = _agent(self._cfg)
             h = agent.wait_ready(name, timeout=float(self._cfg.get("wait_s", 600)))
-            framework = self._cfg.get("framework", "pt")  # "numpy" only for tests without PyTorch
-            loaded = model.load_weights(weights_iterator(name, agent=agent, handoff=h, framework=framework))
+            loaded = model.load_weights(weights_iterator(name, agent=agent, handoff=h))
             if loaded is not None:
                 missing = {n for n, _ in model.named_parameters()} - set(loaded)
                 if missing:
