@@ -74,16 +74,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+def vllm_argv(model_dir, load_format, extra, reference_dir, port, tp=1, rank=0):
+    return [sys.executable, str(SCRIPT), str(model_dir), load_format, json.dumps(extra), str(reference_dir),
+            str(port), str(tp), str(rank)]
+
+
+VLLM_ENV = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING")
+
+
+def result(returncode, stdout, stderr):
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert returncode == 0 and lines, f"vLLM load failed ({returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return json.loads(lines[-1])
+
+
 def vllm_load(model_dir, load_format, extra, reference_dir, tmp_path):
     """vLLM's load of ``model_dir`` with ``load_format``, against its safetensors load of
     ``reference_dir`` (support/vllm_load.py, in a process of its own)."""
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING")
-    argv = [sys.executable, str(SCRIPT), str(model_dir), load_format, json.dumps(extra), str(reference_dir),
-            str(free_port())]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    assert r.returncode == 0 and lines, f"vLLM load failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return json.loads(lines[-1])
+    argv = vllm_argv(model_dir, load_format, extra, reference_dir, free_port())
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=VLLM_ENV, cwd=tmp_path)
+    return result(r.returncode, r.stdout, r.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +149,34 @@ def test_vllm_with_an_unknown_model_fails_with_shardcasts_error(cluster, llama, 
     out = vllm_load(config_dir, "shardcast", extra, config_dir, tmp_path)
     assert out["loader"] == "ShardcastModelLoader", out
     assert out.get("error", "").startswith("shardcast.errors.UnknownModel"), out
+
+
+def test_vllm_tensor_parallel_ranks_each_load_their_part_through_shardcast(cluster, llama, tmp_path):
+    """Two tensor-parallel ranks (one process each, a gloo group on loopback): each takes the
+    hand-off's views and vLLM's weight loaders narrow them to the rank's part."""
+    original, config_dir = llama
+    extra = {"model": VLLM_MODEL, "admin": cluster.daemons["host-2"].admin, "wait_s": 30}
+    port = free_port()
+    procs = [subprocess.Popen(vllm_argv(config_dir, "shardcast", extra, original, port, tp=2, rank=r),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=VLLM_ENV, cwd=tmp_path)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            outs.append(result(p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    config = json.loads((config_dir / "config.json").read_text())
+    for rank, out in enumerate(outs):
+        assert out.get("error") is None, (rank, out)
+        assert out["loader"] == "ShardcastModelLoader", out
+        assert out["differ"] == [], (rank, out)
+        # Each rank holds half of the sharded parameters.
+        assert out["shapes"]["model.layers.0.self_attn.o_proj.weight"] == [config["hidden_size"],
+                                                                           config["hidden_size"] // 2], out["shapes"]
+        assert out["shapes"]["model.layers.0.mlp.down_proj.weight"] == [config["hidden_size"],
+                                                                        config["intermediate_size"] // 2]
