@@ -37,7 +37,8 @@ pub struct ScalingView {
     pub replicas: u32,
     /// Load time: the last finished plan that moved the model, else an estimate.
     pub load_time_s: f64,
-    /// Live hosts holding it in the tier, sorted by id.
+    /// Live hosts holding it in the tier, oldest replica first (by the latest plan that
+    /// made the host a receiver; hosts no stored plan names first), then by id.
     pub holders: Vec<String>,
 }
 
@@ -214,8 +215,8 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                 remove_full,
             } => {
                 let remove = remove_full.saturating_add(remove_partitioned) as usize;
-                // The most recently added hosts go first (highest id as a stand-in), never
-                // below one copy in the cluster.
+                // The most recently added replicas go first (`holders` is oldest first),
+                // never below one copy in the cluster.
                 let mut victims: Vec<String> = holders.into_iter().rev().take(remove).collect();
                 if victims.len() >= replicas as usize && replicas > 0 {
                     victims.pop();

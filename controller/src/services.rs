@@ -11,6 +11,7 @@
 //! The core knows none of them: the traits are implemented here, over the core's state.
 //! Both front ends (`crate::grpc`, `crate::http`) serve a [`Services`].
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use shardcast_placement::Tier;
@@ -31,7 +32,7 @@ use crate::error::{
 };
 use crate::events::EventLog;
 use crate::inventory::DataTier;
-use crate::plan::{Accepted, PlanState};
+use crate::plan::{Accepted, PlanState, ReceiverState};
 use crate::ptables::{ModelSource, PartitionInputs, PartitionTables};
 use crate::scrape::{LoadSink, ScrapeConfig};
 use crate::state::StateStore;
@@ -428,7 +429,7 @@ impl Controller {
     pub fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError> {
         let st = lock(&self.state);
         let m = st.model(key)?.clone();
-        let holders: Vec<String> = match tier {
+        let mut holders: Vec<String> = match tier {
             Tier::Gpu => st
                 .hosts
                 .values()
@@ -446,6 +447,29 @@ impl Controller {
                 .map(|h| h.report.host_id.clone())
                 .collect(),
         };
+        // Oldest holder first: by when the latest plan of this model and tier that brought
+        // it to the host was made (a receiver that held it before the plan, `local`, does
+        // not count; a host no stored plan names — the importing host, or one whose plans
+        // aged out — counts as oldest), then by id. A scale-down takes the newest replicas
+        // first.
+        let mut added_at: HashMap<&str, f64> = HashMap::new();
+        for p in st
+            .plans
+            .values()
+            .filter(|p| p.digest == m.digest && p.tier == tier)
+        {
+            for r in p.hosts.iter().filter(|r| r.state != ReceiverState::Local) {
+                let at = added_at.entry(r.host.as_str()).or_insert(p.created_at);
+                *at = at.max(p.created_at);
+            }
+        }
+        let when = |h: &String| {
+            added_at
+                .get(h.as_str())
+                .copied()
+                .unwrap_or(f64::NEG_INFINITY)
+        };
+        holders.sort_by(|a, b| when(a).total_cmp(&when(b)).then_with(|| a.cmp(b)));
         let replicas = match tier {
             Tier::Gpu => gpu_reserved(&st, &m.digest),
             t => (holders.len() + st.in_flight(&m.digest, t).len()) as u32,

@@ -1022,7 +1022,9 @@ async fn reported_load_scales_out_then_in_and_evicts() {
     let origin = Origin::new(8 << 20, 2);
     let mut api = c.controller.client().await.unwrap();
     let manifest = register(&mut api, &origin).await;
-    let first = prewarm_hosts(&mut api, hosts(1..=1)).await;
+    // The first replica on the host with the highest id: a scale-down must keep the oldest
+    // replica, not the lowest id.
+    let first = prewarm_hosts(&mut api, hosts(4..=4)).await;
     wait_plan(&mut api, &first, Duration::from_secs(60))
         .await
         .unwrap();
@@ -1083,7 +1085,17 @@ async fn reported_load_scales_out_then_in_and_evicts() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(st.hosts.iter().filter(|h| h.memory).count(), 1, "{st:?}");
+    let kept: Vec<&str> = st
+        .hosts
+        .iter()
+        .filter(|h| h.memory)
+        .map(|h| h.host.as_str())
+        .collect();
+    assert_eq!(
+        kept,
+        ["host-4"],
+        "the oldest replica stays: {st:?} {down:?} {up:?}"
+    );
     let gone = c
         .daemons
         .iter()
