@@ -639,9 +639,11 @@ impl Controller {
                 digest: m.digest.clone(),
             })
             .collect();
+        let gpu_copies_elsewhere = inventory::gpu_copies_elsewhere(&st.hosts, &id);
         Ok(HeartbeatResponse {
             interval_ms: self.cfg.heartbeat.as_millis() as u32,
             names,
+            gpu_copies_elsewhere,
         })
     }
 

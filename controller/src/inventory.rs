@@ -6,7 +6,7 @@
 //! (`crate::wire::host_view`, which refuses unknown names), and persisted as a versioned
 //! [`StoredHost`] record; records written before it (the wire message itself) still load.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -325,6 +325,30 @@ pub fn cluster_view(
         .collect()
 }
 
+/// Of the models on `host`'s GPUs, the digests another up host holds resident on its GPUs
+/// as a whole replica (not loading, not a partition): the host's GPU eviction takes a heavy
+/// model with a GPU copy elsewhere before one that is the only GPU copy (Torpor §5.3).
+pub fn gpu_copies_elsewhere(hosts: &BTreeMap<String, HostEntry>, host: &str) -> Vec<String> {
+    let Some(me) = hosts.get(host) else {
+        return Vec::new();
+    };
+    let mine: BTreeSet<&str> = me
+        .report
+        .gpu_loads
+        .iter()
+        .map(|l| l.digest.as_str())
+        .collect();
+    let elsewhere: BTreeSet<&str> = hosts
+        .iter()
+        .filter(|(id, e)| id.as_str() != host && e.up)
+        .flat_map(|(_, e)| e.report.gpu_loads.iter())
+        .filter(|l| l.state == GpuState::Resident && l.partition.is_empty())
+        .map(|l| l.digest.as_str())
+        .filter(|d| mine.contains(d))
+        .collect();
+    elsewhere.into_iter().map(str::to_owned).collect()
+}
+
 /// Marks hosts whose last heartbeat is older than `timeout` as down; returns the ids that
 /// changed state.
 pub fn expire(
@@ -407,6 +431,64 @@ mod tests {
         // An incomplete copy is not a holding; a down host stays in the view, marked down.
         assert!(v[1].holdings.is_empty());
         assert!(!v[1].up);
+    }
+
+    #[test]
+    fn gpu_copies_elsewhere_counts_whole_resident_replicas_on_other_up_hosts() {
+        let load = |d: &str, state: GpuState, partition: &str| GpuLoad {
+            digest: d.into(),
+            state,
+            gpus: vec![0],
+            partition: partition.into(),
+            error: String::new(),
+        };
+        let with = |id: &str, up: bool, loads: Vec<GpuLoad>| {
+            let mut e = entry(id, up, &[]);
+            e.report.gpu_loads = loads;
+            (id.to_string(), e)
+        };
+        let hosts: BTreeMap<String, HostEntry> = [
+            with(
+                "me",
+                true,
+                vec![
+                    load("resident-elsewhere", GpuState::Resident, ""),
+                    load("only-here", GpuState::Resident, ""),
+                    load("loading-elsewhere", GpuState::Resident, ""),
+                    load("partition-elsewhere", GpuState::Resident, ""),
+                    load("on-a-down-host", GpuState::Resident, ""),
+                ],
+            ),
+            with(
+                "b",
+                true,
+                vec![
+                    load("resident-elsewhere", GpuState::Resident, ""),
+                    load("loading-elsewhere", GpuState::Loading, ""),
+                    load("partition-elsewhere", GpuState::PartitionLive, "1.1/2"),
+                    load("not-on-me", GpuState::Resident, ""),
+                ],
+            ),
+            with(
+                "c",
+                false,
+                vec![load("on-a-down-host", GpuState::Resident, "")],
+            ),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(gpu_copies_elsewhere(&hosts, "me"), ["resident-elsewhere"]);
+        // Seen from `b`: `me` holds whole resident replicas of three of `b`'s models, whatever
+        // state `b`'s own copies are in; nobody else holds `not-on-me`.
+        assert_eq!(
+            gpu_copies_elsewhere(&hosts, "b"),
+            [
+                "loading-elsewhere",
+                "partition-elsewhere",
+                "resident-elsewhere"
+            ]
+        );
+        assert!(gpu_copies_elsewhere(&hosts, "unknown").is_empty());
     }
 
     #[test]

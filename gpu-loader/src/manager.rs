@@ -6,10 +6,10 @@
 //! its load starts, within the host's [`GpuBudget`], and freed when the model is evicted or
 //! its load fails. An inference engine on the same GPU keeps the rest.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tracing::{info, warn};
@@ -348,6 +348,17 @@ pub struct GpuManager {
     evictions: Mutex<Vec<Eviction>>,
     /// Registering ahead of loads: on, off, or stopped (the device refused it).
     ahead: Mutex<AheadState>,
+    /// Models another host holds resident on its GPUs, as the controller last said.
+    elsewhere: Mutex<GpuCopiesElsewhere>,
+}
+
+/// What the controller last said about GPU copies on other hosts, and until when it holds.
+#[derive(Debug, Default)]
+struct GpuCopiesElsewhere {
+    digests: HashSet<String>,
+    /// Past this, the answer is stale (the controller went silent): every model counts as
+    /// the only GPU copy again, the cautious default of a host without a controller.
+    until: Option<Instant>,
 }
 
 /// Whether [`GpuManager::register_ahead`] registers anything.
@@ -387,6 +398,15 @@ pub struct AheadReport {
 
 /// Evictions remembered for status.
 const EVICTIONS_KEPT: usize = 100;
+
+/// The last-copy input of GPU eviction: a GPU region is never a last copy (it serves no
+/// chain or reader; the host's tiers or the origin keep the data, and the tiers' own
+/// eviction protects last copies).
+const NOT_A_LAST_COPY: ClusterCopies = ClusterCopies {
+    copies_in_cluster: 2,
+    registered: true,
+    origin_available: true,
+};
 
 impl GpuManager {
     /// Opens the backend. Never fails for lack of GPUs: a host without them gets a manager
@@ -480,6 +500,7 @@ impl GpuManager {
             epoch: Instant::now(),
             evictions: Mutex::default(),
             ahead: Mutex::new(ahead),
+            elsewhere: Mutex::default(),
         }
     }
 
@@ -723,11 +744,34 @@ impl GpuManager {
         Ok((chosen, reason))
     }
 
+    /// Records which of this host's GPU models another host holds resident on its GPUs
+    /// (the controller's answer to a heartbeat), valid for `valid_for`: a heavy model with
+    /// a GPU copy elsewhere is evicted before a heavy model that is the only one. Without an
+    /// answer, or once it is stale, every model counts as the only GPU copy.
+    pub fn set_gpu_copies_elsewhere(
+        &self,
+        digests: impl IntoIterator<Item = String>,
+        valid_for: Duration,
+    ) {
+        let mut e = lock(&self.elsewhere);
+        e.digests = digests.into_iter().collect();
+        e.until = Instant::now().checked_add(valid_for);
+    }
+
+    /// Whether another host holds `model` resident on its GPUs, as far as this host knows
+    /// now.
+    pub fn gpu_copy_elsewhere(&self, model: &str) -> bool {
+        let e = lock(&self.elsewhere);
+        e.until.is_some_and(|t| Instant::now() < t) && e.digests.contains(model)
+    }
+
     /// Makes room for `bytes` on GPU slot `i` by the eviction policy: first the
     /// one-replica-per-model rule once the host's GPUs are full, then light models and
-    /// extra replicas, medium, heavy (LRU within each class). Loading and locked models
-    /// stay. A GPU region is never the last copy of a model: the host's memory tier keeps
-    /// the data, so last-copy protection does not apply here.
+    /// extra replicas, medium, heavy with a GPU copy on another host, heavy that is the
+    /// only GPU copy (LRU within each class). Loading and locked models stay. A GPU region
+    /// is never the last copy of a model: it serves no chain or reader, and the data stays
+    /// in the host's tiers or at the origin, whose own eviction protects last copies; so
+    /// last-copy protection ([`NOT_A_LAST_COPY`]) does not apply here.
     fn make_room(&self, i: usize, bytes: u64, for_model: &str) -> Result<Vec<Eviction>, String> {
         let states: Vec<GpuState> = {
             let loads = lock(&self.loads);
@@ -756,12 +800,8 @@ impl GpuManager {
                                     }),
                                     locked: r.locks > 0
                                         || l.is_none_or(|l| l.state == LoadState::Loading),
-                                    only_gpu_copy_in_cluster: true,
-                                    copies: ClusterCopies {
-                                        copies_in_cluster: 2,
-                                        registered: true,
-                                        origin_available: true,
-                                    },
+                                    only_gpu_copy_in_cluster: !self.gpu_copy_elsewhere(&r.model),
+                                    copies: NOT_A_LAST_COPY,
                                     bytes: r.len,
                                     model: r.model,
                                 }

@@ -154,6 +154,31 @@ fn a_full_gpu_evicts_the_light_model_before_an_older_heavy_one() {
 }
 
 #[test]
+fn a_heavy_model_with_a_gpu_copy_elsewhere_goes_before_the_only_one_while_that_holds() {
+    for (valid_for, victim) in [
+        // The controller said `copied` is resident on another host's GPUs: it goes first,
+        // though `only` is older.
+        (Duration::from_secs(60), "copied"),
+        // Stale (the controller went silent): both count as the only copy, LRU decides.
+        (Duration::ZERO, "only"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager(dir.path(), 1, 100 * MIB as u64);
+        load_now(&m, "only", Heaviness::Heavy, 40 * MIB, 1);
+        load_now(&m, "copied", Heaviness::Heavy, 40 * MIB, 2);
+        m.handoff("copied").unwrap(); // used recently
+        m.set_gpu_copies_elsewhere(["copied".to_string(), "absent".to_string()], valid_for);
+        assert_eq!(m.gpu_copy_elsewhere("copied"), !valid_for.is_zero());
+        assert!(!m.gpu_copy_elsewhere("only"));
+        load_now(&m, "new", Heaviness::Medium, 40 * MIB, 3);
+        let ev = m.evictions();
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert_eq!(ev[0].model, victim, "{ev:?}");
+        assert!(m.model_status(victim).is_none());
+    }
+}
+
+#[test]
 fn a_loading_model_is_never_evicted_and_the_error_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let m = manager(dir.path(), 1, 100 * MIB as u64);

@@ -758,6 +758,7 @@ impl Agent for AgentService {
                 register_s: m.register_s,
                 segments: u32::try_from(m.segments).unwrap_or(u32::MAX),
                 segments_reused: u32::try_from(m.segments_reused).unwrap_or(u32::MAX),
+                gpu_copy_elsewhere: self.gpus.gpu_copy_elsewhere(&m.model),
             })
             .collect();
         Ok(Response::new(pb::GpuStatusResponse {

@@ -6,7 +6,9 @@
 //! plane keeps serving chains that are already planned.
 //!
 //! The controller's answer carries its registry's current version of each reported model
-//! name; the host's name table follows it (see `crate::store::names`).
+//! name; the host's name table follows it (see `crate::store::names`). It also says which
+//! of the host's GPU models another host holds resident on its GPUs, for the GPU manager's
+//! eviction order.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -89,7 +91,11 @@ pub async fn run(
                     info!(%controller, "registered with the controller");
                 }
                 connected = Some(true);
-                apply_registry(&node, &reported, &answer.into_inner().names);
+                let answer = answer.into_inner();
+                apply_registry(&node, &reported, &answer.names);
+                // Held until three heartbeats go unanswered: then every GPU model counts as
+                // the only GPU copy again (the cautious default without a controller).
+                gpus.set_gpu_copies_elsewhere(answer.gpu_copies_elsewhere, inv.heartbeat * 3);
             }
             Ok(Err(status)) => {
                 if connected != Some(false) {

@@ -974,7 +974,7 @@ async fn gpu_replicas_share_one_copy_per_host() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
-    let c = start_cluster(2, vec![], |_, o| o.sim_gpus(2, "128MiB"))
+    let mut c = start_cluster(2, vec![], |_, o| o.sim_gpus(2, "128MiB"))
         .await
         .unwrap();
     let origin = Origin::new(12 << 20, 2);
@@ -1012,6 +1012,44 @@ async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
     }
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
+    }
+    // Each host learns from the controller's heartbeat answers that the other holds the
+    // model resident on its GPUs (an input of its GPU eviction order)...
+    let digest = manifest.digest().to_hex();
+    for d in &c.daemons {
+        gpu_copy_elsewhere_becomes(d, &digest, true).await;
+    }
+    // ...and once the other host is gone (killed, then marked down), that its copy is the
+    // only one.
+    c.daemons[1].kill().await;
+    gpu_copy_elsewhere_becomes(&c.daemons[0], &digest, false).await;
+}
+
+/// Waits (at most 15 s) until `d`'s `GpuStatus` says `want` of whether another host holds
+/// `digest` resident on its GPUs.
+async fn gpu_copy_elsewhere_becomes(
+    d: &shardcast_bench::cluster::Daemon,
+    digest: &str,
+    want: bool,
+) {
+    use shardcast_protocol::agent::GpuStatusRequest;
+    let mut agent = d.agent().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let st = agent
+            .gpu_status(GpuStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let m = st.models.iter().find(|m| m.model == digest);
+        if m.is_some_and(|m| m.gpu_copy_elsewhere == want) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "gpu_copy_elsewhere never {want}: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
