@@ -399,6 +399,11 @@ pub struct AheadReport {
 /// Evictions remembered for status.
 const EVICTIONS_KEPT: usize = 100;
 
+/// The share of a GPU's memory other processes must hold for the GPU to count as busy
+/// ([`GpuManager::busy_gpus`]): half, well below what an inference engine takes and well
+/// above a CUDA context or a monitoring tool.
+pub const BUSY_EXTERNAL_SHARE: f64 = 0.5;
+
 /// The last-copy input of GPU eviction: a GPU region is never a last copy (it serves no
 /// chain or reader; the host's tiers or the origin keep the data, and the tiers' own
 /// eviction protects last copies).
@@ -595,6 +600,33 @@ impl GpuManager {
     /// device through it).
     pub fn device(&self, gpu: u32) -> Option<Arc<dyn Device>> {
         self.devices.iter().find(|d| d.info().index == gpu).cloned()
+    }
+
+    /// GPUs that other processes mostly hold and that hold no model of this manager: at
+    /// least [`BUSY_EXTERNAL_SHARE`] of the device's memory is neither free nor this
+    /// manager's (an inference engine runs there: vLLM, for one, claims 90% of a GPU by
+    /// default). A GPU with a model region is left out: an engine there serves the replica
+    /// the controller placed, which its reservation already counts. A device whose free
+    /// memory cannot be read counts as not busy. What the host reports as `gpus_busy`, so
+    /// that placement does not count these GPUs as free slots.
+    pub fn busy_gpus(&self) -> Vec<u32> {
+        self.devices
+            .iter()
+            .filter(|d| {
+                if d.allocated_bytes() > 0 {
+                    return false;
+                }
+                let total = d.info().memory_bytes;
+                let Ok(free) = d.free_memory() else {
+                    return false;
+                };
+                let others = total
+                    .saturating_sub(free)
+                    .saturating_sub(d.allocated_bytes());
+                total > 0 && others as f64 >= BUSY_EXTERNAL_SHARE * total as f64
+            })
+            .map(|d| d.info().index)
+            .collect()
     }
 
     /// Each GPU's pool: budget, use and regions.

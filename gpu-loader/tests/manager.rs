@@ -179,6 +179,26 @@ fn a_heavy_model_with_a_gpu_copy_elsewhere_goes_before_the_only_one_while_that_h
 }
 
 #[test]
+fn a_gpu_that_other_processes_mostly_hold_is_busy_unless_it_holds_a_model_of_ours() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(dir.path(), 2, 100 * MIB as u64);
+    assert!(m.busy_gpus().is_empty());
+    // The manager's own region, however large, is not another process's; and an engine on
+    // a GPU that holds a model of ours serves that replica (its reservation counts it).
+    load_now(&m, "mine", Heaviness::Medium, 40 * MIB, 1);
+    assert!(m.busy_gpus().is_empty(), "{:?}", m.pools());
+    set_external_use(&m, 0, 55 * MIB as u64);
+    assert!(m.busy_gpus().is_empty(), "{:?}", m.pools());
+    // An engine holding 40% of the empty GPU 1: not yet busy; 60%: busy.
+    set_external_use(&m, 1, 40 * MIB as u64);
+    assert!(m.busy_gpus().is_empty());
+    set_external_use(&m, 1, 60 * MIB as u64);
+    assert_eq!(m.busy_gpus(), [1]);
+    set_external_use(&m, 1, 0);
+    assert!(m.busy_gpus().is_empty());
+}
+
+#[test]
 fn a_loading_model_is_never_evicted_and_the_error_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let m = manager(dir.path(), 1, 100 * MIB as u64);

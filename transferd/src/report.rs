@@ -236,7 +236,8 @@ pub fn build_report(
         holdings: held,
         bound_names: node.store.names().into_iter().map(|(n, _)| n).collect(),
         version: env!("CARGO_PKG_VERSION").into(),
-        gpus_busy: 0,
+        // GPUs other processes mostly hold (an inference engine): not free for placement.
+        gpus_busy: u32::try_from(gpus.busy_gpus().len()).unwrap_or(u32::MAX),
         gpu_loads: gpus
             .status()
             .into_iter()
