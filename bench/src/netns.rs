@@ -838,6 +838,7 @@ mod tests {
         cmd.args([
             "--exact",
             "netns::tests::tcp_role_helper",
+            "--ignored",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -874,18 +875,17 @@ mod tests {
         Duration::from_millis(env(k).parse().expect("milliseconds"))
     }
 
-    /// Not a test of its own: does nothing unless [`ROLE_ENV`] is set, in which case this
-    /// process was started by [`spawn_role`] inside a namespace and plays that role.
+    /// Not a test of its own (ignored, so it never counts as a pass): [`spawn_role`] runs it
+    /// with `--ignored` inside a namespace, with [`ROLE_ENV`] naming the role it plays.
     ///
     /// * `recv`: accept `CONNS` connections on `ADDR`, wait `WARMUP_MS`, count bytes received
     ///   over `MEASURE_MS`, print `RESULT <total B/s> <per-connection B/s>...` and exit.
     /// * `send`: connect to `ADDR` (retrying while the receiver starts), print
     ///   `CONNECTED <connect µs>`, write until `DURATION_MS` is over or the peer goes away.
     #[test]
+    #[ignore = "a child-process role of the netns tests, started by spawn_role"]
     fn tcp_role_helper() {
-        let Ok(role) = std::env::var(ROLE_ENV) else {
-            return;
-        };
+        let role = std::env::var(ROLE_ENV).expect("started by spawn_role with a role");
         let addr: SocketAddr = env("ADDR").parse().expect("ADDR");
         match role.as_str() {
             "recv" => {
