@@ -222,6 +222,17 @@ pub enum Command {
         /// Queue length (requests of a burst) the plan is for.
         #[arg(long, default_value_t = 1)]
         queue: u32,
+        /// Offline: rate of the link carrying activations between partitions, e.g. 100Gbit
+        /// [default: 10Gbit, the thesis' testbed]. Through the controller, its
+        /// --partition-link-rate or the hosts' NICs decide.
+        #[arg(long, conflicts_with = "model")]
+        link_rate: Option<String>,
+        /// Offline: load rate (storage or host memory → GPU), e.g. 25GB/s: every group's
+        /// load time becomes its weight bytes at this rate, and the profile is marked
+        /// estimated [default: the profile's own load times; a synthetic profile's are
+        /// calibrated at 439MB/s].
+        #[arg(long, conflicts_with = "model")]
+        load_rate: Option<String>,
     },
 }
 
@@ -412,19 +423,47 @@ fn usage(message: impl Into<String>) -> CliError {
     }
 }
 
-/// Plans offline from a profile: no controller involved.
+/// A rate given to an offline plan (`--link-rate`, `--load-rate`): finite and at least
+/// [`MIN_RATE_BPS`](shardcast_policies::profile::MIN_RATE_BPS).
+fn plan_rate(flag: &str, value: Option<&String>) -> Result<Option<f64>, CliError> {
+    let Some(s) = value else { return Ok(None) };
+    let bps = shardcast_protocol::units::parse_rate(s)
+        .map_err(|e| usage(format!("{flag}: {e}")))?
+        .ok_or_else(|| {
+            usage(format!(
+                "{flag} must be a finite rate, e.g. 100Gbit or 25GB/s"
+            ))
+        })?;
+    if bps < shardcast_policies::profile::MIN_RATE_BPS {
+        return Err(usage(format!(
+            "{flag} must be at least 1MB/s, got {s:?} ({bps} bytes/s; a number without a unit \
+             is bytes/s: write e.g. 100Gbit or 25GB/s)"
+        )));
+    }
+    Ok(Some(bps as f64))
+}
+
+/// Plans offline from a profile: no controller involved. `link_bps`: the link between
+/// partitions (default: [`Bandwidths::default`](shardcast_policies::profile::Bandwidths)'s);
+/// `load_bps`: re-estimate every group's load time at this rate.
 fn offline_plan(
-    profile: shardcast_policies::profile::ModelProfile,
+    mut profile: shardcast_policies::profile::ModelProfile,
     max_partitions: u32,
     gpu_memory: u64,
     queue: u32,
+    link_bps: Option<f64>,
+    load_bps: Option<f64>,
     json: bool,
 ) -> Result<(), CliError> {
     use shardcast_policies::partition;
+    if let Some(bps) = load_bps {
+        profile.estimate_load(bps);
+    }
     profile
         .validate()
         .map_err(|e| usage(format!("profile: {e}")))?;
-    let link = shardcast_policies::profile::Bandwidths::default().link_bps;
+    let link =
+        link_bps.unwrap_or_else(|| shardcast_policies::profile::Bandwidths::default().link_bps);
     let table = partition::precompute(
         &profile,
         max_partitions.max(1) as usize,
@@ -501,9 +540,13 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         max_partitions,
         gpu_memory,
         queue,
+        link_rate,
+        load_rate,
     } = &cli.command
     {
         let gpu_memory = parse_size(gpu_memory).map_err(|e| usage(format!("--gpu-memory: {e}")))?;
+        let link_bps = plan_rate("--link-rate", link_rate.as_ref())?;
+        let load_bps = plan_rate("--load-rate", load_rate.as_ref())?;
         let profile = match (profile, synthetic_layers) {
             (Some(path), _) => {
                 let text = std::fs::read_to_string(path)
@@ -518,7 +561,15 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 ));
             }
         };
-        return offline_plan(profile, *max_partitions, gpu_memory, *queue, cli.json);
+        return offline_plan(
+            profile,
+            *max_partitions,
+            gpu_memory,
+            *queue,
+            link_bps,
+            load_bps,
+            cli.json,
+        );
     }
     // Several replicas (comma-separated): calls follow the leader and fail over.
     let channel = FailoverChannel::new(
@@ -1278,6 +1329,24 @@ mod tests {
             ],
         );
         assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
+    }
+
+    #[test]
+    fn plan_rates_parse_and_refuse_with_the_flag_named() {
+        let r = |s: &str| plan_rate("--link-rate", Some(&s.to_string()));
+        assert_eq!(r("400Gbit").unwrap(), Some(50e9));
+        assert_eq!(r("25GB/s").unwrap(), Some(25e9));
+        assert_eq!(plan_rate("--link-rate", None).unwrap(), None);
+        for (bad, says) in [
+            ("fast", "invalid rate"),
+            ("unlimited", "must be a finite rate"),
+            ("100", "a number without a unit is bytes/s"),
+        ] {
+            let e = r(bad).unwrap_err();
+            assert_eq!(e.exit, 2);
+            assert!(e.message.starts_with("--link-rate"), "{}", e.message);
+            assert!(e.message.contains(says), "{}", e.message);
+        }
     }
 
     #[test]

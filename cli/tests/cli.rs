@@ -111,3 +111,47 @@ fn offline_plan_of_a_synthetic_t5_profile() {
     assert!(!v["chosen"]["partitions"].as_array().unwrap().is_empty());
     assert_eq!(v["estimated"], true);
 }
+
+#[test]
+fn offline_plan_at_given_link_and_load_rates() {
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["--json", "plan", "--synthetic-layers", "48", "--queue", "8"];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    // Today's figures unless told: the thesis' 10 Gbit/s and the calibrated load times.
+    let thesis = plan(&[]);
+    assert_eq!(thesis["table"]["link_bps"], 1.25e9);
+    let fast = plan(&["--link-rate", "400Gbit", "--load-rate", "25GB/s"]);
+    assert_eq!(fast["table"]["link_bps"], 50e9);
+    let cold = |v: &serde_json::Value| v["chosen"]["cold_start_s"].as_f64().unwrap();
+    // 11,408 MB at 25 GB/s: the whole model loads in under half a second.
+    assert!(cold(&fast) < 0.46, "{fast}");
+    assert!(cold(&fast) < cold(&thesis), "{fast}\n{thesis}");
+}
+
+#[test]
+fn offline_plan_refuses_a_bad_rate_and_rates_with_a_model() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_shardcast"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["plan", "--synthetic-layers", "8", "--link-rate", "100"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--link-rate must be at least 1MB/s"), "{err}");
+    let out = run(&["plan", "--synthetic-layers", "8", "--load-rate", "quick"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    // Through the controller the rates are its settings, not the caller's.
+    let out = run(&["plan", "org/model", "--link-rate", "100Gbit"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot be used with"), "{err}");
+}

@@ -16,6 +16,7 @@ use shardcast_identity::tls::RELOAD_PERIOD;
 use shardcast_identity::token::Tokens;
 use shardcast_identity::{Alpn, Role, TlsContext};
 use shardcast_placement::PlanParams;
+use shardcast_policies::profile::MIN_RATE_BPS;
 use shardcast_protocol::controller::controller_server::ControllerServer;
 use shardcast_protocol::controller::inventory_server::InventoryServer;
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
@@ -27,6 +28,7 @@ use tracing::{info, warn};
 use crate::core::ControllerConfig;
 use crate::grpc::GrpcApi;
 use crate::ha::{Active, LeaderGate, Replica, Slot, Switch};
+use crate::ptables::PartitionConfig;
 use crate::services::{Config, Services};
 use crate::state::RedbStore;
 use shardcast_identity::grpc::GateLayer;
@@ -78,6 +80,21 @@ pub struct Args {
     /// NIC rate assumed for hosts that report none.
     #[arg(long, env = "SHARDCAST_DEFAULT_NIC_RATE", default_value = "10Gbit")]
     pub default_nic_rate: String,
+    /// Partition plans: rate of the link carrying activations between partitions (e.g.
+    /// 100Gbit) [default: the slowest NIC rate the up GPU hosts report, else
+    /// --default-nic-rate].
+    #[arg(long, env = "SHARDCAST_PARTITION_LINK_RATE")]
+    pub partition_link_rate: Option<String>,
+    /// Partition plans: load rate (storage or host memory → GPU) at which the load times of
+    /// a profile derived from a tensor index are estimated (e.g. 25GB/s) [default: 439MB/s,
+    /// the thesis' T5-3B calibration]. Registered profiles keep their own times.
+    #[arg(long, env = "SHARDCAST_PARTITION_LOAD_RATE")]
+    pub partition_load_rate: Option<String>,
+    /// Partition plans: weight bytes one request executes through per second, at which the
+    /// execution times of a derived profile are estimated (batch-1 inference is
+    /// memory-bound) [default: 22.8GB/s, the thesis' T5-3B calibration].
+    #[arg(long, env = "SHARDCAST_PARTITION_EXEC_RATE")]
+    pub partition_exec_rate: Option<String>,
     /// How often a plan's loop runs without news, in milliseconds: it polls receivers
     /// whose agent stream is not up, and checks stalls and hosts that went down.
     /// Completion itself is pushed by each receiver's agent, not polled.
@@ -297,6 +314,27 @@ impl Args {
                 .map_err(|e| anyhow::anyhow!("{name}: {e}"))?
                 .ok_or_else(|| anyhow::anyhow!("{name} must be a finite rate"))
         };
+        let partition_rate = |name: &str, v: &Option<String>| -> anyhow::Result<Option<u64>> {
+            let Some(s) = v else { return Ok(None) };
+            let bps = rate(name, s)?;
+            if bps < MIN_RATE_BPS {
+                bail!(
+                    "{name} must be at least 1MB/s, got {s:?} ({bps} bytes/s; a number without \
+                     a unit is bytes/s: write e.g. 100Gbit or 25GB/s)"
+                );
+            }
+            Ok(Some(bps))
+        };
+        let partitions = {
+            let default = PartitionConfig::default();
+            PartitionConfig {
+                link_bps: partition_rate("partition_link_rate", &self.partition_link_rate)?,
+                load_bps: partition_rate("partition_load_rate", &self.partition_load_rate)?
+                    .map_or(default.load_bps, |bps| bps as f64),
+                exec_s_per_byte: partition_rate("partition_exec_rate", &self.partition_exec_rate)?
+                    .map_or(default.exec_s_per_byte, |bps| 1.0 / bps as f64),
+            }
+        };
         for (name, v) in [
             ("memory_high", self.memory_high),
             ("memory_low", self.memory_low),
@@ -367,6 +405,7 @@ impl Args {
                 origins_durable: !self.origins_not_durable,
             },
             scrape,
+            partitions,
         })
     }
 }
@@ -659,6 +698,66 @@ async fn shutdown_signal() {
         }
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &[&str]) -> anyhow::Result<Config> {
+        let mut argv = vec!["shardcast-controller"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv)?.config()
+    }
+
+    #[test]
+    fn partition_rates_default_to_the_hosts_nics_and_the_calibration() {
+        let p = config(&[]).unwrap().partitions;
+        assert_eq!(p, PartitionConfig::default());
+        assert_eq!(p.link_bps, None);
+    }
+
+    #[test]
+    fn partition_rates_parse_like_the_other_rates() {
+        let p = config(&[
+            "--partition-link-rate",
+            "200Gbit",
+            "--partition-load-rate",
+            "25GB/s",
+            "--partition-exec-rate",
+            "2000GB/s",
+        ])
+        .unwrap()
+        .partitions;
+        assert_eq!(p.link_bps, Some(25_000_000_000));
+        assert_eq!(p.load_bps, 25e9);
+        assert_eq!(p.exec_s_per_byte, 1.0 / 2e12);
+    }
+
+    #[test]
+    fn bad_partition_rates_are_refused_by_name() {
+        for (flag, value, says) in [
+            ("--partition-link-rate", "fast", "invalid rate"),
+            (
+                "--partition-link-rate",
+                "unlimited",
+                "must be a finite rate",
+            ),
+            ("--partition-link-rate", "0", "must be a finite rate"),
+            (
+                "--partition-load-rate",
+                "100",
+                "a number without a unit is bytes/s",
+            ),
+            ("--partition-load-rate", "25Tbit", "unknown prefix"),
+            ("--partition-exec-rate", "999kB/s", "at least 1MB/s"),
+        ] {
+            let e = config(&[flag, value]).unwrap_err().to_string();
+            let name = flag.trim_start_matches("--").replace('-', "_");
+            assert!(e.contains(&name), "{flag} {value}: {e}");
+            assert!(e.contains(says), "{flag} {value}: {e}");
         }
     }
 }

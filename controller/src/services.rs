@@ -33,7 +33,9 @@ use crate::error::{
 use crate::events::EventLog;
 use crate::inventory::DataTier;
 use crate::plan::{Accepted, PlanState, ReceiverState};
-use crate::ptables::{ModelSource, PartitionInputs, PartitionTables};
+use crate::ptables::{
+    HostLink, ModelSource, PartitionConfig, PartitionInputs, PartitionTables, slowest_nic,
+};
 use crate::scrape::{LoadSink, ScrapeConfig};
 use crate::state::StateStore;
 use crate::tiers::{
@@ -49,6 +51,8 @@ pub struct Config {
     pub tiers: TierConfig,
     /// Scrape load from a Prometheus endpoint.
     pub scrape: Option<ScrapeConfig>,
+    /// Partition planning's rates.
+    pub partitions: PartitionConfig,
 }
 
 /// The partition tables over the core.
@@ -107,7 +111,11 @@ impl Services {
 
     fn wire(cfg: &Config, core: Arc<Controller>) -> Result<Arc<Self>, ApiError> {
         let store = core.store_handle();
-        let tables = Arc::new(PartitionTables::restore(core.clone(), store.clone())?);
+        let tables = Arc::new(PartitionTables::restore(
+            core.clone(),
+            store.clone(),
+            cfg.partitions,
+        )?);
         // Weak: the core holds the hook, the tables hold the core.
         let weak = Arc::downgrade(&tables);
         core.after_register(Arc::new(move |name| {
@@ -258,12 +266,19 @@ impl ModelSource for Controller {
             .flat_map(|h| h.report.gpus.iter().map(|g| g.memory_bytes))
             .filter(|&b| b > 0)
             .min();
+        let slowest_nic = slowest_nic(st.hosts.values().map(|h| HostLink {
+            up: h.up,
+            nic_bps: h.report.nic_bps,
+            gpus: h.report.gpus.len(),
+        }));
         Ok(PartitionInputs {
             name: m.name,
             digest: m.digest,
             profile,
             holder,
             smallest_gpu,
+            slowest_nic,
+            default_nic_bps: self.config().plan.default_nic_bps,
         })
     }
 

@@ -93,6 +93,51 @@ impl ModelProfile {
         self.groups.iter().map(|g| g.exec_s).sum()
     }
 
+    /// Sets every group's load time to `weight_bytes / load_bps` (a load path at that rate)
+    /// and marks the profile estimated, replacing any earlier load-rate note with one naming
+    /// this rate.
+    pub fn estimate_load(&mut self, load_bps: f64) {
+        for g in &mut self.groups {
+            g.load_s = g.weight_bytes as f64 / load_bps;
+        }
+        let note = format!("{LOAD_NOTE}{load_bps} B/s (load path)");
+        match self.notes.iter().position(|n| n.starts_with(LOAD_NOTE)) {
+            Some(i) => self.notes[i] = note,
+            None => self.notes.insert(0, note),
+        }
+        self.estimated = true;
+    }
+
+    /// Sets every group's execution time to `weight_bytes × exec_s_per_byte` (batch-1
+    /// inference is memory-bound) and marks the profile estimated, replacing any earlier
+    /// execution-rate note.
+    pub fn estimate_exec(&mut self, exec_s_per_byte: f64) {
+        for g in &mut self.groups {
+            g.exec_s = g.weight_bytes as f64 * exec_s_per_byte;
+        }
+        let note = format!("{EXEC_NOTE}{exec_s_per_byte} s/B (memory-bound batch-1 inference)");
+        match self.notes.iter().position(|n| n.starts_with(EXEC_NOTE)) {
+            Some(i) => self.notes[i] = note,
+            None => {
+                let after_load = self
+                    .notes
+                    .iter()
+                    .position(|n| n.starts_with(LOAD_NOTE))
+                    .map_or(0, |i| i + 1);
+                self.notes.insert(after_load, note);
+            }
+        }
+        self.estimated = true;
+    }
+
+    /// [`estimate_load`](Self::estimate_load) and [`estimate_exec`](Self::estimate_exec)
+    /// at `bw`'s rates: what [`profile_from_tensors`] does to the groups it builds, so a
+    /// derived profile can be re-estimated at other rates without its tensor index.
+    pub fn estimate_times(&mut self, bw: &Bandwidths) {
+        self.estimate_load(bw.load_bps);
+        self.estimate_exec(bw.exec_s_per_byte);
+    }
+
     /// Checks that the profile can be planned: at least one group, and every time finite
     /// and non-negative (with finite totals).
     pub fn validate(&self) -> Result<(), ProfileError> {
@@ -136,6 +181,24 @@ pub struct Bandwidths {
     pub link_bps: f64,
 }
 
+/// The slowest load, execution or link rate a setting may give, in bytes/s (1 MB/s).
+/// Anything slower is almost certainly a unit left off: a bare number is bytes/s, so `100`
+/// is 100 B/s, not 100 Gbit/s.
+pub const MIN_RATE_BPS: u64 = 1_000_000;
+
+impl Bandwidths {
+    /// The execution rate: weight bytes one request runs through per second (the inverse
+    /// of [`exec_s_per_byte`](Self::exec_s_per_byte)).
+    pub fn exec_bps(&self) -> f64 {
+        1.0 / self.exec_s_per_byte
+    }
+}
+
+/// How the note recording an estimated load time starts.
+const LOAD_NOTE: &str = "load_s estimated as weight_bytes / ";
+/// How the note recording an estimated execution time starts.
+const EXEC_NOTE: &str = "exec_s estimated as weight_bytes x ";
+
 /// T5-3B's weights in bytes: 11,408 MB (Flashpoint thesis, Table 3.1).
 pub const T5_3B_TOTAL_BYTES: u64 = 11_408_000_000;
 /// T5-3B's full cold start (process initialisation) in seconds after Flashpoint's locality
@@ -165,9 +228,17 @@ pub fn t5_3b_activation_bytes() -> u64 {
 impl Default for Bandwidths {
     /// Estimates calibrated on the thesis' T5-3B measurements: the load path moves
     /// 11,408 MB in 25.974 s (≈ 439 MB/s), execution is 0.5 s per 11,408 MB of weights
-    /// (an assumption, see [`T5_3B_EXEC_S`]) and the link is 10 Gbit/s. Operators with a
-    /// faster load path (shardcast's memory tier over PCIe Gen4/5: 25–55 GB/s) should pass
-    /// their own figures.
+    /// (≈ 22.8 GB/s; an assumption, see [`T5_3B_EXEC_S`]) and the link is 10 Gbit/s.
+    ///
+    /// These are fallbacks, not a description of a GPU host (100–400 Gbit/s NICs, a memory
+    /// tier loading at 25–55 GB/s over PCIe Gen4/5). The controller takes its figures from
+    /// `--partition-link-rate` (else the slowest NIC rate its up GPU hosts report, else
+    /// `--default-nic-rate`), `--partition-load-rate` and `--partition-exec-rate`;
+    /// `shardcast plan` offline from `--link-rate` and `--load-rate`. The load and
+    /// execution rates stay calibrated unless set: no host reports them (unlike its NIC
+    /// rate), these are the only measured figures at hand, and they only shape profiles
+    /// *estimated* from a tensor index (measured profiles carry their own times). On a fast
+    /// memory tier they overstate load times, which favours more partitions than needed.
     fn default() -> Self {
         Self {
             load_bps: T5_3B_TOTAL_BYTES as f64 / T5_3B_COLD_START_S,
@@ -315,21 +386,13 @@ pub fn profile_from_tensors(
         .map(|(name, weight_bytes)| LayerGroup {
             name,
             weight_bytes,
-            load_s: weight_bytes as f64 / bw.load_bps,
-            exec_s: weight_bytes as f64 * bw.exec_s_per_byte,
+            load_s: 0.0,
+            exec_s: 0.0,
             output_bytes,
         })
         .collect();
 
     let mut notes = vec![
-        format!(
-            "load_s estimated as weight_bytes / {} B/s (load path)",
-            bw.load_bps
-        ),
-        format!(
-            "exec_s estimated as weight_bytes x {} s/B (memory-bound batch-1 inference)",
-            bw.exec_s_per_byte
-        ),
         format!(
             "output_bytes estimated as hidden {hidden} x {ESTIMATE_SEQ_TOKENS} tokens x \
              {ESTIMATE_ACTIVATION_DTYPE_BYTES} B, hidden guessed from the median layer group \
@@ -342,12 +405,15 @@ pub fn profile_from_tensors(
     if tensors.is_empty() {
         notes.push("no tensors given: the profile is empty".to_owned());
     }
-    ModelProfile {
+    let mut profile = ModelProfile {
         model: model.to_owned(),
         groups,
         estimated: true,
         notes,
-    }
+    };
+    // Load and execution times (and their notes, first) at `bw`'s rates.
+    profile.estimate_times(bw);
+    profile
 }
 
 /// A T5-3B-like profile with `layers` transformer blocks (at least 1) plus a `pre` group
@@ -458,5 +524,60 @@ mod tests {
         let bw = Bandwidths::default();
         let t = T5_3B_TOTAL_BYTES as f64 / bw.load_bps;
         assert!((t - T5_3B_COLD_START_S).abs() < 1e-9);
+        let exec = T5_3B_TOTAL_BYTES as f64 / bw.exec_bps();
+        assert!((exec - T5_3B_EXEC_S).abs() < 1e-9);
+        assert_eq!(bw.link_bps, T5_3B_LINK_BPS);
+    }
+
+    fn tensors() -> Vec<(String, u64)> {
+        let mut t = vec![("model.embed_tokens.weight".to_owned(), 4_000)];
+        for i in 0..4u64 {
+            t.push((
+                format!("model.layers.{i}.mlp.up_proj.weight"),
+                1_000 * (i + 1),
+            ));
+        }
+        t.push(("lm_head.weight".to_owned(), 4_000));
+        t
+    }
+
+    #[test]
+    fn a_derived_profile_re_estimated_at_other_rates_is_derived_at_them() {
+        let fast = Bandwidths {
+            load_bps: 40e9,
+            exec_s_per_byte: 1.0 / 2e12,
+            link_bps: 50e9,
+        };
+        let mut p = profile_from_tensors("m", &tensors(), &Bandwidths::default());
+        p.estimate_times(&fast);
+        // Groups, times and notes exactly as if derived at the new rates: a profile stored
+        // at the old rates serves the new ones without its tensor index.
+        assert_eq!(p, profile_from_tensors("m", &tensors(), &fast));
+        assert_eq!(p.groups[1].load_s, 1_000.0 / 40e9);
+        assert_eq!(p.groups[4].exec_s, 4_000.0 / 2e12);
+        assert_eq!(
+            p.notes.iter().filter(|n| n.starts_with(LOAD_NOTE)).count(),
+            1
+        );
+        assert_eq!(
+            p.notes.iter().filter(|n| n.starts_with(EXEC_NOTE)).count(),
+            1
+        );
+        assert!(p.notes[0].contains("40000000000 B/s"), "{:?}", p.notes);
+    }
+
+    #[test]
+    fn estimating_load_marks_a_measured_profile_estimated_and_keeps_exec() {
+        let mut p = synthetic_t5_3b_like(4);
+        p.estimated = false;
+        let exec = p.total_exec_s();
+        p.estimate_load(T5_3B_TOTAL_BYTES as f64 / 2.0);
+        assert!((p.total_load_s() - 2.0).abs() < 1e-9);
+        assert!((p.total_exec_s() - exec).abs() < 1e-12);
+        assert!(p.estimated);
+        assert!(p.notes[0].starts_with(LOAD_NOTE), "{:?}", p.notes);
+        // The synthetic profile's own notes stay.
+        assert!(p.notes.iter().any(|n| n.starts_with("synthetic")));
+        p.validate().unwrap();
     }
 }

@@ -1360,9 +1360,12 @@ async fn register_profile(api: &mut ControllerClient<Channel>, origin: &Origin, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
-    let mut c = start_cluster(1, vec![], |_, o| o.sim_gpus(1, "128MiB"))
-        .await
-        .unwrap();
+    let mut c = start_cluster(1, vec![], |_, o| {
+        o.sim_gpus(1, "128MiB");
+        o.extra_args.extend(["--nic-rate".into(), "200Gbit".into()]);
+    })
+    .await
+    .unwrap();
     let origin = Origin::new(16 << 20, 2);
     let mut api = c.controller.client().await.unwrap();
     let profile = origin_profile(&origin);
@@ -1372,6 +1375,13 @@ async fn partition_plans_are_stored_with_the_model_and_survive_a_restart() {
     assert_eq!(v["stored"], true, "{v}");
     assert_eq!(v["gpu_memory"], 128u64 << 20);
     assert_eq!(v["table"]["max_partitions"], 8);
+    // The link between partitions is the GPU host's reported NIC, not the thesis' 10 Gbit/s.
+    assert_eq!(
+        v["link"],
+        serde_json::json!({"bps": 25e9, "from": "host_nics"}),
+        "{v}"
+    );
+    assert_eq!(v["table"]["link_bps"], 25e9);
     assert!(
         v["chosen"]["partitions"]
             .as_array()
