@@ -305,6 +305,33 @@ pub async fn metric(d: &Daemon, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no metric {name} in {body}"))
 }
 
+/// Polls `d`'s `GpuStatus` every 20 ms until `done` answers `Some`, which it returns;
+/// panics with the last status after `limit`.
+pub async fn wait_gpu_status<T>(
+    d: &Daemon,
+    limit: Duration,
+    mut done: impl FnMut(&shardcast_protocol::agent::GpuStatusResponse) -> Option<T>,
+) -> T {
+    let mut agent = d.agent().await.expect("agent client");
+    let deadline = Instant::now() + limit;
+    loop {
+        let st = agent
+            .gpu_status(shardcast_protocol::agent::GpuStatusRequest {})
+            .await
+            .expect("GpuStatus")
+            .into_inner();
+        if let Some(v) = done(&st) {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{}: GpuStatus not as awaited after {limit:?}: {st:?}",
+            d.host_id
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Every frame the peer sends within five seconds (until it closes), decoded in order.
 pub async fn read_frames<S: tokio::io::AsyncRead + Unpin>(
     s: &mut S,

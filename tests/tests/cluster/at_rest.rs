@@ -294,7 +294,7 @@ async fn symlink_planted_in_a_running_receivers_memory_tier_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rot_is_repaired_before_a_hand_off_or_a_gpu_load() {
-    use shardcast_protocol::agent::{GetHandoffRequest, GpuStatusRequest, LoadModelRequest};
+    use shardcast_protocol::agent::{GetHandoffRequest, LoadModelRequest};
     let c = TestCluster::start(
         0,
         4 * MIB,
@@ -354,21 +354,12 @@ async fn rot_is_repaired_before_a_hand_off_or_a_gpu_load() {
         })
         .await
         .unwrap();
-    let t0 = Instant::now();
-    loop {
-        let st = agent
-            .gpu_status(GpuStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
+    shardcast_tests::wait_gpu_status(d, Duration::from_secs(30), |st| {
         let m = st.models.iter().find(|m| m.model == digest).unwrap();
         assert_ne!(m.state, "failed", "{m:?}");
-        if m.state == "resident" {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "{m:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        (m.state == "resident").then_some(())
+    })
+    .await;
     assert_eq!(metric(d, "chunks_corrupt_at_rest_total").await, 2);
     assert_eq!(metric(d, "chunks_repaired_total").await, 2);
     // The GPU region holds the origin's bytes.

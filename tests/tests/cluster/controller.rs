@@ -1032,25 +1032,13 @@ async fn gpu_copy_elsewhere_becomes(
     digest: &str,
     want: bool,
 ) {
-    use shardcast_protocol::agent::GpuStatusRequest;
-    let mut agent = d.agent().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let st = agent
-            .gpu_status(GpuStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
-        let m = st.models.iter().find(|m| m.model == digest);
-        if m.is_some_and(|m| m.gpu_copy_elsewhere == want) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "gpu_copy_elsewhere never {want}: {st:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    shardcast_tests::wait_gpu_status(d, Duration::from_secs(15), |st| {
+        st.models
+            .iter()
+            .any(|m| m.model == digest && m.gpu_copy_elsewhere == want)
+            .then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1165,7 +1153,6 @@ async fn reported_load_scales_out_then_in_and_evicts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
-    use shardcast_protocol::agent::GpuStatusRequest;
     let c = start_cluster(3, vec![], |_, o| o.sim_gpus(1, "128MiB"))
         .await
         .unwrap();
@@ -1215,25 +1202,15 @@ async fn partitioned_burst_loads_partitions_from_a_peer_then_completes() {
     // Each host: its partition live first, then the full model (completion).
     let mut labels = Vec::new();
     for d in &c.daemons[..2] {
-        let mut agent = d.agent().await.unwrap();
-        let t0 = Instant::now();
-        let m = loop {
-            let st = agent
-                .gpu_status(GpuStatusRequest {})
-                .await
-                .unwrap()
-                .into_inner();
-            if let Some(m) = st.models.iter().find(|m| m.state == "resident") {
-                break m.clone();
-            }
+        let m = shardcast_tests::wait_gpu_status(d, Duration::from_secs(60), |st| {
             assert!(
                 st.models.iter().all(|m| m.state != "failed"),
                 "{:?}",
                 st.models
             );
-            assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", st.models);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+            st.models.iter().find(|m| m.state == "resident").cloned()
+        })
+        .await;
         assert!(m.partition_complete, "{m:?}");
         assert!(m.partition_live_s.is_some_and(|s| s < m.elapsed_s), "{m:?}");
         assert!(m.partition_bytes < manifest.total_bytes(), "{m:?}");
