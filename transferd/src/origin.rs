@@ -312,6 +312,22 @@ pub enum OriginError {
         #[source]
         source: VerifyError,
     },
+    /// An `hf://` branch or tag now names a commit that does not hold a shard as the
+    /// manifest has it: the revision moved since the model was imported.
+    #[error(
+        "hf://{repo} now names commit {commit}, where {detail}: the revision moved since the \
+         model's manifest was built; import the model again to take the new commit, or read \
+         the commit it was built from by naming it (hf://org/name@<commit>, logged by the \
+         host that imported it)"
+    )]
+    RevisionMoved {
+        /// `org/name@revision`.
+        repo: String,
+        /// The commit the revision names now.
+        commit: String,
+        /// What differs from the manifest.
+        detail: String,
+    },
     /// An object store (S3) has no object under that key, or the bucket does not exist.
     #[error("no such object {uri}")]
     NoSuchObject {
@@ -589,6 +605,10 @@ impl Origin {
         let kept = keep.is_some() && shards.iter().all(|(_, kept)| *kept);
         let shards = shards.into_iter().map(|(e, _)| e).collect();
         let manifest = Manifest::new(name, chunk_size, shards).map_err(OriginError::Manifest)?;
+        if let Source::Hf(hf) = &self.inner.source {
+            // Later reads of this model on this host use the commit it was built from.
+            hf.remember(manifest.digest());
+        }
         Ok((manifest, kept))
     }
 
@@ -821,9 +841,7 @@ impl Origin {
                 .map_or_else(|_| format!("{base}{path}"), |u| u.to_string()),
             Source::HttpFile { url, .. } => url.to_string(),
             Source::S3(s3) => s3.location(path),
-            Source::Hf(hf) => hf
-                .url(path)
-                .map_or_else(|_| format!("{}{path}", hf.files), |u| u.to_string()),
+            Source::Hf(hf) => hf.location(path),
         }
     }
 
@@ -859,6 +877,10 @@ pub async fn fetch_chunks(
         manifest
             .chunk_span(shard, index)
             .map_err(OriginError::NotInManifest)?;
+    }
+    if let Source::Hf(hf) = &origin.inner.source {
+        // Every chunk from one commit: the one the manifest was built from where known.
+        hf.pin_for(&manifest, shard).await?;
     }
     let mut done = futures::stream::iter(chunks)
         .map(|index| fetch_verified(origin, &manifest, shard, &path, index))

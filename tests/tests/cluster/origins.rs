@@ -5,15 +5,18 @@
 //!   enforced so that wrong credentials are refused as by AWS; a small fault-injecting TCP
 //!   proxy in front of it answers `503 SlowDown` with `Retry-After` once. The tests skip,
 //!   saying why, only when python3 or pip are unavailable.
-//! * Hugging Face: a local HTTP server laid out like the Hub (`/api/models/…/revision/…`
-//!   and `/…/resolve/…/file` with ranges), requiring a bearer token.
+//! * Hugging Face: a local HTTP server following the Hub's API (`/api/models/…/revision/…`
+//!   naming the commit, `/…/resolve/{branch or commit}/file` with ranges, a bearer token
+//!   required), which redirects LFS files with `302` to a second local server standing in
+//!   for the Hub's CDN (another port, so another origin, recording what it is sent). The
+//!   real Hub is not reachable from the test machines.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -79,13 +82,7 @@ async fn import(
         fetch,
         ..Default::default()
     };
-    tokio::time::timeout(
-        Duration::from_secs(120),
-        d.agent().await.unwrap().import_model(req),
-    )
-    .await
-    .expect("import must not hang")
-    .map(|r| r.into_inner())
+    import_with(d, req).await
 }
 
 fn manifest(resp: &ImportModelResponse) -> Manifest {
@@ -355,90 +352,13 @@ async fn s3_origin_outside_the_allow_list_is_refused_before_any_request() {
 
 const TOKEN: &str = "hf_right_token";
 
-/// A Hub-like server for repository `acme/tiny` at revision `main`, serving `dir`.
-struct Hub {
-    files: BTreeMap<String, Vec<u8>>,
-}
+/// The commit `main` names at first, and the one a push moves it to.
+const COMMIT_A: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f9012345678";
+const COMMIT_B: &str = "b2c3d4e5f60718293a4b5c6d7e8f90123456789a";
 
-impl Hub {
-    fn answer(&self, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
-        let reply = |status: StatusCode, body: Vec<u8>| {
-            let mut r = Response::new(Full::new(Bytes::from(body)));
-            *r.status_mut() = status;
-            r
-        };
-        let auth = req
-            .headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
-        if auth != Some(&format!("Bearer {TOKEN}")) {
-            return reply(
-                StatusCode::UNAUTHORIZED,
-                br#"{"error":"Invalid credentials in Authorization header"}"#.to_vec(),
-            );
-        }
-        let path = req.uri().path();
-        if let Some(rev) = path.strip_prefix("/api/models/acme/tiny/revision/") {
-            if rev != "main" {
-                return reply(
-                    StatusCode::NOT_FOUND,
-                    br#"{"error":"Invalid rev id"}"#.to_vec(),
-                );
-            }
-            let siblings: Vec<serde_json::Value> = self
-                .files
-                .iter()
-                .map(|(name, data)| {
-                    if name == "config.json" {
-                        // No size: the daemon asks with HEAD.
-                        serde_json::json!({ "rfilename": name })
-                    } else {
-                        serde_json::json!({ "rfilename": name, "size": data.len() })
-                    }
-                })
-                .collect();
-            let body =
-                serde_json::json!({ "id": "acme/tiny", "sha": "0123abcd", "siblings": siblings });
-            return reply(StatusCode::OK, serde_json::to_vec(&body).unwrap());
-        }
-        let Some(file) = path.strip_prefix("/acme/tiny/resolve/main/") else {
-            return reply(StatusCode::NOT_FOUND, b"{}".to_vec());
-        };
-        let Some(data) = self.files.get(file) else {
-            return reply(StatusCode::NOT_FOUND, b"{}".to_vec());
-        };
-        if req.method() == hyper::Method::HEAD {
-            let mut r = reply(StatusCode::OK, vec![]);
-            r.headers_mut()
-                .insert(hyper::header::CONTENT_LENGTH, data.len().into());
-            return r;
-        }
-        let Some(range) = req.headers().get(hyper::header::RANGE) else {
-            return reply(StatusCode::OK, data.clone());
-        };
-        let (a, b) = range
-            .to_str()
-            .unwrap()
-            .strip_prefix("bytes=")
-            .unwrap()
-            .split_once('-')
-            .unwrap();
-        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
-        if a >= data.len() {
-            return reply(StatusCode::RANGE_NOT_SATISFIABLE, vec![]);
-        }
-        let b = b.min(data.len() - 1);
-        let mut r = reply(StatusCode::PARTIAL_CONTENT, data[a..=b].to_vec());
-        r.headers_mut().insert(
-            hyper::header::CONTENT_RANGE,
-            format!("bytes {a}-{b}/{}", data.len()).parse().unwrap(),
-        );
-        r
-    }
-}
-
-/// Serves `dir` (plus a `.gitattributes`, which must be skipped) as `acme/tiny@main`.
-async fn hub(dir: &Path) -> String {
+/// Every file of a Hub repository holding `dir` (plus a `.gitattributes`, which must be
+/// skipped), by repository path.
+fn repo_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     let mut files = BTreeMap::new();
     for entry in [
         "config.json",
@@ -455,18 +375,84 @@ async fn hub(dir: &Path) -> String {
     }
     files.insert(
         ".gitattributes".into(),
-        b"*.safetensors filter=lfs".to_vec(),
+        b"*.safetensors filter=lfs diff=lfs merge=lfs -text".to_vec(),
     );
-    let hub = Arc::new(Hub { files });
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    files
+}
+
+/// Whether the Hub stores `path` in LFS (and so redirects its downloads to the CDN), as the
+/// repository's `.gitattributes` says.
+fn is_lfs(path: &str) -> bool {
+    path.ends_with(".safetensors")
+}
+
+/// The CDN's name for a file's content (the real one uses the LFS SHA-256; BLAKE3 stands in).
+fn oid(data: &[u8]) -> String {
+    shardcast_protocol::ModelDigest::of(data).to_hex()
+}
+
+/// `data` answered as a static file server does: `HEAD` with its length, a single `Range`
+/// with `206` (or `416`), else the whole file.
+fn file_response(req: &Request<hyper::body::Incoming>, data: &[u8]) -> Response<Full<Bytes>> {
+    let reply = |status: StatusCode, body: Vec<u8>| {
+        let mut r = Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = status;
+        r.headers_mut()
+            .insert(hyper::header::ACCEPT_RANGES, "bytes".parse().unwrap());
+        r
+    };
+    if req.method() == hyper::Method::HEAD {
+        let mut r = reply(StatusCode::OK, vec![]);
+        r.headers_mut()
+            .insert(hyper::header::CONTENT_LENGTH, data.len().into());
+        return r;
+    }
+    let Some(range) = req.headers().get(hyper::header::RANGE) else {
+        return reply(StatusCode::OK, data.to_vec());
+    };
+    let (a, b) = range
+        .to_str()
+        .unwrap()
+        .strip_prefix("bytes=")
+        .unwrap()
+        .split_once('-')
+        .unwrap();
+    let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+    if a >= data.len() {
+        return reply(StatusCode::RANGE_NOT_SATISFIABLE, vec![]);
+    }
+    let b = b.min(data.len() - 1);
+    let mut r = reply(StatusCode::PARTIAL_CONTENT, data[a..=b].to_vec());
+    r.headers_mut().insert(
+        hyper::header::CONTENT_RANGE,
+        format!("bytes {a}-{b}/{}", data.len()).parse().unwrap(),
+    );
+    r
+}
+
+fn plain(status: StatusCode, body: &[u8]) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::copy_from_slice(body)));
+    *r.status_mut() = status;
+    r
+}
+
+/// Serves HTTP/1.1 on `listener` with `answer`.
+fn serve<T, F>(listener: TcpListener, server: Arc<T>, answer: F)
+where
+    T: Send + Sync + 'static,
+    F: Fn(&T, &Request<hyper::body::Incoming>) -> Response<Full<Bytes>>
+        + Copy
+        + Send
+        + Sync
+        + 'static,
+{
     tokio::spawn(async move {
         loop {
             let (stream, _) = listener.accept().await.unwrap();
-            let hub = hub.clone();
+            let server = server.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |req| {
-                    let resp = hub.answer(&req);
+                    let resp = answer(&server, &req);
                     async move { Ok::<_, Infallible>(resp) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -475,13 +461,320 @@ async fn hub(dir: &Path) -> String {
             });
         }
     });
-    endpoint
+}
+
+/// One request the CDN received.
+#[derive(Debug)]
+struct CdnRequest {
+    method: String,
+    path: String,
+    authorization: Option<String>,
+    range: Option<String>,
+}
+
+/// A CDN-like server (on its own port, so another origin than the Hub) holding LFS objects
+/// by content, read through the pre-signed URLs the Hub redirects to (no token needed:
+/// the signature is the credential). Records every request with its `Authorization`.
+struct Cdn {
+    base: String,
+    objects: Mutex<BTreeMap<String, Vec<u8>>>,
+    requests: Mutex<Vec<CdnRequest>>,
+}
+
+impl Cdn {
+    async fn start() -> Arc<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let cdn = Arc::new(Self {
+            base: format!("http://{}", listener.local_addr().unwrap()),
+            objects: Mutex::default(),
+            requests: Mutex::default(),
+        });
+        serve(listener, cdn.clone(), Self::answer);
+        cdn
+    }
+
+    fn answer(&self, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        let header = |name| {
+            req.headers()
+                .get(name)
+                .map(|v| v.to_str().unwrap_or("<not text>").to_string())
+        };
+        self.requests.lock().unwrap().push(CdnRequest {
+            method: req.method().to_string(),
+            path: req.uri().path().to_string(),
+            authorization: header(hyper::header::AUTHORIZATION),
+            range: header(hyper::header::RANGE),
+        });
+        if !req.uri().query().unwrap_or("").contains("X-Amz-Signature=") {
+            return plain(
+                StatusCode::FORBIDDEN,
+                b"<Error><Code>AccessDenied</Code></Error>",
+            );
+        }
+        let Some(oid) = req.uri().path().strip_prefix("/repos/acme/tiny/") else {
+            return plain(
+                StatusCode::NOT_FOUND,
+                b"<Error><Code>NoSuchKey</Code></Error>",
+            );
+        };
+        match self.objects.lock().unwrap().get(oid) {
+            Some(data) => file_response(req, data),
+            None => plain(
+                StatusCode::NOT_FOUND,
+                b"<Error><Code>NoSuchKey</Code></Error>",
+            ),
+        }
+    }
+}
+
+/// A Hub-like server for repository `acme/tiny`, following the documented Hub API as far as
+/// transferd uses it:
+///
+/// * `GET /api/models/acme/tiny/revision/{rev}?blobs=true`: the commit `rev` names (`sha`)
+///   and its `siblings` (`rfilename`, `size`, and `blobId` and `lfs` for LFS files);
+/// * `GET`/`HEAD /acme/tiny/resolve/{rev}/{path}`, `rev` a branch (`main`) or a commit:
+///   a non-LFS file served directly (with `Range`, `ETag`, `X-Repo-Commit`); an LFS file,
+///   when a CDN is attached, answered `302 Found` with `Location` a pre-signed CDN URL,
+///   `X-Linked-Size`, `X-Linked-Etag` and `X-Repo-Commit`, as the Hub does.
+///
+/// Every request needs the bearer token. Each commit has its own files, so a file read from
+/// the wrong commit has the wrong bytes; `push` moves `main` right after a listing of it.
+struct Hub {
+    commits: BTreeMap<String, BTreeMap<String, Vec<u8>>>,
+    /// The commit `main` names now.
+    main: Mutex<String>,
+    /// Where `main` moves right after the next listing of it is answered.
+    push: Mutex<Option<String>>,
+    /// Whether listings carry `sha` (older servers and some mirrors send none).
+    with_sha: bool,
+    cdn: Option<Arc<Cdn>>,
+    /// Every request: method, path and whether it carried the token.
+    requests: Mutex<Vec<(String, String, bool)>>,
+}
+
+impl Hub {
+    /// Starts a Hub whose `main` names the first of `commits`, redirecting LFS downloads to
+    /// `cdn` when given. Returns it and its endpoint.
+    async fn start(
+        commits: Vec<(&str, BTreeMap<String, Vec<u8>>)>,
+        cdn: Option<Arc<Cdn>>,
+        with_sha: bool,
+    ) -> (Arc<Self>, String) {
+        if let Some(cdn) = &cdn {
+            let mut objects = cdn.objects.lock().unwrap();
+            for (_, files) in &commits {
+                for data in files.iter().filter(|(p, _)| is_lfs(p)).map(|(_, d)| d) {
+                    objects.insert(oid(data), data.clone());
+                }
+            }
+        }
+        let hub = Arc::new(Self {
+            main: Mutex::new(commits[0].0.to_string()),
+            commits: commits
+                .into_iter()
+                .map(|(c, files)| (c.to_string(), files))
+                .collect(),
+            push: Mutex::default(),
+            with_sha,
+            cdn,
+            requests: Mutex::default(),
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        serve(listener, hub.clone(), Self::answer);
+        (hub, endpoint)
+    }
+
+    /// The commit `rev` names: `main`'s, or a commit given by its id.
+    fn commit(&self, rev: &str) -> Option<String> {
+        if rev == "main" {
+            return Some(self.main.lock().unwrap().clone());
+        }
+        self.commits.contains_key(rev).then(|| rev.to_string())
+    }
+
+    /// Paths of the `resolve` requests received, only `GET`s unless `heads`.
+    fn resolved(&self, heads: bool) -> Vec<String> {
+        self.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(method, path, _)| path.contains("/resolve/") && (heads || method == "GET"))
+            .map(|(_, path, _)| path.clone())
+            .collect()
+    }
+
+    fn answer(&self, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        let auth = req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        let authorized = auth == Some(&format!("Bearer {TOKEN}"));
+        let path = req.uri().path().to_string();
+        self.requests
+            .lock()
+            .unwrap()
+            .push((req.method().to_string(), path.clone(), authorized));
+        if !authorized {
+            return plain(
+                StatusCode::UNAUTHORIZED,
+                br#"{"error":"Invalid credentials in Authorization header"}"#,
+            );
+        }
+        let rev_not_found = || {
+            let mut r = plain(StatusCode::NOT_FOUND, br#"{"error":"Invalid rev id"}"#);
+            r.headers_mut()
+                .insert("x-error-code", "RevisionNotFound".parse().unwrap());
+            r
+        };
+        if let Some(rev) = path.strip_prefix("/api/models/acme/tiny/revision/") {
+            let Some(commit) = self.commit(rev) else {
+                return rev_not_found();
+            };
+            let siblings: Vec<serde_json::Value> = self.commits[&commit]
+                .iter()
+                .map(|(name, data)| {
+                    if name == "config.json" {
+                        // No size: the daemon asks with HEAD.
+                        serde_json::json!({ "rfilename": name })
+                    } else if is_lfs(name) {
+                        serde_json::json!({
+                            "rfilename": name,
+                            "blobId": &oid(name.as_bytes())[..40],
+                            "size": data.len(),
+                            "lfs": { "sha256": oid(data), "size": data.len(), "pointerSize": 134 },
+                        })
+                    } else {
+                        serde_json::json!({
+                            "rfilename": name,
+                            "blobId": &oid(data)[..40],
+                            "size": data.len(),
+                        })
+                    }
+                })
+                .collect();
+            let mut body = serde_json::json!({
+                "_id": "0123456789abcdef01234567",
+                "id": "acme/tiny",
+                "modelId": "acme/tiny",
+                "private": true,
+                "sha": commit,
+                "siblings": siblings,
+            });
+            if !self.with_sha {
+                body.as_object_mut().unwrap().remove("sha");
+            }
+            if rev == "main"
+                && let Some(next) = self.push.lock().unwrap().take()
+            {
+                *self.main.lock().unwrap() = next;
+            }
+            let mut r = plain(StatusCode::OK, &serde_json::to_vec(&body).unwrap());
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                "application/json".parse().unwrap(),
+            );
+            return r;
+        }
+        let Some((rev, file)) = path
+            .strip_prefix("/acme/tiny/resolve/")
+            .and_then(|rest| rest.split_once('/'))
+        else {
+            return plain(StatusCode::NOT_FOUND, b"{}");
+        };
+        let Some(commit) = self.commit(rev) else {
+            return rev_not_found();
+        };
+        let Some(data) = self.commits[&commit].get(file) else {
+            let mut r = plain(StatusCode::NOT_FOUND, br#"{"error":"Entry not found"}"#);
+            r.headers_mut()
+                .insert("x-error-code", "EntryNotFound".parse().unwrap());
+            return r;
+        };
+        let etag = format!("\"{}\"", oid(data));
+        let mut r = match &self.cdn {
+            Some(cdn) if is_lfs(file) => {
+                let location = format!(
+                    "{}/repos/acme/tiny/{}?X-Amz-Expires=3600&X-Amz-Signature=f00d",
+                    cdn.base,
+                    oid(data)
+                );
+                let mut r = plain(StatusCode::FOUND, b"");
+                let h = r.headers_mut();
+                h.insert(hyper::header::LOCATION, location.parse().unwrap());
+                h.insert("x-linked-size", data.len().into());
+                h.insert("x-linked-etag", etag.parse().unwrap());
+                r
+            }
+            _ => {
+                let mut r = file_response(req, data);
+                r.headers_mut()
+                    .insert(hyper::header::ETAG, etag.parse().unwrap());
+                r
+            }
+        };
+        r.headers_mut()
+            .insert("x-repo-commit", commit.parse().unwrap());
+        r
+    }
+}
+
+/// Starts a Hub serving `dir` at commit [`COMMIT_A`] as `acme/tiny@main`, files served
+/// directly. Returns it and its endpoint.
+async fn hub(dir: &Path) -> (Arc<Hub>, String) {
+    Hub::start(vec![(COMMIT_A, repo_files(dir))], None, true).await
+}
+
+async fn import_with(
+    d: &Daemon,
+    req: ImportModelRequest,
+) -> Result<ImportModelResponse, tonic::Status> {
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        d.agent().await.unwrap().import_model(req),
+    )
+    .await
+    .expect("import must not hang")
+    .map(|r| r.into_inner())
+}
+
+/// Fetches the model `manifest` describes from `origin` without building a manifest (as a
+/// host does after the import: every read a ranged chunk read, verified).
+async fn fetch_known(
+    d: &Daemon,
+    origin: &str,
+    manifest: &ImportModelResponse,
+) -> Result<ImportModelResponse, tonic::Status> {
+    let req = ImportModelRequest {
+        name: "test/model".into(),
+        origin: origin.into(),
+        tier: Tier::Memory as i32,
+        fetch: true,
+        manifest: manifest.manifest.clone(),
+        ..Default::default()
+    };
+    import_with(d, req).await
+}
+
+/// Asserts every file was read (and sized, unless `heads` is false) from
+/// `resolve/{commit}/`, never by branch.
+fn assert_read_at(hub: &Hub, commit: &str) {
+    assert_read_at_with(hub, commit, true);
+}
+
+fn assert_read_at_with(hub: &Hub, commit: &str, heads: bool) {
+    let resolved = hub.resolved(heads);
+    assert!(!resolved.is_empty(), "no file was read");
+    let want = format!("/acme/tiny/resolve/{commit}/");
+    for path in &resolved {
+        assert!(path.starts_with(&want), "{path} is not read at {commit}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hf_origin_all_files_of_a_revision_with_a_token() {
     let dir = model_dir(12);
-    let endpoint = hub(dir.path()).await;
+    let (hub, endpoint) = hub(dir.path()).await;
     let file = file_uri(dir.path());
     let allow = ["hf://acme/tiny", file.as_str()];
     let no_token_file = tempfile::NamedTempFile::new().unwrap();
@@ -497,6 +790,8 @@ async fn hf_origin_all_files_of_a_revision_with_a_token() {
         "2 shards + index + config + tokenizer, no .gitattributes"
     );
     d.verify_copy(&manifest(&from_hf)).unwrap();
+    // Every file (and the HEAD for config.json) read at the commit `main` named.
+    assert_read_at(&hub, COMMIT_A);
     let from_file = import(&d, &file, false).await.unwrap();
     assert_eq!(from_hf.digest, from_file.digest);
     let default_rev = import(&d, "hf://acme/tiny", false).await.unwrap();
@@ -504,6 +799,7 @@ async fn hf_origin_all_files_of_a_revision_with_a_token() {
         default_rev.digest, from_file.digest,
         "no revision means main"
     );
+    assert_read_at(&hub, COMMIT_A);
 
     // An unknown revision.
     let e = import(&d, "hf://acme/tiny@nope", false).await.unwrap_err();
@@ -550,6 +846,206 @@ async fn hf_origin_all_files_of_a_revision_with_a_token() {
             "{e:?}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hf_origin_weights_come_from_the_cdn_without_the_token() {
+    let dir = model_dir(13);
+    let cdn = Cdn::start().await;
+    let (hub, endpoint) = Hub::start(
+        vec![(COMMIT_A, repo_files(dir.path()))],
+        Some(cdn.clone()),
+        true,
+    )
+    .await;
+    let file = file_uri(dir.path());
+    // The CDN is plain HTTP on loopback: allowed as a redirect target only by being listed.
+    let cdn_prefix = format!("{}/", cdn.base);
+    let allow = ["hf://acme/tiny", file.as_str(), cdn_prefix.as_str()];
+    let env = [("HF_ENDPOINT", endpoint.as_str()), ("HF_TOKEN", TOKEN)];
+
+    // The import: each weight file streamed whole from the CDN after the Hub's 302.
+    let scratch = tempfile::tempdir().unwrap();
+    let d = daemon(&scratch, &allow, &env).await;
+    let from_hf = import(&d, "hf://acme/tiny@main", true).await.unwrap();
+    d.verify_copy(&manifest(&from_hf)).unwrap();
+    let from_file = import(&d, &file, false).await.unwrap();
+    assert_eq!(from_hf.digest, from_file.digest);
+    drop(d);
+
+    // Another host fetching the model by its manifest: ranged chunk reads, redirected too.
+    let scratch = tempfile::tempdir().unwrap();
+    let d = daemon(&scratch, &allow, &env).await;
+    let fetched = fetch_known(&d, "hf://acme/tiny@main", &from_hf)
+        .await
+        .unwrap();
+    assert_eq!(fetched.digest, from_hf.digest);
+    d.verify_copy(&manifest(&from_hf)).unwrap();
+
+    assert_read_at(&hub, COMMIT_A);
+    let hub_requests = hub.requests.lock().unwrap();
+    assert!(
+        hub_requests.iter().all(|(_, _, token)| *token),
+        "every Hub request carried the token: {hub_requests:?}"
+    );
+    let weights = hub_requests
+        .iter()
+        .filter(|(_, path, _)| path.contains("/resolve/") && is_lfs(path))
+        .count();
+    assert!(weights >= 2, "the weights were asked of the Hub first");
+    let cdn_requests = cdn.requests.lock().unwrap();
+    assert!(
+        cdn_requests
+            .iter()
+            .filter(|r| r.method == "GET" && r.range.is_none())
+            .count()
+            >= 2,
+        "the import streamed both weight files from the CDN: {cdn_requests:?}"
+    );
+    assert!(
+        cdn_requests
+            .iter()
+            .any(|r| r.method == "GET" && r.range.is_some()),
+        "chunk reads went to the CDN with their ranges: {cdn_requests:?}"
+    );
+    for r in cdn_requests.iter() {
+        assert!(
+            r.path.starts_with("/repos/acme/tiny/"),
+            "unexpected CDN request {r:?}"
+        );
+        assert_eq!(r.authorization, None, "the token reached the CDN: {r:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hf_origin_redirect_outside_the_allow_list_is_refused() {
+    let dir = model_dir(14);
+    let cdn = Cdn::start().await;
+    let (_hub, endpoint) = Hub::start(
+        vec![(COMMIT_A, repo_files(dir.path()))],
+        Some(cdn.clone()),
+        true,
+    )
+    .await;
+    // The Hub is allowed; the plain-HTTP loopback CDN it redirects to is not.
+    let scratch = tempfile::tempdir().unwrap();
+    let env = [("HF_ENDPOINT", endpoint.as_str()), ("HF_TOKEN", TOKEN)];
+    let d = daemon(&scratch, &["hf://acme/tiny"], &env).await;
+    let e = import(&d, "hf://acme/tiny@main", true).await.unwrap_err();
+    eprintln!("redirect refused: {}", e.message());
+    assert!(
+        e.message().contains("redirect refused")
+            && e.message().contains(&cdn.base)
+            && e.message().contains("outside the origin allow-list"),
+        "{e:?}"
+    );
+    assert!(shardcast_tests::metric(&d, "origin_refused_total").await >= 1);
+    assert!(
+        cdn.requests.lock().unwrap().is_empty(),
+        "nothing was asked of the CDN"
+    );
+    let held = d
+        .agent()
+        .await
+        .unwrap()
+        .list_holdings(shardcast_protocol::agent::ListHoldingsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(held.models.is_empty(), "nothing was imported: {held:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hf_origin_reads_one_commit_while_the_branch_moves() {
+    let dir = model_dir(15);
+    let first = repo_files(dir.path());
+    // The next commit: every weight byte changed, config.json longer.
+    let mut next = first.clone();
+    for (path, data) in next.iter_mut() {
+        if is_lfs(path) {
+            data.iter_mut().for_each(|b| *b ^= 0x5a);
+        }
+    }
+    next.insert(
+        "config.json".into(),
+        br#"{"model_type": "llama", "revision": 2}"#.to_vec(),
+    );
+    let cdn = Cdn::start().await;
+    let (hub, endpoint) = Hub::start(
+        vec![(COMMIT_A, first), (COMMIT_B, next)],
+        Some(cdn.clone()),
+        true,
+    )
+    .await;
+    let file = file_uri(dir.path());
+    let cdn_prefix = format!("{}/", cdn.base);
+    let allow = ["hf://acme/tiny", file.as_str(), cdn_prefix.as_str()];
+    let env = [("HF_ENDPOINT", endpoint.as_str()), ("HF_TOKEN", TOKEN)];
+
+    // `main` moves to the next commit right after the import listed it: the manifest is
+    // still the first commit's, every file read from it.
+    *hub.push.lock().unwrap() = Some(COMMIT_B.into());
+    let scratch = tempfile::tempdir().unwrap();
+    let d = daemon(&scratch, &allow, &env).await;
+    let built = import(&d, "hf://acme/tiny@main", false).await.unwrap();
+    assert_eq!(*hub.main.lock().unwrap(), COMMIT_B, "main moved");
+    let from_file = import(&d, &file, false).await.unwrap();
+    assert_eq!(built.digest, from_file.digest, "the first commit's model");
+    assert_read_at(&hub, COMMIT_A);
+
+    // Fetching it later on the same host: from the commit it was built from, although
+    // `main` names another now.
+    let fetched = fetch_known(&d, "hf://acme/tiny@main", &built)
+        .await
+        .unwrap();
+    assert_eq!(fetched.digest, built.digest);
+    d.verify_copy(&manifest(&built)).unwrap();
+    assert_read_at(&hub, COMMIT_A);
+    drop(d);
+
+    // A host that did not build it finds `main` moved: a clear error, nothing mixed in.
+    let scratch = tempfile::tempdir().unwrap();
+    let d = daemon(&scratch, &allow, &env).await;
+    let e = fetch_known(&d, "hf://acme/tiny@main", &built)
+        .await
+        .unwrap_err();
+    eprintln!("moved branch: {}", e.message());
+    assert!(
+        e.message()
+            .contains(&format!("hf://acme/tiny@main now names commit {COMMIT_B}"))
+            && e.message().contains("config.json is")
+            && e.message().contains("the revision moved"),
+        "{e:?}"
+    );
+    // It sized config.json at the new commit (HEAD) but read nothing from it.
+    assert_read_at_with(&hub, COMMIT_A, false);
+    // Naming the commit reads it.
+    let pinned = format!("hf://acme/tiny@{COMMIT_A}");
+    let fetched = fetch_known(&d, &pinned, &built).await.unwrap();
+    assert_eq!(fetched.digest, built.digest);
+    d.verify_copy(&manifest(&built)).unwrap();
+    assert_read_at_with(&hub, COMMIT_A, false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hf_origin_listing_without_a_commit_reads_by_revision() {
+    let dir = model_dir(16);
+    let (hub, endpoint) = Hub::start(vec![(COMMIT_A, repo_files(dir.path()))], None, false).await;
+    let file = file_uri(dir.path());
+    let allow = ["hf://acme/tiny", file.as_str()];
+    let scratch = tempfile::tempdir().unwrap();
+    let env = [("HF_ENDPOINT", endpoint.as_str()), ("HF_TOKEN", TOKEN)];
+    let d = daemon(&scratch, &allow, &env).await;
+    let from_hf = import(&d, "hf://acme/tiny@main", true).await.unwrap();
+    d.verify_copy(&manifest(&from_hf)).unwrap();
+    let from_file = import(&d, &file, false).await.unwrap();
+    assert_eq!(from_hf.digest, from_file.digest);
+    assert_read_at(&hub, "main");
+    let log = std::fs::read_to_string(&d.log).unwrap();
+    assert!(
+        log.contains("names no commit") && log.contains("reading files by revision main"),
+        "the daemon says it reads by revision: {log}"
+    );
 }
 
 // ---------------------------------------------------------------- the `origin` benchmark
