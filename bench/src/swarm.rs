@@ -542,6 +542,7 @@ impl Agent for SimAgent {
             // A registration's `keep` is not simulated: the copy is only "held" once
             // fetched, so the controller plans the first prewarm from the origin.
             kept: req.fetch,
+            resolved_origin: String::new(),
         }))
     }
 

@@ -84,7 +84,7 @@ impl Controller {
         // the origin. A host that holds the data already fetches nothing.
         let source_of = |n: usize| match holders.get(n % holders.len().max(1)) {
             Some(addr) => format!("shardcast://{addr}"),
-            None => m.origin.clone(),
+            None => m.reads_from().to_string(),
         };
         let heaviness = self.heaviness_of(&m.digest);
         let mut parts = Vec::new();
@@ -100,7 +100,14 @@ impl Controller {
             let source = source_of(n);
             match self
                 .start_part(
-                    &host, &m.name, &m.digest, &m.origin, &manifest, &part, &source, &heaviness,
+                    &host,
+                    &m.name,
+                    &m.digest,
+                    m.reads_from(),
+                    &manifest,
+                    &part,
+                    &source,
+                    &heaviness,
                 )
                 .await
             {
@@ -133,7 +140,13 @@ impl Controller {
                     .join("; "),
             });
         }
-        let id = self.track_burst(&m.name, &m.digest, &m.origin, plan.cold_start_s, &hosts)?;
+        let id = self.track_burst(
+            &m.name,
+            &m.digest,
+            m.reads_from(),
+            plan.cold_start_s,
+            &hosts,
+        )?;
         info!(plan = %id, model = %m.name, replicas, partitions, sources = holders.len(), cold_start_s = plan.cold_start_s, "burst started");
         Ok((
             Accepted {

@@ -148,9 +148,23 @@ pub struct ModelRecord {
     /// Registered profile (JSON of `shardcast_policies::profile::ModelProfile`).
     #[serde(default)]
     pub profile: Option<String>,
+    /// The origin pinned to the version that was registered, where `origin` names a
+    /// movable one (`hf://org/name@<commit>` for a Hub branch): what plans, bursts and
+    /// recovery read from. Empty: `origin` itself.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub read_origin: String,
 }
 
 impl ModelRecord {
+    /// The origin hosts read this version from: [`Self::read_origin`], else `origin`.
+    pub fn reads_from(&self) -> &str {
+        if self.read_origin.is_empty() {
+            &self.origin
+        } else {
+            &self.read_origin
+        }
+    }
+
     /// Reads a stored record; a version this controller does not know is an error naming
     /// it, not a guess.
     pub fn read(bytes: &[u8]) -> Result<Self, String> {
@@ -835,7 +849,7 @@ impl Controller {
                 resp.digest
             )));
         }
-        let record = ModelRecord {
+        let mut record = ModelRecord {
             version: model_record_version(),
             name: name.to_string(),
             digest: digest.clone(),
@@ -849,13 +863,26 @@ impl Controller {
                 .collect(),
             registered_at: now_unix(),
             profile: profile_json,
+            read_origin: String::new(),
         };
+        if !resp.resolved_origin.is_empty() {
+            match pinned_origin(&record.origin, &resp.resolved_origin) {
+                Some(pinned) if self.cfg.origins.check(&pinned).is_ok() => {
+                    info!(model = %name, origin = %record.origin, reads_from = %pinned, "origin pinned to the version registered");
+                    record.read_origin = pinned;
+                }
+                _ => {
+                    warn!(model = %name, origin = %record.origin, resolved = %resp.resolved_origin, via = %via, "ignoring a resolved origin that is not the same repository at a commit, or is outside the allow-list");
+                }
+            }
+        }
         let with_profile = record.profile.is_some();
         let info = {
             let mut st = lock(&self.state);
             if let Some(old) = st.models.get(name.as_str())
                 && old.digest == digest
                 && old.origin == record.origin
+                && old.read_origin == record.read_origin
                 && old.profile == record.profile
             {
                 return Ok(old.info(Some(&resp.manifest)));
@@ -1228,7 +1255,7 @@ impl Controller {
                 tier,
                 PlanKind::Chains,
                 hosts.clone(),
-                model.origin.clone(),
+                model.reads_from().to_string(),
                 now_unix(),
             )
         };
@@ -1980,6 +2007,18 @@ impl Controller {
     }
 }
 
+/// The pinned form of `origin` a host resolved it to, if it is one: the same Hub
+/// repository (`hf://org/name`, with or without `@revision`) at a full commit hash
+/// (`@` and 40 or 64 hex digits). Anything else is not taken from a host.
+fn pinned_origin(origin: &str, resolved: &str) -> Option<String> {
+    let repo = origin.strip_prefix("hf://")?;
+    let repo = repo.split_once('@').map_or(repo, |(r, _)| r);
+    let (resolved_repo, commit) = resolved.strip_prefix("hf://")?.split_once('@')?;
+    let is_commit =
+        matches!(commit.len(), 40 | 64) && commit.bytes().all(|b| b.is_ascii_hexdigit());
+    (resolved_repo == repo && is_commit).then(|| resolved.to_string())
+}
+
 /// GPU slots reserved for `digest` on live hosts.
 pub(crate) fn gpu_reserved(st: &State, digest: &str) -> u32 {
     st.hosts
@@ -2165,6 +2204,43 @@ pub fn parse_profile(json: &str) -> Result<shardcast_policies::profile::ModelPro
 #[cfg(test)]
 mod receiver_index_tests {
     use super::*;
+
+    #[test]
+    fn only_the_same_hub_repository_at_a_full_commit_is_taken_as_the_pinned_origin() {
+        let sha1 = "0123456789abcdef0123456789abcdef01234567";
+        let sha256 = "ab".repeat(32);
+        let pinned = format!("hf://acme/tiny@{sha1}");
+        for origin in [
+            "hf://acme/tiny",
+            "hf://acme/tiny@main",
+            "hf://acme/tiny@v1.0",
+        ] {
+            assert_eq!(
+                pinned_origin(origin, &pinned).as_deref(),
+                Some(pinned.as_str())
+            );
+        }
+        let long = format!("hf://acme/tiny@{sha256}");
+        assert!(pinned_origin("hf://acme/tiny@main", &long).is_some());
+        for resolved in [
+            format!("hf://acme/other@{sha1}"),         // another repository
+            format!("hf://acme/tiny-2@{sha1}"),        // a longer name
+            "hf://acme/tiny@main".to_string(),         // not a commit
+            format!("hf://acme/tiny@{}", &sha1[1..]),  // too short
+            format!("hf://acme/tiny@{}g", &sha1[1..]), // not hex
+            format!("file:///acme/tiny@{sha1}"),       // another scheme
+            "hf://acme/tiny".to_string(),              // no commit
+        ] {
+            assert_eq!(
+                pinned_origin("hf://acme/tiny@main", &resolved),
+                None,
+                "{resolved}"
+            );
+        }
+        // Only Hub origins are pinned.
+        assert_eq!(pinned_origin("file:///m/", &pinned), None);
+        assert_eq!(pinned_origin("https://h/m/", &pinned), None);
+    }
 
     #[test]
     fn model_records_are_versioned_and_unversioned_ones_still_load() {

@@ -837,6 +837,7 @@ mod tests {
             shards: vec![("a.safetensors".into(), 10, 1)],
             registered_at: 1.0,
             profile: None,
+            read_origin: String::new(),
         })
         .unwrap()
     }

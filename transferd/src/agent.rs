@@ -326,6 +326,7 @@ impl Agent for AgentService {
             total_bytes: manifest.total_bytes(),
             shards: manifest.shards.len() as u32,
             kept,
+            resolved_origin: origin.resolved_uri().unwrap_or_default(),
         }))
     }
 

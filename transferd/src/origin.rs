@@ -495,6 +495,18 @@ impl Origin {
         &self.inner.uri
     }
 
+    /// The URI that names exactly what this origin has read, where the origin can name an
+    /// immutable version and it differs from the URI given: `hf://org/name@<commit>` for a
+    /// Hub revision (a branch or tag) once listed. `None` for every other origin.
+    pub fn resolved_uri(&self) -> Option<String> {
+        match &self.inner.source {
+            Source::Hf(hf) => hf
+                .resolved_uri()
+                .filter(|resolved| *resolved != self.inner.uri),
+            _ => None,
+        }
+    }
+
     /// Payload bytes read from the origin so far (manifest hashing and range reads).
     pub fn bytes_read(&self) -> u64 {
         self.inner.bytes_read.load(Ordering::Relaxed)

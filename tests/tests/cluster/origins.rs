@@ -989,8 +989,14 @@ async fn hf_origin_reads_one_commit_while_the_branch_moves() {
     let d = daemon(&scratch, &allow, &env).await;
     let built = import(&d, "hf://acme/tiny@main", false).await.unwrap();
     assert_eq!(*hub.main.lock().unwrap(), COMMIT_B, "main moved");
+    // The answer names the commit it read, for the controller to record.
+    assert_eq!(built.resolved_origin, format!("hf://acme/tiny@{COMMIT_A}"));
     let from_file = import(&d, &file, false).await.unwrap();
     assert_eq!(built.digest, from_file.digest, "the first commit's model");
+    assert_eq!(
+        from_file.resolved_origin, "",
+        "a directory names no version"
+    );
     assert_read_at(&hub, COMMIT_A);
 
     // Fetching it later on the same host: from the commit it was built from, although
@@ -1096,4 +1102,73 @@ async fn origin_benchmark_reads_every_server_byte_exact() {
     }
     let json = serde_json::to_value(&report).unwrap();
     assert!(json["runs"][0]["fetch_mb_per_s"].is_number(), "{json}");
+}
+
+/// Through the controller: registering `hf://org/name@main` records the commit the
+/// registering host read (`read_origin`), and every later read goes there. `main` moves
+/// right after the registration's listing; a prewarm whose receivers each download from
+/// the origin still gets the registered version, byte-exact, read at the first commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hf_registration_pins_the_commit_for_every_later_read() {
+    use shardcast_bench::control::{ManagedCluster, wait_plan};
+    use shardcast_protocol::controller::{PrewarmRequest, RegisterModelRequest};
+    let dir = model_dir(17);
+    let first = repo_files(dir.path());
+    let mut next = first.clone();
+    for (path, data) in next.iter_mut() {
+        if is_lfs(path) {
+            data.iter_mut().for_each(|b| *b ^= 0x5a);
+        }
+    }
+    let (hub, endpoint) = Hub::start(vec![(COMMIT_A, first), (COMMIT_B, next)], None, true).await;
+    let allow = shardcast_tests::allow_args(&["hf://acme/tiny"]);
+    let mut ctl_args = allow.clone();
+    ctl_args.extend(["--register-keep-copy".into(), "false".into()]);
+    let c = ManagedCluster::start(2, ctl_args, |_, o| {
+        o.extra_args.extend(allow.clone());
+        o.env = vec![
+            ("HF_ENDPOINT".into(), endpoint.clone()),
+            ("HF_TOKEN".into(), TOKEN.into()),
+        ];
+    })
+    .await
+    .unwrap();
+    let mut api = c.controller.client().await.unwrap();
+    *hub.push.lock().unwrap() = Some(COMMIT_B.into());
+    let info = api
+        .register_model(RegisterModelRequest {
+            name: "acme/tiny".into(),
+            origin: "hf://acme/tiny@main".into(),
+            chunk_size: 256 << 10,
+            via_host: c.daemons[0].host_id.to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(*hub.main.lock().unwrap(), COMMIT_B, "main moved");
+    // The registry keeps the origin as given; hosts read the commit.
+    assert_eq!(info.origin, "hf://acme/tiny@main");
+    let manifest: Manifest = shardcast_protocol::codec::decode_exact(info.manifest.into()).unwrap();
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: "acme/tiny".into(),
+            hosts: c.daemons.iter().map(|d| d.host_id.to_string()).collect(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
+            sources: "origin".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // Every file request, the registration's and each receiver's, at the first commit
+    // (without the pin a receiver lists `main`, now the second commit, and fails).
+    assert_read_at_with(&hub, COMMIT_A, false);
 }

@@ -91,6 +91,8 @@ pub(super) struct HfSource {
     key: String,
     /// `org/name@revision`, for messages.
     repo: String,
+    /// `org/name`.
+    id: String,
 }
 
 /// A revision listing, as far as it is used.
@@ -184,7 +186,16 @@ impl HfSource {
             commit: OnceLock::new(),
             key,
             repo: format!("{org}/{name}@{revision}"),
+            id: format!("{org}/{name}"),
         })
+    }
+
+    /// `hf://org/name@<commit>` once the revision resolved to a commit: the URI that reads
+    /// exactly what this origin read, whatever the branch does later.
+    pub(super) fn resolved_uri(&self) -> Option<String> {
+        self.commit
+            .get()
+            .map(|commit| format!("hf://{}@{commit}", self.id))
     }
 
     /// What files are read from: the commit once resolved, else the revision.
