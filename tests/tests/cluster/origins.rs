@@ -386,6 +386,17 @@ fn is_lfs(path: &str) -> bool {
     path.ends_with(".safetensors")
 }
 
+/// The next commit of a repository: every weight (LFS) byte changed, at the same sizes.
+fn weights_changed(files: &BTreeMap<String, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
+    let mut next = files.clone();
+    for (path, data) in next.iter_mut() {
+        if is_lfs(path) {
+            data.iter_mut().for_each(|b| *b ^= 0x5a);
+        }
+    }
+    next
+}
+
 /// The CDN's name for a file's content (the real one uses the LFS SHA-256; BLAKE3 stands in).
 fn oid(data: &[u8]) -> String {
     shardcast_protocol::ModelDigest::of(data).to_hex()
@@ -960,12 +971,7 @@ async fn hf_origin_reads_one_commit_while_the_branch_moves() {
     let dir = model_dir(15);
     let first = repo_files(dir.path());
     // The next commit: every weight byte changed, config.json longer.
-    let mut next = first.clone();
-    for (path, data) in next.iter_mut() {
-        if is_lfs(path) {
-            data.iter_mut().for_each(|b| *b ^= 0x5a);
-        }
-    }
+    let mut next = weights_changed(&first);
     next.insert(
         "config.json".into(),
         br#"{"model_type": "llama", "revision": 2}"#.to_vec(),
@@ -1114,12 +1120,7 @@ async fn hf_registration_pins_the_commit_for_every_later_read() {
     use shardcast_protocol::controller::{PrewarmRequest, RegisterModelRequest};
     let dir = model_dir(17);
     let first = repo_files(dir.path());
-    let mut next = first.clone();
-    for (path, data) in next.iter_mut() {
-        if is_lfs(path) {
-            data.iter_mut().for_each(|b| *b ^= 0x5a);
-        }
-    }
+    let next = weights_changed(&first);
     let (hub, endpoint) = Hub::start(vec![(COMMIT_A, first), (COMMIT_B, next)], None, true).await;
     let allow = shardcast_tests::allow_args(&["hf://acme/tiny"]);
     let mut ctl_args = allow.clone();
