@@ -859,20 +859,28 @@ async fn hf_origin_all_files_of_a_revision_with_a_token() {
     }
 }
 
+/// A Hub serving `commits` (listings with `sha`) whose weight files redirect to a new CDN;
+/// also the Hub's endpoint, and the allow-list entries a daemon needs to import through
+/// both: the repository and the CDN's prefix (plain HTTP on loopback: a redirect target only
+/// when listed), then `extra`.
+async fn hub_with_cdn(
+    commits: Vec<(&str, BTreeMap<String, Vec<u8>>)>,
+    extra: &[&str],
+) -> (Arc<Hub>, String, Arc<Cdn>, Vec<String>) {
+    let cdn = Cdn::start().await;
+    let (hub, endpoint) = Hub::start(commits, Some(cdn.clone()), true).await;
+    let mut allow = vec!["hf://acme/tiny".to_string(), format!("{}/", cdn.base)];
+    allow.extend(extra.iter().map(|s| s.to_string()));
+    (hub, endpoint, cdn, allow)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hf_origin_weights_come_from_the_cdn_without_the_token() {
     let dir = model_dir(13);
-    let cdn = Cdn::start().await;
-    let (hub, endpoint) = Hub::start(
-        vec![(COMMIT_A, repo_files(dir.path()))],
-        Some(cdn.clone()),
-        true,
-    )
-    .await;
     let file = file_uri(dir.path());
-    // The CDN is plain HTTP on loopback: allowed as a redirect target only by being listed.
-    let cdn_prefix = format!("{}/", cdn.base);
-    let allow = ["hf://acme/tiny", file.as_str(), cdn_prefix.as_str()];
+    let (hub, endpoint, cdn, allow) =
+        hub_with_cdn(vec![(COMMIT_A, repo_files(dir.path()))], &[&file]).await;
+    let allow: Vec<&str> = allow.iter().map(String::as_str).collect();
     let env = [("HF_ENDPOINT", endpoint.as_str()), ("HF_TOKEN", TOKEN)];
 
     // The import: each weight file streamed whole from the CDN after the Hub's 302.
@@ -976,16 +984,10 @@ async fn hf_origin_reads_one_commit_while_the_branch_moves() {
         "config.json".into(),
         br#"{"model_type": "llama", "revision": 2}"#.to_vec(),
     );
-    let cdn = Cdn::start().await;
-    let (hub, endpoint) = Hub::start(
-        vec![(COMMIT_A, first), (COMMIT_B, next)],
-        Some(cdn.clone()),
-        true,
-    )
-    .await;
     let file = file_uri(dir.path());
-    let cdn_prefix = format!("{}/", cdn.base);
-    let allow = ["hf://acme/tiny", file.as_str(), cdn_prefix.as_str()];
+    let (hub, endpoint, _cdn, allow) =
+        hub_with_cdn(vec![(COMMIT_A, first), (COMMIT_B, next)], &[&file]).await;
+    let allow: Vec<&str> = allow.iter().map(String::as_str).collect();
     let env = [("HF_ENDPOINT", endpoint.as_str()), ("HF_TOKEN", TOKEN)];
 
     // `main` moves to the next commit right after the import listed it: the manifest is
