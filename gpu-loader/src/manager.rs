@@ -712,8 +712,9 @@ impl GpuManager {
 
     /// Picks GPUs (indices into `devices`): explicit ones as given; else the first by
     /// Torpor's Algorithm 1 (a GPU whose PCIe-switch neighbour is not loading a heavy
-    /// model, …), falling back to the most free memory when no GPU has room (eviction
-    /// follows); then siblings by NVLink rate to the first, then free memory.
+    /// model, …) among the GPUs that are not busy ([`Self::busy_gpus`]), then among all,
+    /// falling back to the most free memory when no GPU has room (eviction follows); then
+    /// siblings: not busy first, then by NVLink rate to the first, then free memory.
     fn choose(
         &self,
         count: usize,
@@ -743,8 +744,24 @@ impl GpuManager {
         let topo = self.topology();
         let states = self.load_states();
         let free = |i: usize| lock(&self.pools[i]).free();
-        let (first, reason) = match gpu_choice::choose_gpu(&topo, &states, model, bytes, heaviness)
-        {
+        // GPUs another process mostly holds (an engine runs there) are chosen only when no
+        // other GPU will do.
+        let busy: HashSet<u32> = self.busy_gpus().into_iter().collect();
+        let is_busy = |i: usize| busy.contains(&self.devices[i].info().index);
+        let not_busy: Vec<GpuLoadState> = states
+            .iter()
+            .filter(|s| !busy.contains(&s.gpu))
+            .cloned()
+            .collect();
+        let choice = match gpu_choice::choose_gpu(&topo, &not_busy, model, bytes, heaviness) {
+            Some(mut c) if !busy.is_empty() => {
+                c.reason = format!("{} (busy GPUs {busy:?} left alone)", c.reason);
+                Some(c)
+            }
+            Some(c) => Some(c),
+            None => gpu_choice::choose_gpu(&topo, &states, model, bytes, heaviness),
+        };
+        let (first, reason) = match choice {
             Some(c) => match pos(c.gpu) {
                 Some(i) => (i, c.reason),
                 None => (0, "policy chose an unknown GPU; first GPU".into()),
@@ -766,8 +783,9 @@ impl GpuManager {
                 topo.nvlink_gbps(first_gpu, self.devices[i].info().index)
                     .unwrap_or(0.0)
             };
-            link(b)
-                .total_cmp(&link(a))
+            is_busy(a)
+                .cmp(&is_busy(b))
+                .then(link(b).total_cmp(&link(a)))
                 .then(free(b).cmp(&free(a)))
                 .then(a.cmp(&b))
         });

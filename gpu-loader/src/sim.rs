@@ -60,7 +60,15 @@ pub struct SimOptions {
     /// The host NUMA node the devices report ([`DeviceInfo::numa_node`]), so loads place
     /// their fillers and staging buffers on it; `None` by default.
     pub numa_node: Option<u32>,
+    /// The first `busy` devices start with [`SIM_BUSY_SHARE`] of their memory held by
+    /// "another process" ([`SimDevice::set_external_use`]), as an inference engine the
+    /// platform started itself would hold it. Default 0.
+    pub busy: u32,
 }
+
+/// The share of a busy simulated device's memory another process holds: what vLLM claims
+/// by default (`gpu_memory_utilization` 0.9).
+pub const SIM_BUSY_SHARE: f64 = 0.9;
 
 impl SimOptions {
     /// `gpus` devices of `memory_bytes` each in `dir`, PCIe 4.0-like and NVLink-like rates
@@ -76,6 +84,7 @@ impl SimOptions {
             refuse_registration: false,
             pin_bps: 0,
             numa_node: None,
+            busy: 0,
         }
     }
 }
@@ -245,7 +254,11 @@ pub fn devices(opts: &SimOptions) -> Result<Vec<Arc<SimDevice>>, GpuError> {
             info,
             dir: opts.dir.clone(),
             regions: Mutex::default(),
-            external: AtomicU64::new(0),
+            external: AtomicU64::new(if i < opts.busy {
+                (opts.memory_bytes as f64 * SIM_BUSY_SHARE) as u64
+            } else {
+                0
+            }),
             refuse_registration: AtomicBool::new(opts.refuse_registration),
             registrations_left: AtomicU64::new(u64::MAX),
             pin_bps: opts.pin_bps,

@@ -199,6 +199,29 @@ fn a_gpu_that_other_processes_mostly_hold_is_busy_unless_it_holds_a_model_of_our
 }
 
 #[test]
+fn a_new_model_goes_to_a_gpu_that_is_not_busy_and_to_a_busy_one_only_when_nothing_else_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = manager(dir.path(), 2, 100 * MIB as u64);
+    // An engine holds 55% of GPU 0 (busy, 45 MiB free); GPU 1 is empty. Without the
+    // preference, Algorithm 1 would take the lower index.
+    set_external_use(&m, 0, 55 * MIB as u64);
+    assert_eq!(m.busy_gpus(), [0]);
+    let load = |name: &str, bytes: usize, seed: u8| {
+        let src = source(bytes, seed);
+        src.deliver(0, None);
+        let gpus = m.start(request(name, Heaviness::Medium, &[]), src).unwrap();
+        until_resident(&m, name);
+        gpus
+    };
+    assert_eq!(load("second", 20 * MIB, 2), [1]);
+    // Another engine takes 45% of GPU 1 (not busy: under half). A 40 MiB model fits only
+    // the busy GPU 0 (45 MiB free; GPU 1 has 35): it goes there rather than being refused.
+    set_external_use(&m, 1, 45 * MIB as u64);
+    assert_eq!(m.busy_gpus(), [0]);
+    assert_eq!(load("third", 40 * MIB, 3), [0]);
+}
+
+#[test]
 fn a_loading_model_is_never_evicted_and_the_error_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let m = manager(dir.path(), 1, 100 * MIB as u64);

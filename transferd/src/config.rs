@@ -180,6 +180,11 @@ pub struct Args {
     /// Peer rate between simulated GPUs, 0 for none [default: 8GB/s].
     #[arg(long, env = "SHARDCAST_SIM_NVLINK_RATE")]
     pub sim_nvlink_rate: Option<String>,
+    /// The first N simulated GPUs start with 90% of their memory held by another process,
+    /// as an inference engine started outside shardcast would hold it; they are reported
+    /// busy [default: 0].
+    #[arg(long, env = "SHARDCAST_SIM_GPUS_BUSY")]
+    pub sim_gpus_busy: Option<u32>,
     /// The most memory this host takes on each GPU for models: a share (0.8, 80%) or a size
     /// per GPU (60GiB). A cap, not a reservation: nothing is allocated at start, a model's
     /// region is allocated when it loads and freed when it is evicted [default: 0.8].
@@ -344,6 +349,7 @@ struct FileConfig {
     sim_gpu_memory: Option<String>,
     sim_pcie_rate: Option<String>,
     sim_nvlink_rate: Option<String>,
+    sim_gpus_busy: Option<u32>,
     gpu_budget: Option<BudgetValue>,
     gpu_budget_fraction: Option<f64>,
     gpu_auto_evict: Option<bool>,
@@ -783,6 +789,14 @@ impl Config {
                         args.sim_nvlink_rate.or(file.sim_nvlink_rate),
                     )?
                     .unwrap_or(8_000_000_000);
+                    o.busy = args.sim_gpus_busy.or(file.sim_gpus_busy).unwrap_or(0);
+                    if o.busy > o.gpus {
+                        bail!(
+                            "sim_gpus_busy ({}) cannot exceed sim_gpus ({})",
+                            o.busy,
+                            o.gpus
+                        );
+                    }
                     BackendChoice::Simulated(o)
                 }
                 other => bail!("gpu_backend must be auto, cuda, simulated or none, got {other:?}"),

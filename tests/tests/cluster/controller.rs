@@ -1025,6 +1025,52 @@ async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
     gpu_copy_elsewhere_becomes(&c.daemons[0], &digest, false).await;
 }
 
+/// A GPU that another process mostly holds (an engine the platform started: here a
+/// simulated GPU with 90% of its memory taken, `--sim-gpus-busy 1`) is reported busy in the
+/// host's heartbeat, and a GPU prewarm lands on the other GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_held_by_another_process_is_reported_busy_and_left_alone() {
+    let c = start_cluster(1, vec![], |_, o| {
+        o.sim_gpus(2, "128MiB");
+        o.extra_args.extend(["--sim-gpus-busy".into(), "1".into()]);
+    })
+    .await
+    .unwrap();
+    let origin = Origin::new(8 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let hosts = api
+        .list_hosts(shardcast_protocol::controller::ListHostsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let report = hosts.hosts[0].report.as_ref().unwrap();
+    assert_eq!((report.gpus.len(), report.gpus_busy), (2, 1), "{report:?}");
+    let a = api
+        .prewarm(PrewarmRequest {
+            model: MODEL.into(),
+            replicas: 1,
+            tier: shardcast_protocol::controller::Tier::Gpu as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    let digest = manifest.digest().to_hex();
+    let gpus = shardcast_tests::wait_gpu_status(&c.daemons[0], Duration::from_secs(15), |st| {
+        st.models
+            .iter()
+            .find(|m| m.model == digest && m.state == "resident")
+            .map(|m| m.gpus.iter().map(|g| g.gpu).collect::<Vec<_>>())
+    })
+    .await;
+    assert_eq!(gpus, [1], "the model avoids the busy GPU 0");
+}
+
 /// Waits (at most 15 s) until `d`'s `GpuStatus` says `want` of whether another host holds
 /// `digest` resident on its GPUs.
 async fn gpu_copy_elsewhere_becomes(
