@@ -355,7 +355,7 @@ async fn probe<T: ApiChannel>(
     }
 }
 
-/// Resident and peak memory of `pid`, MiB, from /proc/<pid>/status.
+/// Resident and peak memory of `pid`, MiB, from `/proc/<pid>/status`.
 pub fn process_rss_mib(pid: u32) -> Option<(f64, f64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |k: &str| -> Option<f64> {

@@ -299,7 +299,7 @@ impl ProcCpu {
     }
 }
 
-/// CPU time process `pid` has used, from /proc/<pid>/stat (fields 14 and 15, utime and
+/// CPU time process `pid` has used, from `/proc/<pid>/stat` (fields 14 and 15, utime and
 /// stime, in USER_HZ ticks, which Linux fixes at 100 for every /proc interface). `None`
 /// when the process is gone or the file does not parse.
 pub fn process_cpu(pid: u32) -> Option<ProcCpu> {
@@ -320,7 +320,7 @@ fn parse_proc_stat_cpu(text: &str) -> Option<ProcCpu> {
     })
 }
 
-/// CPU seconds (user + system) process `pid` has used, from /proc/<pid>/stat.
+/// CPU seconds (user + system) process `pid` has used, from `/proc/<pid>/stat`.
 pub fn process_cpu_s(pid: u32) -> Option<f64> {
     process_cpu(pid).map(|c| c.total_s())
 }
@@ -1403,7 +1403,7 @@ pub fn path_category(frames: &[&str]) -> &'static str {
     }
 }
 
-/// Folds `perf script` output (see [`perf_script_text`]) into the percent of samples per
+/// Folds `perf script` output (see `perf_script_text`) into the percent of samples per
 /// [`path_category`], largest first.
 pub fn fold_by_path(script: &str) -> Vec<ProfileShare> {
     let mut by: std::collections::BTreeMap<&'static str, u64> = Default::default();

@@ -17,7 +17,7 @@
 //!   ([`Services::open_read_only`]: no runner or loop starts), loaded whole once at one
 //!   etcd revision ([`crate::etcd::EtcdSnapshot`]) and then kept current by a watch from
 //!   the next revision: each put or delete is decoded as a load would and applied to the
-//!   view ([`apply`]), a transaction's changes under one lock. A broken watch (etcd
+//!   view (`apply`), a transaction's changes under one lock. A broken watch (etcd
 //!   unreachable or restarted) is resumed from the first revision not seen; only when
 //!   etcd has compacted that revision away is the view loaded whole again (and a line
 //!   logged). The counts are in `GET /v1/replica` (`view`). Every write — including

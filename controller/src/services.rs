@@ -6,7 +6,7 @@
 //! * the autoscaler ([`Autoscaler`]) scales a [`Fleet`] and asks the tables for bursts;
 //! * the tier sweeper ([`TierSweeper`]) sees hosts' tiers and evicts through [`TierTarget`];
 //! * the scraper (`crate::scrape::run`) feeds the autoscaler through [`LoadSink`];
-//! * the [`EventLog`] and the last-use record ([`Usage`]) are shared values.
+//! * the [`EventLog`] and the last-use record ([`Usage`](crate::usage::Usage)) are shared values.
 //!
 //! The core knows none of them: the traits are implemented here, over the core's state.
 //! Both front ends (`crate::grpc`, `crate::http`) serve a [`Services`].

@@ -7,7 +7,7 @@
 //! call against a table of method → [`Permission`] in one place, and answers
 //! `UNAUTHENTICATED` / `PERMISSION_DENIED` with a message naming who lacked what.
 //!
-//! Clients: [`channel`] builds a tonic channel that connects over TLS (checking the
+//! Clients: [`lazy`] and [`connect`] build a tonic channel that connects over TLS (checking the
 //! server's identity), a Unix socket, or plaintext where that was allowed.
 
 use std::pin::Pin;

@@ -2,7 +2,7 @@
 //! admin endpoint are served by [`serve`] and authorised by [`HttpAuthLayer`].
 //!
 //! - [`serve`] runs hyper's HTTP/1 server on each connection an [`Incoming`] yields (the
-//!   TLS handshake already done in its own task), puts the connection's [`PeerInfo`] into
+//!   TLS handshake already done in its own task), puts the connection's [`PeerInfo`](crate::grpc::PeerInfo) into
 //!   every request's extensions
 //!   ([`crate::grpc::PeerInfo`]), and closes connections that stall ([`HttpLimits`]): a
 //!   request head must arrive whole within `header_timeout` (counted from the

@@ -56,14 +56,26 @@ pub mod plan;
 pub mod units;
 
 /// Generated gRPC types and service stubs for the per-host agent API.
-#[allow(missing_docs, unreachable_pub, clippy::all, clippy::use_self)]
+#[allow(
+    missing_docs,
+    unreachable_pub,
+    clippy::all,
+    clippy::use_self,
+    rustdoc::invalid_html_tags
+)]
 pub mod agent {
     tonic::include_proto!("shardcast.agent.v1");
 }
 
 /// Generated gRPC types and service stubs for the controller API (and the inventory
 /// service transferd heartbeats to). The messages derive serde for the HTTP/JSON API.
-#[allow(missing_docs, unreachable_pub, clippy::all, clippy::use_self)]
+#[allow(
+    missing_docs,
+    unreachable_pub,
+    clippy::all,
+    clippy::use_self,
+    rustdoc::invalid_html_tags
+)]
 pub mod controller {
     tonic::include_proto!("shardcast.controller.v1");
 }

@@ -12,10 +12,10 @@
 //!   index, `model.safetensors` alone. Sizes come from `HEAD` `Content-Length`.
 //! * `http(s)://host/path/file` (not ending in `/`): that one file.
 //! * `s3://bucket/prefix/`: every object under the prefix (through `object_store`; see
-//!   [`s3`] for credentials, endpoints and retries); `s3://bucket/key` without the
+//!   the `s3` module for credentials, endpoints and retries); `s3://bucket/key` without the
 //!   trailing `/`: that one object if it exists, else the prefix `key/`.
 //! * `hf://org/name@revision`: every file of one revision of a Hugging Face Hub repository
-//!   (see [`hf`]).
+//!   (see the `hf` module).
 //!
 //! Every origin is opened through [`Origin::parse`] with the host's [`OriginAccess`]: the
 //! URI must pass the allow-list ([`shardcast_protocol::origin_policy`]); a `file://` path

@@ -2,7 +2,7 @@
 //!
 //! A [`ShardStore`] keeps model shards in a **memory tier** (a tmpfs directory, by default
 //! under `/dev/shm`, which inference processes on the host map directly) and a **disk
-//! tier**. Chunks arrive as [`VerifiedChunk`]s (already checked against the manifest's
+//! tier**. Chunks arrive as [`VerifiedChunk`](shardcast_protocol::VerifiedChunk)s (already checked against the manifest's
 //! BLAKE3 hash), are written at their offset into a preallocated shard file, and only then
 //! is their bit set in a persisted per-shard bitmap. The one other way in is a file this
 //! daemon kept while it hashed a model's origin to build the manifest: moved into place
