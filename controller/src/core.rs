@@ -23,7 +23,7 @@ use shardcast_protocol::controller::{
     ListHostsResponse, ListModelsResponse, ModelInfo, ModelStatus, NameBinding, PrewarmRequest,
     RegisterModelRequest, ScaleOutRequest, ShardInfo,
 };
-use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
+use shardcast_protocol::origin_policy::{Enforcer, OriginLocation, OriginPolicy};
 use shardcast_protocol::{HostId, Manifest, ModelName};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -2008,15 +2008,14 @@ impl Controller {
 }
 
 /// The pinned form of `origin` a host resolved it to, if it is one: the same Hub
-/// repository (`hf://org/name`, with or without `@revision`) at a full commit hash
-/// (`@` and 40 or 64 hex digits). Anything else is not taken from a host.
+/// repository at a full commit ([`OriginLocation::pins`]). Anything else is not taken from
+/// a host.
 fn pinned_origin(origin: &str, resolved: &str) -> Option<String> {
-    let repo = origin.strip_prefix("hf://")?;
-    let repo = repo.split_once('@').map_or(repo, |(r, _)| r);
-    let (resolved_repo, commit) = resolved.strip_prefix("hf://")?.split_once('@')?;
-    let is_commit =
-        matches!(commit.len(), 40 | 64) && commit.bytes().all(|b| b.is_ascii_hexdigit());
-    (resolved_repo == repo && is_commit).then(|| resolved.to_string())
+    let origin = OriginLocation::parse(origin).ok()?;
+    OriginLocation::parse(resolved)
+        .ok()
+        .filter(|r| r.pins(&origin))
+        .map(|_| resolved.to_string())
 }
 
 /// GPU slots reserved for `digest` on live hosts.
@@ -2206,40 +2205,17 @@ mod receiver_index_tests {
     use super::*;
 
     #[test]
-    fn only_the_same_hub_repository_at_a_full_commit_is_taken_as_the_pinned_origin() {
-        let sha1 = "0123456789abcdef0123456789abcdef01234567";
-        let sha256 = "ab".repeat(32);
-        let pinned = format!("hf://acme/tiny@{sha1}");
-        for origin in [
-            "hf://acme/tiny",
-            "hf://acme/tiny@main",
-            "hf://acme/tiny@v1.0",
-        ] {
-            assert_eq!(
-                pinned_origin(origin, &pinned).as_deref(),
-                Some(pinned.as_str())
-            );
-        }
-        let long = format!("hf://acme/tiny@{sha256}");
-        assert!(pinned_origin("hf://acme/tiny@main", &long).is_some());
-        for resolved in [
-            format!("hf://acme/other@{sha1}"),         // another repository
-            format!("hf://acme/tiny-2@{sha1}"),        // a longer name
-            "hf://acme/tiny@main".to_string(),         // not a commit
-            format!("hf://acme/tiny@{}", &sha1[1..]),  // too short
-            format!("hf://acme/tiny@{}g", &sha1[1..]), // not hex
-            format!("file:///acme/tiny@{sha1}"),       // another scheme
-            "hf://acme/tiny".to_string(),              // no commit
-        ] {
-            assert_eq!(
-                pinned_origin("hf://acme/tiny@main", &resolved),
-                None,
-                "{resolved}"
-            );
-        }
-        // Only Hub origins are pinned.
-        assert_eq!(pinned_origin("file:///m/", &pinned), None);
-        assert_eq!(pinned_origin("https://h/m/", &pinned), None);
+    fn a_pinned_origin_is_taken_only_when_it_pins_the_registered_one() {
+        let sha = "0123456789abcdef0123456789abcdef01234567";
+        let pinned = format!("hf://acme/tiny@{sha}");
+        assert_eq!(
+            pinned_origin("hf://acme/tiny@main", &pinned).as_deref(),
+            Some(pinned.as_str())
+        );
+        assert_eq!(pinned_origin("hf://acme/other", &pinned), None);
+        assert_eq!(pinned_origin("hf://acme/tiny", "hf://acme/tiny@main"), None);
+        assert_eq!(pinned_origin("not a uri", &pinned), None);
+        assert_eq!(pinned_origin("hf://acme/tiny", "not a uri"), None);
     }
 
     #[test]

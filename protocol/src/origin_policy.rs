@@ -168,6 +168,11 @@ impl fmt::Display for NetHost {
     }
 }
 
+/// Whether `s` is a full git commit id: 40 (SHA-1) or 64 (SHA-256) hex digits.
+pub fn is_commit_id(s: &str) -> bool {
+    matches!(s.len(), 40 | 64) && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 /// A parsed, normalised origin location: scheme, authority and decoded path segments.
 /// Constructed only by [`OriginLocation::parse`], so every value obeys rule 1 above.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -351,6 +356,17 @@ impl OriginLocation {
     /// and for other schemes).
     pub fn revision(&self) -> Option<&str> {
         self.revision.as_deref()
+    }
+
+    /// Whether this is `other`'s Hub repository pinned to a commit: both `hf://`, the same
+    /// organisation and name, and this revision a full commit id ([`is_commit_id`]) —
+    /// whatever revision `other` names.
+    pub fn pins(&self, other: &Self) -> bool {
+        self.scheme == OriginScheme::Hf
+            && other.scheme == OriginScheme::Hf
+            && self.authority == other.authority
+            && self.segments == other.segments
+            && self.revision().is_some_and(is_commit_id)
     }
 
     /// The scheme.
@@ -713,6 +729,58 @@ fn encode_segment(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
+
+    #[test]
+    fn commit_ids_are_full_hex_hashes() {
+        assert!(is_commit_id(SHA));
+        assert!(is_commit_id(&"ab".repeat(32)));
+        for not in [
+            "main",
+            "v1.0",
+            "0123abcd",
+            &SHA[1..],
+            &format!("{SHA}0"),
+            "../../x",
+        ] {
+            assert!(!is_commit_id(not), "{not}");
+        }
+    }
+
+    #[test]
+    fn only_the_same_hub_repository_at_a_full_commit_pins_an_origin() {
+        let loc = |s: &str| OriginLocation::parse(s).unwrap();
+        let pinned = loc(&format!("hf://acme/tiny@{SHA}"));
+        for origin in [
+            "hf://acme/tiny",
+            "hf://acme/tiny@main",
+            "hf://acme/tiny@v1.0",
+        ] {
+            assert!(pinned.pins(&loc(origin)), "{origin}");
+        }
+        let long = loc(&format!("hf://acme/tiny@{}", "ab".repeat(32)));
+        assert!(long.pins(&loc("hf://acme/tiny@main")));
+        for resolved in [
+            format!("hf://acme/other@{SHA}"),
+            format!("hf://acme/tiny-2@{SHA}"),
+            format!("hf://other/tiny@{SHA}"),
+            "hf://acme/tiny@main".to_string(),
+            format!("hf://acme/tiny@{}", &SHA[1..]),
+            format!("hf://acme/tiny@{}g", &SHA[1..]),
+            "hf://acme/tiny".to_string(),
+            format!("s3://acme/tiny@{SHA}"),
+            format!("file:///acme/tiny@{SHA}"),
+        ] {
+            assert!(
+                !loc(&resolved).pins(&loc("hf://acme/tiny@main")),
+                "{resolved}"
+            );
+        }
+        // Only Hub origins are pinned.
+        assert!(!pinned.pins(&loc("file:///m/")));
+        assert!(!pinned.pins(&loc("https://h/m/")));
+    }
     use proptest::prelude::*;
 
     fn policy(entries: &[&str]) -> OriginPolicy {

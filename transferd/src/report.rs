@@ -27,6 +27,11 @@ use crate::agent::{model_status, state_name};
 use crate::chain::Node;
 use crate::config::Inventory;
 
+/// Heartbeats the controller's answer about GPU copies on other hosts holds for: after that
+/// many go unanswered, every GPU model counts as the only GPU copy again (the cautious
+/// default without a controller).
+const GPU_COPIES_HEARTBEATS: u32 = 3;
+
 /// Addresses this host advertises.
 #[derive(Debug, Clone)]
 pub struct Advertised {
@@ -93,9 +98,10 @@ pub async fn run(
                 connected = Some(true);
                 let answer = answer.into_inner();
                 apply_registry(&node, &reported, &answer.names);
-                // Held until three heartbeats go unanswered: then every GPU model counts as
-                // the only GPU copy again (the cautious default without a controller).
-                gpus.set_gpu_copies_elsewhere(answer.gpu_copies_elsewhere, inv.heartbeat * 3);
+                gpus.set_gpu_copies_elsewhere(
+                    answer.gpu_copies_elsewhere,
+                    inv.heartbeat * GPU_COPIES_HEARTBEATS,
+                );
             }
             Ok(Err(status)) => {
                 if connected != Some(false) {

@@ -109,7 +109,8 @@ struct Nginx {
     child: std::process::Child,
     url: String,
     access_log: std::path::PathBuf,
-    _dir: tempfile::TempDir,
+    /// Its config, logs and temporary files; removed when dropped.
+    dir: tempfile::TempDir,
 }
 
 impl Nginx {
@@ -155,13 +156,13 @@ impl Nginx {
             child,
             url: format!("http://127.0.0.1:{port}/"),
             access_log: dir.path().join("access.log"),
-            _dir: dir,
+            dir,
         };
         // Ready once it accepts connections (bounded: 10 s).
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             if let Ok(Some(status)) = n.child.try_wait() {
-                let log = std::fs::read_to_string(n._dir.path().join("error.log"));
+                let log = std::fs::read_to_string(n.dir.path().join("error.log"));
                 return Err(format!("nginx exited ({status}): {log:?}"));
             }
             if std::time::Instant::now() > deadline {

@@ -43,7 +43,7 @@ use std::path::PathBuf;
 use std::sync::{LazyLock, Mutex, OnceLock};
 
 use reqwest::{StatusCode, Url, header};
-use shardcast_protocol::origin_policy::{Authority, OriginLocation};
+use shardcast_protocol::origin_policy::{Authority, OriginLocation, is_commit_id};
 use shardcast_protocol::{Manifest, ModelDigest, ShardPath};
 
 use super::{
@@ -119,11 +119,6 @@ impl Listing {
                 .any(|c| c.starts_with('.') || c.is_empty())
         })
     }
-}
-
-/// Whether `s` is a full git commit id: 40 (SHA-1) or 64 (SHA-256) hex digits.
-fn is_commit_id(s: &str) -> bool {
-    matches!(s.len(), 40 | 64) && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// `base` with `parts` appended as path segments (each percent-encoded).
@@ -509,22 +504,6 @@ mod tests {
 
     fn shard(s: &str) -> ShardPath {
         ShardPath::new(s).unwrap()
-    }
-
-    #[test]
-    fn commit_ids_are_full_hex_hashes() {
-        assert!(is_commit_id(SHA));
-        assert!(is_commit_id(&"ab".repeat(32)));
-        for not in [
-            "main",
-            "v1.0",
-            "0123abcd",
-            &SHA[1..],
-            &format!("{SHA}0"),
-            "../../x",
-        ] {
-            assert!(!is_commit_id(not), "{not}");
-        }
     }
 
     #[test]
