@@ -6,6 +6,8 @@
 #   SHARDCAST_TEST_TORCH=1 python/run-tests.sh   # also install PyTorch (large) for the torch tests
 #   SHARDCAST_TEST_VLLM=1 python/run-tests.sh    # also install vLLM (with PyTorch: ~9 GB, minutes)
 #                                                # for the tests that load through vLLM itself (CPU)
+#   python/run-tests.sh --install-only  # only create and fill the venv (tests/support/prepare.sh
+#                                       # runs this while the Rust build runs)
 #
 # Needs Rust (cargo) and python3. Creates python/.venv, installs ./python[test] into it
 # (numpy, safetensors, pytest), builds the Rust binaries (a no-op when they are fresh) and runs pytest. On a host without internet but with numpy, safetensors,
@@ -14,7 +16,17 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${SHARDCAST_VENV:-$ROOT/python/.venv}"
+install_only=0
+if [ "${1:-}" = --install-only ]; then
+    install_only=1
+    shift
+fi
 
+# One installer at a time: tests/support/prepare.sh may be filling the venv in the
+# background while this runs.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
 if [ ! -x "$VENV/bin/python" ]; then
     if ! python3 -m venv "$VENV" 2>/dev/null; then
         rm -rf "$VENV"
@@ -33,13 +45,17 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q "$ROOT/python[test]"
+"$PY" -m pip install -q --disable-pip-version-check "$ROOT/python[test]"
 if [ "${SHARDCAST_TEST_TORCH:-0}" = 1 ]; then
     "$PY" -m pip install -q torch
 fi
 if [ "${SHARDCAST_TEST_VLLM:-0}" = 1 ]; then
     echo "installing vLLM into $VENV (about 9 GB with PyTorch; once)" >&2
     "$PY" -m pip install -q vllm
+fi
+exec 9>&-
+if [ "$install_only" = 1 ]; then
+    exit 0
 fi
 
 # The same feature set as the Rust test harness builds the daemons with (workspace, tests),

@@ -22,7 +22,9 @@ fn origin_server_refuses_a_missing_directory() {
 
 #[test]
 fn loader_without_a_cuda_driver_says_so() {
-    if std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() {
+    // Wherever the system keeps the driver library, the same check the loader makes.
+    if gpu_loader::cuda::driver_available().is_ok() {
+        eprintln!("SKIPPED: this host has a CUDA driver (the test needs one without)");
         return;
     }
     let out = Command::new(env!("CARGO_BIN_EXE_shardcast-bench"))

@@ -1578,7 +1578,7 @@ mod tests {
     #[test]
     fn no_driver_is_a_normal_condition() {
         if driver_available().is_ok() {
-            eprintln!("skipped: a CUDA driver is installed on this host");
+            eprintln!("SKIPPED: a CUDA driver is installed on this host");
             return;
         }
         match devices(&CudaOptions::default()) {
@@ -1591,7 +1591,7 @@ mod tests {
     #[test]
     fn a_cudarc_panic_becomes_an_error() {
         if driver_available().is_ok() {
-            eprintln!("skipped: a CUDA driver is installed on this host");
+            eprintln!("SKIPPED: a CUDA driver is installed on this host");
             return;
         }
         // Without libcuda, cudarc panics inside its loader; the guard must turn it into an
@@ -1884,7 +1884,7 @@ mod tests {
     fn registered_tmpfs_mapping_round_trip() {
         let shm = Path::new("/dev/shm");
         if !shm.is_dir() {
-            eprintln!("skipped: no /dev/shm");
+            eprintln!("SKIPPED: no /dev/shm");
             return;
         }
         let dev = &gpus()[0];
@@ -2161,7 +2161,7 @@ mod tests {
             Some((Arc::clone(a), Arc::clone(&all[*b as usize])))
         });
         let Some((dst_dev, src_dev)) = pair else {
-            eprintln!("skipped: no two GPUs with peer access");
+            eprintln!("SKIPPED: no two GPUs with peer access");
             return;
         };
         let len: u64 = 3 << 20;

@@ -224,7 +224,7 @@ async fn emulated_origin_benchmark_reads_across_the_capped_link() {
     let mut origins = vec![OriginKind::Http];
     match prepare(OriginKind::S3rver).await {
         Ok(()) => origins.push(OriginKind::S3rver),
-        Err(e) => eprintln!("SKIPPING s3rver: {e:#}"),
+        Err(e) => eprintln!("SKIPPED: s3rver in the emulated origin benchmark: {e:#}"),
     }
     let cap = 200_000_000 / 8;
     let opts = OriginBenchOpts {

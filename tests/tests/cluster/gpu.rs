@@ -198,7 +198,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     {
         python_handoff_check(&gpu, "test/gpu-model").await;
     } else {
-        eprintln!("SKIPPED the Python hand-off check: python3 is not installed");
+        eprintln!("SKIPPED: the Python hand-off check: python3 is not installed");
     }
     // Loading again is a no-op (already resident on the same GPUs).
     let again = agent

@@ -152,7 +152,7 @@ async fn moto(bucket: &str, prefix: &str, dir: &Path) -> Option<Moto> {
         if let Some(status) = server.child.try_wait().unwrap() {
             let text = std::fs::read_to_string(log.path()).unwrap_or_default();
             if status.code() == Some(3) {
-                eprintln!("SKIPPING s3:// origin test: no S3 test server can be set up: {text}");
+                eprintln!("SKIPPED: s3:// origin test: no S3 test server can be set up: {text}");
                 return None;
             }
             panic!("moto exited with {status}: {text}");
@@ -1072,7 +1072,7 @@ async fn bench_origins() -> Vec<shardcast_bench::origin_bench::OriginKind> {
     for kind in [OriginKind::S3rver, OriginKind::Moto] {
         match prepare(kind).await {
             Ok(()) => kinds.push(kind),
-            Err(e) => eprintln!("SKIPPING {} in the origin benchmark: {e:#}", kind.name()),
+            Err(e) => eprintln!("SKIPPED: {} in the origin benchmark: {e:#}", kind.name()),
         }
     }
     kinds
