@@ -136,7 +136,9 @@ pub struct FaultTrial {
     pub ratio: f64,
     /// Every healthy host's copy is byte-exact.
     pub exact: bool,
-    /// The plan's final report matches what every host really holds.
+    /// The plan's final report matches what every host really holds: each host `done`
+    /// exactly when its copy is byte-exact, and the plan `done`, `partial` or `failed` as
+    /// all, some or none of them are.
     pub status_true: bool,
     /// The plan's final state and message, and each host's state.
     pub plan: String,
@@ -304,17 +306,10 @@ async fn run_trial(
         .all(|d| d.verify_copy(manifest).is_ok());
     // A victim that recovers reports itself through its heartbeats: give it the time to.
     let final_status = settle(&mut api, &accepted.plan_id, daemons, manifest).await?;
-    let status_true = daemons.iter().all(|d| {
-        let said = final_status
-            .hosts
-            .iter()
-            .find(|h| h.host == d.host_id.as_str())
-            .is_some_and(|h| h.state().label() == "done");
-        said == d.verify_copy(manifest).is_ok()
-    });
+    let status_true = report_is_true(&final_status, daemons, manifest);
     let plan = format!(
         "{} {:?}: {}",
-        final_status.state,
+        final_status.state().label(),
         final_status.message,
         final_status
             .hosts
@@ -356,16 +351,31 @@ async fn settle(
             .await
             .context("GetPlan")?
             .into_inner();
-        let agrees = daemons.iter().all(|d| {
-            s.hosts
-                .iter()
-                .find(|h| h.host == d.host_id.as_str())
-                .is_some_and(|h| h.state().label() == "done")
-                == d.verify_copy(manifest).is_ok()
-        });
-        if agrees || Instant::now() >= deadline {
+        if report_is_true(&s, daemons, manifest) || Instant::now() >= deadline {
             return Ok(s);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// Whether a plan's report is what the hosts really hold: each host `done` exactly when
+/// its copy is byte-exact, and the plan `done` when every host's is, `partial` when only
+/// some are, `failed` when none is.
+fn report_is_true(s: &PlanStatus, daemons: &[Daemon], manifest: &Manifest) -> bool {
+    let mut exact = 0;
+    let hosts_true = daemons.iter().all(|d| {
+        let holds = d.verify_copy(manifest).is_ok();
+        exact += usize::from(holds);
+        s.hosts
+            .iter()
+            .find(|h| h.host == d.host_id.as_str())
+            .is_some_and(|h| h.state().label() == "done")
+            == holds
+    });
+    let outcome = match exact {
+        0 => "failed",
+        n if n == daemons.len() => "done",
+        _ => "partial",
+    };
+    hosts_true && s.state().label() == outcome
 }

@@ -2,7 +2,8 @@
 //! bars on a terminal; `--json` prints the API's messages as JSON for scripts.
 //!
 //! Exit status: 0 success, 2 invalid argument, 3 not found, 4 not enough capacity,
-//! 5 unavailable (no live host, controller unreachable), 6 a plan ended failed, 1 other.
+//! 5 unavailable (no live host, controller unreachable), 6 a plan ended failed, 7 a plan
+//! ended partial (some requested hosts without a verified copy, named on stderr), 1 other.
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -1060,12 +1061,41 @@ async fn accepted(
     plan_result(&last)
 }
 
+/// Exit status of a plan that ended `partial`: some requested hosts hold no verified copy.
+pub const EXIT_PARTIAL: i32 = 7;
+
+/// How a followed plan ended, as the exit status: `failed` 6, `partial`
+/// ([`EXIT_PARTIAL`]) naming each host short of a verified copy with its state and error.
 fn plan_result(p: &PlanStatus) -> Result<(), CliError> {
     match p.state().label() {
         "failed" => Err(CliError {
             exit: 6,
             message: format!("plan {} failed: {}", p.plan_id, p.message),
         }),
+        "partial" => {
+            let short: Vec<String> = p
+                .hosts
+                .iter()
+                .filter(|h| !matches!(h.state().label(), "done" | "local"))
+                .map(|h| {
+                    if h.error.is_empty() {
+                        format!("{} ({})", h.host, h.state().label())
+                    } else {
+                        format!("{} ({}: {})", h.host, h.state().label(), h.error)
+                    }
+                })
+                .collect();
+            Err(CliError {
+                exit: EXIT_PARTIAL,
+                message: format!(
+                    "plan {} ended partial: {} of {} hosts without a verified copy: {}",
+                    p.plan_id,
+                    short.len(),
+                    p.hosts.len(),
+                    short.join("; ")
+                ),
+            })
+        }
         _ => Ok(()),
     }
 }

@@ -81,8 +81,11 @@ named_enum! {
     PlanState {
         /// Some receiver is still in progress.
         Running = "running",
-        /// Ended with at least one receiver holding a copy.
+        /// Ended with every receiver holding a copy.
         Done = "done",
+        /// Ended with some receivers holding a copy and the others given up (lost or
+        /// failed): what a platform that asked for N replicas and got fewer must see.
+        Partial = "partial",
         /// Ended with none holding a copy.
         Failed = "failed",
     }
@@ -493,10 +496,11 @@ impl Plan {
         self.hosts.iter_mut().find(|h| h.host == host)
     }
 
-    /// Ends the plan once no receiver is active: `done` when any holds a copy, else
-    /// `failed`, naming the ones it finished without. True when it ended now. Called again
-    /// on an ended plan (a receiver completed after it was marked lost), it recomputes the
-    /// outcome and keeps the end time.
+    /// Ends the plan once no receiver is active: `done` when every receiver holds a copy,
+    /// `partial` when some do and the others gave up (lost or failed), `failed` when none
+    /// does; the message names the ones it finished without. True when it ended now.
+    /// Called again on an ended plan (a receiver completed after it was marked lost), it
+    /// recomputes the outcome and keeps the end time.
     pub fn settle(&mut self, now: f64) -> bool {
         if self.hosts.iter().any(|h| h.state.is_active()) {
             return false;
@@ -514,10 +518,10 @@ impl Plan {
         } else if self.message.starts_with("finished without") {
             self.message.clear();
         }
-        self.state = if any_ok {
-            PlanState::Done
-        } else {
-            PlanState::Failed
+        self.state = match (any_ok, lost.is_empty()) {
+            (false, _) => PlanState::Failed,
+            (true, true) => PlanState::Done,
+            (true, false) => PlanState::Partial,
         };
         if self.ended_at.is_none() {
             self.ended_at = Some(now);
@@ -772,13 +776,18 @@ mod tests {
         assert!(p.running());
         p.hosts[1].state = Lost;
         assert!(p.settle(12.0));
-        assert_eq!(p.state, PlanState::Done);
+        assert_eq!(p.state, PlanState::Partial);
         assert_eq!(p.message, "finished without h1: see their errors");
         assert_eq!(p.elapsed_s(100.0), 2.0);
-        // Recovered later: the note goes, the end time stays.
+        // Recovered later: done, the note goes, the end time stays.
         p.hosts[1].state = Done;
         assert!(!p.settle(20.0));
+        assert_eq!(p.state, PlanState::Done);
         assert_eq!((p.message.as_str(), p.ended_at), ("", Some(12.0)));
+        // A failed receiver beside a local one: partial as well.
+        let mut p = plan(&[Local, Failed]);
+        assert!(p.settle(11.0));
+        assert_eq!(p.state, PlanState::Partial);
 
         let mut p = plan(&[Failed, Lost]);
         assert!(p.settle(11.0));

@@ -32,7 +32,12 @@ macro_rules! labels {
 
 labels!(Tier { Memory => "memory", Disk => "disk", Gpu => "gpu" });
 labels!(Transport { Tcp => "tcp", Quic => "quic" });
-labels!(PlanState { Running => "running", Done => "done", Failed => "failed" });
+labels!(PlanState {
+    Running => "running",
+    Done => "done",
+    Partial => "partial",
+    Failed => "failed",
+});
 labels!(PlanKind { Chains => "chains", Burst => "burst" });
 labels!(ReceiverState {
     Pending => "pending",

@@ -85,3 +85,35 @@ def test_report_load_and_events(cluster, held):
     assert events and all(e["model"] == MODEL for e in events)
     table = cluster.client("read").partition_plan(MODEL, max_partitions=2)
     assert isinstance(table, dict) and table
+
+
+def test_a_plan_short_of_a_host_raises_plan_partial(tmp_path):
+    """A host stopped (SIGSTOP) just as a prewarm to it starts never gets its copy: the
+    controller marks it lost and the plan ends ``partial``, not ``done``; ``wait`` raises
+    PlanPartial (a PlanFailed) naming it, and the other hosts hold the model."""
+    import os
+    import signal
+
+    from conftest import managed
+
+    with managed(tmp_path / "c") as c:
+        c.start_controller()
+        for name in ("host-1", "host-2", "host-3"):
+            c.start_daemon(name)
+        c.wait_hosts(3)
+        c.client("admin").register(MODEL, c.origin_uri, chunk_size=256 << 10, via_host="host-1")
+        platform = c.client("platform")
+        victim = c.daemons["host-3"]
+        os.kill(victim.p.pid, signal.SIGSTOP)
+        try:
+            plan = platform.prewarm(MODEL, hosts=["host-2", "host-3"])
+            with pytest.raises(shardcast.PlanPartial) as e:
+                platform.wait(plan, timeout=60)
+        finally:
+            os.kill(victim.p.pid, signal.SIGCONT)
+        assert isinstance(e.value, shardcast.PlanFailed)
+        assert [h["host"] for h in e.value.short] == ["host-3"], e.value.plan
+        assert e.value.short[0]["state"] == "lost", e.value.plan
+        assert "host-3" in str(e.value) and "1 of 2 hosts" in str(e.value)
+        assert e.value.plan["state"] == "partial"
+        assert [h["state"] for h in e.value.plan["hosts"] if h["host"] == "host-2"] == ["done"]

@@ -16,7 +16,7 @@ from ._transport import Endpoint
 
 ENV_CONTROLLER = "SHARDCAST_CONTROLLER_URL"
 DEFAULT_CONTROLLER = "https://127.0.0.1:7501"
-ENDED = ("done", "failed")
+ENDED = ("done", "partial", "failed")
 
 
 def _q(name):
@@ -156,8 +156,8 @@ class Client:
         return self._call("GET", "/v1/plans").get("plans", [])
 
     def plan(self, plan_id):
-        """PlanStatus of a plan (``state``: running, done or failed; ``hosts``: per-host
-        progress)."""
+        """PlanStatus of a plan (``state``: running, done, partial or failed; ``hosts``:
+        per-host progress)."""
         return self._call("GET", "/v1/plans/" + _q(plan_id))
 
     def hosts(self):
@@ -171,7 +171,7 @@ class Client:
 
     def watch(self, plan_id, timeout=None):
         """Yields the plan's PlanStatus at once and on every change, until it ends
-        (``state`` ``done`` or ``failed``) or ``timeout`` seconds pass
+        (``state`` ``done``, ``partial`` or ``failed``) or ``timeout`` seconds pass
         (:class:`TimeoutError`)."""
         if isinstance(plan_id, dict):
             plan_id = plan_id["plan_id"]
@@ -203,7 +203,8 @@ class Client:
 
     def wait(self, plan, timeout=600.0, progress=None):
         """Waits for a plan (a PlanAccepted dict or a plan id) to end and returns its final
-        PlanStatus; :class:`PlanFailed` if it failed. ``progress`` is a callable given every
+        PlanStatus; :class:`PlanFailed` if it failed, :class:`PlanPartial` (a PlanFailed)
+        if it ended with some requested hosts short of a verified copy. ``progress`` is a callable given every
         PlanStatus, or ``True`` for a one-line progress display on stderr."""
         plan_id = plan["plan_id"] if isinstance(plan, dict) else plan
         show = _print_progress if progress is True else progress
@@ -229,6 +230,12 @@ class Client:
             sys.stderr.write("\n")
         if last.get("state") == "failed":
             raise errors.PlanFailed(f"plan {plan_id} failed: {last.get('message', '')}", last)
+        if last.get("state") == "partial":
+            short = [h for h in last.get("hosts", []) if h.get("state") not in ("done", "local")]
+            names = ", ".join(f"{h.get('host')} ({h.get('state')})" for h in short)
+            raise errors.PlanPartial(
+                f"plan {plan_id} ended partial: {len(short)} of {len(last.get('hosts', []))} hosts "
+                f"without a verified copy: {names}", last, short)
         return last
 
 

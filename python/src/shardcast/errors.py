@@ -64,6 +64,17 @@ class PlanFailed(ShardcastError):
         self.plan = plan
 
 
+class PlanPartial(PlanFailed):
+    """A plan the client waited for ended in state ``partial``: some requested hosts hold a
+    verified copy, the others (``short``: their HostProgress dicts, each with ``state`` and
+    ``error``) do not. A subclass of :class:`PlanFailed`, so code that only asks whether
+    every replica arrived catches both; ``plan`` is the last status."""
+
+    def __init__(self, message, plan, short):
+        super().__init__(message, plan)
+        self.short = short
+
+
 class GpuUnavailable(ShardcastError, RuntimeError):
     """A CUDA device was asked for but this process has none (no PyTorch with CUDA, no
     driver, or no such device index)."""

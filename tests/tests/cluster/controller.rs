@@ -390,7 +390,8 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
         .await
         .unwrap();
-    assert_eq!(done.state().label(), "done", "{done:?}");
+    // Five of six replicas is not what was asked for: `partial`, naming the victim.
+    assert_eq!(done.state().label(), "partial", "{done:?}");
     let dead = done.hosts.iter().find(|h| h.host == victim).unwrap();
     assert_eq!(dead.state().label(), "lost", "{dead:?}");
     assert!(dead.error.contains("heartbeat"), "{dead:?}");
@@ -399,6 +400,18 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
         d.verify_copy(&manifest).unwrap();
         assert_eq!(host_state(&done, d.host_id.as_str()), "done");
     }
+    // The CLI says so in its exit status and names the host; its JSON says `partial`.
+    let (code, out, err) = cli(&c.controller, &["watch", &a.plan_id]).await;
+    assert_eq!(code, 7, "{out}\n{err}");
+    assert!(
+        err.contains("ended partial") && err.contains(&victim),
+        "{err}"
+    );
+    assert!(err.contains("1 of 6 hosts"), "{err}");
+    let (code, out, err) = cli(&c.controller, &["--json", "watch", &a.plan_id]).await;
+    assert_eq!(code, 7, "{out}\n{err}");
+    let last: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(last["state"], "partial", "{out}");
 }
 
 /// Status says what really happened: a middle hop stopped (alive but silent) is marked
@@ -417,6 +430,7 @@ async fn a_lost_receiver_that_completes_later_is_reported_done() {
     d.signal("CONT").unwrap();
     let ended = ended.unwrap();
     assert_eq!(host_state(&ended, &victim), "lost", "{ended:?}");
+    assert_eq!(ended.state().label(), "partial", "{ended:?}");
     assert!(ended.message.contains(&victim), "{ended:?}");
 
     // Running again, it completes from its fallback source and says so in a heartbeat.
@@ -441,6 +455,9 @@ async fn a_lost_receiver_that_completes_later_is_reported_done() {
     d.verify_copy(&manifest).unwrap();
     assert_eq!(now.state().label(), "done");
     assert!(!now.message.contains(&victim), "{now:?}");
+    // Every replica arrived in the end: the CLI now exits 0 for the same plan.
+    let (code, out, err) = cli(&c.controller, &["watch", &a.plan_id]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
     let h = now.hosts.iter().find(|h| h.host == victim).unwrap();
     assert!(h.error.contains("after it was marked lost"), "{h:?}");
     assert!(h.done_s > 0.0, "{h:?}");
