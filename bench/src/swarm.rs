@@ -848,7 +848,7 @@ impl Swarm {
         anyhow::ensure!(opts.hosts > 0, "a swarm needs at least one host");
         // Each host holds a listener and a connection to the controller, and the controller
         // one to each agent it calls.
-        let _ = transferd::limits::raise_nofile_limit();
+        let _ = shardcast_identity::process::raise_nofile_limit();
         let cancel = CancellationToken::new();
         let racks = opts.racks.clamp(1, opts.hosts);
         let per_rack = opts.hosts.div_ceil(racks);

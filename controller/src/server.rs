@@ -412,6 +412,13 @@ impl Args {
 
 /// Runs the controller until SIGINT/SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    // Every host's heartbeat connection, API client and etcd stream holds a descriptor;
+    // distributions default the soft limit to 1024.
+    match shardcast_identity::process::raise_nofile_limit() {
+        Ok((old, new)) if new > old => tracing::info!(old, new, "raised the open-file limit"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot raise the open-file limit: {e}"),
+    }
     let mut cfg = args.config()?;
     let http_limits = args.http_limits()?;
     let tls = load_tls(&args)?;

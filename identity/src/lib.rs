@@ -25,6 +25,7 @@ pub mod grpc;
 pub mod http;
 pub mod pki;
 pub mod plan;
+pub mod process;
 pub mod role;
 pub mod tls;
 pub mod token;

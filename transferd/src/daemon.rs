@@ -34,7 +34,7 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Runs the daemon until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
-    match crate::limits::raise_nofile_limit() {
+    match shardcast_identity::process::raise_nofile_limit() {
         Ok((old, new)) if new > old => info!(old, new, "raised the open-file limit"),
         Ok(_) => {}
         Err(e) => warn!("cannot raise the open-file limit: {e}"),

@@ -2200,3 +2200,33 @@ async fn quic_as_the_clusters_transport_with_a_tcp_override_per_plan() {
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("tcp or quic"), "{}", err.message());
 }
+
+/// Both daemons raise their soft open-file limit to the hard one at start (every host's
+/// connections, shard files and mappings hold descriptors; distributions default the soft
+/// limit to 1024): started from a process whose soft limit is 512, each runs with its soft
+/// limit at the hard one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_daemons_raise_their_open_file_limit() {
+    // nextest runs each test in its own process: lowering this one's limit touches no other.
+    let me = std::process::id().to_string();
+    let lowered = std::process::Command::new("prlimit")
+        .args(["--pid", &me, "--nofile=512:"])
+        .status()
+        .expect("prlimit (util-linux)");
+    assert!(lowered.success());
+    let c = start_cluster(1, vec![], |_, _| {}).await.unwrap();
+    for (what, pid) in [
+        ("shardcast-controller", c.controller.pid()),
+        ("transferd", c.daemons[0].pid()),
+    ] {
+        let limits = std::fs::read_to_string(format!("/proc/{}/limits", pid.unwrap())).unwrap();
+        let line = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap();
+        // "Max open files  <soft>  <hard>  files"
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f[3], f[4], "{what}: {line}");
+        assert_ne!(f[3], "512", "{what}: {line}");
+    }
+}
