@@ -122,13 +122,12 @@ impl ClusterPki {
                 hosts.push(shardcast_protocol::HostId::new(&h.host_id)?);
             }
         }
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_secs();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
         let claims = shardcast_protocol::plan::PlanClaims {
             plan: format!("harness-{}", req.session_id),
             model: req.model.parse()?,
-            not_after: now + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
+            not_after: now.as_secs() + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
+            issued_at_ms: now.as_millis() as u64,
             hosts,
             name: match req.manifest.is_empty() {
                 true => None,

@@ -658,6 +658,7 @@ impl Controller {
             interval_ms: self.cfg.heartbeat.as_millis() as u32,
             names,
             gpu_copies_elsewhere,
+            issued_at_ms: unix_now_ms(),
         })
     }
 
@@ -1903,6 +1904,8 @@ impl Controller {
                         .parse()
                         .map_err(|e| format!("model digest {digest}: {e}"))?,
                     not_after: unix_now() + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
+                    // Orders this statement about the name against the others a host hears.
+                    issued_at_ms: unix_now_ms(),
                     hosts: std::iter::once(&run.head)
                         .chain(run.hops.iter())
                         .filter_map(|h| shardcast_protocol::HostId::new(h).ok())
@@ -2179,6 +2182,15 @@ fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Seen {
                 .map(|s| (t.gpus.iter().map(|g| g.bytes).sum(), s)),
         })
         .unwrap_or_default()
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it): the stamp of the
+/// controller's statements about names (plan tokens, heartbeat answers).
+fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).

@@ -7,8 +7,10 @@
 //! Token layout (all lengths big-endian):
 //! `claims_len: u32 | claims | sig_len: u16 | signature | cert_len: u16 | signer certificate (DER)`.
 //! Claims layout: `PLAN_MAGIC (4) | plan id: str | model: [u8; 32] | not_after: u64 (Unix
-//! seconds) | n: u16 | n × host id: str | name: str` (`name` empty when the plan does not
-//! bind its model's name).
+//! seconds) | issued_at_ms: u64 (the controller's clock, Unix milliseconds) | n: u16 |
+//! n × host id: str | name: str` (`name` empty when the plan does not bind its model's
+//! name). `issued_at_ms` orders the statements that bind a name on a host: one older than
+//! the binding a host holds is refused, so replaying an old token cannot roll a name back.
 
 use bytes::{Buf, BufMut, Bytes};
 
@@ -20,7 +22,8 @@ use crate::manifest::ModelDigest;
 use crate::name::{HostId, MAX_HOST_ID_LEN, MAX_MODEL_NAME_LEN, ModelName};
 
 /// Magic at the start of encoded claims.
-pub const PLAN_MAGIC: &[u8; 4] = b"SCPL";
+/// (`SCP2`: claims with `issued_at_ms`; the first layout, `SCPL`, had none and is refused.)
+pub const PLAN_MAGIC: &[u8; 4] = b"SCP2";
 /// Most hosts one token may name: a chain of up to [`crate::frame::MAX_HOPS`] hops, its
 /// head and the holders it may fall back to. Tokens are signed per chain.
 pub const MAX_PLAN_HOSTS: usize = crate::frame::MAX_HOPS + 64;
@@ -36,6 +39,7 @@ pub const MAX_TOKEN_LEN: usize = 4
     + 2
     + MAX_PLAN_ID_LEN
     + 32
+    + 8
     + 8
     + 2
     + MAX_PLAN_HOSTS * (2 + MAX_HOST_ID_LEN)
@@ -55,6 +59,9 @@ pub struct PlanClaims {
     pub model: ModelDigest,
     /// Unix seconds after which no new session of the plan is accepted.
     pub not_after: u64,
+    /// When the controller signed it (its clock, Unix milliseconds): a host binds
+    /// [`Self::name`] only when no newer statement about the name has reached it.
+    pub issued_at_ms: u64,
     /// Every host that may send or receive in the plan's sessions (sources and receivers).
     pub hosts: Vec<HostId>,
     /// The registry name whose current version `model` is, when the controller signed the
@@ -115,6 +122,7 @@ impl Codec for PlanClaims {
         let plan = get_str(b, "plan id", MAX_PLAN_ID_LEN)?;
         let model = ModelDigest(get_array(b)?);
         let not_after = get_u64(b)?;
+        let issued_at_ms = get_u64(b)?;
         let n = get_u16(b)? as usize;
         if n > MAX_PLAN_HOSTS {
             return Err(DecodeError::TooLong {
@@ -143,6 +151,7 @@ impl Codec for PlanClaims {
             plan,
             model,
             not_after,
+            issued_at_ms,
             hosts,
             name,
         })
@@ -153,6 +162,7 @@ impl Codec for PlanClaims {
         codec::put_str(b, &self.plan);
         b.put_slice(&self.model.0);
         b.put_u64(self.not_after);
+        b.put_u64(self.issued_at_ms);
         let n = self.hosts.len().min(MAX_PLAN_HOSTS);
         b.put_u16(n as u16);
         for h in &self.hosts[..n] {
@@ -164,6 +174,7 @@ impl Codec for PlanClaims {
     fn encoded_len(&self) -> usize {
         4 + codec::str_len(&self.plan)
             + 32
+            + 8
             + 8
             + 2
             + self.hosts[..self.hosts.len().min(MAX_PLAN_HOSTS)]
@@ -236,6 +247,7 @@ mod tests {
             plan: "p1".into(),
             model: ModelDigest([7; 32]),
             not_after: 1000,
+            issued_at_ms: 400_000,
             hosts: vec![HostId::new("a").unwrap(), HostId::new("b").unwrap()],
             name: Some(ModelName::new("org/model").unwrap()),
         }

@@ -277,6 +277,22 @@ pub fn host_tls(name: &str) -> std::io::Result<std::sync::Arc<shardcast_identity
 /// A plan token for `model` naming `hosts`, signed with the test CA's controller key, as
 /// a hand-made `Open` must carry to be accepted.
 pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> bytes::Bytes {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as u64;
+    plan_token_with(model, hosts, None, now_ms)
+}
+
+/// [`plan_token`] binding `name` to `model`, as signed at `issued_at_ms` (the controller's
+/// clock): what a plan for the name's current version carries, or — with an old time — a
+/// token a host kept and replays.
+pub fn plan_token_with(
+    model: shardcast_protocol::ModelDigest,
+    hosts: &[&str],
+    name: Option<shardcast_protocol::ModelName>,
+    issued_at_ms: u64,
+) -> bytes::Bytes {
     let pki = shardcast_bench::pki::ClusterPki::shared().expect("test PKI");
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -286,11 +302,12 @@ pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> byt
         plan: "test".into(),
         model,
         not_after: now + 600,
+        issued_at_ms,
         hosts: hosts
             .iter()
             .map(|h| shardcast_protocol::HostId::new(*h).expect("host id"))
             .collect(),
-        name: None,
+        name,
     };
     bytes::Bytes::from(pki.sign(&claims).expect("signing"))
 }

@@ -523,6 +523,12 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
             &st.symlinks_refused,
         ),
         (
+            "name_bindings_refused_total",
+            "counter",
+            "Plan tokens whose model-name binding was refused as older than the binding held (a replayed token cannot roll a name back).",
+            &st.name_bindings_refused,
+        ),
+        (
             "store_temp_files_removed_total",
             "counter",
             "Stale temporary files removed from the store at start-up.",

@@ -97,7 +97,7 @@ pub async fn run(
                 }
                 connected = Some(true);
                 let answer = answer.into_inner();
-                apply_registry(&node, &reported, &answer.names);
+                apply_registry(&node, &reported, &answer.names, answer.issued_at_ms);
                 gpus.set_gpu_copies_elsewhere(
                     answer.gpu_copies_elsewhere,
                     inv.heartbeat * GPU_COPIES_HEARTBEATS,
@@ -133,9 +133,10 @@ fn reported_names(report: &HostReport) -> Vec<ModelName> {
     names
 }
 
-/// Applies the controller's registry (its answer to a heartbeat) to the name table. An
-/// entry that does not parse is skipped and logged: it binds nothing.
-fn apply_registry(node: &Node, reported: &[ModelName], answer: &[NameBinding]) {
+/// Applies the controller's registry (its answer to a heartbeat, made at `stated_ms` by its
+/// clock) to the name table. An entry that does not parse is skipped and logged: it binds
+/// nothing.
+fn apply_registry(node: &Node, reported: &[ModelName], answer: &[NameBinding], stated_ms: u64) {
     let mut registry = BTreeMap::new();
     for b in answer {
         match (
@@ -150,7 +151,7 @@ fn apply_registry(node: &Node, reported: &[ModelName], answer: &[NameBinding]) {
             }
         }
     }
-    if let Err(e) = node.store.sync_names(reported, &registry) {
+    if let Err(e) = node.store.sync_names(reported, &registry, stated_ms) {
         warn!("could not save the name table: {e}");
     }
 }

@@ -469,6 +469,7 @@ fn sign_as(
         plan: "forged".into(),
         model,
         not_after,
+        issued_at_ms: not_after.saturating_sub(600) * 1000,
         hosts: hosts.iter().map(|h| HostId::new(*h).unwrap()).collect(),
         name: None,
     };
@@ -597,4 +598,109 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+/// Sends `Hello`, the manifest and an `Open` of `manifest`'s model carrying `token` as
+/// `mallory` (a host with a valid certificate) and returns the connection, left open.
+async fn open_session_as_mallory(
+    addr: std::net::SocketAddr,
+    manifest: &shardcast_protocol::Manifest,
+    token: bytes::Bytes,
+) -> shardcast_tests::Stream {
+    let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
+    let mut out = hello("mallory");
+    Frame::Manifest(manifest.clone()).encode(&mut out);
+    Frame::Open(shardcast_protocol::SessionHeader {
+        session: shardcast_protocol::SessionId(rand_id()),
+        model: manifest.digest(),
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: shardcast_protocol::Tier::Memory,
+        origin: String::new(),
+        downstream: Vec::new(),
+        token,
+        upstream: Vec::new(),
+        transport: Default::default(),
+    })
+    .encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    s
+}
+
+/// The version `name` resolves to on `d` (through its name table), once it is `want`,
+/// within 10 s; panics otherwise.
+async fn wait_resolves(d: &Daemon, name: &str, want: shardcast_protocol::ModelDigest) {
+    let mut agent = d.agent().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = agent
+            .get_model_status(shardcast_protocol::agent::GetModelStatusRequest {
+                model: name.into(),
+            })
+            .await
+            .map(|r| r.into_inner());
+        let got: Vec<String> = st
+            .as_ref()
+            .map(|s| s.tiers.iter().map(|t| t.digest.clone()).collect())
+            .unwrap_or_default();
+        if got.contains(&want.to_string()) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} resolves to {got:?}, not {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A host with a valid certificate that kept an old plan token (one the controller signed
+/// when the name meant the previous version) replays it: the receiver keeps the name on
+/// the newer version, counts the refusal, and a genuinely newer statement (a rollback the
+/// registry made later) still moves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_old_plan_token_cannot_roll_a_name_back() {
+    let c = TestCluster::start(1, 2 * 1024 * 1024, 1, |_, _| {})
+        .await
+        .unwrap();
+    let target = &c.daemons[1];
+    let (_, v2) = c.import_on_source().await.unwrap();
+    // The previous version under the same name.
+    let mut v1 = v2.clone();
+    v1.shards[0].chunks[0] = shardcast_protocol::ChunkHash([0xee; 32]);
+    let name = v2.name.clone();
+    let hosts = ["mallory", "recv-1"];
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let token = |m: &shardcast_protocol::Manifest, at: u64| {
+        shardcast_tests::plan_token_with(m.digest(), &hosts, Some(name.clone()), at)
+    };
+    let addr = target.data_addr;
+    // The name's history on the target: v1 a minute ago, then v2 (the current version).
+    let old = token(&v1, now_ms - 60_000);
+    let _s1 = open_session_as_mallory(addr, &v1, old.clone()).await;
+    wait_resolves(target, name.as_str(), v1.digest()).await;
+    let _s2 = open_session_as_mallory(addr, &v2, token(&v2, now_ms - 30_000)).await;
+    wait_resolves(target, name.as_str(), v2.digest()).await;
+    assert_eq!(metric(target, "name_bindings_refused_total").await, 0);
+
+    // The replay: the session may go on (its chunks are verified), the name does not move.
+    let _s3 = open_session_as_mallory(addr, &v1, old).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while metric(target, "name_bindings_refused_total").await < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replayed token's binding was not refused"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_resolves(target, name.as_str(), v2.digest()).await;
+
+    // A rollback the registry made now is a newer statement: it applies.
+    let _s4 = open_session_as_mallory(addr, &v1, token(&v1, now_ms)).await;
+    wait_resolves(target, name.as_str(), v1.digest()).await;
+    assert_eq!(metric(target, "name_bindings_refused_total").await, 1);
 }

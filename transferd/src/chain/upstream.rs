@@ -144,12 +144,16 @@ impl Node {
             },
         };
         // The controller signed this plan for its name's current version: the name means
-        // this version here from now on (never because a manifest says so).
-        if let Some(name) = claims.as_ref().and_then(|c| c.name.as_ref())
+        // this version here from now on (never because a manifest says so), unless a newer
+        // statement about the name has reached this host (a replayed old token: refused and
+        // counted by the store; the session itself may go on, its chunks are verified).
+        if let Some(c) = claims.as_ref()
+            && let Some(name) = c.name.as_ref()
             && *name == manifest.name
         {
-            self.store
-                .bind_name(name, header.model, BindingSource::Plan)?;
+            let _ =
+                self.store
+                    .bind_name(name, header.model, BindingSource::Plan, c.issued_at_ms)?;
         }
         let chunks = manifest
             .shard(header.shard)

@@ -98,7 +98,7 @@ use bytes::Bytes;
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::{Manifest, ModelDigest, ModelName, ShardPath, Tier};
 
-pub use names::{Binding, BindingSource};
+pub use names::{Binding, BindingSource, StaleStatement};
 pub use pages::TierFs;
 pub use shard::{Check, Shard, Written};
 pub use writer::{ChunkWriter, WriterKind};
@@ -195,6 +195,9 @@ pub struct StoreStats {
     pub chunks_repaired: AtomicU64,
     /// Dropped chunks a repair attempt could not restore (counted per attempt).
     pub chunks_unrepairable: AtomicU64,
+    /// Plan tokens whose name binding was refused as older than the binding held (a
+    /// replayed token: see [`names`]).
+    pub name_bindings_refused: AtomicU64,
 }
 
 /// Why a store operation failed.
@@ -840,31 +843,49 @@ impl ShardStore {
             .map(|b| b.digest)
     }
 
-    /// Binds `name` to `digest` on this host (see [`names`] for who may) and persists the
-    /// table when it changed.
+    /// Binds `name` to `digest` on this host, as `source` stated at `stated_ms` (the
+    /// controller's clock; see [`names`] for who may, and which statement wins) and
+    /// persists the table when it changed. A statement older than the binding held binds
+    /// nothing: counted, logged, and returned as `Ok(Err(_))` (the caller carries on).
     pub fn bind_name(
         &self,
         name: &ModelName,
         digest: ModelDigest,
         source: BindingSource,
-    ) -> Result<(), StoreError> {
+        stated_ms: u64,
+    ) -> Result<Result<(), StaleStatement>, StoreError> {
         let mut names = lock(&self.inner.names);
-        if names.bind(name, digest, source) {
-            names.save(&self.inner.disk)?;
+        match names.bind(name, digest, source, stated_ms) {
+            Ok(true) => names.save(&self.inner.disk)?,
+            Ok(false) => {}
+            Err(stale) => {
+                self.stats()
+                    .name_bindings_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    model = %name,
+                    to = %digest,
+                    ?source,
+                    "name binding refused: {stale} (a replayed plan token?)"
+                );
+                return Ok(Err(stale));
+            }
         }
-        Ok(())
+        Ok(Ok(()))
     }
 
-    /// Applies the controller's registry to the names this host holds (`held`): bound to
-    /// the registry's version, or unbound when the registry does not know them. Persists
-    /// the table when it changed.
+    /// Applies the controller's registry, as it answered at `stated_ms` (its clock), to
+    /// the names this host holds (`held`): bound to the registry's version, or unbound when
+    /// the registry does not know them, unless a plan token stated later. Persists the
+    /// table when it changed.
     pub fn sync_names(
         &self,
         held: &[ModelName],
         registry: &BTreeMap<ModelName, ModelDigest>,
+        stated_ms: u64,
     ) -> Result<(), StoreError> {
         let mut names = lock(&self.inner.names);
-        if names.sync(held, registry) {
+        if names.sync(held, registry, stated_ms) {
             names.save(&self.inner.disk)?;
         }
         Ok(())

@@ -199,7 +199,10 @@ async fn restart_recovers_bits_and_manifests() {
         // A manifest with no data at all must survive too.
         store.put_manifest(&m).unwrap();
         assert_eq!(store.resolve("org/model"), None, "a manifest binds no name");
-        store.bind_name(&m.name, d, BindingSource::Plan).unwrap();
+        store
+            .bind_name(&m.name, d, BindingSource::Plan, 1_000)
+            .unwrap()
+            .unwrap();
         let a = store.shard(&d, 0, Tier::Memory).unwrap();
         a.write(chunk(&m, &data, 0, 0)).await.unwrap();
         a.write(chunk(&m, &data, 0, 2)).await.unwrap();
@@ -210,6 +213,18 @@ async fn restart_recovers_bits_and_manifests() {
     assert_eq!(store.manifest(&d).as_deref(), Some(&m));
     assert!(store.manifest(&other.digest()).is_some());
     assert_eq!(store.resolve("org/model"), Some(d), "the binding survives");
+    // With its time: an older plan statement for another version is refused and counted.
+    assert!(
+        store
+            .bind_name(&other.name, other.digest(), BindingSource::Plan, 999)
+            .unwrap()
+            .is_err()
+    );
+    assert_eq!(store.resolve("org/model"), Some(d));
+    assert_eq!(
+        store.stats().name_bindings_refused.load(Ordering::Relaxed),
+        1
+    );
     assert_eq!(store.resolve(&d.to_hex()), Some(d));
     assert_eq!(store.resolve("nope"), None);
 
@@ -237,19 +252,29 @@ async fn restart_recovers_bits_and_manifests() {
     store.put_manifest(&other).unwrap();
     assert_eq!(store.resolve("org/model"), Some(d));
     store
-        .bind_name(&other.name, other.digest(), BindingSource::Import)
+        .bind_name(&other.name, other.digest(), BindingSource::Import, 0)
+        .unwrap()
         .unwrap();
     assert_eq!(store.resolve("org/model"), Some(other.digest()));
     // The registry does not know the name: a plan's binding goes, an import's stays.
     store
-        .sync_names(std::slice::from_ref(&other.name), &Default::default())
+        .sync_names(
+            std::slice::from_ref(&other.name),
+            &Default::default(),
+            2_000,
+        )
         .unwrap();
     assert_eq!(store.resolve("org/model"), Some(other.digest()));
     store
-        .bind_name(&other.name, d, BindingSource::Plan)
+        .bind_name(&other.name, d, BindingSource::Plan, 3_000)
+        .unwrap()
         .unwrap();
     store
-        .sync_names(std::slice::from_ref(&other.name), &Default::default())
+        .sync_names(
+            std::slice::from_ref(&other.name),
+            &Default::default(),
+            4_000,
+        )
         .unwrap();
     assert_eq!(store.resolve("org/model"), None);
 }
