@@ -317,6 +317,18 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
         budget.waits.load(Ordering::Relaxed),
     );
     metric(
+        "frame_memory_peer_limit_bytes",
+        "gauge",
+        "The most of frame_memory one peer's frames may hold (a quarter, at least the largest frame).",
+        budget.per_peer() as u64,
+    );
+    metric(
+        "frame_memory_peer_waits_total",
+        "counter",
+        "Frames that waited because their peer already held its share of frame_memory.",
+        budget.peer_waits.load(Ordering::Relaxed),
+    );
+    metric(
         "progress_dropped_total",
         "counter",
         "Relayed Progress frames not recorded because a session tracks the maximum of hosts.",

@@ -15,6 +15,7 @@
 //! stored, or the frame was refused), so the memory held by frames in flight across all
 //! connections stays under `frame_memory` however many peers announce large frames.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -297,14 +298,32 @@ pub struct ByteCounters {
 /// bounded by the connection cap instead (64 KiB each).
 pub const UNCHARGED_BODY: usize = 64 << 10;
 
+/// The longest frame body of any type (a manifest's; a chunk's is shorter): a peer's share
+/// of the [`FrameBudget`] is never smaller, so every valid frame can pass.
+const MAX_FRAME_BODY: usize = {
+    let chunk = shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize + 64;
+    let manifest = shardcast_protocol::manifest::MAX_MANIFEST_LEN;
+    if chunk > manifest { chunk } else { manifest }
+};
+
 /// The daemon-wide budget of bytes for frame bodies being read or still held (a chunk not
 /// yet verified and stored). Fair: readers waiting for room are served in order.
+///
+/// Each peer (a certificate's identity; the remote address without TLS) may hold at most
+/// [`Self::per_peer`] of it, so one host — a compromised one with a valid certificate,
+/// announcing large frames on many connections and sending nothing more — cannot take the
+/// whole budget and stall everyone else's chains: its own frames wait instead (counted).
 #[derive(Debug)]
 pub struct FrameBudget {
     sem: Arc<Semaphore>,
     total: usize,
+    per_peer: usize,
+    /// Each peer's share, while a connection of it is open.
+    peers: std::sync::Mutex<HashMap<String, std::sync::Weak<Semaphore>>>,
     /// Frames that had to wait for room.
     pub waits: AtomicU64,
+    /// Frames that had to wait because their peer held its whole share.
+    pub peer_waits: AtomicU64,
     /// Buffers of charged frame bodies whose bytes were all dropped, kept for the next
     /// bodies (at most [`IDLE_BODY_BYTES`] in all).
     idle: std::sync::Mutex<Vec<Vec<u8>>>,
@@ -319,13 +338,19 @@ pub struct FrameBudget {
 pub const IDLE_BODY_BYTES: usize = 32 << 20;
 
 impl FrameBudget {
-    /// A budget of `bytes` (at least one frame of [`UNCHARGED_BODY`]).
+    /// A budget of `bytes` (at least one frame of [`UNCHARGED_BODY`]); each peer's share is
+    /// a quarter of it, but never less than the largest frame body (or the whole budget,
+    /// when that is smaller), so any valid frame can pass.
     pub fn new(bytes: usize) -> Arc<Self> {
         let total = bytes.clamp(UNCHARGED_BODY, Semaphore::MAX_PERMITS);
+        let per_peer = (total / 4).max(MAX_FRAME_BODY.min(total));
         Arc::new(Self {
             sem: Arc::new(Semaphore::new(total)),
             total,
+            per_peer,
+            peers: std::sync::Mutex::new(HashMap::new()),
             waits: AtomicU64::new(0),
+            peer_waits: AtomicU64::new(0),
             idle: std::sync::Mutex::new(Vec::new()),
         })
     }
@@ -338,6 +363,23 @@ impl FrameBudget {
     /// The budget in bytes.
     pub fn total(&self) -> usize {
         self.total
+    }
+
+    /// The most one peer may hold, in bytes.
+    pub fn per_peer(&self) -> usize {
+        self.per_peer
+    }
+
+    /// `peer`'s share (shared by all its connections; forgotten once none is open).
+    pub fn share(&self, peer: &str) -> Arc<Semaphore> {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = peers.get(peer).and_then(std::sync::Weak::upgrade) {
+            return s;
+        }
+        peers.retain(|_, w| w.strong_count() > 0);
+        let s = Arc::new(Semaphore::new(self.per_peer));
+        peers.insert(peer.to_string(), Arc::downgrade(&s));
+        s
     }
 
     /// Bytes granted to frames now.
@@ -377,25 +419,53 @@ impl FrameBudget {
         idle.iter().map(Vec::capacity).sum()
     }
 
-    /// Grants room for a body of `len` bytes (nothing for a small one), waiting for it
-    /// when the budget is spent. A body longer than the whole budget is granted the whole
+    /// Grants room for a body of `len` bytes (nothing for a small one): first in the
+    /// peer's share (when the reader knows its peer), then in the whole budget, waiting
+    /// for each when it is spent. A body longer than the whole budget is granted the whole
     /// budget, so it can still pass, alone. Cancel-safe: nothing is held until it returns.
-    async fn grant(&self, len: usize) -> Option<OwnedSemaphorePermit> {
+    async fn grant(&self, len: usize, share: Option<&Arc<Semaphore>>) -> Option<Grant> {
         if len <= UNCHARGED_BODY {
             return None;
         }
         // At most `total`, which never exceeds `Semaphore::MAX_PERMITS`; the cast holds
         // because frame bodies are bounded well below 4 GiB.
         let n = len.min(self.total).min(u32::MAX as usize) as u32;
-        match self.sem.clone().try_acquire_many_owned(n) {
-            Ok(p) => Some(p),
+        let peer = match share {
+            None => None,
+            Some(s) => {
+                // `per_peer` is at least the largest body, or the whole budget.
+                let m = n.min(self.per_peer as u32);
+                Some(match s.clone().try_acquire_many_owned(m) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        self.peer_waits.fetch_add(1, Ordering::Relaxed);
+                        // Shares are never closed.
+                        s.clone().acquire_many_owned(m).await.ok()?
+                    }
+                })
+            }
+        };
+        let all = match self.sem.clone().try_acquire_many_owned(n) {
+            Ok(p) => p,
             Err(_) => {
                 self.waits.fetch_add(1, Ordering::Relaxed);
                 // The semaphore is never closed.
-                self.sem.clone().acquire_many_owned(n).await.ok()
+                self.sem.clone().acquire_many_owned(n).await.ok()?
             }
-        }
+        };
+        Some(Grant {
+            _peer: peer,
+            _all: all,
+        })
     }
+}
+
+/// Room granted to one frame body: in its peer's share and in the whole budget, both
+/// given back when the body's last byte is dropped.
+#[derive(Debug)]
+struct Grant {
+    _peer: Option<OwnedSemaphorePermit>,
+    _all: OwnedSemaphorePermit,
 }
 
 /// A frame body that holds its grant of the [`FrameBudget`] until its last byte is
@@ -403,7 +473,7 @@ impl FrameBudget {
 struct Charged {
     buf: Vec<u8>,
     budget: Arc<FrameBudget>,
-    _grant: OwnedSemaphorePermit,
+    _grant: Grant,
 }
 
 impl AsRef<[u8]> for Charged {
@@ -436,7 +506,9 @@ pub struct FrameReader<R> {
     header: [u8; HEADER_LEN],
     header_filled: usize,
     /// The body being read, once the header is parsed and its room granted.
-    body: Option<(FrameHeader, Vec<u8>, Option<OwnedSemaphorePermit>)>,
+    body: Option<(FrameHeader, Vec<u8>, Option<Grant>)>,
+    /// This connection's peer's share of the budget, once the peer is known.
+    share: Option<Arc<Semaphore>>,
     /// When the bytes received last may pass the ingress limiter; no more is read before.
     ready_at: Option<tokio::time::Instant>,
     /// Longest silence while a frame is awaited; `None`: wait forever.
@@ -449,6 +521,13 @@ pub struct FrameReader<R> {
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// Charges this connection's large frames to `peer`'s share of the budget as well
+    /// (its certificate's identity, or its address without TLS): set once the peer is
+    /// known, before its first large frame.
+    pub fn set_peer(&mut self, peer: &str) {
+        self.share = Some(self.budget.share(peer));
+    }
+
     /// Wraps a read half.
     pub fn new(
         inner: R,
@@ -464,6 +543,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             header: [0; HEADER_LEN],
             header_filled: 0,
             body: None,
+            share: None,
             ready_at: None,
             idle: None,
             last_rx: tokio::time::Instant::now(),
@@ -546,7 +626,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 // Bounds-checked, then granted room in the budget, before anything is
                 // allocated for the body.
                 let head = FrameHeader::parse(self.header)?;
-                let grant = self.budget.grant(head.body_len).await;
+                let grant = self.budget.grant(head.body_len, self.share.as_ref()).await;
                 let buf = self.budget.body_buffer(head.body_len);
                 self.body = Some((head, buf, grant));
             }

@@ -378,3 +378,50 @@ async fn large_frames_share_one_memory_budget() {
     wait_metric(d, "frame_memory_bytes", |v| v == 0).await;
     assert_eq!(metric(d, "frame_memory_waits_total").await, 1);
 }
+
+/// One peer — a host with a valid certificate, on many connections — cannot take the whole
+/// frame budget: it may hold a quarter (at least the largest frame), its further frames
+/// wait (counted), and another peer's frame still gets room at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_cannot_take_the_whole_frame_budget() {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, o| {
+        o.extra_args
+            .extend(["--frame-memory".into(), "256MiB".into()]);
+    })
+    .await
+    .unwrap();
+    let d = &c.daemons[0];
+    let share = metric(d, "frame_memory_peer_limit_bytes").await;
+    assert_eq!(share, 64 << 20, "a quarter of 256 MiB");
+    let body = (shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize) + 12;
+    let mut header = ((body + 1) as u32).to_be_bytes().to_vec();
+    header.push(0x05); // Chunk
+    let announce = |name: &'static str| {
+        let header = header.clone();
+        async move {
+            let mut s = tls_connect(d.data_addr, name).await.unwrap();
+            s.write_all(&hello(name)).await.unwrap();
+            s.write_all(&header).await.unwrap();
+            s.write_all(&[0u8; 10]).await.unwrap();
+            s
+        }
+    };
+    // Three frames of just over 16 MiB fit in mallory's 64 MiB share; the fourth waits on
+    // the share, not on the budget.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(announce("mallory").await);
+    }
+    wait_metric(d, "frame_memory_bytes", |v| v >= 3 * body as u64).await;
+    held.push(announce("mallory").await);
+    wait_metric(d, "frame_memory_peer_waits_total", |v| v == 1).await;
+    assert!(metric(d, "frame_memory_bytes").await <= share);
+    // Another host is not held up by it.
+    let other = announce("honest").await;
+    wait_metric(d, "frame_memory_bytes", |v| v >= 4 * body as u64).await;
+    assert_eq!(metric(d, "frame_memory_waits_total").await, 0);
+    assert_eq!(metric(d, "frame_memory_peer_waits_total").await, 1);
+    drop(other);
+    drop(held);
+    wait_metric(d, "frame_memory_bytes", |v| v == 0).await;
+}

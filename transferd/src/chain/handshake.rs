@@ -12,6 +12,15 @@ use crate::transport::Transport;
 use crate::wire::Halves;
 use crate::wire::{Conn, WireError};
 
+/// Whose share of the frame budget a connection's large frames draw on: the peer's
+/// certificate identity, or its address on a plaintext (loopback-only) connection.
+pub(super) fn budget_key(peer: &Peer, addr: &str) -> String {
+    match peer {
+        Peer::Cert(id) => id.to_string(),
+        other => format!("{other} {addr}"),
+    }
+}
+
 impl Node {
     /// Connects to a hop's data port over `kind` and exchanges `Hello`s; with TLS or QUIC
     /// the peer must be a `host` (exactly `expect` when given). Returns the connection and
@@ -37,6 +46,7 @@ impl Node {
                 .await
                 .map_err(WireError::Io)?;
             let mut conn = self.conn(stream);
+            conn.reader.set_peer(&budget_key(&peer, addr));
             match self.handshake(&mut conn, &peer).await {
                 Ok(host) => return Ok((conn, host)),
                 Err(e) => {
