@@ -342,6 +342,25 @@ async fn wait_metric(d: &shardcast_bench::cluster::Daemon, name: &str, ok: impl 
     }
 }
 
+/// The body length of the largest chunk frame.
+const LARGEST_CHUNK_BODY: usize = shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize + 12;
+
+/// Connects to `d`'s data port as host `name`, says `Hello` and announces a chunk frame of
+/// [`LARGEST_CHUNK_BODY`] bytes of which it sends 10: the daemon grants the body its room
+/// in the frame budget and waits for the rest. The connection is returned, left open.
+async fn announce_largest_chunk(
+    d: &shardcast_bench::cluster::Daemon,
+    name: &str,
+) -> shardcast_tests::Stream {
+    let mut header = ((LARGEST_CHUNK_BODY + 1) as u32).to_be_bytes().to_vec();
+    header.push(0x05); // Chunk
+    let mut s = tls_connect(d.data_addr, name).await.unwrap();
+    s.write_all(&hello(name)).await.unwrap();
+    s.write_all(&header).await.unwrap();
+    s.write_all(&[0u8; 10]).await.unwrap();
+    s
+}
+
 /// Frame bodies draw on one daemon-wide budget: two peers announcing the largest chunk
 /// frame cannot make the daemon hold both; the second waits (counted) until the first
 /// goes, and nothing stays charged when both are gone.
@@ -355,22 +374,10 @@ async fn large_frames_share_one_memory_budget() {
     .unwrap();
     let d = &c.daemons[0];
     assert_eq!(metric(d, "frame_memory_limit_bytes").await, 17 << 20);
-    let body = (shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize) + 12;
-    let mut header = ((body + 1) as u32).to_be_bytes().to_vec();
-    header.push(0x05); // Chunk
-    let announce = |name: &'static str| {
-        let header = header.clone();
-        async move {
-            let mut s = tls_connect(d.data_addr, name).await.unwrap();
-            s.write_all(&hello(name)).await.unwrap();
-            s.write_all(&header).await.unwrap();
-            s.write_all(&[0u8; 10]).await.unwrap();
-            s
-        }
-    };
-    let a = announce("big-a").await;
+    let body = LARGEST_CHUNK_BODY;
+    let a = announce_largest_chunk(d, "big-a").await;
     wait_metric(d, "frame_memory_bytes", |v| v >= body as u64).await;
-    let b = announce("big-b").await;
+    let b = announce_largest_chunk(d, "big-b").await;
     wait_metric(d, "frame_memory_waits_total", |v| v == 1).await;
     assert!(metric(d, "frame_memory_bytes").await <= 17 << 20);
     drop(a);
@@ -393,31 +400,19 @@ async fn one_peer_cannot_take_the_whole_frame_budget() {
     let d = &c.daemons[0];
     let share = metric(d, "frame_memory_peer_limit_bytes").await;
     assert_eq!(share, 64 << 20, "a quarter of 256 MiB");
-    let body = (shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize) + 12;
-    let mut header = ((body + 1) as u32).to_be_bytes().to_vec();
-    header.push(0x05); // Chunk
-    let announce = |name: &'static str| {
-        let header = header.clone();
-        async move {
-            let mut s = tls_connect(d.data_addr, name).await.unwrap();
-            s.write_all(&hello(name)).await.unwrap();
-            s.write_all(&header).await.unwrap();
-            s.write_all(&[0u8; 10]).await.unwrap();
-            s
-        }
-    };
+    let body = LARGEST_CHUNK_BODY;
     // Three frames of just over 16 MiB fit in mallory's 64 MiB share; the fourth waits on
     // the share, not on the budget.
     let mut held = Vec::new();
     for _ in 0..3 {
-        held.push(announce("mallory").await);
+        held.push(announce_largest_chunk(d, "mallory").await);
     }
     wait_metric(d, "frame_memory_bytes", |v| v >= 3 * body as u64).await;
-    held.push(announce("mallory").await);
+    held.push(announce_largest_chunk(d, "mallory").await);
     wait_metric(d, "frame_memory_peer_waits_total", |v| v == 1).await;
     assert!(metric(d, "frame_memory_bytes").await <= share);
     // Another host is not held up by it.
-    let other = announce("honest").await;
+    let other = announce_largest_chunk(d, "honest").await;
     wait_metric(d, "frame_memory_bytes", |v| v >= 4 * body as u64).await;
     assert_eq!(metric(d, "frame_memory_waits_total").await, 0);
     assert_eq!(metric(d, "frame_memory_peer_waits_total").await, 1);

@@ -425,24 +425,7 @@ async fn open_as_mallory(
     downstream: Vec<shardcast_protocol::Hop>,
     token: bytes::Bytes,
 ) -> Option<(ErrorCode, String)> {
-    let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
-    let mut out = hello("mallory");
-    Frame::Manifest(manifest.clone()).encode(&mut out);
-    Frame::Open(shardcast_protocol::SessionHeader {
-        session: shardcast_protocol::SessionId(rand_id()),
-        model: manifest.digest(),
-        shard: 0,
-        start: 0,
-        end: 1,
-        tier: shardcast_protocol::Tier::Memory,
-        origin: String::new(),
-        downstream,
-        token,
-        upstream: Vec::new(),
-        transport: Default::default(),
-    })
-    .encode(&mut out);
-    s.write_all(&out).await.unwrap();
+    let mut s = open_session_as_mallory(addr, manifest, downstream, token).await;
     let frames = read_frames(&mut s).await;
     frames.into_iter().find_map(|f| match f {
         Frame::Error { code, message } => Some((code, message)),
@@ -600,11 +583,13 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-/// Sends `Hello`, the manifest and an `Open` of `manifest`'s model carrying `token` as
-/// `mallory` (a host with a valid certificate) and returns the connection, left open.
+/// Sends `Hello`, the manifest and an `Open` of `manifest`'s model (forwarding to
+/// `downstream`) carrying `token` as `mallory` (a host with a valid certificate) and
+/// returns the connection, left open.
 async fn open_session_as_mallory(
     addr: std::net::SocketAddr,
     manifest: &shardcast_protocol::Manifest,
+    downstream: Vec<shardcast_protocol::Hop>,
     token: bytes::Bytes,
 ) -> shardcast_tests::Stream {
     let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
@@ -618,7 +603,7 @@ async fn open_session_as_mallory(
         end: 1,
         tier: shardcast_protocol::Tier::Memory,
         origin: String::new(),
-        downstream: Vec::new(),
+        downstream,
         token,
         upstream: Vec::new(),
         transport: Default::default(),
@@ -681,14 +666,14 @@ async fn a_replayed_old_plan_token_cannot_roll_a_name_back() {
     let addr = target.data_addr;
     // The name's history on the target: v1 a minute ago, then v2 (the current version).
     let old = token(&v1, now_ms - 60_000);
-    let _s1 = open_session_as_mallory(addr, &v1, old.clone()).await;
+    let _s1 = open_session_as_mallory(addr, &v1, vec![], old.clone()).await;
     wait_resolves(target, name.as_str(), v1.digest()).await;
-    let _s2 = open_session_as_mallory(addr, &v2, token(&v2, now_ms - 30_000)).await;
+    let _s2 = open_session_as_mallory(addr, &v2, vec![], token(&v2, now_ms - 30_000)).await;
     wait_resolves(target, name.as_str(), v2.digest()).await;
     assert_eq!(metric(target, "name_bindings_refused_total").await, 0);
 
     // The replay: the session may go on (its chunks are verified), the name does not move.
-    let _s3 = open_session_as_mallory(addr, &v1, old).await;
+    let _s3 = open_session_as_mallory(addr, &v1, vec![], old).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while metric(target, "name_bindings_refused_total").await < 1 {
         assert!(
@@ -700,7 +685,7 @@ async fn a_replayed_old_plan_token_cannot_roll_a_name_back() {
     wait_resolves(target, name.as_str(), v2.digest()).await;
 
     // A rollback the registry made now is a newer statement: it applies.
-    let _s4 = open_session_as_mallory(addr, &v1, token(&v1, now_ms)).await;
+    let _s4 = open_session_as_mallory(addr, &v1, vec![], token(&v1, now_ms)).await;
     wait_resolves(target, name.as_str(), v1.digest()).await;
     assert_eq!(metric(target, "name_bindings_refused_total").await, 1);
 }
