@@ -2195,10 +2195,7 @@ fn unix_now_ms() -> u64 {
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
 fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    unix_now_ms() / 1000
 }
 
 /// Parses a registered profile (`RegisterModel.profile_json`).

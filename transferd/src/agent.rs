@@ -319,7 +319,6 @@ impl Agent for AgentService {
                 .store
                 // An import always applies (an admin's word on this host): never stale.
                 .bind_name(&manifest.name, manifest.digest(), BindingSource::Import, 0)
-                .map_err(|e| Status::internal(format!("binding the model name: {e}")))?
                 .map_err(|e| Status::internal(format!("binding the model name: {e}")))?;
         }
         Ok(Response::new(ImportModelResponse {

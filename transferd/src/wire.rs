@@ -298,14 +298,6 @@ pub struct ByteCounters {
 /// bounded by the connection cap instead (64 KiB each).
 pub const UNCHARGED_BODY: usize = 64 << 10;
 
-/// The longest frame body of any type (a manifest's; a chunk's is shorter): a peer's share
-/// of the [`FrameBudget`] is never smaller, so every valid frame can pass.
-const MAX_FRAME_BODY: usize = {
-    let chunk = shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize + 64;
-    let manifest = shardcast_protocol::manifest::MAX_MANIFEST_LEN;
-    if chunk > manifest { chunk } else { manifest }
-};
-
 /// The daemon-wide budget of bytes for frame bodies being read or still held (a chunk not
 /// yet verified and stored). Fair: readers waiting for room are served in order.
 ///
@@ -343,7 +335,12 @@ impl FrameBudget {
     /// when that is smaller), so any valid frame can pass.
     pub fn new(bytes: usize) -> Arc<Self> {
         let total = bytes.clamp(UNCHARGED_BODY, Semaphore::MAX_PERMITS);
-        let per_peer = (total / 4).max(MAX_FRAME_BODY.min(total));
+        // The longest bodies the protocol allows (a manifest's, then a chunk's; the other
+        // frame types are far shorter).
+        let largest = shardcast_protocol::FrameType::Manifest
+            .max_body_len()
+            .max(shardcast_protocol::FrameType::Chunk.max_body_len());
+        let per_peer = (total / 4).max(largest.min(total));
         Arc::new(Self {
             sem: Arc::new(Semaphore::new(total)),
             total,

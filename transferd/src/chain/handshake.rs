@@ -45,8 +45,7 @@ impl Node {
                 .connect(addr, expect)
                 .await
                 .map_err(WireError::Io)?;
-            let mut conn = self.conn(stream);
-            conn.reader.set_peer(&budget_key(&peer, addr));
+            let mut conn = self.conn(stream, &budget_key(&peer, addr));
             match self.handshake(&mut conn, &peer).await {
                 Ok(host) => return Ok((conn, host)),
                 Err(e) => {
@@ -74,7 +73,9 @@ impl Node {
         }
     }
 
-    pub(super) fn conn(&self, stream: impl Into<Halves>) -> Conn {
+    /// Frames a stream to or from the peer whose share of the frame budget is
+    /// `budget_key` ([`budget_key`]).
+    pub(super) fn conn(&self, stream: impl Into<Halves>, budget_key: &str) -> Conn {
         let mut conn = Conn::new(
             stream.into(),
             self.ingress.clone(),
@@ -82,6 +83,7 @@ impl Node {
             self.counters.clone(),
             self.frame_budget.clone(),
         );
+        conn.reader.set_peer(budget_key);
         conn.writer
             .set_write_timeout(Some(self.cfg.limits.write_timeout));
         conn

@@ -78,9 +78,7 @@ impl Node {
     /// QUIC stream): the `Hello` exchange, then an upstream's `Open` or `Fetch` requests.
     async fn serve_stream(self: Arc<Self>, stream: Halves, identity: Peer, peer: String) {
         let span = info_span!("conn", %peer, host = tracing::field::Empty);
-        let mut conn = self.conn(stream);
-        conn.reader
-            .set_peer(&super::handshake::budget_key(&identity, &peer));
+        let mut conn = self.conn(stream, &super::handshake::budget_key(&identity, &peer));
         let result = async {
             let limit = self.cfg.limits.handshake_timeout;
             let remote =

@@ -151,9 +151,8 @@ impl Node {
             && let Some(name) = c.name.as_ref()
             && *name == manifest.name
         {
-            let _ =
-                self.store
-                    .bind_name(name, header.model, BindingSource::Plan, c.issued_at_ms)?;
+            self.store
+                .bind_name(name, header.model, BindingSource::Plan, c.issued_at_ms)?;
         }
         let chunks = manifest
             .shard(header.shard)

@@ -98,7 +98,7 @@ use bytes::Bytes;
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::{Manifest, ModelDigest, ModelName, ShardPath, Tier};
 
-pub use names::{Binding, BindingSource, StaleStatement};
+pub use names::{Binding, BindingSource};
 pub use pages::TierFs;
 pub use shard::{Check, Shard, Written};
 pub use writer::{ChunkWriter, WriterKind};
@@ -846,14 +846,14 @@ impl ShardStore {
     /// Binds `name` to `digest` on this host, as `source` stated at `stated_ms` (the
     /// controller's clock; see [`names`] for who may, and which statement wins) and
     /// persists the table when it changed. A statement older than the binding held binds
-    /// nothing: counted, logged, and returned as `Ok(Err(_))` (the caller carries on).
+    /// nothing (counted and logged; the caller carries on).
     pub fn bind_name(
         &self,
         name: &ModelName,
         digest: ModelDigest,
         source: BindingSource,
         stated_ms: u64,
-    ) -> Result<Result<(), StaleStatement>, StoreError> {
+    ) -> Result<(), StoreError> {
         let mut names = lock(&self.inner.names);
         match names.bind(name, digest, source, stated_ms) {
             Ok(true) => names.save(&self.inner.disk)?,
@@ -868,10 +868,9 @@ impl ShardStore {
                     ?source,
                     "name binding refused: {stale} (a replayed plan token?)"
                 );
-                return Ok(Err(stale));
             }
         }
-        Ok(Ok(()))
+        Ok(())
     }
 
     /// Applies the controller's registry, as it answered at `stated_ms` (its clock), to

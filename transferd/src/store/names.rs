@@ -17,9 +17,9 @@
 //! replays an old plan token cannot roll a name back. An import (an admin's word on this
 //! host) always applies and keeps the newest time seen. Confirmations refresh the time in
 //! memory; the file is rewritten only when a binding changes, so after a restart the first
-//! heartbeat answer brings the times up to date. The table is persisted (`names.json` in the disk tier's root,
-//! replaced atomically) so that a restarted daemon resolves names before its first
-//! heartbeat.
+//! heartbeat answer brings the times up to date. The table is persisted (`names.json` in
+//! the disk tier's root, replaced atomically) so that a restarted daemon resolves names
+//! before its first heartbeat.
 
 use std::collections::BTreeMap;
 use std::path::Path;
