@@ -271,6 +271,13 @@ impl LoadProgress {
         }
     }
 
+    /// When every GPU held the priority part, in seconds since `t0` (a load's own start,
+    /// taken after this progress was made), so it compares with that load's elapsed time.
+    fn first_done_since(&self, t0: Instant) -> Option<f64> {
+        let offset = t0.saturating_duration_since(self.started).as_secs_f64();
+        self.first_done_s().map(|s| (s - offset).max(0.0))
+    }
+
     /// Bytes landed on each GPU.
     pub fn snapshot(&self) -> Vec<(u32, u64)> {
         self.gpus
@@ -1346,7 +1353,9 @@ pub fn load_map(
             .unwrap_or_else(PoisonError::into_inner)
             .unwrap_or(elapsed_s),
         first_bytes: map.first_bytes,
-        first_s: progress.first_done_s().unwrap_or(elapsed_s),
+        first_s: progress
+            .first_done_since(t0)
+            .map_or(elapsed_s, |s| s.min(elapsed_s)),
         waited_for_data_s: waited_data_ns.load(Ordering::Relaxed) as f64 / 1e9,
         waited_for_staging_s: waited_staging_ns.load(Ordering::Relaxed) as f64 / 1e9,
         peer_siblings: peer_sibs.len(),

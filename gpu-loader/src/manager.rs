@@ -1143,7 +1143,13 @@ impl GpuManager {
                 partition: l.partition.as_ref().map(|p| PartitionStatus {
                     label: p.label.clone(),
                     bytes: l.map.first_bytes,
-                    live_s: l.progress.first_done_s(),
+                    // The finished load's own figure (on the clock its elapsed time uses);
+                    // while it runs, the progress's.
+                    live_s: l
+                        .report
+                        .as_ref()
+                        .map(|r| r.first_s)
+                        .or_else(|| l.progress.first_done_s()),
                     complete: p.complete,
                 }),
                 host_path: l.report.as_ref().map(|r| r.host_path),

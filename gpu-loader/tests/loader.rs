@@ -299,6 +299,9 @@ fn a_partition_goes_live_first_and_completion_fills_in_the_full_replica() {
         map.first_bytes,
         &[0, 1],
     ));
+    // The manager makes the progress before the load starts (it reports it while the load
+    // is queued); the partition's live time is still measured on the load's own clock.
+    std::thread::sleep(std::time::Duration::from_millis(300));
     let opts = LoadOptions {
         staging_buffers: 2,
         staging_size: 256 << 10,
