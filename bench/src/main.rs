@@ -231,6 +231,13 @@ enum Cmd {
         /// went cold.
         #[arg(long)]
         warm_up: bool,
+        /// The daemons' data mode on TCP hops: tls, or authenticate-only (mutual-TLS
+        /// handshake, then unencrypted; `--sendfile` too with `authenticate-only-sendfile`).
+        #[arg(long, default_value = "tls")]
+        data_mode: BenchDataMode,
+        /// Connections each shard is striped over (the head's `--stripes`).
+        #[arg(long, default_value_t = 1)]
+        stripes: usize,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -240,6 +247,9 @@ enum Cmd {
         /// Safetensors shards (one session and TCP connection per shard).
         #[arg(long, default_value_t = 1)]
         shards: usize,
+        /// Connections each shard is striped over (transferd's `--stripes`).
+        #[arg(long, default_value_t = 1)]
+        stripes: usize,
         /// After the measured runs, run the TLS hop once more with `perf record -g`
         /// attached to one transferd (--profile-side) and report where its cycles went.
         #[arg(long)]
@@ -702,6 +712,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             loss,
             mtu,
             warm_up,
+            data_mode,
+            stripes,
         } => {
             if loss.is_some() && !emulate {
                 anyhow::bail!("--loss needs --emulate (it drops packets in the hosts' namespaces)");
@@ -729,6 +741,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 loss_per_10000: loss.unwrap_or(0),
                 mtu,
                 warm_up,
+                daemon_args: data_mode
+                    .daemon_args()
+                    .into_iter()
+                    .chain(scenario::stripe_args(stripes))
+                    .collect(),
                 ..ChainBenchOpts::new(mode, receivers, size, methods)
             };
             let report = scenario::run_chain_bench(&opts).await?;
@@ -742,6 +759,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Hop {
             size,
             shards,
+            stripes,
             profile,
             profile_data,
             profile_transport,
@@ -754,7 +772,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 shardcast_protocol::HopTransport::Quic => scenario::Method::ChainQuic,
             };
             let report =
-                scenario::run_hop_bench(size, shards, profile, method, profile_side, true).await?;
+                scenario::run_hop_bench(size, shards, stripes, profile, method, profile_side, true)
+                    .await?;
             emit(&report, json)
         }
         Cmd::Loader {
@@ -906,6 +925,30 @@ fn parse_loss(s: &str) -> Result<u32, String> {
         return Err(format!("a loss is 0 to 100%, got {s}"));
     }
     Ok((pct * 100.0).round() as u32)
+}
+
+/// The daemons' data mode in `chain` (transferd's `--data-mode`, and `--sendfile`).
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum BenchDataMode {
+    /// Mutual TLS, encrypted (transferd's default).
+    Tls,
+    /// The mutual-TLS handshake, then unencrypted.
+    AuthenticateOnly,
+    /// As `authenticate-only`, payloads sent by `sendfile` from the store's files.
+    AuthenticateOnlySendfile,
+}
+
+impl BenchDataMode {
+    fn daemon_args(self) -> Vec<String> {
+        let args: &[&str] = match self {
+            Self::Tls => &[],
+            Self::AuthenticateOnly => &["--data-mode", "authenticate-only"],
+            Self::AuthenticateOnlySendfile => {
+                &["--data-mode", "authenticate-only", "--sendfile", "true"]
+            }
+        };
+        args.iter().map(|a| a.to_string()).collect()
+    }
 }
 
 fn finite_rate(name: &str, v: &str) -> anyhow::Result<u64> {

@@ -104,6 +104,8 @@ pub struct ChainBenchOpts {
     pub plaintext: bool,
     /// Extra transferd arguments for the source only (e.g. `--reverify-after-ms 0`).
     pub source_args: Vec<String>,
+    /// Extra transferd arguments for every daemon (e.g. `--data-mode authenticate-only`).
+    pub daemon_args: Vec<String>,
     /// Record one transferd (the source's, or the first receiver's) with `perf record -g`
     /// for the whole transfer into this file (loopback only; `perf` must be installed and
     /// allowed to attach).
@@ -142,6 +144,7 @@ impl ChainBenchOpts {
             window: 0,
             plaintext: false,
             source_args: Vec::new(),
+            daemon_args: Vec::new(),
             perf: None,
             loss_per_10000: 0,
             mtu: None,
@@ -168,6 +171,10 @@ pub struct MethodResult {
     pub source_cpu_s: f64,
     /// CPU seconds each receiver's transferd spent during the transfer, in chain order.
     pub receiver_cpu_s: Vec<f64>,
+    /// The source's CPU seconds per GB of the model (one copy sent: the first hop's).
+    pub source_cpu_s_per_gb: f64,
+    /// Each receiver's CPU seconds per GB of the model it received, in chain order.
+    pub receiver_cpu_s_per_gb: Vec<f64>,
     /// The source's CPU time during the transfer, user and system apart.
     pub source_cpu: ProcCpu,
     /// Each receiver's CPU time during the transfer, user and system apart.
@@ -240,6 +247,8 @@ pub struct ChainReport {
     pub mtu: u32,
     /// Time of the warm-up run of the first method, not counted (`None`: none ran).
     pub warm_up_s: Option<f64>,
+    /// Extra transferd arguments every daemon ran with (`--data-mode …`; empty: defaults).
+    pub daemon_args: Vec<String>,
     /// Per-method results.
     pub results: Vec<MethodResult>,
 }
@@ -495,6 +504,7 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         loss_percent: f64::from(opts.loss_per_10000) / 100.0,
         mtu: opts.mtu.unwrap_or(1500),
         warm_up_s,
+        daemon_args: opts.daemon_args.clone(),
         results,
     })
 }
@@ -550,6 +560,7 @@ async fn run_method(
             o.extra_args
                 .extend(["--window".into(), opts.window.to_string()]);
         }
+        o.extra_args.extend(opts.daemon_args.iter().cloned());
         if i == 0 {
             o.extra_args.extend(opts.source_args.iter().cloned());
         }
@@ -661,6 +672,11 @@ async fn run_method(
         cpu_util: cpu,
         source_cpu_s: procs[0],
         receiver_cpu_s: procs[1..].to_vec(),
+        source_cpu_s_per_gb: procs[0] / (bytes as f64 / 1e9),
+        receiver_cpu_s_per_gb: procs[1..]
+            .iter()
+            .map(|s| s / (bytes as f64 / 1e9))
+            .collect(),
         source_cpu: split[0],
         receiver_cpu: split[1..].to_vec(),
         source_bytes_reverified: reverified,
@@ -990,8 +1006,10 @@ pub struct ScrubReport {
 pub struct HopReport {
     /// Bytes moved through the hop.
     pub bytes: u64,
-    /// Shards of the model (one session, so one TCP connection, per shard).
+    /// Shards of the model (one session, so one TCP connection, per shard and stripe).
     pub shards: usize,
+    /// Connections each shard was striped over (the source's `--stripes`).
+    pub stripes: usize,
     /// The warm-up run's rate (the TLS hop once before the measured runs), bytes/s.
     pub warm_up_bytes_per_s: Option<f64>,
     /// Raw TCP over loopback measured by iperf3 in the same run, bytes/s (None if iperf3
@@ -1017,6 +1035,11 @@ pub struct HopReport {
     pub plaintext_cpu_util: f64,
     /// TLS hop / plaintext hop.
     pub tls_vs_plaintext: f64,
+    /// The same hop in the authenticate-only data mode (mutual-TLS handshake, then the
+    /// clear), bytes/s, in the same run.
+    pub auth_only_hop_bytes_per_s: f64,
+    /// Authenticate-only hop / TLS hop.
+    pub auth_only_vs_tls: f64,
     /// TLS hop / the TLS hop without serve-path re-verification: what re-hashing chunks
     /// older than `reverify_after_ms` costs in throughput.
     pub reverify_throughput_ratio: f64,
@@ -1148,15 +1171,27 @@ async fn measure_scrub(size: u64, shards: usize, seconds: u64) -> anyhow::Result
     })
 }
 
+/// transferd's arguments for striping each shard over `stripes` connections (none for 1,
+/// transferd's default).
+pub fn stripe_args(stripes: usize) -> Vec<String> {
+    if stripes > 1 {
+        vec!["--stripes".into(), stripes.to_string()]
+    } else {
+        Vec::new()
+    }
+}
+
 /// Runs the `hop` benchmark: iperf3 on loopback, then a model of `size` bytes through one
-/// chain hop (source → receiver, both real daemons, no caps) with mutual TLS over TCP,
-/// with TLS but no serve-path re-verification, in plaintext, and over QUIC; then the scrub
-/// alone. With `profile` (`Some`), the hop runs once more over `profile_method`'s transport
-/// under `perf record -g` on `profile_side`'s daemon, whose data file is kept at the given
-/// path (else removed).
+/// chain hop (source → receiver, both real daemons, no caps, each shard striped over
+/// `stripes` connections) with mutual TLS over TCP, with TLS but no serve-path
+/// re-verification, in plaintext, in the authenticate-only data mode (with and without
+/// `sendfile`), and over QUIC; then the scrub alone. With `profile` (`Some`), the hop runs
+/// once more over `profile_method`'s transport under `perf record -g` on `profile_side`'s
+/// daemon, whose data file is kept at the given path (else removed).
 pub async fn run_hop_bench(
     size: u64,
     shards: usize,
+    stripes: usize,
     profile: Option<Option<PathBuf>>,
     profile_method: Method,
     profile_side: Side,
@@ -1168,22 +1203,40 @@ pub async fn run_hop_bench(
         progress,
         ..ChainBenchOpts::new(NetMode::Local, 1, size, vec![Method::ChainTcp])
     };
-    // (name, plaintext, source-only arguments, transport, frame MTU the QUIC daemons are
-    // told: `quic-jumbo` sends 8972-byte packets, as on a 9000-byte jumbo-frame network;
-    // loopback carries them.)
-    type HopConfig<'a> = (&'a str, bool, &'a [&'a str], Method, Option<u32>);
-    let configs: [HopConfig<'_>; 5] = [
-        ("tls", false, &[], Method::ChainTcp, None),
+    // (name, plaintext, source-only arguments, both daemons' arguments, transport, frame
+    // MTU the QUIC daemons are told: `quic-jumbo` sends 8972-byte packets, as on a
+    // 9000-byte jumbo-frame network; loopback carries them.)
+    type HopConfig<'a> = (
+        &'a str,
+        bool,
+        &'a [&'a str],
+        &'a [&'a str],
+        Method,
+        Option<u32>,
+    );
+    const AUTH_ONLY: &[&str] = &["--data-mode", "authenticate-only"];
+    let configs: [HopConfig<'_>; 7] = [
+        ("tls", false, &[], &[], Method::ChainTcp, None),
         (
             "tls-no-reverify",
             false,
             &["--reverify-after-ms", "86400000"],
+            &[],
             Method::ChainTcp,
             None,
         ),
-        ("plaintext", true, &[], Method::ChainTcp, None),
-        ("quic", false, &[], Method::ChainQuic, None),
-        ("quic-jumbo", false, &[], Method::ChainQuic, Some(9000)),
+        ("plaintext", true, &[], &[], Method::ChainTcp, None),
+        ("auth-only", false, &[], AUTH_ONLY, Method::ChainTcp, None),
+        (
+            "auth-only-sendfile",
+            false,
+            &[],
+            &["--data-mode", "authenticate-only", "--sendfile", "true"],
+            Method::ChainTcp,
+            None,
+        ),
+        ("quic", false, &[], &[], Method::ChainQuic, None),
+        ("quic-jumbo", false, &[], &[], Method::ChainQuic, Some(9000)),
     ];
     // The first configuration runs once more before it is measured (`warm_up`), not
     // reported but its rate: the first transfer after start-up pays for memory the guest
@@ -1191,8 +1244,12 @@ pub async fn run_hop_bench(
     // run), which would count against the first configuration only.
     let mut warm_up_bytes_per_s = None;
     let mut runs = Vec::new();
-    for (i, (config, plaintext, args, method, mtu)) in configs.into_iter().enumerate() {
+    for (i, (config, plaintext, args, all_args, method, mtu)) in configs.into_iter().enumerate() {
         opts.plaintext = plaintext;
+        opts.daemon_args = stripe_args(stripes)
+            .into_iter()
+            .chain(all_args.iter().map(|a| a.to_string()))
+            .collect();
         opts.methods = vec![method];
         opts.mtu = mtu;
         opts.warm_up = i == 0;
@@ -1225,6 +1282,7 @@ pub async fn run_hop_bench(
         opts.plaintext = false;
         opts.methods = vec![profile_method];
         opts.source_args = Vec::new();
+        opts.daemon_args = stripe_args(stripes);
         opts.mtu = None;
         opts.warm_up = false;
         opts.perf = Some((profile_side, data.clone()));
@@ -1253,10 +1311,12 @@ pub async fn run_hop_bench(
         None
     };
     let scrub = measure_scrub(size.min(1 << 30), shards, 5).await?;
-    let (tls, no_reverify, plain, quic) = (&runs[0], &runs[1], &runs[2], &runs[3]);
+    let (tls, no_reverify, plain, auth_only, quic) =
+        (&runs[0], &runs[1], &runs[2], &runs[3], &runs[5]);
     Ok(HopReport {
         bytes: size,
         shards,
+        stripes,
         warm_up_bytes_per_s,
         raw_tcp_bytes_per_s: raw.as_ref().map(|r| r.bytes_per_s),
         raw_tcp_sender_cpu_s_per_gb: raw.as_ref().map(|r| r.sender_cpu_s_per_gb),
@@ -1269,6 +1329,8 @@ pub async fn run_hop_bench(
         plaintext_hop_bytes_per_s: plain.bytes_per_s,
         plaintext_cpu_util: plain.cpu_util,
         tls_vs_plaintext: tls.bytes_per_s / plain.bytes_per_s,
+        auth_only_hop_bytes_per_s: auth_only.bytes_per_s,
+        auth_only_vs_tls: auth_only.bytes_per_s / tls.bytes_per_s,
         reverify_throughput_ratio: tls.bytes_per_s / no_reverify.bytes_per_s,
         quic_hop_bytes_per_s: quic.bytes_per_s,
         quic_ratio: raw.as_ref().map(|r| quic.bytes_per_s / r.bytes_per_s),

@@ -57,6 +57,10 @@ pub struct TlsFiles {
 pub enum Alpn {
     /// The hop-to-hop data protocol, `shardcast/1`.
     Data,
+    /// The hop-to-hop data protocol in the authenticate-only data mode,
+    /// `shardcast-clear/1`: the mutual-TLS handshake authenticates both ends, then the
+    /// connection continues as plain TCP ([`TlsContext::accept_clear`]).
+    DataClear,
     /// gRPC over HTTP/2, `h2`.
     Grpc,
     /// HTTP/1.1 (the controller's JSON API, transferd's hand-off and admin endpoints).
@@ -64,9 +68,11 @@ pub enum Alpn {
 }
 
 impl Alpn {
-    fn id(self) -> &'static [u8] {
+    /// The ALPN protocol id.
+    pub fn id(self) -> &'static [u8] {
         match self {
             Self::Data => b"shardcast/1",
+            Self::DataClear => b"shardcast-clear/1",
             Self::Grpc => b"h2",
             Self::Http => b"http/1.1",
         }
@@ -116,6 +122,17 @@ pub enum TlsError {
     /// The peer's certificate holds no usable identity.
     #[error("peer certificate: {0}")]
     Identity(#[from] IdentityError),
+    /// The peer does not speak this ALPN protocol (the handshake ended with
+    /// `no_application_protocol`): on the data port, the two ends use different data modes.
+    #[error("the peer does not speak {ours} on this port (it offers or accepts another protocol)")]
+    AlpnMismatch {
+        /// The protocol this end offered or accepts.
+        ours: &'static str,
+    },
+    /// The switch to plain TCP after an authenticate-only handshake went wrong (bytes left
+    /// in the TLS layer, or the peer's switch marker missing or different).
+    #[error("switching to the clear after the handshake: {0}")]
+    ClearSwitch(String),
     /// The peer is a valid member, but not the one we meant to reach.
     #[error("peer is {got}, expected {expected}")]
     WrongPeer {
@@ -223,9 +240,9 @@ struct Loaded {
     identity: Identity,
     roots: Arc<RootCertStore>,
     stamp: Stamp,
-    servers: [Arc<ServerConfig>; 3],
+    servers: [Arc<ServerConfig>; 4],
     http_optional: Arc<ServerConfig>,
-    clients: [Arc<ClientConfig>; 3],
+    clients: [Arc<ClientConfig>; 4],
     /// HTTP client without a certificate (bearer-token clients, refusal tests).
     http_anonymous: Arc<ClientConfig>,
 }
@@ -235,6 +252,7 @@ fn index(alpn: Alpn) -> usize {
         Alpn::Data => 0,
         Alpn::Grpc => 1,
         Alpn::Http => 2,
+        Alpn::DataClear => 3,
     }
 }
 
@@ -319,12 +337,14 @@ impl Loaded {
                 server(Alpn::Data, false)?,
                 server(Alpn::Grpc, false)?,
                 server(Alpn::Http, false)?,
+                server(Alpn::DataClear, false)?,
             ],
             http_optional: server(Alpn::Http, true)?,
             clients: [
                 client(Alpn::Data)?,
                 client(Alpn::Grpc)?,
                 client(Alpn::Http)?,
+                client(Alpn::DataClear)?,
             ],
             http_anonymous: {
                 let mut cfg = ClientConfig::builder_with_provider(provider.clone())
@@ -407,6 +427,9 @@ pub struct TlsStats {
     pub timed_out: AtomicU64,
     /// Outgoing connections whose server was refused (bad chain or the wrong identity).
     pub connect_refused: AtomicU64,
+    /// Handshakes, either side, that failed because the peer speaks another ALPN protocol
+    /// (on the data port: the other end uses another data mode).
+    pub alpn_mismatches: AtomicU64,
     /// Successful reloads of the certificate files.
     pub reloads: AtomicU64,
     /// Reloads that failed (the previous certificate stays in use).
@@ -630,6 +653,7 @@ impl TlsContext {
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
+        let acceptor_alpn = cfg.alpn_protocols.first().cloned().unwrap_or_default();
         let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
         let limit = self.handshake_timeout();
         let r = tokio::time::timeout(limit, acceptor.accept(stream)).await;
@@ -640,7 +664,7 @@ impl TlsContext {
             }
             Ok(Err(e)) => {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
-                return Err(TlsError::Handshake(e));
+                return Err(self.handshake_error(e, &acceptor_alpn));
             }
             Ok(Ok(s)) => s,
         };
@@ -695,6 +719,7 @@ impl TlsContext {
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
+        let connector_alpn = cfg.alpn_protocols.first().cloned().unwrap_or_default();
         let connector = tokio_rustls::TlsConnector::from(cfg);
         let name = ServerName::try_from(CLUSTER_SERVER_NAME)
             .map_err(|e| TlsError::Handshake(std::io::Error::other(e)))?;
@@ -707,7 +732,7 @@ impl TlsContext {
             }
             Ok(Err(e)) => {
                 self.stats.connect_refused.fetch_add(1, Ordering::Relaxed);
-                return Err(TlsError::Handshake(e));
+                return Err(self.handshake_error(e, &connector_alpn));
             }
             Ok(Ok(s)) => s,
         };
@@ -726,5 +751,138 @@ impl TlsContext {
                 Err(e)
             }
         }
+    }
+    /// Classifies a failed handshake: the peer speaking another ALPN protocol gets its own
+    /// error (and counter), anything else stays a handshake failure.
+    fn handshake_error(&self, e: std::io::Error, ours: &[u8]) -> TlsError {
+        let alpn = e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+            .is_some_and(|r| {
+                matches!(
+                    r,
+                    rustls::Error::NoApplicationProtocol
+                        | rustls::Error::AlertReceived(
+                            rustls::AlertDescription::NoApplicationProtocol
+                        )
+                )
+            });
+        if !alpn {
+            return TlsError::Handshake(e);
+        }
+        self.stats.alpn_mismatches.fetch_add(1, Ordering::Relaxed);
+        let ours = [Alpn::Data, Alpn::DataClear, Alpn::Grpc, Alpn::Http]
+            .into_iter()
+            .find(|a| a.id() == ours)
+            .map_or("this protocol", |a| match a {
+                Alpn::Data => "shardcast/1",
+                Alpn::DataClear => "shardcast-clear/1",
+                Alpn::Grpc => "h2",
+                Alpn::Http => "http/1.1",
+            });
+        TlsError::AlpnMismatch { ours }
+    }
+
+    /// Server side of an authenticate-only data connection ([`Alpn::DataClear`]): the full
+    /// mutual-TLS handshake (the client's certificate verified as in [`Self::accept`]), then
+    /// the connection continues as plain TCP. Returns the TCP stream and the client's
+    /// identity.
+    ///
+    /// The switch is in lock step, so no byte of either direction is left behind in the
+    /// TLS layer: the client sends nothing after its `Finished` until it has read this
+    /// side's switch marker (sent in the clear once the handshake is done here), and this
+    /// side has no session tickets or other records to send after the handshake. The marker
+    /// carries a value exported from the TLS session, so the client checks that the clear
+    /// stream continues the connection it authenticated.
+    pub async fn accept_clear(
+        &self,
+        stream: tokio::net::TcpStream,
+    ) -> Result<(tokio::net::TcpStream, Identity), TlsError> {
+        use tokio::io::AsyncWriteExt;
+        let (tls, id) = self.accept(stream, Alpn::DataClear).await?;
+        let marker = clear_marker(tls.get_ref().1)?;
+        let (mut tcp, conn) = tls.into_inner();
+        nothing_left(conn)?;
+        let limit = self.handshake_timeout();
+        tokio::time::timeout(limit, tcp.write_all(&marker))
+            .await
+            .map_err(|_| TlsError::Timeout(limit))?
+            .map_err(TlsError::Handshake)?;
+        Ok((tcp, id))
+    }
+
+    /// Client side of an authenticate-only data connection ([`Self::accept_clear`]):
+    /// handshakes, checks the server is `expect`, waits for the server's switch marker
+    /// and returns the plain TCP stream.
+    pub async fn connect_clear(
+        &self,
+        stream: tokio::net::TcpStream,
+        expect: &Expect,
+    ) -> Result<(tokio::net::TcpStream, Identity), TlsError> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut tls, id) = self.connect(stream, Alpn::DataClear, expect).await?;
+        let limit = self.handshake_timeout();
+        let switch = async {
+            // Our `Finished` is on the wire before anything is read in the clear.
+            tls.flush().await.map_err(TlsError::Handshake)?;
+            let want = clear_marker(tls.get_ref().1)?;
+            let (mut tcp, conn) = tls.into_inner();
+            nothing_left(conn)?;
+            let mut got = [0u8; CLEAR_MARKER_LEN];
+            tcp.read_exact(&mut got).await.map_err(|e| {
+                TlsError::ClearSwitch(format!("reading the server's switch marker: {e}"))
+            })?;
+            if got != want {
+                return Err(TlsError::ClearSwitch(
+                    "the server's switch marker does not match this TLS session".into(),
+                ));
+            }
+            Ok(tcp)
+        };
+        let tcp = tokio::time::timeout(limit, switch)
+            .await
+            .map_err(|_| TlsError::Timeout(limit))??;
+        Ok((tcp, id))
+    }
+}
+
+/// Length of the marker a server sends when an authenticate-only connection switches to
+/// the clear: [`CLEAR_MAGIC`] and a 32-byte value exported from the TLS session.
+const CLEAR_MARKER_LEN: usize = 8 + 32;
+/// The marker's first bytes.
+const CLEAR_MAGIC: &[u8; 8] = b"SCCLEAR1";
+/// The exporter label of the marker's session value (RFC 8446 section 7.5).
+const CLEAR_EXPORTER_LABEL: &[u8] = b"EXPORTER-shardcast-clear-switch";
+
+/// The switch marker of the session `conn` belongs to (the same on both ends).
+fn clear_marker<D>(conn: &rustls::ConnectionCommon<D>) -> Result<[u8; CLEAR_MARKER_LEN], TlsError> {
+    let mut m = [0u8; CLEAR_MARKER_LEN];
+    m[..8].copy_from_slice(CLEAR_MAGIC);
+    conn.export_keying_material(&mut m[8..], CLEAR_EXPORTER_LABEL, None)
+        .map_err(|e| TlsError::ClearSwitch(format!("exporting the session value: {e}")))?;
+    Ok(m)
+}
+
+/// Refuses the switch when the TLS layer still holds bytes of the stream: records to send
+/// or plaintext received and not read.
+fn nothing_left<D>(
+    mut conn: impl std::ops::DerefMut<Target = rustls::ConnectionCommon<D>>,
+) -> Result<(), TlsError> {
+    use std::io::Read;
+    if conn.wants_write() {
+        return Err(TlsError::ClearSwitch(
+            "TLS records are still queued to send".into(),
+        ));
+    }
+    let mut probe = [0u8; 1];
+    match conn.reader().read(&mut probe) {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
+        Ok(0) => Err(TlsError::ClearSwitch(
+            "the peer closed the TLS session".into(),
+        )),
+        Ok(_) => Err(TlsError::ClearSwitch(
+            "the peer sent data inside TLS after the handshake".into(),
+        )),
+        Err(e) => Err(TlsError::ClearSwitch(e.to_string())),
     }
 }

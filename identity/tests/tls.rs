@@ -181,6 +181,111 @@ async fn the_wrong_server_identity_and_protocol_are_refused() {
 }
 
 #[tokio::test]
+async fn an_authenticate_only_connection_carries_both_directions_in_the_clear_after_the_handshake()
+{
+    let p = pki();
+    let server = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+    let client = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    // What each end sends right after the switch, large enough to span many TCP segments,
+    // so any byte a TLS layer kept would show as a difference.
+    let from_client: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    let from_server: Vec<u8> = (0..300_000u32).map(|i| (i * 13 + 1) as u8).collect();
+    let (fc, fs) = (from_client.clone(), from_server.clone());
+    let task = tokio::spawn(async move {
+        let (tcp, _) = l.accept().await.unwrap();
+        let (mut raw, id) = server.accept_clear(tcp).await?;
+        // The server writes at once, while the client writes too: neither waits.
+        let (mut r, mut w) = raw.split();
+        let write = async {
+            w.write_all(&fs).await?;
+            w.flush().await
+        };
+        let mut got = vec![0u8; fc.len()];
+        let (wrote, read) = tokio::join!(write, r.read_exact(&mut got));
+        wrote.map_err(TlsError::Handshake)?;
+        read.map_err(TlsError::Handshake)?;
+        Ok::<_, TlsError>((id, got))
+    });
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let expect = Expect::Exactly(Identity::new(Role::Host, "h1").unwrap());
+    let (mut raw, id) = client.connect_clear(tcp, &expect).await.unwrap();
+    assert_eq!(id, Identity::new(Role::Host, "h1").unwrap());
+    let (mut r, mut w) = raw.split();
+    let mut got = vec![0u8; from_server.len()];
+    let (wrote, read) = tokio::join!(w.write_all(&from_client), r.read_exact(&mut got));
+    wrote.unwrap();
+    read.unwrap();
+    assert!(got == from_server, "the server's clear bytes differ");
+    let (seen, got) = task.await.unwrap().unwrap();
+    assert_eq!(seen, Identity::new(Role::Host, "h2").unwrap());
+    assert!(got == from_client, "the client's clear bytes differ");
+}
+
+#[tokio::test]
+async fn the_two_data_modes_refuse_each_other_by_name_and_count_it() {
+    let p = pki();
+    let server = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+    let client = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    // An authenticate-only client at an encrypting data port.
+    let (addr, task) = serve_once(server.clone()).await;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let err = client
+        .connect_clear(tcp, &Expect::Role(Role::Host))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TlsError::AlpnMismatch {
+                ours: "shardcast-clear/1"
+            }
+        ),
+        "{err}"
+    );
+    let err = task.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TlsError::AlpnMismatch {
+                ours: "shardcast/1"
+            }
+        ),
+        "{err}"
+    );
+    // An encrypting client at an authenticate-only port.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let srv = server.clone();
+    let task = tokio::spawn(async move {
+        let (tcp, _) = l.accept().await.unwrap();
+        srv.accept_clear(tcp).await.map(|(_, id)| id)
+    });
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let err = client
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TlsError::AlpnMismatch {
+                ours: "shardcast/1"
+            }
+        ),
+        "{err}"
+    );
+    assert!(matches!(
+        task.await.unwrap().unwrap_err(),
+        TlsError::AlpnMismatch { .. }
+    ));
+    let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(count(&server.stats.alpn_mismatches), 2);
+    assert_eq!(count(&client.stats.alpn_mismatches), 2);
+}
+
+#[tokio::test]
 async fn rotation_is_picked_up_and_a_broken_file_keeps_the_old_certificate() {
     let p = pki();
     let f = issue(&p, Role::Host, "h1");

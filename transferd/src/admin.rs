@@ -397,6 +397,12 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
             t.connect_refused.load(Ordering::Relaxed),
         );
         metric(
+            "tls_alpn_mismatches_total",
+            "counter",
+            "TLS handshakes, either side, that failed because the peer speaks another protocol on the port (on the data port: the other end of the hop uses another data_mode).",
+            t.alpn_mismatches.load(Ordering::Relaxed),
+        );
+        metric(
             "tls_reloads_total",
             "counter",
             "Certificate reloads without a restart.",
@@ -614,6 +620,12 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
         "counter",
         "Repair requests refused because the repair queue was full.",
         node.repairs.refused(),
+    );
+    let _ = writeln!(
+        out,
+        "# HELP shardcast_data_mode How the TCP data port protects payloads (1 for this host's mode): tls (encrypted), authenticate-only (mutual-TLS handshake, then unencrypted; every chunk still verified) or insecure-plaintext. QUIC always encrypts.\n# TYPE shardcast_data_mode gauge\nshardcast_data_mode{{host=\"{}\",mode=\"{}\"}} 1",
+        node.host,
+        node.transports.data_mode_name()
     );
     labelled(
         &mut out,

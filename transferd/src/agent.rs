@@ -470,22 +470,27 @@ impl Agent for AgentService {
         let head = self.node.head(&id).ok_or_else(|| {
             Status::not_found(format!("no session {id} was started on this host"))
         })?;
-        let mut hops = Vec::new();
+        // Per (host, shard): a striped shard's stripes add up.
+        let mut progress: std::collections::BTreeMap<(String, u32), (u32, u32)> =
+            std::collections::BTreeMap::new();
         let mut running = false;
         let mut errors = Vec::new();
         for part in &head.parts {
             for (host, (verified, total)) in part.hop_progress() {
-                hops.push(pb::HopProgress {
-                    host_id: host,
-                    shard: part.shard.index(),
-                    verified,
-                    total,
-                });
+                let p = progress.entry((host, part.shard.index())).or_default();
+                p.0 += verified;
+                p.1 += total;
             }
             match part.outcome() {
                 None => running = true,
                 Some(Ok(())) => {}
-                Some(Err(e)) => errors.push(format!("shard {}: {e}", part.shard.index())),
+                Some(Err(e)) => {
+                    // The stripes of a shard usually fail for one reason: said once.
+                    let e = format!("shard {}: {e}", part.shard.index());
+                    if !errors.contains(&e) {
+                        errors.push(e);
+                    }
+                }
             }
         }
         // Running while any part is; then failed if any part failed; else done.
@@ -499,7 +504,15 @@ impl Agent for AgentService {
             model: head.model.to_hex(),
             state: state.into(),
             error: errors.join("; "),
-            hops,
+            hops: progress
+                .into_iter()
+                .map(|((host_id, shard), (verified, total))| pb::HopProgress {
+                    host_id,
+                    shard,
+                    verified,
+                    total,
+                })
+                .collect(),
             bytes_sent: self.node.counters.sent.load(Ordering::Relaxed),
             elapsed_s: head.started.elapsed().as_secs_f64(),
         }))
@@ -607,6 +620,7 @@ impl Agent for AgentService {
             origin_bytes: s.origin_bytes.load(Ordering::Relaxed),
             manifest_bytes: s.manifest_bytes.load(Ordering::Relaxed),
             kept_bytes: s.kept_bytes.load(Ordering::Relaxed),
+            data_mode: n.transports.data_mode_name().into(),
             downstream_failovers: s.downstream_failovers.load(Ordering::Relaxed),
             bytes_reverified: st.bytes_reverified.load(Ordering::Relaxed),
             bytes_scrubbed: st.bytes_scrubbed.load(Ordering::Relaxed),

@@ -22,6 +22,7 @@ use crate::chain::{ChainConfig, parse_fault_list};
 use crate::limits::Limits;
 use crate::origin::OriginAccess;
 use crate::store::{StoreConfig, WriterKind};
+use crate::transport::DataMode;
 use crate::transport::quic::{MAX_PATH_MTU, MIN_PATH_MTU};
 
 /// Command-line flags; each has an environment fallback and a TOML field of the same name.
@@ -235,11 +236,24 @@ pub struct Args {
     /// TCP listener is on loopback. For benchmarks and experiments only [default: false].
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
     pub insecure_plaintext: Option<bool>,
-    /// With insecure_plaintext: send chunk payloads from the store's files with sendfile
-    /// (no copy through user space; copied instead where the kernel refuses). Measured
-    /// slower on loopback, so off [default: false].
+    /// With data_mode = authenticate-only or insecure_plaintext: send chunk payloads from
+    /// the store's files with sendfile (no copy through user space; copied instead where
+    /// the kernel refuses). Measured slower on loopback, so off [default: false].
     #[arg(long, env = "SHARDCAST_SENDFILE")]
     pub sendfile: Option<bool>,
+    /// How the data port (TCP) protects what crosses it: `tls` encrypts every byte with
+    /// mutual TLS; `authenticate-only` (for a trusted fabric) authenticates both ends with
+    /// the same mutual-TLS handshake and each session with its plan token, then sends
+    /// frames unencrypted: every chunk is still verified against the manifest's BLAKE3
+    /// hashes, confidentiality is given up (docs/SECURITY.md). Both ends of every hop must
+    /// use the same mode; QUIC always encrypts [default: tls].
+    #[arg(long, env = "SHARDCAST_DATA_MODE", value_enum)]
+    pub data_mode: Option<DataMode>,
+    /// Connections (sessions) each shard of a chain this host heads is striped over, so
+    /// each hop handles one shard on several cores; hops below follow [default: 1, at most
+    /// 16; fewer for shards under 4 chunks a stripe].
+    #[arg(long, env = "SHARDCAST_STRIPES")]
+    pub stripes: Option<usize>,
     /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
     /// `https://models.example.com/org/`. Every origin this host opens must lie under
     /// one [default: none, so every origin is refused].
@@ -364,6 +378,8 @@ struct FileConfig {
     tls_key: Option<PathBuf>,
     insecure_plaintext: Option<bool>,
     sendfile: Option<bool>,
+    data_mode: Option<DataMode>,
+    stripes: Option<usize>,
     origin_allow: Option<Vec<String>>,
     handshake_timeout_ms: Option<u64>,
     peer_idle_timeout_s: Option<u64>,
@@ -457,6 +473,8 @@ pub struct Config {
     pub corrupt_once: Vec<(u32, u32)>,
     /// How peers and API clients are authenticated.
     pub security: Security,
+    /// How the data port protects chunk payloads (with TLS; `Tls` otherwise unused).
+    pub data_mode: DataMode,
 }
 
 /// How the daemon authenticates everything that connects to it.
@@ -897,6 +915,22 @@ impl Config {
                 ("admin_listen", admin_listen.tcp()),
             ],
         )?;
+        let data_mode = args.data_mode.or(file.data_mode).unwrap_or_default();
+        let stripes = args.stripes.or(file.stripes).unwrap_or(1);
+        if !(1..=crate::chain::MAX_STRIPES).contains(&stripes) {
+            bail!(
+                "stripes must be between 1 and {} (got {stripes})",
+                crate::chain::MAX_STRIPES
+            );
+        }
+        if data_mode == DataMode::AuthenticateOnly
+            && matches!(security, Security::InsecurePlaintext)
+        {
+            bail!(
+                "data_mode = authenticate-only authenticates hops with the mutual-TLS handshake, \
+                 but insecure_plaintext turns TLS off: set tls_ca/tls_cert/tls_key, or drop data_mode"
+            );
+        }
         Ok(Self {
             host_id,
             listen,
@@ -907,6 +941,7 @@ impl Config {
             tokens_file: args.tokens_file.or(file.tokens_file),
             admin_limits,
             security,
+            data_mode,
             store: StoreConfig {
                 memory_dir,
                 disk_dir: data_dir,
@@ -935,6 +970,7 @@ impl Config {
                 origin_parallel,
                 pipeline_depth,
                 sendfile: args.sendfile.or(file.sendfile).unwrap_or(defaults.sendfile),
+                stripes,
                 origins: OriginAccess::new(origins),
                 limits,
                 ..defaults
@@ -1101,6 +1137,48 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("admin_idle_timeout_ms"), "{err}");
+    }
+
+    #[test]
+    fn data_mode_is_tls_by_default_and_authenticate_only_needs_tls() {
+        assert_eq!(Config::load(tls_args()).unwrap().data_mode, DataMode::Tls);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        std::fs::write(&path, "data_mode = \"authenticate-only\"\n").unwrap();
+        let c = Config::load(Args {
+            config: Some(path.clone()),
+            ..tls_args()
+        })
+        .unwrap();
+        assert_eq!(c.data_mode, DataMode::AuthenticateOnly);
+        // The flag wins over the file.
+        let c = Config::load(Args {
+            config: Some(path.clone()),
+            data_mode: Some(DataMode::Tls),
+            ..tls_args()
+        })
+        .unwrap();
+        assert_eq!(c.data_mode, DataMode::Tls);
+        std::fs::write(&path, "data_mode = \"clear\"\n").unwrap();
+        let err = Config::load(Args {
+            config: Some(path),
+            ..tls_args()
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("authenticate-only"), "{err:#}");
+        let err = Config::load(Args {
+            insecure_plaintext: Some(true),
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            data_mode: Some(DataMode::AuthenticateOnly),
+            ..Args::default()
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "data_mode = authenticate-only authenticates hops with the mutual-TLS handshake"
+            ),
+            "{err}"
+        );
     }
 
     #[test]

@@ -57,6 +57,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             // One budget for the whole greeting: the TLS handshake, then (in `chain`) the
             // Hello exchange, each bounded by `handshake_timeout_ms`.
             ctx.set_handshake_timeout(config.chain.limits.handshake_timeout);
+            if config.data_mode == crate::transport::DataMode::AuthenticateOnly {
+                warn!(
+                    "data_mode = authenticate-only: hops over TCP authenticate with mutual TLS, then send chunks UNENCRYPTED (each still verified against the manifest); every peer must set the same mode; QUIC hops still encrypt"
+                );
+            }
             Some(ctx)
         }
         Security::InsecurePlaintext => {
@@ -72,7 +77,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let data_addr = data.local_addr()?;
     let transports = Transports {
         tcp: match &tls {
-            Some(ctx) => Transport::Tls(ctx.clone()),
+            Some(ctx) => Transport::Tls(ctx.clone(), config.data_mode),
             None => Transport::InsecureTcp,
         },
         // QUIC on the data port's number (UDP), with the same identity.

@@ -90,6 +90,80 @@ async fn middle_hop_killed_mid_transfer_others_complete(transport: HopTransport)
     assert!(c.daemons[1].stats().await.unwrap().downstream_failovers >= 1);
 }
 
+/// A striped chain (`--stripes 3` on the head): each shard crosses every hop as three
+/// sessions over three connections, the hops below following the head's ranges; a hop
+/// killed mid-way is bypassed stripe by stripe like any other, and every surviving copy is
+/// byte-exact. The head's status adds the stripes up per host and shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_striped_chain_survives_a_killed_middle_hop_and_reports_per_shard() {
+    let mut caps = cap_receivers("200Mbit");
+    let mut c = TestCluster::start(4, 48 * MIB, 2, move |i, o| {
+        caps(i, o);
+        if i == 0 {
+            o.extra_args.extend(["--stripes".into(), "3".into()]);
+        }
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let id = c
+        .start_chain(0, &digest, &[1, 2, 3, 4], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait_bytes(3, &digest, 8 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[2].kill().await;
+    c.wait(&[1, 3, 4], &digest, Duration::from_secs(120))
+        .await
+        .unwrap();
+    for i in [1, 3, 4] {
+        c.daemons[i].verify_copy(&manifest).unwrap();
+        // Three stripes of each of the two shards reached every hop as sessions of their
+        // own (the bypassed hops below the killed one may have taken more).
+        let st = c.daemons[i].stats().await.unwrap();
+        assert!(st.sessions_total >= 6, "{}: {st:?}", c.daemons[i].host_id);
+        assert_eq!(st.chunks_corrupt, 0);
+    }
+    let mut agent = c.daemons[0].agent().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = agent
+            .get_session(shardcast_protocol::agent::GetSessionRequest {
+                session_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut keys: Vec<(String, u32)> = s
+            .hops
+            .iter()
+            .map(|h| (h.host_id.clone(), h.shard))
+            .collect();
+        let n = keys.len();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), n, "one entry per host and shard: {s:?}");
+        let whole = |h: &shardcast_protocol::agent::HopProgress| {
+            h.total == manifest.shards[h.shard as usize].chunks.len() as u32
+        };
+        if s.state != "running" {
+            // The hop next to the head reported every stripe to the end: its entry per
+            // shard covers the whole shard. (The session itself says it lost recv-2.)
+            let next: Vec<_> = s.hops.iter().filter(|h| h.host_id == "recv-1").collect();
+            assert_eq!(next.len(), manifest.shards.len(), "{s:?}");
+            assert!(
+                next.iter().all(|h| whole(h) && h.verified == h.total),
+                "{s:?}"
+            );
+            assert!(s.state == "done" || s.error.contains("recv-2"), "{s:?}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{s:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn head_killed_hops_recover_from_origin(transport: HopTransport) {
     let mut c = TestCluster::start(3, 32 * MIB, 1, cap_receivers("100Mbit"))
         .await
@@ -441,6 +515,92 @@ async fn a_plaintext_chain_sends_chunks_from_the_store_files_by_sendfile() {
         shardcast_tests::metric(&c.daemons[0], "sendfile_bytes_total").await,
         0
     );
+}
+
+/// The authenticate-only data mode (`--data-mode authenticate-only`): the hops authenticate
+/// with the mutual-TLS handshake and then carry the chain in the clear (here chunk payloads
+/// go from the store's files by `sendfile`, which no TLS connection can do), every copy
+/// byte-exact; status and metrics say which mode. A host of the other mode is refused in
+/// the handshake, by both ends, with an error naming the setting, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authenticate_only_chain_sends_in_the_clear_and_refuses_a_host_of_the_other_mode() {
+    let c = TestCluster::start(3, 8 * MIB, 1, |i, o| {
+        // recv-3 keeps the default (tls).
+        if i < 3 {
+            o.extra_args.extend([
+                "--data-mode".into(),
+                "authenticate-only".into(),
+                "--sendfile".into(),
+                "true".into(),
+            ]);
+        }
+    })
+    .await
+    .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2], "").await.unwrap();
+    c.wait(&[1, 2], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for d in &c.daemons[1..3] {
+        d.verify_copy(&manifest).unwrap();
+        assert_eq!(d.stats().await.unwrap().chunks_corrupt, 0);
+    }
+    // The source and the middle hop sent (nearly) every payload straight from the file.
+    for d in &c.daemons[..2] {
+        assert!(
+            metric(d, "sendfile_bytes_total").await >= 7 * MIB,
+            "{}",
+            d.host_id
+        );
+        assert_eq!(d.stats().await.unwrap().data_mode, "authenticate-only");
+        let body = d.metrics().await.unwrap();
+        assert!(
+            body.contains(&format!(
+                "shardcast_data_mode{{host=\"{}\",mode=\"authenticate-only\"}} 1",
+                d.host_id
+            )),
+            "{body}"
+        );
+    }
+    assert_eq!(c.daemons[3].stats().await.unwrap().data_mode, "tls");
+
+    // The source (authenticate-only) to recv-3 (tls): refused in the handshake on both
+    // ends; the session fails with the reason, and recv-3 holds nothing.
+    let id = c.start_chain(0, &digest, &[3], "").await.unwrap();
+    let mut agent = c.daemons[0].agent().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let failed = loop {
+        let s = agent
+            .get_session(shardcast_protocol::agent::GetSessionRequest {
+                session_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if s.state == "failed" {
+            break s;
+        }
+        assert!(s.state != "done", "{s:?}");
+        assert!(std::time::Instant::now() < deadline, "{s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(failed.error.contains("data_mode"), "{failed:?}");
+    for d in [&c.daemons[0], &c.daemons[3]] {
+        assert!(
+            metric(d, "tls_alpn_mismatches_total").await >= 1,
+            "{}",
+            d.host_id
+        );
+    }
+    let log = std::fs::read_to_string(&c.daemons[3].log).unwrap();
+    assert!(
+        log.contains(
+            "the two ends of this hop use different data modes (this host: data_mode = tls"
+        ),
+        "{log}"
+    );
+    assert_eq!(c.verified_bytes(3, &digest).await.unwrap_or(0), 0);
 }
 
 /// The chain benchmark on loopback with a warm-up run (`bench chain --warm-up`): the

@@ -10,12 +10,13 @@ use shardcast_protocol::{ErrorCode, Hop, HopTransport, Manifest, ModelDigest, Se
 use tracing::{info, warn};
 
 use super::session::FeederGuard;
-use super::{ChainError, Node, ShardSession};
+use super::{ChainError, Node, ShardSession, stripe_ranges};
 
 /// How long a finished head session stays queryable through `GetSession`.
 const HEAD_RETENTION: Duration = Duration::from_secs(600);
 
-/// A head session started through the API: its shard sessions, one per (chain, shard).
+/// A head session started through the API: its shard sessions, one per (chain, shard,
+/// stripe).
 pub struct HeadSession {
     /// Session id.
     pub id: SessionId,
@@ -98,27 +99,29 @@ impl Node {
                 Some(h) => h,
                 None => self.store.shard(&model, s, tier)?,
             };
-            let end = shard.total_chunks();
-            let (sess, active) = self.new_session(
-                id,
-                model,
-                manifest.clone(),
-                shard,
-                0,
-                end,
-                origin.clone(),
-                (token.clone(), transport),
-            );
-            if !sess.complete() {
-                self.spawn_head_fill(&sess);
+            // One session per stripe of the shard, each on its own connection.
+            for range in stripe_ranges(shard.total_chunks(), self.cfg.stripes) {
+                let (sess, active) = self.new_session(
+                    id,
+                    model,
+                    manifest.clone(),
+                    shard.clone(),
+                    range.start,
+                    range.end,
+                    origin.clone(),
+                    (token.clone(), transport),
+                );
+                if !sess.complete() {
+                    self.spawn_head_fill(&sess);
+                }
+                self.spawn_forwarder(&sess, hops.clone());
+                let watched = sess.clone();
+                tokio::spawn(async move {
+                    let _ = watched.finished().await;
+                    drop(active);
+                });
+                parts.push(sess);
             }
-            self.spawn_forwarder(&sess, hops);
-            let watched = sess.clone();
-            tokio::spawn(async move {
-                let _ = watched.finished().await;
-                drop(active);
-            });
-            parts.push(sess);
         }
         let head = Arc::new(HeadSession {
             id,

@@ -138,6 +138,37 @@ pub struct ChainConfig {
     /// 0.23 and moved 2.6 GB/s against 4.2; a NIC that takes the pages without a copy was
     /// not measured.
     pub sendfile: bool,
+    /// Connections each shard of a chain this host heads is striped over: the shard's
+    /// chunks split into this many contiguous ranges, each its own session (the same
+    /// session id, the range in its `Open`) on its own connection down the whole chain, so
+    /// every hop receives, decrypts, verifies and forwards one shard on as many cores.
+    /// Hops below follow the head's ranges. Rationale for the default of 1: one
+    /// connection per shard fills a 2-core host already (docs/BENCHMARKS.md); raise it on
+    /// hosts with idle cores and few shards.
+    pub stripes: usize,
+}
+
+/// Fewest chunks in one stripe: a shard is striped into fewer ranges than `stripes` rather
+/// than into ranges shorter than this (each stripe costs a connection, a session and a
+/// recovery monitor on every hop).
+pub const MIN_STRIPE_CHUNKS: u32 = 4;
+
+/// Most stripes per shard (`stripes` above this is refused at start).
+pub const MAX_STRIPES: usize = 16;
+
+/// The ranges a shard of `chunks` chunks is striped into with `stripes` wanted: contiguous,
+/// in order, covering `0..chunks`, none shorter than [`MIN_STRIPE_CHUNKS`] unless the
+/// shard itself is (one range then).
+pub fn stripe_ranges(chunks: u32, stripes: usize) -> Vec<std::ops::Range<u32>> {
+    let k = u32::try_from(stripes.clamp(1, MAX_STRIPES))
+        .unwrap_or(1)
+        .min((chunks / MIN_STRIPE_CHUNKS).max(1));
+    (0..k)
+        .map(|i| {
+            let at = |j: u32| (u64::from(chunks) * u64::from(j) / u64::from(k)) as u32;
+            at(i)..at(i + 1)
+        })
+        .collect()
 }
 
 impl Default for ChainConfig {
@@ -154,6 +185,7 @@ impl Default for ChainConfig {
             progress_interval: Duration::from_millis(100),
             pipeline_depth: 4,
             sendfile: false,
+            stripes: 1,
         }
     }
 }
@@ -392,7 +424,9 @@ pub struct Node {
     pub repairs: Repairs,
     /// Open data-plane connections against their caps (`cfg.limits`).
     pub conn_limits: Arc<ConnLimits>,
-    sessions: Mutex<HashMap<(SessionId, u32), Arc<ShardSession>>>,
+    /// Hop sessions by (session, shard, first chunk of the range): a striped shard has one
+    /// per stripe.
+    sessions: Mutex<HashMap<SessionKey, Arc<ShardSession>>>,
     heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
     /// This host's data address as peers reach it (set once the listener is up, when it
     /// is known): named in the upstream list of every `Open` this host sends.
@@ -539,7 +573,41 @@ pub fn parse_fault_list(s: &str) -> Result<Vec<(u32, u32)>, String> {
         .collect()
 }
 
+/// A hop session's key: (session, shard, first chunk of its range).
+pub(crate) type SessionKey = (SessionId, u32, u32);
+
 /// A fresh random session id.
 pub fn new_session_id() -> SessionId {
     SessionId(rand::random())
+}
+
+#[cfg(test)]
+mod stripe_tests {
+    use super::*;
+
+    #[test]
+    fn stripes_cover_the_shard_in_order_and_are_never_too_short() {
+        for chunks in [0u32, 1, 3, 4, 7, 8, 12, 13, 100, 1000] {
+            for stripes in [0usize, 1, 2, 3, 4, 16, 64] {
+                let r = stripe_ranges(chunks, stripes);
+                assert!(
+                    !r.is_empty() && r.len() <= MAX_STRIPES,
+                    "{chunks} {stripes}: {r:?}"
+                );
+                assert_eq!(r[0].start, 0);
+                assert_eq!(r[r.len() - 1].end, chunks);
+                assert!(r.windows(2).all(|w| w[0].end == w[1].start), "{r:?}");
+                assert!(r.len() <= stripes.max(1), "{chunks} {stripes}: {r:?}");
+                if r.len() > 1 {
+                    assert!(
+                        r.iter().all(|x| x.len() >= MIN_STRIPE_CHUNKS as usize),
+                        "{r:?}"
+                    );
+                }
+            }
+        }
+        assert_eq!(stripe_ranges(12, 3), vec![0..4, 4..8, 8..12]);
+        assert_eq!(stripe_ranges(10, 3), vec![0..5, 5..10]);
+        assert_eq!(stripe_ranges(2, 4), vec![0..2]);
+    }
 }

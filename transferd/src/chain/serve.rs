@@ -28,7 +28,8 @@ impl Node {
             Ok(s) => s,
             Err(e) => {
                 self.stats.tls_refused.fetch_add(1, Ordering::Relaxed);
-                warn!(%peer, "refusing connection: {e}");
+                let why = crate::transport::explain(&e, self.transports.tcp.data_mode());
+                warn!(%peer, "refusing connection: {why}");
                 return;
             }
         };

@@ -8,9 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
-use shardcast_protocol::{
-    ErrorCode, Frame, HostId, Manifest, SessionHeader, SessionId, plan::PlanClaims,
-};
+use shardcast_protocol::{ErrorCode, Frame, HostId, Manifest, SessionHeader, plan::PlanClaims};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::proto::{Inbound, InboundFrame, Stalled, Verdict};
@@ -81,7 +79,7 @@ impl Node {
         // Nothing of a session the controller did not authorise is kept: not even its
         // manifest.
         let claims = self.authorize_open(header, remote)?;
-        let key = (header.session, header.shard);
+        let key = (header.session, header.shard, header.start);
         if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
             // A hop above a stalled one fails over to us once our upstream has been silent
             // for a stall timeout. An `Open` while our upstream is plainly alive comes from
@@ -207,7 +205,7 @@ impl Node {
     fn spawn_reaper(
         self: &Arc<Self>,
         sess: &Arc<ShardSession>,
-        key: (SessionId, u32),
+        key: super::SessionKey,
         active: ActiveSession,
     ) {
         let node = self.clone();

@@ -56,11 +56,54 @@ fn expect_host(expect: Option<&HostId>) -> std::io::Result<Expect> {
     })
 }
 
+/// How a host's TCP data port protects what crosses it (`data_mode`). Both ends of a hop
+/// must agree: each mode has its own ALPN protocol, so a mismatch fails the handshake with
+/// [`shardcast_identity::TlsError::AlpnMismatch`] on both sides.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Deserialize,
+    serde::Serialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataMode {
+    /// Mutual TLS; every byte encrypted (the default).
+    #[default]
+    Tls,
+    /// The mutual-TLS handshake authenticates both ends, then the connection carries frames
+    /// unencrypted (and chunk payloads by `sendfile` where enabled); every chunk is still
+    /// verified against the manifest. For trusted fabrics (docs/SECURITY.md).
+    AuthenticateOnly,
+}
+
+impl DataMode {
+    /// The mode's name as configured and reported.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tls => "tls",
+            Self::AuthenticateOnly => "authenticate-only",
+        }
+    }
+}
+
+impl std::fmt::Display for DataMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The byte-stream transport used between hops.
 #[derive(Debug, Clone)]
 pub enum Transport {
-    /// TCP with `TCP_NODELAY` and mutual TLS under the cluster CA.
-    Tls(Arc<TlsContext>),
+    /// TCP with `TCP_NODELAY` and mutual TLS under the cluster CA; in
+    /// [`DataMode::AuthenticateOnly`] only the handshake is TLS, the connection continues
+    /// as plain TCP.
+    Tls(Arc<TlsContext>, DataMode),
     /// Plain TCP, no authentication (`insecure_plaintext`, loopback only).
     InsecureTcp,
     /// QUIC with mutual TLS 1.3 under the cluster CA.
@@ -102,6 +145,15 @@ impl Transports {
     pub fn tls(&self) -> Option<&Arc<TlsContext>> {
         self.tcp.tls()
     }
+
+    /// How the TCP data port protects payloads, as status and metrics name it: the
+    /// [`DataMode`], or `insecure-plaintext` without TLS.
+    pub fn data_mode_name(&self) -> &'static str {
+        match &self.tcp {
+            Transport::InsecureTcp => "insecure-plaintext",
+            t => t.data_mode().as_str(),
+        }
+    }
 }
 
 impl Transport {
@@ -116,7 +168,20 @@ impl Transport {
         match self {
             Self::Quic(q) => q.connect(addr, expect).await.map(|(s, p)| (s.into(), p)),
             Self::InsecureTcp => Ok((Halves::tcp(tcp_connect(addr).await?), Peer::Insecure)),
-            Self::Tls(ctx) => {
+            Self::Tls(ctx, DataMode::AuthenticateOnly) => {
+                let expect = expect_host(expect)?;
+                let (tcp, id) = ctx
+                    .connect_clear(tcp_connect(addr).await?, &expect)
+                    .await
+                    .map_err(|e| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::PermissionDenied,
+                            format!("{addr}: {}", explain(&e, DataMode::AuthenticateOnly)),
+                        )
+                    })?;
+                Ok((Halves::tcp(tcp), Peer::Cert(id)))
+            }
+            Self::Tls(ctx, DataMode::Tls) => {
                 let expect = expect_host(expect)?;
                 let stream =
                     tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, tcp_connect(addr).await?);
@@ -126,7 +191,7 @@ impl Transport {
                     .map_err(|e| {
                         std::io::Error::new(
                             std::io::ErrorKind::PermissionDenied,
-                            format!("{addr}: {e}"),
+                            format!("{addr}: {}", explain(&e, DataMode::Tls)),
                         )
                     })?;
                 Ok((boxed(Box::new(s)), Peer::Cert(id)))
@@ -149,7 +214,11 @@ impl Transport {
     ) -> Result<(Halves, Peer), shardcast_identity::TlsError> {
         match self {
             Self::InsecureTcp => Ok((Halves::tcp(stream), Peer::Insecure)),
-            Self::Tls(ctx) => {
+            Self::Tls(ctx, DataMode::AuthenticateOnly) => {
+                let (tcp, id) = ctx.accept_clear(stream).await?;
+                Ok((Halves::tcp(tcp), Peer::Cert(id)))
+            }
+            Self::Tls(ctx, DataMode::Tls) => {
                 let stream = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, stream);
                 let (s, id) = ctx.accept(stream, Alpn::Data).await?;
                 Ok((Halves::from(Box::new(s) as BoxStream), Peer::Cert(id)))
@@ -160,11 +229,32 @@ impl Transport {
         }
     }
 
+    /// The data mode of TCP hops (`Tls` for QUIC, which always encrypts; meaningless
+    /// without TLS).
+    pub fn data_mode(&self) -> DataMode {
+        match self {
+            Self::Tls(_, m) => *m,
+            Self::InsecureTcp | Self::Quic(_) => DataMode::Tls,
+        }
+    }
+
     /// The TLS context, when there is one.
     pub fn tls(&self) -> Option<&Arc<TlsContext>> {
         match self {
-            Self::Tls(c) => Some(c),
+            Self::Tls(c, _) => Some(c),
             Self::InsecureTcp | Self::Quic(_) => None,
         }
+    }
+}
+
+/// A handshake failure in words an operator can act on: a data-mode mismatch names both
+/// modes and the setting.
+pub fn explain(e: &shardcast_identity::TlsError, ours: DataMode) -> String {
+    match e {
+        shardcast_identity::TlsError::AlpnMismatch { .. } => format!(
+            "the two ends of this hop use different data modes (this host: data_mode = {ours}; \
+             the peer's is the other one): set the same data_mode on every host"
+        ),
+        other => other.to_string(),
     }
 }
