@@ -12,7 +12,10 @@
 //!   `pwrite` (what the store does), `fallocate+pwrite` (pages allocated ahead, in the
 //!   timed section), `mapped` (a copy into a shared writable mapping of the file: the
 //!   memory traffic of receiving a chunk straight into the shard's mapping, where the
-//!   socket's copy would land in the page cache and the `pwrite` disappear).
+//!   socket's copy would land in the page cache and the `pwrite` disappear), and
+//!   `pwritev-pages` (two chunks, a whole 2 MiB huge page, per `pwritev`: what the store does
+//!   on a huge-page tmpfs, where a 1 MiB write into a new page makes the kernel zero the
+//!   other half first).
 //!
 //! Targets: `tmpfs` (`/dev/shm`, the memory tier), `disk` (a file under `target/`: the
 //! page cache, as the store never fsyncs chunks), and `huge` when
@@ -79,16 +82,23 @@ enum Placement {
     Pwrite,
     FallocatePwrite,
     Mapped,
+    PwritevPages,
 }
 
 impl Placement {
-    const ALL: [Self; 3] = [Self::Pwrite, Self::FallocatePwrite, Self::Mapped];
+    const ALL: [Self; 4] = [
+        Self::Pwrite,
+        Self::FallocatePwrite,
+        Self::Mapped,
+        Self::PwritevPages,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Self::Pwrite => "pwrite",
             Self::FallocatePwrite => "fallocate+pwrite",
             Self::Mapped => "mapped",
+            Self::PwritevPages => "pwritev-pages",
         }
     }
 
@@ -108,6 +118,13 @@ impl Placement {
                     .expect("fallocate");
                 for i in 0..CHUNKS {
                     file.write_all_at(data, i * CHUNK as u64).expect("pwrite");
+                }
+            }
+            Self::PwritevPages => {
+                let page = [std::io::IoSlice::new(data), std::io::IoSlice::new(data)];
+                for i in (0..CHUNKS).step_by(2) {
+                    let n = rustix::io::pwritev(file, &page, i * CHUNK as u64).expect("pwritev");
+                    assert_eq!(n, 2 * CHUNK, "short pwritev");
                 }
             }
             Self::Mapped => {
