@@ -246,7 +246,7 @@ impl Controller {
                     continue;
                 };
                 changed |= match r {
-                    None => h.lose("the host stopped heartbeating during the burst"),
+                    None => h.lose("the host stopped heartbeating during the burst", now_unix()),
                     // An agent that does not answer while heartbeating: the stall timer
                     // decides.
                     Some(Err(e)) => h.unanswered(e),

@@ -63,6 +63,11 @@ pub struct ControllerConfig {
     pub stall_timeout: Duration,
     /// Re-plans per plan before its stuck receivers are marked failed.
     pub max_replans: u32,
+    /// How long a running plan waits for a receiver whose host stopped heartbeating (marked
+    /// `lost`) to come back: a host that heartbeats again within it (a restarted transferd,
+    /// a host cut off or stopped for a moment) is re-planned and resumes from its verified
+    /// chunks; after it the plan ends without the host (`partial`).
+    pub lost_grace: Duration,
     /// Host → GPU rate (bytes/s) used to class models light/medium/heavy from their
     /// profiles (Torpor §5.3). Default 25 GB/s (PCIe 4.0 x16 in practice).
     pub pcie_bps: f64,
@@ -99,6 +104,7 @@ impl Default for ControllerConfig {
             poll: Duration::from_millis(250),
             stall_timeout: Duration::from_secs(10),
             max_replans: 3,
+            lost_grace: Duration::from_secs(20),
             pcie_bps: 25e9,
             tls: None,
             signer: None,
@@ -1508,9 +1514,34 @@ impl Controller {
                     lock(&pushed.latest).remove(&host);
                 }
             }
-            let Some((digest, name, tier, active)) = self.active_receivers(&id) else {
+            let Some((digest, name, tier, active, returned)) = self.active_receivers(&id) else {
                 return;
             };
+            // Lost receivers whose hosts heartbeat again within the grace: new chains from
+            // the holders there are now; they resume from their verified chunks.
+            if !returned.is_empty() {
+                info!(plan = %id, hosts = ?returned, "lost receivers are back: re-planning them");
+                for host in &returned {
+                    self.events.record(Event {
+                        at: now_unix(),
+                        model: name.clone(),
+                        kind: "receiver-returned".into(),
+                        reason: format!(
+                            "host {host} heartbeats again within the lost grace: re-planned, resuming from its verified chunks"
+                        ),
+                        plan_id: id.clone(),
+                        delta: 0,
+                        hosts: vec![host.clone()],
+                    });
+                }
+                self.replan(&id, &returned).await;
+                for h in &returned {
+                    progress.restart(h);
+                }
+                let mut st = lock(&self.state);
+                self.publish_plan(&mut st, &id, false, &mut last_persist);
+                continue;
+            }
             for (host, up, _) in &active {
                 if *up && watching.insert(host.clone()) {
                     streams.spawn(self.clone().watch_receiver(
@@ -1593,7 +1624,13 @@ impl Controller {
                     };
                     match polled {
                         None => {
-                            changed |= h.lose("the host stopped heartbeating during the transfer");
+                            changed |= h.lose(
+                                &format!(
+                                    "the host stopped heartbeating during the transfer; the plan waits {}s for it to return",
+                                    self.cfg.lost_grace.as_secs()
+                                ),
+                                now_unix(),
+                            );
                             warn!(plan = %id, host = %host, "receiver lost");
                             self.events.record(Event {
                                 at: now_unix(),
@@ -1626,7 +1663,7 @@ impl Controller {
                         stalled.push(host.clone());
                     }
                 }
-                if plan.settle(now_unix()) {
+                if plan.settle_after(now_unix(), self.cfg.lost_grace.as_secs_f64()) {
                     changed = true;
                     ended = true;
                 }
@@ -1663,27 +1700,37 @@ impl Controller {
         }
     }
 
-    /// (digest, name, tier, [(receiver, up)]) of a plan's receivers still in progress.
+    /// (digest, name, tier, [(receiver, up, gpus)], returned) of a running plan: its
+    /// receivers still in progress, and its lost receivers whose hosts heartbeat again
+    /// within the lost grace.
     #[allow(clippy::type_complexity)]
     fn active_receivers(
         &self,
         id: &str,
-    ) -> Option<(String, String, Tier, Vec<(String, bool, u32)>)> {
+    ) -> Option<(String, String, Tier, Vec<(String, bool, u32)>, Vec<String>)> {
         let st = lock(&self.state);
         let plan = st.plans.get(id).filter(|p| p.running())?;
+        let up = |host: &str| st.hosts.get(host).is_some_and(|e| e.up);
         let active = plan
             .hosts
             .iter()
             .filter(|h| h.state.is_active())
-            .map(|h| {
-                (
-                    h.host.clone(),
-                    st.hosts.get(&h.host).is_some_and(|e| e.up),
-                    h.gpus,
-                )
-            })
+            .map(|h| (h.host.clone(), up(&h.host), h.gpus))
             .collect();
-        Some((plan.digest.clone(), plan.model.clone(), plan.tier, active))
+        let (now, grace) = (now_unix(), self.cfg.lost_grace.as_secs_f64());
+        let returned = plan
+            .hosts
+            .iter()
+            .filter(|h| h.awaits_return(now, grace) && up(&h.host))
+            .map(|h| h.host.clone())
+            .collect();
+        Some((
+            plan.digest.clone(),
+            plan.model.clone(),
+            plan.tier,
+            active,
+            returned,
+        ))
     }
 
     /// Asks `host` to load the model onto `gpus` GPUs.
@@ -1998,6 +2045,9 @@ impl Controller {
                     h.source = source.clone();
                     if h.state == ReceiverState::Joined {
                         h.state = ReceiverState::Receiving;
+                    }
+                    if h.state == ReceiverState::Lost {
+                        h.come_back();
                     }
                 }
                 plan.runs.push(chain_run(&c.source, &c.hops, &c.shards));

@@ -223,6 +223,9 @@ pub struct ReceiverProgress {
     pub live_s: f64,
     /// Seconds from the plan's start until it held a verified copy (0 until then).
     pub done_s: f64,
+    /// When it was marked `lost` (Unix seconds; 0: it is not lost).
+    #[serde(default)]
+    pub lost_at: f64,
 }
 
 impl ReceiverProgress {
@@ -241,6 +244,7 @@ impl ReceiverProgress {
             partition: String::new(),
             live_s: 0.0,
             done_s: 0.0,
+            lost_at: 0.0,
         }
     }
 
@@ -250,13 +254,29 @@ impl ReceiverProgress {
     }
 
     /// The host stopped heartbeating. True when this changed the receiver.
-    pub fn lose(&mut self, why: &str) -> bool {
+    pub fn lose(&mut self, why: &str, now: f64) -> bool {
         let before = (self.state, self.error.len());
+        if self.state != ReceiverState::Lost {
+            self.lost_at = now;
+        }
         self.state = ReceiverState::Lost;
         if self.error != why {
             self.error = why.to_string();
         }
         before != (self.state, self.error.len())
+    }
+
+    /// Marked `lost` less than `grace` seconds before `now`: a running plan waits for it.
+    pub fn awaits_return(&self, now: f64, grace: f64) -> bool {
+        self.state == ReceiverState::Lost && self.lost_at > 0.0 && now - self.lost_at < grace
+    }
+
+    /// Its host is back within the grace and was re-planned: receiving again.
+    pub fn come_back(&mut self) {
+        self.state = ReceiverState::Receiving;
+        self.error =
+            "the host returned after it was lost; resuming from its verified chunks".into();
+        self.lost_at = 0.0;
     }
 
     /// Its agent did not answer (the host still heartbeats): only the note changes; the
@@ -502,7 +522,15 @@ impl Plan {
     /// Called again on an ended plan (a receiver completed after it was marked lost), it
     /// recomputes the outcome and keeps the end time.
     pub fn settle(&mut self, now: f64) -> bool {
-        if self.hosts.iter().any(|h| h.state.is_active()) {
+        self.settle_after(now, 0.0)
+    }
+
+    /// [`Plan::settle`], but a receiver lost less than `grace` seconds ago keeps the plan
+    /// running: its host may come back and be re-planned.
+    pub fn settle_after(&mut self, now: f64, grace: f64) -> bool {
+        if self.hosts.iter().any(|h| {
+            h.state.is_active() || (self.state == PlanState::Running && h.awaits_return(now, grace))
+        }) {
             return false;
         }
         let any_ok = self.hosts.iter().any(|h| h.state.holds_copy());
@@ -766,6 +794,34 @@ mod tests {
                 10.0,
             )
         }
+    }
+
+    #[test]
+    fn a_lost_receiver_keeps_its_plan_running_for_the_grace_then_not() {
+        use ReceiverState::*;
+        let mut p = plan(&[Done, Receiving]);
+        assert!(p.hosts[1].lose("gone", 20.0));
+        assert_eq!(p.hosts[1].lost_at, 20.0);
+        // Lost again later: the first time stays.
+        p.hosts[1].lose("gone", 25.0);
+        assert_eq!(p.hosts[1].lost_at, 20.0);
+        assert!(p.hosts[1].awaits_return(29.0, 10.0));
+        assert!(!p.settle_after(29.0, 10.0));
+        assert!(p.running());
+        // Back within the grace: receiving again, no longer lost.
+        p.hosts[1].come_back();
+        assert_eq!((p.hosts[1].state, p.hosts[1].lost_at), (Receiving, 0.0));
+        assert!(!p.settle_after(31.0, 10.0));
+        // Lost again and never back: the plan ends once the grace has passed.
+        p.hosts[1].lose("gone", 40.0);
+        assert!(!p.settle_after(49.0, 10.0));
+        assert!(!p.hosts[1].awaits_return(50.0, 10.0));
+        assert!(p.settle_after(50.0, 10.0));
+        assert_eq!(p.state, PlanState::Partial);
+        // No grace: at once.
+        let mut p = plan(&[Done, Receiving]);
+        p.hosts[1].lose("gone", 20.0);
+        assert!(p.settle(20.0));
     }
 
     #[test]

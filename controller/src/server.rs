@@ -103,6 +103,11 @@ pub struct Args {
     /// Seconds without progress after which a receiver is re-planned.
     #[arg(long, env = "SHARDCAST_STALL_TIMEOUT_S", default_value_t = 10)]
     pub stall_timeout_s: u64,
+    /// Seconds a running plan waits for a receiver whose host stopped heartbeating to come
+    /// back (re-planned then, resuming from its verified chunks) before it ends without it
+    /// (`partial`). 0: end at once.
+    #[arg(long, env = "SHARDCAST_LOST_GRACE_S", default_value_t = 20)]
+    pub lost_grace_s: u64,
     /// Log format: text or json.
     #[arg(long, env = "SHARDCAST_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
@@ -386,6 +391,7 @@ impl Args {
                 ..PlanParams::default()
             },
             stall_timeout: Duration::from_secs(self.stall_timeout_s),
+            lost_grace: Duration::from_secs(self.lost_grace_s),
             poll: Duration::from_millis(self.poll_ms),
             origins: OriginPolicy::parse(&self.origin_allow, Enforcer::Controller)
                 .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?,

@@ -88,6 +88,7 @@ impl From<&ReceiverProgress> for HostProgress {
             partition: r.partition.clone(),
             live_s: r.live_s,
             done_s: r.done_s,
+            lost_at: r.lost_at,
         }
     }
 }
@@ -179,6 +180,7 @@ pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
                 partition: h.partition,
                 live_s: h.live_s,
                 done_s: h.done_s,
+                lost_at: h.lost_at,
             })
         })
         .collect::<Result<Vec<_>, String>>()?;

@@ -341,10 +341,11 @@ async fn prewarm_then_peers(http: bool) {
 
 /// A cluster of `n` hosts with 24 MB/s egress caps (so a fault lands mid-transfer), a
 /// model of `size` bytes in 2 shards registered, and a prewarm of every host started (one
-/// chain from the origin).
+/// chain from the origin). The controller waits `lost_grace_s` for a lost host to return.
 async fn prewarm_every_host(
     n: usize,
     size: u64,
+    lost_grace_s: u64,
 ) -> (
     ManagedCluster,
     Origin,
@@ -352,9 +353,13 @@ async fn prewarm_every_host(
     Manifest,
     shardcast_protocol::controller::PlanAccepted,
 ) {
-    let c = start_cluster(n, vec![], |_, o| {
-        o.egress_rate = "24MB/s".into();
-    })
+    let c = start_cluster(
+        n,
+        vec!["--lost-grace-s".into(), lost_grace_s.to_string()],
+        |_, o| {
+            o.egress_rate = "24MB/s".into();
+        },
+    )
     .await
     .unwrap();
     let origin = Origin::new(size, 2);
@@ -376,7 +381,8 @@ async fn prewarm_every_host(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
-    let (mut c, _origin, mut api, manifest, a) = prewarm_every_host(6, 32 << 20).await;
+    // No grace: the victim stays dead, and the plan ends without it at once.
+    let (mut c, _origin, mut api, manifest, a) = prewarm_every_host(6, 32 << 20, 0).await;
     // Kill a middle hop of the chain once data is flowing.
     let victim = a.chains[0].hops[2].clone();
     wait_fraction(&mut api, &a.plan_id, 0.15).await;
@@ -414,13 +420,67 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
     assert_eq!(last["state"], "partial", "{out}");
 }
 
+/// A receiver killed mid-prewarm (`kill -9`) and started again a few seconds later, within
+/// the controller's lost grace: the plan marks it `lost`, waits, re-plans it once it
+/// heartbeats again, and it resumes from the chunks it had verified; the prewarm ends
+/// `done` with every copy exact, without anyone asking again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_restarted_mid_prewarm_resumes_and_the_plan_completes() {
+    let (mut c, _origin, mut api, manifest, a) = prewarm_every_host(4, 32 << 20, 30).await;
+    let victim = a.chains[0].hops[1].clone();
+    wait_fraction(&mut api, &a.plan_id, 0.2).await;
+    let idx = c
+        .daemons
+        .iter()
+        .position(|d| d.host_id.as_str() == victim)
+        .unwrap();
+    c.daemons[idx].kill().await;
+    // Lost once its heartbeats stop (3 missed at 1 s), with the wait said.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = api
+            .get_plan(WatchPlanRequest {
+                plan_id: a.plan_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let h = s.hosts.iter().find(|h| h.host == victim).unwrap();
+        if h.state().label() == "lost" {
+            assert!(h.lost_at > 0.0, "{h:?}");
+            assert!(h.error.contains("waits 30s for it to return"), "{h:?}");
+            assert_eq!(s.state().label(), "running", "{s:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{s:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.daemons[idx].restart().await.unwrap();
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    let back = done.hosts.iter().find(|h| h.host == victim).unwrap();
+    assert_eq!(back.state().label(), "done", "{back:?}");
+    assert_eq!(back.lost_at, 0.0, "{back:?}");
+    assert!(done.replans >= 1, "{done:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // It resumed: what it received after the restart is less than the whole model.
+    let received = c.daemons[idx].stats().await.unwrap().bytes_received;
+    assert!(received < manifest.total_bytes(), "{received}");
+    let (code, out, err) = cli(&c.controller, &["watch", &a.plan_id]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+}
+
 /// Status says what really happened: a middle hop stopped (alive but silent) is marked
 /// `lost` and the plan finishes without it; once it runs again and completes its copy, its
 /// heartbeat makes it `done` (with the time), the ended plan's outcome is recomputed, and
 /// both transitions are events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_receiver_that_completes_later_is_reported_done() {
-    let (c, _origin, mut api, manifest, a) = prewarm_every_host(4, 24 << 20).await;
+    let (c, _origin, mut api, manifest, a) = prewarm_every_host(4, 24 << 20, 0).await;
     let victim = a.chains[0].hops[1].clone();
     let d = c.daemon(&victim).unwrap();
     wait_fraction(&mut api, &a.plan_id, 0.15).await;
