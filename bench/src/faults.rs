@@ -15,7 +15,9 @@
 //! ready time; whether every healthy host's copy is byte-exact; and whether the plan's
 //! final report is true: after the plan ends (and a settle period in which a victim that
 //! recovers may report itself), every host the plan calls `done` holds an exact copy and
-//! every host with an exact copy is called `done`.
+//! every host with an exact copy is called `done`; and whether the victim itself ended with
+//! an exact copy (`victims_complete`: a killed and restarted host within the controller's
+//! lost grace is re-planned and resumes).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -140,6 +142,9 @@ pub struct FaultTrial {
     /// exactly when its copy is byte-exact, and the plan `done`, `partial` or `failed` as
     /// all, some or none of them are.
     pub status_true: bool,
+    /// Every host asked for, the victim included, ended with a byte-exact copy (after the
+    /// settle period: within the plan, or by the victim's own recovery).
+    pub victims_complete: bool,
     /// The plan's final state and message, and each host's state.
     pub plan: String,
 }
@@ -187,13 +192,14 @@ pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
                 t.no_fault_s = no_fault_s;
                 t.ratio = t.ready_s / no_fault_s;
                 eprintln!(
-                    "{fault:?} at the {position:?} ({}), trial {}: ready in {:.2} s = {:.2} × no fault, exact {}, status true {}",
+                    "{fault:?} at the {position:?} ({}), trial {}: ready in {:.2} s = {:.2} × no fault, exact {}, status true {}, victims complete {}",
                     t.host,
                     trial + 1,
                     t.ready_s,
                     t.ratio,
                     t.exact,
-                    t.status_true
+                    t.status_true,
+                    t.victims_complete
                 );
                 results.push(t);
             }
@@ -307,6 +313,7 @@ async fn run_trial(
     // A victim that recovers reports itself through its heartbeats: give it the time to.
     let final_status = settle(&mut api, &accepted.plan_id, daemons, manifest).await?;
     let status_true = report_is_true(&final_status, daemons, manifest);
+    let victims_complete = daemons.iter().all(|d| d.verify_copy(manifest).is_ok());
     let plan = format!(
         "{} {:?}: {}",
         final_status.state().label(),
@@ -328,6 +335,7 @@ async fn run_trial(
         ratio: 0.0,
         exact: exact && ready_s.is_some(),
         status_true,
+        victims_complete,
         plan,
     })
 }

@@ -199,14 +199,14 @@ class Cluster:
         ca, cert, key = self.cert(role, name)
         return ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key]
 
-    def start_controller(self):
+    def start_controller(self, *extra):
         d = self.root / "controller"
         d.mkdir()
         self.ctl_sock = d / "controller.sock"
         argv = [str(self.bins / "shardcast-controller"), "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
                 "--unix", str(self.ctl_sock), "--state-dir", str(d / "state"), "--heartbeat-ms", "200",
                 "--tokens-file", str(self.tokens_file), "--origin-allow", self.origin_uri + "/",
-                *self.tls_args("controller", "ctl")]
+                *self.tls_args("controller", "ctl"), *extra]
         self.controller = Proc(argv, d / "controller.log", "shardcast-controller")
         self.procs.append(self.controller)
         self.controller_url = "https://" + self.controller.fields["http"]
