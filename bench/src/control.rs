@@ -389,6 +389,14 @@ impl ManagedCluster {
             .find(|d| d.host_id.as_str() == host)
             .with_context(|| format!("no daemon {host}"))
     }
+
+    /// Daemon by host id, to kill or restart it.
+    pub fn daemon_mut(&mut self, host: &str) -> anyhow::Result<&mut Daemon> {
+        self.daemons
+            .iter_mut()
+            .find(|d| d.host_id.as_str() == host)
+            .with_context(|| format!("no daemon {host}"))
+    }
 }
 
 /// Waits until at least `n` hosts are up in `controller`'s inventory.

@@ -150,10 +150,20 @@ impl TestCluster {
     /// Checks the cluster still works after whatever a test did to it: imports the model
     /// on the source, chains it to daemon 1 and verifies daemon 1's copy byte for byte.
     pub async fn serves_a_chain(&self) -> anyhow::Result<()> {
+        self.chain_to(&[1]).await.map(drop)
+    }
+
+    /// Imports the model on the source, runs one chain from it through `hops` (no
+    /// fallback origin), waits for every hop (60 s at most) and checks each copy is
+    /// byte-exact; returns the model's digest and manifest.
+    pub async fn chain_to(&self, hops: &[usize]) -> anyhow::Result<(String, Manifest)> {
         let (digest, manifest) = self.import_on_source().await?;
-        self.start_chain(0, &digest, &[1], "").await?;
-        self.wait(&[1], &digest, Duration::from_secs(60)).await?;
-        self.daemons[1].verify_copy(&manifest).map(drop)
+        self.start_chain(0, &digest, hops, "").await?;
+        self.wait(hops, &digest, Duration::from_secs(60)).await?;
+        for &i in hops {
+            self.daemons[i].verify_copy(&manifest)?;
+        }
+        Ok((digest, manifest))
     }
 
     /// Waits until every daemon in `which` holds a complete copy, or fails after `timeout`.

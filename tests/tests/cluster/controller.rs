@@ -386,12 +386,7 @@ async fn host_killed_during_prewarm_plan_completes_on_the_rest() {
     // Kill a middle hop of the chain once data is flowing.
     let victim = a.chains[0].hops[2].clone();
     wait_fraction(&mut api, &a.plan_id, 0.15).await;
-    let idx = c
-        .daemons
-        .iter()
-        .position(|d| d.host_id.as_str() == victim)
-        .unwrap();
-    c.daemons[idx].kill().await;
+    c.daemon_mut(&victim).unwrap().kill().await;
 
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
         .await
@@ -429,12 +424,7 @@ async fn a_receiver_restarted_mid_prewarm_resumes_and_the_plan_completes() {
     let (mut c, _origin, mut api, manifest, a) = prewarm_every_host(4, 32 << 20, 30).await;
     let victim = a.chains[0].hops[1].clone();
     wait_fraction(&mut api, &a.plan_id, 0.2).await;
-    let idx = c
-        .daemons
-        .iter()
-        .position(|d| d.host_id.as_str() == victim)
-        .unwrap();
-    c.daemons[idx].kill().await;
+    c.daemon_mut(&victim).unwrap().kill().await;
     // Lost once its heartbeats stop (3 missed at 1 s), with the wait said.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -455,7 +445,7 @@ async fn a_receiver_restarted_mid_prewarm_resumes_and_the_plan_completes() {
         assert!(Instant::now() < deadline, "{s:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    c.daemons[idx].restart().await.unwrap();
+    c.daemon_mut(&victim).unwrap().restart().await.unwrap();
     let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(120))
         .await
         .unwrap();
@@ -468,7 +458,13 @@ async fn a_receiver_restarted_mid_prewarm_resumes_and_the_plan_completes() {
         d.verify_copy(&manifest).unwrap();
     }
     // It resumed: what it received after the restart is less than the whole model.
-    let received = c.daemons[idx].stats().await.unwrap().bytes_received;
+    let received = c
+        .daemon(&victim)
+        .unwrap()
+        .stats()
+        .await
+        .unwrap()
+        .bytes_received;
     assert!(received < manifest.total_bytes(), "{received}");
     let (code, out, err) = cli(&c.controller, &["watch", &a.plan_id]).await;
     assert_eq!(code, 0, "{out}\n{err}");
@@ -927,12 +923,7 @@ async fn stalled_receivers_are_replanned_from_another_holder() {
     let source = plan.chains[0].source.clone();
     assert!(source == "host-1" || source == "host-2", "{plan:?}");
     wait_fraction(&mut api, &plan.plan_id, 0.2).await;
-    let idx = c
-        .daemons
-        .iter()
-        .position(|d| d.host_id.as_str() == source)
-        .unwrap();
-    c.daemons[idx].kill().await;
+    c.daemon_mut(&source).unwrap().kill().await;
 
     let done = wait_plan(&mut api, &plan.plan_id, Duration::from_secs(90))
         .await
