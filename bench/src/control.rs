@@ -515,6 +515,16 @@ pub async fn wait_plan<T: ApiChannel>(
     }
 }
 
+/// A plan's status now; panics when the controller does not answer (a test helper).
+pub async fn plan_status<T: ApiChannel>(api: &mut ControllerClient<T>, plan: &str) -> PlanStatus {
+    api.get_plan(WatchPlanRequest {
+        plan_id: plan.into(),
+    })
+    .await
+    .expect("GetPlan")
+    .into_inner()
+}
+
 /// Waits until `plan`, still running, has moved at least `at_least` of its receivers'
 /// bytes (60 s at most); panics otherwise (a test helper: the fault must land mid-plan).
 pub async fn wait_fraction<T: ApiChannel>(
@@ -524,13 +534,7 @@ pub async fn wait_fraction<T: ApiChannel>(
 ) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let p = api
-            .get_plan(WatchPlanRequest {
-                plan_id: plan.into(),
-            })
-            .await
-            .expect("GetPlan")
-            .into_inner();
+        let p = plan_status(api, plan).await;
         assert_eq!(
             p.state(),
             PlanState::Running,

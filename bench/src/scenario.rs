@@ -632,6 +632,7 @@ async fn run_method(
         })
         .collect();
     let procs: Vec<f64> = split.iter().map(ProcCpu::total_s).collect();
+    let gb = bytes as f64 / 1e9;
     let reverified = daemons[0].stats().await?.bytes_reverified - reverified0;
     let quic = match method {
         Method::ChainQuic => Some(quic_figures(&daemons).await?),
@@ -672,11 +673,8 @@ async fn run_method(
         cpu_util: cpu,
         source_cpu_s: procs[0],
         receiver_cpu_s: procs[1..].to_vec(),
-        source_cpu_s_per_gb: procs[0] / (bytes as f64 / 1e9),
-        receiver_cpu_s_per_gb: procs[1..]
-            .iter()
-            .map(|s| s / (bytes as f64 / 1e9))
-            .collect(),
+        source_cpu_s_per_gb: procs[0] / gb,
+        receiver_cpu_s_per_gb: procs[1..].iter().map(|s| s / gb).collect(),
         source_cpu: split[0],
         receiver_cpu: split[1..].to_vec(),
         source_bytes_reverified: reverified,

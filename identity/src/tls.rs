@@ -771,15 +771,13 @@ impl TlsContext {
             return TlsError::Handshake(e);
         }
         self.stats.alpn_mismatches.fetch_add(1, Ordering::Relaxed);
+        // The configured id, as the `'static` text of the `Alpn` it belongs to.
         let ours = [Alpn::Data, Alpn::DataClear, Alpn::Grpc, Alpn::Http]
             .into_iter()
-            .find(|a| a.id() == ours)
-            .map_or("this protocol", |a| match a {
-                Alpn::Data => "shardcast/1",
-                Alpn::DataClear => "shardcast-clear/1",
-                Alpn::Grpc => "h2",
-                Alpn::Http => "http/1.1",
-            });
+            .map(Alpn::id)
+            .find(|id| *id == ours)
+            .and_then(|id| std::str::from_utf8(id).ok())
+            .unwrap_or("this protocol");
         TlsError::AlpnMismatch { ours }
     }
 

@@ -424,3 +424,17 @@ macro_rules! over_each_transport {
         }
     };
 }
+
+/// A head session's status (`GetSession`) through an agent client.
+pub async fn session_status(
+    agent: &mut shardcast_protocol::agent::agent_client::AgentClient<tonic::transport::Channel>,
+    id: &str,
+) -> shardcast_protocol::agent::SessionStatus {
+    agent
+        .get_session(shardcast_protocol::agent::GetSessionRequest {
+            session_id: id.to_string(),
+        })
+        .await
+        .expect("GetSession")
+        .into_inner()
+}

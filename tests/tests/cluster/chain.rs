@@ -128,13 +128,7 @@ async fn a_striped_chain_survives_a_killed_middle_hop_and_reports_per_shard() {
     let mut agent = c.daemons[0].agent().await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let s = agent
-            .get_session(shardcast_protocol::agent::GetSessionRequest {
-                session_id: id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let s = shardcast_tests::session_status(&mut agent, &id).await;
         let mut keys: Vec<(String, u32)> = s
             .hops
             .iter()
@@ -322,13 +316,7 @@ async fn shards_striped_over_two_chains_run_concurrently(transport: HopTransport
     // The head reports the session done, with progress relayed from every hop.
     let mut state = String::new();
     for _ in 0..100 {
-        let s = agent
-            .get_session(shardcast_protocol::agent::GetSessionRequest {
-                session_id: id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let s = shardcast_tests::session_status(&mut agent, &id).await;
         state = s.state.clone();
         if state == "done" {
             let hosts: std::collections::BTreeSet<_> =
@@ -559,13 +547,7 @@ async fn an_authenticate_only_chain_sends_in_the_clear_and_refuses_a_host_of_the
     let mut agent = c.daemons[0].agent().await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let failed = loop {
-        let s = agent
-            .get_session(shardcast_protocol::agent::GetSessionRequest {
-                session_id: id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let s = shardcast_tests::session_status(&mut agent, &id).await;
         if s.state == "failed" {
             break s;
         }

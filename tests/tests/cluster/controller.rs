@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use shardcast_bench::cluster::{Daemon, DaemonOpts};
 use shardcast_bench::control::{
-    ControllerProc, HttpAs, ManagedCluster, cli_bin, memory_holders, wait_fraction, wait_plan,
+    ControllerProc, HttpAs, ManagedCluster, cli_bin, memory_holders, plan_status, wait_fraction,
+    wait_plan,
 };
 use shardcast_bench::origin_server::{OriginStats, serve};
 use shardcast_bench::synth::{self, SynthSpec};
@@ -428,13 +429,7 @@ async fn a_receiver_restarted_mid_prewarm_resumes_and_the_plan_completes() {
     // Lost once its heartbeats stop (3 missed at 1 s), with the wait said.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let s = api
-            .get_plan(WatchPlanRequest {
-                plan_id: a.plan_id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let s = plan_status(&mut api, &a.plan_id).await;
         let h = s.hosts.iter().find(|h| h.host == victim).unwrap();
         if h.state().label() == "lost" {
             assert!(h.lost_at > 0.0, "{h:?}");
@@ -492,13 +487,7 @@ async fn a_lost_receiver_that_completes_later_is_reported_done() {
     // Running again, it completes from its fallback source and says so in a heartbeat.
     let deadline = Instant::now() + Duration::from_secs(60);
     let now = loop {
-        let s = api
-            .get_plan(WatchPlanRequest {
-                plan_id: a.plan_id.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let s = plan_status(&mut api, &a.plan_id).await;
         if host_state(&s, &victim) == "done" {
             break s;
         }

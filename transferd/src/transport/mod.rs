@@ -168,33 +168,29 @@ impl Transport {
         match self {
             Self::Quic(q) => q.connect(addr, expect).await.map(|(s, p)| (s.into(), p)),
             Self::InsecureTcp => Ok((Halves::tcp(tcp_connect(addr).await?), Peer::Insecure)),
-            Self::Tls(ctx, DataMode::AuthenticateOnly) => {
+            Self::Tls(ctx, mode) => {
                 let expect = expect_host(expect)?;
-                let (tcp, id) = ctx
-                    .connect_clear(tcp_connect(addr).await?, &expect)
-                    .await
-                    .map_err(|e| {
-                        std::io::Error::new(
-                            std::io::ErrorKind::PermissionDenied,
-                            format!("{addr}: {}", explain(&e, DataMode::AuthenticateOnly)),
-                        )
-                    })?;
-                Ok((Halves::tcp(tcp), Peer::Cert(id)))
-            }
-            Self::Tls(ctx, DataMode::Tls) => {
-                let expect = expect_host(expect)?;
-                let stream =
-                    tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, tcp_connect(addr).await?);
-                let (s, id) = ctx
-                    .connect(stream, Alpn::Data, &expect)
-                    .await
-                    .map_err(|e| {
-                        std::io::Error::new(
-                            std::io::ErrorKind::PermissionDenied,
-                            format!("{addr}: {}", explain(&e, DataMode::Tls)),
-                        )
-                    })?;
-                Ok((boxed(Box::new(s)), Peer::Cert(id)))
+                let tcp = tcp_connect(addr).await?;
+                let refused = |e: shardcast_identity::TlsError| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        format!("{addr}: {}", explain(&e, *mode)),
+                    )
+                };
+                match mode {
+                    DataMode::AuthenticateOnly => {
+                        let (tcp, id) = ctx.connect_clear(tcp, &expect).await.map_err(refused)?;
+                        Ok((Halves::tcp(tcp), Peer::Cert(id)))
+                    }
+                    DataMode::Tls => {
+                        let stream = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, tcp);
+                        let (s, id) = ctx
+                            .connect(stream, Alpn::Data, &expect)
+                            .await
+                            .map_err(refused)?;
+                        Ok((boxed(Box::new(s)), Peer::Cert(id)))
+                    }
+                }
             }
         }
     }
