@@ -372,6 +372,13 @@ impl Daemon {
             .join(manifest.shards[shard].path.as_str())
     }
 
+    /// Bytes the memory tier really occupies (allocated blocks of every file under it,
+    /// models, recovery state and staging alike): what an evict of every model must bring
+    /// to 0.
+    pub fn memory_tier_bytes(&self) -> anyhow::Result<u64> {
+        allocated_bytes(&self.memory_dir)
+    }
+
     /// Sends `signal` (`"STOP"`, `"CONT"`, …) to the process, by PID: a host that is alive
     /// but silent, and back.
     pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
@@ -596,6 +603,31 @@ pub async fn kill_child(child: &mut Option<tokio::process::Child>) {
         let _ = c.start_kill();
         let _ = c.wait().await;
     }
+}
+
+/// Bytes allocated to the regular files under `dir` (their blocks, not their lengths: a
+/// sparse partial copy counts what it holds), symlinks not followed.
+pub fn allocated_bytes(dir: &Path) -> anyhow::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let entries = match std::fs::read_dir(&d) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("listing {}", d.display())),
+        };
+        for e in entries {
+            let e = e.with_context(|| format!("listing {}", d.display()))?;
+            let md = e.metadata()?;
+            if md.is_dir() {
+                todo.push(e.path());
+            } else if md.is_file() {
+                total += md.blocks() * 512;
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// BLAKE3 of a whole file, read in 4 MiB pieces.

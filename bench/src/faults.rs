@@ -5,10 +5,13 @@
 //! prewarms every host through the API (one chain from the origin). `at` after the prewarm
 //! call one host of the chain — its head, a middle hop or its tail — suffers a fault:
 //!
-//! * `kill`: SIGKILL (by PID), restarted 3 s later;
-//! * `stop`: SIGSTOP (alive but silent), continued once the plan has ended;
+//! * `kill` (or `restart`): SIGKILL (by PID), restarted 3 s later;
+//! * `stop`: SIGSTOP (alive but silent) for 8 s, then SIGCONT;
 //! * `link-down`: its switch port down for 8 s, then up;
-//! * `corrupt`: one byte flipped at rest in its memory-tier copy (in the first chunk).
+//! * `corrupt`: one byte flipped at rest in its memory-tier copy (in the first chunk);
+//! * `two`: two victims in the same chain at once: the host at the position is killed
+//!   (restarted 3 s later) and its downstream neighbour (upstream, at the tail) stopped for
+//!   8 s.
 //!
 //! A trial records when every healthy host held a verified copy (the ready time, taken on
 //! the caller's side by polling `GetPlan` every 50 ms), divided by the same size's no-fault
@@ -26,7 +29,7 @@ use anyhow::{Context, bail};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use shardcast_protocol::Manifest;
-use shardcast_protocol::controller::{PlanStatus, PrewarmRequest, WatchPlanRequest};
+use shardcast_protocol::controller::{EvictRequest, PlanStatus, PrewarmRequest, WatchPlanRequest};
 
 use crate::cluster::{Daemon, flip_byte};
 use crate::managed::{EmulatedCluster, origin_model, ready_times};
@@ -40,12 +43,14 @@ pub enum Fault {
     None,
     /// SIGKILL, restarted 3 s later.
     Kill,
-    /// SIGSTOP until the plan has ended.
+    /// SIGSTOP for 8 s, then SIGCONT.
     Stop,
     /// The host's switch port down for 8 s.
     LinkDown,
     /// One byte flipped at rest in the host's memory-tier copy.
     Corrupt,
+    /// A kill (as `Kill`) and a stop (as `Stop`) of two neighbours in the same chain.
+    Two,
 }
 
 impl std::str::FromStr for Fault {
@@ -53,13 +58,14 @@ impl std::str::FromStr for Fault {
     fn from_str(s: &str) -> Result<Self, String> {
         Ok(match s {
             "none" => Self::None,
-            "kill" => Self::Kill,
+            "kill" | "restart" => Self::Kill,
             "stop" => Self::Stop,
             "link-down" => Self::LinkDown,
             "corrupt" => Self::Corrupt,
+            "two" => Self::Two,
             other => {
                 return Err(format!(
-                    "unknown fault {other:?}; expected kill, stop, link-down or corrupt"
+                    "unknown fault {other:?}; expected kill (or restart), stop, link-down, corrupt or two"
                 ));
             }
         })
@@ -128,7 +134,7 @@ pub struct FaultTrial {
     pub fault: Fault,
     /// Where (`None` for the baseline).
     pub position: Option<Position>,
-    /// The host that suffered it.
+    /// The host that suffered it (for `two`, both: `killed,stopped`).
     pub host: String,
     /// Prewarm call → every healthy host holds a verified copy, seconds.
     pub ready_s: f64,
@@ -145,6 +151,12 @@ pub struct FaultTrial {
     /// Every host asked for, the victim included, ended with a byte-exact copy (after the
     /// settle period: within the plan, or by the victim's own recovery).
     pub victims_complete: bool,
+    /// Bytes still in the hosts' memory tiers after `Evict` of the model from every host
+    /// (all of them, complete or partial copies, recovery state and staging): 0 when evict
+    /// frees every byte. `None` when the evict call itself failed (`evict_error` says why).
+    pub bytes_left_after_evict: Option<u64>,
+    /// Why the evict call failed, if it did.
+    pub evict_error: Option<String>,
     /// The plan's final state and message, and each host's state.
     pub plan: String,
 }
@@ -192,14 +204,19 @@ pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
                 t.no_fault_s = no_fault_s;
                 t.ratio = t.ready_s / no_fault_s;
                 eprintln!(
-                    "{fault:?} at the {position:?} ({}), trial {}: ready in {:.2} s = {:.2} × no fault, exact {}, status true {}, victims complete {}",
+                    "{fault:?} at the {position:?} ({}), trial {}: ready in {:.2} s = {:.2} × no fault, exact {}, status true {}, victims complete {}, bytes left after evict {}",
                     t.host,
                     trial + 1,
                     t.ready_s,
                     t.ratio,
                     t.exact,
                     t.status_true,
-                    t.victims_complete
+                    t.victims_complete,
+                    match (&t.bytes_left_after_evict, &t.evict_error) {
+                        (Some(b), _) => b.to_string(),
+                        (None, e) =>
+                            format!("unknown (evict failed: {})", e.as_deref().unwrap_or("?")),
+                    }
                 );
                 results.push(t);
             }
@@ -254,37 +271,61 @@ async fn run_trial(
         .first()
         .map(|c| c.hops.clone())
         .unwrap_or_default();
-    let victim = match (fault, position) {
-        (Fault::None, _) | (_, None) => String::new(),
-        (_, Some(p)) => {
-            let i = match p {
-                Position::Head => 0,
-                Position::Middle => chain.len() / 2,
-                Position::Tail => chain.len().saturating_sub(1),
-            };
-            chain.get(i).cloned().context("the plan has no chain")?
-        }
+    // The victim's index in the chain, and for `two` its neighbour's.
+    let at = match position {
+        _ if fault == Fault::None => None,
+        None => None,
+        Some(Position::Head) => Some(0),
+        Some(Position::Middle) => Some(chain.len() / 2),
+        Some(Position::Tail) => Some(chain.len().saturating_sub(1)),
     };
-    let vi = daemons.iter().position(|d| d.host_id.as_str() == victim);
+    let mut victims = Vec::new();
+    if let Some(i) = at {
+        victims.push(chain.get(i).cloned().context("the plan has no chain")?);
+        if fault == Fault::Two {
+            let j = if i + 1 < chain.len() {
+                i + 1
+            } else {
+                i.saturating_sub(1)
+            };
+            anyhow::ensure!(j != i, "`two` needs a chain of at least two hosts");
+            victims.push(chain[j].clone());
+        }
+    }
+    let index = |h: &String| {
+        daemons
+            .iter()
+            .position(|d| d.host_id.as_str() == h.as_str())
+    };
+    let vis: Vec<usize> = victims.iter().filter_map(index).collect();
+    anyhow::ensure!(
+        vis.len() == victims.len(),
+        "a victim is not one of the cluster's hosts"
+    );
     // The fault, in the background of the plan's progress.
     let hidden = ProgressBar::hidden();
     let waiting = ready_times(&mut api, &accepted.plan_id, t0, opts.timeout, &hidden);
     let strike = async {
-        let Some(vi) = vi else {
+        let Some(&vi) = vis.first() else {
             return Ok::<_, anyhow::Error>(());
         };
         tokio::time::sleep_until((t0 + opts.at).into()).await;
         match fault {
             Fault::None => {}
-            Fault::Kill => {
-                daemons[vi].kill().await;
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                daemons[vi].restart().await?;
+            Fault::Kill => restart_after(&mut daemons[vi], RESTART_AFTER).await?,
+            Fault::Stop => stop_for(&daemons[vi], SILENT_FOR).await?,
+            Fault::Two => {
+                let (killed, stopped) = pair_mut(daemons, vi, vis[1]);
+                let (k, s) = tokio::join!(
+                    restart_after(killed, RESTART_AFTER),
+                    stop_for(stopped, SILENT_FOR)
+                );
+                k?;
+                s?;
             }
-            Fault::Stop => daemons[vi].signal("STOP")?,
             Fault::LinkDown => {
                 net.set_link(vi, false)?;
-                tokio::time::sleep(Duration::from_secs(8)).await;
+                tokio::time::sleep(SILENT_FOR).await;
                 net.set_link(vi, true)?;
             }
             Fault::Corrupt => flip_byte(&daemons[vi].memory_shard_path(manifest, 0), 100)?,
@@ -292,14 +333,9 @@ async fn run_trial(
         Ok(())
     };
     let (ended, struck) = tokio::join!(waiting, strike);
-    if fault == Fault::Stop
-        && let Some(vi) = vi
-    {
-        daemons[vi].signal("CONT")?;
-    }
     struck?;
     let (_, ready) = ended?;
-    let healthy = |h: &str| fault == Fault::Corrupt || h != victim;
+    let healthy = |h: &str| fault == Fault::Corrupt || !victims.iter().any(|v| v == h);
     let ready_s = daemons
         .iter()
         .map(|d| d.host_id.as_str())
@@ -325,19 +361,78 @@ async fn run_trial(
             .collect::<Vec<_>>()
             .join(" ")
     );
+    let (bytes_left_after_evict, evict_error) = match evict_everywhere(&mut api).await {
+        Ok(()) => {
+            let mut left = 0;
+            for d in daemons.iter() {
+                left += d.memory_tier_bytes()?;
+            }
+            (Some(left), None)
+        }
+        Err(e) => (None, Some(format!("{e:#}"))),
+    };
     drop(c);
     Ok(FaultTrial {
         fault,
         position,
-        host: victim,
+        host: victims.join(","),
         ready_s: ready_s.unwrap_or(f64::INFINITY),
         no_fault_s: 0.0,
         ratio: 0.0,
         exact: exact && ready_s.is_some(),
         status_true,
         victims_complete,
+        bytes_left_after_evict,
+        evict_error,
         plan,
     })
+}
+
+/// `Evict` of the model's memory-tier copies from every host that has any.
+async fn evict_everywhere(
+    api: &mut shardcast_protocol::controller::controller_client::ControllerClient<
+        tonic::transport::Channel,
+    >,
+) -> anyhow::Result<()> {
+    api.evict(EvictRequest {
+        model: MODEL_NAME.into(),
+        tier: shardcast_protocol::controller::Tier::Memory as i32,
+        hosts: Vec::new(),
+    })
+    .await
+    .context("Evict")?;
+    Ok(())
+}
+
+/// How long a killed host stays down before it is started again.
+const RESTART_AFTER: Duration = Duration::from_secs(3);
+/// How long a stopped host stays stopped, and a cut link cut.
+const SILENT_FOR: Duration = Duration::from_secs(8);
+
+/// SIGKILL, then the same daemon started again `after` later.
+async fn restart_after(d: &mut Daemon, after: Duration) -> anyhow::Result<()> {
+    d.kill().await;
+    tokio::time::sleep(after).await;
+    d.restart().await
+}
+
+/// SIGSTOP, then SIGCONT `for_` later.
+async fn stop_for(d: &Daemon, for_: Duration) -> anyhow::Result<()> {
+    d.signal("STOP")?;
+    tokio::time::sleep(for_).await;
+    d.signal("CONT")
+}
+
+/// Two distinct elements of a slice, both mutable.
+fn pair_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    assert_ne!(a, b, "pair_mut of one element");
+    if a < b {
+        let (x, y) = v.split_at_mut(b);
+        (&mut x[a], &mut y[0])
+    } else {
+        let (x, y) = v.split_at_mut(a);
+        (&mut y[0], &mut x[b])
+    }
 }
 
 /// Waits (up to 30 s) until the plan's report agrees with the hosts' real copies, and

@@ -822,7 +822,11 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             } else if r.evicted.is_empty() {
                 println!("nothing to evict");
             } else {
-                println!("evicted from {}", r.evicted.join(", "));
+                println!(
+                    "evicted from {}: {} freed",
+                    r.evicted.join(", "),
+                    format_bytes(r.bytes_freed)
+                );
             }
         }
         Command::Status { model } => {

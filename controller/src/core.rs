@@ -1411,9 +1411,13 @@ impl Controller {
                     evicted.push(h.clone());
                 }
             }
-            return Ok(EvictResponse { evicted });
+            return Ok(EvictResponse {
+                evicted,
+                bytes_freed: 0,
+            });
         }
         let mut failures = Vec::new();
+        let mut bytes_freed = 0;
         for h in &targets {
             let r = async {
                 let mut agent = self.agent(h)?;
@@ -1427,7 +1431,8 @@ impl Controller {
             }
             .await;
             match r {
-                Ok(_) => {
+                Ok(r) => {
+                    bytes_freed += r.into_inner().bytes_freed;
                     if let Some(e) = lock(&self.state).hosts.get_mut(h) {
                         e.forget(&digest, data_tier(tier));
                     }
@@ -1438,9 +1443,12 @@ impl Controller {
                 Err(e) => failures.push(e),
             }
         }
-        info!(model = %digest, ?tier, hosts = ?evicted, "evicted");
+        info!(model = %digest, ?tier, hosts = ?evicted, bytes_freed, "evicted");
         match failures.into_iter().next() {
-            None => Ok(EvictResponse { evicted }),
+            None => Ok(EvictResponse {
+                evicted,
+                bytes_freed,
+            }),
             Some(first) => Err(EvictError::Partial { evicted, first }),
         }
     }

@@ -553,6 +553,18 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
             &st.temp_files_removed,
         ),
         (
+            "store_orphans_removed_total",
+            "counter",
+            "Orphaned model or state directories (no model accounts for them) removed from the store at start-up.",
+            &st.orphans_removed,
+        ),
+        (
+            "store_orphan_bytes_removed_total",
+            "counter",
+            "Bytes the orphaned directories removed at start-up held.",
+            &st.orphan_bytes_removed,
+        ),
+        (
             "store_space_refusals_total",
             "counter",
             "Shard files refused because their tier lacked space.",

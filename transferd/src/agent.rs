@@ -665,20 +665,17 @@ impl Agent for AgentService {
         let held = self
             .node
             .store
-            .holdings()
+            .holdings_of(&digest)
             .into_iter()
-            .find(|h| h.digest == digest && h.tier == tier);
-        let bytes_freed = held
-            .as_ref()
-            .map(|h| model_status(h).bytes_verified)
-            .unwrap_or(0);
-        self.node
+            .any(|h| h.tier == tier);
+        let bytes_freed = self
+            .node
             .store
             .remove(&digest, tier)
             .map_err(|e| Status::internal(format!("removing {digest}: {e}")))?;
         info!(model = %digest, ?tier, bytes_freed, "evicted");
         Ok(Response::new(EvictModelResponse {
-            removed: held.is_some(),
+            removed: held,
             bytes_freed,
         }))
     }

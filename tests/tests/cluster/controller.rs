@@ -336,7 +336,18 @@ async fn prewarm_then_peers(http: bool) {
         .unwrap()
         .into_inner();
     assert_eq!(ev.evicted, hosts(7..=8));
-    assert!(c.daemon("host-7").unwrap().verify_copy(&manifest).is_err());
+    // What the hosts freed is what their copies occupied, and nothing of them is left.
+    assert!(
+        ev.bytes_freed >= 2 * manifest.total_bytes(),
+        "{} freed for two copies of {}",
+        ev.bytes_freed,
+        manifest.total_bytes()
+    );
+    for h in ["host-7", "host-8"] {
+        let d = c.daemon(h).unwrap();
+        assert!(d.verify_copy(&manifest).is_err());
+        assert_eq!(d.memory_tier_bytes().unwrap(), 0, "{h}");
+    }
     c.daemon("host-6").unwrap().verify_copy(&manifest).unwrap();
 }
 

@@ -170,11 +170,13 @@ async fn emulated_cold_start_reads_the_origin_once() {
     );
 }
 
-/// Faults on the emulated cluster, through the controller: a stopped hop and a cut link, at
-/// the head and in the middle of the chain, each healed later (the link comes up after 8 s,
-/// the stopped host continues once the plan has ended). Every healthy host must end
-/// byte-exact and the plan's report must match what every host really holds. What the
-/// faults cost is `shardcast-bench faults`' figure, not this test's.
+/// Faults on the emulated cluster, through the controller: two victims in one chain (one
+/// killed and restarted 3 s later, its neighbour stopped for 8 s) and a link cut for 8 s, at
+/// the head and in the middle of the chain. Every healthy host must end byte-exact, the
+/// victims too (they come back within the controller's lost grace and are re-planned), the
+/// plan's report must match what every host really holds, and evicting the model afterwards
+/// must leave no byte in any host's memory tier. What the faults cost is `shardcast-bench
+/// faults`' figure, not this test's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emulated_stalls_and_cut_links_end_exact_and_reported_truly() {
     use shardcast_bench::faults::{Fault, FaultsOpts, Position, run_faults};
@@ -188,7 +190,7 @@ async fn emulated_stalls_and_cut_links_end_exact_and_reported_truly() {
         shards: 1,
         rate: 200_000_000 / 8,
         origin_rate: 200_000_000 / 8,
-        faults: vec![Fault::Stop, Fault::LinkDown],
+        faults: vec![Fault::Two, Fault::LinkDown],
         positions: vec![Position::Head, Position::Middle],
         trials: 1,
         at: Duration::from_secs(1),
@@ -208,15 +210,22 @@ async fn emulated_stalls_and_cut_links_end_exact_and_reported_truly() {
             "{:?} at {:?}: the plan's report is not what the hosts hold: {}",
             t.fault, t.position, t.plan
         );
-        // A host cut off for 8 s heartbeats again within the controller's lost grace: it is
-        // re-planned and ends with its copy too.
-        if t.fault == Fault::LinkDown {
-            assert!(
-                t.victims_complete,
-                "{:?} at {:?}: the victim did not complete: {}",
-                t.fault, t.position, t.plan
-            );
-        }
+        // A host cut off or stopped for 8 s heartbeats again within the controller's lost
+        // grace: it is re-planned and ends with its copy too.
+        assert!(
+            t.victims_complete,
+            "{:?} at {:?}: the victim did not complete: {}",
+            t.fault, t.position, t.plan
+        );
+        // Evicting the model afterwards frees every byte of every host's memory tier.
+        assert_eq!(
+            t.bytes_left_after_evict,
+            Some(0),
+            "{:?} at {:?}: evict left bytes behind ({:?})",
+            t.fault,
+            t.position,
+            t.evict_error
+        );
     }
 }
 

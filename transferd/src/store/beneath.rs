@@ -549,29 +549,32 @@ impl TierDir {
 
     /// Removes `rel` and everything beneath it; a missing entry is fine. Never descends
     /// through a symlink: one met anywhere (including at `rel`) is unlinked itself, and
-    /// counted and logged when it is `rel` or one of its parents.
-    pub(super) fn remove_tree(&self, rel: &Path) -> Result<(), StoreError> {
+    /// counted and logged when it is `rel` or one of its parents. Returns the bytes freed
+    /// (the blocks of the regular files unlinked).
+    pub(super) fn remove_tree(&self, rel: &Path) -> Result<u64, StoreError> {
         let comps = components(rel)?;
         let Some((name, _)) = comps.split_last() else {
-            return Ok(());
+            return Ok(0);
         };
         let path = self.root.join(rel);
         let parent = match self.open_dir(rel.parent()) {
             Ok(d) => d,
             Err(StoreError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
-                return Ok(());
+                return Ok(0);
             }
             Err(e) => return Err(e),
         };
         let st = match rfs::statat(&parent, *name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
-            Err(Errno::NOENT) => return Ok(()),
+            Err(Errno::NOENT) => return Ok(0),
             Err(e) => return Err(super::io_err(&path)(errno_io(e))),
         };
+        let mut freed = 0;
         match FileType::from_raw_mode(st.st_mode) {
             FileType::Directory => {
                 let dir = open_child_dir(parent.as_fd(), name).map_err(|e| self.fail(rel, e))?;
-                remove_contents(dir.as_fd(), 0).map_err(|e| super::io_err(&path)(errno_io(e)))?;
+                freed = remove_contents(dir.as_fd(), 0)
+                    .map_err(|e| super::io_err(&path)(errno_io(e)))?;
                 rfs::unlinkat(&parent, *name, AtFlags::REMOVEDIR)
             }
             FileType::Symlink => {
@@ -579,10 +582,14 @@ impl TierDir {
                 tracing::warn!(path = %path.display(), "removing a symlink planted in the store (its target is left alone)");
                 rfs::unlinkat(&parent, *name, AtFlags::empty())
             }
-            _ => rfs::unlinkat(&parent, *name, AtFlags::empty()),
+            _ => {
+                freed = allocated(&st);
+                rfs::unlinkat(&parent, *name, AtFlags::empty())
+            }
         }
         .or_else(|e| if e == Errno::NOENT { Ok(()) } else { Err(e) })
-        .map_err(|e| super::io_err(&path)(errno_io(e)))
+        .map_err(|e| super::io_err(&path)(errno_io(e)))?;
+        Ok(freed)
     }
 
     /// Removes the store's temporary files (`*.tmp`) directly inside directory `rel`.
@@ -643,16 +650,22 @@ fn list_fd(dir: BorrowedFd<'_>) -> Result<Vec<(std::ffi::OsString, FileType)>, E
 
 /// Empties an open directory, descending into subdirectories (never through symlinks:
 /// those are unlinked like files).
-fn remove_contents(dir: BorrowedFd<'_>, depth: usize) -> Result<(), Errno> {
+fn remove_contents(dir: BorrowedFd<'_>, depth: usize) -> Result<u64, Errno> {
     if depth > MAX_DEPTH {
         return Err(Errno::NAMETOOLONG);
     }
+    let mut freed = 0;
     for (name, ty) in list_fd(dir)? {
         let r = if ty == FileType::Directory {
             let sub = rfs::openat(dir, &name, dir_flags(), Mode::empty())?;
-            remove_contents(sub.as_fd(), depth + 1)?;
+            freed += remove_contents(sub.as_fd(), depth + 1)?;
             rfs::unlinkat(dir, &name, AtFlags::REMOVEDIR)
         } else {
+            if ty == FileType::RegularFile
+                && let Ok(st) = rfs::statat(dir, &name, AtFlags::SYMLINK_NOFOLLOW)
+            {
+                freed += allocated(&st);
+            }
             rfs::unlinkat(dir, &name, AtFlags::empty())
         };
         match r {
@@ -660,5 +673,11 @@ fn remove_contents(dir: BorrowedFd<'_>, depth: usize) -> Result<(), Errno> {
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    Ok(freed)
+}
+
+/// The bytes a file's blocks occupy (what unlinking its last link frees; a sparse file
+/// counts what it holds, not its length).
+fn allocated(st: &rfs::Stat) -> u64 {
+    u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512)
 }

@@ -179,6 +179,10 @@ pub struct StoreStats {
     pub symlinks_refused: AtomicU64,
     /// Stale temporary files removed at start-up.
     pub temp_files_removed: AtomicU64,
+    /// Orphaned model or state directories removed at start-up.
+    pub orphans_removed: AtomicU64,
+    /// Bytes those held.
+    pub orphan_bytes_removed: AtomicU64,
     /// Shard files refused because the tier lacked space.
     pub space_refusals: AtomicU64,
     /// Chunks re-hashed before being served, loaded or handed off (not counting the scrub).
@@ -499,7 +503,8 @@ impl Staging {
 
     /// Removes one shard's file once its bytes are in the store.
     pub fn remove(&self, shard: &ShardPath) -> Result<(), StoreError> {
-        self.dir.remove_tree(&shard_file(&self.rel, shard)?)
+        self.dir.remove_tree(&shard_file(&self.rel, shard)?)?;
+        Ok(())
     }
 }
 
@@ -570,7 +575,7 @@ fn report_memory_fs(root: &Path, fs: Option<&TierFs>) {
 impl ShardStore {
     /// Opens the store: checks and opens the tier roots, creates their directories, removes
     /// stale temporary files, sets up the writer and recovers every model found in either
-    /// tier (see the module docs). A tier root that fails its checks is refused before
+    /// tier (see the module docs), then removes orphans no model accounts for. A tier root that fails its checks is refused before
     /// anything is written.
     pub fn open(cfg: StoreConfig) -> Result<Self, StoreError> {
         let StoreConfig {
@@ -628,6 +633,7 @@ impl ShardStore {
         };
         store.remove_stale_temps()?;
         store.recover(verify_on_recover)?;
+        store.collect_orphans()?;
         Ok(store)
     }
 
@@ -1186,8 +1192,9 @@ impl ShardStore {
     /// Deletes `tier`'s copy of model `d` (data and state). Shards still held elsewhere fail
     /// later reads and writes with [`StoreError::Removed`]. The manifest stays known.
     /// Removing a copy that is not there is not an error. Never deletes through a symlink
-    /// (see `beneath`).
-    pub fn remove(&self, d: &ModelDigest, tier: Tier) -> Result<(), StoreError> {
+    /// (see `beneath`). Returns the bytes freed: the blocks of every file removed, complete
+    /// or partial shards and their state alike.
+    pub fn remove(&self, d: &ModelDigest, tier: Tier) -> Result<u64, StoreError> {
         let mut models = lock(&self.inner.models);
         let model = models
             .get_mut(d)
@@ -1197,10 +1204,43 @@ impl ShardStore {
                 s.mark_removed();
             }
         }
-        // State first: a crash in between leaves data without bits, which recovery ignores.
+        // State first: a crash in between leaves data without bits, which recovery ignores
+        // and the next start collects as an orphan.
         let dir = self.dir(tier);
-        dir.remove_tree(&state_rel(d))?;
-        dir.remove_tree(&model_rel(d))
+        let state = dir.remove_tree(&state_rel(d))?;
+        Ok(state + dir.remove_tree(&model_rel(d))?)
+    }
+
+    /// Removes what no model accounts for after [`Self::recover`]: a tier's
+    /// `models/<digest>` without recovered state there (an evict or a crash between removing
+    /// the state and the data), and `state/<digest>` whose manifest is unknown. Only
+    /// entries named as a digest are touched. Counted in
+    /// [`StoreStats::orphans_removed`] and [`StoreStats::orphan_bytes_removed`].
+    fn collect_orphans(&self) -> Result<(), StoreError> {
+        let models = lock(&self.inner.models);
+        let (mut n, mut bytes) = (0u64, 0u64);
+        for tier in TIERS {
+            let dir = self.dir(tier);
+            let held = |d: &ModelDigest| models.get(d).is_some_and(|m| m.tiers.contains_key(&tier));
+            for (sub, rel) in [
+                ("models", model_rel as fn(&ModelDigest) -> PathBuf),
+                ("state", state_rel),
+            ] {
+                for (digest, _) in self.digest_entries(tier, sub, "")? {
+                    if held(&digest) {
+                        continue;
+                    }
+                    let freed = dir.remove_tree(&rel(&digest))?;
+                    tracing::info!(model = %digest, ?tier, dir = sub, bytes = freed, "removed an orphaned copy no model accounts for");
+                    n += 1;
+                    bytes += freed;
+                }
+            }
+        }
+        let st = self.stats();
+        st.orphans_removed.fetch_add(n, Ordering::Relaxed);
+        st.orphan_bytes_removed.fetch_add(bytes, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Entries of `sub` in `tier` named `<digest-hex><suffix>`, with their names. Other

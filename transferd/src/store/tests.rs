@@ -452,6 +452,47 @@ async fn remove_deletes_one_tier() {
     ));
 }
 
+/// Evicting a partial copy frees what it held and says how much; a restart collects what a
+/// crash between removing a copy's state and its data left, and state no manifest explains.
+#[tokio::test]
+async fn remove_counts_the_bytes_and_a_restart_collects_orphans() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, data) = model("m", &[("x", 4 * CHUNK as u64), ("sub/y", 2 * CHUNK as u64)]);
+    let d = m.digest();
+    let mem_root = dir.path().join("mem");
+    {
+        let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+        store.put_manifest(&m).unwrap();
+        // A partial copy: one chunk of four.
+        let s = store.shard(&d, 0, Tier::Memory).unwrap();
+        s.write(chunk(&m, &data, 0, 1)).await.unwrap();
+        drop(s);
+        let freed = store.remove(&d, Tier::Memory).unwrap();
+        assert!(freed >= CHUNK as u64, "freed {freed}");
+        assert_eq!(store.remove(&d, Tier::Memory).unwrap(), 0);
+        // Again, then a crash after the state went but before the data did.
+        let s = store.shard(&d, 1, Tier::Memory).unwrap();
+        s.write(chunk(&m, &data, 1, 0)).await.unwrap();
+        drop(s);
+    }
+    std::fs::remove_dir_all(mem_root.join(state_rel(&d))).unwrap();
+    // State of a model whose manifest is nowhere, and a name that is not a digest (left).
+    let stray = ModelDigest([9; 32]);
+    std::fs::create_dir_all(mem_root.join(state_rel(&stray))).unwrap();
+    std::fs::write(mem_root.join(state_rel(&stray)).join("0.bits"), [0u8; 4096]).unwrap();
+    std::fs::create_dir_all(mem_root.join("models/not-a-digest")).unwrap();
+
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    assert_eq!(store.stats().orphans_removed.load(Ordering::Relaxed), 2);
+    assert!(store.stats().orphan_bytes_removed.load(Ordering::Relaxed) >= CHUNK as u64);
+    assert!(!store.model_dir(&d, Tier::Memory).exists());
+    assert!(!mem_root.join(state_rel(&stray)).exists());
+    assert!(mem_root.join("models/not-a-digest").exists());
+    // The model is still known (its manifest is on disk) and nothing of it is held.
+    assert!(store.manifest(&d).is_some());
+    assert!(store.holdings().is_empty());
+}
+
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn write_errors_are_returned() {
