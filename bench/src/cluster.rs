@@ -199,6 +199,10 @@ pub struct DaemonOpts {
     pub agent_tcp: Option<String>,
     /// Serve the admin endpoint on this Unix socket instead of TCP on `data_ip`.
     pub admin_socket: Option<PathBuf>,
+    /// Put the memory tier on a tmpfs of its own of this many bytes (mounted before the
+    /// daemon starts, lazily unmounted when it is dropped; needs root), so that a test can
+    /// fill its file system.
+    pub memory_tmpfs: Option<u64>,
 }
 
 impl DaemonOpts {
@@ -227,7 +231,66 @@ impl DaemonOpts {
             pki: ClusterPki::shared().ok(),
             agent_tcp: None,
             admin_socket: None,
+            memory_tmpfs: None,
         }
+    }
+}
+
+/// A tmpfs mounted for a test, lazily unmounted (`umount -l`) when dropped: the mount
+/// point is detached at once even while a killed daemon has not closed its files yet.
+#[derive(Debug)]
+pub struct TmpfsMount {
+    path: PathBuf,
+}
+
+impl TmpfsMount {
+    /// Mounts a tmpfs of `bytes` at `path` (an existing, empty directory), mode 0700.
+    pub fn mount(path: &Path, bytes: u64) -> anyhow::Result<Self> {
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o"])
+            .arg(format!("size={bytes},mode=0700"))
+            .arg("tmpfs")
+            .arg(path)
+            .output()
+            .context("running mount")?;
+        if !out.status.success() {
+            bail!(
+                "mounting a tmpfs at {}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The mount point.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether this process can mount a tmpfs (root, a `mount` binary): `Ok`, or the reason
+    /// for a test to print as it skips. Tried once per process.
+    pub fn available() -> Result<(), String> {
+        static RESULT: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        RESULT
+            .get_or_init(|| {
+                let dir = tempfile::tempdir().map_err(|e| format!("a probe directory: {e}"))?;
+                Self::mount(dir.path(), 1 << 20)
+                    .map(drop)
+                    .map_err(|e| format!("cannot mount a tmpfs here (needs root): {e:#}"))
+            })
+            .clone()
+    }
+}
+
+impl Drop for TmpfsMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.path)
+            .status();
     }
 }
 
@@ -250,6 +313,9 @@ pub struct Daemon {
     pub disk_dir: PathBuf,
     /// Its log file (stderr).
     pub log: PathBuf,
+    /// The tmpfs under its memory tier, when [`DaemonOpts::memory_tmpfs`] asked for one
+    /// (unmounted after `Drop` has killed the process).
+    tmpfs: Option<TmpfsMount>,
     opts: DaemonOpts,
     root: PathBuf,
     child: Option<Child>,
@@ -265,6 +331,10 @@ impl Daemon {
             .with_context(|| format!("creating {}", memory_dir.display()))?;
         std::fs::create_dir_all(&disk_dir)
             .with_context(|| format!("creating {}", disk_dir.display()))?;
+        let tmpfs = match opts.memory_tmpfs {
+            Some(bytes) => Some(TmpfsMount::mount(&memory_dir, bytes)?),
+            None => None,
+        };
         let host_id = HostId::new(&opts.host_id)?;
         let mut d = Self {
             host_id,
@@ -275,6 +345,7 @@ impl Daemon {
             memory_dir,
             disk_dir,
             log: root.join("transferd.log"),
+            tmpfs,
             opts,
             root: root.to_path_buf(),
             child: None,
@@ -370,6 +441,11 @@ impl Daemon {
             .join("models")
             .join(manifest.digest().to_hex())
             .join(manifest.shards[shard].path.as_str())
+    }
+
+    /// The tmpfs mounted for its memory tier ([`DaemonOpts::memory_tmpfs`]).
+    pub fn memory_tmpfs(&self) -> Option<&Path> {
+        self.tmpfs.as_ref().map(TmpfsMount::path)
     }
 
     /// Bytes the memory tier really occupies (allocated blocks of every file under it,

@@ -9,6 +9,9 @@
 //! * `stop`: SIGSTOP (alive but silent) for 8 s, then SIGCONT;
 //! * `link-down`: its switch port down for 8 s, then up;
 //! * `corrupt`: one byte flipped at rest in its memory-tier copy (in the first chunk);
+//! * `fill`: another process fills the file system of its memory tier (every host's
+//!   memory tier is then a tmpfs of its own, with room for the model and 64 MiB more) for
+//!   8 s, then frees it;
 //! * `two`: two victims in the same chain at once: the host at the position is killed
 //!   (restarted 3 s later) and its downstream neighbour (upstream, at the tail) stopped for
 //!   8 s.
@@ -51,6 +54,8 @@ pub enum Fault {
     Corrupt,
     /// A kill (as `Kill`) and a stop (as `Stop`) of two neighbours in the same chain.
     Two,
+    /// The host's memory-tier file system filled by another process for 8 s.
+    Fill,
 }
 
 impl std::str::FromStr for Fault {
@@ -63,9 +68,10 @@ impl std::str::FromStr for Fault {
             "link-down" => Self::LinkDown,
             "corrupt" => Self::Corrupt,
             "two" => Self::Two,
+            "fill" => Self::Fill,
             other => {
                 return Err(format!(
-                    "unknown fault {other:?}; expected kill (or restart), stop, link-down, corrupt or two"
+                    "unknown fault {other:?}; expected kill (or restart), stop, link-down, corrupt, two or fill"
                 ));
             }
         })
@@ -245,6 +251,7 @@ async fn run_trial(
         origin_dir,
         "faults",
         &opts.daemon_args,
+        (fault == Fault::Fill).then_some(opts.size + FILL_MARGIN),
     )
     .await?;
     let mut api = c.controller.client().await?;
@@ -329,6 +336,7 @@ async fn run_trial(
                 net.set_link(vi, true)?;
             }
             Fault::Corrupt => flip_byte(&daemons[vi].memory_shard_path(manifest, 0), 100)?,
+            Fault::Fill => fill_for(&daemons[vi].memory_dir, SILENT_FOR).await?,
         }
         Ok(())
     };
@@ -421,6 +429,31 @@ async fn stop_for(d: &Daemon, for_: Duration) -> anyhow::Result<()> {
     d.signal("STOP")?;
     tokio::time::sleep(for_).await;
     d.signal("CONT")
+}
+
+/// Room a `fill` trial's tmpfs memory tiers have beyond the model.
+const FILL_MARGIN: u64 = 64 << 20;
+
+/// Another process's file filling the file system of `tier` (until `ENOSPC`), removed
+/// `for_` later.
+async fn fill_for(tier: &Path, for_: Duration) -> anyhow::Result<()> {
+    let path = tier.join("filled-by-another-process");
+    let p = path.clone();
+    let filled = tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
+        use std::io::Write;
+        let mut f =
+            std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?;
+        let block = vec![0x5au8; 1 << 20];
+        let mut n = 0;
+        while f.write_all(&block).is_ok() {
+            n += block.len() as u64;
+        }
+        Ok(n)
+    })
+    .await??;
+    eprintln!("fill: {filled} bytes written to {}", path.display());
+    tokio::time::sleep(for_).await;
+    std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))
 }
 
 /// Two distinct elements of a slice, both mutable.

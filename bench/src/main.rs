@@ -105,7 +105,9 @@ enum Cmd {
         /// Origin rate.
         #[arg(long, default_value = "250Mbit")]
         origin_rate: String,
-        /// Comma-separated faults: kill, stop, link-down, corrupt.
+        /// Comma-separated faults: kill (or restart: kill -9, started again 3 s later), stop
+        /// (SIGSTOP for 8 s), link-down (8 s), corrupt (a byte at rest), two (a kill and a
+        /// stop of neighbours), fill (the memory tier's tmpfs filled for 8 s; needs root).
         #[arg(
             long,
             default_value = "kill,stop,link-down,corrupt",

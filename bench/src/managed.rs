@@ -540,7 +540,8 @@ pub(crate) struct EmulatedCluster {
 
 impl EmulatedCluster {
     /// Starts it; `label` names the scratch directory and the progress line; every
-    /// transferd also gets `daemon_args`.
+    /// transferd also gets `daemon_args`, and with `memory_tmpfs` a memory tier on a tmpfs
+    /// of its own of that many bytes.
     pub(crate) async fn start(
         hosts: usize,
         rate: u64,
@@ -548,6 +549,7 @@ impl EmulatedCluster {
         origin_dir: &Path,
         label: &str,
         daemon_args: &[String],
+        memory_tmpfs: Option<u64>,
     ) -> anyhow::Result<Self> {
         let net = EmulatedNet::create(hosts + 1, Some(rate), None)?;
         let scratch = scratch_dir(label)?;
@@ -584,6 +586,7 @@ impl EmulatedCluster {
                 origin.url.clone(),
             ]);
             o.extra_args.extend(daemon_args.iter().cloned());
+            o.memory_tmpfs = memory_tmpfs;
             daemons.push(Daemon::start(&scratch.path().join(&name), o).await?);
         }
         wait_hosts_up(&controller, hosts, Duration::from_secs(30)).await?;
@@ -672,6 +675,7 @@ async fn cold_start_method(
         origin_dir,
         method,
         &[],
+        None,
     )
     .await?;
     let (origin, manifest) = (&c.origin, &c.manifest);

@@ -358,7 +358,10 @@ impl SimHost {
             .map(|((d, t), c)| c.status(d, *t, now))
             .collect();
         tiers.sort_by_key(|t| t.tier);
-        pb::GetModelStatusResponse { tiers }
+        pb::GetModelStatusResponse {
+            tiers,
+            store_failures: Vec::new(),
+        }
     }
 
     /// Schedules `shards` (all when empty) of `manifest` into `tier`, the first landing at

@@ -1618,6 +1618,8 @@ impl Controller {
                     return;
                 };
                 let elapsed = plan.elapsed_s(now_unix());
+                let plan_sessions: Vec<String> =
+                    plan.runs.iter().map(|r| r.session.clone()).collect();
                 // By host: `receiver_mut`'s linear search per update made a round
                 // O(receivers²).
                 let at: HashMap<String, usize> = plan
@@ -1657,6 +1659,7 @@ impl Controller {
                         // the stall timer decides.
                         Some(Err(e)) => changed |= h.unanswered(e),
                         Some(Ok(seen)) => {
+                            let seen = seen.for_sessions(plan_sessions.iter().map(String::as_str));
                             let refused = gpu_asked.get(&host).cloned().flatten();
                             let was_done = h.state == ReceiverState::Done;
                             changed |= h.observe(&seen, tier, refused.as_deref(), total, elapsed);
@@ -2230,7 +2233,8 @@ pub(crate) struct Pushed {
 /// A receiver's progress in `tier` from its agent's model status.
 fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Seen {
     let want = agent_tier(tier);
-    resp.tiers
+    let mut seen = resp
+        .tiers
         .iter()
         .find(|t| t.tier == want)
         .map(|t| Seen {
@@ -2238,8 +2242,17 @@ fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Seen {
             complete: t.complete,
             gpu: GpuState::of_gpus(t.gpus.iter().map(|g| g.state.as_str()))
                 .map(|s| (t.gpus.iter().map(|g| g.bytes).sum(), s)),
+            store_failure: None,
+            store_failures: Vec::new(),
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    seen.store_failures = resp
+        .store_failures
+        .iter()
+        .filter(|f| f.tier == want)
+        .map(|f| (f.session.clone(), f.error.clone()))
+        .collect();
+    seen
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it): the stamp of the

@@ -333,6 +333,10 @@ impl ReceiverProgress {
             if before.state != ReceiverState::Done {
                 self.done_s = elapsed.max(0.0);
             }
+        } else if let Some(why) = &seen.store_failure {
+            // Its store cannot take the copy: said at once, not after the stall clock.
+            self.state = ReceiverState::Failed;
+            self.error = format!("the host's store refused the data: {why}");
         } else if self.state == ReceiverState::Pending && seen.bytes > 0 {
             self.state = ReceiverState::Receiving;
         }
@@ -382,7 +386,7 @@ impl ReceiverProgress {
 }
 
 /// What a receiver's agent reports about the model (polled or pushed).
-#[derive(Debug, Default, Clone, Copy, PartialEq)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct Seen {
     /// Verified bytes in the plan's data tier.
     pub bytes: u64,
@@ -390,6 +394,26 @@ pub struct Seen {
     pub complete: bool,
     /// Tier gpu: bytes on its GPUs and their state, when it has GPUs loading the model.
     pub gpu: Option<(u64, GpuState)>,
+    /// Why the host's store refused the model's data in the plan's tier (no room, a write
+    /// the file system failed), in a session of the plan observing it (see
+    /// [`Seen::for_sessions`]).
+    pub store_failure: Option<String>,
+    /// Every such refusal the host reports for the tier, by session (hex): its last
+    /// session of the model there.
+    pub store_failures: Vec<(String, String)>,
+}
+
+impl Seen {
+    /// Keeps, of the store refusals reported, the one in a session of `sessions` (a
+    /// plan's own; an older plan's refusal is not this one's).
+    pub fn for_sessions<'a>(mut self, mut sessions: impl Iterator<Item = &'a str>) -> Self {
+        self.store_failure = self
+            .store_failures
+            .iter()
+            .find(|(s, _)| sessions.any(|x| x == s))
+            .map(|(_, why)| why.clone());
+        self
+    }
 }
 
 /// One chain of a plan, as planned (what callers see).
@@ -630,7 +654,24 @@ mod tests {
             bytes,
             complete,
             gpu,
+            store_failure: None,
+            store_failures: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_store_that_refuses_the_data_fails_the_receiver_at_once_saying_why() {
+        let mut r = rx(ReceiverState::Receiving);
+        let mut s = seen(40, false, None);
+        s.store_failure = Some("storing chunk 3 of shard 0: No space left on device".into());
+        assert!(r.observe(&s, Tier::Memory, None, Some(100), 1.0));
+        assert_eq!(r.state, ReceiverState::Failed);
+        assert!(r.error.contains("No space left on device"), "{}", r.error);
+        // A copy that completed anyway is done.
+        let mut s = seen(100, true, None);
+        s.store_failure = Some("an old refusal".into());
+        assert!(r.observe(&s, Tier::Memory, None, Some(100), 2.0));
+        assert_eq!(r.state, ReceiverState::Done);
     }
 
     #[test]

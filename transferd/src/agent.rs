@@ -99,7 +99,20 @@ impl AgentService {
             .iter()
             .map(|h| self.with_gpus(model_status(h)))
             .collect();
-        GetModelStatusResponse { tiers }
+        let store_failures = self
+            .node
+            .store_failures(digest)
+            .into_iter()
+            .map(|(tier, session, error)| pb::StoreFailure {
+                tier: tier_to_pb(tier),
+                session: session.to_hex(),
+                error,
+            })
+            .collect();
+        GetModelStatusResponse {
+            tiers,
+            store_failures,
+        }
     }
 
     fn with_gpus(&self, mut st: pb::ModelStatus) -> pb::ModelStatus {

@@ -157,6 +157,11 @@ pub struct Args {
     /// Cap on the disk tier [default: the file system's size].
     #[arg(long, env = "SHARDCAST_DISK_CAPACITY")]
     pub disk_capacity: Option<String>,
+    /// Host memory a memory tier on tmpfs leaves free: a new shard must fit the host's
+    /// available memory less this, e.g. 2GiB; 0 turns the check off [default: 5% of the
+    /// host's memory, between 256MiB and 4GiB].
+    #[arg(long, env = "SHARDCAST_MEMORY_HEADROOM")]
+    pub memory_headroom: Option<String>,
     /// GPUs reported to the controller until the GPU loader detects them [default: 0].
     #[arg(long, env = "SHARDCAST_GPUS")]
     pub gpus: Option<u32>,
@@ -355,6 +360,7 @@ struct FileConfig {
     nic_rate: Option<String>,
     memory_capacity: Option<String>,
     disk_capacity: Option<String>,
+    memory_headroom: Option<String>,
     gpus: Option<u32>,
     gpu_memory: Option<String>,
     heartbeat_ms: Option<u64>,
@@ -953,6 +959,10 @@ impl Config {
                 group: store_group,
                 memory_capacity: inventory.memory_capacity,
                 disk_capacity: inventory.disk_capacity,
+                memory_headroom: size(
+                    "memory_headroom",
+                    args.memory_headroom.or(file.memory_headroom),
+                )?,
                 reverify_after,
                 scrub_rate,
             },

@@ -203,6 +203,11 @@ pub fn build_report(
         inv.memory_capacity,
         used[0],
     );
+    // A memory tier on tmpfs is RAM: no more is free than the host can still give it.
+    let mem_free = node
+        .store
+        .host_room(Tier::Memory)
+        .map_or(mem_free, |room| mem_free.min(room));
     let (disk_capacity, disk_free) =
         space(node.store.tier_root(Tier::Disk), inv.disk_capacity, used[1]);
     HostReport {

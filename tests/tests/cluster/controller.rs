@@ -476,6 +476,91 @@ async fn a_receiver_restarted_mid_prewarm_resumes_and_the_plan_completes() {
     assert_eq!(code, 0, "{out}\n{err}");
 }
 
+/// A memory tier whose tmpfs another process fills during a prewarm: the daemon does not
+/// die, its receive fails with the file system's own error and the plan ends `partial`
+/// naming it, the other hosts complete, and nothing it verified is lost: once room is made,
+/// a second prewarm completes its copy from the chunks it kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_loses_nothing() {
+    use shardcast_bench::cluster::TmpfsMount;
+    if let Err(why) = TmpfsMount::available() {
+        eprintln!("SKIPPED: a memory tier on a tmpfs of its own: {why}");
+        return;
+    }
+    let size = 32u64 << 20;
+    // host-2's memory tier: a tmpfs with room for the model and 16 MiB more.
+    let c = start_cluster(3, vec!["--lost-grace-s".into(), "0".into()], |i, o| {
+        o.egress_rate = "24MB/s".into();
+        if i == 1 {
+            o.memory_tmpfs = Some(size + (16 << 20));
+        }
+    })
+    .await
+    .unwrap();
+    let victim = "host-2";
+    let tier = c.daemon(victim).unwrap().memory_dir.clone();
+    let origin = Origin::new(size, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let plan = prewarm_hosts(&mut api, hosts(1..=3)).await;
+    wait_fraction(&mut api, &plan, 0.2).await;
+    // Another process's file takes every byte left.
+    let filler = tier.join("someone-else");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = vec![1u8; 1 << 20];
+        while f.write_all(&block).is_ok() {}
+    }
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "partial", "{done:?}");
+    let h = done.hosts.iter().find(|h| h.host == victim).unwrap();
+    assert_eq!(h.state().label(), "failed", "{h:?}");
+    assert!(h.error.contains("No space left on device"), "{h:?}");
+    for d in c.daemons.iter().filter(|d| d.host_id.as_str() != victim) {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // Alive and answering, with what it verified kept.
+    let d = c.daemon(victim).unwrap();
+    let kept = d.stats().await.unwrap().bytes_received;
+    assert!(kept > 0, "nothing received before the tier filled");
+    // Room again: a second prewarm completes it, sending less than the whole model. The
+    // controller refuses it until the host's heartbeat reports the room.
+    std::fs::remove_file(&filler).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let again = loop {
+        let r = api
+            .prewarm(PrewarmRequest {
+                model: MODEL.into(),
+                hosts: vec![victim.to_string()],
+                tier: shardcast_protocol::controller::Tier::Memory as i32,
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Ok(a) => break a.into_inner().plan_id,
+            Err(e) if e.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    let done = wait_plan(&mut api, &again, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    d.verify_copy(&manifest).unwrap();
+    let total = d.stats().await.unwrap().bytes_received;
+    assert!(
+        total - kept < manifest.total_bytes(),
+        "the second prewarm sent {} of {}: the kept chunks were lost",
+        total - kept,
+        manifest.total_bytes()
+    );
+}
+
 /// Status says what really happened: a middle hop stopped (alive but silent) is marked
 /// `lost` and the plan finishes without it; once it runs again and completes its copy, its
 /// heartbeat makes it `done` (with the time), the ended plan's outcome is recomputed, and

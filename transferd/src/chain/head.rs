@@ -97,7 +97,10 @@ impl Node {
         for (s, held, hops) in plan {
             let shard = match held {
                 Some(h) => h,
-                None => self.store.shard(&model, s, tier)?,
+                None => self
+                    .store
+                    .shard(&model, s, tier)
+                    .inspect_err(|e| self.note_store_failure(model, tier, id, e.to_string()))?,
             };
             // One session per stripe of the shard, each on its own connection.
             for range in stripe_ranges(shard.total_chunks(), self.cfg.stripes) {

@@ -61,8 +61,9 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shardcast_protocol::{ErrorCode, Frame, HostId, ModelDigest, SessionId};
+use shardcast_protocol::{ErrorCode, Frame, HostId, ModelDigest, SessionId, Tier};
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 mod fetch;
 mod forward;
@@ -428,6 +429,11 @@ pub struct Node {
     /// per stripe.
     sessions: Mutex<HashMap<SessionKey, Arc<ShardSession>>>,
     heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
+    /// Why the store last refused a model's data in a tier (a shard that did not fit, a
+    /// write the file system failed, such as `ENOSPC` on a tmpfs another process filled),
+    /// and in which session: reported with the model's status until a new session of the
+    /// model in that tier starts.
+    store_failures: Mutex<HashMap<(ModelDigest, Tier), (SessionId, String)>>,
     /// This host's data address as peers reach it (set once the listener is up, when it
     /// is known): named in the upstream list of every `Open` this host sends.
     advertised: std::sync::OnceLock<String>,
@@ -463,6 +469,7 @@ impl Node {
             repairs: Repairs::new(),
             sessions: Mutex::default(),
             heads: Mutex::default(),
+            store_failures: Mutex::default(),
             advertised: std::sync::OnceLock::new(),
         });
         if tokio::runtime::Handle::try_current().is_ok() {
@@ -515,6 +522,42 @@ impl Node {
             s.fail(why.to_string());
         }
         hit.len()
+    }
+
+    /// Records why the store refused `model`'s data in `tier` for `session` (see
+    /// `store_failures`), and logs it.
+    pub(crate) fn note_store_failure(
+        &self,
+        model: ModelDigest,
+        tier: Tier,
+        session: SessionId,
+        why: String,
+    ) {
+        warn!(%model, ?tier, %session, "the store refused the model's data: {why}");
+        if let Ok(mut m) = self.store_failures.lock() {
+            m.insert((model, tier), (session, why));
+        }
+    }
+
+    /// Why the store last refused `model`'s data, per tier and with the session, since the
+    /// last session of it in that tier started.
+    pub fn store_failures(&self, model: &ModelDigest) -> Vec<(Tier, SessionId, String)> {
+        self.store_failures
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|((d, _), _)| d == model)
+                    .map(|((_, t), (sess, why))| (*t, *sess, why.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// A new session of `model` in `tier` starts: an earlier refusal is history.
+    fn clear_store_failure(&self, model: ModelDigest, tier: Tier) {
+        if let Ok(mut m) = self.store_failures.lock() {
+            m.remove(&(model, tier));
+        }
     }
 
     /// Sets the data address peers reach this host at (once; later calls are ignored).

@@ -288,6 +288,7 @@ impl Node {
         (token, transport): (Bytes, HopTransport),
     ) -> (Arc<ShardSession>, ActiveSession) {
         let active = ActiveSession::new(&self.stats);
+        self.clear_store_failure(model, shard.tier());
         let sess = Arc::new(ShardSession {
             id,
             model,
@@ -327,15 +328,30 @@ impl Node {
             Incoming::Verified(c) => c.data().len(),
             Incoming::Unverified(data) => data.len(),
         } as u64;
-        match chunk {
+        let written = match chunk {
             // The shard queues writes to its file (`Shard::write`).
-            Incoming::Verified(chunk) => {
-                sess.shard.write(chunk).await?;
-            }
+            Incoming::Verified(chunk) => sess.shard.write(chunk).await.map(|_| None),
             // BLAKE3 takes ~0.3 ms per MiB: hashed off the I/O threads, by the same
             // blocking-pool task that then writes it (the shard serialises the writes).
-            Incoming::Unverified(data) => {
-                if let Written::Corrupt(e) = sess.shard.verify_and_write(index, data).await? {
+            Incoming::Unverified(data) => sess.shard.verify_and_write(index, data).await.map(Some),
+        };
+        match written {
+            Ok(None) => {}
+            // The file system refused the bytes (ENOSPC on a tmpfs another process filled,
+            // EIO): this copy cannot complete here. Said once, with the model's status, and
+            // the session ends instead of fetching the same chunks again and again.
+            Err(e) => {
+                let why = format!(
+                    "storing chunk {index} of shard {} in the {:?} tier: {e}",
+                    sess.shard_index(),
+                    sess.shard.tier()
+                );
+                self.note_store_failure(sess.model, sess.shard.tier(), sess.id, why.clone());
+                sess.fail(why);
+                return Err(e.into());
+            }
+            Ok(Some(written)) => {
+                if let Written::Corrupt(e) = written {
                     self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
                     warn!(
                         chunk = index,

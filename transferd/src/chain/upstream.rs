@@ -168,7 +168,17 @@ impl Node {
         }
         let shard = match self.store.existing_shard(&header.model, header.shard) {
             Some(s) if s.tier() == header.tier || s.is_complete() => s,
-            _ => self.store.shard(&header.model, header.shard, header.tier)?,
+            _ => self
+                .store
+                .shard(&header.model, header.shard, header.tier)
+                .inspect_err(|e| {
+                    self.note_store_failure(
+                        header.model,
+                        header.tier,
+                        header.session,
+                        e.to_string(),
+                    );
+                })?,
         };
         self.repairs.note_source(header.model, &header.origin);
         // Dropped (and the gauge with it) if another connection created the session first.

@@ -418,6 +418,7 @@ fn shards_larger_than_the_tier_are_refused_before_a_file_exists() {
                 shard: 1,
                 need: 8192,
                 available: 4096,
+                limit: SpaceLimit::Capacity,
                 ..
             }
         ),
@@ -454,6 +455,58 @@ fn shards_larger_than_the_tier_are_refused_before_a_file_exists() {
     assert!(err.to_string().contains("available"), "{err}");
     assert!(!dir.path().join("disk").join(model_rel(&hd)).exists());
     assert!(!dir.path().join("disk").join(state_rel(&hd)).exists());
+}
+
+/// A memory tier on tmpfs admits a shard only within the host's available memory less the
+/// headroom: with a headroom larger than the host's memory nothing fits, with none the
+/// same shard does, and the disk tier is not bound by it.
+#[test]
+fn a_memory_tier_on_tmpfs_keeps_the_hosts_headroom() {
+    let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+        eprintln!("SKIPPED: no /dev/shm here");
+        return;
+    };
+    let fs = TierFs::of(shm.path());
+    if !fs
+        .as_ref()
+        .is_some_and(|f| hostmem::memory_backed(&f.fs_type))
+    {
+        eprintln!("SKIPPED: /dev/shm is not tmpfs here: {fs:?}");
+        return;
+    }
+    let disk = tempfile::tempdir().unwrap();
+    let open = |headroom| {
+        ShardStore::open(StoreConfig {
+            memory_headroom: Some(headroom),
+            ..StoreConfig::new(shm.path().join("mem"), disk.path().join("disk"))
+        })
+        .unwrap()
+    };
+    let (m, _) = model(&[("a.bin", 2 * 4096)]);
+    let d = m.digest();
+    let store = open(u64::MAX / 2);
+    store.put_manifest(&m).unwrap();
+    assert_eq!(store.host_room(Tier::Memory), Some(0));
+    assert_eq!(store.host_room(Tier::Disk), None);
+    let err = store.shard(&d, 0, Tier::Memory).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::NoSpace {
+                limit: SpaceLimit::HostMemory,
+                available: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("memory_headroom"), "{err}");
+    assert_eq!(store.stats().space_refusals.load(Ordering::Relaxed), 1);
+    store.shard(&d, 0, Tier::Disk).unwrap();
+    drop(store);
+    let store = open(0);
+    assert!(store.host_room(Tier::Memory).unwrap() > 0);
+    store.shard(&d, 0, Tier::Memory).unwrap();
 }
 
 /// Flips one byte of a shard file behind the store's back.

@@ -76,6 +76,7 @@
 mod beneath;
 #[cfg(test)]
 mod hardening_tests;
+pub mod hostmem;
 mod map;
 pub mod names;
 mod pages;
@@ -132,6 +133,10 @@ pub struct StoreConfig {
     pub memory_capacity: Option<u64>,
     /// Cap on the bytes of shard files in the disk tier (`None`: the file system's size).
     pub disk_capacity: Option<u64>,
+    /// Host memory kept free of a memory tier on tmpfs or ramfs: a new shard must fit the
+    /// host's available memory less this (see [`hostmem`]). `None`: 5% of the host's
+    /// memory, between 256 MiB and 4 GiB ([`hostmem::default_headroom`]).
+    pub memory_headroom: Option<u64>,
     /// How long a chunk stays trusted after it was last verified (on arrival, by a check or
     /// by the scrub); older chunks are re-hashed before their bytes are served, loaded or
     /// handed off. `Duration::ZERO` re-hashes on every read.
@@ -154,6 +159,7 @@ impl StoreConfig {
             group: None,
             memory_capacity: None,
             disk_capacity: None,
+            memory_headroom: None,
             reverify_after: DEFAULT_REVERIFY_AFTER,
             scrub_rate: DEFAULT_SCRUB_RATE,
         }
@@ -171,6 +177,27 @@ pub const DEFAULT_REVERIFY_AFTER: Duration = Duration::from_secs(1);
 /// Default of [`StoreConfig::scrub_rate`]: 64 MB/s, 1.5–3% of a core at the BLAKE3 rates
 /// above; a 64 GiB memory tier is scrubbed every ~18 minutes.
 pub const DEFAULT_SCRUB_RATE: u64 = 64_000_000;
+
+/// What bounded the space a shard was refused: see [`StoreError::NoSpace`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpaceLimit {
+    /// The file system's free space, less what open shards have still to write.
+    FileSystem,
+    /// The tier's configured capacity (`memory_capacity`, `disk_capacity`).
+    Capacity,
+    /// The host's available memory less `memory_headroom` (a memory tier on tmpfs).
+    HostMemory,
+}
+
+impl std::fmt::Display for SpaceLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::FileSystem => "free space on its file system",
+            Self::Capacity => "left under its configured capacity",
+            Self::HostMemory => "the host's available memory less memory_headroom",
+        })
+    }
+}
 
 /// Counters of the store, for `/metrics`.
 #[derive(Debug, Default)]
@@ -322,7 +349,7 @@ pub enum StoreError {
     },
     /// A shard does not fit the tier: checked before its file is created.
     #[error(
-        "shard {shard} of model {digest} needs {need} bytes in the {tier:?} tier, which has {available} available"
+        "shard {shard} of model {digest} needs {need} bytes in the {tier:?} tier, which has {available} available ({limit})"
     )]
     NoSpace {
         /// The model.
@@ -333,8 +360,11 @@ pub enum StoreError {
         tier: Tier,
         /// The shard's size plus what shards already open there have still to write.
         need: u64,
-        /// Free space on the file system, or left under the configured capacity.
+        /// Free space on the file system, left under the configured capacity, or left of
+        /// the host's memory: whichever is least.
         available: u64,
+        /// Which of those it was.
+        limit: SpaceLimit,
     },
     /// A verified chunk failed re-verification at rest: it was dropped from the verified
     /// set and must be repaired before it can be read again.
@@ -403,6 +433,9 @@ struct Inner {
     integrity: Arc<Integrity>,
     memory_capacity: Option<u64>,
     disk_capacity: Option<u64>,
+    /// The headroom in force when the memory tier is memory-backed (`None` where it is not,
+    /// or where `/proc/meminfo` cannot be read).
+    memory_headroom: Option<u64>,
     scrub_rate: u64,
     models: Mutex<HashMap<ModelDigest, Model>>,
     names: Mutex<names::Names>,
@@ -586,6 +619,7 @@ impl ShardStore {
             group,
             memory_capacity,
             disk_capacity,
+            memory_headroom,
             reverify_after,
             scrub_rate,
         } = cfg;
@@ -612,6 +646,18 @@ impl ShardStore {
         let names = Mutex::new(names::Names::load(&disk)?);
         let memory_fs = TierFs::of(&memory_dir);
         report_memory_fs(&memory_dir, memory_fs.as_ref());
+        let memory_headroom = match (&memory_fs, hostmem::HostMemory::read()) {
+            (Some(fs), Some(mem)) if hostmem::memory_backed(&fs.fs_type) => {
+                let h = memory_headroom.unwrap_or_else(|| hostmem::default_headroom(mem.total));
+                tracing::info!(
+                    headroom = h,
+                    available = mem.available,
+                    "memory tier is RAM: new shards must fit the host's available memory less the headroom"
+                );
+                Some(h)
+            }
+            _ => None,
+        };
         let inner = Inner {
             memory,
             disk,
@@ -624,6 +670,7 @@ impl ShardStore {
             }),
             memory_capacity,
             disk_capacity,
+            memory_headroom,
             scrub_rate,
             models: Mutex::new(HashMap::new()),
             names,
@@ -906,8 +953,9 @@ impl ShardStore {
 
     /// Checks that a new shard of `size` bytes fits `tier`: the file system's free space
     /// must cover it plus what the tier's open shards have still to write (their files are
-    /// sparse until written), and the configured capacity must cover every open shard plus
-    /// it.
+    /// sparse until written), the configured capacity must cover every open shard plus
+    /// it, and for a memory tier on tmpfs the host's available memory less the headroom
+    /// must cover it plus what is still to write (see [`hostmem`]).
     ///
     /// With `on_file_system` (a kept file moved in, whose bytes already take their room)
     /// only the configured capacity is checked.
@@ -934,17 +982,25 @@ impl ShardStore {
             allocated = allocated.saturating_add(s.size());
             pending = pending.saturating_add(s.unwritten_bytes());
         }
-        let free = if on_file_system {
-            u64::MAX
-        } else {
-            self.dir(tier).available()?
-        };
         let cap = match tier {
             Tier::Memory => self.inner.memory_capacity,
             Tier::Disk => self.inner.disk_capacity,
         };
-        let under_cap = cap.map_or(u64::MAX, |c| c.saturating_sub(allocated));
-        let available = free.saturating_sub(pending).min(under_cap);
+        let mut bounds = vec![(
+            SpaceLimit::Capacity,
+            cap.map_or(u64::MAX, |c| c.saturating_sub(allocated)),
+        )];
+        if !on_file_system {
+            let free = self.dir(tier).available()?;
+            bounds.push((SpaceLimit::FileSystem, free.saturating_sub(pending)));
+            if let Some(room) = self.host_room(tier) {
+                bounds.push((SpaceLimit::HostMemory, room.saturating_sub(pending)));
+            }
+        }
+        let (limit, available) = bounds
+            .into_iter()
+            .min_by_key(|b| b.1)
+            .unwrap_or((SpaceLimit::FileSystem, u64::MAX));
         if size > available {
             self.stats().space_refusals.fetch_add(1, Ordering::Relaxed);
             let e = StoreError::NoSpace {
@@ -953,11 +1009,23 @@ impl ShardStore {
                 tier,
                 need: size,
                 available,
+                limit,
             };
-            tracing::warn!(error = %e, free, pending, ?cap, "refusing a shard");
+            tracing::warn!(error = %e, pending, ?cap, "refusing a shard");
             return Err(e);
         }
         Ok(())
+    }
+
+    /// What a memory tier on tmpfs or ramfs may still take of the host's memory: its
+    /// available memory less the headroom. `None` for the disk tier, a memory tier on
+    /// another file system, or where `/proc/meminfo` cannot be read.
+    pub fn host_room(&self, tier: Tier) -> Option<u64> {
+        let headroom = match tier {
+            Tier::Memory => self.inner.memory_headroom?,
+            Tier::Disk => return None,
+        };
+        Some(hostmem::HostMemory::read()?.room(headroom))
     }
 
     /// The shard `shard` of model `d` in `tier`, created (data file preallocated to its
