@@ -206,6 +206,16 @@ pub fn router(c: Arc<Services>) -> Router {
                     "# HELP shardcast_origin_refused_total Registrations refused by the origin allow-list.\n# TYPE shardcast_origin_refused_total counter\nshardcast_origin_refused_total {}\n",
                     c.core.origin_refusals()
                 ));
+                if let Some(tls) = &c.core.config().tls {
+                    out.push_str(&format!(
+                        "# HELP shardcast_connections_over_peer_limit_total API connections closed after their handshake because their peer (a certificate's identity, or an address without one) already held the per-peer limit on the listener.\n# TYPE shardcast_connections_over_peer_limit_total counter\nshardcast_connections_over_peer_limit_total {}\n",
+                        load(&tls.stats.over_peer_limit)
+                    ));
+                    out.push_str(&format!(
+                        "# HELP shardcast_handshakes_over_addr_limit_total API connections closed before their handshake because their address already had the per-address limit of handshakes in progress.\n# TYPE shardcast_handshakes_over_addr_limit_total counter\nshardcast_handshakes_over_addr_limit_total {}\n",
+                        load(&tls.stats.handshakes_over_addr_limit)
+                    ));
+                }
                 out
             }),
         )

@@ -489,6 +489,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let http_stats = slot.load().ctl.core.http_stats();
     let services = || {
         tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(grpc::SERVER_KEEPALIVE.0))
+            .http2_keepalive_timeout(Some(grpc::SERVER_KEEPALIVE.1))
             .layer(AuthzLayer::new(crate::auth::permission, authz.clone()))
             .layer(GateLayer::gate(LeaderGate(replica.clone())))
             .add_service(Switch::new(slot.clone(), |c| {

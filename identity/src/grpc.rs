@@ -32,6 +32,95 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Handshakes in progress per listener; beyond it new connections wait in the kernel's
 /// backlog. Rationale: bounds the tasks and memory a connection flood can pin.
 pub const MAX_PENDING_HANDSHAKES: usize = 256;
+/// Handshakes in progress from one source address per listener; a connection beyond it is
+/// closed at once, before its handshake (counted: `TlsStats::handshakes_over_addr_limit`).
+/// Rationale: a peer holding many unfinished handshakes takes at most this many of the
+/// listener's [`MAX_PENDING_HANDSHAKES`], so the cluster's own connections from other
+/// addresses are not queued behind it. `127.0.0.1` and `::1` are exempt (local tooling and
+/// test swarms connect from there by the thousand; a local attacker has other means).
+pub const MAX_PENDING_HANDSHAKES_PER_ADDR: usize = 32;
+
+/// How often a gRPC server pings each client connection (HTTP/2 `PING`), and how long it
+/// waits for the answer before closing it: a peer that died, was stopped or was cut off
+/// gives its connection and descriptor back within 40 s instead of holding it until the
+/// kernel's TCP keep-alive (hours).
+pub const SERVER_KEEPALIVE: (Duration, Duration) =
+    (Duration::from_secs(30), Duration::from_secs(10));
+/// Connections one peer may hold open on one listener at once: an authenticated identity
+/// (a certificate's role and name), or, for a TLS peer that presented none (an HTTP client
+/// that sends a bearer token per request), its source address. A connection beyond it is
+/// closed right after its handshake and counted (`TlsStats::over_peer_limit`). Rationale: a
+/// cluster member needs a handful (the controller holds one channel per agent, a host one
+/// to the controller, a CLI one per command), so one compromised host's idle connections
+/// cannot take the descriptors every other host's calls need.
+pub const MAX_CONNECTIONS_PER_PEER: usize = 64;
+
+/// The open connections of each peer on one listener (see [`MAX_CONNECTIONS_PER_PEER`]).
+#[derive(Clone, Default)]
+struct PeerLimits(Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>);
+
+/// One connection's place in its peer's count; given back when the connection closes.
+struct PeerSlot {
+    limits: PeerLimits,
+    key: String,
+}
+
+impl PeerLimits {
+    /// A place for one more connection of `key`, unless it holds `max` already.
+    fn take(&self, key: String, max: usize) -> Option<PeerSlot> {
+        let mut m = self.0.lock().ok()?;
+        let n = m.entry(key.clone()).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        drop(m);
+        Some(PeerSlot {
+            limits: self.clone(),
+            key,
+        })
+    }
+
+    /// Connections `key` holds.
+    #[cfg(test)]
+    fn held(&self, key: &str) -> usize {
+        self.0
+            .lock()
+            .map_or(0, |m| m.get(key).copied().unwrap_or(0))
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.limits.0.lock()
+            && let Some(n) = m.get_mut(&self.key)
+        {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// `127.0.0.1` or `::1`: exempt from [`MAX_PENDING_HANDSHAKES_PER_ADDR`].
+fn is_local_default(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4 == std::net::Ipv4Addr::LOCALHOST,
+        std::net::IpAddr::V6(v6) => v6 == std::net::Ipv6Addr::LOCALHOST,
+    }
+}
+
+/// Whom a connection counts against: its certificate's identity, or for a TLS peer without
+/// one its source address; `None` (no limit) for plaintext, where every peer is the
+/// loopback operator.
+fn peer_key(peer: &Peer, addr: &std::net::SocketAddr) -> Option<String> {
+    match peer {
+        Peer::Cert(id) => Some(format!("{}:{}", id.role, id.name)),
+        Peer::Anonymous => Some(format!("addr:{}", addr.ip())),
+        _ => None,
+    }
+}
 
 /// A byte stream of any transport.
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
@@ -51,6 +140,8 @@ pub struct AuthedIo {
     io: Box<dyn Io>,
     info: PeerInfo,
     on_read: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Its place in its peer's connection count, given back when it is dropped.
+    _slot: Option<PeerSlot>,
 }
 
 impl AuthedIo {
@@ -60,6 +151,7 @@ impl AuthedIo {
             io,
             info,
             on_read: None,
+            _slot: None,
         }
     }
 
@@ -149,6 +241,7 @@ pub fn incoming_tcp(
 ) -> Incoming {
     let (tx, rx) = mpsc::channel(64);
     let pending = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
+    let limits = PeerLimits::default();
     tokio::spawn(async move {
         tokio::pin!(cancel);
         loop {
@@ -170,11 +263,39 @@ pub fn incoming_tcp(
                 },
             };
             let _ = stream.set_nodelay(true);
-            let (tx, security) = (tx.clone(), security.clone());
+            let ctx = match &security {
+                TcpSecurity::Tls(ctx, _) | TcpSecurity::TlsOptionalClient(ctx) => Some(ctx.clone()),
+                TcpSecurity::Plaintext => None,
+            };
+            // One address's unfinished handshakes take a bounded share of the slots.
+            let addr_slot = match &ctx {
+                Some(ctx) if !is_local_default(addr.ip()) => {
+                    match limits.take(
+                        format!("pending:{}", addr.ip()),
+                        MAX_PENDING_HANDSHAKES_PER_ADDR,
+                    ) {
+                        Some(slot) => Some(slot),
+                        None => {
+                            let n = ctx
+                                .stats
+                                .handshakes_over_addr_limit
+                                .fetch_add(1, Ordering::Relaxed)
+                                + 1;
+                            if n.is_power_of_two() {
+                                warn!(peer = %addr, refused = n, "closing a connection before its handshake: {MAX_PENDING_HANDSHAKES_PER_ADDR} from its address are still handshaking");
+                            }
+                            continue;
+                        }
+                    }
+                }
+                _ => None,
+            };
+            let (tx, security, limits) = (tx.clone(), security.clone(), limits.clone());
             tokio::spawn(async move {
                 let _permit = permit;
+                let sock = addr;
                 let addr = addr.to_string();
-                let conn = match security {
+                let mut conn = match security {
                     TcpSecurity::Tls(ctx, alpn) => match ctx.accept(stream, alpn).await {
                         Ok((s, id)) => AuthedIo::new(
                             Box::new(s),
@@ -211,6 +332,29 @@ pub fn incoming_tcp(
                         },
                     ),
                 };
+                drop(addr_slot);
+                if let Some(key) = peer_key(&conn.info.peer, &sock) {
+                    match limits.take(key, MAX_CONNECTIONS_PER_PEER) {
+                        Some(slot) => conn._slot = Some(slot),
+                        None => {
+                            let n = ctx.as_ref().map_or(1, |c| {
+                                c.stats.over_peer_limit.fetch_add(1, Ordering::Relaxed) + 1
+                            });
+                            // A flood is logged at 1, 2, 4, 8, … refusals, not once each.
+                            if n.is_power_of_two() {
+                                warn!(
+                                    peer = %sock,
+                                    refused = n,
+                                    "closing a connection: its peer ({:?}) already holds {MAX_CONNECTIONS_PER_PEER} on this listener",
+                                    conn.info.peer
+                                );
+                            } else {
+                                debug!(peer = %sock, "closing a connection over its peer's limit");
+                            }
+                            return;
+                        }
+                    }
+                }
                 let _ = tx.send(Ok(conn)).await;
             });
         }
@@ -653,6 +797,40 @@ impl From<crate::tls::TlsError> for std::io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_holds_at_most_its_limit_and_gets_places_back_as_connections_close() {
+        let limits = PeerLimits::default();
+        let mut held: Vec<PeerSlot> = (0..3)
+            .map(|_| limits.take("host:a".into(), 3).unwrap())
+            .collect();
+        assert!(limits.take("host:a".into(), 3).is_none());
+        // Another peer is not affected.
+        let b = limits.take("host:b".into(), 3).unwrap();
+        assert_eq!((limits.held("host:a"), limits.held("host:b")), (3, 1));
+        held.pop();
+        assert_eq!(limits.held("host:a"), 2);
+        held.push(limits.take("host:a".into(), 3).unwrap());
+        drop(held);
+        drop(b);
+        assert!(limits.0.lock().unwrap().is_empty(), "entries are removed at 0");
+    }
+
+    #[test]
+    fn connections_count_against_their_identity_or_their_address() {
+        let addr: std::net::SocketAddr = "10.0.0.7:4242".parse().unwrap();
+        let id = crate::Identity::new(Role::Host, "h1").unwrap();
+        assert_eq!(peer_key(&Peer::Cert(id), &addr).as_deref(), Some("host:h1"));
+        assert_eq!(
+            peer_key(&Peer::Anonymous, &addr).as_deref(),
+            Some("addr:10.0.0.7")
+        );
+        assert_eq!(peer_key(&Peer::Insecure, &addr), None);
+        assert!(is_local_default("127.0.0.1".parse().unwrap()));
+        assert!(is_local_default("::1".parse().unwrap()));
+        assert!(!is_local_default("127.0.0.9".parse().unwrap()));
+        assert!(!is_local_default("10.0.0.7".parse().unwrap()));
+    }
 
     #[test]
     fn socket_peers_by_uid_and_mode() {

@@ -430,6 +430,12 @@ pub struct TlsStats {
     /// Handshakes, either side, that failed because the peer speaks another ALPN protocol
     /// (on the data port: the other end uses another data mode).
     pub alpn_mismatches: AtomicU64,
+    /// Connections closed right after their handshake because their peer already held
+    /// `grpc::MAX_CONNECTIONS_PER_PEER` on the listener.
+    pub over_peer_limit: AtomicU64,
+    /// Connections closed before their handshake because their address already had
+    /// `grpc::MAX_PENDING_HANDSHAKES_PER_ADDR` handshaking on the listener.
+    pub handshakes_over_addr_limit: AtomicU64,
     /// Successful reloads of the certificate files.
     pub reloads: AtomicU64,
     /// Reloads that failed (the previous certificate stays in use).

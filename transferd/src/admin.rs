@@ -403,6 +403,18 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
             t.alpn_mismatches.load(Ordering::Relaxed),
         );
         metric(
+            "connections_over_peer_limit_total",
+            "counter",
+            "Agent API and admin connections closed after their handshake because their peer (a certificate's identity, or an address without one) already held the per-peer limit on the listener.",
+            t.over_peer_limit.load(Ordering::Relaxed),
+        );
+        metric(
+            "handshakes_over_addr_limit_total",
+            "counter",
+            "Agent API and admin connections closed before their handshake because their address already had the per-address limit of handshakes in progress.",
+            t.handshakes_over_addr_limit.load(Ordering::Relaxed),
+        );
+        metric(
             "tls_reloads_total",
             "counter",
             "Certificate reloads without a restart.",

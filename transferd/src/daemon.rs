@@ -165,6 +165,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let authz = AuthzLayer::new(crate::agent::permission, node.stats.authz.clone());
         tasks.spawn(async move {
             let r = tonic::transport::Server::builder()
+                .http2_keepalive_interval(Some(grpc::SERVER_KEEPALIVE.0))
+                .http2_keepalive_timeout(Some(grpc::SERVER_KEEPALIVE.1))
                 .layer(authz)
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())

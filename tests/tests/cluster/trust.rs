@@ -689,3 +689,127 @@ async fn a_replayed_old_plan_token_cannot_roll_a_name_back() {
     wait_resolves(target, name.as_str(), v1.digest()).await;
     assert_eq!(metric(target, "name_bindings_refused_total").await, 1);
 }
+
+/// A host with a valid certificate holds idle TLS connections to the controller's gRPC port
+/// (connections that never make a call): the first `MAX_CONNECTIONS_PER_PEER` are kept, the
+/// rest are closed right after their handshake and counted, and the cluster's own calls
+/// still get in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_hosts_idle_connections_are_capped_and_others_still_get_in() {
+    use shardcast_identity::grpc::MAX_CONNECTIONS_PER_PEER;
+    use tokio::io::AsyncReadExt;
+    let scratch = tempfile::tempdir().unwrap();
+    let ctl = ControllerProc::start(&scratch.path().join("ctl"), Vec::new())
+        .await
+        .unwrap();
+    let evil = shardcast_tests::host_tls("mallory").unwrap();
+    let extra = 40;
+    let mut held = Vec::new();
+    for _ in 0..MAX_CONNECTIONS_PER_PEER + extra {
+        let tcp = TcpStream::connect(ctl.grpc).await.unwrap();
+        let (s, _) = evil
+            .connect(tcp, Alpn::Grpc, &Expect::Role(Role::Controller))
+            .await
+            .unwrap();
+        held.push(s);
+    }
+    // The server closes those over the limit (EOF); the others stay open and silent.
+    let closed = futures::future::join_all(held.iter_mut().map(|s| async move {
+        let mut b = [0u8; 256];
+        loop {
+            match tokio::time::timeout(Duration::from_millis(500), s.read(&mut b)).await {
+                // The server's HTTP/2 preface (SETTINGS): read past it.
+                Ok(Ok(n)) if n > 0 => continue,
+                Ok(_) => return true,
+                Err(_) => return false,
+            }
+        }
+    }))
+    .await
+    .into_iter()
+    .filter(|c| *c)
+    .count();
+    assert_eq!(closed, extra, "connections over the per-peer limit");
+    // Other peers still get in and are answered.
+    let mut api = ctl.client().await.unwrap();
+    api.list_hosts(shardcast_protocol::controller::ListHostsRequest {})
+        .await
+        .unwrap();
+    let (status, body) = ctl
+        .http(HttpAs::Cert(Role::Admin), "GET", "/metrics", "")
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let refused: u64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix("shardcast_connections_over_peer_limit_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no counter in {body}"));
+    assert_eq!(refused, extra as u64);
+    // Closing them gives the places back.
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let tcp = TcpStream::connect(ctl.grpc).await.unwrap();
+    let (mut s, _) = evil
+        .connect(tcp, Alpn::Grpc, &Expect::Role(Role::Controller))
+        .await
+        .unwrap();
+    let mut b = [0u8; 256];
+    let r = tokio::time::timeout(Duration::from_millis(500), async {
+        loop {
+            match s.read(&mut b).await {
+                Ok(n) if n > 0 => continue,
+                _ => return,
+            }
+        }
+    })
+    .await;
+    assert!(
+        r.is_err(),
+        "a connection after the others closed was refused"
+    );
+}
+
+/// Hundreds of connections from one address that never finish their TLS handshake (more
+/// than the listener's handshake slots): that address gets a bounded share, the rest are
+/// closed at once, and a call from another address is answered at once rather than queued
+/// behind them until their handshakes time out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_handshakes_from_one_address_do_not_queue_the_others() {
+    use shardcast_identity::grpc::{MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDR};
+    let scratch = tempfile::tempdir().unwrap();
+    let ctl = ControllerProc::start(&scratch.path().join("ctl"), Vec::new())
+        .await
+        .unwrap();
+    let mut silent = Vec::new();
+    for _ in 0..MAX_PENDING_HANDSHAKES + 44 {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(std::net::SocketAddr::from(([127, 0, 0, 9], 0)))
+            .unwrap();
+        silent.push(sock.connect(ctl.grpc).await.unwrap());
+    }
+    // The calls of another address get in while those still hold their connections.
+    let started = std::time::Instant::now();
+    let mut api = ctl.client().await.unwrap();
+    api.list_hosts(shardcast_protocol::controller::ListHostsRequest {})
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    // Queued behind them it would wait for their handshake timeout (10 s).
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    let (status, body) = ctl
+        .http(HttpAs::Cert(Role::Admin), "GET", "/metrics", "")
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let refused: usize = body
+        .lines()
+        .find_map(|l| l.strip_prefix("shardcast_handshakes_over_addr_limit_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no counter in {body}"));
+    assert!(
+        refused >= MAX_PENDING_HANDSHAKES + 44 - MAX_PENDING_HANDSHAKES_PER_ADDR,
+        "{refused} refused"
+    );
+    drop(silent);
+}
