@@ -819,14 +819,23 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 .into_inner();
             if json {
                 print_json(&r);
-            } else if r.evicted.is_empty() {
-                println!("nothing to evict");
             } else {
-                println!(
-                    "evicted from {}: {} freed",
-                    r.evicted.join(", "),
-                    format_bytes(r.bytes_freed)
-                );
+                if r.evicted.is_empty() && r.pending.is_empty() {
+                    println!("nothing to evict");
+                }
+                if !r.evicted.is_empty() {
+                    println!(
+                        "evicted from {}: {} freed",
+                        r.evicted.join(", "),
+                        format_bytes(r.bytes_freed)
+                    );
+                }
+                if !r.pending.is_empty() {
+                    println!(
+                        "pending on {} (down): evicted when they heartbeat again",
+                        r.pending.join(", ")
+                    );
+                }
             }
         }
         Command::Status { model } => {

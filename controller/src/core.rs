@@ -613,6 +613,7 @@ impl Controller {
                 up: true,
                 gpu_reserved: BTreeMap::new(),
                 booked_at: HashMap::new(),
+                pending_evictions: Vec::new(),
             }
         });
         if !entry.up {
@@ -1356,7 +1357,7 @@ impl Controller {
     /// `Evict`: remove the model's copy in `tier` from hosts.
     pub async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
         let tier = crate::wire::tier_of(req.tier).map_err(|e| EvictError::Invalid(e.message))?;
-        let (digest, targets) = {
+        let (digest, targets, pending) = {
             let st = lock(&self.state);
             let m = st.model(&req.model)?;
             let digest = m.digest.clone();
@@ -1381,6 +1382,16 @@ impl Controller {
             } else {
                 req.hosts.clone()
             };
+            // Every holder, and some are down: their copies go when they heartbeat again.
+            let pending: Vec<String> = if req.hosts.is_empty() && tier != Tier::Gpu {
+                st.hosts
+                    .values()
+                    .filter(|h| !h.up && h.holding(&digest, data_tier(tier)).is_some())
+                    .map(|h| h.report.host_id.clone())
+                    .collect()
+            } else {
+                Vec::new()
+            };
             // Refuse while a plan still moves the model to one of them.
             for p in st.plans.values() {
                 if p.running() && p.digest == digest {
@@ -1396,8 +1407,23 @@ impl Controller {
                     }
                 }
             }
-            (digest, targets)
+            (digest, targets, pending)
         };
+        if !pending.is_empty() {
+            let mut st = lock(&self.state);
+            for h in &pending {
+                if let Some(e) = st.hosts.get_mut(h) {
+                    let item = (digest.clone(), data_tier(tier));
+                    if !e.pending_evictions.contains(&item) {
+                        e.pending_evictions.push(item);
+                    }
+                    let rec = StoredHost::of(e);
+                    self.put_json(Table::Hosts, h, &rec)
+                        .map_err(|e| EvictError::Store(e.to_string()))?;
+                }
+            }
+            info!(model = %digest, ?tier, hosts = ?pending, "eviction pending: the hosts are down; their copies go when they heartbeat again");
+        }
         let mut evicted = Vec::new();
         if tier == Tier::Gpu {
             let mut st = lock(&self.state);
@@ -1414,6 +1440,7 @@ impl Controller {
             return Ok(EvictResponse {
                 evicted,
                 bytes_freed: 0,
+                pending,
             });
         }
         let mut failures = Vec::new();
@@ -1433,8 +1460,18 @@ impl Controller {
             match r {
                 Ok(r) => {
                     bytes_freed += r.into_inner().bytes_freed;
-                    if let Some(e) = lock(&self.state).hosts.get_mut(h) {
+                    let mut st = lock(&self.state);
+                    if let Some(e) = st.hosts.get_mut(h) {
                         e.forget(&digest, data_tier(tier));
+                        let before = e.pending_evictions.len();
+                        e.pending_evictions
+                            .retain(|(d, t)| !(*d == digest && *t == data_tier(tier)));
+                        if e.pending_evictions.len() != before {
+                            let rec = StoredHost::of(e);
+                            if let Err(err) = self.put_json(Table::Hosts, h, &rec) {
+                                warn!(host = %h, "persisting a done pending eviction: {err}");
+                            }
+                        }
                     }
                     evicted.push(h.clone());
                 }
@@ -1448,6 +1485,7 @@ impl Controller {
             None => Ok(EvictResponse {
                 evicted,
                 bytes_freed,
+                pending,
             }),
             Some(first) => Err(EvictError::Partial { evicted, first }),
         }
@@ -2356,6 +2394,7 @@ mod receiver_index_tests {
             up: true,
             gpu_reserved: BTreeMap::new(),
             booked_at: HashMap::new(),
+            pending_evictions: Vec::new(),
         }
     }
 

@@ -853,6 +853,7 @@ mod tests {
                 ..Default::default()
             },
             gpu_reserved: Default::default(),
+            pending_evictions: Vec::new(),
         })
         .unwrap()
     }

@@ -122,6 +122,9 @@ pub struct StoredHost {
     /// GPU reservations per model digest.
     #[serde(default)]
     pub gpu_reserved: BTreeMap<String, u32>,
+    /// Evictions asked for while the host was down ([`HostEntry::pending_evictions`]).
+    #[serde(default)]
+    pub pending_evictions: Vec<(String, DataTier)>,
 }
 
 impl StoredHost {
@@ -131,6 +134,7 @@ impl StoredHost {
             version: HOST_RECORD_VERSION.into(),
             host: e.report.clone(),
             gpu_reserved: e.gpu_reserved.clone(),
+            pending_evictions: e.pending_evictions.clone(),
         }
     }
 
@@ -155,6 +159,7 @@ impl StoredHost {
                     version: HOST_RECORD_VERSION.into(),
                     host: crate::wire::host_view(legacy.report).map_err(|e| e.message)?,
                     gpu_reserved: legacy.gpu_reserved,
+                    pending_evictions: Vec::new(),
                 })
             }
         }
@@ -184,6 +189,9 @@ pub struct HostEntry {
     /// counts as old). A report is only taken as news about a reservation once it arrived
     /// well after it.
     pub booked_at: HashMap<String, Instant>,
+    /// (digest, tier) copies an `Evict` of every holder found here while the host was down:
+    /// the tier sweeper evicts them once it heartbeats again (persisted).
+    pub pending_evictions: Vec<(String, DataTier)>,
 }
 
 impl HostEntry {
@@ -196,6 +204,7 @@ impl HostEntry {
             up: true,
             gpu_reserved: record.gpu_reserved,
             booked_at: HashMap::new(),
+            pending_evictions: record.pending_evictions,
         }
     }
 
@@ -401,6 +410,7 @@ mod tests {
             up,
             gpu_reserved: BTreeMap::new(),
             booked_at: HashMap::new(),
+            pending_evictions: Vec::new(),
         }
     }
 

@@ -433,6 +433,21 @@ impl TierTarget for Controller {
         Self::release_gpu_slot(self, host, digest)
     }
 
+    fn pending_evictions(&self) -> Vec<(String, String, DataTier)> {
+        let mut st = lock(&self.state);
+        let mut out = Vec::new();
+        for h in st.hosts.values_mut().filter(|h| h.up) {
+            // A copy the host no longer reports (it was evicted some other way): done.
+            let mut due = std::mem::take(&mut h.pending_evictions);
+            due.retain(|(d, t)| h.holding(d, *t).is_some());
+            h.pending_evictions = due;
+            for (d, t) in &h.pending_evictions {
+                out.push((h.report.host_id.clone(), d.clone(), *t));
+            }
+        }
+        out
+    }
+
     async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
         Self::evict(self, req).await
     }

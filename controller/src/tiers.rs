@@ -247,6 +247,9 @@ pub trait TierTarget: Send + Sync + 'static {
     fn stale_gpu_bookings(&self) -> Vec<StaleBooking>;
     /// Releases one GPU reservation.
     fn release_gpu_slot(&self, host: &str, digest: &str);
+    /// (host, digest, tier) of the evictions asked for while an up host was down and still
+    /// due: its last report holds the copy.
+    fn pending_evictions(&self) -> Vec<(String, String, DataTier)>;
     /// `Evict`, as the API does it.
     fn evict(
         &self,
@@ -333,6 +336,33 @@ impl<T: TierTarget> TierSweeper<T> {
                 hosts: vec![b.host],
             }));
         }
+        // Evictions asked for while their hosts were down, now that they are back.
+        for (host, digest, tier) in self.target.pending_evictions() {
+            let r = self.target.evict(evict_request(&digest, &host, tier)).await;
+            let (kind, reason) = match r {
+                Ok(_) => (
+                    "evict-on-return",
+                    format!(
+                        "host {host} is back: its {tier} copy, evicted while it was down, is removed"
+                    ),
+                ),
+                Err(e) => {
+                    // A plan moving the model to the host (StillMoving), an agent that
+                    // does not answer yet: tried again on the next sweep.
+                    warn!(host = %host, model = %digest, "eviction on return failed, will retry: {e}");
+                    continue;
+                }
+            };
+            events.push(self.events.record(Event {
+                at: now_unix(),
+                model: digest,
+                kind: kind.into(),
+                reason,
+                plan_id: String::new(),
+                delta: -1,
+                hosts: vec![host],
+            }));
+        }
         for h in self.target.tier_view(cfg.origins_durable) {
             let (evictions, notes) = sweep_host(&h, cfg, &self.usage);
             tracing::debug!(host = %h.host, mem_used = h.mem_used, disk_used = h.disk_used, ?evictions, ?notes, "tier sweep");
@@ -346,14 +376,7 @@ impl<T: TierTarget> TierSweeper<T> {
                 let name = name_of(&digest);
                 let r = self
                     .target
-                    .evict(EvictRequest {
-                        model: digest.clone(),
-                        hosts: vec![h.host.clone()],
-                        tier: match tier {
-                            DataTier::Memory => shardcast_protocol::controller::Tier::Memory,
-                            DataTier::Disk => shardcast_protocol::controller::Tier::Disk,
-                        } as i32,
-                    })
+                    .evict(evict_request(&digest, &h.host, tier))
                     .await;
                 let (kind, reason) = match r {
                     Ok(_) => ("tier-evict", why),
@@ -386,6 +409,18 @@ impl<T: TierTarget> TierSweeper<T> {
             }
         }
         events
+    }
+}
+
+/// `Evict` of `digest`'s copy in `tier` on `host`.
+fn evict_request(digest: &str, host: &str, tier: DataTier) -> EvictRequest {
+    EvictRequest {
+        model: digest.to_string(),
+        hosts: vec![host.to_string()],
+        tier: match tier {
+            DataTier::Memory => shardcast_protocol::controller::Tier::Memory,
+            DataTier::Disk => shardcast_protocol::controller::Tier::Disk,
+        } as i32,
     }
 }
 

@@ -813,7 +813,10 @@ mod tests {
         held.push(limits.take("host:a".into(), 3).unwrap());
         drop(held);
         drop(b);
-        assert!(limits.0.lock().unwrap().is_empty(), "entries are removed at 0");
+        assert!(
+            limits.0.lock().unwrap().is_empty(),
+            "entries are removed at 0"
+        );
     }
 
     #[test]

@@ -561,6 +561,87 @@ async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_l
     );
 }
 
+/// `Evict` of every holder while one of them is down (stopped): the others' copies go at
+/// once and the down host is named as pending; once it heartbeats again the tier sweeper
+/// evicts its copy too (event `evict-on-return`), and every memory tier ends empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evict_while_a_holder_is_down_reaches_it_when_it_returns() {
+    use shardcast_protocol::controller::{ListEventsRequest, ListHostsRequest};
+    let c = start_cluster(3, vec!["--tier-sweep-ms".into(), "300".into()], |_, _| {})
+        .await
+        .unwrap();
+    let origin = Origin::new(8 << 20, 2);
+    let mut api = c.controller.client().await.unwrap();
+    register(&mut api, &origin).await;
+    let plan = prewarm_hosts(&mut api, hosts(1..=3)).await;
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    let victim = "host-3";
+    c.daemon(victim).unwrap().signal("STOP").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let hs = api
+            .list_hosts(ListHostsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let h = hs
+            .hosts
+            .iter()
+            .find(|h| h.report.as_ref().is_some_and(|r| r.host_id == victim))
+            .unwrap();
+        if !h.up {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{victim} never marked down");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ev = api
+        .evict(EvictRequest {
+            model: MODEL.into(),
+            hosts: Vec::new(),
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut evicted = ev.evicted.clone();
+    evicted.sort();
+    assert_eq!(evicted, hosts(1..=2), "{ev:?}");
+    assert_eq!(ev.pending, vec![victim.to_string()], "{ev:?}");
+    for h in ["host-1", "host-2"] {
+        assert_eq!(c.daemon(h).unwrap().memory_tier_bytes().unwrap(), 0, "{h}");
+    }
+    let d = c.daemon(victim).unwrap();
+    assert!(d.memory_tier_bytes().unwrap() > 0);
+    d.signal("CONT").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while d.memory_tier_bytes().unwrap() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{victim}'s copy was not evicted after it returned"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let events = api
+        .list_events(ListEventsRequest {
+            model: String::new(),
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind == "evict-on-return" && e.hosts == vec![victim.to_string()]),
+        "{events:?}"
+    );
+}
+
 /// Status says what really happened: a middle hop stopped (alive but silent) is marked
 /// `lost` and the plan finishes without it; once it runs again and completes its copy, its
 /// heartbeat makes it `done` (with the time), the ended plan's outcome is recomputed, and
