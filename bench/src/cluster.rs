@@ -468,6 +468,21 @@ impl Daemon {
         Ok(())
     }
 
+    /// Stops the process as an operator would (SIGTERM, by PID) and waits up to `grace`
+    /// for it to exit; SIGKILL after that. True when it exited on its own.
+    pub async fn terminate(&mut self, grace: Duration) -> anyhow::Result<bool> {
+        if self.child.is_none() {
+            return Ok(true);
+        }
+        self.signal("TERM")?;
+        let exited = match self.child.as_mut() {
+            Some(child) => tokio::time::timeout(grace, child.wait()).await.is_ok(),
+            None => true,
+        };
+        self.kill().await;
+        Ok(exited)
+    }
+
     /// Kills the process (SIGKILL, by PID) and waits for it: a host dying mid-transfer.
     pub async fn kill(&mut self) {
         kill_child(&mut self.child).await;

@@ -642,6 +642,34 @@ async fn an_evict_while_a_holder_is_down_reaches_it_when_it_returns() {
     );
 }
 
+/// A rolling restart during a prewarm: every transferd in turn stopped as an operator
+/// would (SIGTERM, waiting for it to exit) and started again a second later. Each comes
+/// back within the lost grace and resumes; the prewarm ends `done` and every copy is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_during_a_prewarm_loses_nothing() {
+    let (mut c, _origin, mut api, manifest, a) = prewarm_every_host(4, 128 << 20, 30).await;
+    wait_fraction(&mut api, &a.plan_id, 0.05).await;
+    for i in 0..c.daemons.len() {
+        // Every restart lands in the transfer, not after it.
+        let s = plan_status(&mut api, &a.plan_id).await;
+        assert_eq!(s.state().label(), "running", "restart {i}: {s:?}");
+        let d = &mut c.daemons[i];
+        let clean = d.terminate(Duration::from_secs(10)).await.unwrap();
+        assert!(clean, "{} did not exit on SIGTERM within 10 s", d.host_id);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        d.restart().await.unwrap();
+    }
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(180))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest)
+            .unwrap_or_else(|e| panic!("{}: {e:#}", d.host_id));
+        assert_eq!(host_state(&done, d.host_id.as_str()), "done");
+    }
+}
+
 /// Status says what really happened: a middle hop stopped (alive but silent) is marked
 /// `lost` and the plan finishes without it; once it runs again and completes its copy, its
 /// heartbeat makes it `done` (with the time), the ended plan's outcome is recomputed, and
