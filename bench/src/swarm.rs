@@ -338,6 +338,8 @@ impl SimHost {
             gpu_loads: Vec::new(),
             gpu_evicted: Vec::new(),
             bound_names: st.names.keys().cloned().collect(),
+            // A simulated host never restarts.
+            started_at_ms: 0,
         }
     }
 

@@ -61,7 +61,8 @@ pub struct ControllerConfig {
     pub poll: Duration,
     /// A receiver without progress this long is re-planned.
     pub stall_timeout: Duration,
-    /// Re-plans per plan before its stuck receivers are marked failed.
+    /// Re-plans of one receiver in a row without progress in between before it is marked
+    /// failed (a receiver that moves bytes between re-plans starts a new count).
     pub max_replans: u32,
     /// How long a running plan waits for a receiver whose host stopped heartbeating (marked
     /// `lost`) to come back: a host that heartbeats again within it (a restarted transferd,
@@ -619,6 +620,12 @@ impl Controller {
         if !entry.up {
             info!(host = %id, "host is back");
         }
+        // A new transferd process: what it was receiving has no session there any more.
+        let (was, now_started) = (entry.report.started_at_ms, report.started_at_ms);
+        let restarted = was != 0 && now_started != 0 && was != now_started;
+        if restarted {
+            info!(host = %id, "host's transferd restarted");
+        }
         entry.report = report;
         entry.last_seen = Instant::now();
         entry.up = true;
@@ -639,7 +646,10 @@ impl Controller {
             }
             st.persisted.insert(id.clone(), sig);
         }
-        let events = reconcile_receivers(&mut st, &id);
+        let mut events = reconcile_receivers(&mut st, &id);
+        if restarted {
+            events.extend(restarted_receivers(&mut st, &id, self.cfg.lost_grace));
+        }
         for e in events {
             if let Some(plan) = st.plans.get(&e.plan_id) {
                 info!(plan = %e.plan_id, host = %id, state = %plan.state, "{}", e.reason);
@@ -2049,7 +2059,6 @@ impl Controller {
                 return;
             };
             let tier = plan.tier;
-            let replans = plan.replans;
             let mut cluster = inventory::cluster_view(&st.hosts, &digest, &pending);
             // Stalled receivers are not sources.
             for h in &mut cluster {
@@ -2060,22 +2069,31 @@ impl Controller {
             let Some(plan) = st.plans.get_mut(id) else {
                 return;
             };
-            if replans >= self.cfg.max_replans {
-                for h in plan.hosts.iter_mut().filter(|h| stalled.contains(&h.host)) {
+            // Each receiver has its own budget of re-plans without progress in between.
+            let max = self.cfg.max_replans;
+            let mut given_up = Vec::new();
+            for h in plan.hosts.iter_mut().filter(|h| stalled.contains(&h.host)) {
+                if !h.replanned(max) {
                     h.state = ReceiverState::Failed;
                     h.error = format!(
-                        "no progress for {:?} after {replans} re-plans",
+                        "no progress for {:?} after {max} re-plans in a row",
                         self.cfg.stall_timeout
                     );
+                    given_up.push(h.host.clone());
                 }
-                warn!(plan = %id, hosts = ?stalled, "receivers failed: no progress after re-planning");
-                return;
+            }
+            if !given_up.is_empty() {
+                warn!(plan = %id, hosts = ?given_up, "receivers failed: no progress after re-planning");
             }
             let live: Vec<String> = stalled
                 .iter()
+                .filter(|h| !given_up.contains(h))
                 .filter(|h| cluster.iter().any(|c| c.id == **h && c.up))
                 .cloned()
                 .collect();
+            if live.is_empty() {
+                return;
+            }
             let chains =
                 placement::plan_chains(&cluster, &model.spec(), tier, &live, &self.cfg.plan);
             plan.replans += 1;
@@ -2201,6 +2219,53 @@ fn chain_run(source: &Source, hops: &[String], shards: &[u32]) -> ChainRun {
 /// `lost` or `failed` whose latest heartbeat reports the plan's model complete in the
 /// plan's tier (and resident on its GPUs, for tier gpu) is `done` again, with the time it
 /// was seen; an ended plan's outcome is recomputed. Returns one event per such receiver.
+/// The running plans receiving on `host`, whose transferd just restarted: its receivers
+/// there are marked `lost` as of now (their sessions died with the process), so the plan
+/// runner re-plans them on its next round as returned hosts (`receiver-returned`) instead
+/// of waiting out its stall clock. With no lost grace a restart is not waited for: the
+/// stall clock decides as before.
+fn restarted_receivers(st: &mut State, host: &str, grace: Duration) -> Vec<Event> {
+    if grace.is_zero() {
+        return Vec::new();
+    }
+    let Some(ids) = st.receiver_plans.get(host).cloned() else {
+        return Vec::new();
+    };
+    let now = now_unix();
+    let mut events = Vec::new();
+    for id in ids {
+        let Some(plan) = st.plans.get_mut(&id) else {
+            continue;
+        };
+        if !plan.running() {
+            continue;
+        }
+        let mut hit = false;
+        for h in plan
+            .hosts
+            .iter_mut()
+            .filter(|h| h.host == host && h.state.is_active())
+        {
+            hit |= h.lose(
+                "the host's transferd restarted; it is re-planned and resumes from its verified chunks",
+                now,
+            );
+        }
+        if hit {
+            events.push(Event {
+                at: now,
+                model: plan.model.clone(),
+                kind: "receiver-restarted".into(),
+                reason: format!("host {host}'s transferd restarted during the plan"),
+                plan_id: id.clone(),
+                delta: 0,
+                hosts: vec![host.to_string()],
+            });
+        }
+    }
+    events
+}
+
 fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
     let Some(entry) = st.hosts.get(host) else {
         return Vec::new();

@@ -107,6 +107,9 @@ pub struct HostView {
     pub gpu_evicted: Vec<String>,
     /// Model names bound on the host.
     pub bound_names: Vec<String>,
+    /// When its transferd process started (Unix ms; 0: not reported).
+    #[serde(default)]
+    pub started_at_ms: u64,
 }
 
 /// The version of [`StoredHost`] records written now.

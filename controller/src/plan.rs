@@ -226,6 +226,12 @@ pub struct ReceiverProgress {
     /// When it was marked `lost` (Unix seconds; 0: it is not lost).
     #[serde(default)]
     pub lost_at: f64,
+    /// Re-plans of it in a row without progress in between (see [`Self::replanned`]).
+    #[serde(default)]
+    pub fruitless_replans: u32,
+    /// Its bytes when it was last re-planned.
+    #[serde(default)]
+    pub bytes_at_replan: u64,
 }
 
 impl ReceiverProgress {
@@ -245,7 +251,27 @@ impl ReceiverProgress {
             live_s: 0.0,
             done_s: 0.0,
             lost_at: 0.0,
+            fruitless_replans: 0,
+            bytes_at_replan: 0,
         }
+    }
+
+    /// Whether it may be re-planned once more with a budget of `max` re-plans without
+    /// progress: a receiver that moved bytes since its last re-plan starts a new count (a
+    /// host restarted during a rolling restart, then stalled by the next host's restart,
+    /// is not failed for it); one that did not is failed after `max` in a row. Counts this
+    /// re-plan when it may.
+    pub fn replanned(&mut self, max: u32) -> bool {
+        let moved = self.moved();
+        if moved > self.bytes_at_replan {
+            self.fruitless_replans = 0;
+        }
+        if self.fruitless_replans >= max {
+            return false;
+        }
+        self.fruitless_replans += 1;
+        self.bytes_at_replan = moved;
+        true
     }
 
     /// Progress, as the stall clock counts it: data-plane bytes plus GPU bytes.
@@ -657,6 +683,21 @@ mod tests {
             store_failure: None,
             store_failures: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_replan_budget_counts_replans_without_progress_in_between() {
+        let mut r = rx(ReceiverState::Receiving);
+        // Three re-plans in a row with no byte moved, then no more.
+        assert!(r.replanned(3) && r.replanned(3) && r.replanned(3));
+        assert!(!r.replanned(3));
+        // Bytes moved since the last one: a new count (a rolling restart's receivers).
+        let mut r = rx(ReceiverState::Receiving);
+        for step in 1..=10 {
+            r.bytes = step * 5;
+            assert!(r.replanned(3), "re-plan {step} after progress");
+        }
+        assert_eq!(r.fruitless_replans, 1);
     }
 
     #[test]

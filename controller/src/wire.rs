@@ -181,6 +181,9 @@ pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
                 live_s: h.live_s,
                 done_s: h.done_s,
                 lost_at: h.lost_at,
+                // Legacy records carry no re-plan counts: every receiver starts afresh.
+                fruitless_replans: 0,
+                bytes_at_replan: 0,
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -279,6 +282,7 @@ pub fn host_view(r: pb::HostReport) -> Result<HostView, ApiError> {
         gpu_loads,
         gpu_evicted: r.gpu_evicted,
         bound_names: r.bound_names,
+        started_at_ms: r.started_at_ms,
     })
 }
 
@@ -332,6 +336,7 @@ pub fn host_report(v: &HostView) -> pb::HostReport {
             .collect(),
         gpu_evicted: v.gpu_evicted.clone(),
         bound_names: v.bound_names.clone(),
+        started_at_ms: v.started_at_ms,
     }
 }
 

@@ -172,6 +172,17 @@ fn space(dir: &Path, cap: Option<u64>, used: u64) -> (u64, u64) {
     }
 }
 
+/// When this process started reporting (Unix ms; read once): a restarted transferd
+/// reports a new value, and the controller re-plans what it was receiving at once.
+fn process_started_ms() -> u64 {
+    static STARTED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *STARTED.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    })
+}
+
 /// The report for one heartbeat.
 pub fn build_report(
     node: &Node,
@@ -248,6 +259,7 @@ pub fn build_report(
         holdings: held,
         bound_names: node.store.names().into_iter().map(|(n, _)| n).collect(),
         version: env!("CARGO_PKG_VERSION").into(),
+        started_at_ms: process_started_ms(),
         // GPUs other processes mostly hold (an inference engine): not free for placement.
         gpus_busy: u32::try_from(gpus.busy_gpus().len()).unwrap_or(u32::MAX),
         gpu_loads: gpus

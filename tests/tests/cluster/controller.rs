@@ -668,6 +668,21 @@ async fn a_rolling_restart_during_a_prewarm_loses_nothing() {
             .unwrap_or_else(|e| panic!("{}: {e:#}", d.host_id));
         assert_eq!(host_state(&done, d.host_id.as_str()), "done");
     }
+    // The controller saw the restarts (each heartbeat names its process's start) and
+    // re-planned those receivers at once rather than after their stall clock.
+    let events = api
+        .list_events(shardcast_protocol::controller::ListEventsRequest {
+            model: String::new(),
+            limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .events;
+    assert!(
+        events.iter().any(|e| e.kind == "receiver-restarted"),
+        "{events:?}"
+    );
 }
 
 /// Status says what really happened: a middle hop stopped (alive but silent) is marked
