@@ -690,6 +690,19 @@ async fn a_replayed_old_plan_token_cannot_roll_a_name_back() {
     assert_eq!(metric(target, "name_bindings_refused_total").await, 1);
 }
 
+/// The controller's unlabelled counter `shardcast_<name>`, read from `/metrics` as an admin.
+async fn controller_counter(ctl: &ControllerProc, name: &str) -> u64 {
+    let (status, body) = ctl
+        .http(HttpAs::Cert(Role::Admin), "GET", "/metrics", "")
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("shardcast_{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no shardcast_{name} in {body}"))
+}
+
 /// A host with a valid certificate holds idle TLS connections to the controller's gRPC port
 /// (connections that never make a call): the first `MAX_CONNECTIONS_PER_PEER` are kept, the
 /// rest are closed right after their handshake and counted, and the cluster's own calls
@@ -735,16 +748,7 @@ async fn one_hosts_idle_connections_are_capped_and_others_still_get_in() {
     api.list_hosts(shardcast_protocol::controller::ListHostsRequest {})
         .await
         .unwrap();
-    let (status, body) = ctl
-        .http(HttpAs::Cert(Role::Admin), "GET", "/metrics", "")
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{body}");
-    let refused: u64 = body
-        .lines()
-        .find_map(|l| l.strip_prefix("shardcast_connections_over_peer_limit_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no counter in {body}"));
+    let refused = controller_counter(&ctl, "connections_over_peer_limit_total").await;
     assert_eq!(refused, extra as u64);
     // Closing them gives the places back.
     drop(held);
@@ -797,16 +801,7 @@ async fn unfinished_handshakes_from_one_address_do_not_queue_the_others() {
     let waited = started.elapsed();
     // Queued behind them it would wait for their handshake timeout (10 s).
     assert!(waited < Duration::from_secs(5), "{waited:?}");
-    let (status, body) = ctl
-        .http(HttpAs::Cert(Role::Admin), "GET", "/metrics", "")
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{body}");
-    let refused: usize = body
-        .lines()
-        .find_map(|l| l.strip_prefix("shardcast_handshakes_over_addr_limit_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no counter in {body}"));
+    let refused = controller_counter(&ctl, "handshakes_over_addr_limit_total").await as usize;
     assert!(
         refused >= MAX_PENDING_HANDSHAKES + 44 - MAX_PENDING_HANDSHAKES_PER_ADDR,
         "{refused} refused"
