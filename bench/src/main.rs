@@ -83,9 +83,10 @@ enum Cmd {
         json: Option<PathBuf>,
     },
     /// One fault × chain position on an emulated cluster (needs root): a prewarm of every
-    /// host through the controller with a host killed, stopped, cut off or its copy
-    /// corrupted `--at-s` in; the healthy hosts' ready time against the no-fault one, their
-    /// copies byte-exact, and the plan's report true.
+    /// host through the controller with a host killed, stopped, cut off, its copy
+    /// corrupted, two neighbours killed and stopped, or its memory tier filled `--at-s` in;
+    /// the healthy hosts' ready time against the no-fault one, their copies byte-exact, the
+    /// plan's report true, the victims' copies complete, and the bytes left after an evict.
     Faults {
         /// One network namespace per host with tc rate caps (required; the only mode).
         #[arg(long, required = true)]
