@@ -456,7 +456,8 @@ async fn fill_for(tier: &Path, for_: Duration) -> anyhow::Result<()> {
     std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))
 }
 
-/// Two distinct elements of a slice, both mutable.
+/// Two distinct elements of a slice, both mutable (`slice::get_disjoint_mut` is newer than
+/// the workspace's MSRV, 1.85).
 fn pair_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
     assert_ne!(a, b, "pair_mut of one element");
     if a < b {
