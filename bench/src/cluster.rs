@@ -505,14 +505,27 @@ impl Daemon {
     }
 
     /// Signs a `StartChain` this daemon heads with the harness CA's controller key (the
-    /// hops accept only sessions the controller signed); a no-op without a CA.
+    /// hops accept only sessions the controller signed), naming `holders` too (the daemons
+    /// a `shardcast://` fallback may point at); a no-op without a CA.
     pub fn sign_chain(
         &self,
         req: &mut shardcast_protocol::agent::StartChainRequest,
+        holders: &[&Daemon],
     ) -> anyhow::Result<()> {
         match &self.opts.pki {
-            Some(pki) => pki.sign_chain(req, self.host_id.as_str()),
+            Some(pki) => {
+                let holders: Vec<_> = holders.iter().map(|d| d.plan_host()).collect();
+                pki.sign_chain(req, &self.plan_host(), &holders)
+            }
             None => Ok(()),
+        }
+    }
+
+    /// This daemon as a plan token names it: its host id and data address.
+    pub fn plan_host(&self) -> shardcast_protocol::Hop {
+        shardcast_protocol::Hop {
+            host: self.host_id.clone(),
+            addr: self.data_addr.to_string(),
         }
     }
 

@@ -106,20 +106,26 @@ impl ClusterPki {
         ])
     }
 
-    /// Signs `req` as the controller would: a plan token for its model naming `head` and
-    /// every hop of its chains, valid for [`shardcast_identity::plan::PLAN_TOKEN_TTL`], that
+    /// Signs `req` as the controller would: a plan token for its model naming `head`, the
+    /// `holders` a `shardcast://` fallback may point at, and every hop of its chains, each at
+    /// its address, valid for [`shardcast_identity::plan::PLAN_TOKEN_TTL`], that
     /// binds the model's name (from `req.manifest`, when it carries one) on the receivers.
     /// Harnesses that start chains without a controller (data-plane benchmarks, tests)
     /// use it; hops refuse sessions without one.
     pub fn sign_chain(
         &self,
         req: &mut shardcast_protocol::agent::StartChainRequest,
-        head: &str,
+        head: &shardcast_protocol::Hop,
+        holders: &[shardcast_protocol::Hop],
     ) -> anyhow::Result<()> {
-        let mut hosts = vec![shardcast_protocol::HostId::new(head)?];
+        let mut hosts = vec![head.clone()];
+        hosts.extend_from_slice(holders);
         for c in &req.chains {
             for h in &c.hops {
-                hosts.push(shardcast_protocol::HostId::new(&h.host_id)?);
+                hosts.push(shardcast_protocol::Hop {
+                    host: shardcast_protocol::HostId::new(&h.host_id)?,
+                    addr: h.addr.clone(),
+                });
             }
         }
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;

@@ -420,7 +420,7 @@ async fn start_chain(
         plan_token: Vec::new(),
         transport: shardcast_protocol::agent::Transport::from(transport) as i32,
     };
-    head.sign_chain(&mut req)?;
+    head.sign_chain(&mut req, &[])?;
     Ok(head
         .agent()
         .await?

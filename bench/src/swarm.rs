@@ -586,7 +586,8 @@ impl Agent for SimAgent {
                 "a chain session needs chains with at least one hop",
             ));
         }
-        // The plan token: signed by the controller, naming this host and every hop.
+        // The plan token: signed by the controller, naming this host and every hop at its
+        // address.
         if let Some(tls) = &self.host.tls {
             if req.plan_token.is_empty() {
                 return Err(Status::invalid_argument("plan_token is required"));
@@ -595,20 +596,22 @@ impl Agent for SimAgent {
                 .verify_plan(&req.plan_token, rustls_pki_types::UnixTime::now())
                 .map_err(|e| Status::permission_denied(format!("plan token: {e}")))?;
             let me = HostId::new(&self.host.id).map_err(|e| Status::internal(e.to_string()))?;
-            let named = |h: &HostId| claims.hosts.iter().any(|x| x == h);
-            if claims.model != model || claims.not_after < unix_now() || !named(&me) {
+            if claims.model != model || claims.not_after < unix_now() || !claims.names(&me) {
                 return Err(Status::permission_denied(
                     "the plan token does not authorise this session on this host",
                 ));
             }
             for c in &req.chains {
                 for h in &c.hops {
-                    let id = HostId::new(&h.host_id)
-                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-                    if !named(&id) {
+                    let hop = shardcast_protocol::Hop {
+                        host: HostId::new(&h.host_id)
+                            .map_err(|e| Status::invalid_argument(e.to_string()))?,
+                        addr: h.addr.clone(),
+                    };
+                    if !claims.signs(&hop) {
                         return Err(Status::permission_denied(format!(
-                            "hop {} is not in the plan token",
-                            h.host_id
+                            "hop {} at {} is not in the plan token",
+                            h.host_id, h.addr
                         )));
                     }
                 }

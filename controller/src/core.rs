@@ -1987,19 +1987,17 @@ impl Controller {
             });
             return Ok(());
         }
-        let hosts: Vec<(String, String)> = {
+        // The head first: the hops' upstream lists name it, and a recovering hop dials it.
+        let (head_addr, hosts): (String, Vec<(String, String)>) = {
             let st = lock(&self.state);
-            run.hops
-                .iter()
-                .map(|h| {
-                    let addr = st
-                        .hosts
-                        .get(h)
-                        .map(|e| e.report.data_addr.clone())
-                        .unwrap_or_default();
-                    (h.clone(), addr)
-                })
-                .collect()
+            let addr_of = |h: &String| {
+                st.hosts
+                    .get(h)
+                    .map(|e| e.report.data_addr.clone())
+                    .unwrap_or_default()
+            };
+            let hops = run.hops.iter().map(|h| (h.clone(), addr_of(h))).collect();
+            (addr_of(&run.head), hops)
         };
         let plan_token = match &self.cfg.signer {
             None => Vec::new(),
@@ -2012,9 +2010,15 @@ impl Controller {
                     not_after: unix_now() + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
                     // Orders this statement about the name against the others a host hears.
                     issued_at_ms: unix_now_ms(),
-                    hosts: std::iter::once(&run.head)
-                        .chain(run.hops.iter())
-                        .filter_map(|h| shardcast_protocol::HostId::new(h).ok())
+                    // Each with the address the hops may dial it at.
+                    hosts: std::iter::once((&run.head, &head_addr))
+                        .chain(hosts.iter().map(|(h, a)| (h, a)))
+                        .filter_map(|(h, addr)| {
+                            Some(shardcast_protocol::Hop {
+                                host: shardcast_protocol::HostId::new(h).ok()?,
+                                addr: addr.clone(),
+                            })
+                        })
                         .collect(),
                     // The hosts bind the name only to the registry's current version.
                     name: self

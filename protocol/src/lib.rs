@@ -90,7 +90,7 @@ pub use name::{HostId, ModelName, NameError, ShardPath};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer
 /// with another version is refused with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// gRPC status code names as the gRPC spec spells them (`NOT_FOUND`), used in JSON error
 /// bodies and CLI messages.

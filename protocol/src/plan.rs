@@ -8,22 +8,27 @@
 //! `claims_len: u32 | claims | sig_len: u16 | signature | cert_len: u16 | signer certificate (DER)`.
 //! Claims layout: `PLAN_MAGIC (4) | plan id: str | model: [u8; 32] | not_after: u64 (Unix
 //! seconds) | issued_at_ms: u64 (the controller's clock, Unix milliseconds) | n: u16 |
-//! n × host id: str | name: str` (`name` empty when the plan does not bind its model's
-//! name). `issued_at_ms` orders the statements that bind a name on a host: one older than
-//! the binding a host holds is refused, so replaying an old token cannot roll a name back.
+//! n × (host id: str | data address: str) | name: str` (`name` empty when the plan does not
+//! bind its model's name; an address empty for a host no one dials in the plan).
+//! `issued_at_ms` orders the statements that bind a name on a host: one older than the
+//! binding a host holds is refused, so replaying an old token cannot roll a name back.
+//! The addresses are signed so that every address a hop dials for a session — the next
+//! hops, the holders above it, a `shardcast://` fallback — is one the controller named:
+//! a host with a valid certificate cannot point another at an address of its choosing.
 
 use bytes::{Buf, BufMut, Bytes};
 
 use crate::codec::{
     self, Codec, DecodeError, get_array, get_bytes, get_str, get_u16, get_u64, need,
 };
-use crate::frame::Hop;
+use crate::frame::{Hop, MAX_ADDR_LEN, SessionHeader};
 use crate::manifest::ModelDigest;
 use crate::name::{HostId, MAX_HOST_ID_LEN, MAX_MODEL_NAME_LEN, ModelName};
 
 /// Magic at the start of encoded claims.
-/// (`SCP2`: claims with `issued_at_ms`; the first layout, `SCPL`, had none and is refused.)
-pub const PLAN_MAGIC: &[u8; 4] = b"SCP2";
+/// (`SCP3`: each host with its data address. `SCP2` had host ids only and `SCPL` no
+/// `issued_at_ms`; both are refused.)
+pub const PLAN_MAGIC: &[u8; 4] = b"SCP3";
 /// Most hosts one token may name: a chain of up to [`crate::frame::MAX_HOPS`] hops, its
 /// head and the holders it may fall back to. Tokens are signed per chain.
 pub const MAX_PLAN_HOSTS: usize = crate::frame::MAX_HOPS + 64;
@@ -42,7 +47,7 @@ pub const MAX_TOKEN_LEN: usize = 4
     + 8
     + 8
     + 2
-    + MAX_PLAN_HOSTS * (2 + MAX_HOST_ID_LEN)
+    + MAX_PLAN_HOSTS * (2 + MAX_HOST_ID_LEN + 2 + MAX_ADDR_LEN)
     + 2
     + MAX_MODEL_NAME_LEN
     + 2
@@ -62,8 +67,9 @@ pub struct PlanClaims {
     /// When the controller signed it (its clock, Unix milliseconds): a host binds
     /// [`Self::name`] only when no newer statement about the name has reached it.
     pub issued_at_ms: u64,
-    /// Every host that may send or receive in the plan's sessions (sources and receivers).
-    pub hosts: Vec<HostId>,
+    /// Every host that may send or receive in the plan's sessions (sources and receivers),
+    /// each with the data address the plan's hops may dial it at (empty: none may).
+    pub hosts: Vec<Hop>,
     /// The registry name whose current version `model` is, when the controller signed the
     /// plan: the hosts resolve `name` to `model` from then on. `None` for a plan of another
     /// version (a pinned digest, a rollback target that is not current), which binds no
@@ -72,40 +78,72 @@ pub struct PlanClaims {
 }
 
 impl PlanClaims {
-    /// Whether an `Open` for `model`, received by `me` from `upstream`, asking it to forward
-    /// to `downstream`, is within these claims at `now` (Unix seconds). The error says
-    /// which part is not.
+    /// Whether the plan names `host`.
+    pub fn names(&self, host: &HostId) -> bool {
+        self.hosts.iter().any(|h| h.host == *host)
+    }
+
+    /// Whether the plan names `hop`'s host at `hop`'s address.
+    pub fn signs(&self, hop: &Hop) -> bool {
+        !hop.addr.is_empty() && self.hosts.iter().any(|h| h == hop)
+    }
+
+    /// Whether an `Open` (`header`), received by `me` from `sender`, is within these claims
+    /// at `now` (Unix seconds): the model, this host, the sender, and every address the
+    /// header would have this host dial — each downstream hop and each upstream holder at
+    /// the address the plan gives it, a `shardcast://` fallback at a plan host's address.
+    /// The error says which part is not.
     pub fn authorises(
         &self,
-        model: &ModelDigest,
+        header: &SessionHeader,
         me: &HostId,
-        upstream: &HostId,
-        downstream: &[Hop],
+        sender: &HostId,
         now: u64,
     ) -> Result<(), String> {
+        let plan = &self.plan;
         if now > self.not_after {
             return Err(format!(
-                "plan {} expired {} s ago",
-                self.plan,
+                "plan {plan} expired {} s ago",
                 now - self.not_after
             ));
         }
-        if *model != self.model {
+        if header.model != self.model {
             return Err(format!(
-                "plan {} is for model {}, not {model}",
-                self.plan, self.model
+                "plan {plan} is for model {}, not {}",
+                self.model, header.model
             ));
         }
-        for (who, h) in [("this host", me), ("the sender", upstream)] {
-            if !self.hosts.contains(h) {
-                return Err(format!("plan {} does not name {who} ({h})", self.plan));
+        for (who, h) in [("this host", me), ("the sender", sender)] {
+            if !self.names(h) {
+                return Err(format!("plan {plan} does not name {who} ({h})"));
             }
         }
-        if let Some(hop) = downstream.iter().find(|h| !self.hosts.contains(&h.host)) {
-            return Err(format!(
-                "plan {} does not name downstream hop {}",
-                self.plan, hop.host
-            ));
+        for (which, hops) in [
+            ("downstream hop", &header.downstream),
+            ("upstream hop", &header.upstream),
+        ] {
+            for hop in hops.iter() {
+                if !self.names(&hop.host) {
+                    return Err(format!("plan {plan} does not name {which} {}", hop.host));
+                }
+                if !self.signs(hop) {
+                    return Err(format!(
+                        "plan {plan} does not give {which} {} the address {}",
+                        hop.host, hop.addr
+                    ));
+                }
+            }
+        }
+        if let Some(addr) = header.origin.strip_prefix("shardcast://") {
+            if !self
+                .hosts
+                .iter()
+                .any(|h| !h.addr.is_empty() && h.addr == addr)
+            {
+                return Err(format!(
+                    "fallback holder {addr} is not the address of a host of plan {plan}"
+                ));
+            }
         }
         Ok(())
     }
@@ -134,10 +172,12 @@ impl Codec for PlanClaims {
         let mut hosts = Vec::with_capacity(n.min(64));
         for _ in 0..n {
             let s = get_str(b, "host id", MAX_HOST_ID_LEN)?;
-            hosts.push(HostId::new(s).map_err(|e| DecodeError::Invalid {
+            let host = HostId::new(s).map_err(|e| DecodeError::Invalid {
                 field: "host id",
                 reason: e.to_string(),
-            })?);
+            })?;
+            let addr = get_str(b, "host address", MAX_ADDR_LEN)?;
+            hosts.push(Hop { host, addr });
         }
         let name = get_str(b, "model name", MAX_MODEL_NAME_LEN)?;
         let name = match name.is_empty() {
@@ -166,7 +206,8 @@ impl Codec for PlanClaims {
         let n = self.hosts.len().min(MAX_PLAN_HOSTS);
         b.put_u16(n as u16);
         for h in &self.hosts[..n] {
-            codec::put_str(b, h.as_str());
+            codec::put_str(b, h.host.as_str());
+            codec::put_str(b, &h.addr);
         }
         codec::put_str(b, self.name.as_ref().map_or("", |n| n.as_str()));
     }
@@ -179,7 +220,7 @@ impl Codec for PlanClaims {
             + 2
             + self.hosts[..self.hosts.len().min(MAX_PLAN_HOSTS)]
                 .iter()
-                .map(|h| codec::str_len(h.as_str()))
+                .map(|h| codec::str_len(h.host.as_str()) + codec::str_len(&h.addr))
                 .sum::<usize>()
             + codec::str_len(self.name.as_ref().map_or("", |n| n.as_str()))
     }
@@ -242,19 +283,47 @@ mod tests {
     use super::*;
     use crate::codec::decode_exact;
 
+    fn hop(host: &str, addr: &str) -> Hop {
+        Hop {
+            host: HostId::new(host).unwrap(),
+            addr: addr.into(),
+        }
+    }
+
     fn claims() -> PlanClaims {
         PlanClaims {
             plan: "p1".into(),
             model: ModelDigest([7; 32]),
             not_after: 1000,
             issued_at_ms: 400_000,
-            hosts: vec![HostId::new("a").unwrap(), HostId::new("b").unwrap()],
+            hosts: vec![
+                hop("a", "10.0.0.1:7400"),
+                hop("b", "10.0.0.2:7400"),
+                hop("c", "10.0.0.3:7400"),
+                hop("quiet", ""),
+            ],
             name: Some(ModelName::new("org/model").unwrap()),
         }
     }
 
+    fn open(downstream: Vec<Hop>, upstream: Vec<Hop>, origin: &str) -> SessionHeader {
+        SessionHeader {
+            session: crate::frame::SessionId([1; 16]),
+            model: ModelDigest([7; 32]),
+            shard: 0,
+            start: 0,
+            end: 1,
+            tier: crate::Tier::Memory,
+            origin: origin.into(),
+            downstream,
+            token: Bytes::new(),
+            upstream,
+            transport: crate::frame::HopTransport::Tcp,
+        }
+    }
+
     #[test]
-    fn round_trip_and_rules() {
+    fn round_trip() {
         let c = claims();
         let mut buf = Vec::new();
         c.encode(&mut buf);
@@ -268,40 +337,94 @@ mod tests {
         unnamed.encode(&mut buf);
         assert_eq!(buf.len(), unnamed.encoded_len());
         assert_eq!(
-            decode_exact::<PlanClaims>(Bytes::from(buf)).unwrap(),
+            decode_exact::<PlanClaims>(Bytes::from(buf.clone())).unwrap(),
             unnamed
         );
+        // The layout before addresses were signed is refused, not misread.
+        let mut old = buf.clone();
+        old[..4].copy_from_slice(b"SCP2");
+        assert!(decode_exact::<PlanClaims>(Bytes::from(old)).is_err());
+    }
+
+    #[test]
+    fn who_and_when() {
+        let c = claims();
         let (a, b, x) = (
             HostId::new("a").unwrap(),
             HostId::new("b").unwrap(),
             HostId::new("x").unwrap(),
         );
-        let m = ModelDigest([7; 32]);
-        assert!(c.authorises(&m, &b, &a, &[], 999).is_ok());
-        assert!(
-            c.authorises(&m, &b, &a, &[], 1001)
-                .unwrap_err()
-                .contains("expired")
-        );
-        assert!(c.authorises(&ModelDigest([8; 32]), &b, &a, &[], 1).is_err());
-        assert!(
-            c.authorises(&m, &x, &a, &[], 1)
-                .unwrap_err()
-                .contains("this host")
-        );
-        assert!(
-            c.authorises(&m, &b, &x, &[], 1)
-                .unwrap_err()
-                .contains("sender")
-        );
-        let hop = Hop {
-            host: x,
-            addr: "10.0.0.9:7400".into(),
+        let plain = open(vec![], vec![], "");
+        assert!(c.authorises(&plain, &b, &a, 999).is_ok());
+        let err = |h: &SessionHeader, me: &HostId, from: &HostId, now| {
+            c.authorises(h, me, from, now).unwrap_err()
         };
+        assert!(err(&plain, &b, &a, 1001).contains("expired"));
+        let other = SessionHeader {
+            model: ModelDigest([8; 32]),
+            ..plain.clone()
+        };
+        assert!(err(&other, &b, &a, 1).contains("for model"));
+        assert!(err(&plain, &x, &a, 1).contains("this host"));
+        assert!(err(&plain, &b, &x, 1).contains("sender"));
+    }
+
+    #[test]
+    fn every_address_dialled_is_signed() {
+        let c = claims();
+        let (a, b) = (HostId::new("a").unwrap(), HostId::new("b").unwrap());
+        let ok = open(
+            vec![hop("c", "10.0.0.3:7400")],
+            vec![hop("a", "10.0.0.1:7400")],
+            "shardcast://10.0.0.3:7400",
+        );
+        assert!(c.authorises(&ok, &b, &a, 1).is_ok());
+        let cases = [
+            // A host outside the plan, downstream or upstream.
+            (
+                open(vec![hop("x", "10.0.0.9:7400")], vec![], ""),
+                "does not name downstream hop x",
+            ),
+            (
+                open(vec![], vec![hop("x", "10.0.0.9:7400")], ""),
+                "does not name upstream hop x",
+            ),
+            // A plan host at an address the plan does not give it.
+            (
+                open(vec![hop("c", "192.0.2.7:7400")], vec![], ""),
+                "does not give downstream hop c the address 192.0.2.7:7400",
+            ),
+            (
+                open(vec![], vec![hop("a", "192.0.2.7:7400")], ""),
+                "does not give upstream hop a the address 192.0.2.7:7400",
+            ),
+            // A plan host no one may dial, at any address.
+            (
+                open(vec![hop("quiet", "")], vec![], ""),
+                "does not give downstream hop quiet",
+            ),
+            (
+                open(vec![], vec![hop("quiet", "10.0.0.4:7400")], ""),
+                "does not give upstream hop quiet",
+            ),
+            // A fallback holder that is no plan host's address.
+            (
+                open(vec![], vec![], "shardcast://192.0.2.7:7400"),
+                "fallback holder 192.0.2.7:7400 is not the address of a host of plan p1",
+            ),
+            (
+                open(vec![], vec![], "shardcast://"),
+                "fallback holder  is not",
+            ),
+        ];
+        for (h, why) in cases {
+            let e = c.authorises(&h, &b, &a, 1).unwrap_err();
+            assert!(e.contains(why), "{e} (wanted {why})");
+        }
+        // Origins that are not holders are the origin policy's business, not the plan's.
         assert!(
-            c.authorises(&m, &b, &a, &[hop], 1)
-                .unwrap_err()
-                .contains("downstream")
+            c.authorises(&open(vec![], vec![], "s3://bucket/m"), &b, &a, 1)
+                .is_ok()
         );
     }
 

@@ -137,7 +137,13 @@ impl TestCluster {
             plan_token: Vec::new(),
             transport: shardcast_protocol::agent::Transport::from(self.transport) as i32,
         };
-        self.daemons[head].sign_chain(&mut req)?;
+        // A `shardcast://` fallback is one of the cluster's daemons, named in the plan.
+        let holders: Vec<&Daemon> = self
+            .daemons
+            .iter()
+            .filter(|d| origin.strip_prefix("shardcast://") == Some(&d.data_addr.to_string()))
+            .collect();
+        self.daemons[head].sign_chain(&mut req, &holders)?;
         Ok(self.daemons[head]
             .agent()
             .await?
@@ -296,7 +302,8 @@ pub fn plan_token(model: shardcast_protocol::ModelDigest, hosts: &[&str]) -> byt
 
 /// [`plan_token`] binding `name` to `model`, as signed at `issued_at_ms` (the controller's
 /// clock): what a plan for the name's current version carries, or — with an old time — a
-/// token a host kept and replays.
+/// token a host kept and replays. A host is `id` (no address: no one may dial it for the
+/// plan) or `id@host:port`.
 pub fn plan_token_with(
     model: shardcast_protocol::ModelDigest,
     hosts: &[&str],
@@ -313,13 +320,19 @@ pub fn plan_token_with(
         model,
         not_after: now + 600,
         issued_at_ms,
-        hosts: hosts
-            .iter()
-            .map(|h| shardcast_protocol::HostId::new(*h).expect("host id"))
-            .collect(),
+        hosts: hosts.iter().map(|h| plan_host(h)).collect(),
         name,
     };
     bytes::Bytes::from(pki.sign(&claims).expect("signing"))
+}
+
+/// `id` or `id@host:port` as a plan token names a host.
+pub fn plan_host(h: &str) -> shardcast_protocol::Hop {
+    let (id, addr) = h.split_once('@').unwrap_or((h, ""));
+    shardcast_protocol::Hop {
+        host: shardcast_protocol::HostId::new(id).expect("host id"),
+        addr: addr.into(),
+    }
 }
 
 /// The daemon's Prometheus counter `name` (without the `shardcast_` prefix; with its

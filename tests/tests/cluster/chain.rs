@@ -299,7 +299,7 @@ async fn shards_striped_over_two_chains_run_concurrently(transport: HopTransport
         transport: shardcast_protocol::agent::Transport::from(transport) as i32,
         ..Default::default()
     };
-    c.daemons[0].sign_chain(&mut req).unwrap();
+    c.daemons[0].sign_chain(&mut req, &[]).unwrap();
     let mut agent = c.daemons[0].agent().await.unwrap();
     let id = agent
         .start_chain(req)
@@ -358,7 +358,7 @@ async fn egress_cap_holds_under_concurrent_sessions() {
             .collect(),
         ..Default::default()
     };
-    c.daemons[0].sign_chain(&mut req).unwrap();
+    c.daemons[0].sign_chain(&mut req, &[]).unwrap();
     agent.start_chain(req).await.unwrap();
     c.wait(&[1, 2, 3], &digest, Duration::from_secs(60))
         .await

@@ -122,7 +122,7 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
         plan_token: Vec::new(),
         ..Default::default()
     };
-    source.sign_chain(&mut req).unwrap();
+    source.sign_chain(&mut req, &[]).unwrap();
     source
         .agent()
         .await

@@ -308,7 +308,7 @@ async fn invented_host_ids_do_not_grow_a_session() {
         }],
         ..Default::default()
     };
-    c.daemons[0].sign_chain(&mut req).unwrap();
+    c.daemons[0].sign_chain(&mut req, &[]).unwrap();
     c.daemons[0]
         .agent()
         .await

@@ -417,15 +417,33 @@ async fn controller_api_answers_each_role_by_the_table() {
     assert!(denied >= 10, "{b}");
 }
 
+/// What an `Open` would have its receiver dial: the hops after it, the holders above it
+/// and a fallback origin.
+#[derive(Default)]
+struct Reach {
+    downstream: Vec<shardcast_protocol::Hop>,
+    upstream: Vec<shardcast_protocol::Hop>,
+    origin: String,
+}
+
+impl Reach {
+    fn down(downstream: Vec<shardcast_protocol::Hop>) -> Self {
+        Self {
+            downstream,
+            ..Self::default()
+        }
+    }
+}
+
 /// Sends Hello, a manifest and an `Open` for it as `mallory`, and returns the first
 /// `Error` frame's code and message (None if the session was accepted).
 async fn open_as_mallory(
     addr: std::net::SocketAddr,
     manifest: &shardcast_protocol::Manifest,
-    downstream: Vec<shardcast_protocol::Hop>,
+    reach: Reach,
     token: bytes::Bytes,
 ) -> Option<(ErrorCode, String)> {
-    let mut s = open_session_as_mallory(addr, manifest, downstream, token).await;
+    let mut s = open_session_as_mallory(addr, manifest, reach, token).await;
     let frames = read_frames(&mut s).await;
     frames.into_iter().find_map(|f| match f {
         Frame::Error { code, message } => Some((code, message)),
@@ -453,7 +471,10 @@ fn sign_as(
         model,
         not_after,
         issued_at_ms: not_after.saturating_sub(600) * 1000,
-        hosts: hosts.iter().map(|h| HostId::new(*h).unwrap()).collect(),
+        hosts: hosts
+            .iter()
+            .map(|h| shardcast_tests::plan_host(h))
+            .collect(),
         name: None,
     };
     bytes::Bytes::from(signer.sign(&claims).unwrap())
@@ -486,25 +507,37 @@ async fn sessions_need_the_controllers_signature_and_pushed_manifests_are_not_ke
     let addr = target.data_addr;
     // No token.
     refused(
-        open_as_mallory(addr, &evil, vec![], bytes::Bytes::new()).await,
+        open_as_mallory(addr, &evil, Reach::default(), bytes::Bytes::new()).await,
         "no token",
     );
     // Expired.
     let t = sign_as(&controller, model, &["mallory", "recv-1"], now - 10);
-    let m = refused(open_as_mallory(addr, &evil, vec![], t).await, "expired");
+    let m = refused(
+        open_as_mallory(addr, &evil, Reach::default(), t).await,
+        "expired",
+    );
     assert!(m.contains("expired"), "{m}");
     // Not naming the receiver, or not the sender.
     let t = sign_as(&controller, model, &["mallory", "recv-9"], now + 60);
-    refused(open_as_mallory(addr, &evil, vec![], t).await, "receiver");
+    refused(
+        open_as_mallory(addr, &evil, Reach::default(), t).await,
+        "receiver",
+    );
     let t = sign_as(&controller, model, &["source", "recv-1"], now + 60);
-    refused(open_as_mallory(addr, &evil, vec![], t).await, "sender");
+    refused(
+        open_as_mallory(addr, &evil, Reach::default(), t).await,
+        "sender",
+    );
     // A downstream hop outside the plan: this host would connect where the peer says.
     let t = sign_as(&controller, model, &["mallory", "recv-1"], now + 60);
     let outside = shardcast_protocol::Hop {
         host: HostId::new("elsewhere").unwrap(),
         addr: "127.0.0.1:9".into(),
     };
-    let m = refused(open_as_mallory(addr, &evil, vec![outside], t).await, "hop");
+    let m = refused(
+        open_as_mallory(addr, &evil, Reach::down(vec![outside]), t).await,
+        "hop",
+    );
     assert!(m.contains("downstream"), "{m}");
     // Signed by a host instead of the controller: a non-controller certificate is refused
     // when loading a signer; forge the parts by hand.
@@ -517,7 +550,7 @@ async fn sessions_need_the_controllers_signature_and_pushed_manifests_are_not_ke
             .to_vec(),
     );
     let m = refused(
-        open_as_mallory(addr, &evil, vec![], parts.encode().into()).await,
+        open_as_mallory(addr, &evil, Reach::default(), parts.encode().into()).await,
         "host signer",
     );
     assert!(m.contains("not by the controller"), "{m}");
@@ -528,7 +561,7 @@ async fn sessions_need_the_controllers_signature_and_pushed_manifests_are_not_ke
     claims[last] ^= 1;
     parts.claims = claims.into();
     refused(
-        open_as_mallory(addr, &evil, vec![], parts.encode().into()).await,
+        open_as_mallory(addr, &evil, Reach::default(), parts.encode().into()).await,
         "tampered",
     );
     // A controller of another CA.
@@ -539,7 +572,10 @@ async fn sessions_need_the_controllers_signature_and_pushed_manifests_are_not_ke
         &["mallory", "recv-1"],
         now + 60,
     );
-    refused(open_as_mallory(addr, &evil, vec![], t).await, "other CA");
+    refused(
+        open_as_mallory(addr, &evil, Reach::default(), t).await,
+        "other CA",
+    );
 
     // None of it left a trace: the name still resolves to nothing on the target, and its
     // store holds no manifest of the pushed model.
@@ -565,6 +601,100 @@ async fn sessions_need_the_controllers_signature_and_pushed_manifests_are_not_ke
     target.verify_copy(&real).unwrap();
 }
 
+/// A host with a valid certificate and a valid plan token (one the controller signed for a
+/// plan it is part of) cannot make another host dial an address of its choosing: an
+/// `Open` whose next hop, upstream holder or `shardcast://` fallback is not at the address
+/// the plan gives it is refused with the reason, and nothing connects to that address; the
+/// same token with the plan's addresses is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_can_point_a_host_only_at_addresses_the_plan_signed() {
+    let c = TestCluster::start(2, 2 * 1024 * 1024, 1, |_, _| {})
+        .await
+        .unwrap();
+    let (target, next) = (&c.daemons[1], &c.daemons[2]);
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    // Where mallory wants the target to connect: a listener that counts who does.
+    let trap = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let trap_addr = trap.local_addr().unwrap().to_string();
+    let dialled = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = dialled.clone();
+    let trap_task = tokio::spawn(async move {
+        while let Ok((_s, _)) = trap.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    // A genuine plan: mallory (at an address of its own), the target and the next hop.
+    let mallory_at = "127.0.0.1:9";
+    let token = || {
+        shardcast_tests::plan_token(
+            manifest.digest(),
+            &[
+                &format!("mallory@{mallory_at}"),
+                &format!("recv-1@{}", target.data_addr),
+                &format!("recv-2@{}", next.data_addr),
+            ],
+        )
+    };
+    let hop = |host: &str, addr: &str| shardcast_protocol::Hop {
+        host: HostId::new(host).unwrap(),
+        addr: addr.into(),
+    };
+    let cases = [
+        (
+            Reach::down(vec![hop("recv-2", &trap_addr)]),
+            format!("does not give downstream hop recv-2 the address {trap_addr}"),
+        ),
+        (
+            Reach {
+                upstream: vec![hop("mallory", &trap_addr)],
+                ..Reach::default()
+            },
+            format!("does not give upstream hop mallory the address {trap_addr}"),
+        ),
+        (
+            Reach {
+                origin: format!("shardcast://{trap_addr}"),
+                ..Reach::default()
+            },
+            format!("fallback holder {trap_addr} is not the address of a host of plan"),
+        ),
+    ];
+    let addr = target.data_addr;
+    for (reach, why) in cases {
+        let (code, message) = open_as_mallory(addr, &manifest, reach, token())
+            .await
+            .unwrap_or_else(|| panic!("accepted ({why})"));
+        assert_eq!(code, ErrorCode::Refused, "{message}");
+        assert!(message.contains(&why), "{message} (wanted {why})");
+    }
+    assert!(metric(target, "sessions_unauthorised_total").await >= 3);
+    // The same token with the plan's own addresses is accepted (the refusals were about
+    // the addresses, nothing else): the target answers `Accept`.
+    let mut s = open_session_as_mallory(
+        addr,
+        &manifest,
+        Reach {
+            downstream: vec![hop("recv-2", &next.data_addr.to_string())],
+            upstream: vec![hop("mallory", mallory_at)],
+            origin: format!("shardcast://{}", next.data_addr),
+        },
+        token(),
+    )
+    .await;
+    // (read_frames reads for up to 5 s: the accepted session's connection stays open.)
+    let frames = read_frames(&mut s).await;
+    assert!(
+        frames.iter().any(|f| matches!(f, Frame::Accept { .. }))
+            && !frames.iter().any(|f| matches!(f, Frame::Error { .. })),
+        "the signed addresses were refused: {frames:?}"
+    );
+    drop(s);
+    // Nothing ever connected to the trap.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(dialled.load(std::sync::atomic::Ordering::SeqCst), 0);
+    trap_task.abort();
+}
+
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -583,13 +713,13 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-/// Sends `Hello`, the manifest and an `Open` of `manifest`'s model (forwarding to
-/// `downstream`) carrying `token` as `mallory` (a host with a valid certificate) and
-/// returns the connection, left open.
+/// Sends `Hello`, the manifest and an `Open` of `manifest`'s model (forwarding, pulling and
+/// falling back as `reach` says) carrying `token` as `mallory` (a host with a valid
+/// certificate) and returns the connection, left open.
 async fn open_session_as_mallory(
     addr: std::net::SocketAddr,
     manifest: &shardcast_protocol::Manifest,
-    downstream: Vec<shardcast_protocol::Hop>,
+    reach: Reach,
     token: bytes::Bytes,
 ) -> shardcast_tests::Stream {
     let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
@@ -602,10 +732,10 @@ async fn open_session_as_mallory(
         start: 0,
         end: 1,
         tier: shardcast_protocol::Tier::Memory,
-        origin: String::new(),
-        downstream,
+        origin: reach.origin,
+        downstream: reach.downstream,
         token,
-        upstream: Vec::new(),
+        upstream: reach.upstream,
         transport: Default::default(),
     })
     .encode(&mut out);
@@ -666,14 +796,15 @@ async fn a_replayed_old_plan_token_cannot_roll_a_name_back() {
     let addr = target.data_addr;
     // The name's history on the target: v1 a minute ago, then v2 (the current version).
     let old = token(&v1, now_ms - 60_000);
-    let _s1 = open_session_as_mallory(addr, &v1, vec![], old.clone()).await;
+    let _s1 = open_session_as_mallory(addr, &v1, Reach::default(), old.clone()).await;
     wait_resolves(target, name.as_str(), v1.digest()).await;
-    let _s2 = open_session_as_mallory(addr, &v2, vec![], token(&v2, now_ms - 30_000)).await;
+    let _s2 =
+        open_session_as_mallory(addr, &v2, Reach::default(), token(&v2, now_ms - 30_000)).await;
     wait_resolves(target, name.as_str(), v2.digest()).await;
     assert_eq!(metric(target, "name_bindings_refused_total").await, 0);
 
     // The replay: the session may go on (its chunks are verified), the name does not move.
-    let _s3 = open_session_as_mallory(addr, &v1, vec![], old).await;
+    let _s3 = open_session_as_mallory(addr, &v1, Reach::default(), old).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while metric(target, "name_bindings_refused_total").await < 1 {
         assert!(
@@ -685,7 +816,7 @@ async fn a_replayed_old_plan_token_cannot_roll_a_name_back() {
     wait_resolves(target, name.as_str(), v2.digest()).await;
 
     // A rollback the registry made now is a newer statement: it applies.
-    let _s4 = open_session_as_mallory(addr, &v1, vec![], token(&v1, now_ms)).await;
+    let _s4 = open_session_as_mallory(addr, &v1, Reach::default(), token(&v1, now_ms)).await;
     wait_resolves(target, name.as_str(), v1.digest()).await;
     assert_eq!(metric(target, "name_bindings_refused_total").await, 1);
 }

@@ -20,7 +20,8 @@ use crate::wire::Conn;
 impl Node {
     /// Checks the `Open`'s plan token: signed by the controller (a certificate of the
     /// cluster CA with the `controller` role), not expired, for this model, naming this
-    /// host, the sender and every downstream hop. Without TLS (`insecure_plaintext`) there
+    /// host, the sender, and every downstream hop and upstream holder at its address, and
+    /// a `shardcast://` fallback at a plan host's address. Without TLS (`insecure_plaintext`) there
     /// is no CA to check a signature against, and sessions are accepted as before.
     fn authorize_open(
         &self,
@@ -51,20 +52,11 @@ impl Node {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        // Every address this session could make us dial (the next hops, the holders above
+        // us, a `shardcast://` fallback) must be one the plan names.
         claims
-            .authorises(&header.model, &self.host, remote, &header.downstream, now)
+            .authorises(header, &self.host, remote, now)
             .map_err(refuse)?;
-        // A recovering hop pulls from the upstream hops: only hosts of the plan.
-        if let Some(h) = header
-            .upstream
-            .iter()
-            .find(|h| !claims.hosts.contains(&h.host))
-        {
-            return Err(refuse(format!(
-                "upstream hop {} is not a host of plan {}",
-                h.host, claims.plan
-            )));
-        }
         Ok(Some(claims))
     }
 
