@@ -510,7 +510,7 @@ impl Daemon {
     pub fn sign_chain(
         &self,
         req: &mut shardcast_protocol::agent::StartChainRequest,
-        holders: &[&Daemon],
+        holders: &[&Self],
     ) -> anyhow::Result<()> {
         match &self.opts.pki {
             Some(pki) => {
