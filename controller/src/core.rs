@@ -1462,6 +1462,10 @@ impl Controller {
                     .evict_model(apb::EvictModelRequest {
                         model: digest.clone(),
                         tier: agent_tier(tier),
+                        // No plan moves it to these hosts any more (checked above): a
+                        // session left on one (a forwarder still waiting on a stopped hop)
+                        // outlived its plan.
+                        end_sessions: true,
                     })
                     .await
                     .map_err(|s| AgentError::from_status(h, &s))

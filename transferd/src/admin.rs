@@ -286,6 +286,18 @@ pub fn render(node: &Node, gpus: &GpuManager) -> String {
         c.idle_timeouts.load(Ordering::Relaxed),
     );
     metric(
+        "conn_frames_not_admitted_total",
+        "counter",
+        "Large frames refused from their header: a type the connection does not take at that point (a Chunk or Manifest before an authorised Open).",
+        c.frames_not_admitted.load(Ordering::Relaxed),
+    );
+    metric(
+        "conn_frame_timeouts_total",
+        "counter",
+        "Connections closed because a large frame did not arrive within 10 s plus its size at 1 MiB/s.",
+        c.frame_timeouts.load(Ordering::Relaxed),
+    );
+    metric(
         "conn_write_timeouts_total",
         "counter",
         "Connections closed because a write did not drain within write_timeout_s.",

@@ -671,9 +671,16 @@ impl Agent for AgentService {
             )));
         };
         if self.node.model_busy(&digest) {
-            return Err(Status::failed_precondition(format!(
-                "model {digest} is being transferred through this host; evict it after the transfer ends"
-            )));
+            if !req.end_sessions {
+                return Err(Status::failed_precondition(format!(
+                    "model {digest} is being transferred through this host; evict it after the transfer ends"
+                )));
+            }
+            let ended = self.node.end_sessions_of(
+                &digest,
+                "ended by an evict of the model (its plans are over)",
+            );
+            info!(model = %digest, ended, "ended the model's sessions that outlived their plans before evicting it");
         }
         let held = self
             .node

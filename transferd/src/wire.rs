@@ -24,7 +24,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use shardcast_protocol::codec::{Codec, DecodeError};
 use shardcast_protocol::frame::{FrameHeader, HEADER_LEN};
-use shardcast_protocol::{ErrorCode, Frame};
+use shardcast_protocol::{ErrorCode, Frame, FrameType};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -260,6 +260,33 @@ pub enum WireError {
     /// A write did not drain within this long (the peer stopped reading).
     #[error("write did not drain within {0:?}; the peer stopped reading")]
     WriteStalled(Duration),
+    /// A frame larger than [`UNCHARGED_BODY`] of a type this connection does not take at
+    /// this point (a `Chunk` before an authorised `Open`, say): refused from its header,
+    /// before any memory is granted.
+    #[error(
+        "a {ty:?} frame of {len} bytes is not accepted here (this point of the connection takes large frames of {allowed:?} only)"
+    )]
+    NotAdmitted {
+        /// The frame's type.
+        ty: FrameType,
+        /// Its announced body length.
+        len: usize,
+        /// What the connection admits now.
+        allowed: &'static [FrameType],
+    },
+    /// A large frame that did not arrive within its time ([`frame_time`]): the peer
+    /// announced it and then sent too little of it.
+    #[error("a {ty:?} frame of {len} bytes did not arrive within {limit:?} ({got} bytes came)")]
+    FrameStalled {
+        /// The frame's type.
+        ty: FrameType,
+        /// Its announced body length.
+        len: usize,
+        /// Bytes of its body that arrived.
+        got: usize,
+        /// The time it had (waits on this host's own ingress cap not counted).
+        limit: Duration,
+    },
 }
 
 impl WireError {
@@ -268,6 +295,8 @@ impl WireError {
         match self {
             Self::Decode(DecodeError::UnknownFrameType(_)) => Some(ErrorCode::UnknownFrameType),
             Self::Decode(_) => Some(ErrorCode::Malformed),
+            Self::NotAdmitted { .. } => Some(ErrorCode::ProtocolViolation),
+            Self::FrameStalled { .. } => Some(ErrorCode::Refused),
             Self::Io(_) | Self::Truncated | Self::Idle(_) | Self::WriteStalled(_) => None,
         }
     }
@@ -290,6 +319,12 @@ pub struct ByteCounters {
     pub sendfile_bytes: AtomicU64,
     /// Chunk payloads sent from memory because the kernel refused `sendfile` for their file.
     pub sendfile_refused: AtomicU64,
+    /// Large frames refused from their header: a type the connection did not take at that
+    /// point ([`WireError::NotAdmitted`]).
+    pub frames_not_admitted: AtomicU64,
+    /// Connections dropped because a large frame did not arrive in time
+    /// ([`WireError::FrameStalled`]).
+    pub frame_timeouts: AtomicU64,
 }
 
 /// Frame bodies up to this length are not charged to the [`FrameBudget`]: control frames
@@ -297,6 +332,25 @@ pub struct ByteCounters {
 /// for their acks could stall the connections that carry those acks. Their memory is
 /// bounded by the connection cap instead (64 KiB each).
 pub const UNCHARGED_BODY: usize = 64 << 10;
+
+/// The least rate at which a large frame's body must arrive, with [`FRAME_GRACE`]: see
+/// [`frame_time`]. Rationale: a frame holds its bytes of the peer's share of the
+/// [`FrameBudget`] until it is complete, so one that stops progressing must end; a hop
+/// whose upstream delivers less than 1 MiB/s is stalled for any practical purpose (chains
+/// run at hundreds of MB/s, and `stall_timeout` drops an upstream silent for 2 s).
+pub const FRAME_MIN_RATE: u64 = 1 << 20;
+
+/// The time every large frame has on top of its size at [`FRAME_MIN_RATE`]. Rationale:
+/// covers scheduling hiccups and TCP recovering from loss on a slow link; 10 s is five
+/// stall timeouts.
+pub const FRAME_GRACE: Duration = Duration::from_secs(10);
+
+/// How long the body of a large frame of `len` bytes may take to arrive, counted from when
+/// its room in the budget was granted; time this host holds the reader back for its own
+/// ingress cap is added. A 1 MiB chunk has 11 s, a 16 MiB one 26 s.
+pub fn frame_time(len: usize) -> Duration {
+    FRAME_GRACE + Duration::from_secs_f64(len as f64 / FRAME_MIN_RATE as f64)
+}
 
 /// The daemon-wide budget of bytes for frame bodies being read or still held (a chunk not
 /// yet verified and stored). Fair: readers waiting for room are served in order.
@@ -515,6 +569,11 @@ pub struct FrameReader<R> {
     /// When the caller started waiting for the frame now being read (kept across
     /// cancelled reads, cleared when a frame is returned).
     waiting_since: Option<tokio::time::Instant>,
+    /// The types of large frames (bodies over [`UNCHARGED_BODY`]) this connection takes
+    /// now; `None`: any.
+    large: Option<&'static [FrameType]>,
+    /// When the large frame being read must be complete ([`frame_time`]).
+    frame_deadline: Option<tokio::time::Instant>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -523,6 +582,16 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// known, before its first large frame.
     pub fn set_peer(&mut self, peer: &str) {
         self.share = Some(self.budget.share(peer));
+    }
+
+    /// From now on, takes frames larger than [`UNCHARGED_BODY`] only of `types` (`None`:
+    /// any); another type that large fails the read with [`WireError::NotAdmitted`] as
+    /// soon as its header arrives, before any memory is granted to it. Where a connection
+    /// is with a peer that chose to connect (the data port), the large frames it may send
+    /// depend on what it is authorised for: nothing but its `Open` before its plan token
+    /// is checked.
+    pub fn admit_large(&mut self, types: Option<&'static [FrameType]>) {
+        self.large = types;
     }
 
     /// Wraps a read half.
@@ -545,6 +614,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             idle: None,
             last_rx: tokio::time::Instant::now(),
             waiting_since: None,
+            large: None,
+            frame_deadline: None,
         }
     }
 
@@ -598,7 +669,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             // Wait until the bytes already received may pass the ingress cap before
             // reading more (the reservation is kept if this future is cancelled).
             if let Some(ready_at) = self.ready_at {
-                if ready_at > tokio::time::Instant::now() {
+                let now = tokio::time::Instant::now();
+                if ready_at > now {
+                    // Our own cap holding the reader back does not count against the
+                    // frame's time (extended before the wait: if this read is cancelled
+                    // mid-wait, the frame only gets a little more).
+                    if let Some(d) = self.frame_deadline.as_mut() {
+                        *d += ready_at - now;
+                    }
                     tokio::time::sleep_until(ready_at).await;
                 }
                 self.ready_at = None;
@@ -623,8 +701,24 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 // Bounds-checked, then granted room in the budget, before anything is
                 // allocated for the body.
                 let head = FrameHeader::parse(self.header)?;
+                if head.body_len > UNCHARGED_BODY {
+                    if let Some(allowed) = self.large.filter(|a| !a.contains(&head.ty)) {
+                        self.counters
+                            .frames_not_admitted
+                            .fetch_add(1, Ordering::Relaxed);
+                        return Err(WireError::NotAdmitted {
+                            ty: head.ty,
+                            len: head.body_len,
+                            allowed,
+                        });
+                    }
+                }
                 let grant = self.budget.grant(head.body_len, self.share.as_ref()).await;
                 let buf = self.budget.body_buffer(head.body_len);
+                // The frame's clock starts once it has its room (waiting for the budget is
+                // not the peer's fault).
+                self.frame_deadline = (head.body_len > UNCHARGED_BODY)
+                    .then(|| tokio::time::Instant::now() + frame_time(head.body_len));
                 self.body = Some((head, buf, grant));
             }
             let Some((head, body, grant)) = self.body.as_mut() else {
@@ -644,14 +738,28 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 };
                 self.body = None;
                 self.header_filled = 0;
+                self.frame_deadline = None;
                 return Ok(Some(Frame::decode_body(ty, body)?));
             }
             // Read straight into the body's spare capacity (no zero-fill), never past the
             // end of this frame.
-            let n = (&mut self.inner)
-                .take(remaining.min(READ_PIECE) as u64)
-                .read_buf(body)
-                .await?;
+            let mut piece = (&mut self.inner).take(remaining.min(READ_PIECE) as u64);
+            let read = piece.read_buf(body);
+            let n = match self.frame_deadline {
+                None => read.await?,
+                Some(at) => match tokio::time::timeout_at(at, read).await {
+                    Ok(n) => n?,
+                    Err(_) => {
+                        self.counters.frame_timeouts.fetch_add(1, Ordering::Relaxed);
+                        return Err(WireError::FrameStalled {
+                            ty: head.ty,
+                            len: head.body_len,
+                            got: body.len(),
+                            limit: frame_time(head.body_len),
+                        });
+                    }
+                },
+            };
             if n == 0 {
                 return Err(WireError::Truncated);
             }

@@ -641,3 +641,44 @@ async fn quic_path_mtu_above_the_route_is_refused_with_the_reason() {
         0
     );
 }
+
+/// A session that outlives its plan (here the head's forwarder, waiting on a stopped hop)
+/// makes a plain evict refuse; an evict that ends the model's sessions first — what the
+/// controller sends once no plan of its moves the model to that host — ends it, says why,
+/// and frees every byte of the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evict_ends_the_sessions_that_outlived_their_plan() {
+    use shardcast_protocol::agent::EvictModelRequest;
+    let c = TestCluster::start(1, 4 * MIB, 1, |_, _| {}).await.unwrap();
+    let (digest, _) = c.import_on_source().await.unwrap();
+    let (head, stopped) = (&c.daemons[0], &c.daemons[1]);
+    stopped.signal("STOP").unwrap();
+    let id = c.start_chain(0, &digest, &[1], "").await.unwrap();
+    let mut agent = head.agent().await.unwrap();
+    let evict = |end_sessions| EvictModelRequest {
+        model: digest.clone(),
+        tier: Tier::Memory as i32,
+        end_sessions,
+    };
+    let refused = agent.evict_model(evict(false)).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .message()
+            .contains("being transferred through this host"),
+        "{}",
+        refused.message()
+    );
+    let done = agent.evict_model(evict(true)).await.unwrap().into_inner();
+    assert!(done.removed, "{done:?}");
+    assert!(done.bytes_freed >= 4 * MIB, "{done:?}");
+    let st = shardcast_tests::session_status(&mut agent, &id).await;
+    assert_eq!(st.state, "failed", "{st:?}");
+    assert!(st.error.contains("ended by an evict"), "{st:?}");
+    assert_eq!(head.memory_tier_bytes().unwrap(), 0);
+    stopped.signal("CONT").unwrap();
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BytesMut};
 use shardcast_protocol::agent::{Chain, Hop, StartChainRequest, Tier};
 use shardcast_protocol::codec::Codec;
-use shardcast_protocol::{ChunkSet, Frame, HostId, SessionHeader, SessionId};
+use shardcast_protocol::{ChunkSet, ErrorCode, Frame, HostId, SessionHeader, SessionId};
 use shardcast_tests::{Stream, TestCluster, hello, metric, tls_accept, tls_connect, tls_over};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -70,7 +70,6 @@ async fn silent_peers_are_closed_in_every_phase() {
     let r = &c.daemons[1];
     let mut s = tls_connect(r.data_addr, "stalled-upstream").await.unwrap();
     let mut out = hello("stalled-upstream");
-    Frame::Manifest(manifest.clone()).encode(&mut out);
     Frame::Open(SessionHeader {
         session: SessionId([9; 16]),
         model: manifest.digest(),
@@ -85,6 +84,8 @@ async fn silent_peers_are_closed_in_every_phase() {
         transport: Default::default(),
     })
     .encode(&mut out);
+    // The session's manifest follows its Open (protocol v6).
+    Frame::Manifest(manifest.clone()).encode(&mut out);
     s.write_all(&out).await.unwrap();
     let t = time_to_close(&mut s, limit).await;
     assert!(t >= Duration::from_millis(900), "closed after {t:?}");
@@ -146,7 +147,6 @@ async fn sessions_beyond_the_cap_are_refused() {
     for id in 1..=4u8 {
         let mut s = tls_connect(r.data_addr, "opener").await.unwrap();
         let mut out = hello("opener");
-        Frame::Manifest(manifest.clone()).encode(&mut out);
         Frame::Open(SessionHeader {
             session: SessionId([id; 16]),
             model: manifest.digest(),
@@ -161,6 +161,8 @@ async fn sessions_beyond_the_cap_are_refused() {
             transport: Default::default(),
         })
         .encode(&mut out);
+        // The session's manifest follows its Open (protocol v6).
+        Frame::Manifest(manifest.clone()).encode(&mut out);
         s.write_all(&out).await.unwrap();
         let mut buf = BytesMut::new();
         loop {
@@ -345,20 +347,184 @@ async fn wait_metric(d: &shardcast_bench::cluster::Daemon, name: &str, ok: impl 
 /// The body length of the largest chunk frame.
 const LARGEST_CHUNK_BODY: usize = shardcast_protocol::manifest::MAX_CHUNK_SIZE as usize + 12;
 
-/// Connects to `d`'s data port as host `name`, says `Hello` and announces a chunk frame of
-/// [`LARGEST_CHUNK_BODY`] bytes of which it sends 10: the daemon grants the body its room
-/// in the frame budget and waits for the rest. The connection is returned, left open.
+/// Connects to `d`'s data port as host `name` and opens a session of `manifest` there with
+/// a plan token naming both (`Open`, then the manifest), as a host of a genuine plan
+/// would; returns the connection once `d` has accepted.
+async fn open_session(
+    d: &shardcast_bench::cluster::Daemon,
+    name: &str,
+    manifest: &shardcast_protocol::Manifest,
+) -> shardcast_tests::Stream {
+    let mut s = tls_connect(d.data_addr, name).await.unwrap();
+    let mut out = hello(name);
+    let mut session = [0u8; 16];
+    session[..8].copy_from_slice(&rand_u64().to_be_bytes());
+    session[8..].copy_from_slice(&rand_u64().to_be_bytes());
+    Frame::Open(SessionHeader {
+        session: SessionId(session),
+        model: manifest.digest(),
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: shardcast_protocol::Tier::Memory,
+        origin: String::new(),
+        downstream: vec![],
+        token: shardcast_tests::plan_token(manifest.digest(), &[name, d.host_id.as_str()]),
+        upstream: Vec::new(),
+        transport: Default::default(),
+    })
+    .encode(&mut out);
+    Frame::Manifest(manifest.clone()).encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let mut buf = BytesMut::new();
+    loop {
+        match read_frame(&mut s, &mut buf).await {
+            Some(Frame::Accept { .. }) => return s,
+            Some(Frame::Error { code, message }) => panic!("Open refused: {code:?} {message}"),
+            Some(_) => {}
+            None => panic!("no answer to the Open"),
+        }
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    h.finish()
+}
+
+/// The header of a chunk frame with a body of `body` bytes.
+fn chunk_header(body: usize) -> Vec<u8> {
+    let mut header = ((body + 1) as u32).to_be_bytes().to_vec();
+    header.push(0x05); // Chunk
+    header
+}
+
+/// Opens a session of `manifest` on `d` as host `name` ([`open_session`]) and announces a
+/// chunk frame of [`LARGEST_CHUNK_BODY`] bytes of which it sends 10: the daemon grants
+/// the body its room in the frame budget and waits for the rest. The connection is
+/// returned, left open.
 async fn announce_largest_chunk(
     d: &shardcast_bench::cluster::Daemon,
     name: &str,
+    manifest: &shardcast_protocol::Manifest,
 ) -> shardcast_tests::Stream {
-    let mut header = ((LARGEST_CHUNK_BODY + 1) as u32).to_be_bytes().to_vec();
-    header.push(0x05); // Chunk
-    let mut s = tls_connect(d.data_addr, name).await.unwrap();
-    s.write_all(&hello(name)).await.unwrap();
-    s.write_all(&header).await.unwrap();
+    let mut s = open_session(d, name, manifest).await;
+    s.write_all(&chunk_header(LARGEST_CHUNK_BODY))
+        .await
+        .unwrap();
     s.write_all(&[0u8; 10]).await.unwrap();
     s
+}
+
+/// Before its `Open` is authorised a peer may send no large frame but the `Open`: a
+/// chunk frame or a manifest announced right after `Hello` is refused from its header
+/// (`ProtocolViolation`, counted), and nothing of the budget is granted to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_frames_before_an_authorised_open_are_refused_unread() {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, _| {}).await.unwrap();
+    let d = &c.daemons[1];
+    // A chunk of the largest size, and a 1 MiB manifest: each announced, 10 bytes sent.
+    for (ty, body, name) in [
+        (0x05u8, LARGEST_CHUNK_BODY, "Chunk"),
+        (0x02, 1 << 20, "Manifest"),
+    ] {
+        let mut s = tls_connect(d.data_addr, "mallory").await.unwrap();
+        s.write_all(&hello("mallory")).await.unwrap();
+        let mut header = ((body + 1) as u32).to_be_bytes().to_vec();
+        header.push(ty);
+        s.write_all(&header).await.unwrap();
+        s.write_all(&[0u8; 10]).await.unwrap();
+        let mut buf = BytesMut::new();
+        let mut refused = None;
+        while let Some(f) = read_frame(&mut s, &mut buf).await {
+            if let Frame::Error { code, message } = f {
+                refused = Some((code, message));
+                break;
+            }
+        }
+        let (code, message) = refused.unwrap_or_else(|| panic!("a {name} frame was taken"));
+        assert_eq!(code, ErrorCode::ProtocolViolation, "{message}");
+        assert!(
+            message.contains(&format!(
+                "a {name} frame of {body} bytes is not accepted here"
+            )),
+            "{message}"
+        );
+    }
+    assert_eq!(metric(d, "conn_frames_not_admitted_total").await, 2);
+    assert_eq!(metric(d, "frame_memory_bytes").await, 0);
+    assert_eq!(metric(d, "frame_memory_waits_total").await, 0);
+}
+
+/// A peer whose `Open` was authorised announces the manifest that must follow and then
+/// sends a byte a second (never silent long enough for the idle timeout, and no session
+/// yet whose stall detection would drop it): it loses the connection once the frame's
+/// time is up (10 s plus 1 s per MiB), and its room in the budget comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_frame_that_stops_progressing_is_dropped() {
+    let c = TestCluster::start(1, 1 << 20, 1, |_, _| {}).await.unwrap();
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let d = &c.daemons[1];
+    let mut s = tls_connect(d.data_addr, "dribbler").await.unwrap();
+    let mut out = hello("dribbler");
+    Frame::Open(SessionHeader {
+        session: SessionId([3; 16]),
+        model: manifest.digest(),
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: shardcast_protocol::Tier::Memory,
+        origin: String::new(),
+        downstream: vec![],
+        token: shardcast_tests::plan_token(manifest.digest(), &["dribbler", "recv-1"]),
+        upstream: Vec::new(),
+        transport: Default::default(),
+    })
+    .encode(&mut out);
+    let body = 1 << 20;
+    out.extend_from_slice(&((body + 1) as u32).to_be_bytes());
+    out.push(0x02); // Manifest
+    s.write_all(&out).await.unwrap();
+    let started = Instant::now();
+    let mut sent = 0;
+    let mut answer = None;
+    let mut buf = BytesMut::new();
+    while started.elapsed() < Duration::from_secs(30) {
+        if s.write_all(&[0u8]).await.is_err() {
+            break;
+        }
+        sent += 1;
+        if sent == 1 {
+            wait_metric(d, "frame_memory_bytes", |v| v >= body as u64).await;
+        }
+        // Frames the daemon sends meanwhile (none is expected) are skipped; an `Error` or
+        // the end of the connection is the answer.
+        let next = tokio::time::timeout(Duration::from_secs(1), read_frame(&mut s, &mut buf));
+        if let Ok(f @ (Some(Frame::Error { .. }) | None)) = next.await {
+            answer = f;
+            break;
+        }
+    }
+    let waited = started.elapsed();
+    let Some(Frame::Error { code, message }) = answer else {
+        panic!("no refusal after {waited:?}: {answer:?}");
+    };
+    assert_eq!(code, ErrorCode::Refused, "{message}");
+    assert!(
+        message.contains(&format!(
+            "a Manifest frame of {body} bytes did not arrive within 11"
+        )),
+        "{message}"
+    );
+    assert!(
+        waited >= Duration::from_secs(10),
+        "dropped after {waited:?}"
+    );
+    assert_eq!(metric(d, "conn_frame_timeouts_total").await, 1);
+    assert_eq!(metric(d, "conn_idle_timeouts_total").await, 0);
+    wait_metric(d, "frame_memory_bytes", |v| v == 0).await;
 }
 
 /// Frame bodies draw on one daemon-wide budget: two peers announcing the largest chunk
@@ -372,12 +538,13 @@ async fn large_frames_share_one_memory_budget() {
     })
     .await
     .unwrap();
-    let d = &c.daemons[0];
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let d = &c.daemons[1];
     assert_eq!(metric(d, "frame_memory_limit_bytes").await, 17 << 20);
     let body = LARGEST_CHUNK_BODY;
-    let a = announce_largest_chunk(d, "big-a").await;
+    let a = announce_largest_chunk(d, "big-a", &manifest).await;
     wait_metric(d, "frame_memory_bytes", |v| v >= body as u64).await;
-    let b = announce_largest_chunk(d, "big-b").await;
+    let b = announce_largest_chunk(d, "big-b", &manifest).await;
     wait_metric(d, "frame_memory_waits_total", |v| v == 1).await;
     assert!(metric(d, "frame_memory_bytes").await <= 17 << 20);
     drop(a);
@@ -397,7 +564,8 @@ async fn one_peer_cannot_take_the_whole_frame_budget() {
     })
     .await
     .unwrap();
-    let d = &c.daemons[0];
+    let (_, manifest) = c.import_on_source().await.unwrap();
+    let d = &c.daemons[1];
     let share = metric(d, "frame_memory_peer_limit_bytes").await;
     assert_eq!(share, 64 << 20, "a quarter of 256 MiB");
     let body = LARGEST_CHUNK_BODY;
@@ -405,14 +573,14 @@ async fn one_peer_cannot_take_the_whole_frame_budget() {
     // the share, not on the budget.
     let mut held = Vec::new();
     for _ in 0..3 {
-        held.push(announce_largest_chunk(d, "mallory").await);
+        held.push(announce_largest_chunk(d, "mallory", &manifest).await);
     }
     wait_metric(d, "frame_memory_bytes", |v| v >= 3 * body as u64).await;
-    held.push(announce_largest_chunk(d, "mallory").await);
+    held.push(announce_largest_chunk(d, "mallory", &manifest).await);
     wait_metric(d, "frame_memory_peer_waits_total", |v| v == 1).await;
     assert!(metric(d, "frame_memory_bytes").await <= share);
     // Another host is not held up by it.
-    let other = announce_largest_chunk(d, "honest").await;
+    let other = announce_largest_chunk(d, "honest", &manifest).await;
     wait_metric(d, "frame_memory_bytes", |v| v >= 4 * body as u64).await;
     assert_eq!(metric(d, "frame_memory_waits_total").await, 0);
     assert_eq!(metric(d, "frame_memory_peer_waits_total").await, 1);

@@ -350,7 +350,6 @@ async fn a_fallback_origin_outside_policy_refuses_the_session() {
         .await
         .unwrap();
     let mut out = shardcast_tests::hello("attacker");
-    Frame::Manifest(manifest.clone()).encode(&mut out);
     Frame::Open(SessionHeader {
         session: SessionId([7; 16]),
         model: manifest.digest(),
@@ -365,6 +364,8 @@ async fn a_fallback_origin_outside_policy_refuses_the_session() {
         transport: Default::default(),
     })
     .encode(&mut out);
+    // The session's manifest follows its Open (protocol v6).
+    Frame::Manifest(manifest.clone()).encode(&mut out);
     s.write_all(&out).await.unwrap();
     let mut buf = BytesMut::new();
     let mut refused = None;

@@ -724,7 +724,6 @@ async fn open_session_as_mallory(
 ) -> shardcast_tests::Stream {
     let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
     let mut out = hello("mallory");
-    Frame::Manifest(manifest.clone()).encode(&mut out);
     Frame::Open(shardcast_protocol::SessionHeader {
         session: shardcast_protocol::SessionId(rand_id()),
         model: manifest.digest(),
@@ -739,6 +738,8 @@ async fn open_session_as_mallory(
         transport: Default::default(),
     })
     .encode(&mut out);
+    // The session's manifest follows its Open (protocol v6).
+    Frame::Manifest(manifest.clone()).encode(&mut out);
     s.write_all(&out).await.unwrap();
     s
 }

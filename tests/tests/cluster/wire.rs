@@ -58,27 +58,42 @@ async fn hostile_frames_are_refused_and_the_daemon_keeps_serving() {
         Some(ErrorCode::UnsupportedVersion)
     );
 
-    // A session for a model nobody sent a manifest for.
+    // A session whose `Open` is followed by another model's manifest, and one whose `Open`
+    // is followed by something else.
+    let (_, other) = c.import_on_source().await.unwrap();
+    let open = |out: &mut Vec<u8>| {
+        Frame::Open(SessionHeader {
+            session: SessionId([1; 16]),
+            model: ModelDigest([9; 32]),
+            shard: 0,
+            start: 0,
+            end: 1,
+            tier: Tier::Memory,
+            origin: String::new(),
+            downstream: vec![],
+            token: shardcast_tests::plan_token(ModelDigest([9; 32]), &["attacker", "recv-1"]),
+            upstream: Vec::new(),
+            transport: Default::default(),
+        })
+        .encode(out)
+    };
     let mut s = connect_and_hello(addr).await;
     let mut out = Vec::new();
-    Frame::Open(SessionHeader {
-        session: SessionId([1; 16]),
-        model: ModelDigest([9; 32]),
-        shard: 0,
-        start: 0,
-        end: 1,
-        tier: Tier::Memory,
-        origin: String::new(),
-        downstream: vec![],
-        token: shardcast_tests::plan_token(ModelDigest([9; 32]), &["attacker", "recv-1"]),
-        upstream: Vec::new(),
-        transport: Default::default(),
-    })
-    .encode(&mut out);
+    open(&mut out);
+    Frame::Manifest(other).encode(&mut out);
     s.write_all(&out).await.unwrap();
     assert_eq!(
         error_code(&read_frames(&mut s).await),
         Some(ErrorCode::UnknownModel)
+    );
+    let mut s = connect_and_hello(addr).await;
+    let mut out = Vec::new();
+    open(&mut out);
+    Frame::Keepalive.encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    assert_eq!(
+        error_code(&read_frames(&mut s).await),
+        Some(ErrorCode::ProtocolViolation)
     );
 
     // Garbage, then a peer that vanishes mid-frame.

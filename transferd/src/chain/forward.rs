@@ -253,9 +253,6 @@ impl Node {
                 ),
             ));
         }
-        conn.writer
-            .send(&Frame::Manifest((*sess.manifest).clone()))
-            .await?;
         let header = SessionHeader {
             session: sess.id,
             model: sess.model,
@@ -269,7 +266,12 @@ impl Node {
             upstream: sess.upstream_for(self.own_hop(), &hop.host),
             transport: sess.transport,
         };
-        conn.writer.send_now(&Frame::Open(header)).await?;
+        // The manifest follows the `Open` (protocol v6): the receiver reads it only once the
+        // `Open`'s plan token checks out.
+        conn.writer.send(&Frame::Open(header)).await?;
+        conn.writer
+            .send_now(&Frame::Manifest((*sess.manifest).clone()))
+            .await?;
         match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
             Frame::Accept { have } if have.range() == (sess.start..sess.end) => Ok((conn, have)),
             Frame::Accept { have } => Err(ChainError::protocol(format!(

@@ -500,28 +500,38 @@ impl Node {
         chunks: &[u32],
         why: &str,
     ) -> usize {
-        let needs = |s: &ShardSession| {
-            Arc::ptr_eq(&s.shard, shard)
-                && s.outcome().is_none()
-                && chunks.iter().any(|c| (s.start..s.end).contains(c))
-        };
-        let mut hit: Vec<Arc<ShardSession>> = self
+        self.fail_sessions_where(why, |s| {
+            Arc::ptr_eq(&s.shard, shard) && chunks.iter().any(|c| (s.start..s.end).contains(c))
+        })
+    }
+
+    /// Fails every unfinished session of `model` on this host (hop and head sessions), so
+    /// that its copies can be removed: what an evict asks for once no plan moves the model
+    /// here any more. Returns how many were failed.
+    pub(crate) fn end_sessions_of(&self, model: &ModelDigest, why: &str) -> usize {
+        self.fail_sessions_where(why, |s| s.model == *model)
+    }
+
+    /// Fails every unfinished hop or head session for which `hit` holds.
+    fn fail_sessions_where(&self, why: &str, hit: impl Fn(&ShardSession) -> bool) -> usize {
+        let hit = |s: &ShardSession| s.outcome().is_none() && hit(s);
+        let mut found: Vec<Arc<ShardSession>> = self
             .sessions
             .lock()
-            .map(|m| m.values().filter(|s| needs(s)).cloned().collect())
+            .map(|m| m.values().filter(|s| hit(s)).cloned().collect())
             .unwrap_or_default();
         if let Ok(h) = self.heads.lock() {
-            hit.extend(
+            found.extend(
                 h.values()
                     .flat_map(|h| h.parts.iter())
-                    .filter(|s| needs(s))
+                    .filter(|s| hit(s))
                     .cloned(),
             );
         }
-        for s in &hit {
+        for s in &found {
             s.fail(why.to_string());
         }
-        hit.len()
+        found.len()
     }
 
     /// Records why the store refused `model`'s data in `tier` for `session` (see

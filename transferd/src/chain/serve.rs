@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use shardcast_identity::{Identity, Peer};
-use shardcast_protocol::{ErrorCode, Frame, HostId, Manifest, ModelDigest};
+use shardcast_protocol::{ErrorCode, Frame, FrameType, HostId, ModelDigest};
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug, info_span, warn};
 
@@ -93,9 +93,11 @@ impl Node {
                     }
                 };
             tracing::Span::current().record("host", remote.as_str());
-            // From here a silent peer (between frames or mid-frame) is dropped.
+            // From here a silent peer (between frames or mid-frame) is dropped, and the only
+            // large frame it may send before its plan token is checked is the `Open`.
             conn.reader
                 .set_idle_timeout(Some(self.cfg.limits.peer_idle_timeout));
+            conn.reader.admit_large(Some(&[FrameType::Open]));
             self.serve_requests(&mut conn, &remote).await
         }
         .instrument(span.clone())
@@ -120,15 +122,32 @@ impl Node {
         conn: &mut Conn,
         remote: &HostId,
     ) -> Result<(), ChainError> {
-        let mut offered: Option<Manifest> = None;
         loop {
             let Some(frame) = conn.reader.read().await? else {
                 return Ok(());
             };
             match frame {
-                Frame::Manifest(m) => offered = Some(m),
                 Frame::Open(header) => {
-                    let sess = self.join_session(&header, offered.take(), remote)?;
+                    // The session's manifest follows its `Open`; it may be large, so it is
+                    // read only once the plan token is checked, and chunks only once the
+                    // session is joined.
+                    let claims = self.authorize_open(&header, remote)?;
+                    conn.reader.admit_large(Some(&[FrameType::Manifest]));
+                    let offered = match conn.reader.read().await? {
+                        Some(Frame::Manifest(m)) => m,
+                        Some(Frame::Error { code, message }) => {
+                            return Err(ChainError::Remote { code, message });
+                        }
+                        Some(other) => {
+                            return Err(ChainError::protocol(format!(
+                                "expected the session's Manifest after Open, got {:?}",
+                                other.ty()
+                            )));
+                        }
+                        None => return Ok(()),
+                    };
+                    let sess = self.join_session(&header, claims, Some(offered), remote)?;
+                    conn.reader.admit_large(Some(&[FrameType::Chunk]));
                     return self.handle_upstream(conn, sess, remote).await;
                 }
                 Frame::Fetch {
@@ -142,7 +161,7 @@ impl Node {
                 Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
                 other => {
                     return Err(ChainError::protocol(format!(
-                        "expected Manifest, Open or Fetch, got {:?}",
+                        "expected Open or Fetch, got {:?}",
                         other.ty()
                     )));
                 }

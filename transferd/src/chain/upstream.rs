@@ -23,7 +23,7 @@ impl Node {
     /// host, the sender, and every downstream hop and upstream holder at its address, and
     /// a `shardcast://` fallback at a plan host's address. Without TLS (`insecure_plaintext`) there
     /// is no CA to check a signature against, and sessions are accepted as before.
-    fn authorize_open(
+    pub(super) fn authorize_open(
         &self,
         header: &SessionHeader,
         remote: &HostId,
@@ -61,16 +61,15 @@ impl Node {
     }
 
     /// Finds the session for `header`, or creates it (and its forwarder and recovery
-    /// monitor).
+    /// monitor). `claims` are what [`Self::authorize_open`] found the `Open` authorised for;
+    /// `offered` is the manifest that followed it.
     pub(super) fn join_session(
         self: &Arc<Self>,
         header: &SessionHeader,
+        claims: Option<PlanClaims>,
         offered: Option<Manifest>,
         remote: &HostId,
     ) -> Result<Arc<ShardSession>, ChainError> {
-        // Nothing of a session the controller did not authorise is kept: not even its
-        // manifest.
-        let claims = self.authorize_open(header, remote)?;
         let key = (header.session, header.shard, header.start);
         if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
             // A hop above a stalled one fails over to us once our upstream has been silent
