@@ -1581,21 +1581,27 @@ impl Controller {
             // the holders there are now; they resume from their verified chunks.
             if !returned.is_empty() {
                 info!(plan = %id, hosts = ?returned, "lost receivers are back: re-planning them");
-                for host in &returned {
+                for (host, room) in &returned {
                     self.events.record(Event {
                         at: now_unix(),
                         model: name.clone(),
                         kind: "receiver-returned".into(),
-                        reason: format!(
-                            "host {host} heartbeats again within the lost grace: re-planned, resuming from its verified chunks"
-                        ),
+                        reason: match room {
+                            true => format!(
+                                "host {host} reports room for the rest of the copy its store refused: re-planned, resuming from its verified chunks"
+                            ),
+                            false => format!(
+                                "host {host} heartbeats again within the lost grace: re-planned, resuming from its verified chunks"
+                            ),
+                        },
                         plan_id: id.clone(),
                         delta: 0,
                         hosts: vec![host.clone()],
                     });
                 }
-                self.replan(&id, &returned).await;
-                for h in &returned {
+                let hosts: Vec<String> = returned.into_iter().map(|(h, _)| h).collect();
+                self.replan(&id, &hosts).await;
+                for h in &hosts {
                     progress.restart(h);
                 }
                 let mut st = lock(&self.state);
@@ -1715,6 +1721,11 @@ impl Controller {
                             let refused = gpu_asked.get(&host).cloned().flatten();
                             let was_done = h.state == ReceiverState::Done;
                             changed |= h.observe(&seen, tier, refused.as_deref(), total, elapsed);
+                            if h.state == ReceiverState::Failed && seen.store_failure.is_some() {
+                                // Its store refused the data: lost, and re-planned once
+                                // its host reports room (within the lost grace).
+                                h.wait_for_room(now_unix(), self.cfg.lost_grace.as_secs_f64());
+                            }
                             if !was_done && h.state == ReceiverState::Done {
                                 newly_done.insert(host.clone());
                             }
@@ -1763,14 +1774,21 @@ impl Controller {
         }
     }
 
-    /// (digest, name, tier, [(receiver, up, gpus)], returned) of a running plan: its
-    /// receivers still in progress, and its lost receivers whose hosts heartbeat again
-    /// within the lost grace.
+    /// (digest, name, tier, [(receiver, up, gpus)], [(returned, for room)]) of a running
+    /// plan: its receivers still in progress, and its lost receivers whose hosts heartbeat
+    /// again within the lost grace (those whose store refused the data: once their hosts
+    /// report room for the rest).
     #[allow(clippy::type_complexity)]
     fn active_receivers(
         &self,
         id: &str,
-    ) -> Option<(String, String, Tier, Vec<(String, bool, u32)>, Vec<String>)> {
+    ) -> Option<(
+        String,
+        String,
+        Tier,
+        Vec<(String, bool, u32)>,
+        Vec<(String, bool)>,
+    )> {
         let st = lock(&self.state);
         let plan = st.plans.get(id).filter(|p| p.running())?;
         let up = |host: &str| st.hosts.get(host).is_some_and(|e| e.up);
@@ -1781,11 +1799,23 @@ impl Controller {
             .map(|h| (h.host.clone(), up(&h.host), h.gpus))
             .collect();
         let (now, grace) = (now_unix(), self.cfg.lost_grace.as_secs_f64());
+        // A receiver whose store refused the data returns once its host reports room for
+        // the rest in the plan's tier.
+        let free = |host: &str| {
+            st.hosts
+                .get(host)
+                .map_or(0, |e| match data_tier(plan.tier) {
+                    DataTier::Memory => e.report.mem_free,
+                    DataTier::Disk => e.report.disk_free,
+                })
+        };
         let returned = plan
             .hosts
             .iter()
-            .filter(|h| h.awaits_return(now, grace) && up(&h.host))
-            .map(|h| h.host.clone())
+            .filter(|h| {
+                h.awaits_return(now, grace) && up(&h.host) && h.room_for_rest(free(&h.host))
+            })
+            .map(|h| (h.host.clone(), h.awaits_room))
             .collect();
         Some((
             plan.digest.clone(),

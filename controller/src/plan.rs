@@ -232,6 +232,10 @@ pub struct ReceiverProgress {
     /// Its bytes when it was last re-planned.
     #[serde(default)]
     pub bytes_at_replan: u64,
+    /// Lost because its host's store refused the data (no room): re-planned only once the
+    /// host reports room for the rest ([`Self::room_for_rest`]).
+    #[serde(default)]
+    pub awaits_room: bool,
 }
 
 impl ReceiverProgress {
@@ -253,6 +257,7 @@ impl ReceiverProgress {
             lost_at: 0.0,
             fruitless_replans: 0,
             bytes_at_replan: 0,
+            awaits_room: false,
         }
     }
 
@@ -297,12 +302,39 @@ impl ReceiverProgress {
         self.state == ReceiverState::Lost && self.lost_at > 0.0 && now - self.lost_at < grace
     }
 
-    /// Its host is back within the grace and was re-planned: receiving again.
+    /// Its host is back within the grace (or, for a receiver whose store refused the data,
+    /// has room again) and was re-planned: receiving again.
     pub fn come_back(&mut self) {
         self.state = ReceiverState::Receiving;
-        self.error =
-            "the host returned after it was lost; resuming from its verified chunks".into();
+        self.error = match self.awaits_room {
+            true => "the host's store has room again; resuming from its verified chunks",
+            false => "the host returned after it was lost; resuming from its verified chunks",
+        }
+        .into();
         self.lost_at = 0.0;
+        self.awaits_room = false;
+    }
+
+    /// Its host's store refused the data (`observe` failed it saying why) and the plan
+    /// waits up to `grace` seconds: lost, awaiting room, from `now`. The host's verified
+    /// chunks stay; once it reports room for the rest it is re-planned and resumes.
+    pub fn wait_for_room(&mut self, now: f64, grace: f64) {
+        if self.state != ReceiverState::Failed || grace <= 0.0 {
+            return;
+        }
+        self.state = ReceiverState::Lost;
+        self.lost_at = now;
+        self.awaits_room = true;
+        self.error = format!(
+            "{}; the plan waits up to {grace:.0}s for room on the host",
+            self.error
+        );
+    }
+
+    /// Whether `free` bytes in the plan's tier (the host's report) hold the rest of the
+    /// copy; always for a receiver not awaiting room.
+    pub fn room_for_rest(&self, free: u64) -> bool {
+        !self.awaits_room || free >= self.total.saturating_sub(self.bytes)
     }
 
     /// Its agent did not answer (the host still heartbeats): only the note changes; the
@@ -713,6 +745,35 @@ mod tests {
         s.store_failure = Some("an old refusal".into());
         assert!(r.observe(&s, Tier::Memory, None, Some(100), 2.0));
         assert_eq!(r.state, ReceiverState::Done);
+    }
+
+    #[test]
+    fn a_refused_store_waits_for_room_within_the_grace_then_resumes() {
+        let mut r = rx(ReceiverState::Receiving);
+        let mut s = seen(40, false, None);
+        s.store_failure = Some("No space left on device".into());
+        assert!(r.observe(&s, Tier::Memory, None, Some(100), 1.0));
+        // Without a grace it stays failed.
+        let mut no_grace = r.clone();
+        no_grace.wait_for_room(50.0, 0.0);
+        assert_eq!(no_grace.state, ReceiverState::Failed);
+        r.wait_for_room(50.0, 20.0);
+        assert_eq!(r.state, ReceiverState::Lost);
+        assert!(r.awaits_return(60.0, 20.0) && !r.awaits_return(71.0, 20.0));
+        assert!(r.error.contains("No space left on device"), "{}", r.error);
+        assert!(r.error.contains("waits up to 20s for room"), "{}", r.error);
+        // 60 of 100 bytes still to come.
+        assert!(!r.room_for_rest(59));
+        assert!(r.room_for_rest(60));
+        r.come_back();
+        assert_eq!(r.state, ReceiverState::Receiving);
+        assert!(
+            !r.awaits_room && r.error.contains("room again"),
+            "{}",
+            r.error
+        );
+        // A receiver lost for another reason does not wait for room.
+        assert!(rx(ReceiverState::Lost).room_for_rest(0));
     }
 
     #[test]

@@ -184,6 +184,7 @@ pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
                 // Legacy records carry no re-plan counts: every receiver starts afresh.
                 fruitless_replans: 0,
                 bytes_at_replan: 0,
+                awaits_room: false,
             })
         })
         .collect::<Result<Vec<_>, String>>()?;

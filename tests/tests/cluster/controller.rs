@@ -561,6 +561,94 @@ async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_l
     );
 }
 
+/// The same filled memory tier with the lost grace on (30 s): the victim's receiver is
+/// `lost`, awaiting room, saying why; once the other process's file goes and the host's
+/// heartbeat reports room for the rest, the plan re-plans it, it resumes from the chunks it
+/// kept, and the plan ends `done` with every copy exact — without a second prewarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_whose_store_filled_completes_within_its_plan_once_room_returns() {
+    use shardcast_bench::cluster::TmpfsMount;
+    if let Err(why) = TmpfsMount::available() {
+        eprintln!("SKIPPED: a memory tier on a tmpfs of its own: {why}");
+        return;
+    }
+    let size = 32u64 << 20;
+    let c = start_cluster(3, vec!["--lost-grace-s".into(), "30".into()], |i, o| {
+        o.egress_rate = "24MB/s".into();
+        if i == 1 {
+            o.memory_tmpfs = Some(size + (16 << 20));
+        }
+    })
+    .await
+    .unwrap();
+    let victim = "host-2";
+    let tier = c.daemon(victim).unwrap().memory_dir.clone();
+    let origin = Origin::new(size, 2);
+    let mut api = c.controller.client().await.unwrap();
+    let manifest = register(&mut api, &origin).await;
+    let plan = prewarm_hosts(&mut api, hosts(1..=3)).await;
+    wait_fraction(&mut api, &plan, 0.2).await;
+    let filler = tier.join("someone-else");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = vec![1u8; 1 << 20];
+        while f.write_all(&block).is_ok() {}
+    }
+    // Lost, awaiting room, saying why.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let waiting = loop {
+        let st = plan_status(&mut api, &plan).await;
+        let h = st.hosts.iter().find(|h| h.host == victim).cloned().unwrap();
+        if h.state().label() == "lost" {
+            break h;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the victim never waited for room: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        waiting.error.contains("No space left on device"),
+        "{waiting:?}"
+    );
+    assert!(
+        waiting.error.contains("for room on the host"),
+        "{waiting:?}"
+    );
+    let kept = c
+        .daemon(victim)
+        .unwrap()
+        .stats()
+        .await
+        .unwrap()
+        .bytes_received;
+    std::fs::remove_file(&filler).unwrap();
+    let done = wait_plan(&mut api, &plan, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    let h = done.hosts.iter().find(|h| h.host == victim).unwrap();
+    assert_eq!(h.state().label(), "done", "{h:?}");
+    for d in &c.daemons {
+        d.verify_copy(&manifest).unwrap();
+    }
+    let sent = c
+        .daemon(victim)
+        .unwrap()
+        .stats()
+        .await
+        .unwrap()
+        .bytes_received
+        - kept;
+    assert!(
+        sent < manifest.total_bytes(),
+        "the victim received {sent} of {} again: its kept chunks were lost",
+        manifest.total_bytes()
+    );
+}
+
 /// `Evict` of every holder while one of them is down (stopped): the others' copies go at
 /// once and the down host is named as pending; once it heartbeats again the tier sweeper
 /// evicts its copy too (event `evict-on-return`), and every memory tier ends empty.
