@@ -521,6 +521,27 @@ impl Daemon {
         }
     }
 
+    /// Re-issues this daemon's host certificate (a new key, the same identity, from the
+    /// harness CA) into its TLS files and tells it with `SIGHUP`, as an operator rotating a
+    /// certificate would (`shardcast certs rotate`). Established sessions keep their keys;
+    /// new connections present the new certificate.
+    pub fn rotate_certificate(&self) -> anyhow::Result<()> {
+        let pki = self
+            .opts
+            .pki
+            .as_ref()
+            .context("the daemon runs without TLS: nothing to rotate")?;
+        let files = pki.files(Role::Host, self.host_id.as_str())?;
+        pki.pki().rotate(
+            &shardcast_identity::pki::CertFiles {
+                cert: files.cert,
+                key: files.key,
+            },
+            shardcast_identity::pki::DEFAULT_LEAF_VALIDITY,
+        )?;
+        self.signal("HUP")
+    }
+
     /// This daemon as a plan token names it: its host id and data address.
     pub fn plan_host(&self) -> shardcast_protocol::Hop {
         shardcast_protocol::Hop {

@@ -56,6 +56,8 @@ pub enum Fault {
     Two,
     /// The host's memory-tier file system filled by another process for 8 s.
     Fill,
+    /// The host's certificate re-issued (a new key) and the daemon told with `SIGHUP`.
+    Rotate,
 }
 
 impl std::str::FromStr for Fault {
@@ -69,9 +71,10 @@ impl std::str::FromStr for Fault {
             "corrupt" => Self::Corrupt,
             "two" => Self::Two,
             "fill" => Self::Fill,
+            "rotate" => Self::Rotate,
             other => {
                 return Err(format!(
-                    "unknown fault {other:?}; expected kill (or restart), stop, link-down, corrupt, two or fill"
+                    "unknown fault {other:?}; expected kill (or restart), stop, link-down, corrupt, two, fill or rotate"
                 ));
             }
         })
@@ -337,6 +340,7 @@ async fn run_trial(
             }
             Fault::Corrupt => flip_byte(&daemons[vi].memory_shard_path(manifest, 0), 100)?,
             Fault::Fill => fill_for(&daemons[vi].memory_dir, SILENT_FOR).await?,
+            Fault::Rotate => daemons[vi].rotate_certificate()?,
         }
         Ok(())
     };

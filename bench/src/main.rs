@@ -108,7 +108,8 @@ enum Cmd {
         origin_rate: String,
         /// Comma-separated faults: kill (or restart: kill -9, started again 3 s later), stop
         /// (SIGSTOP for 8 s), link-down (8 s), corrupt (a byte at rest), two (a kill and a
-        /// stop of neighbours), fill (the memory tier's tmpfs filled for 8 s; needs root).
+        /// stop of neighbours), fill (the memory tier's tmpfs filled for 8 s; needs root),
+        /// rotate (the host certificate re-issued, then SIGHUP).
         #[arg(
             long,
             default_value = "kill,stop,link-down,corrupt",

@@ -1721,7 +1721,7 @@ impl Controller {
                             let refused = gpu_asked.get(&host).cloned().flatten();
                             let was_done = h.state == ReceiverState::Done;
                             changed |= h.observe(&seen, tier, refused.as_deref(), total, elapsed);
-                            if h.state == ReceiverState::Failed && seen.store_failure.is_some() {
+                            if h.state == ReceiverState::Failed && seen.store_failure().is_some() {
                                 // Its store refused the data: lost, and re-planned once
                                 // its host reports room (within the lost grace).
                                 h.wait_for_room(now_unix(), self.cfg.lost_grace.as_secs_f64());
@@ -2383,7 +2383,6 @@ fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Seen {
             complete: t.complete,
             gpu: GpuState::of_gpus(t.gpus.iter().map(|g| g.state.as_str()))
                 .map(|s| (t.gpus.iter().map(|g| g.bytes).sum(), s)),
-            store_failure: None,
             store_failures: Vec::new(),
         })
         .unwrap_or_default();

@@ -391,7 +391,7 @@ impl ReceiverProgress {
             if before.state != ReceiverState::Done {
                 self.done_s = elapsed.max(0.0);
             }
-        } else if let Some(why) = &seen.store_failure {
+        } else if let Some(why) = seen.store_failure() {
             // Its store cannot take the copy: said at once, not after the stall clock.
             self.state = ReceiverState::Failed;
             self.error = format!("the host's store refused the data: {why}");
@@ -453,24 +453,24 @@ pub struct Seen {
     /// Tier gpu: bytes on its GPUs and their state, when it has GPUs loading the model.
     pub gpu: Option<(u64, GpuState)>,
     /// Why the host's store refused the model's data in the plan's tier (no room, a write
-    /// the file system failed), in a session of the plan observing it (see
-    /// [`Seen::for_sessions`]).
-    pub store_failure: Option<String>,
-    /// Every such refusal the host reports for the tier, by session (hex): its last
-    /// session of the model there.
+    /// the file system failed), by session (hex): its last session of the model there.
+    /// After [`Seen::for_sessions`], only those in the plan's own sessions.
     pub store_failures: Vec<(String, String)>,
 }
 
 impl Seen {
-    /// Keeps, of the store refusals reported, the one in a session of `sessions` (a
-    /// plan's own; an older plan's refusal is not this one's).
-    pub fn for_sessions<'a>(mut self, mut sessions: impl Iterator<Item = &'a str>) -> Self {
-        self.store_failure = self
-            .store_failures
-            .iter()
-            .find(|(s, _)| sessions.any(|x| x == s))
-            .map(|(_, why)| why.clone());
+    /// Keeps only the store refusals in a session of `sessions` (a plan's own; an older
+    /// plan's refusal is not this one's).
+    pub fn for_sessions<'a>(mut self, sessions: impl Iterator<Item = &'a str>) -> Self {
+        let sessions: std::collections::HashSet<&str> = sessions.collect();
+        self.store_failures
+            .retain(|(s, _)| sessions.contains(s.as_str()));
         self
+    }
+
+    /// Why the host's store refused the data, if it did.
+    pub fn store_failure(&self) -> Option<&str> {
+        self.store_failures.first().map(|(_, why)| why.as_str())
     }
 }
 
@@ -712,7 +712,6 @@ mod tests {
             bytes,
             complete,
             gpu,
-            store_failure: None,
             store_failures: Vec::new(),
         }
     }
@@ -736,13 +735,22 @@ mod tests {
     fn a_store_that_refuses_the_data_fails_the_receiver_at_once_saying_why() {
         let mut r = rx(ReceiverState::Receiving);
         let mut s = seen(40, false, None);
-        s.store_failure = Some("storing chunk 3 of shard 0: No space left on device".into());
+        s.store_failures = vec![(
+            "s1".into(),
+            "storing chunk 3 of shard 0: No space left on device".into(),
+        )];
         assert!(r.observe(&s, Tier::Memory, None, Some(100), 1.0));
         assert_eq!(r.state, ReceiverState::Failed);
         assert!(r.error.contains("No space left on device"), "{}", r.error);
+        // Another plan's refusal (an older session of the model) is not this plan's.
+        let mut old = seen(10, false, None);
+        old.store_failures = vec![("old".into(), "full".into()), ("s1".into(), "ours".into())];
+        let mine = old.clone().for_sessions(["s1", "s2"].into_iter());
+        assert_eq!(mine.store_failure(), Some("ours"));
+        assert_eq!(old.for_sessions(["s2"].into_iter()).store_failure(), None);
         // A copy that completed anyway is done.
         let mut s = seen(100, true, None);
-        s.store_failure = Some("an old refusal".into());
+        s.store_failures = vec![("s1".into(), "an old refusal".into())];
         assert!(r.observe(&s, Tier::Memory, None, Some(100), 2.0));
         assert_eq!(r.state, ReceiverState::Done);
     }
@@ -751,7 +759,7 @@ mod tests {
     fn a_refused_store_waits_for_room_within_the_grace_then_resumes() {
         let mut r = rx(ReceiverState::Receiving);
         let mut s = seen(40, false, None);
-        s.store_failure = Some("No space left on device".into());
+        s.store_failures = vec![("s1".into(), "No space left on device".into())];
         assert!(r.observe(&s, Tier::Memory, None, Some(100), 1.0));
         // Without a grace it stays failed.
         let mut no_grace = r.clone();
