@@ -562,7 +562,8 @@ async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_l
 }
 
 /// The same filled memory tier with the lost grace on (30 s): the victim's receiver is
-/// `lost`, awaiting room, saying why; once the other process's file goes and the host's
+/// `lost`, awaiting room, saying why, and its partial copy is not shed by the tier sweeper
+/// meanwhile; once the other process's file goes and the host's
 /// heartbeat reports room for the rest, the plan re-plans it, it resumes from the chunks it
 /// kept, and the plan ends `done` with every copy exact — without a second prewarm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -573,7 +574,10 @@ async fn a_receiver_whose_store_filled_completes_within_its_plan_once_room_retur
         return;
     }
     let size = 32u64 << 20;
-    let c = start_cluster(3, vec!["--lost-grace-s".into(), "30".into()], |i, o| {
+    // The tier sweeper runs often: it must not shed the victim's partial copy to make
+    // room while the plan waits for it (the copy is what it resumes from).
+    let args = ["--lost-grace-s", "30", "--tier-sweep-ms", "300"];
+    let c = start_cluster(3, args.map(String::from).to_vec(), |i, o| {
         o.egress_rate = "24MB/s".into();
         if i == 1 {
             o.memory_tmpfs = Some(size + (16 << 20));
@@ -624,6 +628,8 @@ async fn a_receiver_whose_store_filled_completes_within_its_plan_once_room_retur
         .await
         .unwrap()
         .bytes_received;
+    // The tier stays full for a few heartbeats and sweeps before the room returns.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     std::fs::remove_file(&filler).unwrap();
     let done = wait_plan(&mut api, &plan, Duration::from_secs(120))
         .await
