@@ -1,0 +1,149 @@
+//! `Evict`: a model's copies removed from hosts (or GPU slots released), refused while a
+//! plan still moves the model there or waits for a host to return; down holders kept as
+//! pending evictions, carried out when they heartbeat again.
+
+use super::*;
+
+impl Controller {
+    /// `Evict`: remove the model's copy in `tier` from hosts.
+    pub async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
+        let tier = crate::wire::tier_of(req.tier).map_err(|e| EvictError::Invalid(e.message))?;
+        let (digest, targets, pending) = {
+            let st = lock(&self.state);
+            let m = st.model(&req.model)?;
+            let digest = m.digest.clone();
+            for h in &req.hosts {
+                let e = st
+                    .hosts
+                    .get(h)
+                    .ok_or_else(|| HostUnavailable::Unknown(h.clone()))?;
+                if tier != Tier::Gpu && !e.up {
+                    return Err(HostUnavailable::Down(h.clone()).into());
+                }
+            }
+            let targets: Vec<String> = if req.hosts.is_empty() {
+                st.hosts
+                    .values()
+                    .filter(|h| match tier {
+                        Tier::Gpu => h.gpu_reserved.contains_key(&digest),
+                        t => h.up && h.holding(&digest, data_tier(t)).is_some(),
+                    })
+                    .map(|h| h.report.host_id.clone())
+                    .collect()
+            } else {
+                req.hosts.clone()
+            };
+            // Every holder, and some are down: their copies go when they heartbeat again.
+            let pending: Vec<String> = if req.hosts.is_empty() && tier != Tier::Gpu {
+                st.hosts
+                    .values()
+                    .filter(|h| !h.up && h.holding(&digest, data_tier(tier)).is_some())
+                    .map(|h| h.report.host_id.clone())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            // Refuse while a plan still moves the model to one of them, or waits for one
+            // to return (lost, or awaiting room): its partial copy is what it resumes from.
+            let (now, grace) = (now_unix(), self.cfg.lost_grace.as_secs_f64());
+            for p in st.plans.values() {
+                if p.running() && p.digest == digest {
+                    if let Some(h) = p.hosts.iter().find(|h| {
+                        (h.state.is_active() || h.awaits_return(now, grace))
+                            && targets.contains(&h.host)
+                    }) {
+                        return Err(EvictError::StillMoving {
+                            plan: p.id.clone(),
+                            host: h.host.clone(),
+                        });
+                    }
+                }
+            }
+            (digest, targets, pending)
+        };
+        if !pending.is_empty() {
+            let mut st = lock(&self.state);
+            for h in &pending {
+                if let Some(e) = st.hosts.get_mut(h) {
+                    let item = (digest.clone(), data_tier(tier));
+                    if !e.pending_evictions.contains(&item) {
+                        e.pending_evictions.push(item);
+                    }
+                    let rec = StoredHost::of(e);
+                    self.put_json(Table::Hosts, h, &rec)
+                        .map_err(|e| EvictError::Store(e.to_string()))?;
+                }
+            }
+            info!(model = %digest, ?tier, hosts = ?pending, "eviction pending: the hosts are down; their copies go when they heartbeat again");
+        }
+        let mut evicted = Vec::new();
+        if tier == Tier::Gpu {
+            let mut st = lock(&self.state);
+            for h in &targets {
+                if let Some(e) = st.hosts.get_mut(h)
+                    && e.gpu_reserved.remove(&digest).is_some()
+                {
+                    let rec = StoredHost::of(e);
+                    self.put_json(Table::Hosts, h, &rec)
+                        .map_err(|e| EvictError::Store(e.to_string()))?;
+                    evicted.push(h.clone());
+                }
+            }
+            return Ok(EvictResponse {
+                evicted,
+                bytes_freed: 0,
+                pending,
+            });
+        }
+        let mut failures = Vec::new();
+        let mut bytes_freed = 0;
+        for h in &targets {
+            let r = async {
+                let mut agent = self.agent(h)?;
+                agent
+                    .evict_model(apb::EvictModelRequest {
+                        model: digest.clone(),
+                        tier: agent_tier(tier),
+                        // No plan moves it to these hosts any more (checked above): a
+                        // session left on one (a forwarder still waiting on a stopped hop)
+                        // outlived its plan.
+                        end_sessions: true,
+                    })
+                    .await
+                    .map_err(|s| AgentError::from_status(h, &s))
+            }
+            .await;
+            match r {
+                Ok(r) => {
+                    bytes_freed += r.into_inner().bytes_freed;
+                    let mut st = lock(&self.state);
+                    if let Some(e) = st.hosts.get_mut(h) {
+                        e.forget(&digest, data_tier(tier));
+                        let before = e.pending_evictions.len();
+                        e.pending_evictions
+                            .retain(|(d, t)| !(*d == digest && *t == data_tier(tier)));
+                        if e.pending_evictions.len() != before {
+                            let rec = StoredHost::of(e);
+                            if let Err(err) = self.put_json(Table::Hosts, h, &rec) {
+                                warn!(host = %h, "persisting a done pending eviction: {err}");
+                            }
+                        }
+                    }
+                    evicted.push(h.clone());
+                }
+                // The host never heard of the model: nothing to remove.
+                Err(e) if e.failure == AgentFailure::NotFound => evicted.push(h.clone()),
+                Err(e) => failures.push(e),
+            }
+        }
+        info!(model = %digest, ?tier, hosts = ?evicted, bytes_freed, "evicted");
+        match failures.into_iter().next() {
+            None => Ok(EvictResponse {
+                evicted,
+                bytes_freed,
+                pending,
+            }),
+            Some(first) => Err(EvictError::Partial { evicted, first }),
+        }
+    }
+}

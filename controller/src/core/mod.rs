@@ -1,0 +1,762 @@
+//! The controller's operations, shared by the gRPC and HTTP front ends: the registry, the
+//! inventory, plan creation (placement + chain plans from `shardcast-placement`), and the
+//! plan runner that starts chains on transferd agents and watches them to the end.
+//!
+//! Locking: one mutex guards the in-memory state. Plan creation validates, places and
+//! records the plan under that lock, so two concurrent prewarms of one model see each
+//! other (the second joins the first's transfers instead of starting new ones). Calls to
+//! agents never happen under the lock.
+//!
+//! The operations are split by concern, each an `impl Controller` of its own file: `hosts`
+//! (heartbeats, the host list), `registry` (origins, registrations, models), `plans`
+//! (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner). They still
+//! share this one state and lock (issue #30 gives each its own).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use shardcast_placement::{
+    self as placement, PlanError, PlanParams, Receiver, ReceiverKind, Source, Target, Tier,
+};
+use shardcast_protocol::agent::agent_client::AgentClient;
+use shardcast_protocol::agent::{self as apb, GetModelStatusRequest, ImportModelRequest};
+use shardcast_protocol::codec::decode_exact;
+use shardcast_protocol::controller::{
+    Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostState,
+    ListHostsResponse, ListModelsResponse, ModelInfo, ModelStatus, NameBinding, PrewarmRequest,
+    RegisterModelRequest, ScaleOutRequest, ShardInfo,
+};
+use shardcast_protocol::origin_policy::{Enforcer, OriginLocation, OriginPolicy};
+use shardcast_protocol::{HostId, Manifest, ModelName};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use tracing::{info, warn};
+
+use crate::error::{
+    AgentError, AgentFailure, ApiError, EvictError, HeartbeatError, HostUnavailable, LookupError,
+    PlanRequestError, RegisterError,
+};
+use crate::events::EventLog;
+use crate::inventory::{self, DataTier, HostEntry, HostView, Pending, StoredHost};
+pub use crate::plan::ChainRun;
+use crate::plan::{
+    Accepted, ChainSummary, GpuState, Plan, PlanKind, ReceiverProgress, ReceiverState, Seen,
+    StoredPlan,
+};
+use crate::state::{StateStore, Table};
+use crate::usage::Usage;
+
+mod evict;
+mod hosts;
+mod plans;
+mod registry;
+mod runner;
+
+pub use registry::parse_profile;
+// The parts' free functions, for each other and for the tests below.
+#[cfg(test)]
+use hosts::*;
+use plans::*;
+#[cfg(test)]
+use registry::*;
+use runner::*;
+
+/// What runs after a model is registered (with a profile), given its name.
+pub type AfterRegister =
+    Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// Controller tuning.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// Heartbeat period the hosts are told to keep.
+    pub heartbeat: Duration,
+    /// Heartbeats a host may miss before it is marked down.
+    pub missed_heartbeats: u32,
+    /// Placement and estimate parameters.
+    pub plan: PlanParams,
+    /// How often a running plan polls its receivers.
+    pub poll: Duration,
+    /// A receiver without progress this long is re-planned.
+    pub stall_timeout: Duration,
+    /// Re-plans of one receiver in a row without progress in between before it is marked
+    /// failed (a receiver that moves bytes between re-plans starts a new count).
+    pub max_replans: u32,
+    /// How long a running plan waits for a receiver whose host stopped heartbeating (marked
+    /// `lost`) to come back: a host that heartbeats again within it (a restarted transferd,
+    /// a host cut off or stopped for a moment) is re-planned and resumes from its verified
+    /// chunks; after it the plan ends without the host (`partial`).
+    pub lost_grace: Duration,
+    /// Host → GPU rate (bytes/s) used to class models light/medium/heavy from their
+    /// profiles (Torpor §5.3). Default 25 GB/s (PCIe 4.0 x16 in practice).
+    pub pcie_bps: f64,
+    /// The controller's TLS identity for reaching agents over TCP (`None`: plaintext,
+    /// insecure mode or agents on Unix sockets only).
+    pub tls: Option<Arc<shardcast_identity::TlsContext>>,
+    /// Signs each chain's plan token (model, hosts, expiry) with the controller's key
+    /// (`None`: insecure mode, sessions carry no token).
+    pub signer: Option<Arc<arc_swap::ArcSwap<shardcast_identity::plan::PlanSigner>>>,
+    /// The host that reads the origin to build a registered model's manifest keeps the
+    /// bytes (best effort, in its memory tier), so registering and prewarming read the
+    /// origin once. Default true.
+    pub register_keeps_copy: bool,
+    /// How the hops of a plan's chains dial each other when the request does not say
+    /// (`--transport`; TCP by default).
+    pub transport: shardcast_protocol::HopTransport,
+    /// Origin prefixes a model may be registered from (`--origin-allow`). The default is
+    /// empty, which refuses every registration with a message saying how to allow one.
+    pub origins: OriginPolicy,
+    /// Refusal and HTTP-timeout counters (`/metrics`), shared by every `Controller` opened
+    /// with this configuration (a replica's successive views and terms, `crate::ha`).
+    pub api_stats: (
+        Arc<shardcast_identity::grpc::AuthzStats>,
+        Arc<shardcast_identity::http::HttpStats>,
+    ),
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_secs(1),
+            missed_heartbeats: 3,
+            plan: PlanParams::default(),
+            poll: Duration::from_millis(250),
+            stall_timeout: Duration::from_secs(10),
+            max_replans: 3,
+            lost_grace: Duration::from_secs(20),
+            pcie_bps: 25e9,
+            tls: None,
+            signer: None,
+            origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
+            api_stats: Default::default(),
+            register_keeps_copy: true,
+            transport: shardcast_protocol::HopTransport::Tcp,
+        }
+    }
+}
+
+impl ControllerConfig {
+    /// Silence after which a host is down.
+    pub fn host_timeout(&self) -> Duration {
+        self.heartbeat * self.missed_heartbeats.max(1)
+    }
+}
+
+/// The version of [`ModelRecord`]s written now.
+pub const MODEL_RECORD_VERSION: &str = "1";
+
+fn model_record_version() -> String {
+    MODEL_RECORD_VERSION.to_string()
+}
+
+/// A registered model, as persisted (table `models`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelRecord {
+    /// [`MODEL_RECORD_VERSION`]; records written before versions have none and read as
+    /// version 1 (the same shape).
+    #[serde(default = "model_record_version")]
+    pub version: String,
+    /// Name.
+    pub name: String,
+    /// Hex manifest digest.
+    pub digest: String,
+    /// Origin URI.
+    pub origin: String,
+    /// Chunk size.
+    pub chunk_size: u32,
+    /// Total bytes.
+    pub total_bytes: u64,
+    /// Shards: (path, size, chunks).
+    pub shards: Vec<(String, u64, u32)>,
+    /// Seconds since the epoch.
+    pub registered_at: f64,
+    /// Registered profile (JSON of `shardcast_policies::profile::ModelProfile`).
+    #[serde(default)]
+    pub profile: Option<String>,
+    /// The origin pinned to the version that was registered, where `origin` names a
+    /// movable one (`hf://org/name@<commit>` for a Hub branch): what plans, bursts and
+    /// recovery read from. Empty: `origin` itself.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub read_origin: String,
+}
+
+impl ModelRecord {
+    /// The origin hosts read this version from: [`Self::read_origin`], else `origin`.
+    pub fn reads_from(&self) -> &str {
+        if self.read_origin.is_empty() {
+            &self.origin
+        } else {
+            &self.read_origin
+        }
+    }
+
+    /// Reads a stored record; a version this controller does not know is an error naming
+    /// it, not a guess.
+    pub fn read(bytes: &[u8]) -> Result<Self, String> {
+        let m: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        if m.version != MODEL_RECORD_VERSION {
+            return Err(format!(
+                "model record version {:?} is not known to this controller (it reads {MODEL_RECORD_VERSION:?})",
+                m.version
+            ));
+        }
+        Ok(m)
+    }
+
+    fn info(&self, manifest: Option<&[u8]>) -> ModelInfo {
+        ModelInfo {
+            name: self.name.clone(),
+            digest: self.digest.clone(),
+            origin: self.origin.clone(),
+            total_bytes: self.total_bytes,
+            chunk_size: self.chunk_size,
+            shards: self
+                .shards
+                .iter()
+                .map(|(path, size, chunks)| ShardInfo {
+                    path: path.clone(),
+                    size: *size,
+                    chunks: *chunks,
+                })
+                .collect(),
+            manifest: manifest.map(<[u8]>::to_vec).unwrap_or_default(),
+            registered_at: self.registered_at,
+        }
+    }
+
+    fn spec(&self) -> placement::ModelSpec {
+        placement::ModelSpec {
+            key: self.digest.clone(),
+            shard_bytes: self.shards.iter().map(|s| s.1).collect(),
+            chunk_size: u64::from(self.chunk_size),
+        }
+    }
+}
+
+/// When each host of a plan last made progress (data-plane plus GPU bytes), to find the
+/// ones stalled for longer than `stall_timeout`.
+#[derive(Default)]
+pub(crate) struct StallClock(HashMap<String, (u64, Instant)>);
+
+impl StallClock {
+    /// Notes that `host` has moved `moved` bytes by `now`; true when it has not moved more
+    /// for `timeout`.
+    pub(crate) fn stalled(
+        &mut self,
+        host: &str,
+        moved: u64,
+        now: Instant,
+        timeout: Duration,
+    ) -> bool {
+        let seen = self.0.entry(host.to_string()).or_insert((moved, now));
+        if moved > seen.0 {
+            *seen = (moved, now);
+        }
+        now.saturating_duration_since(seen.1) >= timeout
+    }
+
+    /// Starts `host`'s clock again (it was given new work).
+    pub(crate) fn restart(&mut self, host: &str) {
+        self.0.insert(host.to_string(), (0, Instant::now()));
+    }
+}
+
+pub(crate) fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+pub(crate) fn data_tier(tier: Tier) -> DataTier {
+    match tier {
+        Tier::Disk => DataTier::Disk,
+        Tier::Memory | Tier::Gpu => DataTier::Memory,
+    }
+}
+
+fn agent_tier(tier: Tier) -> i32 {
+    match tier {
+        Tier::Disk => apb::Tier::Disk as i32,
+        Tier::Memory | Tier::Gpu => apb::Tier::Memory as i32,
+    }
+}
+
+fn plan_error(e: PlanError) -> PlanRequestError {
+    match e {
+        PlanError::NoLiveHost => HostUnavailable::NoLiveHost.into(),
+        PlanError::UnknownHost(h) => HostUnavailable::Unknown(h).into(),
+        PlanError::HostDown(h) => HostUnavailable::Down(h).into(),
+        e @ PlanError::NotEnoughCapacity { .. } => PlanRequestError::Capacity(e.to_string()),
+        PlanError::InvalidRequest(m) => PlanRequestError::Invalid(m),
+    }
+}
+
+pub(crate) use crate::lock;
+
+#[derive(Default)]
+pub(crate) struct State {
+    /// By name (latest version).
+    pub(crate) models: BTreeMap<String, ModelRecord>,
+    pub(crate) manifests: HashMap<String, Arc<Vec<u8>>>,
+    pub(crate) hosts: BTreeMap<String, HostEntry>,
+    /// Signature of each host's last persisted report.
+    persisted: HashMap<String, String>,
+    pub(crate) plans: HashMap<String, Plan>,
+    pub(crate) watchers: HashMap<String, watch::Sender<Plan>>,
+    /// Host → the plans (running or ended) it is a receiver of, so a heartbeat looks only
+    /// at its own plans ([`reconcile_receivers`]) instead of every plan ever made: with
+    /// 1000 hosts heartbeating each second and plans kept after they end, the scan was
+    /// O(plans × receivers) per heartbeat. A plan's receivers are fixed when it is made
+    /// (re-plans change sources, not receivers).
+    pub(crate) receiver_plans: HashMap<String, Vec<String>>,
+}
+
+impl State {
+    /// Adds a plan and the channel its watchers subscribe to.
+    pub(crate) fn add_plan(&mut self, plan: Plan) {
+        let id = plan.id.clone();
+        self.watchers
+            .insert(id.clone(), watch::Sender::new(plan.clone()));
+        self.insert_plan(id, plan);
+    }
+
+    /// Adds a plan (without a watch channel) and indexes its receivers.
+    pub(crate) fn insert_plan(&mut self, id: String, plan: Plan) {
+        for h in &plan.hosts {
+            let plans = self.receiver_plans.entry(h.host.clone()).or_default();
+            if !plans.contains(&id) {
+                plans.push(id.clone());
+            }
+        }
+        self.plans.insert(id, plan);
+    }
+
+    pub(crate) fn model(&self, key: &str) -> Result<&ModelRecord, LookupError> {
+        if key.is_empty() {
+            return Err(LookupError::NoKey);
+        }
+        self.models
+            .get(key)
+            .or_else(|| self.models.values().find(|m| m.digest == key))
+            .ok_or_else(|| LookupError::UnknownModel(key.to_string()))
+    }
+
+    /// Bytes still to arrive on each host from plans in flight.
+    fn pending(&self) -> Pending {
+        let mut p = Pending::new();
+        for plan in self.plans.values().filter(|p| p.running()) {
+            let tier = data_tier(plan.tier);
+            for h in &plan.hosts {
+                if h.state.awaits_data() {
+                    *p.entry((h.host.clone(), tier)).or_default() +=
+                        h.total.saturating_sub(h.bytes);
+                }
+            }
+        }
+        p
+    }
+
+    /// Hosts receiving `digest` into `tier`'s data tier in plans in flight, with the plan.
+    pub(crate) fn in_flight(&self, digest: &str, tier: Tier) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for plan in self.plans.values() {
+            if !plan.running() || plan.digest != digest || data_tier(plan.tier) != data_tier(tier) {
+                continue;
+            }
+            for h in &plan.hosts {
+                if h.state.awaits_data() {
+                    out.insert(h.host.clone(), plan.id.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The controller.
+pub struct Controller {
+    cfg: ControllerConfig,
+    store: Arc<dyn StateStore>,
+    pub(crate) state: Mutex<State>,
+    agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
+    /// Host reports and plan progress, committed in batches off the state lock.
+    writes: Arc<crate::write_behind::WriteBehind>,
+    /// Agents that answered at least once, and the gate for first contacts: a plan's
+    /// first round opens a mutually authenticated connection to every receiver, and 1000
+    /// handshakes at once starved heartbeats and API calls of CPU for over a second.
+    reached: Mutex<HashSet<String>>,
+    first_contact: tokio::sync::Semaphore,
+    cancel: CancellationToken,
+    /// Decisions and plan events (`ListEvents`), shared with the services.
+    events: Arc<EventLog>,
+    /// Last uses of each model, shared with the tier sweeper.
+    usage: Arc<Usage>,
+    /// Run after a model is registered, before its registration ends (the partition-plan
+    /// service precomputes the model's tables), set once by `crate::services`.
+    after_register: std::sync::OnceLock<AfterRegister>,
+    authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    http: Arc<shardcast_identity::http::HttpStats>,
+    origin_refused: std::sync::atomic::AtomicU64,
+    /// Registrations in progress, by model name.
+    registrations: Mutex<HashMap<String, Registration>>,
+}
+
+/// A registration in progress: who reads the origin, and its outcome once it ends.
+struct Registration {
+    info: shardcast_protocol::controller::Registration,
+    outcome: watch::Receiver<Option<Result<ModelInfo, RegisterError>>>,
+}
+
+impl Controller {
+    /// Loads the state and resumes watching plans in flight.
+    pub fn open(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<Arc<Self>, ApiError> {
+        let (me, resume) = Self::load(cfg, store, cancel)?;
+        for (id, burst) in resume {
+            info!(plan = %id, "resuming a plan in flight");
+            if burst {
+                tokio::spawn(me.clone().run_burst(id));
+            } else {
+                tokio::spawn(me.clone().run_plan(id));
+            }
+        }
+        tokio::spawn(me.clone().expiry_loop());
+        Ok(me)
+    }
+
+    /// Loads the state for reads only (a follower replica's view, `crate::ha`): no plan
+    /// runner or expiry loop runs; its writes are refused by the store.
+    pub fn open_read_only(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<Arc<Self>, ApiError> {
+        Ok(Self::load(cfg, store, cancel)?.0)
+    }
+
+    /// The stored state, and the plans in flight (id, is a burst).
+    #[allow(clippy::type_complexity)]
+    fn load(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+    ) -> Result<(Arc<Self>, Vec<(String, bool)>), ApiError> {
+        let mut st = State::default();
+        let started = Instant::now();
+        for (name, bytes) in store.list(Table::Models)? {
+            match ModelRecord::read(&bytes) {
+                Ok(m) => {
+                    st.models.insert(name, m);
+                }
+                Err(e) => warn!(model = %name, "skipping unreadable model record: {e}"),
+            }
+        }
+        for (digest, bytes) in store.list(Table::Manifests)? {
+            st.manifests.insert(digest, Arc::new(bytes));
+        }
+        for (id, bytes) in store.list(Table::Hosts)? {
+            match StoredHost::read(&bytes) {
+                Ok(r) => {
+                    st.persisted
+                        .insert(id.clone(), HostEntry::signature(&r.host));
+                    st.hosts.insert(id, HostEntry::restored(r, started));
+                }
+                Err(e) => warn!(host = %id, "skipping unreadable host record: {e}"),
+            }
+        }
+        let mut resume = Vec::new();
+        for (id, bytes) in store.list(Table::Plans)? {
+            match StoredPlan::decode(&bytes) {
+                Ok(p) => {
+                    if p.running() {
+                        resume.push((id.clone(), p.kind == PlanKind::Burst));
+                        st.watchers
+                            .insert(id.clone(), watch::Sender::new(p.clone()));
+                    }
+                    st.insert_plan(id, p);
+                }
+                Err(e) => warn!(plan = %id, "skipping unreadable plan record: {e}"),
+            }
+        }
+        let usage = Arc::new(Usage::restore(store.as_ref())?);
+        let (authz, http) = cfg.api_stats.clone();
+        let writes = crate::write_behind::WriteBehind::new(store.clone());
+        tokio::spawn(writes.clone().run(cancel.clone()));
+        let me = Arc::new(Self {
+            cfg,
+            store,
+            state: Mutex::new(st),
+            agents: Mutex::default(),
+            writes,
+            reached: Mutex::default(),
+            first_contact: tokio::sync::Semaphore::new(FIRST_CONTACTS),
+            cancel,
+            events: Arc::default(),
+            usage,
+            after_register: std::sync::OnceLock::new(),
+            authz,
+            http,
+            origin_refused: std::sync::atomic::AtomicU64::new(0),
+            registrations: Mutex::default(),
+        });
+        Ok((me, resume))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ControllerConfig {
+        &self.cfg
+    }
+
+    async fn expiry_loop(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(self.cfg.heartbeat);
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let mut st = lock(&self.state);
+            for id in inventory::expire(&mut st.hosts, Instant::now(), self.cfg.host_timeout()) {
+                if st.hosts.get(&id).is_some_and(|h| h.up) {
+                    info!(host = %id, "host is back");
+                } else {
+                    warn!(host = %id, timeout = ?self.cfg.host_timeout(), "host missed its heartbeats: marked down");
+                }
+            }
+        }
+    }
+
+    /// Refusals of API calls by role (both front ends), for `/metrics`.
+    pub fn authz_stats(&self) -> Arc<shardcast_identity::grpc::AuthzStats> {
+        self.authz.clone()
+    }
+
+    /// HTTP connections closed for stalling, for `/metrics`.
+    pub fn http_stats(&self) -> Arc<shardcast_identity::http::HttpStats> {
+        self.http.clone()
+    }
+
+    fn agent(&self, host: &str) -> Result<AgentClient<Channel>, AgentError> {
+        let addr = {
+            let st = lock(&self.state);
+            let h = st.hosts.get(host).ok_or_else(|| {
+                AgentError::unreachable(host, "the host is not known to the controller")
+            })?;
+            h.report.agent_addr.clone()
+        };
+        let mut agents = lock(&self.agents);
+        if let Some((a, c)) = agents.get(host)
+            && *a == addr
+        {
+            return Ok(c.clone());
+        }
+        // Over TCP the agent must prove it is exactly this host (a heartbeat cannot point
+        // the controller at another host's agent); Unix sockets are local.
+        let security = match &self.cfg.tls {
+            Some(ctx) if !addr.starts_with("unix:") => {
+                let id = shardcast_identity::Identity::new(shardcast_identity::Role::Host, host)
+                    .map_err(|e| AgentError::unreachable(host, e))?;
+                shardcast_identity::grpc::ClientSecurity::Tls(
+                    ctx.clone(),
+                    shardcast_identity::Expect::Exactly(id),
+                )
+            }
+            _ => shardcast_identity::grpc::ClientSecurity::Plaintext,
+        };
+        let channel = shardcast_identity::grpc::lazy(&addr, security)
+            .map_err(|e| AgentError::unreachable(host, e))?;
+        let client = AgentClient::new(channel)
+            .max_decoding_message_size(128 << 20)
+            .max_encoding_message_size(128 << 20);
+        agents.insert(host.to_string(), (addr, client.clone()));
+        Ok(client)
+    }
+
+    /// The state store, shared.
+    pub(crate) fn store_handle(&self) -> Arc<dyn StateStore> {
+        self.store.clone()
+    }
+
+    /// When each model was last used (for the tier sweeper's LRU).
+    pub fn usage(&self) -> &Arc<Usage> {
+        &self.usage
+    }
+
+    /// Decisions and plan events.
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
+    }
+
+    /// Sets what runs after each registration (once; later calls are ignored).
+    pub fn after_register(&self, hook: AfterRegister) {
+        let _ = self.after_register.set(hook);
+    }
+
+    /// Cancelled when the controller shuts down.
+    pub fn cancel_token(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// An agent client for `host`.
+    pub fn agent_client(&self, host: &str) -> Result<AgentClient<Channel>, AgentError> {
+        self.agent(host)
+    }
+}
+
+/// GPU slots reserved for `digest` on live hosts.
+pub(crate) fn gpu_reserved(st: &State, digest: &str) -> u32 {
+    st.hosts
+        .values()
+        .filter(|h| h.up)
+        .map(|h| h.gpu_reserved.get(digest).copied().unwrap_or(0))
+        .sum()
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it): the stamp of the
+/// controller's statements about names (plan tokens, heartbeat answers).
+fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+fn unix_now() -> u64 {
+    unix_now_ms() / 1000
+}
+
+#[cfg(test)]
+mod receiver_index_tests {
+    use super::*;
+
+    #[test]
+    fn a_pinned_origin_is_taken_only_when_it_pins_the_registered_one() {
+        let sha = "0123456789abcdef0123456789abcdef01234567";
+        let pinned = format!("hf://acme/tiny@{sha}");
+        assert_eq!(
+            pinned_origin("hf://acme/tiny@main", &pinned).as_deref(),
+            Some(pinned.as_str())
+        );
+        assert_eq!(pinned_origin("hf://acme/other", &pinned), None);
+        assert_eq!(pinned_origin("hf://acme/tiny", "hf://acme/tiny@main"), None);
+        assert_eq!(pinned_origin("not a uri", &pinned), None);
+        assert_eq!(pinned_origin("hf://acme/tiny", "not a uri"), None);
+    }
+
+    #[test]
+    fn model_records_are_versioned_and_unversioned_ones_still_load() {
+        let old = serde_json::json!({
+            "name": "org/m", "digest": "ab", "origin": "file:///m", "chunk_size": 4,
+            "total_bytes": 8, "shards": [["w.bin", 8, 2]], "registered_at": 1.0
+        });
+        let m = ModelRecord::read(old.to_string().as_bytes()).unwrap();
+        assert_eq!(m.version, MODEL_RECORD_VERSION);
+        let v: serde_json::Value = serde_json::to_value(&m).unwrap();
+        assert_eq!(v["version"], MODEL_RECORD_VERSION);
+        let mut future = old.clone();
+        future["version"] = "7".into();
+        let e = ModelRecord::read(future.to_string().as_bytes()).unwrap_err();
+        assert!(e.contains("\"7\""), "{e}");
+    }
+    use crate::plan::{PlanKind, ReceiverProgress, ReceiverState};
+
+    fn plan(id: &str, digest: &str, hosts: &[(&str, ReceiverState)]) -> Plan {
+        let hosts = hosts
+            .iter()
+            .map(|(h, state)| {
+                let mut r = ReceiverProgress::new(*h, *state);
+                r.total = 10;
+                r
+            })
+            .collect();
+        Plan {
+            estimate_s: 1.0,
+            ..Plan::started(
+                id,
+                ("m", digest),
+                Tier::Memory,
+                PlanKind::Chains,
+                hosts,
+                "",
+                10.0,
+            )
+        }
+    }
+
+    fn holding(host: &str, digest: &str) -> HostEntry {
+        HostEntry {
+            report: HostView {
+                host_id: host.into(),
+                holdings: vec![inventory::Holding {
+                    digest: digest.into(),
+                    name: String::new(),
+                    tier: DataTier::Memory,
+                    complete: true,
+                    bytes_verified: 10,
+                    total_bytes: 10,
+                }],
+                ..Default::default()
+            },
+            last_seen: Instant::now(),
+            up: true,
+            gpu_reserved: BTreeMap::new(),
+            booked_at: HashMap::new(),
+            pending_evictions: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_reconciles_only_the_plans_its_host_receives_in() {
+        let mut st = State::default();
+        st.add_plan(plan(
+            "a",
+            "d1",
+            &[("h1", ReceiverState::Lost), ("h2", ReceiverState::Done)],
+        ));
+        // Another plan of the same model where h1 is not a receiver: untouched.
+        st.add_plan(plan("b", "d1", &[("h2", ReceiverState::Lost)]));
+        // Many plans h1 is not part of (restored ones are indexed too).
+        for i in 0..1000 {
+            st.insert_plan(
+                format!("x{i}"),
+                plan(&format!("x{i}"), "d1", &[("h9", ReceiverState::Lost)]),
+            );
+        }
+        st.hosts.insert("h1".into(), holding("h1", "d1"));
+        assert_eq!(st.receiver_plans["h1"], vec!["a".to_string()]);
+        assert_eq!(st.receiver_plans["h9"].len(), 1000);
+        let events = reconcile_receivers(&mut st, "h1");
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].plan_id, "a");
+        assert_eq!(st.plans["a"].hosts[0].state, ReceiverState::Done);
+        assert_eq!(st.plans["b"].hosts[0].state, ReceiverState::Lost);
+        assert!(
+            st.plans
+                .values()
+                .filter(|p| p.id.starts_with('x'))
+                .all(|p| p.hosts[0].state == ReceiverState::Lost)
+        );
+        // Nothing left to recover: a second heartbeat changes nothing.
+        assert!(reconcile_receivers(&mut st, "h1").is_empty());
+        // A host in no plan.
+        st.hosts.insert("h3".into(), holding("h3", "d1"));
+        assert!(reconcile_receivers(&mut st, "h3").is_empty());
+    }
+
+    #[test]
+    fn the_index_does_not_list_a_plan_twice() {
+        let mut st = State::default();
+        st.add_plan(plan("a", "d1", &[("h1", ReceiverState::Pending)]));
+        st.insert_plan(
+            "a".into(),
+            plan("a", "d1", &[("h1", ReceiverState::Pending)]),
+        );
+        assert_eq!(st.receiver_plans["h1"], vec!["a".to_string()]);
+    }
+}
