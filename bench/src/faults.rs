@@ -168,6 +168,10 @@ pub struct FaultTrial {
     pub evict_error: Option<String>,
     /// The plan's final state and message, and each host's state.
     pub plan: String,
+    /// Bytes the origin served from the prewarm call until the plan settled (the model is
+    /// `bytes`: more means some of it was read from the origin again, by a host below a
+    /// failed one or by a re-planned victim).
+    pub origin_bytes: u64,
 }
 
 /// The `faults` report.
@@ -213,7 +217,7 @@ pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
                 t.no_fault_s = no_fault_s;
                 t.ratio = t.ready_s / no_fault_s;
                 eprintln!(
-                    "{fault:?} at the {position:?} ({}), trial {}: ready in {:.2} s = {:.2} × no fault, exact {}, status true {}, victims complete {}, bytes left after evict {}",
+                    "{fault:?} at the {position:?} ({}), trial {}: ready in {:.2} s = {:.2} × no fault, exact {}, status true {}, victims complete {}, origin bytes {}, bytes left after evict {}",
                     t.host,
                     trial + 1,
                     t.ready_s,
@@ -221,6 +225,7 @@ pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
                     t.exact,
                     t.status_true,
                     t.victims_complete,
+                    t.origin_bytes,
                     match (&t.bytes_left_after_evict, &t.evict_error) {
                         (Some(b), _) => b.to_string(),
                         (None, e) =>
@@ -262,9 +267,11 @@ async fn run_trial(
         daemons,
         net,
         manifest,
+        origin,
         ..
     } = &mut c;
-    let (net, manifest) = (&*net, &*manifest);
+    let (net, manifest, origin) = (&*net, &*manifest, &*origin);
+    let origin_before = origin.bytes_sent();
     let t0 = Instant::now();
     let accepted = api
         .prewarm(PrewarmRequest {
@@ -360,6 +367,9 @@ async fn run_trial(
         .all(|d| d.verify_copy(manifest).is_ok());
     // A victim that recovers reports itself through its heartbeats: give it the time to.
     let final_status = settle(&mut api, &accepted.plan_id, daemons, manifest).await?;
+    // The origin's stats file is rewritten every 100 ms.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let origin_bytes = origin.bytes_sent().saturating_sub(origin_before);
     let status_true = report_is_true(&final_status, daemons, manifest);
     let victims_complete = daemons.iter().all(|d| d.verify_copy(manifest).is_ok());
     let plan = format!(
@@ -397,6 +407,7 @@ async fn run_trial(
         bytes_left_after_evict,
         evict_error,
         plan,
+        origin_bytes,
     })
 }
 

@@ -512,7 +512,7 @@ impl OriginProc {
         })
     }
 
-    fn bytes_sent(&self) -> u64 {
+    pub(crate) fn bytes_sent(&self) -> u64 {
         origin_server::read_stats_file(&self.stats)
     }
 }

@@ -315,6 +315,16 @@ impl ReceiverProgress {
         self.awaits_room = false;
     }
 
+    /// Back (or with room again), but held back at `now` so as not to read the origin
+    /// beside the plan's other receivers: its grace starts again, and its note says why.
+    pub fn defer_return(&mut self, now: f64) {
+        const WHY: &str = "; back, waiting for a peer's complete copy rather than reading the origin beside the plan's other receivers";
+        self.lost_at = now;
+        if !self.error.ends_with(WHY) {
+            self.error.push_str(WHY);
+        }
+    }
+
     /// Its host's store refused the data (`observe` failed it saying why) and the plan
     /// waits up to `grace` seconds: lost, awaiting room, from `now`. The host's verified
     /// chunks stay; once it reports room for the rest it is re-planned and resumes.
@@ -782,6 +792,28 @@ mod tests {
         );
         // A receiver lost for another reason does not wait for room.
         assert!(rx(ReceiverState::Lost).room_for_rest(0));
+    }
+
+    #[test]
+    fn a_deferred_return_renews_the_grace_and_says_why_once() {
+        let mut r = rx(ReceiverState::Receiving);
+        r.lose("gone", 10.0);
+        assert!(r.awaits_return(25.0, 20.0) && !r.awaits_return(31.0, 20.0));
+        r.defer_return(25.0);
+        r.defer_return(26.0);
+        assert!(
+            r.awaits_return(45.0, 20.0),
+            "the grace counts from the last deferral"
+        );
+        assert_eq!(
+            r.error
+                .matches("waiting for a peer's complete copy")
+                .count(),
+            1
+        );
+        r.come_back();
+        assert_eq!(r.state, ReceiverState::Receiving);
+        assert!(!r.error.contains("waiting for a peer"), "{}", r.error);
     }
 
     #[test]

@@ -287,8 +287,9 @@ impl Controller {
         Vec<(String, bool, u32)>,
         Vec<(String, bool)>,
     )> {
-        let st = lock(&self.state);
-        let plan = st.plans.get(id).filter(|p| p.running())?;
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        let plan = st.plans.get_mut(id).filter(|p| p.running())?;
         let up = |host: &str| st.hosts.get(host).is_some_and(|e| e.up);
         let active = plan
             .hosts
@@ -307,14 +308,29 @@ impl Controller {
                     DataTier::Disk => e.report.disk_free,
                 })
         };
-        let returned = plan
-            .hosts
-            .iter()
-            .filter(|h| {
-                h.awaits_return(now, grace) && up(&h.host) && h.room_for_rest(free(&h.host))
-            })
-            .map(|h| (h.host.clone(), h.awaits_room))
-            .collect();
+        // With no complete copy on any host yet, a returning receiver would read the
+        // origin beside the plan's own receivers, which are still moving the model from it
+        // (or from the hosts it feeds), and take their bandwidth: it waits, its grace
+        // renewed, until a peer holds a copy or nothing else moves.
+        let digest = plan.digest.clone();
+        let peer_copy = st.hosts.values().any(|e| {
+            e.up && [DataTier::Memory, DataTier::Disk]
+                .iter()
+                .any(|t| e.holding(&digest, *t).is_some_and(|h| h.complete))
+        });
+        let others_moving = plan.hosts.iter().any(|h| h.state.is_active());
+        let mut returned = Vec::new();
+        for h in plan.hosts.iter_mut() {
+            if !(h.awaits_return(now, grace) && up(&h.host) && h.room_for_rest(free(&h.host))) {
+                continue;
+            }
+            if !peer_copy && others_moving {
+                h.defer_return(now);
+                continue;
+            }
+            returned.push((h.host.clone(), h.awaits_room));
+        }
+        let plan = &*plan;
         Some((
             plan.digest.clone(),
             plan.model.clone(),
