@@ -326,6 +326,29 @@ pub fn plan_token_with(
     bytes::Bytes::from(pki.sign(&claims).expect("signing"))
 }
 
+/// The `Open` a hand-made session from a peer sends: chunk 0 of shard 0 of `model` into the
+/// memory tier, no fallback origin, no hops, with a plan token naming `hosts` (see
+/// [`plan_token`]); adjust it with struct update syntax.
+pub fn open_header(
+    session: shardcast_protocol::SessionId,
+    model: shardcast_protocol::ModelDigest,
+    hosts: &[&str],
+) -> shardcast_protocol::SessionHeader {
+    shardcast_protocol::SessionHeader {
+        session,
+        model,
+        shard: 0,
+        start: 0,
+        end: 1,
+        tier: shardcast_protocol::Tier::Memory,
+        origin: String::new(),
+        downstream: vec![],
+        token: plan_token(model, hosts),
+        upstream: Vec::new(),
+        transport: Default::default(),
+    }
+}
+
 /// `id` or `id@host:port` as a plan token names a host.
 pub fn plan_host(h: &str) -> shardcast_protocol::Hop {
     let (id, addr) = h.split_once('@').unwrap_or((h, ""));

@@ -476,20 +476,32 @@ async fn a_receiver_restarted_mid_prewarm_resumes_and_the_plan_completes() {
     assert_eq!(code, 0, "{out}\n{err}");
 }
 
-/// A memory tier whose tmpfs another process fills during a prewarm: the daemon does not
-/// die, its receive fails with the file system's own error and the plan ends `partial`
-/// naming it, the other hosts complete, and nothing it verified is lost: once room is made,
-/// a second prewarm completes its copy from the chunks it kept.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_loses_nothing() {
+/// The host whose memory tier [`prewarm_then_fill_a_tier`] fills.
+const FILLED_VICTIM: &str = "host-2";
+
+/// What [`prewarm_then_fill_a_tier`] leaves running.
+struct FilledTier {
+    c: ManagedCluster,
+    api: ControllerClient<Channel>,
+    manifest: Manifest,
+    plan: String,
+    /// The other process's file on the victim's memory tier.
+    filler: std::path::PathBuf,
+    _origin: Origin,
+}
+
+/// Three hosts under a controller started with `ctl_args`, [`FILLED_VICTIM`]'s memory tier
+/// on a tmpfs of its own with room for the model (32 MiB) and 16 MiB more; a prewarm of all
+/// three a fifth done, then another process's file taking every byte left on that tmpfs.
+/// `None` (the test is skipped, saying why) where no tmpfs can be mounted.
+async fn prewarm_then_fill_a_tier(ctl_args: Vec<String>) -> Option<FilledTier> {
     use shardcast_bench::cluster::TmpfsMount;
     if let Err(why) = TmpfsMount::available() {
         eprintln!("SKIPPED: a memory tier on a tmpfs of its own: {why}");
-        return;
+        return None;
     }
     let size = 32u64 << 20;
-    // host-2's memory tier: a tmpfs with room for the model and 16 MiB more.
-    let c = start_cluster(3, vec!["--lost-grace-s".into(), "0".into()], |i, o| {
+    let c = start_cluster(3, ctl_args, |i, o| {
         o.egress_rate = "24MB/s".into();
         if i == 1 {
             o.memory_tmpfs = Some(size + (16 << 20));
@@ -497,14 +509,12 @@ async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_l
     })
     .await
     .unwrap();
-    let victim = "host-2";
-    let tier = c.daemon(victim).unwrap().memory_dir.clone();
+    let tier = c.daemon(FILLED_VICTIM).unwrap().memory_dir.clone();
     let origin = Origin::new(size, 2);
     let mut api = c.controller.client().await.unwrap();
     let manifest = register(&mut api, &origin).await;
     let plan = prewarm_hosts(&mut api, hosts(1..=3)).await;
     wait_fraction(&mut api, &plan, 0.2).await;
-    // Another process's file takes every byte left.
     let filler = tier.join("someone-else");
     {
         use std::io::Write;
@@ -512,6 +522,34 @@ async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_l
         let block = vec![1u8; 1 << 20];
         while f.write_all(&block).is_ok() {}
     }
+    Some(FilledTier {
+        c,
+        api,
+        manifest,
+        plan,
+        filler,
+        _origin: origin,
+    })
+}
+
+/// A memory tier whose tmpfs another process fills during a prewarm: the daemon does not
+/// die, its receive fails with the file system's own error and the plan ends `partial`
+/// naming it, the other hosts complete, and nothing it verified is lost: once room is made,
+/// a second prewarm completes its copy from the chunks it kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_loses_nothing() {
+    let Some(FilledTier {
+        c,
+        mut api,
+        manifest,
+        plan,
+        filler,
+        _origin,
+    }) = prewarm_then_fill_a_tier(vec!["--lost-grace-s".into(), "0".into()]).await
+    else {
+        return;
+    };
+    let victim = FILLED_VICTIM;
     let done = wait_plan(&mut api, &plan, Duration::from_secs(120))
         .await
         .unwrap();
@@ -568,37 +606,25 @@ async fn a_memory_tier_filled_by_another_process_mid_prewarm_fails_clearly_and_l
 /// kept, and the plan ends `done` with every copy exact — without a second prewarm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_whose_store_filled_completes_within_its_plan_once_room_returns() {
-    use shardcast_bench::cluster::TmpfsMount;
-    if let Err(why) = TmpfsMount::available() {
-        eprintln!("SKIPPED: a memory tier on a tmpfs of its own: {why}");
-        return;
-    }
-    let size = 32u64 << 20;
     // The tier sweeper runs often: it must not shed the victim's partial copy to make
     // room while the plan waits for it (the copy is what it resumes from).
-    let args = ["--lost-grace-s", "30", "--tier-sweep-ms", "300"];
-    let c = start_cluster(3, args.map(String::from).to_vec(), |i, o| {
-        o.egress_rate = "24MB/s".into();
-        if i == 1 {
-            o.memory_tmpfs = Some(size + (16 << 20));
-        }
-    })
+    let Some(FilledTier {
+        c,
+        mut api,
+        manifest,
+        plan,
+        filler,
+        _origin,
+    }) = prewarm_then_fill_a_tier(
+        ["--lost-grace-s", "30", "--tier-sweep-ms", "300"]
+            .map(String::from)
+            .to_vec(),
+    )
     .await
-    .unwrap();
-    let victim = "host-2";
-    let tier = c.daemon(victim).unwrap().memory_dir.clone();
-    let origin = Origin::new(size, 2);
-    let mut api = c.controller.client().await.unwrap();
-    let manifest = register(&mut api, &origin).await;
-    let plan = prewarm_hosts(&mut api, hosts(1..=3)).await;
-    wait_fraction(&mut api, &plan, 0.2).await;
-    let filler = tier.join("someone-else");
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&filler).unwrap();
-        let block = vec![1u8; 1 << 20];
-        while f.write_all(&block).is_ok() {}
-    }
+    else {
+        return;
+    };
+    let victim = FILLED_VICTIM;
     // Lost, awaiting room, saying why.
     let deadline = Instant::now() + Duration::from_secs(60);
     let waiting = loop {

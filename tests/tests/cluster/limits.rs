@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BytesMut};
 use shardcast_protocol::agent::{Chain, Hop, StartChainRequest, Tier};
 use shardcast_protocol::codec::Codec;
-use shardcast_protocol::{ChunkSet, ErrorCode, Frame, HostId, SessionHeader, SessionId};
+use shardcast_protocol::{ChunkSet, ErrorCode, Frame, HostId, SessionId};
 use shardcast_tests::{Stream, TestCluster, hello, metric, tls_accept, tls_connect, tls_over};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -70,19 +70,11 @@ async fn silent_peers_are_closed_in_every_phase() {
     let r = &c.daemons[1];
     let mut s = tls_connect(r.data_addr, "stalled-upstream").await.unwrap();
     let mut out = hello("stalled-upstream");
-    Frame::Open(SessionHeader {
-        session: SessionId([9; 16]),
-        model: manifest.digest(),
-        shard: 0,
-        start: 0,
-        end: 1,
-        tier: shardcast_protocol::Tier::Memory,
-        origin: String::new(),
-        downstream: vec![],
-        token: shardcast_tests::plan_token(manifest.digest(), &["stalled-upstream", "recv-1"]),
-        upstream: Vec::new(),
-        transport: Default::default(),
-    })
+    Frame::Open(shardcast_tests::open_header(
+        SessionId([9; 16]),
+        manifest.digest(),
+        &["stalled-upstream", "recv-1"],
+    ))
     .encode(&mut out);
     // The session's manifest follows its Open (protocol v6).
     Frame::Manifest(manifest.clone()).encode(&mut out);
@@ -147,19 +139,11 @@ async fn sessions_beyond_the_cap_are_refused() {
     for id in 1..=4u8 {
         let mut s = tls_connect(r.data_addr, "opener").await.unwrap();
         let mut out = hello("opener");
-        Frame::Open(SessionHeader {
-            session: SessionId([id; 16]),
-            model: manifest.digest(),
-            shard: 0,
-            start: 0,
-            end: 1,
-            tier: shardcast_protocol::Tier::Memory,
-            origin: String::new(),
-            downstream: vec![],
-            token: shardcast_tests::plan_token(manifest.digest(), &["opener", "recv-1"]),
-            upstream: Vec::new(),
-            transport: Default::default(),
-        })
+        Frame::Open(shardcast_tests::open_header(
+            SessionId([id; 16]),
+            manifest.digest(),
+            &["opener", "recv-1"],
+        ))
         .encode(&mut out);
         // The session's manifest follows its Open (protocol v6).
         Frame::Manifest(manifest.clone()).encode(&mut out);
@@ -360,19 +344,11 @@ async fn open_session(
     let mut session = [0u8; 16];
     session[..8].copy_from_slice(&rand_u64().to_be_bytes());
     session[8..].copy_from_slice(&rand_u64().to_be_bytes());
-    Frame::Open(SessionHeader {
-        session: SessionId(session),
-        model: manifest.digest(),
-        shard: 0,
-        start: 0,
-        end: 1,
-        tier: shardcast_protocol::Tier::Memory,
-        origin: String::new(),
-        downstream: vec![],
-        token: shardcast_tests::plan_token(manifest.digest(), &[name, d.host_id.as_str()]),
-        upstream: Vec::new(),
-        transport: Default::default(),
-    })
+    Frame::Open(shardcast_tests::open_header(
+        SessionId(session),
+        manifest.digest(),
+        &[name, d.host_id.as_str()],
+    ))
     .encode(&mut out);
     Frame::Manifest(manifest.clone()).encode(&mut out);
     s.write_all(&out).await.unwrap();
@@ -469,19 +445,11 @@ async fn a_large_frame_that_stops_progressing_is_dropped() {
     let d = &c.daemons[1];
     let mut s = tls_connect(d.data_addr, "dribbler").await.unwrap();
     let mut out = hello("dribbler");
-    Frame::Open(SessionHeader {
-        session: SessionId([3; 16]),
-        model: manifest.digest(),
-        shard: 0,
-        start: 0,
-        end: 1,
-        tier: shardcast_protocol::Tier::Memory,
-        origin: String::new(),
-        downstream: vec![],
-        token: shardcast_tests::plan_token(manifest.digest(), &["dribbler", "recv-1"]),
-        upstream: Vec::new(),
-        transport: Default::default(),
-    })
+    Frame::Open(shardcast_tests::open_header(
+        SessionId([3; 16]),
+        manifest.digest(),
+        &["dribbler", "recv-1"],
+    ))
     .encode(&mut out);
     let body = 1 << 20;
     out.extend_from_slice(&((body + 1) as u32).to_be_bytes());

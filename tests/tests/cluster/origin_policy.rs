@@ -351,17 +351,12 @@ async fn a_fallback_origin_outside_policy_refuses_the_session() {
         .unwrap();
     let mut out = shardcast_tests::hello("attacker");
     Frame::Open(SessionHeader {
-        session: SessionId([7; 16]),
-        model: manifest.digest(),
-        shard: 0,
-        start: 0,
-        end: 1,
-        tier: shardcast_protocol::Tier::Memory,
         origin: "http://169.254.169.254/latest/".into(),
-        downstream: vec![],
-        token: shardcast_tests::plan_token(manifest.digest(), &["attacker", "recv-1"]),
-        upstream: Vec::new(),
-        transport: Default::default(),
+        ..shardcast_tests::open_header(
+            SessionId([7; 16]),
+            manifest.digest(),
+            &["attacker", "recv-1"],
+        )
     })
     .encode(&mut out);
     // The session's manifest follows its Open (protocol v6).

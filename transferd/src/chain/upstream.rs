@@ -21,8 +21,9 @@ impl Node {
     /// Checks the `Open`'s plan token: signed by the controller (a certificate of the
     /// cluster CA with the `controller` role), not expired, for this model, naming this
     /// host, the sender, and every downstream hop and upstream holder at its address, and
-    /// a `shardcast://` fallback at a plan host's address. Without TLS (`insecure_plaintext`) there
-    /// is no CA to check a signature against, and sessions are accepted as before.
+    /// a `shardcast://` fallback at a plan host's address. Nothing of the session, not even
+    /// its manifest, is read before this passes. Without TLS (`insecure_plaintext`) there is
+    /// no CA to check a signature against, and sessions are accepted as before.
     pub(super) fn authorize_open(
         &self,
         header: &SessionHeader,
