@@ -424,6 +424,44 @@ pub async fn read_frames<S: tokio::io::AsyncRead + Unpin>(
     frames
 }
 
+/// Reads the next frame from `s`, keeping bytes read beyond it in `buf` for the next call;
+/// `None` once the stream ends, nothing arrives for 10 s, or the bytes are no frame.
+pub async fn read_frame<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    buf: &mut bytes::BytesMut,
+) -> Option<shardcast_protocol::Frame> {
+    use bytes::Buf;
+    use shardcast_protocol::Codec;
+    use tokio::io::AsyncReadExt;
+    loop {
+        let mut b = buf.clone().freeze();
+        if let Ok(f) = shardcast_protocol::Frame::decode(&mut b) {
+            let used = buf.len() - b.remaining();
+            let _ = buf.split_to(used);
+            return Some(f);
+        }
+        let mut tmp = [0u8; 64 << 10];
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&tmp[..n]),
+            _ => return None,
+        }
+    }
+}
+
+/// Reads frames from `s` until an `Error`, whose code and message it returns; `None` if
+/// the stream ends (or falls silent for 10 s) first.
+pub async fn first_error<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+) -> Option<(shardcast_protocol::ErrorCode, String)> {
+    let mut buf = bytes::BytesMut::new();
+    while let Some(f) = read_frame(s, &mut buf).await {
+        if let shardcast_protocol::Frame::Error { code, message } = f {
+            return Some((code, message));
+        }
+    }
+    None
+}
+
 /// The encoding of `Hello` from `host` in this build's protocol version.
 pub fn hello(host: &str) -> Vec<u8> {
     use shardcast_protocol::Codec;

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, BytesMut};
+use bytes::BytesMut;
 use shardcast_protocol::agent::{Chain, Hop, StartChainRequest, Tier};
 use shardcast_protocol::codec::Codec;
 use shardcast_protocol::{ChunkSet, ErrorCode, Frame, HostId, SessionId};
@@ -150,7 +150,7 @@ async fn sessions_beyond_the_cap_are_refused() {
         s.write_all(&out).await.unwrap();
         let mut buf = BytesMut::new();
         loop {
-            match read_frame(&mut s, &mut buf)
+            match shardcast_tests::read_frame(&mut s, &mut buf)
                 .await
                 .expect("an answer to Open")
             {
@@ -230,22 +230,6 @@ async fn a_connection_flood_is_refused_while_another_peer_gets_in() {
     assert!(admitted(again).await.is_some());
 }
 
-async fn read_frame<S: AsyncRead + Unpin>(s: &mut S, buf: &mut BytesMut) -> Option<Frame> {
-    loop {
-        let mut b = buf.clone().freeze();
-        if let Ok(f) = Frame::decode(&mut b) {
-            let used = buf.len() - b.remaining();
-            let _ = buf.split_to(used);
-            return Some(f);
-        }
-        let mut tmp = [0u8; 64 << 10];
-        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp)).await {
-            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&tmp[..n]),
-            _ => return None,
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invented_host_ids_do_not_grow_a_session() {
     let c = TestCluster::start(0, 1 << 20, 1, |_, _| {}).await.unwrap();
@@ -259,7 +243,10 @@ async fn invented_host_ids_do_not_grow_a_session() {
         let mut buf = BytesMut::new();
         s.write_all(&hello("rogue-hop")).await.unwrap();
         let (start, end) = loop {
-            match read_frame(&mut s, &mut buf).await.expect("Open") {
+            match shardcast_tests::read_frame(&mut s, &mut buf)
+                .await
+                .expect("Open")
+            {
                 Frame::Open(h) => break (h.start, h.end),
                 _ => continue,
             }
@@ -354,7 +341,7 @@ async fn open_session(
     s.write_all(&out).await.unwrap();
     let mut buf = BytesMut::new();
     loop {
-        match read_frame(&mut s, &mut buf).await {
+        match shardcast_tests::read_frame(&mut s, &mut buf).await {
             Some(Frame::Accept { .. }) => return s,
             Some(Frame::Error { code, message }) => panic!("Open refused: {code:?} {message}"),
             Some(_) => {}
@@ -412,14 +399,7 @@ async fn large_frames_before_an_authorised_open_are_refused_unread() {
         header.push(ty);
         s.write_all(&header).await.unwrap();
         s.write_all(&[0u8; 10]).await.unwrap();
-        let mut buf = BytesMut::new();
-        let mut refused = None;
-        while let Some(f) = read_frame(&mut s, &mut buf).await {
-            if let Frame::Error { code, message } = f {
-                refused = Some((code, message));
-                break;
-            }
-        }
+        let refused = shardcast_tests::first_error(&mut s).await;
         let (code, message) = refused.unwrap_or_else(|| panic!("a {name} frame was taken"));
         assert_eq!(code, ErrorCode::ProtocolViolation, "{message}");
         assert!(
@@ -469,7 +449,10 @@ async fn a_large_frame_that_stops_progressing_is_dropped() {
         }
         // Frames the daemon sends meanwhile (none is expected) are skipped; an `Error` or
         // the end of the connection is the answer.
-        let next = tokio::time::timeout(Duration::from_secs(1), read_frame(&mut s, &mut buf));
+        let next = tokio::time::timeout(
+            Duration::from_secs(1),
+            shardcast_tests::read_frame(&mut s, &mut buf),
+        );
         if let Ok(f @ (Some(Frame::Error { .. }) | None)) = next.await {
             answer = f;
             break;

@@ -6,7 +6,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
 use shardcast_bench::cluster::{Daemon, DaemonOpts};
 use shardcast_bench::control::{HttpAs, ManagedCluster};
 use shardcast_bench::origin_server::{OriginStats, serve};
@@ -300,25 +299,6 @@ async fn register_is_refused_by_the_controller_and_again_by_the_host() {
     assert!(resp.contains("PERMISSION_DENIED"), "{resp}");
 }
 
-async fn read_frame<S: tokio::io::AsyncRead + Unpin>(
-    s: &mut S,
-    buf: &mut BytesMut,
-) -> Option<Frame> {
-    loop {
-        let mut b = buf.clone().freeze();
-        if let Ok(f) = Frame::decode(&mut b) {
-            let used = buf.len() - b.remaining();
-            let _ = buf.split_to(used);
-            return Some(f);
-        }
-        let mut tmp = [0u8; 8192];
-        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp)).await {
-            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&tmp[..n]),
-            _ => return None,
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fallback_origin_outside_policy_refuses_the_session() {
     let c = shardcast_tests::TestCluster::start(1, 2 << 20, 1, |_, _| {})
@@ -362,14 +342,7 @@ async fn a_fallback_origin_outside_policy_refuses_the_session() {
     // The session's manifest follows its Open (protocol v6).
     Frame::Manifest(manifest.clone()).encode(&mut out);
     s.write_all(&out).await.unwrap();
-    let mut buf = BytesMut::new();
-    let mut refused = None;
-    while let Some(f) = read_frame(&mut s, &mut buf).await {
-        if let Frame::Error { code, message } = f {
-            refused = Some((code, message));
-            break;
-        }
-    }
+    let refused = shardcast_tests::first_error(&mut s).await;
     let (code, message) = refused.expect("an Error frame");
     assert_eq!(code, ErrorCode::Refused);
     assert!(message.contains("fallback origin"), "{message}");
