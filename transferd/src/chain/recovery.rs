@@ -36,7 +36,8 @@ impl Node {
             let mut monitor = RecoveryMonitor::new(node.cfg.upstream_grace, RECOVERY_ATTEMPTS);
             while !node.cancel.is_cancelled() {
                 let (up, stalled) = sess.upstream_view();
-                let sources = recovery_sources(&up, &stalled, &sess.origin);
+                let below = sess.bypassed.borrow().clone();
+                let sources = recovery_sources(&up, &stalled, below.as_ref(), &sess.origin);
                 let seen = Watched {
                     feeders: *feeders.borrow_and_update(),
                     complete: sess.complete(),
@@ -84,7 +85,7 @@ impl Node {
             }
             let result = match source {
                 Source::Holder(hop) => {
-                    info!(session = %sess.id, holder = %hop.host, "pulling from a holder above");
+                    info!(session = %sess.id, holder = %hop.host, "pulling from a holder");
                     self.pull_while_progressing(sess, hop).await
                 }
                 Source::Origin(uri) => {

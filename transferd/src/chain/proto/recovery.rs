@@ -9,7 +9,8 @@
 //! `max_attempts` in all.
 //!
 //! The sources, in order ([`recovery_sources`]): the holders above this hop, nearest
-//! first, except those found stalled, then the origin. So a hop that comes back after a
+//! first, except those found stalled, then the hop below if it bypassed this one, then the
+//! origin. So a hop that comes back after a
 //! stall (or restarts) pulls from the hop above it, and the origin is read only for what no
 //! live holder above has.
 
@@ -43,14 +44,19 @@ pub(crate) enum Source {
 }
 
 /// The sources of a recovery, in the order to try them: the holders above (nearest first)
-/// not found stalled, then the origin (if any).
+/// not found stalled, then the hop below that bypassed this one (`below`: it answered
+/// `AlreadyFed` — it is fed by someone else and holds at least what this hop has sent it),
+/// then the origin (if any). Reading the origin last keeps a hop that was stopped or cut
+/// off from taking the origin's bandwidth from the hosts it was bypassed for.
 pub(crate) fn recovery_sources(
     upstream: &[Hop],
     stalled: &HashSet<HostId>,
+    below: Option<&Hop>,
     origin: &str,
 ) -> Vec<Source> {
     upstream
         .iter()
+        .chain(below)
         .filter(|h| !stalled.contains(&h.host))
         .cloned()
         .map(Source::Holder)

@@ -651,7 +651,7 @@ fn recovery_sources_are_live_holders_above_nearest_first_then_the_origin() {
     let up = [hop("b"), hop("a"), hop("head")];
     let none = std::collections::HashSet::new();
     assert_eq!(
-        recovery_sources(&up, &none, "https://origin/m"),
+        recovery_sources(&up, &none, None, "https://origin/m"),
         vec![
             Source::Holder(hop("b")),
             Source::Holder(hop("a")),
@@ -661,8 +661,25 @@ fn recovery_sources_are_live_holders_above_nearest_first_then_the_origin() {
     );
     let stalled: std::collections::HashSet<_> = ["b".parse().unwrap()].into();
     assert_eq!(
-        recovery_sources(&up, &stalled, ""),
+        recovery_sources(&up, &stalled, None, ""),
         vec![Source::Holder(hop("a")), Source::Holder(hop("head"))]
+    );
+    // The hop below that bypassed this one comes after the holders above, before the
+    // origin; not when it was found stalled.
+    let below = hop("c");
+    assert_eq!(
+        recovery_sources(&up, &stalled, Some(&below), "https://origin/m"),
+        vec![
+            Source::Holder(hop("a")),
+            Source::Holder(hop("head")),
+            Source::Holder(hop("c")),
+            Source::Origin("https://origin/m".into()),
+        ]
+    );
+    let c_stalled: std::collections::HashSet<_> = ["c".parse().unwrap()].into();
+    assert_eq!(
+        recovery_sources(&[], &c_stalled, Some(&below), "o"),
+        vec![Source::Origin("o".into())]
     );
     assert!(!all_stalled(&up, &stalled));
     let everyone: std::collections::HashSet<_> = up.iter().map(|h| h.host.clone()).collect();
@@ -671,7 +688,7 @@ fn recovery_sources_are_live_holders_above_nearest_first_then_the_origin() {
         !all_stalled(&[], &everyone),
         "no list: a failover may still come"
     );
-    assert!(recovery_sources(&up, &everyone, "").is_empty());
+    assert!(recovery_sources(&up, &everyone, None, "").is_empty());
 }
 
 #[test]
