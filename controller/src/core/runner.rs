@@ -312,19 +312,23 @@ impl Controller {
         // origin beside the plan's own receivers, which are still moving the model from it
         // (or from the hosts it feeds), and take their bandwidth: it waits, its grace
         // renewed, until a peer holds a copy or nothing else moves.
+        // Scanned only when some receiver is back: this runs on every round of the plan.
         let digest = plan.digest.clone();
-        let peer_copy = st.hosts.values().any(|e| {
-            e.up && [DataTier::Memory, DataTier::Disk]
-                .iter()
-                .any(|t| e.holding(&digest, *t).is_some_and(|h| h.complete))
-        });
+        let peer_copy = || {
+            st.hosts.values().any(|e| {
+                e.up && [DataTier::Memory, DataTier::Disk]
+                    .iter()
+                    .any(|t| e.holding(&digest, *t).is_some_and(|h| h.complete))
+            })
+        };
         let others_moving = plan.hosts.iter().any(|h| h.state.is_active());
+        let mut wait_for_peer: Option<bool> = None;
         let mut returned = Vec::new();
         for h in plan.hosts.iter_mut() {
             if !(h.awaits_return(now, grace) && up(&h.host) && h.room_for_rest(free(&h.host))) {
                 continue;
             }
-            if !peer_copy && others_moving {
+            if *wait_for_peer.get_or_insert_with(|| others_moving && !peer_copy()) {
                 h.defer_return(now);
                 continue;
             }

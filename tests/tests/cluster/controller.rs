@@ -104,6 +104,20 @@ async fn register(api: &mut ControllerClient<Channel>, origin: &Origin) -> Manif
     decode_exact(m.manifest.into()).unwrap()
 }
 
+/// Every event the controller keeps, of every model.
+async fn all_events(
+    api: &mut ControllerClient<Channel>,
+) -> Vec<shardcast_protocol::controller::Event> {
+    api.list_events(shardcast_protocol::controller::ListEventsRequest {
+        model: String::new(),
+        limit: 0,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .events
+}
+
 fn hosts(range: std::ops::RangeInclusive<usize>) -> Vec<String> {
     range.map(|i| format!("host-{i}")).collect()
 }
@@ -686,7 +700,7 @@ async fn a_receiver_whose_store_filled_completes_within_its_plan_once_room_retur
 /// evicts its copy too (event `evict-on-return`), and every memory tier ends empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evict_while_a_holder_is_down_reaches_it_when_it_returns() {
-    use shardcast_protocol::controller::{ListEventsRequest, ListHostsRequest};
+    use shardcast_protocol::controller::ListHostsRequest;
     let c = start_cluster(3, vec!["--tier-sweep-ms".into(), "300".into()], |_, _| {})
         .await
         .unwrap();
@@ -745,15 +759,7 @@ async fn an_evict_while_a_holder_is_down_reaches_it_when_it_returns() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let events = api
-        .list_events(ListEventsRequest {
-            model: String::new(),
-            limit: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .events;
+    let events = all_events(&mut api).await;
     assert!(
         events
             .iter()
@@ -790,15 +796,7 @@ async fn a_rolling_restart_during_a_prewarm_loses_nothing() {
     }
     // The controller saw the restarts (each heartbeat names its process's start) and
     // re-planned those receivers at once rather than after their stall clock.
-    let events = api
-        .list_events(shardcast_protocol::controller::ListEventsRequest {
-            model: String::new(),
-            limit: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .events;
+    let events = all_events(&mut api).await;
     assert!(
         events.iter().any(|e| e.kind == "receiver-restarted"),
         "{events:?}"
