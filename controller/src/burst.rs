@@ -11,9 +11,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use shardcast_placement::Tier;
 use shardcast_policies::partition::PartitionPlan;
 use shardcast_policies::profile::ModelProfile;
-use shardcast_protocol::agent as apb;
 use tracing::{info, warn};
 
 use crate::core::{Controller, StallClock, lock, now_unix};
@@ -306,36 +306,30 @@ impl Controller {
         source: &str,
         heaviness: &str,
     ) -> Result<(), AgentError> {
-        let mut agent = self.agent_client(host)?;
-        let remote = |s: tonic::Status| AgentError::from_status(host, &s);
-        agent
-            .import_model(apb::ImportModelRequest {
-                name: name.to_string(),
-                origin: origin.to_string(),
-                chunk_size: 0,
-                tier: apb::Tier::Memory as i32,
-                fetch: false,
-                keep: false,
-                manifest: manifest.to_vec(),
-                bind_name: Some(self.current_name(digest).is_some()),
-            })
-            .await
-            .map_err(remote)?;
-        agent
-            .load_model(apb::LoadModelRequest {
-                model: digest.to_string(),
-                count: 1,
-                gpus: Vec::new(),
-                partition: Some(apb::PartitionSpec {
-                    groups: part.groups.clone(),
-                    complete: true,
-                    source: source.to_string(),
-                    label: part.label.clone(),
-                }),
-                heaviness: heaviness.to_string(),
-            })
-            .await
-            .map_err(remote)?;
+        let at = self.agent_at(host)?;
+        let import = crate::agents::Import {
+            name: name.to_string(),
+            origin: origin.to_string(),
+            chunk_size: 0,
+            tier: Tier::Memory,
+            fetch: false,
+            keep: false,
+            manifest: manifest.to_vec(),
+            bind_name: Some(self.current_name(digest).is_some()),
+        };
+        self.agents().import_model(&at, import).await?;
+        let load = crate::agents::Load {
+            model: digest.to_string(),
+            count: 1,
+            partition: Some(crate::agents::Partition {
+                groups: part.groups.clone(),
+                complete: true,
+                source: source.to_string(),
+                label: part.label.clone(),
+            }),
+            heaviness: heaviness.to_string(),
+        };
+        self.agents().load_model(&at, load).await?;
         info!(host, model = name, partition = %part.label, groups = part.groups.len(), "burst partition started");
         Ok(())
     }

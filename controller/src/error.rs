@@ -168,28 +168,6 @@ pub struct AgentError {
 }
 
 impl AgentError {
-    /// From the agent's gRPC answer.
-    pub fn from_status(host: &str, s: &tonic::Status) -> Self {
-        let failure = match s.code() {
-            Code::NotFound => AgentFailure::NotFound,
-            Code::PermissionDenied | Code::Unauthenticated => AgentFailure::Refused,
-            Code::InvalidArgument | Code::OutOfRange => AgentFailure::Invalid,
-            Code::FailedPrecondition | Code::AlreadyExists | Code::Aborted => {
-                AgentFailure::Precondition
-            }
-            Code::ResourceExhausted => AgentFailure::Exhausted,
-            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
-                AgentFailure::Unreachable
-            }
-            _ => AgentFailure::Failed,
-        };
-        Self {
-            host: host.to_string(),
-            failure,
-            message: s.message().to_string(),
-        }
-    }
-
     /// The agent could not be reached (no channel, no identity to expect).
     pub fn unreachable(host: &str, why: impl std::fmt::Display) -> Self {
         Self {
@@ -663,10 +641,6 @@ mod tests {
         assert_eq!(
             e.message, "reading origin s3://b/m through host h1: no",
             "the message names the origin and the host"
-        );
-        assert_eq!(
-            AgentError::from_status("h", &tonic::Status::unavailable("x")).failure,
-            AgentFailure::Unreachable
         );
     }
 }

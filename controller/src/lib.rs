@@ -31,6 +31,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+pub mod agents;
 pub mod auth;
 pub mod autoscaler;
 pub mod burst;

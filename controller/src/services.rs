@@ -15,7 +15,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use shardcast_placement::Tier;
-use shardcast_protocol::agent::GetHandoffRequest;
 use shardcast_protocol::controller::{
     Event, EvictRequest, EvictResponse, ReportLoadRequest, ScaleOutRequest,
 };
@@ -27,8 +26,7 @@ use crate::core::{
     Controller, ControllerConfig, data_tier, gpu_reserved, lock, now_unix, parse_profile,
 };
 use crate::error::{
-    AgentError, ApiError, EvictError, LoadError, LookupError, PartitionError, PlanRequestError,
-    ScaleOutError,
+    ApiError, EvictError, LoadError, LookupError, PartitionError, PlanRequestError, ScaleOutError,
 };
 use crate::events::EventLog;
 use crate::inventory::DataTier;
@@ -287,16 +285,10 @@ impl ModelSource for Controller {
         host: &str,
         digest: &str,
     ) -> Result<Vec<(String, u64)>, PartitionError> {
-        let mut agent = self.agent_client(host)?;
-        let h = agent
-            .get_handoff(GetHandoffRequest {
-                model: digest.to_string(),
-            })
-            .await
-            .map_err(|s| AgentError::from_status(host, &s))?
-            .into_inner();
+        let at = self.agent_at(host)?;
+        let json = self.agents().handoff(&at, digest).await?;
         let v: serde_json::Value =
-            serde_json::from_str(&h.json).map_err(|e| PartitionError::BadHandoff {
+            serde_json::from_str(&json).map_err(|e| PartitionError::BadHandoff {
                 host: host.to_string(),
                 why: e.to_string(),
             })?;

@@ -99,23 +99,25 @@ impl Controller {
         let mut bytes_freed = 0;
         for h in &targets {
             let r = async {
-                let mut agent = self.agent(h)?;
-                agent
-                    .evict_model(apb::EvictModelRequest {
-                        model: digest.clone(),
-                        tier: agent_tier(tier),
-                        // No plan moves it to these hosts any more (checked above): a
-                        // session left on one (a forwarder still waiting on a stopped hop)
-                        // outlived its plan.
-                        end_sessions: true,
-                    })
+                let at = self.agent_at(h)?;
+                self.agents
+                    .evict_model(
+                        &at,
+                        crate::agents::Evict {
+                            model: digest.clone(),
+                            tier,
+                            // No plan moves it to these hosts any more (checked above): a
+                            // session left on one (a forwarder still waiting on a stopped hop)
+                            // outlived its plan.
+                            end_sessions: true,
+                        },
+                    )
                     .await
-                    .map_err(|s| AgentError::from_status(h, &s))
             }
             .await;
             match r {
                 Ok(r) => {
-                    bytes_freed += r.into_inner().bytes_freed;
+                    bytes_freed += r;
                     let mut st = lock(&self.state);
                     if let Some(e) = st.hosts.get_mut(h) {
                         e.forget(&digest, data_tier(tier));

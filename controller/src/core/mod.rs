@@ -20,8 +20,6 @@ use serde::{Deserialize, Serialize};
 use shardcast_placement::{
     self as placement, PlanError, PlanParams, Receiver, ReceiverKind, Source, Target, Tier,
 };
-use shardcast_protocol::agent::agent_client::AgentClient;
-use shardcast_protocol::agent::{self as apb, GetModelStatusRequest, ImportModelRequest};
 use shardcast_protocol::codec::decode_exact;
 use shardcast_protocol::controller::{
     Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostState,
@@ -32,9 +30,9 @@ use shardcast_protocol::origin_policy::{Enforcer, OriginLocation, OriginPolicy};
 use shardcast_protocol::{HostId, Manifest, ModelName};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 use tracing::{info, warn};
 
+use crate::agents::{AgentAt, Agents};
 use crate::error::{
     AgentError, AgentFailure, ApiError, EvictError, HeartbeatError, HostUnavailable, LookupError,
     PlanRequestError, RegisterError,
@@ -62,7 +60,6 @@ use hosts::*;
 use plans::*;
 #[cfg(test)]
 use registry::*;
-use runner::*;
 
 /// What runs after a model is registered (with a profile), given its name.
 pub type AfterRegister =
@@ -277,13 +274,6 @@ pub(crate) fn data_tier(tier: Tier) -> DataTier {
     }
 }
 
-fn agent_tier(tier: Tier) -> i32 {
-    match tier {
-        Tier::Disk => apb::Tier::Disk as i32,
-        Tier::Memory | Tier::Gpu => apb::Tier::Memory as i32,
-    }
-}
-
 fn plan_error(e: PlanError) -> PlanRequestError {
     match e {
         PlanError::NoLiveHost => HostUnavailable::NoLiveHost.into(),
@@ -381,14 +371,10 @@ pub struct Controller {
     cfg: ControllerConfig,
     store: Arc<dyn StateStore>,
     pub(crate) state: Mutex<State>,
-    agents: Mutex<HashMap<String, (String, AgentClient<Channel>)>>,
+    /// The hosts' agents (`crate::agents`).
+    agents: Arc<dyn Agents>,
     /// Host reports and plan progress, committed in batches off the state lock.
     writes: Arc<crate::write_behind::WriteBehind>,
-    /// Agents that answered at least once, and the gate for first contacts: a plan's
-    /// first round opens a mutually authenticated connection to every receiver, and 1000
-    /// handshakes at once starved heartbeats and API calls of CPU for over a second.
-    reached: Mutex<HashSet<String>>,
-    first_contact: tokio::sync::Semaphore,
     cancel: CancellationToken,
     /// Decisions and plan events (`ListEvents`), shared with the services.
     events: Arc<EventLog>,
@@ -417,7 +403,19 @@ impl Controller {
         store: Arc<dyn StateStore>,
         cancel: CancellationToken,
     ) -> Result<Arc<Self>, ApiError> {
-        let (me, resume) = Self::load(cfg, store, cancel)?;
+        let agents = Arc::new(crate::agents::grpc::GrpcAgents::new(cfg.tls.clone()));
+        Self::open_with(cfg, store, cancel, agents)
+    }
+
+    /// [`Self::open`], reaching the hosts through `agents` (a simulated datacenter's, or
+    /// the gRPC agents).
+    pub fn open_with(
+        cfg: ControllerConfig,
+        store: Arc<dyn StateStore>,
+        cancel: CancellationToken,
+        agents: Arc<dyn Agents>,
+    ) -> Result<Arc<Self>, ApiError> {
+        let (me, resume) = Self::load(cfg, store, cancel, agents)?;
         for (id, burst) in resume {
             info!(plan = %id, "resuming a plan in flight");
             if burst {
@@ -437,7 +435,8 @@ impl Controller {
         store: Arc<dyn StateStore>,
         cancel: CancellationToken,
     ) -> Result<Arc<Self>, ApiError> {
-        Ok(Self::load(cfg, store, cancel)?.0)
+        let agents = Arc::new(crate::agents::grpc::GrpcAgents::new(cfg.tls.clone()));
+        Ok(Self::load(cfg, store, cancel, agents)?.0)
     }
 
     /// The stored state, and the plans in flight (id, is a burst).
@@ -446,6 +445,7 @@ impl Controller {
         cfg: ControllerConfig,
         store: Arc<dyn StateStore>,
         cancel: CancellationToken,
+        agents: Arc<dyn Agents>,
     ) -> Result<(Arc<Self>, Vec<(String, bool)>), ApiError> {
         let mut st = State::default();
         let started = Instant::now();
@@ -492,10 +492,8 @@ impl Controller {
             cfg,
             store,
             state: Mutex::new(st),
-            agents: Mutex::default(),
+            agents,
             writes,
-            reached: Mutex::default(),
-            first_contact: tokio::sync::Semaphore::new(FIRST_CONTACTS),
             cancel,
             events: Arc::default(),
             usage,
@@ -541,40 +539,21 @@ impl Controller {
         self.http.clone()
     }
 
-    fn agent(&self, host: &str) -> Result<AgentClient<Channel>, AgentError> {
-        let addr = {
-            let st = lock(&self.state);
-            let h = st.hosts.get(host).ok_or_else(|| {
-                AgentError::unreachable(host, "the host is not known to the controller")
-            })?;
-            h.report.agent_addr.clone()
-        };
-        let mut agents = lock(&self.agents);
-        if let Some((a, c)) = agents.get(host)
-            && *a == addr
-        {
-            return Ok(c.clone());
-        }
-        // Over TCP the agent must prove it is exactly this host (a heartbeat cannot point
-        // the controller at another host's agent); Unix sockets are local.
-        let security = match &self.cfg.tls {
-            Some(ctx) if !addr.starts_with("unix:") => {
-                let id = shardcast_identity::Identity::new(shardcast_identity::Role::Host, host)
-                    .map_err(|e| AgentError::unreachable(host, e))?;
-                shardcast_identity::grpc::ClientSecurity::Tls(
-                    ctx.clone(),
-                    shardcast_identity::Expect::Exactly(id),
-                )
-            }
-            _ => shardcast_identity::grpc::ClientSecurity::Plaintext,
-        };
-        let channel = shardcast_identity::grpc::lazy(&addr, security)
-            .map_err(|e| AgentError::unreachable(host, e))?;
-        let client = AgentClient::new(channel)
-            .max_decoding_message_size(128 << 20)
-            .max_encoding_message_size(128 << 20);
-        agents.insert(host.to_string(), (addr, client.clone()));
-        Ok(client)
+    /// Where `host`'s agent is, from its last heartbeat.
+    pub fn agent_at(&self, host: &str) -> Result<AgentAt, AgentError> {
+        let st = lock(&self.state);
+        let h = st.hosts.get(host).ok_or_else(|| {
+            AgentError::unreachable(host, "the host is not known to the controller")
+        })?;
+        Ok(AgentAt {
+            host: host.to_string(),
+            addr: h.report.agent_addr.clone(),
+        })
+    }
+
+    /// The hosts' agents.
+    pub fn agents(&self) -> &Arc<dyn Agents> {
+        &self.agents
     }
 
     /// The state store, shared.
@@ -600,11 +579,6 @@ impl Controller {
     /// Cancelled when the controller shuts down.
     pub fn cancel_token(&self) -> &CancellationToken {
         &self.cancel
-    }
-
-    /// An agent client for `host`.
-    pub fn agent_client(&self, host: &str) -> Result<AgentClient<Channel>, AgentError> {
-        self.agent(host)
     }
 }
 

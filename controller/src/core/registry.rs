@@ -142,23 +142,24 @@ impl Controller {
             origin: origin.clone(),
             agent,
         };
-        let mut agent = self.agent(&via).map_err(read_error)?;
-        let resp = agent
-            .import_model(ImportModelRequest {
-                name: name.to_string(),
-                origin: origin.clone(),
-                chunk_size,
-                tier: apb::Tier::Memory as i32,
-                fetch: false,
-                manifest: Vec::new(),
-                bind_name: None,
-                // The host keeps what it reads to build the manifest, so a prewarm that
-                // follows is served from it: the origin is read once, not twice.
-                keep: self.cfg.register_keeps_copy,
-            })
+        let at = self.agent_at(&via).map_err(read_error)?;
+        let import = crate::agents::Import {
+            name: name.to_string(),
+            origin: origin.clone(),
+            chunk_size,
+            tier: Tier::Memory,
+            fetch: false,
+            manifest: Vec::new(),
+            bind_name: None,
+            // The host keeps what it reads to build the manifest, so a prewarm that
+            // follows is served from it: the origin is read once, not twice.
+            keep: self.cfg.register_keeps_copy,
+        };
+        let resp = self
+            .agents
+            .import_model(&at, import)
             .await
-            .map_err(|s| read_error(AgentError::from_status(&via, &s)))?
-            .into_inner();
+            .map_err(read_error)?;
         let bad = |why: String| RegisterError::BadManifest {
             via: via.clone(),
             why,

@@ -2,7 +2,11 @@
 //! receiver (pushed `WatchModelStatus` streams, polls otherwise), asks GPU hosts to load,
 //! re-plans stalled, returned and restarted receivers, and ends the plan.
 
+use futures::StreamExt;
+
 use super::*;
+use crate::agents::ModelReport;
+use crate::error::AgentFailure;
 
 impl Controller {
     /// Starts a plan's chains that are not started yet, then polls its receivers until
@@ -146,7 +150,6 @@ impl Controller {
             // Receivers without a pushed status (a plan's first round: every receiver) are
             // polled concurrently: one after the other, 1000 receivers took seconds per round.
             {
-                use futures::StreamExt;
                 let (digest, me) = (&digest, &*self);
                 let mut polls = futures::stream::iter(to_poll)
                     .map(|host| async move {
@@ -351,51 +354,36 @@ impl Controller {
         digest: &str,
         gpus: u32,
     ) -> Result<(), GpuAsk> {
-        let mut agent = self.agent(host).map_err(|_| GpuAsk::Later)?;
-        let r = tokio::time::timeout(
-            Duration::from_secs(5),
-            agent.load_model(apb::LoadModelRequest {
-                heaviness: self.heaviness_of(digest),
-                model: digest.to_string(),
-                count: gpus,
-                gpus: Vec::new(),
-                partition: None,
-            }),
-        )
-        .await;
+        let at = self.agent_at(host).map_err(|_| GpuAsk::Later)?;
+        let load = crate::agents::Load {
+            heaviness: self.heaviness_of(digest),
+            model: digest.to_string(),
+            count: gpus,
+            partition: None,
+        };
+        let r =
+            tokio::time::timeout(Duration::from_secs(5), self.agents.load_model(&at, load)).await;
         match r {
-            Ok(Ok(_)) => {
+            Ok(Ok(())) => {
                 info!(host, model = %digest, gpus, "GPU load requested");
                 Ok(())
             }
             // The manifest has not reached the host yet: ask again on the next poll.
-            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Err(GpuAsk::Later),
-            Ok(Err(s))
+            Ok(Err(e)) if e.failure == AgentFailure::NotFound => Err(GpuAsk::Later),
+            Ok(Err(e))
                 if matches!(
-                    s.code(),
-                    tonic::Code::FailedPrecondition | tonic::Code::ResourceExhausted
+                    e.failure,
+                    AgentFailure::Precondition | AgentFailure::Exhausted
                 ) =>
             {
-                warn!(host, model = %digest, "GPU load refused: {}", s.message());
+                warn!(host, model = %digest, "GPU load refused: {}", e.message);
                 Err(GpuAsk::Unavailable(format!(
                     "GPU load refused ({}); the model is in the host's memory tier",
-                    s.message()
+                    e.message
                 )))
             }
             _ => Err(GpuAsk::Later),
         }
-    }
-
-    /// A permit for calling `host`'s agent while it never answered (its first call opens
-    /// the connection); `None` once it has.
-    pub(super) async fn first_contact_gate(
-        &self,
-        host: &str,
-    ) -> Option<tokio::sync::SemaphorePermit<'_>> {
-        if lock(&self.reached).contains(host) {
-            return None;
-        }
-        self.first_contact.acquire().await.ok()
     }
 
     /// Progress of `digest` in the tier on `host` (and on its GPUs).
@@ -405,24 +393,17 @@ impl Controller {
         digest: &str,
         tier: Tier,
     ) -> Result<Seen, String> {
-        let mut agent = self.agent(host).map_err(|e| e.message)?;
-        let gate = self.first_contact_gate(host).await;
+        let at = self.agent_at(host).map_err(|e| e.message)?;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
-            agent.get_model_status(GetModelStatusRequest {
-                model: digest.to_string(),
-            }),
+            self.agents.model_status(&at, digest),
         )
         .await;
-        drop(gate);
-        if matches!(r, Ok(Ok(_))) {
-            lock(&self.reached).insert(host.to_string());
-        }
         match r {
             Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
-            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(Seen::default()),
-            Ok(Err(s)) => Err(format!("agent of {host}: {}", s.message())),
-            Ok(Ok(resp)) => Ok(polled_from(&resp.into_inner(), tier)),
+            Ok(Err(e)) => Err(format!("agent of {host}: {}", e.message)),
+            Ok(Ok(None)) => Ok(Seen::default()),
+            Ok(Ok(Some(report))) => Ok(polled_from(&report, tier)),
         }
     }
 
@@ -436,20 +417,18 @@ impl Controller {
         tier: Tier,
         pushed: Arc<Pushed>,
     ) -> String {
-        let Ok(mut agent) = self.agent(&host) else {
+        let Ok(at) = self.agent_at(&host) else {
             return host;
         };
-        let req = GetModelStatusRequest { model: digest };
-        let gate = self.first_contact_gate(&host).await;
-        let Ok(Ok(resp)) =
-            tokio::time::timeout(Duration::from_secs(2), agent.watch_model_status(req)).await
+        let Ok(Ok(mut stream)) = tokio::time::timeout(
+            Duration::from_secs(2),
+            self.agents.watch_model_status(&at, &digest),
+        )
+        .await
         else {
             return host;
         };
-        drop(gate);
-        lock(&self.reached).insert(host.clone());
-        let mut stream = resp.into_inner();
-        while let Ok(Some(status)) = stream.message().await {
+        while let Some(status) = stream.next().await {
             lock(&pushed.latest).insert(host.clone(), polled_from(&status, tier));
             pushed.wake.notify_one();
         }
@@ -520,7 +499,7 @@ impl Controller {
         tier: Tier,
         transport: shardcast_protocol::HopTransport,
     ) -> Result<(), String> {
-        let mut agent = self.agent(&run.head).map_err(|e| e.message)?;
+        let at = self.agent_at(&run.head).map_err(|e| e.message)?;
         if run.hops.is_empty() {
             // A single receiver fed by the origin: it downloads on its own. ImportModel
             // returns when the download ends; progress is polled meanwhile.
@@ -528,21 +507,21 @@ impl Controller {
                 .map_err(|e| format!("the stored manifest of {digest} does not decode: {e}"))?
                 .name
                 .to_string();
-            let req = ImportModelRequest {
+            let import = crate::agents::Import {
                 name,
                 origin: origin.to_string(),
                 chunk_size: 0,
-                tier: agent_tier(tier),
+                tier,
                 fetch: true,
                 keep: false,
                 manifest: manifest.to_vec(),
                 // The host's name follows only the registry's current version.
                 bind_name: Some(self.current_name(digest).is_some()),
             };
-            let head = run.head.clone();
+            let agents = self.agents.clone();
             tokio::spawn(async move {
-                if let Err(s) = agent.import_model(req).await {
-                    warn!(host = %head, "download from the origin failed: {}", s.message());
+                if let Err(e) = agents.import_model(&at, import).await {
+                    warn!(host = %at.host, "download from the origin failed: {}", e.message);
                 }
             });
             return Ok(());
@@ -588,27 +567,26 @@ impl Controller {
                 signer.load().sign(&claims).map_err(|e| e.to_string())?
             }
         };
-        let req = apb::StartChainRequest {
-            session_id: run.session.clone(),
+        let chain = crate::agents::StartChain {
+            session: run.session.clone(),
             model: digest.to_string(),
-            manifest: manifest.to_vec(),
+            manifest: manifest.clone(),
             origin: origin.to_string(),
-            tier: agent_tier(tier),
-            chains: vec![apb::Chain {
-                shards: run.shards.clone(),
-                hops: hosts
-                    .into_iter()
-                    .map(|(host_id, addr)| apb::Hop { host_id, addr })
-                    .collect(),
-            }],
+            tier,
+            shards: run.shards.clone(),
+            hops: hosts
+                .into_iter()
+                .map(|(host, addr)| crate::agents::ChainHop { host, addr })
+                .collect(),
             plan_token,
-            transport: apb::Transport::from(transport) as i32,
+            transport,
         };
-        match tokio::time::timeout(Duration::from_secs(10), agent.start_chain(req)).await {
+        match tokio::time::timeout(Duration::from_secs(10), self.agents.start_chain(&at, chain))
+            .await
+        {
             Err(_) => Err(format!("agent of {} did not answer StartChain", run.head)),
-            Ok(Err(s)) if s.code() == tonic::Code::AlreadyExists => Ok(()),
-            Ok(Err(s)) => Err(format!("{}: {}", run.head, s.message())),
-            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("{}: {}", run.head, e.message)),
+            Ok(Ok(())) => Ok(()),
         }
     }
 
@@ -695,9 +673,6 @@ impl Controller {
 /// timeout; the first reaches a host over a new mutually authenticated connection).
 pub(super) const POLL_CONCURRENCY: usize = 64;
 
-/// Agents contacted for the first time at once (see `Controller::first_contact`).
-pub(super) const FIRST_CONTACTS: usize = 16;
-
 /// The shortest time between two rounds of a plan's loop (the agents check their status
 /// every 20 ms too, so completion is still seen within tens of milliseconds).
 pub(super) const MIN_ROUND: Duration = Duration::from_millis(20);
@@ -718,24 +693,24 @@ pub(crate) struct Pushed {
 }
 
 /// A receiver's progress in `tier` from its agent's model status.
-pub(super) fn polled_from(resp: &apb::GetModelStatusResponse, tier: Tier) -> Seen {
-    let want = agent_tier(tier);
-    let mut seen = resp
+pub(super) fn polled_from(report: &ModelReport, tier: Tier) -> Seen {
+    let want = data_tier(tier);
+    let mut seen = report
         .tiers
         .iter()
-        .find(|t| t.tier == want)
+        .find(|t| data_tier(t.tier) == want)
         .map(|t| Seen {
             bytes: t.bytes_verified,
             complete: t.complete,
-            gpu: GpuState::of_gpus(t.gpus.iter().map(|g| g.state.as_str()))
-                .map(|s| (t.gpus.iter().map(|g| g.bytes).sum(), s)),
+            gpu: GpuState::of_gpus(t.gpus.iter().map(|(state, _)| state.as_str()))
+                .map(|s| (t.gpus.iter().map(|(_, bytes)| bytes).sum(), s)),
             store_failures: Vec::new(),
         })
         .unwrap_or_default();
-    seen.store_failures = resp
+    seen.store_failures = report
         .store_failures
         .iter()
-        .filter(|f| f.tier == want)
+        .filter(|f| data_tier(f.tier) == want)
         .map(|f| (f.session.clone(), f.error.clone()))
         .collect();
     seen
