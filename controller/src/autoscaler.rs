@@ -13,12 +13,12 @@ use std::sync::{Arc, Mutex};
 
 use shardcast_placement::Tier;
 use shardcast_policies::autoscale::{self, Action, LoadReport, ModelScaleState, ScalerConfig};
-use shardcast_protocol::controller::{
-    Event, EvictRequest, EvictResponse, ReportLoadRequest, ScaleOutRequest,
-};
+use shardcast_protocol::controller::ReportLoadRequest;
+
+use crate::events::Event;
 
 use crate::burst::BurstPart;
-use crate::core::now_unix;
+use crate::core::{EvictModel, Evicted, ScaleOut, now_unix};
 use crate::error::{EvictError, LoadError, LookupError, PlanRequestError, ScaleOutError};
 use crate::events::EventLog;
 use crate::lock;
@@ -48,7 +48,7 @@ pub trait Fleet: Send + Sync + 'static {
     /// The model's replicas in `tier`.
     fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError>;
     /// `ScaleOut` by whole replicas.
-    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, PlanRequestError>;
+    fn scale_out(&self, req: ScaleOut) -> Result<Accepted, PlanRequestError>;
     /// A partitioned burst of `replicas` × `partitions`.
     fn burst(
         &self,
@@ -57,10 +57,7 @@ pub trait Fleet: Send + Sync + 'static {
         partitions: u32,
     ) -> impl Future<Output = Result<(Accepted, Vec<BurstPart>), ScaleOutError>> + Send;
     /// `Evict`.
-    fn evict(
-        &self,
-        req: EvictRequest,
-    ) -> impl Future<Output = Result<EvictResponse, EvictError>> + Send;
+    fn evict(&self, req: EvictModel) -> impl Future<Output = Result<Evicted, EvictError>> + Send;
 }
 
 /// The autoscaler: per-model scaling state, acting on a [`Fleet`].
@@ -173,12 +170,12 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                     }
                 }
                 if full > 0 {
-                    match self.fleet.scale_out(ScaleOutRequest {
+                    match self.fleet.scale_out(ScaleOut {
                         model: name.clone(),
                         replicas: full,
-                        tier: crate::wire::pb_tier(tier) as i32,
+                        tier,
                         partitions: 0,
-                        transport: 0,
+                        transport: None,
                     }) {
                         Ok(a) => event.plan_id = a.plan_id,
                         Err(e) => {
@@ -190,12 +187,12 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
             }
             Action::ScaleUp { full, partitioned } => {
                 let add = full.saturating_add(partitioned);
-                match self.fleet.scale_out(ScaleOutRequest {
+                match self.fleet.scale_out(ScaleOut {
                     model: name.clone(),
                     replicas: add,
-                    tier: crate::wire::pb_tier(tier) as i32,
+                    tier,
                     partitions: 0,
-                    transport: 0,
+                    transport: None,
                 }) {
                     Ok(a) => {
                         event.kind = "scale-up".into();
@@ -226,10 +223,10 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                 } else {
                     match self
                         .fleet
-                        .evict(EvictRequest {
+                        .evict(EvictModel {
                             model: name.clone(),
                             hosts: victims.clone(),
-                            tier: crate::wire::pb_tier(tier) as i32,
+                            tier,
                         })
                         .await
                     {

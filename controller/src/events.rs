@@ -5,10 +5,29 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 
-use shardcast_protocol::controller::{Event, ListEventsResponse};
 use tracing::info;
 
 use crate::lock;
+
+/// A decision or plan event.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Event {
+    /// Seconds since the Unix epoch.
+    pub at: f64,
+    /// The model (name, or digest where it has none).
+    pub model: String,
+    /// "scale-up", "burst", "scale-down", "hold", "error", the tier sweeper's kinds,
+    /// "receiver-lost", "receiver-recovered", ….
+    pub kind: String,
+    /// Why, in words.
+    pub reason: String,
+    /// The plan a scale-up or burst started, or the plan a receiver event is about.
+    pub plan_id: String,
+    /// Replicas added (positive) or removed (negative).
+    pub delta: i32,
+    /// The hosts it concerns.
+    pub hosts: Vec<String>,
+}
 
 /// Events kept in memory for `ListEvents`.
 pub const EVENTS_KEPT: usize = 1000;
@@ -40,16 +59,13 @@ impl EventLog {
 
     /// Recent events of `model` (all when empty), newest first, at most `limit` (100 when
     /// 0).
-    pub fn list(&self, model: &str, limit: usize) -> ListEventsResponse {
+    pub fn list(&self, model: &str, limit: usize) -> Vec<Event> {
         let ev = lock(&self.events);
-        ListEventsResponse {
-            events: ev
-                .iter()
-                .filter(|e| model.is_empty() || e.model == model)
-                .take(if limit == 0 { 100 } else { limit })
-                .cloned()
-                .collect(),
-        }
+        ev.iter()
+            .filter(|e| model.is_empty() || e.model == model)
+            .take(if limit == 0 { 100 } else { limit })
+            .cloned()
+            .collect()
     }
 }
 
@@ -72,11 +88,11 @@ mod tests {
             log.record(event(if i % 2 == 0 { "a" } else { "b" }, "hold"));
         }
         log.record(event("a", "scale-up"));
-        let all = log.list("", EVENTS_KEPT * 2).events;
+        let all = log.list("", EVENTS_KEPT * 2);
         assert_eq!(all.len(), EVENTS_KEPT);
         assert_eq!(all[0].kind, "scale-up");
-        assert!(log.list("b", 0).events.iter().all(|e| e.model == "b"));
-        assert_eq!(log.list("", 0).events.len(), 100);
+        assert!(log.list("b", 0).iter().all(|e| e.model == "b"));
+        assert_eq!(log.list("", 0).len(), 100);
         let c = log.counters();
         assert_eq!(c["hold"], (EVENTS_KEPT + 5) as u64);
         assert_eq!(c["scale-up"], 1);

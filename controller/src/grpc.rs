@@ -68,7 +68,11 @@ impl ControllerApi for GrpcApi {
         request: Request<RegisterModelRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
         Ok(Response::new(
-            self.0.core.register_model(request.into_inner()).await?,
+            self.0
+                .core
+                .register_model(crate::wire::register(request.into_inner()))
+                .await?
+                .into(),
         ))
     }
 
@@ -76,7 +80,7 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
-        Ok(Response::new(self.0.core.list_models()))
+        Ok(Response::new(self.0.core.list_models().into()))
     }
 
     async fn get_model(
@@ -84,7 +88,7 @@ impl ControllerApi for GrpcApi {
         request: Request<GetModelRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
         Ok(Response::new(
-            self.0.core.get_model(&request.into_inner().model)?,
+            self.0.core.get_model(&request.into_inner().model)?.into(),
         ))
     }
 
@@ -93,7 +97,10 @@ impl ControllerApi for GrpcApi {
         request: Request<PrewarmRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
         Ok(Response::new(
-            self.0.core.prewarm(request.into_inner())?.into(),
+            self.0
+                .core
+                .prewarm(crate::wire::prewarm(request.into_inner())?)?
+                .into(),
         ))
     }
 
@@ -102,7 +109,10 @@ impl ControllerApi for GrpcApi {
         request: Request<ScaleOutRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
         Ok(Response::new(
-            self.0.scale_out(request.into_inner()).await?.into(),
+            self.0
+                .scale_out(crate::wire::scale_out(request.into_inner())?)
+                .await?
+                .into(),
         ))
     }
 
@@ -111,7 +121,11 @@ impl ControllerApi for GrpcApi {
         request: Request<EvictRequest>,
     ) -> Result<Response<EvictResponse>, Status> {
         Ok(Response::new(
-            self.0.core.evict(request.into_inner()).await?,
+            self.0
+                .core
+                .evict(crate::wire::evict(request.into_inner())?)
+                .await?
+                .into(),
         ))
     }
 
@@ -149,7 +163,7 @@ impl ControllerApi for GrpcApi {
         request: Request<GetStatusRequest>,
     ) -> Result<Response<ModelStatus>, Status> {
         Ok(Response::new(
-            self.0.core.get_status(&request.into_inner().model)?,
+            self.0.core.get_status(&request.into_inner().model)?.into(),
         ))
     }
 
@@ -157,7 +171,9 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListHostsRequest>,
     ) -> Result<Response<ListHostsResponse>, Status> {
-        Ok(Response::new(self.0.core.list_hosts()))
+        Ok(Response::new(crate::wire::host_list(
+            self.0.core.list_hosts(),
+        )))
     }
 
     async fn report_load(
@@ -166,7 +182,7 @@ impl ControllerApi for GrpcApi {
     ) -> Result<Response<ReportLoadResponse>, Status> {
         let decision = self.0.autoscaler.report_load(request.into_inner()).await?;
         Ok(Response::new(ReportLoadResponse {
-            decision: Some(decision),
+            decision: Some(decision.into()),
         }))
     }
 
@@ -175,9 +191,9 @@ impl ControllerApi for GrpcApi {
         request: Request<ListEventsRequest>,
     ) -> Result<Response<ListEventsResponse>, Status> {
         let r = request.into_inner();
-        Ok(Response::new(
+        Ok(Response::new(crate::wire::event_list(
             self.0.events().list(&r.model, r.limit as usize),
-        ))
+        )))
     }
 
     async fn get_partition_plan(
@@ -200,7 +216,10 @@ impl Inventory for GrpcApi {
         let report = request.into_inner();
         crate::auth::check_heartbeat(&peer, &report.host_id)?;
         Ok(Response::new(
-            self.0.core.heartbeat(crate::wire::host_view(report)?)?,
+            self.0
+                .core
+                .heartbeat(crate::wire::host_view(report)?)?
+                .into(),
         ))
     }
 }

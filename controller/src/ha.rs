@@ -959,7 +959,6 @@ mod tests {
         let hosts = |c: &Services| {
             c.core
                 .list_hosts()
-                .hosts
                 .into_iter()
                 .map(|h| (h.report, h.up, h.gpus_reserved))
                 .collect::<Vec<_>>()

@@ -35,8 +35,9 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use shardcast_protocol::controller::{
-    EvictRequest, GetPartitionPlanRequest, HostReport, PlanAccepted, PrewarmRequest,
-    RegisterModelRequest, ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
+    EvictRequest, EvictResponse, GetPartitionPlanRequest, HeartbeatResponse, HostReport,
+    ListModelsResponse, ModelInfo, ModelStatus, PlanAccepted, PrewarmRequest, RegisterModelRequest,
+    ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
 };
 
 use crate::core::now_unix;
@@ -72,10 +73,10 @@ pub fn router(c: Arc<Services>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/v1/models",
-            get(|State(c): Ctl| async move { ok(c.core.list_models()) }).post(
+            get(|State(c): Ctl| async move { ok(ListModelsResponse::from(c.core.list_models())) }).post(
                 |State(c): Ctl, b: Bytes| async move {
                     match body::<RegisterModelRequest>(&b) {
-                        Ok(req) => json(c.core.register_model(req).await),
+                        Ok(req) => json(c.core.register_model(crate::wire::register(req)).await.map(ModelInfo::from)),
                         Err(e) => e.into_response(),
                     }
                 },
@@ -83,22 +84,22 @@ pub fn router(c: Arc<Services>) -> Router {
         )
         .route(
             "/v1/models/{*model}",
-            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.core.get_model(&m)) }),
+            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.core.get_model(&m).map(ModelInfo::from)) }),
         )
         .route(
             "/v1/status/{*model}",
-            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.core.get_status(&m)) }),
+            get(|State(c): Ctl, Path(m): Path<String>| async move { json(c.core.get_status(&m).map(ModelStatus::from)) }),
         )
         .route(
             "/v1/prewarm",
             post(|State(c): Ctl, b: Bytes| async move {
-                json(body::<PrewarmRequest>(&b).and_then(|r| c.core.prewarm(r).map_err(ApiError::from)).map(PlanAccepted::from))
+                json(body::<PrewarmRequest>(&b).and_then(crate::wire::prewarm).and_then(|r| c.core.prewarm(r).map_err(ApiError::from)).map(PlanAccepted::from))
             }),
         )
         .route(
             "/v1/scale-out",
             post(|State(c): Ctl, b: Bytes| async move {
-                match body::<ScaleOutRequest>(&b) {
+                match body::<ScaleOutRequest>(&b).and_then(crate::wire::scale_out) {
                     Ok(req) => json(c.scale_out(req).await.map(PlanAccepted::from)),
                     Err(e) => json::<PlanAccepted, _>(Err(e)),
                 }
@@ -107,8 +108,8 @@ pub fn router(c: Arc<Services>) -> Router {
         .route(
             "/v1/evict",
             post(|State(c): Ctl, b: Bytes| async move {
-                match body::<EvictRequest>(&b) {
-                    Ok(req) => json(c.core.evict(req).await),
+                match body::<EvictRequest>(&b).and_then(crate::wire::evict) {
+                    Ok(req) => json(c.core.evict(req).await.map(EvictResponse::from)),
                     Err(e) => e.into_response(),
                 }
             }),
@@ -126,7 +127,7 @@ pub fn router(c: Arc<Services>) -> Router {
         .route("/v1/plans/{id}/watch", get(watch))
         .route(
             "/v1/hosts",
-            get(|State(c): Ctl| async move { ok(c.core.list_hosts()) }),
+            get(|State(c): Ctl| async move { ok(crate::wire::host_list(c.core.list_hosts())) }),
         )
         .route(
             "/v1/heartbeat",
@@ -136,7 +137,7 @@ pub fn router(c: Arc<Services>) -> Router {
                     body::<HostReport>(&b)
                         .and_then(|r| crate::auth::check_heartbeat(&peer, &r.host_id).map(|_| r))
                         .and_then(crate::wire::host_view)
-                        .and_then(|r| c.core.heartbeat(r).map_err(ApiError::from)),
+                        .and_then(|r| c.core.heartbeat(r).map(HeartbeatResponse::from).map_err(ApiError::from)),
                 )
             }),
         )
@@ -145,7 +146,7 @@ pub fn router(c: Arc<Services>) -> Router {
             post(|State(c): Ctl, b: Bytes| async move {
                 match body::<ReportLoadRequest>(&b) {
                     Ok(req) => json(c.autoscaler.report_load(req).await.map(|d| ReportLoadResponse {
-                        decision: Some(d),
+                        decision: Some(d.into()),
                     })),
                     Err(e) => e.into_response(),
                 }
@@ -156,7 +157,7 @@ pub fn router(c: Arc<Services>) -> Router {
             get(
                 |State(c): Ctl, Query(q): Query<std::collections::HashMap<String, String>>| async move {
                     let model = q.get("model").cloned().unwrap_or_default();
-                    ok(c.events().list(&model, 100))
+                    ok(crate::wire::event_list(c.events().list(&model, 100)))
                 },
             ),
         )

@@ -24,7 +24,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shardcast_protocol::controller::{Event, ReportLoadRequest};
+use shardcast_protocol::controller::ReportLoadRequest;
+
+use crate::events::Event;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 

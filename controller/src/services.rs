@@ -15,15 +15,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use shardcast_placement::Tier;
-use shardcast_protocol::controller::{
-    Event, EvictRequest, EvictResponse, ReportLoadRequest, ScaleOutRequest,
-};
+use shardcast_protocol::controller::ReportLoadRequest;
+
+use crate::events::Event;
 use tokio_util::sync::CancellationToken;
 
 use crate::autoscaler::{Autoscaler, Fleet, ScalingView};
 use crate::burst::{BurstPart, MAX_PARTITIONS};
 use crate::core::{
-    Controller, ControllerConfig, data_tier, gpu_reserved, lock, now_unix, parse_profile,
+    Controller, ControllerConfig, EvictModel, Evicted, ScaleOut, data_tier, gpu_reserved, lock,
+    now_unix, parse_profile,
 };
 use crate::error::{
     ApiError, EvictError, LoadError, LookupError, PartitionError, PlanRequestError, ScaleOutError,
@@ -156,10 +157,9 @@ impl Services {
 
     /// `ScaleOut` as the API serves it: a partitioned burst when `partitions > 1`, else
     /// whole replicas by chain plans.
-    pub async fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, ScaleOutError> {
+    pub async fn scale_out(&self, req: ScaleOut) -> Result<Accepted, ScaleOutError> {
         if req.partitions > 1 {
-            let tier =
-                crate::wire::tier_of(req.tier).map_err(|e| PlanRequestError::Invalid(e.message))?;
+            let tier = req.tier;
             if tier != Tier::Gpu {
                 return Err(PlanRequestError::Invalid(format!(
                     "partitions need tier gpu (a partition is a GPU load), got {tier}"
@@ -212,7 +212,7 @@ impl Fleet for ClusterFleet {
         self.core.scaling_view(key, tier)
     }
 
-    fn scale_out(&self, req: ScaleOutRequest) -> Result<Accepted, PlanRequestError> {
+    fn scale_out(&self, req: ScaleOut) -> Result<Accepted, PlanRequestError> {
         self.core.scale_out(req)
     }
 
@@ -225,7 +225,7 @@ impl Fleet for ClusterFleet {
         burst(&self.core, &self.tables, model, replicas, partitions).await
     }
 
-    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
+    async fn evict(&self, req: EvictModel) -> Result<Evicted, EvictError> {
         self.core.evict(req).await
     }
 }
@@ -440,7 +440,7 @@ impl TierTarget for Controller {
         out
     }
 
-    async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
+    async fn evict(&self, req: EvictModel) -> Result<Evicted, EvictError> {
         Self::evict(self, req).await
     }
 }

@@ -25,10 +25,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::core::{EvictModel, Evicted};
+use crate::events::Event;
 use shardcast_policies::evict::{
     self, ClusterCopies, DiskItem, TierItem, TierKind, choose_memory_evictions,
 };
-use shardcast_protocol::controller::{Event, EvictRequest, EvictResponse};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -251,10 +252,7 @@ pub trait TierTarget: Send + Sync + 'static {
     /// due: its last report holds the copy.
     fn pending_evictions(&self) -> Vec<(String, String, DataTier)>;
     /// `Evict`, as the API does it.
-    fn evict(
-        &self,
-        req: EvictRequest,
-    ) -> impl Future<Output = Result<EvictResponse, EvictError>> + Send;
+    fn evict(&self, req: EvictModel) -> impl Future<Output = Result<Evicted, EvictError>> + Send;
 }
 
 /// The tier sweeper: keeps every host's memory and disk tiers under their high watermarks
@@ -413,14 +411,14 @@ impl<T: TierTarget> TierSweeper<T> {
 }
 
 /// `Evict` of `digest`'s copy in `tier` on `host`.
-fn evict_request(digest: &str, host: &str, tier: DataTier) -> EvictRequest {
-    EvictRequest {
+fn evict_request(digest: &str, host: &str, tier: DataTier) -> EvictModel {
+    EvictModel {
         model: digest.to_string(),
         hosts: vec![host.to_string()],
         tier: match tier {
-            DataTier::Memory => shardcast_protocol::controller::Tier::Memory,
-            DataTier::Disk => shardcast_protocol::controller::Tier::Disk,
-        } as i32,
+            DataTier::Memory => shardcast_placement::Tier::Memory,
+            DataTier::Disk => shardcast_placement::Tier::Disk,
+        },
     }
 }
 

@@ -2,13 +2,18 @@
 //! messages: the gRPC front end ([`crate::grpc`]) and the HTTP/JSON one ([`crate::http`])
 //! convert here, and nowhere else, so the core never compares or builds state strings.
 
-use shardcast_placement::Tier;
+use shardcast_placement::{Target, Tier};
 use shardcast_protocol::HopTransport;
 use shardcast_protocol::controller::{
     self as pb, HostProgress, PlanAccepted, PlanStatus, PlannedChain,
 };
 
+use crate::core::{
+    EvictModel, Evicted, HeartbeatAnswer, HostListing, ModelEntry, ModelRecord, Models, Prewarm,
+    Register, Registered, ScaleOut, Sources, Whereabouts,
+};
 use crate::error::ApiError;
+use crate::events::Event;
 use crate::inventory::{GpuInfo, GpuLoad, Holding, HostView};
 use crate::plan::{
     Accepted, ChainSummary, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState,
@@ -32,6 +37,213 @@ pub fn transport_of(v: i32, default: HopTransport) -> Result<HopTransport, ApiEr
     pb::Transport::try_from(v)
         .map(|t| t.hop().unwrap_or(default))
         .map_err(|_| ApiError::invalid(format!("transport must be tcp or quic, got {v}")))
+}
+
+/// A `Prewarm` request in the controller's terms.
+pub fn prewarm(req: pb::PrewarmRequest) -> Result<Prewarm, ApiError> {
+    let tier = tier_of(req.tier)?;
+    let sources = match req.sources.as_str() {
+        "" | "auto" => Sources::Auto,
+        "origin" => Sources::Origin,
+        other => {
+            return Err(ApiError::invalid(format!(
+                "sources must be auto or origin, got {other:?}"
+            )));
+        }
+    };
+    Ok(Prewarm {
+        model: req.model,
+        target: if req.hosts.is_empty() {
+            Target::Replicas(req.replicas)
+        } else {
+            Target::Hosts(req.hosts)
+        },
+        tier,
+        sources,
+        transport: hop_of(req.transport)?,
+    })
+}
+
+/// A `ScaleOut` request in the controller's terms.
+pub fn scale_out(req: pb::ScaleOutRequest) -> Result<ScaleOut, ApiError> {
+    Ok(ScaleOut {
+        tier: tier_of(req.tier)?,
+        transport: hop_of(req.transport)?,
+        model: req.model,
+        replicas: req.replicas,
+        partitions: req.partitions,
+    })
+}
+
+/// An `Evict` request in the controller's terms.
+pub fn evict(req: pb::EvictRequest) -> Result<EvictModel, ApiError> {
+    Ok(EvictModel {
+        tier: tier_of(req.tier)?,
+        model: req.model,
+        hosts: req.hosts,
+    })
+}
+
+impl From<Evicted> for pb::EvictResponse {
+    fn from(e: Evicted) -> Self {
+        Self {
+            evicted: e.evicted,
+            bytes_freed: e.bytes_freed,
+            pending: e.pending,
+        }
+    }
+}
+
+/// A request's transport: unspecified is `None` (the controller's `--transport`); a number
+/// this build does not know is refused.
+fn hop_of(v: i32) -> Result<Option<HopTransport>, ApiError> {
+    pb::Transport::try_from(v)
+        .map(|t| t.hop())
+        .map_err(|_| ApiError::invalid(format!("transport must be tcp or quic, got {v}")))
+}
+
+/// A `RegisterModel` request in the controller's terms.
+pub fn register(req: pb::RegisterModelRequest) -> Register {
+    Register {
+        name: req.name,
+        origin: req.origin,
+        profile_json: req.profile_json,
+        chunk_size: req.chunk_size,
+        via_host: req.via_host,
+        no_wait: req.no_wait,
+    }
+}
+
+/// A model as the API shows it, with its manifest where given.
+pub fn model_info(m: &ModelRecord, manifest: Option<&[u8]>) -> pb::ModelInfo {
+    pb::ModelInfo {
+        name: m.name.clone(),
+        digest: m.digest.clone(),
+        origin: m.origin.clone(),
+        total_bytes: m.total_bytes,
+        chunk_size: m.chunk_size,
+        shards: m
+            .shards
+            .iter()
+            .map(|(path, size, chunks)| pb::ShardInfo {
+                path: path.clone(),
+                size: *size,
+                chunks: *chunks,
+            })
+            .collect(),
+        manifest: manifest.map(<[u8]>::to_vec).unwrap_or_default(),
+        registered_at: m.registered_at,
+    }
+}
+
+impl From<ModelEntry> for pb::ModelInfo {
+    fn from(e: ModelEntry) -> Self {
+        model_info(&e.record, e.manifest.as_deref().map(Vec::as_slice))
+    }
+}
+
+impl From<Registered> for pb::ModelInfo {
+    fn from(r: Registered) -> Self {
+        match r {
+            Registered::Done(e) => e.into(),
+            Registered::Started { name, origin } => Self {
+                name,
+                origin,
+                ..Default::default()
+            },
+        }
+    }
+}
+
+impl From<Models> for pb::ListModelsResponse {
+    fn from(m: Models) -> Self {
+        Self {
+            models: m.models.iter().map(|m| model_info(m, None)).collect(),
+            registering: m
+                .registering
+                .into_iter()
+                .map(|r| pb::Registration {
+                    name: r.name,
+                    origin: r.origin,
+                    via_host: r.via_host,
+                    started_at: r.started_at,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<Whereabouts> for pb::ModelStatus {
+    fn from(w: Whereabouts) -> Self {
+        Self {
+            model: Some(model_info(&w.model, None)),
+            hosts: w
+                .hosts
+                .into_iter()
+                .map(|h| pb::HostHolding {
+                    host: h.host,
+                    up: h.up,
+                    memory: h.memory,
+                    disk: h.disk,
+                    memory_bytes: h.memory_bytes,
+                    disk_bytes: h.disk_bytes,
+                    gpus: h.gpus,
+                })
+                .collect(),
+            plans: w.plans,
+        }
+    }
+}
+
+impl From<HeartbeatAnswer> for pb::HeartbeatResponse {
+    fn from(a: HeartbeatAnswer) -> Self {
+        Self {
+            interval_ms: u32::try_from(a.interval.as_millis()).unwrap_or(u32::MAX),
+            names: a
+                .names
+                .into_iter()
+                .map(|(name, digest)| pb::NameBinding { name, digest })
+                .collect(),
+            gpu_copies_elsewhere: a.gpu_copies_elsewhere,
+            issued_at_ms: a.issued_at_ms,
+        }
+    }
+}
+
+/// The host list as the API shows it.
+pub fn host_list(hosts: Vec<HostListing>) -> pb::ListHostsResponse {
+    pb::ListHostsResponse {
+        hosts: hosts
+            .into_iter()
+            .map(|h| pb::HostState {
+                report: Some(host_report(&h.report)),
+                up: h.up,
+                last_seen_s: h.last_seen_s,
+                gpus_reserved: h.gpus_reserved,
+            })
+            .collect(),
+    }
+}
+
+impl From<Event> for pb::Event {
+    fn from(e: Event) -> Self {
+        Self {
+            at: e.at,
+            model: e.model,
+            kind: e.kind,
+            reason: e.reason,
+            plan_id: e.plan_id,
+            delta: e.delta,
+            hosts: e.hosts,
+        }
+    }
+}
+
+/// Events as `ListEvents` answers them.
+pub fn event_list(events: Vec<Event>) -> pb::ListEventsResponse {
+    pb::ListEventsResponse {
+        events: events.into_iter().map(pb::Event::from).collect(),
+    }
 }
 
 /// The wire's tier.

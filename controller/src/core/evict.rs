@@ -6,8 +6,8 @@ use super::*;
 
 impl Controller {
     /// `Evict`: remove the model's copy in `tier` from hosts.
-    pub async fn evict(&self, req: EvictRequest) -> Result<EvictResponse, EvictError> {
-        let tier = crate::wire::tier_of(req.tier).map_err(|e| EvictError::Invalid(e.message))?;
+    pub async fn evict(&self, req: EvictModel) -> Result<Evicted, EvictError> {
+        let tier = req.tier;
         let (digest, targets, pending) = {
             let st = lock(&self.state);
             let m = st.model(&req.model)?;
@@ -89,7 +89,7 @@ impl Controller {
                     evicted.push(h.clone());
                 }
             }
-            return Ok(EvictResponse {
+            return Ok(Evicted {
                 evicted,
                 bytes_freed: 0,
                 pending,
@@ -140,7 +140,7 @@ impl Controller {
         }
         info!(model = %digest, ?tier, hosts = ?evicted, bytes_freed, "evicted");
         match failures.into_iter().next() {
-            None => Ok(EvictResponse {
+            None => Ok(Evicted {
                 evicted,
                 bytes_freed,
                 pending,

@@ -8,7 +8,7 @@ impl Controller {
     /// A heartbeat (the first one registers the host). The answer carries the registry's
     /// current version of every model name the report mentions: hosts resolve names only
     /// through it.
-    pub fn heartbeat(&self, report: HostView) -> Result<HeartbeatResponse, HeartbeatError> {
+    pub fn heartbeat(&self, report: HostView) -> Result<HeartbeatAnswer, HeartbeatError> {
         HostId::new(&report.host_id).map_err(|e| HeartbeatError::BadHostId(e.to_string()))?;
         if report.data_addr.is_empty() || report.agent_addr.is_empty() {
             return Err(HeartbeatError::NoAddress);
@@ -81,14 +81,11 @@ impl Controller {
         let names = asked
             .into_iter()
             .filter_map(|n| st.models.get(&n))
-            .map(|m| NameBinding {
-                name: m.name.clone(),
-                digest: m.digest.clone(),
-            })
+            .map(|m| (m.name.clone(), m.digest.clone()))
             .collect();
         let gpu_copies_elsewhere = inventory::gpu_copies_elsewhere(&st.hosts, &id);
-        Ok(HeartbeatResponse {
-            interval_ms: self.cfg.heartbeat.as_millis() as u32,
+        Ok(HeartbeatAnswer {
+            interval: self.cfg.heartbeat,
             names,
             gpu_copies_elsewhere,
             issued_at_ms: unix_now_ms(),
@@ -96,21 +93,18 @@ impl Controller {
     }
 
     /// Every known host.
-    pub fn list_hosts(&self) -> ListHostsResponse {
+    pub fn list_hosts(&self) -> Vec<HostListing> {
         let st = lock(&self.state);
         let now = Instant::now();
-        ListHostsResponse {
-            hosts: st
-                .hosts
-                .values()
-                .map(|h| HostState {
-                    report: Some(crate::wire::host_report(&h.report)),
-                    up: h.up,
-                    last_seen_s: now.saturating_duration_since(h.last_seen).as_secs_f64(),
-                    gpus_reserved: h.reserved_gpus(),
-                })
-                .collect(),
-        }
+        st.hosts
+            .values()
+            .map(|h| HostListing {
+                report: h.report.clone(),
+                up: h.up,
+                last_seen_s: now.saturating_duration_since(h.last_seen).as_secs_f64(),
+                gpus_reserved: h.reserved_gpus(),
+            })
+            .collect()
     }
 }
 

@@ -16,16 +16,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::events::Event;
 use serde::{Deserialize, Serialize};
 use shardcast_placement::{
     self as placement, PlanError, PlanParams, Receiver, ReceiverKind, Source, Target, Tier,
 };
 use shardcast_protocol::codec::decode_exact;
-use shardcast_protocol::controller::{
-    Event, EvictRequest, EvictResponse, HeartbeatResponse, HostHolding, HostState,
-    ListHostsResponse, ListModelsResponse, ModelInfo, ModelStatus, NameBinding, PrewarmRequest,
-    RegisterModelRequest, ScaleOutRequest, ShardInfo,
-};
 use shardcast_protocol::origin_policy::{Enforcer, OriginLocation, OriginPolicy};
 use shardcast_protocol::{HostId, Manifest, ModelName};
 use tokio::sync::watch;
@@ -47,12 +43,17 @@ use crate::plan::{
 use crate::state::{StateStore, Table};
 use crate::usage::Usage;
 
+mod commands;
 mod evict;
 mod hosts;
 mod plans;
 mod registry;
 mod runner;
 
+pub use commands::{
+    EvictModel, Evicted, HeartbeatAnswer, Holder, HostListing, ModelEntry, Models, Prewarm,
+    Register, Registered, RegistrationJob, ScaleOut, Sources, Whereabouts,
+};
 pub use registry::parse_profile;
 // The parts' free functions, for each other and for the tests below.
 #[cfg(test)]
@@ -149,7 +150,7 @@ fn model_record_version() -> String {
 }
 
 /// A registered model, as persisted (table `models`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelRecord {
     /// [`MODEL_RECORD_VERSION`]; records written before versions have none and read as
     /// version 1 (the same shape).
@@ -200,27 +201,6 @@ impl ModelRecord {
             ));
         }
         Ok(m)
-    }
-
-    fn info(&self, manifest: Option<&[u8]>) -> ModelInfo {
-        ModelInfo {
-            name: self.name.clone(),
-            digest: self.digest.clone(),
-            origin: self.origin.clone(),
-            total_bytes: self.total_bytes,
-            chunk_size: self.chunk_size,
-            shards: self
-                .shards
-                .iter()
-                .map(|(path, size, chunks)| ShardInfo {
-                    path: path.clone(),
-                    size: *size,
-                    chunks: *chunks,
-                })
-                .collect(),
-            manifest: manifest.map(<[u8]>::to_vec).unwrap_or_default(),
-            registered_at: self.registered_at,
-        }
     }
 
     fn spec(&self) -> placement::ModelSpec {
@@ -392,8 +372,8 @@ pub struct Controller {
 
 /// A registration in progress: who reads the origin, and its outcome once it ends.
 struct Registration {
-    info: shardcast_protocol::controller::Registration,
-    outcome: watch::Receiver<Option<Result<ModelInfo, RegisterError>>>,
+    info: RegistrationJob,
+    outcome: watch::Receiver<Option<Result<ModelEntry, RegisterError>>>,
 }
 
 impl Controller {

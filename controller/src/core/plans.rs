@@ -6,30 +6,16 @@ use super::*;
 
 impl Controller {
     /// `Prewarm`: make `replicas` replicas (or the named hosts) hold the model.
-    pub fn prewarm(self: &Arc<Self>, req: PrewarmRequest) -> Result<Accepted, PlanRequestError> {
-        let tier =
-            crate::wire::tier_of(req.tier).map_err(|e| PlanRequestError::Invalid(e.message))?;
-        let target = if req.hosts.is_empty() {
-            if req.replicas == 0 {
-                return Err(PlanRequestError::Invalid(
-                    "replicas must be at least 1 (or name the hosts)".into(),
-                ));
-            }
-            Target::Replicas(req.replicas)
-        } else {
-            Target::Hosts(req.hosts.clone())
-        };
-        let transport = crate::wire::transport_of(req.transport, self.cfg.transport)
-            .map_err(|e| PlanRequestError::Invalid(e.message))?;
-        let each_from_origin = match req.sources.as_str() {
-            "" | "auto" => false,
-            "origin" => true,
-            other => {
-                return Err(PlanRequestError::Invalid(format!(
-                    "sources must be auto or origin, got {other:?}"
-                )));
-            }
-        };
+    pub fn prewarm(self: &Arc<Self>, req: Prewarm) -> Result<Accepted, PlanRequestError> {
+        let tier = req.tier;
+        let target = req.target;
+        if target == Target::Replicas(0) {
+            return Err(PlanRequestError::Invalid(
+                "replicas must be at least 1 (or name the hosts)".into(),
+            ));
+        }
+        let transport = req.transport.unwrap_or(self.cfg.transport);
+        let each_from_origin = req.sources == Sources::Origin;
         self.make_plan(&req.model, tier, (each_from_origin, transport), |st, m| {
             // GPU slots are counted by reservation: a gpu prewarm of k makes sure k slots are
             // reserved for the model, reserving only the missing ones.
@@ -39,7 +25,7 @@ impl Controller {
                 let have = gpu_reserved(st, &m.digest);
                 return Ok((have < k).then(|| Target::Replicas(k - have)));
             }
-            Ok(Some(target))
+            Ok(Some(target.clone()))
         })
     }
 
@@ -145,16 +131,14 @@ impl Controller {
     }
 
     /// `ScaleOut`: `replicas` more replicas than exist now.
-    pub fn scale_out(self: &Arc<Self>, req: ScaleOutRequest) -> Result<Accepted, PlanRequestError> {
-        let tier =
-            crate::wire::tier_of(req.tier).map_err(|e| PlanRequestError::Invalid(e.message))?;
+    pub fn scale_out(self: &Arc<Self>, req: ScaleOut) -> Result<Accepted, PlanRequestError> {
+        let tier = req.tier;
         if req.replicas == 0 {
             return Err(PlanRequestError::Invalid(
                 "replicas must be at least 1".into(),
             ));
         }
-        let transport = crate::wire::transport_of(req.transport, self.cfg.transport)
-            .map_err(|e| PlanRequestError::Invalid(e.message))?;
+        let transport = req.transport.unwrap_or(self.cfg.transport);
         self.make_plan(&req.model, tier, (false, transport), |st, m| {
             let current: u32 = match tier {
                 // Placement sees only free GPU slots: ask for the additional ones.

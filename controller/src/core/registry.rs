@@ -34,8 +34,8 @@ impl Controller {
     /// for it unless `no_wait`.
     pub async fn register_model(
         self: &Arc<Self>,
-        req: RegisterModelRequest,
-    ) -> Result<ModelInfo, RegisterError> {
+        req: Register,
+    ) -> Result<Registered, RegisterError> {
         let name = ModelName::new(&req.name).map_err(|e| RegisterError::BadName {
             name: req.name.clone(),
             why: e.to_string(),
@@ -67,7 +67,7 @@ impl Controller {
                     regs.insert(
                         name.to_string(),
                         Registration {
-                            info: shardcast_protocol::controller::Registration {
+                            info: RegistrationJob {
                                 name: name.to_string(),
                                 origin: origin.clone(),
                                 via_host: via.clone(),
@@ -94,10 +94,9 @@ impl Controller {
             }
         };
         if no_wait {
-            return Ok(ModelInfo {
+            return Ok(Registered::Started {
                 name: name.to_string(),
                 origin,
-                ..Default::default()
             });
         }
         let r = outcome
@@ -105,7 +104,7 @@ impl Controller {
             .await
             .map_err(|_| RegisterError::Lost)?
             .clone();
-        r.unwrap_or(Err(RegisterError::Lost))
+        r.unwrap_or(Err(RegisterError::Lost)).map(Registered::Done)
     }
 
     /// The host that reads the origin: `wanted` if given (it must be up), else any live
@@ -136,7 +135,7 @@ impl Controller {
         profile_json: Option<String>,
         chunk_size: u32,
         via: String,
-    ) -> Result<ModelInfo, RegisterError> {
+    ) -> Result<ModelEntry, RegisterError> {
         info!(model = %name, %origin, via = %via, "registering: building the manifest");
         let read_error = |agent| RegisterError::OriginRead {
             origin: origin.clone(),
@@ -209,7 +208,10 @@ impl Controller {
                 && old.read_origin == record.read_origin
                 && old.profile == record.profile
             {
-                return Ok(old.info(Some(&resp.manifest)));
+                return Ok(ModelEntry {
+                    record: old.clone(),
+                    manifest: Some(Arc::new(resp.manifest)),
+                });
             }
             let stored = |e: &dyn std::fmt::Display| RegisterError::Store(e.to_string());
             self.store
@@ -225,8 +227,12 @@ impl Controller {
             {
                 h.mark_complete(&digest, name.as_str(), DataTier::Memory, record.total_bytes);
             }
-            st.manifests.insert(digest, Arc::new(resp.manifest.clone()));
-            let info = record.info(Some(&resp.manifest));
+            let manifest = Arc::new(resp.manifest);
+            st.manifests.insert(digest, manifest.clone());
+            let info = ModelEntry {
+                record: record.clone(),
+                manifest: Some(manifest),
+            };
             st.models.insert(name.to_string(), record);
             info
         };
@@ -238,32 +244,31 @@ impl Controller {
     }
 
     /// Every registered model (manifests left out).
-    pub fn list_models(&self) -> ListModelsResponse {
-        let models = lock(&self.state)
-            .models
-            .values()
-            .map(|m| m.info(None))
-            .collect();
+    pub fn list_models(&self) -> Models {
+        let models = lock(&self.state).models.values().cloned().collect();
         let mut registering: Vec<_> = lock(&self.registrations)
             .values()
             .map(|r| r.info.clone())
             .collect();
         registering.sort_by(|a, b| a.name.cmp(&b.name));
-        ListModelsResponse {
+        Models {
             models,
             registering,
         }
     }
 
     /// One model, with its manifest.
-    pub fn get_model(&self, key: &str) -> Result<ModelInfo, LookupError> {
+    pub fn get_model(&self, key: &str) -> Result<ModelEntry, LookupError> {
         let st = lock(&self.state);
         let m = st.model(key)?;
-        Ok(m.info(st.manifests.get(&m.digest).map(|b| b.as_slice())))
+        Ok(ModelEntry {
+            record: m.clone(),
+            manifest: st.manifests.get(&m.digest).cloned(),
+        })
     }
 
     /// Where a model is.
-    pub fn get_status(&self, key: &str) -> Result<ModelStatus, LookupError> {
+    pub fn get_status(&self, key: &str) -> Result<Whereabouts, LookupError> {
         let st = lock(&self.state);
         let m = st.model(key)?;
         let mut hosts = Vec::new();
@@ -274,7 +279,7 @@ impl Controller {
             if mem.is_none() && disk.is_none() && gpus == 0 {
                 continue;
             }
-            hosts.push(HostHolding {
+            hosts.push(Holder {
                 host: h.report.host_id.clone(),
                 up: h.up,
                 memory: mem.is_some_and(|x| x.complete),
@@ -291,8 +296,8 @@ impl Controller {
             .map(|p| p.id.clone())
             .collect();
         plans.sort();
-        Ok(ModelStatus {
-            model: Some(m.info(None)),
+        Ok(Whereabouts {
+            model: m.clone(),
             hosts,
             plans,
         })
