@@ -50,7 +50,7 @@ use tracing::{info, warn};
 use crate::core::{ModelRecord, lock};
 use crate::etcd::{Campaign, Change, EtcdSnapshot, EtcdStore, LeaderInfo, WatchEvent, WatchLoss};
 use crate::inventory::{HostEntry, StoredHost};
-use crate::plan::{Plan, StoredPlan};
+use crate::plan::Plan;
 use crate::services::{Config, Services};
 use crate::state::{StateStore, Table};
 
@@ -725,11 +725,11 @@ impl Record {
             }
             Table::Manifests => Self::Manifest(key, value.map(Arc::new)),
             Table::Hosts => {
-                let v = read("host", &key, value, StoredHost::read);
+                let v = read("host", &key, value, crate::wire::read_host_record);
                 Self::Host(key, v)
             }
             Table::Plans => {
-                let v = read("plan", &key, value, StoredPlan::decode);
+                let v = read("plan", &key, value, crate::wire::read_plan_record);
                 Self::Plan(key, v)
             }
             Table::Usage => Self::Usage(key, value),

@@ -141,40 +141,26 @@ impl StoredHost {
         }
     }
 
-    /// Reads a record: this version, or a record written before versions (the
-    /// `HostReport` wire message and the reservations). A record of an unknown version is
-    /// an error naming it, not a guess.
-    pub fn read(bytes: &[u8]) -> Result<Self, String> {
+    /// Reads a record of this version; `Ok(None)` for a record written before versions
+    /// (the `HostReport` wire message and the reservations, read by
+    /// `crate::wire::read_host_record`). A record of an unknown version is an error naming
+    /// it, not a guess.
+    pub fn read_versioned(bytes: &[u8]) -> Result<Option<Self>, String> {
         #[derive(Deserialize)]
         struct Version {
             version: Option<String>,
         }
         let v: Version = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
         match v.version.as_deref() {
-            Some(HOST_RECORD_VERSION) => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
+            Some(HOST_RECORD_VERSION) => serde_json::from_slice(bytes)
+                .map(Some)
+                .map_err(|e| e.to_string()),
             Some(other) => Err(format!(
                 "host record version {other:?} is not known to this controller (it reads {HOST_RECORD_VERSION:?} and unversioned ones)"
             )),
-            None => {
-                let legacy: LegacyHostRecord =
-                    serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-                Ok(Self {
-                    version: HOST_RECORD_VERSION.into(),
-                    host: crate::wire::host_view(legacy.report).map_err(|e| e.message)?,
-                    gpu_reserved: legacy.gpu_reserved,
-                    pending_evictions: Vec::new(),
-                })
-            }
+            None => Ok(None),
         }
     }
-}
-
-/// A host record as written before records were versioned: the wire message.
-#[derive(Deserialize)]
-struct LegacyHostRecord {
-    report: shardcast_protocol::controller::HostReport,
-    #[serde(default)]
-    gpu_reserved: BTreeMap<String, u32>,
 }
 
 /// What the controller knows about one host.
@@ -549,7 +535,7 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["version"], HOST_RECORD_VERSION);
         assert_eq!(v["host"]["holdings"][0]["tier"], "disk");
-        let back = StoredHost::read(&bytes).unwrap();
+        let back = crate::wire::read_host_record(&bytes).unwrap();
         assert_eq!(back.host, e.report);
         assert_eq!(back.gpu_reserved, e.gpu_reserved);
 
@@ -559,17 +545,17 @@ mod tests {
                        "holdings": [{"digest": "m1", "tier": "memory", "complete": true}]},
             "gpu_reserved": {"m1": 1}
         });
-        let old = StoredHost::read(legacy.to_string().as_bytes()).unwrap();
+        let old = crate::wire::read_host_record(legacy.to_string().as_bytes()).unwrap();
         assert_eq!(old.host.holdings[0].tier, DataTier::Memory);
         assert_eq!(old.gpu_reserved["m1"], 1);
 
         let future = serde_json::json!({"version": "9", "host": {}});
-        let err = StoredHost::read(future.to_string().as_bytes()).unwrap_err();
+        let err = crate::wire::read_host_record(future.to_string().as_bytes()).unwrap_err();
         assert!(err.contains("\"9\""), "{err}");
         let bad_tier = serde_json::json!({
             "report": {"host_id": "a", "holdings": [{"digest": "m1", "tier": "tape"}]}
         });
-        let err = StoredHost::read(bad_tier.to_string().as_bytes()).unwrap_err();
+        let err = crate::wire::read_host_record(bad_tier.to_string().as_bytes()).unwrap_err();
         assert!(err.contains("tape"), "{err}");
     }
 }

@@ -43,6 +43,8 @@ pub mod grpc;
 pub mod ha;
 pub mod http;
 pub mod inventory;
+pub mod model;
+pub mod ops;
 pub mod plan;
 pub mod ptables;
 pub mod scrape;

@@ -696,14 +696,12 @@ impl StoredPlan {
         }
     }
 
-    /// A stored plan record: the typed layout, else the legacy one (`crate::wire`).
+    /// A stored plan record in the typed layout (`crate::wire::read_plan_record` reads
+    /// the legacy one too).
     pub fn decode(bytes: &[u8]) -> Result<Plan, String> {
         serde_json::from_slice::<Self>(bytes)
             .map(Self::into_plan)
             .map_err(|e| e.to_string())
-            .or_else(|e| {
-                crate::wire::legacy_plan(bytes).map_err(|l| format!("{e}; as a legacy record: {l}"))
-            })
     }
 }
 

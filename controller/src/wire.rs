@@ -8,15 +8,17 @@ use shardcast_protocol::controller::{
     self as pb, HostProgress, PlanAccepted, PlanStatus, PlannedChain,
 };
 
-use crate::core::{
-    EvictModel, Evicted, HeartbeatAnswer, HostListing, ModelEntry, ModelRecord, Models, Prewarm,
-    Register, Registered, ScaleOut, Sources, Whereabouts,
-};
 use crate::error::ApiError;
 use crate::events::Event;
-use crate::inventory::{GpuInfo, GpuLoad, Holding, HostView};
+use crate::inventory::{GpuInfo, GpuLoad, HOST_RECORD_VERSION, Holding, HostView, StoredHost};
+use crate::model::ModelRecord;
+use crate::ops::{
+    EvictModel, Evicted, HeartbeatAnswer, HostListing, ModelEntry, Models, Prewarm, Register,
+    Registered, ScaleOut, Sources, Whereabouts,
+};
 use crate::plan::{
     Accepted, ChainSummary, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState,
+    StoredPlan,
 };
 
 /// A request's tier: unspecified is memory; a number this build does not know is refused.
@@ -349,6 +351,34 @@ impl From<Accepted> for PlanAccepted {
             hosts: a.hosts.iter().map(HostProgress::from).collect(),
         }
     }
+}
+
+/// A stored host record: this version, or one written before versions (the
+/// `HostReport` wire message and the reservations).
+pub fn read_host_record(bytes: &[u8]) -> Result<StoredHost, String> {
+    /// A host record as written before records were versioned: the wire message.
+    #[derive(serde::Deserialize)]
+    struct LegacyHostRecord {
+        report: pb::HostReport,
+        #[serde(default)]
+        gpu_reserved: std::collections::BTreeMap<String, u32>,
+    }
+    if let Some(r) = StoredHost::read_versioned(bytes)? {
+        return Ok(r);
+    }
+    let legacy: LegacyHostRecord = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    Ok(StoredHost {
+        version: HOST_RECORD_VERSION.into(),
+        host: host_view(legacy.report).map_err(|e| e.message)?,
+        gpu_reserved: legacy.gpu_reserved,
+        pending_evictions: Vec::new(),
+    })
+}
+
+/// A stored plan record: the typed layout, else the legacy one.
+pub fn read_plan_record(bytes: &[u8]) -> Result<Plan, String> {
+    StoredPlan::decode(bytes)
+        .or_else(|e| legacy_plan(bytes).map_err(|l| format!("{e}; as a legacy record: {l}")))
 }
 
 /// A plan persisted before records were versioned: the `PlanStatus` wire message with

@@ -25,7 +25,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::core::lock;
+use crate::lock;
 use crate::state::{StateError, StateStore, Table};
 
 /// The longest a write waits before it is committed.

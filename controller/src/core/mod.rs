@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::events::Event;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use shardcast_placement::{
     self as placement, PlanError, PlanParams, Receiver, ReceiverKind, Source, Target, Tier,
 };
@@ -38,19 +38,18 @@ use crate::inventory::{self, DataTier, HostEntry, HostView, Pending, StoredHost}
 pub use crate::plan::ChainRun;
 use crate::plan::{
     Accepted, ChainSummary, GpuState, Plan, PlanKind, ReceiverProgress, ReceiverState, Seen,
-    StoredPlan,
 };
 use crate::state::{StateStore, Table};
 use crate::usage::Usage;
 
-mod commands;
 mod evict;
 mod hosts;
 mod plans;
 mod registry;
 mod runner;
 
-pub use commands::{
+pub use crate::model::{MODEL_RECORD_VERSION, ModelRecord};
+pub use crate::ops::{
     EvictModel, Evicted, HeartbeatAnswer, Holder, HostListing, ModelEntry, Models, Prewarm,
     Register, Registered, RegistrationJob, ScaleOut, Sources, Whereabouts,
 };
@@ -139,76 +138,6 @@ impl ControllerConfig {
     /// Silence after which a host is down.
     pub fn host_timeout(&self) -> Duration {
         self.heartbeat * self.missed_heartbeats.max(1)
-    }
-}
-
-/// The version of [`ModelRecord`]s written now.
-pub const MODEL_RECORD_VERSION: &str = "1";
-
-fn model_record_version() -> String {
-    MODEL_RECORD_VERSION.to_string()
-}
-
-/// A registered model, as persisted (table `models`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelRecord {
-    /// [`MODEL_RECORD_VERSION`]; records written before versions have none and read as
-    /// version 1 (the same shape).
-    #[serde(default = "model_record_version")]
-    pub version: String,
-    /// Name.
-    pub name: String,
-    /// Hex manifest digest.
-    pub digest: String,
-    /// Origin URI.
-    pub origin: String,
-    /// Chunk size.
-    pub chunk_size: u32,
-    /// Total bytes.
-    pub total_bytes: u64,
-    /// Shards: (path, size, chunks).
-    pub shards: Vec<(String, u64, u32)>,
-    /// Seconds since the epoch.
-    pub registered_at: f64,
-    /// Registered profile (JSON of `shardcast_policies::profile::ModelProfile`).
-    #[serde(default)]
-    pub profile: Option<String>,
-    /// The origin pinned to the version that was registered, where `origin` names a
-    /// movable one (`hf://org/name@<commit>` for a Hub branch): what plans, bursts and
-    /// recovery read from. Empty: `origin` itself.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub read_origin: String,
-}
-
-impl ModelRecord {
-    /// The origin hosts read this version from: [`Self::read_origin`], else `origin`.
-    pub fn reads_from(&self) -> &str {
-        if self.read_origin.is_empty() {
-            &self.origin
-        } else {
-            &self.read_origin
-        }
-    }
-
-    /// Reads a stored record; a version this controller does not know is an error naming
-    /// it, not a guess.
-    pub fn read(bytes: &[u8]) -> Result<Self, String> {
-        let m: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-        if m.version != MODEL_RECORD_VERSION {
-            return Err(format!(
-                "model record version {:?} is not known to this controller (it reads {MODEL_RECORD_VERSION:?})",
-                m.version
-            ));
-        }
-        Ok(m)
-    }
-
-    fn spec(&self) -> placement::ModelSpec {
-        placement::ModelSpec {
-            key: self.digest.clone(),
-            shard_bytes: self.shards.iter().map(|s| s.1).collect(),
-            chunk_size: u64::from(self.chunk_size),
-        }
     }
 }
 
@@ -441,7 +370,7 @@ impl Controller {
             st.manifests.insert(digest, Arc::new(bytes));
         }
         for (id, bytes) in store.list(Table::Hosts)? {
-            match StoredHost::read(&bytes) {
+            match crate::wire::read_host_record(&bytes) {
                 Ok(r) => {
                     st.persisted
                         .insert(id.clone(), HostEntry::signature(&r.host));
@@ -452,7 +381,7 @@ impl Controller {
         }
         let mut resume = Vec::new();
         for (id, bytes) in store.list(Table::Plans)? {
-            match StoredPlan::decode(&bytes) {
+            match crate::wire::read_plan_record(&bytes) {
                 Ok(p) => {
                     if p.running() {
                         resume.push((id.clone(), p.kind == PlanKind::Burst));
@@ -603,21 +532,6 @@ mod receiver_index_tests {
         assert_eq!(pinned_origin("hf://acme/tiny", "not a uri"), None);
     }
 
-    #[test]
-    fn model_records_are_versioned_and_unversioned_ones_still_load() {
-        let old = serde_json::json!({
-            "name": "org/m", "digest": "ab", "origin": "file:///m", "chunk_size": 4,
-            "total_bytes": 8, "shards": [["w.bin", 8, 2]], "registered_at": 1.0
-        });
-        let m = ModelRecord::read(old.to_string().as_bytes()).unwrap();
-        assert_eq!(m.version, MODEL_RECORD_VERSION);
-        let v: serde_json::Value = serde_json::to_value(&m).unwrap();
-        assert_eq!(v["version"], MODEL_RECORD_VERSION);
-        let mut future = old.clone();
-        future["version"] = "7".into();
-        let e = ModelRecord::read(future.to_string().as_bytes()).unwrap_err();
-        assert!(e.contains("\"7\""), "{e}");
-    }
     use crate::plan::{PlanKind, ReceiverProgress, ReceiverState};
 
     fn plan(id: &str, digest: &str, hosts: &[(&str, ReceiverState)]) -> Plan {

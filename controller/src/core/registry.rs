@@ -173,7 +173,7 @@ impl Controller {
             )));
         }
         let mut record = ModelRecord {
-            version: model_record_version(),
+            version: MODEL_RECORD_VERSION.to_string(),
             name: name.to_string(),
             digest: digest.clone(),
             origin,

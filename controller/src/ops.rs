@@ -1,4 +1,4 @@
-//! The operations' typed commands and answers: what the front ends (`crate::grpc`,
+//! The controller's operations' typed commands and answers: what the front ends (`crate::grpc`,
 //! `crate::http`, through `crate::wire`), the autoscaler and the tier sweeper ask of the
 //! controller, in its own types — never the API's protobuf.
 
@@ -8,8 +8,8 @@ use std::time::Duration;
 use shardcast_placement::{Target, Tier};
 use shardcast_protocol::HopTransport;
 
-use super::ModelRecord;
 use crate::inventory::HostView;
+use crate::model::ModelRecord;
 
 /// Where a prewarm's receivers read from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
