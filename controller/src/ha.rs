@@ -749,18 +749,8 @@ pub(crate) fn apply(ctl: &Services, changes: Vec<Change>) {
     let mut st = lock(&ctl.core.state);
     for r in records {
         match r {
-            Record::Model(name, Some(m)) => {
-                st.models.insert(name, m);
-            }
-            Record::Model(name, None) => {
-                st.models.remove(&name);
-            }
-            Record::Manifest(digest, Some(m)) => {
-                st.manifests.insert(digest, m);
-            }
-            Record::Manifest(digest, None) => {
-                st.manifests.remove(&digest);
-            }
+            Record::Model(name, m) => ctl.core.registry().apply_model(name, m),
+            Record::Manifest(digest, m) => ctl.core.registry().apply_manifest(digest, m),
             Record::Host(id, Some(r)) => {
                 st.hosts.insert(id, HostEntry::restored(r, now));
             }

@@ -47,6 +47,7 @@ pub mod model;
 pub mod ops;
 pub mod plan;
 pub mod ptables;
+pub mod registry;
 pub mod scrape;
 pub mod server;
 pub mod services;

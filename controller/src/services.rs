@@ -238,8 +238,8 @@ impl LoadSink for Scaler {
 
 impl ModelSource for Controller {
     fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, PartitionError> {
+        let m = self.registry().model(key)?;
         let st = lock(&self.state);
-        let m = st.model(key)?.clone();
         let profile = m
             .profile
             .as_deref()
@@ -305,6 +305,12 @@ impl ModelSource for Controller {
 
 impl TierTarget for Controller {
     fn tier_view(&self, origins_durable: bool) -> Vec<HostTiers> {
+        let models: HashMap<String, crate::model::ModelRecord> = self
+            .registry()
+            .all()
+            .into_iter()
+            .map(|m| (m.digest.clone(), m))
+            .collect();
         let st = lock(&self.state);
         let copies = |digest: &str| -> u32 {
             st.hosts
@@ -338,7 +344,7 @@ impl TierTarget for Controller {
                     .holdings
                     .iter()
                     .map(|x| {
-                        let m = st.models.values().find(|m| m.digest == x.digest);
+                        let m = models.get(&x.digest);
                         TierCopy {
                             tier: x.tier,
                             digest: x.digest.clone(),
@@ -404,11 +410,10 @@ impl TierTarget for Controller {
                 }
                 if let Some(why) = stale_booking(digest, &h.report.gpu_loads, &h.report.gpu_evicted)
                 {
-                    let name = st
-                        .models
-                        .values()
-                        .find(|m| m.digest == *digest)
-                        .map_or_else(|| digest.clone(), |m| m.name.clone());
+                    let name = self
+                        .registry()
+                        .name_of(digest)
+                        .unwrap_or_else(|| digest.clone());
                     out.push(StaleBooking {
                         host: host.clone(),
                         digest: digest.clone(),
@@ -449,8 +454,8 @@ impl Controller {
     /// A model's replicas in `tier`, for the autoscaler. Load time: the last finished plan
     /// that moved the model, else an estimate at the default NIC rate.
     pub fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError> {
+        let m = self.registry().model(key)?;
         let st = lock(&self.state);
-        let m = st.model(key)?.clone();
         let mut holders: Vec<String> = match tier {
             Tier::Gpu => st
                 .hosts

@@ -9,9 +9,8 @@ impl Controller {
     pub async fn evict(&self, req: EvictModel) -> Result<Evicted, EvictError> {
         let tier = req.tier;
         let (digest, targets, pending) = {
+            let digest = self.registry.model(&req.model)?.digest;
             let st = lock(&self.state);
-            let m = st.model(&req.model)?;
-            let digest = m.digest.clone();
             for h in &req.hosts {
                 let e = st
                     .hosts

@@ -78,11 +78,7 @@ impl Controller {
             }
             self.events.record(e);
         }
-        let names = asked
-            .into_iter()
-            .filter_map(|n| st.models.get(&n))
-            .map(|m| (m.name.clone(), m.digest.clone()))
-            .collect();
+        let names = self.registry.bindings(asked.iter().map(String::as_str));
         let gpu_copies_elsewhere = inventory::gpu_copies_elsewhere(&st.hosts, &id);
         Ok(HeartbeatAnswer {
             interval: self.cfg.heartbeat,

@@ -45,7 +45,7 @@ use crate::usage::Usage;
 mod evict;
 mod hosts;
 mod plans;
-mod registry;
+mod register;
 mod runner;
 
 pub use crate::model::{MODEL_RECORD_VERSION, ModelRecord};
@@ -53,13 +53,13 @@ pub use crate::ops::{
     EvictModel, Evicted, HeartbeatAnswer, Holder, HostListing, ModelEntry, Models, Prewarm,
     Register, Registered, RegistrationJob, ScaleOut, Sources, Whereabouts,
 };
-pub use registry::parse_profile;
+pub use register::parse_profile;
 // The parts' free functions, for each other and for the tests below.
 #[cfg(test)]
 use hosts::*;
 use plans::*;
 #[cfg(test)]
-use registry::*;
+use register::*;
 
 /// What runs after a model is registered (with a profile), given its name.
 pub type AfterRegister =
@@ -197,9 +197,6 @@ pub(crate) use crate::lock;
 
 #[derive(Default)]
 pub(crate) struct State {
-    /// By name (latest version).
-    pub(crate) models: BTreeMap<String, ModelRecord>,
-    pub(crate) manifests: HashMap<String, Arc<Vec<u8>>>,
     pub(crate) hosts: BTreeMap<String, HostEntry>,
     /// Signature of each host's last persisted report.
     persisted: HashMap<String, String>,
@@ -231,16 +228,6 @@ impl State {
             }
         }
         self.plans.insert(id, plan);
-    }
-
-    pub(crate) fn model(&self, key: &str) -> Result<&ModelRecord, LookupError> {
-        if key.is_empty() {
-            return Err(LookupError::NoKey);
-        }
-        self.models
-            .get(key)
-            .or_else(|| self.models.values().find(|m| m.digest == key))
-            .ok_or_else(|| LookupError::UnknownModel(key.to_string()))
     }
 
     /// Bytes still to arrive on each host from plans in flight.
@@ -295,14 +282,8 @@ pub struct Controller {
     authz: Arc<shardcast_identity::grpc::AuthzStats>,
     http: Arc<shardcast_identity::http::HttpStats>,
     origin_refused: std::sync::atomic::AtomicU64,
-    /// Registrations in progress, by model name.
-    registrations: Mutex<HashMap<String, Registration>>,
-}
-
-/// A registration in progress: who reads the origin, and its outcome once it ends.
-struct Registration {
-    info: RegistrationJob,
-    outcome: watch::Receiver<Option<Result<ModelEntry, RegisterError>>>,
+    /// The models, their manifests and the registrations in progress (`crate::registry`).
+    registry: crate::registry::Registry,
 }
 
 impl Controller {
@@ -358,17 +339,7 @@ impl Controller {
     ) -> Result<(Arc<Self>, Vec<(String, bool)>), ApiError> {
         let mut st = State::default();
         let started = Instant::now();
-        for (name, bytes) in store.list(Table::Models)? {
-            match ModelRecord::read(&bytes) {
-                Ok(m) => {
-                    st.models.insert(name, m);
-                }
-                Err(e) => warn!(model = %name, "skipping unreadable model record: {e}"),
-            }
-        }
-        for (digest, bytes) in store.list(Table::Manifests)? {
-            st.manifests.insert(digest, Arc::new(bytes));
-        }
+        let registry = crate::registry::Registry::restore(store.as_ref())?;
         for (id, bytes) in store.list(Table::Hosts)? {
             match crate::wire::read_host_record(&bytes) {
                 Ok(r) => {
@@ -410,7 +381,7 @@ impl Controller {
             authz,
             http,
             origin_refused: std::sync::atomic::AtomicU64::new(0),
-            registrations: Mutex::default(),
+            registry,
         });
         Ok((me, resume))
     }
@@ -473,6 +444,11 @@ impl Controller {
     /// When each model was last used (for the tier sweeper's LRU).
     pub fn usage(&self) -> &Arc<Usage> {
         &self.usage
+    }
+
+    /// The model registry.
+    pub fn registry(&self) -> &crate::registry::Registry {
+        &self.registry
     }
 
     /// Decisions and plan events.

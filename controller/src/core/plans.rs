@@ -39,13 +39,12 @@ impl Controller {
         &self,
         key: &str,
     ) -> Result<(ModelRecord, Arc<Vec<u8>>, Vec<String>, Vec<String>), PlanRequestError> {
-        let st = lock(&self.state);
-        let m = st.model(key)?.clone();
-        let manifest = st
-            .manifests
-            .get(&m.digest)
-            .cloned()
+        let m = self.registry.model(key)?;
+        let manifest = self
+            .registry
+            .manifest(&m.digest)
             .ok_or_else(|| PlanRequestError::NoManifest(m.name.clone()))?;
+        let st = lock(&self.state);
         let holds = |h: &HostEntry| {
             h.holding(&m.digest, DataTier::Memory)
                 .is_some_and(|x| x.complete)
@@ -111,13 +110,7 @@ impl Controller {
     /// PCIe load time of its weights over its execution time. Empty (the host's default)
     /// without a profile.
     pub(crate) fn heaviness_of(&self, digest: &str) -> String {
-        let profile = {
-            let st = lock(&self.state);
-            st.models
-                .values()
-                .find(|m| m.digest == digest)
-                .and_then(|m| m.profile.clone())
-        };
+        let profile = self.registry.by_digest(digest).and_then(|m| m.profile);
         let Some(p) = profile.and_then(|j| parse_profile(&j).ok()) else {
             return String::new();
         };
@@ -167,8 +160,8 @@ impl Controller {
         (each_from_origin, transport): (bool, shardcast_protocol::HopTransport),
         target: impl FnOnce(&State, &ModelRecord) -> Result<Option<Target>, PlanRequestError>,
     ) -> Result<Accepted, PlanRequestError> {
+        let model = self.registry.model(key)?;
         let mut st = lock(&self.state);
-        let model = st.model(key)?.clone();
         self.usage.touch(&model.digest);
         let target = target(&st, &model)?;
         let in_flight = st.in_flight(&model.digest, tier);

@@ -167,12 +167,8 @@ impl Controller {
             let mut ended = false;
             let mut newly_done: HashSet<String> = HashSet::new();
             {
+                let total = self.registry.by_digest(&digest).map(|m| m.total_bytes);
                 let mut st = lock(&self.state);
-                let total = st
-                    .models
-                    .values()
-                    .find(|m| m.digest == digest)
-                    .map(|m| m.total_bytes);
                 let Some(plan) = st.plans.get_mut(&id) else {
                     return;
                 };
@@ -448,7 +444,7 @@ impl Controller {
                 p.transport,
             )
         };
-        let manifest = lock(&self.state).manifests.get(&digest).cloned();
+        let manifest = self.registry.manifest(&digest);
         let Some(manifest) = manifest else {
             warn!(plan = %id, "the model's manifest is missing from the controller state");
             return;
@@ -484,11 +480,7 @@ impl Controller {
 
     /// The registry name whose current version is `digest`, if any.
     pub(crate) fn current_name(&self, digest: &str) -> Option<String> {
-        lock(&self.state)
-            .models
-            .values()
-            .find(|m| m.digest == digest)
-            .map(|m| m.name.clone())
+        self.registry.name_of(digest)
     }
 
     pub(super) async fn start_run(
@@ -597,7 +589,7 @@ impl Controller {
             let pending = st.pending();
             let Some(plan) = st.plans.get(id) else { return };
             let digest = plan.digest.clone();
-            let Some(model) = st.models.values().find(|m| m.digest == digest).cloned() else {
+            let Some(model) = self.registry.by_digest(&digest) else {
                 return;
             };
             let tier = plan.tier;

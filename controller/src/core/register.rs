@@ -43,7 +43,7 @@ impl Controller {
         let origin = req.origin.trim().to_string();
         let no_wait = req.no_wait;
         let mut outcome = {
-            let mut regs = lock(&self.registrations);
+            let mut regs = lock(&self.registry.jobs);
             match regs.get(name.as_str()) {
                 Some(r) if r.info.origin == origin => r.outcome.clone(),
                 Some(r) => {
@@ -66,7 +66,7 @@ impl Controller {
                     let (tx, rx) = watch::channel(None);
                     regs.insert(
                         name.to_string(),
-                        Registration {
+                        crate::registry::Job {
                             info: RegistrationJob {
                                 name: name.to_string(),
                                 origin: origin.clone(),
@@ -86,7 +86,7 @@ impl Controller {
                         if let Err(e) = &r {
                             warn!(model = %job_name, "registration failed: {e}");
                         }
-                        lock(&me.registrations).remove(&job_name);
+                        lock(&me.registry.jobs).remove(&job_name);
                         tx.send_replace(Some(r));
                     });
                     rx
@@ -200,42 +200,23 @@ impl Controller {
             }
         }
         let with_profile = record.profile.is_some();
-        let info = {
-            let mut st = lock(&self.state);
-            if let Some(old) = st.models.get(name.as_str())
-                && old.digest == digest
-                && old.origin == record.origin
-                && old.read_origin == record.read_origin
-                && old.profile == record.profile
-            {
-                return Ok(ModelEntry {
-                    record: old.clone(),
-                    manifest: Some(Arc::new(resp.manifest)),
-                });
-            }
-            let stored = |e: &dyn std::fmt::Display| RegisterError::Store(e.to_string());
-            self.store
-                .put(Table::Manifests, &digest, &resp.manifest)
-                .map_err(|e| stored(&e))?;
-            self.put_json(Table::Models, name.as_str(), &record)
-                .map_err(|e| stored(&e))?;
-            info!(model = %name, %digest, bytes = record.total_bytes, shards = record.shards.len(), kept_on = %if resp.kept { via.as_str() } else { "-" }, "model registered");
-            // Its next heartbeat says so too; a prewarm made before then must already
-            // see the copy, not plan a second read of the origin.
-            if resp.kept
-                && let Some(h) = st.hosts.get_mut(&via)
-            {
-                h.mark_complete(&digest, name.as_str(), DataTier::Memory, record.total_bytes);
-            }
-            let manifest = Arc::new(resp.manifest);
-            st.manifests.insert(digest, manifest.clone());
-            let info = ModelEntry {
-                record: record.clone(),
-                manifest: Some(manifest),
-            };
-            st.models.insert(name.to_string(), record);
-            info
-        };
+        // The host keeps the copy: a prewarm made as soon as the model is registered must
+        // see it (its next heartbeat says so too), not plan a second read of the origin.
+        if resp.kept
+            && let Some(h) = lock(&self.state).hosts.get_mut(&via)
+        {
+            h.mark_complete(&digest, name.as_str(), DataTier::Memory, record.total_bytes);
+        }
+        let total_bytes = record.total_bytes;
+        let shards = record.shards.len();
+        let (info, changed) = self
+            .registry
+            .record(self.store.as_ref(), record, Arc::new(resp.manifest))
+            .map_err(|e| RegisterError::Store(e.to_string()))?;
+        if !changed {
+            return Ok(info);
+        }
+        info!(model = %name, %digest, bytes = total_bytes, shards, kept_on = %if resp.kept { via.as_str() } else { "-" }, "model registered");
         // Plans are precomputed and stored with the model (Flashpoint §4.2.2).
         if with_profile && let Some(hook) = self.after_register.get() {
             hook(name.to_string()).await;
@@ -245,32 +226,21 @@ impl Controller {
 
     /// Every registered model (manifests left out).
     pub fn list_models(&self) -> Models {
-        let models = lock(&self.state).models.values().cloned().collect();
-        let mut registering: Vec<_> = lock(&self.registrations)
-            .values()
-            .map(|r| r.info.clone())
-            .collect();
-        registering.sort_by(|a, b| a.name.cmp(&b.name));
         Models {
-            models,
-            registering,
+            models: self.registry.all(),
+            registering: self.registry.jobs(),
         }
     }
 
     /// One model, with its manifest.
     pub fn get_model(&self, key: &str) -> Result<ModelEntry, LookupError> {
-        let st = lock(&self.state);
-        let m = st.model(key)?;
-        Ok(ModelEntry {
-            record: m.clone(),
-            manifest: st.manifests.get(&m.digest).cloned(),
-        })
+        self.registry.entry(key)
     }
 
     /// Where a model is.
     pub fn get_status(&self, key: &str) -> Result<Whereabouts, LookupError> {
+        let m = self.registry.model(key)?;
         let st = lock(&self.state);
-        let m = st.model(key)?;
         let mut hosts = Vec::new();
         for h in st.hosts.values() {
             let mem = h.holding(&m.digest, DataTier::Memory);
@@ -297,7 +267,7 @@ impl Controller {
             .collect();
         plans.sort();
         Ok(Whereabouts {
-            model: m.clone(),
+            model: m,
             hosts,
             plans,
         })
