@@ -30,6 +30,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     config
+        // No `connect` constructors: they need tonic's transport, which the callers bring.
+        .build_transport(false)
         .field_attribute(
             ".shardcast.controller.v1.ModelInfo.manifest",
             "#[serde(skip)]",
