@@ -34,6 +34,7 @@ impl Controller {
             *last_persist = Instant::now();
         }
         if ended {
+            self.cfg.metrics.plan_ended(plan);
             info!(plan = %id, kind = %plan.kind, state = %plan.state, elapsed_s = plan.elapsed_s(now_unix()), "plan ended");
             st.watchers.remove(id);
         }
