@@ -17,6 +17,9 @@ impl Controller {
         last_persist: &mut Instant,
     ) {
         let Some(plan) = st.plans.get(id) else { return };
+        if ended {
+            self.cfg.metrics.plan_ended(plan);
+        }
         if let Some(w) = st.watchers.get(id) {
             w.send_replace(plan.clone());
         }
@@ -34,7 +37,6 @@ impl Controller {
             *last_persist = Instant::now();
         }
         if ended {
-            self.cfg.metrics.plan_ended(plan);
             info!(plan = %id, kind = %plan.kind, state = %plan.state, elapsed_s = plan.elapsed_s(now_unix()), "plan ended");
             st.watchers.remove(id);
         }
