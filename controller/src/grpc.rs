@@ -61,12 +61,24 @@ pub fn plan_updates(c: &Controller, id: &str) -> Result<PlanStream, crate::error
     )))
 }
 
+impl GrpcApi {
+    /// Times a call to `method` (`shardcast_api_request_seconds`, `crate::metrics`).
+    fn timer(&self, method: &'static str) -> crate::metrics::ApiTimer {
+        self.0
+            .core
+            .config()
+            .metrics
+            .time("grpc", method.to_string())
+    }
+}
+
 #[tonic::async_trait]
 impl ControllerApi for GrpcApi {
     async fn register_model(
         &self,
         request: Request<RegisterModelRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
+        let _timer = self.timer("RegisterModel");
         Ok(Response::new(
             self.0
                 .core
@@ -80,6 +92,7 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
+        let _timer = self.timer("ListModels");
         Ok(Response::new(self.0.core.list_models().into()))
     }
 
@@ -87,6 +100,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<GetModelRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
+        let _timer = self.timer("GetModel");
         Ok(Response::new(
             self.0.core.get_model(&request.into_inner().model)?.into(),
         ))
@@ -96,6 +110,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<PrewarmRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
+        let _timer = self.timer("Prewarm");
         Ok(Response::new(
             self.0
                 .core
@@ -108,6 +123,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<ScaleOutRequest>,
     ) -> Result<Response<PlanAccepted>, Status> {
+        let _timer = self.timer("ScaleOut");
         Ok(Response::new(
             self.0
                 .scale_out(crate::wire::scale_out(request.into_inner())?)
@@ -120,6 +136,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<EvictRequest>,
     ) -> Result<Response<EvictResponse>, Status> {
+        let _timer = self.timer("Evict");
         Ok(Response::new(
             self.0
                 .core
@@ -135,6 +152,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<WatchPlanRequest>,
     ) -> Result<Response<Self::WatchPlanStream>, Status> {
+        let _timer = self.timer("WatchPlan");
         Ok(Response::new(plan_updates(
             &self.0.core,
             &request.into_inner().plan_id,
@@ -145,6 +163,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<WatchPlanRequest>,
     ) -> Result<Response<PlanStatus>, Status> {
+        let _timer = self.timer("GetPlan");
         Ok(Response::new(plan_status(
             &self.0.core.get_plan(&request.into_inner().plan_id)?,
             now_unix(),
@@ -155,6 +174,7 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListPlansRequest>,
     ) -> Result<Response<ListPlansResponse>, Status> {
+        let _timer = self.timer("ListPlans");
         Ok(Response::new(list_plans(&self.0.core)))
     }
 
@@ -162,6 +182,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<GetStatusRequest>,
     ) -> Result<Response<ModelStatus>, Status> {
+        let _timer = self.timer("GetStatus");
         Ok(Response::new(
             self.0.core.get_status(&request.into_inner().model)?.into(),
         ))
@@ -171,6 +192,7 @@ impl ControllerApi for GrpcApi {
         &self,
         _request: Request<ListHostsRequest>,
     ) -> Result<Response<ListHostsResponse>, Status> {
+        let _timer = self.timer("ListHosts");
         Ok(Response::new(crate::wire::host_list(
             self.0.core.list_hosts(),
         )))
@@ -180,6 +202,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<ReportLoadRequest>,
     ) -> Result<Response<ReportLoadResponse>, Status> {
+        let _timer = self.timer("ReportLoad");
         let decision = self.0.autoscaler.report_load(request.into_inner()).await?;
         Ok(Response::new(ReportLoadResponse {
             decision: Some(decision.into()),
@@ -190,6 +213,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<ListEventsRequest>,
     ) -> Result<Response<ListEventsResponse>, Status> {
+        let _timer = self.timer("ListEvents");
         let r = request.into_inner();
         Ok(Response::new(crate::wire::event_list(
             self.0.events().list(&r.model, r.limit as usize),
@@ -200,6 +224,7 @@ impl ControllerApi for GrpcApi {
         &self,
         request: Request<GetPartitionPlanRequest>,
     ) -> Result<Response<PartitionPlanResponse>, Status> {
+        let _timer = self.timer("GetPartitionPlan");
         Ok(Response::new(
             self.0.tables.partition_plan(request.into_inner()).await?,
         ))
@@ -212,6 +237,7 @@ impl Inventory for GrpcApi {
         &self,
         request: Request<HostReport>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
+        let _timer = self.timer("Heartbeat");
         let peer = shardcast_identity::grpc::peer_of(&request);
         let report = request.into_inner();
         crate::auth::check_heartbeat(&peer, &report.host_id)?;

@@ -536,6 +536,8 @@ pub async fn run(
         fresh: true,
         broken_logged: false,
     };
+    let metrics = cfg.core.metrics.clone();
+    metrics.elected();
     let mut lease: Option<i64> = None;
     let mut quiet = Quiet::default();
     let mut tick = tokio::time::interval(ha.campaign);
@@ -652,6 +654,7 @@ pub async fn run(
             }
         }
         let _ = role.send(Role::Leader);
+        metrics.became_leader();
         info!(id = %ha.me.id, "leading");
         // Stop acting well before etcd could expire the lease: a renewal's lease runs
         // from when etcd received it, which is after we sent it.
@@ -679,6 +682,7 @@ pub async fn run(
         let _ = role.send(Role::Follower { leader: None });
         store.set_fence(None);
         term.cancel();
+        metrics.stepped_down();
         warn!(id = %ha.me.id, "stepped down as leader: {why}");
         let _ = store.revoke(lease_id).await;
         lease = None;

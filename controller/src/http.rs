@@ -20,7 +20,7 @@
 //! | POST | /v1/load | ReportLoadRequest → ReportLoadResponse (the autoscaler's decision) |
 //! | GET | /v1/events | → ListEventsResponse (`?model=` filters) |
 //! | POST | /v1/partition-plan | GetPartitionPlanRequest → the plan table as JSON |
-//! | GET | /metrics | → autoscaler decision counters (Prometheus text) |
+//! | GET | /metrics | → the controller's metrics (Prometheus text 0.0.4, `crate::metrics`) |
 //! | GET | /healthz | → `ok` |
 
 use std::sync::Arc;
@@ -69,6 +69,7 @@ fn ok<T: Serialize>(v: T) -> Response {
 
 /// The HTTP router.
 pub fn router(c: Arc<Services>) -> Router {
+    let metrics = c.core.config().metrics.clone();
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
@@ -180,46 +181,14 @@ pub fn router(c: Arc<Services>) -> Router {
         .route(
             "/metrics",
             get(|State(c): Ctl| async move {
-                let mut out = String::from(
-                    "# HELP shardcast_autoscaler_decisions_total Autoscaler decisions by kind.\n# TYPE shardcast_autoscaler_decisions_total counter\n",
-                );
-                for (kind, n) in c.events().counters() {
-                    out.push_str(&format!(
-                        "shardcast_autoscaler_decisions_total{{kind=\"{kind}\"}} {n}\n"
-                    ));
-                }
-                let authz = c.core.authz_stats();
-                let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-                out.push_str(&format!(
-                    "# HELP shardcast_api_refused_total API calls refused, by reason.\n# TYPE shardcast_api_refused_total counter\nshardcast_api_refused_total{{reason=\"unauthenticated\"}} {}\nshardcast_api_refused_total{{reason=\"denied\"}} {}\n",
-                    load(&authz.unauthenticated),
-                    load(&authz.denied)
-                ));
-                out.push_str("# HELP shardcast_api_denied_total API calls refused because the caller's role lacks the permission, by role.\n# TYPE shardcast_api_denied_total counter\n");
-                for (role, n) in authz.denied_by() {
-                    out.push_str(&format!("shardcast_api_denied_total{{role=\"{role}\"}} {n}\n"));
-                }
-                out.push_str("# HELP shardcast_http_timeouts_total HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).\n# TYPE shardcast_http_timeouts_total counter\n");
-                for (stall, n) in c.core.http_stats().timeouts() {
-                    out.push_str(&format!("shardcast_http_timeouts_total{{kind=\"{}\"}} {n}\n", stall.as_str()));
-                }
-                out.push_str(&format!(
-                    "# HELP shardcast_origin_refused_total Registrations refused by the origin allow-list.\n# TYPE shardcast_origin_refused_total counter\nshardcast_origin_refused_total {}\n",
-                    c.core.origin_refusals()
-                ));
-                if let Some(tls) = &c.core.config().tls {
-                    out.push_str(&format!(
-                        "# HELP shardcast_connections_over_peer_limit_total API connections closed after their handshake because their peer (a certificate's identity, or an address without one) already held the per-peer limit on the listener.\n# TYPE shardcast_connections_over_peer_limit_total counter\nshardcast_connections_over_peer_limit_total {}\n",
-                        load(&tls.stats.over_peer_limit)
-                    ));
-                    out.push_str(&format!(
-                        "# HELP shardcast_handshakes_over_addr_limit_total API connections closed before their handshake because their address already had the per-address limit of handshakes in progress.\n# TYPE shardcast_handshakes_over_addr_limit_total counter\nshardcast_handshakes_over_addr_limit_total {}\n",
-                        load(&tls.stats.handshakes_over_addr_limit)
-                    ));
-                }
-                out
+                let text = c.core.config().metrics.render(&c);
+                ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text)
             }),
         )
+        .route_layer(axum::middleware::from_fn_with_state(
+            metrics,
+            crate::metrics::time_http,
+        ))
         .fallback(|| async {
             ApiError::not_found("no such endpoint; see docs/OPERATIONS.md for the HTTP API")
         })

@@ -19,7 +19,8 @@
 //!   election among replicas on etcd, the follower's read-only view and the gate that
 //!   refuses its writes with the leader's address.
 //! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
-//!   failures to gRPC codes and HTTP statuses.
+//!   failures to gRPC codes and HTTP statuses; [`metrics`]: `/metrics` through a registry
+//!   (API latency, plan and receiver time to ready, evictions, registrations, leadership).
 //! * [`server`]: the `shardcast-controller` process. The `shardcast` operator CLI is its own
 //!   crate (`shardcast-cli`), so it does not link the server.
 
@@ -43,6 +44,7 @@ pub mod grpc;
 pub mod ha;
 pub mod http;
 pub mod inventory;
+pub mod metrics;
 pub mod model;
 pub mod ops;
 pub mod plan;

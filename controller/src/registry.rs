@@ -95,6 +95,11 @@ impl Registry {
             .map(|m| m.name.clone())
     }
 
+    /// How many names are registered.
+    pub fn count(&self) -> usize {
+        lock(&self.records).models.len()
+    }
+
     /// A manifest by digest.
     pub fn manifest(&self, digest: &str) -> Option<Arc<Vec<u8>>> {
         lock(&self.records).manifests.get(digest).cloned()

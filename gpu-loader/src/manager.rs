@@ -350,7 +350,13 @@ pub struct GpuManager {
     ahead: Mutex<AheadState>,
     /// Models another host holds resident on its GPUs, as the controller last said.
     elsewhere: Mutex<GpuCopiesElsewhere>,
+    /// Told of every load that ends ([`GpuManager::observe_loads`]).
+    observer: std::sync::OnceLock<LoadObserver>,
 }
+
+/// Called once per load that ends: `Some(seconds)` (the load's own elapsed time) when the
+/// model became resident, `None` when it failed or was cancelled. Runs on the load's thread.
+pub type LoadObserver = Box<dyn Fn(Option<f64>) + Send + Sync>;
 
 /// What the controller last said about GPU copies on other hosts, and until when it holds.
 #[derive(Debug, Default)]
@@ -506,7 +512,14 @@ impl GpuManager {
             evictions: Mutex::default(),
             ahead: Mutex::new(ahead),
             elsewhere: Mutex::default(),
+            observer: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Sets what is told of every load that ends (the daemon's metrics). Only the first
+    /// call takes effect: `false` when an observer was set already.
+    pub fn observe_loads(&self, f: LoadObserver) -> bool {
+        self.observer.set(f).is_ok()
     }
 
     /// Whether registering ahead of loads is on, off or stopped.
@@ -1086,6 +1099,9 @@ impl GpuManager {
                 let Some(l) = loads.get_mut(&model) else { return };
                 match r {
                     Ok(rep) => {
+                        if let Some(f) = me.observer.get() {
+                            f(Some(rep.elapsed_s));
+                        }
                         info!(model = %model, gpus = ?l.gpus, elapsed_s = rep.elapsed_s, partition_s = rep.first_s, host_path = %rep.host_path, register_s = rep.register_s, segments_reused = rep.registrations_reused, numa_node = ?rep.numa_node, "model resident on GPUs");
                         l.state = LoadState::Resident;
                         l.report = Some(rep);
@@ -1099,6 +1115,9 @@ impl GpuManager {
                             (crate::loader::LoadError::Cancelled, Some(why)) => why,
                             _ => e.to_string(),
                         };
+                        if let Some(f) = me.observer.get() {
+                            f(None);
+                        }
                         warn!(model = %model, "GPU load failed: {why}");
                         l.state = LoadState::Failed(why);
                         let gpus = l.gpus.clone();

@@ -120,6 +120,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .await
             .context("GPU start-up task")?,
     );
+    {
+        let m = node.metrics.clone();
+        gpus.observe_loads(Box::new(move |resident| m.gpu_load_done(resident)));
+    }
+    // The metrics registry, handed to the admin endpoint (`crate::metrics`).
+    let registry = Arc::new(crate::metrics::registry(&node, &gpus));
     let agent = ApiListener::bind(&config.agent_listen, "agent", SocketAccess::Owner).await?;
     // Inference processes in the store's group may read hand-offs from the admin socket.
     let admin_access = match config.store.group {
@@ -194,6 +200,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tasks.spawn(crate::admin::serve(
             node.clone(),
             gpus.clone(),
+            registry.clone(),
             incoming,
             tokens,
             config.admin_limits,

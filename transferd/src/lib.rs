@@ -13,7 +13,8 @@
 //! * [`wire`] / [`transport`]: frames over any byte stream; TCP today.
 //! * [`throttle`]: daemon-wide egress/ingress token buckets.
 //! * [`limits`]: connection caps, per-phase timeouts and the open-file limit of the data port.
-//! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`.
+//! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`;
+//!   [`metrics`]: the registry behind `/metrics` (counters read at scrape time, histograms).
 //! * [`gpu`]: the store as a chunk source for `gpu-loader`, GPU loads and hand-offs.
 //! * [`repair`]: corruption at rest: repairs of chunks that failed re-verification, and
 //!   the background scrub.
@@ -29,6 +30,7 @@ pub mod config;
 pub mod daemon;
 pub mod gpu;
 pub mod limits;
+pub mod metrics;
 pub mod origin;
 pub mod repair;
 pub mod report;

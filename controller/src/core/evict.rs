@@ -88,6 +88,7 @@ impl Controller {
                     evicted.push(h.clone());
                 }
             }
+            self.cfg.metrics.evicted(tier.as_str(), evicted.len(), 0);
             return Ok(Evicted {
                 evicted,
                 bytes_freed: 0,
@@ -138,6 +139,9 @@ impl Controller {
             }
         }
         info!(model = %digest, ?tier, hosts = ?evicted, bytes_freed, "evicted");
+        self.cfg
+            .metrics
+            .evicted(tier.as_str(), evicted.len(), bytes_freed);
         match failures.into_iter().next() {
             None => Ok(Evicted {
                 evicted,

@@ -111,6 +111,8 @@ pub struct ControllerConfig {
         Arc<shardcast_identity::grpc::AuthzStats>,
         Arc<shardcast_identity::http::HttpStats>,
     ),
+    /// `/metrics`' registry and what it observes, shared the same way.
+    pub metrics: Arc<crate::metrics::ControllerMetrics>,
 }
 
 impl Default for ControllerConfig {
@@ -128,6 +130,7 @@ impl Default for ControllerConfig {
             signer: None,
             origins: OriginPolicy::new(Vec::new(), Enforcer::Controller),
             api_stats: Default::default(),
+            metrics: Default::default(),
             register_keeps_copy: true,
             transport: shardcast_protocol::HopTransport::Tcp,
         }

@@ -76,6 +76,7 @@ impl Controller {
                             outcome: rx.clone(),
                         },
                     );
+                    self.cfg.metrics.registration_started();
                     let me = self.clone();
                     let (job_name, job_model) = (name.to_string(), name.clone());
                     let (job_origin, chunk_size) = (origin.clone(), req.chunk_size);
@@ -87,6 +88,7 @@ impl Controller {
                             warn!(model = %job_name, "registration failed: {e}");
                         }
                         lock(&me.registry.jobs).remove(&job_name);
+                        me.cfg.metrics.registration_ended(r.is_ok());
                         tx.send_replace(Some(r));
                     });
                     rx

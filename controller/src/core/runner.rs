@@ -21,6 +21,9 @@ impl Controller {
         last_persist: &mut Instant,
     ) {
         let Some(plan) = st.plans.get(id) else { return };
+        if ended {
+            self.cfg.metrics.plan_ended(plan);
+        }
         if let Some(w) = st.watchers.get(id) {
             w.send_replace(plan.clone());
         }

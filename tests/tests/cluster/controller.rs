@@ -980,6 +980,163 @@ async fn concurrent_prewarms_of_one_model_send_it_to_each_host_once() {
     }
 }
 
+/// The value of the series `series` (name and labels exactly as written) in a `/metrics`
+/// text.
+fn series_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// `/metrics` of both daemons after a prewarm of three hosts, read against what happened:
+/// the chunks each verified and how many came from peers, the origin read once, every
+/// receiver session timed; the controller's plan, receivers, hosts, registration, API
+/// calls and an eviction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_after_a_prewarm_match_what_happened() {
+    const N: usize = 3;
+    let (c, _origin, mut api, manifest, a) = prewarm_every_host(N, 8 << 20, 20).await;
+    let done = wait_plan(&mut api, &a.plan_id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done.state().label(), "done", "{done:?}");
+    let (size, chunks) = (manifest.total_bytes(), manifest.total_chunks());
+
+    // The daemons: sums over the hosts, polled while the receivers' last sessions are
+    // recorded (each once its range is verified, as the controller sees it done).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let sums = loop {
+        let mut sums = std::collections::BTreeMap::<&str, u64>::new();
+        for d in &c.daemons {
+            let body = d.metrics().await.unwrap();
+            assert!(
+                body.contains(
+                    "# TYPE shardcast_chunk_verify_seconds histogram
+"
+                ),
+                "{body}"
+            );
+            for name in [
+                "chunks_verified_total",
+                "chunks_corrupt_total",
+                "origin_bytes_total",
+                "chunk_verify_seconds_count",
+                "session_ready_seconds_count",
+                "hop_throughput_bytes_per_second_count",
+                "bytes_received_total",
+            ] {
+                let v = shardcast_bench::cluster::metric_value(&body, &d.host_id, name)
+                    .unwrap_or_else(|| panic!("{}: no {name} in {body}", d.host_id));
+                *sums.entry(name).or_default() += v;
+            }
+        }
+        if sums["session_ready_seconds_count"] >= 2
+            && sums["chunk_verify_seconds_count"] == 2 * chunks
+            || Instant::now() > deadline
+        {
+            break sums;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // One chain: its head read the origin once; every chunk was verified on every host,
+    // and the two hosts below the head each hashed every chunk they received.
+    assert_eq!(sums["origin_bytes_total"], size, "{sums:?}");
+    assert_eq!(sums["chunks_verified_total"], N as u64 * chunks, "{sums:?}");
+    assert_eq!(sums["chunks_corrupt_total"], 0, "{sums:?}");
+    assert_eq!(
+        sums["chunk_verify_seconds_count"],
+        (N as u64 - 1) * chunks,
+        "{sums:?}"
+    );
+    // The model crossed two hops: at least its bytes twice came in on data connections.
+    assert!(
+        sums["bytes_received_total"] >= (N as u64 - 1) * size,
+        "{sums:?}"
+    );
+    // Every receiver session is timed, and has a throughput.
+    assert!(
+        sums["session_ready_seconds_count"] >= (N as u64 - 1),
+        "{sums:?}"
+    );
+    assert_eq!(
+        sums["session_ready_seconds_count"], sums["hop_throughput_bytes_per_second_count"],
+        "{sums:?}"
+    );
+
+    // The controller.
+    let (s, _) = http(&c.controller, "GET", "/v1/plans", "").await;
+    assert_eq!(s, 200);
+    let (s, body) = http(&c.controller, "GET", "/metrics", "").await;
+    assert_eq!(s, 200);
+    let v = |series: &str| {
+        series_value(&body, series).unwrap_or_else(|| panic!("no {series} in {body}"))
+    };
+    assert_eq!(v("shardcast_plans{state=\"done\"}"), 1.0);
+    assert_eq!(v("shardcast_plans{state=\"running\"}"), 0.0);
+    assert_eq!(v("shardcast_plans_ended_total{state=\"done\"}"), 1.0);
+    assert_eq!(v("shardcast_plan_ready_seconds_count{state=\"done\"}"), 1.0);
+    assert!(v("shardcast_plan_ready_seconds_sum{state=\"done\"}") > 0.0);
+    assert_eq!(v("shardcast_receiver_ready_seconds_count"), N as f64);
+    assert_eq!(v("shardcast_hosts_registered"), N as f64);
+    assert_eq!(v("shardcast_hosts_up"), N as f64);
+    assert_eq!(v("shardcast_models_registered"), 1.0);
+    assert_eq!(v("shardcast_registrations_started_total"), 1.0);
+    assert_eq!(
+        v("shardcast_registrations_ended_total{outcome=\"ok\"}"),
+        1.0
+    );
+    assert_eq!(v("shardcast_registrations_in_progress"), 0.0);
+    assert_eq!(v("shardcast_leader"), 1.0);
+    assert_eq!(
+        v("shardcast_api_request_seconds_count{transport=\"grpc\",method=\"Prewarm\"}"),
+        1.0
+    );
+    assert_eq!(
+        v("shardcast_api_request_seconds_count{transport=\"grpc\",method=\"RegisterModel\"}"),
+        1.0
+    );
+    assert!(
+        v("shardcast_api_request_seconds_count{transport=\"grpc\",method=\"Heartbeat\"}")
+            >= N as f64
+    );
+    assert_eq!(
+        v("shardcast_api_request_seconds_count{transport=\"http\",method=\"GET /v1/plans\"}"),
+        1.0
+    );
+    // The series from before the registry are still there, as they were.
+    for family in [
+        "# TYPE shardcast_autoscaler_decisions_total counter\n",
+        "# TYPE shardcast_api_refused_total counter\n",
+        "# TYPE shardcast_api_denied_total counter\n",
+        "# TYPE shardcast_http_timeouts_total counter\n",
+        "# TYPE shardcast_origin_refused_total counter\n",
+    ] {
+        assert!(body.contains(family), "{family} in {body}");
+    }
+    assert_eq!(v("shardcast_api_refused_total{reason=\"denied\"}"), 0.0);
+
+    // An eviction from one host: counted, with the bytes it freed.
+    let host = done.hosts[0].host.clone();
+    let ev = api
+        .evict(EvictRequest {
+            model: MODEL.into(),
+            hosts: vec![host.clone()],
+            tier: shardcast_protocol::controller::Tier::Memory as i32,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ev.evicted, vec![host]);
+    let (_, body) = http(&c.controller, "GET", "/metrics", "").await;
+    let v = |series: &str| {
+        series_value(&body, series).unwrap_or_else(|| panic!("no {series} in {body}"))
+    };
+    assert_eq!(v("shardcast_evictions_total{tier=\"memory\"}"), 1.0);
+    assert_eq!(v("shardcast_evicted_hosts_total{tier=\"memory\"}"), 1.0);
+    assert_eq!(v("shardcast_evicted_bytes_total"), ev.bytes_freed as f64);
+    assert!(ev.bytes_freed > 0, "{ev:?}");
+}
+
 /// A plain HTTP/1.1 request; returns (status, body).
 async fn http(ctl: &ControllerProc, method: &str, path: &str, body: &str) -> (u16, String) {
     ctl.http(HttpAs::Cert(Role::Admin), method, path, body)
@@ -1407,6 +1564,19 @@ async fn gpu_prewarm_ends_with_the_model_resident_on_simulated_gpus() {
     }
     for d in &c.daemons {
         d.verify_copy(&manifest).unwrap();
+        // One load per host (onto both its GPUs), timed and counted on /metrics.
+        assert_eq!(
+            shardcast_tests::metric(d, "gpu_loads_resident_total").await,
+            1
+        );
+        assert_eq!(
+            shardcast_tests::metric(d, "gpu_loads_failed_total").await,
+            0
+        );
+        assert_eq!(
+            shardcast_tests::metric(d, "gpu_load_seconds_count").await,
+            1
+        );
     }
     // Each host learns from the controller's heartbeat answers that the other holds the
     // model resident on its GPUs (an input of its GPU eviction order)...

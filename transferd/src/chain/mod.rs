@@ -415,6 +415,9 @@ pub struct Node {
     pub frame_budget: Arc<FrameBudget>,
     /// Data-plane counters.
     pub stats: Arc<NodeStats>,
+    /// Histograms of the data path (sessions, GPU loads), registered by
+    /// [`crate::metrics::registry`].
+    pub metrics: crate::metrics::DataMetrics,
     /// Tuning.
     pub cfg: ChainConfig,
     /// Fault injection (tests only).
@@ -462,6 +465,7 @@ impl Node {
             counters: Arc::default(),
             frame_budget: FrameBudget::new(cfg.limits.frame_memory),
             stats: Arc::default(),
+            metrics: crate::metrics::DataMetrics::default(),
             conn_limits: ConnLimits::new(&cfg.limits),
             cfg,
             faults,

@@ -139,6 +139,40 @@ impl ShardSession {
         self.failed.send_replace(Some(why));
     }
 
+    /// Bytes in the range `start..end` (0 for a range the manifest does not hold).
+    pub fn range_bytes(&self) -> u64 {
+        let (m, shard) = (&self.manifest, self.shard_index());
+        if self.end <= self.start {
+            return 0;
+        }
+        match (
+            m.chunk_span(shard, self.start),
+            m.chunk_span(shard, self.end - 1),
+        ) {
+            (Ok((first, _)), Ok((last, len))) => (last + len as u64).saturating_sub(first),
+            _ => 0,
+        }
+    }
+
+    /// Waits until the range is verified here (`Ok`), or the session failed (`Err`); the
+    /// forwarder may still be sending below.
+    pub async fn ready(&self) -> Result<(), String> {
+        let mut verified = self.shard.subscribe();
+        let mut failed = self.failed.subscribe();
+        loop {
+            if let Some(e) = self.failed.borrow().clone() {
+                return Err(e);
+            }
+            if self.complete() {
+                return Ok(());
+            }
+            tokio::select! {
+                r = verified.changed() => if r.is_err() { return Err("store closed".into()) },
+                r = failed.changed() => if r.is_err() { return Err("session gone".into()) },
+            }
+        }
+    }
+
     /// Waits until [`ShardSession::outcome`] is `Some`.
     pub async fn finished(&self) -> Result<(), String> {
         let mut verified = self.shard.subscribe();

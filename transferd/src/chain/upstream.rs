@@ -203,7 +203,8 @@ impl Node {
     }
 
     /// Removes a hop session from the table once it has finished, so a later session id can
-    /// reuse nothing stale; the session counts as active until then.
+    /// reuse nothing stale; the session counts as active until then. Records the session's
+    /// time to ready and throughput once its range is verified here.
     fn spawn_reaper(
         self: &Arc<Self>,
         sess: &Arc<ShardSession>,
@@ -213,6 +214,16 @@ impl Node {
         let node = self.clone();
         let sess = sess.clone();
         tokio::spawn(async move {
+            // A receiver session's time to ready and throughput (`crate::metrics`), unless
+            // it held its range already when it started.
+            if !sess.complete() {
+                tokio::select! {
+                    r = sess.ready() => if r.is_ok() {
+                        node.metrics.session_ready(sess.range_bytes(), sess.started.elapsed());
+                    },
+                    _ = node.cancel.cancelled() => {}
+                }
+            }
             tokio::select! {
                 _ = sess.finished() => {}
                 _ = node.cancel.cancelled() => {}

@@ -229,6 +229,9 @@ pub struct StoreStats {
     /// Plan tokens whose name binding was refused as older than the binding held (a
     /// replayed token: see [`names`]).
     pub name_bindings_refused: AtomicU64,
+    /// Seconds to verify a chunk from a peer against the manifest, per chunk
+    /// ([`Shard::verify_and_write`]; `shardcast_chunk_verify_seconds`).
+    pub chunk_verify: crate::metrics::Histogram,
 }
 
 /// Why a store operation failed.

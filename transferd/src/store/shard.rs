@@ -432,7 +432,13 @@ impl Shard {
         let (offset, _) = self.span(index)?;
         let claim = self.claim(index).await?;
         let (manifest, shard) = (self.manifest.clone(), self.index);
-        let verify = move |data: Bytes| manifest.verified(shard, index, data);
+        let times = self.integrity.stats.chunk_verify.clone();
+        let verify = move |data: Bytes| {
+            let t = std::time::Instant::now();
+            let r = manifest.verified(shard, index, data);
+            times.observe_duration(t.elapsed());
+            r
+        };
         if claim.is_none() {
             return Ok(match self.blocking(move || verify(data)).await? {
                 Ok(_) => Written::AlreadyHad,

@@ -138,6 +138,14 @@ async fn verify_and_write_stores_sound_chunks_and_drops_bad_ones_with_every_writ
         let got = shard.verify_and_write(0, bytes(1)).await.unwrap();
         assert!(matches!(got, Written::Corrupt(_)), "{writer:?}: {got:?}");
         assert_eq!(std::fs::read(shard.path()).unwrap(), data[0], "{writer:?}");
+        // Every chunk that came in was hashed once, sound or not, and timed.
+        let times = &store.stats().chunk_verify;
+        assert_eq!(
+            times.count(),
+            u64::from(shard.total_chunks()) + 4,
+            "{writer:?}"
+        );
+        assert!(times.sum() > 0.0, "{writer:?}");
     }
 }
 
