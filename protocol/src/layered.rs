@@ -286,7 +286,7 @@ fn suggestion(key: &str, fields: &[&str]) -> String {
     fields
         .iter()
         .map(|f| (distance(key, f), f))
-        .filter(|(d, _)| *d <= 2)
+        .filter(|(d, f)| *d <= (key.len() / 5).max(2) || (key.len() >= 4 && f.starts_with(key)))
         .min()
         .map(|(_, f)| format!("; did you mean `{f}`?"))
         .unwrap_or_default()
