@@ -1,5 +1,12 @@
 //! Wiring of the `shardcast-controller` process: configuration, state, listeners.
 //!
+//! Configuration: [`Cli`] declares the flags and their environment variables; [`Args`] holds
+//! the settings, loaded by [`Args::from_matches`] through `shardcast_protocol::layered`
+//! (built-in defaults < the TOML file of `--config`/`SHARDCAST_CONTROLLER_CONFIG` <
+//! environment < flags), an unknown or ill-typed key refused naming it and its origin;
+//! [`Loaded::validate`] makes every check before a port is bound and [`Loaded::render`]
+//! is `--print-config`. `controller/controller.example.toml` documents every key.
+//!
 //! Start-up: open the state store (resuming plans in flight), bind every listener, then
 //! print one line `READY grpc=<addr> http=<addr> [unix=<path>]` on stdout.
 
