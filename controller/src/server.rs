@@ -1,5 +1,12 @@
 //! Wiring of the `shardcast-controller` process: configuration, state, listeners.
 //!
+//! Configuration: [`Cli`] declares the flags and their environment variables; [`Args`] holds
+//! the settings, loaded by [`Args::from_matches`] through `shardcast_protocol::layered`
+//! (built-in defaults < the TOML file of `--config`/`SHARDCAST_CONTROLLER_CONFIG` <
+//! environment < flags), an unknown or ill-typed key refused naming it and its origin;
+//! [`Loaded::validate`] makes every check before a port is bound and [`Loaded::render`]
+//! is `--print-config`. `controller/controller.example.toml` documents every key.
+//!
 //! Start-up: open the state store (resuming plans in flight), bind every listener, then
 //! print one line `READY grpc=<addr> http=<addr> [unix=<path>]` on stdout.
 
@@ -9,7 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
+use serde::{Deserialize, Serialize};
 use shardcast_identity::grpc::{self, AuthzLayer, SocketAccess, TcpSecurity};
 use shardcast_identity::http::{HttpAuthLayer, HttpLimits};
 use shardcast_identity::tls::RELOAD_PERIOD;
@@ -19,8 +27,9 @@ use shardcast_placement::PlanParams;
 use shardcast_policies::profile::MIN_RATE_BPS;
 use shardcast_protocol::controller::controller_server::ControllerServer;
 use shardcast_protocol::controller::inventory_server::InventoryServer;
+use shardcast_protocol::layered::Layers;
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
-use shardcast_protocol::units::parse_rate;
+use shardcast_protocol::units::{self, parse_rate};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -33,53 +42,51 @@ use crate::services::{Config, Services};
 use crate::state::RedbStore;
 use shardcast_identity::grpc::GateLayer;
 
-/// Command line (every flag also reads an environment variable).
+/// The command line. Every setting is a flag, most also an environment variable, and all a
+/// key of the TOML file (`--config`); values are read as text here and typed by the layered
+/// loader ([`Args::from_matches`]), so a bad value names where it came from.
 #[derive(Debug, Parser)]
 #[command(
     name = "shardcast-controller",
     version,
     about = "shardcast control plane"
 )]
-pub struct Args {
-    /// gRPC listener (Controller and Inventory services).
-    #[arg(
-        long,
-        env = "SHARDCAST_CONTROLLER_LISTEN",
-        default_value = "127.0.0.1:7500"
-    )]
-    pub listen: SocketAddr,
-    /// HTTP/JSON listener.
-    #[arg(
-        long,
-        env = "SHARDCAST_CONTROLLER_HTTP",
-        default_value = "127.0.0.1:7501"
-    )]
-    pub http_listen: SocketAddr,
+pub struct Cli {
+    /// TOML config file (keys as in controller.example.toml). Its variable is not
+    /// SHARDCAST_CONFIG, which names transferd's file on the same host.
+    #[arg(long, env = "SHARDCAST_CONTROLLER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration, each value with where it came from (default, the
+    /// file, an environment variable or a flag), and exit without opening any port.
+    #[arg(long)]
+    pub print_config: bool,
+    /// gRPC listener (Controller and Inventory services). [default: 127.0.0.1:7500]
+    #[arg(long, env = "SHARDCAST_CONTROLLER_LISTEN")]
+    pub listen: Option<String>,
+    /// HTTP/JSON listener. [default: 127.0.0.1:7501]
+    #[arg(long, env = "SHARDCAST_CONTROLLER_HTTP")]
+    pub http_listen: Option<String>,
     /// Also serve gRPC on this Unix socket (reachable from every network namespace).
     #[arg(long, env = "SHARDCAST_CONTROLLER_UNIX")]
-    pub unix: Option<PathBuf>,
-    /// Directory of the state database.
-    #[arg(
-        long,
-        env = "SHARDCAST_CONTROLLER_STATE",
-        default_value = "/var/lib/shardcast-controller"
-    )]
-    pub state_dir: PathBuf,
-    /// Heartbeat period expected from hosts, in milliseconds.
-    #[arg(long, env = "SHARDCAST_HEARTBEAT_MS", default_value_t = 1000)]
-    pub heartbeat_ms: u64,
-    /// Heartbeats a host may miss before it is marked down.
-    #[arg(long, env = "SHARDCAST_MISSED_HEARTBEATS", default_value_t = 3)]
-    pub missed_heartbeats: u32,
-    /// Most receivers in one chain.
-    #[arg(long, env = "SHARDCAST_MAX_CHAIN_LEN", default_value_t = 16)]
-    pub max_chain_len: usize,
-    /// Expected origin read rate, for estimates (e.g. 250Mbit, 1GB/s).
-    #[arg(long, env = "SHARDCAST_ORIGIN_RATE", default_value = "250Mbit")]
-    pub origin_rate: String,
-    /// NIC rate assumed for hosts that report none.
-    #[arg(long, env = "SHARDCAST_DEFAULT_NIC_RATE", default_value = "10Gbit")]
-    pub default_nic_rate: String,
+    pub unix: Option<String>,
+    /// Directory of the state database. [default: /var/lib/shardcast-controller]
+    #[arg(long, env = "SHARDCAST_CONTROLLER_STATE")]
+    pub state_dir: Option<String>,
+    /// Heartbeat period expected from hosts, in milliseconds. [default: 1000]
+    #[arg(long, env = "SHARDCAST_HEARTBEAT_MS")]
+    pub heartbeat_ms: Option<String>,
+    /// Heartbeats a host may miss before it is marked down. [default: 3]
+    #[arg(long, env = "SHARDCAST_MISSED_HEARTBEATS")]
+    pub missed_heartbeats: Option<String>,
+    /// Most receivers in one chain. [default: 16]
+    #[arg(long, env = "SHARDCAST_MAX_CHAIN_LEN")]
+    pub max_chain_len: Option<String>,
+    /// Expected origin read rate, for estimates (e.g. 250Mbit, 1GB/s). [default: 250Mbit]
+    #[arg(long, env = "SHARDCAST_ORIGIN_RATE")]
+    pub origin_rate: Option<String>,
+    /// NIC rate assumed for hosts that report none. [default: 10Gbit]
+    #[arg(long, env = "SHARDCAST_DEFAULT_NIC_RATE")]
+    pub default_nic_rate: Option<String>,
     /// Partition plans: rate of the link carrying activations between partitions (e.g.
     /// 100Gbit) [default: the slowest NIC rate the up GPU hosts report, else
     /// --default-nic-rate].
@@ -97,37 +104,37 @@ pub struct Args {
     pub partition_exec_rate: Option<String>,
     /// How often a plan's loop runs without news, in milliseconds: it polls receivers
     /// whose agent stream is not up, and checks stalls and hosts that went down.
-    /// Completion itself is pushed by each receiver's agent, not polled.
-    #[arg(long, env = "SHARDCAST_POLL_MS", default_value_t = 250)]
-    pub poll_ms: u64,
-    /// Seconds without progress after which a receiver is re-planned.
-    #[arg(long, env = "SHARDCAST_STALL_TIMEOUT_S", default_value_t = 10)]
-    pub stall_timeout_s: u64,
+    /// Completion itself is pushed by each receiver's agent, not polled. [default: 250]
+    #[arg(long, env = "SHARDCAST_POLL_MS")]
+    pub poll_ms: Option<String>,
+    /// Seconds without progress after which a receiver is re-planned. [default: 10]
+    #[arg(long, env = "SHARDCAST_STALL_TIMEOUT_S")]
+    pub stall_timeout_s: Option<String>,
     /// Seconds a running plan waits for a receiver whose host stopped heartbeating to come
     /// back (re-planned then, resuming from its verified chunks) before it ends without it
-    /// (`partial`). 0: end at once.
-    #[arg(long, env = "SHARDCAST_LOST_GRACE_S", default_value_t = 20)]
-    pub lost_grace_s: u64,
-    /// Log format: text or json.
-    #[arg(long, env = "SHARDCAST_LOG_FORMAT", default_value = "text")]
-    pub log_format: String,
+    /// (`partial`). 0: end at once. [default: 20]
+    #[arg(long, env = "SHARDCAST_LOST_GRACE_S")]
+    pub lost_grace_s: Option<String>,
+    /// Log format: text or json. [default: text]
+    #[arg(long, env = "SHARDCAST_LOG_FORMAT")]
+    pub log_format: Option<String>,
     /// Host memory tier: above this fraction of its capacity, evict model copies (least
-    /// recently used first) down to --memory-low.
-    #[arg(long, env = "SHARDCAST_MEMORY_HIGH", default_value_t = 0.90)]
-    pub memory_high: f64,
-    /// See --memory-high.
-    #[arg(long, env = "SHARDCAST_MEMORY_LOW", default_value_t = 0.75)]
-    pub memory_low: f64,
-    /// Disk tier: above this fraction, evict down to --disk-low.
-    #[arg(long, env = "SHARDCAST_DISK_HIGH", default_value_t = 0.90)]
-    pub disk_high: f64,
-    /// See --disk-high.
-    #[arg(long, env = "SHARDCAST_DISK_LOW", default_value_t = 0.80)]
-    pub disk_low: f64,
+    /// recently used first) down to --memory-low. [default: 0.90]
+    #[arg(long, env = "SHARDCAST_MEMORY_HIGH")]
+    pub memory_high: Option<String>,
+    /// See --memory-high. [default: 0.75]
+    #[arg(long, env = "SHARDCAST_MEMORY_LOW")]
+    pub memory_low: Option<String>,
+    /// Disk tier: above this fraction, evict down to --disk-low. [default: 0.90]
+    #[arg(long, env = "SHARDCAST_DISK_HIGH")]
+    pub disk_high: Option<String>,
+    /// See --disk-high. [default: 0.80]
+    #[arg(long, env = "SHARDCAST_DISK_LOW")]
+    pub disk_low: Option<String>,
     /// How often the tiers are checked, milliseconds (0: never; tiers are then only
-    /// emptied by Evict).
-    #[arg(long, env = "SHARDCAST_TIER_SWEEP_MS", default_value_t = 5000)]
-    pub tier_sweep_ms: u64,
+    /// emptied by Evict). [default: 5000]
+    #[arg(long, env = "SHARDCAST_TIER_SWEEP_MS")]
+    pub tier_sweep_ms: Option<String>,
     /// Origins may not serve a model again (scratch buckets): never evict the last copy
     /// in the cluster of a registered model.
     #[arg(long, env = "SHARDCAST_ORIGINS_NOT_DURABLE")]
@@ -136,46 +143,42 @@ pub struct Args {
     /// and feed it to the autoscaler as ReportLoad would (see docs/OPERATIONS.md).
     #[arg(long, env = "SHARDCAST_SCRAPE_URL")]
     pub scrape_url: Option<String>,
-    /// How often to scrape, milliseconds.
-    #[arg(long, env = "SHARDCAST_SCRAPE_INTERVAL_MS", default_value_t = 5000)]
-    pub scrape_interval_ms: u64,
-    /// Tier for series without a `tier` label.
-    #[arg(long, env = "SHARDCAST_SCRAPE_TIER", default_value = "memory")]
-    pub scrape_tier: String,
-    /// Gauge of arrivals per second, labelled `model`.
-    #[arg(long, default_value = "shardcast_model_arrival_rate")]
-    pub scrape_arrival_metric: String,
-    /// Gauge of queued requests, labelled `model`.
-    #[arg(long, default_value = "shardcast_model_queue_length")]
-    pub scrape_queue_metric: String,
-    /// Gauge of requests per second one replica serves, labelled `model`.
-    #[arg(long, default_value = "shardcast_model_service_rate")]
-    pub scrape_service_metric: String,
+    /// How often to scrape, milliseconds. [default: 5000]
+    #[arg(long, env = "SHARDCAST_SCRAPE_INTERVAL_MS")]
+    pub scrape_interval_ms: Option<String>,
+    /// Tier for series without a `tier` label. [default: memory]
+    #[arg(long, env = "SHARDCAST_SCRAPE_TIER")]
+    pub scrape_tier: Option<String>,
+    /// Gauge of arrivals per second, labelled `model`. [default: shardcast_model_arrival_rate]
+    #[arg(long)]
+    pub scrape_arrival_metric: Option<String>,
+    /// Gauge of queued requests, labelled `model`. [default: shardcast_model_queue_length]
+    #[arg(long)]
+    pub scrape_queue_metric: Option<String>,
+    /// Gauge of requests per second one replica serves, labelled `model`. [default: shardcast_model_service_rate]
+    #[arg(long)]
+    pub scrape_service_metric: Option<String>,
     /// Cluster CA bundle (PEM): clients, hosts and agents must chain to it.
     #[arg(long, env = "SHARDCAST_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
+    pub tls_ca: Option<String>,
     /// The controller's certificate (PEM), naming `shardcast://controller/<name>`.
     #[arg(long, env = "SHARDCAST_TLS_CERT")]
-    pub tls_cert: Option<PathBuf>,
+    pub tls_cert: Option<String>,
     /// The certificate's private key (PEM).
     #[arg(long, env = "SHARDCAST_TLS_KEY")]
-    pub tls_key: Option<PathBuf>,
+    pub tls_key: Option<String>,
     /// Bearer tokens for HTTP clients without a certificate: lines of
     /// `<role> <name> <blake3-hex of the token>` (`shardcast certs token`).
     #[arg(long, env = "SHARDCAST_TOKENS_FILE")]
-    pub tokens_file: Option<PathBuf>,
+    pub tokens_file: Option<String>,
     /// HTTP listener: milliseconds a client has to send a request head (from the
     /// connection's start or the first byte after a keep-alive pause), and the longest a
-    /// handler waits for the next bytes of a request body.
-    #[arg(
-        long,
-        env = "SHARDCAST_HTTP_HEADER_TIMEOUT_MS",
-        default_value_t = 10_000
-    )]
-    pub http_header_timeout_ms: u64,
-    /// HTTP listener: milliseconds a keep-alive connection may wait for its next request.
-    #[arg(long, env = "SHARDCAST_HTTP_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
-    pub http_idle_timeout_ms: u64,
+    /// handler waits for the next bytes of a request body. [default: 10000]
+    #[arg(long, env = "SHARDCAST_HTTP_HEADER_TIMEOUT_MS")]
+    pub http_header_timeout_ms: Option<String>,
+    /// HTTP listener: milliseconds a keep-alive connection may wait for its next request. [default: 60000]
+    #[arg(long, env = "SHARDCAST_HTTP_IDLE_TIMEOUT_MS")]
+    pub http_idle_timeout_ms: Option<String>,
     /// INSECURE: no TLS and no authentication on the TCP listeners; refused unless both
     /// are on loopback. For benchmarks and experiments only.
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
@@ -190,28 +193,20 @@ pub struct Args {
     /// (docs/OPERATIONS.md, "High availability").
     #[arg(long, env = "SHARDCAST_STATE")]
     pub state: Option<String>,
-    /// Key prefix of this cluster's state in etcd.
-    #[arg(long, env = "SHARDCAST_ETCD_PREFIX", default_value = "/shardcast")]
-    pub etcd_prefix: String,
+    /// Key prefix of this cluster's state in etcd. [default: /shardcast]
+    #[arg(long, env = "SHARDCAST_ETCD_PREFIX")]
+    pub etcd_prefix: Option<String>,
     /// etcd's --max-request-bytes: records above it (large manifests) are refused with a
-    /// clear error; raise both together.
-    #[arg(
-        long,
-        env = "SHARDCAST_ETCD_MAX_REQUEST_BYTES",
-        default_value_t = crate::etcd::ETCD_DEFAULT_MAX_REQUEST_BYTES
-    )]
-    pub etcd_max_request_bytes: usize,
+    /// clear error; raise both together. [default: 1.5 MiB, etcd's]
+    #[arg(long, env = "SHARDCAST_ETCD_MAX_REQUEST_BYTES")]
+    pub etcd_max_request_bytes: Option<String>,
     /// etcd's --max-txn-ops: batched writes (host reports, plan progress) are committed in
-    /// fenced transactions of at most this many puts.
-    #[arg(
-        long,
-        env = "SHARDCAST_ETCD_MAX_TXN_OPS",
-        default_value_t = crate::etcd::ETCD_DEFAULT_MAX_TXN_OPS
-    )]
-    pub etcd_max_txn_ops: usize,
-    /// The longest one etcd call may take, milliseconds.
-    #[arg(long, env = "SHARDCAST_ETCD_TIMEOUT_MS", default_value_t = 2000)]
-    pub etcd_timeout_ms: u64,
+    /// fenced transactions of at most this many puts. [default: 128, etcd's]
+    #[arg(long, env = "SHARDCAST_ETCD_MAX_TXN_OPS")]
+    pub etcd_max_txn_ops: Option<String>,
+    /// The longest one etcd call may take, milliseconds. [default: 2000]
+    #[arg(long, env = "SHARDCAST_ETCD_TIMEOUT_MS")]
+    pub etcd_timeout_ms: Option<String>,
     /// etcd user, when etcd's authentication is enabled (the password is read from
     /// SHARDCAST_ETCD_PASSWORD).
     #[arg(long, env = "SHARDCAST_ETCD_USER")]
@@ -229,23 +224,259 @@ pub struct Args {
     pub advertise_http: Option<String>,
     /// Leader lease TTL, milliseconds (whole seconds in etcd; at least 2000). A leader
     /// that cannot renew it for 2/3 of this steps down; a killed leader is replaced
-    /// after about this long.
-    #[arg(long, env = "SHARDCAST_LEASE_TTL_MS", default_value_t = 3000)]
-    pub lease_ttl_ms: u64,
+    /// after about this long. [default: 3000]
+    #[arg(long, env = "SHARDCAST_LEASE_TTL_MS")]
+    pub lease_ttl_ms: Option<String>,
     /// How often a follower campaigns for leadership, milliseconds (its view follows
-    /// etcd through a watch, not on this period).
-    #[arg(long, env = "SHARDCAST_CAMPAIGN_MS", default_value_t = 250)]
-    pub campaign_ms: u64,
+    /// etcd through a watch, not on this period). [default: 250]
+    #[arg(long, env = "SHARDCAST_CAMPAIGN_MS")]
+    pub campaign_ms: Option<String>,
     /// Whether the host that reads a model's origin to build its manifest at registration
     /// keeps the bytes in its memory tier (best effort), so a prewarm that follows is served
     /// from it and the origin is read once, not twice. `false` leaves registration a read
-    /// that keeps nothing (cold-start benchmarks that measure the origin path use it).
-    #[arg(long, env = "SHARDCAST_REGISTER_KEEP_COPY", default_value_t = true, action = clap::ArgAction::Set)]
-    pub register_keep_copy: bool,
+    /// that keeps nothing (cold-start benchmarks that measure the origin path use it). [default: true]
+    #[arg(long, env = "SHARDCAST_REGISTER_KEEP_COPY")]
+    pub register_keep_copy: Option<String>,
     /// How the hops of a plan's chains dial each other, unless the request says otherwise:
-    /// `tcp`, or `quic` (every transferd listens on both unless started with quic = false).
-    #[arg(long, env = "SHARDCAST_TRANSPORT", default_value = "tcp")]
+    /// `tcp`, or `quic` (every transferd listens on both unless started with quic = false). [default: tcp]
+    #[arg(long, env = "SHARDCAST_TRANSPORT")]
+    pub transport: Option<String>,
+}
+
+/// The controller's settings, as the layered loader reads them (built-in defaults < the TOML
+/// file < environment variables < flags, see [`Cli`]): one key of the file, one flag each.
+/// Keys ending in `_ms` or `_s` take a number in that unit or a duration with its own
+/// (`"2s"`); rates are text (`"250Mbit"`, `"1GB/s"`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Args {
+    /// gRPC listener (Controller and Inventory services).
+    pub listen: SocketAddr,
+    /// HTTP/JSON listener.
+    pub http_listen: SocketAddr,
+    /// Also serve gRPC on this Unix socket.
+    pub unix: Option<PathBuf>,
+    /// Directory of the state database.
+    pub state_dir: PathBuf,
+    /// Heartbeat period expected from hosts, in milliseconds.
+    #[serde(with = "units::millis")]
+    pub heartbeat_ms: u64,
+    /// Heartbeats a host may miss before it is marked down.
+    pub missed_heartbeats: u32,
+    /// Most receivers in one chain.
+    pub max_chain_len: usize,
+    /// Expected origin read rate, for estimates.
+    pub origin_rate: String,
+    /// NIC rate assumed for hosts that report none.
+    pub default_nic_rate: String,
+    /// Partition plans: rate of the link between partitions.
+    pub partition_link_rate: Option<String>,
+    /// Partition plans: load rate of a derived profile.
+    pub partition_load_rate: Option<String>,
+    /// Partition plans: execution rate of a derived profile.
+    pub partition_exec_rate: Option<String>,
+    /// A plan loop's period without news, milliseconds.
+    #[serde(with = "units::millis")]
+    pub poll_ms: u64,
+    /// Seconds without progress after which a receiver is re-planned.
+    #[serde(with = "units::seconds")]
+    pub stall_timeout_s: u64,
+    /// Seconds a plan waits for a lost receiver's host to come back.
+    #[serde(with = "units::seconds")]
+    pub lost_grace_s: u64,
+    /// Log format: text or json.
+    pub log_format: String,
+    /// Memory tier high watermark (fraction of capacity).
+    pub memory_high: f64,
+    /// Memory tier low watermark.
+    pub memory_low: f64,
+    /// Disk tier high watermark.
+    pub disk_high: f64,
+    /// Disk tier low watermark.
+    pub disk_low: f64,
+    /// Tier check period, milliseconds (0: never).
+    #[serde(with = "units::millis")]
+    pub tier_sweep_ms: u64,
+    /// Never evict the last copy in the cluster of a registered model.
+    pub origins_not_durable: bool,
+    /// Prometheus endpoint to scrape per-model load from.
+    pub scrape_url: Option<String>,
+    /// Scrape period, milliseconds.
+    #[serde(with = "units::millis")]
+    pub scrape_interval_ms: u64,
+    /// Tier for series without a `tier` label.
+    pub scrape_tier: String,
+    /// Gauge of arrivals per second.
+    pub scrape_arrival_metric: String,
+    /// Gauge of queued requests.
+    pub scrape_queue_metric: String,
+    /// Gauge of requests per second one replica serves.
+    pub scrape_service_metric: String,
+    /// Cluster CA bundle (PEM).
+    pub tls_ca: Option<PathBuf>,
+    /// The controller's certificate (PEM).
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    pub tls_key: Option<PathBuf>,
+    /// Bearer tokens for HTTP clients without a certificate.
+    pub tokens_file: Option<PathBuf>,
+    /// HTTP: milliseconds a client has to send a request head.
+    #[serde(with = "units::millis")]
+    pub http_header_timeout_ms: u64,
+    /// HTTP: milliseconds a keep-alive connection may wait for its next request.
+    #[serde(with = "units::millis")]
+    pub http_idle_timeout_ms: u64,
+    /// INSECURE: no TLS and no authentication (loopback listeners only).
+    pub insecure_plaintext: bool,
+    /// Origin prefixes models may be registered from.
+    pub origin_allow: Vec<String>,
+    /// Where the state lives: unset for the embedded store, or `etcd://...`.
+    pub state: Option<String>,
+    /// Key prefix of this cluster's state in etcd.
+    pub etcd_prefix: String,
+    /// etcd's --max-request-bytes.
+    pub etcd_max_request_bytes: usize,
+    /// etcd's --max-txn-ops.
+    pub etcd_max_txn_ops: usize,
+    /// The longest one etcd call may take, milliseconds.
+    #[serde(with = "units::millis")]
+    pub etcd_timeout_ms: u64,
+    /// etcd user (the password is read from SHARDCAST_ETCD_PASSWORD).
+    pub etcd_user: Option<String>,
+    /// This replica's name in the election.
+    pub replica_id: Option<String>,
+    /// gRPC address clients and hosts should use for this replica.
+    pub advertise: Option<String>,
+    /// HTTP address clients should use for this replica.
+    pub advertise_http: Option<String>,
+    /// Leader lease TTL, milliseconds.
+    #[serde(with = "units::millis")]
+    pub lease_ttl_ms: u64,
+    /// How often a follower campaigns for leadership, milliseconds.
+    #[serde(with = "units::millis")]
+    pub campaign_ms: u64,
+    /// Whether the host that builds a model's manifest at registration keeps the bytes.
+    pub register_keep_copy: bool,
+    /// How the hops of a plan's chains dial each other, unless the request says otherwise.
     pub transport: shardcast_protocol::HopTransport,
+}
+
+impl Default for Args {
+    fn default() -> Self {
+        Self {
+            listen: ([127, 0, 0, 1], 7500).into(),
+            http_listen: ([127, 0, 0, 1], 7501).into(),
+            unix: None,
+            state_dir: "/var/lib/shardcast-controller".into(),
+            heartbeat_ms: 1000,
+            missed_heartbeats: 3,
+            max_chain_len: 16,
+            origin_rate: "250Mbit".into(),
+            default_nic_rate: "10Gbit".into(),
+            partition_link_rate: None,
+            partition_load_rate: None,
+            partition_exec_rate: None,
+            poll_ms: 250,
+            stall_timeout_s: 10,
+            lost_grace_s: 20,
+            log_format: "text".into(),
+            memory_high: 0.90,
+            memory_low: 0.75,
+            disk_high: 0.90,
+            disk_low: 0.80,
+            tier_sweep_ms: 5000,
+            origins_not_durable: false,
+            scrape_url: None,
+            scrape_interval_ms: 5000,
+            scrape_tier: "memory".into(),
+            scrape_arrival_metric: "shardcast_model_arrival_rate".into(),
+            scrape_queue_metric: "shardcast_model_queue_length".into(),
+            scrape_service_metric: "shardcast_model_service_rate".into(),
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tokens_file: None,
+            http_header_timeout_ms: 10_000,
+            http_idle_timeout_ms: 60_000,
+            insecure_plaintext: false,
+            origin_allow: Vec::new(),
+            state: None,
+            etcd_prefix: "/shardcast".into(),
+            etcd_max_request_bytes: crate::etcd::ETCD_DEFAULT_MAX_REQUEST_BYTES,
+            etcd_max_txn_ops: crate::etcd::ETCD_DEFAULT_MAX_TXN_OPS,
+            etcd_timeout_ms: 2000,
+            etcd_user: None,
+            replica_id: None,
+            advertise: None,
+            advertise_http: None,
+            lease_ttl_ms: 3000,
+            campaign_ms: 250,
+            register_keep_copy: true,
+            transport: shardcast_protocol::HopTransport::Tcp,
+        }
+    }
+}
+
+/// Settings loaded with where each value came from, for `--print-config` and for naming
+/// the origin of a key a validation error mentions.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The settings.
+    pub args: Args,
+    layers: Layers,
+}
+
+impl Loaded {
+    /// The effective settings as TOML, each value followed by its origin (`--print-config`).
+    pub fn render(&self) -> anyhow::Result<String> {
+        Ok(format!(
+            "# shardcast-controller: the effective configuration; after each value, where it \
+             came from\n{}",
+            self.layers.render(&self.args)?
+        ))
+    }
+
+    /// Every check [`run`] makes on the settings before it binds a port, with the origins of
+    /// the keys a refusal names.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.args
+            .config()
+            .and_then(|_| self.args.http_limits())
+            .map(|_| ())
+            .map_err(|e| {
+                let message = format!("{e:#}");
+                anyhow::anyhow!("{message}{}", self.layers.explain(&message))
+            })
+    }
+}
+
+impl Args {
+    /// Loads the settings from a command line (`argv[0]` first) and the process environment:
+    /// see [`Args::from_matches`].
+    pub fn from_argv<I, T>(argv: I) -> anyhow::Result<Loaded>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = Cli::command().try_get_matches_from(argv)?;
+        Self::from_matches(&matches)
+    }
+
+    /// Layers built-in defaults < the TOML file (`--config`, `SHARDCAST_CONTROLLER_CONFIG`)
+    /// < environment variables < flags (what clap read into `matches`), refusing an unknown
+    /// or ill-typed key with its name and origin. Nothing is bound here.
+    pub fn from_matches(matches: &clap::ArgMatches) -> anyhow::Result<Loaded> {
+        let mut layers = Layers::new();
+        layers.defaults(&Self::default())?;
+        if let Some(path) = matches.get_one::<PathBuf>("config") {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading config file {}", path.display()))?;
+            layers.file(path, &text)?;
+        }
+        layers.command_line(&Cli::command(), matches, &["config", "print_config"]);
+        let args = layers.extract()?;
+        Ok(Loaded { args, layers })
+    }
 }
 
 /// The controller's TLS identity, or `None` in insecure mode (checked: loopback only).
@@ -294,7 +525,43 @@ impl Args {
         .map_err(anyhow::Error::msg)
     }
 
-    /// The controller configuration these flags describe.
+    /// The settings of a replicated controller (`--state etcd://...`), checked before any
+    /// port is bound.
+    fn check_ha(&self) -> anyhow::Result<()> {
+        if let Some(url) = &self.state {
+            crate::etcd::EtcdConfig::parse_url(url).map_err(|e| anyhow::anyhow!("state: {e}"))?;
+        }
+        if !(2000..=60_000).contains(&self.lease_ttl_ms) {
+            bail!(
+                "lease_ttl_ms must be between 2000 and 60000, got {}",
+                self.lease_ttl_ms
+            );
+        }
+        if !(10..=10_000).contains(&self.campaign_ms) {
+            bail!(
+                "campaign_ms must be between 10 and 10000, got {}",
+                self.campaign_ms
+            );
+        }
+        if !(1..=100_000).contains(&self.etcd_max_txn_ops) {
+            bail!(
+                "etcd_max_txn_ops must be between 1 and 100000 (etcd's --max-txn-ops), got {}",
+                self.etcd_max_txn_ops
+            );
+        }
+        if !(100..=60_000).contains(&self.etcd_timeout_ms) {
+            bail!("etcd_timeout_ms must be between 100 and 60000");
+        }
+        if !self.etcd_prefix.starts_with('/') || self.etcd_prefix.len() < 2 {
+            bail!(
+                "etcd_prefix must start with / and name something, got {:?}",
+                self.etcd_prefix
+            );
+        }
+        Ok(())
+    }
+
+    /// The controller configuration these settings describe.
     pub fn config(&self) -> anyhow::Result<Config> {
         if !(50..=60_000).contains(&self.heartbeat_ms) {
             bail!(
@@ -313,6 +580,9 @@ impl Args {
         }
         if self.stall_timeout_s == 0 {
             bail!("stall_timeout_s must be at least 1");
+        }
+        if self.state.is_some() {
+            self.check_ha()?;
         }
         let rate = |name: &str, s: &str| -> anyhow::Result<u64> {
             parse_rate(s)
@@ -588,33 +858,6 @@ async fn start_replica(
     cancel: &CancellationToken,
 ) -> anyhow::Result<(Slot, Replica)> {
     let endpoints = crate::etcd::EtcdConfig::parse_url(url).map_err(anyhow::Error::msg)?;
-    if !(2000..=60_000).contains(&args.lease_ttl_ms) {
-        bail!(
-            "lease_ttl_ms must be between 2000 and 60000, got {}",
-            args.lease_ttl_ms
-        );
-    }
-    if !(10..=10_000).contains(&args.campaign_ms) {
-        bail!(
-            "campaign_ms must be between 10 and 10000, got {}",
-            args.campaign_ms
-        );
-    }
-    if !(1..=100_000).contains(&args.etcd_max_txn_ops) {
-        bail!(
-            "etcd_max_txn_ops must be between 1 and 100000 (etcd's --max-txn-ops), got {}",
-            args.etcd_max_txn_ops
-        );
-    }
-    if !(100..=60_000).contains(&args.etcd_timeout_ms) {
-        bail!("etcd_timeout_ms must be between 100 and 60000");
-    }
-    if !args.etcd_prefix.starts_with('/') || args.etcd_prefix.len() < 2 {
-        bail!(
-            "etcd_prefix must start with / and name something, got {:?}",
-            args.etcd_prefix
-        );
-    }
     let user = match &args.etcd_user {
         Some(u) => Some((
             u.clone(),
@@ -724,7 +967,7 @@ mod tests {
     fn config(extra: &[&str]) -> anyhow::Result<Config> {
         let mut argv = vec!["shardcast-controller"];
         argv.extend_from_slice(extra);
-        Args::try_parse_from(argv)?.config()
+        Args::from_argv(argv)?.args.config()
     }
 
     #[test]
@@ -774,5 +1017,136 @@ mod tests {
             assert!(e.contains(&name), "{flag} {value}: {e}");
             assert!(e.contains(says), "{flag} {value}: {e}");
         }
+    }
+
+    #[test]
+    fn example_config_loads_and_documents_every_key() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("controller.example.toml");
+        let loaded =
+            Args::from_argv(["shardcast-controller", "--config", path.to_str().unwrap()]).unwrap();
+        loaded.validate().unwrap();
+        assert_eq!(loaded.args.origin_allow.len(), 2);
+        let text = loaded.render().unwrap();
+        let example = std::fs::read_to_string(&path).unwrap();
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with("# shardcast-controller"))
+        {
+            let key = line
+                .trim_start_matches("# ")
+                .split([' ', ':'])
+                .next()
+                .unwrap();
+            assert!(
+                example
+                    .lines()
+                    .any(|l| l.trim_start_matches("# ").starts_with(&format!("{key} = "))),
+                "controller.example.toml does not document {key}"
+            );
+        }
+        // Where the example shows a default, it is the built-in one.
+        let defaults = toml::Table::try_from(Args::default()).unwrap();
+        let file: toml::Table = toml::from_str(&example).unwrap();
+        for (k, v) in &file {
+            if ["tls_ca", "tls_cert", "tls_key", "origin_allow"].contains(&k.as_str()) {
+                continue;
+            }
+            assert_eq!(Some(v), defaults.get(k), "{k}");
+        }
+    }
+
+    #[test]
+    fn layers_flags_over_file_with_units_and_origins() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        let config = path.to_str().unwrap();
+        std::fs::write(
+            &path,
+            "lost_grace_s = \"1m\"\npoll_ms = 100\nmax_chain_len = 8\nmemory_high = 1\n",
+        )
+        .unwrap();
+        let loaded = Args::from_argv([
+            "shardcast-controller",
+            "--config",
+            config,
+            "--poll-ms",
+            "1s",
+            "--register-keep-copy",
+            "false",
+            "--transport",
+            "quic",
+            "--insecure-plaintext",
+        ])
+        .unwrap();
+        let c = loaded.args.config().unwrap();
+        assert_eq!(c.core.lost_grace, Duration::from_secs(60));
+        assert_eq!(c.core.poll, Duration::from_secs(1));
+        assert_eq!(c.core.plan.max_chain_len, 8);
+        assert!(!c.core.register_keeps_copy);
+        assert_eq!(c.core.transport, shardcast_protocol::HopTransport::Quic);
+        assert_eq!(c.tiers.memory_high, 1.0);
+        assert!(loaded.args.insecure_plaintext);
+        let text = loaded.render().unwrap();
+        for line in [
+            format!("lost_grace_s = 60  # file {config}"),
+            "poll_ms = 1000  # flag --poll-ms".into(),
+            "insecure_plaintext = true  # flag --insecure-plaintext".into(),
+            "transport = \"quic\"  # flag --transport".into(),
+            "listen = \"127.0.0.1:7500\"  # default".into(),
+            "# scrape_url: not set".into(),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} in\n{text}");
+        }
+
+        std::fs::write(&path, "heartbeat = 1000\n").unwrap();
+        let err = Args::from_argv(["shardcast-controller", "--config", config]).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!(
+                "unknown field `heartbeat` (from file {config}); did you mean `heartbeat_ms`?"
+            )),
+            "{err}"
+        );
+        for (flag, value) in [
+            ("--listen", "localhost"),
+            ("--max-chain-len", "many"),
+            ("--memory-high", "high"),
+            ("--transport", "pigeon"),
+            ("--lost-grace-s", "1500ms"),
+        ] {
+            let err = Args::from_argv(["shardcast-controller", flag, value]).unwrap_err();
+            let key = flag.trim_start_matches("--").replace('-', "_");
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("{key} = {value:?} (from flag {flag}): ")),
+                "{err}"
+            );
+        }
+        // A check the types do not make names the origin of the key it refuses.
+        let loaded = Args::from_argv(["shardcast-controller", "--heartbeat-ms", "1"]).unwrap();
+        let err = loaded.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("heartbeat_ms must be between 50 and 60000")
+                && err.contains("[heartbeat_ms from flag --heartbeat-ms]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn replication_settings_are_checked_before_any_port() {
+        for (flags, says) in [
+            (
+                &["--lease-ttl-ms", "100"][..],
+                "lease_ttl_ms must be between",
+            ),
+            (&["--campaign-ms", "1"][..], "campaign_ms must be between"),
+            (&["--etcd-prefix", "x"][..], "etcd_prefix must start with /"),
+        ] {
+            let mut argv = vec!["shardcast-controller", "--state", "etcd://127.0.0.1:2379"];
+            argv.extend_from_slice(flags);
+            let err = config(&argv[1..]).unwrap_err().to_string();
+            assert!(err.contains(says), "{flags:?}: {err}");
+        }
+        // Without etcd they do not apply.
+        config(&["--lease-ttl-ms", "100"]).unwrap();
     }
 }

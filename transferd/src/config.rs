@@ -1,17 +1,24 @@
-//! Configuration in layers: built-in defaults < TOML file (`--config`) < environment
-//! (`SHARDCAST_*`) < command-line flags. Everything is parsed into valid types here, so a
-//! bad setting stops the daemon with a clear message before any port is bound. The example
-//! `transferd/transferd.example.toml` documents every field.
+//! Configuration in layers: built-in defaults < TOML file (`--config`, `SHARDCAST_CONFIG`)
+//! < environment (`SHARDCAST_*`) < command-line flags, merged by the loader shared with the
+//! controller ([`shardcast_protocol::layered`]). Every setting is one field of `Settings`:
+//! a file key, a flag (`--file-key`) and an environment variable (declared on [`Args`]).
+//! An unknown key or an ill-typed value is refused naming the key and where it came from,
+//! and [`Config::from_matches`] then validates everything into [`Config`], so a bad setting
+//! stops the daemon with a clear message (exit 2) before any port is bound. Keys ending in
+//! `_ms`/`_s` also take a duration with its unit (`"10s"`), sizes a unit (`"4GiB"`).
+//! `--print-config` prints the effective settings with each value's origin and exits. The
+//! example `transferd/transferd.example.toml` documents every field (a test keeps it so).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::Parser;
-use serde::Deserialize;
+use clap::{CommandFactory, Parser};
+use serde::{Deserialize, Serialize};
 use shardcast_protocol::HostId;
-use shardcast_protocol::units::{parse_rate, parse_size};
+use shardcast_protocol::layered::{Layers, Origin};
+use shardcast_protocol::units::{self, parse_rate, parse_size};
 
 use gpu_loader::manager::{BackendChoice, GpuBudget, ManagerConfig};
 use gpu_loader::sim::SimOptions;
@@ -25,7 +32,9 @@ use crate::store::{StoreConfig, WriterKind};
 use crate::transport::DataMode;
 use crate::transport::quic::{MAX_PATH_MTU, MIN_PATH_MTU};
 
-/// Command-line flags; each has an environment fallback and a TOML field of the same name.
+/// The command line. Every flag has an environment variable (`SHARDCAST_*`) and a key of the
+/// same name in the TOML file; values are read as text here and typed by the layered
+/// loader ([`Config::from_matches`]), so a bad value names where it came from.
 #[derive(Debug, Default, Parser)]
 #[command(
     name = "transferd",
@@ -36,24 +45,28 @@ pub struct Args {
     /// TOML config file (fields as in transferd.example.toml).
     #[arg(long, env = "SHARDCAST_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Print the effective configuration, each value with where it came from (default, the
+    /// file, an environment variable or a flag), and exit without opening any port.
+    #[arg(long)]
+    pub print_config: bool,
     /// This host's id in the cluster [default: the hostname].
     #[arg(long, env = "SHARDCAST_HOST_ID")]
     pub host_id: Option<String>,
     /// Data-plane listener (hop-to-hop chains) [default: 0.0.0.0:7400].
     #[arg(long, env = "SHARDCAST_LISTEN")]
-    pub listen: Option<SocketAddr>,
+    pub listen: Option<String>,
     /// QUIC listener (UDP) on the data listener's address and port, so sessions whose plan
     /// asks for QUIC reach this host; it uses the TLS identity, so `insecure_plaintext`
     /// turns it off [default: true].
     #[arg(long, env = "SHARDCAST_QUIC")]
-    pub quic: Option<bool>,
+    pub quic: Option<String>,
     /// UDP payload size every path between hosts is known to carry (8972 on an IPv4 network
     /// with 9000-byte jumbo frames, 8952 over IPv6): QUIC sends packets this large from the first one, without
     /// discovery and without falling back below it. Only where the network guarantees it:
     /// a larger packet than a path carries is lost, and the connection with it
     /// [default: none: discovery from 1200 up to 1472 bytes].
     #[arg(long, env = "SHARDCAST_QUIC_PATH_MTU")]
-    pub quic_path_mtu: Option<u16>,
+    pub quic_path_mtu: Option<String>,
     /// Agent gRPC listener: `host:port`, or `unix:/path/to.sock` for a local socket
     /// [default: 0.0.0.0:7401].
     #[arg(long, env = "SHARDCAST_AGENT_LISTEN")]
@@ -66,22 +79,22 @@ pub struct Args {
     /// Bearer tokens the admin listener accepts instead of a client certificate: lines of
     /// `<role> <name> <blake3-hex of the token>` (`shardcast certs token`) [default: none].
     #[arg(long, env = "SHARDCAST_TOKENS_FILE")]
-    pub tokens_file: Option<PathBuf>,
+    pub tokens_file: Option<String>,
     /// Milliseconds an admin client has to send a request head (from the connection's
     /// start or the first byte after a keep-alive pause); also the longest pause inside
     /// a request body [default: 10000].
     #[arg(long, env = "SHARDCAST_ADMIN_HEADER_TIMEOUT_MS")]
-    pub admin_header_timeout_ms: Option<u64>,
+    pub admin_header_timeout_ms: Option<String>,
     /// Milliseconds a keep-alive admin connection may wait for its next request
     /// [default: 60000].
     #[arg(long, env = "SHARDCAST_ADMIN_IDLE_TIMEOUT_MS")]
-    pub admin_idle_timeout_ms: Option<u64>,
+    pub admin_idle_timeout_ms: Option<String>,
     /// Memory tier directory, on tmpfs [default: /dev/shm/shardcast].
     #[arg(long, env = "SHARDCAST_MEMORY_DIR")]
-    pub memory_dir: Option<PathBuf>,
+    pub memory_dir: Option<String>,
     /// Disk tier directory [default: /var/lib/shardcast].
     #[arg(long, env = "SHARDCAST_DATA_DIR")]
-    pub data_dir: Option<PathBuf>,
+    pub data_dir: Option<String>,
     /// Egress cap for all sessions together, e.g. 1Gbit, 100MB/s, unlimited [default: unlimited].
     #[arg(long, env = "SHARDCAST_EGRESS_RATE")]
     pub egress_rate: Option<String>,
@@ -90,28 +103,28 @@ pub struct Args {
     pub ingress_rate: Option<String>,
     /// Unacknowledged chunks per downstream connection [default: 16].
     #[arg(long, env = "SHARDCAST_WINDOW")]
-    pub window: Option<usize>,
+    pub window: Option<String>,
     /// Milliseconds a hop waits for a replacement upstream before fetching from the
     /// fallback source [default: 2000].
     #[arg(long, env = "SHARDCAST_UPSTREAM_GRACE_MS")]
-    pub upstream_grace_ms: Option<u64>,
+    pub upstream_grace_ms: Option<String>,
     /// Seconds a hop waits for a peer's answer while setting up a connection (`Hello`,
     /// `Accept`) or for a holder answering `Fetch` [default: 30].
     #[arg(long, env = "SHARDCAST_IDLE_TIMEOUT_S")]
-    pub idle_timeout_s: Option<u64>,
+    pub idle_timeout_s: Option<String>,
     /// Milliseconds without progress after which a neighbour hop (upstream or downstream)
     /// is stalled — dead, stopped or cut off — and bypassed [default: 2000; at least 200].
     #[arg(long, env = "SHARDCAST_STALL_TIMEOUT_MS")]
-    pub stall_timeout_ms: Option<u64>,
+    pub stall_timeout_ms: Option<String>,
     /// Concurrent range reads from an origin [default: 8].
     #[arg(long, env = "SHARDCAST_ORIGIN_PARALLEL")]
-    pub origin_parallel: Option<usize>,
+    pub origin_parallel: Option<String>,
     /// Chunks verified and stored concurrently per upstream connection [default: 4].
     #[arg(long, env = "SHARDCAST_PIPELINE_DEPTH")]
-    pub pipeline_depth: Option<usize>,
+    pub pipeline_depth: Option<String>,
     /// Re-hash chunks marked verified when recovering the store at startup [default: true].
     #[arg(long, env = "SHARDCAST_VERIFY_ON_RECOVER")]
-    pub verify_on_recover: Option<bool>,
+    pub verify_on_recover: Option<String>,
     /// Positional writer: auto, pwrite or io-uring [default: auto].
     #[arg(long, env = "SHARDCAST_WRITER")]
     pub writer: Option<String>,
@@ -122,7 +135,7 @@ pub struct Args {
     /// Milliseconds a verified chunk stays trusted; older ones are re-hashed before they
     /// are served, loaded onto GPUs or handed off (0: always) [default: 1000].
     #[arg(long, env = "SHARDCAST_REVERIFY_AFTER_MS")]
-    pub reverify_after_ms: Option<u64>,
+    pub reverify_after_ms: Option<String>,
     /// Rate at which the background scrub re-hashes idle chunks, e.g. 64MB/s; 0 or off
     /// turns it off [default: 64MB/s].
     #[arg(long, env = "SHARDCAST_SCRUB_RATE")]
@@ -164,19 +177,19 @@ pub struct Args {
     pub memory_headroom: Option<String>,
     /// GPUs reported to the controller until the GPU loader detects them [default: 0].
     #[arg(long, env = "SHARDCAST_GPUS")]
-    pub gpus: Option<u32>,
+    pub gpus: Option<String>,
     /// Memory of each reported GPU, e.g. 80GiB [default: 0].
     #[arg(long, env = "SHARDCAST_GPU_MEMORY")]
     pub gpu_memory: Option<String>,
     /// Milliseconds between heartbeats to the controller [default: 1000].
     #[arg(long, env = "SHARDCAST_HEARTBEAT_MS")]
-    pub heartbeat_ms: Option<u64>,
+    pub heartbeat_ms: Option<String>,
     /// GPU backend: auto (CUDA if a driver is present), cuda, simulated or none [default: auto].
     #[arg(long, env = "SHARDCAST_GPU_BACKEND")]
     pub gpu_backend: Option<String>,
     /// Simulated GPUs (gpu_backend = simulated) [default: 2].
     #[arg(long, env = "SHARDCAST_SIM_GPUS")]
-    pub sim_gpus: Option<u32>,
+    pub sim_gpus: Option<String>,
     /// Memory of each simulated GPU [default: 1GiB].
     #[arg(long, env = "SHARDCAST_SIM_GPU_MEMORY")]
     pub sim_gpu_memory: Option<String>,
@@ -190,7 +203,7 @@ pub struct Args {
     /// as an inference engine started outside shardcast would hold it; they are reported
     /// busy [default: 0].
     #[arg(long, env = "SHARDCAST_SIM_GPUS_BUSY")]
-    pub sim_gpus_busy: Option<u32>,
+    pub sim_gpus_busy: Option<String>,
     /// The most memory this host takes on each GPU for models: a share (0.8, 80%) or a size
     /// per GPU (60GiB). A cap, not a reservation: nothing is allocated at start, a model's
     /// region is allocated when it loads and freed when it is evicted [default: 0.8].
@@ -198,14 +211,14 @@ pub struct Args {
     pub gpu_budget: Option<String>,
     /// Old name of gpu_budget given as a share (0.01–1); like gpu_budget, now a cap.
     #[arg(long, env = "SHARDCAST_GPU_BUDGET_FRACTION", hide = true)]
-    pub gpu_budget_fraction: Option<f64>,
+    pub gpu_budget_fraction: Option<String>,
     /// Evict resident models (light ones and extra replicas first, LRU) when a new load
     /// does not fit a GPU, instead of refusing it [default: true].
     #[arg(long, env = "SHARDCAST_GPU_AUTO_EVICT")]
-    pub gpu_auto_evict: Option<bool>,
+    pub gpu_auto_evict: Option<String>,
     /// Pinned staging buffers per load [default: 8].
     #[arg(long, env = "SHARDCAST_STAGING_BUFFERS")]
-    pub staging_buffers: Option<usize>,
+    pub staging_buffers: Option<String>,
     /// Bytes per staging buffer (one host-to-device copy each), or auto: calibrated at the
     /// elbow of throughput vs. transfer size on CUDA, 4MiB otherwise [default: auto].
     #[arg(long, env = "SHARDCAST_STAGING_SIZE")]
@@ -213,52 +226,52 @@ pub struct Args {
     /// Threads copying verified chunks into the staging buffers of one load (one core's
     /// memcpy is slower than PCIe Gen5) [default: the CPU count, at most 4].
     #[arg(long, env = "SHARDCAST_STAGING_FILL_THREADS")]
-    pub staging_fill_threads: Option<usize>,
+    pub staging_fill_threads: Option<String>,
     /// Register the memory tier's shard mappings with the GPU (pinned host memory) and copy
     /// from them directly, with no CPU copy into staging; the staging ring is the fallback
     /// when registration fails [default: true].
     #[arg(long, env = "SHARDCAST_REGISTER_HOST")]
-    pub register_host: Option<bool>,
+    pub register_host: Option<String>,
     /// With register_host: register the memory tier's complete shards with the GPU while no
     /// load runs, so that even the first GPU load of a model already in memory copies
     /// without pinning first [default: true].
     #[arg(long, env = "SHARDCAST_REGISTER_AHEAD")]
-    pub register_ahead: Option<bool>,
+    pub register_ahead: Option<String>,
     /// Copy streams per GPU for copies from registered shard mappings, 1 to 8 [default: 4].
     #[arg(long, env = "SHARDCAST_COPY_STREAMS")]
-    pub copy_streams: Option<usize>,
+    pub copy_streams: Option<String>,
     /// Cluster CA bundle (PEM) that peers' and the controller's certificates must chain to.
     #[arg(long, env = "SHARDCAST_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
+    pub tls_ca: Option<String>,
     /// This host's certificate (PEM), naming `shardcast://host/<host_id>`
     /// (`shardcast certs issue --role host --name <host_id>`).
     #[arg(long, env = "SHARDCAST_TLS_CERT")]
-    pub tls_cert: Option<PathBuf>,
+    pub tls_cert: Option<String>,
     /// The certificate's private key (PEM).
     #[arg(long, env = "SHARDCAST_TLS_KEY")]
-    pub tls_key: Option<PathBuf>,
+    pub tls_key: Option<String>,
     /// INSECURE: no TLS and no authentication on any listener. Refused unless every
     /// TCP listener is on loopback. For benchmarks and experiments only [default: false].
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
-    pub insecure_plaintext: Option<bool>,
+    pub insecure_plaintext: Option<String>,
     /// With data_mode = authenticate-only or insecure_plaintext: send chunk payloads from
     /// the store's files with sendfile (no copy through user space; copied instead where
     /// the kernel refuses). Measured slower on loopback, so off [default: false].
     #[arg(long, env = "SHARDCAST_SENDFILE")]
-    pub sendfile: Option<bool>,
+    pub sendfile: Option<String>,
     /// How the data port (TCP) protects what crosses it: `tls` encrypts every byte with
     /// mutual TLS; `authenticate-only` (for a trusted fabric) authenticates both ends with
     /// the same mutual-TLS handshake and each session with its plan token, then sends
     /// frames unencrypted: every chunk is still verified against the manifest's BLAKE3
     /// hashes, confidentiality is given up (docs/SECURITY.md). Both ends of every hop must
     /// use the same mode; QUIC always encrypts [default: tls].
-    #[arg(long, env = "SHARDCAST_DATA_MODE", value_enum)]
-    pub data_mode: Option<DataMode>,
+    #[arg(long, env = "SHARDCAST_DATA_MODE")]
+    pub data_mode: Option<String>,
     /// Connections (sessions) each shard of a chain this host heads is striped over, so
     /// each hop handles one shard on several cores; hops below follow [default: 1, at most
     /// 16; fewer for shards under 4 chunks a stripe].
     #[arg(long, env = "SHARDCAST_STRIPES")]
-    pub stripes: Option<usize>,
+    pub stripes: Option<String>,
     /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
     /// `https://models.example.com/org/`. Every origin this host opens must lie under
     /// one [default: none, so every origin is refused].
@@ -267,133 +280,248 @@ pub struct Args {
     /// Milliseconds an accepted data-plane connection has to complete the `Hello`
     /// exchange [default: 10000].
     #[arg(long, env = "SHARDCAST_HANDSHAKE_TIMEOUT_MS")]
-    pub handshake_timeout_ms: Option<u64>,
+    pub handshake_timeout_ms: Option<String>,
     /// Seconds a connected peer may stay silent while this host waits for its next frame
     /// or the rest of a frame [default: 60].
     #[arg(long, env = "SHARDCAST_PEER_IDLE_TIMEOUT_S")]
-    pub peer_idle_timeout_s: Option<u64>,
+    pub peer_idle_timeout_s: Option<String>,
     /// Seconds a write to a peer may take to drain before the connection is dropped
     /// [default: 30].
     #[arg(long, env = "SHARDCAST_WRITE_TIMEOUT_S")]
-    pub write_timeout_s: Option<u64>,
+    pub write_timeout_s: Option<String>,
     /// Data-plane connections accepted at once, from all peers [default: 8192].
     #[arg(long, env = "SHARDCAST_MAX_CONNECTIONS")]
-    pub max_connections: Option<usize>,
+    pub max_connections: Option<String>,
     /// Data-plane connections accepted at once from one IP address [default: 1024].
     #[arg(long, env = "SHARDCAST_MAX_CONNECTIONS_PER_IP")]
-    pub max_connections_per_ip: Option<usize>,
+    pub max_connections_per_ip: Option<String>,
     /// Hop sessions (session × shard) held at once; more `Open`s are refused
     /// [default: 4096].
     #[arg(long, env = "SHARDCAST_MAX_SESSIONS")]
-    pub max_sessions: Option<usize>,
+    pub max_sessions: Option<String>,
     /// Memory for frame bodies in flight on the data port, across all connections
     /// (e.g. 512MiB); a frame that does not fit waits [default: 512MiB].
     #[arg(long, env = "SHARDCAST_FRAME_MEMORY")]
     pub frame_memory: Option<String>,
 }
 
-/// `gpu_budget` in the TOML file: a share as a number (`0.8`) or a string (`"80%"`,
-/// `"60GiB"`).
-#[derive(Debug, Deserialize)]
+/// `gpu_budget`: a share as a number (`0.8`) or text (`"80%"`, `"60GiB"`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(untagged)]
 enum BudgetValue {
     Number(f64),
     Text(String),
 }
 
-/// The GPU budget of one layer (flags and environment, or the file), from `gpu_budget` or
-/// its old name `gpu_budget_fraction`.
-fn gpu_budget(
-    layer: &str,
-    budget: Option<String>,
-    fraction: Option<f64>,
-) -> anyhow::Result<Option<GpuBudget>> {
-    match (budget, fraction) {
-        (Some(_), Some(_)) => {
-            bail!("{layer}: set gpu_budget or its old name gpu_budget_fraction, not both")
-        }
-        (Some(b), None) => b
-            .parse()
-            .map(Some)
-            .map_err(|e| anyhow::anyhow!("gpu_budget: {e}")),
-        (None, Some(f)) => GpuBudget::fraction(f)
-            .map(Some)
-            .map_err(|e| anyhow::anyhow!("gpu_budget_fraction: {e}")),
-        (None, None) => Ok(None),
-    }
-}
-
-/// The TOML file's fields (all optional; unknown fields are an error).
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
+/// Every setting, as the layered loader reads it: a key of the TOML file, a flag and an
+/// environment variable each. `Default` is the built-in layer; `None` is no value (the
+/// field's fallback in [`Config::from_matches`] applies, e.g. the hostname for `host_id`).
+/// Keys ending in `_ms` or `_s` take a number in that unit or a duration with its own
+/// (`"2s"`); sizes take bytes or a size with its unit (`"512MiB"`); rates are text
+/// (`"1Gbit"`, `"100MB/s"`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+struct Settings {
     host_id: Option<String>,
-    listen: Option<SocketAddr>,
-    quic: Option<bool>,
+    listen: SocketAddr,
+    quic: bool,
     quic_path_mtu: Option<u16>,
-    agent_listen: Option<String>,
-    admin_listen: Option<String>,
+    agent_listen: String,
+    admin_listen: String,
     tokens_file: Option<PathBuf>,
-    admin_header_timeout_ms: Option<u64>,
-    admin_idle_timeout_ms: Option<u64>,
-    memory_dir: Option<PathBuf>,
-    data_dir: Option<PathBuf>,
-    egress_rate: Option<String>,
-    ingress_rate: Option<String>,
-    window: Option<usize>,
-    upstream_grace_ms: Option<u64>,
-    idle_timeout_s: Option<u64>,
-    stall_timeout_ms: Option<u64>,
-    origin_parallel: Option<usize>,
-    pipeline_depth: Option<usize>,
-    verify_on_recover: Option<bool>,
-    writer: Option<String>,
+    #[serde(with = "units::millis")]
+    admin_header_timeout_ms: u64,
+    #[serde(with = "units::millis")]
+    admin_idle_timeout_ms: u64,
+    memory_dir: PathBuf,
+    data_dir: PathBuf,
+    egress_rate: String,
+    ingress_rate: String,
+    window: usize,
+    #[serde(with = "units::millis")]
+    upstream_grace_ms: u64,
+    #[serde(with = "units::seconds")]
+    idle_timeout_s: u64,
+    #[serde(with = "units::millis")]
+    stall_timeout_ms: u64,
+    origin_parallel: usize,
+    pipeline_depth: usize,
+    verify_on_recover: bool,
+    writer: String,
     store_group: Option<String>,
-    reverify_after_ms: Option<u64>,
-    scrub_rate: Option<String>,
-    log_format: Option<String>,
+    #[serde(with = "units::millis")]
+    reverify_after_ms: u64,
+    scrub_rate: String,
+    log_format: String,
     controller: Option<String>,
     advertise: Option<String>,
     agent_advertise: Option<String>,
-    zone: Option<String>,
-    rack: Option<String>,
+    zone: String,
+    rack: String,
     nic_rate: Option<String>,
-    memory_capacity: Option<String>,
-    disk_capacity: Option<String>,
-    memory_headroom: Option<String>,
-    gpus: Option<u32>,
-    gpu_memory: Option<String>,
-    heartbeat_ms: Option<u64>,
-    gpu_backend: Option<String>,
-    sim_gpus: Option<u32>,
-    sim_gpu_memory: Option<String>,
-    sim_pcie_rate: Option<String>,
-    sim_nvlink_rate: Option<String>,
-    sim_gpus_busy: Option<u32>,
+    #[serde(with = "units::opt_size")]
+    memory_capacity: Option<u64>,
+    #[serde(with = "units::opt_size")]
+    disk_capacity: Option<u64>,
+    #[serde(with = "units::opt_size")]
+    memory_headroom: Option<u64>,
+    gpus: u32,
+    #[serde(with = "units::size")]
+    gpu_memory: u64,
+    #[serde(with = "units::millis")]
+    heartbeat_ms: u64,
+    gpu_backend: String,
+    sim_gpus: u32,
+    #[serde(with = "units::size")]
+    sim_gpu_memory: u64,
+    sim_pcie_rate: String,
+    sim_nvlink_rate: String,
+    sim_gpus_busy: u32,
     gpu_budget: Option<BudgetValue>,
     gpu_budget_fraction: Option<f64>,
-    gpu_auto_evict: Option<bool>,
-    staging_buffers: Option<usize>,
-    staging_size: Option<String>,
-    staging_fill_threads: Option<usize>,
-    register_host: Option<bool>,
-    register_ahead: Option<bool>,
-    copy_streams: Option<usize>,
+    gpu_auto_evict: bool,
+    staging_buffers: usize,
+    staging_size: String,
+    staging_fill_threads: usize,
+    register_host: bool,
+    register_ahead: bool,
+    copy_streams: usize,
     tls_ca: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
-    insecure_plaintext: Option<bool>,
-    sendfile: Option<bool>,
-    data_mode: Option<DataMode>,
-    stripes: Option<usize>,
-    origin_allow: Option<Vec<String>>,
-    handshake_timeout_ms: Option<u64>,
-    peer_idle_timeout_s: Option<u64>,
-    write_timeout_s: Option<u64>,
-    max_connections: Option<usize>,
-    max_connections_per_ip: Option<usize>,
-    max_sessions: Option<usize>,
-    frame_memory: Option<String>,
+    insecure_plaintext: bool,
+    sendfile: bool,
+    data_mode: DataMode,
+    stripes: usize,
+    origin_allow: Vec<String>,
+    #[serde(with = "units::millis")]
+    handshake_timeout_ms: u64,
+    #[serde(with = "units::seconds")]
+    peer_idle_timeout_s: u64,
+    #[serde(with = "units::seconds")]
+    write_timeout_s: u64,
+    max_connections: usize,
+    max_connections_per_ip: usize,
+    max_sessions: usize,
+    #[serde(with = "units::size")]
+    frame_memory: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        let chain = ChainConfig::default();
+        let limits = Limits::default();
+        let http = shardcast_identity::http::HttpLimits::default();
+        let gpu = ManagerConfig::default();
+        let ms = |d: Duration| d.as_millis() as u64;
+        Self {
+            host_id: None,
+            listen: ([0, 0, 0, 0], 7400).into(),
+            quic: true,
+            quic_path_mtu: None,
+            // The agent API drives imports, chains, loads and evictions: loopback unless the
+            // operator opens it (the controller then reaches it over mutual TLS).
+            agent_listen: "127.0.0.1:7401".into(),
+            admin_listen: "127.0.0.1:7402".into(),
+            tokens_file: None,
+            admin_header_timeout_ms: ms(http.header_timeout),
+            admin_idle_timeout_ms: ms(http.idle_timeout),
+            memory_dir: "/dev/shm/shardcast".into(),
+            data_dir: "/var/lib/shardcast".into(),
+            egress_rate: "unlimited".into(),
+            ingress_rate: "unlimited".into(),
+            window: chain.window,
+            upstream_grace_ms: ms(chain.upstream_grace),
+            idle_timeout_s: chain.idle_timeout.as_secs(),
+            stall_timeout_ms: ms(chain.stall_timeout),
+            origin_parallel: chain.origin_parallel,
+            pipeline_depth: chain.pipeline_depth,
+            verify_on_recover: true,
+            writer: "auto".into(),
+            store_group: None,
+            reverify_after_ms: ms(crate::store::DEFAULT_REVERIFY_AFTER),
+            scrub_rate: format!("{}MB/s", crate::store::DEFAULT_SCRUB_RATE / 1_000_000),
+            log_format: "text".into(),
+            controller: None,
+            advertise: None,
+            agent_advertise: None,
+            zone: String::new(),
+            rack: String::new(),
+            nic_rate: None,
+            memory_capacity: None,
+            disk_capacity: None,
+            memory_headroom: None,
+            gpus: 0,
+            gpu_memory: 0,
+            heartbeat_ms: 1000,
+            gpu_backend: "auto".into(),
+            sim_gpus: 2,
+            sim_gpu_memory: 1 << 30,
+            sim_pcie_rate: "2GB/s".into(),
+            sim_nvlink_rate: "8GB/s".into(),
+            sim_gpus_busy: 0,
+            gpu_budget: None,
+            gpu_budget_fraction: None,
+            gpu_auto_evict: true,
+            staging_buffers: 8,
+            staging_size: "auto".into(),
+            staging_fill_threads: gpu.load.fill_threads,
+            register_host: gpu.load.register_host,
+            register_ahead: gpu.register_ahead,
+            copy_streams: gpu.load.copy_streams,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            insecure_plaintext: false,
+            sendfile: chain.sendfile,
+            data_mode: DataMode::default(),
+            stripes: chain.stripes,
+            origin_allow: Vec::new(),
+            handshake_timeout_ms: ms(limits.handshake_timeout),
+            peer_idle_timeout_s: limits.peer_idle_timeout.as_secs(),
+            write_timeout_s: limits.write_timeout.as_secs(),
+            max_connections: limits.max_connections,
+            max_connections_per_ip: limits.max_connections_per_ip,
+            max_sessions: limits.max_sessions,
+            frame_memory: limits.frame_memory as u64,
+        }
+    }
+}
+
+/// The GPU budget from `gpu_budget` or its old name `gpu_budget_fraction`: the one from the
+/// higher layer (flags and environment over the file over the default); both from one
+/// layer is refused.
+fn gpu_budget(s: &Settings, layers: &Layers) -> anyhow::Result<GpuBudget> {
+    let rank = |key: &str| layers.origin(key).map_or(0, Origin::rank);
+    let from_budget = |v: &BudgetValue| {
+        let text = match v {
+            BudgetValue::Number(f) => f.to_string(),
+            BudgetValue::Text(t) => t.clone(),
+        };
+        text.parse::<GpuBudget>()
+            .map_err(|e| anyhow::anyhow!("gpu_budget: {e}"))
+    };
+    let from_fraction =
+        |f: f64| GpuBudget::fraction(f).map_err(|e| anyhow::anyhow!("gpu_budget_fraction: {e}"));
+    match (&s.gpu_budget, s.gpu_budget_fraction) {
+        (Some(_), Some(_)) if rank("gpu_budget") == rank("gpu_budget_fraction") => {
+            let layer = match layers.origin("gpu_budget") {
+                Some(Origin::File(p)) => format!("config file {}", p.display()),
+                _ => "flags and environment".into(),
+            };
+            bail!("{layer}: set gpu_budget or its old name gpu_budget_fraction, not both")
+        }
+        (Some(b), Some(f)) => {
+            if rank("gpu_budget") > rank("gpu_budget_fraction") {
+                from_budget(b)
+            } else {
+                from_fraction(f)
+            }
+        }
+        (Some(b), None) => from_budget(b),
+        (None, Some(f)) => from_fraction(f),
+        (None, None) => Ok(GpuBudget::default()),
+    }
 }
 
 /// Where a listener binds: TCP, or a Unix socket (reachable from every network namespace
@@ -582,157 +710,140 @@ fn default_host_id() -> String {
         .collect()
 }
 
+/// A loaded configuration with its settings and where each came from.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The validated configuration.
+    pub config: Config,
+    settings: Settings,
+    layers: Layers,
+}
+
+impl Loaded {
+    /// The effective settings as TOML, each value followed by its origin (`--print-config`).
+    pub fn render(&self) -> anyhow::Result<String> {
+        Ok(format!(
+            "# transferd: the effective configuration; after each value, where it came from\n{}",
+            self.layers.render(&self.settings)?
+        ))
+    }
+}
+
 impl Config {
-    /// Merges flags/env over the optional TOML file over defaults, and validates.
-    pub fn load(args: Args) -> anyhow::Result<Self> {
-        let file = match &args.config {
-            Some(path) => read_file(path)?,
-            None => FileConfig::default(),
-        };
-        let host_id = args
-            .host_id
-            .or(file.host_id)
-            .unwrap_or_else(default_host_id);
+    /// Loads the configuration from a command line (`argv[0]` first) and the process
+    /// environment: see [`Config::from_matches`].
+    pub fn from_args<I, T>(argv: I) -> anyhow::Result<Loaded>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = Args::command().try_get_matches_from(argv)?;
+        Self::from_matches(&matches)
+    }
+
+    /// Layers built-in defaults < the TOML file (`--config`, `SHARDCAST_CONFIG`) <
+    /// environment variables < flags (what clap read into `matches`), refuses an unknown or
+    /// ill-typed key naming it and its origin, and validates. Nothing is bound here.
+    pub fn from_matches(matches: &clap::ArgMatches) -> anyhow::Result<Loaded> {
+        let mut layers = Layers::new();
+        layers.defaults(&Settings::default())?;
+        if let Some(path) = matches.get_one::<PathBuf>("config") {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading config file {}", path.display()))?;
+            layers.file(path, &text)?;
+        }
+        layers.command_line(&Args::command(), matches, &["config", "print_config"]);
+        let settings: Settings = layers.extract()?;
+        let config = Self::validate(&settings, &layers).map_err(|e| {
+            let message = format!("{e:#}");
+            anyhow::anyhow!("{message}{}", layers.explain(&message))
+        })?;
+        Ok(Loaded {
+            config,
+            settings,
+            layers,
+        })
+    }
+
+    /// The checks and conversions the types of [`Settings`] do not already make.
+    fn validate(s: &Settings, layers: &Layers) -> anyhow::Result<Self> {
+        let host_id = s.host_id.clone().unwrap_or_else(default_host_id);
         let host_id =
             HostId::new(&host_id).with_context(|| format!("invalid host_id {host_id:?}"))?;
-        let rate = |name: &str, v: Option<String>| -> anyhow::Result<Option<u64>> {
-            match v {
-                None => Ok(None),
-                Some(s) => parse_rate(&s).map_err(|e| anyhow::anyhow!("{name}: {e}")),
-            }
+        let rate = |name: &str, v: &str| -> anyhow::Result<Option<u64>> {
+            parse_rate(v).map_err(|e| anyhow::anyhow!("{name}: {e}"))
         };
-        let defaults = ChainConfig::default();
-        let window = bounded("window", args.window.or(file.window), defaults.window, 4096)?;
-        let quic_path_mtu = match args.quic_path_mtu.or(file.quic_path_mtu) {
-            Some(m) if !(MIN_PATH_MTU..=MAX_PATH_MTU).contains(&m) => bail!(
+        let window = bounded("window", s.window, 4096)?;
+        if let Some(m) = s.quic_path_mtu
+            && !(MIN_PATH_MTU..=MAX_PATH_MTU).contains(&m)
+        {
+            bail!(
                 "quic_path_mtu must be between {MIN_PATH_MTU} and {MAX_PATH_MTU} bytes (a UDP \
                  payload), got {m}"
-            ),
-            m => m,
-        };
-        let origin_parallel = bounded(
-            "origin_parallel",
-            args.origin_parallel.or(file.origin_parallel),
-            defaults.origin_parallel,
-            256,
-        )?;
-        let pipeline_depth = bounded(
-            "pipeline_depth",
-            args.pipeline_depth.or(file.pipeline_depth),
-            defaults.pipeline_depth,
-            64,
-        )?;
-        let idle_timeout_s = args
-            .idle_timeout_s
-            .or(file.idle_timeout_s)
-            .unwrap_or(defaults.idle_timeout.as_secs());
-        if idle_timeout_s == 0 {
+            );
+        }
+        let origin_parallel = bounded("origin_parallel", s.origin_parallel, 256)?;
+        let pipeline_depth = bounded("pipeline_depth", s.pipeline_depth, 64)?;
+        if s.idle_timeout_s == 0 {
             bail!("idle_timeout_s must be at least 1");
         }
-        let stall_timeout_ms = args
-            .stall_timeout_ms
-            .or(file.stall_timeout_ms)
-            .unwrap_or(defaults.stall_timeout.as_millis() as u64);
-        if stall_timeout_ms < 200 {
-            bail!("stall_timeout_ms must be at least 200 (it is {stall_timeout_ms})");
+        if s.stall_timeout_ms < 200 {
+            bail!(
+                "stall_timeout_ms must be at least 200 (it is {})",
+                s.stall_timeout_ms
+            );
         }
-        let origin_allow = if args.origin_allow.is_empty() {
-            file.origin_allow.unwrap_or_default()
-        } else {
-            args.origin_allow
-        };
-        let origins = OriginPolicy::parse(&origin_allow, Enforcer::Host)
+        let origins = OriginPolicy::parse(&s.origin_allow, Enforcer::Host)
             .map_err(|e| anyhow::anyhow!("origin_allow: {e}"))?;
         let limits = {
-            let d = Limits::default();
-            let secs =
-                |name: &str, v: Option<u64>, default: Duration| -> anyhow::Result<Duration> {
-                    match v {
-                        None => Ok(default),
-                        Some(0) => bail!("{name} must be at least 1"),
-                        Some(n) => Ok(Duration::from_secs(n)),
-                    }
-                };
-            let handshake_ms = args
-                .handshake_timeout_ms
-                .or(file.handshake_timeout_ms)
-                .unwrap_or(d.handshake_timeout.as_millis() as u64);
-            if !(100..=600_000).contains(&handshake_ms) {
-                bail!("handshake_timeout_ms must be between 100 and 600000, got {handshake_ms}");
+            let secs = |name: &str, v: u64| -> anyhow::Result<Duration> {
+                match v {
+                    0 => bail!("{name} must be at least 1"),
+                    n => Ok(Duration::from_secs(n)),
+                }
+            };
+            if !(100..=600_000).contains(&s.handshake_timeout_ms) {
+                bail!(
+                    "handshake_timeout_ms must be between 100 and 600000, got {}",
+                    s.handshake_timeout_ms
+                );
+            }
+            let min_frame = shardcast_protocol::manifest::MAX_CHUNK_SIZE as u64 + 12;
+            if s.frame_memory < min_frame {
+                bail!(
+                    "frame_memory must hold at least one chunk frame of the largest chunk size ({min_frame} bytes), got {}",
+                    s.frame_memory
+                );
             }
             Limits {
-                handshake_timeout: Duration::from_millis(handshake_ms),
-                peer_idle_timeout: secs(
-                    "peer_idle_timeout_s",
-                    args.peer_idle_timeout_s.or(file.peer_idle_timeout_s),
-                    d.peer_idle_timeout,
-                )?,
-                write_timeout: secs(
-                    "write_timeout_s",
-                    args.write_timeout_s.or(file.write_timeout_s),
-                    d.write_timeout,
-                )?,
-                max_connections: bounded(
-                    "max_connections",
-                    args.max_connections.or(file.max_connections),
-                    d.max_connections,
-                    1 << 20,
-                )?,
+                handshake_timeout: Duration::from_millis(s.handshake_timeout_ms),
+                peer_idle_timeout: secs("peer_idle_timeout_s", s.peer_idle_timeout_s)?,
+                write_timeout: secs("write_timeout_s", s.write_timeout_s)?,
+                max_connections: bounded("max_connections", s.max_connections, 1 << 20)?,
                 max_connections_per_ip: bounded(
                     "max_connections_per_ip",
-                    args.max_connections_per_ip.or(file.max_connections_per_ip),
-                    d.max_connections_per_ip,
+                    s.max_connections_per_ip,
                     1 << 20,
                 )?,
-                max_sessions: bounded(
-                    "max_sessions",
-                    args.max_sessions.or(file.max_sessions),
-                    d.max_sessions,
-                    1 << 20,
-                )?,
-                frame_memory: match args.frame_memory.or(file.frame_memory) {
-                    None => d.frame_memory,
-                    Some(s) => {
-                        let v = parse_size(&s).map_err(|e| anyhow::anyhow!("frame_memory: {e}"))?;
-                        let min = shardcast_protocol::manifest::MAX_CHUNK_SIZE as u64 + 12;
-                        if v < min {
-                            bail!(
-                                "frame_memory must hold at least one chunk frame of the largest chunk size ({min} bytes), got {v}"
-                            );
-                        }
-                        usize::try_from(v).unwrap_or(usize::MAX)
-                    }
-                },
+                max_sessions: bounded("max_sessions", s.max_sessions, 1 << 20)?,
+                frame_memory: usize::try_from(s.frame_memory).unwrap_or(usize::MAX),
             }
         };
-        let writer = match args.writer.or(file.writer).as_deref().unwrap_or("auto") {
+        let writer = match s.writer.as_str() {
             "auto" => WriterKind::Auto,
             "pwrite" => WriterKind::Pwrite,
             "io-uring" | "io_uring" => WriterKind::IoUring,
             other => bail!("writer must be auto, pwrite or io-uring, got {other:?}"),
         };
-        let json_logs = match args
-            .log_format
-            .or(file.log_format)
-            .as_deref()
-            .unwrap_or("text")
-        {
+        let json_logs = match s.log_format.as_str() {
             "text" => false,
             "json" => true,
             other => bail!("log_format must be text or json, got {other:?}"),
         };
-        let memory_dir = args
-            .memory_dir
-            .or(file.memory_dir)
-            .unwrap_or_else(|| "/dev/shm/shardcast".into());
-        let data_dir = args
-            .data_dir
-            .or(file.data_dir)
-            .unwrap_or_else(|| "/var/lib/shardcast".into());
-        if memory_dir == data_dir {
+        if s.memory_dir == s.data_dir {
             bail!(
                 "memory_dir and data_dir must differ (both are {})",
-                memory_dir.display()
+                s.memory_dir.display()
             );
         }
         let corrupt_once =
@@ -742,78 +853,62 @@ impl Config {
             } else {
                 Vec::new()
             };
-        let size = |name: &str, v: Option<String>| -> anyhow::Result<Option<u64>> {
-            v.map(|s| parse_size(&s).map_err(|e| anyhow::anyhow!("{name}: {e}")))
-                .transpose()
-        };
-        let egress_rate = rate("egress_rate", args.egress_rate.or(file.egress_rate))?;
-        let store_group = match args.store_group.or(file.store_group) {
-            Some(g) => Some(resolve_group(&g).with_context(|| format!("store_group {g:?}"))?),
+        let egress_rate = rate("egress_rate", &s.egress_rate)?;
+        let store_group = match &s.store_group {
+            Some(g) => Some(resolve_group(g).with_context(|| format!("store_group {g:?}"))?),
             None => None,
         };
-        let reverify_after = match args.reverify_after_ms.or(file.reverify_after_ms) {
-            Some(ms) if ms > 86_400_000 => {
-                bail!("reverify_after_ms must be at most 86400000 (a day), got {ms}")
-            }
-            Some(ms) => Duration::from_millis(ms),
-            None => crate::store::DEFAULT_REVERIFY_AFTER,
+        if s.reverify_after_ms > 86_400_000 {
+            bail!(
+                "reverify_after_ms must be at most 86400000 (a day), got {}",
+                s.reverify_after_ms
+            );
+        }
+        let scrub_rate = match s.scrub_rate.trim().to_ascii_lowercase().as_str() {
+            "0" | "off" => 0,
+            _ => rate("scrub_rate", &s.scrub_rate)?.ok_or_else(|| {
+                anyhow::anyhow!("scrub_rate must be a rate such as 64MB/s, or off")
+            })?,
         };
-        let scrub_rate = match args.scrub_rate.or(file.scrub_rate) {
-            None => crate::store::DEFAULT_SCRUB_RATE,
-            Some(s) if matches!(s.trim().to_ascii_lowercase().as_str(), "0" | "off") => 0,
-            Some(s) => parse_rate(&s)
-                .map_err(|e| anyhow::anyhow!("scrub_rate: {e}"))?
-                .ok_or_else(|| {
-                    anyhow::anyhow!("scrub_rate must be a rate such as 64MB/s, or off")
-                })?,
-        };
-        let heartbeat_ms = args.heartbeat_ms.or(file.heartbeat_ms).unwrap_or(1000);
-        if !(50..=60_000).contains(&heartbeat_ms) {
-            bail!("heartbeat_ms must be between 50 and 60000, got {heartbeat_ms}");
+        if !(50..=60_000).contains(&s.heartbeat_ms) {
+            bail!(
+                "heartbeat_ms must be between 50 and 60000, got {}",
+                s.heartbeat_ms
+            );
         }
         let inventory = Inventory {
-            controller: args.controller.or(file.controller),
-            advertise: args.advertise.or(file.advertise),
-            agent_advertise: args.agent_advertise.or(file.agent_advertise),
-            zone: args.zone.or(file.zone).unwrap_or_default(),
-            rack: args.rack.or(file.rack).unwrap_or_default(),
-            nic_bps: rate("nic_rate", args.nic_rate.or(file.nic_rate))?
-                .or(egress_rate)
-                .unwrap_or(0),
-            memory_capacity: size(
-                "memory_capacity",
-                args.memory_capacity.or(file.memory_capacity),
-            )?,
-            disk_capacity: size("disk_capacity", args.disk_capacity.or(file.disk_capacity))?,
-            gpus: args.gpus.or(file.gpus).unwrap_or(0),
-            gpu_memory: size("gpu_memory", args.gpu_memory.or(file.gpu_memory))?.unwrap_or(0),
-            heartbeat: Duration::from_millis(heartbeat_ms),
+            controller: s.controller.clone(),
+            advertise: s.advertise.clone(),
+            agent_advertise: s.agent_advertise.clone(),
+            zone: s.zone.clone(),
+            rack: s.rack.clone(),
+            nic_bps: match &s.nic_rate {
+                Some(r) => rate("nic_rate", r)?,
+                None => None,
+            }
+            .or(egress_rate)
+            .unwrap_or(0),
+            memory_capacity: s.memory_capacity,
+            disk_capacity: s.disk_capacity,
+            gpus: s.gpus,
+            gpu_memory: s.gpu_memory,
+            heartbeat: Duration::from_millis(s.heartbeat_ms),
         };
         let gpu = {
-            let mut m = ManagerConfig::default();
-            let backend = args.gpu_backend.or(file.gpu_backend);
-            m.backend = match backend.as_deref().unwrap_or("auto") {
+            let backend = match s.gpu_backend.as_str() {
                 "auto" => BackendChoice::Auto,
                 "cuda" => BackendChoice::Cuda,
                 "none" => BackendChoice::None,
                 "simulated" => {
                     let mut o = SimOptions::new(
-                        &memory_dir.join("sim-gpus"),
-                        args.sim_gpus.or(file.sim_gpus).unwrap_or(2),
-                        size(
-                            "sim_gpu_memory",
-                            args.sim_gpu_memory.or(file.sim_gpu_memory),
-                        )?
-                        .unwrap_or(1 << 30),
+                        &s.memory_dir.join("sim-gpus"),
+                        s.sim_gpus,
+                        s.sim_gpu_memory,
                     );
-                    o.pcie_bps = rate("sim_pcie_rate", args.sim_pcie_rate.or(file.sim_pcie_rate))?
-                        .unwrap_or(2_000_000_000);
-                    o.nvlink_bps = rate(
-                        "sim_nvlink_rate",
-                        args.sim_nvlink_rate.or(file.sim_nvlink_rate),
-                    )?
-                    .unwrap_or(8_000_000_000);
-                    o.busy = args.sim_gpus_busy.or(file.sim_gpus_busy).unwrap_or(0);
+                    o.pcie_bps = rate("sim_pcie_rate", &s.sim_pcie_rate)?.unwrap_or(2_000_000_000);
+                    o.nvlink_bps =
+                        rate("sim_nvlink_rate", &s.sim_nvlink_rate)?.unwrap_or(8_000_000_000);
+                    o.busy = s.sim_gpus_busy;
                     if o.busy > o.gpus {
                         bail!(
                             "sim_gpus_busy ({}) cannot exceed sim_gpus ({})",
@@ -825,55 +920,27 @@ impl Config {
                 }
                 other => bail!("gpu_backend must be auto, cuda, simulated or none, got {other:?}"),
             };
-            // A cap on each GPU, not a reservation (see `GpuBudget`).
-            let file_budget = file.gpu_budget.map(|v| match v {
-                BudgetValue::Number(f) => f.to_string(),
-                BudgetValue::Text(s) => s,
-            });
-            m.budget = gpu_budget(
-                "flags and environment",
-                args.gpu_budget,
-                args.gpu_budget_fraction,
-            )?
-            .or(gpu_budget(
-                "the config file",
-                file_budget,
-                file.gpu_budget_fraction,
-            )?)
-            .unwrap_or_default();
-            m.auto_evict = args.gpu_auto_evict.or(file.gpu_auto_evict).unwrap_or(true);
-            m.load.staging_buffers = bounded(
-                "staging_buffers",
-                args.staging_buffers.or(file.staging_buffers),
-                8,
-                1024,
-            )?;
-            m.load.fill_threads = bounded(
-                "staging_fill_threads",
-                args.staging_fill_threads.or(file.staging_fill_threads),
-                m.load.fill_threads,
-                64,
-            )?;
-            m.load.register_host = args
-                .register_host
-                .or(file.register_host)
-                .unwrap_or(m.load.register_host);
-            m.register_ahead = args
-                .register_ahead
-                .or(file.register_ahead)
-                .unwrap_or(m.register_ahead);
+            let mut m = ManagerConfig {
+                backend,
+                // A cap on each GPU, not a reservation (see `GpuBudget`).
+                budget: gpu_budget(s, layers)?,
+                auto_evict: s.gpu_auto_evict,
+                ..ManagerConfig::default()
+            };
+            m.load.staging_buffers = bounded("staging_buffers", s.staging_buffers, 1024)?;
+            m.load.fill_threads = bounded("staging_fill_threads", s.staging_fill_threads, 64)?;
+            m.load.register_host = s.register_host;
+            m.register_ahead = s.register_ahead;
             m.load.copy_streams = bounded(
                 "copy_streams",
-                args.copy_streams.or(file.copy_streams),
-                m.load.copy_streams,
+                s.copy_streams,
                 gpu_loader::loader::MAX_COPY_STREAMS,
             )?;
             // "auto" (the default): calibrated at start-up on CUDA (Torpor's elbow), 4 MiB on
             // simulated devices.
-            let staging = args.staging_size.or(file.staging_size);
-            m.load.staging_size = match staging.as_deref() {
-                None | Some("auto") => 0,
-                Some(v) => {
+            m.load.staging_size = match s.staging_size.as_str() {
+                "auto" => 0,
+                v => {
                     let n = parse_size(v).map_err(|e| anyhow::anyhow!("staging_size: {e}"))?;
                     if !(4096..=(1 << 30)).contains(&n) {
                         bail!("staging_size must be auto or between 4KiB and 1GiB, got {n}");
@@ -883,46 +950,34 @@ impl Config {
             };
             m
         };
-        let listen = args
-            .listen
-            .or(file.listen)
-            .unwrap_or_else(|| ([0, 0, 0, 0], 7400).into());
-        // The agent API drives imports, chains, loads and evictions: loopback unless the
-        // operator opens it (the controller then reaches it over mutual TLS).
-        let agent_listen = match args.agent_listen.or(file.agent_listen) {
-            Some(s) => s
-                .parse()
-                .map_err(|e| anyhow::anyhow!("agent_listen: {e}"))?,
-            None => ListenAddr::Tcp(([127, 0, 0, 1], 7401).into()),
-        };
-        let admin_listen = match args.admin_listen.or(file.admin_listen) {
-            Some(s) => s
-                .parse()
-                .map_err(|e| anyhow::anyhow!("admin_listen: {e}"))?,
-            None => ListenAddr::Tcp(([127, 0, 0, 1], 7402).into()),
-        };
+        let listen = s.listen;
+        let agent_listen: ListenAddr = s
+            .agent_listen
+            .parse()
+            .map_err(|e| anyhow::anyhow!("agent_listen: {e}"))?;
+        let admin_listen: ListenAddr = s
+            .admin_listen
+            .parse()
+            .map_err(|e| anyhow::anyhow!("admin_listen: {e}"))?;
         let admin_limits = shardcast_identity::http::HttpLimits::from_millis(
-            args.admin_header_timeout_ms
-                .or(file.admin_header_timeout_ms),
-            args.admin_idle_timeout_ms.or(file.admin_idle_timeout_ms),
+            Some(s.admin_header_timeout_ms),
+            Some(s.admin_idle_timeout_ms),
             ["admin_header_timeout_ms", "admin_idle_timeout_ms"],
         )
         .map_err(anyhow::Error::msg)?;
         let security = Security::load(
-            args.tls_ca.or(file.tls_ca),
-            args.tls_cert.or(file.tls_cert),
-            args.tls_key.or(file.tls_key),
-            args.insecure_plaintext
-                .or(file.insecure_plaintext)
-                .unwrap_or(false),
+            s.tls_ca.clone(),
+            s.tls_cert.clone(),
+            s.tls_key.clone(),
+            s.insecure_plaintext,
             &[
                 ("listen", Some(listen)),
                 ("agent_listen", agent_listen.tcp()),
                 ("admin_listen", admin_listen.tcp()),
             ],
         )?;
-        let data_mode = args.data_mode.or(file.data_mode).unwrap_or_default();
-        let stripes = args.stripes.or(file.stripes).unwrap_or(1);
+        let data_mode = s.data_mode;
+        let stripes = s.stripes;
         if !(1..=crate::chain::MAX_STRIPES).contains(&stripes) {
             bail!(
                 "stripes must be between 1 and {} (got {stripes})",
@@ -937,49 +992,40 @@ impl Config {
                  but insecure_plaintext turns TLS off: set tls_ca/tls_cert/tls_key, or drop data_mode"
             );
         }
+        let defaults = ChainConfig::default();
         Ok(Self {
             host_id,
             listen,
-            quic: args.quic.or(file.quic).unwrap_or(true),
-            quic_path_mtu,
+            quic: s.quic,
+            quic_path_mtu: s.quic_path_mtu,
             agent_listen,
             admin_listen,
-            tokens_file: args.tokens_file.or(file.tokens_file),
+            tokens_file: s.tokens_file.clone(),
             admin_limits,
             security,
             data_mode,
             store: StoreConfig {
-                memory_dir,
-                disk_dir: data_dir,
-                verify_on_recover: args
-                    .verify_on_recover
-                    .or(file.verify_on_recover)
-                    .unwrap_or(true),
+                memory_dir: s.memory_dir.clone(),
+                disk_dir: s.data_dir.clone(),
+                verify_on_recover: s.verify_on_recover,
                 writer,
                 group: store_group,
                 memory_capacity: inventory.memory_capacity,
                 disk_capacity: inventory.disk_capacity,
-                memory_headroom: size(
-                    "memory_headroom",
-                    args.memory_headroom.or(file.memory_headroom),
-                )?,
-                reverify_after,
+                memory_headroom: s.memory_headroom,
+                reverify_after: Duration::from_millis(s.reverify_after_ms),
                 scrub_rate,
             },
             egress_rate,
-            ingress_rate: rate("ingress_rate", args.ingress_rate.or(file.ingress_rate))?,
+            ingress_rate: rate("ingress_rate", &s.ingress_rate)?,
             chain: ChainConfig {
                 window,
-                upstream_grace: Duration::from_millis(
-                    args.upstream_grace_ms
-                        .or(file.upstream_grace_ms)
-                        .unwrap_or(defaults.upstream_grace.as_millis() as u64),
-                ),
-                idle_timeout: Duration::from_secs(idle_timeout_s),
-                stall_timeout: Duration::from_millis(stall_timeout_ms),
+                upstream_grace: Duration::from_millis(s.upstream_grace_ms),
+                idle_timeout: Duration::from_secs(s.idle_timeout_s),
+                stall_timeout: Duration::from_millis(s.stall_timeout_ms),
                 origin_parallel,
                 pipeline_depth,
-                sendfile: args.sendfile.or(file.sendfile).unwrap_or(defaults.sendfile),
+                sendfile: s.sendfile,
                 stripes,
                 origins: OriginAccess::new(origins),
                 limits,
@@ -1011,112 +1057,193 @@ fn resolve_group(g: &str) -> anyhow::Result<u32> {
         .with_context(|| format!("no group {g:?} in /etc/group; give its numeric gid instead"))
 }
 
-/// `value` (or `default`), checked to lie in `1..=max`.
-fn bounded(name: &str, value: Option<usize>, default: usize, max: usize) -> anyhow::Result<usize> {
-    let v = value.unwrap_or(default);
+/// `v`, checked to lie in `1..=max`.
+fn bounded(name: &str, v: usize, max: usize) -> anyhow::Result<usize> {
     if !(1..=max).contains(&v) {
         bail!("{name} must be between 1 and {max}, got {v}");
     }
     Ok(v)
 }
 
-fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading config file {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
+
+    /// Loads from these flags (and the test process's environment).
+    fn load(flags: &[&str]) -> anyhow::Result<Config> {
+        let mut argv = vec!["transferd"];
+        argv.extend_from_slice(flags);
+        Config::from_args(argv).map(|l| l.config)
+    }
+
+    /// `flags` with a TLS identity, which is required.
+    fn load_tls(flags: &[&str]) -> anyhow::Result<Config> {
+        let mut argv = vec![
+            "--tls-ca",
+            "/etc/shardcast/ca.pem",
+            "--tls-cert",
+            "/etc/shardcast/host.pem",
+            "--tls-key",
+            "/etc/shardcast/host.key",
+        ];
+        argv.extend_from_slice(flags);
+        load(&argv)
+    }
 
     #[test]
     fn flags_override_file_and_bad_values_fail() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
         std::fs::write(
             &path,
             "host_id = \"from-file\"\nwindow = 8\negress_rate = \"1Gbit\"\n",
         )
         .unwrap();
-        let args = Args {
-            config: Some(path.clone()),
-            window: Some(4),
-            ..tls_args()
-        };
-        let c = Config::load(args).unwrap();
+        let c = load_tls(&["--config", config, "--window", "4"]).unwrap();
         assert_eq!(c.host_id.as_str(), "from-file");
         assert_eq!(c.chain.window, 4);
         assert_eq!(c.egress_rate, Some(125_000_000));
 
         std::fs::write(&path, "windw = 8\n").unwrap();
-        let err = Config::load(Args {
-            config: Some(path.clone()),
-            ..Args::default()
-        })
-        .unwrap_err();
+        let err = load(&["--config", config]).unwrap_err();
         assert!(format!("{err:#}").contains("unknown field"), "{err:#}");
+        assert!(
+            format!("{err:#}").contains(&format!("(from file {config}); did you mean `window`?")),
+            "{err:#}"
+        );
 
-        let err = Config::load(Args {
-            egress_rate: Some("fast".into()),
-            ..tls_args()
-        })
-        .unwrap_err();
+        let err = load_tls(&["--egress-rate", "fast"]).unwrap_err();
         assert!(err.to_string().contains("egress_rate"), "{err}");
-        let err = Config::load(Args {
-            host_id: Some("a b".into()),
-            ..tls_args()
-        })
-        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("[egress_rate from flag --egress-rate]"),
+            "{err}"
+        );
+        let err = load_tls(&["--host-id", "a b"]).unwrap_err();
         assert!(err.to_string().contains("host_id"), "{err}");
-        for bad in [1000, 65528] {
-            let err = Config::load(Args {
-                quic_path_mtu: Some(bad),
-                ..tls_args()
-            })
-            .unwrap_err();
+        for bad in ["1000", "65528"] {
+            let err = load_tls(&["--quic-path-mtu", bad]).unwrap_err();
             assert!(err.to_string().contains("quic_path_mtu"), "{err}");
         }
         std::fs::write(&path, "quic_path_mtu = 8952\n").unwrap();
-        let c = Config::load(Args {
-            config: Some(path.clone()),
-            ..tls_args()
-        })
-        .unwrap();
+        let c = load_tls(&["--config", config]).unwrap();
         assert_eq!(c.quic_path_mtu, Some(8952));
     }
 
-    fn tls_args() -> Args {
-        Args {
-            tls_ca: Some("/etc/shardcast/ca.pem".into()),
-            tls_cert: Some("/etc/shardcast/host.pem".into()),
-            tls_key: Some("/etc/shardcast/host.key".into()),
-            ..Args::default()
+    #[test]
+    fn ill_typed_values_are_refused_naming_key_and_origin() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
+        for (text, says) in [
+            ("window = \"many\"\n", "window = \"many\" (from file "),
+            ("quic = \"sometimes\"\n", "quic = \"sometimes\" (from file "),
+            ("listen = 7400\n", "listen = 7400 (from file "),
+            (
+                "stall_timeout_ms = \"soon\"\n",
+                "stall_timeout_ms = \"soon\" (from file ",
+            ),
+            (
+                "frame_memory = \"lots\"\n",
+                "frame_memory = \"lots\" (from file ",
+            ),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let err = format!("{:#}", load_tls(&["--config", config]).unwrap_err());
+            assert!(err.contains(says), "{text}: {err}");
         }
+        let err = format!("{:#}", load_tls(&["--window", "x"]).unwrap_err());
+        assert!(
+            err.contains("window = \"x\" (from flag --window): expected a whole number"),
+            "{err}"
+        );
+        let err = format!("{:#}", load_tls(&["--quic", "perhaps"]).unwrap_err());
+        assert!(err.contains("(from flag --quic)"), "{err}");
+        let err = format!("{:#}", load_tls(&["--listen", "nowhere"]).unwrap_err());
+        assert!(
+            err.contains("listen = \"nowhere\" (from flag --listen)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn durations_and_sizes_take_units() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
+        std::fs::write(
+            &path,
+            "upstream_grace_ms = \"3s\"\nidle_timeout_s = \"1m\"\nstall_timeout_ms = 500\n\
+             frame_memory = \"1GiB\"\nmemory_capacity = \"4GiB\"\ngpu_memory = 1024\n",
+        )
+        .unwrap();
+        let c = load_tls(&["--config", config, "--peer-idle-timeout-s", "2m"]).unwrap();
+        assert_eq!(c.chain.upstream_grace, Duration::from_secs(3));
+        assert_eq!(c.chain.idle_timeout, Duration::from_secs(60));
+        assert_eq!(c.chain.stall_timeout, Duration::from_millis(500));
+        assert_eq!(c.chain.limits.frame_memory, 1 << 30);
+        assert_eq!(c.chain.limits.peer_idle_timeout, Duration::from_secs(120));
+        assert_eq!(c.store.memory_capacity, Some(4 << 30));
+        assert_eq!(c.inventory.gpu_memory, 1024);
+        let err = load_tls(&["--idle-timeout-s", "1500ms"]).unwrap_err();
+        assert!(
+            err.to_string().contains("not a whole number of seconds"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn print_config_names_each_origin() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
+        std::fs::write(&path, "window = 8\nzone = \"a\"\n").unwrap();
+        let mut argv = vec!["transferd", "--config", config, "--zone", "b"];
+        argv.extend([
+            "--tls-ca",
+            "/ca.pem",
+            "--tls-cert",
+            "/h.pem",
+            "--tls-key",
+            "/h.key",
+        ]);
+        let text = Config::from_args(argv).unwrap().render().unwrap();
+        assert!(
+            text.contains(&format!("window = 8  # file {config}\n")),
+            "{text}"
+        );
+        assert!(text.contains("zone = \"b\"  # flag --zone\n"), "{text}");
+        assert!(
+            text.contains("stall_timeout_ms = 2000  # default\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("frame_memory = \"512MiB\"  # default\n"),
+            "{text}"
+        );
+        assert!(text.contains("# host_id: not set\n"), "{text}");
+        // The printed configuration is itself a valid config file, giving the same values.
+        std::fs::write(&path, &text).unwrap();
+        let again = load(&["--config", config]).unwrap();
+        assert_eq!(again.chain.window, 8);
+        assert_eq!(again.inventory.zone, "b");
     }
 
     #[test]
     fn tls_is_required_and_plaintext_only_on_loopback() {
-        let err = Config::load(Args::default()).unwrap_err();
+        let err = load(&[]).unwrap_err();
         assert!(
             err.to_string()
                 .contains("mutual TLS is required: set tls_ca, tls_cert, tls_key"),
             "{err}"
         );
-        let err = Config::load(Args {
-            insecure_plaintext: Some(true),
-            ..Args::default()
-        })
-        .unwrap_err();
+        let err = load(&["--insecure-plaintext", "true"]).unwrap_err();
         assert!(err.to_string().contains("listen is 0.0.0.0:7400"), "{err}");
-        let c = Config::load(Args {
-            insecure_plaintext: Some(true),
-            listen: Some("127.0.0.1:0".parse().unwrap()),
-            ..Args::default()
-        })
-        .unwrap();
+        let c = load(&["--insecure-plaintext", "true", "--listen", "127.0.0.1:0"]).unwrap();
         assert_eq!(c.security, Security::InsecurePlaintext);
-        let c = Config::load(tls_args()).unwrap();
+        let c = load_tls(&[]).unwrap();
         assert!(matches!(c.security, Security::Tls(_)));
         assert_eq!(
             c.agent_listen,
@@ -1130,58 +1257,45 @@ mod tests {
             c.admin_limits,
             shardcast_identity::http::HttpLimits::default()
         );
-        let c = Config::load(Args {
-            admin_listen: Some("unix:/run/shardcast/admin.sock".into()),
-            admin_header_timeout_ms: Some(500),
-            ..tls_args()
-        })
+        let c = load_tls(&[
+            "--admin-listen",
+            "unix:/run/shardcast/admin.sock",
+            "--admin-header-timeout-ms",
+            "500",
+        ])
         .unwrap();
         assert_eq!(
             c.admin_listen,
             ListenAddr::Unix("/run/shardcast/admin.sock".into())
         );
         assert_eq!(c.admin_limits.header_timeout, Duration::from_millis(500));
-        let err = Config::load(Args {
-            admin_idle_timeout_ms: Some(0),
-            ..tls_args()
-        })
-        .unwrap_err();
+        let err = load_tls(&["--admin-idle-timeout-ms", "0"]).unwrap_err();
         assert!(err.to_string().contains("admin_idle_timeout_ms"), "{err}");
     }
 
     #[test]
     fn data_mode_is_tls_by_default_and_authenticate_only_needs_tls() {
-        assert_eq!(Config::load(tls_args()).unwrap().data_mode, DataMode::Tls);
+        assert_eq!(load_tls(&[]).unwrap().data_mode, DataMode::Tls);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
         std::fs::write(&path, "data_mode = \"authenticate-only\"\n").unwrap();
-        let c = Config::load(Args {
-            config: Some(path.clone()),
-            ..tls_args()
-        })
-        .unwrap();
+        let c = load_tls(&["--config", config]).unwrap();
         assert_eq!(c.data_mode, DataMode::AuthenticateOnly);
         // The flag wins over the file.
-        let c = Config::load(Args {
-            config: Some(path.clone()),
-            data_mode: Some(DataMode::Tls),
-            ..tls_args()
-        })
-        .unwrap();
+        let c = load_tls(&["--config", config, "--data-mode", "tls"]).unwrap();
         assert_eq!(c.data_mode, DataMode::Tls);
         std::fs::write(&path, "data_mode = \"clear\"\n").unwrap();
-        let err = Config::load(Args {
-            config: Some(path),
-            ..tls_args()
-        })
-        .unwrap_err();
+        let err = load_tls(&["--config", config]).unwrap_err();
         assert!(format!("{err:#}").contains("authenticate-only"), "{err:#}");
-        let err = Config::load(Args {
-            insecure_plaintext: Some(true),
-            listen: Some("127.0.0.1:0".parse().unwrap()),
-            data_mode: Some(DataMode::AuthenticateOnly),
-            ..Args::default()
-        })
+        let err = load(&[
+            "--insecure-plaintext",
+            "true",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-mode",
+            "authenticate-only",
+        ])
         .unwrap_err();
         assert!(
             err.to_string().contains(
@@ -1193,48 +1307,39 @@ mod tests {
 
     #[test]
     fn store_hardening_and_scrub_settings() {
-        let c = Config::load(tls_args()).unwrap();
+        let c = load_tls(&[]).unwrap();
         assert_eq!(c.store.group, None);
         assert_eq!(c.store.reverify_after, crate::store::DEFAULT_REVERIFY_AFTER);
         assert_eq!(c.store.scrub_rate, crate::store::DEFAULT_SCRUB_RATE);
-        let c = Config::load(Args {
-            store_group: Some("4242".into()),
-            reverify_after_ms: Some(0),
-            scrub_rate: Some("off".into()),
-            memory_capacity: Some("1GiB".into()),
-            ..tls_args()
-        })
+        let c = load_tls(&[
+            "--store-group",
+            "4242",
+            "--reverify-after-ms",
+            "0",
+            "--scrub-rate",
+            "off",
+            "--memory-capacity",
+            "1GiB",
+        ])
         .unwrap();
         assert_eq!(c.store.group, Some(4242));
         assert_eq!(c.store.reverify_after, Duration::ZERO);
         assert_eq!(c.store.scrub_rate, 0);
         assert_eq!(c.store.memory_capacity, Some(1 << 30));
         assert_eq!(
-            Config::load(Args {
-                scrub_rate: Some("100MB/s".into()),
-                store_group: Some("root".into()),
-                ..tls_args()
-            })
-            .unwrap()
-            .store
-            .scrub_rate,
+            load_tls(&["--scrub-rate", "100MB/s", "--store-group", "root"])
+                .unwrap()
+                .store
+                .scrub_rate,
             100_000_000
         );
+        let max = u64::MAX.to_string();
         for bad in [
-            Args {
-                scrub_rate: Some("unlimited".into()),
-                ..tls_args()
-            },
-            Args {
-                store_group: Some("no-such-group-here".into()),
-                ..tls_args()
-            },
-            Args {
-                reverify_after_ms: Some(u64::MAX),
-                ..tls_args()
-            },
+            ["--scrub-rate", "unlimited"],
+            ["--store-group", "no-such-group-here"],
+            ["--reverify-after-ms", max.as_str()],
         ] {
-            assert!(Config::load(bad).is_err());
+            assert!(load_tls(&bad).is_err(), "{bad:?}");
         }
     }
 
@@ -1242,86 +1347,57 @@ mod tests {
     fn origin_allow_from_flags_env_style_and_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
         std::fs::write(
             &path,
             "origin_allow = [\"file:///data/models/\", \"https://m.example.com/org/\"]\n",
         )
         .unwrap();
-        let c = Config::load(Args {
-            config: Some(path.clone()),
-            ..tls_args()
-        })
-        .unwrap();
+        let c = load_tls(&["--config", config]).unwrap();
         assert_eq!(c.chain.origins.policy().prefixes().len(), 2);
         // Flags replace the file's list.
-        let c = Config::load(Args {
-            config: Some(path),
-            origin_allow: vec!["file:///srv/a".into()],
-            ..tls_args()
-        })
-        .unwrap();
+        let c = load_tls(&["--config", config, "--origin-allow", "file:///srv/a"]).unwrap();
         assert_eq!(c.chain.origins.policy().describe(), "file:///srv/a/");
+        // Comma-separated, as in SHARDCAST_ORIGIN_ALLOW.
+        let c = load_tls(&["--origin-allow", "file:///srv/a,file:///srv/b"]).unwrap();
+        assert_eq!(c.chain.origins.policy().prefixes().len(), 2);
         // Nothing configured: nothing allowed.
-        let c = Config::load(tls_args()).unwrap();
+        let c = load_tls(&[]).unwrap();
         assert!(c.chain.origins.policy().is_empty());
-        let err = Config::load(Args {
-            origin_allow: vec!["ftp://x/".into()],
-            ..tls_args()
-        })
-        .unwrap_err();
+        let err = load_tls(&["--origin-allow", "ftp://x/"]).unwrap_err();
         assert!(err.to_string().contains("origin_allow"), "{err}");
-        let err = Config::load(Args {
-            peer_idle_timeout_s: Some(0),
-            ..tls_args()
-        })
-        .unwrap_err();
+        let err = load_tls(&["--peer-idle-timeout-s", "0"]).unwrap_err();
         assert!(err.to_string().contains("peer_idle_timeout_s"), "{err}");
     }
 
     #[test]
     fn gpu_budget_is_a_share_or_a_size_and_a_cap() {
-        let budget = |args: Args| Config::load(args).map(|c| c.gpu.budget);
-        assert_eq!(budget(tls_args()).unwrap(), GpuBudget::Fraction(0.8));
+        let budget = |flags: &[&str]| load_tls(flags).map(|c| c.gpu.budget);
+        assert_eq!(budget(&[]).unwrap(), GpuBudget::Fraction(0.8));
         for (v, want) in [
             ("0.5", GpuBudget::Fraction(0.5)),
             ("75%", GpuBudget::Fraction(0.75)),
             ("60GiB", GpuBudget::Bytes(60 << 30)),
         ] {
-            let got = budget(Args {
-                gpu_budget: Some(v.into()),
-                ..tls_args()
-            })
-            .unwrap();
+            let got = budget(&["--gpu-budget", v]).unwrap();
             assert_eq!(got, want, "{v}");
         }
         for bad in ["2", "0", "150%", "1MiB", "lots"] {
-            let err = budget(Args {
-                gpu_budget: Some(bad.into()),
-                ..tls_args()
-            })
-            .unwrap_err();
+            let err = budget(&["--gpu-budget", bad]).unwrap_err();
             assert!(err.to_string().contains("gpu_budget"), "{bad}: {err}");
         }
         // The old name still works, as a share, and is a cap like the new one.
         assert_eq!(
-            budget(Args {
-                gpu_budget_fraction: Some(0.6),
-                ..tls_args()
-            })
-            .unwrap(),
+            budget(&["--gpu-budget-fraction", "0.6"]).unwrap(),
             GpuBudget::Fraction(0.6)
         );
-        let err = budget(Args {
-            gpu_budget: Some("0.5".into()),
-            gpu_budget_fraction: Some(0.6),
-            ..tls_args()
-        })
-        .unwrap_err();
+        let err = budget(&["--gpu-budget", "0.5", "--gpu-budget-fraction", "0.6"]).unwrap_err();
         assert!(err.to_string().contains("not both"), "{err}");
 
         // In the file: a number or a string; flags override it.
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
         for (text, want) in [
             ("gpu_budget = 0.7\n", GpuBudget::Fraction(0.7)),
             ("gpu_budget = 1\n", GpuBudget::Fraction(1.0)),
@@ -1329,26 +1405,20 @@ mod tests {
             ("gpu_budget_fraction = 0.9\n", GpuBudget::Fraction(0.9)),
         ] {
             std::fs::write(&path, text).unwrap();
-            let got = budget(Args {
-                config: Some(path.clone()),
-                ..tls_args()
-            })
-            .unwrap();
+            let got = budget(&["--config", config]).unwrap();
             assert_eq!(got, want, "{text}");
         }
-        let got = budget(Args {
-            config: Some(path.clone()),
-            gpu_budget: Some("10GiB".into()),
-            ..tls_args()
-        })
-        .unwrap();
+        // A flag of either name wins over the file's other name.
+        let got = budget(&["--config", config, "--gpu-budget", "10GiB"]).unwrap();
         assert_eq!(got, GpuBudget::Bytes(10 << 30));
+        std::fs::write(&path, "gpu_budget = 0.7\n").unwrap();
+        let got = budget(&["--config", config, "--gpu-budget-fraction", "0.5"]).unwrap();
+        assert_eq!(got, GpuBudget::Fraction(0.5));
+        std::fs::write(&path, "gpu_budget = 0.7\ngpu_budget_fraction = 0.5\n").unwrap();
+        let err = budget(&["--config", config]).unwrap_err();
+        assert!(err.to_string().contains("not both"), "{err}");
         std::fs::write(&path, "gpu_budget = 80\n").unwrap();
-        let err = budget(Args {
-            config: Some(path),
-            ..tls_args()
-        })
-        .unwrap_err();
+        let err = budget(&["--config", config]).unwrap_err();
         assert!(
             err.to_string().contains("give a size with its unit"),
             "{err}"
@@ -1358,10 +1428,25 @@ mod tests {
     #[test]
     fn example_config_parses() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("transferd.example.toml");
-        Config::load(Args {
-            config: Some(path),
-            ..Args::default()
-        })
-        .unwrap();
+        let loaded = Config::from_args(["transferd", "--config", path.to_str().unwrap()]).unwrap();
+        // Every key the example sets came from it (none misspelt into a default).
+        let text = loaded.render().unwrap();
+        assert!(text.contains("host_id = \"gpu-host-1\"  # file "), "{text}");
+        assert_eq!(loaded.config.inventory.rack, "rack-1");
+        // And it documents every key (set, or commented out with its default).
+        let example = std::fs::read_to_string(&path).unwrap();
+        for line in text.lines().filter(|l| !l.starts_with("# transferd")) {
+            let key = line
+                .trim_start_matches("# ")
+                .split([' ', ':'])
+                .next()
+                .unwrap();
+            assert!(
+                example
+                    .lines()
+                    .any(|l| l.trim_start_matches("# ").starts_with(&format!("{key} = "))),
+                "transferd.example.toml does not document {key}"
+            );
+        }
     }
 }

@@ -1,18 +1,33 @@
 //! `transferd`: the shardcast per-host daemon. See `transferd --help` and
 //! `transferd.example.toml`.
 
-use clap::Parser;
+use clap::CommandFactory;
 use tracing_subscriber::EnvFilter;
 use transferd::config::{Args, Config};
 
 fn main() -> std::process::ExitCode {
-    let config = match Config::load(Args::parse()) {
+    // clap answers --help and --version, and refuses an unknown flag, itself (exit 2).
+    let matches = Args::command().get_matches();
+    let loaded = match Config::from_matches(&matches) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("transferd: configuration error: {e:#}");
             return std::process::ExitCode::from(2);
         }
     };
+    if matches.get_flag("print_config") {
+        return match loaded.render() {
+            Ok(text) => {
+                print!("{text}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("transferd: configuration error: {e:#}");
+                std::process::ExitCode::from(2)
+            }
+        };
+    }
+    let config = loaded.config;
     let filter =
         EnvFilter::try_from_env("SHARDCAST_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

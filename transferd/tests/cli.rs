@@ -179,3 +179,107 @@ fn unsafe_store_roots_stop_the_daemon_before_ready() {
         );
     }
 }
+
+#[test]
+fn unknown_or_ill_typed_keys_stop_the_daemon_naming_key_and_origin() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("transferd.toml");
+    std::fs::write(&path, "listen = \"127.0.0.1:0\"\nwindw = 8\n").unwrap();
+    let out = transferd()
+        .arg("--config")
+        .arg(&path)
+        .args(["--insecure-plaintext", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty(), "nothing started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "unknown field `windw` (from file {}); did you mean `window`?",
+            path.display()
+        )),
+        "{err}"
+    );
+
+    // The same file name in SHARDCAST_CONFIG, and an ill-typed variable.
+    std::fs::write(&path, "window = 8\n").unwrap();
+    let out = transferd()
+        .env("SHARDCAST_CONFIG", &path)
+        .env("SHARDCAST_WINDOW", "eight")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("window = \"eight\" (from environment variable SHARDCAST_WINDOW)"),
+        "{err}"
+    );
+    std::fs::write(&path, "window = \"eight\"\n").unwrap();
+    let out = transferd().arg("--config").arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "window = \"eight\" (from file {})",
+            path.display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn print_config_shows_each_value_and_its_origin_without_binding() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("transferd.toml");
+    std::fs::write(&path, "window = 8\nzone = \"from-file\"\nrack = \"r1\"\n").unwrap();
+    // A port held here: a daemon that tried to bind it would fail.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = held.local_addr().unwrap().to_string();
+    let out = transferd()
+        .arg("--config")
+        .arg(&path)
+        .env("SHARDCAST_ZONE", "from-env")
+        .env("SHARDCAST_STALL_TIMEOUT_MS", "1s")
+        .args(["--rack", "from-flag", "--print-config"])
+        .args(["--listen", &listen, "--insecure-plaintext", "true"])
+        .args([
+            "--agent-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        format!("window = 8  # file {}", path.display()),
+        "zone = \"from-env\"  # environment variable SHARDCAST_ZONE".to_string(),
+        "stall_timeout_ms = 1000  # environment variable SHARDCAST_STALL_TIMEOUT_MS".into(),
+        "rack = \"from-flag\"  # flag --rack".into(),
+        format!("listen = \"{listen}\"  # flag --listen"),
+        "upstream_grace_ms = 2000  # default".into(),
+        "# host_id: not set".into(),
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line:?} in\n{text}");
+    }
+    // A bad value still stops --print-config, with the reason.
+    let out = transferd()
+        .args(["--print-config", "--stall-timeout-ms", "5"])
+        .args(["--insecure-plaintext", "true", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("stall_timeout_ms must be at least 200")
+            && err.contains("[stall_timeout_ms from flag --stall-timeout-ms]"),
+        "{err}"
+    );
+}
