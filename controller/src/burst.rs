@@ -249,7 +249,7 @@ impl Controller {
                     None => h.lose("the host stopped heartbeating during the burst", now_unix()),
                     // An agent that does not answer while heartbeating: the stall timer
                     // decides.
-                    Some(Err(e)) => h.unanswered(e),
+                    Some(Err(e)) => h.unanswered(e.to_string()),
                     Some(Ok(seen)) => h.observe_burst(&seen, elapsed),
                 };
                 let timeout = self.config().stall_timeout;

@@ -136,6 +136,87 @@ pub enum HostUnavailable {
     Down(String),
 }
 
+/// Why a stored record (a model, host, plan or partition-plan record) cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// Not JSON of the record's shape.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    /// A version this controller does not know: named, not guessed.
+    #[error("{what} record version {found:?} is not known to this controller (it reads {reads})")]
+    UnknownVersion {
+        /// The kind of record.
+        what: &'static str,
+        /// The version found.
+        found: String,
+        /// The versions it reads.
+        reads: String,
+    },
+    /// A field's value is not one this controller knows.
+    #[error("{0}")]
+    Invalid(String),
+    /// Neither the typed layout nor the legacy one.
+    #[error("{typed}; as a legacy record: {legacy}")]
+    Neither {
+        /// Why the typed layout failed.
+        typed: Box<Self>,
+        /// Why the legacy layout failed.
+        legacy: Box<Self>,
+    },
+}
+
+/// Why a receiver's status could not be read from its agent.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PollError {
+    /// No answer within the poll's time.
+    #[error("agent of {host} did not answer within {within:?}")]
+    Silent {
+        /// The host.
+        host: String,
+        /// The time allowed.
+        within: std::time::Duration,
+    },
+    /// The agent answered with an error, or could not be reached.
+    #[error("agent of {}: {}", .0.host, .0.message)]
+    Agent(AgentError),
+}
+
+/// Why a chain could not be started at its head.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StartError {
+    /// The head is not known, or its agent cannot be reached.
+    #[error("{}", .0.message)]
+    Unreachable(AgentError),
+    /// The head's agent refused or failed.
+    #[error("{}: {}", .0.host, .0.message)]
+    Refused(AgentError),
+    /// The head's agent did not answer in time.
+    #[error("agent of {head} did not answer StartChain")]
+    Silent {
+        /// The head.
+        head: String,
+    },
+    /// The stored manifest does not decode.
+    #[error("the stored manifest of {digest} does not decode: {why}")]
+    BadManifest {
+        /// The model.
+        digest: String,
+        /// Why.
+        why: String,
+    },
+    /// The plan's digest is not a digest.
+    #[error("model digest {digest}: {why}")]
+    BadDigest {
+        /// The digest as stored.
+        digest: String,
+        /// Why.
+        why: String,
+    },
+    /// The plan token could not be signed.
+    #[error("{0}")]
+    Sign(String),
+}
+
 /// How a call to a host's agent failed, from the agent's answer (or its absence).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AgentFailure {

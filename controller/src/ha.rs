@@ -48,6 +48,7 @@ use tower::ServiceExt;
 use tracing::{info, warn};
 
 use crate::core::{ModelRecord, lock};
+use crate::error::{ApiError, RecordError};
 use crate::etcd::{Campaign, Change, EtcdSnapshot, EtcdStore, LeaderInfo, WatchEvent, WatchLoss};
 use crate::inventory::{HostEntry, StoredHost};
 use crate::plan::Plan;
@@ -366,17 +367,30 @@ async fn load_view(
     cfg: &Config,
     store: &Arc<EtcdStore>,
     cancel: CancellationToken,
-) -> Result<(Arc<Active>, i64), String> {
-    let revision = store.revision().await.map_err(|e| e.to_string())?;
+) -> Result<(Arc<Active>, i64), ViewError> {
+    let revision = store.revision().await?;
     let cfg = cfg.clone();
     let snapshot: Arc<dyn StateStore> = Arc::new(EtcdSnapshot::new(store.clone(), revision));
     let view =
         tokio::task::spawn_blocking(move || Services::open_read_only(&cfg, snapshot, cancel))
             .await
-            .map_err(|e| e.to_string())?
-            .map(Active::new)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ViewError::Task(e.to_string()))?
+            .map(Active::new)?;
     Ok((view, revision))
+}
+
+/// Why a follower's view could not be loaded or kept current.
+#[derive(Debug, thiserror::Error)]
+enum ViewError {
+    /// etcd did not answer.
+    #[error(transparent)]
+    Store(#[from] crate::state::StateError),
+    /// The state did not load.
+    #[error(transparent)]
+    Open(#[from] ApiError),
+    /// The loading task failed.
+    #[error("loading the view: {0}")]
+    Task(String),
 }
 
 /// A follower's view in the slot and the watch that keeps it current.
@@ -401,7 +415,7 @@ struct FollowerView {
 
 impl FollowerView {
     /// Loads the view whole (at one revision) into the slot.
-    async fn load(&mut self) -> Result<(), String> {
+    async fn load(&mut self) -> Result<(), ViewError> {
         let token = self.cancel.child_token();
         match load_view(&self.cfg, &self.store, token.clone()).await {
             Ok((view, revision)) => {
@@ -427,12 +441,12 @@ impl FollowerView {
     /// break, it first checks that etcd has not gone back to an older revision (restored
     /// from a backup, or replaced): a watch from a revision that etcd has not reached would
     /// wait, silently, instead of failing; the view is then loaded whole.
-    async fn ensure_watch(&mut self) -> Result<(), String> {
+    async fn ensure_watch(&mut self) -> Result<(), ViewError> {
         let (None, Some(next)) = (&self.watch, self.next) else {
             return Ok(());
         };
         if !self.fresh {
-            let now = self.store.revision().await.map_err(|e| e.to_string())?;
+            let now = self.store.revision().await?;
             if now < next - 1 {
                 warn!(
                     now,
@@ -711,7 +725,7 @@ impl Record {
             what: &str,
             key: &str,
             bytes: Option<Vec<u8>>,
-            decode: fn(&[u8]) -> Result<T, String>,
+            decode: fn(&[u8]) -> Result<T, RecordError>,
         ) -> Option<T> {
             match decode(&bytes?) {
                 Ok(v) => Some(v),

@@ -145,19 +145,19 @@ impl StoredHost {
     /// (the `HostReport` wire message and the reservations, read by
     /// `crate::wire::read_host_record`). A record of an unknown version is an error naming
     /// it, not a guess.
-    pub fn read_versioned(bytes: &[u8]) -> Result<Option<Self>, String> {
+    pub fn read_versioned(bytes: &[u8]) -> Result<Option<Self>, crate::error::RecordError> {
         #[derive(Deserialize)]
         struct Version {
             version: Option<String>,
         }
-        let v: Version = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-        match v.version.as_deref() {
-            Some(HOST_RECORD_VERSION) => serde_json::from_slice(bytes)
-                .map(Some)
-                .map_err(|e| e.to_string()),
-            Some(other) => Err(format!(
-                "host record version {other:?} is not known to this controller (it reads {HOST_RECORD_VERSION:?} and unversioned ones)"
-            )),
+        let v: Version = serde_json::from_slice(bytes)?;
+        match v.version {
+            Some(v) if v == HOST_RECORD_VERSION => Ok(Some(serde_json::from_slice(bytes)?)),
+            Some(found) => Err(crate::error::RecordError::UnknownVersion {
+                what: "host",
+                found,
+                reads: format!("{HOST_RECORD_VERSION:?} and unversioned ones"),
+            }),
             None => Ok(None),
         }
     }
@@ -551,11 +551,11 @@ mod tests {
 
         let future = serde_json::json!({"version": "9", "host": {}});
         let err = crate::wire::read_host_record(future.to_string().as_bytes()).unwrap_err();
-        assert!(err.contains("\"9\""), "{err}");
+        assert!(err.to_string().contains("\"9\""), "{err}");
         let bad_tier = serde_json::json!({
             "report": {"host_id": "a", "holdings": [{"digest": "m1", "tier": "tape"}]}
         });
         let err = crate::wire::read_host_record(bad_tier.to_string().as_bytes()).unwrap_err();
-        assert!(err.contains("tape"), "{err}");
+        assert!(err.to_string().contains("tape"), "{err}");
     }
 }

@@ -3,6 +3,8 @@
 use serde::{Deserialize, Serialize};
 use shardcast_placement as placement;
 
+use crate::error::RecordError;
+
 /// The version of [`ModelRecord`]s written now.
 pub const MODEL_RECORD_VERSION: &str = "1";
 
@@ -53,13 +55,14 @@ impl ModelRecord {
 
     /// Reads a stored record; a version this controller does not know is an error naming
     /// it, not a guess.
-    pub fn read(bytes: &[u8]) -> Result<Self, String> {
-        let m: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    pub fn read(bytes: &[u8]) -> Result<Self, RecordError> {
+        let m: Self = serde_json::from_slice(bytes)?;
         if m.version != MODEL_RECORD_VERSION {
-            return Err(format!(
-                "model record version {:?} is not known to this controller (it reads {MODEL_RECORD_VERSION:?})",
-                m.version
-            ));
+            return Err(RecordError::UnknownVersion {
+                what: "model",
+                found: m.version,
+                reads: format!("{MODEL_RECORD_VERSION:?}"),
+            });
         }
         Ok(m)
     }
@@ -90,6 +93,6 @@ mod tests {
         let mut future = old.clone();
         future["version"] = "7".into();
         let e = ModelRecord::read(future.to_string().as_bytes()).unwrap_err();
-        assert!(e.contains("\"7\""), "{e}");
+        assert!(e.to_string().contains("\"7\""), "{e}");
     }
 }

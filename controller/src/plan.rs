@@ -698,10 +698,8 @@ impl StoredPlan {
 
     /// A stored plan record in the typed layout (`crate::wire::read_plan_record` reads
     /// the legacy one too).
-    pub fn decode(bytes: &[u8]) -> Result<Plan, String> {
-        serde_json::from_slice::<Self>(bytes)
-            .map(Self::into_plan)
-            .map_err(|e| e.to_string())
+    pub fn decode(bytes: &[u8]) -> Result<Plan, crate::error::RecordError> {
+        Ok(serde_json::from_slice::<Self>(bytes).map(Self::into_plan)?)
     }
 }
 

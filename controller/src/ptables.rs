@@ -173,13 +173,14 @@ impl Default for StoredPlans {
 impl StoredPlans {
     /// Reads a stored record; a version this controller does not know is an error naming
     /// it (the tables are then computed again: they are a cache).
-    pub fn read(bytes: &[u8]) -> Result<Self, String> {
-        let p: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    pub fn read(bytes: &[u8]) -> Result<Self, crate::error::RecordError> {
+        let p: Self = serde_json::from_slice(bytes)?;
         if p.version != PLANS_RECORD_VERSION {
-            return Err(format!(
-                "partition-plan record version {:?} is not known to this controller (it reads {PLANS_RECORD_VERSION:?})",
-                p.version
-            ));
+            return Err(crate::error::RecordError::UnknownVersion {
+                what: "partition-plan",
+                found: p.version,
+                reads: format!("{PLANS_RECORD_VERSION:?}"),
+            });
         }
         Ok(p)
     }
@@ -778,6 +779,6 @@ mod tests {
         let mut future = old;
         future["version"] = "3".into();
         let e = StoredPlans::read(future.to_string().as_bytes()).unwrap_err();
-        assert!(e.contains("\"3\""), "{e}");
+        assert!(e.to_string().contains("\"3\""), "{e}");
     }
 }

@@ -8,7 +8,7 @@ use shardcast_protocol::controller::{
     self as pb, HostProgress, PlanAccepted, PlanStatus, PlannedChain,
 };
 
-use crate::error::ApiError;
+use crate::error::{ApiError, RecordError};
 use crate::events::Event;
 use crate::inventory::{GpuInfo, GpuLoad, HOST_RECORD_VERSION, Holding, HostView, StoredHost};
 use crate::model::ModelRecord;
@@ -355,7 +355,7 @@ impl From<Accepted> for PlanAccepted {
 
 /// A stored host record: this version, or one written before versions (the
 /// `HostReport` wire message and the reservations).
-pub fn read_host_record(bytes: &[u8]) -> Result<StoredHost, String> {
+pub fn read_host_record(bytes: &[u8]) -> Result<StoredHost, RecordError> {
     /// A host record as written before records were versioned: the wire message.
     #[derive(serde::Deserialize)]
     struct LegacyHostRecord {
@@ -366,19 +366,23 @@ pub fn read_host_record(bytes: &[u8]) -> Result<StoredHost, String> {
     if let Some(r) = StoredHost::read_versioned(bytes)? {
         return Ok(r);
     }
-    let legacy: LegacyHostRecord = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let legacy: LegacyHostRecord = serde_json::from_slice(bytes)?;
     Ok(StoredHost {
         version: HOST_RECORD_VERSION.into(),
-        host: host_view(legacy.report).map_err(|e| e.message)?,
+        host: host_view(legacy.report).map_err(|e| RecordError::Invalid(e.message))?,
         gpu_reserved: legacy.gpu_reserved,
         pending_evictions: Vec::new(),
     })
 }
 
 /// A stored plan record: the typed layout, else the legacy one.
-pub fn read_plan_record(bytes: &[u8]) -> Result<Plan, String> {
-    StoredPlan::decode(bytes)
-        .or_else(|e| legacy_plan(bytes).map_err(|l| format!("{e}; as a legacy record: {l}")))
+pub fn read_plan_record(bytes: &[u8]) -> Result<Plan, RecordError> {
+    StoredPlan::decode(bytes).or_else(|typed| {
+        legacy_plan(bytes).map_err(|legacy| RecordError::Neither {
+            typed: Box::new(typed),
+            legacy: Box::new(legacy),
+        })
+    })
 }
 
 /// A plan persisted before records were versioned: the `PlanStatus` wire message with
@@ -393,14 +397,14 @@ struct LegacyPlanRecord {
 }
 
 /// Reads a legacy (unversioned) plan record; an error names what does not parse.
-pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
-    let r: LegacyPlanRecord = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, RecordError> {
+    let r: LegacyPlanRecord = serde_json::from_slice(bytes)?;
     let s = r.status;
-    let tier = tier_of(s.tier).map_err(|e| e.message)?;
-    let state = PlanState::try_from(s.state())?;
+    let tier = tier_of(s.tier).map_err(|e| RecordError::Invalid(e.message))?;
+    let state = PlanState::try_from(s.state()).map_err(RecordError::Invalid)?;
     let kind = match s.kind() {
         pb::PlanKind::Unspecified => PlanKind::Chains,
-        k => PlanKind::try_from(k)?,
+        k => PlanKind::try_from(k).map_err(RecordError::Invalid)?,
     };
     let hosts = s
         .hosts
@@ -429,7 +433,8 @@ pub fn legacy_plan(bytes: &[u8]) -> Result<Plan, String> {
                 awaits_room: false,
             })
         })
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(RecordError::Invalid)?;
     Ok(Plan {
         tier,
         state,
@@ -627,7 +632,7 @@ mod tests {
 
         let bad = json.to_string().replace("receiving", "dreaming");
         let e = legacy_plan(bad.as_bytes()).unwrap_err();
-        assert!(e.contains("dreaming"), "{e}");
+        assert!(e.to_string().contains("dreaming"), "{e}");
     }
 
     #[test]

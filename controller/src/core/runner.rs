@@ -6,7 +6,7 @@ use futures::StreamExt;
 
 use super::*;
 use crate::agents::ModelReport;
-use crate::error::AgentFailure;
+use crate::error::{AgentFailure, PollError, StartError};
 
 impl Controller {
     /// Starts a plan's chains that are not started yet, then polls its receivers until
@@ -215,7 +215,7 @@ impl Controller {
                         }
                         // An agent that does not answer while heartbeating: keep waiting;
                         // the stall timer decides.
-                        Some(Err(e)) => changed |= h.unanswered(e),
+                        Some(Err(e)) => changed |= h.unanswered(e.to_string()),
                         Some(Ok(seen)) => {
                             let seen = seen.for_sessions(plan_sessions.iter().map(String::as_str));
                             let refused = gpu_asked.get(&host).cloned().flatten();
@@ -391,16 +391,19 @@ impl Controller {
         host: &str,
         digest: &str,
         tier: Tier,
-    ) -> Result<Seen, String> {
-        let at = self.agent_at(host).map_err(|e| e.message)?;
+    ) -> Result<Seen, PollError> {
+        let at = self.agent_at(host).map_err(PollError::Agent)?;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
             self.agents.model_status(&at, digest),
         )
         .await;
         match r {
-            Err(_) => Err(format!("agent of {host} did not answer within 2 s")),
-            Ok(Err(e)) => Err(format!("agent of {host}: {}", e.message)),
+            Err(_) => Err(PollError::Silent {
+                host: host.to_string(),
+                within: Duration::from_secs(2),
+            }),
+            Ok(Err(e)) => Err(PollError::Agent(e)),
             Ok(Ok(None)) => Ok(Seen::default()),
             Ok(Ok(Some(report))) => Ok(polled_from(&report, tier)),
         }
@@ -471,7 +474,7 @@ impl Controller {
                 if let Some(run) = p.runs.get_mut(i) {
                     match r {
                         Ok(()) => run.started = true,
-                        Err(e) => run.error = e,
+                        Err(e) => run.error = e.to_string(),
                     }
                 }
             }
@@ -493,13 +496,16 @@ impl Controller {
         (origin, digest): (&str, &str),
         tier: Tier,
         transport: shardcast_protocol::HopTransport,
-    ) -> Result<(), String> {
-        let at = self.agent_at(&run.head).map_err(|e| e.message)?;
+    ) -> Result<(), StartError> {
+        let at = self.agent_at(&run.head).map_err(StartError::Unreachable)?;
         if run.hops.is_empty() {
             // A single receiver fed by the origin: it downloads on its own. ImportModel
             // returns when the download ends; progress is polled meanwhile.
             let name = decode_exact::<Manifest>(manifest.to_vec().into())
-                .map_err(|e| format!("the stored manifest of {digest} does not decode: {e}"))?
+                .map_err(|e| StartError::BadManifest {
+                    digest: digest.to_string(),
+                    why: e.to_string(),
+                })?
                 .name
                 .to_string();
             let import = crate::agents::Import {
@@ -539,8 +545,11 @@ impl Controller {
                 let claims = shardcast_protocol::plan::PlanClaims {
                     plan: run.session.clone(),
                     model: digest
-                        .parse()
-                        .map_err(|e| format!("model digest {digest}: {e}"))?,
+                        .parse::<shardcast_protocol::ModelDigest>()
+                        .map_err(|e| StartError::BadDigest {
+                            digest: digest.to_string(),
+                            why: e.to_string(),
+                        })?,
                     not_after: unix_now() + shardcast_identity::plan::PLAN_TOKEN_TTL.as_secs(),
                     // Orders this statement about the name against the others a host hears.
                     issued_at_ms: unix_now_ms(),
@@ -559,7 +568,10 @@ impl Controller {
                         .current_name(digest)
                         .and_then(|n| shardcast_protocol::ModelName::new(n).ok()),
                 };
-                signer.load().sign(&claims).map_err(|e| e.to_string())?
+                signer
+                    .load()
+                    .sign(&claims)
+                    .map_err(|e| StartError::Sign(e.to_string()))?
             }
         };
         let chain = crate::agents::StartChain {
@@ -579,8 +591,10 @@ impl Controller {
         match tokio::time::timeout(Duration::from_secs(10), self.agents.start_chain(&at, chain))
             .await
         {
-            Err(_) => Err(format!("agent of {} did not answer StartChain", run.head)),
-            Ok(Err(e)) => Err(format!("{}: {}", run.head, e.message)),
+            Err(_) => Err(StartError::Silent {
+                head: run.head.clone(),
+            }),
+            Ok(Err(e)) => Err(StartError::Refused(e)),
             Ok(Ok(())) => Ok(()),
         }
     }
