@@ -206,6 +206,7 @@ impl Controller {
             }
             let (digest, active) = {
                 let st = lock(&self.state);
+                let inv = self.inventory.lock();
                 let Some(p) = st.plans.get(&id).filter(|p| p.running()) else {
                     return;
                 };
@@ -214,7 +215,7 @@ impl Controller {
                     .iter()
                     .filter(|h| h.state.is_active())
                     .map(|h| {
-                        let up = st.hosts.get(&h.host).is_some_and(|e| e.up);
+                        let up = inv.hosts.get(&h.host).is_some_and(|e| e.up);
                         (h.host.clone(), up)
                     })
                     .collect();
@@ -234,6 +235,7 @@ impl Controller {
             }
             let now = Instant::now();
             let mut st = lock(&self.state);
+            let mut inv = self.inventory.lock();
             let st = &mut *st;
             let Some(plan) = st.plans.get_mut(&id) else {
                 return;
@@ -280,7 +282,7 @@ impl Controller {
             changed |= ended;
             let name = plan.model.clone();
             for (host, bytes) in done {
-                if let Some(e) = st.hosts.get_mut(&host) {
+                if let Some(e) = inv.hosts.get_mut(&host) {
                     e.mark_complete(&digest, &name, crate::inventory::DataTier::Memory, bytes);
                 }
             }

@@ -765,15 +765,16 @@ pub(crate) fn apply(ctl: &Services, changes: Vec<Change>) {
     let records: Vec<Record> = changes.into_iter().map(Record::decode).collect();
     let now = Instant::now();
     let mut st = lock(&ctl.core.state);
+    let mut inv = ctl.core.inventory.lock();
     for r in records {
         match r {
             Record::Model(name, m) => ctl.core.registry().apply_model(name, m),
             Record::Manifest(digest, m) => ctl.core.registry().apply_manifest(digest, m),
             Record::Host(id, Some(r)) => {
-                st.hosts.insert(id, HostEntry::restored(r, now));
+                inv.hosts.insert(id, HostEntry::restored(r, now));
             }
             Record::Host(id, None) => {
-                st.hosts.remove(&id);
+                inv.hosts.remove(&id);
             }
             Record::Plan(id, Some(p)) => {
                 let running = p.running();

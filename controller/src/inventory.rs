@@ -264,6 +264,48 @@ impl HostEntry {
     }
 }
 
+/// The hosts the controller knows: each one's last report, liveness, GPU reservations
+/// and pending evictions, and the signature of what was last persisted for it. An owner
+/// with its own lock. Lock order: the controller's plan state (`crate::core`) may be held
+/// while this is locked, never the other way round; the registry (a leaf) may be locked
+/// while this is held.
+#[derive(Default)]
+pub struct Inventory {
+    table: std::sync::Mutex<HostTable>,
+}
+
+/// What [`Inventory`] guards.
+#[derive(Default)]
+pub struct HostTable {
+    /// By host id.
+    pub hosts: BTreeMap<String, HostEntry>,
+    /// Signature of each host's last persisted report.
+    pub(crate) persisted: HashMap<String, String>,
+}
+
+impl Inventory {
+    /// The host table, locked.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, HostTable> {
+        crate::lock(&self.table)
+    }
+
+    /// A copy of `host`'s entry.
+    pub fn get(&self, host: &str) -> Option<HostEntry> {
+        self.lock().hosts.get(host).cloned()
+    }
+}
+
+impl HostTable {
+    /// GPU slots reserved for `digest` on live hosts.
+    pub fn gpu_reserved(&self, digest: &str) -> u32 {
+        self.hosts
+            .values()
+            .filter(|h| h.up)
+            .map(|h| h.gpu_reserved.get(digest).copied().unwrap_or(0))
+            .sum()
+    }
+}
+
 /// Bytes still to arrive per host and data tier, from plans in flight: capacity they will
 /// use that heartbeats do not show yet.
 pub type Pending = HashMap<(String, DataTier), u64>;

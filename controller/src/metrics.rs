@@ -422,6 +422,7 @@ impl Collector for StateCollector {
         // The state, read under its lock once.
         let (plans, receivers, hosts, up, models, pending_evictions) = {
             let st = crate::lock(&core.state);
+            let inv = core.inventory.lock();
             let mut plans = vec![0u64; PlanState::ALL.len()];
             let mut receivers = vec![0u64; ReceiverState::ALL.len()];
             for p in st.plans.values() {
@@ -436,8 +437,8 @@ impl Collector for StateCollector {
                     }
                 }
             }
-            let up = st.hosts.values().filter(|h| h.up).count() as u64;
-            let pending: u64 = st
+            let up = inv.hosts.values().filter(|h| h.up).count() as u64;
+            let pending: u64 = inv
                 .hosts
                 .values()
                 .map(|h| h.pending_evictions.len() as u64)
@@ -445,7 +446,7 @@ impl Collector for StateCollector {
             (
                 plans,
                 receivers,
-                st.hosts.len() as u64,
+                inv.hosts.len() as u64,
                 up,
                 core.registry().count() as u64,
                 pending,

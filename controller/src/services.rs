@@ -23,8 +23,8 @@ use tokio_util::sync::CancellationToken;
 use crate::autoscaler::{Autoscaler, Fleet, ScalingView};
 use crate::burst::{BurstPart, MAX_PARTITIONS};
 use crate::core::{
-    Controller, ControllerConfig, EvictModel, Evicted, ScaleOut, data_tier, gpu_reserved, lock,
-    now_unix, parse_profile,
+    Controller, ControllerConfig, EvictModel, Evicted, ScaleOut, data_tier, lock, now_unix,
+    parse_profile,
 };
 use crate::error::{
     ApiError, EvictError, LoadError, LookupError, PartitionError, PlanRequestError, ScaleOutError,
@@ -239,7 +239,7 @@ impl LoadSink for Scaler {
 impl ModelSource for Controller {
     fn partition_inputs(&self, key: &str) -> Result<PartitionInputs, PartitionError> {
         let m = self.registry().model(key)?;
-        let st = lock(&self.state);
+        let inv = self.inventory.lock();
         let profile = m
             .profile
             .as_deref()
@@ -249,7 +249,7 @@ impl ModelSource for Controller {
                 name: m.name.clone(),
                 why,
             })?;
-        let holder = st
+        let holder = inv
             .hosts
             .values()
             .find(|h| {
@@ -258,13 +258,13 @@ impl ModelSource for Controller {
                     .is_some_and(|x| x.complete)
             })
             .map(|h| h.report.host_id.clone());
-        let smallest_gpu = st
+        let smallest_gpu = inv
             .hosts
             .values()
             .flat_map(|h| h.report.gpus.iter().map(|g| g.memory_bytes))
             .filter(|&b| b > 0)
             .min();
-        let slowest_nic = slowest_nic(st.hosts.values().map(|h| HostLink {
+        let slowest_nic = slowest_nic(inv.hosts.values().map(|h| HostLink {
             up: h.up,
             nic_bps: h.report.nic_bps,
             gpus: h.report.gpus.len(),
@@ -312,8 +312,9 @@ impl TierTarget for Controller {
             .map(|m| (m.digest.clone(), m))
             .collect();
         let st = lock(&self.state);
+        let inv = self.inventory.lock();
         let copies = |digest: &str| -> u32 {
-            st.hosts
+            inv.hosts
                 .values()
                 .filter(|h| h.up)
                 .map(|h| {
@@ -335,7 +336,7 @@ impl TierTarget for Controller {
                         || p.chains.iter().any(|c| c.source == host))
             })
         };
-        st.hosts
+        inv.hosts
             .values()
             .filter(|h| h.up)
             .map(|h| {
@@ -389,9 +390,10 @@ impl TierTarget for Controller {
 
     fn stale_gpu_bookings(&self) -> Vec<StaleBooking> {
         let st = lock(&self.state);
+        let inv = self.inventory.lock();
         let grace = self.config().heartbeat * 2;
         let mut out = Vec::new();
-        for h in st.hosts.values().filter(|h| h.up) {
+        for h in inv.hosts.values().filter(|h| h.up) {
             let host = &h.report.host_id;
             for digest in h.gpu_reserved.keys() {
                 let fresh = h
@@ -431,9 +433,9 @@ impl TierTarget for Controller {
     }
 
     fn pending_evictions(&self) -> Vec<(String, String, DataTier)> {
-        let mut st = lock(&self.state);
+        let mut inv = self.inventory.lock();
         let mut out = Vec::new();
-        for h in st.hosts.values_mut().filter(|h| h.up) {
+        for h in inv.hosts.values_mut().filter(|h| h.up) {
             // A copy the host no longer reports (it was evicted some other way): done.
             let mut due = std::mem::take(&mut h.pending_evictions);
             due.retain(|(d, t)| h.holding(d, *t).is_some());
@@ -456,14 +458,15 @@ impl Controller {
     pub fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError> {
         let m = self.registry().model(key)?;
         let st = lock(&self.state);
+        let inv = self.inventory.lock();
         let mut holders: Vec<String> = match tier {
-            Tier::Gpu => st
+            Tier::Gpu => inv
                 .hosts
                 .values()
                 .filter(|h| h.up && h.gpu_reserved.contains_key(&m.digest))
                 .map(|h| h.report.host_id.clone())
                 .collect(),
-            t => st
+            t => inv
                 .hosts
                 .values()
                 .filter(|h| {
@@ -498,7 +501,7 @@ impl Controller {
         };
         holders.sort_by(|a, b| when(a).total_cmp(&when(b)).then_with(|| a.cmp(b)));
         let replicas = match tier {
-            Tier::Gpu => gpu_reserved(&st, &m.digest),
+            Tier::Gpu => inv.gpu_reserved(&m.digest),
             t => (holders.len() + st.in_flight(&m.digest, t).len()) as u32,
         };
         let measured = st

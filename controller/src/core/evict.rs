@@ -11,8 +11,9 @@ impl Controller {
         let (digest, targets, pending) = {
             let digest = self.registry.model(&req.model)?.digest;
             let st = lock(&self.state);
+            let inv = self.inventory.lock();
             for h in &req.hosts {
-                let e = st
+                let e = inv
                     .hosts
                     .get(h)
                     .ok_or_else(|| HostUnavailable::Unknown(h.clone()))?;
@@ -21,7 +22,7 @@ impl Controller {
                 }
             }
             let targets: Vec<String> = if req.hosts.is_empty() {
-                st.hosts
+                inv.hosts
                     .values()
                     .filter(|h| match tier {
                         Tier::Gpu => h.gpu_reserved.contains_key(&digest),
@@ -34,7 +35,7 @@ impl Controller {
             };
             // Every holder, and some are down: their copies go when they heartbeat again.
             let pending: Vec<String> = if req.hosts.is_empty() && tier != Tier::Gpu {
-                st.hosts
+                inv.hosts
                     .values()
                     .filter(|h| !h.up && h.holding(&digest, data_tier(tier)).is_some())
                     .map(|h| h.report.host_id.clone())
@@ -61,9 +62,9 @@ impl Controller {
             (digest, targets, pending)
         };
         if !pending.is_empty() {
-            let mut st = lock(&self.state);
+            let mut inv = self.inventory.lock();
             for h in &pending {
-                if let Some(e) = st.hosts.get_mut(h) {
+                if let Some(e) = inv.hosts.get_mut(h) {
                     let item = (digest.clone(), data_tier(tier));
                     if !e.pending_evictions.contains(&item) {
                         e.pending_evictions.push(item);
@@ -77,9 +78,9 @@ impl Controller {
         }
         let mut evicted = Vec::new();
         if tier == Tier::Gpu {
-            let mut st = lock(&self.state);
+            let mut inv = self.inventory.lock();
             for h in &targets {
-                if let Some(e) = st.hosts.get_mut(h)
+                if let Some(e) = inv.hosts.get_mut(h)
                     && e.gpu_reserved.remove(&digest).is_some()
                 {
                     let rec = StoredHost::of(e);
@@ -118,8 +119,8 @@ impl Controller {
             match r {
                 Ok(r) => {
                     bytes_freed += r;
-                    let mut st = lock(&self.state);
-                    if let Some(e) = st.hosts.get_mut(h) {
+                    let mut inv = self.inventory.lock();
+                    if let Some(e) = inv.hosts.get_mut(h) {
                         e.forget(&digest, data_tier(tier));
                         let before = e.pending_evictions.len();
                         e.pending_evictions

@@ -21,8 +21,8 @@ impl Controller {
             .chain(report.bound_names.iter().cloned())
             .collect();
         let id = report.host_id.clone();
-        let mut st = lock(&self.state);
-        let entry = st.hosts.entry(id.clone()).or_insert_with(|| {
+        let mut inv = self.inventory.lock();
+        let entry = inv.hosts.entry(id.clone()).or_insert_with(|| {
             info!(host = %id, data = %report.data_addr, rack = %report.rack, "host registered");
             HostEntry {
                 report: report.clone(),
@@ -46,10 +46,11 @@ impl Controller {
         entry.last_seen = Instant::now();
         entry.up = true;
         let record = StoredHost::of(entry);
-        if st.persisted.get(&id) != Some(&sig) {
+        let seen = entry.clone();
+        if inv.persisted.get(&id) != Some(&sig) {
             let bytes =
                 serde_json::to_vec(&record).map_err(|e| HeartbeatError::Store(e.to_string()))?;
-            if st.persisted.contains_key(&id) {
+            if inv.persisted.contains_key(&id) {
                 // A change of a known host: queued, not committed under the lock (see
                 // `write_behind`).
                 self.writes.put(Table::Hosts, &id, bytes);
@@ -60,9 +61,13 @@ impl Controller {
                     .put_now(Table::Hosts, &id, &bytes)
                     .map_err(|e| HeartbeatError::Store(e.to_string()))?;
             }
-            st.persisted.insert(id.clone(), sig);
+            inv.persisted.insert(id.clone(), sig);
         }
-        let mut events = reconcile_receivers(&mut st, &id);
+        let gpu_copies_elsewhere = inventory::gpu_copies_elsewhere(&inv.hosts, &id);
+        drop(inv);
+        // What the report changes in the plans receiving on the host.
+        let mut st = lock(&self.state);
+        let mut events = reconcile_receivers(&mut st, &seen);
         if restarted {
             events.extend(restarted_receivers(&mut st, &id, self.cfg.lost_grace));
         }
@@ -78,8 +83,8 @@ impl Controller {
             }
             self.events.record(e);
         }
+        drop(st);
         let names = self.registry.bindings(asked.iter().map(String::as_str));
-        let gpu_copies_elsewhere = inventory::gpu_copies_elsewhere(&st.hosts, &id);
         Ok(HeartbeatAnswer {
             interval: self.cfg.heartbeat,
             names,
@@ -90,9 +95,9 @@ impl Controller {
 
     /// Every known host.
     pub fn list_hosts(&self) -> Vec<HostListing> {
-        let st = lock(&self.state);
+        let inv = self.inventory.lock();
         let now = Instant::now();
-        st.hosts
+        inv.hosts
             .values()
             .map(|h| HostListing {
                 report: h.report.clone(),
@@ -104,10 +109,6 @@ impl Controller {
     }
 }
 
-/// A receiver's state is what it holds: a receiver of any plan (running or ended) marked
-/// `lost` or `failed` whose latest heartbeat reports the plan's model complete in the
-/// plan's tier (and resident on its GPUs, for tier gpu) is `done` again, with the time it
-/// was seen; an ended plan's outcome is recomputed. Returns one event per such receiver.
 /// The running plans receiving on `host`, whose transferd just restarted: its receivers
 /// there are marked `lost` as of now (their sessions died with the process), so the plan
 /// runner re-plans them on its next round as returned hosts (`receiver-returned`) instead
@@ -155,10 +156,12 @@ pub(super) fn restarted_receivers(st: &mut State, host: &str, grace: Duration) -
     events
 }
 
-pub(super) fn reconcile_receivers(st: &mut State, host: &str) -> Vec<Event> {
-    let Some(entry) = st.hosts.get(host) else {
-        return Vec::new();
-    };
+/// A receiver's state is what it holds: a receiver of any plan (running or ended) marked
+/// `lost` or `failed` whose latest heartbeat reports the plan's model complete in the
+/// plan's tier (and resident on its GPUs, for tier gpu) is `done` again, with the time it
+/// was seen; an ended plan's outcome is recomputed. Returns one event per such receiver.
+pub(super) fn reconcile_receivers(st: &mut State, entry: &HostEntry) -> Vec<Event> {
+    let host = entry.report.host_id.as_str();
     let complete: HashSet<(&str, DataTier)> = entry
         .report
         .holdings

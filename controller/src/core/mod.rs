@@ -34,7 +34,9 @@ use crate::error::{
     PlanRequestError, RegisterError,
 };
 use crate::events::EventLog;
-use crate::inventory::{self, DataTier, HostEntry, HostView, Pending, StoredHost};
+use crate::inventory::{
+    self, DataTier, HostEntry, HostTable, HostView, Inventory, Pending, StoredHost,
+};
 pub use crate::plan::ChainRun;
 use crate::plan::{
     Accepted, ChainSummary, GpuState, Plan, PlanKind, ReceiverProgress, ReceiverState, Seen,
@@ -200,9 +202,6 @@ pub(crate) use crate::lock;
 
 #[derive(Default)]
 pub(crate) struct State {
-    pub(crate) hosts: BTreeMap<String, HostEntry>,
-    /// Signature of each host's last persisted report.
-    persisted: HashMap<String, String>,
     pub(crate) plans: HashMap<String, Plan>,
     pub(crate) watchers: HashMap<String, watch::Sender<Plan>>,
     /// Host → the plans (running or ended) it is a receiver of, so a heartbeat looks only
@@ -287,6 +286,8 @@ pub struct Controller {
     origin_refused: std::sync::atomic::AtomicU64,
     /// The models, their manifests and the registrations in progress (`crate::registry`).
     registry: crate::registry::Registry,
+    /// The hosts (`crate::inventory::Inventory`); locked after `state` when both are.
+    pub(crate) inventory: Inventory,
 }
 
 impl Controller {
@@ -343,14 +344,18 @@ impl Controller {
         let mut st = State::default();
         let started = Instant::now();
         let registry = crate::registry::Registry::restore(store.as_ref())?;
-        for (id, bytes) in store.list(Table::Hosts)? {
-            match crate::wire::read_host_record(&bytes) {
-                Ok(r) => {
-                    st.persisted
-                        .insert(id.clone(), HostEntry::signature(&r.host));
-                    st.hosts.insert(id, HostEntry::restored(r, started));
+        let inventory = Inventory::default();
+        {
+            let mut inv = inventory.lock();
+            for (id, bytes) in store.list(Table::Hosts)? {
+                match crate::wire::read_host_record(&bytes) {
+                    Ok(r) => {
+                        inv.persisted
+                            .insert(id.clone(), HostEntry::signature(&r.host));
+                        inv.hosts.insert(id, HostEntry::restored(r, started));
+                    }
+                    Err(e) => warn!(host = %id, "skipping unreadable host record: {e}"),
                 }
-                Err(e) => warn!(host = %id, "skipping unreadable host record: {e}"),
             }
         }
         let mut resume = Vec::new();
@@ -385,6 +390,7 @@ impl Controller {
             http,
             origin_refused: std::sync::atomic::AtomicU64::new(0),
             registry,
+            inventory,
         });
         Ok((me, resume))
     }
@@ -401,9 +407,9 @@ impl Controller {
                 _ = self.cancel.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            let mut st = lock(&self.state);
-            for id in inventory::expire(&mut st.hosts, Instant::now(), self.cfg.host_timeout()) {
-                if st.hosts.get(&id).is_some_and(|h| h.up) {
+            let mut inv = self.inventory.lock();
+            for id in inventory::expire(&mut inv.hosts, Instant::now(), self.cfg.host_timeout()) {
+                if inv.hosts.get(&id).is_some_and(|h| h.up) {
                     info!(host = %id, "host is back");
                 } else {
                     warn!(host = %id, timeout = ?self.cfg.host_timeout(), "host missed its heartbeats: marked down");
@@ -424,8 +430,7 @@ impl Controller {
 
     /// Where `host`'s agent is, from its last heartbeat.
     pub fn agent_at(&self, host: &str) -> Result<AgentAt, AgentError> {
-        let st = lock(&self.state);
-        let h = st.hosts.get(host).ok_or_else(|| {
+        let h = self.inventory.get(host).ok_or_else(|| {
             AgentError::unreachable(host, "the host is not known to the controller")
         })?;
         Ok(AgentAt {
@@ -468,15 +473,6 @@ impl Controller {
     pub fn cancel_token(&self) -> &CancellationToken {
         &self.cancel
     }
-}
-
-/// GPU slots reserved for `digest` on live hosts.
-pub(crate) fn gpu_reserved(st: &State, digest: &str) -> u32 {
-    st.hosts
-        .values()
-        .filter(|h| h.up)
-        .map(|h| h.gpu_reserved.get(digest).copied().unwrap_or(0))
-        .sum()
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it): the stamp of the
@@ -575,10 +571,10 @@ mod receiver_index_tests {
                 plan(&format!("x{i}"), "d1", &[("h9", ReceiverState::Lost)]),
             );
         }
-        st.hosts.insert("h1".into(), holding("h1", "d1"));
+        let h1 = holding("h1", "d1");
         assert_eq!(st.receiver_plans["h1"], vec!["a".to_string()]);
         assert_eq!(st.receiver_plans["h9"].len(), 1000);
-        let events = reconcile_receivers(&mut st, "h1");
+        let events = reconcile_receivers(&mut st, &h1);
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].plan_id, "a");
         assert_eq!(st.plans["a"].hosts[0].state, ReceiverState::Done);
@@ -590,10 +586,9 @@ mod receiver_index_tests {
                 .all(|p| p.hosts[0].state == ReceiverState::Lost)
         );
         // Nothing left to recover: a second heartbeat changes nothing.
-        assert!(reconcile_receivers(&mut st, "h1").is_empty());
+        assert!(reconcile_receivers(&mut st, &h1).is_empty());
         // A host in no plan.
-        st.hosts.insert("h3".into(), holding("h3", "d1"));
-        assert!(reconcile_receivers(&mut st, "h3").is_empty());
+        assert!(reconcile_receivers(&mut st, &holding("h3", "d1")).is_empty());
     }
 
     #[test]

@@ -16,17 +16,22 @@ impl Controller {
         }
         let transport = req.transport.unwrap_or(self.cfg.transport);
         let each_from_origin = req.sources == Sources::Origin;
-        self.make_plan(&req.model, tier, (each_from_origin, transport), |st, m| {
-            // GPU slots are counted by reservation: a gpu prewarm of k makes sure k slots are
-            // reserved for the model, reserving only the missing ones.
-            if tier == Tier::Gpu
-                && let Target::Replicas(k) = target
-            {
-                let have = gpu_reserved(st, &m.digest);
-                return Ok((have < k).then(|| Target::Replicas(k - have)));
-            }
-            Ok(Some(target.clone()))
-        })
+        self.make_plan(
+            &req.model,
+            tier,
+            (each_from_origin, transport),
+            |_, inv, m| {
+                // GPU slots are counted by reservation: a gpu prewarm of k makes sure k slots are
+                // reserved for the model, reserving only the missing ones.
+                if tier == Tier::Gpu
+                    && let Target::Replicas(k) = target
+                {
+                    let have = inv.gpu_reserved(&m.digest);
+                    return Ok((have < k).then(|| Target::Replicas(k - have)));
+                }
+                Ok(Some(target.clone()))
+            },
+        )
     }
 
     /// What a partitioned burst needs from the controller's state: the model, its
@@ -44,18 +49,18 @@ impl Controller {
             .registry
             .manifest(&m.digest)
             .ok_or_else(|| PlanRequestError::NoManifest(m.name.clone()))?;
-        let st = lock(&self.state);
+        let inv = self.inventory.lock();
         let holds = |h: &HostEntry| {
             h.holding(&m.digest, DataTier::Memory)
                 .is_some_and(|x| x.complete)
         };
-        let holders: Vec<String> = st
+        let holders: Vec<String> = inv
             .hosts
             .values()
             .filter(|h| h.up && holds(h))
             .map(|h| h.report.data_addr.clone())
             .collect();
-        let mut free: Vec<(bool, u32, String)> = st
+        let mut free: Vec<(bool, u32, String)> = inv
             .hosts
             .values()
             .filter(|h| h.up && !h.gpu_reserved.contains_key(&m.digest))
@@ -82,8 +87,9 @@ impl Controller {
         host: &str,
         digest: &str,
     ) -> Result<(), PlanRequestError> {
-        let mut st = lock(&self.state);
-        let Some(h) = st.hosts.get_mut(host) else {
+        let st = lock(&self.state);
+        let mut inv = self.inventory.lock();
+        let Some(h) = inv.hosts.get_mut(host) else {
             return Err(HostUnavailable::Unknown(host.to_string()).into());
         };
         *h.gpu_reserved.entry(digest.to_string()).or_default() += 1;
@@ -96,8 +102,9 @@ impl Controller {
 
     /// Releases what [`reserve_gpu_slot`](Self::reserve_gpu_slot) booked.
     pub(crate) fn release_gpu_slot(&self, host: &str, digest: &str) {
-        let mut st = lock(&self.state);
-        if let Some(h) = st.hosts.get_mut(host)
+        let st = lock(&self.state);
+        let mut inv = self.inventory.lock();
+        if let Some(h) = inv.hosts.get_mut(host)
             && h.gpu_reserved.remove(digest).is_some()
         {
             let rec = StoredHost::of(h);
@@ -132,12 +139,12 @@ impl Controller {
             ));
         }
         let transport = req.transport.unwrap_or(self.cfg.transport);
-        self.make_plan(&req.model, tier, (false, transport), |st, m| {
+        self.make_plan(&req.model, tier, (false, transport), |st, inv, m| {
             let current: u32 = match tier {
                 // Placement sees only free GPU slots: ask for the additional ones.
                 Tier::Gpu => return Ok(Some(Target::Replicas(req.replicas))),
                 _ => {
-                    let held = st
+                    let held = inv
                         .hosts
                         .values()
                         .filter(|h| {
@@ -158,15 +165,20 @@ impl Controller {
         key: &str,
         tier: Tier,
         (each_from_origin, transport): (bool, shardcast_protocol::HopTransport),
-        target: impl FnOnce(&State, &ModelRecord) -> Result<Option<Target>, PlanRequestError>,
+        target: impl FnOnce(
+            &State,
+            &HostTable,
+            &ModelRecord,
+        ) -> Result<Option<Target>, PlanRequestError>,
     ) -> Result<Accepted, PlanRequestError> {
         let model = self.registry.model(key)?;
         let mut st = lock(&self.state);
+        let mut inv = self.inventory.lock();
         self.usage.touch(&model.digest);
-        let target = target(&st, &model)?;
+        let target = target(&st, &inv, &model)?;
         let in_flight = st.in_flight(&model.digest, tier);
         let in_flight_hosts: Vec<String> = in_flight.keys().cloned().collect();
-        let cluster = inventory::cluster_view(&st.hosts, &model.digest, &st.pending());
+        let cluster = inventory::cluster_view(&inv.hosts, &model.digest, &st.pending());
         let spec = model.spec();
         let mut plan = match target {
             Some(target) => {
@@ -180,7 +192,7 @@ impl Controller {
             }
             // Already satisfied: the hosts with reserved GPU slots, nothing to move.
             None => placement::Plan {
-                receivers: st
+                receivers: inv
                     .hosts
                     .values()
                     .filter(|h| h.gpu_reserved.contains_key(&model.digest))
@@ -270,7 +282,7 @@ impl Controller {
         if tier == Tier::Gpu {
             for r in &plan.receivers {
                 if r.gpus > 0
-                    && let Some(h) = st.hosts.get_mut(&r.host)
+                    && let Some(h) = inv.hosts.get_mut(&r.host)
                 {
                     *h.gpu_reserved.entry(model.digest.clone()).or_default() += r.gpus;
                     h.booked_at.insert(model.digest.clone(), Instant::now());

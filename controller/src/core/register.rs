@@ -112,16 +112,16 @@ impl Controller {
     /// The host that reads the origin: `wanted` if given (it must be up), else any live
     /// host.
     pub(super) fn registration_host(&self, wanted: &str) -> Result<String, HostUnavailable> {
-        let st = lock(&self.state);
+        let inv = self.inventory.lock();
         if wanted.is_empty() {
-            return st
+            return inv
                 .hosts
                 .values()
                 .find(|h| h.up)
                 .map(|h| h.report.host_id.clone())
                 .ok_or(HostUnavailable::NoLiveHost);
         }
-        match st.hosts.get(wanted) {
+        match inv.hosts.get(wanted) {
             None => Err(HostUnavailable::Unknown(wanted.to_string())),
             Some(h) if !h.up => Err(HostUnavailable::Down(wanted.to_string())),
             Some(h) => Ok(h.report.host_id.clone()),
@@ -205,7 +205,7 @@ impl Controller {
         // The host keeps the copy: a prewarm made as soon as the model is registered must
         // see it (its next heartbeat says so too), not plan a second read of the origin.
         if resp.kept
-            && let Some(h) = lock(&self.state).hosts.get_mut(&via)
+            && let Some(h) = self.inventory.lock().hosts.get_mut(&via)
         {
             h.mark_complete(&digest, name.as_str(), DataTier::Memory, record.total_bytes);
         }
@@ -243,8 +243,9 @@ impl Controller {
     pub fn get_status(&self, key: &str) -> Result<Whereabouts, LookupError> {
         let m = self.registry.model(key)?;
         let st = lock(&self.state);
+        let inv = self.inventory.lock();
         let mut hosts = Vec::new();
-        for h in st.hosts.values() {
+        for h in inv.hosts.values() {
             let mem = h.holding(&m.digest, DataTier::Memory);
             let disk = h.holding(&m.digest, DataTier::Disk);
             let gpus = h.gpu_reserved.get(&m.digest).copied().unwrap_or(0);

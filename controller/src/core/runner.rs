@@ -172,6 +172,7 @@ impl Controller {
             {
                 let total = self.registry.by_digest(&digest).map(|m| m.total_bytes);
                 let mut st = lock(&self.state);
+                let mut inv = self.inventory.lock();
                 let Some(plan) = st.plans.get_mut(&id) else {
                     return;
                 };
@@ -252,7 +253,7 @@ impl Controller {
                     .map(|h| (h.host.clone(), h.total))
                     .collect();
                 for (host, bytes) in done_hosts {
-                    if let Some(e) = st.hosts.get_mut(&host) {
+                    if let Some(e) = inv.hosts.get_mut(&host) {
                         e.mark_complete(&digest, &name, data_tier(tier), bytes);
                     }
                 }
@@ -291,8 +292,9 @@ impl Controller {
     )> {
         let mut guard = lock(&self.state);
         let st = &mut *guard;
+        let inv = self.inventory.lock();
         let plan = st.plans.get_mut(id).filter(|p| p.running())?;
-        let up = |host: &str| st.hosts.get(host).is_some_and(|e| e.up);
+        let up = |host: &str| inv.hosts.get(host).is_some_and(|e| e.up);
         let active = plan
             .hosts
             .iter()
@@ -303,7 +305,7 @@ impl Controller {
         // A receiver whose store refused the data returns once its host reports room for
         // the rest in the plan's tier.
         let free = |host: &str| {
-            st.hosts
+            inv.hosts
                 .get(host)
                 .map_or(0, |e| match data_tier(plan.tier) {
                     DataTier::Memory => e.report.mem_free,
@@ -317,7 +319,7 @@ impl Controller {
         // Scanned only when some receiver is back: this runs on every round of the plan.
         let digest = plan.digest.clone();
         let peer_copy = || {
-            st.hosts.values().any(|e| {
+            inv.hosts.values().any(|e| {
                 e.up && [DataTier::Memory, DataTier::Disk]
                     .iter()
                     .any(|t| e.holding(&digest, *t).is_some_and(|h| h.complete))
@@ -529,9 +531,9 @@ impl Controller {
         }
         // The head first: the hops' upstream lists name it, and a recovering hop dials it.
         let (head_addr, hosts): (String, Vec<(String, String)>) = {
-            let st = lock(&self.state);
+            let inv = self.inventory.lock();
             let addr_of = |h: &String| {
-                st.hosts
+                inv.hosts
                     .get(h)
                     .map(|e| e.report.data_addr.clone())
                     .unwrap_or_default()
@@ -603,6 +605,7 @@ impl Controller {
     pub(super) async fn replan(&self, id: &str, stalled: &[String]) {
         let started = {
             let mut st = lock(&self.state);
+            let inv = self.inventory.lock();
             let pending = st.pending();
             let Some(plan) = st.plans.get(id) else { return };
             let digest = plan.digest.clone();
@@ -610,7 +613,7 @@ impl Controller {
                 return;
             };
             let tier = plan.tier;
-            let mut cluster = inventory::cluster_view(&st.hosts, &digest, &pending);
+            let mut cluster = inventory::cluster_view(&inv.hosts, &digest, &pending);
             // Stalled receivers are not sources.
             for h in &mut cluster {
                 if stalled.contains(&h.id) {
