@@ -1,16 +1,21 @@
-//! The controller's operations, shared by the gRPC and HTTP front ends: the registry, the
-//! inventory, plan creation (placement + chain plans from `shardcast-placement`), and the
-//! plan runner that starts chains on transferd agents and watches them to the end.
+//! The controller's operations, shared by the gRPC and HTTP front ends, the autoscaler
+//! and the tier sweeper: registration, heartbeats, plan creation (placement + chain plans
+//! from `shardcast-placement`), the plan runner that starts chains through the agents
+//! port and watches them to the end, and eviction. They take and return the typed values
+//! of `crate::ops`; `crate::wire` converts them to and from the API's protobuf.
 //!
-//! Locking: one mutex guards the in-memory state. Plan creation validates, places and
-//! records the plan under that lock, so two concurrent prewarms of one model see each
-//! other (the second joins the first's transfers instead of starting new ones). Calls to
-//! agents never happen under the lock.
+//! Owners and locks: the models and manifests are the registry's
+//! (`crate::registry::Registry`, leaf locks); the hosts are the inventory's
+//! (`crate::inventory::Inventory`); the plans, their watchers and the receiver index are
+//! this module's `State`. When more than one is needed they are locked in that order:
+//! plans, then hosts, then the registry. Plan creation validates, places and records the
+//! plan holding the plans' and the hosts' locks, so two concurrent prewarms of one model
+//! see each other (the second joins the first's transfers) and GPU slots are booked once.
+//! Calls to agents (`crate::agents::Agents`) never happen under a lock.
 //!
-//! The operations are split by concern, each an `impl Controller` of its own file: `hosts`
-//! (heartbeats, the host list), `registry` (origins, registrations, models), `plans`
-//! (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner). They still
-//! share this one state and lock (issue #30 gives each its own).
+//! The operations are split by concern, each an `impl Controller` of its own file:
+//! `hosts` (heartbeats, the host list), `register` (origins, registrations, models),
+//! `plans` (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
