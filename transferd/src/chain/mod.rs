@@ -41,6 +41,25 @@
 //! be completed (the session failed) stops without failing over: the downstream hop is not
 //! at fault, and its recovery monitor fetches from its fallback source.
 //!
+//! The `Node` also records the store's refusals of a model's data per (model, tier) with the
+//! session (`note_store_failure`: a shard that did not fit, a write the file system
+//! failed — the session ends instead of fetching the same chunks again), reported by
+//! `GetModelStatus` until a new session of the model in that tier starts.
+//!
+//! ## Copies and passes over each byte (issue #16)
+//!
+//! On a receiving hop, per byte of a chunk: the kernel's copy out of the socket; over TLS a
+//! `BufReader` copy, AES-GCM in place and two copies inside rustls/tokio-rustls
+//! (`crate::transport`); over QUIC one reassembly copy (`crate::transport::quic`); then
+//! BLAKE3 (one read pass) and the `pwrite` into the page cache in one blocking-pool task
+//! (`crate::store`'s `Shard::verify_and_write`). Frame bodies reuse budgeted buffers, so
+//! no page is faulted in and zeroed per chunk (`crate::wire`). Totals: TLS 5 copies +
+//! 2 passes, plaintext 2 copies + 1 pass, QUIC 3 copies + 2 passes (per packet); iperf3's
+//! receiver makes 1 copy. A sender serves from the shard's map as `Bytes` (zero-copy),
+//! re-hashes only untrusted chunks, and makes 2 copies + 1 pass over TLS, 1 copy in
+//! plaintext, none with `sendfile`. The largest single cost is the page-cache write (52% of
+//! the TLS receiver's samples, 31% of QUIC's); docs/BENCHMARKS.md has the profiles.
+//!
 //! ## Files
 //!
 //! | file | role |
