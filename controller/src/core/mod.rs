@@ -8,9 +8,13 @@
 //! agents never happen under the lock.
 //!
 //! The operations are split by concern, each an `impl Controller` of its own file: `hosts`
-//! (heartbeats, the host list), `registry` (origins, registrations, models), `plans`
-//! (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner). They still
-//! share this one state and lock (issue #30 gives each its own).
+//! (heartbeats, the host list), `register` (origins, registrations, models), `plans`
+//! (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner). Hosts,
+//! plans and their watchers share the one state lock here; the models and manifests are
+//! [`crate::registry::Registry`]'s, behind its own leaf locks (issue #30). Hosts' agents are
+//! reached through the [`crate::agents::Agents`] port; host reports and plan progress are
+//! persisted through [`crate::write_behind`], off the lock. Each operation fails with its
+//! own error type ([`crate::error`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
