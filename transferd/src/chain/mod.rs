@@ -48,17 +48,30 @@
 //!
 //! ## Copies and passes over each byte (issue #16)
 //!
-//! On a receiving hop, per byte of a chunk: the kernel's copy out of the socket; over TLS a
-//! `BufReader` copy, AES-GCM in place and two copies inside rustls/tokio-rustls
-//! (`crate::transport`); over QUIC one reassembly copy (`crate::transport::quic`); then
-//! BLAKE3 (one read pass) and the `pwrite` into the page cache in one blocking-pool task
-//! (`crate::store`'s `Shard::verify_and_write`). Frame bodies reuse budgeted buffers, so
-//! no page is faulted in and zeroed per chunk (`crate::wire`). Totals: TLS 5 copies +
-//! 2 passes, plaintext 2 copies + 1 pass, QUIC 3 copies + 2 passes (per packet); iperf3's
-//! receiver makes 1 copy. A sender serves from the shard's map as `Bytes` (zero-copy),
-//! re-hashes only untrusted chunks, and makes 2 copies + 1 pass over TLS, 1 copy in
-//! plaintext, none with `sendfile`. The largest single cost is the page-cache write (52% of
-//! the TLS receiver's samples, 31% of QUIC's); docs/BENCHMARKS.md has the profiles.
+//! A *copy* reads and writes every byte; a *pass* reads it (hash) or rewrites it in place
+//! (AES-GCM). The steps on a receiving hop (`upstream` → `session::store_chunk` → `store`):
+//!
+//! | step | what | TLS | plaintext |
+//! | --- | --- | --- | --- |
+//! | R1 | socket → user memory (the kernel's copy) | copy | copy |
+//! | R1′ | the 64 KiB read buffer → rustls, 4 KiB at a time (`crate::transport`) | copy | — |
+//! | R2 | AES-GCM decryption in place | pass | — |
+//! | R3 | decrypted record → a `Vec` per record (rustls' buffered API) | copy | — |
+//! | R4 | that `Vec` → the frame's buffer (tokio-rustls) | copy | — |
+//! | R4′ | the body's buffer: reused from the frame budget, never freshly faulted in and zeroed (`crate::wire`) | — | — |
+//! | R5 | frame → `Frame::Chunk` (`Bytes::split_to`) | — | — |
+//! | R6 | BLAKE3 of the chunk (blocking pool) | pass | pass |
+//! | R7 | `pwrite` into the shard file, same task (`Shard::verify_and_write`) | copy | copy |
+//!
+//! Receiver totals: TLS 5 copies + 2 passes, plaintext 2 copies + 1 pass, QUIC 3 copies +
+//! 2 passes per packet (`crate::transport::quic`); iperf3's receiver makes 1 copy. R7, the
+//! page-cache write, is the largest cost (52% of the TLS receiver's samples, 31% of QUIC's;
+//! why it stays a `pwrite`: `crate::store`'s `shard` module). Sending (`forward` / `serve` →
+//! `Shard::read_checked` → `FrameWriter::send_chunk`): S1 the chunk from the shard's map as
+//! `Bytes` (zero-copy), S2 a BLAKE3 pass only for an untrusted chunk, S3 the 17-byte frame
+//! prefix (the payload bypasses the buffer), S4 over TLS a copy into a record and AES-GCM,
+//! S5 the kernel's copy into the socket (none with `sendfile`, `crate::wire`): TLS 2 copies
+//! + 1 pass, plaintext 1 copy. docs/BENCHMARKS.md has the profiles.
 //!
 //! ## Files
 //!
