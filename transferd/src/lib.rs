@@ -2,7 +2,8 @@
 //!
 //! The per-host daemon of shardcast: a two-tier shard store, origin fetch, chain sessions
 //! (receive → verify → store → forward), the agent gRPC API and an admin endpoint.
-//! `docs/ARCHITECTURE.md` maps the modules and the path data takes.
+//! `docs/ARCHITECTURE.md` maps the crates and the data path; the modules' own docs have
+//! the detail.
 //!
 //! * [`store`]: memory tier (tmpfs) + disk tier, positional writes, verified-chunk bitmaps,
 //!   recovery on restart.

@@ -31,6 +31,11 @@
 //! A host that heads a chain (started through the agent API) runs the same forwarder; its
 //! chunks come from its store, or from an origin fill task as they arrive.
 //!
+//! Completion: a sender sends `Done` once its downstream has acknowledged the whole range;
+//! a hop answers `Done` upstream only when its whole range is verified *and* its own
+//! forwarder has finished, so the head's `Done` means the whole chain is done. `Progress`
+//! from every hop is relayed up to the head (`GetSession`).
+//!
 //! Corruption at rest: the forwarder and the `Fetch` server read chunks through
 //! [`Shard::read_checked`](crate::store::Shard::read_checked), which re-hashes a chunk not
 //! verified within the store's trust window. A chunk that fails is dropped by the store, never
