@@ -14,7 +14,7 @@
 //! serves `LoadModel`; `load_partition` serves it with a `PartitionSpec`: fetch the
 //! safetensors headers from the given peer or origin, pick the tensors of the layer groups
 //! (`shardcast_policies::profile::group_of`), start the partition-first load, then fetch the
-//! partition's chunks and then the rest. [`handoff`] serves from the GPUs, else the
+//! partition's chunks and then the rest. [`handoff()`] serves from the GPUs, else the
 //! memory-tier files; a [`Selection`] (`?tensors=` / `?prefix=`) keeps the tensors a rank uses
 //! and the shards holding them, and on the memory tier re-checks only the headers and those
 //! tensors' chunks.
