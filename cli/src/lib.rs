@@ -4,6 +4,14 @@
 //! Exit status: 0 success, 2 invalid argument, 3 not found, 4 not enough capacity,
 //! 5 unavailable (no live host, controller unreachable), 6 a plan ended failed, 7 a plan
 //! ended partial (some requested hosts without a verified copy, named on stderr), 1 other.
+//!
+//! Subcommands: `certs init|issue|rotate|token` (a PKI directory, offline), `register`,
+//! `models`, `model`, `hosts`, `prewarm`, `scale-out` (`--partitions` for a burst), `evict`,
+//! `status`, `watch`, `plans`, `report-load`, `events`, and `plan` (a partition plan, online
+//! or offline from a profile at `--link-rate` / `--load-rate`). The controller is reached
+//! over mutual TLS (`--tls-ca`, `--tls-cert`, `--tls-key`, several replicas through
+//! `shardcast_identity::failover`) or its Unix socket. `tests/cli.rs` runs the binary as a
+//! user meets it.
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;

@@ -1,6 +1,18 @@
-//! API errors: one type for both front ends. Each maps to a precise gRPC code and an HTTP
-//! status, with a message a person can act on. A request that fails validation changes
-//! nothing: every check runs before any state is written or any transfer starts.
+//! Errors, typed per operation: `LookupError` (model, plan), `HostUnavailable`,
+//! `AgentError` (`AgentFailure` from the agent's answer), `HeartbeatError`,
+//! `RegisterError`, `EvictError`, `PlanRequestError` (`Prewarm`, `ScaleOut`, the core's part
+//! of a burst), `PartitionError`, `ScaleOutError` (either), `LoadError` (`ReportLoad`), and
+//! for what the controller reads back: `RecordError` (stored model, host, plan and
+//! partition-plan records), `PollError` (a receiver's agent silent or failing) and
+//! `StartError` (a chain's head unreachable, refusing or silent; a bad stored manifest;
+//! signing).
+//!
+//! [`ApiError`] is what the front ends answer: each operation's error maps to one gRPC
+//! code and HTTP status here (`From<…> for ApiError`; 401 unauthenticated, 403 permission
+//! denied), and nowhere else, with a message a person can act on; the remaining
+//! `ApiError`s are built at the edge (`http`'s body parsing, `wire`'s conversions). A
+//! request that fails validation changes nothing: every check runs before any state is
+//! written or any transfer starts.
 
 use axum::http::StatusCode;
 use tonic::Code;

@@ -1,4 +1,6 @@
-//! The gRPC front end: `Controller` and `Inventory` services over [`crate::core`].
+//! The gRPC front end: `Controller` and `Inventory` services over [`crate::core`] (through
+//! the [`crate::services::Services`] a replica serves, converting at [`crate::wire`]);
+//! `WatchPlan` streams the plan's status on every change.
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -4,9 +4,20 @@
 //! go and which hosts send to which, starts chains on the transferd agents, and watches them
 //! to the end. `docs/ARCHITECTURE.md` maps the whole system.
 //!
-//! * [`core`]: registry, plan creation (placement and chain plans from
-//!   `shardcast-placement`), the plan runner (start chains, poll receivers, re-plan stalls),
-//!   eviction.
+//! The core ([`core`], with [`plan`], [`inventory`], [`registry`], [`burst`]) knows none of
+//! the services around it; each service holds only the handles it needs, as a trait the
+//! wiring ([`services`]) implements over the core's state (ports and adapters), so the
+//! dependency runs one way: services → core. The core reaches hosts through a port of its
+//! own ([`agents`]).
+//!
+//! * [`core`]: registrations, plan creation (placement and chain plans from
+//!   `shardcast-placement`), the plan runner (start chains, follow receivers, re-plan
+//!   stalls), eviction; [`ops`]: its typed commands and answers.
+//! * [`registry`]: the models by name, their manifests and registrations in progress, behind
+//!   its own locks; [`model`]: a registered model's versioned record.
+//! * [`plan`]: plans, receivers and their states as types, with pure transitions.
+//! * [`agents`]: the port to the hosts' transferd agents ([`agents::Agents`]) and its gRPC
+//!   adapter.
 //! * [`autoscaler`]: `ReportLoad` → the autoscaling policy → scale-out / evict, with an
 //!   event per decision; partition plans from profiles.
 //! * [`ptables`]: partition-plan tables (and derived profiles) stored with each model.
@@ -18,9 +29,12 @@
 //!   the state lock; [`etcd`]: the store on etcd, with fenced writes; [`ha`]: leader
 //!   election among replicas on etcd, the follower's read-only view and the gate that
 //!   refuses its writes with the leader's address.
-//! * [`grpc`] and [`http`]: the two front ends over the same operations; [`error`] maps
-//!   failures to gRPC codes and HTTP statuses; [`metrics`]: `/metrics` through a registry
-//!   (API latency, plan and receiver time to ready, evictions, registrations, leadership).
+//! * [`events`]: the decision log; [`usage`]: last use per model (for LRU eviction).
+//! * [`grpc`] and [`http`]: the two front ends over the same operations, converting at
+//!   [`wire`]; [`auth`]: their method and route → permission tables; [`error`]: an error
+//!   type per operation, each mapped to one gRPC code and HTTP status there and nowhere
+//!   else; [`metrics`]: `/metrics` through a registry (API latency, plan and receiver time
+//!   to ready, evictions, registrations, leadership).
 //! * [`server`]: the `shardcast-controller` process. The `shardcast` operator CLI is its own
 //!   crate (`shardcast-cli`), so it does not link the server.
 

@@ -1,4 +1,9 @@
-//! A registered model as the registry keeps it (table `models`), versioned.
+//! A registered model as the registry keeps it (table `models`), versioned: a
+//! [`ModelRecord`] is JSON with `"version": "1"` ([`MODEL_RECORD_VERSION`]); an unknown
+//! version is refused by name (`RecordError`), never guessed. `read_origin` is where hosts
+//! read this version from when `origin` can move (a Hub branch pinned to the commit
+//! registered, `hf://org/name@<commit>`); plans, bursts and recovery use
+//! [`ModelRecord::reads_from`].
 
 use serde::{Deserialize, Serialize};
 use shardcast_placement as placement;

@@ -5,6 +5,16 @@
 //! canonical bytes), hosts' last reports, plans (JSON records, in flight and finished),
 //! each model's last use, and each model's partition-plan tables.
 //! Every write is one committed transaction; a crash loses at most the write in progress.
+//!
+//! What is kept where: `models` (versioned `ModelRecord`s), `manifests` (canonical bytes by
+//! digest), `hosts` (each host's last report when it changes, and its GPU bookings and
+//! pending evictions: versioned `StoredHost`s), `plans` (versioned `StoredPlan`s; in flight
+//! ones queued at most once a second through the write-behind, the end committed at once; a
+//! new leader resumes the running ones), `usage` and `partition_plans`. Only in memory,
+//! rebuilt after a restart or a take-over: host liveness, the autoscaler's per-model state
+//! and counters, agent connections, plan watchers. [`RedbStore`] is the embedded default
+//! (`state.redb` under `--state-dir`, one replica); `put_many` is one transaction there and
+//! fenced batches on etcd.
 
 use std::path::Path;
 

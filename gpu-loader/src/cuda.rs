@@ -73,8 +73,10 @@
 //!
 //! # Unsafe code
 //!
-//! All `unsafe` of the loader is confined to this module (the workspace denies it
-//! elsewhere); every block carries a `// SAFETY:` comment. Memory safety of the safe API
+//! The loader's `unsafe` is confined to this module and to [`crate::mapped`]'s one `mmap`
+//! (the workspace denies it elsewhere): the driver calls, `Send`/`Sync` for the handle
+//! wrappers, pinned-buffer slices and the copies; every block carries a `// SAFETY:`
+//! comment. Memory safety of the safe API
 //! rests on: spans checked against the live region they point into before any copy, with
 //! the device's region list read-locked from the check until the copy is enqueued (peer
 //! copies lock both devices' lists, lower index first); pinned buffers zeroed at allocation

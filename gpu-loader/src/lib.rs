@@ -26,6 +26,12 @@
 //! * [`manager`]: a host's GPUs: backend selection, pools, loads and their status.
 //! * [`numa`]: the GPU's NUMA node and CPUs, to run a load's fillers and allocate its
 //!   staging buffers near the GPU.
+//!
+//! Device I/O only; `unsafe` only in [`cuda`] and [`mapped`]. Tests: `tests/loader.rs`
+//! (the pipeline on the simulated backend: bytes and offsets on every GPU, overlap,
+//! back-pressure, both host paths and their fallbacks, partitions, NUMA placement,
+//! registration ahead) and `tests/manager.rs` (regions, budgets, eviction, GPU choice);
+//! the CUDA hardware tests are `#[ignore]`d.
 
 pub mod cuda;
 pub mod device;

@@ -2,19 +2,24 @@
 //! first GPU → peer copies (NVLink) to sibling GPUs, all three overlapped with the network
 //! transfer that is still delivering chunks.
 //!
-//! Three threads per load:
+//! Threads per load ([`load`] / [`load_map`]; a [`crate::index::LoadMap`] says what is
+//! copied and in which order: the whole model, or a partition's ranges first):
 //!
-//! 1. the **issuer** walks the model piece by piece (a piece is one staging buffer, the
-//!    calibrated transfer size), waits until the chunks under the piece are verified, takes a
-//!    free staging buffer (blocking when all are in flight: back-pressure, never unbounded
-//!    memory), fills it from the store and issues the copy to the first GPU — and to
-//!    siblings that have no peer path, from the same buffer;
-//! 2. the **completer** waits each copy's event in issue order, returns the buffer to the
-//!    ring, and issues the peer copies of that piece to the siblings with a peer path;
+//! 1. [`LoadOptions::fill_threads`] **fillers** (up to 4 by default, since one core's
+//!    memcpy is slower than PCIe) each take a free staging buffer (blocking when all are in
+//!    flight: back-pressure, never unbounded memory), then the next piece in load order (a
+//!    piece is one staging buffer), wait until the chunks under it are verified, fill the
+//!    buffer from the source and issue the copy to the first GPU — and to siblings that
+//!    have no peer path, from the same buffer;
+//! 2. the **completer** puts the fillers' pieces back in load order, waits each copy's
+//!    event, returns the buffer to the ring, and issues the peer copies of that piece to
+//!    the siblings with a peer path;
 //! 3. the **peer waiter** waits the peer copies and counts bytes per sibling.
 //!
 //! Every byte crosses PCIe once when peers exist. Bytes per GPU are published in
-//! [`LoadProgress`] as they land.
+//! [`LoadProgress`] as they land, with the partition milestone (every GPU holds the
+//! priority part). The fillers run, and the staging ring is allocated, on the GPU's NUMA
+//! node ([`crate::numa`]).
 //!
 //! # Host paths: registered or staging
 //!
@@ -36,7 +41,15 @@
 //! cannot) or refused (a driver error) for the first segment, the load uses the staging
 //! ring; a later segment that fails goes through a filler's own staging buffer.
 //! [`LoadReport::host_path`] with [`LoadReport::fallback_reason`] says which path ran and
-//! why.
+//! why; the report also gives `register_s`, `waited_for_register_s`, `registrations` /
+//! `registrations_reused`, `staged_bytes`, `copy_streams` and `numa_node` / `numa_reason`.
+//!
+//! [`RegistrationCache`]: registrations kept across loads while the mapping's owner holds
+//! it (`sweep` at each load's start releases the others). A segment being registered is
+//! marked pending, so a second caller (a load and the registrar ahead of it, or two loads)
+//! waits for it instead of registering the same pages twice, which the driver refuses;
+//! `register_ahead` registers a whole mapping in the segments loads use (`segment_span`),
+//! pausing when told to.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;

@@ -5,6 +5,21 @@
 //! No GPU memory is taken at start: a model's region is allocated on each chosen GPU when
 //! its load starts, within the host's [`GpuBudget`], and freed when the model is evicted or
 //! its load fails. An inference engine on the same GPU keeps the rest.
+//!
+//! GPU choice is Torpor's Algorithm 1 (`shardcast_policies::gpu_choice`; siblings by NVLink
+//! rate). Room is made by the heavy/light policy (`shardcast_policies::evict`): one replica
+//! per model once full, then light and extra replicas, medium, heavy models with a GPU copy
+//! on another host (`set_gpu_copies_elsewhere`, from the controller's heartbeat answers;
+//! stale after its validity, when every model counts as the only copy), heavy, LRU. A GPU
+//! region is never a cluster's last copy (`NOT_A_LAST_COPY`); loading and locked models
+//! stay. Loads are idempotent (`start`, whole or partitioned) with states loading,
+//! partition-live, resident and failed; `abort` when the data source fails; the hand-off
+//! lists a partition's tensors only while a partition is live. [`GpuManager::busy_gpus`]:
+//! GPUs without a model region where other processes hold at least [`BUSY_EXTERNAL_SHARE`],
+//! chosen only when no other GPU has room. Registrations are kept across loads
+//! (`release_unused_registrations`, `registered_host_bytes`) and made ahead of loads
+//! (`register_ahead`, [`AheadState`] on / off / stopped for good after a refusal), only while
+//! no load is copying (the driver serialises pinning with copies).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,6 +3,9 @@
 //! copy). transferd maps its shard files itself (a `memmap2::Mmap`, which is
 //! [`HostMemory`] too); [`MappedFile`] is for sources outside the store (the loader
 //! benchmark's file-backed source, tests).
+//!
+//! Its one `unsafe` block is the `mmap`, under the same contract as transferd's
+//! `store::map`: the file is not truncated while it is mapped.
 
 // `unsafe_code` is denied workspace-wide. Mapping a file is `unsafe` in memmap2 (the file
 // could change under the map); this module is the loader's one place outside `cuda` that

@@ -9,6 +9,16 @@
 //!
 //! Clients: [`lazy`] and [`connect`] build a tonic channel that connects over TLS (checking the
 //! server's identity), a Unix socket, or plaintext where that was allowed.
+//!
+//! Limits: at most [`MAX_PENDING_HANDSHAKES`] handshakes in flight per listener and
+//! [`MAX_PENDING_HANDSHAKES_PER_ADDR`] per source address other than loopback; each
+//! [`AuthedIo`] holds its peer's place, at most [`MAX_CONNECTIONS_PER_PEER`] connections per
+//! identity (or per address without one); [`SERVER_KEEPALIVE`] for the servers' HTTP/2
+//! pings. [`bind_unix`] takes a [`SocketAccess`] (0600, or 0660 for a group whose members
+//! are read-only `LocalGroup` peers). [`authorize`] is the one check for both APIs (counted
+//! in [`AuthzStats`] by role, logged with the identity); [`GateLayer`] runs a check before
+//! every call, and [`AuthzLayer`] is its gRPC gate over a method → permission table
+//! ([`MethodAuthz`]).
 
 use std::pin::Pin;
 use std::sync::Arc;

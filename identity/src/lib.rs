@@ -14,6 +14,11 @@
 //! - [`token`]: bearer tokens for HTTP clients.
 //! - [`plan`]: plan tokens, the controller's signature over a chain's model, hosts and
 //!   expiry, checked by every hop.
+//! - [`failover`]: one gRPC channel over several controller replicas that follows the
+//!   leader (the CLI and transferd's heartbeats).
+//! - [`process`]: process set-up both daemons share (`raise_nofile_limit`).
+//!
+//! Sockets and files only: no shardcast protocol logic lives here.
 //!
 //! Goals: every connection authenticated, identity from certificates only, one table of
 //! method → permission per API, no plaintext unless the operator asked for it loudly on

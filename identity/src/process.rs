@@ -1,4 +1,7 @@
 //! Process set-up the daemons share (transferd and the controller).
+//!
+//! [`raise_nofile_limit`] raises the soft `RLIMIT_NOFILE` to the hard limit at start
+//! (transferd's `daemon::run` and the controller's `server::run` call it).
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit (every connection, shard file and
 /// mapping holds a descriptor; distributions default the soft limit to 1024). Returns the

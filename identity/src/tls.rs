@@ -12,6 +12,18 @@
 //!   ([`Expect`]). Several daemons behind one address (loopback tests, NAT) stay
 //!   distinguishable that way.
 //! - TLS 1.3 only, ring's cipher suites (AES-GCM with AES-NI, or ChaCha20 without).
+//! - No session resumption: every connection authenticates in full. Each handshake runs
+//!   under a timeout (`accept`/`connect` return the peer's [`Identity`]).
+//!
+//! ALPNs ([`Alpn`]): data `shardcast/1`, data in the authenticate-only mode
+//! `shardcast-clear/1`, gRPC `h2`, HTTP `http/1.1`; a peer of another ALPN is
+//! [`TlsError::AlpnMismatch`], counted. `accept_clear` / `connect_clear` run the same mutual
+//! handshake under `shardcast-clear/1`, then switch in lock-step to the bare `TcpStream`
+//! (nothing left inside rustls; the server's marker carries a TLS exporter value the client
+//! checks), so payloads may then go by `sendfile`. Reload: the files are re-read on change
+//! or SIGHUP (`spawn_reloader`, an `ArcSwap`); a broken file keeps the old certificate;
+//! [`TlsContext::watch_reloads`] tells what follows the certificate (the plan signer, the
+//! scraper's HTTPS client from `http_client_config`). Counters in [`TlsStats`].
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};

@@ -3,6 +3,8 @@
 //! only the BLAKE3 hash of each token is stored, so the file is not a secret (keep it
 //! 0600 anyway), and a leaked file does not leak tokens. `#` starts a comment.
 //! `shardcast certs token` creates a token and prints the line to add.
+//!
+//! [`generate`] makes 256 random bits with the `shc_` prefix.
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -12,6 +12,14 @@
 //!   delay and a load-latency penalty.
 //! * [`evict`]: heavy/light eviction per GPU, host memory and disk tiers, last-copy protection.
 //! * [`gpu_choice`]: interference-aware GPU choice (Torpor Algorithm 1).
+//!
+//! This crate is the one source of judgement. The controller calls it for autoscaling
+//! (`autoscaler`), partition plans (`ptables`, `burst`), heaviness (`core::plans`) and the
+//! host tiers' evictions (`tiers`); `gpu-loader`'s `GpuManager` for GPU choice and per-GPU
+//! eviction; `transferd` to map tensors to partition groups (`profile::group_of`) when it
+//! loads a partition. Tests: property tests against brute force, the Flashpoint Figs 4.2–4.4
+//! example, autoscaler timelines, Torpor eviction mixes, a Fig. 5-like topology
+//! (`tests/`); `benches/policies.rs`.
 
 pub mod autoscale;
 pub mod evict;

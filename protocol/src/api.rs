@@ -1,6 +1,12 @@
 //! The controller API's enums by name: each is a number on the gRPC wire and its
 //! lowercase name in the HTTP/JSON API, the CLI and messages (`memory`, `running`,
 //! `partition-live`); `Unspecified` is the empty string (a request's tier: memory).
+//!
+//! Each enum has `label` / `from_label` / `LABELS`; the `json` submodules are the
+//! `serde(with)` modules `build.rs` puts on every enum field of the controller's messages,
+//! so JSON carries the names (an unknown name is an error listing the known ones). Both
+//! APIs' `Transport` converts to and from the frames' [`crate::HopTransport`] (`From`, and
+//! `hop`, `None` for `Unspecified`).
 
 use crate::controller::{GpuState, PlanKind, PlanState, ReceiverState, Tier, Transport};
 

@@ -1,4 +1,7 @@
 //! [`ChunkSet`]: which chunks of a contiguous range are present, as a bitmap.
+//!
+//! It is the `Accept` frame's "what I already hold": a hop answers an `Open` with the chunks
+//! of the range it has verified, and the sender sends only the missing ones.
 
 use bytes::{Buf, BufMut};
 

@@ -1,4 +1,10 @@
 //! The [`Codec`] trait and the one error type every decoder returns.
+//!
+//! [`Codec`] is `decode` / `encode` / `encoded_len` over `bytes::Buf` / `BufMut`; the
+//! crate's readers (`get_str`, `get_bytes`, `get_array`) check each length field against its
+//! maximum (`check_len`) before reading or allocating, so a short or hostile input is a
+//! [`DecodeError`] (`Truncated`, `TooLong`, ...), never a panic. [`decode_exact`] also refuses
+//! trailing bytes.
 
 use bytes::{Buf, BufMut, Bytes};
 

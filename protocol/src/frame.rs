@@ -4,6 +4,16 @@
 //! body. [`FrameHeader::parse`] checks the type and the length against that type's maximum
 //! *before* the body is read, so a peer can never make us allocate more than
 //! [`FrameType::max_body_len`]. The byte layout of every body is in `docs/PROTOCOL.md`.
+//!
+//! The frames: `Hello` (version and host id, each side must name its certificate's host),
+//! `Manifest`, `Open` (session header: session, model, shard, chunk range, tier, fallback
+//! origin, the downstream hops, the live holders upstream, the transport, and the
+//! controller's plan token),
+//! `Accept` (a [`crate::ChunkSet`] of what the hop holds), `Chunk`, `Ack`, `Nack` (a hash
+//! mismatch: send it again), `Progress` (relayed up from every hop), `Fetch` (a pull of a
+//! chunk range from a holder), `Done`, `Keepalive` (a sender with nothing to send, so the
+//! receiver's stall timer sees it alive) and `Error` ([`ErrorCode`]). `Frame::decode_body`
+//! splits a chunk's payload off the body as `Bytes` (no copy).
 
 use bytes::{Buf, BufMut, Bytes};
 

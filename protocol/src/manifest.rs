@@ -4,6 +4,10 @@
 //! hash for every chunk and for every whole shard. Its canonical binary encoding (see
 //! `docs/PROTOCOL.md`) is hashed with BLAKE3 to give the [`ModelDigest`], which names this
 //! exact version of the model everywhere: on the wire, in the store, in the API.
+//!
+//! [`ShardHasher`] hashes a shard as it streams past (an origin read once builds the
+//! manifest). [`VerifiedChunk`] can only be made by [`Manifest::verified`], which checks the
+//! chunk's BLAKE3 hash: code that takes one cannot be handed unverified bytes.
 
 use std::fmt;
 use std::str::FromStr;

@@ -32,6 +32,11 @@
 //! allowed prefix names that very address as its host. Private (RFC 1918, unique-local)
 //! ranges are not restricted: in-house object stores live there, and the prefix already
 //! pins the host name.
+//!
+//! Hugging Face commits: [`is_commit_id`] and [`OriginLocation::pins`] (a Hub location at a
+//! full commit of another's repository) are how the `hf://` origin pins a revision's commit
+//! and how the controller decides whether a host's resolved origin may become a model's
+//! `read_origin`. The module is property-tested (`tests/` and its unit tests).
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

@@ -15,6 +15,12 @@
 //! The addresses are signed so that every address a hop dials for a session — the next
 //! hops, the holders above it, a `shardcast://` fallback — is one the controller named:
 //! a host with a valid certificate cannot point another at an address of its choosing.
+//!
+//! [`PlanClaims::authorises`] checks the expiry, the model, that this host, the sender and
+//! every downstream hop are named, and that every address the `Open` would make this host
+//! dial is the one signed for that host. [`TokenParts`] parses a token with every length
+//! bounded ([`MAX_TOKEN_LEN`]); the signature itself is checked by
+//! `shardcast_identity`'s `TlsContext::verify_plan`.
 
 use bytes::{Buf, BufMut, Bytes};
 

@@ -1,5 +1,5 @@
-//! What writing a chunk into the store costs (ARCHITECTURE's R7), and what the alternatives
-//! to a `pwrite` would cost.
+//! What writing a chunk into the store costs (step R7 of the copy map in
+//! `transferd/src/chain/mod.rs`), and what the alternatives to a `pwrite` would cost.
 //!
 //! Every case writes a 64 MiB file as 1 MiB chunks (the default chunk size).
 //!

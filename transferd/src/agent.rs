@@ -1,6 +1,17 @@
 //! The agent gRPC service (`proto/agent.proto`): the controller, `shardcast-bench` or an
 //! operator drives chain sessions and reads holdings through it. All error mapping to
 //! `tonic::Status` happens here.
+//!
+//! The RPCs (`proto/agent.proto`): `ImportModel` (build a manifest from an origin; with
+//! `keep` the bytes read are kept in the store, with `fetch` the chunks are fetched),
+//! `StartChain` (head sessions of a plan's chain), `GetSession`, `GetModelStatus` (with the
+//! store's refusals of the model's data, by tier and session), `WatchModelStatus` (a stream:
+//! the status at once, milestones — a tier appearing or completing, a GPU state — within
+//! 20 ms, byte progress at most every 250 ms), `ListHoldings`, `GetStats`, `EvictModel`
+//! (refused while a session of the model runs here, unless `end_sessions`: the controller's
+//! evicts end sessions that outlived their plans, `Node::end_sessions_of`), `LoadModel`,
+//! `GpuStatus` and `GetHandoff`. [`permission`] is the method → permission table, applied by
+//! `shardcast_identity::grpc::AuthzLayer` in `daemon`.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

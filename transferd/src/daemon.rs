@@ -4,6 +4,17 @@
 //! `READY data=<addr> agent=<addr> admin=<addr>` on stdout (scripts and `shardcast-bench`
 //! wait for it; with port 0 it carries the ports the OS chose). Shutdown (SIGINT/SIGTERM):
 //! stop accepting, cancel sessions, and give tasks a grace period to finish.
+//!
+//! In order: raise `RLIMIT_NOFILE`, load the TLS identity (which must name this host) and
+//! start its reloader, recover the store, bind the data port on TCP and, with `quic` (the
+//! default) and TLS, on UDP for QUIC (its accept loop admits each connection and stream
+//! against the same caps), the agent's Unix socket (0600) and the admin listener (0600, or
+//! 0660 with `store_group`). The TCP accept loop admits against the connection caps, spawns,
+//! and runs the TLS handshake and the `Hello` exchange in the task (under
+//! `handshake_timeout_ms`). The agent API sits behind `AuthzLayer`. A task
+//! (`keep_registrations`) every 5 s unregisters shard mappings kept registered for GPU loads
+//! once the store has dropped them, then registers the memory tier's complete shards ahead of
+//! any load (`GpuManager::register_ahead`; it pauses while a load runs).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,6 +7,17 @@
 //! chunk of a memory-tier hand-off before the files are offered. A chunk that fails is
 //! dropped and repaired; a load waits for the repair (up to [`REPAIR_WAIT`]) and fails
 //! rather than copy bad bytes; a hand-off is refused until the repair is done.
+//!
+//! The source reads with `pread` through the store's own file handle, and offers each
+//! shard's read-only map (`Shard::mapping`) as `host_memory` for the loader's registered path,
+//! running the same checks in `check_direct` before a GPU copies straight from it. [`load`]
+//! serves `LoadModel`; `load_partition` serves it with a `PartitionSpec`: fetch the
+//! safetensors headers from the given peer or origin, pick the tensors of the layer groups
+//! (`shardcast_policies::profile::group_of`), start the partition-first load, then fetch the
+//! partition's chunks and then the rest. [`handoff()`] serves from the GPUs, else the
+//! memory-tier files; a [`Selection`] (`?tensors=` / `?prefix=`) keeps the tensors a rank uses
+//! and the shards holding them, and on the memory tier re-checks only the headers and those
+//! tensors' chunks.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,17 +2,19 @@
 //!
 //! The per-host daemon of shardcast: a two-tier shard store, origin fetch, chain sessions
 //! (receive → verify → store → forward), the agent gRPC API and an admin endpoint.
-//! `docs/ARCHITECTURE.md` maps the modules and the path data takes.
+//! `docs/ARCHITECTURE.md` maps the crates and the data path; the modules' own docs have
+//! the detail.
 //!
 //! * [`store`]: memory tier (tmpfs) + disk tier, positional writes, verified-chunk bitmaps,
 //!   recovery on restart.
-//! * [`origin`]: `file://` and `http(s)://` origins under the origin allow-list, manifest
-//!   building, parallel range reads.
+//! * [`origin`]: `file://`, `http(s)://`, `s3://` and `hf://` origins under the origin
+//!   allow-list, manifest building, parallel range reads.
 //! * [`chain`]: chain sessions: hop receive path, cut-through forwarder with a bounded
 //!   window, failover, recovery from a fallback source, chain heads.
-//! * [`wire`] / [`transport`]: frames over any byte stream; TCP today.
+//! * [`wire`] / [`transport`]: frames over any byte stream (zero-copy payloads, `sendfile`
+//!   where allowed); mutual TLS over TCP, the authenticate-only mode, and QUIC.
 //! * [`throttle`]: daemon-wide egress/ingress token buckets.
-//! * [`limits`]: connection caps, per-phase timeouts and the open-file limit of the data port.
+//! * [`limits`]: connection caps, per-phase timeouts and frame memory of the data port.
 //! * [`agent`]: the gRPC service; [`admin`]: `/metrics`, `/healthz`, `/readyz`;
 //!   [`metrics`]: the registry behind `/metrics` (counters read at scrape time, histograms).
 //! * [`gpu`]: the store as a chunk source for `gpu-loader`, GPU loads and hand-offs.
@@ -20,6 +22,12 @@
 //!   the background scrub.
 //! * [`report`]: heartbeats to the controller's inventory (identity, capacity, holdings).
 //! * [`config`] and [`daemon`]: layered configuration and process wiring.
+//!
+//! `unsafe` lives only in `store::map` (the `memmap2` maps) and `store::uring` (io_uring
+//! submissions), each block with a `SAFETY` comment (and in the `store_write` bench's
+//! writable map of its own scratch file). Tests: unit tests next to each module,
+//! `chain/proto/sim.rs` (the state machines in virtual time), `store/hardening_tests.rs`,
+//! `tests/cli.rs` (the binary); benches `store_write` and `chunk_hash` (criterion).
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 

@@ -1,5 +1,7 @@
 //! Limits on the data port: connection caps (in total and per peer IP), the timeouts of
-//! each connection phase, and the open-file limit.
+//! each connection phase (handshake, peer idle, write drain) and `frame_memory`, the bytes
+//! frames in flight may hold (`wire::FrameBudget`). (The open-file limit is raised at start
+//! by `shardcast_identity::process::raise_nofile_limit`.)
 //!
 //! Who uses what: the accept loop in [`crate::daemon`] asks [`ConnLimits::admit`] for a
 //! [`ConnPermit`] before it spawns a connection's task (refused connections are closed at

@@ -16,6 +16,8 @@
 //! The operations are split by concern, each an `impl Controller` of its own file:
 //! `hosts` (heartbeats, the host list), `register` (origins, registrations, models),
 //! `plans` (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner).
+//! Host reports and plan progress are persisted through [`crate::write_behind`], off the
+//! locks. Each operation fails with its own error type ([`crate::error`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};

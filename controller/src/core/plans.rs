@@ -1,5 +1,5 @@
 //! Plan creation: `Prewarm` and `ScaleOut` validated, placed (`placement::plan`),
-//! recorded with their GPU slots and persisted under one lock, then handed to the runner;
+//! recorded with their GPU slots and persisted holding the plans' and hosts' locks, then handed to the runner;
 //! plan lookups and watches.
 
 use super::*;

@@ -1,5 +1,15 @@
 //! The model registry: the origin allow-list, registrations (a job per name and origin,
 //! the manifest built by a live transferd), model records, names and their status.
+//!
+//! `RegisterModel` checks the origin against `--origin-allow`, then asks a live transferd,
+//! which checks its own list, to build the manifest and keep what it reads
+//! (`--register-keep-copy`: the kept copy counts as a holder at once, so registering and
+//! the first prewarm read the origin once). When the host resolved the origin to the same
+//! Hub repository at a full commit, and that is allowed, the commit becomes the record's
+//! `read_origin` (through `OriginLocation::pins`), so later readers get the registered
+//! version after the branch moves. Each registration is a job of its own: callers wait for
+//! it or not (`no_wait`), a caller that goes away does not stop it, the same name and origin
+//! joins it, and `ListModels` lists it under `registering`.
 
 use super::*;
 

@@ -1,6 +1,24 @@
 //! The plan runner: starts a plan's chains (signing their plan tokens), follows every
 //! receiver (pushed `WatchModelStatus` streams, polls otherwise), asks GPU hosts to load,
 //! re-plans stalled, returned and restarted receivers, and ends the plan.
+//!
+//! Following: each active receiver's `WatchModelStatus` stream (completion within tens of
+//! milliseconds); receivers without a stream polled every `--poll-ms` (250 ms). Receivers of
+//! down hosts are marked `lost` (with `lost_at`) and the plan keeps running for
+//! `--lost-grace-s` (20 s): a lost receiver whose host heartbeats again within it is
+//! re-planned and resumes from its verified chunks (`receiver-returned`); after it the plan
+//! ends `partial` without it. A heartbeat naming a new transferd process marks the receiver
+//! lost at once, re-planned on the next round (`receiver-restarted`, in `hosts`). A receiver
+//! without progress for `stall_timeout` is re-planned with new chains from the sources alive
+//! now, each with its own budget of `max_replans` re-plans in a row without progress
+//! (`ReceiverProgress::replanned`). A receiver whose store refused the data (the agent's
+//! `store_failures` for the plan's own sessions) is `lost` at once, awaiting room
+//! (`wait_for_room`; `failed` with lost grace 0), and re-planned once its host reports room
+//! for the rest (`room_for_rest`). A returning receiver is held back (`defer_return`) while
+//! no host holds a complete copy and other receivers still move the model, so that it does
+//! not read the origin beside them. A receiver marked `lost`/`failed` whose heartbeat later
+//! reports a complete copy is made `done` again (`receiver-recovered`, in `hosts`), and an
+//! ended plan's outcome is recomputed. A finished receiver is recorded as a holder at once.
 
 use futures::StreamExt;
 

@@ -4,6 +4,18 @@
 //! workspace (about 45 MiB in a dev build), and fifteen of them made a clean CI build run
 //! out of disk while linking. nextest still runs every test in its own process; select a
 //! module with a filter, e.g. `scripts/test -E 'test(/^stalls::/)'`.
+//!
+//! The modules: `gpu` (simulated GPUs loading while a chain delivers, partitions, the Python
+//! hand-off; a CUDA test `#[ignore]`d), `controller` (plans through a controller: kills,
+//! restarts, re-plans, bursts, scaling, tiers, evictions, metrics), `chain` (chains over TCP
+//! and QUIC: kills, corruption, resume, striping, data modes, caps), `stalls` (stopped hops
+//! noticed within `stall_timeout`), `wire` (hostile frames), `trust` (every refusal of the
+//! data port, both APIs and plan tokens), `at_rest` (rot caught and repaired), `import`
+//! (file and HTTP origins, nginx), `origins` (`s3://` against moto, `hf://` against a local
+//! Hub), `admin` (the admin listener), `origin_policy`, `limits` (slow and flooding peers),
+//! `emulated` (network namespaces: loss, jumbo frames, cut links; skipped without root),
+//! `scale` (1000 simulated hosts, also on three replicas on etcd) and `ha` (replicas on a
+//! real etcd). Each module's own docs list its cases.
 
 mod admin;
 mod at_rest;

@@ -1,6 +1,10 @@
 //! Fetching chunks into a session from an origin (range reads) or from another holder
 //! (`Fetch`): used by recovery, by a head that does not hold its shard, by imports and by
 //! repairs.
+//!
+//! `Node::fetch_model` fetches a whole model (an import with `fetch`), `Node::adopt_staged`
+//! moves a kept import into the store shard by shard, and `Node::fetch_spans` fetches chunk
+//! ranges in a given order (whole-model imports, partition-first loads, repairs).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

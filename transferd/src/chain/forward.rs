@@ -1,6 +1,13 @@
 //! The forwarder: one per session, sending the session's chunks to the first downstream hop
 //! that works, failing over down the list. The decisions are the [`SendWindow`]'s; this
 //! loop reads chunks, writes frames and feeds back what the downstream answers.
+//!
+//! A downstream is given up when it refuses, closes, or stalls (no answer or no drained write
+//! within `stall_timeout`); the forwarder sends `Keepalive`s when it has nothing to send.
+//! The `Open` it sends lists this host and the live holders above it. After `AlreadyFed`
+//! twice it stops, and a head then pulls the rest from the hop below instead of the origin.
+//! It reads through `Shard::read_checked`, re-hashing up to `CHECK_AHEAD` (4) chunks ahead of
+//! the socket; a chunk that fails is never sent but repaired and sent afterwards.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -1,5 +1,8 @@
 //! Connections between hops: connecting to a hop's data port (over the session's
 //! transport) and the `Hello` exchange, bound to the host id of the peer's certificate.
+//!
+//! A QUIC `Hello` that fails on a held connection is retried once on a new one (the old
+//! connection is forgotten: `forget_path`).
 
 use std::sync::atomic::Ordering;
 

@@ -1,6 +1,10 @@
 //! Head sessions: a chain started through the agent API (`StartChain`), one
 //! [`ShardSession`] per (chain, shard), filled from the origin when this host lacks the
 //! shard.
+//!
+//! With `stripes` above 1, each shard is cut into contiguous ranges (`stripe_ranges`), one
+//! session per stripe, each with its own forwarder, connection and recovery monitor down the
+//! chain; the hops below follow the ranges in the `Open`s.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -31,6 +31,11 @@
 //! A host that heads a chain (started through the agent API) runs the same forwarder; its
 //! chunks come from its store, or from an origin fill task as they arrive.
 //!
+//! Completion: a sender sends `Done` once its downstream has acknowledged the whole range;
+//! a hop answers `Done` upstream only when its whole range is verified *and* its own
+//! forwarder has finished, so the head's `Done` means the whole chain is done. `Progress`
+//! from every hop is relayed up to the head (`GetSession`).
+//!
 //! Corruption at rest: the forwarder and the `Fetch` server read chunks through
 //! [`Shard::read_checked`](crate::store::Shard::read_checked), which re-hashes a chunk not
 //! verified within the store's trust window. A chunk that fails is dropped by the store, never
@@ -40,6 +45,38 @@
 //! than resent, and counts nothing against the downstream. A forwarder whose own copy cannot
 //! be completed (the session failed) stops without failing over: the downstream hop is not
 //! at fault, and its recovery monitor fetches from its fallback source.
+//!
+//! The `Node` also records the store's refusals of a model's data per (model, tier) with the
+//! session (`note_store_failure`: a shard that did not fit, a write the file system
+//! failed — the session ends instead of fetching the same chunks again), reported by
+//! `GetModelStatus` until a new session of the model in that tier starts.
+//!
+//! ## Copies and passes over each byte (issue #16)
+//!
+//! A *copy* reads and writes every byte; a *pass* reads it (hash) or rewrites it in place
+//! (AES-GCM). The steps on a receiving hop (`upstream` → `session::store_chunk` → `store`):
+//!
+//! | step | what | TLS | plaintext |
+//! | --- | --- | --- | --- |
+//! | R1 | socket → user memory (the kernel's copy) | copy | copy |
+//! | R1′ | the 64 KiB read buffer → rustls, 4 KiB at a time (`crate::transport`) | copy | — |
+//! | R2 | AES-GCM decryption in place | pass | — |
+//! | R3 | decrypted record → a `Vec` per record (rustls' buffered API) | copy | — |
+//! | R4 | that `Vec` → the frame's buffer (tokio-rustls) | copy | — |
+//! | R4′ | the body's buffer: reused from the frame budget, never freshly faulted in and zeroed (`crate::wire`) | — | — |
+//! | R5 | frame → `Frame::Chunk` (`Bytes::split_to`) | — | — |
+//! | R6 | BLAKE3 of the chunk (blocking pool) | pass | pass |
+//! | R7 | `pwrite` into the shard file, same task (`Shard::verify_and_write`) | copy | copy |
+//!
+//! Receiver totals: TLS 5 copies + 2 passes, plaintext 2 copies + 1 pass, QUIC 3 copies +
+//! 2 passes per packet (`crate::transport::quic`); iperf3's receiver makes 1 copy. R7, the
+//! page-cache write, is the largest cost (52% of the TLS receiver's samples, 31% of QUIC's;
+//! why it stays a `pwrite`: `crate::store`'s `shard` module). Sending (`forward` / `serve` →
+//! `Shard::read_checked` → `FrameWriter::send_chunk`): S1 the chunk from the shard's map as
+//! `Bytes` (zero-copy), S2 a BLAKE3 pass only for an untrusted chunk, S3 the 17-byte frame
+//! prefix (the payload bypasses the buffer), S4 over TLS a copy into a record and AES-GCM,
+//! S5 the kernel's copy into the socket (none with `sendfile`, `crate::wire`): TLS 2 copies
+//! + 1 pass, plaintext 1 copy. docs/BENCHMARKS.md has the profiles.
 //!
 //! ## Files
 //!

@@ -22,10 +22,19 @@
 //!    fill result ──────────────▶ fill_finished ▶ Retry | Fail(why) | Stop
 //! ```
 //!
-//! The recovery work still to come (a stalled neighbour detected at the hop, splicing
-//! around it, re-attaching to another upstream from this host's bitmap) extends these
-//! machines with events (progress rates, a neighbour's silence) and outputs (switch
-//! upstream, skip downstream) rather than adding decisions to the socket loops.
+//! Stalls are decided here too: a downstream silent for `stall_timeout` while chunks await
+//! an answer fails its window (`Failed(Silent)`, and the forwarder moves down the list); an
+//! upstream silent while a frame is awaited is `Stalled` (dropped; the recovery monitor
+//! then fetches from the holders above). A timer that fires far past its deadline restarts
+//! the clock instead of blaming the peer (`late`: this host itself was stopped). New
+//! recovery behaviour extends these machines with events and outputs rather than adding
+//! decisions to the socket loops.
+//!
+//! `proto/sim.rs` tests them in virtual time with scripted peers (corruption in flight,
+//! rot at rest, scrub drops and repairs, stalls, reordered verifications, duplicate and
+//! stray answers) and with proptest over random event sequences: the window bound holds,
+//! each chunk reaches the receiver's store exactly once, every run ends (complete or failed
+//! for a reason the run explains), recovery fetches at most its attempts and ends.
 
 mod receive;
 mod recovery;

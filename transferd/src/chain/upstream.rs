@@ -2,6 +2,12 @@
 //! receiving from an upstream: frames into the [`Inbound`] machine, chunks through
 //! `store_chunk`, its answers back as `Ack`/`Nack`/`Progress`, then `Done` once the session
 //! is complete here.
+//!
+//! `authorize_open`: an `Open` is kept only with a controller-signed plan token that covers
+//! it — its model, this host, the sender, and every address it would have this host dial —
+//! checked before its manifest is stored; the token is passed on in every `Open` the hop
+//! sends. An upstream that sends nothing for `stall_timeout` is dropped, and a second `Open`
+//! of a session fed by a live upstream or fetch is answered `AlreadyFed`.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

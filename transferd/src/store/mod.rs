@@ -55,9 +55,22 @@
 //! tier). Every path is resolved beneath its tier root without following symlinks; a
 //! planted symlink is refused with [`StoreError::Symlink`] and counted in
 //! [`StoreStats::symlinks_refused`]. Stale temporary files (`*.tmp`, left by a crash during
-//! an atomic manifest or bitmap replacement) are removed at start-up. A new shard file is
-//! created only when its size fits the tier's free space and its configured capacity
-//! ([`StoreError::NoSpace`]).
+//! an atomic manifest or bitmap replacement) are removed at start-up, and so are orphans no
+//! model accounts for (`models/<digest>` without state, `state/<digest>` without a
+//! manifest). A new shard file is created only when its size fits the tier's free space,
+//! its configured capacity and, for a memory tier on tmpfs, the host's available memory
+//! less `memory_headroom` ([`hostmem`]); else [`StoreError::NoSpace`] names the
+//! [`SpaceLimit`]. [`ShardStore::remove`] returns the bytes the model's files occupied (an
+//! eviction's `bytes_freed`).
+//!
+//! ## Kept copies
+//!
+//! [`Staging`] holds the bytes an import reads while it builds the manifest
+//! (`<tier>/staging/<random>/`, created beneath the root like shard files, removed when done
+//! and at start-up). [`ShardStore::adopt_kept`] renames a staged file the tier does not hold
+//! yet into place and marks its chunks verified without hashing them again, but with no
+//! trust stamp, so each is re-hashed before its bytes first leave the store; a shard held in
+//! part, or a failed rename, goes through the verified path every chunk takes.
 //!
 //! ## Corruption at rest
 //!
@@ -69,6 +82,16 @@
 //! verified set (the bitmap on disk too), counted in [`StoreStats::chunks_rotted`], logged
 //! as a repair event, and reported as [`StoreError::CorruptChunk`]; the caller arranges its
 //! repair (`crate::repair`). Writing it again counts it in [`StoreStats::chunks_repaired`].
+//!
+//! ## Submodules
+//!
+//! `beneath` (the tier root's descriptor; every path opened beneath it), `shard` (one
+//! shard file and its bitmap: writes, zero-copy reads, checks, the verified watch),
+//! [`hostmem`] (the host's available memory and the default headroom), `pages` (the memory
+//! tier's mount: file system and tmpfs huge-page policy, logged and exported as
+//! `shardcast_memory_tier_huge_pages`), `writer` (`pwrite` on the blocking pool) and
+//! `uring` (an io_uring writer thread), `map` (shared maps as `Bytes`), [`names`] (which
+//! version a model name means here). `unsafe` is confined to `map` and `uring`.
 //!
 //! Non-goals: eviction policy and capacity accounting (callers decide what to
 //! [`ShardStore::remove`]), replication between tiers (a copy is just another write).

@@ -10,6 +10,28 @@
 //! [`ChunkSet`](shardcast_protocol::ChunkSet). Bits past the chunk count are zero. Marking
 //! a chunk verified rewrites the one byte holding its bit, in place; so does dropping a chunk
 //! that failed re-verification at rest ([`Shard::check`]).
+//!
+//! ## Writing and reading
+//!
+//! [`Shard::verify_and_write`] hashes a received chunk (BLAKE3 against the manifest) and
+//! writes it with `pwrite` in the same blocking-pool task, so the write copies bytes the hash
+//! just pulled into that core's cache; writes to one file queue on a per-shard lock (the
+//! kernel serialises them on the inode lock anyway). The file is created sparse (`set_len`),
+//! so nothing is zeroed first, but on tmpfs every first write of a 4 KiB page allocates it:
+//! this write is the largest cost of a receiving hop (52% of the TLS receiver's samples, 31%
+//! of the QUIC receiver's; docs/BENCHMARKS.md). Receiving into the mapped file instead was
+//! measured and rejected: a copy into a shared writable map of a fresh file ran at 1.2 GiB/s
+//! against `pwrite`'s 2.5 GiB/s on tmpfs (each first touch faults and zeroes the page), and
+//! it would put unverified bytes in the file; `fallocate` ahead moves the allocation
+//! (2.2 GiB/s) rather than removing it. A huge-page tmpfs does cut it (11.9 GiB/s; see
+//! `pages` and docs/OPERATIONS.md).
+//!
+//! Reads are zero-copy `Bytes` over the shard's shared map. Before bytes leave the store,
+//! [`Shard::read_checked`] re-hashes a chunk that is not trusted: verified more than
+//! `reverify_after` ago, after a `Nack`, or an adopted kept copy's first send;
+//! [`Shard::check_ahead`] does that a few chunks ahead of the socket on the blocking pool.
+//! [`Shard::chunk_in_file`] gives a chunk's file and offset for `sendfile`, and
+//! [`Shard::mapping`] the read-only map the GPU loader registers.
 
 use std::collections::HashSet;
 use std::fs::File;

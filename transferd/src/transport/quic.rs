@@ -15,12 +15,30 @@
 //!   failed its `Hello`.
 //! - **Tuning** (the constants below, with their reasons): windows sized for high
 //!   bandwidth-delay links, Cubic congestion control (as Linux TCP), MTU discovery up to a
-//!   1500-byte Ethernet frame ([`MTU_CEILING`], and why not jumbo frames), UDP buffers of
-//!   [`UDP_BUFFER`], GSO/GRO whenever the kernel offers them (quinn-udp probes; [`Offload`]
-//!   says what this host got).
+//!   1500-byte Ethernet frame ([`MTU_CEILING`]), UDP buffers of [`UDP_BUFFER`], GSO/GRO
+//!   whenever the kernel offers them (quinn-udp probes; [`Offload`] says what this host
+//!   got). The socket is wrapped (`GsoCapped`) so that no GSO batch exceeds one
+//!   `sendmsg`'s 64 KiB, which quinn-udp would drop silently.
+//! - **Jumbo frames.** A declared path MTU (`quic_path_mtu`) sends packets of that size from
+//!   the first, with no discovery and no fallback; each dial and accept first checks the
+//!   kernel's route MTU toward the peer (`IP_MTU` through rustix) and refuses with both
+//!   figures.
+//! - **Restarts.** The stateless-reset key is derived from the host key, so a restarted
+//!   peer resets stale connections; the server configuration is rebuilt on certificate
+//!   reload.
 //! - **Statistics.** [`ConnTotals`] sums quinn's per-connection figures over live and closed
 //!   connections (datagrams and bytes sent, transmits, packets declared lost, congestion
 //!   events, the largest path MTU reached) for `/metrics`.
+//! - **Copies.** The receiver's kernel copies datagrams out (`recvmmsg`, coalesced by GRO),
+//!   quinn decrypts each packet in place and keeps stream data as slices of the datagram
+//!   buffer, and [`QuicStream`]'s read copies it once into the frame's buffer: with BLAKE3
+//!   and the store's `pwrite`, 3 copies and 2 passes, per packet (about 1453 bytes of
+//!   payload, 8596 with jumbo frames) rather than per 16 KiB TLS record. The sender hands
+//!   each payload to quinn as its `Bytes` (`write_chunk`); quinn copies it into datagrams,
+//!   encrypts, and sends with GSO. Reading with `read_chunk` instead (no reassembly copy)
+//!   was weighed and not built: BLAKE3 over packet-sized pieces loses its multi-chunk SIMD
+//!   and costs more than the copy saves (`benches/chunk_hash.rs`: 316 µs per MiB more,
+//!   against 230–300 µs for the copy; docs/BENCHMARKS.md).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
