@@ -272,14 +272,16 @@ impl TmpfsMount {
 
     /// Whether this process can mount a tmpfs (root, a `mount` binary): `Ok`, or the reason
     /// for a test to print as it skips. Tried once per process.
-    pub fn available() -> Result<(), String> {
-        static RESULT: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    pub fn available() -> Result<(), crate::netns::Unavailable> {
+        use crate::netns::Unavailable;
+        static RESULT: std::sync::OnceLock<Result<(), Unavailable>> = std::sync::OnceLock::new();
         RESULT
             .get_or_init(|| {
-                let dir = tempfile::tempdir().map_err(|e| format!("a probe directory: {e}"))?;
-                Self::mount(dir.path(), 1 << 20)
-                    .map(drop)
-                    .map_err(|e| format!("cannot mount a tmpfs here (needs root): {e:#}"))
+                let dir = tempfile::tempdir()
+                    .map_err(|e| Unavailable::Tmpfs(format!("a probe directory: {e}")))?;
+                Self::mount(dir.path(), 1 << 20).map(drop).map_err(|e| {
+                    Unavailable::Tmpfs(format!("cannot mount a tmpfs here (needs root): {e:#}"))
+                })
             })
             .clone()
     }

@@ -577,6 +577,32 @@ fn with_probe_ns(probe: impl FnOnce(&str) -> anyhow::Result<()>) -> anyhow::Resu
     result.and(deleted)
 }
 
+/// Why an emulated facility cannot be used on this host: the reason a test or the bench
+/// prints as it skips. Cloned out of a once-per-process probe.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unavailable {
+    /// The process's effective uid could not be read.
+    #[error("{0}")]
+    Uid(String),
+    /// Not root.
+    #[error("emulated nets need root (network namespaces, tc); running as uid {0}")]
+    NotRoot(u32),
+    /// Namespaces, veth pairs, bridges or `tc tbf` failed.
+    #[error("emulated nets unavailable: {0}")]
+    Nets(String),
+    /// No `netem` qdisc.
+    #[error("netem delay unavailable (CONFIG_NET_SCH_NETEM?): {0}")]
+    Netem(String),
+    /// No `nft`/`ethtool`, or the kernel's bridge nf_tables lacks `numgen`.
+    #[error(
+        "packet loss unavailable (nft from Debian's nftables and ethtool; the kernel's bridge nf_tables with numgen): {0}"
+    )]
+    Loss(String),
+    /// No tmpfs could be mounted ([`crate::cluster::TmpfsMount::available`]).
+    #[error("{0}")]
+    Tmpfs(String),
+}
+
 /// Whether emulated nets can be created here: `Ok` if this process is root and `ip netns`,
 /// veth pairs, bridges and `tc tbf` work; otherwise the reason, for a caller to print as it
 /// skips. The check runs once per process.
@@ -584,15 +610,13 @@ fn with_probe_ns(probe: impl FnOnce(&str) -> anyhow::Result<()>) -> anyhow::Resu
 /// # Errors
 ///
 /// The reason emulated nets are unavailable.
-pub fn available() -> Result<(), String> {
-    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+pub fn available() -> Result<(), Unavailable> {
+    static RESULT: OnceLock<Result<(), Unavailable>> = OnceLock::new();
     RESULT
         .get_or_init(|| {
-            let euid = effective_uid().map_err(|e| format!("{e:#}"))?;
+            let euid = effective_uid().map_err(|e| Unavailable::Uid(format!("{e:#}")))?;
             if euid != 0 {
-                return Err(format!(
-                    "emulated nets need root (network namespaces, tc); running as uid {euid}"
-                ));
+                return Err(Unavailable::NotRoot(euid));
             }
             with_probe_ns(|ns| {
                 ip(&["-n", ns, "link", "add", "br0", "type", "bridge"])?;
@@ -606,7 +630,7 @@ pub fn available() -> Result<(), String> {
                 ])?;
                 Ok(())
             })
-            .map_err(|e| format!("emulated nets unavailable: {e:#}"))
+            .map_err(|e| Unavailable::Nets(format!("{e:#}")))
         })
         .clone()
 }
@@ -617,8 +641,8 @@ pub fn available() -> Result<(), String> {
 /// # Errors
 ///
 /// The reason delays are unavailable.
-pub fn netem_available() -> Result<(), String> {
-    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+pub fn netem_available() -> Result<(), Unavailable> {
+    static RESULT: OnceLock<Result<(), Unavailable>> = OnceLock::new();
     RESULT
         .get_or_init(|| {
             available()?;
@@ -628,7 +652,7 @@ pub fn netem_available() -> Result<(), String> {
                 ])
                 .map(drop)
             })
-            .map_err(|e| format!("netem delay unavailable (CONFIG_NET_SCH_NETEM?): {e:#}"))
+            .map_err(|e| Unavailable::Netem(format!("{e:#}")))
         })
         .clone()
 }
@@ -639,8 +663,8 @@ pub fn netem_available() -> Result<(), String> {
 /// # Errors
 ///
 /// The reason packet loss cannot be emulated.
-pub fn loss_available() -> Result<(), String> {
-    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+pub fn loss_available() -> Result<(), Unavailable> {
+    static RESULT: OnceLock<Result<(), Unavailable>> = OnceLock::new();
     RESULT
         .get_or_init(|| {
             available()?;
@@ -648,7 +672,7 @@ pub fn loss_available() -> Result<(), String> {
                 run_checked("ethtool", &["--version"])?;
                 add_loss_rule(ns, LOSS_TABLE, "p0", 1)
             })
-            .map_err(|e| format!("packet loss unavailable (nft from Debian's nftables and ethtool; the kernel's bridge nf_tables with numgen): {e:#}"))
+            .map_err(|e| Unavailable::Loss(format!("{e:#}")))
         })
         .clone()
 }

@@ -113,8 +113,8 @@ use crate::loader::MAX_COPY_STREAMS;
 const MIN_PAGE: usize = 4096;
 
 /// Whether the CUDA driver library can be loaded, checked without calling into cudarc
-/// (whose first call panics when the library is missing).
-pub fn driver_available() -> Result<(), String> {
+/// (whose first call panics when the library is missing). [`GpuError::NoDriver`] when not.
+pub fn driver_available() -> Result<(), GpuError> {
     // cudarc searches these names too (among others), so when one loads here, cudarc's own
     // loading succeeds.
     for name in ["libcuda.so.1", "libcuda.so"] {
@@ -125,7 +125,9 @@ pub fn driver_available() -> Result<(), String> {
             return Ok(());
         }
     }
-    Err("libcuda.so.1 not found (no NVIDIA driver on this host)".into())
+    Err(GpuError::NoDriver(
+        "libcuda.so.1 not found (no NVIDIA driver on this host)".into(),
+    ))
 }
 
 /// Settings of the CUDA devices of one host.
@@ -1313,7 +1315,7 @@ fn enable_peer(from: &Context, to: &Context) -> Result<bool, GpuError> {
 /// [`GpuError::NoDriver`] when the driver library is missing or cannot initialise; an empty
 /// list when the driver sees no device.
 pub fn devices(opts: &CudaOptions) -> Result<Vec<Arc<CudaDevice>>, GpuError> {
-    driver_available().map_err(GpuError::NoDriver)?;
+    driver_available()?;
     // SAFETY: cuInit has no preconditions; it is the first driver call.
     match call(|| unsafe { sys::cuInit(0) }) {
         Ok(()) => {}

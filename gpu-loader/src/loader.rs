@@ -72,6 +72,23 @@ pub struct SourceShard {
     pub chunk_size: u32,
 }
 
+/// Why a [`ChunkSource`] cannot deliver chunks a load waits for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    /// The source has no such shard.
+    #[error("no shard {0}")]
+    NoShard(usize),
+    /// The shard's copy was removed from the store while the load waited.
+    #[error("the shard was removed from the store")]
+    Removed,
+    /// The chunks were not verified within the load's `chunk_timeout`.
+    #[error("not verified within {0:?}")]
+    Timeout(Duration),
+    /// The transfer feeding the source failed, as the source words it.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// Where verified chunks come from: the store of transferd, or a test double.
 pub trait ChunkSource: Send + Sync {
     /// The shards, in manifest order.
@@ -84,7 +101,7 @@ pub trait ChunkSource: Send + Sync {
         first: u32,
         last: u32,
         timeout: Duration,
-    ) -> Result<bool, String>;
+    ) -> Result<bool, SourceError>;
     /// Reads verified bytes of `shard` at `offset` into `buf`.
     fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
     /// The whole of `shard` as host memory a device can register (a read-only map of the
@@ -197,7 +214,7 @@ pub enum LoadError {
         /// Last chunk.
         last: u32,
         /// Why.
-        why: String,
+        why: SourceError,
     },
     /// Reading the store failed.
     #[error("reading {shard}: {source}")]
@@ -660,6 +677,67 @@ impl RegistrationCache {
     }
 }
 
+/// Why the registered host path (copies straight from the mapped shards) is not taken, or
+/// not for a segment; the load then stages those bytes ([`LoadReport::fallback_reason`]).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RegisteredPathError {
+    /// [`LoadOptions::register_host`] is off.
+    #[error("register_host is off")]
+    Off,
+    /// A host-fed GPU is of another kind than the first GPU.
+    #[error("GPU {gpu} is fed from the host but is a {kind} device, the first GPU a {first} one")]
+    MixedKinds {
+        /// The host-fed GPU.
+        gpu: u32,
+        /// Its kind.
+        kind: crate::device::DeviceKind,
+        /// The first GPU's kind.
+        first: crate::device::DeviceKind,
+    },
+    /// The load map names a shard the source lacks.
+    #[error("no shard {0}")]
+    NoShard(usize),
+    /// The shard is not a mapped file.
+    #[error("shard {0} is not a mapped file")]
+    NotMapped(String),
+    /// The shard's mapping is shorter than the shard.
+    #[error("shard {path}: its mapping has {mapped} bytes, the shard {size}")]
+    ShortMapping {
+        /// The shard.
+        path: String,
+        /// Bytes mapped.
+        mapped: u64,
+        /// The shard's size.
+        size: u64,
+    },
+    /// A piece lies in no registration segment.
+    #[error("no registration segment for shard {0}")]
+    NoSegment(usize),
+    /// The shard has no host memory to register.
+    #[error("shard {0} has no host memory")]
+    NoHostMemory(usize),
+    /// A segment lies outside the shard's mapping.
+    #[error("segment {seg} of shard {shard} is outside its mapping")]
+    Outside {
+        /// The segment.
+        seg: u64,
+        /// The shard.
+        shard: usize,
+    },
+    /// The device refused to register the segment.
+    #[error("registering shard {path} (bytes {start}..{end}): {error}")]
+    Register {
+        /// The shard.
+        path: String,
+        /// First byte.
+        start: u64,
+        /// One past the last byte.
+        end: u64,
+        /// What the device said.
+        error: Arc<GpuError>,
+    },
+}
+
 /// Registration segments start on pages ([`LoadOptions::register_segment`]).
 const PAGE: u64 = 4096;
 
@@ -670,37 +748,38 @@ fn host_memories(
     primary: &Arc<dyn Device>,
     host_fed: &[&Arc<dyn Device>],
     opts: &LoadOptions,
-) -> Result<Vec<Option<Arc<dyn HostMemory>>>, String> {
+) -> Result<Vec<Option<Arc<dyn HostMemory>>>, RegisteredPathError> {
     if !opts.register_host {
-        return Err("register_host is off".into());
+        return Err(RegisteredPathError::Off);
     }
     let kind = primary.info().kind;
     if let Some(d) = host_fed.iter().find(|d| d.info().kind != kind) {
-        return Err(format!(
-            "GPU {} is fed from the host but is a {} device, the first GPU a {kind} one",
-            d.info().index,
-            d.info().kind
-        ));
+        return Err(RegisteredPathError::MixedKinds {
+            gpu: d.info().index,
+            kind: d.info().kind,
+            first: kind,
+        });
     }
     let shards = source.shards();
     let mut mems: Vec<Option<Arc<dyn HostMemory>>> = vec![None; shards.len()];
     for e in map.extents.iter().filter(|e| e.len > 0) {
         let Some(slot) = mems.get_mut(e.shard) else {
-            return Err(format!("no shard {}", e.shard));
+            return Err(RegisteredPathError::NoShard(e.shard));
         };
         if slot.is_some() {
             continue;
         }
         let shard = &shards[e.shard];
         let Some(mem) = source.host_memory(e.shard) else {
-            return Err(format!("shard {} is not a mapped file", shard.path));
+            return Err(RegisteredPathError::NotMapped(shard.path.clone()));
         };
         let mapped = mem.as_bytes().len() as u64;
         if mapped < shard.size {
-            return Err(format!(
-                "shard {}: its mapping has {mapped} bytes, the shard {}",
-                shard.path, shard.size
-            ));
+            return Err(RegisteredPathError::ShortMapping {
+                path: shard.path.clone(),
+                mapped,
+                size: shard.size,
+            });
         }
         *slot = Some(mem);
     }
@@ -714,7 +793,7 @@ enum SegState {
     /// Registered.
     Ready(Arc<dyn HostRegistration>),
     /// Registering it failed: its pieces go through staging.
-    Failed(String),
+    Failed(RegisteredPathError),
 }
 
 /// The registration segments of one load (shard, index of the segment in it),
@@ -783,10 +862,10 @@ impl Segments {
             let mem = mems
                 .get(shard)
                 .and_then(Option::clone)
-                .ok_or_else(|| format!("shard {shard} has no host memory"))?;
+                .ok_or(RegisteredPathError::NoHostMemory(shard))?;
             let outside = || format!("segment {seg} of shard {shard} is outside its mapping");
-            let (s, n) =
-                segment_span(mem.as_bytes().len() as u64, seg, self.size).ok_or_else(outside)?;
+            let (s, n) = segment_span(mem.as_bytes().len() as u64, seg, self.size)
+                .ok_or(RegisteredPathError::Outside { seg, shard })?;
             let (start, len) = (s as u64, n as u64);
             let registered = match cache {
                 Some(c) => c.get_or_register(&mem, s, n, device).map(|(r, kept)| {
@@ -799,12 +878,15 @@ impl Segments {
                     .ok_or_else(|| GpuError::Invalid(outside()))
                     .and_then(|slice| device.register_host(Arc::new(slice))),
             };
-            registered.map_err(|e| {
-                let path = self.paths.get(shard).map_or("?", String::as_str);
-                format!(
-                    "registering shard {path} (bytes {start}..{}): {e}",
-                    start + len
-                )
+            registered.map_err(|e| RegisteredPathError::Register {
+                path: self
+                    .paths
+                    .get(shard)
+                    .map_or("?", String::as_str)
+                    .to_string(),
+                start,
+                end: start + len,
+                error: Arc::new(e),
             })
         })();
         add_ns(&self.register_ns, t.elapsed());
@@ -855,10 +937,10 @@ impl Segments {
     /// The registration of `piece`'s segment and the piece's offset in it
     /// ([`From::Registered`]), waiting while it is pending (`Ok(None)` when `stop` was set
     /// meanwhile); `Err` when registering it failed.
-    fn of(&self, piece: &Piece, stop: &AtomicBool) -> Result<Option<From>, String> {
+    fn of(&self, piece: &Piece, stop: &AtomicBool) -> Result<Option<From>, RegisteredPathError> {
         let seg = piece.offset / self.size;
         let Some(&pos) = self.position.get(&(piece.shard, seg)) else {
-            return Err(format!("no registration segment for shard {}", piece.shard));
+            return Err(RegisteredPathError::NoSegment(piece.shard));
         };
         let mut states = self.states.lock().unwrap_or_else(PoisonError::into_inner);
         if self.frontier.fetch_max(pos, Ordering::Relaxed) < pos {
@@ -1040,7 +1122,7 @@ pub fn load_map(
         .and_then(|n| n.pin().map(|pinned| (n, pinned)))
     {
         Ok((n, pinned)) => (Some(n), Some(pinned), None),
-        Err(why) => (None, None, Some(why)),
+        Err(why) => (None, None, Some(why.to_string())),
     };
     let (free_tx, free_rx) = mpsc::sync_channel::<Option<Box<dyn Staging>>>(slots);
     for _ in 0..slots {
@@ -1071,7 +1153,7 @@ pub fn load_map(
     // register, and the first such failure.
     let waited_register_ns = AtomicU64::new(0);
     let staged_bytes = AtomicU64::new(0);
-    let partial: Mutex<Option<String>> = Mutex::new(None);
+    let partial: Mutex<Option<RegisteredPathError>> = Mutex::new(None);
     let segs = direct.as_ref().map(|(_, s)| s);
 
     std::thread::scope(|scope| {
@@ -1232,7 +1314,7 @@ pub fn load_map(
                                 shard: shard.path.clone(),
                                 first,
                                 last,
-                                why: format!("not verified within {:?}", opts.chunk_timeout),
+                                why: SourceError::Timeout(opts.chunk_timeout),
                             });
                         }
                         break;
@@ -1356,7 +1438,7 @@ pub fn load_map(
             tracing::warn!(reason = %why, staged, "some segments failed to register: their bytes went through staging");
             Some(format!("{why} ({staged} bytes went through staging)"))
         }
-        None => fallback_reason,
+        None => fallback_reason.map(|why| why.to_string()),
     };
     Ok(LoadReport {
         bytes: total,

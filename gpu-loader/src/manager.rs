@@ -850,7 +850,12 @@ impl GpuManager {
     /// is never the last copy of a model: it serves no chain or reader, and the data stays
     /// in the host's tiers or at the origin, whose own eviction protects last copies; so
     /// last-copy protection ([`NOT_A_LAST_COPY`]) does not apply here.
-    fn make_room(&self, i: usize, bytes: u64, for_model: &str) -> Result<Vec<Eviction>, String> {
+    fn make_room(
+        &self,
+        i: usize,
+        bytes: u64,
+        for_model: &str,
+    ) -> Result<Vec<Eviction>, evict::EvictError> {
         let states: Vec<GpuState> = {
             let loads = lock(&self.loads);
             self.pools
@@ -906,7 +911,7 @@ impl GpuManager {
                 .iter()
                 .any(|(g, v, _)| *g == target.gpu && *v == m.model)
         });
-        let more = evict::choose_gpu_evictions(&rest, bytes).map_err(|e| e.to_string())?;
+        let more = evict::choose_gpu_evictions(&rest, bytes)?;
         for m in more {
             let class = rest
                 .models

@@ -15,9 +15,63 @@
 //! single-node hosts and VMs, sysfs not mounted) or none of its CPUs is allowed to this
 //! process (a cgroup cpuset elsewhere), nothing is changed and the load report says so.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+
+/// Why a GPU's NUMA node, or its CPUs, could not be found or used.
+#[derive(Debug, thiserror::Error)]
+pub enum NumaError {
+    /// The bus id is not a PCI address.
+    #[error("{0:?} is not a PCI address (domain:bus:device.function)")]
+    NotPciAddress(String),
+    /// A sysfs file could not be read.
+    #[error("{}: {source}", .path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// `numa_node` does not hold a number.
+    #[error("{}: not a node number: {text:?}", .path.display())]
+    NotANode {
+        /// The file.
+        path: PathBuf,
+        /// What it holds.
+        text: String,
+    },
+    /// A node's `cpulist` does not parse.
+    #[error("{}: {reason}", .path.display())]
+    BadCpuList {
+        /// The file.
+        path: PathBuf,
+        /// What [`parse_cpulist`] refused.
+        reason: String,
+    },
+    /// The GPU's NUMA node is not known.
+    #[error("the GPU's NUMA node is not known")]
+    UnknownNode,
+    /// The node lists no CPUs.
+    #[error("NUMA node {0} has no CPUs")]
+    NoCpus(u32),
+    /// None of the node's CPUs (this many) is in the process's affinity.
+    #[error("none of the node's CPUs ({0}) is allowed to this process")]
+    NoneAllowed(usize),
+    /// The kernel refused to tell the thread's affinity.
+    #[error("reading the CPU affinity: {0}")]
+    GetAffinity(rustix::io::Errno),
+    /// The kernel refused to change the thread's affinity.
+    #[error("setting the CPU affinity: {0}")]
+    SetAffinity(rustix::io::Errno),
+}
+
+fn read(path: &Path) -> Result<String, NumaError> {
+    std::fs::read_to_string(path).map_err(|source| NumaError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
 
 /// Where sysfs is mounted.
 const SYS: &str = "/sys";
@@ -29,20 +83,20 @@ pub fn node_of_pci(bus_id: &str) -> Option<u32> {
 }
 
 /// [`node_of_pci`] under the sysfs root `sys`: `Err` when the file is missing or malformed.
-pub fn node_of_pci_in(sys: &Path, bus_id: &str) -> Result<Option<u32>, String> {
+pub fn node_of_pci_in(sys: &Path, bus_id: &str) -> Result<Option<u32>, NumaError> {
     let id = sysfs_pci_id(bus_id)?;
     let path = sys.join("bus/pci/devices").join(&id).join("numa_node");
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = read(&path)?;
     let n: i64 = text
         .trim()
         .parse()
-        .map_err(|_| format!("{}: not a node number: {text:?}", path.display()))?;
+        .map_err(|_| NumaError::NotANode { path, text })?;
     Ok(u32::try_from(n).ok())
 }
 
 /// A PCI address in sysfs' form: lowercase, a 4-digit domain (CUDA may write 8 digits).
-fn sysfs_pci_id(bus_id: &str) -> Result<String, String> {
-    let bad = || format!("{bus_id:?} is not a PCI address (domain:bus:device.function)");
+fn sysfs_pci_id(bus_id: &str) -> Result<String, NumaError> {
+    let bad = || NumaError::NotPciAddress(bus_id.to_string());
     let mut parts = bus_id.trim().splitn(3, ':');
     let (Some(domain), Some(bus), Some(rest)) = (parts.next(), parts.next(), parts.next()) else {
         return Err(bad());
@@ -64,18 +118,19 @@ fn sysfs_pci_id(bus_id: &str) -> Result<String, String> {
 }
 
 /// The CPUs of NUMA node `node`, from sysfs.
-pub fn cpus_of_node(node: u32) -> Result<Vec<usize>, String> {
+pub fn cpus_of_node(node: u32) -> Result<Vec<usize>, NumaError> {
     cpus_of_node_in(Path::new(SYS), node)
 }
 
 /// [`cpus_of_node`] under the sysfs root `sys`.
-pub fn cpus_of_node_in(sys: &Path, node: u32) -> Result<Vec<usize>, String> {
+pub fn cpus_of_node_in(sys: &Path, node: u32) -> Result<Vec<usize>, NumaError> {
     let path = sys.join(format!("devices/system/node/node{node}/cpulist"));
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    parse_cpulist(&text).map_err(|e| format!("{}: {e}", path.display()))
+    let text = read(&path)?;
+    parse_cpulist(&text).map_err(|reason| NumaError::BadCpuList { path, reason })
 }
 
-/// Parses a kernel CPU list (`0-3,8-11`, `5`, or empty), sorted and without repeats.
+/// Parses a kernel CPU list (`0-3,8-11`, `5`, or empty), sorted and without repeats. A
+/// text parser: its error is the message.
 pub fn parse_cpulist(text: &str) -> Result<Vec<usize>, String> {
     let mut cpus = Vec::new();
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {
@@ -119,8 +174,8 @@ impl Pinned {
 
 /// Narrows the calling thread's CPU affinity to those of `cpus` it is allowed now; `Err`
 /// (and nothing changed) when none of them is, or the kernel refuses.
-pub fn pin_current_thread(cpus: &[usize]) -> Result<Pinned, String> {
-    let before = sched_getaffinity(None).map_err(|e| format!("reading the CPU affinity: {e}"))?;
+pub fn pin_current_thread(cpus: &[usize]) -> Result<Pinned, NumaError> {
+    let before = sched_getaffinity(None).map_err(NumaError::GetAffinity)?;
     let mut narrowed = CpuSet::new();
     for &c in cpus.iter().filter(|&&c| c < CpuSet::MAX_CPU) {
         if before.is_set(c) {
@@ -129,12 +184,9 @@ pub fn pin_current_thread(cpus: &[usize]) -> Result<Pinned, String> {
     }
     let n = narrowed.count() as usize;
     if n == 0 {
-        return Err(format!(
-            "none of the node's CPUs ({}) is allowed to this process",
-            cpus.len()
-        ));
+        return Err(NumaError::NoneAllowed(cpus.len()));
     }
-    sched_setaffinity(None, &narrowed).map_err(|e| format!("setting the CPU affinity: {e}"))?;
+    sched_setaffinity(None, &narrowed).map_err(NumaError::SetAffinity)?;
     Ok(Pinned { before, cpus: n })
 }
 
@@ -158,17 +210,17 @@ pub struct Near {
 impl Near {
     /// The node `node` (a device's [`crate::device::DeviceInfo::numa_node`]) with its CPUs,
     /// or why the load cannot be placed on it.
-    pub fn of(node: Option<u32>) -> Result<Self, String> {
-        let node = node.ok_or("the GPU's NUMA node is not known")?;
+    pub fn of(node: Option<u32>) -> Result<Self, NumaError> {
+        let node = node.ok_or(NumaError::UnknownNode)?;
         let cpus = cpus_of_node(node)?;
         if cpus.is_empty() {
-            return Err(format!("NUMA node {node} has no CPUs"));
+            return Err(NumaError::NoCpus(node));
         }
         Ok(Self { node, cpus })
     }
 
     /// Pins the calling thread to this node's CPUs until the result drops.
-    pub fn pin(&self) -> Result<Pinned, String> {
+    pub fn pin(&self) -> Result<Pinned, NumaError> {
         pin_current_thread(&self.cpus)
     }
 }
@@ -219,10 +271,23 @@ mod tests {
         let node = sys.path().join("devices/system/node/node1");
         std::fs::create_dir_all(&node).unwrap();
         std::fs::write(node.join("cpulist"), "16-31,48-63\n").unwrap();
-        assert_eq!(node_of_pci_in(sys.path(), "0000:3B:00.0"), Ok(Some(1)));
+        assert_eq!(node_of_pci_in(sys.path(), "0000:3B:00.0").unwrap(), Some(1));
         // -1: the kernel knows no node (single-node hosts, many VMs).
-        assert_eq!(node_of_pci_in(sys.path(), "0000:5E:00.0"), Ok(None));
-        assert!(node_of_pci_in(sys.path(), "0000:99:00.0").is_err());
+        assert_eq!(node_of_pci_in(sys.path(), "0000:5E:00.0").unwrap(), None);
+        let e = node_of_pci_in(sys.path(), "0000:99:00.0").unwrap_err();
+        assert!(matches!(e, NumaError::Read { .. }), "{e}");
+        assert!(matches!(
+            node_of_pci_in(sys.path(), "3b:00.0"),
+            Err(NumaError::NotPciAddress(_))
+        ));
+        std::fs::write(gone.join("numa_node"), "x\n").unwrap();
+        let e = node_of_pci_in(sys.path(), "0000:5E:00.0").unwrap_err();
+        assert!(matches!(e, NumaError::NotANode { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("numa_node: not a node number: \"x\\n\""),
+            "{e}"
+        );
         let cpus = cpus_of_node_in(sys.path(), 1).unwrap();
         assert_eq!((cpus.len(), cpus[0], cpus[31]), (32, 16, 63));
         assert!(cpus_of_node_in(sys.path(), 2).is_err());
@@ -251,7 +316,8 @@ mod tests {
             assert_eq!(sched_getaffinity(None).unwrap(), before);
             // CPUs this process may not use: refused, nothing changed.
             let e = pin_current_thread(&[CpuSet::MAX_CPU - 1]).unwrap_err();
-            assert!(e.contains("none of the node's CPUs"), "{e}");
+            assert!(matches!(e, NumaError::NoneAllowed(1)), "{e}");
+            assert!(e.to_string().contains("none of the node's CPUs"), "{e}");
             assert_eq!(sched_getaffinity(None).unwrap(), before);
         })
         .join()

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::device::HostMemory;
-use crate::loader::{ChunkSource, SourceShard};
+use crate::loader::{ChunkSource, SourceError, SourceShard};
 use crate::mapped::MappedFile;
 
 /// Where a shard's bytes are.
@@ -147,7 +147,7 @@ impl ChunkSource for PacedSource {
         _first: u32,
         last: u32,
         timeout: Duration,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, SourceError> {
         let g = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
         let done = |v: &Vec<u32>| v.get(shard).is_some_and(|&n| n > last);
         let (g, _) = self
@@ -155,7 +155,7 @@ impl ChunkSource for PacedSource {
             .wait_timeout_while(g, timeout, |v| !done(v) && self.failure().is_none())
             .unwrap_or_else(PoisonError::into_inner);
         if let Some(f) = self.failure() {
-            return Err(f);
+            return Err(SourceError::Failed(f));
         }
         Ok(done(&g))
     }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use gpu_loader::device::{Device, GpuError, HostMemory};
 use gpu_loader::index::{Layout, LoadMap, tensor_index, tensor_ranges};
 use gpu_loader::loader::{
-    ChunkSource, HostPath, LoadError, LoadOptions, LoadProgress, LoadReport, SourceShard, Target,
-    load, load_map,
+    ChunkSource, HostPath, LoadError, LoadOptions, LoadProgress, LoadReport, SourceError,
+    SourceShard, Target, load, load_map,
 };
 use gpu_loader::pool::{GpuPool, PoolError};
 use gpu_loader::sim::{SimOptions, devices};
@@ -242,7 +242,10 @@ fn a_vanished_upstream_fails_the_load_clearly() {
     src.deliver(50_000_000, Some(2 << 20));
     let p = LoadProgress::new(r.layout.total, &[0]);
     let e = load(&*src, &r.layout, &r.targets, &LoadOptions::default(), &p).unwrap_err();
-    assert!(matches!(e, LoadError::Source { .. }), "{e}");
+    assert!(
+        matches!(&e, LoadError::Source { why: SourceError::Failed(w), .. } if w == "upstream vanished"),
+        "{e}"
+    );
     assert!(e.to_string().contains("upstream vanished"), "{e}");
 }
 
@@ -656,7 +659,7 @@ impl ChunkSource for Watched {
         first: u32,
         last: u32,
         timeout: Duration,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, SourceError> {
         self.inner.wait_verified(shard, first, last, timeout)
     }
     fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
@@ -901,7 +904,7 @@ impl ChunkSource for Affinity {
         first: u32,
         last: u32,
         timeout: Duration,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, SourceError> {
         self.inner.wait_verified(shard, first, last, timeout)
     }
     fn read(&self, shard: usize, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {

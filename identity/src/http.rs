@@ -71,18 +71,31 @@ impl HttpLimits {
         header_ms: Option<u64>,
         idle_ms: Option<u64>,
         names: [&str; 2],
-    ) -> Result<Self, String> {
+    ) -> Result<Self, LimitOutOfRange> {
         let d = Self::default();
         let pick = |name: &str, v: Option<u64>, default: Duration| match v {
             None => Ok(default),
             Some(ms) if (100..=3_600_000).contains(&ms) => Ok(Duration::from_millis(ms)),
-            Some(ms) => Err(format!("{name} must be between 100 and 3600000, got {ms}")),
+            Some(ms) => Err(LimitOutOfRange {
+                name: name.to_string(),
+                ms,
+            }),
         };
         Ok(Self {
             header_timeout: pick(names[0], header_ms, d.header_timeout)?,
             idle_timeout: pick(names[1], idle_ms, d.idle_timeout)?,
         })
     }
+}
+
+/// A timeout setting of [`HttpLimits::from_millis`] outside 100 ms to an hour.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name} must be between 100 and 3600000, got {ms}")]
+pub struct LimitOutOfRange {
+    /// The setting's name.
+    pub name: String,
+    /// Its value in milliseconds.
+    pub ms: u64,
 }
 
 impl Default for HttpLimits {

@@ -105,38 +105,49 @@ impl PlanClaims {
         me: &HostId,
         sender: &HostId,
         now: u64,
-    ) -> Result<(), String> {
-        let plan = &self.plan;
+    ) -> Result<(), Unauthorised> {
+        let plan = self.plan.clone();
         if now > self.not_after {
-            return Err(format!(
-                "plan {plan} expired {} s ago",
-                now - self.not_after
-            ));
+            return Err(Unauthorised::Expired {
+                plan,
+                ago_s: now - self.not_after,
+            });
         }
         if header.model != self.model {
-            return Err(format!(
-                "plan {plan} is for model {}, not {}",
-                self.model, header.model
-            ));
+            return Err(Unauthorised::OtherModel {
+                plan,
+                model: self.model,
+                asked: header.model,
+            });
         }
-        for (who, h) in [("this host", me), ("the sender", sender)] {
+        for (who, h) in [(Party::ThisHost, me), (Party::Sender, sender)] {
             if !self.names(h) {
-                return Err(format!("plan {plan} does not name {who} ({h})"));
+                return Err(Unauthorised::HostNotNamed {
+                    plan,
+                    who,
+                    host: h.clone(),
+                });
             }
         }
         for (which, hops) in [
-            ("downstream hop", &header.downstream),
-            ("upstream hop", &header.upstream),
+            (Party::Downstream, &header.downstream),
+            (Party::Upstream, &header.upstream),
         ] {
             for hop in hops.iter() {
                 if !self.names(&hop.host) {
-                    return Err(format!("plan {plan} does not name {which} {}", hop.host));
+                    return Err(Unauthorised::HopNotNamed {
+                        plan,
+                        which,
+                        host: hop.host.clone(),
+                    });
                 }
                 if !self.signs(hop) {
-                    return Err(format!(
-                        "plan {plan} does not give {which} {} the address {}",
-                        hop.host, hop.addr
-                    ));
+                    return Err(Unauthorised::AddressNotSigned {
+                        plan,
+                        which,
+                        host: hop.host.clone(),
+                        addr: hop.addr.clone(),
+                    });
                 }
             }
         }
@@ -146,13 +157,101 @@ impl PlanClaims {
                 .iter()
                 .any(|h| !h.addr.is_empty() && h.addr == addr)
             {
-                return Err(format!(
-                    "fallback holder {addr} is not the address of a host of plan {plan}"
-                ));
+                return Err(Unauthorised::FallbackNotAPlanHost {
+                    plan,
+                    addr: addr.to_string(),
+                });
             }
         }
         Ok(())
     }
+}
+
+/// Who an [`Unauthorised`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Party {
+    /// The host that received the `Open`.
+    ThisHost,
+    /// The host that sent it.
+    Sender,
+    /// A hop below, which this host would dial.
+    Downstream,
+    /// A holder above, which this host may pull from.
+    Upstream,
+}
+
+impl std::fmt::Display for Party {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::ThisHost => "this host",
+            Self::Sender => "the sender",
+            Self::Downstream => "downstream hop",
+            Self::Upstream => "upstream hop",
+        })
+    }
+}
+
+/// Why an `Open` is not within its plan's claims ([`PlanClaims::authorises`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unauthorised {
+    /// The plan expired.
+    #[error("plan {plan} expired {ago_s} s ago")]
+    Expired {
+        /// The plan id.
+        plan: String,
+        /// Seconds since it expired.
+        ago_s: u64,
+    },
+    /// The plan is for another model.
+    #[error("plan {plan} is for model {model}, not {asked}")]
+    OtherModel {
+        /// The plan id.
+        plan: String,
+        /// The plan's model.
+        model: ModelDigest,
+        /// The model the `Open` asks for.
+        asked: ModelDigest,
+    },
+    /// The plan does not name this host or the sender.
+    #[error("plan {plan} does not name {who} ({host})")]
+    HostNotNamed {
+        /// The plan id.
+        plan: String,
+        /// [`Party::ThisHost`] or [`Party::Sender`].
+        who: Party,
+        /// The host.
+        host: HostId,
+    },
+    /// The plan does not name a hop the header lists.
+    #[error("plan {plan} does not name {which} {host}")]
+    HopNotNamed {
+        /// The plan id.
+        plan: String,
+        /// [`Party::Downstream`] or [`Party::Upstream`].
+        which: Party,
+        /// The hop's host.
+        host: HostId,
+    },
+    /// The plan does not give a hop the address the header lists.
+    #[error("plan {plan} does not give {which} {host} the address {addr}")]
+    AddressNotSigned {
+        /// The plan id.
+        plan: String,
+        /// [`Party::Downstream`] or [`Party::Upstream`].
+        which: Party,
+        /// The hop's host.
+        host: HostId,
+        /// The address the header gives it.
+        addr: String,
+    },
+    /// A `shardcast://` fallback is no plan host's address.
+    #[error("fallback holder {addr} is not the address of a host of plan {plan}")]
+    FallbackNotAPlanHost {
+        /// The plan id.
+        plan: String,
+        /// The fallback's address.
+        addr: String,
+    },
 }
 
 impl Codec for PlanClaims {
@@ -363,8 +462,19 @@ mod tests {
         let plain = open(vec![], vec![], "");
         assert!(c.authorises(&plain, &b, &a, 999).is_ok());
         let err = |h: &SessionHeader, me: &HostId, from: &HostId, now| {
-            c.authorises(h, me, from, now).unwrap_err()
+            c.authorises(h, me, from, now).unwrap_err().to_string()
         };
+        assert!(matches!(
+            c.authorises(&plain, &b, &a, 1001),
+            Err(Unauthorised::Expired { ago_s: 1, .. })
+        ));
+        assert!(matches!(
+            c.authorises(&plain, &b, &x, 1),
+            Err(Unauthorised::HostNotNamed {
+                who: Party::Sender,
+                ..
+            })
+        ));
         assert!(err(&plain, &b, &a, 1001).contains("expired"));
         let other = SessionHeader {
             model: ModelDigest([8; 32]),
@@ -424,7 +534,7 @@ mod tests {
             ),
         ];
         for (h, why) in cases {
-            let e = c.authorises(&h, &b, &a, 1).unwrap_err();
+            let e = c.authorises(&h, &b, &a, 1).unwrap_err().to_string();
             assert!(e.contains(why), "{e} (wanted {why})");
         }
         // Origins that are not holders are the origin policy's business, not the plan's.

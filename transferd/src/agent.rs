@@ -687,10 +687,9 @@ impl Agent for AgentService {
                     "model {digest} is being transferred through this host; evict it after the transfer ends"
                 )));
             }
-            let ended = self.node.end_sessions_of(
-                &digest,
-                "ended by an evict of the model (its plans are over)",
-            );
+            let ended = self
+                .node
+                .end_sessions_of(&digest, &crate::chain::SessionError::Evicted);
             info!(model = %digest, ended, "ended the model's sessions that outlived their plans before evicting it");
         }
         let held = self

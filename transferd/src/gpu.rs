@@ -25,7 +25,7 @@ use std::time::Duration;
 use gpu_loader::device::HostMemory;
 use gpu_loader::handoff::{self, Handoff};
 use gpu_loader::index::{self, Layout, ShardRange, TensorEntry};
-use gpu_loader::loader::{ChunkSource, SourceShard};
+use gpu_loader::loader::{ChunkSource, SourceError, SourceShard};
 use gpu_loader::manager::{GpuManager, LoadRequest, ManagerError, PartitionLoad};
 use shardcast_policies::evict::Heaviness;
 use shardcast_policies::profile::group_of;
@@ -39,6 +39,17 @@ use crate::store::{Check, Shard, StoreError};
 
 /// How long a GPU load waits for a chunk found corrupt at rest to be repaired.
 pub const REPAIR_WAIT: Duration = Duration::from_secs(60);
+
+/// Why a model's memory-tier shards cannot be read as a [`StoreSource`].
+#[derive(Debug, thiserror::Error)]
+pub enum StoreSourceError {
+    /// The model's manifest is not on this host.
+    #[error("model {0} is unknown on this host")]
+    UnknownModel(ModelDigest),
+    /// A shard could not be opened in the memory tier.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
 
 /// The memory tier's shards of one model, read as their chunks are verified.
 pub struct StoreSource {
@@ -54,19 +65,16 @@ impl StoreSource {
         node: &Node,
         digest: &ModelDigest,
         rt: tokio::runtime::Handle,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StoreSourceError> {
         let manifest = node
             .store
             .manifest(digest)
-            .ok_or_else(|| format!("model {digest} is unknown on this host"))?;
+            .ok_or(StoreSourceError::UnknownModel(*digest))?;
         let mut shards = Vec::new();
         let mut info = Vec::new();
         for (i, s) in manifest.shards.iter().enumerate() {
             // Read through the store's own file handle: no path is opened again.
-            let shard = node
-                .store
-                .shard(digest, i as u32, Tier::Memory)
-                .map_err(|e| e.to_string())?;
+            let shard = node.store.shard(digest, i as u32, Tier::Memory)?;
             info.push(SourceShard {
                 path: s.path.to_string(),
                 size: s.size,
@@ -141,11 +149,8 @@ impl ChunkSource for StoreSource {
         first: u32,
         last: u32,
         timeout: Duration,
-    ) -> Result<bool, String> {
-        let s = self
-            .shards
-            .get(shard)
-            .ok_or_else(|| format!("no shard {shard}"))?;
+    ) -> Result<bool, SourceError> {
+        let s = self.shards.get(shard).ok_or(SourceError::NoShard(shard))?;
         let done = |s: &Shard| (first..=last).all(|c| s.is_verified(c));
         if done(s) {
             return Ok(true);
@@ -160,7 +165,7 @@ impl ChunkSource for StoreSource {
                 }
                 match tokio::time::timeout_at(deadline, rx.changed()).await {
                     Err(_) => return Ok(done(s)),
-                    Ok(Err(_)) => return Err("the shard was removed from the store".into()),
+                    Ok(Err(_)) => return Err(SourceError::Removed),
                     Ok(Ok(())) => {}
                 }
             }
@@ -233,7 +238,7 @@ pub async fn load(
         return load_partition(node, gpus, digest, count, explicit, heaviness, spec).await;
     }
     let source = StoreSource::new(node, digest, tokio::runtime::Handle::current())
-        .map_err(LoadFailure::Source)?;
+        .map_err(|e| LoadFailure::Source(e.to_string()))?;
     start(
         node,
         gpus,
@@ -321,7 +326,7 @@ async fn load_partition(
     let chunk_size = manifest.chunk_size;
     let source = Arc::new(
         StoreSource::new(node, digest, tokio::runtime::Handle::current())
-            .map_err(LoadFailure::Source)?,
+            .map_err(|e| LoadFailure::Source(e.to_string()))?,
     );
     let layout = Layout::of_source(source.shards());
     let tensor_shards: Vec<usize> = layout
@@ -374,7 +379,7 @@ async fn load_partition(
                         "the header of {} did not arrive within {HEADER_WAIT:?}; give the partition a source or start the model's chain first",
                         layout.shards[i].path
                     ))),
-                    Err(e) => Err(LoadFailure::Source(e)),
+                    Err(e) => Err(LoadFailure::Source(e.to_string())),
                 }
             };
             for &i in &shards {

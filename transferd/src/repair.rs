@@ -29,7 +29,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::chain::{Node, ShardSession};
+use crate::chain::{Node, SessionError, ShardSession};
 use crate::store::{Check, Shard, StoreError};
 
 /// Repair requests that may wait. Rationale: corruption is rare; a burst beyond this (a
@@ -45,7 +45,43 @@ pub const MODELS: usize = 1024;
 const SCRUB_IDLE: Duration = Duration::from_secs(1);
 
 /// The result of a repair: `Err` names what could not be repaired and why.
-pub type RepairOutcome = Result<(), String>;
+pub type RepairOutcome = Result<(), RepairError>;
+
+/// Why a repair did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RepairError {
+    /// The request was not queued: [`QUEUE`] requests wait already (or the repairer is gone).
+    #[error("the repair queue is full")]
+    QueueFull,
+    /// The repairer stopped before it answered.
+    #[error("the repairer stopped")]
+    Stopped,
+    /// The copy was removed from the store before the repair ran.
+    #[error("the copy was removed from the store")]
+    Removed,
+    /// No copy in the other tier and no source had the chunks.
+    #[error(
+        "chunks {chunks:?} of shard {shard} are corrupt at rest here and could not be repaired ({})",
+        not_repaired_from(.sources)
+    )]
+    Unrepairable {
+        /// The chunks still missing.
+        chunks: Vec<u32>,
+        /// Their shard.
+        shard: u32,
+        /// The sources tried (none: nothing to repair from).
+        sources: Vec<String>,
+    },
+}
+
+/// Why no source repaired the chunks.
+fn not_repaired_from(sources: &[String]) -> String {
+    if sources.is_empty() {
+        "no source to repair from".to_string()
+    } else {
+        format!("not repaired from {}", sources.join(", "))
+    }
+}
 
 /// Chunks of one shard copy to repair.
 pub struct RepairRequest {
@@ -103,7 +139,7 @@ impl RepairHandle {
             self.refused.fetch_add(1, Ordering::Relaxed);
             warn!(model = %req.shard.digest(), shard = req.shard.index(), "repair queue full; not repairing now");
             if let Some(done) = req.done {
-                let _ = done.send(Err("the repair queue is full".into()));
+                let _ = done.send(Err(RepairError::QueueFull));
             }
         }
     }
@@ -115,8 +151,7 @@ impl RepairHandle {
             done: Some(tx),
             ..RepairRequest::new(shard, chunks)
         });
-        rx.await
-            .unwrap_or_else(|_| Err("the repairer stopped".into()))
+        rx.await.unwrap_or(Err(RepairError::Stopped))
     }
 }
 
@@ -279,7 +314,7 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
         return Ok(());
     }
     if shard.is_removed() {
-        return Err("the copy was removed from the store".into());
+        return Err(RepairError::Removed);
     }
     let (digest, index, tier) = (shard.digest(), shard.index(), shard.tier());
     let manifest = shard.manifest().clone();
@@ -343,21 +378,20 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
         .stats()
         .chunks_unrepairable
         .fetch_add(chunks.len() as u64, Ordering::Relaxed);
-    let why = if sources.is_empty() {
-        "no source to repair from".to_string()
-    } else {
-        format!("not repaired from {}", sources.join(", "))
-    };
+    let why = not_repaired_from(&sources);
     error!(model = %digest, shard = index, ?tier, chunks = ?chunks, event = "unrepairable", "chunks corrupt at rest could not be repaired: {why}");
-    let msg = format!(
-        "chunks {chunks:?} of shard {index} are corrupt at rest here and could not be repaired ({why})"
-    );
+    let err = RepairError::Unrepairable {
+        chunks: chunks.clone(),
+        shard: index,
+        sources,
+    };
+    let failed = SessionError::Unrepairable(err.clone());
     if let Some(sess) = session {
-        sess.fail(msg.clone());
+        sess.fail(failed.clone());
     }
     // Sessions that forward this copy would otherwise wait for the chunks forever.
-    node.fail_sessions_needing(&shard, &chunks, &msg);
-    Err(msg)
+    node.fail_sessions_needing(&shard, &chunks, &failed);
+    Err(err)
 }
 
 /// Re-hashes every idle verified chunk (not verified within `reverify_after`) at `rate`
@@ -425,6 +459,33 @@ async fn run_scrub(node: Weak<Node>, rate: u64, cancel: CancellationToken) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unrepairable_reads_as_before() {
+        let e = RepairError::Unrepairable {
+            chunks: vec![3, 4],
+            shard: 1,
+            sources: vec![],
+        };
+        assert_eq!(
+            e.to_string(),
+            "chunks [3, 4] of shard 1 are corrupt at rest here and could not be repaired \
+             (no source to repair from)"
+        );
+        let e = RepairError::Unrepairable {
+            chunks: vec![3],
+            shard: 0,
+            sources: vec!["file:///a".into(), "shardcast://h:1".into()],
+        };
+        assert!(
+            e.to_string()
+                .ends_with("(not repaired from file:///a, shardcast://h:1)"),
+            "{e}"
+        );
+        let failed = SessionError::Unrepairable(e);
+        assert!(failed.is_local());
+        assert!(failed.to_string().contains("corrupt at rest"));
+    }
 
     #[test]
     fn runs_are_contiguous_ranges() {

@@ -14,6 +14,7 @@ use shardcast_protocol::{Frame, HopTransport, HostId, Manifest, SessionId, Tier,
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use super::outcome::FetchError;
 use super::session::{ChunkFrom, Incoming};
 use super::{ChainError, Node, ShardSession, read_timeout};
 use crate::origin::{self, Origin};
@@ -27,7 +28,7 @@ impl Node {
         sess: &ShardSession,
         source: &str,
         missing: Vec<u32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         if missing.is_empty() {
             return Ok(());
         }
@@ -41,9 +42,12 @@ impl Node {
             return self
                 .pull_from_holder(sess, addr, None, span, self.cfg.idle_timeout)
                 .await
-                .map_err(|e| format!("holder {addr}: {e}"));
+                .map_err(|error| FetchError::Holder {
+                    holder: addr.to_string(),
+                    error,
+                });
         }
-        let origin = Origin::parse(source, &self.cfg.origins).map_err(|e| e.to_string())?;
+        let origin = Origin::parse(source, &self.cfg.origins)?;
         self.fill_from(sess, &origin, missing, ChunkFrom::Origin)
             .await
     }
@@ -56,7 +60,7 @@ impl Node {
         origin: &Origin,
         missing: Vec<u32>,
         from: ChunkFrom,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.cfg.origin_parallel.max(1) * 2);
         let fetch = {
             let origin = origin.clone();
@@ -70,13 +74,9 @@ impl Node {
         while let Some(chunk) = rx.recv().await {
             let index = chunk.index();
             self.store_chunk(sess, index, Incoming::Verified(chunk), from)
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
         }
-        match fetch.await {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(e) => Err(format!("origin fetch task: {e}")),
-        }
+        Ok(fetch.await??)
     }
 
     /// Pulls every chunk of `span` (within the session's range) that `addr` holds; the
@@ -153,7 +153,7 @@ impl Node {
         manifest: &Arc<Manifest>,
         origin: &str,
         tier: Tier,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         let spans = (0..manifest.shards.len() as u32)
             .map(|s| (s, 0..u32::MAX))
             .collect();
@@ -165,7 +165,7 @@ impl Node {
                 .existing_shard(&model, s)
                 .is_some_and(|sh| sh.is_complete());
             if !complete {
-                return Err(format!("origin did not provide every chunk of shard {s}"));
+                return Err(FetchError::Incomplete { shard: s });
             }
         }
         Ok(())
@@ -186,7 +186,7 @@ impl Node {
         staging: &crate::store::Staging,
         origin: &str,
         tier: Tier,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         let model = manifest.digest();
         self.repairs.note_source(model, origin);
         let staged = Origin::staged(staging.path());
@@ -204,10 +204,7 @@ impl Node {
                     warn!(model = %model, shard = s, "cannot move the kept file into place; copying it through verification: {e}");
                 }
             }
-            let shard = self
-                .store
-                .shard(&model, s, tier)
-                .map_err(|e| e.to_string())?;
+            let shard = self.store.shard(&model, s, tier)?;
             let total = shard.total_chunks();
             let missing: Vec<u32> = shard.verified_set(0, total).missing().collect();
             if !missing.is_empty() {
@@ -225,7 +222,7 @@ impl Node {
                     .await?;
             }
             if !shard.is_complete() {
-                return Err(format!("the kept copy of shard {s} is incomplete"));
+                return Err(FetchError::KeptIncomplete { shard: s });
             }
             if let Err(e) = staging.remove(&entry.path) {
                 warn!(model = %model, shard = s, "removing a staged shard: {e}");
@@ -244,20 +241,17 @@ impl Node {
         source: &str,
         tier: Tier,
         spans: Vec<(u32, std::ops::Range<u32>)>,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         let model = manifest.digest();
         self.repairs.note_source(model, source);
         for (s, range) in spans {
             if s as usize >= manifest.shards.len() {
-                return Err(format!(
-                    "shard {s} does not exist (the model has {})",
-                    manifest.shards.len()
-                ));
+                return Err(FetchError::NoSuchShard {
+                    shard: s,
+                    shards: manifest.shards.len(),
+                });
             }
-            let shard = self
-                .store
-                .shard(&model, s, tier)
-                .map_err(|e| e.to_string())?;
+            let shard = self.store.shard(&model, s, tier)?;
             let total = shard.total_chunks();
             let (start, end) = (range.start.min(total), range.end.min(total));
             if start >= end {

@@ -16,6 +16,7 @@ use bytes::BytesMut;
 use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, SessionHeader};
 use tracing::{Instrument, info, info_span, warn};
 
+use super::outcome::{ForwardError, HopFailure};
 use super::proto::{Answer, LocalCopy, Repair, SendOutcome, SendWindow, Transmit};
 use super::session::ForwardState;
 use super::{CHECK_AHEAD, ChainError, Node, ShardSession, now, read_timeout, sleep_until};
@@ -42,9 +43,21 @@ impl Node {
     }
 
     /// Forwards the session's chunks to the first hop of `hops` that works, failing over
-    /// down the list.
-    async fn forward(&self, sess: &Arc<ShardSession>, mut hops: Vec<Hop>) -> Result<(), String> {
+    /// down the list. `Err` lists every hop skipped (even when a later one took the range),
+    /// or what stopped the forwarder.
+    async fn forward(
+        &self,
+        sess: &Arc<ShardSession>,
+        mut hops: Vec<Hop>,
+    ) -> Result<(), ForwardError> {
         let mut failures = Vec::new();
+        let ended = |failures: Vec<HopFailure>| {
+            if failures.is_empty() {
+                Ok(())
+            } else {
+                Err(ForwardError { failures })
+            }
+        };
         while !hops.is_empty() {
             let hop = hops.remove(0);
             let mut result = self.forward_to(sess, &hop, &hops).await;
@@ -59,49 +72,50 @@ impl Node {
                 {
                     warn!(peer = %hop.host, "bypassed while stopped or cut off; rejoining as a leaf: {e}");
                     sess.bypassed.send_replace(Some(hop.clone()));
-                    failures.push(format!("bypassed: {} is fed by a live upstream", hop.host));
-                    return Err(failures.join("; "));
+                    failures.push(HopFailure::Bypassed {
+                        host: hop.host.clone(),
+                    });
+                    return ended(failures);
                 }
             }
-            match result {
-                Ok(()) => {
-                    return if failures.is_empty() {
-                        Ok(())
-                    } else {
-                        Err(failures.join("; "))
-                    };
-                }
-                Err(e) => {
-                    if self.cancel.is_cancelled() {
-                        return Err("host is shutting down".into());
-                    }
-                    // Our own copy cannot be completed or read: the downstream hop is not at
-                    // fault, so it is not skipped (its recovery monitor takes over).
-                    let local = sess.failed.borrow().clone();
-                    if let Some(why) =
-                        local.or_else(|| matches!(e, ChainError::Store(_)).then(|| e.to_string()))
-                    {
-                        warn!(peer = %hop.host, "forwarding stopped by a local failure, not failing over: {why}");
-                        failures.push(format!("local: {why}"));
-                        return Err(failures.join("; "));
-                    }
-                    self.stats
-                        .downstream_failovers
-                        .fetch_add(1, Ordering::Relaxed);
-                    if e.is_stall() {
-                        self.stats.downstream_stalls.fetch_add(1, Ordering::Relaxed);
-                    }
-                    self.forget_path(sess.transport, &hop.addr, &e);
-                    warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
-                    failures.push(format!("{} ({}): {e}", hop.host, hop.addr));
-                }
+            let e = match result {
+                Ok(()) => return ended(failures),
+                Err(e) => e,
+            };
+            if self.cancel.is_cancelled() {
+                return ended(vec![HopFailure::ShuttingDown]);
             }
+            // Our own copy cannot be completed or read: the downstream hop is not at
+            // fault, so it is not skipped (its recovery monitor takes over).
+            let local = sess.failed.borrow().clone();
+            let local = match (local, e) {
+                (Some(why), _) => Err(HopFailure::Local(why)),
+                (None, e @ ChainError::Store(_)) => Err(HopFailure::LocalStore(Arc::new(e))),
+                (None, e) => Ok(e),
+            };
+            let e = match local {
+                Ok(e) => e,
+                Err(local) => {
+                    warn!(peer = %hop.host, "forwarding stopped by a local failure, not failing over: {local}");
+                    failures.push(local);
+                    return ended(failures);
+                }
+            };
+            self.stats
+                .downstream_failovers
+                .fetch_add(1, Ordering::Relaxed);
+            if e.is_stall() {
+                self.stats.downstream_stalls.fetch_add(1, Ordering::Relaxed);
+            }
+            self.forget_path(sess.transport, &hop.addr, &e);
+            warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
+            failures.push(HopFailure::Hop {
+                host: hop.host.clone(),
+                addr: hop.addr.clone(),
+                error: Arc::new(e),
+            });
         }
-        if failures.is_empty() {
-            Ok(())
-        } else {
-            Err(failures.join("; "))
-        }
+        ended(failures)
     }
 
     async fn forward_to(
@@ -216,7 +230,8 @@ impl Node {
                     continue;
                 }
                 _ = failed.changed() => {
-                    if let Some(why) = sess.failed.borrow().clone() {
+                    let why = sess.failed.borrow().clone();
+                    if let Some(why) = why {
                         return Err(ChainError::refused(ErrorCode::NoSuchChunk, format!("cannot forward: {why}")));
                     }
                     continue;

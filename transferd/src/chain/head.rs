@@ -13,6 +13,7 @@ use bytes::Bytes;
 use shardcast_protocol::{ErrorCode, Hop, HopTransport, Manifest, ModelDigest, SessionId, Tier};
 use tracing::{info, warn};
 
+use super::outcome::{FetchError, SessionError};
 use super::session::FeederGuard;
 use super::{ChainError, Node, ShardSession, stripe_ranges};
 
@@ -180,9 +181,9 @@ impl Node {
                 }
             };
             if let Err(e) = result {
-                sess.fail(format!("origin fetch failed: {e}"));
+                sess.fail(SessionError::OriginFetch(Arc::new(e)));
             } else if !sess.complete() {
-                sess.fail("origin did not provide every chunk".into());
+                sess.fail(SessionError::OriginIncomplete);
             }
         });
     }
@@ -195,7 +196,7 @@ impl Node {
         sess: &ShardSession,
         below: Option<Hop>,
         origin: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         if let Some(hop) = below {
             info!(session = %sess.id, below = %hop.host, "bypassed: pulling the rest from the hop below instead of the origin");
             if let Err(e) = self.pull_while_progressing(sess, &hop).await {

@@ -106,6 +106,7 @@ mod fetch;
 mod forward;
 mod handshake;
 mod head;
+mod outcome;
 mod proto;
 mod recovery;
 mod serve;
@@ -113,6 +114,7 @@ mod session;
 mod upstream;
 
 pub use head::{ChainSpec, HeadSession};
+pub use outcome::{FetchError, ForwardError, HopFailure, RecoveryError, SessionError};
 pub use session::ShardSession;
 
 use proto::{InboundConfig, SendFailure, SendWindowConfig};
@@ -333,9 +335,9 @@ pub enum ChainError {
         /// What is wrong.
         message: String,
     },
-    /// The store failed.
+    /// The store failed (shared: a session's outcome names the same error).
     #[error("store: {0}")]
-    Store(#[from] crate::store::StoreError),
+    Store(#[source] Arc<crate::store::StoreError>),
     /// The peer closed the connection before the exchange finished.
     #[error("peer closed the connection")]
     Closed,
@@ -358,7 +360,7 @@ impl ChainError {
 
     /// Whether the peer made no progress within a deadline (silent, or draining no write):
     /// stalled rather than refusing or broken.
-    fn is_stall(&self) -> bool {
+    pub fn is_stall(&self) -> bool {
         matches!(
             self,
             Self::Timeout(_) | Self::Wire(WireError::Idle(_) | WireError::WriteStalled(_))
@@ -394,6 +396,12 @@ impl ChainError {
             Self::Store(_) => Some(ErrorCode::Storage),
             Self::Remote { .. } | Self::Closed | Self::Timeout(_) => None,
         }
+    }
+}
+
+impl From<crate::store::StoreError> for ChainError {
+    fn from(e: crate::store::StoreError) -> Self {
+        Self::Store(Arc::new(e))
     }
 }
 
@@ -539,7 +547,7 @@ impl Node {
         &self,
         shard: &Arc<Shard>,
         chunks: &[u32],
-        why: &str,
+        why: &SessionError,
     ) -> usize {
         self.fail_sessions_where(why, |s| {
             Arc::ptr_eq(&s.shard, shard) && chunks.iter().any(|c| (s.start..s.end).contains(c))
@@ -549,12 +557,16 @@ impl Node {
     /// Fails every unfinished session of `model` on this host (hop and head sessions), so
     /// that its copies can be removed: what an evict asks for once no plan moves the model
     /// here any more. Returns how many were failed.
-    pub(crate) fn end_sessions_of(&self, model: &ModelDigest, why: &str) -> usize {
+    pub(crate) fn end_sessions_of(&self, model: &ModelDigest, why: &SessionError) -> usize {
         self.fail_sessions_where(why, |s| s.model == *model)
     }
 
     /// Fails every unfinished hop or head session for which `hit` holds.
-    fn fail_sessions_where(&self, why: &str, hit: impl Fn(&ShardSession) -> bool) -> usize {
+    fn fail_sessions_where(
+        &self,
+        why: &SessionError,
+        hit: impl Fn(&ShardSession) -> bool,
+    ) -> usize {
         let hit = |s: &ShardSession| s.outcome().is_none() && hit(s);
         let mut found: Vec<Arc<ShardSession>> = self
             .sessions
@@ -570,7 +582,7 @@ impl Node {
             );
         }
         for s in &found {
-            s.fail(why.to_string());
+            s.fail(why.clone());
         }
         found.len()
     }

@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use shardcast_protocol::Hop;
 use tracing::{info, warn};
 
+use super::outcome::{FetchError, RecoveryError, SessionError};
 use super::proto::{
     AfterFill, RecoveryAction, RecoveryMonitor, Source, Watched, all_stalled, recovery_sources,
 };
@@ -47,7 +48,7 @@ impl Node {
                 };
                 match monitor.poll(now(), seen) {
                     RecoveryAction::Stop => return,
-                    RecoveryAction::Fail(why) => return sess.fail(why),
+                    RecoveryAction::NoSource => return sess.fail(SessionError::NoFallback),
                     RecoveryAction::Wait(until) => tokio::select! {
                         r = feeders.changed() => if r.is_err() { return },
                         () = sleep_until(until) => {}
@@ -64,7 +65,12 @@ impl Node {
                         drop(guard);
                         match monitor.fill_finished(result, sess.complete()) {
                             AfterFill::Stop => return,
-                            AfterFill::Fail(why) => return sess.fail(why),
+                            AfterFill::Fail { attempts, cause } => {
+                                return sess.fail(SessionError::RecoveryFailed {
+                                    attempts,
+                                    cause: cause.map(Arc::new),
+                                });
+                            }
                             AfterFill::Retry(Some(e)) => {
                                 warn!(session = %sess.id, "recovery attempt failed: {e}");
                             }
@@ -77,7 +83,11 @@ impl Node {
     }
 
     /// Fetches what the session lacks from `sources` in order, until it is complete.
-    async fn recover_from(&self, sess: &ShardSession, sources: &[Source]) -> Result<(), String> {
+    async fn recover_from(
+        &self,
+        sess: &ShardSession,
+        sources: &[Source],
+    ) -> Result<(), RecoveryError> {
         let mut errors = Vec::new();
         for source in sources {
             if sess.complete() {
@@ -106,7 +116,7 @@ impl Node {
         if sess.complete() || errors.is_empty() {
             Ok(())
         } else {
-            Err(errors.join("; "))
+            Err(RecoveryError { failures: errors })
         }
     }
 
@@ -116,7 +126,7 @@ impl Node {
         &self,
         sess: &ShardSession,
         hop: &Hop,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         let mut empty = 0;
         loop {
             let held = sess.shard.verified_set(sess.start, sess.end);
@@ -136,7 +146,10 @@ impl Node {
                 self.cfg.stall_timeout,
             )
             .await
-            .map_err(|e| format!("holder {}: {e}", hop.host))?;
+            .map_err(|error| FetchError::Holder {
+                holder: hop.host.to_string(),
+                error,
+            })?;
             if sess.verified() > before {
                 empty = 0;
                 continue;

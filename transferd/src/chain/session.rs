@@ -14,6 +14,7 @@ use shardcast_protocol::{
 use tokio::sync::{broadcast, watch};
 use tracing::warn;
 
+use super::outcome::{ForwardError, SessionError};
 use super::proto::Verdict;
 use super::{ChainError, MAX_PROGRESS_HOSTS, Node, NodeStats};
 use crate::store::{Shard, Written};
@@ -40,10 +41,10 @@ pub(super) enum ChunkFrom {
 }
 
 /// Where a forwarder stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(super) enum ForwardState {
     Running,
-    Finished(Result<(), String>),
+    Finished(Result<(), ForwardError>),
 }
 
 /// One shard's part of a chain session on this host. See the module docs.
@@ -73,7 +74,7 @@ pub struct ShardSession {
     pub(super) progress: broadcast::Sender<Frame>,
     pub(super) hop_progress: Mutex<BTreeMap<String, (u32, u32)>>,
     pub(super) forward: watch::Sender<ForwardState>,
-    pub(super) failed: watch::Sender<Option<String>>,
+    pub(super) failed: watch::Sender<Option<SessionError>>,
     /// The holders above this hop, nearest first, from the latest `Open` (a failover's
     /// `Open` comes from a hop above a stalled one, so it lists only live hops).
     pub(super) upstream: Mutex<Vec<Hop>>,
@@ -123,18 +124,20 @@ impl ShardSession {
 
     /// `None` while running; `Some(Ok)` when the range is here and the forwarder finished;
     /// `Some(Err)` when it cannot finish.
-    pub fn outcome(&self) -> Option<Result<(), String>> {
+    pub fn outcome(&self) -> Option<Result<(), SessionError>> {
         if let Some(e) = self.failed.borrow().clone() {
             return Some(Err(e));
         }
         match &*self.forward.borrow() {
-            ForwardState::Finished(r) if self.complete() => Some(r.clone()),
+            ForwardState::Finished(r) if self.complete() => {
+                Some(r.clone().map_err(SessionError::Forward))
+            }
             _ => None,
         }
     }
 
     /// Marks the session failed (it cannot complete here).
-    pub(crate) fn fail(&self, why: String) {
+    pub(crate) fn fail(&self, why: SessionError) {
         warn!(session = %self.id, shard = self.shard_index(), "session failed: {why}");
         self.failed.send_replace(Some(why));
     }
@@ -156,7 +159,7 @@ impl ShardSession {
 
     /// Waits until the range is verified here (`Ok`), or the session failed (`Err`); the
     /// forwarder may still be sending below.
-    pub async fn ready(&self) -> Result<(), String> {
+    pub async fn ready(&self) -> Result<(), SessionError> {
         let mut verified = self.shard.subscribe();
         let mut failed = self.failed.subscribe();
         loop {
@@ -167,14 +170,14 @@ impl ShardSession {
                 return Ok(());
             }
             tokio::select! {
-                r = verified.changed() => if r.is_err() { return Err("store closed".into()) },
-                r = failed.changed() => if r.is_err() { return Err("session gone".into()) },
+                r = verified.changed() => if r.is_err() { return Err(SessionError::StoreClosed) },
+                r = failed.changed() => if r.is_err() { return Err(SessionError::SessionGone) },
             }
         }
     }
 
     /// Waits until [`ShardSession::outcome`] is `Some`.
-    pub async fn finished(&self) -> Result<(), String> {
+    pub async fn finished(&self) -> Result<(), SessionError> {
         let mut verified = self.shard.subscribe();
         let mut forward = self.forward.subscribe();
         let mut failed = self.failed.subscribe();
@@ -183,9 +186,9 @@ impl ShardSession {
                 return r;
             }
             tokio::select! {
-                r = verified.changed() => if r.is_err() { return Err("store closed".into()) },
-                r = forward.changed() => if r.is_err() { return Err("forwarder gone".into()) },
-                r = failed.changed() => if r.is_err() { return Err("session gone".into()) },
+                r = verified.changed() => if r.is_err() { return Err(SessionError::StoreClosed) },
+                r = forward.changed() => if r.is_err() { return Err(SessionError::ForwarderGone) },
+                r = failed.changed() => if r.is_err() { return Err(SessionError::SessionGone) },
             }
         }
     }
@@ -375,14 +378,16 @@ impl Node {
             // EIO): this copy cannot complete here. Said once, with the model's status, and
             // the session ends instead of fetching the same chunks again and again.
             Err(e) => {
-                let why = format!(
-                    "storing chunk {index} of shard {} in the {:?} tier: {e}",
-                    sess.shard_index(),
-                    sess.shard.tier()
-                );
-                self.note_store_failure(sess.model, sess.shard.tier(), sess.id, why.clone());
+                let e = Arc::new(e);
+                let why = SessionError::StoreRefused {
+                    index,
+                    shard: sess.shard_index(),
+                    tier: sess.shard.tier(),
+                    error: e.clone(),
+                };
+                self.note_store_failure(sess.model, sess.shard.tier(), sess.id, why.to_string());
                 sess.fail(why);
-                return Err(e.into());
+                return Err(ChainError::Store(e));
             }
             Ok(Some(written)) => {
                 if let Written::Corrupt(e) = written {

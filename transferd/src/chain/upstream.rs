@@ -63,7 +63,7 @@ impl Node {
         // us, a `shardcast://` fallback) must be one the plan names.
         claims
             .authorises(header, &self.host, remote, now)
-            .map_err(refuse)?;
+            .map_err(|e| refuse(e.to_string()))?;
         Ok(Some(claims))
     }
 

@@ -234,10 +234,48 @@ pub enum QuicAcceptError {
     Timeout(Duration),
     /// The peer's certificate holds no usable identity, or not a host's.
     #[error("peer certificate: {0}")]
-    Identity(String),
-    /// This host's route to the peer carries less than the declared `quic_path_mtu`.
+    Identity(#[from] PeerIdentityError),
+    /// This host's route to the peer carries less than the declared `quic_path_mtu` (or
+    /// could not be asked).
     #[error("{0}")]
-    PathMtu(String),
+    PathMtu(#[source] std::io::Error),
+}
+
+/// Why a QUIC peer's certificate chain gives no identity this host accepts.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerIdentityError {
+    /// No certificate chain.
+    #[error("the peer presented no certificate")]
+    NoCertificate,
+    /// The leaf certificate names no valid identity.
+    #[error(transparent)]
+    Certificate(#[from] shardcast_identity::IdentityError),
+    /// The identity is not the one dialled.
+    #[error(transparent)]
+    Unexpected(#[from] shardcast_identity::tls::TlsError),
+    /// The peer is not a host.
+    #[error("{0} is not a host")]
+    NotHost(Identity),
+}
+
+/// A route whose MTU cannot carry the declared `quic_path_mtu`; says what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "quic_path_mtu {declared} needs an MTU of {needed} bytes toward {peer}, but this \
+     host's route to it has {route_mtu}: lower quic_path_mtu to {} or raise the link's MTU",
+    .route_mtu.saturating_sub(*.headers)
+)]
+pub struct PathMtuError {
+    /// The peer.
+    pub peer: SocketAddr,
+    /// The declared UDP payload size.
+    pub declared: u16,
+    /// The MTU that payload needs with the headers.
+    pub needed: u32,
+    /// The MTU of this host's route to the peer.
+    pub route_mtu: u32,
+    /// IP and UDP header bytes.
+    pub headers: u32,
 }
 
 /// A connection slot: dials to one (address, host) are serialised, so sessions that start
@@ -366,16 +404,18 @@ fn path_mtu_fits(
     declared: u16,
     route_mtu: u32,
     headers: u32,
-) -> Result<(), String> {
+) -> Result<(), PathMtuError> {
     let needed = u32::from(declared) + headers;
     if route_mtu >= needed {
         return Ok(());
     }
-    Err(format!(
-        "quic_path_mtu {declared} needs an MTU of {needed} bytes toward {peer}, but this \
-         host's route to it has {route_mtu}: lower quic_path_mtu to {} or raise the link's MTU",
-        route_mtu.saturating_sub(headers)
-    ))
+    Err(PathMtuError {
+        peer,
+        declared,
+        needed,
+        route_mtu,
+        headers,
+    })
 }
 
 /// The most UDP payload one `sendmsg` may carry over IPv4 (65535 less the IPv4 and UDP
@@ -454,16 +494,16 @@ fn reset_key(tls: &TlsContext) -> std::io::Result<Arc<dyn quinn::crypto::HmacKey
 }
 
 /// The host identity in a QUIC connection's peer certificate chain.
-fn peer_identity(conn: &quinn::Connection) -> Result<Identity, String> {
+fn peer_identity(conn: &quinn::Connection) -> Result<Identity, PeerIdentityError> {
     let certs = conn
         .peer_identity()
         .and_then(|any| {
             any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
                 .ok()
         })
-        .ok_or("the peer presented no certificate")?;
-    let leaf = certs.first().ok_or("the peer presented no certificate")?;
-    identity_of(leaf).map_err(|e| e.to_string())
+        .ok_or(PeerIdentityError::NoCertificate)?;
+    let leaf = certs.first().ok_or(PeerIdentityError::NoCertificate)?;
+    Ok(identity_of(leaf)?)
 }
 
 impl Quic {
@@ -658,8 +698,12 @@ impl Quic {
             Ok(Ok(c)) => c,
         };
         let expect = super::expect_host(expect)?;
-        let checked = peer_identity(&conn)
-            .and_then(|id| expect.check(&id).map(|()| id).map_err(|e| e.to_string()));
+        let checked = peer_identity(&conn).and_then(|id| {
+            expect
+                .check(&id)
+                .map(|()| id)
+                .map_err(PeerIdentityError::from)
+        });
         let id = match checked {
             Ok(id) => id,
             Err(e) => {
@@ -713,17 +757,17 @@ impl Quic {
         {
             self.stats.path_mtu_refused.fetch_add(1, Ordering::Relaxed);
             incoming.refuse();
-            return Err(QuicAcceptError::PathMtu(e.to_string()));
+            return Err(QuicAcceptError::PathMtu(e));
         }
         let result = async {
             let connecting = incoming.accept()?;
             let conn = tokio::time::timeout(limit, connecting)
                 .await
                 .map_err(|_| QuicAcceptError::Timeout(limit))??;
-            let id = peer_identity(&conn).map_err(QuicAcceptError::Identity)?;
+            let id = peer_identity(&conn)?;
             if id.role != Role::Host {
                 conn.close(quinn::VarInt::from_u32(1), b"not a host");
-                return Err(QuicAcceptError::Identity(format!("{id} is not a host")));
+                return Err(PeerIdentityError::NotHost(id).into());
             }
             Ok((conn, id))
         }
@@ -942,6 +986,8 @@ mod tests {
         assert!(path_mtu_fits(peer, 8972, 9000, 28).is_ok());
         assert!(path_mtu_fits(peer, 1472, 1500, 28).is_ok());
         let e = path_mtu_fits(peer, 8972, 1500, 28).unwrap_err();
+        assert_eq!((e.needed, e.route_mtu), (9000, 1500));
+        let e = e.to_string();
         assert!(e.contains("quic_path_mtu 8972 needs an MTU of 9000 bytes toward 10.0.0.2:7400"));
         assert!(e.contains("has 1500: lower quic_path_mtu to 1472"), "{e}");
         let v6: SocketAddr = "[fd00::2]:7400".parse().unwrap();

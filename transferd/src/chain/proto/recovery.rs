@@ -80,21 +80,28 @@ pub(crate) enum RecoveryAction {
         /// 1 for the first attempt.
         attempt: u32,
     },
-    /// Fail the session with this reason and stop.
-    Fail(String),
+    /// Nothing fed the session for the grace period and it has no source to fetch from:
+    /// fail it and stop.
+    NoSource,
     /// Nothing more to do: the session completed or failed.
     Stop,
 }
 
-/// What follows a fetch from the fallback source.
+/// What follows a fetch from the fallback source that ended with an error of type `E`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum AfterFill {
+pub(crate) enum AfterFill<E> {
     /// The session is complete.
     Stop,
     /// Poll again (after another grace period); the fetch's error, if it had one.
-    Retry(Option<String>),
-    /// Fail the session with this reason.
-    Fail(String),
+    Retry(Option<E>),
+    /// Every attempt was made: fail the session. `cause`: the last fetch's error (`None`:
+    /// it ended without one, but the source lacked chunks).
+    Fail {
+        /// Fetches made.
+        attempts: u32,
+        /// The last fetch's error.
+        cause: Option<E>,
+    },
 }
 
 /// The recovery decisions of one hop session. See the module docs.
@@ -140,9 +147,7 @@ impl RecoveryMonitor {
         self.unfed_since = None;
         self.attempts += 1;
         if !seen.has_source {
-            return RecoveryAction::Fail(
-                "upstream vanished and the session has no fallback source".into(),
-            );
+            return RecoveryAction::NoSource;
         }
         RecoveryAction::Fetch {
             attempt: self.attempts,
@@ -151,22 +156,17 @@ impl RecoveryMonitor {
 
     /// A fetch from the fallback source ended with `result`; `complete`: the range is now
     /// verified here.
-    pub(crate) fn fill_finished(
+    pub(crate) fn fill_finished<E>(
         &mut self,
-        result: Result<(), String>,
+        result: Result<(), E>,
         complete: bool,
-    ) -> AfterFill {
+    ) -> AfterFill<E> {
         match result {
             Ok(()) if complete => AfterFill::Stop,
-            r if self.attempts >= self.max_attempts => {
-                let why = r
-                    .err()
-                    .unwrap_or_else(|| "fallback source lacks chunks".into());
-                AfterFill::Fail(format!(
-                    "recovery failed after {} attempts: {why}",
-                    self.attempts
-                ))
-            }
+            r if self.attempts >= self.max_attempts => AfterFill::Fail {
+                attempts: self.attempts,
+                cause: r.err(),
+            },
             r => AfterFill::Retry(r.err()),
         }
     }

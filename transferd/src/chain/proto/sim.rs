@@ -591,10 +591,7 @@ fn recovery_without_a_fallback_fails_after_the_grace() {
         ..watched(0)
     };
     m.poll(t0, none);
-    assert!(matches!(
-        m.poll(t0 + GRACE, none),
-        RecoveryAction::Fail(why) if why.contains("no fallback source")
-    ));
+    assert_eq!(m.poll(t0 + GRACE, none), RecoveryAction::NoSource);
 }
 
 #[test]
@@ -605,16 +602,33 @@ fn recovery_gives_up_after_its_attempts() {
         m.poll(t, watched(0));
         t += GRACE;
         assert_eq!(m.poll(t, watched(0)), RecoveryAction::Fetch { attempt });
-        let after = m.fill_finished(Err("origin down".into()), false);
+        let after = m.fill_finished(Err("origin down"), false);
         if attempt < 3 {
-            assert_eq!(after, AfterFill::Retry(Some("origin down".into())));
+            assert_eq!(after, AfterFill::Retry(Some("origin down")));
         } else {
             assert_eq!(
                 after,
-                AfterFill::Fail("recovery failed after 3 attempts: origin down".into())
+                AfterFill::Fail {
+                    attempts: 3,
+                    cause: Some("origin down")
+                }
             );
         }
     }
+    // A last fetch that ended without an error but left chunks missing: no cause.
+    let mut m = RecoveryMonitor::new(GRACE, 1);
+    m.poll(t, watched(0));
+    assert_eq!(
+        m.poll(t + GRACE, watched(0)),
+        RecoveryAction::Fetch { attempt: 1 }
+    );
+    assert_eq!(
+        m.fill_finished(Ok::<(), &str>(()), false),
+        AfterFill::Fail {
+            attempts: 1,
+            cause: None
+        }
+    );
 }
 
 #[test]
@@ -626,7 +640,7 @@ fn recovery_stops_once_complete_or_failed() {
         m.poll(t0 + GRACE, watched(0)),
         RecoveryAction::Fetch { attempt: 1 }
     );
-    assert_eq!(m.fill_finished(Ok(()), true), AfterFill::Stop);
+    assert_eq!(m.fill_finished(Ok::<(), ()>(()), true), AfterFill::Stop);
     let done = Watched {
         complete: true,
         ..watched(0)
@@ -1211,10 +1225,10 @@ proptest! {
                     let result = if ok { Ok(()) } else { Err("x".to_string()) };
                     match m.fill_finished(result, ok && complete) {
                         AfterFill::Retry(_) => {}
-                        AfterFill::Stop | AfterFill::Fail(_) => { ended = true; break; }
+                        AfterFill::Stop | AfterFill::Fail { .. } => { ended = true; break; }
                     }
                 }
-                RecoveryAction::Fail(_) => { prop_assert!(!has_fallback); ended = true; break; }
+                RecoveryAction::NoSource => { prop_assert!(!has_fallback); ended = true; break; }
                 RecoveryAction::Stop => unreachable!("never complete nor failed here"),
             }
         }
@@ -1228,11 +1242,11 @@ proptest! {
                 RecoveryAction::Wait(Some(t)) => now = t,
                 RecoveryAction::Fetch { .. } => {
                     fetches += 1;
-                    if matches!(m.fill_finished(Ok(()), false), AfterFill::Fail(_)) {
+                    if matches!(m.fill_finished(Ok::<(), ()>(()), false), AfterFill::Fail { .. }) {
                         ended = true;
                     }
                 }
-                RecoveryAction::Fail(_) => ended = true,
+                RecoveryAction::NoSource => ended = true,
                 other => prop_assert!(false, "unexpected {:?}", other),
             }
         }
