@@ -126,4 +126,47 @@ mod tests {
             format!("org/m abc ({})\nno copies\n", format_bytes(0))
         );
     }
+
+    /// The sample in docs/OPERATIONS.md ("The `shardcast` CLI").
+    #[test]
+    fn the_documented_sample() {
+        let gib = 1u64 << 30;
+        let total = 15 * gib;
+        let holding =
+            |host: &str, up: bool, memory_bytes: u64, disk: bool, gpus: u32| HostHolding {
+                host: host.into(),
+                up,
+                memory: memory_bytes == total,
+                disk,
+                memory_bytes,
+                disk_bytes: if disk { total } else { 0 },
+                gpus,
+            };
+        let s = ModelStatus {
+            model: Some(ModelInfo {
+                name: "org/llama-3-8b".into(),
+                digest: "DIGEST".into(),
+                total_bytes: total,
+                ..Default::default()
+            }),
+            hosts: vec![
+                holding("gpu-1", true, total, true, 1),
+                holding("gpu-2", true, 6 * gib + (205 << 20), false, 0),
+                holding("gpu-3", false, 0, true, 0),
+            ],
+            plans: vec!["p-000017".into()],
+        };
+        let doc = include_str!("../../../docs/OPERATIONS.md");
+        let sample = doc
+            .split("For example, `shardcast status org/llama-3-8b`:\n\n```text\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .expect("the sample in docs/OPERATIONS.md");
+        let digest = sample
+            .split_whitespace()
+            .nth(1)
+            .expect("a digest in the sample");
+        let rendered = render(&s).replace("DIGEST", digest);
+        assert_eq!(rendered, sample);
+    }
 }
