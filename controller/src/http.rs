@@ -181,7 +181,11 @@ pub fn router(c: Arc<Services>) -> Router {
         .route(
             "/metrics",
             get(|State(c): Ctl| async move {
-                let text = c.core.config().metrics.render(&c);
+                let text = c
+                    .core
+                    .config()
+                    .metrics
+                    .render(Box::new(crate::exposition::StateCollector(c.clone())));
                 ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text)
             }),
         )

@@ -54,6 +54,7 @@ pub mod core;
 pub mod error;
 pub mod etcd;
 pub mod events;
+pub mod exposition;
 pub mod grpc;
 pub mod ha;
 pub mod http;

@@ -26,22 +26,17 @@
 //! its state: plans by state, receivers of running plans by state, hosts registered and
 //! up, models, registrations in progress, pending evictions and whether it leads.
 
-use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::MetricType;
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::plan::{Plan, PlanState, ReceiverState};
-use crate::services::Services;
+use crate::plan::{Plan, ReceiverState};
 
 /// The `Content-Type` of `/metrics`: the Prometheus text format 0.0.4.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -245,7 +240,7 @@ impl ControllerMetrics {
     }
 
     /// Registrations started and not ended.
-    fn registrations_in_progress(&self) -> u64 {
+    pub(crate) fn registrations_in_progress(&self) -> u64 {
         let ended: u64 = ["ok", "failed"]
             .iter()
             .map(|o| {
@@ -257,10 +252,11 @@ impl ControllerMetrics {
         self.registrations_started.get().saturating_sub(ended)
     }
 
-    /// `/metrics` of the controller `services`: its state, then the registry.
-    pub fn render(&self, services: &Arc<Services>) -> String {
+    /// `/metrics`: what `state` reads at scrape time (the answering controller's plans,
+    /// hosts and models, `crate::exposition`), then the registry.
+    pub fn render(&self, state: Box<dyn Collector>) -> String {
         let mut scrape = Registry::with_prefix("shardcast");
-        scrape.register_collector(Box::new(StateCollector(services.clone())));
+        scrape.register_collector(state);
         let mut out = String::new();
         for r in [&scrape, &self.registry] {
             // Writing to a String fails only if an encoder does; ours do not.
@@ -303,207 +299,6 @@ pub async fn time_http(
     let route = path.as_ref().map_or("other", |p| p.as_str());
     let _timer = metrics.time("http", format!("{} {route}", req.method()));
     next.run(req).await
-}
-
-/// Reads the answering controller's state at scrape time (see the module docs).
-struct StateCollector(Arc<Services>);
-
-impl fmt::Debug for StateCollector {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("StateCollector")
-    }
-}
-
-/// A counter family `shardcast_<name>_total` with one label.
-fn counters<'a>(
-    enc: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    label: &str,
-    values: impl IntoIterator<Item = (&'a str, u64)>,
-) -> fmt::Result {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-    for (v, n) in values {
-        ConstCounter::new(n).encode(m.encode_family(&[(label, v)])?)?;
-    }
-    Ok(())
-}
-
-/// A gauge family `shardcast_<name>` with one label.
-fn gauges<'a>(
-    enc: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    label: &str,
-    values: impl IntoIterator<Item = (&'a str, u64)>,
-) -> fmt::Result {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (v, n) in values {
-        ConstGauge::new(n).encode(m.encode_family(&[(label, v)])?)?;
-    }
-    Ok(())
-}
-
-/// An unlabelled counter `shardcast_<name>_total`.
-fn counter(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> fmt::Result {
-    let c = ConstCounter::new(v);
-    c.encode(enc.encode_descriptor(name, help, None, c.metric_type())?)
-}
-
-/// An unlabelled gauge `shardcast_<name>`.
-fn gauge(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> fmt::Result {
-    let g = ConstGauge::new(v);
-    g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
-}
-
-impl Collector for StateCollector {
-    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
-        let c = &self.0;
-        let core = &c.core;
-        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        // The series from before the registry, as they were.
-        let decisions = c.events().counters();
-        counters(
-            &mut enc,
-            "autoscaler_decisions",
-            "Autoscaler decisions by kind.",
-            "kind",
-            decisions.iter().map(|(k, n)| (k.as_str(), *n)),
-        )?;
-        let authz = core.authz_stats();
-        counters(
-            &mut enc,
-            "api_refused",
-            "API calls refused, by reason.",
-            "reason",
-            [
-                ("unauthenticated", load(&authz.unauthenticated)),
-                ("denied", load(&authz.denied)),
-            ],
-        )?;
-        counters(
-            &mut enc,
-            "api_denied",
-            "API calls refused because the caller's role lacks the permission, by role.",
-            "role",
-            authz.denied_by(),
-        )?;
-        counters(
-            &mut enc,
-            "http_timeouts",
-            "HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).",
-            "kind",
-            core.http_stats()
-                .timeouts()
-                .into_iter()
-                .map(|(stall, n)| (stall.as_str(), n)),
-        )?;
-        counter(
-            &mut enc,
-            "origin_refused",
-            "Registrations refused by the origin allow-list.",
-            core.origin_refusals(),
-        )?;
-        if let Some(tls) = &core.config().tls {
-            counter(
-                &mut enc,
-                "connections_over_peer_limit",
-                "API connections closed after their handshake because their peer (a certificate's identity, or an address without one) already held the per-peer limit on the listener.",
-                load(&tls.stats.over_peer_limit),
-            )?;
-            counter(
-                &mut enc,
-                "handshakes_over_addr_limit",
-                "API connections closed before their handshake because their address already had the per-address limit of handshakes in progress.",
-                load(&tls.stats.handshakes_over_addr_limit),
-            )?;
-        }
-
-        // The state, read under its lock once.
-        let (plans, receivers, hosts, up, models, pending_evictions) = {
-            let st = crate::lock(&core.state);
-            let inv = core.inventory.lock();
-            let mut plans = vec![0u64; PlanState::ALL.len()];
-            let mut receivers = vec![0u64; ReceiverState::ALL.len()];
-            for p in st.plans.values() {
-                if let Some(i) = PlanState::ALL.iter().position(|s| *s == p.state) {
-                    plans[i] += 1;
-                }
-                if p.running() {
-                    for h in &p.hosts {
-                        if let Some(i) = ReceiverState::ALL.iter().position(|s| *s == h.state) {
-                            receivers[i] += 1;
-                        }
-                    }
-                }
-            }
-            let up = inv.hosts.values().filter(|h| h.up).count() as u64;
-            let pending: u64 = inv
-                .hosts
-                .values()
-                .map(|h| h.pending_evictions.len() as u64)
-                .sum();
-            (
-                plans,
-                receivers,
-                inv.hosts.len() as u64,
-                up,
-                core.registry().count() as u64,
-                pending,
-            )
-        };
-        gauges(
-            &mut enc,
-            "plans",
-            "Plans the controller holds, by state (running, done, partial, failed).",
-            "state",
-            PlanState::ALL.iter().map(|s| s.as_str()).zip(plans),
-        )?;
-        gauges(
-            &mut enc,
-            "plan_receivers",
-            "Receivers of running plans, by state.",
-            "state",
-            ReceiverState::ALL.iter().map(|s| s.as_str()).zip(receivers),
-        )?;
-        gauge(
-            &mut enc,
-            "hosts_registered",
-            "Hosts known to the inventory (heartbeated at least once).",
-            hosts,
-        )?;
-        gauge(
-            &mut enc,
-            "hosts_up",
-            "Hosts whose heartbeats are current.",
-            up,
-        )?;
-        gauge(
-            &mut enc,
-            "models_registered",
-            "Models registered (latest version per name).",
-            models,
-        )?;
-        let metrics = &core.config().metrics;
-        gauge(
-            &mut enc,
-            "registrations_in_progress",
-            "Model registrations started and not ended.",
-            metrics.registrations_in_progress(),
-        )?;
-        gauge(
-            &mut enc,
-            "pending_evictions",
-            "Evictions waiting for a down host to heartbeat again.",
-            pending_evictions,
-        )?;
-        gauge(
-            &mut enc,
-            "leader",
-            "1 while this replica leads (always, without leader election).",
-            u64::from(metrics.leads()),
-        )
-    }
 }
 
 #[cfg(test)]
@@ -554,38 +349,18 @@ mod tests {
         m.registration_ended(false);
         let t = text(&m);
         let v = |s: &str| value(&t, s);
-        assert_eq!(
-            v("shardcast_plans_ended_total{state=\"partial\"}").as_deref(),
-            Some("1")
-        );
-        assert_eq!(
-            v("shardcast_plan_ready_seconds_count{state=\"partial\"}").as_deref(),
-            Some("1")
-        );
-        assert_eq!(
-            v("shardcast_plan_ready_seconds_sum{state=\"partial\"}").as_deref(),
-            Some("4.5")
-        );
-        assert_eq!(
-            v("shardcast_receiver_ready_seconds_count").as_deref(),
-            Some("2")
-        );
-        assert_eq!(
-            v("shardcast_receiver_ready_seconds_sum").as_deref(),
-            Some("5.0")
-        );
-        assert_eq!(
-            v("shardcast_receiver_ready_seconds_bucket{le=\"2.5\"}").as_deref(),
-            Some("1")
-        );
-        assert_eq!(
-            v("shardcast_evictions_total{tier=\"memory\"}").as_deref(),
-            Some("1")
-        );
-        assert_eq!(
-            v("shardcast_evicted_hosts_total{tier=\"memory\"}").as_deref(),
-            Some("2")
-        );
+        for (series, want) in [
+            ("shardcast_plans_ended_total{state=\"partial\"}", "1"),
+            ("shardcast_plan_ready_seconds_count{state=\"partial\"}", "1"),
+            ("shardcast_plan_ready_seconds_sum{state=\"partial\"}", "4.5"),
+            ("shardcast_receiver_ready_seconds_count", "2"),
+            ("shardcast_receiver_ready_seconds_sum", "5.0"),
+            ("shardcast_receiver_ready_seconds_bucket{le=\"2.5\"}", "1"),
+            ("shardcast_evictions_total{tier=\"memory\"}", "1"),
+            ("shardcast_evicted_hosts_total{tier=\"memory\"}", "2"),
+        ] {
+            assert_eq!(v(series).as_deref(), Some(want), "{series}");
+        }
         assert_eq!(v("shardcast_evicted_bytes_total").as_deref(), Some("300"));
         // An eviction that removed nothing is not one.
         assert!(!t.contains("tier=\"gpu\""), "{t}");

@@ -8,6 +8,19 @@ use crate::error::CliError;
 use crate::output::{Output, up_down};
 use crate::table::table_or;
 
+/// The host table's columns.
+const HEADERS: [&str; 10] = [
+    "HOST",
+    "STATE",
+    "SEEN",
+    "RACK",
+    "DATA",
+    "MEM FREE",
+    "DISK FREE",
+    "GPUS RSV",
+    "COPIES",
+    "GPU LOADS",
+];
 /// Lists the hosts.
 pub(crate) async fn run(c: &mut Client, out: Output) -> Result<ListHostsResponse, CliError> {
     let r = c.list_hosts(ListHostsRequest {}).await?.into_inner();
@@ -41,22 +54,7 @@ pub(crate) fn render(r: &ListHostsResponse) -> String {
             gpu_loads_summary(&rep.gpu_loads),
         ]
     });
-    table_or(
-        &[
-            "HOST",
-            "STATE",
-            "SEEN",
-            "RACK",
-            "DATA",
-            "MEM FREE",
-            "DISK FREE",
-            "GPUS RSV",
-            "COPIES",
-            "GPU LOADS",
-        ],
-        rows,
-        "no hosts",
-    )
+    table_or(&HEADERS, rows, "no hosts")
 }
 
 /// "2 resident, 1 failed": the models on a host's GPUs by state ("-" when none).
@@ -117,18 +115,7 @@ mod tests {
         let text = render(&r);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
-        let headers = [
-            "HOST",
-            "STATE",
-            "SEEN",
-            "RACK",
-            "DATA",
-            "MEM FREE",
-            "DISK FREE",
-            "GPUS RSV",
-            "COPIES",
-            "GPU LOADS",
-        ];
+        let headers = HEADERS;
         // Every header in order, and each row's cells start where their header does.
         let starts: Vec<usize> = headers
             .iter()

@@ -1,0 +1,218 @@
+//! The state half of the controller's `/metrics`: a collector that reads the answering
+//! controller's plans, hosts, models, registrations and API refusals at scrape time, under
+//! the names they have always had. The observed half (histograms, event counters) is
+//! `crate::metrics`'s registry; `crate::http` serves both.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+
+use crate::plan::{PlanState, ReceiverState};
+use crate::services::Services;
+
+/// Reads the answering controller's state at scrape time (see the module docs).
+pub struct StateCollector(pub Arc<Services>);
+
+impl fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StateCollector")
+    }
+}
+
+/// A counter family `shardcast_<name>_total` with one label.
+fn counters<'a>(
+    enc: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: impl IntoIterator<Item = (&'a str, u64)>,
+) -> fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (v, n) in values {
+        ConstCounter::new(n).encode(m.encode_family(&[(label, v)])?)?;
+    }
+    Ok(())
+}
+
+/// A gauge family `shardcast_<name>` with one label.
+fn gauges<'a>(
+    enc: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: impl IntoIterator<Item = (&'a str, u64)>,
+) -> fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (v, n) in values {
+        ConstGauge::new(n).encode(m.encode_family(&[(label, v)])?)?;
+    }
+    Ok(())
+}
+
+/// An unlabelled counter `shardcast_<name>_total`.
+fn counter(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> fmt::Result {
+    let c = ConstCounter::new(v);
+    c.encode(enc.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+/// An unlabelled gauge `shardcast_<name>`.
+fn gauge(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> fmt::Result {
+    let g = ConstGauge::new(v);
+    g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        let c = &self.0;
+        let core = &c.core;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        // The series from before the registry, as they were.
+        let decisions = c.events().counters();
+        counters(
+            &mut enc,
+            "autoscaler_decisions",
+            "Autoscaler decisions by kind.",
+            "kind",
+            decisions.iter().map(|(k, n)| (k.as_str(), *n)),
+        )?;
+        let authz = core.authz_stats();
+        counters(
+            &mut enc,
+            "api_refused",
+            "API calls refused, by reason.",
+            "reason",
+            [
+                ("unauthenticated", load(&authz.unauthenticated)),
+                ("denied", load(&authz.denied)),
+            ],
+        )?;
+        counters(
+            &mut enc,
+            "api_denied",
+            "API calls refused because the caller's role lacks the permission, by role.",
+            "role",
+            authz.denied_by(),
+        )?;
+        counters(
+            &mut enc,
+            "http_timeouts",
+            "HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).",
+            "kind",
+            core.http_stats()
+                .timeouts()
+                .into_iter()
+                .map(|(stall, n)| (stall.as_str(), n)),
+        )?;
+        counter(
+            &mut enc,
+            "origin_refused",
+            "Registrations refused by the origin allow-list.",
+            core.origin_refusals(),
+        )?;
+        if let Some(tls) = &core.config().tls {
+            counter(
+                &mut enc,
+                "connections_over_peer_limit",
+                "API connections closed after their handshake because their peer (a certificate's identity, or an address without one) already held the per-peer limit on the listener.",
+                load(&tls.stats.over_peer_limit),
+            )?;
+            counter(
+                &mut enc,
+                "handshakes_over_addr_limit",
+                "API connections closed before their handshake because their address already had the per-address limit of handshakes in progress.",
+                load(&tls.stats.handshakes_over_addr_limit),
+            )?;
+        }
+
+        // The state, read under its lock once.
+        let (plans, receivers, hosts, up, models, pending_evictions) = {
+            let st = crate::lock(&core.state);
+            let inv = core.inventory.lock();
+            let mut plans = vec![0u64; PlanState::ALL.len()];
+            let mut receivers = vec![0u64; ReceiverState::ALL.len()];
+            for p in st.plans.values() {
+                if let Some(i) = PlanState::ALL.iter().position(|s| *s == p.state) {
+                    plans[i] += 1;
+                }
+                if p.running() {
+                    for h in &p.hosts {
+                        if let Some(i) = ReceiverState::ALL.iter().position(|s| *s == h.state) {
+                            receivers[i] += 1;
+                        }
+                    }
+                }
+            }
+            let up = inv.hosts.values().filter(|h| h.up).count() as u64;
+            let pending: u64 = inv
+                .hosts
+                .values()
+                .map(|h| h.pending_evictions.len() as u64)
+                .sum();
+            (
+                plans,
+                receivers,
+                inv.hosts.len() as u64,
+                up,
+                core.registry().count() as u64,
+                pending,
+            )
+        };
+        gauges(
+            &mut enc,
+            "plans",
+            "Plans the controller holds, by state (running, done, partial, failed).",
+            "state",
+            PlanState::ALL.iter().map(|s| s.as_str()).zip(plans),
+        )?;
+        gauges(
+            &mut enc,
+            "plan_receivers",
+            "Receivers of running plans, by state.",
+            "state",
+            ReceiverState::ALL.iter().map(|s| s.as_str()).zip(receivers),
+        )?;
+        gauge(
+            &mut enc,
+            "hosts_registered",
+            "Hosts known to the inventory (heartbeated at least once).",
+            hosts,
+        )?;
+        gauge(
+            &mut enc,
+            "hosts_up",
+            "Hosts whose heartbeats are current.",
+            up,
+        )?;
+        gauge(
+            &mut enc,
+            "models_registered",
+            "Models registered (latest version per name).",
+            models,
+        )?;
+        let metrics = &core.config().metrics;
+        gauge(
+            &mut enc,
+            "registrations_in_progress",
+            "Model registrations started and not ended.",
+            metrics.registrations_in_progress(),
+        )?;
+        gauge(
+            &mut enc,
+            "pending_evictions",
+            "Evictions waiting for a down host to heartbeat again.",
+            pending_evictions,
+        )?;
+        gauge(
+            &mut enc,
+            "leader",
+            "1 while this replica leads (always, without leader election).",
+            u64::from(metrics.leads()),
+        )
+    }
+}
