@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 
 use shardcast_placement::Tier;
 use shardcast_policies::autoscale::{self, Action, LoadReport, ModelScaleState, ScalerConfig};
-use shardcast_protocol::controller::ReportLoadRequest;
 
 use crate::events::Event;
 
@@ -22,6 +21,7 @@ use crate::core::{EvictModel, Evicted, ScaleOut, now_unix};
 use crate::error::{EvictError, LoadError, LookupError, PlanRequestError, ScaleOutError};
 use crate::events::EventLog;
 use crate::lock;
+use crate::ops::ReportLoad;
 use crate::plan::Accepted;
 use crate::ptables::{ModelSource, PartitionTables};
 use crate::usage::Usage;
@@ -89,7 +89,7 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
     }
 
     /// `ReportLoad`: decide and act.
-    pub async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, LoadError> {
+    pub async fn report_load(&self, req: ReportLoad) -> Result<Event, LoadError> {
         for (name, v) in [
             ("arrival_rate", req.arrival_rate),
             ("service_rate", req.service_rate),
@@ -105,7 +105,7 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
                 "service_rate (requests per second one replica serves) must be above 0".into(),
             ));
         }
-        let tier = crate::wire::tier_of(req.tier).map_err(|e| LoadError::Invalid(e.message))?;
+        let tier = req.tier;
         let ScalingView {
             name,
             digest,

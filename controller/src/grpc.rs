@@ -26,6 +26,22 @@ use shardcast_protocol::controller::PlanState;
 #[derive(Clone)]
 pub struct GrpcApi(pub Arc<Services>);
 
+/// The `Controller` gRPC service over `c` (messages up to 128 MiB: manifests).
+pub fn controller_service(
+    c: Arc<Services>,
+) -> shardcast_protocol::controller::controller_server::ControllerServer<GrpcApi> {
+    shardcast_protocol::controller::controller_server::ControllerServer::new(GrpcApi(c))
+        .max_decoding_message_size(128 << 20)
+        .max_encoding_message_size(128 << 20)
+}
+
+/// The `Inventory` gRPC service (heartbeats) over `c`.
+pub fn inventory_service(
+    c: Arc<Services>,
+) -> shardcast_protocol::controller::inventory_server::InventoryServer<GrpcApi> {
+    shardcast_protocol::controller::inventory_server::InventoryServer::new(GrpcApi(c))
+}
+
 type PlanStream = Pin<Box<dyn Stream<Item = Result<PlanStatus, Status>> + Send>>;
 
 /// Every plan as callers see it, newest first.
@@ -205,7 +221,11 @@ impl ControllerApi for GrpcApi {
         request: Request<ReportLoadRequest>,
     ) -> Result<Response<ReportLoadResponse>, Status> {
         let _timer = self.timer("ReportLoad");
-        let decision = self.0.autoscaler.report_load(request.into_inner()).await?;
+        let decision = self
+            .0
+            .autoscaler
+            .report_load(crate::wire::report_load(request.into_inner())?)
+            .await?;
         Ok(Response::new(ReportLoadResponse {
             decision: Some(decision.into()),
         }))
@@ -228,7 +248,11 @@ impl ControllerApi for GrpcApi {
     ) -> Result<Response<PartitionPlanResponse>, Status> {
         let _timer = self.timer("GetPartitionPlan");
         Ok(Response::new(
-            self.0.tables.partition_plan(request.into_inner()).await?,
+            self.0
+                .tables
+                .partition_plan(crate::wire::partition_plan_query(request.into_inner()))
+                .await?
+                .into(),
         ))
     }
 }

@@ -145,7 +145,7 @@ pub fn router(c: Arc<Services>) -> Router {
         .route(
             "/v1/load",
             post(|State(c): Ctl, b: Bytes| async move {
-                match body::<ReportLoadRequest>(&b) {
+                match body::<ReportLoadRequest>(&b).and_then(crate::wire::report_load) {
                     Ok(req) => json(c.autoscaler.report_load(req).await.map(|d| ReportLoadResponse {
                         decision: Some(d.into()),
                     })),
@@ -166,7 +166,7 @@ pub fn router(c: Arc<Services>) -> Router {
             "/v1/partition-plan",
             post(|State(c): Ctl, b: Bytes| async move {
                 match body::<GetPartitionPlanRequest>(&b) {
-                    Ok(req) => match c.tables.partition_plan(req).await {
+                    Ok(req) => match c.tables.partition_plan(crate::wire::partition_plan_query(req)).await {
                         Ok(r) => (
                             [(header::CONTENT_TYPE, "application/json")],
                             r.json,

@@ -190,3 +190,40 @@ pub struct HostListing {
     /// GPU slots reserved on it.
     pub gpus_reserved: u32,
 }
+
+/// `ReportLoad`: a model's load as the platform above sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportLoad {
+    /// The model's name (or digest).
+    pub model: String,
+    /// Requests arriving per second.
+    pub arrival_rate: f64,
+    /// Requests waiting.
+    pub queue_len: u32,
+    /// Requests per second one replica serves.
+    pub service_rate: f64,
+    /// The tier its replicas are counted in.
+    pub tier: Tier,
+}
+
+/// `GetPartitionPlan`: the partition plans of a model's registered profile.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PartitionPlanQuery {
+    /// The model's name (or digest).
+    pub model: String,
+    /// The most partitions (0: the default).
+    pub max_partitions: u32,
+    /// Per-GPU memory to plan for, bytes (0: the smallest GPU's).
+    pub gpu_memory: u64,
+    /// Requests waiting, for the plan chosen (at least 1).
+    pub queue: u32,
+}
+
+/// A partition plan table, as JSON, and whether its profile was estimated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionPlanAnswer {
+    /// The table, the plan chosen and the profile it came from (JSON).
+    pub json: String,
+    /// The profile was estimated from the weights, not measured.
+    pub estimated: bool,
+}

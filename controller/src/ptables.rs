@@ -28,10 +28,10 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::ops::{PartitionPlanAnswer, PartitionPlanQuery};
 use serde::{Deserialize, Serialize};
 use shardcast_policies::partition::{self, PartitionPlan, PlanTable};
 use shardcast_policies::profile::{self, Bandwidths, ModelProfile};
-use shardcast_protocol::controller::{GetPartitionPlanRequest, PartitionPlanResponse};
 use tracing::{info, warn};
 
 use crate::error::PartitionError;
@@ -512,8 +512,8 @@ impl<M: ModelSource> PartitionTables<M> {
     /// `GetPartitionPlan`.
     pub async fn partition_plan(
         &self,
-        req: GetPartitionPlanRequest,
-    ) -> Result<PartitionPlanResponse, PartitionError> {
+        req: PartitionPlanQuery,
+    ) -> Result<PartitionPlanAnswer, PartitionError> {
         let max_p = if req.max_partitions == 0 {
             DEFAULT_MAX_PARTITIONS
         } else {
@@ -539,7 +539,7 @@ impl<M: ModelSource> PartitionTables<M> {
             "table": table,
             "profile": m.profile,
         });
-        Ok(PartitionPlanResponse {
+        Ok(PartitionPlanAnswer {
             json: json.to_string(),
             estimated: m.profile.estimated,
         })
@@ -733,7 +733,7 @@ mod tests {
         assert_eq!(p3.groups[0].exec_s, (64 << 20) as f64 / 2e12);
         assert_eq!(src.index_reads.load(std::sync::atomic::Ordering::SeqCst), 1);
         let json = tables
-            .partition_plan(GetPartitionPlanRequest {
+            .partition_plan(PartitionPlanQuery {
                 model: "m".into(),
                 max_partitions: 4,
                 gpu_memory: 0,

@@ -24,21 +24,18 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shardcast_protocol::controller::ReportLoadRequest;
-
 use crate::events::Event;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::error::{LoadError, LookupError};
+use crate::ops::ReportLoad;
 
 /// Where scraped load goes: the autoscaler, as a `ReportLoad` would.
 pub trait LoadSink: Send + Sync + 'static {
     /// One model's load.
-    fn report_load(
-        &self,
-        req: ReportLoadRequest,
-    ) -> impl Future<Output = Result<Event, LoadError>> + Send;
+    fn report_load(&self, req: ReportLoad)
+    -> impl Future<Output = Result<Event, LoadError>> + Send;
 }
 
 /// Scrape settings.
@@ -178,7 +175,7 @@ pub fn parse_text(text: &str) -> Result<Vec<Sample>, String> {
 }
 
 /// The `ReportLoad`s a page of samples describes, one per (model, tier) with both rates.
-pub fn reports(samples: &[Sample], cfg: &ScrapeConfig) -> Vec<ReportLoadRequest> {
+pub fn reports(samples: &[Sample], cfg: &ScrapeConfig) -> Vec<ReportLoad> {
     /// λ, queue, μ as far as seen.
     type Figures = (Option<f64>, Option<f64>, Option<f64>);
     let mut by: BTreeMap<(String, String), Figures> = BTreeMap::new();
@@ -202,13 +199,13 @@ pub fn reports(samples: &[Sample], cfg: &ScrapeConfig) -> Vec<ReportLoadRequest>
     }
     by.into_iter()
         .filter_map(|((model, tier), (lambda, queue, mu))| {
-            Some(ReportLoadRequest {
+            Some(ReportLoad {
                 model,
                 arrival_rate: lambda?,
                 queue_len: queue.filter(|q| q.is_finite() && *q >= 0.0).unwrap_or(0.0) as u32,
                 service_rate: mu?,
                 // A `tier` label that names no tier: the series is not a load report.
-                tier: shardcast_protocol::controller::Tier::from_label(&tier)? as i32,
+                tier: tier.parse().ok()?,
             })
         })
         .collect()
@@ -337,7 +334,7 @@ mod tests {
                 r[0].arrival_rate,
                 r[0].queue_len,
                 r[0].service_rate,
-                r[0].tier().label()
+                r[0].tier.as_str()
             ),
             ("org/m", 30.0, 4, 10.0, "gpu")
         );

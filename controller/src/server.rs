@@ -25,8 +25,6 @@ use shardcast_identity::token::Tokens;
 use shardcast_identity::{Alpn, Role, TlsContext};
 use shardcast_placement::PlanParams;
 use shardcast_policies::profile::MIN_RATE_BPS;
-use shardcast_protocol::controller::controller_server::ControllerServer;
-use shardcast_protocol::controller::inventory_server::InventoryServer;
 use shardcast_protocol::layered::Layers;
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use shardcast_protocol::units::{self, parse_rate};
@@ -35,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::core::ControllerConfig;
-use crate::grpc::GrpcApi;
+use crate::grpc::{controller_service, inventory_service};
 use crate::ha::{Active, LeaderGate, Replica, Slot, Switch};
 use crate::ptables::PartitionConfig;
 use crate::services::{Config, Services};
@@ -763,14 +761,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .http2_keepalive_timeout(Some(grpc::SERVER_KEEPALIVE.1))
             .layer(AuthzLayer::new(crate::auth::permission, authz.clone()))
             .layer(GateLayer::gate(LeaderGate(replica.clone())))
-            .add_service(Switch::new(slot.clone(), |c| {
-                ControllerServer::new(GrpcApi(c))
-                    .max_decoding_message_size(128 << 20)
-                    .max_encoding_message_size(128 << 20)
-            }))
-            .add_service(Switch::new(slot.clone(), |c| {
-                InventoryServer::new(GrpcApi(c))
-            }))
+            .add_service(Switch::new(slot.clone(), controller_service))
+            .add_service(Switch::new(slot.clone(), inventory_service))
     };
     let mut tasks = tokio::task::JoinSet::new();
     {

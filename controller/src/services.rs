@@ -15,7 +15,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use shardcast_placement::Tier;
-use shardcast_protocol::controller::ReportLoadRequest;
 
 use crate::events::Event;
 use tokio_util::sync::CancellationToken;
@@ -231,7 +230,7 @@ impl Fleet for ClusterFleet {
 }
 
 impl LoadSink for Scaler {
-    async fn report_load(&self, req: ReportLoadRequest) -> Result<Event, LoadError> {
+    async fn report_load(&self, req: crate::ops::ReportLoad) -> Result<Event, LoadError> {
         Self::report_load(self, req).await
     }
 }

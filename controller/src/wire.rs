@@ -13,8 +13,8 @@ use crate::events::Event;
 use crate::inventory::{GpuInfo, GpuLoad, HOST_RECORD_VERSION, Holding, HostView, StoredHost};
 use crate::model::ModelRecord;
 use crate::ops::{
-    EvictModel, Evicted, HeartbeatAnswer, HostListing, ModelEntry, Models, Prewarm, Register,
-    Registered, ScaleOut, Sources, Whereabouts,
+    EvictModel, Evicted, HeartbeatAnswer, HostListing, ModelEntry, Models, PartitionPlanAnswer,
+    PartitionPlanQuery, Prewarm, Register, Registered, ReportLoad, ScaleOut, Sources, Whereabouts,
 };
 use crate::plan::{
     Accepted, ChainSummary, GpuState, Plan, PlanKind, PlanState, ReceiverProgress, ReceiverState,
@@ -245,6 +245,36 @@ impl From<Event> for pb::Event {
 pub fn event_list(events: Vec<Event>) -> pb::ListEventsResponse {
     pb::ListEventsResponse {
         events: events.into_iter().map(pb::Event::from).collect(),
+    }
+}
+
+/// A `ReportLoad` request in the controller's terms.
+pub fn report_load(req: pb::ReportLoadRequest) -> Result<ReportLoad, ApiError> {
+    Ok(ReportLoad {
+        tier: tier_of(req.tier)?,
+        model: req.model,
+        arrival_rate: req.arrival_rate,
+        queue_len: req.queue_len,
+        service_rate: req.service_rate,
+    })
+}
+
+/// A `GetPartitionPlan` request in the controller's terms.
+pub fn partition_plan_query(req: pb::GetPartitionPlanRequest) -> PartitionPlanQuery {
+    PartitionPlanQuery {
+        model: req.model,
+        max_partitions: req.max_partitions,
+        gpu_memory: req.gpu_memory,
+        queue: req.queue,
+    }
+}
+
+impl From<PartitionPlanAnswer> for pb::PartitionPlanResponse {
+    fn from(a: PartitionPlanAnswer) -> Self {
+        Self {
+            json: a.json,
+            estimated: a.estimated,
+        }
     }
 }
 
