@@ -349,6 +349,12 @@ pub fn open_header(
     }
 }
 
+/// A fresh session id (random, so sessions of one test and of concurrent tests never
+/// collide).
+pub fn session_id() -> shardcast_protocol::SessionId {
+    shardcast_protocol::SessionId(rand::random())
+}
+
 /// `id` or `id@host:port` as a plan token names a host.
 pub fn plan_host(h: &str) -> shardcast_protocol::Hop {
     let (id, addr) = h.split_once('@').unwrap_or((h, ""));

@@ -328,11 +328,8 @@ async fn open_session(
 ) -> shardcast_tests::Stream {
     let mut s = tls_connect(d.data_addr, name).await.unwrap();
     let mut out = hello(name);
-    let mut session = [0u8; 16];
-    session[..8].copy_from_slice(&rand_u64().to_be_bytes());
-    session[8..].copy_from_slice(&rand_u64().to_be_bytes());
     Frame::Open(shardcast_tests::open_header(
-        SessionId(session),
+        shardcast_tests::session_id(),
         manifest.digest(),
         &[name, d.host_id.as_str()],
     ))
@@ -348,13 +345,6 @@ async fn open_session(
             None => panic!("no answer to the Open"),
         }
     }
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(0);
-    h.finish()
 }
 
 /// The header of a chunk frame with a body of `body` bytes.

@@ -451,14 +451,6 @@ async fn open_as_mallory(
     })
 }
 
-fn rand_id() -> [u8; 16] {
-    let n = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    n.to_le_bytes()
-}
-
 fn sign_as(
     files: &TlsFiles,
     model: shardcast_protocol::ModelDigest,
@@ -725,17 +717,11 @@ async fn open_session_as_mallory(
     let mut s = shardcast_tests::tls_connect(addr, "mallory").await.unwrap();
     let mut out = hello("mallory");
     Frame::Open(shardcast_protocol::SessionHeader {
-        session: shardcast_protocol::SessionId(rand_id()),
-        model: manifest.digest(),
-        shard: 0,
-        start: 0,
-        end: 1,
-        tier: shardcast_protocol::Tier::Memory,
         origin: reach.origin,
         downstream: reach.downstream,
         token,
         upstream: reach.upstream,
-        transport: Default::default(),
+        ..shardcast_tests::open_header(shardcast_tests::session_id(), manifest.digest(), &[])
     })
     .encode(&mut out);
     // The session's manifest follows its Open (protocol v6).
