@@ -341,6 +341,18 @@ pub async fn first_view(
     stats: &ViewStats,
 ) -> anyhow::Result<(Arc<Active>, FirstView)> {
     let until = Instant::now() + patience;
+    // Exponential from 250 ms to 2 s, with jitter: replicas that lost etcd together do not
+    // come back to it together.
+    let mut pauses = {
+        use backon::BackoffBuilder as _;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(250))
+            .with_factor(2.0)
+            .with_max_delay(Duration::from_secs(2))
+            .without_max_times()
+            .with_jitter()
+            .build()
+    };
     loop {
         let token = cancel.child_token();
         match load_view(cfg, &store, token.clone()).await {
@@ -352,7 +364,9 @@ pub async fn first_view(
             Err(e) if Instant::now() < until => {
                 token.cancel();
                 warn!("loading the state from etcd: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                let pause = pauses.next().unwrap_or(Duration::from_secs(2));
+                tokio::time::sleep(pause.min(until.saturating_duration_since(Instant::now())))
+                    .await;
             }
             Err(e) => {
                 token.cancel();
