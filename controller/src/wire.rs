@@ -24,9 +24,7 @@ use crate::plan::{
 /// A request's tier: unspecified is memory; a number this build does not know is refused.
 pub fn tier_of(v: i32) -> Result<Tier, ApiError> {
     match pb::Tier::try_from(v) {
-        Ok(pb::Tier::Unspecified | pb::Tier::Memory) => Ok(Tier::Memory),
-        Ok(pb::Tier::Disk) => Ok(Tier::Disk),
-        Ok(pb::Tier::Gpu) => Ok(Tier::Gpu),
+        Ok(t) => Ok(t.domain().unwrap_or(Tier::Memory)),
         Err(_) => Err(ApiError::invalid(format!(
             "tier must be memory, disk or gpu, got {v}"
         ))),
@@ -248,15 +246,6 @@ pub fn event_list(events: Vec<Event>) -> pb::ListEventsResponse {
     }
 }
 
-/// The wire's tier.
-pub fn pb_tier(t: Tier) -> pb::Tier {
-    match t {
-        Tier::Memory => pb::Tier::Memory,
-        Tier::Disk => pb::Tier::Disk,
-        Tier::Gpu => pb::Tier::Gpu,
-    }
-}
-
 /// The typed core and the wire name their states alike: each maps by name, both ways.
 macro_rules! by_name {
     ($core:ident <-> $wire:ident) => {
@@ -327,7 +316,7 @@ pub fn plan_status(p: &Plan, now: f64) -> PlanStatus {
         plan_id: p.id.clone(),
         model: p.model.clone(),
         digest: p.digest.clone(),
-        tier: pb_tier(p.tier) as i32,
+        tier: pb::Tier::from(p.tier) as i32,
         state: pb::PlanState::from(p.state) as i32,
         hosts: p.hosts.iter().map(HostProgress::from).collect(),
         estimate_s: p.estimate_s,
@@ -656,7 +645,7 @@ mod tests {
             assert_eq!(GpuState::try_from(w), Ok(*s));
         }
         for t in [Tier::Memory, Tier::Disk, Tier::Gpu] {
-            assert_eq!(tier_of(pb_tier(t) as i32).unwrap(), t);
+            assert_eq!(tier_of(pb::Tier::from(t) as i32).unwrap(), t);
         }
         assert_eq!(tier_of(0).unwrap(), Tier::Memory);
         assert!(tier_of(99).is_err());

@@ -21,6 +21,7 @@ use crate::chunkset::ChunkSet;
 use crate::codec::{self, Codec, DecodeError, get_array, get_str, get_u8, get_u16, get_u32};
 use crate::manifest::{MAX_CHUNK_SIZE, MAX_MANIFEST_LEN, Manifest, ModelDigest};
 use crate::name::{HostId, MAX_HOST_ID_LEN};
+use crate::tier::DataTier;
 
 /// Magic at the start of a `Hello` body.
 pub const HELLO_MAGIC: &[u8; 4] = b"SHCS";
@@ -74,54 +75,22 @@ impl std::str::FromStr for SessionId {
     }
 }
 
-/// Which tier of the receiver's store a session writes into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    /// Host memory (tmpfs), mappable by inference processes on the host.
-    Memory,
-    /// The local disk.
-    Disk,
-}
-
-impl Tier {
-    fn to_u8(self) -> u8 {
-        match self {
-            Self::Memory => 0,
-            Self::Disk => 1,
-        }
-    }
-
-    fn from_u8(v: u8) -> Result<Self, DecodeError> {
-        match v {
-            0 => Ok(Self::Memory),
-            1 => Ok(Self::Disk),
-            other => Err(DecodeError::Invalid {
-                field: "tier",
-                reason: format!("{other}"),
-            }),
-        }
-    }
-
-    /// `"memory"` or `"disk"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Memory => "memory",
-            Self::Disk => "disk",
-        }
+/// The one-byte code of a session's store tier in `Open`.
+fn tier_to_u8(t: DataTier) -> u8 {
+    match t {
+        DataTier::Memory => 0,
+        DataTier::Disk => 1,
     }
 }
 
-impl std::str::FromStr for Tier {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "memory" | "mem" => Ok(Self::Memory),
-            "disk" => Ok(Self::Disk),
-            other => Err(format!(
-                "unknown tier {other:?}; expected \"memory\" or \"disk\""
-            )),
-        }
+fn tier_from_u8(v: u8) -> Result<DataTier, DecodeError> {
+    match v {
+        0 => Ok(DataTier::Memory),
+        1 => Ok(DataTier::Disk),
+        other => Err(DecodeError::Invalid {
+            field: "tier",
+            reason: format!("{other}"),
+        }),
     }
 }
 
@@ -210,7 +179,7 @@ pub struct SessionHeader {
     /// One past the last chunk of the range.
     pub end: u32,
     /// Tier the receiver stores into.
-    pub tier: Tier,
+    pub tier: DataTier,
     /// Where a hop may fetch missing chunks if its upstream vanishes (`file://`,
     /// `http(s)://`, or empty for none).
     pub origin: String,
@@ -571,7 +540,7 @@ impl Frame {
                 buf.put_u32(h.shard);
                 buf.put_u32(h.start);
                 buf.put_u32(h.end);
-                buf.put_u8(h.tier.to_u8());
+                buf.put_u8(tier_to_u8(h.tier));
                 codec::put_str(buf, &h.origin);
                 buf.put_u16(h.downstream.len() as u16);
                 for hop in &h.downstream {
@@ -672,7 +641,7 @@ impl Frame {
                         reason: format!("{start}..{end} is inverted"),
                     });
                 }
-                let tier = Tier::from_u8(get_u8(b)?)?;
+                let tier = tier_from_u8(get_u8(b)?)?;
                 let origin = get_str(b, "origin", MAX_URI_LEN)?;
                 let downstream = get_hops(b, "downstream hops", MAX_HOPS)?;
                 let n = get_u32(b)? as usize;

@@ -730,7 +730,7 @@ async fn open_session_as_mallory(
         shard: 0,
         start: 0,
         end: 1,
-        tier: shardcast_protocol::Tier::Memory,
+        tier: shardcast_protocol::DataTier::Memory,
         origin: reach.origin,
         downstream: reach.downstream,
         token,
