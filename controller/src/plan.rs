@@ -16,7 +16,6 @@
 //!   lost | failed ──heartbeat reports a complete copy──▶ done
 //! ```
 
-
 use serde::{Deserialize, Serialize};
 use shardcast_placement::Tier;
 

@@ -35,7 +35,7 @@ pub fn tier_of(v: i32) -> Result<Tier, ApiError> {
 /// number this build does not know is refused.
 pub fn transport_of(v: i32, default: HopTransport) -> Result<HopTransport, ApiError> {
     pb::Transport::try_from(v)
-        .map(|t| t.hop().unwrap_or(default))
+        .map(|t| t.domain().unwrap_or(default))
         .map_err(|_| ApiError::invalid(format!("transport must be tcp or quic, got {v}")))
 }
 
@@ -98,7 +98,7 @@ impl From<Evicted> for pb::EvictResponse {
 /// this build does not know is refused.
 fn hop_of(v: i32) -> Result<Option<HopTransport>, ApiError> {
     pb::Transport::try_from(v)
-        .map(|t| t.hop())
+        .map(|t| t.domain())
         .map_err(|_| ApiError::invalid(format!("transport must be tcp or quic, got {v}")))
 }
 

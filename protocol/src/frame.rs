@@ -94,65 +94,36 @@ fn tier_from_u8(v: u8) -> Result<DataTier, DecodeError> {
     }
 }
 
-/// How a hop reaches the next one: chosen per cluster by the controller, overridable per
-/// plan, carried in every `Open` so each hop dials its downstream the same way.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum HopTransport {
-    /// TCP (with mutual TLS unless the daemons run `insecure_plaintext`).
-    #[default]
-    Tcp,
-    /// QUIC (over UDP, mutual TLS 1.3 with the same certificates), one connection per
-    /// pair of hosts and one stream per (session, shard).
-    Quic,
-}
-
-impl HopTransport {
-    fn to_u8(self) -> u8 {
-        match self {
-            Self::Tcp => 0,
-            Self::Quic => 1,
-        }
-    }
-
-    fn from_u8(v: u8) -> Result<Self, DecodeError> {
-        match v {
-            0 => Ok(Self::Tcp),
-            1 => Ok(Self::Quic),
-            other => Err(DecodeError::Invalid {
-                field: "transport",
-                reason: format!("{other}"),
-            }),
-        }
-    }
-
-    /// `"tcp"` or `"quic"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Quic => "quic",
-        }
+crate::named_enum! {
+    /// How a hop reaches the next one: chosen per cluster by the controller, overridable per
+    /// plan, carried in every `Open` so each hop dials its downstream the same way.
+    #[derive(Default)]
+    HopTransport {
+        /// TCP (with mutual TLS unless the daemons run `insecure_plaintext`).
+        #[default]
+        Tcp = "tcp",
+        /// QUIC (over UDP, mutual TLS 1.3 with the same certificates), one connection per
+        /// pair of hosts and one stream per (session, shard).
+        Quic = "quic",
     }
 }
 
-impl std::fmt::Display for HopTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+/// The one-byte code of a session's hop transport in `Open`.
+fn transport_to_u8(t: HopTransport) -> u8 {
+    match t {
+        HopTransport::Tcp => 0,
+        HopTransport::Quic => 1,
     }
 }
 
-impl std::str::FromStr for HopTransport {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "tcp" => Ok(Self::Tcp),
-            "quic" => Ok(Self::Quic),
-            other => Err(format!(
-                "unknown transport {other:?}; expected \"tcp\" or \"quic\""
-            )),
-        }
+fn transport_from_u8(v: u8) -> Result<HopTransport, DecodeError> {
+    match v {
+        0 => Ok(HopTransport::Tcp),
+        1 => Ok(HopTransport::Quic),
+        other => Err(DecodeError::Invalid {
+            field: "transport",
+            reason: format!("{other}"),
+        }),
     }
 }
 
@@ -555,7 +526,7 @@ impl Frame {
                     codec::put_str(buf, hop.host.as_str());
                     codec::put_str(buf, &hop.addr);
                 }
-                buf.put_u8(h.transport.to_u8());
+                buf.put_u8(transport_to_u8(h.transport));
             }
             Self::Accept { have } => have.encode(buf),
             Self::Chunk { shard, index, data } => {
@@ -655,7 +626,7 @@ impl Frame {
                 codec::need(b, n)?;
                 let token = b.copy_to_bytes(n);
                 let upstream = get_hops(b, "upstream hops", MAX_UPSTREAM_HOPS)?;
-                let transport = HopTransport::from_u8(get_u8(b)?)?;
+                let transport = transport_from_u8(get_u8(b)?)?;
                 Self::Open(SessionHeader {
                     session,
                     model,

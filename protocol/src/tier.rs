@@ -5,8 +5,7 @@
 //! hence [`DataTier::serving`].
 //!
 //! The wire forms are converted at the edges: the frames' one-byte code in
-//! [`crate::frame`], the gRPC enums (`agent::Tier`, `controller::Tier`) by the `From` and
-//! `TryFrom` impls here.
+//! [`crate::frame`], the gRPC enums (`agent::Tier`, `controller::Tier`) in [`crate::api`].
 
 use crate::named_enum;
 
@@ -65,54 +64,6 @@ impl TryFrom<Tier> for DataTier {
             Tier::Memory => Ok(Self::Memory),
             Tier::Disk => Ok(Self::Disk),
             Tier::Gpu => Err(NotADataTier),
-        }
-    }
-}
-
-impl From<Tier> for crate::agent::Tier {
-    fn from(t: Tier) -> Self {
-        match t {
-            Tier::Memory => Self::Memory,
-            Tier::Disk => Self::Disk,
-            Tier::Gpu => Self::Gpu,
-        }
-    }
-}
-
-impl From<DataTier> for crate::agent::Tier {
-    fn from(t: DataTier) -> Self {
-        Tier::from(t).into()
-    }
-}
-
-impl From<crate::agent::Tier> for Tier {
-    fn from(t: crate::agent::Tier) -> Self {
-        match t {
-            crate::agent::Tier::Memory => Self::Memory,
-            crate::agent::Tier::Disk => Self::Disk,
-            crate::agent::Tier::Gpu => Self::Gpu,
-        }
-    }
-}
-
-impl From<Tier> for crate::controller::Tier {
-    fn from(t: Tier) -> Self {
-        match t {
-            Tier::Memory => Self::Memory,
-            Tier::Disk => Self::Disk,
-            Tier::Gpu => Self::Gpu,
-        }
-    }
-}
-
-impl crate::controller::Tier {
-    /// The tier named, or `None` for `Unspecified` (the caller's default applies).
-    pub fn domain(self) -> Option<Tier> {
-        match self {
-            Self::Unspecified => None,
-            Self::Memory => Some(Tier::Memory),
-            Self::Disk => Some(Tier::Disk),
-            Self::Gpu => Some(Tier::Gpu),
         }
     }
 }

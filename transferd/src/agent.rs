@@ -442,7 +442,7 @@ impl Agent for AgentService {
         }
         // Unspecified: TCP, as before transports could be chosen.
         let transport = pb::Transport::try_from(req.transport)
-            .map(|t| t.hop().unwrap_or(HopTransport::Tcp))
+            .map(|t| t.domain().unwrap_or(HopTransport::Tcp))
             .map_err(|_| {
                 Status::invalid_argument(format!(
                     "transport {} is not one this build knows (tcp or quic)",
