@@ -7,23 +7,16 @@
 //! [`StoredHost`] record; records written before it (the wire message itself) still load.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fmt;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use shardcast_placement::{Held, HostInfo};
 
-use crate::plan::{GpuState, UnknownName, named_enum};
+use crate::plan::GpuState;
 
-named_enum! {
-    /// A host's data tiers (the GPU tier is GPU slots, not a store).
-    DataTier {
-        /// Host memory (tmpfs or hugepages).
-        Memory = "memory",
-        /// Local disk.
-        Disk = "disk",
-    }
-}
+/// A host's data tiers (the GPU tier is GPU slots, not a store): the protocol's, which
+/// `shardcast_protocol::Tier` converts to and from.
+pub use shardcast_protocol::DataTier;
 
 /// One GPU of a host.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

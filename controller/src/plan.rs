@@ -16,65 +16,11 @@
 //!   lost | failed ──heartbeat reports a complete copy──▶ done
 //! ```
 
-use std::fmt;
-
 use serde::{Deserialize, Serialize};
 use shardcast_placement::Tier;
 
-/// Declares a string-named state enum: its variants, wire names, `as_str`, `Display`
-/// and `FromStr` (the names are what the HTTP/JSON API and the CLI show).
-macro_rules! named_enum {
-    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $s:literal),+ $(,)? }) => {
-        $(#[$m])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        pub enum $name {
-            $($(#[$vm])* #[serde(rename = $s)] $v),+
-        }
-
-        impl $name {
-            /// Every variant.
-            pub const ALL: &'static [Self] = &[$(Self::$v),+];
-
-            /// The name on the wire and in messages.
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $(Self::$v => $s),+
-                }
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl std::str::FromStr for $name {
-            type Err = UnknownName;
-
-            fn from_str(s: &str) -> Result<Self, UnknownName> {
-                match s {
-                    $($s => Ok(Self::$v),)+
-                    _ => Err(UnknownName {
-                        what: stringify!($name),
-                        name: s.to_string(),
-                        known: [$($s),+].join(", "),
-                    }),
-                }
-            }
-        }
-    };
-}
-pub(crate) use named_enum;
-
-/// A name that is none of an enum's variants.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown {what} {name:?} (known: {known})")]
-pub struct UnknownName {
-    pub(crate) what: &'static str,
-    pub(crate) name: String,
-    pub(crate) known: String,
-}
+pub use shardcast_protocol::named::UnknownName;
+pub(crate) use shardcast_protocol::named_enum;
 
 named_enum! {
     /// Where a plan is.

@@ -415,10 +415,7 @@ fn evict_request(digest: &str, host: &str, tier: DataTier) -> EvictModel {
     EvictModel {
         model: digest.to_string(),
         hosts: vec![host.to_string()],
-        tier: match tier {
-            DataTier::Memory => shardcast_placement::Tier::Memory,
-            DataTier::Disk => shardcast_placement::Tier::Disk,
-        },
+        tier: tier.into(),
     }
 }
 

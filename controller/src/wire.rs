@@ -24,9 +24,7 @@ use crate::plan::{
 /// A request's tier: unspecified is memory; a number this build does not know is refused.
 pub fn tier_of(v: i32) -> Result<Tier, ApiError> {
     match pb::Tier::try_from(v) {
-        Ok(pb::Tier::Unspecified | pb::Tier::Memory) => Ok(Tier::Memory),
-        Ok(pb::Tier::Disk) => Ok(Tier::Disk),
-        Ok(pb::Tier::Gpu) => Ok(Tier::Gpu),
+        Ok(t) => Ok(t.domain().unwrap_or(Tier::Memory)),
         Err(_) => Err(ApiError::invalid(format!(
             "tier must be memory, disk or gpu, got {v}"
         ))),
@@ -37,7 +35,7 @@ pub fn tier_of(v: i32) -> Result<Tier, ApiError> {
 /// number this build does not know is refused.
 pub fn transport_of(v: i32, default: HopTransport) -> Result<HopTransport, ApiError> {
     pb::Transport::try_from(v)
-        .map(|t| t.hop().unwrap_or(default))
+        .map(|t| t.domain().unwrap_or(default))
         .map_err(|_| ApiError::invalid(format!("transport must be tcp or quic, got {v}")))
 }
 
@@ -100,7 +98,7 @@ impl From<Evicted> for pb::EvictResponse {
 /// this build does not know is refused.
 fn hop_of(v: i32) -> Result<Option<HopTransport>, ApiError> {
     pb::Transport::try_from(v)
-        .map(|t| t.hop())
+        .map(|t| t.domain())
         .map_err(|_| ApiError::invalid(format!("transport must be tcp or quic, got {v}")))
 }
 
@@ -278,15 +276,6 @@ impl From<PartitionPlanAnswer> for pb::PartitionPlanResponse {
     }
 }
 
-/// The wire's tier.
-pub fn pb_tier(t: Tier) -> pb::Tier {
-    match t {
-        Tier::Memory => pb::Tier::Memory,
-        Tier::Disk => pb::Tier::Disk,
-        Tier::Gpu => pb::Tier::Gpu,
-    }
-}
-
 /// The typed core and the wire name their states alike: each maps by name, both ways.
 macro_rules! by_name {
     ($core:ident <-> $wire:ident) => {
@@ -357,7 +346,7 @@ pub fn plan_status(p: &Plan, now: f64) -> PlanStatus {
         plan_id: p.id.clone(),
         model: p.model.clone(),
         digest: p.digest.clone(),
-        tier: pb_tier(p.tier) as i32,
+        tier: pb::Tier::from(p.tier) as i32,
         state: pb::PlanState::from(p.state) as i32,
         hosts: p.hosts.iter().map(HostProgress::from).collect(),
         estimate_s: p.estimate_s,
@@ -686,7 +675,7 @@ mod tests {
             assert_eq!(GpuState::try_from(w), Ok(*s));
         }
         for t in [Tier::Memory, Tier::Disk, Tier::Gpu] {
-            assert_eq!(tier_of(pb_tier(t) as i32).unwrap(), t);
+            assert_eq!(tier_of(pb::Tier::from(t) as i32).unwrap(), t);
         }
         assert_eq!(tier_of(0).unwrap(), Tier::Memory);
         assert!(tier_of(99).is_err());

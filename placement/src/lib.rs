@@ -98,7 +98,6 @@ mod view;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -106,63 +105,9 @@ pub use chains::plan_chains;
 pub use estimate::estimate_chain_s;
 pub use receivers::choose_receivers;
 
-/// Where a copy lives. `Gpu` requests are satisfied on the data plane by a memory-tier copy
-/// (GPU loading is a later component), but capacity checks count GPUs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    /// The host-memory tier (tmpfs-backed shard store).
-    Memory,
-    /// The disk tier.
-    Disk,
-    /// One GPU slot; the model must be in the host's memory tier.
-    Gpu,
-}
-
-impl Tier {
-    /// The lowercase name used in configs, the API and [`fmt::Display`].
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Memory => "memory",
-            Self::Disk => "disk",
-            Self::Gpu => "gpu",
-        }
-    }
-}
-
-impl fmt::Display for Tier {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A string that is not a tier name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParseTierError(pub String);
-
-impl fmt::Display for ParseTierError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "unknown tier `{}`: expected one of `memory`, `disk`, `gpu`",
-            self.0
-        )
-    }
-}
-
-impl std::error::Error for ParseTierError {}
-
-impl FromStr for Tier {
-    type Err = ParseTierError;
-
-    /// Parses `memory`, `disk` or `gpu` (ASCII case-insensitive).
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        [Self::Memory, Self::Disk, Self::Gpu]
-            .into_iter()
-            .find(|t| t.as_str().eq_ignore_ascii_case(s))
-            .ok_or_else(|| ParseTierError(s.to_owned()))
-    }
-}
+/// Where a copy lives: the domain's one tier, defined in `shardcast_protocol` (floor 0) so
+/// the data plane, the controller and placement name the same type.
+pub use shardcast_protocol::Tier;
 
 /// What one host holds of one model.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

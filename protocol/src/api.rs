@@ -5,8 +5,8 @@
 //! Each enum has `label` / `from_label` / `LABELS`; the `json` submodules are the
 //! `serde(with)` modules `build.rs` puts on every enum field of the controller's messages,
 //! so JSON carries the names (an unknown name is an error listing the known ones). Both
-//! APIs' `Transport` converts to and from the frames' [`crate::HopTransport`] (`From`, and
-//! `hop`, `None` for `Unspecified`).
+//! APIs' `Transport` and `Tier` convert to and from the domain's [`crate::HopTransport`] and
+//! [`crate::Tier`] (`From`, and `domain`, `None` for `Unspecified`).
 
 use crate::controller::{GpuState, PlanKind, PlanState, ReceiverState, Tier, Transport};
 
@@ -63,32 +63,64 @@ labels!(GpuState {
     Unavailable => "unavailable",
 });
 
-/// The wire names of the hop transport, in both APIs.
-macro_rules! transport_names {
-    ($($api:ident),+) => {$(
-        impl From<crate::HopTransport> for crate::$api::Transport {
-            fn from(t: crate::HopTransport) -> Self {
+/// An API enum whose `Unspecified` means "the caller's default" and whose other variants
+/// are a domain enum's, by the same names: `From` the domain enum, and `domain` back
+/// (`None` for `Unspecified`).
+macro_rules! domain {
+    ($($pb:ty => $dom:ty { $($v:ident),+ });+ $(;)?) => {$(
+        impl From<$dom> for $pb {
+            fn from(t: $dom) -> Self {
                 match t {
-                    crate::HopTransport::Tcp => Self::Tcp,
-                    crate::HopTransport::Quic => Self::Quic,
+                    $(<$dom>::$v => Self::$v),+
                 }
             }
         }
 
-        impl crate::$api::Transport {
-            /// The transport named, or `None` for `Unspecified` (the default applies).
-            pub fn hop(self) -> Option<crate::HopTransport> {
+        impl $pb {
+            /// The domain's value, or `None` for `Unspecified` (the default applies).
+            pub fn domain(self) -> Option<$dom> {
                 match self {
                     Self::Unspecified => None,
-                    Self::Tcp => Some(crate::HopTransport::Tcp),
-                    Self::Quic => Some(crate::HopTransport::Quic),
+                    $(Self::$v => Some(<$dom>::$v)),+
                 }
             }
         }
     )+};
 }
 
-transport_names!(agent, controller);
+domain! {
+    crate::agent::Transport => crate::HopTransport { Tcp, Quic };
+    crate::controller::Transport => crate::HopTransport { Tcp, Quic };
+    crate::controller::Tier => crate::tier::Tier { Memory, Disk, Gpu };
+}
+
+// The agent's `Tier` has no `Unspecified` (every request names its store tier), so it
+// converts both ways in full.
+impl From<crate::tier::Tier> for crate::agent::Tier {
+    fn from(t: crate::tier::Tier) -> Self {
+        match t {
+            crate::tier::Tier::Memory => Self::Memory,
+            crate::tier::Tier::Disk => Self::Disk,
+            crate::tier::Tier::Gpu => Self::Gpu,
+        }
+    }
+}
+
+impl From<crate::tier::DataTier> for crate::agent::Tier {
+    fn from(t: crate::tier::DataTier) -> Self {
+        crate::tier::Tier::from(t).into()
+    }
+}
+
+impl From<crate::agent::Tier> for crate::tier::Tier {
+    fn from(t: crate::agent::Tier) -> Self {
+        match t {
+            crate::agent::Tier::Memory => Self::Memory,
+            crate::agent::Tier::Disk => Self::Disk,
+            crate::agent::Tier::Gpu => Self::Gpu,
+        }
+    }
+}
 
 /// `serde(with)` modules for the enum fields of the API's messages (see `build.rs`): the
 /// name in JSON; a number this build does not know is written as the number, and a name
@@ -178,10 +210,10 @@ mod tests {
         }
         let req: PrewarmRequest =
             serde_json::from_str(r#"{"model": "m", "transport": "quic"}"#).unwrap();
-        assert_eq!(req.transport().hop(), Some(crate::HopTransport::Quic));
+        assert_eq!(req.transport().domain(), Some(crate::HopTransport::Quic));
         let req: PrewarmRequest = serde_json::from_str(r#"{"model": "m"}"#).unwrap();
         assert_eq!(
-            req.transport().hop(),
+            req.transport().domain(),
             None,
             "unspecified: the controller's default"
         );

@@ -21,6 +21,7 @@ use crate::chunkset::ChunkSet;
 use crate::codec::{self, Codec, DecodeError, get_array, get_str, get_u8, get_u16, get_u32};
 use crate::manifest::{MAX_CHUNK_SIZE, MAX_MANIFEST_LEN, Manifest, ModelDigest};
 use crate::name::{HostId, MAX_HOST_ID_LEN};
+use crate::tier::DataTier;
 
 /// Magic at the start of a `Hello` body.
 pub const HELLO_MAGIC: &[u8; 4] = b"SHCS";
@@ -74,116 +75,55 @@ impl std::str::FromStr for SessionId {
     }
 }
 
-/// Which tier of the receiver's store a session writes into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    /// Host memory (tmpfs), mappable by inference processes on the host.
-    Memory,
-    /// The local disk.
-    Disk,
-}
-
-impl Tier {
-    fn to_u8(self) -> u8 {
-        match self {
-            Self::Memory => 0,
-            Self::Disk => 1,
-        }
-    }
-
-    fn from_u8(v: u8) -> Result<Self, DecodeError> {
-        match v {
-            0 => Ok(Self::Memory),
-            1 => Ok(Self::Disk),
-            other => Err(DecodeError::Invalid {
-                field: "tier",
-                reason: format!("{other}"),
-            }),
-        }
-    }
-
-    /// `"memory"` or `"disk"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Memory => "memory",
-            Self::Disk => "disk",
-        }
+/// The one-byte code of a session's store tier in `Open`.
+fn tier_to_u8(t: DataTier) -> u8 {
+    match t {
+        DataTier::Memory => 0,
+        DataTier::Disk => 1,
     }
 }
 
-impl std::str::FromStr for Tier {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "memory" | "mem" => Ok(Self::Memory),
-            "disk" => Ok(Self::Disk),
-            other => Err(format!(
-                "unknown tier {other:?}; expected \"memory\" or \"disk\""
-            )),
-        }
+fn tier_from_u8(v: u8) -> Result<DataTier, DecodeError> {
+    match v {
+        0 => Ok(DataTier::Memory),
+        1 => Ok(DataTier::Disk),
+        other => Err(DecodeError::Invalid {
+            field: "tier",
+            reason: format!("{other}"),
+        }),
     }
 }
 
-/// How a hop reaches the next one: chosen per cluster by the controller, overridable per
-/// plan, carried in every `Open` so each hop dials its downstream the same way.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum HopTransport {
-    /// TCP (with mutual TLS unless the daemons run `insecure_plaintext`).
-    #[default]
-    Tcp,
-    /// QUIC (over UDP, mutual TLS 1.3 with the same certificates), one connection per
-    /// pair of hosts and one stream per (session, shard).
-    Quic,
-}
-
-impl HopTransport {
-    fn to_u8(self) -> u8 {
-        match self {
-            Self::Tcp => 0,
-            Self::Quic => 1,
-        }
-    }
-
-    fn from_u8(v: u8) -> Result<Self, DecodeError> {
-        match v {
-            0 => Ok(Self::Tcp),
-            1 => Ok(Self::Quic),
-            other => Err(DecodeError::Invalid {
-                field: "transport",
-                reason: format!("{other}"),
-            }),
-        }
-    }
-
-    /// `"tcp"` or `"quic"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Quic => "quic",
-        }
+crate::named_enum! {
+    /// How a hop reaches the next one: chosen per cluster by the controller, overridable per
+    /// plan, carried in every `Open` so each hop dials its downstream the same way.
+    #[derive(Default)]
+    HopTransport {
+        /// TCP (with mutual TLS unless the daemons run `insecure_plaintext`).
+        #[default]
+        Tcp = "tcp",
+        /// QUIC (over UDP, mutual TLS 1.3 with the same certificates), one connection per
+        /// pair of hosts and one stream per (session, shard).
+        Quic = "quic",
     }
 }
 
-impl std::fmt::Display for HopTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+/// The one-byte code of a session's hop transport in `Open`.
+fn transport_to_u8(t: HopTransport) -> u8 {
+    match t {
+        HopTransport::Tcp => 0,
+        HopTransport::Quic => 1,
     }
 }
 
-impl std::str::FromStr for HopTransport {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "tcp" => Ok(Self::Tcp),
-            "quic" => Ok(Self::Quic),
-            other => Err(format!(
-                "unknown transport {other:?}; expected \"tcp\" or \"quic\""
-            )),
-        }
+fn transport_from_u8(v: u8) -> Result<HopTransport, DecodeError> {
+    match v {
+        0 => Ok(HopTransport::Tcp),
+        1 => Ok(HopTransport::Quic),
+        other => Err(DecodeError::Invalid {
+            field: "transport",
+            reason: format!("{other}"),
+        }),
     }
 }
 
@@ -210,7 +150,7 @@ pub struct SessionHeader {
     /// One past the last chunk of the range.
     pub end: u32,
     /// Tier the receiver stores into.
-    pub tier: Tier,
+    pub tier: DataTier,
     /// Where a hop may fetch missing chunks if its upstream vanishes (`file://`,
     /// `http(s)://`, or empty for none).
     pub origin: String,
@@ -571,7 +511,7 @@ impl Frame {
                 buf.put_u32(h.shard);
                 buf.put_u32(h.start);
                 buf.put_u32(h.end);
-                buf.put_u8(h.tier.to_u8());
+                buf.put_u8(tier_to_u8(h.tier));
                 codec::put_str(buf, &h.origin);
                 buf.put_u16(h.downstream.len() as u16);
                 for hop in &h.downstream {
@@ -586,7 +526,7 @@ impl Frame {
                     codec::put_str(buf, hop.host.as_str());
                     codec::put_str(buf, &hop.addr);
                 }
-                buf.put_u8(h.transport.to_u8());
+                buf.put_u8(transport_to_u8(h.transport));
             }
             Self::Accept { have } => have.encode(buf),
             Self::Chunk { shard, index, data } => {
@@ -672,7 +612,7 @@ impl Frame {
                         reason: format!("{start}..{end} is inverted"),
                     });
                 }
-                let tier = Tier::from_u8(get_u8(b)?)?;
+                let tier = tier_from_u8(get_u8(b)?)?;
                 let origin = get_str(b, "origin", MAX_URI_LEN)?;
                 let downstream = get_hops(b, "downstream hops", MAX_HOPS)?;
                 let n = get_u32(b)? as usize;
@@ -686,7 +626,7 @@ impl Frame {
                 codec::need(b, n)?;
                 let token = b.copy_to_bytes(n);
                 let upstream = get_hops(b, "upstream hops", MAX_UPSTREAM_HOPS)?;
-                let transport = HopTransport::from_u8(get_u8(b)?)?;
+                let transport = transport_from_u8(get_u8(b)?)?;
                 Self::Open(SessionHeader {
                     session,
                     model,

@@ -69,8 +69,10 @@ pub mod frame;
 pub mod layered;
 pub mod manifest;
 pub mod name;
+pub mod named;
 pub mod origin_policy;
 pub mod plan;
+pub mod tier;
 pub mod units;
 
 /// Generated gRPC types and service stubs for the per-host agent API.
@@ -100,11 +102,13 @@ pub mod controller {
 
 pub use chunkset::ChunkSet;
 pub use codec::{Codec, DecodeError};
-pub use frame::{ErrorCode, Frame, FrameType, Hop, HopTransport, SessionHeader, SessionId, Tier};
+pub use frame::{ErrorCode, Frame, FrameType, Hop, HopTransport, SessionHeader, SessionId};
 pub use manifest::{
     ChunkHash, Manifest, ModelDigest, ShardEntry, ShardHasher, VerifiedChunk, VerifyError,
 };
 pub use name::{HostId, ModelName, NameError, ShardPath};
+pub use named::UnknownName;
+pub use tier::{DataTier, NotADataTier, Tier};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer
 /// with another version is refused with [`ErrorCode::UnsupportedVersion`].

@@ -418,7 +418,7 @@ mod tests {
             shard: 0,
             start: 0,
             end: 1,
-            tier: crate::Tier::Memory,
+            tier: crate::DataTier::Memory,
             origin: origin.into(),
             downstream,
             token: Bytes::new(),

@@ -21,8 +21,8 @@ use shardcast_protocol::manifest::{
     MAX_CHUNK_SIZE, MAX_CHUNKS_PER_SHARD, MAX_MANIFEST_LEN, MAX_SHARDS, MIN_CHUNK_SIZE,
 };
 use shardcast_protocol::{
-    ChunkHash, ChunkSet, Codec, DecodeError, ErrorCode, Frame, FrameType, Hop, Manifest,
-    ModelDigest, ModelName, SessionHeader, SessionId, ShardEntry, ShardPath, Tier,
+    ChunkHash, ChunkSet, Codec, DataTier, DecodeError, ErrorCode, Frame, FrameType, Hop, Manifest,
+    ModelDigest, ModelName, SessionHeader, SessionId, ShardEntry, ShardPath,
 };
 
 const ALL_TYPES: [FrameType; 12] = [
@@ -75,7 +75,7 @@ fn sample_frames() -> Vec<Frame> {
         shard: 1,
         start: 4,
         end: 90,
-        tier: Tier::Memory,
+        tier: DataTier::Memory,
         origin: "https://origin.example/models/org/model".into(),
         downstream: vec![
             Hop {
@@ -310,7 +310,7 @@ fn per_type_maximum_body_lengths() {
         shard: 0,
         start: 0,
         end: 0,
-        tier: Tier::Disk,
+        tier: DataTier::Disk,
         origin: "o".repeat(4096),
         downstream: vec![
             Hop {

@@ -295,14 +295,14 @@ fn golden_bytes_of_small_frames() {
 /// The `Open` layout, field by field, as documented.
 #[test]
 fn open_layout() {
-    use shardcast_protocol::{Hop, HopTransport, SessionHeader, SessionId, Tier};
+    use shardcast_protocol::{DataTier, Hop, HopTransport, SessionHeader, SessionId};
     let h = SessionHeader {
         session: SessionId([0xab; 16]),
         model: ModelDigest([0xcd; 32]),
         shard: 1,
         start: 2,
         end: 3,
-        tier: Tier::Disk,
+        tier: DataTier::Disk,
         origin: "o".into(),
         downstream: vec![Hop {
             host: "b".parse().unwrap(),
@@ -340,7 +340,7 @@ fn open_layout() {
 
     let mut mem = Vec::new();
     Frame::Open(SessionHeader {
-        tier: Tier::Memory,
+        tier: DataTier::Memory,
         ..h
     })
     .encode(&mut mem);

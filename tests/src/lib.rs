@@ -340,7 +340,7 @@ pub fn open_header(
         shard: 0,
         start: 0,
         end: 1,
-        tier: shardcast_protocol::Tier::Memory,
+        tier: shardcast_protocol::DataTier::Memory,
         origin: String::new(),
         downstream: vec![],
         token: plan_token(model, hosts),

@@ -28,7 +28,8 @@ use shardcast_protocol::codec::{decode_exact, encode_to_vec};
 use shardcast_protocol::frame::{MAX_ADDR_LEN, MAX_HOPS, MAX_URI_LEN};
 use shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE;
 use shardcast_protocol::{
-    ErrorCode, Hop, HopTransport, HostId, Manifest, ModelDigest, ModelName, SessionId, Tier,
+    DataTier, ErrorCode, Hop, HopTransport, HostId, Manifest, ModelDigest, ModelName, SessionId,
+    Tier,
 };
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
@@ -166,22 +167,15 @@ pub(crate) fn state_name(s: &LoadState) -> (&'static str, String) {
     }
 }
 
-fn tier_from_pb(t: i32) -> Result<Tier, Status> {
-    match pb::Tier::try_from(t) {
-        Ok(pb::Tier::Memory) => Ok(Tier::Memory),
-        Ok(pb::Tier::Disk) => Ok(Tier::Disk),
-        Ok(pb::Tier::Gpu) => Err(Status::invalid_argument(
-            "the gpu tier is not a store tier; use LoadModel",
-        )),
-        Err(_) => Err(Status::invalid_argument(format!("unknown tier {t}"))),
-    }
+fn tier_from_pb(t: i32) -> Result<DataTier, Status> {
+    let t =
+        pb::Tier::try_from(t).map_err(|_| Status::invalid_argument(format!("unknown tier {t}")))?;
+    DataTier::try_from(Tier::from(t))
+        .map_err(|_| Status::invalid_argument("the gpu tier is not a store tier; use LoadModel"))
 }
 
-fn tier_to_pb(t: Tier) -> i32 {
-    match t {
-        Tier::Memory => pb::Tier::Memory as i32,
-        Tier::Disk => pb::Tier::Disk as i32,
-    }
+fn tier_to_pb(t: DataTier) -> i32 {
+    pb::Tier::from(t) as i32
 }
 
 fn chain_status(e: ChainError) -> Status {
@@ -448,7 +442,7 @@ impl Agent for AgentService {
         }
         // Unspecified: TCP, as before transports could be chosen.
         let transport = pb::Transport::try_from(req.transport)
-            .map(|t| t.hop().unwrap_or(HopTransport::Tcp))
+            .map(|t| t.domain().unwrap_or(HopTransport::Tcp))
             .map_err(|_| {
                 Status::invalid_argument(format!(
                     "transport {} is not one this build knows (tcp or quic)",

@@ -37,7 +37,7 @@ use crate::config::{Config, ListenAddr, Security};
 use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
 use crate::transport::{Quic, Transport, Transports};
-use shardcast_protocol::Tier;
+use shardcast_protocol::DataTier;
 
 /// How long in-flight work may take to wind down after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -374,7 +374,7 @@ fn memory_tier_mappings(store: &ShardStore) -> Vec<(String, Arc<dyn HostMemory>)
     store
         .shard_keys()
         .into_iter()
-        .filter(|(_, tier, _)| *tier == Tier::Memory)
+        .filter(|(_, tier, _)| *tier == DataTier::Memory)
         .filter_map(|(d, tier, i)| store.tier_shard(&d, i, tier))
         .filter(|s| s.is_complete() && !s.is_removed())
         .filter_map(|s| {

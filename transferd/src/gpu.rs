@@ -30,7 +30,7 @@ use gpu_loader::manager::{GpuManager, LoadRequest, ManagerError, PartitionLoad};
 use shardcast_policies::evict::Heaviness;
 use shardcast_policies::profile::group_of;
 use shardcast_protocol::agent::PartitionSpec;
-use shardcast_protocol::{ModelDigest, Tier};
+use shardcast_protocol::{DataTier, ModelDigest};
 use tracing::warn;
 
 use crate::chain::Node;
@@ -74,7 +74,7 @@ impl StoreSource {
         let mut info = Vec::new();
         for (i, s) in manifest.shards.iter().enumerate() {
             // Read through the store's own file handle: no path is opened again.
-            let shard = node.store.shard(digest, i as u32, Tier::Memory)?;
+            let shard = node.store.shard(digest, i as u32, DataTier::Memory)?;
             info.push(SourceShard {
                 path: s.path.to_string(),
                 size: s.size,
@@ -345,7 +345,7 @@ async fn load_partition(
     // 1. The headers.
     if !spec.source.is_empty() {
         let first = tensor_shards.iter().map(|&i| (i as u32, 0..1)).collect();
-        node.fetch_spans(&manifest, &spec.source, Tier::Memory, first)
+        node.fetch_spans(&manifest, &spec.source, DataTier::Memory, first)
             .await
             .map_err(|e| LoadFailure::Unavailable(format!("fetching headers: {e}")))?;
         let mut rest = Vec::new();
@@ -361,7 +361,7 @@ async fn load_partition(
         node.fetch_spans(
             &manifest,
             &spec.source,
-            Tier::Memory,
+            DataTier::Memory,
             chunk_spans(&rest, chunk_size),
         )
         .await
@@ -439,14 +439,14 @@ async fn load_partition(
         let (node, gpus, digest) = (node.clone(), gpus.clone(), *digest);
         tokio::spawn(async move {
             let mut r = node
-                .fetch_spans(&manifest, &spec.source, Tier::Memory, part_spans)
+                .fetch_spans(&manifest, &spec.source, DataTier::Memory, part_spans)
                 .await;
             if r.is_ok() && spec.complete {
                 let all = (0..manifest.shards.len() as u32)
                     .map(|s| (s, 0..u32::MAX))
                     .collect();
                 r = node
-                    .fetch_spans(&manifest, &spec.source, Tier::Memory, all)
+                    .fetch_spans(&manifest, &spec.source, DataTier::Memory, all)
                     .await;
             }
             if let Err(e) = r {
@@ -597,7 +597,7 @@ pub fn handoff(
         let shard = node
             .store
             .existing_shard(digest, i as u32)
-            .filter(|sh| sh.tier() == Tier::Memory && sh.is_complete())
+            .filter(|sh| sh.tier() == DataTier::Memory && sh.is_complete())
             .ok_or_else(|| {
                 unavailable(format!(
                     "model {digest} is not complete in this host's memory tier"

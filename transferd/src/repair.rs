@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use shardcast_protocol::{ModelDigest, Tier};
+use shardcast_protocol::{DataTier, ModelDigest};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -322,8 +322,8 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
 
     // 1. The other tier of this host.
     let other_tier = match tier {
-        Tier::Memory => Tier::Disk,
-        Tier::Disk => Tier::Memory,
+        DataTier::Memory => DataTier::Disk,
+        DataTier::Disk => DataTier::Memory,
     };
     if let Some(other) = node.store.tier_shard(&digest, index, other_tier) {
         for &i in &chunks {

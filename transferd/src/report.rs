@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use shardcast_protocol::controller::inventory_client::InventoryClient;
 use shardcast_protocol::controller::{Gpu, GpuLoad, HeldModel, HostReport, NameBinding};
-use shardcast_protocol::{ModelDigest, ModelName, Tier};
+use shardcast_protocol::{DataTier, ModelDigest, ModelName};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -195,10 +195,11 @@ pub fn build_report(
     let mut held = Vec::with_capacity(holdings.len());
     for h in &holdings {
         let st = model_status(h);
-        let (slot, tier) = match h.tier {
-            Tier::Memory => (0, "memory"),
-            Tier::Disk => (1, "disk"),
+        let slot = match h.tier {
+            DataTier::Memory => 0,
+            DataTier::Disk => 1,
         };
+        let tier = h.tier.as_str();
         used[slot] += st.total_bytes;
         held.push(HeldModel {
             digest: st.digest,
@@ -210,17 +211,20 @@ pub fn build_report(
         });
     }
     let (mem_capacity, mem_free) = space(
-        node.store.tier_root(Tier::Memory),
+        node.store.tier_root(DataTier::Memory),
         inv.memory_capacity,
         used[0],
     );
     // A memory tier on tmpfs is RAM: no more is free than the host can still give it.
     let mem_free = node
         .store
-        .host_room(Tier::Memory)
+        .host_room(DataTier::Memory)
         .map_or(mem_free, |room| mem_free.min(room));
-    let (disk_capacity, disk_free) =
-        space(node.store.tier_root(Tier::Disk), inv.disk_capacity, used[1]);
+    let (disk_capacity, disk_free) = space(
+        node.store.tier_root(DataTier::Disk),
+        inv.disk_capacity,
+        used[1],
+    );
     HostReport {
         host_id: node.host.to_string(),
         data_addr: addrs.data.clone(),

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use shardcast_placement::Tier;
+use shardcast_protocol::DataTier;
 use shardcast_protocol::agent::agent_client::AgentClient;
 use shardcast_protocol::agent::{self as apb};
 use tonic::Code;
@@ -110,20 +111,13 @@ pub fn agent_error(host: &str, s: &tonic::Status) -> AgentError {
 /// The agent protocol's tier for a tier the controller plans (GPU copies are loaded from
 /// the memory tier).
 pub fn agent_tier(tier: Tier) -> i32 {
-    match tier {
-        Tier::Disk => apb::Tier::Disk as i32,
-        Tier::Memory | Tier::Gpu => apb::Tier::Memory as i32,
-    }
+    apb::Tier::from(DataTier::serving(tier)) as i32
 }
 
 /// A data tier from the agent protocol's; `None` for GPU and values this controller does
 /// not know.
-fn data_tier(tier: i32) -> Option<Tier> {
-    match apb::Tier::try_from(tier).ok()? {
-        apb::Tier::Memory => Some(Tier::Memory),
-        apb::Tier::Disk => Some(Tier::Disk),
-        apb::Tier::Gpu => None,
-    }
+fn data_tier(tier: i32) -> Option<DataTier> {
+    DataTier::try_from(Tier::from(apb::Tier::try_from(tier).ok()?)).ok()
 }
 
 /// A model's status from the agent's answer.
@@ -360,7 +354,7 @@ mod tests {
         assert_eq!(
             r.tiers,
             vec![TierReport {
-                tier: Tier::Memory,
+                tier: DataTier::Memory,
                 bytes_verified: 7,
                 complete: false,
                 gpus: vec![("loading".into(), 3)],
@@ -369,7 +363,7 @@ mod tests {
         assert_eq!(
             r.store_failures,
             vec![StoreFailure {
-                tier: Tier::Disk,
+                tier: DataTier::Disk,
                 session: "s1".into(),
                 error: "full".into(),
             }]

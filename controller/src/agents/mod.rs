@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use futures::stream::BoxStream;
 use shardcast_placement::Tier;
+use shardcast_protocol::DataTier;
 use shardcast_protocol::HopTransport;
 
 use crate::error::AgentError;
@@ -134,8 +135,8 @@ pub struct Evict {
 /// A model on one tier of a host, as its agent reports it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TierReport {
-    /// The tier (`Memory` or `Disk`; a tier the controller does not know is left out).
-    pub tier: Tier,
+    /// The tier (a tier the controller does not know is left out).
+    pub tier: DataTier,
     /// Bytes verified there.
     pub bytes_verified: u64,
     /// Every chunk is there and verified.
@@ -148,7 +149,7 @@ pub struct TierReport {
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreFailure {
     /// The tier.
-    pub tier: Tier,
+    pub tier: DataTier,
     /// The session.
     pub session: String,
     /// Why.

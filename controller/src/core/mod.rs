@@ -188,11 +188,9 @@ pub(crate) fn now_unix() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The store tier that serves a request for `tier` (a GPU load reads the memory tier).
 pub(crate) fn data_tier(tier: Tier) -> DataTier {
-    match tier {
-        Tier::Disk => DataTier::Disk,
-        Tier::Memory | Tier::Gpu => DataTier::Memory,
-    }
+    DataTier::serving(tier)
 }
 
 fn plan_error(e: PlanError) -> PlanRequestError {

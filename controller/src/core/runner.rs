@@ -728,7 +728,7 @@ pub(super) fn polled_from(report: &ModelReport, tier: Tier) -> Seen {
     let mut seen = report
         .tiers
         .iter()
-        .find(|t| data_tier(t.tier) == want)
+        .find(|t| t.tier == want)
         .map(|t| Seen {
             bytes: t.bytes_verified,
             complete: t.complete,
@@ -740,7 +740,7 @@ pub(super) fn polled_from(report: &ModelReport, tier: Tier) -> Seen {
     seen.store_failures = report
         .store_failures
         .iter()
-        .filter(|f| data_tier(f.tier) == want)
+        .filter(|f| f.tier == want)
         .map(|f| (f.session.clone(), f.error.clone()))
         .collect();
     seen

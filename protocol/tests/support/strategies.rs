@@ -8,8 +8,8 @@ use proptest::prelude::*;
 use shardcast_protocol::frame::{MAX_ADDR_LEN, MAX_HOPS, MAX_MESSAGE_LEN, MAX_URI_LEN};
 use shardcast_protocol::manifest::{MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use shardcast_protocol::{
-    ChunkHash, ChunkSet, ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, ModelName,
-    SessionHeader, SessionId, ShardEntry, ShardPath, Tier,
+    ChunkHash, ChunkSet, DataTier, ErrorCode, Frame, Hop, HostId, Manifest, ModelDigest, ModelName,
+    SessionHeader, SessionId, ShardEntry, ShardPath,
 };
 
 /// Host ids: the full allowed alphabet, short and (sometimes) maximal lengths.
@@ -124,8 +124,8 @@ fn range() -> impl Strategy<Value = (u32, u32)> {
     (any::<u32>(), any::<u32>()).prop_map(|(a, b)| (a.min(b), a.max(b)))
 }
 
-fn tier() -> impl Strategy<Value = Tier> {
-    prop_oneof![Just(Tier::Memory), Just(Tier::Disk)]
+fn tier() -> impl Strategy<Value = DataTier> {
+    prop_oneof![Just(DataTier::Memory), Just(DataTier::Disk)]
 }
 
 fn hop() -> impl Strategy<Value = Hop> {

@@ -3,7 +3,7 @@
 
 use shardcast_protocol::codec::Codec;
 use shardcast_protocol::{
-    ErrorCode, Frame, HostId, ModelDigest, PROTOCOL_VERSION, SessionHeader, SessionId, Tier,
+    DataTier, ErrorCode, Frame, HostId, ModelDigest, PROTOCOL_VERSION, SessionHeader, SessionId,
 };
 use shardcast_tests::{Stream, TestCluster, hello, read_frames, tls_connect};
 use tokio::io::AsyncWriteExt;
@@ -68,7 +68,7 @@ async fn hostile_frames_are_refused_and_the_daemon_keeps_serving() {
             shard: 0,
             start: 0,
             end: 1,
-            tier: Tier::Memory,
+            tier: DataTier::Memory,
             origin: String::new(),
             downstream: vec![],
             token: shardcast_tests::plan_token(ModelDigest([9; 32]), &["attacker", "recv-1"]),

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use shardcast_protocol::{Frame, HopTransport, HostId, Manifest, SessionId, Tier, VerifiedChunk};
+use shardcast_protocol::{
+    DataTier, Frame, HopTransport, HostId, Manifest, SessionId, VerifiedChunk,
+};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
@@ -152,7 +154,7 @@ impl Node {
         &self,
         manifest: &Arc<Manifest>,
         origin: &str,
-        tier: Tier,
+        tier: DataTier,
     ) -> Result<(), FetchError> {
         let spans = (0..manifest.shards.len() as u32)
             .map(|s| (s, 0..u32::MAX))
@@ -185,7 +187,7 @@ impl Node {
         manifest: &Arc<Manifest>,
         staging: &crate::store::Staging,
         origin: &str,
-        tier: Tier,
+        tier: DataTier,
     ) -> Result<(), FetchError> {
         let model = manifest.digest();
         self.repairs.note_source(model, origin);
@@ -239,7 +241,7 @@ impl Node {
         &self,
         manifest: &Arc<Manifest>,
         source: &str,
-        tier: Tier,
+        tier: DataTier,
         spans: Vec<(u32, std::ops::Range<u32>)>,
     ) -> Result<(), FetchError> {
         let model = manifest.digest();

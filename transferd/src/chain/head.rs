@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use shardcast_protocol::{ErrorCode, Hop, HopTransport, Manifest, ModelDigest, SessionId, Tier};
+use shardcast_protocol::{
+    DataTier, ErrorCode, Hop, HopTransport, Manifest, ModelDigest, SessionId,
+};
 use tracing::{info, warn};
 
 use super::outcome::{FetchError, SessionError};
@@ -51,7 +53,7 @@ impl Node {
         id: SessionId,
         manifest: Arc<Manifest>,
         origin: String,
-        tier: Tier,
+        tier: DataTier,
         chains: Vec<ChainSpec>,
         token: Bytes,
         transport: HopTransport,

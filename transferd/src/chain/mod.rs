@@ -98,7 +98,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shardcast_protocol::{ErrorCode, Frame, HostId, ModelDigest, SessionId, Tier};
+use shardcast_protocol::{DataTier, ErrorCode, Frame, HostId, ModelDigest, SessionId};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -481,7 +481,7 @@ pub struct Node {
     /// write the file system failed, such as `ENOSPC` on a tmpfs another process filled),
     /// and in which session: reported with the model's status until a new session of the
     /// model in that tier starts.
-    store_failures: Mutex<HashMap<(ModelDigest, Tier), (SessionId, String)>>,
+    store_failures: Mutex<HashMap<(ModelDigest, DataTier), (SessionId, String)>>,
     /// This host's data address as peers reach it (set once the listener is up, when it
     /// is known): named in the upstream list of every `Open` this host sends.
     advertised: std::sync::OnceLock<String>,
@@ -592,7 +592,7 @@ impl Node {
     pub(crate) fn note_store_failure(
         &self,
         model: ModelDigest,
-        tier: Tier,
+        tier: DataTier,
         session: SessionId,
         why: String,
     ) {
@@ -604,7 +604,7 @@ impl Node {
 
     /// Why the store last refused `model`'s data, per tier and with the session, since the
     /// last session of it in that tier started.
-    pub fn store_failures(&self, model: &ModelDigest) -> Vec<(Tier, SessionId, String)> {
+    pub fn store_failures(&self, model: &ModelDigest) -> Vec<(DataTier, SessionId, String)> {
         self.store_failures
             .lock()
             .map(|m| {
@@ -617,7 +617,7 @@ impl Node {
     }
 
     /// A new session of `model` in `tier` starts: an earlier refusal is history.
-    fn clear_store_failure(&self, model: ModelDigest, tier: Tier) {
+    fn clear_store_failure(&self, model: ModelDigest, tier: DataTier) {
         if let Ok(mut m) = self.store_failures.lock() {
             m.remove(&(model, tier));
         }

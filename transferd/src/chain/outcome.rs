@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use shardcast_protocol::{HostId, Tier};
+use shardcast_protocol::{DataTier, HostId};
 
 use super::ChainError;
 use crate::origin::OriginError;
@@ -28,7 +28,7 @@ pub enum SessionError {
         /// Its shard.
         shard: u32,
         /// The tier it was written to.
-        tier: Tier,
+        tier: DataTier,
         /// What the store said.
         error: Arc<StoreError>,
     },

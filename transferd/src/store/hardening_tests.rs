@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use shardcast_protocol::manifest::{ChunkHash, MIN_CHUNK_SIZE, ShardEntry};
-use shardcast_protocol::{Manifest, ModelName, ShardHasher, ShardPath, Tier, VerifiedChunk};
+use shardcast_protocol::{DataTier, Manifest, ModelName, ShardHasher, ShardPath, VerifiedChunk};
 
 use super::*;
 
@@ -82,7 +82,7 @@ fn created_directories_and_files_get_private_modes() {
     let (m, _) = model(&[("sub/dir/a.bin", 2 * 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    store.shard(&d, 0, Tier::Memory).unwrap();
+    store.shard(&d, 0, DataTier::Memory).unwrap();
     for t in ["mem", "disk"] {
         assert_eq!(mode(&dir.path().join(t)), 0o700, "{t}");
     }
@@ -119,7 +119,7 @@ fn a_store_group_gets_group_readable_modes() {
     let (m, _) = model(&[("sub/a.bin", 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    store.shard(&d, 0, Tier::Memory).unwrap();
+    store.shard(&d, 0, DataTier::Memory).unwrap();
     let mem = dir.path().join("mem");
     for p in std::iter::once(mem.clone()).chain(tree(&mem)) {
         let md = std::fs::symlink_metadata(&p).unwrap();
@@ -253,10 +253,10 @@ fn planted_symlinks(walk: bool) {
     let store = open();
     symlink(&outside, mem.join("models").join(&hex)).unwrap();
     expect_refused(&store, &outside, "models/<digest>", || {
-        store.shard(&d, 0, Tier::Memory).map(|_| ())
+        store.shard(&d, 0, DataTier::Memory).map(|_| ())
     });
     // Eviction removes the link, never what it points to.
-    store.remove(&d, Tier::Memory).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
     assert!(!mem.join("models").join(&hex).exists());
     assert_eq!(std::fs::read(outside.join("victim")).unwrap(), b"precious");
     drop(store);
@@ -266,9 +266,9 @@ fn planted_symlinks(walk: bool) {
     std::fs::create_dir_all(mem.join("models").join(&hex)).unwrap();
     symlink(&outside, mem.join("models").join(&hex).join("sub")).unwrap();
     expect_refused(&store, &outside, "shard subdirectory", || {
-        store.shard(&d, 0, Tier::Memory).map(|_| ())
+        store.shard(&d, 0, DataTier::Memory).map(|_| ())
     });
-    store.remove(&d, Tier::Memory).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
     drop(store);
 
     // The shard file itself.
@@ -280,18 +280,18 @@ fn planted_symlinks(walk: bool) {
     )
     .unwrap();
     expect_refused(&store, &outside, "shard file", || {
-        store.shard(&d, 1, Tier::Memory).map(|_| ())
+        store.shard(&d, 1, DataTier::Memory).map(|_| ())
     });
-    store.remove(&d, Tier::Memory).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
     drop(store);
 
     // state/<digest>
     let store = open();
     symlink(&outside, mem.join("state").join(&hex)).unwrap();
     expect_refused(&store, &outside, "state/<digest>", || {
-        store.shard(&d, 1, Tier::Memory).map(|_| ())
+        store.shard(&d, 1, DataTier::Memory).map(|_| ())
     });
-    store.remove(&d, Tier::Memory).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
     drop(store);
 
     // A bitmap file.
@@ -303,9 +303,9 @@ fn planted_symlinks(walk: bool) {
     )
     .unwrap();
     expect_refused(&store, &outside, "bitmap file", || {
-        store.shard(&d, 1, Tier::Memory).map(|_| ())
+        store.shard(&d, 1, DataTier::Memory).map(|_| ())
     });
-    store.remove(&d, Tier::Memory).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
     drop(store);
 
     // The tier copy's manifest file.
@@ -317,9 +317,9 @@ fn planted_symlinks(walk: bool) {
     )
     .unwrap();
     expect_refused(&store, &outside, "state manifest", || {
-        store.shard(&d, 1, Tier::Memory).map(|_| ())
+        store.shard(&d, 1, DataTier::Memory).map(|_| ())
     });
-    store.remove(&d, Tier::Memory).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
     drop(store);
 
     // A known manifest in the disk tier, replaced by a symlink behind the store's back.
@@ -346,7 +346,7 @@ fn planted_symlinks(walk: bool) {
     store.put_manifest(&m).unwrap();
 
     // And a healthy copy still works after all that.
-    let s = store.shard(&d, 0, Tier::Memory).unwrap();
+    let s = store.shard(&d, 0, DataTier::Memory).unwrap();
     assert_eq!(s.path(), mem.join("models").join(&hex).join("sub/a.bin"));
     let _ = data;
     assert_eq!(std::fs::read(outside.join("victim")).unwrap(), b"precious");
@@ -371,7 +371,7 @@ async fn stale_temporary_files_are_removed_at_start() {
     {
         let store = ShardStore::open(cfg(dir.path())).unwrap();
         store.put_manifest(&m).unwrap();
-        let s = store.shard(&d, 0, Tier::Memory).unwrap();
+        let s = store.shard(&d, 0, DataTier::Memory).unwrap();
         s.write(chunk(&m, &data, 0, 0)).await.unwrap();
     }
     let state = dir.path().join("mem").join(state_rel(&d));
@@ -409,8 +409,8 @@ fn shards_larger_than_the_tier_are_refused_before_a_file_exists() {
     let (m, _) = model(&[("a.bin", 2 * 4096), ("b.bin", 2 * 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    store.shard(&d, 0, Tier::Memory).unwrap();
-    let err = store.shard(&d, 1, Tier::Memory).unwrap_err();
+    store.shard(&d, 0, DataTier::Memory).unwrap();
+    let err = store.shard(&d, 1, DataTier::Memory).unwrap_err();
     assert!(
         matches!(
             err,
@@ -433,7 +433,7 @@ fn shards_larger_than_the_tier_are_refused_before_a_file_exists() {
     );
     assert_eq!(store.stats().space_refusals.load(Ordering::Relaxed), 1);
     // The disk tier has no cap.
-    store.shard(&d, 1, Tier::Disk).unwrap();
+    store.shard(&d, 1, DataTier::Disk).unwrap();
 
     // The file system's free space: a shard well beyond what is available (four times: other
     // processes on the machine — builds, other tests — free and fill space meanwhile).
@@ -450,7 +450,7 @@ fn shards_larger_than_the_tier_are_refused_before_a_file_exists() {
     let huge = Manifest::new(ModelName::new("huge").unwrap(), max as u32, vec![entry]).unwrap();
     let hd = huge.digest();
     store.put_manifest(&huge).unwrap();
-    let err = store.shard(&hd, 0, Tier::Disk).unwrap_err();
+    let err = store.shard(&hd, 0, DataTier::Disk).unwrap_err();
     assert!(matches!(err, StoreError::NoSpace { .. }), "{err}");
     assert!(err.to_string().contains("available"), "{err}");
     assert!(!dir.path().join("disk").join(model_rel(&hd)).exists());
@@ -486,9 +486,9 @@ fn a_memory_tier_on_tmpfs_keeps_the_hosts_headroom() {
     let d = m.digest();
     let store = open(u64::MAX / 2);
     store.put_manifest(&m).unwrap();
-    assert_eq!(store.host_room(Tier::Memory), Some(0));
-    assert_eq!(store.host_room(Tier::Disk), None);
-    let err = store.shard(&d, 0, Tier::Memory).unwrap_err();
+    assert_eq!(store.host_room(DataTier::Memory), Some(0));
+    assert_eq!(store.host_room(DataTier::Disk), None);
+    let err = store.shard(&d, 0, DataTier::Memory).unwrap_err();
     assert!(
         matches!(
             err,
@@ -502,11 +502,11 @@ fn a_memory_tier_on_tmpfs_keeps_the_hosts_headroom() {
     );
     assert!(err.to_string().contains("memory_headroom"), "{err}");
     assert_eq!(store.stats().space_refusals.load(Ordering::Relaxed), 1);
-    store.shard(&d, 0, Tier::Disk).unwrap();
+    store.shard(&d, 0, DataTier::Disk).unwrap();
     drop(store);
     let store = open(0);
-    assert!(store.host_room(Tier::Memory).unwrap() > 0);
-    store.shard(&d, 0, Tier::Memory).unwrap();
+    assert!(store.host_room(DataTier::Memory).unwrap() > 0);
+    store.shard(&d, 0, DataTier::Memory).unwrap();
 }
 
 /// Flips one byte of a shard file behind the store's back.
@@ -533,7 +533,7 @@ async fn a_chunk_rotting_at_rest_is_dropped_persisted_and_counted() {
     })
     .unwrap();
     store.put_manifest(&m).unwrap();
-    let s = store.shard(&d, 0, Tier::Memory).unwrap();
+    let s = store.shard(&d, 0, DataTier::Memory).unwrap();
     for i in 0..3 {
         s.write(chunk(&m, &data, 0, i)).await.unwrap();
     }
@@ -590,7 +590,7 @@ async fn trusted_chunks_are_not_rehashed_until_the_window_passes() {
     })
     .unwrap();
     store.put_manifest(&m).unwrap();
-    let s = store.shard(&d, 0, Tier::Memory).unwrap();
+    let s = store.shard(&d, 0, DataTier::Memory).unwrap();
     for i in 0..2 {
         s.write(chunk(&m, &data, 0, i)).await.unwrap();
     }
@@ -620,7 +620,7 @@ fn chunks_covering_byte_ranges() {
     let store = ShardStore::open(cfg(dir.path())).unwrap();
     let (m, _) = model(&[("a.bin", 3 * 4096 + 5)]);
     store.put_manifest(&m).unwrap();
-    let s = store.shard(&m.digest(), 0, Tier::Disk).unwrap();
+    let s = store.shard(&m.digest(), 0, DataTier::Disk).unwrap();
     assert_eq!(s.chunks_covering(0, 1), 0..1);
     assert_eq!(s.chunks_covering(4095, 2), 0..2);
     assert_eq!(s.chunks_covering(4096, 4096), 1..2);
@@ -640,7 +640,7 @@ async fn checks_ahead_refresh_trust_and_drop_rotten_chunks() {
     })
     .unwrap();
     store.put_manifest(&m).unwrap();
-    let s = store.shard(&d, 0, Tier::Memory).unwrap();
+    let s = store.shard(&d, 0, DataTier::Memory).unwrap();
     for i in 0..6 {
         s.write(chunk(&m, &data, 0, i)).await.unwrap();
     }

@@ -120,7 +120,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use shardcast_protocol::codec::{decode_exact, encode_to_vec};
-use shardcast_protocol::{Manifest, ModelDigest, ModelName, ShardPath, Tier};
+use shardcast_protocol::{DataTier, Manifest, ModelDigest, ModelName, ShardPath};
 
 pub use names::{Binding, BindingSource};
 pub use pages::TierFs;
@@ -133,7 +133,7 @@ use shard::{OpenMode, ShardSpec};
 /// File name of a model's manifest in a tier's state directory.
 const MANIFEST_FILE: &str = "manifest.scmf";
 /// Both tiers, memory first (the preferred copy when equally verified).
-const TIERS: [Tier; 2] = [Tier::Memory, Tier::Disk];
+const TIERS: [DataTier; 2] = [DataTier::Memory, DataTier::Disk];
 
 /// Where the store keeps its files and how it writes them.
 #[derive(Debug, Clone)]
@@ -308,7 +308,7 @@ pub enum StoreError {
         /// The model.
         digest: ModelDigest,
         /// The tier it was removed from.
-        tier: Tier,
+        tier: DataTier,
     },
     /// A shard path would lead outside the model directory.
     #[error("shard path {path:?} leads outside the model directory")]
@@ -383,7 +383,7 @@ pub enum StoreError {
         /// The shard index.
         shard: u32,
         /// The tier.
-        tier: Tier,
+        tier: DataTier,
         /// The shard's size plus what shards already open there have still to write.
         need: u64,
         /// Free space on the file system, left under the configured capacity, or left of
@@ -399,7 +399,7 @@ pub enum StoreError {
         /// The model.
         digest: ModelDigest,
         /// The tier.
-        tier: Tier,
+        tier: DataTier,
         /// The shard index.
         shard: u32,
         /// The chunk index.
@@ -422,7 +422,7 @@ pub struct Holding {
     /// Its name.
     pub name: ModelName,
     /// The tier.
-    pub tier: Tier,
+    pub tier: DataTier,
     /// Directory holding the shard files ([`ShardStore::model_dir`]).
     pub dir: PathBuf,
     /// Every shard of the manifest, in order; shards not started in this tier have
@@ -491,7 +491,7 @@ impl Integrity {
 struct Model {
     manifest: Arc<Manifest>,
     /// Tier copies present; each maps shard index to its open shard.
-    tiers: HashMap<Tier, HashMap<u32, Arc<Shard>>>,
+    tiers: HashMap<DataTier, HashMap<u32, Arc<Shard>>>,
 }
 
 /// Locks `m`, taking the data of a poisoned lock as it is (a panicking holder left no
@@ -716,10 +716,10 @@ impl ShardStore {
         self.inner.memory_fs.as_ref()
     }
 
-    fn dir(&self, tier: Tier) -> &Arc<TierDir> {
+    fn dir(&self, tier: DataTier) -> &Arc<TierDir> {
         match tier {
-            Tier::Memory => &self.inner.memory,
-            Tier::Disk => &self.inner.disk,
+            DataTier::Memory => &self.inner.memory,
+            DataTier::Disk => &self.inner.disk,
         }
     }
 
@@ -764,7 +764,7 @@ impl ShardStore {
     fn recover(&self, verify: bool) -> Result<(), StoreError> {
         let mut models = lock(&self.inner.models);
         let disk = &self.inner.disk;
-        for (digest, name) in self.digest_entries(Tier::Disk, "manifests", ".scmf")? {
+        for (digest, name) in self.digest_entries(DataTier::Disk, "manifests", ".scmf")? {
             let rel = Path::new("manifests").join(name);
             match read_manifest(disk, &rel, &digest) {
                 Ok(m) => {
@@ -836,7 +836,7 @@ impl ShardStore {
     }
 
     /// A new staging directory in `tier` (see [`Staging`]).
-    pub fn staging(&self, tier: Tier) -> Result<Staging, StoreError> {
+    pub fn staging(&self, tier: DataTier) -> Result<Staging, StoreError> {
         let rel = Path::new(STAGING).join(hex::encode(rand::random::<[u8; 8]>()));
         let dir = self.dir(tier).clone();
         dir.create_dir_all(&rel)?;
@@ -844,7 +844,7 @@ impl ShardStore {
     }
 
     /// The directory a tier lives in.
-    pub fn tier_root(&self, tier: Tier) -> &Path {
+    pub fn tier_root(&self, tier: DataTier) -> &Path {
         self.dir(tier).root()
     }
 
@@ -853,7 +853,7 @@ impl ShardStore {
         manifest: &Arc<Manifest>,
         digest: ModelDigest,
         index: u32,
-        tier: Tier,
+        tier: DataTier,
     ) -> Result<ShardSpec, StoreError> {
         let entry = manifest.shard(index).map_err(|_| StoreError::NoSuchShard {
             digest,
@@ -991,7 +991,7 @@ impl ShardStore {
         models: &HashMap<ModelDigest, Model>,
         digest: ModelDigest,
         shard: u32,
-        tier: Tier,
+        tier: DataTier,
         on_file_system: bool,
     ) -> Result<(), StoreError> {
         let size = model
@@ -1009,8 +1009,8 @@ impl ShardStore {
             pending = pending.saturating_add(s.unwritten_bytes());
         }
         let cap = match tier {
-            Tier::Memory => self.inner.memory_capacity,
-            Tier::Disk => self.inner.disk_capacity,
+            DataTier::Memory => self.inner.memory_capacity,
+            DataTier::Disk => self.inner.disk_capacity,
         };
         let mut bounds = vec![(
             SpaceLimit::Capacity,
@@ -1046,10 +1046,10 @@ impl ShardStore {
     /// What a memory tier on tmpfs or ramfs may still take of the host's memory: its
     /// available memory less the headroom. `None` for the disk tier, a memory tier on
     /// another file system, or where `/proc/meminfo` cannot be read.
-    pub fn host_room(&self, tier: Tier) -> Option<u64> {
+    pub fn host_room(&self, tier: DataTier) -> Option<u64> {
         let headroom = match tier {
-            Tier::Memory => self.inner.memory_headroom?,
-            Tier::Disk => return None,
+            DataTier::Memory => self.inner.memory_headroom?,
+            DataTier::Disk => return None,
         };
         Some(hostmem::HostMemory::read()?.room(headroom))
     }
@@ -1058,7 +1058,12 @@ impl ShardStore {
     /// size, empty bitmap) if the tier does not have it yet; a new one must fit the tier
     /// (see [`StoreError::NoSpace`]), checked before any file is created. Repeated calls
     /// return the same `Arc`.
-    pub fn shard(&self, d: &ModelDigest, shard: u32, tier: Tier) -> Result<Arc<Shard>, StoreError> {
+    pub fn shard(
+        &self,
+        d: &ModelDigest,
+        shard: u32,
+        tier: DataTier,
+    ) -> Result<Arc<Shard>, StoreError> {
         let mut models = lock(&self.inner.models);
         let model = models
             .get(d)
@@ -1087,7 +1092,7 @@ impl ShardStore {
         &self,
         d: &ModelDigest,
         model: &Model,
-        tier: Tier,
+        tier: DataTier,
     ) -> Result<(), StoreError> {
         if model.tiers.contains_key(&tier) {
             return Ok(());
@@ -1135,7 +1140,7 @@ impl ShardStore {
         &self,
         d: &ModelDigest,
         shard: u32,
-        tier: Tier,
+        tier: DataTier,
         staging: &Staging,
     ) -> Result<Option<Arc<Shard>>, StoreError> {
         let mut models = lock(&self.inner.models);
@@ -1202,7 +1207,7 @@ impl ShardStore {
     }
 
     /// The shard's copy in `tier`, if that tier has one open (never creates it).
-    pub fn tier_shard(&self, d: &ModelDigest, shard: u32, tier: Tier) -> Option<Arc<Shard>> {
+    pub fn tier_shard(&self, d: &ModelDigest, shard: u32, tier: DataTier) -> Option<Arc<Shard>> {
         lock(&self.inner.models)
             .get(d)?
             .tiers
@@ -1213,7 +1218,7 @@ impl ShardStore {
 
     /// Every shard copy open in either tier, as (model, tier, shard index): the scrub looks
     /// each up when it reaches it, so it never keeps a removed copy mapped.
-    pub fn shard_keys(&self) -> Vec<(ModelDigest, Tier, u32)> {
+    pub fn shard_keys(&self) -> Vec<(ModelDigest, DataTier, u32)> {
         let models = lock(&self.inner.models);
         let mut out: Vec<_> = models
             .iter()
@@ -1223,7 +1228,7 @@ impl ShardStore {
                     .flat_map(move |(t, shards)| shards.keys().map(move |i| (*d, *t, *i)))
             })
             .collect();
-        out.sort_by_key(|(d, t, i)| (*d, matches!(t, Tier::Disk), *i));
+        out.sort_by_key(|(d, t, i)| (*d, matches!(t, DataTier::Disk), *i));
         out
     }
 
@@ -1279,7 +1284,7 @@ impl ShardStore {
 
     /// The directory holding model `d`'s shard files in `tier`, under their original
     /// names; an inference process maps files from here.
-    pub fn model_dir(&self, d: &ModelDigest, tier: Tier) -> PathBuf {
+    pub fn model_dir(&self, d: &ModelDigest, tier: DataTier) -> PathBuf {
         self.tier_root(tier).join(model_rel(d))
     }
 
@@ -1288,7 +1293,7 @@ impl ShardStore {
     /// Removing a copy that is not there is not an error. Never deletes through a symlink
     /// (see `beneath`). Returns the bytes freed: the blocks of every file removed, complete
     /// or partial shards and their state alike.
-    pub fn remove(&self, d: &ModelDigest, tier: Tier) -> Result<u64, StoreError> {
+    pub fn remove(&self, d: &ModelDigest, tier: DataTier) -> Result<u64, StoreError> {
         let mut models = lock(&self.inner.models);
         let model = models
             .get_mut(d)
@@ -1341,7 +1346,7 @@ impl ShardStore {
     /// names are skipped; symlinks are refused (counted, logged) and skipped.
     fn digest_entries(
         &self,
-        tier: Tier,
+        tier: DataTier,
         sub: &str,
         suffix: &str,
     ) -> Result<Vec<(ModelDigest, OsString)>, StoreError> {

@@ -41,7 +41,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use shardcast_protocol::{ChunkSet, Manifest, ModelDigest, Tier, VerifiedChunk, VerifyError};
+use shardcast_protocol::{ChunkSet, DataTier, Manifest, ModelDigest, VerifiedChunk, VerifyError};
 use tokio::sync::{Notify, watch};
 
 use super::beneath::{Access, TierDir};
@@ -80,7 +80,7 @@ pub(super) struct ShardSpec {
     pub(super) manifest: Arc<Manifest>,
     pub(super) digest: ModelDigest,
     pub(super) index: u32,
-    pub(super) tier: Tier,
+    pub(super) tier: DataTier,
     pub(super) dir: Arc<TierDir>,
     pub(super) data_rel: PathBuf,
     pub(super) bits_rel: PathBuf,
@@ -112,7 +112,7 @@ pub struct Shard {
     manifest: Arc<Manifest>,
     digest: ModelDigest,
     index: u32,
-    tier: Tier,
+    tier: DataTier,
     size: u64,
     total: u32,
     data_path: PathBuf,
@@ -333,7 +333,7 @@ impl Shard {
     }
 
     /// The tier this copy lives in.
-    pub fn tier(&self) -> Tier {
+    pub fn tier(&self) -> DataTier {
         self.tier
     }
 

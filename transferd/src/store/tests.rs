@@ -2,7 +2,7 @@ use std::path::Path;
 
 use bytes::Bytes;
 use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
-use shardcast_protocol::{Manifest, ModelName, ShardHasher, ShardPath, Tier};
+use shardcast_protocol::{DataTier, Manifest, ModelName, ShardHasher, ShardPath};
 
 use super::*;
 use shardcast_protocol::VerifiedChunk;
@@ -66,7 +66,7 @@ async fn write_read_round_trip_with_every_writer() {
         );
         let d = m.digest();
         store.put_manifest(&m).unwrap();
-        for tier in [Tier::Memory, Tier::Disk] {
+        for tier in [DataTier::Memory, DataTier::Disk] {
             for s in 0..2u32 {
                 let shard = store.shard(&d, s, tier).unwrap();
                 let mut rx = shard.subscribe();
@@ -100,7 +100,7 @@ async fn verify_and_write_stores_sound_chunks_and_drops_bad_ones_with_every_writ
         let (m, data) = model("org/model", &[("a.safetensors", 3 * 4096 + 100)]);
         let d = m.digest();
         store.put_manifest(&m).unwrap();
-        let shard = store.shard(&d, 0, Tier::Memory).unwrap();
+        let shard = store.shard(&d, 0, DataTier::Memory).unwrap();
         let bytes = |i: u32| chunk(&m, &data, 0, i).data().clone();
 
         // A flipped byte: refused, nothing written, the bit stays clear.
@@ -156,7 +156,7 @@ async fn incomplete_shard_never_complete_and_unverified_reads_fail() {
     let (m, data) = model("m", &[("x", 5 * 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    let shard = store.shard(&d, 0, Tier::Disk).unwrap();
+    let shard = store.shard(&d, 0, DataTier::Disk).unwrap();
     assert_eq!(
         std::fs::metadata(shard.path()).unwrap().len(),
         5 * 4096,
@@ -186,7 +186,7 @@ async fn chunk_of_another_shard_is_refused() {
     let (m, data) = model("m", &[("x", 4096), ("y", 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    let shard = store.shard(&d, 0, Tier::Disk).unwrap();
+    let shard = store.shard(&d, 0, DataTier::Disk).unwrap();
     let err = shard.write(chunk(&m, &data, 1, 0)).await.unwrap_err();
     assert!(matches!(err, StoreError::ChunkMismatch { .. }), "{err}");
     assert_eq!(shard.verified_count(), 0);
@@ -210,10 +210,10 @@ async fn restart_recovers_bits_and_manifests() {
         store
             .bind_name(&m.name, d, BindingSource::Plan, 1_000)
             .unwrap();
-        let a = store.shard(&d, 0, Tier::Memory).unwrap();
+        let a = store.shard(&d, 0, DataTier::Memory).unwrap();
         a.write(chunk(&m, &data, 0, 0)).await.unwrap();
         a.write(chunk(&m, &data, 0, 2)).await.unwrap();
-        let b = store.shard(&d, 1, Tier::Disk).unwrap();
+        let b = store.shard(&d, 1, DataTier::Disk).unwrap();
         b.write(chunk(&m, &data, 1, 0)).await.unwrap();
     }
     let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
@@ -233,21 +233,21 @@ async fn restart_recovers_bits_and_manifests() {
     assert_eq!(store.resolve("nope"), None);
 
     let a = store.existing_shard(&d, 0).unwrap();
-    assert_eq!(a.tier(), Tier::Memory);
+    assert_eq!(a.tier(), DataTier::Memory);
     assert_eq!(a.verified_set(0, 4).iter().collect::<Vec<_>>(), vec![0, 2]);
     assert!(matches!(a.read(1), Err(StoreError::NotVerified { .. })));
     assert_eq!(&a.read(2).unwrap()[..], &data[0][2 * 4096..3 * 4096]);
     assert!(
-        Arc::ptr_eq(&a, &store.shard(&d, 0, Tier::Memory).unwrap()),
+        Arc::ptr_eq(&a, &store.shard(&d, 0, DataTier::Memory).unwrap()),
         "same Arc"
     );
     assert!(store.existing_shard(&d, 1).unwrap().is_complete());
 
     let mut holdings = store.holdings();
-    holdings.sort_by_key(|h| h.tier == Tier::Disk);
+    holdings.sort_by_key(|h| h.tier == DataTier::Disk);
     assert_eq!(holdings.len(), 2);
-    assert_eq!(holdings[0].tier, Tier::Memory);
-    assert_eq!(holdings[0].dir, store.model_dir(&d, Tier::Memory));
+    assert_eq!(holdings[0].tier, DataTier::Memory);
+    assert_eq!(holdings[0].dir, store.model_dir(&d, DataTier::Memory));
     let verified: Vec<u32> = holdings[0].shards.iter().map(|s| s.verified).collect();
     assert_eq!(verified, vec![2, 0]);
     assert_eq!(holdings[1].shards[1].verified, 1);
@@ -289,7 +289,7 @@ async fn verify_on_recover_catches_corruption() {
     let path = {
         let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
         store.put_manifest(&m).unwrap();
-        let s = store.shard(&d, 0, Tier::Disk).unwrap();
+        let s = store.shard(&d, 0, DataTier::Disk).unwrap();
         for i in 0..3 {
             s.write(chunk(&m, &data, 0, i)).await.unwrap();
         }
@@ -325,13 +325,13 @@ async fn damaged_state_files_lose_bits_not_the_store() {
     let (bits, datafile) = {
         let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
         store.put_manifest(&m).unwrap();
-        let x = store.shard(&d, 0, Tier::Disk).unwrap();
+        let x = store.shard(&d, 0, DataTier::Disk).unwrap();
         x.write(chunk(&m, &data, 0, 0)).await.unwrap();
-        let y = store.shard(&d, 1, Tier::Disk).unwrap();
+        let y = store.shard(&d, 1, DataTier::Disk).unwrap();
         y.write(chunk(&m, &data, 1, 0)).await.unwrap();
         (
             store
-                .tier_root(Tier::Disk)
+                .tier_root(DataTier::Disk)
                 .join(state_rel(&d))
                 .join("0.bits"),
             y.path().to_path_buf(),
@@ -353,8 +353,11 @@ async fn damaged_state_files_lose_bits_not_the_store() {
     )
     .unwrap();
     let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
-    assert_eq!(store.shard(&d, 0, Tier::Disk).unwrap().verified_count(), 0);
-    let y = store.shard(&d, 1, Tier::Disk).unwrap();
+    assert_eq!(
+        store.shard(&d, 0, DataTier::Disk).unwrap().verified_count(),
+        0
+    );
+    let y = store.shard(&d, 1, DataTier::Disk).unwrap();
     assert_eq!(y.verified_count(), 0, "data file of the wrong size");
     assert_eq!(std::fs::metadata(y.path()).unwrap().len(), 4096);
 }
@@ -366,7 +369,7 @@ async fn files_stay_inside_model_dir() {
     let (m, data) = model("evil/name", &[("deep/er/x.bin", 4096), ("y", 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    for tier in [Tier::Memory, Tier::Disk] {
+    for tier in [DataTier::Memory, DataTier::Disk] {
         let root = store.model_dir(&d, tier);
         for s in 0..2 {
             let shard = store.shard(&d, s, tier).unwrap();
@@ -397,7 +400,7 @@ async fn concurrent_writes_with_every_writer() {
         let (m, data) = (Arc::new(m), Arc::new(data));
         let d = m.digest();
         store.put_manifest(&m).unwrap();
-        let shard = store.shard(&d, 0, Tier::Memory).unwrap();
+        let shard = store.shard(&d, 0, DataTier::Memory).unwrap();
         let mut tasks = Vec::new();
         // Four writers over interleaved chunks, each also rewriting every chunk once, so
         // duplicate writes race with first writes.
@@ -437,25 +440,25 @@ async fn remove_deletes_one_tier() {
     let (m, data) = model("m", &[("x", 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    let mem = store.shard(&d, 0, Tier::Memory).unwrap();
+    let mem = store.shard(&d, 0, DataTier::Memory).unwrap();
     mem.write(chunk(&m, &data, 0, 0)).await.unwrap();
-    let disk = store.shard(&d, 0, Tier::Disk).unwrap();
-    store.remove(&d, Tier::Memory).unwrap();
-    assert!(!store.model_dir(&d, Tier::Memory).exists());
+    let disk = store.shard(&d, 0, DataTier::Disk).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
+    assert!(!store.model_dir(&d, DataTier::Memory).exists());
     assert!(matches!(mem.read(0), Err(StoreError::Removed { .. })));
     assert!(Arc::ptr_eq(&store.existing_shard(&d, 0).unwrap(), &disk));
     assert_eq!(store.holdings().len(), 1);
-    store.remove(&d, Tier::Memory).unwrap();
+    store.remove(&d, DataTier::Memory).unwrap();
     drop(store);
     let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
     assert_eq!(store.holdings().len(), 1);
     assert!(store.manifest(&d).is_some());
     let err = store
-        .shard(&ModelDigest([7; 32]), 0, Tier::Disk)
+        .shard(&ModelDigest([7; 32]), 0, DataTier::Disk)
         .unwrap_err();
     assert!(matches!(err, StoreError::UnknownModel { .. }));
     assert!(matches!(
-        store.shard(&d, 9, Tier::Disk),
+        store.shard(&d, 9, DataTier::Disk),
         Err(StoreError::NoSuchShard { .. })
     ));
 }
@@ -472,14 +475,14 @@ async fn remove_counts_the_bytes_and_a_restart_collects_orphans() {
         let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
         store.put_manifest(&m).unwrap();
         // A partial copy: one chunk of four.
-        let s = store.shard(&d, 0, Tier::Memory).unwrap();
+        let s = store.shard(&d, 0, DataTier::Memory).unwrap();
         s.write(chunk(&m, &data, 0, 1)).await.unwrap();
         drop(s);
-        let freed = store.remove(&d, Tier::Memory).unwrap();
+        let freed = store.remove(&d, DataTier::Memory).unwrap();
         assert!(freed >= CHUNK as u64, "freed {freed}");
-        assert_eq!(store.remove(&d, Tier::Memory).unwrap(), 0);
+        assert_eq!(store.remove(&d, DataTier::Memory).unwrap(), 0);
         // Again, then a crash after the state went but before the data did.
-        let s = store.shard(&d, 1, Tier::Memory).unwrap();
+        let s = store.shard(&d, 1, DataTier::Memory).unwrap();
         s.write(chunk(&m, &data, 1, 0)).await.unwrap();
         drop(s);
     }
@@ -493,7 +496,7 @@ async fn remove_counts_the_bytes_and_a_restart_collects_orphans() {
     let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
     assert_eq!(store.stats().orphans_removed.load(Ordering::Relaxed), 2);
     assert!(store.stats().orphan_bytes_removed.load(Ordering::Relaxed) >= CHUNK as u64);
-    assert!(!store.model_dir(&d, Tier::Memory).exists());
+    assert!(!store.model_dir(&d, DataTier::Memory).exists());
     assert!(!mem_root.join(state_rel(&stray)).exists());
     assert!(mem_root.join("models/not-a-digest").exists());
     // The model is still known (its manifest is on disk) and nothing of it is held.
@@ -540,7 +543,7 @@ async fn kept_files_are_adopted_without_rehashing_and_checked_before_use() {
     );
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    let staging = store.staging(Tier::Memory).unwrap();
+    let staging = store.staging(DataTier::Memory).unwrap();
     keep(&staging, "sub/a.safetensors", &data[0]);
     // A kept file that is not the shard's size (a truncated copy) is refused and left.
     keep(&staging, "b.bin", &data[1][..100]);
@@ -550,7 +553,7 @@ async fn kept_files_are_adopted_without_rehashing_and_checked_before_use() {
     keep(&staging, "c.bin", &rotten);
 
     let a = store
-        .adopt_kept(&d, 0, Tier::Memory, &staging)
+        .adopt_kept(&d, 0, DataTier::Memory, &staging)
         .unwrap()
         .unwrap();
     assert!(a.is_complete());
@@ -559,7 +562,12 @@ async fn kept_files_are_adopted_without_rehashing_and_checked_before_use() {
         "moved, not copied"
     );
     assert_eq!(
-        std::fs::read(store.model_dir(&d, Tier::Memory).join("sub/a.safetensors")).unwrap(),
+        std::fs::read(
+            store
+                .model_dir(&d, DataTier::Memory)
+                .join("sub/a.safetensors")
+        )
+        .unwrap(),
         data[0]
     );
     // Marked verified without hashing, but not trusted: the first read re-hashes.
@@ -574,28 +582,30 @@ async fn kept_files_are_adopted_without_rehashing_and_checked_before_use() {
     // Open already: the caller tops it up instead.
     assert!(
         store
-            .adopt_kept(&d, 0, Tier::Memory, &staging)
+            .adopt_kept(&d, 0, DataTier::Memory, &staging)
             .unwrap()
             .is_none()
     );
     // Another tier than the staging's: not renamed across.
     assert!(
         store
-            .adopt_kept(&d, 0, Tier::Disk, &staging)
+            .adopt_kept(&d, 0, DataTier::Disk, &staging)
             .unwrap()
             .is_none()
     );
 
-    let err = store.adopt_kept(&d, 1, Tier::Memory, &staging).unwrap_err();
+    let err = store
+        .adopt_kept(&d, 1, DataTier::Memory, &staging)
+        .unwrap_err();
     assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
     assert!(
         staging.path().join("b.bin").exists(),
         "moved back for the fallback"
     );
-    assert!(store.tier_shard(&d, 1, Tier::Memory).is_none());
+    assert!(store.tier_shard(&d, 1, DataTier::Memory).is_none());
 
     let c = store
-        .adopt_kept(&d, 2, Tier::Memory, &staging)
+        .adopt_kept(&d, 2, DataTier::Memory, &staging)
         .unwrap()
         .unwrap();
     assert!(c.read(0).is_ok());
@@ -622,12 +632,14 @@ fn adopting_refuses_a_symlink_planted_as_the_kept_file() {
     let (m, data) = model("org/kept", &[("a.bin", 4096)]);
     let d = m.digest();
     store.put_manifest(&m).unwrap();
-    let staging = store.staging(Tier::Memory).unwrap();
+    let staging = store.staging(DataTier::Memory).unwrap();
     let outside = dir.path().join("outside");
     std::fs::write(&outside, &data[0]).unwrap();
     std::os::unix::fs::symlink(&outside, staging.path().join("a.bin")).unwrap();
-    let err = store.adopt_kept(&d, 0, Tier::Memory, &staging).unwrap_err();
+    let err = store
+        .adopt_kept(&d, 0, DataTier::Memory, &staging)
+        .unwrap_err();
     assert!(matches!(err, StoreError::Symlink { .. }), "{err}");
-    assert!(store.tier_shard(&d, 0, Tier::Memory).is_none());
-    assert!(!store.model_dir(&d, Tier::Memory).join("a.bin").exists());
+    assert!(store.tier_shard(&d, 0, DataTier::Memory).is_none());
+    assert!(!store.model_dir(&d, DataTier::Memory).join("a.bin").exists());
 }
