@@ -195,6 +195,26 @@ impl Layers {
 
 #[cfg(feature = "clap")]
 impl Layers {
+    /// The layers a daemon's command line asks for: `defaults` < the TOML file its
+    /// `config` argument names (read by `read`: this crate does no I/O) < environment
+    /// variables < flags. The `config` and `print_config` arguments are not settings.
+    pub fn from_command_line<T: Serialize>(
+        defaults: &T,
+        command: &clap::Command,
+        matches: &clap::ArgMatches,
+        read: impl FnOnce(&Path) -> std::io::Result<String>,
+    ) -> Result<Self, ConfigError> {
+        let mut layers = Self::new();
+        layers.defaults(defaults)?;
+        if let Some(path) = matches.get_one::<std::path::PathBuf>("config") {
+            let text = read(path)
+                .map_err(|e| ConfigError(format!("reading config file {}: {e}", path.display())))?;
+            layers.file(path, &text)?;
+        }
+        layers.command_line(command, matches, &["config", "print_config"]);
+        Ok(layers)
+    }
+
     /// The environment variables and flags clap read (each argument's `env = ...` and
     /// `--long`), over what is set so far. Arguments named in `skip` (the config file's own
     /// path, `--print-config`) and values clap filled from its own defaults are left out;

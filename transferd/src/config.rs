@@ -745,14 +745,10 @@ impl Config {
     /// environment variables < flags (what clap read into `matches`), refuses an unknown or
     /// ill-typed key naming it and its origin, and validates. Nothing is bound here.
     pub fn from_matches(matches: &clap::ArgMatches) -> anyhow::Result<Loaded> {
-        let mut layers = Layers::new();
-        layers.defaults(&Settings::default())?;
-        if let Some(path) = matches.get_one::<PathBuf>("config") {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading config file {}", path.display()))?;
-            layers.file(path, &text)?;
-        }
-        layers.command_line(&Args::command(), matches, &["config", "print_config"]);
+        let layers =
+            Layers::from_command_line(&Settings::default(), &Args::command(), matches, |p| {
+                std::fs::read_to_string(p)
+            })?;
         let settings: Settings = layers.extract()?;
         let config = Self::validate(&settings, &layers).map_err(|e| {
             let message = format!("{e:#}");

@@ -451,14 +451,9 @@ impl Args {
     /// < environment variables < flags (what clap read into `matches`), refusing an unknown
     /// or ill-typed key with its name and origin. Nothing is bound here.
     pub fn from_matches(matches: &clap::ArgMatches) -> anyhow::Result<Loaded> {
-        let mut layers = Layers::new();
-        layers.defaults(&Self::default())?;
-        if let Some(path) = matches.get_one::<PathBuf>("config") {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading config file {}", path.display()))?;
-            layers.file(path, &text)?;
-        }
-        layers.command_line(&Cli::command(), matches, &["config", "print_config"]);
+        let layers = Layers::from_command_line(&Self::default(), &Cli::command(), matches, |p| {
+            std::fs::read_to_string(p)
+        })?;
         let args = layers.extract()?;
         Ok(Loaded { args, layers })
     }
