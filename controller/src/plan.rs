@@ -274,7 +274,7 @@ impl ReceiverProgress {
     /// Its host's store refused the data (`observe` failed it saying why) and the plan
     /// waits up to `grace` seconds: lost, awaiting room, from `now`. The host's verified
     /// chunks stay; once it reports room for the rest it is re-planned and resumes.
-    pub fn wait_for_room(&mut self, now: f64, grace: f64) {
+    fn wait_for_room(&mut self, now: f64, grace: f64) {
         if self.state != ReceiverState::Failed || grace <= 0.0 {
             return;
         }
@@ -302,17 +302,18 @@ impl ReceiverProgress {
     }
 
     /// One report of a chain plan's receiver: `seen` is what its agent says; `gpu_refused`
-    /// is why the host could not be asked to load (tier gpu); `total` the model's size if
-    /// known; `elapsed` the plan's age. Tier gpu receivers with GPU slots are done only once
-    /// their GPUs serve the model. True when something changed.
-    pub fn observe(
-        &mut self,
-        seen: &Seen,
-        tier: Tier,
-        gpu_refused: Option<&str>,
-        total: Option<u64>,
-        elapsed: f64,
-    ) -> bool {
+    /// is why the host could not be asked to load (tier gpu); `round` the plan's tier and
+    /// clock. Tier gpu receivers with GPU slots are done only once their GPUs serve the
+    /// model; a receiver whose store refused the data waits for room within the lost grace.
+    /// True when something changed.
+    pub fn observe(&mut self, seen: &Seen, gpu_refused: Option<&str>, round: &Round) -> bool {
+        let Round {
+            tier,
+            total,
+            elapsed,
+            now,
+            lost_grace,
+        } = *round;
         let before = self.clone();
         self.error = gpu_refused.unwrap_or_default().to_string();
         let complete = if tier == Tier::Gpu && self.gpus > 0 {
@@ -348,9 +349,11 @@ impl ReceiverProgress {
                 self.done_s = elapsed.max(0.0);
             }
         } else if let Some(why) = seen.store_failure() {
-            // Its store cannot take the copy: said at once, not after the stall clock.
+            // Its store cannot take the copy: said at once, not after the stall clock; the
+            // plan waits for room within its lost grace (failed without one).
             self.state = ReceiverState::Failed;
             self.error = format!("the host's store refused the data: {why}");
+            self.wait_for_room(now, lost_grace);
         } else if self.state == ReceiverState::Pending && seen.bytes > 0 {
             self.state = ReceiverState::Receiving;
         }
@@ -397,6 +400,21 @@ impl ReceiverProgress {
         self.error = format!("completed after it was marked {was} (seen in its heartbeat)");
         Some(was)
     }
+}
+
+/// A plan's round, as [`ReceiverProgress::observe`] needs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Round {
+    /// The plan's tier.
+    pub tier: Tier,
+    /// The model's size, if known.
+    pub total: Option<u64>,
+    /// The plan's age, seconds.
+    pub elapsed: f64,
+    /// Now, seconds since the epoch.
+    pub now: f64,
+    /// How long the plan waits for a lost receiver, seconds.
+    pub lost_grace: f64,
 }
 
 /// What a receiver's agent reports about the model (polled or pushed).
@@ -691,7 +709,7 @@ mod tests {
             "s1".into(),
             "storing chunk 3 of shard 0: No space left on device".into(),
         )];
-        assert!(r.observe(&s, Tier::Memory, None, Some(100), 1.0));
+        assert!(r.observe(&s, None, &round(Tier::Memory, Some(100), 1.0)));
         assert_eq!(r.state, ReceiverState::Failed);
         assert!(r.error.contains("No space left on device"), "{}", r.error);
         // Another plan's refusal (an older session of the model) is not this plan's.
@@ -703,8 +721,19 @@ mod tests {
         // A copy that completed anyway is done.
         let mut s = seen(100, true, None);
         s.store_failures = vec![("s1".into(), "an old refusal".into())];
-        assert!(r.observe(&s, Tier::Memory, None, Some(100), 2.0));
+        assert!(r.observe(&s, None, &round(Tier::Memory, Some(100), 2.0)));
         assert_eq!(r.state, ReceiverState::Done);
+    }
+
+    /// A round of a memory plan without a lost grace.
+    fn round(tier: Tier, total: Option<u64>, elapsed: f64) -> Round {
+        Round {
+            tier,
+            total,
+            elapsed,
+            now: 0.0,
+            lost_grace: 0.0,
+        }
     }
 
     #[test]
@@ -712,7 +741,17 @@ mod tests {
         let mut r = rx(ReceiverState::Receiving);
         let mut s = seen(40, false, None);
         s.store_failures = vec![("s1".into(), "No space left on device".into())];
-        assert!(r.observe(&s, Tier::Memory, None, Some(100), 1.0));
+        // With a lost grace, the report itself makes it lost, awaiting room.
+        let mut graced = r.clone();
+        let with_grace = Round {
+            now: 50.0,
+            lost_grace: 20.0,
+            ..round(Tier::Memory, Some(100), 1.0)
+        };
+        assert!(graced.observe(&s, None, &with_grace));
+        assert_eq!(graced.state, ReceiverState::Lost);
+        assert!(graced.awaits_room && graced.awaits_return(60.0, 20.0));
+        assert!(r.observe(&s, None, &round(Tier::Memory, Some(100), 1.0)));
         // Without a grace it stays failed.
         let mut no_grace = r.clone();
         no_grace.wait_for_room(50.0, 0.0);
@@ -782,16 +821,28 @@ mod tests {
     #[test]
     fn pending_receives_then_completes_in_a_data_tier() {
         let mut r = rx(ReceiverState::Pending);
-        assert!(!r.observe(&seen(0, false, None), Tier::Memory, None, None, 1.0));
-        assert!(r.observe(&seen(40, false, None), Tier::Memory, None, None, 2.0));
+        assert!(!r.observe(&seen(0, false, None), None, &round(Tier::Memory, None, 1.0)));
+        assert!(r.observe(
+            &seen(40, false, None),
+            None,
+            &round(Tier::Memory, None, 2.0)
+        ));
         assert_eq!(r.state, ReceiverState::Receiving);
-        assert!(r.observe(&seen(100, true, None), Tier::Memory, None, Some(100), 3.0));
+        assert!(r.observe(
+            &seen(100, true, None),
+            None,
+            &round(Tier::Memory, Some(100), 3.0)
+        ));
         assert_eq!(
             (r.state, r.bytes, r.done_s),
             (ReceiverState::Done, 100, 3.0)
         );
         // Seen again: nothing changes, the time it was done stays.
-        assert!(!r.observe(&seen(100, true, None), Tier::Memory, None, Some(100), 9.0));
+        assert!(!r.observe(
+            &seen(100, true, None),
+            None,
+            &round(Tier::Memory, Some(100), 9.0)
+        ));
         assert_eq!(r.done_s, 3.0);
     }
 
@@ -800,11 +851,11 @@ mod tests {
         let mut r = rx(ReceiverState::Receiving);
         r.gpus = 1;
         let loading = seen(100, true, Some((10, GpuState::Loading)));
-        assert!(r.observe(&loading, Tier::Gpu, None, None, 1.0));
+        assert!(r.observe(&loading, None, &round(Tier::Gpu, None, 1.0)));
         assert_eq!(r.state, ReceiverState::Loading);
         assert_eq!(r.gpu_state, Some(GpuState::Loading));
         let resident = seen(100, true, Some((100, GpuState::Resident)));
-        assert!(r.observe(&resident, Tier::Gpu, None, None, 2.0));
+        assert!(r.observe(&resident, None, &round(Tier::Gpu, None, 2.0)));
         assert_eq!(r.state, ReceiverState::Done);
 
         // A failed load fails the receiver, with a reason.
@@ -812,10 +863,8 @@ mod tests {
         r.gpus = 2;
         assert!(r.observe(
             &seen(100, true, Some((5, GpuState::Failed))),
-            Tier::Gpu,
             None,
-            None,
-            1.0
+            &round(Tier::Gpu, None, 1.0)
         ));
         assert_eq!(r.state, ReceiverState::Failed);
         assert!(r.error.contains("GPUs failed"), "{}", r.error);
@@ -825,10 +874,8 @@ mod tests {
         r.gpus = 1;
         assert!(r.observe(
             &seen(100, true, None),
-            Tier::Gpu,
             Some("GPU load refused"),
-            None,
-            1.0
+            &round(Tier::Gpu, None, 1.0)
         ));
         assert_eq!(r.state, ReceiverState::Done);
         assert_eq!(r.gpu_state, Some(GpuState::Unavailable));

@@ -13,7 +13,7 @@
 //! now, each with its own budget of `max_replans` re-plans in a row without progress
 //! (`ReceiverProgress::replanned`). A receiver whose store refused the data (the agent's
 //! `store_failures` for the plan's own sessions) is `lost` at once, awaiting room
-//! (`wait_for_room`; `failed` with lost grace 0), and re-planned once its host reports room
+//! (`ReceiverProgress::observe`; `failed` with lost grace 0), and re-planned once its host reports room
 //! for the rest (`room_for_rest`). A returning receiver is held back (`defer_return`) while
 //! no host holds a complete copy and other receivers still move the model, so that it does
 //! not read the origin beside them. A receiver marked `lost`/`failed` whose heartbeat later
@@ -195,6 +195,13 @@ impl Controller {
                     return;
                 };
                 let elapsed = plan.elapsed_s(now_unix());
+                let round = crate::plan::Round {
+                    tier,
+                    total,
+                    elapsed,
+                    now: now_unix(),
+                    lost_grace: self.cfg.lost_grace.as_secs_f64(),
+                };
                 let plan_sessions: Vec<String> =
                     plan.runs.iter().map(|r| r.session.clone()).collect();
                 // By host: `receiver_mut`'s linear search per update made a round
@@ -239,12 +246,7 @@ impl Controller {
                             let seen = seen.for_sessions(plan_sessions.iter().map(String::as_str));
                             let refused = gpu_asked.get(&host).cloned().flatten();
                             let was_done = h.state == ReceiverState::Done;
-                            changed |= h.observe(&seen, tier, refused.as_deref(), total, elapsed);
-                            if h.state == ReceiverState::Failed && seen.store_failure().is_some() {
-                                // Its store refused the data: lost, and re-planned once
-                                // its host reports room (within the lost grace).
-                                h.wait_for_room(now_unix(), self.cfg.lost_grace.as_secs_f64());
-                            }
+                            changed |= h.observe(&seen, refused.as_deref(), &round);
                             if !was_done && h.state == ReceiverState::Done {
                                 newly_done.insert(host.clone());
                             }
