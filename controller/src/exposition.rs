@@ -9,7 +9,6 @@ use std::sync::atomic::Ordering;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
@@ -25,32 +24,17 @@ impl fmt::Debug for StateCollector {
     }
 }
 
-/// A counter family `shardcast_<name>_total` with one label.
-fn counters<'a>(
+/// A family `shardcast_<name>` with one label, of the metric `make` builds from a value
+/// (`ConstCounter::new`: `…_total`; `ConstGauge::new`).
+fn family<'a, M: EncodeMetric>(
     enc: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    label: &str,
+    (name, help, label): (&str, &str, &str),
     values: impl IntoIterator<Item = (&'a str, u64)>,
+    make: fn(u64) -> M,
 ) -> fmt::Result {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    let mut m = enc.encode_descriptor(name, help, None, make(0).metric_type())?;
     for (v, n) in values {
-        ConstCounter::new(n).encode(m.encode_family(&[(label, v)])?)?;
-    }
-    Ok(())
-}
-
-/// A gauge family `shardcast_<name>` with one label.
-fn gauges<'a>(
-    enc: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    label: &str,
-    values: impl IntoIterator<Item = (&'a str, u64)>,
-) -> fmt::Result {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (v, n) in values {
-        ConstGauge::new(n).encode(m.encode_family(&[(label, v)])?)?;
+        make(n).encode(m.encode_family(&[(label, v)])?)?;
     }
     Ok(())
 }
@@ -74,40 +58,48 @@ impl Collector for StateCollector {
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         // The series from before the registry, as they were.
         let decisions = c.events().counters();
-        counters(
+        family(
             &mut enc,
-            "autoscaler_decisions",
-            "Autoscaler decisions by kind.",
-            "kind",
+            (
+                "autoscaler_decisions",
+                "Autoscaler decisions by kind.",
+                "kind",
+            ),
             decisions.iter().map(|(k, n)| (k.as_str(), *n)),
+            ConstCounter::new,
         )?;
         let authz = core.authz_stats();
-        counters(
+        family(
             &mut enc,
-            "api_refused",
-            "API calls refused, by reason.",
-            "reason",
+            ("api_refused", "API calls refused, by reason.", "reason"),
             [
                 ("unauthenticated", load(&authz.unauthenticated)),
                 ("denied", load(&authz.denied)),
             ],
+            ConstCounter::new,
         )?;
-        counters(
+        family(
             &mut enc,
-            "api_denied",
-            "API calls refused because the caller's role lacks the permission, by role.",
-            "role",
+            (
+                "api_denied",
+                "API calls refused because the caller's role lacks the permission, by role.",
+                "role",
+            ),
             authz.denied_by(),
+            ConstCounter::new,
         )?;
-        counters(
+        family(
             &mut enc,
-            "http_timeouts",
-            "HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).",
-            "kind",
+            (
+                "http_timeouts",
+                "HTTP connections closed because the client stalled: a request head not sent in time (header), a request body paused too long (body), no request on a keep-alive connection (idle).",
+                "kind",
+            ),
             core.http_stats()
                 .timeouts()
                 .into_iter()
                 .map(|(stall, n)| (stall.as_str(), n)),
+            ConstCounter::new,
         )?;
         counter(
             &mut enc,
@@ -163,19 +155,25 @@ impl Collector for StateCollector {
                 pending,
             )
         };
-        gauges(
+        family(
             &mut enc,
-            "plans",
-            "Plans the controller holds, by state (running, done, partial, failed).",
-            "state",
+            (
+                "plans",
+                "Plans the controller holds, by state (running, done, partial, failed).",
+                "state",
+            ),
             PlanState::ALL.iter().map(|s| s.as_str()).zip(plans),
+            ConstGauge::new,
         )?;
-        gauges(
+        family(
             &mut enc,
-            "plan_receivers",
-            "Receivers of running plans, by state.",
-            "state",
+            (
+                "plan_receivers",
+                "Receivers of running plans, by state.",
+                "state",
+            ),
             ReceiverState::ALL.iter().map(|s| s.as_str()).zip(receivers),
+            ConstGauge::new,
         )?;
         gauge(
             &mut enc,

@@ -22,8 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::autoscaler::{Autoscaler, Fleet, ScalingView};
 use crate::burst::{BurstPart, MAX_PARTITIONS};
 use crate::core::{
-    Controller, ControllerConfig, EvictModel, Evicted, ScaleOut, data_tier, lock, now_unix,
-    parse_profile,
+    Controller, ControllerConfig, EvictModel, Evicted, ScaleOut, lock, now_unix, parse_profile,
 };
 use crate::error::{
     ApiError, EvictError, LoadError, LookupError, PartitionError, PlanRequestError, ScaleOutError,
@@ -470,7 +469,7 @@ impl Controller {
                 .values()
                 .filter(|h| {
                     h.up && h
-                        .holding(&m.digest, data_tier(t))
+                        .holding(&m.digest, DataTier::serving(t))
                         .is_some_and(|x| x.complete)
                 })
                 .map(|h| h.report.host_id.clone())

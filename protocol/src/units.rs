@@ -8,14 +8,19 @@
 //! duration with its own unit (serde modules [`millis`] and [`seconds`]). Sizes in config
 //! files take a number of bytes or a size with a unit ([`size`], [`opt_size`]).
 
+/// `t` split where its number (digits and a decimal point) ends: the number and its unit.
+fn number_and_unit(t: &str) -> (&str, &str) {
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    t.split_at(split)
+}
+
 /// Parses a byte size. Binary units (KiB, MiB, GiB, TiB, and bare K/M/G/T) are powers of
 /// 1024; decimal units (KB, MB, GB, TB) are powers of 1000.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
+    let (num, unit) = number_and_unit(t);
     let num: f64 = num
         .parse()
         .map_err(|_| format!("invalid size {s:?}: expected e.g. 512MiB"))?;
@@ -49,10 +54,7 @@ pub fn parse_rate(s: &str) -> Result<Option<u64>, String> {
     ) {
         return Ok(None);
     }
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
+    let (num, unit) = number_and_unit(t);
     let num: f64 = num
         .parse()
         .map_err(|_| format!("invalid rate {s:?}: expected e.g. 1Gbit"))?;
@@ -107,10 +109,7 @@ pub fn format_bytes(n: u64) -> String {
 /// knows which unit its bare numbers are in).
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
+    let (num, unit) = number_and_unit(t);
     let num: f64 = num
         .parse()
         .map_err(|_| format!("invalid duration {s:?}: expected e.g. 10s, 500ms or 2m"))?;

@@ -26,7 +26,7 @@ impl Controller {
                     .values()
                     .filter(|h| match tier {
                         Tier::Gpu => h.gpu_reserved.contains_key(&digest),
-                        t => h.up && h.holding(&digest, data_tier(t)).is_some(),
+                        t => h.up && h.holding(&digest, DataTier::serving(t)).is_some(),
                     })
                     .map(|h| h.report.host_id.clone())
                     .collect()
@@ -37,7 +37,7 @@ impl Controller {
             let pending: Vec<String> = if req.hosts.is_empty() && tier != Tier::Gpu {
                 inv.hosts
                     .values()
-                    .filter(|h| !h.up && h.holding(&digest, data_tier(tier)).is_some())
+                    .filter(|h| !h.up && h.holding(&digest, DataTier::serving(tier)).is_some())
                     .map(|h| h.report.host_id.clone())
                     .collect()
             } else {
@@ -65,7 +65,7 @@ impl Controller {
             let mut inv = self.inventory.lock();
             for h in &pending {
                 if let Some(e) = inv.hosts.get_mut(h) {
-                    let item = (digest.clone(), data_tier(tier));
+                    let item = (digest.clone(), DataTier::serving(tier));
                     if !e.pending_evictions.contains(&item) {
                         e.pending_evictions.push(item);
                     }
@@ -121,10 +121,10 @@ impl Controller {
                     bytes_freed += r;
                     let mut inv = self.inventory.lock();
                     if let Some(e) = inv.hosts.get_mut(h) {
-                        e.forget(&digest, data_tier(tier));
+                        e.forget(&digest, DataTier::serving(tier));
                         let before = e.pending_evictions.len();
                         e.pending_evictions
-                            .retain(|(d, t)| !(*d == digest && *t == data_tier(tier)));
+                            .retain(|(d, t)| !(*d == digest && *t == DataTier::serving(tier)));
                         if e.pending_evictions.len() != before {
                             let rec = StoredHost::of(e);
                             if let Err(err) = self.put_json(Table::Hosts, h, &rec) {

@@ -46,7 +46,6 @@ impl Controller {
         entry.last_seen = Instant::now();
         entry.up = true;
         let record = StoredHost::of(entry);
-        let seen = entry.clone();
         if inv.persisted.get(&id) != Some(&sig) {
             let bytes =
                 serde_json::to_vec(&record).map_err(|e| HeartbeatError::Store(e.to_string()))?;
@@ -65,9 +64,15 @@ impl Controller {
         }
         let gpu_copies_elsewhere = inventory::gpu_copies_elsewhere(&inv.hosts, &id);
         drop(inv);
-        // What the report changes in the plans receiving on the host.
+        // What the report changes in the plans receiving on the host (the plans' lock, then
+        // the hosts' again, in the lock order; most hosts receive in no plan).
         let mut st = lock(&self.state);
-        let mut events = reconcile_receivers(&mut st, &seen);
+        let mut events = Vec::new();
+        if st.receiver_plans.contains_key(&id)
+            && let Some(entry) = self.inventory.lock().hosts.get(&id)
+        {
+            events = reconcile_receivers(&mut st, entry);
+        }
         if restarted {
             events.extend(restarted_receivers(&mut st, &id, self.cfg.lost_grace));
         }
@@ -191,7 +196,7 @@ pub(super) fn reconcile_receivers(st: &mut State, entry: &HostEntry) -> Vec<Even
         // Since the plan began, even when it has ended: when the copy was seen.
         let (tier, elapsed) = (plan.tier, (now - plan.created_at).max(0.0));
         let digest = plan.digest.as_str();
-        if !complete.contains(&(digest, data_tier(tier))) {
+        if !complete.contains(&(digest, DataTier::serving(tier))) {
             continue;
         }
         let is_resident = resident.contains(digest);

@@ -188,11 +188,6 @@ pub(crate) fn now_unix() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The store tier that serves a request for `tier` (a GPU load reads the memory tier).
-pub(crate) fn data_tier(tier: Tier) -> DataTier {
-    DataTier::serving(tier)
-}
-
 fn plan_error(e: PlanError) -> PlanRequestError {
     match e {
         PlanError::NoLiveHost => HostUnavailable::NoLiveHost.into(),
@@ -241,7 +236,7 @@ impl State {
     fn pending(&self) -> Pending {
         let mut p = Pending::new();
         for plan in self.plans.values().filter(|p| p.running()) {
-            let tier = data_tier(plan.tier);
+            let tier = DataTier::serving(plan.tier);
             for h in &plan.hosts {
                 if h.state.awaits_data() {
                     *p.entry((h.host.clone(), tier)).or_default() +=
@@ -256,7 +251,10 @@ impl State {
     pub(crate) fn in_flight(&self, digest: &str, tier: Tier) -> BTreeMap<String, String> {
         let mut out = BTreeMap::new();
         for plan in self.plans.values() {
-            if !plan.running() || plan.digest != digest || data_tier(plan.tier) != data_tier(tier) {
+            if !plan.running()
+                || plan.digest != digest
+                || DataTier::serving(plan.tier) != DataTier::serving(tier)
+            {
                 continue;
             }
             for h in &plan.hosts {

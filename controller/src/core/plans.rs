@@ -149,7 +149,7 @@ impl Controller {
                         .values()
                         .filter(|h| {
                             h.up && h
-                                .holding(&m.digest, data_tier(tier))
+                                .holding(&m.digest, DataTier::serving(tier))
                                 .is_some_and(|x| x.complete)
                         })
                         .count();

@@ -274,7 +274,7 @@ impl Controller {
                     .collect();
                 for (host, bytes) in done_hosts {
                     if let Some(e) = inv.hosts.get_mut(&host) {
-                        e.mark_complete(&digest, &name, data_tier(tier), bytes);
+                        e.mark_complete(&digest, &name, DataTier::serving(tier), bytes);
                     }
                 }
             }
@@ -327,7 +327,7 @@ impl Controller {
         let free = |host: &str| {
             inv.hosts
                 .get(host)
-                .map_or(0, |e| match data_tier(plan.tier) {
+                .map_or(0, |e| match DataTier::serving(plan.tier) {
                     DataTier::Memory => e.report.mem_free,
                     DataTier::Disk => e.report.disk_free,
                 })
@@ -726,7 +726,7 @@ pub(crate) struct Pushed {
 
 /// A receiver's progress in `tier` from its agent's model status.
 pub(super) fn polled_from(report: &ModelReport, tier: Tier) -> Seen {
-    let want = data_tier(tier);
+    let want = DataTier::serving(tier);
     let mut seen = report
         .tiers
         .iter()
