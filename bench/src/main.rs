@@ -242,6 +242,10 @@ enum Cmd {
         /// Connections each shard is striped over (the head's `--stripes`).
         #[arg(long, default_value_t = 1)]
         stripes: usize,
+        /// An extra transferd argument for every daemon (repeat it), e.g.
+        /// `--daemon-arg=--writer --daemon-arg=mapped`.
+        #[arg(long = "daemon-arg", allow_hyphen_values = true)]
+        daemon_args: Vec<String>,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -718,6 +722,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             warm_up,
             data_mode,
             stripes,
+            daemon_args,
         } => {
             if loss.is_some() && !emulate {
                 anyhow::bail!("--loss needs --emulate (it drops packets in the hosts' namespaces)");
@@ -749,6 +754,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .daemon_args()
                     .into_iter()
                     .chain(scenario::stripe_args(stripes))
+                    .chain(daemon_args)
                     .collect(),
                 ..ChainBenchOpts::new(mode, receivers, size, methods)
             };

@@ -125,7 +125,7 @@ pub struct Args {
     /// Re-hash chunks marked verified when recovering the store at startup [default: true].
     #[arg(long, env = "SHARDCAST_VERIFY_ON_RECOVER")]
     pub verify_on_recover: Option<String>,
-    /// Positional writer: auto, pwrite or io-uring [default: auto].
+    /// Positional writer: auto, pwrite, io-uring, mapped or adaptive [default: auto].
     #[arg(long, env = "SHARDCAST_WRITER")]
     pub writer: Option<String>,
     /// Group (name or gid) given to the store's files, with modes 0750/0640, so inference
@@ -829,7 +829,11 @@ impl Config {
             "auto" => WriterKind::Auto,
             "pwrite" => WriterKind::Pwrite,
             "io-uring" | "io_uring" => WriterKind::IoUring,
-            other => bail!("writer must be auto, pwrite or io-uring, got {other:?}"),
+            "mapped" => WriterKind::Mapped,
+            "adaptive" => WriterKind::Adaptive,
+            other => {
+                bail!("writer must be auto, pwrite, io-uring, mapped or adaptive, got {other:?}")
+            }
         };
         let json_logs = match s.log_format.as_str() {
             "text" => false,

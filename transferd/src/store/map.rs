@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use memmap2::{Mmap, MmapOptions};
+use memmap2::{Mmap, MmapOptions, MmapRaw};
 
 /// A shared read-only map of a whole shard data file.
 #[derive(Clone)]
@@ -66,4 +66,90 @@ impl AsRef<[u8]> for MappedRange {
         // The range was checked against the map's length on construction.
         self.map.get(self.range.clone()).unwrap_or_default()
     }
+}
+
+/// A shared writable map of a whole shard data file, for the `mapped` writer: verified
+/// chunks are copied into it from several blocking-pool threads at once, where `pwrite`s to
+/// one tmpfs file queue on its inode lock (one core's copy rate per shard).
+pub(super) struct WritableMap(MmapRaw);
+
+impl WritableMap {
+    /// Maps the first `len` bytes of `file` (opened read-write, at least that long).
+    pub(super) fn new(file: &File, len: u64) -> io::Result<Self> {
+        let len = usize::try_from(len).map_err(|_| io::Error::other("shard too large to map"))?;
+        MmapOptions::new().len(len).map_raw(file).map(Self)
+    }
+
+    /// Copies `data` to byte `offset` of the file. The pages are allocated first with
+    /// `MADV_POPULATE_WRITE`, which fails with an error where a plain store would raise
+    /// `SIGBUS` (a full tmpfs); that error is returned as "no space", so a full memory tier
+    /// refuses the chunk as `pwrite` would, and the process lives.
+    ///
+    /// The caller must own the byte range: one chunk being written by one writer, which no
+    /// reader is handed while it is unverified (the store's claim).
+    pub(super) fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let end = start.checked_add(data.len()).filter(|&e| e <= self.0.len());
+        let Some(_) = end else {
+            return Err(io::Error::other(format!(
+                "write of {} bytes at {offset} lies outside the {}-byte file",
+                data.len(),
+                self.0.len()
+            )));
+        };
+        if data.is_empty() {
+            return Ok(());
+        }
+        populate(&self.0, start, data.len())?;
+        // SAFETY: `start..start + data.len()` lies inside the map (checked above), whose
+        // pages were just allocated (populated), so the stores cannot fault. The store gives
+        // each chunk's range to one writer at a time (its claim), and no `Bytes` view or GPU
+        // registration reads a chunk's range before the chunk is marked verified, which
+        // happens after this copy returns; `data` is a separate allocation (a received
+        // buffer), so the two ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.0.as_mut_ptr().add(start),
+                data.len(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `MADV_POPULATE_WRITE` over `len` bytes at `start` of `map`: allocates (and maps
+/// writable) every page of the range, or fails where a store would fault fatally.
+fn populate(map: &MmapRaw, start: usize, len: usize) -> io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        map.advise_range(memmap2::Advice::PopulateWrite, start, len)
+            .map_err(|e| match e.raw_os_error() {
+                // The kernel's answer for "a store here would raise SIGBUS": on a tmpfs,
+                // no page could be allocated for the file (it is full).
+                Some(libc::EFAULT) | Some(libc::ENOMEM) => io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    format!(
+                        "no space left on device for the chunk's pages ({e}, from MADV_POPULATE_WRITE)"
+                    ),
+                ),
+                _ => e,
+            })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (map, start, len);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "the mapped writer needs Linux's MADV_POPULATE_WRITE",
+        ))
+    }
+}
+
+/// Whether this kernel has `MADV_POPULATE_WRITE` (Linux 5.14+), which the mapped writer
+/// needs: tried once on a small anonymous shared map.
+pub(super) fn populate_supported() -> io::Result<()> {
+    let map = MmapOptions::new().len(4096).map_anon()?;
+    let raw = MmapRaw::from(map);
+    populate(&raw, 0, 4096)
 }

@@ -668,7 +668,7 @@ impl ShardStore {
             }
         }
         let writer = Arc::new(ChunkWriter::new(writer)?);
-        tracing::debug!(writer = ?writer.kind(), "shard store writer");
+        tracing::info!(writer = ?writer.kind(), "shard store writer");
         let names = Mutex::new(names::Names::load(&disk)?);
         let memory_fs = TierFs::of(&memory_dir);
         report_memory_fs(&memory_dir, memory_fs.as_ref());

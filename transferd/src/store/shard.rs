@@ -14,17 +14,22 @@
 //! ## Writing and reading
 //!
 //! [`Shard::verify_and_write`] hashes a received chunk (BLAKE3 against the manifest) and
-//! writes it with `pwrite` in the same blocking-pool task, so the write copies bytes the hash
-//! just pulled into that core's cache; writes to one file queue on a per-shard lock (the
-//! kernel serialises them on the inode lock anyway). The file is created sparse (`set_len`),
-//! so nothing is zeroed first, but on tmpfs every first write of a 4 KiB page allocates it:
-//! this write is the largest cost of a receiving hop (52% of the TLS receiver's samples, 31%
-//! of the QUIC receiver's; docs/BENCHMARKS.md). Receiving into the mapped file instead was
-//! measured and rejected: a copy into a shared writable map of a fresh file ran at 1.2 GiB/s
-//! against `pwrite`'s 2.5 GiB/s on tmpfs (each first touch faults and zeroes the page), and
-//! it would put unverified bytes in the file; `fallocate` ahead moves the allocation
-//! (2.2 GiB/s) rather than removing it. A huge-page tmpfs does cut it (11.9 GiB/s; see
-//! `pages` and docs/OPERATIONS.md).
+//! writes it in the same blocking-pool task, so the write copies bytes the hash just pulled
+//! into that core's cache; only verified bytes reach the file. The file is created sparse
+//! (`set_len`), so nothing is zeroed first, but on tmpfs every first write of a 4 KiB page
+//! allocates it: this write is the largest cost of a receiving hop (docs/BENCHMARKS.md).
+//!
+//! How the bytes get into the file is the writer's choice ([`WriterKind`]). `pwrite`s to one
+//! tmpfs file serialise on its inode lock, so with `pwrite` alone a shard is written at one
+//! core's rate (≈ 2.5 GB/s on 4 KiB pages), however many stripes carry it; they queue on a
+//! per-shard lock here rather than spin in the kernel. The mapped writer copies into a
+//! writable shared map of the file instead, its pages allocated first with
+//! `MADV_POPULATE_WRITE` (which fails cleanly where a plain store into an unbacked page
+//! would raise `SIGBUS`: a full tmpfs), so writes to one file run in parallel. One copy
+//! into a map is slower than a `pwrite` (1.3–1.9 against 2.5 GiB/s on one core), so the
+//! default, adaptive, `pwrite`s while the shard's lock is free and copies into the map when
+//! another write holds it. On a 16-core host a TLS hop of one shard over 8 stripes went
+//! from 2.1 to 3.7 GB/s on 4 KiB pages, and from 4.0 to 5.3 GB/s on a huge-page tmpfs.
 //!
 //! Reads are zero-copy `Bytes` over the shard's shared map. Before bytes leave the store,
 //! [`Shard::read_checked`] re-hashes a chunk that is not trusted: verified more than
@@ -45,7 +50,7 @@ use shardcast_protocol::{ChunkSet, DataTier, Manifest, ModelDigest, VerifiedChun
 use tokio::sync::{Notify, watch};
 
 use super::beneath::{Access, TierDir};
-use super::map::ShardMap;
+use super::map::{ShardMap, WritableMap};
 use super::writer::{ChunkWriter, WriterKind};
 use super::{Integrity, StoreError, io_err, lock};
 
@@ -122,6 +127,9 @@ pub struct Shard {
     /// `None` only for an empty (zero-byte) shard, which has no chunks to read.
     map: Option<ShardMap>,
     writer: Arc<ChunkWriter>,
+    /// The writable map chunks are copied into with the `mapped` writer (`None` with the
+    /// others, and for an empty shard).
+    writable: Option<Arc<WritableMap>>,
     /// Taken around each data write with the `pwrite` writer: writes to the file queue here.
     serial: Arc<Mutex<()>>,
     integrity: Arc<Integrity>,
@@ -271,6 +279,14 @@ impl Shard {
         } else {
             None
         };
+        let writable =
+            if size > 0 && matches!(writer.kind(), WriterKind::Mapped | WriterKind::Adaptive) {
+                Some(Arc::new(
+                    WritableMap::new(&file, size).map_err(io_err(&data_path))?,
+                ))
+            } else {
+                None
+            };
 
         let mut state = if mode == OpenMode::Adopt {
             BitState::full(total)
@@ -324,6 +340,7 @@ impl Shard {
             bits_file,
             map,
             writer,
+            writable,
             serial: Arc::default(),
             integrity,
             state: Mutex::new(state),
@@ -434,9 +451,8 @@ impl Shard {
     /// `serial` lock (sleeping there rather than spinning on the inode lock in the kernel),
     /// as the write half of [`Shard::verify_and_write`] does.
     async fn write_at(&self, offset: u64, data: Bytes) -> Result<(), StoreError> {
-        if self.writer.kind() == WriterKind::Pwrite {
-            let pwrite = self.queued_pwrite();
-            self.blocking(move || pwrite(&data, offset)).await?
+        if let Some(place) = self.placer() {
+            self.blocking(move || place(&data, offset)).await?
         } else {
             self.writer.write_at(self.file.clone(), offset, data).await
         }
@@ -467,11 +483,11 @@ impl Shard {
                 Err(e) => Written::Corrupt(e),
             });
         }
-        if self.writer.kind() == WriterKind::Pwrite {
-            let pwrite = self.queued_pwrite();
-            // Hashes run in parallel; the writes queue on the shard's lock.
+        if let Some(place) = self.placer() {
+            // Hashes run in parallel; with `pwrite` the writes queue on the shard's lock,
+            // with the mapped writer they run in parallel too.
             let written =
-                self.blocking(move || verify(data).map(|chunk| pwrite(chunk.data(), offset)));
+                self.blocking(move || verify(data).map(|chunk| place(chunk.data(), offset)));
             match written.await? {
                 Ok(w) => w.map_err(io_err(&self.data_path))?,
                 Err(e) => return Ok(Written::Corrupt(e)),
@@ -490,15 +506,43 @@ impl Shard {
         })
     }
 
-    /// A blocking `pwrite` of bytes at an offset in the data file, queued on the shard's
-    /// `serial` lock: writes to one file sleep there rather than spin on the inode lock in
-    /// the kernel. For the blocking pool.
-    fn queued_pwrite(&self) -> impl Fn(&[u8], u64) -> std::io::Result<()> + Send + 'static {
-        let (file, serial) = (self.file.clone(), self.serial.clone());
-        move |data, offset| {
-            let _serial = lock(&serial);
-            file.write_all_at(data, offset)
+    /// The blocking write of bytes at an offset in the data file, for the blocking pool,
+    /// where the writer is one that runs there (`None` for io_uring):
+    /// - `pwrite`: a `pwrite` queued on the shard's `serial` lock (writes to one file sleep
+    ///   there rather than spin on the inode lock in the kernel);
+    /// - mapped: a copy into the shard's writable map (writes to one file run in parallel);
+    /// - adaptive: the `pwrite` when the `serial` lock is free, else the copy into the map,
+    ///   so a second concurrent write to the file (a striped shard) does not wait.
+    fn placer(&self) -> Option<impl Fn(&[u8], u64) -> std::io::Result<()> + Send + 'static> {
+        let kind = self.writer.kind();
+        if !matches!(
+            kind,
+            WriterKind::Pwrite | WriterKind::Mapped | WriterKind::Adaptive
+        ) {
+            return None;
         }
+        let (file, serial, writable) = (
+            self.file.clone(),
+            self.serial.clone(),
+            self.writable.clone(),
+        );
+        let adaptive = kind == WriterKind::Adaptive;
+        Some(move |data: &[u8], offset| match &writable {
+            Some(map) if !adaptive => map.write(offset, data),
+            Some(map) => match serial.try_lock() {
+                Ok(_serial) => file.write_all_at(data, offset),
+                // Poisoned only by a panic in a write; the file is still sound.
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    let _serial = p.into_inner();
+                    file.write_all_at(data, offset)
+                }
+                Err(std::sync::TryLockError::WouldBlock) => map.write(offset, data),
+            },
+            None => {
+                let _serial = lock(&serial);
+                file.write_all_at(data, offset)
+            }
+        })
     }
 
     /// Runs `f`, work on this shard's file, on tokio's blocking pool.

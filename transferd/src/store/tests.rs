@@ -52,6 +52,10 @@ fn writers() -> Vec<WriterKind> {
         Ok(_) => w.push(WriterKind::IoUring),
         Err(e) => eprintln!("io_uring unavailable here, not tested: {e}"),
     }
+    match ChunkWriter::new(WriterKind::Mapped) {
+        Ok(_) => w.extend([WriterKind::Mapped, WriterKind::Adaptive]),
+        Err(e) => eprintln!("the mapped writer is unavailable here, not tested: {e}"),
+    }
     w
 }
 
@@ -642,4 +646,57 @@ fn adopting_refuses_a_symlink_planted_as_the_kept_file() {
     assert!(matches!(err, StoreError::Symlink { .. }), "{err}");
     assert!(store.tier_shard(&d, 0, DataTier::Memory).is_none());
     assert!(!store.model_dir(&d, DataTier::Memory).join("a.bin").exists());
+}
+
+/// The mapped writer on a tmpfs with no room left: the chunk is refused with an error ("no
+/// space"), as `pwrite` refuses it with ENOSPC, instead of a store into an unbacked page
+/// raising SIGBUS and killing the daemon. Needs root (to mount a tmpfs of its own); skipped,
+/// saying why, elsewhere.
+#[cfg(target_os = "linux")]
+#[test]
+fn mapped_writes_into_a_full_tmpfs_fail_cleanly() {
+    if ChunkWriter::new(WriterKind::Mapped).is_err() {
+        eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+        .arg(dir.path())
+        .status();
+    if !matches!(mounted, Ok(s) if s.success()) {
+        eprintln!("SKIPPED: cannot mount a tmpfs here ({mounted:?})");
+        return;
+    }
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(dir.path());
+    let path = dir.path().join("shard");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    // Sparse: the file is 4 MiB long, the tmpfs holds 256 KiB.
+    file.set_len(4 << 20).unwrap();
+    let map = super::map::WritableMap::new(&file, 4 << 20).unwrap();
+    let small = vec![7u8; 64 << 10];
+    map.write(0, &small).unwrap();
+    let big = vec![9u8; 1 << 20];
+    let err = map.write(1 << 20, &big).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::StorageFull, "{err}");
+    assert!(err.to_string().contains("no space"), "{err}");
+    // Outside the file: refused before any copy.
+    let err = map.write(4 << 20, &small).unwrap_err();
+    assert!(err.to_string().contains("outside"), "{err}");
+    // What was written is there.
+    let mut back = vec![0u8; 64 << 10];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 0).unwrap();
+    assert_eq!(back, small);
 }

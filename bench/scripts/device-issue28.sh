@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Issue #28's many-core and GPU checks, run on a lent device machine (16 cores, one GPU) as
+# one prepared script. Build here first, then carry `.dev/`:
+#
+#   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller
+#   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
+#   # on the device, from the repository root, with $OUT set:
+#   bench/scripts/device-issue28.sh run [hop|loader|all|writers]
+#
+# Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
+set -u
+dev=${DEV_DIR:-.dev}
+
+pack() {
+    set -e
+    rm -rf "$dev" && mkdir -p "$dev/lib"
+    for b in transferd shardcast-bench shardcast-controller examples/file_write_rate; do
+        strip -o "$dev/${b##*/}" "target/release/$b"
+        gzip -6 "$dev/${b##*/}"
+    done
+    # iperf3 for the raw-TCP baseline of the same run (the device has no package registry).
+    cp "$(command -v iperf3)" "$dev/iperf3"
+    for l in libiperf.so.0 libsctp.so.1; do
+        cp -L "/lib/x86_64-linux-gnu/$l" "$dev/lib/"
+    done
+    du -sh "$dev"
+}
+
+run() {
+    what=${1:-all}
+    : "${OUT:?set OUT to the folder the reports go to}"
+    bin=/tmp/shardcast-bin
+    mkdir -p "$bin"
+    for b in transferd shardcast-bench shardcast-controller file_write_rate; do
+        gzip -dc "$dev/$b.gz" >"$bin/$b" && chmod +x "$bin/$b"
+    done
+    cp "$dev/iperf3" "$bin/" && chmod +x "$bin/iperf3"
+    export PATH="$bin:$PATH" LD_LIBRARY_PATH="$PWD/$dev/lib"
+    export SHARDCAST_TRANSFERD="$bin/transferd" SHARDCAST_CONTROLLER_BIN="$bin/shardcast-controller"
+    {
+        date -u
+        uname -a
+        nproc
+        grep -m1 'model name' /proc/cpuinfo
+        free -g | head -2
+        df -h /dev/shm | tail -1
+        echo "tcp ulp: $(cat /proc/sys/net/ipv4/tcp_available_ulp 2>/dev/null)"
+        nvidia-smi -L 2>/dev/null
+        iperf3 --version | head -1
+    } >"$OUT/machine.txt" 2>&1
+    cat "$OUT/machine.txt"
+    bench="$bin/shardcast-bench"
+    hop_size=${HOP_SIZE:-4GiB}
+    summary() { # the figures that matter, one line each
+        python3 - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "runs" in r:
+    raw = r.get("raw_tcp_bytes_per_s")
+    print(f"raw tcp {raw and raw/1e9:.2f} GB/s" if raw else "raw tcp: no iperf3")
+    for x in r["runs"]:
+        print(f"{x['config']:>20} {x['bytes_per_s']/1e9:6.2f} GB/s  src {x['source_cpu_s_per_gb']:.2f} + recv {x['receiver_cpu_s_per_gb']:.2f} cpu-s/GB  util {x.get('cpu_util')}")
+else:
+    for k, v in r.items():
+        if not isinstance(v, (dict, list)):
+            print(f"{k}: {v}")
+PY
+    }
+    step() { # name, limit in seconds, arguments…
+        local name=$1 limit=$2
+        shift 2
+        local t0=$SECONDS
+        echo "== $name: shardcast-bench $*"
+        echo "== $name: shardcast-bench $*" >>"$OUT/log.txt"
+        timeout "$limit" "$bench" "$@" --json "$OUT/$name.json" >>"$OUT/log.txt" 2>&1
+        local rc=$?
+        summary "$OUT/$name.json" || tail -c 800 "$OUT/log.txt" | tr '\r' '\n' | tail -6
+        echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    }
+    chain() { # name, data mode, stripes, writer, scratch dir
+        local name=$1 mode=$2 stripes=$3 writer=$4
+        mkdir -p "$OUT/chain"
+        SHARDCAST_BENCH_SCRATCH=$5 timeout 120 "$bench" chain --local --receivers 1 --size "$hop_size" \
+            --methods chain-tcp --warm-up --data-mode "$mode" --stripes "$stripes" \
+            --daemon-arg=--writer --daemon-arg="$writer" --json "$OUT/chain/$name.json" >>"$OUT/log.txt" 2>&1
+        python3 - "$OUT/chain/$name.json" "$name" <<'PY' || echo "$name: failed"
+import json, sys
+r = json.load(open(sys.argv[1])); x = r["results"][0]; gb = r["bytes"] / 1e9
+print(f"{sys.argv[2]:>28} {r['bytes']/x['completion_s']/1e9:6.2f} GB/s  src {x['source_cpu_s']/gb:.2f} + recv {x['receiver_cpu_s'][0]/gb:.2f} cpu-s/GB  util {x['cpu_util']:.2f} verified {x['verified']}")
+PY
+    }
+    huge=/mnt/shm-huge
+    if [ "$what" = writers ]; then
+        mkdir -p $huge && mount -t tmpfs -o size=96G,huge=within_size tmpfs $huge || huge=
+        echo "huge-page tmpfs: ${huge:-none}"
+        for cfg in "tls 8 pwrite" "tls 8 mapped" "tls 1 mapped" "tls 16 mapped" "authenticate-only 8 mapped" \
+            "authenticate-only 1 mapped" "tls 1 pwrite"; do
+            set -- $cfg
+            chain "shm-$1-s$2-$3" "$1" "$2" "$3" /dev/shm
+        done
+        echo "== file write rate, /dev/shm then the huge-page tmpfs (GiB/s)"
+        "$bin/file_write_rate" /dev/shm 2 1,2,4,8,16 | tee -a "$OUT/log.txt"
+        [ -n "$huge" ] && "$bin/file_write_rate" "$huge" 2 1,2,4,8,16 | tee -a "$OUT/log.txt"
+        if [ -n "$huge" ]; then
+            step loader-huge-streamed-8GiB 90 loader --backend cuda --gpus 1 --size 8GiB \
+                --net-rate 200GB/s --model-dir "$huge"
+            step loader-huge-register-ahead-8GiB 90 loader --backend cuda --gpus 1 --size 8GiB \
+                --net-rate 200GB/s --register-ahead --model-dir "$huge"
+            for cfg in "tls 8 mapped" "tls 8 pwrite" "authenticate-only 1 mapped" "tls 1 mapped"; do
+                set -- $cfg
+                chain "huge-$1-s$2-$3" "$1" "$2" "$3" "$huge"
+            done
+        fi
+        (cd "$OUT" && tar czf chain-json.tar.gz chain && rm -r chain)
+        [ -n "$huge" ] && umount "$huge"
+    fi
+    if [ "$what" = hop ] || [ "$what" = all ]; then
+        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
+        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
+        step hop-${hop_size}-shards8 150 hop --size "$hop_size" --shards 8
+    fi
+    if [ "$what" = loader ] || [ "$what" = all ]; then
+        step loader-streamed-8GiB 90 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s
+        step loader-register-ahead-8GiB 90 loader --backend cuda --gpus 1 --size 8GiB \
+            --net-rate 200GB/s --register-ahead
+    fi
+}
+
+case "${1:-}" in
+pack) pack ;;
+run) run "${2:-all}" ;;
+*)
+    echo "usage: $0 pack | run [hop|loader|all|writers]" >&2
+    exit 2
+    ;;
+esac
