@@ -67,6 +67,13 @@ pub struct Args {
     /// [default: none: discovery from 1200 up to 1472 bytes].
     #[arg(long, env = "SHARDCAST_QUIC_PATH_MTU")]
     pub quic_path_mtu: Option<String>,
+    /// QUIC connections kept to each peer host, 1 to 16: a hop's streams (sessions, shards,
+    /// stripes) are spread over them in turn. Each connection is driven by its own task, so
+    /// its encryption and packet work can run on its own core; but each also has its own
+    /// congestion controller, and on a rate-capped link several lose more packets than one
+    /// [default: 1].
+    #[arg(long, env = "SHARDCAST_QUIC_CONNECTIONS")]
+    pub quic_connections: Option<String>,
     /// Agent gRPC listener: `host:port`, or `unix:/path/to.sock` for a local socket
     /// [default: 0.0.0.0:7401].
     #[arg(long, env = "SHARDCAST_AGENT_LISTEN")]
@@ -326,6 +333,7 @@ struct Settings {
     listen: SocketAddr,
     quic: bool,
     quic_path_mtu: Option<u16>,
+    quic_connections: u16,
     agent_listen: String,
     admin_listen: String,
     tokens_file: Option<PathBuf>,
@@ -419,6 +427,7 @@ impl Default for Settings {
             listen: ([0, 0, 0, 0], 7400).into(),
             quic: true,
             quic_path_mtu: None,
+            quic_connections: 1,
             // The agent API drives imports, chains, loads and evictions: loopback unless the
             // operator opens it (the controller then reaches it over mutual TLS).
             agent_listen: "127.0.0.1:7401".into(),
@@ -580,6 +589,8 @@ pub struct Config {
     pub quic: bool,
     /// The UDP payload size every path is declared to carry (`None`: discovered).
     pub quic_path_mtu: Option<u16>,
+    /// QUIC connections kept to each peer host (1 to 16).
+    pub quic_connections: usize,
     /// Agent gRPC listener.
     pub agent_listen: ListenAddr,
     /// Admin HTTP listener.
@@ -778,6 +789,7 @@ impl Config {
                  payload), got {m}"
             );
         }
+        let quic_connections = bounded("quic_connections", usize::from(s.quic_connections), 16)?;
         let origin_parallel = bounded("origin_parallel", s.origin_parallel, 256)?;
         let pipeline_depth = bounded("pipeline_depth", s.pipeline_depth, 64)?;
         if s.idle_timeout_s == 0 {
@@ -998,6 +1010,7 @@ impl Config {
             listen,
             quic: s.quic,
             quic_path_mtu: s.quic_path_mtu,
+            quic_connections,
             agent_listen,
             admin_listen,
             tokens_file: s.tokens_file.clone(),

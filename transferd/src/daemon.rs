@@ -94,8 +94,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         // QUIC on the data port's number (UDP), with the same identity.
         quic: match (&tls, config.quic) {
             (Some(ctx), true) => {
-                let q = Quic::bind(data_addr, ctx.clone(), config.quic_path_mtu)
-                    .context("binding the QUIC listener (set quic = false to run without)")?;
+                let q = Quic::bind(
+                    data_addr,
+                    ctx.clone(),
+                    config.quic_path_mtu,
+                    config.quic_connections,
+                )
+                .context("binding the QUIC listener (set quic = false to run without)")?;
                 q.log_ready();
                 q.follow_reloads(cancel.clone());
                 Some(Transport::Quic(q))

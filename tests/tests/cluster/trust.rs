@@ -124,7 +124,7 @@ async fn quic_hello(
     addr: std::net::SocketAddr,
     host: &str,
 ) -> anyhow::Result<Vec<Frame>> {
-    let quic = transferd::transport::Quic::bind("127.0.0.1:0".parse()?, who, None)?;
+    let quic = transferd::transport::Quic::bind("127.0.0.1:0".parse()?, who, None, 1)?;
     let (mut s, _) = quic.connect(&addr.to_string(), None).await?;
     send_hello(&mut s, host).await;
     Ok(read_frames(&mut s).await)

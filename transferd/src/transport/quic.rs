@@ -7,9 +7,15 @@
 //!   checks the server's identity against the hop its plan names, exactly as over TCP. A
 //!   peer without a certificate is refused in the handshake, before any stream exists.
 //!   Certificate reloads reach the listener ([`Quic::follow_reloads`]) and every new dial.
-//! - **Connections.** [`Quic::connect`] keeps one connection per (address, expected host)
-//!   and opens a stream on it for each session and shard, so a four-shard model between two
-//!   hosts is one handshake and one congestion controller instead of four. A connection
+//! - **Connections.** [`Quic::connect`] keeps up to `quic_connections` (default 1)
+//!   connections per (address, expected host), its lanes, and opens a stream for each
+//!   session, shard and stripe on the next lane in turn. One connection is driven by one
+//!   task: on a 16-core host one connection carried 0.6–0.7 GB/s whether it held one stream
+//!   or eight (docs/BENCHMARKS.md); lanes spread a hop's streams over cores, at one
+//!   handshake and one congestion controller per lane. Not the default: on a rate-capped
+//!   emulated link four lanes lost 5.7% of the datagrams in one of two runs where one
+//!   connection loses under 5% (`emulated_quic_chain_over_jumbo_frames…`), and what they
+//!   gain on a many-core host is not measured yet. A connection
 //!   whose peer died closes within [`IDLE_TIMEOUT`] (keep-alives every [`KEEP_ALIVE`]) and
 //!   the next dial makes a new one; [`Quic::forget`] drops one at once when a stream on it
 //!   failed its `Hello`.
@@ -285,7 +291,8 @@ type Slot = Arc<tokio::sync::Mutex<Option<(quinn::Connection, Identity)>>>;
 
 /// Held connection slots, and when slots of closed connections were last dropped.
 struct Conns {
-    slots: HashMap<(String, Option<HostId>), Slot>,
+    /// By the address as plans name it, the host expected there, and the lane.
+    slots: HashMap<(String, Option<HostId>, usize), Slot>,
     swept: std::time::Instant,
 }
 
@@ -296,9 +303,13 @@ pub struct Quic {
     transport: Arc<quinn::TransportConfig>,
     /// The declared path MTU (`quic_path_mtu`), checked against the route to each peer.
     path_mtu: Option<u16>,
-    /// Held connections by the address as plans name it (`host:port`, a name or an IP)
-    /// and the host expected there.
+    /// Held connections by the address as plans name it (`host:port`, a name or an IP),
+    /// the host expected there, and the lane (`0..lanes`).
     conns: Mutex<Conns>,
+    /// Connections kept to each peer (`quic_connections`); streams take them in turn.
+    lanes: usize,
+    /// The next stream's lane (taken modulo `lanes`).
+    next_lane: AtomicU64,
     offload: Offload,
     /// Counters.
     pub stats: QuicStats,
@@ -510,10 +521,13 @@ impl Quic {
     /// Binds the endpoint (UDP) on `addr`, serving and dialling with `tls`'s identity.
     /// `path_mtu`: the UDP payload size every path is declared to carry (`quic_path_mtu`),
     /// or `None` to discover it up to [`MTU_CEILING`].
+    /// `lanes`: the connections kept to each peer (`quic_connections`, at least 1), which
+    /// the streams to that peer take in turn.
     pub fn bind(
         addr: SocketAddr,
         tls: Arc<TlsContext>,
         path_mtu: Option<u16>,
+        lanes: usize,
     ) -> std::io::Result<Arc<Self>> {
         let socket = udp_socket(addr)
             .map_err(|e| std::io::Error::new(e.kind(), format!("QUIC listener {addr}: {e}")))?;
@@ -558,6 +572,8 @@ impl Quic {
                 slots: HashMap::new(),
                 swept: std::time::Instant::now(),
             }),
+            lanes: lanes.max(1),
+            next_lane: AtomicU64::new(0),
             offload,
             stats: QuicStats::default(),
         }))
@@ -593,12 +609,16 @@ impl Quic {
     }
 
     /// Opens a stream to the hop at `addr` (`host:port`, UDP), on the connection already
-    /// held to it or a new one; the server must be a `host`, exactly `expect` when given.
+    /// held to it in the next lane or a new one; the server must be a `host`, exactly
+    /// `expect` when given. Successive streams to one peer take the lanes in turn, so a
+    /// hop's shards and stripes are spread over `lanes` connections, each with its own
+    /// driver task (its encryption on its own core) and congestion controller.
     pub async fn connect(
         &self,
         addr: &str,
         expect: Option<&HostId>,
     ) -> std::io::Result<(QuicStream, Peer)> {
+        let lane = (self.next_lane.fetch_add(1, Ordering::Relaxed) % self.lanes as u64) as usize;
         let slot = {
             let mut conns = lock(&self.conns);
             // Slots of closed connections (and failed dials) go, at most once per idle
@@ -613,7 +633,7 @@ impl Quic {
             }
             conns
                 .slots
-                .entry((addr.to_string(), expect.cloned()))
+                .entry((addr.to_string(), expect.cloned(), lane))
                 .or_default()
                 .clone()
         };
@@ -728,7 +748,7 @@ impl Quic {
     /// the peer may have restarted behind the same address).
     pub fn forget(&self, addr: &str) {
         let mut conns = lock(&self.conns);
-        conns.slots.retain(|(a, _), slot| {
+        conns.slots.retain(|(a, _, _), slot| {
             let same = a == addr;
             if same
                 && let Ok(mut held) = slot.try_lock()
@@ -946,9 +966,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let pki = PkiDir::new(dir.path());
         pki.init("test CA", Duration::from_secs(3600)).unwrap();
-        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), None).unwrap();
+        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), None, 1).unwrap();
         echo(server.clone());
-        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), None).unwrap();
+        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), None, 1).unwrap();
         // By name, as a plan may give it: the same connection for both streams.
         let addr = format!("localhost:{}", server.local_addr().unwrap().port());
         let b: HostId = "b".parse().unwrap();
@@ -975,6 +995,36 @@ mod tests {
             Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}"),
             Ok(_) => panic!("host b was taken for host c"),
         }
+    }
+
+    /// With two lanes, streams to one peer alternate between two connections: four streams,
+    /// two dials and two reuses; each connection carries its streams' bytes intact.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streams_to_one_peer_take_the_lanes_in_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = PkiDir::new(dir.path());
+        pki.init("test CA", Duration::from_secs(3600)).unwrap();
+        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), None, 2).unwrap();
+        echo(server.clone());
+        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), None, 2).unwrap();
+        let addr = server.local_addr().unwrap().to_string();
+        let b: HostId = "b".parse().unwrap();
+        let mut streams = Vec::new();
+        for i in 0..4u8 {
+            let (mut s, _) = client.connect(&addr, Some(&b)).await.unwrap();
+            s.write_all(&[i; 4]).await.unwrap();
+            streams.push(s);
+        }
+        for (i, s) in streams.iter_mut().enumerate() {
+            let mut back = [0u8; 4];
+            s.read_exact(&mut back).await.unwrap();
+            assert_eq!(back, [i as u8; 4]);
+        }
+        assert_eq!(client.stats.dialled.load(Ordering::Relaxed), 2);
+        assert_eq!(client.stats.reused.load(Ordering::Relaxed), 2);
+        // Forgetting the address drops every lane's connection.
+        client.forget(&addr);
+        assert!(lock(&client.conns).slots.is_empty());
     }
 
     /// A declared path MTU is used from the first packet (no discovery climbing to it), on
@@ -1015,10 +1065,10 @@ mod tests {
         let b: HostId = "b".parse().unwrap();
         for (declared, want) in [(Some(8952), 8952), (None, u64::from(MTU_CEILING))] {
             let server =
-                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), declared).unwrap();
+                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), declared, 1).unwrap();
             echo(server.clone());
             let client =
-                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), declared).unwrap();
+                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), declared, 1).unwrap();
             let addr = server.local_addr().unwrap().to_string();
             let (mut s, _) = client.connect(&addr, Some(&b)).await.unwrap();
             s.write_all(b"ping").await.unwrap();
