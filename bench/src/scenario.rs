@@ -181,6 +181,10 @@ pub struct MethodResult {
     pub receiver_cpu: Vec<ProcCpu>,
     /// Bytes the source re-hashed on the serve path during the transfer.
     pub source_bytes_reverified: u64,
+    /// Bytes each receiver re-hashed before forwarding them (chunks that sat longer than
+    /// `reverify_after` between arriving and leaving), in chain order.
+    #[serde(default)]
+    pub receiver_bytes_reverified: Vec<u64>,
     /// Packets the emulated loss dropped, all hosts together (0 without a loss).
     pub packets_dropped: u64,
     /// What quinn counted on every daemon's QUIC connections (chain-quic only).
@@ -587,7 +591,10 @@ async fn run_method(
         Method::Star => receivers.iter().map(|d| vec![*d]).collect(),
     };
     let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
-    let reverified0 = daemons[0].stats().await?.bytes_reverified;
+    let mut reverified0 = Vec::new();
+    for d in &daemons {
+        reverified0.push(d.stats().await?.bytes_reverified);
+    }
     let perf = match &opts.perf {
         Some((side, out)) => {
             let daemon = match side {
@@ -633,7 +640,10 @@ async fn run_method(
         .collect();
     let procs: Vec<f64> = split.iter().map(ProcCpu::total_s).collect();
     let gb = bytes as f64 / 1e9;
-    let reverified = daemons[0].stats().await?.bytes_reverified - reverified0;
+    let mut reverified = Vec::new();
+    for (d, before) in daemons.iter().zip(&reverified0) {
+        reverified.push(d.stats().await?.bytes_reverified.saturating_sub(*before));
+    }
     let quic = match method {
         Method::ChainQuic => Some(quic_figures(&daemons).await?),
         _ => None,
@@ -677,7 +687,8 @@ async fn run_method(
         receiver_cpu_s_per_gb: procs[1..].iter().map(|s| s / gb).collect(),
         source_cpu: split[0],
         receiver_cpu: split[1..].to_vec(),
-        source_bytes_reverified: reverified,
+        source_bytes_reverified: reverified[0],
+        receiver_bytes_reverified: reverified[1..].to_vec(),
         packets_dropped,
         quic,
     })
