@@ -31,12 +31,13 @@ pub mod http;
 pub mod pki;
 pub mod plan;
 pub mod process;
+pub mod records;
 pub mod role;
 pub mod tls;
 pub mod token;
 
 pub use role::{Denied, Identity, IdentityError, Peer, Permission, Role};
-pub use tls::{Alpn, Expect, TlsContext, TlsError, TlsFiles};
+pub use tls::{Alpn, DataConn, Expect, TlsContext, TlsError, TlsFiles};
 
 /// Whether a plaintext listener on `addr` is acceptable under the insecure setting: only
 /// loopback addresses are.

@@ -77,6 +77,11 @@ pub enum Alpn {
     Grpc,
     /// HTTP/1.1 (the controller's JSON API, transferd's hand-off and admin endpoints).
     Http,
+    /// The hop-to-hop data protocol with TLS records read and written by
+    /// [`crate::records`] after the handshake, `shardcast-rec/1`. Its configurations offer
+    /// `shardcast/1` too, second, so a peer that lacks it gets rustls's stream
+    /// ([`TlsContext::accept_data`]).
+    DataRecords,
 }
 
 impl Alpn {
@@ -87,6 +92,7 @@ impl Alpn {
             Self::DataClear => b"shardcast-clear/1",
             Self::Grpc => b"h2",
             Self::Http => b"http/1.1",
+            Self::DataRecords => b"shardcast-rec/1",
         }
     }
 }
@@ -252,11 +258,20 @@ struct Loaded {
     identity: Identity,
     roots: Arc<RootCertStore>,
     stamp: Stamp,
-    servers: [Arc<ServerConfig>; 4],
+    servers: [Arc<ServerConfig>; 5],
     http_optional: Arc<ServerConfig>,
-    clients: [Arc<ClientConfig>; 4],
+    clients: [Arc<ClientConfig>; 5],
     /// HTTP client without a certificate (bearer-token clients, refusal tests).
     http_anonymous: Arc<ClientConfig>,
+}
+
+/// The ALPN protocols a configuration for `alpn` offers, preferred first: the record
+/// layer's data protocol falls back to rustls's.
+fn alpn_offer(alpn: Alpn) -> Vec<Vec<u8>> {
+    match alpn {
+        Alpn::DataRecords => vec![alpn.id().to_vec(), Alpn::Data.id().to_vec()],
+        other => vec![other.id().to_vec()],
+    }
 }
 
 fn index(alpn: Alpn) -> usize {
@@ -265,6 +280,7 @@ fn index(alpn: Alpn) -> usize {
         Alpn::Grpc => 1,
         Alpn::Http => 2,
         Alpn::DataClear => 3,
+        Alpn::DataRecords => 4,
     }
 }
 
@@ -320,7 +336,9 @@ impl Loaded {
                 .with_protocol_versions(&[&rustls::version::TLS13])?
                 .with_client_cert_verifier(client_verifier(optional)?)
                 .with_single_cert(chain.clone(), key.clone_key())?;
-            cfg.alpn_protocols = vec![alpn.id().to_vec()];
+            cfg.alpn_protocols = alpn_offer(alpn);
+            // The record layer takes the traffic keys over after the handshake.
+            cfg.enable_secret_extraction = alpn == Alpn::DataRecords;
             // Session tickets would let a client skip certificate verification on
             // resumption; every connection authenticates in full instead.
             cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
@@ -337,7 +355,8 @@ impl Loaded {
                 .dangerous()
                 .with_custom_certificate_verifier(verifier.clone())
                 .with_client_auth_cert(chain.clone(), key.clone_key())?;
-            cfg.alpn_protocols = vec![alpn.id().to_vec()];
+            cfg.alpn_protocols = alpn_offer(alpn);
+            cfg.enable_secret_extraction = alpn == Alpn::DataRecords;
             cfg.resumption = rustls::client::Resumption::disabled();
             Ok(Arc::new(cfg))
         };
@@ -350,6 +369,7 @@ impl Loaded {
                 server(Alpn::Grpc, false)?,
                 server(Alpn::Http, false)?,
                 server(Alpn::DataClear, false)?,
+                server(Alpn::DataRecords, false)?,
             ],
             http_optional: server(Alpn::Http, true)?,
             clients: [
@@ -357,6 +377,7 @@ impl Loaded {
                 client(Alpn::Grpc)?,
                 client(Alpn::Http)?,
                 client(Alpn::DataClear)?,
+                client(Alpn::DataRecords)?,
             ],
             http_anonymous: {
                 let mut cfg = ClientConfig::builder_with_provider(provider.clone())
@@ -790,12 +811,18 @@ impl TlsContext {
         }
         self.stats.alpn_mismatches.fetch_add(1, Ordering::Relaxed);
         // The configured id, as the `'static` text of the `Alpn` it belongs to.
-        let ours = [Alpn::Data, Alpn::DataClear, Alpn::Grpc, Alpn::Http]
-            .into_iter()
-            .map(Alpn::id)
-            .find(|id| *id == ours)
-            .and_then(|id| std::str::from_utf8(id).ok())
-            .unwrap_or("this protocol");
+        let ours = [
+            Alpn::Data,
+            Alpn::DataClear,
+            Alpn::Grpc,
+            Alpn::Http,
+            Alpn::DataRecords,
+        ]
+        .into_iter()
+        .map(Alpn::id)
+        .find(|id| *id == ours)
+        .and_then(|id| std::str::from_utf8(id).ok())
+        .unwrap_or("this protocol");
         TlsError::AlpnMismatch { ours }
     }
 
@@ -859,6 +886,140 @@ impl TlsContext {
             .await
             .map_err(|_| TlsError::Timeout(limit))??;
         Ok((tcp, id))
+    }
+}
+
+/// A data connection in the `tls` data mode after its handshake.
+pub enum DataConn {
+    /// Both ends negotiated `shardcast-rec/1`: the records are read and written by
+    /// [`crate::records`], each direction on its own half of the socket.
+    Records(
+        Box<crate::records::RecordReader<tokio::net::tcp::OwnedReadHalf>>,
+        Box<crate::records::RecordWriter<tokio::net::tcp::OwnedWriteHalf>>,
+    ),
+    /// The peer speaks `shardcast/1` only (an older host): rustls's stream, over a read
+    /// buffer of [`DATA_READ_BUFFER`] bytes.
+    Rustls(Box<dyn DataStream>),
+}
+
+/// A stream rustls protects (either end's type), for [`DataConn::Rustls`].
+pub trait DataStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> DataStream for T {}
+
+/// The read buffer in front of rustls on a [`DataConn::Rustls`] connection: rustls reads
+/// at most 4 KiB per call, so without it a 1 MiB chunk would take 256 `recvfrom` calls.
+pub const DATA_READ_BUFFER: usize = 64 << 10;
+
+impl TlsContext {
+    /// Server side of a data connection in the `tls` data mode: the mutual-TLS handshake
+    /// ([`Self::accept`]), then, where the client offered `shardcast-rec/1`, the switch to
+    /// [`crate::records`]: this side takes the traffic keys from rustls and sends its first
+    /// record, a marker carrying a value exported from the session, which the client
+    /// awaits before it sends anything (so no byte is left behind in rustls on either
+    /// side).
+    pub async fn accept_data(
+        &self,
+        stream: tokio::net::TcpStream,
+    ) -> Result<(DataConn, Identity), TlsError> {
+        use tokio::io::AsyncWriteExt;
+        let stream = tokio::io::BufReader::with_capacity(DATA_READ_BUFFER, stream);
+        let (tls, id) = self.accept(stream, Alpn::DataRecords).await?;
+        if tls.get_ref().1.alpn_protocol() != Some(Alpn::DataRecords.id()) {
+            return Ok((DataConn::Rustls(Box::new(tls)), id));
+        }
+        let marker = record_marker(tls.get_ref().1)?;
+        let (buffered, mut conn) = tls.into_inner();
+        nothing_buffered(&buffered)?;
+        nothing_left(&mut *conn)?;
+        let secrets = conn
+            .dangerous_extract_secrets()
+            .map_err(|e| TlsError::ClearSwitch(format!("taking over the traffic keys: {e}")))?;
+        let (read, write) = buffered.into_inner().into_split();
+        let (reader, mut writer) =
+            crate::records::split(read, write, secrets).map_err(TlsError::Handshake)?;
+        let limit = self.handshake_timeout();
+        tokio::time::timeout(limit, async {
+            writer.write_all(&marker).await?;
+            writer.flush().await
+        })
+        .await
+        .map_err(|_| TlsError::Timeout(limit))?
+        .map_err(TlsError::Handshake)?;
+        Ok((DataConn::Records(Box::new(reader), Box::new(writer)), id))
+    }
+
+    /// Client side of a data connection in the `tls` data mode ([`Self::accept_data`]):
+    /// handshakes offering `shardcast-rec/1` then `shardcast/1`, checks the server is
+    /// `expect`, and where the server chose the first, takes the traffic keys from rustls
+    /// and waits for the server's marker record.
+    pub async fn connect_data(
+        &self,
+        stream: tokio::net::TcpStream,
+        expect: &Expect,
+    ) -> Result<(DataConn, Identity), TlsError> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let stream = tokio::io::BufReader::with_capacity(DATA_READ_BUFFER, stream);
+        let (mut tls, id) = self.connect(stream, Alpn::DataRecords, expect).await?;
+        if tls.get_ref().1.alpn_protocol() != Some(Alpn::DataRecords.id()) {
+            return Ok((DataConn::Rustls(Box::new(tls)), id));
+        }
+        let limit = self.handshake_timeout();
+        let switch = async {
+            // Our `Finished` is on the wire before the keys leave rustls.
+            tls.flush().await.map_err(TlsError::Handshake)?;
+            let want = record_marker(tls.get_ref().1)?;
+            let (buffered, mut conn) = tls.into_inner();
+            nothing_buffered(&buffered)?;
+            nothing_left(&mut *conn)?;
+            let secrets = conn
+                .dangerous_extract_secrets()
+                .map_err(|e| TlsError::ClearSwitch(format!("taking over the traffic keys: {e}")))?;
+            let (read, write) = buffered.into_inner().into_split();
+            let (mut reader, writer) =
+                crate::records::split(read, write, secrets).map_err(TlsError::Handshake)?;
+            let mut got = [0u8; RECORD_MARKER_LEN];
+            reader.read_exact(&mut got).await.map_err(|e| {
+                TlsError::ClearSwitch(format!("reading the server's first record: {e}"))
+            })?;
+            if got != want {
+                return Err(TlsError::ClearSwitch(
+                    "the server's first record does not carry this session's marker".into(),
+                ));
+            }
+            Ok(DataConn::Records(Box::new(reader), Box::new(writer)))
+        };
+        let conn = tokio::time::timeout(limit, switch)
+            .await
+            .map_err(|_| TlsError::Timeout(limit))??;
+        Ok((conn, id))
+    }
+}
+
+/// Length of the marker record that starts a [`DataConn::Records`] connection.
+const RECORD_MARKER_LEN: usize = 8 + 32;
+/// The exporter label of that marker's session value.
+const RECORD_EXPORTER_LABEL: &[u8] = b"EXPORTER-shardcast-record-switch";
+
+/// The marker of a records connection: `SCREC001` and a value exported from the session.
+fn record_marker<D>(
+    conn: &rustls::ConnectionCommon<D>,
+) -> Result<[u8; RECORD_MARKER_LEN], TlsError> {
+    let mut m = [0u8; RECORD_MARKER_LEN];
+    m[..8].copy_from_slice(b"SCREC001");
+    conn.export_keying_material(&mut m[8..], RECORD_EXPORTER_LABEL, None)
+        .map_err(|e| TlsError::ClearSwitch(format!("exporting the session value: {e}")))?;
+    Ok(m)
+}
+
+/// Refuses the switch to the record layer when the read buffer in front of rustls holds
+/// bytes rustls has not taken (the peer sent before the switch).
+fn nothing_buffered<S: AsyncRead>(buffered: &tokio::io::BufReader<S>) -> Result<(), TlsError> {
+    if buffered.buffer().is_empty() {
+        Ok(())
+    } else {
+        Err(TlsError::ClearSwitch(
+            "the peer sent bytes before the switch to the record layer".into(),
+        ))
     }
 }
 

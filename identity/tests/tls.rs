@@ -317,3 +317,155 @@ async fn rotation_is_picked_up_and_a_broken_file_keeps_the_old_certificate() {
     s.read_exact(&mut buf).await.unwrap();
     assert!(task.await.unwrap().is_ok());
 }
+
+/// Both directions of a `tls`-mode data connection whose records the record layer reads
+/// and writes (both ends offer `shardcast-rec/1`): 1 MB one way and 300 KB the other at
+/// once, byte-exact, then `close_notify` ends the client's reads cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_connection_on_the_record_layer_carries_both_directions_and_closes_cleanly() {
+    use shardcast_identity::DataConn;
+    let p = pki();
+    let server = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+    let client = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let from_client: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    let from_server: Vec<u8> = (0..300_000u32).map(|i| (i * 13 + 1) as u8).collect();
+    let (fc, fs) = (from_client.clone(), from_server.clone());
+    let task = tokio::spawn(async move {
+        let (tcp, _) = l.accept().await.unwrap();
+        let (conn, id) = server.accept_data(tcp).await?;
+        let DataConn::Records(mut r, mut w) = conn else {
+            panic!("two current hosts fell back to rustls's stream");
+        };
+        let write = async {
+            w.write_all(&fs).await?;
+            w.shutdown().await
+        };
+        let mut got = vec![0u8; fc.len()];
+        let (wrote, read) = tokio::join!(write, r.read_exact(&mut got));
+        wrote.map_err(TlsError::Handshake)?;
+        read.map_err(TlsError::Handshake)?;
+        Ok::<_, TlsError>((id, got))
+    });
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let expect = Expect::Exactly(Identity::new(Role::Host, "h1").unwrap());
+    let (conn, id) = client.connect_data(tcp, &expect).await.unwrap();
+    assert_eq!(id, Identity::new(Role::Host, "h1").unwrap());
+    let DataConn::Records(mut r, mut w) = conn else {
+        panic!("two current hosts fell back to rustls's stream");
+    };
+    let mut got = vec![0u8; from_server.len()];
+    let (wrote, read) = tokio::join!(
+        async {
+            w.write_all(&from_client).await?;
+            w.flush().await
+        },
+        r.read_exact(&mut got)
+    );
+    wrote.unwrap();
+    read.unwrap();
+    assert!(got == from_server, "the server's bytes differ");
+    // The server shut its half down with close_notify: a clean end of stream.
+    let mut more = [0u8; 1];
+    assert_eq!(r.read(&mut more).await.unwrap(), 0);
+    let (seen, got) = task.await.unwrap().unwrap();
+    assert_eq!(seen, Identity::new(Role::Host, "h2").unwrap());
+    assert!(got == from_client, "the client's bytes differ");
+}
+
+/// A host that offers only `shardcast/1` (rustls's stream, as hosts before the record
+/// layer) still reaches a current host, and a current host still reaches it: the data
+/// connection falls back to rustls on both sides, and carries bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_without_the_record_layer_still_connects_both_ways() {
+    use shardcast_identity::DataConn;
+    let p = pki();
+    let new = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+    let old = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    // An old client at a current server.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let srv = new.clone();
+    let task = tokio::spawn(async move {
+        let (tcp, _) = l.accept().await.unwrap();
+        let (conn, _) = srv.accept_data(tcp).await.unwrap();
+        let DataConn::Rustls(mut s) = conn else {
+            panic!("an old client got the record layer");
+        };
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).await.unwrap();
+        s.write_all(&buf).await.unwrap();
+        s.flush().await.unwrap();
+    });
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut s, _) = old
+        .connect(tcp, Alpn::Data, &Expect::Role(Role::Host))
+        .await
+        .unwrap();
+    s.write_all(b"ping").await.unwrap();
+    s.flush().await.unwrap();
+    let mut back = [0u8; 4];
+    s.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"ping");
+    task.await.unwrap();
+    // A current client at an old server.
+    let (addr, task) = serve_once(old.clone()).await;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (conn, _) = new
+        .connect_data(tcp, &Expect::Role(Role::Host))
+        .await
+        .unwrap();
+    let DataConn::Rustls(mut s) = conn else {
+        panic!("an old server got the record layer");
+    };
+    s.write_all(b"hello").await.unwrap();
+    s.flush().await.unwrap();
+    task.await.unwrap().unwrap();
+}
+
+/// The record layer speaks standard TLS 1.3 records: a client that keeps rustls's own
+/// stream after negotiating `shardcast-rec/1` reads the server's records (its marker, then
+/// data) and the server's record layer reads what rustls sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_layer_and_rustls_read_each_others_records() {
+    use shardcast_identity::DataConn;
+    let p = pki();
+    let server = TlsContext::load(issue(&p, Role::Host, "h1")).unwrap();
+    let client = TlsContext::load(issue(&p, Role::Host, "h2")).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let from_client: Vec<u8> = (0..100_000u32).map(|i| (i * 5 + 1) as u8).collect();
+    let from_server: Vec<u8> = (0..50_000u32).map(|i| (i * 3 + 2) as u8).collect();
+    let (fc, fs) = (from_client.clone(), from_server.clone());
+    let task = tokio::spawn(async move {
+        let (tcp, _) = l.accept().await.unwrap();
+        let (conn, _) = server.accept_data(tcp).await.unwrap();
+        let DataConn::Records(mut r, mut w) = conn else {
+            panic!("the client offered shardcast-rec/1 first");
+        };
+        let mut got = vec![0u8; fc.len()];
+        r.read_exact(&mut got).await.unwrap();
+        assert!(got == fc, "rustls's records read back differently");
+        w.write_all(&fs).await.unwrap();
+        w.flush().await.unwrap();
+    });
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut s, _) = client
+        .connect(tcp, Alpn::DataRecords, &Expect::Role(Role::Host))
+        .await
+        .unwrap();
+    s.flush().await.unwrap();
+    let mut marker = [0u8; 40];
+    s.read_exact(&mut marker).await.unwrap();
+    assert_eq!(&marker[..8], b"SCREC001");
+    s.write_all(&from_client).await.unwrap();
+    s.flush().await.unwrap();
+    let mut got = vec![0u8; from_server.len()];
+    s.read_exact(&mut got).await.unwrap();
+    assert!(
+        got == from_server,
+        "the record layer's records read back differently"
+    );
+    task.await.unwrap();
+}

@@ -21,22 +21,22 @@
 //! which one its hops dial ([`HopTransport`], chosen per cluster by the controller and
 //! overridable per plan).
 //!
-//! Copies on the TLS receive path (rustls 0.23, `ring` AES-GCM; issue #16): the kernel copies
-//! the socket into user memory; rustls reads at most 4 KiB per call, so TLS streams are read
-//! through a [`TLS_READ_BUFFER`] (64 KiB) `BufReader`: one `recvfrom` per 64 KiB instead of
-//! ~16, for one more user-space copy (the kernel's TCP share of the profile fell from 23–34%
-//! to 5%). rustls then decrypts in place, copies each record (≤ 16 KiB) into a `Vec` of its
-//! own, and tokio-rustls copies that into the frame's buffer: 5 copies and 2 passes per byte
-//! on a TLS receiver (BLAKE3 and the store's `pwrite` included) against 2 copies and 1 pass
-//! in plaintext; a TLS sender makes 2 copies and 1 pass (a record buffer, AES-GCM, the
-//! kernel's copy), plaintext 1 (none with `sendfile`). The record copies wait for in-place
-//! decryption in rustls (merged for 0.24) or kTLS; they were 2.1% of the TLS receiver's
-//! samples.
+//! Copies on the TLS receive path (issue #28): after the handshake both ends of a `tls`-mode
+//! hop take the traffic keys over from rustls and read and write the TLS 1.3 records
+//! themselves ([`shardcast_identity::records`], negotiated as ALPN `shardcast-rec/1`, with
+//! `shardcast/1` and rustls's own stream as the fallback for a host without it). The
+//! kernel copies the socket into the record buffer 256 KiB at a time, each record is
+//! decrypted in place there and its plaintext copied once into the frame's buffer: with
+//! BLAKE3 and the store's write, 3 copies and 2 passes per byte on a TLS receiver. rustls's
+//! own stream made 5 copies (a 64 KiB read buffer in front of it, because it reads 4 KiB
+//! per call; its record buffer; its plaintext buffer; the frame). A TLS sender makes 2
+//! copies and 1 pass (a record buffer, AES-GCM, the kernel's copy), plaintext 1 (none with
+//! `sendfile`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use shardcast_identity::{Alpn, Expect, Identity, Peer, Role, TlsContext};
+use shardcast_identity::{Expect, Identity, Peer, Role, TlsContext};
 use shardcast_protocol::{HopTransport, HostId};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -51,11 +51,17 @@ pub use quic::Quic;
 /// second; a dead host should not stall the chain for the OS default (minutes).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Read buffer under TLS. rustls asks its socket for at most 4 KiB per read, so a 1 MiB
-/// chunk would take 256 `recvfrom` calls; reading through this buffer takes 16, for one
-/// copy of each 4 KiB within user space (cheaper than the system call it saves). 64 KiB
-/// per connection keeps 8192 connections (the cap) under 512 MiB.
-pub const TLS_READ_BUFFER: usize = 64 << 10;
+/// The halves of a `tls`-mode data connection: the record layer's own halves (no lock
+/// between them), or rustls's stream split behind tokio's lock for a peer without it.
+fn data_halves(conn: shardcast_identity::DataConn) -> Halves {
+    match conn {
+        shardcast_identity::DataConn::Records(read, write) => Halves {
+            read,
+            write: Box::new(crate::wire::RecordSink(write)),
+        },
+        shardcast_identity::DataConn::Rustls(s) => Halves::from(Box::new(s) as BoxStream),
+    }
+}
 
 /// A TCP connection to `addr` with `TCP_NODELAY`, within [`CONNECT_TIMEOUT`].
 async fn tcp_connect(addr: &str) -> std::io::Result<TcpStream> {
@@ -181,7 +187,6 @@ impl Transport {
         addr: &str,
         expect: Option<&HostId>,
     ) -> std::io::Result<(Halves, Peer)> {
-        let boxed = |s: BoxStream| Halves::from(s);
         match self {
             Self::Quic(q) => q.connect(addr, expect).await.map(|(s, p)| (s.into(), p)),
             Self::InsecureTcp => Ok((Halves::tcp(tcp_connect(addr).await?), Peer::Insecure)),
@@ -200,12 +205,8 @@ impl Transport {
                         Ok((Halves::tcp(tcp), Peer::Cert(id)))
                     }
                     DataMode::Tls => {
-                        let stream = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, tcp);
-                        let (s, id) = ctx
-                            .connect(stream, Alpn::Data, &expect)
-                            .await
-                            .map_err(refused)?;
-                        Ok((boxed(Box::new(s)), Peer::Cert(id)))
+                        let (conn, id) = ctx.connect_data(tcp, &expect).await.map_err(refused)?;
+                        Ok((data_halves(conn), Peer::Cert(id)))
                     }
                 }
             }
@@ -232,9 +233,8 @@ impl Transport {
                 Ok((Halves::tcp(tcp), Peer::Cert(id)))
             }
             Self::Tls(ctx, DataMode::Tls) => {
-                let stream = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, stream);
-                let (s, id) = ctx.accept(stream, Alpn::Data).await?;
-                Ok((Halves::from(Box::new(s) as BoxStream), Peer::Cert(id)))
+                let (conn, id) = ctx.accept_data(stream).await?;
+                Ok((data_halves(conn), Peer::Cert(id)))
             }
             Self::Quic(_) => Err(shardcast_identity::TlsError::Handshake(
                 std::io::Error::other("a TCP connection reached the QUIC transport"),

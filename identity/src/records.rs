@@ -1,0 +1,476 @@
+//! TLS 1.3 application-data records on a data connection after its handshake, protected
+//! with the traffic keys rustls negotiated ([`rustls::ExtractedSecrets`]), read and written
+//! here instead of through rustls's buffers.
+//!
+//! Why: on a TLS hop's receiving side rustls 0.23 makes two copies of every byte of its
+//! own (its record buffer is filled from the socket 4 KiB at a time, so a read buffer sits
+//! in front of it; it then copies each decrypted record into a plaintext buffer, which the
+//! reader copies out again). Here the socket is read in large pieces straight into one
+//! buffer, each record is decrypted in place there, and the plaintext is copied once, into
+//! the caller's buffer. The two directions keep separate keys and sequence numbers, so the
+//! halves are independent ([`RecordReader`], [`RecordWriter`]): no lock between reading a
+//! hop's chunks and writing its acknowledgements.
+//!
+//! What is implemented is RFC 8446 section 5 for application data, nothing more:
+//! - a record is `0x17 0x03 0x03`, a 16-bit length, and the AEAD ciphertext of the payload
+//!   followed by its real content type (no padding is sent; any received is removed);
+//! - the nonce is the traffic IV XOR the record's 64-bit sequence number (section 5.3),
+//!   the additional data the record's header (section 5.2);
+//! - a key protects at most [`RECORD_LIMIT`] records (section 5.5's limit for AES-GCM is
+//!   2^24.5 full-size records): a writer past it fails, and the connection is dialled anew;
+//! - `close_notify` ends the stream; any other alert, a handshake message (a key update or
+//!   a session ticket: neither end sends one) or a malformed record is an error, and the
+//!   stream is unusable after it.
+//!
+//! Only the handshake decides what is protected and by whom: it is rustls's, with both
+//! certificates checked as on every connection ([`crate::TlsContext::accept_data`]).
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use ring::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey};
+use rustls::ConnectionTrafficSecrets;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Bytes of a record's header.
+const HEADER: usize = 5;
+/// Largest plaintext of one record (2^14).
+pub const MAX_PLAINTEXT: usize = 1 << 14;
+/// Largest ciphertext a record may carry (2^14 + 256, RFC 8446 section 5.2).
+const MAX_CIPHERTEXT: usize = MAX_PLAINTEXT + 256;
+/// Bytes of the AEAD tag (all three TLS 1.3 AEADs rustls offers).
+const TAG: usize = 16;
+/// Records one key protects before the writer refuses to go on (below AES-GCM's 2^24.5).
+pub const RECORD_LIMIT: u64 = 1 << 24;
+/// Content types.
+const APPLICATION_DATA: u8 = 0x17;
+const ALERT: u8 = 0x15;
+const HANDSHAKE: u8 = 0x16;
+/// Bytes read from the socket at a time (and the least the read buffer holds).
+const READ_BUFFER: usize = 256 << 10;
+/// Encrypted bytes the writer gathers before it writes them out.
+const WRITE_BUFFER: usize = 256 << 10;
+
+/// One direction's key, IV and next sequence number.
+struct Direction {
+    key: LessSafeKey,
+    iv: [u8; aead::NONCE_LEN],
+    seq: u64,
+}
+
+impl Direction {
+    fn new((seq, secrets): (u64, ConnectionTrafficSecrets)) -> io::Result<Self> {
+        let (alg, key, iv) = match &secrets {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&aead::AES_128_GCM, key, iv),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&aead::AES_256_GCM, key, iv),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
+                (&aead::CHACHA20_POLY1305, key, iv)
+            }
+            #[allow(unreachable_patterns)]
+            _ => {
+                return Err(io::Error::other(
+                    "the negotiated cipher is not one this record layer has",
+                ));
+            }
+        };
+        let key = UnboundKey::new(alg, key.as_ref())
+            .map_err(|_| io::Error::other("the negotiated traffic key has the wrong length"))?;
+        let iv: [u8; aead::NONCE_LEN] = iv
+            .as_ref()
+            .try_into()
+            .map_err(|_| io::Error::other("the negotiated traffic IV has the wrong length"))?;
+        Ok(Self {
+            key: LessSafeKey::new(key),
+            iv,
+            seq,
+        })
+    }
+
+    /// The next record's nonce (RFC 8446 section 5.3), consuming its sequence number.
+    fn next_nonce(&mut self) -> io::Result<Nonce> {
+        if self.seq >= RECORD_LIMIT {
+            return Err(io::Error::other(
+                "this connection's traffic key has protected as many records as it may; dial again",
+            ));
+        }
+        let mut n = self.iv;
+        for (b, s) in n[aead::NONCE_LEN - 8..]
+            .iter_mut()
+            .zip(self.seq.to_be_bytes())
+        {
+            *b ^= s;
+        }
+        self.seq += 1;
+        Ok(Nonce::assume_unique_for_key(n))
+    }
+}
+
+fn bad_record(why: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("TLS record: {why}"))
+}
+
+/// The read half: decrypts records from `inner` in place and hands out their plaintext.
+pub struct RecordReader<R> {
+    inner: R,
+    dir: Direction,
+    buf: Vec<u8>,
+    /// Unprocessed bytes are `buf[start..end]`.
+    start: usize,
+    end: usize,
+    /// Decrypted plaintext not yet read is `buf[plain.0..plain.1]`.
+    plain: (usize, usize),
+    /// `close_notify` received: the stream has ended.
+    closed: bool,
+    /// A fatal error was returned: every later read fails too.
+    failed: bool,
+}
+
+/// The write half: encrypts what is written into records and sends them to `inner`.
+pub struct RecordWriter<W> {
+    inner: W,
+    dir: Direction,
+    /// Records not yet written out: `out[sent..]`.
+    out: Vec<u8>,
+    sent: usize,
+    /// `close_notify` has been queued.
+    closing: bool,
+}
+
+/// Both halves of a data connection whose records this module protects.
+pub fn split<R, W>(
+    read: R,
+    write: W,
+    secrets: rustls::ExtractedSecrets,
+) -> io::Result<(RecordReader<R>, RecordWriter<W>)> {
+    Ok((
+        RecordReader {
+            inner: read,
+            dir: Direction::new(secrets.rx)?,
+            buf: vec![0; READ_BUFFER + HEADER + MAX_CIPHERTEXT],
+            start: 0,
+            end: 0,
+            plain: (0, 0),
+            closed: false,
+            failed: false,
+        },
+        RecordWriter {
+            inner: write,
+            dir: Direction::new(secrets.tx)?,
+            out: Vec::with_capacity(WRITE_BUFFER + HEADER + MAX_PLAINTEXT + 1 + TAG),
+            sent: 0,
+            closing: false,
+        },
+    ))
+}
+
+impl<R> RecordReader<R> {
+    /// Decrypts the record at the front of the unprocessed bytes, if it is whole: `Ok(true)`
+    /// when one was consumed.
+    fn open_one(&mut self) -> io::Result<bool> {
+        let avail = &self.buf[self.start..self.end];
+        if avail.len() < HEADER {
+            return Ok(false);
+        }
+        let header: [u8; HEADER] = [avail[0], avail[1], avail[2], avail[3], avail[4]];
+        if header[0] != APPLICATION_DATA || header[1] != 0x03 || header[2] != 0x03 {
+            return Err(bad_record("not an application-data record of TLS 1.3"));
+        }
+        let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+        if !(TAG + 1..=MAX_CIPHERTEXT).contains(&len) {
+            return Err(bad_record("length out of bounds"));
+        }
+        if avail.len() < HEADER + len {
+            return Ok(false);
+        }
+        let body = self.start + HEADER..self.start + HEADER + len;
+        self.start += HEADER + len;
+        let nonce = self.dir.next_nonce()?;
+        let plain = self
+            .dir
+            .key
+            .open_in_place(nonce, Aad::from(header), &mut self.buf[body.clone()])
+            .map_err(|_| bad_record("decryption failed (bad record MAC)"))?;
+        // TLSInnerPlaintext: content, then its type, then zero padding.
+        let Some(at) = plain.iter().rposition(|&b| b != 0) else {
+            return Err(bad_record("no content type"));
+        };
+        let (ty, content_len) = (plain[at], at);
+        if content_len > MAX_PLAINTEXT {
+            return Err(bad_record("plaintext too long"));
+        }
+        match ty {
+            APPLICATION_DATA => {
+                self.plain = (body.start, body.start + content_len);
+                Ok(true)
+            }
+            ALERT if content_len == 2 && plain[1] == 0 => {
+                self.closed = true;
+                Ok(true)
+            }
+            ALERT => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                format!(
+                    "the peer sent TLS alert {}",
+                    plain.get(1).copied().unwrap_or(0)
+                ),
+            )),
+            HANDSHAKE => Err(bad_record(
+                "a handshake message after the handshake (key updates are not supported on data connections)",
+            )),
+            _ => Err(bad_record("unknown content type")),
+        }
+    }
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for RecordReader<R> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        if me.failed {
+            return Poll::Ready(Err(bad_record("the stream failed earlier")));
+        }
+        loop {
+            if me.plain.0 < me.plain.1 {
+                let n = (me.plain.1 - me.plain.0).min(out.remaining());
+                out.put_slice(&me.buf[me.plain.0..me.plain.0 + n]);
+                me.plain.0 += n;
+                return Poll::Ready(Ok(()));
+            }
+            if me.closed {
+                return Poll::Ready(Ok(()));
+            }
+            match me.open_one() {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    me.failed = true;
+                    return Poll::Ready(Err(e));
+                }
+            }
+            // A partial record at most: move it to the front when the room behind it is
+            // less than a whole record, then read more.
+            if me.buf.len() - me.end < HEADER + MAX_CIPHERTEXT {
+                me.buf.copy_within(me.start..me.end, 0);
+                me.end -= me.start;
+                me.start = 0;
+            }
+            let mut rb = ReadBuf::new(&mut me.buf[me.end..]);
+            ready!(Pin::new(&mut me.inner).poll_read(cx, &mut rb))?;
+            let n = rb.filled().len();
+            if n == 0 {
+                me.failed = true;
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed connection without sending TLS close_notify",
+                )));
+            }
+            me.end += n;
+        }
+    }
+}
+
+impl<W> RecordWriter<W> {
+    /// Appends one record of `content` (at most [`MAX_PLAINTEXT`] bytes) of type `ty`.
+    fn seal(&mut self, ty: u8, content: &[u8]) -> io::Result<()> {
+        let nonce = self.dir.next_nonce()?;
+        let len = content.len() + 1 + TAG;
+        let len16 = u16::try_from(len).map_err(|_| bad_record("record too long"))?;
+        let [hi, lo] = len16.to_be_bytes();
+        let header = [APPLICATION_DATA, 0x03, 0x03, hi, lo];
+        // Records already written out are dropped from the front (all at once when none
+        // is left, else once they are half the buffer), so it stays bounded.
+        if self.sent == self.out.len() {
+            self.out.clear();
+            self.sent = 0;
+        } else if self.sent >= WRITE_BUFFER / 2 {
+            self.out.drain(..self.sent);
+            self.sent = 0;
+        }
+        self.out.extend_from_slice(&header);
+        let at = self.out.len();
+        self.out.extend_from_slice(content);
+        self.out.push(ty);
+        let tag = self
+            .dir
+            .key
+            .seal_in_place_separate_tag(nonce, Aad::from(header), &mut self.out[at..])
+            .map_err(|_| io::Error::other("TLS record encryption failed"))?;
+        self.out.extend_from_slice(tag.as_ref());
+        Ok(())
+    }
+}
+
+impl<W: AsyncWrite + Unpin> RecordWriter<W> {
+    /// Writes out the queued records; `Ready(Ok)` once none is left.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.sent < self.out.len() {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.out[self.sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.sent += n;
+        }
+        self.out.clear();
+        self.sent = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for RecordWriter<W> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        if me.closing {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        // Room for at least one more record, else write out what is queued first.
+        if me.out.len() - me.sent >= WRITE_BUFFER {
+            ready!(me.poll_drain(cx))?;
+        }
+        let mut taken = 0;
+        while taken < buf.len() && me.out.len() - me.sent < WRITE_BUFFER {
+            let n = (buf.len() - taken).min(MAX_PLAINTEXT);
+            me.seal(APPLICATION_DATA, &buf[taken..taken + n])?;
+            taken += n;
+        }
+        // Start sending; what the socket does not take now goes with the next write or
+        // the flush.
+        if let Poll::Ready(Err(e)) = me.poll_drain(cx) {
+            return Poll::Ready(Err(e));
+        }
+        Poll::Ready(Ok(taken))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        ready!(me.poll_drain(cx))?;
+        Pin::new(&mut me.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        if !me.closing {
+            ready!(me.poll_drain(cx))?;
+            // close_notify: a warning-level alert, description 0.
+            me.seal(ALERT, &[1, 0])?;
+            me.closing = true;
+        }
+        ready!(me.poll_drain(cx))?;
+        Pin::new(&mut me.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::crypto::cipher::{AeadKey, Iv};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn secrets(seed: u8) -> rustls::ExtractedSecrets {
+        let keys = |s: u8| ConnectionTrafficSecrets::Aes256Gcm {
+            key: AeadKey::from([s; 32]),
+            iv: Iv::new([s.wrapping_add(1); 12]),
+        };
+        rustls::ExtractedSecrets {
+            tx: (0, keys(seed)),
+            rx: (0, keys(seed)),
+        }
+    }
+
+    /// Records written to a buffer, the buffer handed to a reader with the same keys.
+    async fn sealed(data: &[u8], close: bool) -> Vec<u8> {
+        let (_, mut w) = split(tokio::io::empty(), Vec::new(), secrets(7)).unwrap();
+        w.write_all(data).await.unwrap();
+        if close {
+            w.shutdown().await.unwrap();
+        } else {
+            w.flush().await.unwrap();
+        }
+        std::mem::take(&mut w.inner)
+    }
+
+    fn reader(wire: Vec<u8>) -> RecordReader<std::io::Cursor<Vec<u8>>> {
+        split(std::io::Cursor::new(wire), tokio::io::sink(), secrets(7))
+            .unwrap()
+            .0
+    }
+
+    #[tokio::test]
+    async fn records_round_trip_and_close_notify_ends_the_stream() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let wire = sealed(&data, true).await;
+        // 7 records of at most 16 KiB, each 5 + 1 + 16 bytes longer; the alert's record.
+        assert_eq!(wire.len(), data.len() + 7 * 22 + (5 + 2 + 1 + 16));
+        let mut r = reader(wire);
+        let mut back = Vec::new();
+        r.read_to_end(&mut back).await.unwrap();
+        assert!(back == data);
+    }
+
+    #[tokio::test]
+    async fn a_flipped_byte_fails_the_record_and_the_stream_stays_failed() {
+        let mut wire = sealed(&[42u8; 40_000], true).await;
+        wire[20_000] ^= 1;
+        let mut r = reader(wire);
+        let mut back = Vec::new();
+        let e = r.read_to_end(&mut back).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("bad record MAC"), "{e}");
+        // The first record (before the flip) was delivered; nothing after it.
+        assert_eq!(back.len(), MAX_PLAINTEXT);
+        let mut more = [0u8; 1];
+        assert!(r.read(&mut more).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn an_end_without_close_notify_is_an_error_not_a_clean_end() {
+        let wire = sealed(&[1u8; 1000], false).await;
+        let mut r = reader(wire);
+        let mut back = Vec::new();
+        let e = r.read_to_end(&mut back).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(back.len(), 1000);
+    }
+
+    #[tokio::test]
+    async fn malformed_headers_and_other_keys_are_refused() {
+        // Not application data.
+        let mut wire = sealed(b"abc", true).await;
+        wire[0] = 0x16;
+        let e = reader(wire).read(&mut [0u8; 8]).await.unwrap_err();
+        assert!(
+            e.to_string().contains("not an application-data record"),
+            "{e}"
+        );
+        // A length beyond 2^14 + 256.
+        let mut wire = sealed(b"abc", true).await;
+        wire[3] = 0x50;
+        let e = reader(wire).read(&mut [0u8; 8]).await.unwrap_err();
+        assert!(e.to_string().contains("length out of bounds"), "{e}");
+        // Records of another key.
+        let (_, mut w) = split(tokio::io::empty(), Vec::new(), secrets(9)).unwrap();
+        w.write_all(b"abc").await.unwrap();
+        w.flush().await.unwrap();
+        let e = reader(std::mem::take(&mut w.inner))
+            .read(&mut [0u8; 8])
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("bad record MAC"), "{e}");
+    }
+
+    #[test]
+    fn nonces_follow_the_sequence_and_the_key_stops_at_its_limit() {
+        let (_, mut w) = split(tokio::io::empty(), Vec::<u8>::new(), secrets(3)).unwrap();
+        w.dir.seq = RECORD_LIMIT - 1;
+        assert!(w.seal(APPLICATION_DATA, b"x").is_ok());
+        let e = w.seal(APPLICATION_DATA, b"y").unwrap_err();
+        assert!(e.to_string().contains("dial again"), "{e}");
+    }
+}
