@@ -5,7 +5,7 @@
 #   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [hop|loader|all|writers]
+#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -14,7 +14,7 @@ dev=${DEV_DIR:-.dev}
 pack() {
     set -e
     rm -rf "$dev" && mkdir -p "$dev/lib"
-    for b in transferd shardcast-bench shardcast-controller examples/file_write_rate; do
+    for b in transferd shardcast-bench shardcast-controller examples/file_write_rate examples/data_path_rate; do
         strip -o "$dev/${b##*/}" "target/release/$b"
         gzip -6 "$dev/${b##*/}"
     done
@@ -31,7 +31,7 @@ run() {
     : "${OUT:?set OUT to the folder the reports go to}"
     bin=/tmp/shardcast-bin
     mkdir -p "$bin"
-    for b in transferd shardcast-bench shardcast-controller file_write_rate; do
+    for b in transferd shardcast-bench shardcast-controller file_write_rate data_path_rate; do
         gzip -dc "$dev/$b.gz" >"$bin/$b" && chmod +x "$bin/$b"
     done
     cp "$dev/iperf3" "$bin/" && chmod +x "$bin/iperf3"
@@ -89,6 +89,17 @@ r = json.load(open(sys.argv[1])); x = r["results"][0]; gb = r["bytes"] / 1e9
 print(f"{sys.argv[2]:>28} {r['bytes']/x['completion_s']/1e9:6.2f} GB/s  src {x['source_cpu_s']/gb:.2f} + recv {x['receiver_cpu_s'][0]/gb:.2f} cpu-s/GB  util {x['cpu_util']:.2f} verified {x['verified']}")
 PY
     }
+    chain_quic() { # name, shards, QUIC connections per peer
+        mkdir -p "$OUT/chain"
+        timeout 120 "$bench" chain --local --receivers 1 --size "$hop_size" --shards "$2" \
+            --methods chain-quic --warm-up --daemon-arg=--quic-connections --daemon-arg="$3" \
+            --json "$OUT/chain/$1.json" >>"$OUT/log.txt" 2>&1
+        python3 - "$OUT/chain/$1.json" "$1" <<'PY' || echo "$1: failed"
+import json, sys
+r = json.load(open(sys.argv[1])); x = r["results"][0]; gb = r["bytes"] / 1e9
+print(f"{sys.argv[2]:>28} {r['bytes']/x['completion_s']/1e9:6.2f} GB/s  src {x['source_cpu_s']/gb:.2f} + recv {x['receiver_cpu_s'][0]/gb:.2f} cpu-s/GB  util {x['cpu_util']:.2f} verified {x['verified']}")
+PY
+    }
     huge=/mnt/shm-huge
     if [ "$what" = writers ]; then
         mkdir -p $huge && mount -t tmpfs -o size=96G,huge=within_size tmpfs $huge || huge=
@@ -114,6 +125,18 @@ PY
         (cd "$OUT" && tar czf chain-json.tar.gz chain && rm -r chain)
         [ -n "$huge" ] && umount "$huge"
     fi
+    if [ "$what" = next ]; then
+        # What the 2026-11-27 session built after its device time was spent: the record
+        # layer (identity::records), the adaptive writer as the default, QUIC lanes.
+        echo "== one data connection, rustls's stream vs the record layer (4 GiB, 3 rounds)"
+        "$bin/data_path_rate" 4 3 | tee -a "$OUT/log.txt"
+        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
+        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
+        for lanes in 1 4 8; do
+            chain_quic "quic-shards8-lanes$lanes" 8 "$lanes"
+        done
+        (cd "$OUT" && tar czf chain-json.tar.gz chain && rm -r chain)
+    fi
     if [ "$what" = hop ] || [ "$what" = all ]; then
         step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
         step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
@@ -130,7 +153,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [hop|loader|all|writers]" >&2
+    echo "usage: $0 pack | run [hop|loader|all|writers|next]" >&2
     exit 2
     ;;
 esac
