@@ -193,11 +193,36 @@ impl Layers {
     }
 }
 
+/// `--print-config`, the flag both daemons take (each flattens it into its command line,
+/// after its own `--config`): print the effective settings, each value with its origin
+/// ([`Layers::render`]), and exit without opening a port. Not a setting:
+/// [`Layers::from_command_line`] leaves it out.
+#[cfg(feature = "clap")]
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct PrintConfig {
+    /// Print the effective configuration, each value with where it came from (default, the
+    /// file, an environment variable or a flag), and exit without opening any port.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+#[cfg(feature = "clap")]
+impl PrintConfig {
+    /// The argument's id in clap's matches.
+    const ID: &str = "print_config";
+
+    /// Whether the command line (`matches`) asks for `--print-config`.
+    pub fn requested(matches: &clap::ArgMatches) -> bool {
+        matches.get_flag(Self::ID)
+    }
+}
+
 #[cfg(feature = "clap")]
 impl Layers {
     /// The layers a daemon's command line asks for: `defaults` < the TOML file its
     /// `config` argument names (read by `read`: this crate does no I/O) < environment
-    /// variables < flags. The `config` and `print_config` arguments are not settings.
+    /// variables < flags. The `config` and `print_config` ([`PrintConfig`]) arguments are not
+    /// settings.
     pub fn from_command_line<T: Serialize>(
         defaults: &T,
         command: &clap::Command,
@@ -211,7 +236,7 @@ impl Layers {
                 .map_err(|e| ConfigError(format!("reading config file {}: {e}", path.display())))?;
             layers.file(path, &text)?;
         }
-        layers.command_line(command, matches, &["config", "print_config"]);
+        layers.command_line(command, matches, &["config", PrintConfig::ID]);
         Ok(layers)
     }
 
@@ -289,23 +314,9 @@ fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
 
 /// The closest known field to an unknown key, if one is close.
 fn suggestion(key: &str, fields: &[&str]) -> String {
-    fn distance(a: &str, b: &str) -> usize {
-        let b: Vec<char> = b.chars().collect();
-        let mut row: Vec<usize> = (0..=b.len()).collect();
-        for (i, ca) in a.chars().enumerate() {
-            let mut prev = row[0];
-            row[0] = i + 1;
-            for (j, cb) in b.iter().enumerate() {
-                let cur = row[j + 1];
-                row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
-                prev = cur;
-            }
-        }
-        row[b.len()]
-    }
     fields
         .iter()
-        .map(|f| (distance(key, f), f))
+        .map(|f| (strsim::levenshtein(key, f), f))
         .filter(|(d, f)| *d <= (key.len() / 5).max(2) || (key.len() >= 4 && f.starts_with(key)))
         .min()
         .map(|(_, f)| format!("; did you mean `{f}`?"))
@@ -758,5 +769,25 @@ mod tests {
         );
         // Defaults and mere substrings are not explained.
         assert_eq!(l.explain("quic is off; windows"), "");
+    }
+
+    #[test]
+    fn a_close_or_prefixed_field_is_suggested() {
+        let fields = ["window", "stall_timeout_ms", "zone"];
+        // Up to two edits (more for long keys: a fifth of the key's length).
+        assert_eq!(suggestion("windw", &fields), "; did you mean `window`?");
+        assert_eq!(suggestion("wnidow", &fields), "; did you mean `window`?");
+        assert_eq!(
+            suggestion("stall_timeout_s", &fields),
+            "; did you mean `stall_timeout_ms`?"
+        );
+        // A key of four or more characters that begins a field.
+        assert_eq!(
+            suggestion("stall", &fields),
+            "; did you mean `stall_timeout_ms`?"
+        );
+        // The nearest wins; nothing near, no suggestion.
+        assert_eq!(suggestion("zona", &fields), "; did you mean `zone`?");
+        assert_eq!(suggestion("bandwidth", &fields), "");
     }
 }

@@ -6,8 +6,12 @@
 //! and [`Config::from_matches`] then validates everything into [`Config`], so a bad setting
 //! stops the daemon with a clear message (exit 2) before any port is bound. Keys ending in
 //! `_ms`/`_s` also take a duration with its unit (`"10s"`), sizes a unit (`"4GiB"`).
-//! `--print-config` prints the effective settings with each value's origin and exits. The
-//! example `transferd/transferd.example.toml` documents every field (a test keeps it so).
+//! `--print-config` (`layered::PrintConfig`, shared with the controller) prints the effective
+//! settings with each value's origin and exits. The TLS identity or the insecure mode is
+//! chosen by `shardcast_identity::process::Security`, shared with the controller too; the
+//! flags themselves stay here, as their help and some environment variables are transferd's
+//! own. The example `transferd/transferd.example.toml` documents every field (a test keeps
+//! it so).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -17,7 +21,7 @@ use anyhow::{Context, bail};
 use clap::{CommandFactory, Parser};
 use serde::{Deserialize, Serialize};
 use shardcast_protocol::HostId;
-use shardcast_protocol::layered::{Layers, Origin};
+use shardcast_protocol::layered::{Layers, Origin, PrintConfig};
 use shardcast_protocol::units::{self, parse_rate, parse_size};
 
 use gpu_loader::manager::{BackendChoice, GpuBudget, ManagerConfig};
@@ -45,10 +49,9 @@ pub struct Args {
     /// TOML config file (fields as in transferd.example.toml).
     #[arg(long, env = "SHARDCAST_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Print the effective configuration, each value with where it came from (default, the
-    /// file, an environment variable or a flag), and exit without opening any port.
-    #[arg(long)]
-    pub print_config: bool,
+    /// `--print-config`.
+    #[command(flatten)]
+    pub print_config: PrintConfig,
     /// This host's id in the cluster [default: the hostname].
     #[arg(long, env = "SHARDCAST_HOST_ID")]
     pub host_id: Option<String>,
@@ -622,59 +625,32 @@ pub struct Config {
     pub data_mode: DataMode,
 }
 
-/// How the daemon authenticates everything that connects to it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Security {
-    /// Mutual TLS under the cluster CA on the data port and the agent API (the default,
-    /// and required unless [`Security::InsecurePlaintext`] is set).
-    Tls(shardcast_identity::TlsFiles),
-    /// No TLS, no authentication; every TCP listener is on loopback.
-    InsecurePlaintext,
-}
+/// How the daemon authenticates everything that connects to it: mutual TLS under the
+/// cluster CA on the data port and the agent API, or (`insecure_plaintext`, loopback only)
+/// nothing. Chosen by the process shell both daemons share.
+pub use shardcast_identity::process::Security;
 
-impl Security {
-    fn load(
-        ca: Option<PathBuf>,
-        cert: Option<PathBuf>,
-        key: Option<PathBuf>,
-        insecure: bool,
-        listeners: &[(&str, Option<SocketAddr>)],
-    ) -> anyhow::Result<Self> {
-        if insecure {
-            for (name, addr) in listeners {
-                if let Some(a) = addr
-                    && !shardcast_identity::plaintext_allowed(a)
-                {
-                    bail!(
-                        "insecure_plaintext is only allowed when every listener is on loopback, but {name} is {a}"
-                    );
-                }
-            }
-            return Ok(Self::InsecurePlaintext);
-        }
-        match (ca, cert, key) {
-            (Some(ca), Some(cert), Some(key)) => {
-                Ok(Self::Tls(shardcast_identity::TlsFiles { ca, cert, key }))
-            }
-            (ca, cert, key) => {
-                let missing: Vec<&str> = [
-                    ("tls_ca", ca.is_none()),
-                    ("tls_cert", cert.is_none()),
-                    ("tls_key", key.is_none()),
-                ]
-                .into_iter()
-                .filter(|(_, m)| *m)
-                .map(|(n, _)| n)
-                .collect();
-                bail!(
-                    "mutual TLS is required: set {} (create a CA and this host's certificate with \
-                     `shardcast certs init` and `shardcast certs issue --role host --name <host_id>`), \
-                     or set insecure_plaintext = true with loopback listeners only",
-                    missing.join(", ")
-                )
-            }
-        }
-    }
+/// The TLS identity from the settings, or the insecure mode, refused in the words of
+/// transferd's settings.
+fn security(
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    insecure: bool,
+    listeners: &[(&str, Option<SocketAddr>)],
+) -> anyhow::Result<Security> {
+    use shardcast_identity::process::SecurityError;
+    Security::choose(ca, cert, key, insecure, listeners).map_err(|e| match e {
+        SecurityError::NotLoopback { listener, addr } => anyhow::anyhow!(
+            "insecure_plaintext is only allowed when every listener is on loopback, but {listener} is {addr}"
+        ),
+        SecurityError::Missing(missing) => anyhow::anyhow!(
+            "mutual TLS is required: set {} (create a CA and this host's certificate with \
+             `shardcast certs init` and `shardcast certs issue --role host --name <host_id>`), \
+             or set insecure_plaintext = true with loopback listeners only",
+            missing.join(", ")
+        ),
+    })
 }
 
 /// What the daemon reports to the controller, and where.
@@ -977,7 +953,7 @@ impl Config {
             ["admin_header_timeout_ms", "admin_idle_timeout_ms"],
         )
         .map_err(anyhow::Error::msg)?;
-        let security = Security::load(
+        let security = security(
             s.tls_ca.clone(),
             s.tls_cert.clone(),
             s.tls_key.clone(),

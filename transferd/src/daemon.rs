@@ -238,7 +238,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     info!(host = %config.host_id, %data_addr, %agent_addr, %admin_addr, "transferd ready");
     println!("READY data={data_addr} agent={agent_addr} admin={admin_addr}");
 
-    shutdown_signal().await;
+    shardcast_identity::process::shutdown_signal().await;
     info!("shutting down: no new connections; {SHUTDOWN_GRACE:?} for in-flight work");
     cancel.cancel();
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
@@ -455,27 +455,5 @@ async fn quic_accept_loop(node: Arc<Node>, quic: Arc<Quic>, cancel: Cancellation
             }
             drop(permit);
         });
-    }
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
     }
 }

@@ -2,7 +2,7 @@
 //! `transferd.example.toml`.
 
 use clap::CommandFactory;
-use tracing_subscriber::EnvFilter;
+use shardcast_protocol::layered::PrintConfig;
 use transferd::config::{Args, Config};
 
 fn main() -> std::process::ExitCode {
@@ -15,7 +15,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    if matches.get_flag("print_config") {
+    if PrintConfig::requested(&matches) {
         return match loaded.render() {
             Ok(text) => {
                 print!("{text}");
@@ -28,16 +28,7 @@ fn main() -> std::process::ExitCode {
         };
     }
     let config = loaded.config;
-    let filter =
-        EnvFilter::try_from_env("SHARDCAST_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if config.json_logs {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
+    shardcast_identity::process::init_logging("SHARDCAST_LOG", config.json_logs);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

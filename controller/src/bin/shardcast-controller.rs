@@ -2,6 +2,7 @@
 
 use clap::CommandFactory;
 use shardcast_controller::server::{Args, Cli, run};
+use shardcast_protocol::layered::PrintConfig;
 
 #[tokio::main]
 async fn main() {
@@ -21,7 +22,7 @@ async fn main() {
         eprintln!("shardcast-controller: {e:#}");
         std::process::exit(1);
     }
-    if matches.get_flag("print_config") {
+    if PrintConfig::requested(&matches) {
         match loaded.render() {
             Ok(text) => {
                 print!("{text}");
@@ -34,16 +35,9 @@ async fn main() {
         }
     }
     let args = loaded.args;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if args.log_format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
+    // RUST_LOG, tracing's own variable (transferd reads SHARDCAST_LOG); a log_format
+    // other than json is text.
+    shardcast_identity::process::init_logging("RUST_LOG", args.log_format == "json");
     if let Err(e) = run(args).await {
         eprintln!("shardcast-controller: {e:#}");
         std::process::exit(1);

@@ -3,7 +3,10 @@
 //! `shardcast_protocol::layered` (built-in defaults < the TOML file of
 //! `--config`/`SHARDCAST_CONTROLLER_CONFIG` < environment < flags), an unknown or
 //! ill-typed key refused naming it and its origin; [`Loaded::validate`] makes every check
-//! before a port is bound and [`Loaded::render`] is `--print-config`.
+//! before a port is bound and [`Loaded::render`] is `--print-config` (the flag is
+//! `layered::PrintConfig`, shared with transferd). The TLS identity or the insecure mode is
+//! chosen by `shardcast_identity::process::Security`, shared with transferd too; the flags
+//! stay here, as their help and some environment variables are the controller's own.
 //! `controller/controller.example.toml` documents every key.
 
 use std::net::SocketAddr;
@@ -15,10 +18,11 @@ use anyhow::{Context, bail};
 use clap::{CommandFactory, Parser};
 use serde::{Deserialize, Serialize};
 use shardcast_identity::http::HttpLimits;
+use shardcast_identity::process::{Security, SecurityError};
 use shardcast_identity::{Role, TlsContext};
 use shardcast_placement::PlanParams;
 use shardcast_policies::profile::MIN_RATE_BPS;
-use shardcast_protocol::layered::Layers;
+use shardcast_protocol::layered::{Layers, PrintConfig};
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use shardcast_protocol::units::{self, parse_rate};
 use tracing::warn;
@@ -41,10 +45,9 @@ pub struct Cli {
     /// SHARDCAST_CONFIG, which names transferd's file on the same host.
     #[arg(long, env = "SHARDCAST_CONTROLLER_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Print the effective configuration, each value with where it came from (default, the
-    /// file, an environment variable or a flag), and exit without opening any port.
-    #[arg(long)]
-    pub print_config: bool,
+    /// `--print-config`.
+    #[command(flatten)]
+    pub print_config: PrintConfig,
     /// gRPC listener (Controller and Inventory services). [default: 127.0.0.1:7500]
     #[arg(long, env = "SHARDCAST_CONTROLLER_LISTEN")]
     pub listen: Option<String>,
@@ -459,34 +462,35 @@ impl Args {
     }
 }
 
-/// The controller's TLS identity, or `None` in insecure mode (checked: loopback only).
+/// The controller's TLS identity, or `None` in insecure mode (checked: loopback only), chosen
+/// by the process shell both daemons share and refused in the words of the controller's
+/// flags.
 pub(super) fn load_tls(args: &Args) -> anyhow::Result<Option<Arc<TlsContext>>> {
-    if args.insecure_plaintext {
-        for (name, addr) in [("listen", args.listen), ("http_listen", args.http_listen)] {
-            if !shardcast_identity::plaintext_allowed(&addr) {
-                bail!(
-                    "--insecure-plaintext is only allowed on loopback listeners, but {name} is {addr}"
-                );
-            }
+    let security = Security::choose(
+        args.tls_ca.clone(),
+        args.tls_cert.clone(),
+        args.tls_key.clone(),
+        args.insecure_plaintext,
+        &[
+            ("listen", Some(args.listen)),
+            ("http_listen", Some(args.http_listen)),
+        ],
+    );
+    match security {
+        Ok(Security::InsecurePlaintext) => {
+            warn!(
+                "INSECURE: --insecure-plaintext is set; no TLS and no authentication on the TCP listeners (loopback only)"
+            );
+            Ok(None)
         }
-        warn!(
-            "INSECURE: --insecure-plaintext is set; no TLS and no authentication on the TCP listeners (loopback only)"
-        );
-        return Ok(None);
-    }
-    match (&args.tls_ca, &args.tls_cert, &args.tls_key) {
-        (Some(ca), Some(cert), Some(key)) => {
-            let files = shardcast_identity::TlsFiles {
-                ca: ca.clone(),
-                cert: cert.clone(),
-                key: key.clone(),
-            };
-            Ok(Some(
-                TlsContext::load_as(files, Role::Controller, None)
-                    .context("loading the controller's TLS identity")?,
-            ))
-        }
-        _ => bail!(
+        Ok(Security::Tls(files)) => Ok(Some(
+            TlsContext::load_as(files, Role::Controller, None)
+                .context("loading the controller's TLS identity")?,
+        )),
+        Err(SecurityError::NotLoopback { listener, addr }) => bail!(
+            "--insecure-plaintext is only allowed on loopback listeners, but {listener} is {addr}"
+        ),
+        Err(SecurityError::Missing(_)) => bail!(
             "mutual TLS is required: set --tls-ca, --tls-cert and --tls-key (create them with \
              `shardcast certs init` and `shardcast certs issue --role controller --name <name>`), \
              or --insecure-plaintext with loopback listeners only"

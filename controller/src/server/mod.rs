@@ -176,7 +176,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     info!(%grpc_addr, %http_addr, state = %state_note, "controller ready");
     println!("READY grpc={grpc_addr} http={http_addr}{unix_note}");
 
-    shutdown_signal().await;
+    shardcast_identity::process::shutdown_signal().await;
     info!("shutting down");
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
@@ -279,21 +279,6 @@ async fn follow_rotation(
                 info!("plan tokens are now signed with the reloaded certificate");
             }
             Err(e) => warn!("keeping the previous plan-token key: {e}"),
-        }
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
         }
     }
 }
