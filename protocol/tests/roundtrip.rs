@@ -152,7 +152,8 @@ proptest! {
     fn error_codes_roundtrip(v in any::<u16>()) {
         let code = ErrorCode::from_u16(v);
         prop_assert_eq!(code.to_u16(), v);
-        prop_assert_eq!(matches!(code, ErrorCode::Other(_)), !(1..=10).contains(&v));
+        // The named codes are 1..=11 (`known_error_codes_have_fixed_wire_values`).
+        prop_assert_eq!(matches!(code, ErrorCode::Other(_)), !(1..=11).contains(&v));
     }
 
     #[test]
@@ -196,6 +197,15 @@ fn known_error_codes_have_fixed_wire_values() {
         (ErrorCode::Internal, 10),
         (ErrorCode::AlreadyFed, 11),
     ];
+    // Every value near the named ones: named exactly where the table says.
+    for v in 0..=64u16 {
+        let named = table.iter().any(|&(_, t)| t == v);
+        assert_eq!(
+            !matches!(ErrorCode::from_u16(v), ErrorCode::Other(_)),
+            named,
+            "{v}"
+        );
+    }
     for (code, v) in table {
         assert_eq!(code.to_u16(), v);
         assert_eq!(ErrorCode::from_u16(v), code);

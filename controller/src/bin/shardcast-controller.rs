@@ -35,8 +35,8 @@ async fn main() {
         }
     }
     let args = loaded.args;
-    // RUST_LOG, tracing's own variable (transferd reads SHARDCAST_LOG); a log_format
-    // other than json is text.
+    // RUST_LOG, tracing's own variable (transferd reads SHARDCAST_LOG); log_format is text
+    // or json (validated above).
     shardcast_identity::process::init_logging("RUST_LOG", args.log_format == "json");
     if let Err(e) = run(args).await {
         eprintln!("shardcast-controller: {e:#}");

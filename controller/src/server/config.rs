@@ -547,6 +547,9 @@ impl Args {
 
     /// The controller configuration these settings describe.
     pub fn config(&self) -> anyhow::Result<Config> {
+        if !matches!(self.log_format.as_str(), "text" | "json") {
+            bail!("log_format must be text or json, got {:?}", self.log_format);
+        }
         if !(50..=60_000).contains(&self.heartbeat_ms) {
             bail!(
                 "heartbeat_ms must be between 50 and 60000, got {}",
@@ -839,6 +842,10 @@ mod tests {
                 && err.contains("[heartbeat_ms from flag --heartbeat-ms]"),
             "{err}"
         );
+        // A log format the daemon does not write is refused, as transferd refuses it.
+        let loaded = Args::from_argv(["shardcast-controller", "--log-format", "xml"]).unwrap();
+        let err = loaded.validate().unwrap_err().to_string();
+        assert!(err.contains("log_format must be text or json"), "{err}");
     }
 
     #[test]
