@@ -47,10 +47,12 @@ pub const RECORD_LIMIT: u64 = 1 << 24;
 const APPLICATION_DATA: u8 = 0x17;
 const ALERT: u8 = 0x15;
 const HANDSHAKE: u8 = 0x16;
-/// Bytes read from the socket at a time (and the least the read buffer holds).
-const READ_BUFFER: usize = 256 << 10;
-/// Encrypted bytes the writer gathers before it writes them out.
-const WRITE_BUFFER: usize = 256 << 10;
+/// Bytes read from the socket at a time, beyond one whole record (the read buffer holds
+/// both: about 144 KiB a connection; rustls's stream held a 64 KiB read buffer and its own
+/// record and plaintext buffers).
+const READ_BUFFER: usize = 128 << 10;
+/// Encrypted bytes the writer gathers before it writes them out (allocated as used).
+const WRITE_BUFFER: usize = 128 << 10;
 
 /// One direction's key, IV and next sequence number.
 struct Direction {
@@ -157,7 +159,7 @@ pub fn split<R, W>(
         RecordWriter {
             inner: write,
             dir: Direction::new(secrets.tx)?,
-            out: Vec::with_capacity(WRITE_BUFFER + HEADER + MAX_PLAINTEXT + 1 + TAG),
+            out: Vec::new(),
             sent: 0,
             closing: false,
         },

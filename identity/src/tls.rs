@@ -473,6 +473,12 @@ pub struct TlsStats {
     pub reloads: AtomicU64,
     /// Reloads that failed (the previous certificate stays in use).
     pub reload_failures: AtomicU64,
+    /// `tls`-mode data connections, either side, switched to the record layer
+    /// ([`crate::records`]).
+    pub record_layer: AtomicU64,
+    /// `tls`-mode data connections, either side, left on rustls's stream because the peer
+    /// offered or chose `shardcast/1` only (a host of an earlier version).
+    pub rustls_stream: AtomicU64,
 }
 
 /// One member's TLS material, reloadable.
@@ -925,6 +931,7 @@ impl TlsContext {
         let stream = tokio::io::BufReader::with_capacity(DATA_READ_BUFFER, stream);
         let (tls, id) = self.accept(stream, Alpn::DataRecords).await?;
         if tls.get_ref().1.alpn_protocol() != Some(Alpn::DataRecords.id()) {
+            self.stats.rustls_stream.fetch_add(1, Ordering::Relaxed);
             return Ok((DataConn::Rustls(Box::new(tls)), id));
         }
         let marker = record_marker(tls.get_ref().1)?;
@@ -945,6 +952,7 @@ impl TlsContext {
         .await
         .map_err(|_| TlsError::Timeout(limit))?
         .map_err(TlsError::Handshake)?;
+        self.stats.record_layer.fetch_add(1, Ordering::Relaxed);
         Ok((DataConn::Records(Box::new(reader), Box::new(writer)), id))
     }
 
@@ -961,6 +969,7 @@ impl TlsContext {
         let stream = tokio::io::BufReader::with_capacity(DATA_READ_BUFFER, stream);
         let (mut tls, id) = self.connect(stream, Alpn::DataRecords, expect).await?;
         if tls.get_ref().1.alpn_protocol() != Some(Alpn::DataRecords.id()) {
+            self.stats.rustls_stream.fetch_add(1, Ordering::Relaxed);
             return Ok((DataConn::Rustls(Box::new(tls)), id));
         }
         let limit = self.handshake_timeout();
@@ -991,6 +1000,7 @@ impl TlsContext {
         let conn = tokio::time::timeout(limit, switch)
             .await
             .map_err(|_| TlsError::Timeout(limit))??;
+        self.stats.record_layer.fetch_add(1, Ordering::Relaxed);
         Ok((conn, id))
     }
 }

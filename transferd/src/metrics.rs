@@ -587,6 +587,16 @@ impl Collector for NodeCollector {
                     load(&t.alpn_mismatches),
                 ),
                 (
+                    "tls_record_layer_connections_total",
+                    "Data connections in the tls data mode, either side, whose TLS records transferd reads and writes itself after the handshake (ALPN shardcast-rec/1).",
+                    load(&t.record_layer),
+                ),
+                (
+                    "tls_rustls_stream_connections_total",
+                    "Data connections in the tls data mode, either side, left on rustls's own stream because the peer speaks shardcast/1 only (a host of an earlier version).",
+                    load(&t.rustls_stream),
+                ),
+                (
                     "connections_over_peer_limit_total",
                     "Agent API and admin connections closed after their handshake because their peer (a certificate's identity, or an address without one) already held the per-peer limit on the listener.",
                     load(&t.over_peer_limit),

@@ -25,7 +25,7 @@
 //! hop take the traffic keys over from rustls and read and write the TLS 1.3 records
 //! themselves ([`shardcast_identity::records`], negotiated as ALPN `shardcast-rec/1`, with
 //! `shardcast/1` and rustls's own stream as the fallback for a host without it). The
-//! kernel copies the socket into the record buffer 256 KiB at a time, each record is
+//! kernel copies the socket into the record buffer 128 KiB at a time, each record is
 //! decrypted in place there and its plaintext copied once into the frame's buffer: with
 //! BLAKE3 and the store's write, 3 copies and 2 passes per byte on a TLS receiver. rustls's
 //! own stream made 5 copies (a 64 KiB read buffer in front of it, because it reads 4 KiB
