@@ -41,6 +41,14 @@ async fn chain_of_eight_receivers_is_byte_exact(transport: HopTransport) {
             "{stats:?}"
         );
     }
+    // Over TCP every hop's TLS records were read and written by transferd's record layer
+    // (identity::records), none by rustls's stream: all hosts run this version.
+    if transport == HopTransport::Tcp {
+        for d in &c.daemons[1..] {
+            assert!(metric(d, "tls_record_layer_connections_total").await >= 1);
+            assert_eq!(metric(d, "tls_rustls_stream_connections_total").await, 0);
+        }
+    }
 }
 
 /// Chains daemons 1..=3 behind the source with `fallback` as the session's fallback
