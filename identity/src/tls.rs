@@ -935,15 +935,8 @@ impl TlsContext {
             return Ok((DataConn::Rustls(Box::new(tls)), id));
         }
         let marker = record_marker(tls.get_ref().1)?;
-        let (buffered, mut conn) = tls.into_inner();
-        nothing_buffered(&buffered)?;
-        nothing_left(&mut *conn)?;
-        let secrets = conn
-            .dangerous_extract_secrets()
-            .map_err(|e| TlsError::ClearSwitch(format!("taking over the traffic keys: {e}")))?;
-        let (read, write) = buffered.into_inner().into_split();
-        let (reader, mut writer) =
-            crate::records::split(read, write, secrets).map_err(TlsError::Handshake)?;
+        let (buffered, conn) = tls.into_inner();
+        let (reader, mut writer) = take_over(buffered, conn)?;
         let limit = self.handshake_timeout();
         tokio::time::timeout(limit, async {
             writer.write_all(&marker).await?;
@@ -977,15 +970,8 @@ impl TlsContext {
             // Our `Finished` is on the wire before the keys leave rustls.
             tls.flush().await.map_err(TlsError::Handshake)?;
             let want = record_marker(tls.get_ref().1)?;
-            let (buffered, mut conn) = tls.into_inner();
-            nothing_buffered(&buffered)?;
-            nothing_left(&mut *conn)?;
-            let secrets = conn
-                .dangerous_extract_secrets()
-                .map_err(|e| TlsError::ClearSwitch(format!("taking over the traffic keys: {e}")))?;
-            let (read, write) = buffered.into_inner().into_split();
-            let (mut reader, writer) =
-                crate::records::split(read, write, secrets).map_err(TlsError::Handshake)?;
+            let (buffered, conn) = tls.into_inner();
+            let (mut reader, writer) = take_over(buffered, conn)?;
             let mut got = [0u8; RECORD_MARKER_LEN];
             reader.read_exact(&mut got).await.map_err(|e| {
                 TlsError::ClearSwitch(format!("reading the server's first record: {e}"))
@@ -1019,6 +1005,32 @@ fn record_marker<D>(
     conn.export_keying_material(&mut m[8..], RECORD_EXPORTER_LABEL, None)
         .map_err(|e| TlsError::ClearSwitch(format!("exporting the session value: {e}")))?;
     Ok(m)
+}
+
+/// Takes a handshaken connection's traffic keys from rustls and the socket from under it,
+/// as the record layer's two halves; refuses when a byte of the stream would be left
+/// behind (in the read buffer or inside rustls).
+fn take_over<D, C>(
+    buffered: tokio::io::BufReader<tokio::net::TcpStream>,
+    mut conn: C,
+) -> Result<
+    (
+        crate::records::RecordReader<tokio::net::tcp::OwnedReadHalf>,
+        crate::records::RecordWriter<tokio::net::tcp::OwnedWriteHalf>,
+    ),
+    TlsError,
+>
+where
+    C: std::ops::DerefMut<Target = rustls::ConnectionCommon<D>> + Into<rustls::Connection>,
+{
+    nothing_buffered(&buffered)?;
+    nothing_left(&mut *conn)?;
+    let secrets = conn
+        .into()
+        .dangerous_extract_secrets()
+        .map_err(|e| TlsError::ClearSwitch(format!("taking over the traffic keys: {e}")))?;
+    let (read, write) = buffered.into_inner().into_split();
+    crate::records::split(read, write, secrets).map_err(TlsError::Handshake)
 }
 
 /// Refuses the switch to the record layer when the read buffer in front of rustls holds
