@@ -849,7 +849,7 @@ impl TlsContext {
     ) -> Result<(tokio::net::TcpStream, Identity), TlsError> {
         use tokio::io::AsyncWriteExt;
         let (tls, id) = self.accept(stream, Alpn::DataClear).await?;
-        let marker = clear_marker(tls.get_ref().1)?;
+        let marker = marker(tls.get_ref().1, CLEAR)?;
         let (mut tcp, conn) = tls.into_inner();
         nothing_left(conn)?;
         let limit = self.handshake_timeout();
@@ -874,10 +874,10 @@ impl TlsContext {
         let switch = async {
             // Our `Finished` is on the wire before anything is read in the clear.
             tls.flush().await.map_err(TlsError::Handshake)?;
-            let want = clear_marker(tls.get_ref().1)?;
+            let want = marker(tls.get_ref().1, CLEAR)?;
             let (mut tcp, conn) = tls.into_inner();
             nothing_left(conn)?;
-            let mut got = [0u8; CLEAR_MARKER_LEN];
+            let mut got = [0u8; MARKER_LEN];
             tcp.read_exact(&mut got).await.map_err(|e| {
                 TlsError::ClearSwitch(format!("reading the server's switch marker: {e}"))
             })?;
@@ -934,7 +934,7 @@ impl TlsContext {
             self.stats.rustls_stream.fetch_add(1, Ordering::Relaxed);
             return Ok((DataConn::Rustls(Box::new(tls)), id));
         }
-        let marker = record_marker(tls.get_ref().1)?;
+        let marker = marker(tls.get_ref().1, RECORDS)?;
         let (buffered, conn) = tls.into_inner();
         let (reader, mut writer) = take_over(buffered, conn)?;
         let limit = self.handshake_timeout();
@@ -969,10 +969,10 @@ impl TlsContext {
         let switch = async {
             // Our `Finished` is on the wire before the keys leave rustls.
             tls.flush().await.map_err(TlsError::Handshake)?;
-            let want = record_marker(tls.get_ref().1)?;
+            let want = marker(tls.get_ref().1, RECORDS)?;
             let (buffered, conn) = tls.into_inner();
             let (mut reader, writer) = take_over(buffered, conn)?;
-            let mut got = [0u8; RECORD_MARKER_LEN];
+            let mut got = [0u8; MARKER_LEN];
             reader.read_exact(&mut got).await.map_err(|e| {
                 TlsError::ClearSwitch(format!("reading the server's first record: {e}"))
             })?;
@@ -989,22 +989,6 @@ impl TlsContext {
         self.stats.record_layer.fetch_add(1, Ordering::Relaxed);
         Ok((conn, id))
     }
-}
-
-/// Length of the marker record that starts a [`DataConn::Records`] connection.
-const RECORD_MARKER_LEN: usize = 8 + 32;
-/// The exporter label of that marker's session value.
-const RECORD_EXPORTER_LABEL: &[u8] = b"EXPORTER-shardcast-record-switch";
-
-/// The marker of a records connection: `SCREC001` and a value exported from the session.
-fn record_marker<D>(
-    conn: &rustls::ConnectionCommon<D>,
-) -> Result<[u8; RECORD_MARKER_LEN], TlsError> {
-    let mut m = [0u8; RECORD_MARKER_LEN];
-    m[..8].copy_from_slice(b"SCREC001");
-    conn.export_keying_material(&mut m[8..], RECORD_EXPORTER_LABEL, None)
-        .map_err(|e| TlsError::ClearSwitch(format!("exporting the session value: {e}")))?;
-    Ok(m)
 }
 
 /// Takes a handshaken connection's traffic keys from rustls and the socket from under it,
@@ -1045,19 +1029,40 @@ fn nothing_buffered<S: AsyncRead>(buffered: &tokio::io::BufReader<S>) -> Result<
     }
 }
 
-/// Length of the marker a server sends when an authenticate-only connection switches to
-/// the clear: [`CLEAR_MAGIC`] and a 32-byte value exported from the TLS session.
-const CLEAR_MARKER_LEN: usize = 8 + 32;
-/// The marker's first bytes.
-const CLEAR_MAGIC: &[u8; 8] = b"SCCLEAR1";
-/// The exporter label of the marker's session value (RFC 8446 section 7.5).
-const CLEAR_EXPORTER_LABEL: &[u8] = b"EXPORTER-shardcast-clear-switch";
+/// Length of the marker a server sends when a data connection leaves rustls after the
+/// handshake: 8 magic bytes and a 32-byte value exported from the TLS session (RFC 8446
+/// section 7.5), which the client compares with its own export.
+const MARKER_LEN: usize = 8 + 32;
 
-/// The switch marker of the session `conn` belongs to (the same on both ends).
-fn clear_marker<D>(conn: &rustls::ConnectionCommon<D>) -> Result<[u8; CLEAR_MARKER_LEN], TlsError> {
-    let mut m = [0u8; CLEAR_MARKER_LEN];
-    m[..8].copy_from_slice(CLEAR_MAGIC);
-    conn.export_keying_material(&mut m[8..], CLEAR_EXPORTER_LABEL, None)
+/// Which switch a marker announces: its magic bytes and its exporter label.
+#[derive(Clone, Copy)]
+struct Switch {
+    magic: &'static [u8; 8],
+    label: &'static [u8],
+}
+
+/// The authenticate-only switch to the clear ([`TlsContext::accept_clear`]); the marker
+/// travels in the clear.
+const CLEAR: Switch = Switch {
+    magic: b"SCCLEAR1",
+    label: b"EXPORTER-shardcast-clear-switch",
+};
+
+/// The switch to the record layer ([`TlsContext::accept_data`]); the marker is the
+/// server's first record.
+const RECORDS: Switch = Switch {
+    magic: b"SCREC001",
+    label: b"EXPORTER-shardcast-record-switch",
+};
+
+/// The marker of `switch` for the session `conn` belongs to (the same on both ends).
+fn marker<D>(
+    conn: &rustls::ConnectionCommon<D>,
+    switch: Switch,
+) -> Result<[u8; MARKER_LEN], TlsError> {
+    let mut m = [0u8; MARKER_LEN];
+    m[..8].copy_from_slice(switch.magic);
+    conn.export_keying_material(&mut m[8..], switch.label, None)
         .map_err(|e| TlsError::ClearSwitch(format!("exporting the session value: {e}")))?;
     Ok(m)
 }

@@ -119,33 +119,7 @@ impl<T: AsyncWrite + Send> FrameSink for tokio::io::WriteHalf<T> {}
 
 /// The write half of a `tls`-mode data connection on the record layer
 /// ([`shardcast_identity::records`]): payloads are copied into records (no `sendfile`).
-pub struct RecordSink(
-    pub Box<shardcast_identity::records::RecordWriter<tokio::net::tcp::OwnedWriteHalf>>,
-);
-
-impl AsyncWrite for RecordSink {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut *self.0).poll_write(cx, buf)
-    }
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut *self.0).poll_flush(cx)
-    }
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut *self.0).poll_shutdown(cx)
-    }
-}
-
-impl FrameSink for RecordSink {}
+impl FrameSink for Box<shardcast_identity::records::RecordWriter<tokio::net::tcp::OwnedWriteHalf>> {}
 #[cfg(test)]
 impl FrameSink for tokio::io::DuplexStream {}
 impl FrameSink for BoxSink {

@@ -57,7 +57,7 @@ fn data_halves(conn: shardcast_identity::DataConn) -> Halves {
     match conn {
         shardcast_identity::DataConn::Records(read, write) => Halves {
             read,
-            write: Box::new(crate::wire::RecordSink(write)),
+            write: Box::new(write),
         },
         shardcast_identity::DataConn::Rustls(s) => Halves::from(Box::new(s) as BoxStream),
     }
