@@ -5,10 +5,13 @@
 //! Why: on a TLS hop's receiving side rustls 0.23 makes two copies of every byte of its
 //! own (its record buffer is filled from the socket 4 KiB at a time, so a read buffer sits
 //! in front of it; it then copies each decrypted record into a plaintext buffer, which the
-//! reader copies out again). Here the socket is read in large pieces straight into one
-//! buffer, each record is decrypted in place there, and the plaintext is copied once, into
-//! the caller's buffer. The two directions keep separate keys and sequence numbers, so the
-//! halves are independent ([`RecordReader`], [`RecordWriter`]): no lock between reading a
+//! reader copies out again). Here, when the caller reads into a large initialized buffer
+//! (a chunk's body), the socket is read straight into it and each record is decrypted
+//! where it landed, its plaintext moved down behind the previous record's in the same
+//! AEAD pass: no copy of the plaintext at all, only of a record split between two reads.
+//! Smaller reads go through one buffer of this reader's, where records are decrypted in
+//! place and the plaintext is copied once, into the caller's buffer. The two directions
+//! keep separate keys and sequence numbers, so the halves are independent ([`RecordReader`], [`RecordWriter`]): no lock between reading a
 //! hop's chunks and writing its acknowledgements.
 //!
 //! What is implemented is RFC 8446 section 5 for application data, nothing more:
@@ -51,6 +54,10 @@ const HANDSHAKE: u8 = 0x16;
 /// both: about 144 KiB a connection; rustls's stream held a 64 KiB read buffer and its own
 /// record and plaintext buffers).
 const READ_BUFFER: usize = 128 << 10;
+/// Least initialized room in the caller's buffer for a direct read
+/// ([`RecordReader::poll_read_direct`]): four whole records, so the copies of a partial
+/// record in and out stay small beside the plaintext it saves copying.
+const DIRECT_READ: usize = 4 * (HEADER + MAX_CIPHERTEXT);
 /// Encrypted bytes the writer gathers before it writes them out (allocated as used).
 const WRITE_BUFFER: usize = 128 << 10;
 
@@ -126,6 +133,8 @@ pub struct RecordReader<R> {
     closed: bool,
     /// A fatal error was returned: every later read fails too.
     failed: bool,
+    /// Plaintext bytes decrypted where the caller's buffer received them (direct reads).
+    direct: u64,
 }
 
 /// The write half: encrypts what is written into records and sends them to `inner`.
@@ -155,6 +164,7 @@ pub fn split<R, W>(
             plain: (0, 0),
             closed: false,
             failed: false,
+            direct: 0,
         },
         RecordWriter {
             inner: write,
@@ -166,25 +176,64 @@ pub fn split<R, W>(
     ))
 }
 
+/// What a record held, once opened.
+enum Content {
+    /// Application data: this many bytes of plaintext.
+    Data(usize),
+    /// `close_notify`: the stream has ended.
+    Close,
+}
+
+/// The header and ciphertext length of the record at the front of `avail`, once it is
+/// whole there; `None` while it is not.
+fn whole_record(avail: &[u8]) -> io::Result<Option<([u8; HEADER], usize)>> {
+    let Some(header) = avail.first_chunk::<HEADER>() else {
+        return Ok(None);
+    };
+    if header[0] != APPLICATION_DATA || header[1] != 0x03 || header[2] != 0x03 {
+        return Err(bad_record("not an application-data record of TLS 1.3"));
+    }
+    let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+    if !(TAG + 1..=MAX_CIPHERTEXT).contains(&len) {
+        return Err(bad_record("length out of bounds"));
+    }
+    Ok((avail.len() >= HEADER + len).then_some((*header, len)))
+}
+
+/// What a decrypted record's TLSInnerPlaintext holds: its content, then its type, then
+/// zero padding.
+fn content(plain: &[u8]) -> io::Result<Content> {
+    let Some(at) = plain.iter().rposition(|&b| b != 0) else {
+        return Err(bad_record("no content type"));
+    };
+    let (ty, content_len) = (plain[at], at);
+    if content_len > MAX_PLAINTEXT {
+        return Err(bad_record("plaintext too long"));
+    }
+    match ty {
+        APPLICATION_DATA => Ok(Content::Data(content_len)),
+        ALERT if content_len == 2 && plain[1] == 0 => Ok(Content::Close),
+        ALERT => Err(io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            format!(
+                "the peer sent TLS alert {}",
+                plain.get(1).copied().unwrap_or(0)
+            ),
+        )),
+        HANDSHAKE => Err(bad_record(
+            "a handshake message after the handshake (key updates are not supported on data connections)",
+        )),
+        _ => Err(bad_record("unknown content type")),
+    }
+}
+
 impl<R> RecordReader<R> {
     /// Decrypts the record at the front of the unprocessed bytes, if it is whole: `Ok(true)`
     /// when one was consumed.
     fn open_one(&mut self) -> io::Result<bool> {
-        let avail = &self.buf[self.start..self.end];
-        if avail.len() < HEADER {
+        let Some((header, len)) = whole_record(&self.buf[self.start..self.end])? else {
             return Ok(false);
-        }
-        let header: [u8; HEADER] = [avail[0], avail[1], avail[2], avail[3], avail[4]];
-        if header[0] != APPLICATION_DATA || header[1] != 0x03 || header[2] != 0x03 {
-            return Err(bad_record("not an application-data record of TLS 1.3"));
-        }
-        let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
-        if !(TAG + 1..=MAX_CIPHERTEXT).contains(&len) {
-            return Err(bad_record("length out of bounds"));
-        }
-        if avail.len() < HEADER + len {
-            return Ok(false);
-        }
+        };
         let body = self.start + HEADER..self.start + HEADER + len;
         self.start += HEADER + len;
         let nonce = self.dir.next_nonce()?;
@@ -193,35 +242,84 @@ impl<R> RecordReader<R> {
             .key
             .open_in_place(nonce, Aad::from(header), &mut self.buf[body.clone()])
             .map_err(|_| bad_record("decryption failed (bad record MAC)"))?;
-        // TLSInnerPlaintext: content, then its type, then zero padding.
-        let Some(at) = plain.iter().rposition(|&b| b != 0) else {
-            return Err(bad_record("no content type"));
+        match content(plain)? {
+            Content::Data(n) => self.plain = (body.start, body.start + n),
+            Content::Close => self.closed = true,
+        }
+        Ok(true)
+    }
+
+    /// Decrypts every whole record in `region` (ciphertext as read from the socket) where
+    /// it lies, moving each record's plaintext down behind the previous one's in the same
+    /// pass (the AEAD writes below what it reads). Returns the plaintext's length, now at
+    /// the front of `region`, and how many bytes of records were consumed; a partial record
+    /// after them is left where it is. Stops after `close_notify`.
+    fn open_within(&mut self, region: &mut [u8]) -> io::Result<(usize, usize)> {
+        let (mut plain, mut read) = (0, 0);
+        while !self.closed {
+            let Some((header, len)) = whole_record(&region[read..])? else {
+                break;
+            };
+            let end = read + HEADER + len;
+            let nonce = self.dir.next_nonce()?;
+            let opened = self
+                .dir
+                .key
+                .open_within(
+                    nonce,
+                    Aad::from(header),
+                    &mut region[plain..end],
+                    read + HEADER - plain..,
+                )
+                .map_err(|_| bad_record("decryption failed (bad record MAC)"))?;
+            match content(opened)? {
+                Content::Data(n) => plain += n,
+                Content::Close => self.closed = true,
+            }
+            read = end;
+        }
+        Ok((plain, read))
+    }
+}
+
+impl<R: AsyncRead + Unpin> RecordReader<R> {
+    /// The direct read: when the caller's buffer has room for many records (and nothing
+    /// but a partial record is buffered here), the socket is read straight into it and the
+    /// records are decrypted there, so the plaintext is never copied. The partial record
+    /// is copied in front of the new bytes first, and whatever partial record ends them is
+    /// copied back here (at most one record each way per read). `Ok(true)` when plaintext
+    /// was produced or the stream was closed; `Ok(false)` when only part of a record came.
+    fn poll_read_direct(
+        &mut self,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<bool>> {
+        let room = out.initialized().len() - out.filled().len();
+        let dst = out.initialize_unfilled_to(room);
+        let kept = self.end - self.start;
+        dst[..kept].copy_from_slice(&self.buf[self.start..self.end]);
+        let mut rb = ReadBuf::new(&mut dst[kept..]);
+        ready!(Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
+        let n = rb.filled().len();
+        if n == 0 {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed connection without sending TLS close_notify",
+            )));
+        }
+        let region = &mut dst[..kept + n];
+        let (plain, read) = self.open_within(region)?;
+        // What follows `close_notify` is ignored, as in `open_one`'s path.
+        let rest = if self.closed {
+            &[][..]
+        } else {
+            &region[read..]
         };
-        let (ty, content_len) = (plain[at], at);
-        if content_len > MAX_PLAINTEXT {
-            return Err(bad_record("plaintext too long"));
-        }
-        match ty {
-            APPLICATION_DATA => {
-                self.plain = (body.start, body.start + content_len);
-                Ok(true)
-            }
-            ALERT if content_len == 2 && plain[1] == 0 => {
-                self.closed = true;
-                Ok(true)
-            }
-            ALERT => Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                format!(
-                    "the peer sent TLS alert {}",
-                    plain.get(1).copied().unwrap_or(0)
-                ),
-            )),
-            HANDSHAKE => Err(bad_record(
-                "a handshake message after the handshake (key updates are not supported on data connections)",
-            )),
-            _ => Err(bad_record("unknown content type")),
-        }
+        self.buf[..rest.len()].copy_from_slice(rest);
+        (self.start, self.end) = (0, rest.len());
+        out.advance(plain);
+        self.direct += plain as u64;
+        Poll::Ready(Ok(plain > 0 || self.closed))
     }
 }
 
@@ -251,6 +349,17 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecordReader<R> {
                 Err(e) => {
                     me.failed = true;
                     return Poll::Ready(Err(e));
+                }
+            }
+            // Nothing but a partial record is buffered here now.
+            if out.initialized().len() - out.filled().len() >= DIRECT_READ {
+                match ready!(me.poll_read_direct(cx, out)) {
+                    Ok(true) => return Poll::Ready(Ok(())),
+                    Ok(false) => continue,
+                    Err(e) => {
+                        me.failed = true;
+                        return Poll::Ready(Err(e));
+                    }
                 }
             }
             // A partial record at most: move it to the front when the room behind it is
@@ -465,6 +574,92 @@ mod tests {
             .await
             .unwrap_err();
         assert!(e.to_string().contains("bad record MAC"), "{e}");
+    }
+
+    /// A stream that hands out its bytes in pieces of the given sizes, in turn.
+    struct Pieces {
+        data: Vec<u8>,
+        at: usize,
+        sizes: Vec<usize>,
+        turn: usize,
+    }
+
+    impl AsyncRead for Pieces {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            out: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let me = self.get_mut();
+            let size = me.sizes[me.turn % me.sizes.len()];
+            me.turn += 1;
+            let n = size.min(me.data.len() - me.at).min(out.remaining());
+            out.put_slice(&me.data[me.at..me.at + n]);
+            me.at += n;
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn direct_reads_into_large_buffers_give_the_same_bytes_however_the_socket_splits_them() {
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 253) as u8).collect();
+        let wire = sealed(&data, true).await;
+        // Pieces smaller than a record, a record and a bit, many records; reads into
+        // large buffers (the direct path) and small ones (the buffered path) in turn.
+        for (sizes, direct_share) in [
+            (vec![1000, 70_000, 5, 300_000, 16_406, 16_405], 0.3),
+            (vec![1 << 20], 0.6),
+            (vec![3, 7, 16_000], 0.3),
+        ] {
+            let (mut r, _) = split(
+                Pieces {
+                    data: wire.clone(),
+                    at: 0,
+                    sizes,
+                    turn: 0,
+                },
+                tokio::io::sink(),
+                secrets(7),
+            )
+            .unwrap();
+            let mut back = Vec::new();
+            let mut big = vec![0u8; 256 << 10];
+            let mut small = [0u8; 100];
+            for turn in 0.. {
+                let buf: &mut [u8] = if turn % 3 == 2 { &mut small } else { &mut big };
+                let n = r.read(buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                back.extend_from_slice(&buf[..n]);
+            }
+            assert!(back == data, "{} of {} bytes back", back.len(), data.len());
+            // Two reads in three had room for the direct path.
+            assert!(
+                r.direct as f64 >= direct_share * data.len() as f64,
+                "{} bytes read directly",
+                r.direct
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flipped_byte_fails_a_direct_read_and_the_stream_stays_failed() {
+        let mut wire = sealed(&[42u8; 200_000], true).await;
+        wire[150_000] ^= 1;
+        let mut r = reader(wire);
+        let mut big = vec![0u8; 1 << 20];
+        let mut got = 0;
+        let e = loop {
+            match r.read(&mut big).await {
+                Ok(n) => got += n,
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("bad record MAC"), "{e}");
+        assert!(got < 150_000, "{got} bytes delivered");
+        assert!(r.read(&mut big).await.is_err());
     }
 
     #[test]

@@ -469,8 +469,12 @@ impl FrameBudget {
         self.total - self.sem.available_permits().min(self.total)
     }
 
-    /// An empty buffer with room for `len` bytes: an idle one when one fits (at most twice
-    /// the size needed, so small bodies do not pin big buffers), else a new one.
+    /// A buffer of `len` initialized bytes for a body: an idle one when one fits (at most
+    /// twice the size needed, so small bodies do not pin big buffers), else a new one.
+    /// Initialized, so a reader may be handed all of it at once (the TLS record layer
+    /// decrypts straight into it, `shardcast_identity::records`): an idle buffer keeps
+    /// the length of the body it held, so only what a longer body needs beyond that is
+    /// zeroed; a new one comes zeroed from the allocator's fresh pages.
     fn body_buffer(&self, len: usize) -> Vec<u8> {
         if len > UNCHARGED_BODY {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
@@ -478,16 +482,19 @@ impl FrameBudget {
                 .iter()
                 .position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
             if let Some(i) = fit {
-                return idle.swap_remove(i);
+                let mut buf = idle.swap_remove(i);
+                drop(idle);
+                buf.resize(len, 0);
+                return buf;
             }
         }
-        Vec::with_capacity(len)
+        vec![0; len]
     }
 
     /// Takes back a body's buffer once nothing refers to its bytes (dropped when the idle
-    /// buffers already hold [`IDLE_BODY_BYTES`]).
-    fn recycle(&self, mut buf: Vec<u8>) {
-        buf.clear();
+    /// buffers already hold [`IDLE_BODY_BYTES`]). It keeps its length, so its bytes stay
+    /// initialized for the next body.
+    fn recycle(&self, buf: Vec<u8>) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let held: usize = idle.iter().map(Vec::capacity).sum();
         if held + buf.capacity() <= IDLE_BODY_BYTES {
@@ -587,8 +594,9 @@ pub struct FrameReader<R> {
     budget: Arc<FrameBudget>,
     header: [u8; HEADER_LEN],
     header_filled: usize,
-    /// The body being read, once the header is parsed and its room granted.
-    body: Option<(FrameHeader, Vec<u8>, Option<Grant>)>,
+    /// The body being read, once the header is parsed and its room granted: its buffer
+    /// (the body's length, initialized) and how much of it has arrived.
+    body: Option<(FrameHeader, Vec<u8>, usize, Option<Grant>)>,
     /// This connection's peer's share of the budget, once the peer is known.
     share: Option<Arc<Semaphore>>,
     /// When the bytes received last may pass the ingress limiter; no more is read before.
@@ -750,12 +758,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 // not the peer's fault).
                 self.frame_deadline = (head.body_len > UNCHARGED_BODY)
                     .then(|| tokio::time::Instant::now() + frame_time(head.body_len));
-                self.body = Some((head, buf, grant));
+                self.body = Some((head, buf, 0, grant));
             }
-            let Some((head, body, grant)) = self.body.as_mut() else {
+            let Some((head, body, filled, grant)) = self.body.as_mut() else {
                 return Err(WireError::Truncated);
             };
-            let remaining = head.body_len - body.len();
+            let remaining = head.body_len - *filled;
             if remaining == 0 {
                 let ty = head.ty;
                 let buf = std::mem::take(body);
@@ -772,10 +780,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 self.frame_deadline = None;
                 return Ok(Some(Frame::decode_body(ty, body)?));
             }
-            // Read straight into the body's spare capacity (no zero-fill), never past the
-            // end of this frame.
-            let mut piece = (&mut self.inner).take(remaining.min(READ_PIECE) as u64);
-            let read = piece.read_buf(body);
+            // Read straight into the body, never past the end of this frame.
+            let piece = *filled..*filled + remaining.min(READ_PIECE);
+            let read = self.inner.read(&mut body[piece]);
             let n = match self.frame_deadline {
                 None => read.await?,
                 Some(at) => match tokio::time::timeout_at(at, read).await {
@@ -785,7 +792,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                         return Err(WireError::FrameStalled {
                             ty: head.ty,
                             len: head.body_len,
-                            got: body.len(),
+                            got: *filled,
                             limit: frame_time(head.body_len),
                         });
                     }
@@ -794,6 +801,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if n == 0 {
                 return Err(WireError::Truncated);
             }
+            *filled += n;
             self.received(n);
         }
     }

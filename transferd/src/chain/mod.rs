@@ -58,25 +58,24 @@
 //!
 //! | step | what | TLS | plaintext |
 //! | --- | --- | --- | --- |
-//! | R1 | socket → user memory (the kernel's copy) | copy | copy |
-//! | R1′ | the 64 KiB read buffer → rustls, 4 KiB at a time (`crate::transport`) | copy | — |
-//! | R2 | AES-GCM decryption in place | pass | — |
-//! | R3 | decrypted record → a `Vec` per record (rustls' buffered API) | copy | — |
-//! | R4 | that `Vec` → the frame's buffer (tokio-rustls) | copy | — |
-//! | R4′ | the body's buffer: reused from the frame budget, never freshly faulted in and zeroed (`crate::wire`) | — | — |
-//! | R5 | frame → `Frame::Chunk` (`Bytes::split_to`) | — | — |
-//! | R6 | BLAKE3 of the chunk (blocking pool) | pass | pass |
-//! | R7 | `pwrite` into the shard file, same task (`Shard::verify_and_write`) | copy | copy |
+//! | R1 | socket → the frame's body buffer, up to 256 KiB a read (the kernel's copy) | copy | copy |
+//! | R2 | AES-GCM decryption where the records landed, each record's plaintext moved down behind the previous one's in the same pass (`shardcast_identity::records`; a record split between two reads is copied out and back, ≤ 16 KiB per read) | pass | — |
+//! | R3 | the body's buffer: reused from the frame budget and kept initialized, never freshly faulted in and zeroed (`crate::wire`) | — | — |
+//! | R4 | frame → `Frame::Chunk` (`Bytes::split_to`) | — | — |
+//! | R5 | BLAKE3 of the chunk (blocking pool) | pass | pass |
+//! | R6 | into the shard file (`Shard::verify_and_write`): `pwrite`, or a copy into its populated map while another stripe holds the file (the adaptive writer, `crate::store`) | copy | copy |
 //!
-//! Receiver totals: TLS 5 copies + 2 passes, plaintext 2 copies + 1 pass, QUIC 3 copies +
-//! 2 passes per packet (`crate::transport::quic`); iperf3's receiver makes 1 copy. R7, the
-//! page-cache write, is the largest cost (52% of the TLS receiver's samples, 31% of QUIC's;
-//! why it stays a `pwrite`: `crate::store`'s `shard` module). Sending (`forward` / `serve` →
-//! `Shard::read_checked` → `FrameWriter::send_chunk`): S1 the chunk from the shard's map as
-//! `Bytes` (zero-copy), S2 a BLAKE3 pass only for an untrusted chunk, S3 the 17-byte frame
-//! prefix (the payload bypasses the buffer), S4 over TLS a copy into a record and AES-GCM,
-//! S5 the kernel's copy into the socket (none with `sendfile`, `crate::wire`): TLS 2 copies
-//! + 1 pass, plaintext 1 copy. docs/BENCHMARKS.md has the profiles.
+//! Receiver totals: TLS 2 copies + 2 passes, plaintext 2 copies + 1 pass, QUIC 3 copies +
+//! 2 passes per packet (`crate::transport::quic`); iperf3's receiver makes 1 copy. A peer
+//! of an earlier version (ALPN `shardcast/1`) is read through rustls's stream instead,
+//! which adds three copies (R1's read buffer into rustls 4 KiB at a time, each record into
+//! a `Vec`, that into the body). R6, the page-cache write, is the largest cost (why it
+//! stays a `pwrite` on one stream: `crate::store`'s `shard` module). Sending (`forward` /
+//! `serve` → `Shard::read_checked` → `FrameWriter::send_chunk`): S1 the chunk from the
+//! shard's map as `Bytes` (zero-copy), S2 a BLAKE3 pass only for an untrusted chunk, S3 the
+//! 17-byte frame prefix (the payload bypasses the buffer), S4 over TLS a copy into a record
+//! and AES-GCM, S5 the kernel's copy into the socket (none with `sendfile`, `crate::wire`):
+//! TLS 2 copies + 1 pass, plaintext 1 copy. docs/BENCHMARKS.md has the profiles.
 //!
 //! ## Files
 //!

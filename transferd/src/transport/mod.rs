@@ -25,9 +25,10 @@
 //! hop take the traffic keys over from rustls and read and write the TLS 1.3 records
 //! themselves ([`shardcast_identity::records`], negotiated as ALPN `shardcast-rec/1`, with
 //! `shardcast/1` and rustls's own stream as the fallback for a host without it). The
-//! kernel copies the socket into the record buffer 128 KiB at a time, each record is
-//! decrypted in place there and its plaintext copied once into the frame's buffer: with
-//! BLAKE3 and the store's write, 3 copies and 2 passes per byte on a TLS receiver. rustls's
+//! kernel copies the socket straight into the frame's body buffer (up to 256 KiB a read,
+//! `crate::wire`), and each record is decrypted where it landed, its plaintext moved down
+//! behind the previous record's in the same AEAD pass: with BLAKE3 and the store's write,
+//! 2 copies and 2 passes per byte on a TLS receiver, as many copies as plaintext. rustls's
 //! own stream made 5 copies (a 64 KiB read buffer in front of it, because it reads 4 KiB
 //! per call; its record buffer; its plaintext buffer; the frame). A TLS sender makes 2
 //! copies and 1 pass (a record buffer, AES-GCM, the kernel's copy), plaintext 1 (none with
