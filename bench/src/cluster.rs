@@ -485,6 +485,25 @@ impl Daemon {
         Ok(exited)
     }
 
+    /// Waits up to `grace` for the process to exit on its own (after a signal sent with
+    /// [`Self::signal`]): its exit status, or `None` while it still runs.
+    pub async fn wait_exit(
+        &mut self,
+        grace: Duration,
+    ) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("the daemon is not running");
+        };
+        match tokio::time::timeout(grace, child.wait()).await {
+            Ok(status) => {
+                let status = status.context("waiting for the daemon")?;
+                self.child = None;
+                Ok(Some(status))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
     /// Kills the process (SIGKILL, by PID) and waits for it: a host dying mid-transfer.
     pub async fn kill(&mut self) {
         kill_child(&mut self.child).await;

@@ -338,8 +338,9 @@ impl SimHost {
             gpu_loads: Vec::new(),
             gpu_evicted: Vec::new(),
             bound_names: st.names.keys().cloned().collect(),
-            // A simulated host never restarts.
+            // A simulated host never restarts or drains.
             started_at_ms: 0,
+            draining: false,
         }
     }
 

@@ -103,6 +103,9 @@ pub struct HostView {
     /// When its transferd process started (Unix ms; 0: not reported).
     #[serde(default)]
     pub started_at_ms: u64,
+    /// Its transferd is draining (stopping): nothing new is placed or sourced there.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// The version of [`StoredHost`] records written now.
@@ -342,7 +345,9 @@ pub fn cluster_view(
                 id: r.host_id.clone(),
                 rack: r.rack.clone(),
                 zone: r.zone.clone(),
-                up: e.up,
+                // A draining host finishes what it has and goes away: placement neither
+                // sends it a copy nor reads one from it.
+                up: e.up && !r.draining,
                 nic_bps: r.nic_bps,
                 mem_capacity: r.mem_capacity,
                 mem_free: r.mem_free.saturating_sub(pend(DataTier::Memory)),
@@ -465,6 +470,20 @@ mod tests {
         // An incomplete copy is not a holding; a down host stays in the view, marked down.
         assert!(v[1].holdings.is_empty());
         assert!(!v[1].up);
+    }
+
+    #[test]
+    fn a_draining_host_is_neither_placed_on_nor_read_from() {
+        let mut hosts = BTreeMap::new();
+        let mut a = entry("a", true, &[("m1", DataTier::Memory, true)]);
+        a.report.draining = true;
+        hosts.insert("a".to_string(), a);
+        hosts.insert("b".to_string(), entry("b", true, &[]));
+        let v = cluster_view(&hosts, "m1", &Pending::new());
+        // Up as far as heartbeats go, but not a candidate: placement skips hosts that are
+        // not up, as receivers and as sources of their complete copies alike.
+        assert!(!v[0].up, "{:?}", v[0]);
+        assert!(v[1].up);
     }
 
     #[test]

@@ -550,6 +550,7 @@ pub fn host_view(r: pb::HostReport) -> Result<HostView, ApiError> {
         gpu_evicted: r.gpu_evicted,
         bound_names: r.bound_names,
         started_at_ms: r.started_at_ms,
+        draining: r.draining,
     })
 }
 
@@ -604,6 +605,7 @@ pub fn host_report(v: &HostView) -> pb::HostReport {
         gpu_evicted: v.gpu_evicted.clone(),
         bound_names: v.bound_names.clone(),
         started_at_ms: v.started_at_ms,
+        draining: v.draining,
     }
 }
 

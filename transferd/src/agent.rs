@@ -231,6 +231,17 @@ pub(crate) fn model_status(h: &Holding) -> pb::ModelStatus {
     }
 }
 
+/// `UNAVAILABLE` while the host drains: it is going away, so new work (a chain it would
+/// head, an import, a GPU load) belongs on another host; what runs goes on.
+fn not_draining(node: &Node, what: &str) -> Result<(), Status> {
+    if node.draining() {
+        return Err(Status::unavailable(format!(
+            "this host is draining (shutting down): not starting {what}"
+        )));
+    }
+    Ok(())
+}
+
 /// An origin refused by policy is `PERMISSION_DENIED`; any other parse failure is the
 /// caller's malformed input.
 fn origin_status(e: crate::origin::OriginError) -> Status {
@@ -246,6 +257,7 @@ impl Agent for AgentService {
         &self,
         request: Request<ImportModelRequest>,
     ) -> Result<Response<ImportModelResponse>, Status> {
+        not_draining(&self.node, "an import")?;
         let req = request.into_inner();
         let name =
             ModelName::new(&req.name).map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -353,6 +365,7 @@ impl Agent for AgentService {
         &self,
         request: Request<StartChainRequest>,
     ) -> Result<Response<StartChainResponse>, Status> {
+        not_draining(&self.node, "a chain")?;
         let req = request.into_inner();
         let model: ModelDigest = req
             .model
@@ -708,6 +721,7 @@ impl Agent for AgentService {
         &self,
         request: Request<pb::LoadModelRequest>,
     ) -> Result<Response<pb::LoadModelResponse>, Status> {
+        not_draining(&self.node, "a GPU load")?;
         let req = request.into_inner();
         let digest = self.node.store.resolve(&req.model).ok_or_else(|| {
             Status::not_found(format!(

@@ -313,6 +313,12 @@ pub struct Args {
     /// (e.g. 512MiB); a frame that does not fit waits [default: 512MiB].
     #[arg(long, env = "SHARDCAST_FRAME_MEMORY")]
     pub frame_memory: Option<String>,
+    /// Milliseconds a stopping transferd (SIGTERM, Ctrl-C) drains before it ends what is
+    /// left: it finishes the sessions it runs and starts no new one; a second signal ends
+    /// the drain at once; 0 stops at once [default: 20000]. Keep the service manager's stop
+    /// timeout above this plus 5 s.
+    #[arg(long, env = "SHARDCAST_DRAIN_GRACE_MS")]
+    pub drain_grace_ms: Option<String>,
 }
 
 /// `gpu_budget`: a share as a number (`0.8`) or text (`"80%"`, `"60GiB"`).
@@ -416,6 +422,8 @@ struct Settings {
     max_sessions: usize,
     #[serde(with = "units::size")]
     frame_memory: u64,
+    #[serde(with = "units::millis")]
+    drain_grace_ms: u64,
 }
 
 impl Default for Settings {
@@ -489,6 +497,7 @@ impl Default for Settings {
             data_mode: DataMode::default(),
             stripes: chain.stripes,
             origin_allow: Vec::new(),
+            drain_grace_ms: ms(DEFAULT_DRAIN_GRACE),
             handshake_timeout_ms: ms(limits.handshake_timeout),
             peer_idle_timeout_s: limits.peer_idle_timeout.as_secs(),
             write_timeout_s: limits.write_timeout.as_secs(),
@@ -623,7 +632,14 @@ pub struct Config {
     pub security: Security,
     /// How the data port protects chunk payloads (with TLS; `Tls` otherwise unused).
     pub data_mode: DataMode,
+    /// How long a stopping daemon drains ([`crate::daemon`]); zero: it stops at once.
+    pub drain_grace: Duration,
 }
+
+/// Default of [`Config::drain_grace`]. Rationale: long enough for a hop to finish a
+/// multi-GiB range at a few Gbit/s, and with transferd's 5 s to wind down after it, inside
+/// Kubernetes' default 30 s termination grace.
+pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(20);
 
 /// How the daemon authenticates everything that connects to it: mutual TLS under the
 /// cluster CA on the data port and the agent API, or (`insecure_plaintext`, loopback only)
@@ -1024,6 +1040,7 @@ impl Config {
             inventory,
             gpu,
             corrupt_once,
+            drain_grace: Duration::from_millis(s.drain_grace_ms),
         })
     }
 }

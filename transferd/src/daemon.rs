@@ -3,7 +3,9 @@
 //! Start-up order: recover the store, bind every listener, then print one line
 //! `READY data=<addr> agent=<addr> admin=<addr>` on stdout (scripts and `shardcast-bench`
 //! wait for it; with port 0 it carries the ports the OS chose). Shutdown (SIGINT/SIGTERM):
-//! stop accepting, cancel sessions, and give tasks a grace period to finish.
+//! first drain (`drain_grace_ms`: finish the sessions in flight, start no new one, tell the
+//! controller), then stop accepting, cancel what is left, and give tasks a grace period to
+//! finish.
 //!
 //! In order: raise `RLIMIT_NOFILE`, load the TLS identity (which must name this host) and
 //! start its reloader, recover the store, bind the data port on TCP and, with `quic` (the
@@ -239,6 +241,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     println!("READY data={data_addr} agent={agent_addr} admin={admin_addr}");
 
     shardcast_identity::process::shutdown_signal().await;
+    drain(&node, config.drain_grace).await;
     info!("shutting down: no new connections; {SHUTDOWN_GRACE:?} for in-flight work");
     cancel.cancel();
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
@@ -250,6 +253,53 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The drain after a stop signal: the host stops taking new sessions and new agent work
+/// (`Node::start_draining`; its heartbeat tells the controller at once, which places
+/// nothing new there) and waits for its unfinished sessions, until none is left, `grace`
+/// is over, or it is asked to stop again. What is still unfinished then is ended by the
+/// shutdown: the hops above fail over past this host and the hops below recover, as after
+/// a crash, and a restarted host resumes its copy from its verified chunks.
+async fn drain(node: &Node, grace: Duration) {
+    if grace.is_zero() {
+        return;
+    }
+    node.start_draining();
+    let unfinished = node.unfinished_sessions();
+    if unfinished == 0 {
+        info!("draining: no session in flight");
+        return;
+    }
+    info!(
+        unfinished,
+        ?grace,
+        "draining: finishing the sessions in flight, starting no new one"
+    );
+    let deadline = tokio::time::Instant::now() + grace;
+    let again = shardcast_identity::process::shutdown_signal();
+    tokio::pin!(again);
+    loop {
+        let left = node.unfinished_sessions();
+        if left == 0 {
+            info!("drained: every session finished");
+            return;
+        }
+        tokio::select! {
+            _ = &mut again => {
+                warn!(left, "asked again to stop: ending the unfinished sessions now");
+                return;
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                warn!(left, "drain grace over: ending the unfinished sessions (the hops above fail over past this host)");
+                return;
+            }
+            _ = tokio::time::sleep(DRAIN_POLL) => {}
+        }
+    }
+}
+
+/// How often a draining host looks at its unfinished sessions.
+const DRAIN_POLL: Duration = Duration::from_millis(100);
 
 /// The addresses to report: configured ones, else the bound ones when they are specific.
 fn advertised(

@@ -470,6 +470,18 @@ impl Collector for NodeCollector {
                 load(&s.sessions_refused),
             ),
             (
+                "sessions_refused_draining_total",
+                Counter,
+                "Open frames of a session new to this host refused because it was draining.",
+                load(&s.sessions_refused_draining),
+            ),
+            (
+                "draining",
+                Gauge,
+                "1 while the host drains (asked to stop: it finishes its sessions and starts no new one), else 0.",
+                u64::from(node.draining()),
+            ),
+            (
                 "frame_memory_bytes",
                 Gauge,
                 "Bytes of frame bodies in flight (received, not yet verified and stored), across all connections.",

@@ -3,7 +3,8 @@
 //! heartbeat registers the host; the controller marks it down after missed heartbeats.
 //!
 //! A controller that is down or unreachable is logged once per outage, never fatal: the data
-//! plane keeps serving chains that are already planned.
+//! plane keeps serving chains that are already planned. A host that starts draining sends a
+//! heartbeat at once (`draining`), so the controller stops placing there.
 //!
 //! The controller's answer carries its registry's current version of each reported model
 //! name; the host's name table follows it (see `crate::store::names`). It also says which
@@ -78,10 +79,14 @@ pub async fn run(
     let mut tick = tokio::time::interval(inv.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut connected: Option<bool> = None;
+    let mut draining = node.watch_draining();
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
+            // A host that starts draining says so at once: the controller stops placing
+            // there before the next tick.
+            Ok(()) = draining.changed() => {}
         }
         let report = build_report(&node, &gpus, &inv, &addrs);
         let reported = reported_names(&report);
@@ -264,6 +269,7 @@ pub fn build_report(
         bound_names: node.store.names().into_iter().map(|(n, _)| n).collect(),
         version: env!("CARGO_PKG_VERSION").into(),
         started_at_ms: process_started_ms(),
+        draining: node.draining(),
         // GPUs other processes mostly hold (an inference engine): not free for placement.
         gpus_busy: u32::try_from(gpus.busy_gpus().len()).unwrap_or(u32::MAX),
         gpu_loads: gpus

@@ -34,8 +34,13 @@ pub(crate) fn render(r: &ListHostsResponse) -> String {
         let rep = h.report.clone().unwrap_or_default();
         let complete = rep.holdings.iter().filter(|m| m.complete).count();
         vec![
-            rep.host_id,
-            up_down(h.up),
+            rep.host_id.clone(),
+            // A draining host is up, but nothing new goes there.
+            if h.up && rep.draining {
+                "draining".to_string()
+            } else {
+                up_down(h.up)
+            },
             format!("{:.1}s", h.last_seen_s),
             rep.rack,
             rep.data_addr,

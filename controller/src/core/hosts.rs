@@ -42,6 +42,9 @@ impl Controller {
         if restarted {
             info!(host = %id, "host's transferd restarted");
         }
+        if report.draining && !entry.report.draining {
+            info!(host = %id, "host is draining: nothing new is placed there");
+        }
         entry.report = report;
         entry.last_seen = Instant::now();
         entry.up = true;

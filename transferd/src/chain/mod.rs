@@ -302,6 +302,8 @@ pub struct NodeStats {
     pub sessions_unauthorised: AtomicU64,
     /// `Open`s refused because the host already holds `max_sessions` hop sessions.
     pub sessions_refused: AtomicU64,
+    /// `Open`s of a session new to this host refused because it is draining.
+    pub sessions_refused_draining: AtomicU64,
     /// `Progress` frames not recorded because a session already tracks
     /// [`MAX_PROGRESS_HOSTS`] hosts below it (a peer inventing host ids).
     pub progress_dropped: AtomicU64,
@@ -484,6 +486,9 @@ pub struct Node {
     /// This host's data address as peers reach it (set once the listener is up, when it
     /// is known): named in the upstream list of every `Open` this host sends.
     advertised: std::sync::OnceLock<String>,
+    /// Set once the host drains ([`Node::start_draining`]): it finishes the sessions it
+    /// has and starts no new one.
+    draining: tokio::sync::watch::Sender<bool>,
 }
 
 impl Node {
@@ -519,11 +524,51 @@ impl Node {
             heads: Mutex::default(),
             store_failures: Mutex::default(),
             advertised: std::sync::OnceLock::new(),
+            draining: tokio::sync::watch::Sender::new(false),
         });
         if tokio::runtime::Handle::try_current().is_ok() {
             crate::repair::spawn(&node);
         }
         node
+    }
+
+    /// Starts draining (the process was asked to stop): from now on an `Open` of a session
+    /// this host does not already run is refused (the hop above fails over past it), and
+    /// the agent starts no chain, fetch or GPU load; what runs goes on. `true` the first
+    /// time.
+    pub fn start_draining(&self) -> bool {
+        !self.draining.send_replace(true)
+    }
+
+    /// Whether the host is draining.
+    pub fn draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Follows [`Self::draining`] (the heartbeat tells the controller at once).
+    pub fn watch_draining(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.draining.subscribe()
+    }
+
+    /// Hop sessions and head sessions' shards here that have not finished: what a draining
+    /// host waits for before it exits.
+    pub fn unfinished_sessions(&self) -> usize {
+        let hop = self
+            .sessions
+            .lock()
+            .map(|m| m.values().filter(|s| s.outcome().is_none()).count())
+            .unwrap_or(0);
+        let head = self
+            .heads
+            .lock()
+            .map(|m| {
+                m.values()
+                    .flat_map(|h| h.parts.iter())
+                    .filter(|s| s.outcome().is_none())
+                    .count()
+            })
+            .unwrap_or(0);
+        hop + head
     }
 
     /// Whether a session that has not finished sends or receives model `model` here.

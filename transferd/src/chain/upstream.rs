@@ -106,6 +106,22 @@ impl Node {
                 ChainError::refused(ErrorCode::Refused, format!("fallback origin: {e}"))
             })?;
         }
+        // A draining host finishes the sessions it runs (a new shard or stripe of one of
+        // them included) but joins no other: the hop above skips it at once.
+        if self.draining()
+            && !self
+                .sessions
+                .lock()
+                .is_ok_and(|m| m.keys().any(|(id, _, _)| *id == header.session))
+        {
+            self.stats
+                .sessions_refused_draining
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(ChainError::refused(
+                ErrorCode::Refused,
+                "this host is draining (shutting down): it starts no new session",
+            ));
+        }
         let held = self.sessions.lock().map(|m| m.len()).unwrap_or(0);
         if held >= self.cfg.limits.max_sessions {
             self.stats.sessions_refused.fetch_add(1, Ordering::Relaxed);
