@@ -656,12 +656,12 @@ fn check_container(
         match pk.key {
             // A pod's own /dev/shm is private to it and dies with it; engine pods map the
             // files at the path the hand-off names, so the path is the host's.
-            "memory_dir" => {
-                if !kind_of("hostPath") || v.and_then(|v| s(v, "/hostPath/path")) != Some(mount) {
-                    errors.push(format!(
-                        "memory_dir {p}: its volume must be a hostPath mounted at its own path (the host's tmpfs), got {v:?}"
-                    ));
-                }
+            "memory_dir"
+                if !kind_of("hostPath") || v.and_then(|v| s(v, "/hostPath/path")) != Some(mount) =>
+            {
+                errors.push(format!(
+                    "memory_dir {p}: its volume must be a hostPath mounted at its own path (the host's tmpfs), got {v:?}"
+                ))
             }
             "data_dir" if !kind_of("hostPath") => errors.push(format!(
                 "data_dir {p}: the disk tier must outlive the pod (a hostPath), got {v:?}"
@@ -770,6 +770,10 @@ fn check_container(
     ))
 }
 
+/// What a Service port reaches: the daemon container behind it (if it passed its checks)
+/// and the container port's number.
+type Target<'a> = (Option<&'a Checked>, Option<u16>);
+
 /// Services select daemon pods and target their ports; ServiceMonitors select those
 /// Services and scrape the daemons' HTTP listeners.
 fn check_services(
@@ -778,9 +782,8 @@ fn check_services(
     errors: &mut Vec<String>,
 ) {
     let ws = workloads(objects);
-    // service name -> port name -> (daemon container summary, target port number)
-    let mut targets: BTreeMap<&str, BTreeMap<&str, (Option<&Checked>, Option<u16>)>> =
-        BTreeMap::new();
+    // service name -> port name -> what it targets
+    let mut targets: BTreeMap<&str, BTreeMap<&str, Target<'_>>> = BTreeMap::new();
     for svc in objects.iter().filter(|o| s(o, "/kind") == Some("Service")) {
         let name = s(svc, "/metadata/name").unwrap_or("?");
         let selected: Vec<&Workload<'_>> = ws
