@@ -1088,7 +1088,7 @@ fn series_value(text: &str, series: &str) -> Option<f64> {
 /// `/metrics` of both daemons after a prewarm of three hosts, read against what happened:
 /// the chunks each verified and how many came from peers, the origin read once, every
 /// receiver session timed; the controller's plan, receivers, hosts, registration, API
-/// calls and an eviction.
+/// calls and an eviction. Then every series the Grafana dashboard queries is found there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_after_a_prewarm_match_what_happened() {
     const N: usize = 3;
@@ -1232,6 +1232,13 @@ async fn metrics_after_a_prewarm_match_what_happened() {
     assert_eq!(v("shardcast_evicted_hosts_total{tier=\"memory\"}"), 1.0);
     assert_eq!(v("shardcast_evicted_bytes_total"), ev.bytes_freed as f64);
     assert!(ev.bytes_freed > 0, "{ev:?}");
+
+    // The Grafana dashboard (deploy/grafana) queries only series these daemons export.
+    let mut scrapes = vec![body];
+    for d in &c.daemons {
+        scrapes.push(d.metrics().await.unwrap());
+    }
+    crate::deploy::dashboard::assert_exported(&scrapes);
 }
 
 /// A plain HTTP/1.1 request; returns (status, body).

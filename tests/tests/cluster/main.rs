@@ -14,13 +14,16 @@
 //! (file and HTTP origins, nginx), `origins` (`s3://` against moto, `hf://` against a local
 //! Hub), `admin` (the admin listener), `origin_policy`, `limits` (slow and flooding peers),
 //! `emulated` (network namespaces: loss, jumbo frames, cut links; skipped without root),
-//! `scale` (1000 simulated hosts, also on three replicas on etcd) and `ha` (replicas on a
-//! real etcd). Each module's own docs list its cases.
+//! `scale` (1000 simulated hosts, also on three replicas on etcd), `ha` (replicas on a
+//! real etcd) and `deploy` (deploy/'s manifests, units, container build file and dashboard
+//! against the daemons' flags, settings and metrics; no daemon started but the dashboard's
+//! scrape, which rides on a `controller` test). Each module's own docs list its cases.
 
 mod admin;
 mod at_rest;
 mod chain;
 mod controller;
+mod deploy;
 mod emulated;
 mod gpu;
 mod ha;
