@@ -2322,6 +2322,7 @@ async fn a_full_memory_tier_sheds_its_least_recently_used_model() {
     }
     // 12 MiB of 24: 50% > 45%. Once a heartbeat reports it, the sweeper evicts the old
     // model (down to 40% = 9.6 MiB) and keeps the new one.
+    let t0 = Instant::now();
     let event = loop {
         let ev = api
             .list_events(ListEventsRequest {
@@ -2409,6 +2410,7 @@ async fn load_scraped_from_a_prometheus_endpoint_scales_out() {
         ),
     )
     .unwrap();
+    let t0 = Instant::now();
     let up = loop {
         let ev = api
             .list_events(ListEventsRequest {
@@ -2602,6 +2604,7 @@ async fn a_rotated_controller_certificate_signs_the_next_plans_without_a_restart
         .unwrap()
         .to_vec();
     assert_ne!(rotated, first, "rotate wrote a new certificate");
+    let t0 = Instant::now();
     loop {
         let now = served_certificate(&c.controller).await;
         if now == rotated {
@@ -2711,6 +2714,7 @@ async fn registration_is_a_job_that_callers_join_and_can_leave() {
         no_wait,
     };
     let mut api = c.controller.client().await.unwrap();
+    let t0 = Instant::now();
     let started = api
         .register_model(req(MODEL, &url, true))
         .await
