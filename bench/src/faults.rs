@@ -58,6 +58,13 @@ pub enum Fault {
     Fill,
     /// The host's certificate re-issued (a new key) and the daemon told with `SIGHUP`.
     Rotate,
+    /// SIGTERM as an operator stops a host (transferd drains: it finishes its sessions and
+    /// starts none), started again 3 s after it exits.
+    Term,
+    /// Every host in turn, in chain order from the head, stopped as `term` and started
+    /// again as soon as it exited: a rolling upgrade during the prewarm (the position is
+    /// ignored; every host is a victim, and all of them count for the ready time).
+    Rolling,
 }
 
 impl std::str::FromStr for Fault {
@@ -72,9 +79,11 @@ impl std::str::FromStr for Fault {
             "two" => Self::Two,
             "fill" => Self::Fill,
             "rotate" => Self::Rotate,
+            "term" => Self::Term,
+            "rolling" => Self::Rolling,
             other => {
                 return Err(format!(
-                    "unknown fault {other:?}; expected kill (or restart), stop, link-down, corrupt, two, fill or rotate"
+                    "unknown fault {other:?}; expected kill (or restart), stop, link-down, corrupt, two, fill, rotate, term or rolling"
                 ));
             }
         })
@@ -211,7 +220,12 @@ pub async fn run_faults(opts: &FaultsOpts) -> anyhow::Result<FaultsReport> {
     let no_fault_s = sorted[sorted.len() / 2];
     let mut results = Vec::new();
     for &fault in opts.faults.iter().filter(|f| **f != Fault::None) {
-        for &position in &opts.positions {
+        // A rolling restart takes every host, from the head: positions do not apply.
+        let positions = match fault {
+            Fault::Rolling => &[Position::Head][..],
+            _ => &opts.positions[..],
+        };
+        for &position in positions {
             for trial in 0..opts.trials.max(1) {
                 let mut t = run_trial(opts, origin_dir.path(), fault, Some(position)).await?;
                 t.no_fault_s = no_fault_s;
@@ -297,7 +311,9 @@ async fn run_trial(
         Some(Position::Tail) => Some(chain.len().saturating_sub(1)),
     };
     let mut victims = Vec::new();
-    if let Some(i) = at {
+    if fault == Fault::Rolling {
+        victims = chain.clone();
+    } else if let Some(i) = at {
         victims.push(chain.get(i).cloned().context("the plan has no chain")?);
         if fault == Fault::Two {
             let j = if i + 1 < chain.len() {
@@ -348,13 +364,23 @@ async fn run_trial(
             Fault::Corrupt => flip_byte(&daemons[vi].memory_shard_path(manifest, 0), 100)?,
             Fault::Fill => fill_for(&daemons[vi].memory_dir, SILENT_FOR).await?,
             Fault::Rotate => daemons[vi].rotate_certificate()?,
+            Fault::Term => terminate_and_restart(&mut daemons[vi], RESTART_AFTER).await?,
+            Fault::Rolling => {
+                for &i in &vis {
+                    terminate_and_restart(&mut daemons[i], Duration::ZERO).await?;
+                }
+            }
         }
         Ok(())
     };
     let (ended, struck) = tokio::join!(waiting, strike);
     struck?;
     let (_, ready) = ended?;
-    let healthy = |h: &str| fault == Fault::Corrupt || !victims.iter().any(|v| v == h);
+    // A corrupt copy is repaired in place, and in a rolling restart every host is a
+    // victim: there, every host counts for the ready time.
+    let healthy = |h: &str| {
+        matches!(fault, Fault::Corrupt | Fault::Rolling) || !victims.iter().any(|v| v == h)
+    };
     let ready_s = daemons
         .iter()
         .map(|d| d.host_id.as_str())
@@ -438,6 +464,25 @@ async fn restart_after(d: &mut Daemon, after: Duration) -> anyhow::Result<()> {
     tokio::time::sleep(after).await;
     d.restart().await
 }
+
+/// SIGTERM, as an operator stops the host, then waits for it to exit (it drains first:
+/// up to its `drain_grace_ms`, 20 s by default, and 5 s to wind down; killed after 30 s),
+/// and starts it again `after` it exited.
+async fn terminate_and_restart(d: &mut Daemon, after: Duration) -> anyhow::Result<()> {
+    d.signal("TERM")?;
+    if d.wait_exit(STOP_LIMIT).await?.is_none() {
+        eprintln!(
+            "{} did not exit within {STOP_LIMIT:?} of SIGTERM; killing it",
+            d.host_id
+        );
+    }
+    tokio::time::sleep(after).await;
+    d.restart().await
+}
+
+/// The longest a stopped daemon is given to exit before it is killed (its default drain
+/// grace, 20 s, and 5 s to wind down, with a margin).
+const STOP_LIMIT: Duration = Duration::from_secs(30);
 
 /// SIGSTOP, then SIGCONT `for_` later.
 async fn stop_for(d: &Daemon, for_: Duration) -> anyhow::Result<()> {

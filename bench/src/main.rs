@@ -109,7 +109,9 @@ enum Cmd {
         /// Comma-separated faults: kill (or restart: kill -9, started again 3 s later), stop
         /// (SIGSTOP for 8 s), link-down (8 s), corrupt (a byte at rest), two (a kill and a
         /// stop of neighbours), fill (the memory tier's tmpfs filled for 8 s; needs root),
-        /// rotate (the host certificate re-issued, then SIGHUP).
+        /// rotate (the host certificate re-issued, then SIGHUP), term (SIGTERM: transferd
+        /// drains, then is started again 3 s after it exits), rolling (every host in turn
+        /// as term, from the head; positions do not apply).
         #[arg(
             long,
             default_value = "kill,stop,link-down,corrupt",
