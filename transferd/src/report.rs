@@ -32,6 +32,12 @@ use crate::config::Inventory;
 /// default without a controller).
 const GPU_COPIES_HEARTBEATS: u32 = 3;
 
+/// The readiness condition heartbeats meet: the controller has answered one since start.
+/// Later misses do not withdraw it (the data plane keeps serving planned chains while the
+/// controller is away, and a controller outage must not take every host out of rotation);
+/// they are logged and counted by the controller's inventory instead.
+pub const CONTROLLER: &str = "controller";
+
 /// Addresses this host advertises.
 #[derive(Debug, Clone)]
 pub struct Advertised {
@@ -48,6 +54,7 @@ pub async fn run(
     inv: Inventory,
     addrs: Advertised,
     controller: String,
+    readiness: shardcast_identity::ready::Readiness,
     cancel: CancellationToken,
 ) {
     // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
@@ -78,6 +85,8 @@ pub async fn run(
     let mut tick = tokio::time::interval(inv.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut connected: Option<bool> = None;
+    // Whether the controller has answered once (the readiness condition, see CONTROLLER).
+    let mut answered = false;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -95,6 +104,8 @@ pub async fn run(
                 if connected != Some(true) {
                     info!(%controller, "registered with the controller");
                 }
+                readiness.met(CONTROLLER);
+                answered = true;
                 connected = Some(true);
                 let answer = answer.into_inner();
                 apply_registry(&node, &reported, &answer.names, answer.issued_at_ms);
@@ -107,11 +118,23 @@ pub async fn run(
                 if connected != Some(false) {
                     warn!(%controller, "controller rejected the heartbeat: {}", status.message());
                 }
+                if !answered {
+                    readiness.unmet(
+                        CONTROLLER,
+                        format!("the controller did not take the heartbeat: {}", status.code()),
+                    );
+                }
                 connected = Some(false);
             }
             Err(_) => {
                 if connected != Some(false) {
                     warn!(%controller, "controller did not answer the heartbeat; retrying every {:?}", inv.heartbeat);
+                }
+                if !answered {
+                    readiness.unmet(
+                        CONTROLLER,
+                        "the controller has not answered a heartbeat yet (no answer in time)",
+                    );
                 }
                 connected = Some(false);
             }
