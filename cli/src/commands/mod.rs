@@ -5,6 +5,7 @@
 
 pub(crate) mod autoscaler;
 pub(crate) mod certs;
+pub(crate) mod manual;
 pub(crate) mod evict;
 pub(crate) mod hosts;
 pub(crate) mod models;
@@ -47,6 +48,10 @@ pub(crate) async fn dispatch(
         Command::Plan(args) => plan::online(args, c, out).await.map(drop),
         // Local files only; `run` takes it before connecting.
         Command::Certs { action } => certs::run(action),
+        // Offline; `run` takes them before connecting.
+        Command::Completions { shell } => manual::completions(shell, &mut std::io::stdout()),
+        Command::Man { out: None } => manual::page(&mut std::io::stdout()),
+        Command::Man { out: Some(dir) } => manual::pages(&dir).map(drop),
     }
 }
 
