@@ -119,10 +119,13 @@ pub async fn run(
                     warn!(%controller, "controller rejected the heartbeat: {}", status.message());
                 }
                 if !answered {
-                    readiness.unmet(
-                        CONTROLLER,
-                        format!("the controller did not take the heartbeat: {}", status.code()),
-                    );
+                    // An unreachable controller is an `UNAVAILABLE` of the channel.
+                    let why = if status.code() == tonic::Code::Unavailable {
+                        "the controller has not answered a heartbeat yet (unreachable)".to_string()
+                    } else {
+                        format!("the controller refused the heartbeat ({:?})", status.code())
+                    };
+                    readiness.unmet(CONTROLLER, why);
                 }
                 connected = Some(false);
             }
