@@ -164,12 +164,19 @@ fn completions_and_man_pages_need_no_controller() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let script = String::from_utf8_lossy(&out.stdout);
-    assert!(script.contains("_shardcast()") && script.contains("prewarm"), "{script}");
+    assert!(
+        script.contains("_shardcast()") && script.contains("prewarm"),
+        "{script}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
         .args(["completions", "tcsh"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2), "an unknown shell is a usage error");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "an unknown shell is a usage error"
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let pages = dir.path().join("man1");
@@ -180,7 +187,11 @@ fn completions_and_man_pages_need_no_controller() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let listed = String::from_utf8_lossy(&out.stdout);
-    for page in ["shardcast.1", "shardcast-prewarm.1", "shardcast-certs-issue.1"] {
+    for page in [
+        "shardcast.1",
+        "shardcast-prewarm.1",
+        "shardcast-certs-issue.1",
+    ] {
         assert!(pages.join(page).is_file(), "{page} not written");
         assert!(listed.contains(page), "{listed}");
     }

@@ -45,8 +45,8 @@ use serde::de::DeserializeOwned;
 use shardcast_protocol::controller::{
     EvictRequest, EvictResponse, GetPartitionPlanRequest, HeartbeatResponse, HostReport,
     ListEventsResponse, ListHostsResponse, ListModelsResponse, ListPlansResponse, ModelInfo,
-    ModelStatus, PlanAccepted, PlanStatus, PrewarmRequest, RegisterModelRequest,
-    ReportLoadRequest, ReportLoadResponse, ScaleOutRequest,
+    ModelStatus, PlanAccepted, PlanStatus, PrewarmRequest, RegisterModelRequest, ReportLoadRequest,
+    ReportLoadResponse, ScaleOutRequest,
 };
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;

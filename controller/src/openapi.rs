@@ -216,7 +216,10 @@ mod tests {
         let schemas = &doc["components"]["schemas"];
         // Enum fields are names, as `shardcast_protocol::api::json` writes them.
         let tier = &schemas["PrewarmRequest"]["properties"]["tier"];
-        assert_eq!(tier["oneOf"][0]["$ref"], "#/components/schemas/Tier", "{tier}");
+        assert_eq!(
+            tier["oneOf"][0]["$ref"], "#/components/schemas/Tier",
+            "{tier}"
+        );
         assert_eq!(tier["default"], "", "{tier}");
         let tiers = schemas["Tier"]["enum"].as_array().unwrap();
         assert!(tiers.contains(&json!("gpu")) && tiers.contains(&json!("")));
@@ -224,7 +227,13 @@ mod tests {
         assert!(schemas["ModelInfo"]["properties"]["manifest"].is_null());
         assert!(schemas["ModelInfo"]["properties"]["digest"].is_object());
         // Nested messages are referenced and defined.
-        for name in ["PlanStatus", "HostProgress", "HostReport", "Gpu", "ErrorBody"] {
+        for name in [
+            "PlanStatus",
+            "HostProgress",
+            "HostReport",
+            "Gpu",
+            "ErrorBody",
+        ] {
             assert!(schemas[name].is_object(), "{name} missing");
         }
         // Every $ref points at a defined schema.

@@ -137,19 +137,23 @@ impl Readiness {
 
     /// Condition `name` holds now.
     pub fn met(&self, name: &'static str) {
-        self.update(|s| match s.conditions.iter_mut().find(|(n, _)| *n == name) {
-            Some(c) => c.1 = None,
-            None => s.conditions.push((name, None)),
-        });
+        self.update(
+            |s| match s.conditions.iter_mut().find(|(n, _)| *n == name) {
+                Some(c) => c.1 = None,
+                None => s.conditions.push((name, None)),
+            },
+        );
     }
 
     /// Condition `name` does not hold (any more), because `why`.
     pub fn unmet(&self, name: &'static str, why: impl Into<String>) {
         let why = why.into();
-        self.update(|s| match s.conditions.iter_mut().find(|(n, _)| *n == name) {
-            Some(c) => c.1 = Some(why),
-            None => s.conditions.push((name, Some(why))),
-        });
+        self.update(
+            |s| match s.conditions.iter_mut().find(|(n, _)| *n == name) {
+                Some(c) => c.1 = Some(why),
+                None => s.conditions.push((name, Some(why))),
+            },
+        );
     }
 
     /// Shutdown has begun: not ready from now on.

@@ -231,7 +231,10 @@ pub fn registry(node: &Arc<Node>, gpus: &Arc<GpuManager>) -> Registry {
 
 /// Adds `shardcast_ready` to `registry`: 1 while `readiness` holds (what `/readyz` and
 /// gRPC health answer), 0 otherwise, read at each scrape.
-pub fn register_readiness(registry: &mut Registry, readiness: shardcast_identity::ready::Readiness) {
+pub fn register_readiness(
+    registry: &mut Registry,
+    readiness: shardcast_identity::ready::Readiness,
+) {
     registry.register_collector(Box::new(ReadyCollector(readiness)));
 }
 

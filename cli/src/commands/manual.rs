@@ -21,7 +21,10 @@ fn io_error(what: &str, e: std::io::Error) -> CliError {
 }
 
 /// Writes the completion script for `shell` to `out`.
-pub(crate) fn completions(shell: clap_complete::Shell, out: &mut dyn Write) -> Result<(), CliError> {
+pub(crate) fn completions(
+    shell: clap_complete::Shell,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     let mut cmd = Cli::command();
     clap_complete::generate(shell, &mut cmd, BIN, out);
     out.flush().map_err(|e| io_error("writing completions", e))
@@ -39,13 +42,17 @@ pub(crate) fn page(out: &mut dyn Write) -> Result<(), CliError> {
 /// Writes one page per command and subcommand into `dir` (created if missing); the pages
 /// written, sorted.
 pub(crate) fn pages(dir: &Path) -> Result<Vec<PathBuf>, CliError> {
-    std::fs::create_dir_all(dir).map_err(|e| io_error(&format!("creating {}", dir.display()), e))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| io_error(&format!("creating {}", dir.display()), e))?;
     clap_mangen::generate_to(Cli::command(), dir)
         .map_err(|e| io_error(&format!("writing man pages into {}", dir.display()), e))?;
     let mut written = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| io_error("listing the pages", e))? {
         let path = entry.map_err(|e| io_error("listing the pages", e))?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
         if name.starts_with(BIN) && name.ends_with(".1") {
             written.push(path);
         }
@@ -95,7 +102,10 @@ mod tests {
             let mut script = Vec::new();
             completions(*shell, &mut script).unwrap();
             let script = String::from_utf8(script).unwrap();
-            assert!(script.contains("prewarm") && script.contains("scale-out"), "{shell}");
+            assert!(
+                script.contains("prewarm") && script.contains("scale-out"),
+                "{shell}"
+            );
         }
     }
 
@@ -114,7 +124,11 @@ mod tests {
         assert_eq!(written, expected);
         for p in &written {
             let page = std::fs::read_to_string(p).unwrap();
-            assert!(page.starts_with(".ie") || page.contains(".TH"), "{}", p.display());
+            assert!(
+                page.starts_with(".ie") || page.contains(".TH"),
+                "{}",
+                p.display()
+            );
             assert!(page.contains(".SH NAME"), "{}", p.display());
         }
         let prewarm = std::fs::read_to_string(dir.path().join("shardcast-prewarm.1")).unwrap();
@@ -123,6 +137,9 @@ mod tests {
         let mut top = Vec::new();
         page(&mut top).unwrap();
         let top = String::from_utf8(top).unwrap();
-        assert!(top.contains("shardcast\\-prewarm(1)") || top.contains("prewarm"), "{top}");
+        assert!(
+            top.contains("shardcast\\-prewarm(1)") || top.contains("prewarm"),
+            "{top}"
+        );
     }
 }

@@ -5,9 +5,9 @@
 
 pub(crate) mod autoscaler;
 pub(crate) mod certs;
-pub(crate) mod manual;
 pub(crate) mod evict;
 pub(crate) mod hosts;
+pub(crate) mod manual;
 pub(crate) mod models;
 pub(crate) mod plan;
 pub(crate) mod plans;

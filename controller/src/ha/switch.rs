@@ -81,7 +81,9 @@ pub fn front_routes() -> utoipa_axum::router::OpenApiRouter<Front> {
     responses(
         (status = 200, description = "`{id, role: leader|follower, leader: {id, grpc, http} | null, view: {full_loads, applied, resumed, revision}}`.", body = Object),
         (status = "default", description = "An error.", body = crate::error::ErrorBody)))]
-async fn replica_status(axum::extract::State(f): axum::extract::State<Front>) -> axum::Json<serde_json::Value> {
+async fn replica_status(
+    axum::extract::State(f): axum::extract::State<Front>,
+) -> axum::Json<serde_json::Value> {
     axum::Json(f.replica.status_json())
 }
 
@@ -91,7 +93,9 @@ async fn replica_status(axum::extract::State(f): axum::extract::State<Front>) ->
     responses(
         (status = 200, description = "`ready`.", body = String, content_type = "text/plain"),
         (status = 503, description = "`not ready`, then one line per unmet condition (`name: reason`), or `draining: shutting down`.", body = String, content_type = "text/plain")))]
-async fn readyz(axum::extract::State(f): axum::extract::State<Front>) -> (http::StatusCode, String) {
+async fn readyz(
+    axum::extract::State(f): axum::extract::State<Front>,
+) -> (http::StatusCode, String) {
     f.readiness.http_answer()
 }
 

@@ -125,7 +125,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     readiness.met("state");
     if args.state.is_some() {
-        tokio::spawn(replica.clone().follow_leader(readiness.clone(), cancel.clone()));
+        tokio::spawn(
+            replica
+                .clone()
+                .follow_leader(readiness.clone(), cancel.clone()),
+        );
     }
 
     let authz = slot.load().ctl.core.authz_stats();
@@ -219,7 +223,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     readiness.drain();
     let delay = Duration::from_millis(args.shutdown_delay_ms);
     if !delay.is_zero() {
-        info!(?delay, "shutdown requested: not ready; serving on until the delay ends (a second signal ends it)");
+        info!(
+            ?delay,
+            "shutdown requested: not ready; serving on until the delay ends (a second signal ends it)"
+        );
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = shardcast_identity::process::shutdown_signal() => {}

@@ -103,7 +103,10 @@ async fn a_transferd_is_ready_once_its_controller_answers() {
     );
     // Liveness is another question: the process is up.
     assert_eq!(
-        d.admin(HttpAs::Anonymous, "GET", "/healthz").await.unwrap().0,
+        d.admin(HttpAs::Anonymous, "GET", "/healthz")
+            .await
+            .unwrap()
+            .0,
         200
     );
     assert_eq!(ready_gauge(&d).await, Some(0));
@@ -202,7 +205,9 @@ async fn the_controller_reports_health_and_drains() {
     .await
     .unwrap();
     assert_eq!(
-        c.http(HttpAs::Anonymous, "GET", "/readyz", "").await.unwrap(),
+        c.http(HttpAs::Anonymous, "GET", "/readyz", "")
+            .await
+            .unwrap(),
         (200, "ready\n".into())
     );
     let grpc = c.grpc.to_string();
@@ -214,10 +219,17 @@ async fn the_controller_reports_health_and_drains() {
             "shardcast.controller.v1.Controller",
             "shardcast.controller.v1.Inventory",
         ] {
-            assert_eq!(check(&mut h, service).await, ServingStatus::Serving, "{role} {service:?}");
+            assert_eq!(
+                check(&mut h, service).await,
+                ServingStatus::Serving,
+                "{role} {service:?}"
+            );
         }
     }
-    let metrics = c.http(HttpAs::Cert(Role::Read), "GET", "/metrics", "").await.unwrap();
+    let metrics = c
+        .http(HttpAs::Cert(Role::Read), "GET", "/metrics", "")
+        .await
+        .unwrap();
     assert!(metrics.1.contains("\nshardcast_ready 1\n"), "{}", metrics.1);
 
     let mut h = health(&grpc, Role::Platform, ctl.clone()).await;
@@ -245,7 +257,9 @@ async fn the_controller_reports_health_and_drains() {
         Some(ServingStatus::NotServing)
     );
     assert_eq!(
-        c.http(HttpAs::Anonymous, "GET", "/readyz", "").await.unwrap(),
+        c.http(HttpAs::Anonymous, "GET", "/readyz", "")
+            .await
+            .unwrap(),
         (503, "not ready\ndraining: shutting down\n".into())
     );
     // The API serves on during the delay.
@@ -256,7 +270,10 @@ async fn the_controller_reports_health_and_drains() {
             .0,
         200
     );
-    let metrics = c.http(HttpAs::Cert(Role::Read), "GET", "/metrics", "").await.unwrap();
+    let metrics = c
+        .http(HttpAs::Cert(Role::Read), "GET", "/metrics", "")
+        .await
+        .unwrap();
     assert!(metrics.1.contains("\nshardcast_ready 0\n"), "{}", metrics.1);
     // Then it exits.
     until("the controller exits", Duration::from_secs(15), || async {
@@ -326,7 +343,10 @@ async fn every_documented_route_is_served_and_nothing_else_on_its_paths() {
                 .http(HttpAs::Cert(Role::Admin), other, &concrete, "")
                 .await
                 .unwrap();
-            assert_eq!(s, 405, "{other} {path} is served but not documented: {body}");
+            assert_eq!(
+                s, 405,
+                "{other} {path} is served but not documented: {body}"
+            );
         }
     }
     // A path the document does not list is the router's 404.
@@ -336,4 +356,62 @@ async fn every_documented_route_is_served_and_nothing_else_on_its_paths() {
         .unwrap();
     assert_eq!(s, 404);
     assert!(body.contains("no such endpoint"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_is_ready_while_it_knows_the_leader() {
+    use shardcast_bench::ha::HaCluster;
+    // Replica 1 reaches etcd through a relay the test cuts; replica 0 leads.
+    let c = HaCluster::start(2, 0, vec![], &[1], |_, _| {})
+        .await
+        .unwrap();
+    let follower = &c.controllers[1];
+    let readyz = |i: usize| {
+        let ctl = &c.controllers[i];
+        async move {
+            ctl.http(HttpAs::Anonymous, "GET", "/readyz", "")
+                .await
+                .unwrap()
+        }
+    };
+    for i in 0..2 {
+        until(
+            "every replica turns ready",
+            Duration::from_secs(20),
+            || async { readyz(i).await == (200, "ready\n".into()) },
+        )
+        .await;
+    }
+    // Health is a follower's to answer (the leader gate lets it through, like reads).
+    let mut h = health(
+        &follower.grpc.to_string(),
+        Role::Read,
+        Expect::Role(Role::Controller),
+    )
+    .await;
+    assert_eq!(
+        check(&mut h, "shardcast.controller.v1.Controller").await,
+        ServingStatus::Serving
+    );
+    // Cut off from etcd it cannot name a leader: not ready, and it says why.
+    let (_, proxy) = &c.proxies[0];
+    proxy.cut();
+    until(
+        "the cut-off follower turns unready",
+        Duration::from_secs(20),
+        || async {
+            let (s, body) = readyz(1).await;
+            s == 503 && body.contains("leader: no leader known")
+        },
+    )
+    .await;
+    assert_eq!(check(&mut h, "").await, ServingStatus::NotServing);
+    assert_eq!(readyz(0).await.0, 200, "the leader stays ready");
+    proxy.heal();
+    until(
+        "the healed follower turns ready",
+        Duration::from_secs(20),
+        || async { readyz(1).await.0 == 200 },
+    )
+    .await;
 }
