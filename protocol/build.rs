@@ -5,9 +5,13 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let fds = protox::compile(["proto/agent.proto", "proto/controller.proto"], ["proto"])?;
+    // With the `openapi` feature the same messages derive their OpenAPI schemas (their
+    // proto comments become the descriptions); `#[serde(default)]` makes every field
+    // optional in a request, as the schemas say.
     let mut config = tonic_prost_build::configure().message_attribute(
         ".shardcast.controller.v1",
-        "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)] \
+         #[cfg_attr(feature = \"openapi\", derive(utoipa::ToSchema))]",
     );
     // Enum fields are numbers on the gRPC wire and their lowercase names in JSON.
     for (field, module) in [
@@ -26,7 +30,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ] {
         config = config.field_attribute(
             format!(".shardcast.controller.v1.{field}"),
-            format!("#[serde(with = \"crate::api::json::{module}\")]"),
+            format!(
+                "#[serde(with = \"crate::api::json::{module}\")] \
+                 #[cfg_attr(feature = \"openapi\", schema(value_type = crate::api::json::{module}::Name, default = \"\"))]"
+            ),
         );
     }
     config

@@ -84,6 +84,20 @@ pub enum Command {
     /// Partition plans: of a registered model (through the controller), or offline from a
     /// profile file or a synthetic T5-3B-like profile (no controller needed).
     Plan(PlanArgs),
+    /// Print shell completions for `shardcast` (no controller needed), e.g.
+    /// `shardcast completions bash > /etc/bash_completion.d/shardcast`.
+    Completions {
+        /// bash, zsh, fish, powershell or elvish.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Man pages (no controller needed): `shardcast.1` on stdout, or with --out one page
+    /// per command and subcommand (`shardcast-prewarm.1`, …) written into a directory.
+    Man {
+        /// Directory to write every page into (created if missing).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
 }
 
 /// `shardcast certs …`: a small CA for quick starts. Production clusters may bring their

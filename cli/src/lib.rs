@@ -7,8 +7,9 @@
 //!
 //! Subcommands: `certs init|issue|rotate|token` (a PKI directory, offline), `register`,
 //! `models`, `model`, `hosts`, `prewarm`, `scale-out` (`--partitions` for a burst), `evict`,
-//! `status`, `watch`, `plans`, `report-load`, `events`, and `plan` (a partition plan, online
-//! or offline from a profile at `--link-rate` / `--load-rate`). The controller is reached
+//! `status`, `watch`, `plans`, `report-load`, `events`, `plan` (a partition plan, online
+//! or offline from a profile at `--link-rate` / `--load-rate`), and `completions` / `man`
+//! (generated from this command line, offline). The controller is reached
 //! over mutual TLS (`--tls-ca`, `--tls-cert`, `--tls-key`, several replicas through
 //! `shardcast_identity::failover`) or its Unix socket. `tests/cli.rs` runs the binary as a
 //! user meets it.
@@ -48,6 +49,15 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
     match command {
         // No controller needed.
         Command::Certs { action } => commands::certs::run(action),
+        Command::Completions { shell } => {
+            commands::manual::completions(shell, &mut std::io::stdout().lock())
+        }
+        Command::Man { out: None } => commands::manual::page(&mut std::io::stdout().lock()),
+        Command::Man { out: Some(dir) } => commands::manual::pages(&dir).map(|written| {
+            for p in written {
+                println!("{}", p.display());
+            }
+        }),
         Command::Plan(args) if args.model.is_none() => {
             commands::plan::offline(&args, out).map(drop)
         }

@@ -155,3 +155,50 @@ fn offline_plan_refuses_a_bad_rate_and_rates_with_a_model() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot be used with"), "{err}");
 }
+
+#[test]
+fn completions_and_man_pages_need_no_controller() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
+        .args(["--controller", "127.0.0.1:1", "completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let script = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        script.contains("_shardcast()") && script.contains("prewarm"),
+        "{script}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
+        .args(["completions", "tcsh"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "an unknown shell is a usage error"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let pages = dir.path().join("man1");
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
+        .args(["man", "--out"])
+        .arg(&pages)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listed = String::from_utf8_lossy(&out.stdout);
+    for page in [
+        "shardcast.1",
+        "shardcast-prewarm.1",
+        "shardcast-certs-issue.1",
+    ] {
+        assert!(pages.join(page).is_file(), "{page} not written");
+        assert!(listed.contains(page), "{listed}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast"))
+        .arg("man")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains(".SH NAME"));
+}

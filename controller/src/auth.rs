@@ -8,7 +8,15 @@
 //! | platform | Prewarm, ScaleOut, ReportLoad | POST /v1/prewarm, /v1/scale-out, /v1/load |
 //! | read | ListModels, GetModel, WatchPlan, GetPlan, ListPlans, GetStatus, ListHosts, ListEvents, GetPartitionPlan | every GET but /healthz, POST /v1/partition-plan |
 //! | heartbeat | Inventory.Heartbeat | POST /v1/heartbeat |
-//! | none | — | GET /healthz |
+//! | health (every role) | grpc.health.v1.Health Check, Watch | — |
+//! | none | — | GET /healthz, GET /readyz |
+//!
+//! `GET /openapi.json` is a GET like the others: read. The document describes nothing a
+//! caller could not learn from the repository (it is committed as `docs/openapi.json`),
+//! but the anonymous surface stays the two probes, which reveal only liveness and
+//! readiness. gRPC health needs a certificate of any role: the gRPC listener requires one
+//! in the TLS handshake, so an anonymous caller (kubelet's gRPC probe, which speaks no
+//! TLS) never reaches it; probes use the HTTP `/readyz`.
 //!
 //! Roles hold permissions as `shardcast_identity::Role::grants` says: `admin` ⊃ `platform`
 //! ⊃ `read`; `host` holds only `heartbeat` (and the host id it reports must be its
@@ -22,6 +30,9 @@ use crate::error::ApiError;
 
 /// What each gRPC method needs.
 pub fn permission(path: &str) -> Option<Permission> {
+    if let Some(p) = shardcast_identity::ready::health_permission(path) {
+        return Some(p);
+    }
     if path == "/shardcast.controller.v1.Inventory/Heartbeat" {
         return Some(Permission::Heartbeat);
     }
@@ -38,7 +49,7 @@ pub fn permission(path: &str) -> Option<Permission> {
 /// What each HTTP route needs (`None`: public); the table of
 /// `shardcast_identity::http::HttpAuthLayer` on the HTTP listener.
 pub fn http_permission(method: &Method, path: &str) -> Option<Permission> {
-    if path == "/healthz" {
+    if matches!(path, "/healthz" | "/readyz") {
         return None;
     }
     Some(match (method, path) {
@@ -92,6 +103,15 @@ mod tests {
     #[test]
     fn http_routes() {
         assert_eq!(http_permission(&Method::GET, "/healthz"), None);
+        assert_eq!(http_permission(&Method::GET, "/readyz"), None);
+        assert_eq!(
+            http_permission(&Method::GET, "/openapi.json"),
+            Some(Permission::Read)
+        );
+        assert_eq!(
+            permission("/grpc.health.v1.Health/Check"),
+            Some(Permission::Health)
+        );
         assert_eq!(
             http_permission(&Method::POST, "/v1/models"),
             Some(Permission::Admin)

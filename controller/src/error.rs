@@ -104,12 +104,33 @@ impl From<crate::state::StateError> for ApiError {
     }
 }
 
+/// The body of every error the HTTP API answers: `{"error": {"code", "message"}}`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong.
+    pub error: ErrorDetail,
+}
+
+/// An error's code and message.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// The gRPC code's name in upper case (`NOT_FOUND`, `INVALID_ARGUMENT`, …), matching the
+    /// HTTP status (docs/OPERATIONS.md lists them).
+    pub code: String,
+    /// What went wrong and what to do about it.
+    pub message: String,
+}
+
 impl axum::response::IntoResponse for ApiError {
     fn into_response(self) -> axum::response::Response {
-        let body = serde_json::json!({
-            "error": { "code": self.code_name(), "message": self.message }
-        });
-        (self.http_status(), axum::Json(body)).into_response()
+        let status = self.http_status();
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code_name().to_string(),
+                message: self.message,
+            },
+        };
+        (status, axum::Json(body)).into_response()
     }
 }
 

@@ -61,6 +61,7 @@ pub mod http;
 pub mod inventory;
 pub mod metrics;
 pub mod model;
+pub mod openapi;
 pub mod ops;
 pub mod plan;
 pub mod ptables;

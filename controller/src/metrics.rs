@@ -82,6 +82,8 @@ pub struct ControllerMetrics {
     step_downs: Counter,
     /// This replica runs under leader election (`crate::ha`); otherwise it always leads.
     elected: AtomicBool,
+    /// The process's readiness, for `shardcast_ready` (set once at start-up).
+    readiness: std::sync::OnceLock<shardcast_identity::ready::Readiness>,
 }
 
 impl Default for ControllerMetrics {
@@ -100,12 +102,18 @@ impl Default for ControllerMetrics {
             leader_terms: Counter::default(),
             step_downs: Counter::default(),
             elected: AtomicBool::new(false),
+            readiness: std::sync::OnceLock::new(),
         };
         m.with_registry()
     }
 }
 
 impl ControllerMetrics {
+    /// The readiness `shardcast_ready` reports (the first one set counts).
+    pub fn set_readiness(&self, readiness: shardcast_identity::ready::Readiness) {
+        let _ = self.readiness.set(readiness);
+    }
+
     /// Registers every metric (clones share their values).
     fn with_registry(mut self) -> Self {
         let r = &mut self.registry;
@@ -257,6 +265,9 @@ impl ControllerMetrics {
     pub fn render(&self, state: Box<dyn Collector>) -> String {
         let mut scrape = Registry::with_prefix("shardcast");
         scrape.register_collector(state);
+        if let Some(r) = self.readiness.get() {
+            scrape.register_collector(Box::new(crate::exposition::ReadyGauge(r.clone())));
+        }
         let mut out = String::new();
         for r in [&scrape, &self.registry] {
             // Writing to a String fails only if an encoder does; ours do not.

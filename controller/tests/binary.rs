@@ -118,3 +118,19 @@ fn controller_prints_its_effective_config_without_binding() {
     }
     assert!(!dir.path().join("state").exists(), "no state opened");
 }
+
+#[test]
+fn openapi_prints_the_document_the_code_generates() {
+    // No settings are read: the document is the code's, wherever it runs.
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast-controller"))
+        .arg("openapi")
+        .env("SHARDCAST_CONTROLLER_CONFIG", "/nonexistent/never.toml")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text, shardcast_controller::openapi::json());
+    let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    assert!(doc["paths"]["/v1/prewarm"]["post"].is_object());
+}

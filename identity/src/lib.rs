@@ -17,6 +17,8 @@
 //! - [`failover`]: one gRPC channel over several controller replicas that follows the
 //!   leader (the CLI and transferd's heartbeats).
 //! - [`process`]: process set-up both daemons share (`raise_nofile_limit`).
+//! - [`ready`]: a daemon's readiness (named conditions, drain on shutdown) behind
+//!   `/readyz`, `grpc.health.v1` and the `shardcast_ready` gauge.
 //!
 //! Sockets and files only: no shardcast protocol logic lives here.
 //!
@@ -31,6 +33,7 @@ pub mod http;
 pub mod pki;
 pub mod plan;
 pub mod process;
+pub mod ready;
 pub mod records;
 pub mod role;
 pub mod tls;

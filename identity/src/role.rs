@@ -53,6 +53,9 @@ impl Role {
     /// Whether this role holds `p`.
     pub fn grants(self, p: Permission) -> bool {
         use Permission as P;
+        if p == P::Health {
+            return true;
+        }
         match self {
             Self::Host => matches!(p, P::DataPlane | P::Heartbeat),
             // The controller drives agents and reads everything; it never registers
@@ -96,6 +99,10 @@ pub enum Permission {
     Platform,
     /// Status, watch, list, hand-off.
     Read,
+    /// Ask whether a service is serving (`grpc.health.v1.Health`): every authenticated
+    /// identity holds it, whatever its role; an anonymous caller does not. It reveals
+    /// readiness only.
+    Health,
 }
 
 impl Permission {
@@ -108,6 +115,7 @@ impl Permission {
             Self::Admin => "admin",
             Self::Platform => "platform",
             Self::Read => "read",
+            Self::Health => "health",
         }
     }
 }
@@ -217,7 +225,7 @@ impl Peer {
         let ok = match self {
             Self::Cert(id) | Self::Token(id) => id.role.grants(p),
             Self::Local { .. } | Self::Insecure => true,
-            Self::LocalGroup { .. } => p == Permission::Read,
+            Self::LocalGroup { .. } => matches!(p, Permission::Read | Permission::Health),
             Self::Anonymous => false,
         };
         if ok {
@@ -343,6 +351,12 @@ mod tests {
         assert!(id(Role::Platform).authorize(P::Read).is_ok());
         assert!(id(Role::Read).authorize(P::Platform).is_err());
         assert!(Peer::Anonymous.authorize(P::Read).is_err());
+        // Health: any identity, never an anonymous caller.
+        for role in Role::ALL {
+            assert!(id(role).authorize(P::Health).is_ok(), "{role}");
+        }
+        assert!(Peer::LocalGroup { uid: 7 }.authorize(P::Health).is_ok());
+        assert!(Peer::Anonymous.authorize(P::Health).is_err());
         assert!(Peer::Local { uid: 0 }.authorize(P::Admin).is_ok());
         assert!(Peer::LocalGroup { uid: 7 }.authorize(P::Read).is_ok());
         assert!(

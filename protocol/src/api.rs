@@ -164,6 +164,36 @@ pub mod json {
                         }),
                     }
                 }
+
+                /// The field's schema in the OpenAPI document: a string, one of the
+                /// names (`""`: the caller's default).
+                #[cfg(feature = "openapi")]
+                pub struct Name;
+
+                #[cfg(feature = "openapi")]
+                impl utoipa::PartialSchema for Name {
+                    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                        use utoipa::openapi::schema::{ObjectBuilder, Type};
+                        let mut names = vec![""];
+                        names.extend_from_slice($ty::LABELS);
+                        ObjectBuilder::new()
+                            .schema_type(Type::String)
+                            .enum_values(Some(names))
+                            .description(Some(concat!(
+                                "A ",
+                                $what,
+                                " by name; \"\" (or absent) is the default."
+                            )))
+                            .into()
+                    }
+                }
+
+                #[cfg(feature = "openapi")]
+                impl utoipa::ToSchema for Name {
+                    fn name() -> std::borrow::Cow<'static, str> {
+                        std::borrow::Cow::Borrowed(stringify!($ty))
+                    }
+                }
             }
         };
     }

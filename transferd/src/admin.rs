@@ -1,5 +1,7 @@
 //! Admin HTTP endpoint, off the data path: `/healthz` (the process is up), `/readyz`
-//! (every listener is bound), `/metrics` (Prometheus text format 0.0.4, from the registry
+//! (`200 ready` when the daemon's readiness holds — listeners up, store recovered, the
+//! controller answered a heartbeat when one is configured — else `503` with one line per
+//! unmet condition, `draining` once shutdown began; see `crate::daemon`), `/metrics` (Prometheus text format 0.0.4, from the registry
 //! of [`crate::metrics`]), and
 //! `/v1/handoff/{model}` (the hand-off of a model to an inference process on this host).
 //!
@@ -30,6 +32,7 @@ use prometheus_client::registry::Registry;
 use shardcast_identity::Permission;
 use shardcast_identity::grpc::Incoming;
 use shardcast_identity::http::{HttpAuthLayer, HttpLimits};
+use shardcast_identity::ready::Readiness;
 use shardcast_identity::token::Tokens;
 use tokio_util::sync::CancellationToken;
 
@@ -49,10 +52,12 @@ pub fn permission(method: &Method, path: &str) -> Option<Permission> {
 
 /// Serves the admin endpoints on `incoming` until `cancel`; `/metrics` encodes `registry`
 /// (built at start-up by [`crate::metrics::registry`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     node: Arc<Node>,
     gpus: Arc<GpuManager>,
     registry: Arc<Registry>,
+    readiness: Readiness,
     incoming: Incoming,
     tokens: Tokens,
     limits: HttpLimits,
@@ -66,7 +71,13 @@ pub async fn serve(
         .with_state(registry);
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(|| async { (StatusCode::OK, "ready\n") }))
+        .route(
+            "/readyz",
+            get(move || {
+                let answer = readiness.http_answer();
+                async move { answer }
+            }),
+        )
         .merge(with_gpus)
         .merge(with_registry)
         .layer(HttpAuthLayer::new(

@@ -47,6 +47,10 @@ use crate::store::{BindingSource, Holding};
 /// hand-off need [`Permission::Read`]. Unknown methods need admin (they are then
 /// `UNIMPLEMENTED`).
 pub fn permission(path: &str) -> Option<Permission> {
+    // grpc.health.v1 beside the agent: any authenticated caller.
+    if let Some(p) = shardcast_identity::ready::health_permission(path) {
+        return Some(p);
+    }
     let method = path.strip_prefix("/shardcast.agent.v1.Agent/")?;
     Some(match method {
         "ImportModel" | "StartChain" | "EvictModel" | "LoadModel" => Permission::DriveAgent,

@@ -99,6 +99,11 @@ pub struct Args {
     /// [default: 60000].
     #[arg(long, env = "SHARDCAST_ADMIN_IDLE_TIMEOUT_MS")]
     pub admin_idle_timeout_ms: Option<String>,
+    /// Milliseconds between SIGTERM and the start of shutdown, while `/readyz` answers 503
+    /// and gRPC health NOT_SERVING and everything else serves as before, so probes and load
+    /// balancers stop sending work first [default: 0].
+    #[arg(long, env = "SHARDCAST_SHUTDOWN_DELAY_MS")]
+    pub shutdown_delay_ms: Option<String>,
     /// Memory tier directory, on tmpfs [default: /dev/shm/shardcast].
     #[arg(long, env = "SHARDCAST_MEMORY_DIR")]
     pub memory_dir: Option<String>,
@@ -350,6 +355,8 @@ struct Settings {
     admin_header_timeout_ms: u64,
     #[serde(with = "units::millis")]
     admin_idle_timeout_ms: u64,
+    #[serde(with = "units::millis")]
+    shutdown_delay_ms: u64,
     memory_dir: PathBuf,
     data_dir: PathBuf,
     egress_rate: String,
@@ -446,6 +453,7 @@ impl Default for Settings {
             tokens_file: None,
             admin_header_timeout_ms: ms(http.header_timeout),
             admin_idle_timeout_ms: ms(http.idle_timeout),
+            shutdown_delay_ms: 0,
             memory_dir: "/dev/shm/shardcast".into(),
             data_dir: "/var/lib/shardcast".into(),
             egress_rate: "unlimited".into(),
@@ -611,6 +619,8 @@ pub struct Config {
     pub tokens_file: Option<PathBuf>,
     /// Timeouts of the admin listener's clients.
     pub admin_limits: shardcast_identity::http::HttpLimits,
+    /// Time between SIGTERM and the start of shutdown, not ready all along.
+    pub shutdown_delay: Duration,
     /// Store settings.
     pub store: StoreConfig,
     /// Egress cap in bytes/s.
@@ -969,6 +979,12 @@ impl Config {
             ["admin_header_timeout_ms", "admin_idle_timeout_ms"],
         )
         .map_err(anyhow::Error::msg)?;
+        if s.shutdown_delay_ms > 300_000 {
+            bail!(
+                "shutdown_delay_ms must be at most 300000 (5 minutes), got {}",
+                s.shutdown_delay_ms
+            );
+        }
         let security = security(
             s.tls_ca.clone(),
             s.tls_cert.clone(),
@@ -1007,6 +1023,7 @@ impl Config {
             admin_listen,
             tokens_file: s.tokens_file.clone(),
             admin_limits,
+            shutdown_delay: Duration::from_millis(s.shutdown_delay_ms),
             security,
             data_mode,
             store: StoreConfig {

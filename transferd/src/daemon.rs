@@ -1,5 +1,11 @@
 //! Wiring of one transferd process: store, listeners, agent API, admin endpoint, shutdown.
 //!
+//! Readiness (`shardcast_identity::ready`): the store recovered, each listener accepting
+//! (data TCP, QUIC when on, the agent API, the admin endpoint) and, with a controller, its
+//! first answered heartbeat; lost at the first moment of shutdown. `/readyz`, the agent
+//! listener's `grpc.health.v1` and the `shardcast_ready` gauge all read it. With
+//! `shutdown_delay_ms`, SIGTERM first withdraws readiness and keeps serving for that long.
+//!
 //! Start-up order: recover the store, bind every listener, then print one line
 //! `READY data=<addr> agent=<addr> admin=<addr>` on stdout (scripts and `shardcast-bench`
 //! wait for it; with port 0 it carries the ports the OS chose). Shutdown (SIGINT/SIGTERM):
@@ -23,6 +29,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use shardcast_identity::grpc::{self, AuthzLayer, SocketAccess, TcpSecurity};
+use shardcast_identity::ready::Readiness;
 use shardcast_identity::tls::RELOAD_PERIOD;
 use shardcast_identity::token::Tokens;
 use shardcast_identity::{Alpn, Role, TlsContext};
@@ -41,12 +48,34 @@ use crate::throttle::RateLimiter;
 use crate::transport::{Quic, Transport, Transports};
 use shardcast_protocol::DataTier;
 
+/// The agent's gRPC service name, as `grpc.health.v1` reports it.
+const AGENT_SERVICE: &str = shardcast_protocol::agent::agent_server::SERVICE_NAME;
+
 /// How long in-flight work may take to wind down after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Runs the daemon until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
+    // Readiness (`/readyz`, gRPC health, `shardcast_ready`): each condition below is met
+    // where it comes true; the admin listener binds after the store is recovered, so a
+    // probe sees "store" unmet only if the order changes, and "controller" until the first
+    // heartbeat is answered.
+    let readiness = Readiness::new();
+    readiness.require("store", "recovering the shard store");
+    readiness.require("data", "the data listener is not accepting yet");
+    if config.quic && matches!(config.security, Security::Tls(_)) {
+        readiness.require("quic", "the QUIC listener is not accepting yet");
+    }
+    readiness.require("agent", "the agent API is not serving yet");
+    readiness.require("admin", "the admin endpoint is not serving yet");
+    // Reasons name no address: `/readyz` is anonymous (the logs name the controller).
+    if config.inventory.controller.is_some() {
+        readiness.require(
+            crate::report::CONTROLLER,
+            "the controller has not answered a heartbeat yet",
+        );
+    }
     match shardcast_identity::process::raise_nofile_limit() {
         Ok((old, new)) if new > old => info!(old, new, "raised the open-file limit"),
         Ok(_) => {}
@@ -62,6 +91,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .await
         .context("store recovery task")?
         .context("opening the shard store")?;
+    readiness.met("store");
     let tls = match &config.security {
         Security::Tls(files) => {
             let ctx = TlsContext::load_as(files.clone(), Role::Host, Some(config.host_id.as_str()))
@@ -143,7 +173,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         gpus.observe_loads(Box::new(move |resident| m.gpu_load_done(resident)));
     }
     // The metrics registry, handed to the admin endpoint (`crate::metrics`).
-    let registry = Arc::new(crate::metrics::registry(&node, &gpus));
+    let mut registry = crate::metrics::registry(&node, &gpus);
+    crate::metrics::register_readiness(&mut registry, readiness.clone());
+    let registry = Arc::new(registry);
     let agent = ApiListener::bind(&config.agent_listen, "agent", SocketAccess::Owner).await?;
     // Inference processes in the store's group may read hand-offs from the admin socket.
     let admin_access = match config.store.group {
@@ -165,8 +197,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));
+    readiness.met("data");
     if let Some(q) = node.transports.quic() {
         tasks.spawn(quic_accept_loop(node.clone(), q.clone(), cancel.clone()));
+        readiness.met("quic");
     }
     tasks.spawn(keep_registrations(
         node.clone(),
@@ -187,18 +221,24 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         };
         let incoming = agent.incoming(security, cancel.clone());
         let authz = AuthzLayer::new(crate::agent::permission, node.stats.authz.clone());
+        // grpc.health.v1 beside the agent: SERVING while ready (any certificate may ask).
+        let health = readiness
+            .health_service(&[AGENT_SERVICE], cancel.clone())
+            .await;
         tasks.spawn(async move {
             let r = tonic::transport::Server::builder()
                 .http2_keepalive_interval(Some(grpc::SERVER_KEEPALIVE.0))
                 .http2_keepalive_timeout(Some(grpc::SERVER_KEEPALIVE.1))
                 .layer(authz)
                 .add_service(service)
+                .add_service(health)
                 .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                 .await;
             if let Err(e) = r {
                 warn!("agent API server ended: {e}");
             }
         });
+        readiness.met("agent");
     }
     {
         // HTTPS with the cluster identity (a client certificate or a bearer token); plain
@@ -219,11 +259,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             node.clone(),
             gpus.clone(),
             registry.clone(),
+            readiness.clone(),
             incoming,
             tokens,
             config.admin_limits,
             cancel.clone(),
         ));
+        readiness.met("admin");
     }
     if let Some(controller) = config.inventory.controller.clone() {
         let addrs = advertised(&config, data_addr, &agent_addr)?;
@@ -234,6 +276,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             config.inventory.clone(),
             addrs,
             controller,
+            readiness.clone(),
             cancel.clone(),
         ));
     }
@@ -241,7 +284,22 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     println!("READY data={data_addr} agent={agent_addr} admin={admin_addr}");
 
     shardcast_identity::process::shutdown_signal().await;
-    drain(&node, config.drain_grace).await;
+    // Not ready from the first moment of shutdown: /readyz 503, gRPC health NOT_SERVING.
+    readiness.drain();
+    // Then serve on for `shutdown_delay_ms` (load balancers see the 503) while the drain
+    // finishes the sessions in flight; a second signal ends both at once.
+    let delay = async {
+        if !config.shutdown_delay.is_zero() {
+            info!(delay = ?config.shutdown_delay, "shutdown requested: not ready; serving on until the delay ends (a second signal ends it)");
+            tokio::time::sleep(config.shutdown_delay).await;
+        }
+    };
+    tokio::select! {
+        _ = async { tokio::join!(delay, drain(&node, config.drain_grace)) } => {}
+        _ = shardcast_identity::process::shutdown_signal() => {
+            warn!(unfinished = node.unfinished_sessions(), "asked again to stop: ending the delay and the drain now");
+        }
+    }
     info!("shutting down: no new connections; {SHUTDOWN_GRACE:?} for in-flight work");
     cancel.cancel();
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
@@ -256,10 +314,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
 /// The drain after a stop signal: the host stops taking new sessions and new agent work
 /// (`Node::start_draining`; its heartbeat tells the controller at once, which places
-/// nothing new there) and waits for its unfinished sessions, until none is left, `grace`
-/// is over, or it is asked to stop again. What is still unfinished then is ended by the
-/// shutdown: the hops above fail over past this host and the hops below recover, as after
-/// a crash, and a restarted host resumes its copy from its verified chunks.
+/// nothing new there) and waits for its unfinished sessions, until none is left or `grace`
+/// is over (the caller ends it at a second signal too). What is still unfinished then is
+/// ended by the shutdown: the hops above fail over past this host and the hops below
+/// recover, as after a crash, and a restarted host resumes its copy from its verified
+/// chunks.
 async fn drain(node: &Node, grace: Duration) {
     if grace.is_zero() {
         return;
@@ -276,8 +335,6 @@ async fn drain(node: &Node, grace: Duration) {
         "draining: finishing the sessions in flight, starting no new one"
     );
     let deadline = tokio::time::Instant::now() + grace;
-    let again = shardcast_identity::process::shutdown_signal();
-    tokio::pin!(again);
     loop {
         let left = node.unfinished_sessions();
         if left == 0 {
@@ -285,10 +342,6 @@ async fn drain(node: &Node, grace: Duration) {
             return;
         }
         tokio::select! {
-            _ = &mut again => {
-                warn!(left, "asked again to stop: ending the unfinished sessions now");
-                return;
-            }
             _ = tokio::time::sleep_until(deadline) => {
                 warn!(left, "drain grace over: ending the unfinished sessions (the hops above fail over past this host)");
                 return;

@@ -229,6 +229,30 @@ pub fn registry(node: &Arc<Node>, gpus: &Arc<GpuManager>) -> Registry {
     r
 }
 
+/// Adds `shardcast_ready` to `registry`: 1 while `readiness` holds (what `/readyz` and
+/// gRPC health answer), 0 otherwise, read at each scrape.
+pub fn register_readiness(
+    registry: &mut Registry,
+    readiness: shardcast_identity::ready::Readiness,
+) {
+    registry.register_collector(Box::new(ReadyCollector(readiness)));
+}
+
+#[derive(Debug)]
+struct ReadyCollector(shardcast_identity::ready::Readiness);
+
+impl Collector for ReadyCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        series(
+            &mut enc,
+            "ready",
+            Kind::Gauge,
+            "1 when every readiness condition holds (listeners up, store recovered, the controller answered a heartbeat when one is configured) and shutdown has not begun, else 0: what /readyz and gRPC health answer.",
+            u64::from(self.0.is_ready()),
+        )
+    }
+}
+
 /// `registry` as Prometheus text (0.0.4).
 pub fn encode(registry: &Registry) -> String {
     let mut out = String::new();

@@ -33,6 +33,12 @@ use crate::config::Inventory;
 /// default without a controller).
 const GPU_COPIES_HEARTBEATS: u32 = 3;
 
+/// The readiness condition heartbeats meet: the controller has answered one since start.
+/// Later misses do not withdraw it (the data plane keeps serving planned chains while the
+/// controller is away, and a controller outage must not take every host out of rotation);
+/// they are logged and counted by the controller's inventory instead.
+pub const CONTROLLER: &str = "controller";
+
 /// Addresses this host advertises.
 #[derive(Debug, Clone)]
 pub struct Advertised {
@@ -49,6 +55,7 @@ pub async fn run(
     inv: Inventory,
     addrs: Advertised,
     controller: String,
+    readiness: shardcast_identity::ready::Readiness,
     cancel: CancellationToken,
 ) {
     // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
@@ -80,6 +87,8 @@ pub async fn run(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut connected: Option<bool> = None;
     let mut draining = node.watch_draining();
+    // Whether the controller has answered once (the readiness condition, see CONTROLLER).
+    let mut answered = false;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -100,6 +109,8 @@ pub async fn run(
                 if connected != Some(true) {
                     info!(%controller, "registered with the controller");
                 }
+                readiness.met(CONTROLLER);
+                answered = true;
                 connected = Some(true);
                 let answer = answer.into_inner();
                 apply_registry(&node, &reported, &answer.names, answer.issued_at_ms);
@@ -112,11 +123,26 @@ pub async fn run(
                 if connected != Some(false) {
                     warn!(%controller, "controller rejected the heartbeat: {}", status.message());
                 }
+                if !answered {
+                    // An unreachable controller is an `UNAVAILABLE` of the channel.
+                    let why = if status.code() == tonic::Code::Unavailable {
+                        "the controller has not answered a heartbeat yet (unreachable)".to_string()
+                    } else {
+                        format!("the controller refused the heartbeat ({:?})", status.code())
+                    };
+                    readiness.unmet(CONTROLLER, why);
+                }
                 connected = Some(false);
             }
             Err(_) => {
                 if connected != Some(false) {
                     warn!(%controller, "controller did not answer the heartbeat; retrying every {:?}", inv.heartbeat);
+                }
+                if !answered {
+                    readiness.unmet(
+                        CONTROLLER,
+                        "the controller has not answered a heartbeat yet (no answer in time)",
+                    );
                 }
                 connected = Some(false);
             }

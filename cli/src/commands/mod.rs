@@ -7,6 +7,7 @@ pub(crate) mod autoscaler;
 pub(crate) mod certs;
 pub(crate) mod evict;
 pub(crate) mod hosts;
+pub(crate) mod manual;
 pub(crate) mod models;
 pub(crate) mod plan;
 pub(crate) mod plans;
@@ -47,6 +48,10 @@ pub(crate) async fn dispatch(
         Command::Plan(args) => plan::online(args, c, out).await.map(drop),
         // Local files only; `run` takes it before connecting.
         Command::Certs { action } => certs::run(action),
+        // Offline; `run` takes them before connecting.
+        Command::Completions { shell } => manual::completions(shell, &mut std::io::stdout()),
+        Command::Man { out: None } => manual::page(&mut std::io::stdout()),
+        Command::Man { out: Some(dir) } => manual::pages(&dir).map(drop),
     }
 }
 

@@ -8,6 +8,11 @@ use shardcast_protocol::layered::PrintConfig;
 async fn main() {
     // clap answers --help and --version, and refuses an unknown flag, itself (exit 2).
     let matches = Cli::command().get_matches();
+    // `shardcast-controller openapi`: the document, generated from the code; no settings.
+    if matches.subcommand_name() == Some("openapi") {
+        print!("{}", shardcast_controller::openapi::json());
+        return;
+    }
     // Settings that cannot be read (an unknown key, a value of the wrong type: exit 2, as
     // clap's refusals) or that do not pass the checks (exit 1) stop the controller before
     // any port is bound.

@@ -55,6 +55,9 @@ use crate::plan::Plan;
 use crate::services::{Config, Services};
 use crate::state::{StateStore, Table};
 
+/// The readiness condition of a replica on etcd: a leader is known.
+pub const LEADER: &str = "leader";
+
 /// Metadata key (gRPC) and header (HTTP) naming the leader's address on a refusal.
 pub const LEADER_HEADER: &str = shardcast_identity::failover::LEADER_HEADER;
 
@@ -159,6 +162,30 @@ impl Replica {
         *self.role.borrow() == Role::Leader
     }
 
+    /// Keeps the readiness condition [`LEADER`] until `cancel`: met while this replica
+    /// leads or knows who does, unmet while no leader is known (etcd unreachable, an
+    /// election in progress).
+    pub async fn follow_leader(
+        mut self,
+        readiness: shardcast_identity::ready::Readiness,
+        cancel: CancellationToken,
+    ) {
+        loop {
+            match &*self.role.borrow_and_update() {
+                Role::Leader | Role::Follower { leader: Some(_) } => readiness.met(LEADER),
+                Role::Follower { leader: None } => readiness.unmet(
+                    LEADER,
+                    "no leader known (etcd unreachable or an election in progress)",
+                ),
+            }
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return,
+                r = self.role.changed() => if r.is_err() { return },
+            }
+        }
+    }
+
     /// Why a write is refused here, and the leader's record when known.
     fn refusal(&self) -> (String, Option<LeaderInfo>) {
         match self.role() {
@@ -200,7 +227,7 @@ mod switch;
 mod tests;
 mod view;
 
-pub use switch::{LeaderGate, Switch, http_router};
+pub use switch::{Front, LeaderGate, Switch, front_routes, http_router};
 pub use view::{FirstView, first_view};
 use view::{FollowerView, Quiet};
 

@@ -58,17 +58,73 @@ impl tower::Service<http::Request<Body>> for HttpSwitch {
     }
 }
 
-/// The HTTP front end over the slot, with `GET /v1/replica` and the leader gate.
-pub fn http_router(slot: Slot, replica: Replica) -> Router {
-    let status = replica.clone();
-    Router::new()
-        .route(
-            "/v1/replica",
-            axum::routing::get(move || {
-                let s = status.status_json();
-                async move { axum::Json(s) }
-            }),
-        )
+/// What the routes in front of the current controller read: this replica and its
+/// readiness.
+#[derive(Clone)]
+pub struct Front {
+    replica: Replica,
+    readiness: shardcast_identity::ready::Readiness,
+}
+
+/// The routes in front of the current controller (`/v1/replica`, `/readyz`,
+/// `/openapi.json`), each with its part of the OpenAPI document.
+pub fn front_routes() -> utoipa_axum::router::OpenApiRouter<Front> {
+    use utoipa_axum::routes;
+    utoipa_axum::router::OpenApiRouter::default()
+        .routes(routes!(replica_status))
+        .routes(routes!(readyz))
+        .routes(routes!(openapi_json))
+}
+
+/// This replica's id and role, the leader, and how its follower view kept up.
+#[utoipa::path(get, path = "/v1/replica", tag = "replicas",
+    responses(
+        (status = 200, description = "`{id, role: leader|follower, leader: {id, grpc, http} | null, view: {full_loads, applied, resumed, revision}}`.", body = Object),
+        (status = "default", description = "An error.", body = crate::error::ErrorBody)))]
+async fn replica_status(
+    axum::extract::State(f): axum::extract::State<Front>,
+) -> axum::Json<serde_json::Value> {
+    axum::Json(f.replica.status_json())
+}
+
+/// Readiness (anonymous, for probes): the listeners are up, the state is loaded and, on
+/// etcd, the leader is known (this replica or another); lost once shutdown begins.
+#[utoipa::path(get, path = "/readyz", tag = "probes",
+    responses(
+        (status = 200, description = "`ready`.", body = String, content_type = "text/plain"),
+        (status = 503, description = "`not ready`, then one line per unmet condition (`name: reason`), or `draining: shutting down`.", body = String, content_type = "text/plain")))]
+async fn readyz(
+    axum::extract::State(f): axum::extract::State<Front>,
+) -> (http::StatusCode, String) {
+    f.readiness.http_answer()
+}
+
+/// This API's OpenAPI 3.1 document (the same as `shardcast-controller openapi` prints).
+#[utoipa::path(get, path = "/openapi.json", tag = "meta",
+    responses(
+        (status = 200, description = "The OpenAPI document.", body = Object),
+        (status = "default", description = "An error.", body = crate::error::ErrorBody)))]
+async fn openapi_json() -> axum::response::Response {
+    (
+        [(http::header::CONTENT_TYPE, "application/json")],
+        crate::openapi::json(),
+    )
+        .into_response()
+}
+
+/// The HTTP front end over the slot: [`front_routes`], then the current controller's
+/// routes, behind the leader gate.
+pub fn http_router(
+    slot: Slot,
+    replica: Replica,
+    readiness: shardcast_identity::ready::Readiness,
+) -> Router {
+    let (front, _) = front_routes().split_for_parts();
+    front
+        .with_state(Front {
+            replica: replica.clone(),
+            readiness,
+        })
         .fallback_service(HttpSwitch(slot))
         .layer(shardcast_identity::grpc::GateLayer::gate(LeaderGate(
             replica,
@@ -81,7 +137,11 @@ pub struct LeaderGate(pub Replica);
 
 impl<B> Gate<B, tonic::body::Body> for LeaderGate {
     fn admit(&self, req: &mut http::Request<B>) -> Result<(), http::Response<tonic::body::Body>> {
-        if crate::auth::permission(req.uri().path()) == Some(Permission::Read) || self.0.is_leader()
+        // Reads and health checks are a follower's to answer.
+        if matches!(
+            crate::auth::permission(req.uri().path()),
+            Some(Permission::Read | Permission::Health)
+        ) || self.0.is_leader()
         {
             return Ok(());
         }

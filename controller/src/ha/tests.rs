@@ -167,3 +167,51 @@ async fn applied_changes_match_a_whole_load() {
     );
     cancel.cancel();
 }
+
+#[tokio::test]
+async fn a_replica_is_ready_while_a_leader_is_known() {
+    let (tx, rx) = watch::channel(Role::Follower { leader: None });
+    let replica = Replica::new("r1", rx, Arc::default());
+    let readiness = shardcast_identity::ready::Readiness::new();
+    readiness.require(LEADER, "no leader known yet");
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(replica.follow_leader(readiness.clone(), cancel.clone()));
+    let mut ready = readiness.subscribe();
+    let settle = |ready: &mut watch::Receiver<bool>, want: bool| {
+        let mut ready = ready.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(5), ready.wait_for(|r| *r == want))
+                .await
+                .expect("readiness did not follow the role")
+                .map(|_| ())
+                .unwrap();
+        }
+    };
+    // No leader: not ready, and the reason says so.
+    tokio::task::yield_now().await;
+    assert!(
+        readiness
+            .http_answer()
+            .1
+            .contains("leader: no leader known"),
+        "{:?}",
+        readiness.http_answer()
+    );
+    // A follower that knows the leader is ready; so is the leader.
+    let leader = LeaderInfo {
+        id: "r2".into(),
+        grpc: "10.0.0.2:7500".into(),
+        http: "10.0.0.2:7501".into(),
+    };
+    tx.send(Role::Follower {
+        leader: Some(leader),
+    })
+    .unwrap();
+    settle(&mut ready, true).await;
+    tx.send(Role::Follower { leader: None }).unwrap();
+    settle(&mut ready, false).await;
+    tx.send(Role::Leader).unwrap();
+    settle(&mut ready, true).await;
+    cancel.cancel();
+    task.await.unwrap();
+}

@@ -48,6 +48,9 @@ pub struct Cli {
     /// `--print-config`.
     #[command(flatten)]
     pub print_config: PrintConfig,
+    /// Instead of running: `openapi` prints the HTTP API's OpenAPI document.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// gRPC listener (Controller and Inventory services). [default: 127.0.0.1:7500]
     #[arg(long, env = "SHARDCAST_CONTROLLER_LISTEN")]
     pub listen: Option<String>,
@@ -167,6 +170,11 @@ pub struct Cli {
     /// HTTP listener: milliseconds a keep-alive connection may wait for its next request. [default: 60000]
     #[arg(long, env = "SHARDCAST_HTTP_IDLE_TIMEOUT_MS")]
     pub http_idle_timeout_ms: Option<String>,
+    /// Milliseconds between SIGTERM and the start of shutdown, while `/readyz` answers 503
+    /// and gRPC health NOT_SERVING and everything else serves as before, so probes and load
+    /// balancers stop sending requests first (at most 300000). [default: 0]
+    #[arg(long, env = "SHARDCAST_SHUTDOWN_DELAY_MS")]
+    pub shutdown_delay_ms: Option<String>,
     /// INSECURE: no TLS and no authentication on the TCP listeners; refused unless both
     /// are on loopback. For benchmarks and experiments only.
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
@@ -229,6 +237,14 @@ pub struct Cli {
     /// `tcp`, or `quic` (every transferd listens on both unless started with quic = false). [default: tcp]
     #[arg(long, env = "SHARDCAST_TRANSPORT")]
     pub transport: Option<String>,
+}
+
+/// What the binary does instead of running the controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Subcommand)]
+pub enum Command {
+    /// Print the HTTP API's OpenAPI 3.1 document (JSON, as `GET /openapi.json` serves it;
+    /// committed as `docs/openapi.json`) and exit.
+    Openapi,
 }
 
 /// The controller's settings, as the layered loader reads them (built-in defaults < the TOML
@@ -314,6 +330,9 @@ pub struct Args {
     /// HTTP: milliseconds a keep-alive connection may wait for its next request.
     #[serde(with = "units::millis")]
     pub http_idle_timeout_ms: u64,
+    /// Milliseconds between SIGTERM and the start of shutdown, not ready all along.
+    #[serde(with = "units::millis")]
+    pub shutdown_delay_ms: u64,
     /// INSECURE: no TLS and no authentication (loopback listeners only).
     pub insecure_plaintext: bool,
     /// Origin prefixes models may be registered from.
@@ -386,6 +405,7 @@ impl Default for Args {
             tokens_file: None,
             http_header_timeout_ms: 10_000,
             http_idle_timeout_ms: 60_000,
+            shutdown_delay_ms: 0,
             insecure_plaintext: false,
             origin_allow: Vec::new(),
             state: None,
@@ -514,6 +534,12 @@ impl Args {
     fn check_ha(&self) -> anyhow::Result<()> {
         if let Some(url) = &self.state {
             crate::etcd::EtcdConfig::parse_url(url).map_err(|e| anyhow::anyhow!("state: {e}"))?;
+        }
+        if self.shutdown_delay_ms > 300_000 {
+            bail!(
+                "shutdown_delay_ms must be at most 300000 (5 minutes), got {}",
+                self.shutdown_delay_ms
+            );
         }
         if !(2000..=60_000).contains(&self.lease_ttl_ms) {
             bail!(

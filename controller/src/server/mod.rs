@@ -4,6 +4,12 @@
 //!
 //! Start-up: open the state store (resuming plans in flight), bind every listener, then
 //! print one line `READY grpc=<addr> http=<addr> [unix=<path>]` on stdout.
+//!
+//! Readiness (`shardcast_identity::ready`: `GET /readyz`, `grpc.health.v1` on the gRPC
+//! listeners, the `shardcast_ready` gauge): the state is loaded, every listener serves and,
+//! on etcd, a leader is known (this replica or another: a follower that can name the
+//! leader serves reads and points writes at it). Lost at the first moment of shutdown;
+//! with `shutdown_delay_ms` the controller then serves on, not ready, for that long.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,6 +30,13 @@ use crate::ha::{Active, LeaderGate, Replica, Slot, Switch};
 use crate::services::{Config, Services};
 use crate::state::RedbStore;
 use shardcast_identity::grpc::GateLayer;
+use shardcast_identity::ready::Readiness;
+
+/// The services `grpc.health.v1` reports besides the whole server (`""`).
+const HEALTH_SERVICES: [&str; 2] = [
+    shardcast_protocol::controller::controller_server::SERVICE_NAME,
+    shardcast_protocol::controller::inventory_server::SERVICE_NAME,
+];
 
 pub mod config;
 
@@ -61,6 +74,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         info!(allowed = %cfg.core.origins.describe(), "origin allow-list");
     }
     let cancel = CancellationToken::new();
+    let readiness = Readiness::new();
+    readiness.require("state", "loading the state store");
+    readiness.require("grpc", "the gRPC listener is not serving yet");
+    readiness.require("http", "the HTTP listener is not serving yet");
+    if args.unix.is_some() {
+        readiness.require("unix", "the gRPC Unix socket is not serving yet");
+    }
+    if args.state.is_some() {
+        readiness.require(crate::ha::LEADER, "no leader known yet");
+    }
+    cfg.core.metrics.set_readiness(readiness.clone());
     if let (Some(ctx), Some(signer)) = (&tls, &cfg.core.signer) {
         ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
         tokio::spawn(follow_rotation(ctx.clone(), signer.clone(), cancel.clone()));
@@ -99,8 +123,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
     };
 
+    readiness.met("state");
+    if args.state.is_some() {
+        tokio::spawn(
+            replica
+                .clone()
+                .follow_leader(readiness.clone(), cancel.clone()),
+        );
+    }
+
     let authz = slot.load().ctl.core.authz_stats();
     let http_stats = slot.load().ctl.core.http_stats();
+    // grpc.health.v1 beside the services: SERVING while ready (any certificate may ask;
+    // followers answer it too).
+    let health = readiness
+        .health_service(&HEALTH_SERVICES, cancel.clone())
+        .await;
     let services = || {
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(grpc::SERVER_KEEPALIVE.0))
@@ -109,6 +147,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .layer(GateLayer::gate(LeaderGate(replica.clone())))
             .add_service(Switch::new(slot.clone(), controller_service))
             .add_service(Switch::new(slot.clone(), inventory_service))
+            .add_service(health.clone())
     };
     let mut tasks = tokio::task::JoinSet::new();
     {
@@ -130,6 +169,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 warn!("gRPC server ended: {e}");
             }
         });
+        readiness.met("grpc");
     }
     if let Some(l) = unix {
         let server = services();
@@ -144,10 +184,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 warn!("gRPC (unix) server ended: {e}");
             }
         });
+        readiness.met("unix");
     }
     {
-        let router =
-            crate::ha::http_router(slot.clone(), replica.clone()).layer(HttpAuthLayer::new(
+        let router = crate::ha::http_router(slot.clone(), replica.clone(), readiness.clone())
+            .layer(HttpAuthLayer::new(
                 crate::auth::http_permission,
                 Arc::new(tokens),
                 authz.clone(),
@@ -167,6 +208,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             http_stats,
             cancel.clone(),
         ));
+        readiness.met("http");
     }
     let unix_note = args
         .unix
@@ -177,6 +219,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("READY grpc={grpc_addr} http={http_addr}{unix_note}");
 
     shardcast_identity::process::shutdown_signal().await;
+    // Not ready from the first moment of shutdown: /readyz 503, gRPC health NOT_SERVING.
+    readiness.drain();
+    let delay = Duration::from_millis(args.shutdown_delay_ms);
+    if !delay.is_zero() {
+        info!(
+            ?delay,
+            "shutdown requested: not ready; serving on until the delay ends (a second signal ends it)"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shardcast_identity::process::shutdown_signal() => {}
+        }
+    }
     info!("shutting down");
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), async {

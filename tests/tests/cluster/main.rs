@@ -12,7 +12,8 @@
 //! noticed within `stall_timeout`), `wire` (hostile frames), `trust` (every refusal of the
 //! data port, both APIs and plan tokens), `at_rest` (rot caught and repaired), `import`
 //! (file and HTTP origins, nginx), `origins` (`s3://` against moto, `hf://` against a local
-//! Hub), `admin` (the admin listener), `origin_policy`, `limits` (slow and flooding peers),
+//! Hub), `admin` (the admin listener), `health` (readiness, gRPC health, drain, the OpenAPI
+//! document against the routes), `origin_policy`, `limits` (slow and flooding peers),
 //! `emulated` (network namespaces: loss, jumbo frames, cut links; skipped without root),
 //! `scale` (1000 simulated hosts, also on three replicas on etcd), `ha` (replicas on a
 //! real etcd) and `deploy` (deploy/'s manifests, units, container build file and dashboard
@@ -27,6 +28,7 @@ mod deploy;
 mod emulated;
 mod gpu;
 mod ha;
+mod health;
 mod import;
 mod limits;
 mod origin_policy;
