@@ -7,7 +7,12 @@
 //! [`StoredHost`] record; records written before it (the wire message itself) still load.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// The tokio clock (the monotonic clock outside a paused runtime): a controller driven on a
+// paused runtime (the simulator, `shardcast-bench simulate`) sees its hosts age in virtual
+// time.
+use tokio::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use shardcast_placement::{Held, HostInfo};
