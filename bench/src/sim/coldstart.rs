@@ -422,6 +422,102 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::models::{self, Phases};
+    use crate::sim::net::{Topology, gbit};
+
+    /// `hosts` hosts, 4 per leaf, Flashpoint's links and origin; one replica per host.
+    fn spec(hosts: usize, model: &str) -> ColdStart {
+        ColdStart {
+            dc: DcConfig {
+                topology: Topology {
+                    hosts,
+                    hosts_per_leaf: 4,
+                    ..Topology::flashpoint()
+                },
+                gpus_per_host: 8,
+                gpu_memory: 24 << 30,
+                host_memory: 200 << 30,
+                phases: Phases::flashpoint(),
+                chunk_size: 1 << 20,
+                hop_cap_bps: None,
+                progress_period: Duration::from_secs(1),
+            },
+            model: models::find(model).unwrap().clone(),
+            replicas: hosts as u32,
+            heartbeat: Duration::from_secs(1),
+            poll: Duration::from_millis(250),
+            limit: Duration::from_secs(86_400),
+        }
+    }
+
+    fn close(a: f64, b: f64, abs: f64) -> bool {
+        (a - b).abs() <= abs
+    }
+
+    #[test]
+    fn the_baseline_shares_the_origin_link_among_all_hosts() {
+        // 8 hosts each download S from the origin: the 2.203 Gbit/s link is shared 8 ways
+        // (below the per-stream cap), all end at 8 S / L, then load + copy to the GPU.
+        let s = spec(8, "bart-large");
+        let row = run(&s, Method::Baseline).unwrap();
+        let bytes = s.model.bytes as f64;
+        let want = 8.0 * bytes / gbit(2.203) + s.dc.phases.startup_s(s.model.bytes);
+        assert_eq!((row.ready, row.plan_state.as_str()), (8, "done"));
+        assert_eq!(row.chains, 8);
+        for h in &row.hosts {
+            assert_eq!(h.source, "origin");
+            assert!(close(h.ready_s.unwrap(), want, 1e-3), "{h:?} vs {want}");
+        }
+        assert!(close(row.bytes_from_origin, 8.0 * bytes, 1.0));
+    }
+
+    #[test]
+    fn one_chain_reads_the_origin_once_and_its_hops_finish_a_chunk_apart() {
+        // 8 receivers, no copy anywhere: one chain from the origin (placement: one chain
+        // when n <= max_chain_len). It moves at the origin's 2.203 Gbit/s; hop j holds the
+        // model at (S + j * chunk) / rate, then loads.
+        let s = spec(8, "bart-large");
+        let row = run(&s, Method::Chain).unwrap();
+        let (bytes, chunk) = (s.model.bytes as f64, f64::from(s.dc.chunk_size));
+        let rate = gbit(2.203);
+        assert_eq!((row.ready, row.chains), (8, 1));
+        let mut copies: Vec<f64> = row.hosts.iter().map(|h| h.copy_s.unwrap()).collect();
+        copies.sort_by(f64::total_cmp);
+        for (j, c) in copies.iter().enumerate() {
+            assert!(close(*c, (bytes + j as f64 * chunk) / rate, 1e-6), "hop {j}: {c}");
+        }
+        let startup = s.dc.phases.startup_s(s.model.bytes);
+        assert!(close(row.max_cold_start_s, copies[7] + startup, 1e-6));
+        assert!(close(row.bytes_from_origin, bytes + 7.0 * chunk, 1.0));
+        // Against the baseline of the test above: the origin is read once, not 8 times.
+        assert!(row.avg_cold_start_s < (8.0 * bytes / rate + startup) / 4.0);
+    }
+
+    #[test]
+    fn bursts_are_deterministic() {
+        let s = spec(12, "codebert-base");
+        let a = run(&s, Method::Chain).unwrap();
+        let b = run(&s, Method::Chain).unwrap();
+        assert_eq!(a.hosts, b.hosts);
+        assert_eq!(a.bytes_from_origin, b.bytes_from_origin);
+    }
+
+    #[test]
+    fn more_receivers_than_a_chain_holds_make_several_chains() {
+        // 40 receivers, at most 16 hops a chain: ceil(40 / 16) = 3 chains, each reading the
+        // origin, sharing its link three ways.
+        let s = spec(40, "codebert-base");
+        let row = run(&s, Method::Chain).unwrap();
+        assert_eq!((row.ready, row.chains), (40, 3));
+        let bytes = s.model.bytes as f64;
+        let first = row
+            .hosts
+            .iter()
+            .filter_map(|h| h.copy_s)
+            .fold(f64::INFINITY, f64::min);
+        assert!(close(first, 3.0 * bytes / gbit(2.203), 1e-3), "{first}");
+        assert!(row.bytes_from_origin > 3.0 * bytes && row.bytes_from_origin < 3.0 * bytes + 1e8);
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

@@ -318,6 +318,15 @@ impl Datacenter {
         }
     }
 
+    /// Sleeps until the next multiple of `period` on the datacenter's clock: every watch
+    /// pushes its progress at the same instants, so the plan runner wakes once per period
+    /// for all of them instead of once per receiver.
+    async fn sleep_to_grid(&self, period: Duration) {
+        let p = period.as_secs_f64().max(1e-3);
+        let next = ((self.now() / p).floor() + 1.0) * p;
+        tokio::time::sleep_until(self.epoch + Duration::from_secs_f64(next)).await;
+    }
+
     fn host(&self, at: &AgentAt) -> Result<usize, AgentError> {
         self.lock()
             .index
@@ -770,7 +779,7 @@ impl Agents for SimAgents {
                 if moving {
                     tokio::select! {
                         c = rx.changed() => if c.is_err() { return None },
-                        _ = tokio::time::sleep(period) => {}
+                        _ = dc.sleep_to_grid(period) => {}
                     }
                 } else if rx.changed().await.is_err() {
                     return None;
