@@ -242,8 +242,12 @@ struct Flow {
     cap: f64,
     milestones: Vec<f64>,
     next: usize,
+    /// Progress at `since`; it grows at `rate` from then on (settled only when rates
+    /// change, so that moving time forward costs nothing between events).
     progress: f64,
+    since: f64,
     rate: f64,
+    from_origin: bool,
 }
 
 impl Flow {
@@ -251,18 +255,22 @@ impl Flow {
         self.milestones.last().copied().unwrap_or(0.0)
     }
 
-    /// Seconds until the next milestone at the current rate.
-    fn to_next(&self) -> f64 {
+    fn progress_at(&self, t: f64) -> f64 {
+        (self.progress + self.rate * (t - self.since).max(0.0)).min(self.size())
+    }
+
+    /// When the next milestone is crossed at the current rate (absolute time).
+    fn next_at(&self) -> f64 {
         let Some(&m) = self.milestones.get(self.next) else {
             return f64::INFINITY;
         };
         let left = m - self.progress;
         if left <= BYTES_EPS {
-            0.0
+            self.since
         } else if self.rate <= 0.0 {
             f64::INFINITY
         } else {
-            left / self.rate
+            self.since + left / self.rate
         }
     }
 }
@@ -276,8 +284,10 @@ pub struct Network {
     flows: BTreeMap<FlowId, Flow>,
     next_id: u64,
     now: f64,
-    /// Bytes that left the origin so far (progress of origin segments).
-    origin_bytes: f64,
+    /// When the next milestone is crossed at the current rates (cached: every sync asks).
+    next_at: Option<f64>,
+    /// Bytes that left the origin up to the flows' `since`.
+    origin_settled: f64,
 }
 
 impl Network {
@@ -290,7 +300,8 @@ impl Network {
             flows: BTreeMap::new(),
             next_id: 0,
             now: 0.0,
-            origin_bytes: 0.0,
+            next_at: None,
+            origin_settled: 0.0,
         }
     }
 
@@ -311,7 +322,13 @@ impl Network {
 
     /// Bytes that have left the origin so far.
     pub fn origin_bytes(&self) -> f64 {
-        self.origin_bytes
+        self.origin_settled
+            + self
+                .flows
+                .values()
+                .filter(|f| f.from_origin)
+                .map(|f| f.progress_at(self.now) - f.progress)
+                .sum::<f64>()
     }
 
     /// Starts a flow at `now` (advancing to it first; milestones crossed on the way are
@@ -335,6 +352,7 @@ impl Network {
         }
         let mut links: BTreeMap<usize, u32> = BTreeMap::new();
         let mut cap = spec.cap_bps.unwrap_or(f64::INFINITY);
+        let from_origin = spec.segments.iter().any(|(from, _)| *from == Endpoint::Origin);
         for &(from, to) in &spec.segments {
             for l in self.topo.path(from, to)? {
                 *links.entry(l).or_default() += 1;
@@ -359,7 +377,9 @@ impl Network {
                 milestones: spec.milestones,
                 next: 0,
                 progress: 0.0,
+                since: self.now,
                 rate: 0.0,
+                from_origin,
             },
         );
         self.recompute();
@@ -370,7 +390,13 @@ impl Network {
     /// not in progress.
     pub fn remove_flow(&mut self, now: f64, id: FlowId) -> (Option<f64>, Vec<Reached>) {
         let reached = self.advance(now);
-        let gone = self.flows.remove(&id).map(|f| f.progress);
+        let gone = self.flows.remove(&id).map(|f| {
+            let p = f.progress_at(self.now);
+            if f.from_origin {
+                self.origin_settled += p - f.progress;
+            }
+            p
+        });
         if gone.is_some() {
             self.recompute();
         }
@@ -379,7 +405,7 @@ impl Network {
 
     /// A flow's progress (bytes past its first segment), if in progress.
     pub fn progress(&self, id: FlowId) -> Option<f64> {
-        self.flows.get(&id).map(|f| f.progress)
+        self.flows.get(&id).map(|f| f.progress_at(self.now))
     }
 
     /// A flow's current rate, bytes/s, if in progress.
@@ -395,27 +421,18 @@ impl Network {
     /// When the next milestone will be crossed at the current rates (`None`: no flow is
     /// moving).
     pub fn next_event(&self) -> Option<f64> {
-        let dt = self
-            .flows
-            .values()
-            .map(Flow::to_next)
-            .fold(f64::INFINITY, f64::min);
-        dt.is_finite().then(|| self.now + dt)
+        self.next_at
     }
 
     /// Moves every flow forward to `now`, event by event (a flow that ends frees its
     /// bandwidth at that instant), and returns the milestones crossed, in time order. A
-    /// `now` before the network's time changes nothing.
+    /// `now` before the network's time changes nothing. Between events this is O(1).
     pub fn advance(&mut self, now: f64) -> Vec<Reached> {
         let mut out = Vec::new();
-        loop {
-            let step = self.next_event().filter(|t| *t <= now);
-            let until = step.unwrap_or(now);
-            self.move_to(until);
-            if step.is_none() {
-                return out;
-            }
-            // Milestones reached at `until` (several flows may reach one at once).
+        while let Some(at) = self.next_at.filter(|t| *t <= now) {
+            self.now = self.now.max(at);
+            self.settle();
+            // Milestones reached at `at` (several flows may reach one at once).
             let mut ended = Vec::new();
             for (id, f) in &mut self.flows {
                 while let Some(&m) = f.milestones.get(f.next) {
@@ -426,7 +443,7 @@ impl Network {
                     out.push(Reached {
                         flow: *id,
                         milestone: f.next,
-                        at: until,
+                        at,
                         ended: last,
                     });
                     f.next += 1;
@@ -438,31 +455,46 @@ impl Network {
             for id in &ended {
                 self.flows.remove(id);
             }
-            if !ended.is_empty() {
+            if ended.is_empty() {
+                self.refresh_next();
+            } else {
                 self.recompute();
             }
         }
+        self.now = self.now.max(now);
+        out
     }
 
-    /// Moves every flow at its current rate to `t` (no milestone lies strictly between).
-    fn move_to(&mut self, t: f64) {
-        let dt = t - self.now;
-        if dt <= 0.0 {
-            return;
-        }
-        let origin = self.topo.origin_link();
+    /// Brings every flow's progress (and the origin's byte count) to `self.now`.
+    fn settle(&mut self) {
+        let now = self.now;
         for f in self.flows.values_mut() {
-            let moved = (f.rate * dt).min(f.size() - f.progress).max(0.0);
-            f.progress += moved;
-            if f.links.iter().any(|(l, _)| *l == origin) {
-                self.origin_bytes += moved;
+            let p = f.progress_at(now);
+            if f.from_origin {
+                self.origin_settled += p - f.progress;
             }
+            f.progress = p;
+            f.since = now;
         }
-        self.now = t;
+    }
+
+    fn refresh_next(&mut self) {
+        let t = self
+            .flows
+            .values()
+            .map(Flow::next_at)
+            .fold(f64::INFINITY, f64::min);
+        self.next_at = t.is_finite().then_some(t);
     }
 
     /// Max-min fair rates by progressive filling.
     fn recompute(&mut self) {
+        self.settle();
+        self.compute_rates();
+        self.refresh_next();
+    }
+
+    fn compute_rates(&mut self) {
         let mut residual = self.caps.clone();
         let mut weight = vec![0u64; self.caps.len()];
         let mut active: Vec<FlowId> = Vec::with_capacity(self.flows.len());
