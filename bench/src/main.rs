@@ -496,6 +496,10 @@ struct SimulateArgs {
     /// GPU replicas in the burst (default: one per host).
     #[arg(long)]
     replicas: Option<u32>,
+    /// Hosts holding the model in host memory before the burst (spread over the leaves):
+    /// they fill their own GPUs first and are the chains' sources.
+    #[arg(long, default_value_t = 0)]
+    warm: usize,
     /// Host link rate, Gbit/s each way.
     #[arg(long, default_value_t = 50.0)]
     host_gbps: f64,
@@ -645,6 +649,7 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         },
         model: model.clone(),
         replicas: a.replicas.unwrap_or(a.hosts as u32),
+        warm: a.warm,
         heartbeat: secs(a.heartbeat_s, "--heartbeat-s")?,
         poll: secs(a.poll_s, "--poll-s")?,
         limit: secs(a.limit_s, "--limit-s")?,

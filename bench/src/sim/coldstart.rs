@@ -56,8 +56,12 @@ pub struct ColdStart {
     pub dc: DcConfig,
     /// The model.
     pub model: SimModel,
-    /// GPU replicas asked for (one GPU on each new host first: placement's Pareto-greedy).
+    /// GPU replicas asked for (every GPU of the hosts holding the model first, then one GPU
+    /// on each new host: placement's Pareto-greedy).
     pub replicas: u32,
+    /// Hosts that hold the model in memory before the burst (spread evenly over the host
+    /// indices, hence over the leaves).
+    pub warm: usize,
     /// Heartbeat period of the hosts (and the controller's expiry tick).
     pub heartbeat: Duration,
     /// The plan runner's poll tick.
@@ -226,6 +230,18 @@ async fn drive_burst(
         dc.digest_of(name).as_deref() == Some(digest.as_str()),
         "the registry's digest of {name} is not the simulated hosts' one"
     );
+    let hosts = spec.dc.topology.hosts;
+    for k in 0..spec.warm.min(hosts) {
+        dc.seed(k * hosts / spec.warm, name)
+            .map_err(anyhow::Error::msg)?;
+    }
+    if spec.warm > 0 {
+        // The holders report their copies before the burst is planned.
+        for view in dc.host_views() {
+            ctl.heartbeat(view)
+                .map_err(|e| anyhow::anyhow!("heartbeat: {e}"))?;
+        }
+    }
     let t0 = dc.now();
     let origin_before = dc.origin_bytes();
     let accepted = ctl
@@ -344,6 +360,8 @@ pub struct Params {
     pub gpu_bps: f64,
     /// Replicas in the burst.
     pub replicas: u32,
+    /// Hosts holding the model in memory before the burst.
+    pub warm: usize,
     /// Heartbeat period, seconds.
     pub heartbeat_s: f64,
     /// Plan runner poll tick, seconds.
@@ -382,6 +400,7 @@ impl Report {
                 load_bps: spec.dc.phases.load_bps,
                 gpu_bps: spec.dc.phases.gpu_bps,
                 replicas: spec.replicas,
+                warm: spec.warm,
                 heartbeat_s: spec.heartbeat.as_secs_f64(),
                 poll_s: spec.poll.as_secs_f64(),
             },
@@ -444,6 +463,7 @@ mod tests {
             },
             model: models::find(model).unwrap().clone(),
             replicas: hosts as u32,
+            warm: 0,
             heartbeat: Duration::from_secs(1),
             poll: Duration::from_millis(250),
             limit: Duration::from_secs(86_400),
@@ -491,6 +511,36 @@ mod tests {
         assert!(close(row.bytes_from_origin, bytes + 7.0 * chunk, 1.0));
         // Against the baseline of the test above: the origin is read once, not 8 times.
         assert!(row.avg_cold_start_s < (8.0 * bytes / rate + startup) / 4.0);
+    }
+
+    #[test]
+    fn a_warm_holder_fills_its_own_gpus_and_heads_a_chain_to_the_rest() {
+        // Host 0 holds the model in memory. 15 replicas: its 8 GPUs first (they only load:
+        // ready at the startup time), then one GPU on each of the 7 other hosts, fed by a
+        // chain from host 0's memory at the host link's 50 Gbit/s (hop j at
+        // (S + j * chunk) / 50 G). Nothing is read from the origin.
+        let mut s = spec(8, "dialogpt-large");
+        s.warm = 1;
+        s.replicas = 15;
+        let row = run(&s, Method::Chain).unwrap();
+        let (bytes, chunk) = (s.model.bytes as f64, f64::from(s.dc.chunk_size));
+        let startup = s.dc.phases.startup_s(s.model.bytes);
+        assert_eq!((row.ready, row.chains, row.plan_state.as_str()), (8, 1, "done"));
+        assert_eq!(row.bytes_from_origin, 0.0);
+        let local = row.hosts.iter().find(|h| h.host == "h0000").unwrap();
+        assert_eq!(local.source, "local");
+        assert!(close(local.ready_s.unwrap(), startup, 1e-6));
+        let mut copies: Vec<f64> = row
+            .hosts
+            .iter()
+            .filter(|h| h.source == "h0000")
+            .map(|h| h.copy_s.unwrap())
+            .collect();
+        copies.sort_by(f64::total_cmp);
+        assert_eq!(copies.len(), 7);
+        for (j, c) in copies.iter().enumerate() {
+            assert!(close(*c, (bytes + j as f64 * chunk) / gbit(50.0), 1e-6), "hop {j}: {c}");
+        }
     }
 
     #[test]

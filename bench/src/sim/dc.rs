@@ -290,6 +290,34 @@ impl Datacenter {
             .collect()
     }
 
+    /// Puts a complete copy of a catalogued model in host `h`'s memory tier now, as if an
+    /// earlier plan had left it there (a warm holder: the thesis' locality).
+    pub fn seed(&self, h: usize, name: &str) -> Result<(), String> {
+        let now = self.now();
+        let mut dc = self.synced();
+        let digest = dc
+            .by_name
+            .get(name)
+            .cloned()
+            .ok_or_else(|| format!("{name} is not catalogued"))?;
+        let shards = dc.catalogue[&digest].shard_sizes.len();
+        let host = dc
+            .hosts
+            .get_mut(h)
+            .ok_or_else(|| format!("no host {h}"))?;
+        host.copies.insert(
+            digest,
+            Copy {
+                shards_done: vec![true; shards],
+                incoming: Vec::new(),
+                complete_at: Some(now),
+                source: "local".into(),
+            },
+        );
+        host.changed.send_modify(|v| *v += 1);
+        Ok(())
+    }
+
     /// Every host's report, as its transferd would heartbeat it.
     pub fn host_views(&self) -> Vec<HostView> {
         let dc = self.synced();
@@ -833,9 +861,26 @@ impl Agents for SimAgents {
                 digest: load.model.clone(),
             });
         }
-        if let Some(r) = dc.ready.get_mut(&(load.model.clone(), h)) {
-            r.load_asked_s = Some(now);
-        }
+        let (id, source, copy_s) = {
+            let host = &dc.hosts[h];
+            let c = host.copies.get(&load.model);
+            (
+                host.id.clone(),
+                c.map(|c| c.source.clone()).unwrap_or_default(),
+                c.and_then(|c| c.complete_at),
+            )
+        };
+        let r = dc
+            .ready
+            .entry((load.model.clone(), h))
+            .or_insert_with(|| HostReady {
+                host: id,
+                copy_s,
+                load_asked_s: None,
+                gpu_s: None,
+                source,
+            });
+        r.load_asked_s = Some(now);
         dc.hosts[h].changed.send_modify(|v| *v += 1);
         drop(dc);
         self.dc.wake.notify_one();
