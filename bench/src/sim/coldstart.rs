@@ -504,7 +504,10 @@ mod tests {
         let mut copies: Vec<f64> = row.hosts.iter().map(|h| h.copy_s.unwrap()).collect();
         copies.sort_by(f64::total_cmp);
         for (j, c) in copies.iter().enumerate() {
-            assert!(close(*c, (bytes + j as f64 * chunk) / rate, 1e-6), "hop {j}: {c}");
+            assert!(
+                close(*c, (bytes + j as f64 * chunk) / rate, 1e-6),
+                "hop {j}: {c}"
+            );
         }
         let startup = s.dc.phases.startup_s(s.model.bytes);
         assert!(close(row.max_cold_start_s, copies[7] + startup, 1e-6));
@@ -525,7 +528,10 @@ mod tests {
         let row = run(&s, Method::Chain).unwrap();
         let (bytes, chunk) = (s.model.bytes as f64, f64::from(s.dc.chunk_size));
         let startup = s.dc.phases.startup_s(s.model.bytes);
-        assert_eq!((row.ready, row.chains, row.plan_state.as_str()), (8, 1, "done"));
+        assert_eq!(
+            (row.ready, row.chains, row.plan_state.as_str()),
+            (8, 1, "done")
+        );
         assert_eq!(row.bytes_from_origin, 0.0);
         let local = row.hosts.iter().find(|h| h.host == "h0000").unwrap();
         assert_eq!(local.source, "local");
@@ -539,7 +545,10 @@ mod tests {
         copies.sort_by(f64::total_cmp);
         assert_eq!(copies.len(), 7);
         for (j, c) in copies.iter().enumerate() {
-            assert!(close(*c, (bytes + j as f64 * chunk) / gbit(50.0), 1e-6), "hop {j}: {c}");
+            assert!(
+                close(*c, (bytes + j as f64 * chunk) / gbit(50.0), 1e-6),
+                "hop {j}: {c}"
+            );
         }
     }
 

@@ -58,6 +58,12 @@ use tokio_util::sync::CancellationToken;
 use super::models::{Phases, SimModel};
 use super::net::{Endpoint, FlowId, FlowSpec, Network, Reached, Topology};
 
+/// How often a watch pushes progress while bytes move: well inside the controller's
+/// default 10 s stall timeout (a receiver whose pushed bytes do not grow for that long is
+/// re-planned), and seldom enough that the pushes of 200 receivers cost the plan runner
+/// one round every 2 s on top of its own 250 ms tick.
+pub const PROGRESS_PERIOD: Duration = Duration::from_secs(2);
+
 /// What the simulated hosts are like.
 #[derive(Debug, Clone)]
 pub struct DcConfig {
@@ -301,10 +307,7 @@ impl Datacenter {
             .cloned()
             .ok_or_else(|| format!("{name} is not catalogued"))?;
         let shards = dc.catalogue[&digest].shard_sizes.len();
-        let host = dc
-            .hosts
-            .get_mut(h)
-            .ok_or_else(|| format!("no host {h}"))?;
+        let host = dc.hosts.get_mut(h).ok_or_else(|| format!("no host {h}"))?;
         host.copies.insert(
             digest,
             Copy {
@@ -331,7 +334,11 @@ impl Datacenter {
             let sleep = async {
                 match next {
                     Some(t) => {
-                        let at = self.epoch + Duration::from_secs_f64(t.max(0.0));
+                        // Strictly after now: an event a fraction of a nanosecond ahead
+                        // (float rounding) must still move the clock, not wake at once
+                        // and find nothing to do, forever.
+                        let at = (self.epoch + Duration::from_secs_f64(t.max(0.0)))
+                            .max(tokio::time::Instant::now() + Duration::from_nanos(1));
                         tokio::time::sleep_until(at).await;
                     }
                     None => std::future::pending::<()>().await,
@@ -519,7 +526,9 @@ impl Dc {
     /// Bytes still move into host `h`'s copy of `digest`, or onto its GPUs.
     fn moving(&self, h: usize, digest: &str) -> bool {
         let host = &self.hosts[h];
-        host.copies.get(digest).is_some_and(|c| !c.incoming.is_empty())
+        host.copies
+            .get(digest)
+            .is_some_and(|c| !c.incoming.is_empty())
             || host
                 .gpus
                 .get(digest)
@@ -573,12 +582,13 @@ impl Dc {
             mem_free: self.cfg.host_memory.saturating_sub(used),
             disk_capacity: 0,
             disk_free: 0,
+            // No NVLink in the thesis' hosts (and placement does not look at it).
             gpus: (0..n)
                 .map(|i| GpuInfo {
                     index: i,
                     memory_bytes: self.cfg.gpu_memory,
                     pcie_switch: String::new(),
-                    nvlink_peers: (0..n).filter(|&j| j != i).collect(),
+                    nvlink_peers: Vec::new(),
                 })
                 .collect(),
             holdings,
@@ -713,7 +723,11 @@ impl Agents for SimAgents {
         let mut hops = Vec::with_capacity(chain.hops.len());
         for hop in &chain.hops {
             let i = dc.index.get(&hop.host).copied().ok_or_else(|| {
-                agent_error(&at.host, AgentFailure::Invalid, format!("unknown hop {}", hop.host))
+                agent_error(
+                    &at.host,
+                    AgentFailure::Invalid,
+                    format!("unknown hop {}", hop.host),
+                )
             })?;
             hops.push(i);
         }
@@ -724,7 +738,10 @@ impl Agents for SimAgents {
         let (source, receivers) = if holds {
             (Endpoint::Host(head), hops)
         } else {
-            (Endpoint::Origin, std::iter::once(head).chain(hops).collect())
+            (
+                Endpoint::Origin,
+                std::iter::once(head).chain(hops).collect(),
+            )
         };
         dc.start_delivery(now, &chain.model, source, receivers, chain.shards)
             .map_err(|e| agent_error(&at.host, AgentFailure::Invalid, e))?;
@@ -735,18 +752,19 @@ impl Agents for SimAgents {
 
     async fn import_model(&self, at: &AgentAt, import: Import) -> Result<Imported, AgentError> {
         let h = self.dc.host(at)?;
-        let (digest, manifest) = {
-            let dc = self.dc.lock();
-            let digest = dc.by_name.get(&import.name).cloned().ok_or_else(|| {
+        let digest = self
+            .dc
+            .lock()
+            .by_name
+            .get(&import.name)
+            .cloned()
+            .ok_or_else(|| {
                 agent_error(
                     &at.host,
                     AgentFailure::NotFound,
                     format!("{} is not in the simulator's catalogue", import.name),
                 )
             })?;
-            let manifest = dc.catalogue[&digest].manifest.clone();
-            (digest, manifest)
-        };
         if import.fetch {
             let (tx, rx) = oneshot::channel();
             {
@@ -764,6 +782,8 @@ impl Agents for SimAgents {
                 agent_error(&at.host, AgentFailure::Failed, "the download was dropped")
             })?;
         }
+        // Copied only now: 200 downloads in flight need not hold 200 manifests.
+        let manifest = self.dc.lock().catalogue[&digest].manifest.clone();
         Ok(Imported {
             digest,
             manifest,

@@ -352,7 +352,10 @@ impl Network {
         }
         let mut links: BTreeMap<usize, u32> = BTreeMap::new();
         let mut cap = spec.cap_bps.unwrap_or(f64::INFINITY);
-        let from_origin = spec.segments.iter().any(|(from, _)| *from == Endpoint::Origin);
+        let from_origin = spec
+            .segments
+            .iter()
+            .any(|(from, _)| *from == Endpoint::Origin);
         for &(from, to) in &spec.segments {
             for l in self.topo.path(from, to)? {
                 *links.entry(l).or_default() += 1;
@@ -363,7 +366,8 @@ impl Network {
                 cap = cap.min(s);
             }
         }
-        if !(cap > 0.0) {
+        // NaN is refused too.
+        if cap.is_nan() || cap <= 0.0 {
             return Err(NetError::Invalid("the rate cap must be positive"));
         }
         let reached = self.advance(now);
@@ -639,7 +643,10 @@ mod tests {
         // what is left of leaf 0's uplink: (15 - 2 x 10/3) / 2 = 25/6 G each.
         let (c, _) = n.add_flow(0.0, one(Host(2), Host(3), G)).unwrap();
         assert!(close(n.rate(c).unwrap(), 10.0 / 3.0 * G), "{:?}", n.rates());
-        for (i, want) in [25.0 / 6.0, 10.0 / 3.0, 25.0 / 6.0, 10.0 / 3.0].iter().enumerate() {
+        for (i, want) in [25.0 / 6.0, 10.0 / 3.0, 25.0 / 6.0, 10.0 / 3.0]
+            .iter()
+            .enumerate()
+        {
             assert!(close(n.rate(ids[i]).unwrap(), want * G), "{:?}", n.rates());
         }
     }

@@ -58,7 +58,12 @@ mod tests {
         s.put(Table::Plans, "a", b"1").unwrap();
         s.put(Table::Hosts, "a", b"h").unwrap();
         assert_eq!(s.get(Table::Plans, "a").unwrap(), Some(b"1".to_vec()));
-        let keys: Vec<String> = s.list(Table::Plans).unwrap().into_iter().map(|(k, _)| k).collect();
+        let keys: Vec<String> = s
+            .list(Table::Plans)
+            .unwrap()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
         assert_eq!(keys, ["a", "b"]);
         s.delete(Table::Plans, "a").unwrap();
         assert_eq!(s.get(Table::Plans, "a").unwrap(), None);

@@ -72,7 +72,7 @@ impl RateTrace {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut out = Vec::new();
         for (i, &rate) in self.rps.iter().enumerate() {
-            if !(rate > 0.0) {
+            if rate.is_nan() || rate <= 0.0 {
                 continue;
             }
             let (start, end) = (i as f64 * self.step_s, (i + 1) as f64 * self.step_s);
@@ -341,7 +341,11 @@ mod tests {
             for a in &arrivals {
                 counted[((*a / 60.0) as usize).min(59)] += 1.0 / 60.0;
             }
-            let expected: Vec<f64> = t.rps.chunks(60).map(|m| m.iter().sum::<f64>() / 60.0).collect();
+            let expected: Vec<f64> = t
+                .rps
+                .chunks(60)
+                .map(|m| m.iter().sum::<f64>() / 60.0)
+                .collect();
             let ratio = |xs: &[f64]| xs.iter().copied().fold(0.0, f64::max) / median(xs);
             assert!(close(median(&counted), median(&expected), 0.05));
             assert!(close(ratio(&counted), ratio(&expected), 0.10));
