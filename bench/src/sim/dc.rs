@@ -751,21 +751,24 @@ impl Agents for SimAgents {
     }
 
     async fn import_model(&self, at: &AgentAt, import: Import) -> Result<Imported, AgentError> {
+        // Only the name and whether to fetch matter here; the rest (the manifest the
+        // controller sends, 350 kB for T5-3B) is dropped now, not held for the download.
+        let Import {
+            name,
+            fetch,
+            manifest,
+            ..
+        } = import;
+        drop(manifest);
         let h = self.dc.host(at)?;
-        let digest = self
-            .dc
-            .lock()
-            .by_name
-            .get(&import.name)
-            .cloned()
-            .ok_or_else(|| {
-                agent_error(
-                    &at.host,
-                    AgentFailure::NotFound,
-                    format!("{} is not in the simulator's catalogue", import.name),
-                )
-            })?;
-        if import.fetch {
+        let digest = self.dc.lock().by_name.get(&name).cloned().ok_or_else(|| {
+            agent_error(
+                &at.host,
+                AgentFailure::NotFound,
+                format!("{name} is not in the simulator's catalogue"),
+            )
+        })?;
+        if fetch {
             let (tx, rx) = oneshot::channel();
             {
                 let now = self.dc.now();
