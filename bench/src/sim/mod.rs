@@ -18,8 +18,11 @@
 //!   expiry, stall clocks — it reads `tokio::time::Instant`, so its clock is the virtual one),
 //!   the hosts' heartbeats and the network's events all sleep on the paused clock, and tokio
 //!   jumps it to the next timer whenever every task is idle. A burst of 200 cold starts that
-//!   takes hours of virtual time runs in seconds; there is no wall-clock read on any path
-//!   that decides anything.
+//!   takes hours of virtual time runs in seconds, and the same inputs give the same report.
+//!   One wall-clock read is left in the controller: `now_unix()` (`SystemTime`) stamps
+//!   plans and times the lost grace of receivers whose hosts stopped heartbeating. No
+//!   decision of a run without faults depends on it (the simulator takes every ready time
+//!   from its own clock); simulating lost hosts needs it on the tokio clock first.
 //! * **A flow-level network** ([`net`]): Flashpoint's spine-leaf topology with max-min fair
 //!   sharing over the links each flow crosses, recomputed only when a flow starts or ends;
 //!   a pipelined chain is one flow through all its hops. Exact completion times come from
