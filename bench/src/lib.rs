@@ -18,6 +18,8 @@
 //! * [`swarm`]: many simulated hosts in one process (real heartbeats, real agent API, no
 //!   bytes moved): a load generator for the controller.
 //! * [`scale`]: the `scale` benchmark: a real controller under a swarm of 1000 hosts.
+//! * [`sim`]: the datacenter simulator (`simulate`): the real controller on a paused clock
+//!   driving simulated hosts over a flow-level network.
 
 pub mod cluster;
 pub mod control;
@@ -31,5 +33,6 @@ pub mod origin_server;
 pub mod pki;
 pub mod scale;
 pub mod scenario;
+pub mod sim;
 pub mod swarm;
 pub mod synth;

@@ -455,6 +455,12 @@ enum Cmd {
         #[arg(long, default_value_t = 3600)]
         lifetime_s: u64,
     },
+    /// The datacenter simulator: the real controller (registration, inventory, placement,
+    /// chain plans, plan runner) on a paused clock, driving simulated hosts over a
+    /// flow-level spine-leaf network (default: Flashpoint's 200 hosts x 8 GPUs). Runs one
+    /// cold-start burst of a model per method and reports per-host ready times, average
+    /// and p99 cold start and bytes from the origin. Progress on stderr.
+    Simulate(SimulateArgs),
     /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
     OriginServer {
         /// Directory to serve.
@@ -473,6 +479,74 @@ enum Cmd {
     },
 }
 
+/// `simulate`'s options (defaults: Flashpoint's datacenter, thesis §8.2.2 and §8.4).
+#[derive(clap::Args)]
+struct SimulateArgs {
+    /// The model: a name or label of Flashpoint's Table 3.1 (codebert-base,
+    /// albert-xxlarge-v2, bart-large, dialogpt-large, gpt2-xl, t5-3b).
+    #[arg(long, default_value = "t5-3b")]
+    model: String,
+    /// Hosts.
+    #[arg(long, default_value_t = 200)]
+    hosts: usize,
+    /// GPUs per host.
+    #[arg(long, default_value_t = 8)]
+    gpus_per_host: u32,
+    /// Hosts under each leaf switch.
+    #[arg(long, default_value_t = 20)]
+    hosts_per_leaf: usize,
+    /// GPU replicas in the burst (default: one per host).
+    #[arg(long)]
+    replicas: Option<u32>,
+    /// Hosts holding the model in host memory before the burst (spread over the leaves):
+    /// they fill their own GPUs first and are the chains' sources.
+    #[arg(long, default_value_t = 0)]
+    warm: usize,
+    /// Host link rate, Gbit/s each way.
+    #[arg(long, default_value_t = 50.0)]
+    host_gbps: f64,
+    /// Leaf-to-spine link rate, Gbit/s each way.
+    #[arg(long, default_value_t = 100.0)]
+    leaf_gbps: f64,
+    /// One origin stream's rate, Gbit/s (the thesis measured 2.203 for one S3 client; 0:
+    /// unlimited).
+    #[arg(long, default_value_t = 2.203)]
+    origin_stream_gbps: f64,
+    /// The cluster's total rate from the origin, Gbit/s (the thesis' simulator: the
+    /// effective bandwidth from the compute cluster to cloud storage, 2.203; 0: unlimited,
+    /// streams limited only by --origin-stream-gbps).
+    #[arg(long, default_value_t = 2.203)]
+    origin_link_gbps: f64,
+    /// The most one host-to-host hop moves, Gbit/s (a chain hop's CPU limit; 0: links
+    /// only).
+    #[arg(long, default_value_t = 0.0)]
+    hop_gbps: f64,
+    /// Host memory to usable tensors, MB/s (thesis: T5-3B's 11,408 MB in 14.138 s).
+    #[arg(long)]
+    load_mbps: Option<f64>,
+    /// Host to GPU copy, MB/s (thesis: T5-3B's 11,408 MB in 1.206 s on an A10).
+    #[arg(long)]
+    gpu_mbps: Option<f64>,
+    /// Methods to compare, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "baseline,chain")]
+    methods: Vec<shardcast_bench::sim::coldstart::Method>,
+    /// Heartbeat period of the simulated hosts, seconds.
+    #[arg(long, default_value_t = 1.0)]
+    heartbeat_s: f64,
+    /// The plan runner's poll tick, seconds. The simulated agents push every change (and
+    /// progress every 2 s), so the tick only paces stall detection: the results are the
+    /// same at the controller's 0.25 s default, which costs 4 rounds over every receiver
+    /// each virtual second.
+    #[arg(long, default_value_t = 1.0)]
+    poll_s: f64,
+    /// Give up on a burst after this much virtual time, seconds.
+    #[arg(long, default_value_t = 86_400.0)]
+    limit_s: f64,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -482,6 +556,16 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // The simulator runs its own paused runtime: not inside the multi-threaded one.
+    if let Cmd::Simulate(args) = cli.command {
+        return match simulate(args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("shardcast-bench simulate: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -523,8 +607,102 @@ async fn interrupted() -> &'static str {
     }
 }
 
+/// `simulate`: one cold-start burst per method, a table on stdout, the report as JSON.
+fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
+    use shardcast_bench::sim::{coldstart, dc, models, net};
+    let model = models::find(&a.model).with_context(|| {
+        let names: Vec<&str> = models::TABLE_3_1.iter().map(|m| m.name).collect();
+        format!("unknown model {:?}; one of {}", a.model, names.join(", "))
+    })?;
+    anyhow::ensure!(
+        a.hosts > 0 && a.hosts_per_leaf > 0,
+        "hosts must be at least 1"
+    );
+    let positive = |g: f64| (g > 0.0).then(|| net::gbit(g));
+    let mut phases = models::Phases::flashpoint();
+    if let Some(r) = a.load_mbps {
+        phases.load_bps = r * 1e6;
+    }
+    if let Some(r) = a.gpu_mbps {
+        phases.gpu_bps = r * 1e6;
+    }
+    anyhow::ensure!(
+        phases.load_bps > 0.0 && phases.gpu_bps > 0.0,
+        "load and GPU rates must be positive"
+    );
+    let secs = |s: f64, what: &str| {
+        Duration::try_from_secs_f64(s)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .with_context(|| format!("{what} must be a positive number of seconds"))
+    };
+    let spec = coldstart::ColdStart {
+        dc: dc::DcConfig {
+            topology: net::Topology {
+                hosts: a.hosts,
+                hosts_per_leaf: a.hosts_per_leaf,
+                host_link_bps: net::gbit(a.host_gbps),
+                leaf_uplink_bps: net::gbit(a.leaf_gbps),
+                origin_link_bps: positive(a.origin_link_gbps),
+                origin_stream_bps: positive(a.origin_stream_gbps),
+            },
+            gpus_per_host: a.gpus_per_host,
+            // The thesis' A10s (24 GB) and 200 GiB hosts (§8.1.1).
+            gpu_memory: 24 << 30,
+            host_memory: 200 << 30,
+            phases,
+            chunk_size: shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE,
+            hop_cap_bps: positive(a.hop_gbps),
+            progress_period: dc::PROGRESS_PERIOD,
+        },
+        model: model.clone(),
+        replicas: a.replicas.unwrap_or(a.hosts as u32),
+        warm: a.warm,
+        heartbeat: secs(a.heartbeat_s, "--heartbeat-s")?,
+        poll: secs(a.poll_s, "--poll-s")?,
+        limit: secs(a.limit_s, "--limit-s")?,
+    };
+    anyhow::ensure!(
+        a.host_gbps > 0.0 && a.leaf_gbps > 0.0,
+        "link rates must be positive"
+    );
+    let wall = std::time::Instant::now();
+    let mut rows = Vec::new();
+    for method in &a.methods {
+        eprintln!(
+            "simulate: {} of {} onto {} of {} hosts ({})...",
+            spec.replicas,
+            model.name,
+            spec.replicas.min(a.hosts as u32),
+            a.hosts,
+            method.label()
+        );
+        let row = coldstart::run(&spec, *method)?;
+        eprintln!(
+            "simulate:   {} ready, plan {}, avg {:.2} s, p99 {:.2} s, {:.1} GB from the origin; {:.1} s virtual in {:.2} s",
+            row.ready,
+            row.plan_state,
+            row.avg_cold_start_s,
+            row.p99_cold_start_s,
+            row.bytes_from_origin / 1e9,
+            row.virtual_s,
+            row.wall_s
+        );
+        rows.push(row);
+    }
+    let report = coldstart::Report::new(&spec, rows, wall.elapsed().as_secs_f64());
+    println!("{}", report.table());
+    if let Some(path) = a.json {
+        std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("simulate: report written to {}", path.display());
+    }
+    Ok(())
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Cmd::Simulate(_) => anyhow::bail!("simulate runs on its own runtime, before this one"),
         Cmd::Scale {
             hosts,
             racks,

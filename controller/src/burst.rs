@@ -9,7 +9,7 @@
 //! does the fetching and loading (see `transferd::gpu::load_partition`).
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use shardcast_placement::Tier;
 use shardcast_policies::partition::PartitionPlan;

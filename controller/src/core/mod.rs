@@ -21,7 +21,12 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+// The tokio clock, not `std::time::Instant`: outside a paused runtime they are the same
+// monotonic clock; on a paused one (the datacenter simulator drives the controller on
+// virtual time) heartbeats age, stalls are timed and rounds are paced in virtual time.
+use tokio::time::Instant;
 
 use crate::events::Event;
 use serde::Serialize;

@@ -275,7 +275,7 @@ impl Record {
 /// leader's are.
 pub(crate) fn apply(ctl: &Services, changes: Vec<Change>) {
     let records: Vec<Record> = changes.into_iter().map(Record::decode).collect();
-    let now = Instant::now();
+    let now = tokio::time::Instant::now();
     let mut st = lock(&ctl.core.state);
     let mut inv = ctl.core.inventory.lock();
     for r in records {

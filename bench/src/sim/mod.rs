@@ -1,0 +1,69 @@
+//! # The datacenter simulator (`shardcast-bench simulate`)
+//!
+//! Cold starts at a scale the emulated cluster cannot reach (Flashpoint's 200 hosts × 8
+//! GPUs), decided by shardcast's own control plane, on a virtual clock.
+//!
+//! ## Goals
+//!
+//! * **The real controller, not a model of it.** The simulator opens a
+//!   [`shardcast_controller::core::Controller`] with
+//!   [`open_with`](shardcast_controller::core::Controller::open_with) and hands it
+//!   [`dc::SimAgents`], an implementation of the controller's agent port
+//!   ([`shardcast_controller::agents::Agents`]). Registration, the host inventory
+//!   (heartbeats), placement and hierarchical sourcing (`shardcast-placement`), chain plans,
+//!   the plan runner (starting chains, following receivers, asking GPU hosts to load,
+//!   re-planning stalls) are the controller's code; the simulator only plays the hosts.
+//! * **Virtual time, deterministic and fast.** Everything runs on one current-thread tokio
+//!   runtime built with `start_paused(true)`: the controller's timers (poll ticks, heartbeat
+//!   expiry, stall clocks — it reads `tokio::time::Instant`, so its clock is the virtual one),
+//!   the hosts' heartbeats and the network's events all sleep on the paused clock, and tokio
+//!   jumps it to the next timer whenever every task is idle. A burst of 200 cold starts that
+//!   takes hours of virtual time runs in seconds, and the same inputs give the same report.
+//!   One wall-clock read is left in the controller: `now_unix()` (`SystemTime`) stamps
+//!   plans and times the lost grace of receivers whose hosts stopped heartbeating. No
+//!   decision of a run without faults depends on it (the simulator takes every ready time
+//!   from its own clock); simulating lost hosts needs it on the tokio clock first.
+//! * **A flow-level network** ([`net`]): Flashpoint's spine-leaf topology with max-min fair
+//!   sharing over the links each flow crosses, recomputed only when a flow starts or ends;
+//!   a pipelined chain is one flow through all its hops. Exact completion times come from
+//!   the model, not from the timer wheel's millisecond ticks.
+//! * **The thesis' parameters by default** ([`models`], [`net::Topology::flashpoint`]), each
+//!   one overridable, and each assumption the thesis does not settle written down where it
+//!   is made.
+//!
+//! Non-goals (of this step): packet-level effects (slow start, losses), CPU contention on the
+//! hosts except as a per-hop rate cap, the data plane's own code (transferd's sessions are
+//! tested on real sockets and namespaces).
+//!
+//! ## Who talks to whom
+//!
+//! ```text
+//!  coldstart::run ─ prewarm / register / heartbeat ─► Controller (real)
+//!                                                       │ agent port
+//!                                                       ▼
+//!        fleet heartbeats ◄── HostView ── dc::Datacenter ◄── dc::SimAgents
+//!                                          │  (hosts' copies, GPU loads)
+//!                                          ▼
+//!                                       net::Network (flows, rates, milestones)
+//! ```
+//!
+//! [`coldstart`] runs one burst: a fresh datacenter and controller (in-memory state,
+//! [`store::MemStore`]), the hosts register by heartbeat, the model is registered (a host
+//! "builds" its manifest), then a `Prewarm` of tier gpu for `N` replicas, either with
+//! `sources: origin` (every host from the origin: the thesis' baseline) or the controller's
+//! own plan (chains). The run ends when the controller's plan ends; each host's cold start
+//! is when its GPU replica became resident, as the datacenter recorded it.
+//!
+//! ## Inputs
+//!
+//! [`models`]: the six models of the thesis' Table 3.1 with their cold-start phases and
+//! (estimated) layer profiles. [`trace`]: the Azure Functions 2019 per-minute counts and
+//! seeded generators with the thesis' Twitter and Azure statistics, for the trace-driven
+//! runs of the next step (request queues, replicas serving, autoscalers).
+
+pub mod coldstart;
+pub mod dc;
+pub mod models;
+pub mod net;
+pub mod store;
+pub mod trace;
