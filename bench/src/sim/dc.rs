@@ -598,6 +598,8 @@ impl Dc {
             gpu_evicted: Vec::new(),
             bound_names: Vec::new(),
             started_at_ms: 0,
+            // A simulated host does not drain (yet: rolling upgrades are not simulated).
+            draining: false,
         }
     }
 
