@@ -369,7 +369,15 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecordReader<R> {
                 me.end -= me.start;
                 me.start = 0;
             }
-            let mut rb = ReadBuf::new(&mut me.buf[me.end..]);
+            // A small read (a frame's header) takes at most one more record from the
+            // socket, so that what follows it (a chunk's body) stays there for a direct
+            // read into the body's buffer instead of being decrypted here and copied.
+            let limit = if out.remaining() < DIRECT_READ {
+                (me.end + HEADER + MAX_CIPHERTEXT).min(me.buf.len())
+            } else {
+                me.buf.len()
+            };
+            let mut rb = ReadBuf::new(&mut me.buf[me.end..limit]);
             ready!(Pin::new(&mut me.inner).poll_read(cx, &mut rb))?;
             let n = rb.filled().len();
             if n == 0 {
