@@ -444,7 +444,7 @@ impl Loaded {
         ))
     }
 
-    /// Every check [`run`] makes on the settings before it binds a port, with the origins of
+    /// Every check [`run`](super::run) makes on the settings before it binds a port, with the origins of
     /// the keys a refusal names.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.args
