@@ -78,7 +78,7 @@ fn ok<T: Serialize>(v: T) -> Response {
     axum::Json(v).into_response()
 }
 
-/// The HTTP router over `c`: [`routes`] with the request timing and the fallback.
+/// The HTTP router over `c`: [`routes()`] with the request timing and the fallback.
 pub fn router(c: Arc<Services>) -> Router {
     let metrics = c.core.config().metrics.clone();
     let (router, _) = routes().split_for_parts();

@@ -27,14 +27,17 @@
 //! * [`state`]: the durable store behind a trait (redb by default); [`write_behind`]: the
 //!   frequent, superseding writes (host reports, plan progress) committed in batches off
 //!   the state lock; [`etcd`]: the store on etcd, with fenced writes; [`ha`]: leader
-//!   election among replicas on etcd, the follower's read-only view and the gate that
-//!   refuses its writes with the leader's address.
+//!   election among replicas on etcd, the follower's read-only view (`ha::view`) and the
+//!   switch in front of the services that refuses a follower's writes with the leader's
+//!   address (`ha::switch`).
 //! * [`events`]: the decision log; [`usage`]: last use per model (for LRU eviction).
 //! * [`grpc`] and [`http`]: the two front ends over the same operations, converting at
 //!   [`wire`]; [`auth`]: their method and route → permission tables; [`error`]: an error
 //!   type per operation, each mapped to one gRPC code and HTTP status there and nowhere
 //!   else; [`metrics`]: `/metrics` through a registry (API latency, plan and receiver time
-//!   to ready, evictions, registrations, leadership).
+//!   to ready, evictions, registrations, leadership), and [`exposition`] its state half,
+//!   read at scrape time; [`openapi`]: the HTTP API's OpenAPI document, generated from the
+//!   handlers' `#[utoipa::path]` attributes, which also register the routes (utoipa-axum).
 //! * [`server`]: the `shardcast-controller` process. The `shardcast` operator CLI is its own
 //!   crate (`shardcast-cli`), so it does not link the server.
 

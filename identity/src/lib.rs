@@ -5,9 +5,14 @@
 //!   [`Identity`] a certificate names (`shardcast://role/name`), the [`Permission`] each
 //!   operation needs, and the [`Peer`] kinds a listener sees.
 //! - [`pki`]: a small CA for quick starts and tests (`shardcast certs init|issue|rotate`).
-//! - [`tls`]: mutual TLS configurations from PEM files, reloaded when they change.
+//! - [`tls`]: mutual TLS configurations from PEM files, reloaded when they change; the
+//!   ALPNs of the data port, including the authenticate-only mode's.
+//! - [`records`]: `tls`-mode data connections after the handshake: TLS 1.3 application-data
+//!   records read and written here with the keys taken from rustls, decrypted in place,
+//!   each direction on its own socket half.
 //! - [`grpc`]: authenticated listeners (TCP + TLS, Unix sockets) and clients for tonic and
-//!   axum, and the per-method authorisation layer.
+//!   axum, the per-method authorisation layer, and the limits on connections per peer and
+//!   handshakes per address.
 //! - [`http`]: HTTP/1.1 APIs over those listeners (the controller's JSON API, transferd's
 //!   admin endpoint): per-route authorisation with certificates or bearer tokens, and
 //!   timeouts for clients that stall.
@@ -16,7 +21,8 @@
 //!   expiry, checked by every hop.
 //! - [`failover`]: one gRPC channel over several controller replicas that follows the
 //!   leader (the CLI and transferd's heartbeats).
-//! - [`process`]: process set-up both daemons share (`raise_nofile_limit`).
+//! - [`process`]: the process shell both daemons share: logging, the TLS identity or the
+//!   insecure mode, the open-file limit, the shutdown signal.
 //! - [`ready`]: a daemon's readiness (named conditions, drain on shutdown) behind
 //!   `/readyz`, `grpc.health.v1` and the `shardcast_ready` gauge.
 //!

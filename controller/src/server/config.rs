@@ -444,8 +444,8 @@ impl Loaded {
         ))
     }
 
-    /// Every check [`run`] makes on the settings before it binds a port, with the origins of
-    /// the keys a refusal names.
+    /// Every check [`run`](super::run) makes on the settings before it binds a port, with
+    /// the origins of the keys a refusal names.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.args
             .config()
