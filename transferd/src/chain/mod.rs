@@ -116,11 +116,12 @@ mod session;
 mod table;
 mod upstream;
 
+pub(crate) use fetch::Fetcher;
 pub use head::{ChainSpec, HeadSession};
 pub use outcome::{FetchError, ForwardError, HopFailure, RecoveryError, SessionError};
 pub use session::ShardSession;
+pub(crate) use table::Sessions;
 
-use fetch::Fetcher;
 use forward::Forwarder;
 use handshake::Links;
 use head::Heads;
@@ -128,13 +129,13 @@ use proto::{InboundConfig, SendFailure, SendWindowConfig};
 use recovery::Recovery;
 use serve::Server;
 use session::Intake;
-use table::{Sessions, StoreFailures};
+use table::StoreFailures;
 use upstream::Receiver;
 
 use crate::limits::{ConnLimits, Limits};
 use crate::origin::OriginAccess;
-use crate::repair::Repairs;
-use crate::store::{Shard, ShardStore};
+use crate::repair::{Repairer, Repairs};
+use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
 use crate::transport::{Quic, Transports};
 use crate::wire::{ByteCounters, Conn, FrameBudget, WireError};
@@ -459,35 +460,23 @@ impl Faults {
 /// Everything a host needs to take part in chains; one per daemon. It assembles the
 /// handles (see the module docs) and hands each role its part; it runs no role itself.
 pub struct Node {
-    /// This host's id.
-    pub host: HostId,
-    /// The local store.
-    pub store: ShardStore,
-    /// Transports to other hops: TCP, and QUIC when bound.
-    pub transports: Transports,
-    /// Wire byte counters.
-    pub counters: Arc<ByteCounters>,
-    /// Memory for frame bodies in flight on every connection (`cfg.limits.frame_memory`).
-    pub frame_budget: Arc<FrameBudget>,
-    /// Data-plane counters.
-    pub stats: Arc<NodeStats>,
-    /// Histograms of the data path (sessions, GPU loads), registered by
-    /// [`crate::metrics::registry`].
-    pub metrics: crate::metrics::DataMetrics,
-    /// Tuning.
-    pub cfg: ChainConfig,
-    /// Cancelled on shutdown.
-    pub cancel: CancellationToken,
-    /// Repairs of chunks corrupt at rest, and the sources to repair from.
-    pub repairs: Arc<Repairs>,
-    /// Open data-plane connections against their caps (`cfg.limits`).
-    pub conn_limits: Arc<ConnLimits>,
     links: Links,
+    store: ShardStore,
+    stats: Arc<NodeStats>,
+    metrics: crate::metrics::DataMetrics,
+    cancel: CancellationToken,
+    repairs: Arc<Repairs>,
+    conn_limits: Arc<ConnLimits>,
+    frame_budget: Arc<FrameBudget>,
+    origins: OriginAccess,
+    limits: Limits,
     sessions: Sessions,
     failures: StoreFailures,
     fetcher: Arc<Fetcher>,
     server: Arc<Server>,
     heads: Heads,
+    /// The repairer and the scrub run on it (they hold it weakly).
+    _repairer: Arc<Repairer>,
 }
 
 impl Node {
@@ -513,8 +502,8 @@ impl Node {
         let sessions = Sessions::default();
         let failures = StoreFailures::default();
         let links = Links::new(
-            host.clone(),
-            transports.clone(),
+            host,
+            transports,
             (ingress, egress),
             counters.clone(),
             frame_budget.clone(),
@@ -575,29 +564,94 @@ impl Node {
             cancel.clone(),
             cfg.stripes,
         );
-        let node = Arc::new(Self {
-            host,
+        let repairer = Arc::new(Repairer::new(
+            store.clone(),
+            repairs.clone(),
+            fetcher.clone(),
+            sessions.clone(),
+        ));
+        if tokio::runtime::Handle::try_current().is_ok() {
+            crate::repair::spawn(&repairer, &cancel);
+        }
+        Arc::new(Self {
+            links,
             store,
-            transports,
-            counters,
-            frame_budget,
             stats,
             metrics,
-            cfg,
             cancel,
             repairs,
             conn_limits,
-            links,
+            frame_budget,
+            origins: cfg.origins.clone(),
+            limits: cfg.limits.clone(),
             sessions,
             failures,
             fetcher,
             server,
             heads,
-        });
-        if tokio::runtime::Handle::try_current().is_ok() {
-            crate::repair::spawn(&node);
-        }
-        node
+            _repairer: repairer,
+        })
+    }
+
+    /// This host's id.
+    pub fn host(&self) -> &HostId {
+        self.links.host()
+    }
+
+    /// The local store.
+    pub fn store(&self) -> &ShardStore {
+        &self.store
+    }
+
+    /// Transports to other hops: TCP, and QUIC when bound.
+    pub fn transports(&self) -> &Transports {
+        self.links.transports()
+    }
+
+    /// Wire byte counters.
+    pub fn counters(&self) -> &Arc<ByteCounters> {
+        self.links.counters()
+    }
+
+    /// Memory for frame bodies in flight on every connection (`limits.frame_memory`).
+    pub fn frame_budget(&self) -> &Arc<FrameBudget> {
+        &self.frame_budget
+    }
+
+    /// Data-plane counters.
+    pub fn stats(&self) -> &Arc<NodeStats> {
+        &self.stats
+    }
+
+    /// Histograms of the data path (sessions, GPU loads), registered by
+    /// [`crate::metrics::registry`].
+    pub fn metrics(&self) -> &crate::metrics::DataMetrics {
+        &self.metrics
+    }
+
+    /// Cancelled on shutdown.
+    pub fn cancel(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// Repairs of chunks corrupt at rest, and the sources to repair from.
+    pub fn repairs(&self) -> &Repairs {
+        &self.repairs
+    }
+
+    /// Open data-plane connections against their caps.
+    pub fn conn_limits(&self) -> &Arc<ConnLimits> {
+        &self.conn_limits
+    }
+
+    /// The origin allow-list (and its refusal counter, shared with every role's copy).
+    pub fn origins(&self) -> &OriginAccess {
+        &self.origins
+    }
+
+    /// Connection caps and per-phase timeouts of the data port.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// Starts draining (the process was asked to stop): from now on an `Open` of a session
@@ -627,18 +681,6 @@ impl Node {
     /// Whether a session that has not finished sends or receives model `model` here.
     pub fn model_busy(&self, model: &ModelDigest) -> bool {
         self.sessions.model_busy(model)
-    }
-
-    /// Fails every unfinished session on this host that forwards from `shard` and needs one
-    /// of `chunks` (they were dropped as corrupt and cannot be repaired), so that none waits
-    /// for them forever. Returns how many were failed.
-    pub(crate) fn fail_sessions_needing(
-        &self,
-        shard: &Arc<Shard>,
-        chunks: &[u32],
-        why: &SessionError,
-    ) -> usize {
-        self.sessions.fail_needing(shard, chunks, why)
     }
 
     /// Fails every unfinished session of `model` on this host (hop and head sessions), so
