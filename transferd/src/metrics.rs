@@ -201,7 +201,7 @@ pub fn registry(node: &Arc<Node>, gpus: &Arc<GpuManager>) -> Registry {
         "shardcast",
         [("host".into(), node.host().to_string().into())].into_iter(),
     );
-    let m = &node.metrics();
+    let m = node.metrics();
     r.register(
         "chunk_verify_seconds",
         "Seconds to verify one chunk from a peer against the manifest (BLAKE3), per chunk",
@@ -272,7 +272,7 @@ pub struct NodeCollector {
 impl fmt::Debug for NodeCollector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NodeCollector")
-            .field("host", &self.node.host())
+            .field("host", self.node.host())
             .finish()
     }
 }
@@ -326,10 +326,10 @@ impl Collector for NodeCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         use Kind::{Counter, Gauge};
         let node = &self.node;
-        let (s, c) = (&node.stats(), &node.counters());
+        let (s, c) = (node.stats(), node.counters());
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let budget = &node.frame_budget();
-        let limits = &node.conn_limits();
+        let budget = node.frame_budget();
+        let limits = node.conn_limits();
         let rows: &[(&str, Kind, &str, u64)] = &[
             (
                 "bytes_received_total",

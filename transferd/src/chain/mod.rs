@@ -12,10 +12,10 @@
 //! One [`ShardSession`] exists per (session id, shard) on each host. It owns the shard's
 //! range, the list of hosts below, and three kinds of tasks:
 //!
-//! * `handle_upstream` (`upstream.rs`; one per upstream connection, more than one when an
-//!   upstream's upstream fails over to us): reads `Chunk` frames, verifies each against the
-//!   manifest, writes it positionally into the store, answers `Ack` (or `Nack` on a hash
-//!   mismatch, so the sender sends it again) and relays `Progress` from below.
+//! * `Receiver::handle_upstream` (`upstream.rs`; one per upstream connection, more than one
+//!   when an upstream's upstream fails over to us): reads `Chunk` frames, verifies each
+//!   against the manifest, writes it positionally into the store, answers `Ack` (or `Nack`
+//!   on a hash mismatch, so the sender sends it again) and relays `Progress` from below.
 //! * the forwarder (`forward.rs`; one per session): waits on the store's "newly verified"
 //!   signal and sends each chunk on as soon as it is here (cut-through), keeping at most
 //!   `window` chunks unacknowledged. If the next hop dies or refuses, it connects to the one
@@ -46,10 +46,41 @@
 //! be completed (the session failed) stops without failing over: the downstream hop is not
 //! at fault, and its recovery monitor fetches from its fallback source.
 //!
-//! The `Node` also records the store's refusals of a model's data per (model, tier) with the
-//! session (`note_store_failure`: a shard that did not fit, a write the file system
-//! failed — the session ends instead of fetching the same chunks again), reported by
-//! `GetModelStatus` until a new session of the model in that tier starts.
+//! The store's refusals of a model's data are recorded per (model, tier) with the session
+//! (`table::StoreFailures`: a shard that did not fit, a write the file system failed — the
+//! session ends instead of fetching the same chunks again), reported by `GetModelStatus`
+//! until a new session of the model in that tier starts.
+//!
+//! ## Roles and their handles
+//!
+//! Each role is a struct given only the handles it needs; what a role may touch is what it
+//! was given. [`Node`] builds the handles once, hands each role its part, and keeps its own
+//! fields private: the rest of the daemon reaches the chain through `Node`'s methods and
+//! accessors (the agent API, metrics, heartbeats, GPU loads).
+//!
+//! | handle | what it is |
+//! | --- | --- |
+//! | `Links` (`handshake`) | this host's id and data address, the transports, the rate limits, the wire's byte counters, the frame budget: dialling, framing, `Hello` |
+//! | [`ShardStore`] | the store |
+//! | `Sessions` (`table`) | the hop and head session tables, and whether the host drains |
+//! | `StoreFailures` (`table`) | the store's refusals per (model, tier) |
+//! | `Intake` (`session`) | the counters and `StoreFailures`: makes sessions, stores and counts chunks |
+//! | [`Repairs`] / [`RepairHandle`](crate::repair::RepairHandle) | the repair sources and queue / the queue alone |
+//! | [`NodeStats`], `DataMetrics` | counters, histograms |
+//! | `CancellationToken` | shutdown |
+//!
+//! | role | is given |
+//! | --- | --- |
+//! | `Server` (`serve`) | `Links`, the `Receiver`, the store, a `RepairHandle`, counters, cancel, the connection caps, handshake/idle timeouts, `sendfile` |
+//! | `Receiver` (`upstream`) | `Links`, `Sessions`, the store, `Intake`, `Repairs` (sources), counters and histograms, cancel, the `Forwarder` and `Recovery` it starts, the origin allow-list, `max_sessions`, the receiving end's tuning |
+//! | `Forwarder` (`forward`) | `Links`, counters, a `RepairHandle`, fault injection, cancel, the send window's tuning, `sendfile` |
+//! | `Recovery` (`recovery`) | the `Fetcher`, counters, cancel, `upstream_grace` |
+//! | `Fetcher` (`fetch`) | `Links`, `Intake`, the store, `Repairs` (sources), the origin allow-list, parallelism, timeouts |
+//! | `Heads` (`head`) | the store, `Sessions`, `Intake`, `Repairs` (sources), the `Forwarder`, the `Fetcher`, cancel, `stripes` |
+//! | `Repairer` (`crate::repair`) | the store, `Repairs`, the `Fetcher`, `Sessions` |
+//!
+//! No role but `Receiver`, `Heads` and `Repairer` reaches the session table; only `Intake`
+//! writes the store-failure records; no role holds the `Node`.
 //!
 //! ## Copies and passes over each byte (issue #16)
 //!
@@ -81,10 +112,11 @@
 //!
 //! | file | role |
 //! | --- | --- |
-//! | `mod.rs` | [`Node`], its tuning ([`ChainConfig`]), counters ([`NodeStats`]) and errors |
+//! | `mod.rs` | [`Node`] (the assembly of the handles and roles), its tuning ([`ChainConfig`]), counters ([`NodeStats`]) and errors |
 //! | `proto` | the protocol's decisions as pure state machines (no I/O, no clock): the send window, the receiving end, the recovery monitor; tested in virtual time |
-//! | `session` | [`ShardSession`] (one shard of a session on this host), its RAII gauges, and `store_chunk`: the one path that verifies, writes and counts a chunk |
-//! | `handshake` | connecting to a hop, the `Hello` exchange bound to the peer's certificate |
+//! | `session` | [`ShardSession`] (one shard of a session on this host), its RAII gauges, and `Intake`: the one path that verifies, writes and counts a chunk |
+//! | `table` | `Sessions` (the session tables, draining) and `StoreFailures` |
+//! | `handshake` | `Links`: connecting to a hop, the `Hello` exchange bound to the peer's certificate |
 //! | `serve` | the data port's accepted connections: an upstream's `Open`, or `Fetch` (the pull server) |
 //! | `upstream` | joining a session (plan token, fallback origin, caps) and receiving from an upstream |
 //! | `forward` | the forwarder: sending to the downstream with failover |
@@ -457,8 +489,8 @@ impl Faults {
     }
 }
 
-/// Everything a host needs to take part in chains; one per daemon. It assembles the
-/// handles (see the module docs) and hands each role its part; it runs no role itself.
+/// Everything a host needs to take part in chains; one per daemon. It builds the handles,
+/// hands each role its part (see the module docs) and keeps them; it runs no role itself.
 pub struct Node {
     links: Links,
     store: ShardStore,
