@@ -14,10 +14,11 @@
 //! ```
 //!
 //! Both tasks are spawned by [`Node::new`](crate::chain::Node::new) when it runs inside a
-//! tokio runtime. They run a [`Repairer`]: the store, the repair queue and sources, a
-//! [`Fetcher`] (to fetch chunk spans from a source) and the session table (to fail the
-//! sessions that need a chunk that cannot be repaired) — nothing else of the node. They hold
-//! only a weak reference to it (the node holds the strong one), and stop on cancellation.
+//! tokio runtime. They run a `Repairer`: the store, the repair queue and sources, the
+//! chain's `Fetcher` (to fetch chunk spans from a source) and the session table (to fail
+//! the sessions that need a chunk that cannot be repaired) — nothing else of the node.
+//! They hold only a weak reference to it (the node holds the strong one), and stop on
+//! cancellation.
 //! Bounds: at most [`QUEUE`] requests wait (more are answered "queue full" at once),
 //! [`PARALLEL`] repairs run at a time, and at most [`SOURCES_PER_MODEL`] sources are
 //! remembered for each of at most [`MODELS`] models.
