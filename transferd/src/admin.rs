@@ -83,10 +83,16 @@ pub async fn serve(
         .layer(HttpAuthLayer::new(
             permission,
             Arc::new(tokens),
-            node.stats.admin_authz.clone(),
+            node.stats().admin_authz.clone(),
         ));
-    shardcast_identity::http::serve(incoming, app, limits, node.stats.admin_http.clone(), cancel)
-        .await;
+    shardcast_identity::http::serve(
+        incoming,
+        app,
+        limits,
+        node.stats().admin_http.clone(),
+        cancel,
+    )
+    .await;
 }
 
 /// `GET /v1/handoff/{model}`: the hand-off JSON for inference processes on this host
@@ -104,7 +110,7 @@ async fn handoff(
         Ok(s) => s,
         Err(e) => return (StatusCode::BAD_REQUEST, e + "\n").into_response(),
     };
-    let Some(digest) = node.store.resolve(&model) else {
+    let Some(digest) = node.store().resolve(&model) else {
         return (
             StatusCode::NOT_FOUND,
             format!("model {model:?} is not known on this host\n"),

@@ -110,7 +110,7 @@ impl AgentService {
     fn model_status_of(&self, digest: &ModelDigest) -> GetModelStatusResponse {
         let tiers = self
             .node
-            .store
+            .store()
             .holdings_of(digest)
             .iter()
             .map(|h| self.with_gpus(model_status(h)))
@@ -265,7 +265,7 @@ impl Agent for AgentService {
         let req = request.into_inner();
         let name =
             ModelName::new(&req.name).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let origin = Origin::parse(&req.origin, &self.node.cfg.origins).map_err(origin_status)?;
+        let origin = Origin::parse(&req.origin, self.node.origins()).map_err(origin_status)?;
         let tier = tier_from_pb(req.tier)?;
         let chunk_size = if req.chunk_size == 0 {
             DEFAULT_CHUNK_SIZE
@@ -275,7 +275,7 @@ impl Agent for AgentService {
         // Bytes read to build the manifest are kept (one read of the origin, not two) when
         // asked to, or when the data is wanted anyway.
         let staging = if req.manifest.is_empty() && (req.keep || req.fetch) {
-            match self.node.store.staging(tier) {
+            match self.node.store().staging(tier) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     warn!(model = %name, "not keeping the bytes read to build the manifest: {e}");
@@ -301,7 +301,7 @@ impl Agent for AgentService {
                 .build_manifest_keeping(name, chunk_size, &progress, keep)
                 .await;
             self.node
-                .stats
+                .stats()
                 .manifest_bytes
                 .fetch_add(origin.bytes_read(), Ordering::Relaxed);
             let (m, all_kept) = built.map_err(|e| match e {
@@ -326,7 +326,7 @@ impl Agent for AgentService {
         };
         let manifest = self
             .node
-            .store
+            .store()
             .put_manifest(&manifest)
             .map_err(|e| Status::internal(format!("storing manifest: {e}")))?;
         if let Some(staging) = staging.as_ref().filter(|_| kept) {
@@ -350,7 +350,7 @@ impl Agent for AgentService {
         // Bound once the import succeeded: a failed fetch leaves the name as it was.
         if req.bind_name.unwrap_or(true) {
             self.node
-                .store
+                .store()
                 // An import always applies (an admin's word on this host): never stale.
                 .bind_name(&manifest.name, manifest.digest(), BindingSource::Import, 0)
                 .map_err(|e| Status::internal(format!("binding the model name: {e}")))?;
@@ -375,7 +375,7 @@ impl Agent for AgentService {
             .model
             .parse()
             .map_err(|e| Status::invalid_argument(format!("model: {e}")))?;
-        let manifest = match self.node.store.manifest(&model) {
+        let manifest = match self.node.store().manifest(&model) {
             Some(m) => m,
             None if !req.manifest.is_empty() => {
                 let m: Manifest = decode_exact(req.manifest.into())
@@ -387,7 +387,7 @@ impl Agent for AgentService {
                     )));
                 }
                 self.node
-                    .store
+                    .store()
                     .put_manifest(&m)
                     .map_err(|e| Status::internal(e.to_string()))?
             }
@@ -405,7 +405,7 @@ impl Agent for AgentService {
                 .map_err(|e| Status::invalid_argument(format!("session_id: {e}")))?
         };
         if !req.origin.is_empty() && !req.origin.starts_with("shardcast://") {
-            Origin::parse(&req.origin, &self.node.cfg.origins).map_err(origin_status)?;
+            Origin::parse(&req.origin, self.node.origins()).map_err(origin_status)?;
         }
         let tier = tier_from_pb(req.tier)?;
         if req.chains.is_empty() {
@@ -468,10 +468,10 @@ impl Agent for AgentService {
             })?;
         // Refused before anything starts when this host cannot dial that way.
         self.node
-            .transports
+            .transports()
             .get(transport)
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
-        if self.node.transports.tls().is_some() && req.plan_token.is_empty() {
+        if self.node.transports().tls().is_some() && req.plan_token.is_empty() {
             return Err(Status::invalid_argument(
                 "plan_token is required: hops accept only sessions the controller signed",
             ));
@@ -548,7 +548,7 @@ impl Agent for AgentService {
                     total,
                 })
                 .collect(),
-            bytes_sent: self.node.counters.sent.load(Ordering::Relaxed),
+            bytes_sent: self.node.counters().sent.load(Ordering::Relaxed),
             elapsed_s: head.started.elapsed().as_secs_f64(),
         }))
     }
@@ -558,7 +558,7 @@ impl Agent for AgentService {
         request: Request<GetModelStatusRequest>,
     ) -> Result<Response<GetModelStatusResponse>, Status> {
         let key = request.into_inner().model;
-        let Some(digest) = self.node.store.resolve(&key) else {
+        let Some(digest) = self.node.store().resolve(&key) else {
             return Err(Status::not_found(format!(
                 "model {key:?} is not known on this host"
             )));
@@ -577,7 +577,7 @@ impl Agent for AgentService {
         let key = request.into_inner().model;
         // A name must resolve now; a digest may still be unknown (its session has not
         // opened here yet): the stream then starts with empty tiers.
-        let Some(digest) = self.node.store.resolve(&key) else {
+        let Some(digest) = self.node.store().resolve(&key) else {
             return Err(Status::not_found(format!(
                 "model {key:?} is not known on this host"
             )));
@@ -599,7 +599,7 @@ impl Agent for AgentService {
         let stream = futures::stream::unfold(state, |mut w| async move {
             loop {
                 tokio::select! {
-                    _ = w.this.node.cancel.cancelled() => return None,
+                    _ = w.this.node.cancel().cancelled() => return None,
                     _ = tokio::time::sleep_until(w.until) => return None,
                     _ = w.tick.tick() => {}
                 }
@@ -629,7 +629,7 @@ impl Agent for AgentService {
     ) -> Result<Response<ListHoldingsResponse>, Status> {
         let models = self
             .node
-            .store
+            .store()
             .holdings()
             .iter()
             .map(model_status)
@@ -642,12 +642,12 @@ impl Agent for AgentService {
         _request: Request<GetStatsRequest>,
     ) -> Result<Response<Stats>, Status> {
         let n = &self.node;
-        let s = &n.stats;
-        let st = n.store.stats();
+        let s = n.stats();
+        let st = n.store().stats();
         Ok(Response::new(Stats {
-            host_id: n.host.to_string(),
-            bytes_received: n.counters.received.load(Ordering::Relaxed),
-            bytes_sent: n.counters.sent.load(Ordering::Relaxed),
+            host_id: n.host().to_string(),
+            bytes_received: n.counters().received.load(Ordering::Relaxed),
+            bytes_sent: n.counters().sent.load(Ordering::Relaxed),
             chunks_verified: s.chunks_verified.load(Ordering::Relaxed),
             chunks_corrupt: s.chunks_corrupt.load(Ordering::Relaxed),
             sessions_active: s.sessions_active.load(Ordering::Relaxed),
@@ -655,7 +655,7 @@ impl Agent for AgentService {
             origin_bytes: s.origin_bytes.load(Ordering::Relaxed),
             manifest_bytes: s.manifest_bytes.load(Ordering::Relaxed),
             kept_bytes: s.kept_bytes.load(Ordering::Relaxed),
-            data_mode: n.transports.data_mode_name().into(),
+            data_mode: n.transports().data_mode_name().into(),
             downstream_failovers: s.downstream_failovers.load(Ordering::Relaxed),
             bytes_reverified: st.bytes_reverified.load(Ordering::Relaxed),
             bytes_scrubbed: st.bytes_scrubbed.load(Ordering::Relaxed),
@@ -670,7 +670,7 @@ impl Agent for AgentService {
     ) -> Result<Response<EvictModelResponse>, Status> {
         let req = request.into_inner();
         if req.tier == pb::Tier::Gpu as i32 {
-            let digest = self.node.store.resolve(&req.model).ok_or_else(|| {
+            let digest = self.node.store().resolve(&req.model).ok_or_else(|| {
                 Status::not_found(format!("model {:?} is not known on this host", req.model))
             })?;
             return match self.gpus.evict(&digest.to_hex()) {
@@ -686,7 +686,7 @@ impl Agent for AgentService {
             };
         }
         let tier = tier_from_pb(req.tier)?;
-        let Some(digest) = self.node.store.resolve(&req.model) else {
+        let Some(digest) = self.node.store().resolve(&req.model) else {
             return Err(Status::not_found(format!(
                 "model {:?} is not known on this host",
                 req.model
@@ -705,13 +705,13 @@ impl Agent for AgentService {
         }
         let held = self
             .node
-            .store
+            .store()
             .holdings_of(&digest)
             .into_iter()
             .any(|h| h.tier == tier);
         let bytes_freed = self
             .node
-            .store
+            .store()
             .remove(&digest, tier)
             .map_err(|e| Status::internal(format!("removing {digest}: {e}")))?;
         info!(model = %digest, ?tier, bytes_freed, "evicted");
@@ -727,7 +727,7 @@ impl Agent for AgentService {
     ) -> Result<Response<pb::LoadModelResponse>, Status> {
         not_draining(&self.node, "a GPU load")?;
         let req = request.into_inner();
-        let digest = self.node.store.resolve(&req.model).ok_or_else(|| {
+        let digest = self.node.store().resolve(&req.model).ok_or_else(|| {
             Status::not_found(format!(
                 "model {:?} is not known on this host; start its transfer first",
                 req.model
@@ -837,7 +837,7 @@ impl Agent for AgentService {
     ) -> Result<Response<pb::GetHandoffResponse>, Status> {
         let key = request.into_inner().model;
         let digest =
-            self.node.store.resolve(&key).ok_or_else(|| {
+            self.node.store().resolve(&key).ok_or_else(|| {
                 Status::not_found(format!("model {key:?} is not known on this host"))
             })?;
         let h = crate::gpu::handoff(&self.node, &self.gpus, &digest, &Default::default())

@@ -169,7 +169,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .context("GPU start-up task")?,
     );
     {
-        let m = node.metrics.clone();
+        let m = node.metrics().clone();
         gpus.observe_loads(Box::new(move |resident| m.gpu_load_done(resident)));
     }
     // The metrics registry, handed to the admin endpoint (`crate::metrics`).
@@ -198,7 +198,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));
     readiness.met("data");
-    if let Some(q) = node.transports.quic() {
+    if let Some(q) = node.transports().quic() {
         tasks.spawn(quic_accept_loop(node.clone(), q.clone(), cancel.clone()));
         readiness.met("quic");
     }
@@ -220,7 +220,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             None => TcpSecurity::Plaintext,
         };
         let incoming = agent.incoming(security, cancel.clone());
-        let authz = AuthzLayer::new(crate::agent::permission, node.stats.authz.clone());
+        let authz = AuthzLayer::new(crate::agent::permission, node.stats().authz.clone());
         // grpc.health.v1 beside the agent: SERVING while ready (any certificate may ask).
         let health = readiness
             .health_service(&[AGENT_SERVICE], cancel.clone())
@@ -444,7 +444,7 @@ async fn keep_registrations(node: Arc<Node>, gpus: Arc<GpuManager>, cancel: Canc
         let pass = tokio::task::spawn_blocking(move || {
             let released = g.release_unused_registrations();
             let ahead = (g.ahead_state() == AheadState::On)
-                .then(|| g.register_ahead(&memory_tier_mappings(&n.store), &stop));
+                .then(|| g.register_ahead(&memory_tier_mappings(n.store()), &stop));
             (released, ahead)
         });
         let Ok((released, ahead)) = pass.await else {
@@ -497,9 +497,9 @@ async fn accept_loop(node: Arc<Node>, listener: TcpListener, cancel: Cancellatio
         tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
-            accepted = node.transports.tcp.accept(&listener) => match accepted {
+            accepted = node.transports().tcp.accept(&listener) => match accepted {
                 // Admit (connection caps), spawn; the handshake happens inside the task.
-                Ok((stream, peer)) => match crate::limits::admit(&node.conn_limits, &peer) {
+                Ok((stream, peer)) => match crate::limits::admit(node.conn_limits(), &peer) {
                     Ok(permit) => {
                         let node = node.clone();
                         tokio::spawn(async move {
@@ -536,7 +536,7 @@ async fn quic_accept_loop(node: Arc<Node>, quic: Arc<Quic>, cancel: Cancellation
             },
         };
         let peer = incoming.remote_address().to_string();
-        let permit = match crate::limits::admit(&node.conn_limits, &peer) {
+        let permit = match crate::limits::admit(node.conn_limits(), &peer) {
             Ok(p) => p,
             Err(e) => {
                 warn!(%peer, "refusing QUIC connection: {e}");
@@ -546,11 +546,11 @@ async fn quic_accept_loop(node: Arc<Node>, quic: Arc<Quic>, cancel: Cancellation
         };
         let (node, quic) = (node.clone(), quic.clone());
         tokio::spawn(async move {
-            let limit = node.cfg.limits.handshake_timeout;
+            let limit = node.limits().handshake_timeout;
             match quic.establish(incoming, limit).await {
                 Ok((conn, id)) => node.serve_quic_connection(&quic, conn, id, peer).await,
                 Err(e) => {
-                    node.stats
+                    node.stats()
                         .tls_refused
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     warn!(%peer, "refusing QUIC connection: {e}");

@@ -67,14 +67,14 @@ impl StoreSource {
         rt: tokio::runtime::Handle,
     ) -> Result<Self, StoreSourceError> {
         let manifest = node
-            .store
+            .store()
             .manifest(digest)
             .ok_or(StoreSourceError::UnknownModel(*digest))?;
         let mut shards = Vec::new();
         let mut info = Vec::new();
         for (i, s) in manifest.shards.iter().enumerate() {
             // Read through the store's own file handle: no path is opened again.
-            let shard = node.store.shard(digest, i as u32, DataTier::Memory)?;
+            let shard = node.store().shard(digest, i as u32, DataTier::Memory)?;
             info.push(SourceShard {
                 path: s.path.to_string(),
                 size: s.size,
@@ -85,7 +85,7 @@ impl StoreSource {
         Ok(Self {
             shards,
             info,
-            repairs: node.repairs.handle(),
+            repairs: node.repairs().handle(),
             rt,
         })
     }
@@ -259,7 +259,7 @@ fn start(
     partition: Option<PartitionLoad>,
 ) -> Result<Vec<u32>, LoadFailure> {
     let name = node
-        .store
+        .store()
         .manifest(digest)
         .map(|m| m.name.to_string())
         .unwrap_or_default();
@@ -320,7 +320,7 @@ async fn load_partition(
         ));
     }
     let manifest = node
-        .store
+        .store()
         .manifest(digest)
         .ok_or_else(|| LoadFailure::Source(format!("model {digest} is unknown on this host")))?;
     let chunk_size = manifest.chunk_size;
@@ -588,14 +588,14 @@ pub fn handoff(
         Err(_) => {}
     }
     let manifest = node
-        .store
+        .store()
         .manifest(digest)
         .ok_or_else(|| unavailable(format!("model {digest} is unknown on this host")))?;
     let mut shards = Vec::new();
     let mut copies = Vec::new();
     for (i, s) in manifest.shards.iter().enumerate() {
         let shard = node
-            .store
+            .store()
             .existing_shard(digest, i as u32)
             .filter(|sh| sh.tier() == DataTier::Memory && sh.is_complete())
             .ok_or_else(|| {
@@ -616,7 +616,7 @@ pub fn handoff(
             match shard.check(c, false, Check::Handoff) {
                 Ok(_) => {}
                 Err(e @ StoreError::CorruptChunk { .. }) => {
-                    node.repairs
+                    node.repairs()
                         .request(RepairRequest::new(shard.clone(), vec![c]));
                     return Err(unavailable(format!(
                         "{e}; it is being repaired, retry the hand-off"

@@ -195,17 +195,17 @@ impl DataMetrics {
 }
 
 /// The daemon's registry: the data path's counters through [`NodeCollector`], and the
-/// histograms of `node.metrics` and of the store. Built once at start-up.
+/// histograms of `node.metrics()` and of the store. Built once at start-up.
 pub fn registry(node: &Arc<Node>, gpus: &Arc<GpuManager>) -> Registry {
     let mut r = Registry::with_prefix_and_labels(
         "shardcast",
-        [("host".into(), node.host.to_string().into())].into_iter(),
+        [("host".into(), node.host().to_string().into())].into_iter(),
     );
-    let m = &node.metrics;
+    let m = node.metrics();
     r.register(
         "chunk_verify_seconds",
         "Seconds to verify one chunk from a peer against the manifest (BLAKE3), per chunk",
-        node.store.stats().chunk_verify.clone(),
+        node.store().stats().chunk_verify.clone(),
     );
     r.register(
         "session_ready_seconds",
@@ -272,7 +272,7 @@ pub struct NodeCollector {
 impl fmt::Debug for NodeCollector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NodeCollector")
-            .field("host", &self.node.host)
+            .field("host", self.node.host())
             .finish()
     }
 }
@@ -326,10 +326,10 @@ impl Collector for NodeCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         use Kind::{Counter, Gauge};
         let node = &self.node;
-        let (s, c) = (&node.stats, &node.counters);
+        let (s, c) = (node.stats(), node.counters());
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let budget = &node.frame_budget;
-        let limits = &node.conn_limits;
+        let budget = node.frame_budget();
+        let limits = node.conn_limits();
         let rows: &[(&str, Kind, &str, u64)] = &[
             (
                 "bytes_received_total",
@@ -437,7 +437,7 @@ impl Collector for NodeCollector {
                 "origin_refused_total",
                 Counter,
                 "Origins, redirects, resolved addresses or shard paths refused by the origin allow-list.",
-                node.cfg.origins.refused(),
+                node.origins().refused(),
             ),
             (
                 "conn_open",
@@ -587,19 +587,19 @@ impl Collector for NodeCollector {
                 "gpu_loads_resident_total",
                 Counter,
                 "GPU loads that made a model resident.",
-                load(&node.metrics.gpu_loads[0]),
+                load(&node.metrics().gpu_loads[0]),
             ),
             (
                 "gpu_loads_failed_total",
                 Counter,
                 "GPU loads that failed or were cancelled.",
-                load(&node.metrics.gpu_loads[1]),
+                load(&node.metrics().gpu_loads[1]),
             ),
         ];
         for &(name, kind, help, v) in rows {
             series(&mut enc, name, kind, help, v)?;
         }
-        if let Some(tls) = node.transports.tls() {
+        if let Some(tls) = node.transports().tls() {
             let t = &tls.stats;
             for (name, help, v) in [
                 (
@@ -656,7 +656,7 @@ impl Collector for NodeCollector {
                 series(&mut enc, name, Counter, help, v)?;
             }
         }
-        if let Some(q) = node.transports.quic() {
+        if let Some(q) = node.transports().quic() {
             let (qs, o) = (&q.stats, q.offload());
             let t = qs.conns.totals();
             for (name, kind, help, v) in [
@@ -772,7 +772,7 @@ impl Collector for NodeCollector {
                 series(&mut enc, name, kind, help, v)?;
             }
         }
-        let st = node.store.stats();
+        let st = node.store().stats();
         for (name, help, v) in [
             (
                 "store_symlinks_refused_total",
@@ -847,7 +847,7 @@ impl Collector for NodeCollector {
             "memory_tier_huge_pages",
             Gauge,
             "1 when the memory tier is a tmpfs whose new pages can be huge (huge=within_size, always, advise or a kernel-wide force): chunk writes there cost several times less CPU than with 4 KiB pages.",
-            u64::from(node.store.memory_fs().is_some_and(|f| f.huge_pages())),
+            u64::from(node.store().memory_fs().is_some_and(|f| f.huge_pages())),
         )?;
         series(
             &mut enc,
@@ -861,7 +861,7 @@ impl Collector for NodeCollector {
             "repairs_refused_total",
             Counter,
             "Repair requests refused because the repair queue was full.",
-            node.repairs.refused(),
+            node.repairs().refused(),
         )?;
         {
             let mut m = enc.encode_descriptor(
@@ -871,7 +871,7 @@ impl Collector for NodeCollector {
                 MetricType::Gauge,
             )?;
             ConstGauge::new(1u64)
-                .encode(m.encode_family(&[("mode", node.transports.data_mode_name())])?)?;
+                .encode(m.encode_family(&[("mode", node.transports().data_mode_name())])?)?;
         }
         labelled(
             &mut enc,
@@ -988,10 +988,10 @@ mod tests {
         );
         let gpus = Arc::new(GpuManager::open(&Default::default()));
         let r = registry(&node, &gpus);
-        node.stats.chunks_verified.fetch_add(7, Ordering::Relaxed);
-        node.counters.sent.fetch_add(1 << 20, Ordering::Relaxed);
-        node.metrics.gpu_load_done(Some(2.0));
-        node.store.stats().chunk_verify.observe(0.003);
+        node.stats().chunks_verified.fetch_add(7, Ordering::Relaxed);
+        node.counters().sent.fetch_add(1 << 20, Ordering::Relaxed);
+        node.metrics().gpu_load_done(Some(2.0));
+        node.store().stats().chunk_verify.observe(0.003);
         let text = encode(&r);
 
         let mut families = std::collections::BTreeSet::new();
@@ -1045,7 +1045,7 @@ mod tests {
         // Insecure mode: no TLS or QUIC series.
         assert!(!text.contains("shardcast_tls_"), "{text}");
         assert!(!text.contains("shardcast_quic_"), "{text}");
-        node.cancel.cancel();
+        node.cancel().cancel();
     }
 
     #[test]

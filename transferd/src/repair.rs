@@ -14,7 +14,11 @@
 //! ```
 //!
 //! Both tasks are spawned by [`Node::new`](crate::chain::Node::new) when it runs inside a
-//! tokio runtime, hold only a weak reference to the node, and stop on its cancellation.
+//! tokio runtime. They run a `Repairer`: the store, the repair queue and sources, the
+//! chain's `Fetcher` (to fetch chunk spans from a source) and the session table (to fail
+//! the sessions that need a chunk that cannot be repaired) — nothing else of the node.
+//! They hold only a weak reference to it (the node holds the strong one), and stop on
+//! cancellation.
 //! Bounds: at most [`QUEUE`] requests wait (more are answered "queue full" at once),
 //! [`PARALLEL`] repairs run at a time, and at most [`SOURCES_PER_MODEL`] sources are
 //! remembered for each of at most [`MODELS`] models.
@@ -29,8 +33,8 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::chain::{Node, SessionError, ShardSession};
-use crate::store::{Check, Shard, StoreError};
+use crate::chain::{Fetcher, SessionError, Sessions, ShardSession};
+use crate::store::{Check, Shard, ShardStore, StoreError};
 
 /// Repair requests that may wait. Rationale: corruption is rare; a burst beyond this (a
 /// whole file overwritten) is answered at once and found again by the next read or scrub.
@@ -237,22 +241,46 @@ impl Repairs {
     }
 }
 
-/// Spawns the repairer and the scrub for `node` (once; later calls do nothing).
-pub(crate) fn spawn(node: &Arc<Node>) {
-    let Some(rx) = node.repairs.rx.lock().ok().and_then(|mut r| r.take()) else {
+/// What the repairer and the scrub are given (see the module docs).
+pub(crate) struct Repairer {
+    store: ShardStore,
+    repairs: Arc<Repairs>,
+    fetcher: Arc<Fetcher>,
+    sessions: Sessions,
+}
+
+impl Repairer {
+    pub(crate) fn new(
+        store: ShardStore,
+        repairs: Arc<Repairs>,
+        fetcher: Arc<Fetcher>,
+        sessions: Sessions,
+    ) -> Self {
+        Self {
+            store,
+            repairs,
+            fetcher,
+            sessions,
+        }
+    }
+}
+
+/// Spawns the repairer and the scrub for `repairer` (once; later calls do nothing).
+pub(crate) fn spawn(repairer: &Arc<Repairer>, cancel: &CancellationToken) {
+    let Some(rx) = repairer.repairs.rx.lock().ok().and_then(|mut r| r.take()) else {
         return;
     };
-    let weak = Arc::downgrade(node);
-    tokio::spawn(run_repairer(weak.clone(), rx, node.cancel.clone()));
-    let rate = node.store.scrub_rate();
+    let weak = Arc::downgrade(repairer);
+    tokio::spawn(run_repairer(weak.clone(), rx, cancel.clone()));
+    let rate = repairer.store.scrub_rate();
     if rate > 0 {
         info!(rate_bytes_per_s = rate, "scrub started");
-        tokio::spawn(run_scrub(weak, rate, node.cancel.clone()));
+        tokio::spawn(run_scrub(weak, rate, cancel.clone()));
     }
 }
 
 async fn run_repairer(
-    node: Weak<Node>,
+    node: Weak<Repairer>,
     mut rx: mpsc::Receiver<RepairRequest>,
     cancel: CancellationToken,
 ) {
@@ -296,7 +324,7 @@ fn runs(chunks: &[u32]) -> Vec<std::ops::Range<u32>> {
 }
 
 /// Repairs one request; see the module docs for the order of sources.
-async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
+async fn repair(node: &Repairer, req: RepairRequest) -> RepairOutcome {
     let RepairRequest {
         shard,
         mut chunks,
@@ -366,7 +394,7 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
             break;
         }
         let spans = runs(&chunks).into_iter().map(|r| (index, r)).collect();
-        if let Err(e) = node.fetch_spans(&manifest, src, tier, spans).await {
+        if let Err(e) = node.fetcher.fetch_spans(&manifest, src, tier, spans).await {
             warn!(model = %digest, shard = index, source = %src, "repair fetch failed: {e}");
         }
         missing(&mut chunks);
@@ -390,14 +418,14 @@ async fn repair(node: &Arc<Node>, req: RepairRequest) -> RepairOutcome {
         sess.fail(failed.clone());
     }
     // Sessions that forward this copy would otherwise wait for the chunks forever.
-    node.fail_sessions_needing(&shard, &chunks, &failed);
+    node.sessions.fail_needing(&shard, &chunks, &failed);
     Err(err)
 }
 
 /// Re-hashes every idle verified chunk (not verified within `reverify_after`) at `rate`
 /// bytes per second, one chunk at a time on the blocking pool; bad chunks are dropped by the
 /// check and queued for repair.
-async fn run_scrub(node: Weak<Node>, rate: u64, cancel: CancellationToken) {
+async fn run_scrub(node: Weak<Repairer>, rate: u64, cancel: CancellationToken) {
     let mut next = tokio::time::Instant::now();
     loop {
         let keys = match node.upgrade() {

@@ -60,7 +60,7 @@ pub async fn run(
 ) {
     // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
     // (its 0600 mode is the authentication); plaintext TCP only in insecure mode.
-    let security = match node.transports.tls() {
+    let security = match node.transports().tls() {
         Some(ctx) if !controller.starts_with("unix:") => {
             shardcast_identity::grpc::ClientSecurity::Tls(
                 ctx.clone(),
@@ -182,7 +182,7 @@ fn apply_registry(node: &Node, reported: &[ModelName], answer: &[NameBinding], s
             }
         }
     }
-    if let Err(e) = node.store.sync_names(reported, &registry, stated_ms) {
+    if let Err(e) = node.store().sync_names(reported, &registry, stated_ms) {
         warn!("could not save the name table: {e}");
     }
 }
@@ -221,7 +221,7 @@ pub fn build_report(
     inv: &Inventory,
     addrs: &Advertised,
 ) -> HostReport {
-    let holdings = node.store.holdings();
+    let holdings = node.store().holdings();
     let mut used = [0u64; 2];
     let mut held = Vec::with_capacity(holdings.len());
     for h in &holdings {
@@ -242,22 +242,22 @@ pub fn build_report(
         });
     }
     let (mem_capacity, mem_free) = space(
-        node.store.tier_root(DataTier::Memory),
+        node.store().tier_root(DataTier::Memory),
         inv.memory_capacity,
         used[0],
     );
     // A memory tier on tmpfs is RAM: no more is free than the host can still give it.
     let mem_free = node
-        .store
+        .store()
         .host_room(DataTier::Memory)
         .map_or(mem_free, |room| mem_free.min(room));
     let (disk_capacity, disk_free) = space(
-        node.store.tier_root(DataTier::Disk),
+        node.store().tier_root(DataTier::Disk),
         inv.disk_capacity,
         used[1],
     );
     HostReport {
-        host_id: node.host.to_string(),
+        host_id: node.host().to_string(),
         data_addr: addrs.data.clone(),
         agent_addr: addrs.agent.clone(),
         zone: inv.zone.clone(),
@@ -292,7 +292,7 @@ pub fn build_report(
             }
         },
         holdings: held,
-        bound_names: node.store.names().into_iter().map(|(n, _)| n).collect(),
+        bound_names: node.store().names().into_iter().map(|(n, _)| n).collect(),
         version: env!("CARGO_PKG_VERSION").into(),
         started_at_ms: process_started_ms(),
         draining: node.draining(),

@@ -2,27 +2,78 @@
 //! (`Fetch`): used by recovery, by a head that does not hold its shard, by imports and by
 //! repairs.
 //!
-//! `Node::fetch_model` fetches a whole model (an import with `fetch`), `Node::adopt_staged`
-//! moves a kept import into the store shard by shard, and `Node::fetch_spans` fetches chunk
-//! ranges in a given order (whole-model imports, partition-first loads, repairs).
+//! [`Fetcher`] is the role; it is given the peer links (to dial holders), the store, an
+//! [`Intake`] (to store and count chunks), the repair sources (it notes where it fetched
+//! from) and its part of the tuning (the origin allow-list, parallelism, timeouts). It
+//! reaches no session table and sends to no downstream.
+//!
+//! `Fetcher::fetch_model` fetches a whole model (an import with `fetch`),
+//! `Fetcher::adopt_staged` moves a kept import into the store shard by shard, and
+//! `Fetcher::fetch_spans` fetches chunk ranges in a given order (whole-model imports,
+//! partition-first loads, repairs); `Fetcher::pull_while_progressing` pulls from a holder
+//! above for as long as it has something new (recovery, a bypassed head).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    DataTier, Frame, HopTransport, HostId, Manifest, SessionId, VerifiedChunk,
+    DataTier, Frame, Hop, HopTransport, HostId, Manifest, SessionId, VerifiedChunk,
 };
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use super::handshake::Links;
 use super::outcome::FetchError;
-use super::session::{ChunkFrom, Incoming};
-use super::{ChainError, Node, ShardSession, read_timeout};
-use crate::origin::{self, Origin};
+use super::session::{ChunkFrom, Incoming, Intake};
+use super::{ChainConfig, ChainError, ShardSession, read_timeout};
+use crate::origin::{self, Origin, OriginAccess};
+use crate::repair::Repairs;
+use crate::store::ShardStore;
 use crate::wire::Conn;
 
-impl Node {
+/// Pulls in a row that bring nothing new before a holder is left for the next source.
+/// Rationale: a live holder above that is itself still receiving has new chunks at every
+/// pull; four empty pulls a quarter stall timeout apart (about a stall timeout in all) mean
+/// it is starved too.
+const EMPTY_PULLS: u32 = 4;
+
+/// Fetches chunks into sessions from origins and holders. See the module docs.
+pub(crate) struct Fetcher {
+    links: Links,
+    intake: Intake,
+    store: ShardStore,
+    repairs: Arc<Repairs>,
+    /// The origin allow-list.
+    origins: OriginAccess,
+    /// Concurrent range reads from an origin.
+    origin_parallel: usize,
+    /// The longest wait for a holder answering `Fetch` from a `shardcast://` source.
+    idle_timeout: Duration,
+    /// A holder above that answers nothing for this long is left for the next source.
+    stall_timeout: Duration,
+}
+
+impl Fetcher {
+    pub(super) fn new(
+        links: Links,
+        intake: Intake,
+        store: ShardStore,
+        repairs: Arc<Repairs>,
+        cfg: &ChainConfig,
+    ) -> Self {
+        Self {
+            links,
+            intake,
+            store,
+            repairs,
+            origins: cfg.origins.clone(),
+            origin_parallel: cfg.origin_parallel,
+            idle_timeout: cfg.idle_timeout,
+            stall_timeout: cfg.stall_timeout,
+        }
+    }
+
     /// Fetches `missing` chunks of the session's shard from `source` into the store:
     /// `shardcast://host:port` pulls from another holder, anything else is an origin URI.
     pub(super) async fn fill(
@@ -42,14 +93,14 @@ impl Node {
                 _ => return Ok(()),
             };
             return self
-                .pull_from_holder(sess, addr, None, span, self.cfg.idle_timeout)
+                .pull_from_holder(sess, addr, None, span, self.idle_timeout)
                 .await
                 .map_err(|error| FetchError::Holder {
                     holder: addr.to_string(),
                     error,
                 });
         }
-        let origin = Origin::parse(source, &self.cfg.origins)?;
+        let origin = Origin::parse(source, &self.origins)?;
         self.fill_from(sess, &origin, missing, ChunkFrom::Origin)
             .await
     }
@@ -63,19 +114,20 @@ impl Node {
         missing: Vec<u32>,
         from: ChunkFrom,
     ) -> Result<(), FetchError> {
-        let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.cfg.origin_parallel.max(1) * 2);
+        let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.origin_parallel.max(1) * 2);
         let fetch = {
             let origin = origin.clone();
             let manifest = sess.manifest.clone();
             let shard = sess.shard_index();
-            let parallel = self.cfg.origin_parallel;
+            let parallel = self.origin_parallel;
             tokio::spawn(async move {
                 origin::fetch_chunks(&origin, manifest, shard, missing, parallel, tx).await
             })
         };
         while let Some(chunk) = rx.recv().await {
             let index = chunk.index();
-            self.store_chunk(sess, index, Incoming::Verified(chunk), from)
+            self.intake
+                .store_chunk(sess, index, Incoming::Verified(chunk), from)
                 .await?;
         }
         Ok(fetch.await??)
@@ -84,7 +136,7 @@ impl Node {
     /// Pulls every chunk of `span` (within the session's range) that `addr` holds; the
     /// holder must be host `expect` when given, be connected within twice `patience`, and
     /// send each frame within `patience`.
-    pub(super) async fn pull_from_holder(
+    async fn pull_from_holder(
         &self,
         sess: &ShardSession,
         addr: &str,
@@ -95,7 +147,7 @@ impl Node {
         // A stopped holder's kernel still completes the TCP handshake: bound the set-up too.
         let setup = patience * 2;
         let result = async {
-            let connect = self.connect(sess.transport, addr, expect);
+            let connect = self.links.connect(sess.transport, addr, expect);
             let (mut conn, _) = tokio::time::timeout(setup, connect)
                 .await
                 .map_err(|_| ChainError::Timeout(setup))??;
@@ -103,7 +155,7 @@ impl Node {
         }
         .await;
         if let Err(e) = &result {
-            self.forget_path(sess.transport, addr, e);
+            self.links.forget_path(sess.transport, addr, e);
         }
         result
     }
@@ -133,7 +185,8 @@ impl Node {
                 } if s == shard && (sess.start..sess.end).contains(&index) => {
                     // A corrupt one is counted and dropped; what is missing is fetched by
                     // the next recovery attempt.
-                    self.store_chunk(sess, index, Incoming::Unverified(data), ChunkFrom::Holder)
+                    self.intake
+                        .store_chunk(sess, index, Incoming::Unverified(data), ChunkFrom::Holder)
                         .await?;
                 }
                 Frame::Done => return Ok(()),
@@ -150,7 +203,7 @@ impl Node {
 
     /// Downloads a whole model from an origin into `tier` (the agent's `ImportModel` with
     /// `fetch`).
-    pub async fn fetch_model(
+    pub(crate) async fn fetch_model(
         &self,
         manifest: &Arc<Manifest>,
         origin: &str,
@@ -182,7 +235,7 @@ impl Node {
     /// rename fails, is topped up from the staged file on the verified path every chunk
     /// takes, and that staged file removed once it is in. `origin` (the real one) is noted
     /// for repairs.
-    pub async fn adopt_staged(
+    pub(crate) async fn adopt_staged(
         &self,
         manifest: &Arc<Manifest>,
         staging: &crate::store::Staging,
@@ -196,9 +249,7 @@ impl Node {
             let s = s as u32;
             match self.store.adopt_kept(&model, s, tier, staging) {
                 Ok(Some(shard)) if shard.is_complete() => {
-                    self.stats
-                        .kept_bytes
-                        .fetch_add(entry.size, Ordering::Relaxed);
+                    self.intake.count_kept(entry.size);
                     continue;
                 }
                 Ok(_) => {}
@@ -210,7 +261,7 @@ impl Node {
             let total = shard.total_chunks();
             let missing: Vec<u32> = shard.verified_set(0, total).missing().collect();
             if !missing.is_empty() {
-                let (sess, _active) = self.new_session(
+                let (sess, _active) = self.intake.new_session(
                     SessionId([0; 16]),
                     model,
                     manifest.clone(),
@@ -237,7 +288,7 @@ impl Node {
     /// host does not hold yet, in the order given, into `tier`. `source` is an origin URL or
     /// `shardcast://host:port`, a peer's data listener. Used for whole-model imports and for
     /// partitioned loads (the partition's chunks first, then the rest).
-    pub async fn fetch_spans(
+    pub(crate) async fn fetch_spans(
         &self,
         manifest: &Arc<Manifest>,
         source: &str,
@@ -263,7 +314,7 @@ impl Node {
             if missing.is_empty() {
                 continue;
             }
-            let (sess, _active) = self.new_session(
+            let (sess, _active) = self.intake.new_session(
                 SessionId([0; 16]),
                 model,
                 manifest.clone(),
@@ -277,5 +328,41 @@ impl Node {
             debug!(model = %model, shard = s, start, end, "chunks fetched");
         }
         Ok(())
+    }
+
+    /// Pulls from a holder above for as long as it has something new: a hop above that is
+    /// still receiving has more at each pull.
+    pub(super) async fn pull_while_progressing(
+        &self,
+        sess: &ShardSession,
+        hop: &Hop,
+    ) -> Result<(), FetchError> {
+        let mut empty = 0;
+        loop {
+            let held = sess.shard.verified_set(sess.start, sess.end);
+            let mut missing = held.missing();
+            let span = match (missing.next(), missing.last()) {
+                (Some(first), last) => first..last.unwrap_or(first).saturating_add(1),
+                (None, _) => return Ok(()),
+            };
+            let before = sess.verified();
+            // A holder that stops answering for a stall timeout is left for the next source;
+            // a long pull that keeps delivering is not cut short.
+            self.pull_from_holder(sess, &hop.addr, Some(&hop.host), span, self.stall_timeout)
+                .await
+                .map_err(|error| FetchError::Holder {
+                    holder: hop.host.to_string(),
+                    error,
+                })?;
+            if sess.verified() > before {
+                empty = 0;
+                continue;
+            }
+            empty += 1;
+            if empty >= EMPTY_PULLS {
+                return Ok(());
+            }
+            tokio::time::sleep(self.stall_timeout / 4).await;
+        }
     }
 }

@@ -8,31 +8,83 @@
 //! twice it stops, and a head then pulls the rest from the hop below instead of the origin.
 //! It reads through `Shard::read_checked`, re-hashing up to `CHECK_AHEAD` (4) chunks ahead of
 //! the socket; a chunk that fails is never sent but repaired and sent afterwards.
+//!
+//! [`Forwarder`] is given the peer links (to dial the next hop), the counters, a repair
+//! queue handle, the fault injection (tests), the shutdown token and its part of the tuning
+//! (the send window, timeouts, `sendfile`). It reads the one session it forwards; it reaches
+//! no session table, no store-failure record and no origin.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use bytes::BytesMut;
 use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, SessionHeader};
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
+use super::handshake::Links;
 use super::outcome::{ForwardError, HopFailure};
-use super::proto::{Answer, LocalCopy, Repair, SendOutcome, SendWindow, Transmit};
+use super::proto::{
+    Answer, LocalCopy, Repair, SendOutcome, SendWindow, SendWindowConfig, Transmit,
+};
 use super::session::ForwardState;
-use super::{CHECK_AHEAD, ChainError, Node, ShardSession, now, read_timeout, sleep_until};
-use crate::repair::RepairRequest;
+use super::{
+    CHECK_AHEAD, ChainConfig, ChainError, Faults, NodeStats, ShardSession, now, read_timeout,
+    sleep_until,
+};
+use crate::repair::{RepairHandle, RepairRequest};
 use crate::store::Shard;
 use crate::store::{Check, StoreError};
 use crate::wire::{Conn, FileRegion};
 
-impl Node {
-    pub(super) fn spawn_forwarder(self: &Arc<Self>, sess: &Arc<ShardSession>, hops: Vec<Hop>) {
-        let node = self.clone();
+/// Sends sessions' chunks down the chain. See the module docs.
+pub(super) struct Forwarder {
+    links: Links,
+    stats: Arc<NodeStats>,
+    repairs: RepairHandle,
+    faults: Arc<Faults>,
+    cancel: CancellationToken,
+    /// The send window's tuning.
+    window: SendWindowConfig,
+    /// A downstream that makes no progress for this long is bypassed.
+    stall_timeout: Duration,
+    /// The longest wait for the downstream's `Accept`.
+    idle_timeout: Duration,
+    /// Send payloads from the store's files (plaintext TCP).
+    sendfile: bool,
+}
+
+impl Forwarder {
+    pub(super) fn new(
+        links: Links,
+        stats: Arc<NodeStats>,
+        repairs: RepairHandle,
+        faults: Arc<Faults>,
+        cancel: CancellationToken,
+        cfg: &ChainConfig,
+    ) -> Self {
+        Self {
+            links,
+            stats,
+            repairs,
+            faults,
+            cancel,
+            window: cfg.send_window(),
+            stall_timeout: cfg.stall_timeout,
+            idle_timeout: cfg.idle_timeout,
+            sendfile: cfg.sendfile,
+        }
+    }
+
+    /// Starts the session's forwarder to `hops`; its result lands in the session.
+    pub(super) fn spawn(self: &Arc<Self>, sess: &Arc<ShardSession>, hops: Vec<Hop>) {
+        let this = self.clone();
         let sess = sess.clone();
         let span = info_span!("forward", session = %sess.id, model = %sess.model, shard = sess.shard_index());
         tokio::spawn(
             async move {
-                let result = node.forward(&sess, hops).await;
+                let result = this.forward(&sess, hops).await;
                 if let Err(e) = &result {
                     warn!("forwarding ended: {e}");
                 }
@@ -65,7 +117,7 @@ impl Node {
                 // Its upstream may have died a moment ago without it noticing yet: ask once
                 // more. If it is still fed, the chain below goes on without us (we are a
                 // bypassed host that came back): stop, and complete our own copy as a leaf.
-                tokio::time::sleep(self.cfg.stall_timeout / 4).await;
+                tokio::time::sleep(self.stall_timeout / 4).await;
                 result = self.forward_to(sess, &hop, &hops).await;
                 if let Err(e) = &result
                     && e.is_already_fed()
@@ -107,7 +159,7 @@ impl Node {
             if e.is_stall() {
                 self.stats.downstream_stalls.fetch_add(1, Ordering::Relaxed);
             }
-            self.forget_path(sess.transport, &hop.addr, &e);
+            self.links.forget_path(sess.transport, &hop.addr, &e);
             warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
             failures.push(HopFailure::Hop {
                 host: hop.host.clone(),
@@ -126,17 +178,17 @@ impl Node {
     ) -> Result<(), ChainError> {
         // A hop that does not even accept within twice the stall timeout is stalled too
         // (a stopped host's kernel still completes the TCP handshake).
-        let setup = self.cfg.stall_timeout * 2;
+        let setup = self.stall_timeout * 2;
         let (mut conn, acked) = tokio::time::timeout(setup, self.open_downstream(sess, hop, rest))
             .await
             .map_err(|_| ChainError::Timeout(setup))??;
         // From here on, a chunk write the downstream does not drain within the stall
         // timeout means it is stalled (its receive buffer is full and it reads nothing).
-        conn.writer.set_write_timeout(Some(self.cfg.stall_timeout));
+        conn.writer.set_write_timeout(Some(self.stall_timeout));
         info!(peer = %hop.host, already = acked.len(), "downstream accepted");
         let shard = sess.shard_index();
         let copy: &Shard = &sess.shard;
-        let mut window = SendWindow::new(acked, self.cfg.send_window(), now());
+        let mut window = SendWindow::new(acked, self.window, now());
         let mut local = sess.shard.subscribe();
         let mut failed = sess.failed.subscribe();
         loop {
@@ -176,7 +228,6 @@ impl Node {
                 // With `sendfile` on, the payload's place in the store's file, to send it from
                 // there (plaintext TCP); not for a chunk corrupted in flight by fault injection.
                 let mut file = self
-                    .cfg
                     .sendfile
                     .then(|| sess.shard.chunk_in_file(index).ok())
                     .flatten()
@@ -264,6 +315,7 @@ impl Node {
         rest: &[Hop],
     ) -> Result<(Conn, ChunkSet), ChainError> {
         let (mut conn, remote) = self
+            .links
             .connect(sess.transport, &hop.addr, Some(&hop.host))
             .await?;
         if remote != hop.host {
@@ -285,7 +337,7 @@ impl Node {
             origin: sess.origin.clone(),
             downstream: rest.to_vec(),
             token: sess.token.clone(),
-            upstream: sess.upstream_for(self.own_hop(), &hop.host),
+            upstream: sess.upstream_for(self.links.own_hop(), &hop.host),
             transport: sess.transport,
         };
         // The manifest follows the `Open` (protocol v6): the receiver reads it only once the
@@ -294,7 +346,7 @@ impl Node {
         conn.writer
             .send_now(&Frame::Manifest((*sess.manifest).clone()))
             .await?;
-        match read_timeout(&mut conn, self.cfg.idle_timeout).await? {
+        match read_timeout(&mut conn, self.idle_timeout).await? {
             Frame::Accept { have } if have.range() == (sess.start..sess.end) => Ok((conn, have)),
             Frame::Accept { have } => Err(ChainError::protocol(format!(
                 "Accept covers {:?}, expected {}..{}",

@@ -1,19 +1,27 @@
-//! Connections between hops: connecting to a hop's data port (over the session's
-//! transport) and the `Hello` exchange, bound to the host id of the peer's certificate.
+//! Connections between hops ([`Links`]): connecting to a hop's data port (over the
+//! session's transport) and the `Hello` exchange, bound to the host id of the peer's
+//! certificate.
+//!
+//! [`Links`] is the handle every role that talks to a peer is given: this host's id and
+//! data address, the transports, the daemon-wide rate limits, the wire's byte counters and
+//! the frame budget. It frames streams into [`Conn`]s; it holds no session.
 //!
 //! A QUIC `Hello` that fails on a held connection is retried once on a new one (the old
 //! connection is forgotten: `forget_path`).
 
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use shardcast_identity::{Peer, Role};
-use shardcast_protocol::{ErrorCode, Frame, HopTransport, HostId, PROTOCOL_VERSION};
+use shardcast_protocol::{ErrorCode, Frame, Hop, HopTransport, HostId, PROTOCOL_VERSION};
 use tracing::debug;
 
-use super::{ChainError, Node, read_timeout};
-use crate::transport::Transport;
+use super::{ChainError, NodeStats, read_timeout};
+use crate::throttle::RateLimiter;
+use crate::transport::{Transport, Transports};
 use crate::wire::Halves;
-use crate::wire::{Conn, WireError};
+use crate::wire::{ByteCounters, Conn, FrameBudget, WireError};
 
 /// Whose share of the frame budget a connection's large frames draw on: the peer's
 /// certificate identity, or its address on a plaintext (loopback-only) connection.
@@ -24,7 +32,80 @@ pub(super) fn budget_key(peer: &Peer, addr: &str) -> String {
     }
 }
 
-impl Node {
+/// How this host reaches peers and frames their streams. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Links {
+    /// This host's id (named in our `Hello` and `Progress`).
+    host: HostId,
+    /// This host's data address as peers reach it, once the listener is up.
+    advertised: Arc<OnceLock<String>>,
+    transports: Transports,
+    ingress: RateLimiter,
+    egress: RateLimiter,
+    counters: Arc<ByteCounters>,
+    frame_budget: Arc<FrameBudget>,
+    /// For `identity_mismatch` only.
+    stats: Arc<NodeStats>,
+    /// `limits.write_timeout`: the longest wait for a write to drain.
+    write_timeout: Duration,
+    /// The longest wait for the peer's `Hello`.
+    idle_timeout: Duration,
+}
+
+impl Links {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        host: HostId,
+        transports: Transports,
+        (ingress, egress): (RateLimiter, RateLimiter),
+        counters: Arc<ByteCounters>,
+        frame_budget: Arc<FrameBudget>,
+        stats: Arc<NodeStats>,
+        write_timeout: Duration,
+        idle_timeout: Duration,
+    ) -> Self {
+        Self {
+            host,
+            advertised: Arc::default(),
+            transports,
+            ingress,
+            egress,
+            counters,
+            frame_budget,
+            stats,
+            write_timeout,
+            idle_timeout,
+        }
+    }
+
+    /// This host's id.
+    pub(crate) fn host(&self) -> &HostId {
+        &self.host
+    }
+
+    /// The transports (TCP, and QUIC when bound).
+    pub(crate) fn transports(&self) -> &Transports {
+        &self.transports
+    }
+
+    /// The wire's byte counters.
+    pub(crate) fn counters(&self) -> &Arc<ByteCounters> {
+        &self.counters
+    }
+
+    /// Sets the data address peers reach this host at (once; later calls are ignored).
+    pub(crate) fn set_advertised(&self, addr: String) {
+        let _ = self.advertised.set(addr);
+    }
+
+    /// This host as a hop, when its data address is known.
+    pub(super) fn own_hop(&self) -> Option<Hop> {
+        self.advertised.get().map(|addr| Hop {
+            host: self.host.clone(),
+            addr: addr.clone(),
+        })
+    }
+
     /// Connects to a hop's data port over `kind` and exchanges `Hello`s; with TLS or QUIC
     /// the peer must be a `host` (exactly `expect` when given). Returns the connection and
     /// the host id the peer's `Hello` named (its certificate's).
@@ -87,8 +168,7 @@ impl Node {
             self.frame_budget.clone(),
         );
         conn.reader.set_peer(budget_key);
-        conn.writer
-            .set_write_timeout(Some(self.cfg.limits.write_timeout));
+        conn.writer.set_write_timeout(Some(self.write_timeout));
         conn
     }
 
@@ -119,7 +199,7 @@ impl Node {
             host: self.host.clone(),
         };
         conn.writer.send_now(&hello).await?;
-        let timeout = self.cfg.idle_timeout;
+        let timeout = self.idle_timeout;
         match read_timeout(conn, timeout).await? {
             Frame::Hello { version, host } if version == PROTOCOL_VERSION => Ok(host),
             Frame::Hello { version, .. } => Err(ChainError::refused(

@@ -5,9 +5,16 @@
 //! With `stripes` above 1, each shard is cut into contiguous ranges (`stripe_ranges`), one
 //! session per stripe, each with its own forwarder, connection and recovery monitor down the
 //! chain; the hops below follow the ranges in the `Open`s.
+//!
+//! [`Heads`] is the role. It is given the store (the shards it sends), the session table
+//! (it holds its head sessions there), an [`Intake`] (to make sessions), the repair sources
+//! (it notes the origin), the [`Forwarder`] and [`Fetcher`] its sessions run, the shutdown
+//! token and `stripes`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
 
 use bytes::Bytes;
 use shardcast_protocol::{
@@ -15,9 +22,14 @@ use shardcast_protocol::{
 };
 use tracing::{info, warn};
 
+use super::fetch::Fetcher;
+use super::forward::Forwarder;
 use super::outcome::{FetchError, SessionError};
-use super::session::FeederGuard;
-use super::{ChainError, Node, ShardSession, stripe_ranges};
+use super::session::{FeederGuard, Intake};
+use super::table::Sessions;
+use super::{ChainError, ShardSession, stripe_ranges};
+use crate::repair::Repairs;
+use crate::store::ShardStore;
 
 /// How long a finished head session stays queryable through `GetSession`.
 const HEAD_RETENTION: Duration = Duration::from_secs(600);
@@ -44,12 +56,48 @@ pub struct ChainSpec {
     pub hops: Vec<Hop>,
 }
 
-impl Node {
+/// Starts and holds the chains this host heads. See the module docs.
+pub(super) struct Heads {
+    store: ShardStore,
+    sessions: Sessions,
+    intake: Intake,
+    repairs: Arc<Repairs>,
+    forwarder: Arc<Forwarder>,
+    fetcher: Arc<Fetcher>,
+    cancel: CancellationToken,
+    /// Connections each shard is striped over.
+    stripes: usize,
+}
+
+impl Heads {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        store: ShardStore,
+        sessions: Sessions,
+        intake: Intake,
+        repairs: Arc<Repairs>,
+        forwarder: Arc<Forwarder>,
+        fetcher: Arc<Fetcher>,
+        cancel: CancellationToken,
+        stripes: usize,
+    ) -> Self {
+        Self {
+            store,
+            sessions,
+            intake,
+            repairs,
+            forwarder,
+            fetcher,
+            cancel,
+            stripes,
+        }
+    }
+
     /// Starts a chain session headed by this host (the agent API's `StartChain`); its hops
     /// dial each other with `transport`.
     #[allow(clippy::too_many_arguments)]
-    pub fn start_chain(
-        self: &Arc<Self>,
+    pub(super) fn start_chain(
+        &self,
         id: SessionId,
         manifest: Arc<Manifest>,
         origin: String,
@@ -88,12 +136,7 @@ impl Node {
                 plan.push((s, held, chain.hops.clone()));
             }
         }
-        if self
-            .heads
-            .lock()
-            .map(|h| h.contains_key(&id))
-            .unwrap_or(false)
-        {
+        if self.sessions.has_head(&id) {
             return Err(ChainError::refused(
                 ErrorCode::Refused,
                 format!("session {id} already exists"),
@@ -104,14 +147,14 @@ impl Node {
         for (s, held, hops) in plan {
             let shard = match held {
                 Some(h) => h,
-                None => self
-                    .store
-                    .shard(&model, s, tier)
-                    .inspect_err(|e| self.note_store_failure(model, tier, id, e.to_string()))?,
+                None => self.store.shard(&model, s, tier).inspect_err(|e| {
+                    self.intake
+                        .note_store_failure(model, tier, id, e.to_string());
+                })?,
             };
             // One session per stripe of the shard, each on its own connection.
-            for range in stripe_ranges(shard.total_chunks(), self.cfg.stripes) {
-                let (sess, active) = self.new_session(
+            for range in stripe_ranges(shard.total_chunks(), self.stripes) {
+                let (sess, active) = self.intake.new_session(
                     id,
                     model,
                     manifest.clone(),
@@ -124,7 +167,7 @@ impl Node {
                 if !sess.complete() {
                     self.spawn_head_fill(&sess);
                 }
-                self.spawn_forwarder(&sess, hops.clone());
+                self.forwarder.spawn(&sess, hops.clone());
                 let watched = sess.clone();
                 tokio::spawn(async move {
                     let _ = watched.finished().await;
@@ -139,12 +182,10 @@ impl Node {
             started: Instant::now(),
             parts,
         });
-        if let Ok(mut h) = self.heads.lock() {
-            h.insert(id, head.clone());
-        }
+        self.sessions.insert_head(&head);
         // Keep a finished head session queryable (GetSession) for a while, then drop it so
         // a long-running daemon does not accumulate them.
-        let node = self.clone();
+        let (sessions, cancel) = (self.sessions.clone(), self.cancel.clone());
         let finished = head.clone();
         tokio::spawn(async move {
             for part in &finished.parts {
@@ -152,11 +193,9 @@ impl Node {
             }
             tokio::select! {
                 _ = tokio::time::sleep(HEAD_RETENTION) => {}
-                _ = node.cancel.cancelled() => {}
+                _ = cancel.cancelled() => {}
             }
-            if let Ok(mut h) = node.heads.lock() {
-                h.remove(&finished.id);
-            }
+            sessions.remove_head(&finished.id);
         });
         info!(session = %id, model = %model, chains = chains.len(), "chain session started");
         Ok(head)
@@ -164,8 +203,8 @@ impl Node {
 
     /// The head does not hold the shard: fetch it from the origin; the forwarder sends each
     /// chunk on as it lands.
-    fn spawn_head_fill(self: &Arc<Self>, sess: &Arc<ShardSession>) {
-        let node = self.clone();
+    fn spawn_head_fill(&self, sess: &Arc<ShardSession>) {
+        let fetcher = self.fetcher.clone();
         let sess = sess.clone();
         tokio::spawn(async move {
             let _guard = FeederGuard::new(&sess.feeders);
@@ -177,9 +216,9 @@ impl Node {
             let origin = sess.origin.clone();
             let mut bypassed = sess.bypassed.subscribe();
             let result = tokio::select! {
-                r = node.fill(&sess, &origin, missing) => r,
+                r = fetcher.fill(&sess, &origin, missing) => r,
                 below = bypassed_by(&mut bypassed) => {
-                    node.rejoin_as_leaf(&sess, below, &origin).await
+                    rejoin_as_leaf(&fetcher, &sess, below, &origin).await
                 }
             };
             if let Err(e) = result {
@@ -189,29 +228,29 @@ impl Node {
             }
         });
     }
+}
 
-    /// This host was stopped or cut off and the chain went on from the origin without it:
-    /// the hop `below` holds (or is receiving) the rest. Pulls from it rather than reading
-    /// the origin a second time; the origin only for what it cannot give.
-    async fn rejoin_as_leaf(
-        &self,
-        sess: &ShardSession,
-        below: Option<Hop>,
-        origin: &str,
-    ) -> Result<(), FetchError> {
-        if let Some(hop) = below {
-            info!(session = %sess.id, below = %hop.host, "bypassed: pulling the rest from the hop below instead of the origin");
-            if let Err(e) = self.pull_while_progressing(sess, &hop).await {
-                warn!(session = %sess.id, "pulling from the hop below failed: {e}");
-            }
+/// This host was stopped or cut off and the chain went on from the origin without it: the
+/// hop `below` holds (or is receiving) the rest. Pulls from it rather than reading the
+/// origin a second time; the origin only for what it cannot give.
+async fn rejoin_as_leaf(
+    fetcher: &Fetcher,
+    sess: &ShardSession,
+    below: Option<Hop>,
+    origin: &str,
+) -> Result<(), FetchError> {
+    if let Some(hop) = below {
+        info!(session = %sess.id, below = %hop.host, "bypassed: pulling the rest from the hop below instead of the origin");
+        if let Err(e) = fetcher.pull_while_progressing(sess, &hop).await {
+            warn!(session = %sess.id, "pulling from the hop below failed: {e}");
         }
-        let missing: Vec<u32> = sess
-            .shard
-            .verified_set(sess.start, sess.end)
-            .missing()
-            .collect();
-        self.fill(sess, origin, missing).await
     }
+    let missing: Vec<u32> = sess
+        .shard
+        .verified_set(sess.start, sess.end)
+        .missing()
+        .collect();
+    fetcher.fill(sess, origin, missing).await
 }
 
 /// The hop below that answered `AlreadyFed` (see [`ShardSession`]'s `bypassed`); never

@@ -12,10 +12,10 @@
 //! One [`ShardSession`] exists per (session id, shard) on each host. It owns the shard's
 //! range, the list of hosts below, and three kinds of tasks:
 //!
-//! * `handle_upstream` (`upstream.rs`; one per upstream connection, more than one when an
-//!   upstream's upstream fails over to us): reads `Chunk` frames, verifies each against the
-//!   manifest, writes it positionally into the store, answers `Ack` (or `Nack` on a hash
-//!   mismatch, so the sender sends it again) and relays `Progress` from below.
+//! * `Receiver::handle_upstream` (`upstream.rs`; one per upstream connection, more than one
+//!   when an upstream's upstream fails over to us): reads `Chunk` frames, verifies each
+//!   against the manifest, writes it positionally into the store, answers `Ack` (or `Nack`
+//!   on a hash mismatch, so the sender sends it again) and relays `Progress` from below.
 //! * the forwarder (`forward.rs`; one per session): waits on the store's "newly verified"
 //!   signal and sends each chunk on as soon as it is here (cut-through), keeping at most
 //!   `window` chunks unacknowledged. If the next hop dies or refuses, it connects to the one
@@ -46,10 +46,41 @@
 //! be completed (the session failed) stops without failing over: the downstream hop is not
 //! at fault, and its recovery monitor fetches from its fallback source.
 //!
-//! The `Node` also records the store's refusals of a model's data per (model, tier) with the
-//! session (`note_store_failure`: a shard that did not fit, a write the file system
-//! failed — the session ends instead of fetching the same chunks again), reported by
-//! `GetModelStatus` until a new session of the model in that tier starts.
+//! The store's refusals of a model's data are recorded per (model, tier) with the session
+//! (`table::StoreFailures`: a shard that did not fit, a write the file system failed — the
+//! session ends instead of fetching the same chunks again), reported by `GetModelStatus`
+//! until a new session of the model in that tier starts.
+//!
+//! ## Roles and their handles
+//!
+//! Each role is a struct given only the handles it needs; what a role may touch is what it
+//! was given. [`Node`] builds the handles once, hands each role its part, and keeps its own
+//! fields private: the rest of the daemon reaches the chain through `Node`'s methods and
+//! accessors (the agent API, metrics, heartbeats, GPU loads).
+//!
+//! | handle | what it is |
+//! | --- | --- |
+//! | `Links` (`handshake`) | this host's id and data address, the transports, the rate limits, the wire's byte counters, the frame budget: dialling, framing, `Hello` |
+//! | [`ShardStore`] | the store |
+//! | `Sessions` (`table`) | the hop and head session tables, and whether the host drains |
+//! | `StoreFailures` (`table`) | the store's refusals per (model, tier) |
+//! | `Intake` (`session`) | the counters and `StoreFailures`: makes sessions, stores and counts chunks |
+//! | [`Repairs`] / [`RepairHandle`](crate::repair::RepairHandle) | the repair sources and queue / the queue alone |
+//! | [`NodeStats`], `DataMetrics` | counters, histograms |
+//! | `CancellationToken` | shutdown |
+//!
+//! | role | is given |
+//! | --- | --- |
+//! | `Server` (`serve`) | `Links`, the `Receiver`, the store, a `RepairHandle`, counters, cancel, the connection caps, handshake/idle timeouts, `sendfile` |
+//! | `Receiver` (`upstream`) | `Links`, `Sessions`, the store, `Intake`, `Repairs` (sources), counters and histograms, cancel, the `Forwarder` and `Recovery` it starts, the origin allow-list, `max_sessions`, the receiving end's tuning |
+//! | `Forwarder` (`forward`) | `Links`, counters, a `RepairHandle`, fault injection, cancel, the send window's tuning, `sendfile` |
+//! | `Recovery` (`recovery`) | the `Fetcher`, counters, cancel, `upstream_grace` |
+//! | `Fetcher` (`fetch`) | `Links`, `Intake`, the store, `Repairs` (sources), the origin allow-list, parallelism, timeouts |
+//! | `Heads` (`head`) | the store, `Sessions`, `Intake`, `Repairs` (sources), the `Forwarder`, the `Fetcher`, cancel, `stripes` |
+//! | `Repairer` (`crate::repair`) | the store, `Repairs`, the `Fetcher`, `Sessions` |
+//!
+//! No role but `Receiver`, `Heads` and `Repairer` reaches the session table; only `Intake`
+//! writes the store-failure records; no role holds the `Node`.
 //!
 //! ## Copies and passes over each byte (issue #16)
 //!
@@ -81,10 +112,11 @@
 //!
 //! | file | role |
 //! | --- | --- |
-//! | `mod.rs` | [`Node`], its tuning ([`ChainConfig`]), counters ([`NodeStats`]) and errors |
+//! | `mod.rs` | [`Node`] (the assembly of the handles and roles), its tuning ([`ChainConfig`]), counters ([`NodeStats`]) and errors |
 //! | `proto` | the protocol's decisions as pure state machines (no I/O, no clock): the send window, the receiving end, the recovery monitor; tested in virtual time |
-//! | `session` | [`ShardSession`] (one shard of a session on this host), its RAII gauges, and `store_chunk`: the one path that verifies, writes and counts a chunk |
-//! | `handshake` | connecting to a hop, the `Hello` exchange bound to the peer's certificate |
+//! | `session` | [`ShardSession`] (one shard of a session on this host), its RAII gauges, and `Intake`: the one path that verifies, writes and counts a chunk |
+//! | `table` | `Sessions` (the session tables, draining) and `StoreFailures` |
+//! | `handshake` | `Links`: connecting to a hop, the `Hello` exchange bound to the peer's certificate |
 //! | `serve` | the data port's accepted connections: an upstream's `Open`, or `Fetch` (the pull server) |
 //! | `upstream` | joining a session (plan token, fallback origin, caps) and receiving from an upstream |
 //! | `forward` | the forwarder: sending to the downstream with failover |
@@ -92,14 +124,17 @@
 //! | `fetch` | fetching chunks from an origin or a holder into a session (recovery, head fill, imports) |
 //! | `head` | head sessions started through the agent API |
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shardcast_protocol::{DataTier, ErrorCode, Frame, HostId, ModelDigest, SessionId};
+use bytes::Bytes;
+use shardcast_protocol::{
+    DataTier, ErrorCode, Frame, HopTransport, HostId, Manifest, ModelDigest, SessionId,
+};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 mod fetch;
 mod forward;
@@ -110,20 +145,31 @@ mod proto;
 mod recovery;
 mod serve;
 mod session;
+mod table;
 mod upstream;
 
+pub(crate) use fetch::Fetcher;
 pub use head::{ChainSpec, HeadSession};
 pub use outcome::{FetchError, ForwardError, HopFailure, RecoveryError, SessionError};
 pub use session::ShardSession;
+pub(crate) use table::Sessions;
 
+use forward::Forwarder;
+use handshake::Links;
+use head::Heads;
 use proto::{InboundConfig, SendFailure, SendWindowConfig};
+use recovery::Recovery;
+use serve::Server;
+use session::Intake;
+use table::StoreFailures;
+use upstream::Receiver;
 
 use crate::limits::{ConnLimits, Limits};
 use crate::origin::OriginAccess;
-use crate::repair::Repairs;
-use crate::store::{Shard, ShardStore};
+use crate::repair::{Repairer, Repairs};
+use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
-use crate::transport::Transports;
+use crate::transport::{Quic, Transports};
 use crate::wire::{ByteCounters, Conn, FrameBudget, WireError};
 
 /// Chunks a sender re-verifies ahead of the one it is sending (when they are not trusted):
@@ -443,52 +489,26 @@ impl Faults {
     }
 }
 
-/// Everything a host needs to take part in chains; one per daemon.
+/// Everything a host needs to take part in chains; one per daemon. It builds the handles,
+/// hands each role its part (see the module docs) and keeps them; it runs no role itself.
 pub struct Node {
-    /// This host's id.
-    pub host: HostId,
-    /// The local store.
-    pub store: ShardStore,
-    /// Transports to other hops: TCP, and QUIC when bound.
-    pub transports: Transports,
-    /// Daemon-wide ingress cap.
-    pub ingress: RateLimiter,
-    /// Daemon-wide egress cap.
-    pub egress: RateLimiter,
-    /// Wire byte counters.
-    pub counters: Arc<ByteCounters>,
-    /// Memory for frame bodies in flight on every connection (`cfg.limits.frame_memory`).
-    pub frame_budget: Arc<FrameBudget>,
-    /// Data-plane counters.
-    pub stats: Arc<NodeStats>,
-    /// Histograms of the data path (sessions, GPU loads), registered by
-    /// [`crate::metrics::registry`].
-    pub metrics: crate::metrics::DataMetrics,
-    /// Tuning.
-    pub cfg: ChainConfig,
-    /// Fault injection (tests only).
-    pub faults: Faults,
-    /// Cancelled on shutdown.
-    pub cancel: CancellationToken,
-    /// Repairs of chunks corrupt at rest, and the sources to repair from.
-    pub repairs: Repairs,
-    /// Open data-plane connections against their caps (`cfg.limits`).
-    pub conn_limits: Arc<ConnLimits>,
-    /// Hop sessions by (session, shard, first chunk of the range): a striped shard has one
-    /// per stripe.
-    sessions: Mutex<HashMap<SessionKey, Arc<ShardSession>>>,
-    heads: Mutex<HashMap<SessionId, Arc<HeadSession>>>,
-    /// Why the store last refused a model's data in a tier (a shard that did not fit, a
-    /// write the file system failed, such as `ENOSPC` on a tmpfs another process filled),
-    /// and in which session: reported with the model's status until a new session of the
-    /// model in that tier starts.
-    store_failures: Mutex<HashMap<(ModelDigest, DataTier), (SessionId, String)>>,
-    /// This host's data address as peers reach it (set once the listener is up, when it
-    /// is known): named in the upstream list of every `Open` this host sends.
-    advertised: std::sync::OnceLock<String>,
-    /// Set once the host drains ([`Node::start_draining`]): it finishes the sessions it
-    /// has and starts no new one.
-    draining: tokio::sync::watch::Sender<bool>,
+    links: Links,
+    store: ShardStore,
+    stats: Arc<NodeStats>,
+    metrics: crate::metrics::DataMetrics,
+    cancel: CancellationToken,
+    repairs: Arc<Repairs>,
+    conn_limits: Arc<ConnLimits>,
+    frame_budget: Arc<FrameBudget>,
+    origins: OriginAccess,
+    limits: Limits,
+    sessions: Sessions,
+    failures: StoreFailures,
+    fetcher: Arc<Fetcher>,
+    server: Arc<Server>,
+    heads: Heads,
+    /// The repairer and the scrub run on it (they hold it weakly).
+    _repairer: Arc<Repairer>,
 }
 
 impl Node {
@@ -505,31 +525,165 @@ impl Node {
         faults: Faults,
         cancel: CancellationToken,
     ) -> Arc<Self> {
-        let node = Arc::new(Self {
+        let counters: Arc<ByteCounters> = Arc::default();
+        let frame_budget = FrameBudget::new(cfg.limits.frame_memory);
+        let stats: Arc<NodeStats> = Arc::default();
+        let metrics = crate::metrics::DataMetrics::default();
+        let conn_limits = ConnLimits::new(&cfg.limits);
+        let repairs = Arc::new(Repairs::new());
+        let sessions = Sessions::default();
+        let failures = StoreFailures::default();
+        let links = Links::new(
             host,
-            store,
             transports,
-            ingress,
-            egress,
-            counters: Arc::default(),
-            frame_budget: FrameBudget::new(cfg.limits.frame_memory),
-            stats: Arc::default(),
-            metrics: crate::metrics::DataMetrics::default(),
-            conn_limits: ConnLimits::new(&cfg.limits),
-            cfg,
-            faults,
-            cancel,
-            repairs: Repairs::new(),
-            sessions: Mutex::default(),
-            heads: Mutex::default(),
-            store_failures: Mutex::default(),
-            advertised: std::sync::OnceLock::new(),
-            draining: tokio::sync::watch::Sender::new(false),
-        });
+            (ingress, egress),
+            counters.clone(),
+            frame_budget.clone(),
+            stats.clone(),
+            cfg.limits.write_timeout,
+            cfg.idle_timeout,
+        );
+        let intake = Intake::new(stats.clone(), failures.clone());
+        let fetcher = Arc::new(Fetcher::new(
+            links.clone(),
+            intake.clone(),
+            store.clone(),
+            repairs.clone(),
+            &cfg,
+        ));
+        let forwarder = Arc::new(Forwarder::new(
+            links.clone(),
+            stats.clone(),
+            repairs.handle(),
+            Arc::new(faults),
+            cancel.clone(),
+            &cfg,
+        ));
+        let recovery = Arc::new(Recovery::new(
+            fetcher.clone(),
+            stats.clone(),
+            cancel.clone(),
+            cfg.upstream_grace,
+        ));
+        let receiver = Arc::new(Receiver::new(
+            links.clone(),
+            sessions.clone(),
+            store.clone(),
+            intake.clone(),
+            repairs.clone(),
+            (stats.clone(), metrics.clone()),
+            cancel.clone(),
+            (forwarder.clone(), recovery),
+            &cfg,
+        ));
+        let server = Arc::new(Server::new(
+            links.clone(),
+            receiver,
+            store.clone(),
+            repairs.handle(),
+            stats.clone(),
+            cancel.clone(),
+            conn_limits.clone(),
+            &cfg,
+        ));
+        let heads = Heads::new(
+            store.clone(),
+            sessions.clone(),
+            intake,
+            repairs.clone(),
+            forwarder,
+            fetcher.clone(),
+            cancel.clone(),
+            cfg.stripes,
+        );
+        let repairer = Arc::new(Repairer::new(
+            store.clone(),
+            repairs.clone(),
+            fetcher.clone(),
+            sessions.clone(),
+        ));
         if tokio::runtime::Handle::try_current().is_ok() {
-            crate::repair::spawn(&node);
+            crate::repair::spawn(&repairer, &cancel);
         }
-        node
+        Arc::new(Self {
+            links,
+            store,
+            stats,
+            metrics,
+            cancel,
+            repairs,
+            conn_limits,
+            frame_budget,
+            origins: cfg.origins.clone(),
+            limits: cfg.limits.clone(),
+            sessions,
+            failures,
+            fetcher,
+            server,
+            heads,
+            _repairer: repairer,
+        })
+    }
+
+    /// This host's id.
+    pub fn host(&self) -> &HostId {
+        self.links.host()
+    }
+
+    /// The local store.
+    pub fn store(&self) -> &ShardStore {
+        &self.store
+    }
+
+    /// Transports to other hops: TCP, and QUIC when bound.
+    pub fn transports(&self) -> &Transports {
+        self.links.transports()
+    }
+
+    /// Wire byte counters.
+    pub fn counters(&self) -> &Arc<ByteCounters> {
+        self.links.counters()
+    }
+
+    /// Memory for frame bodies in flight on every connection (`limits.frame_memory`).
+    pub fn frame_budget(&self) -> &Arc<FrameBudget> {
+        &self.frame_budget
+    }
+
+    /// Data-plane counters.
+    pub fn stats(&self) -> &Arc<NodeStats> {
+        &self.stats
+    }
+
+    /// Histograms of the data path (sessions, GPU loads), registered by
+    /// [`crate::metrics::registry`].
+    pub fn metrics(&self) -> &crate::metrics::DataMetrics {
+        &self.metrics
+    }
+
+    /// Cancelled on shutdown.
+    pub fn cancel(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// Repairs of chunks corrupt at rest, and the sources to repair from.
+    pub fn repairs(&self) -> &Repairs {
+        &self.repairs
+    }
+
+    /// Open data-plane connections against their caps.
+    pub fn conn_limits(&self) -> &Arc<ConnLimits> {
+        &self.conn_limits
+    }
+
+    /// The origin allow-list (and its refusal counter, shared with every role's copy).
+    pub fn origins(&self) -> &OriginAccess {
+        &self.origins
+    }
+
+    /// Connection caps and per-phase timeouts of the data port.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// Starts draining (the process was asked to stop): from now on an `Open` of a session
@@ -537,152 +691,127 @@ impl Node {
     /// the agent starts no chain, fetch or GPU load; what runs goes on. `true` the first
     /// time.
     pub fn start_draining(&self) -> bool {
-        !self.draining.send_replace(true)
+        self.sessions.start_draining()
     }
 
     /// Whether the host is draining.
     pub fn draining(&self) -> bool {
-        *self.draining.borrow()
+        self.sessions.draining()
     }
 
     /// Follows [`Self::draining`] (the heartbeat tells the controller at once).
     pub fn watch_draining(&self) -> tokio::sync::watch::Receiver<bool> {
-        self.draining.subscribe()
+        self.sessions.watch_draining()
     }
 
     /// Hop sessions and head sessions' shards here that have not finished: what a draining
     /// host waits for before it exits.
     pub fn unfinished_sessions(&self) -> usize {
-        let hop = self
-            .sessions
-            .lock()
-            .map(|m| m.values().filter(|s| s.outcome().is_none()).count())
-            .unwrap_or(0);
-        let head = self
-            .heads
-            .lock()
-            .map(|m| {
-                m.values()
-                    .flat_map(|h| h.parts.iter())
-                    .filter(|s| s.outcome().is_none())
-                    .count()
-            })
-            .unwrap_or(0);
-        hop + head
+        self.sessions.unfinished()
     }
 
     /// Whether a session that has not finished sends or receives model `model` here.
     pub fn model_busy(&self, model: &ModelDigest) -> bool {
-        let hop = self.sessions.lock().is_ok_and(|m| {
-            m.values()
-                .any(|s| s.model == *model && s.outcome().is_none())
-        });
-        let head = self.heads.lock().is_ok_and(|m| {
-            m.values()
-                .any(|h| h.model == *model && h.parts.iter().any(|p| p.outcome().is_none()))
-        });
-        hop || head
-    }
-
-    /// Fails every unfinished session on this host that forwards from `shard` and needs one
-    /// of `chunks` (they were dropped as corrupt and cannot be repaired), so that none waits
-    /// for them forever. Returns how many were failed.
-    pub(crate) fn fail_sessions_needing(
-        &self,
-        shard: &Arc<Shard>,
-        chunks: &[u32],
-        why: &SessionError,
-    ) -> usize {
-        self.fail_sessions_where(why, |s| {
-            Arc::ptr_eq(&s.shard, shard) && chunks.iter().any(|c| (s.start..s.end).contains(c))
-        })
+        self.sessions.model_busy(model)
     }
 
     /// Fails every unfinished session of `model` on this host (hop and head sessions), so
     /// that its copies can be removed: what an evict asks for once no plan moves the model
     /// here any more. Returns how many were failed.
     pub(crate) fn end_sessions_of(&self, model: &ModelDigest, why: &SessionError) -> usize {
-        self.fail_sessions_where(why, |s| s.model == *model)
-    }
-
-    /// Fails every unfinished hop or head session for which `hit` holds.
-    fn fail_sessions_where(
-        &self,
-        why: &SessionError,
-        hit: impl Fn(&ShardSession) -> bool,
-    ) -> usize {
-        let hit = |s: &ShardSession| s.outcome().is_none() && hit(s);
-        let mut found: Vec<Arc<ShardSession>> = self
-            .sessions
-            .lock()
-            .map(|m| m.values().filter(|s| hit(s)).cloned().collect())
-            .unwrap_or_default();
-        if let Ok(h) = self.heads.lock() {
-            found.extend(
-                h.values()
-                    .flat_map(|h| h.parts.iter())
-                    .filter(|s| hit(s))
-                    .cloned(),
-            );
-        }
-        for s in &found {
-            s.fail(why.clone());
-        }
-        found.len()
-    }
-
-    /// Records why the store refused `model`'s data in `tier` for `session` (see
-    /// `store_failures`), and logs it.
-    pub(crate) fn note_store_failure(
-        &self,
-        model: ModelDigest,
-        tier: DataTier,
-        session: SessionId,
-        why: String,
-    ) {
-        warn!(%model, ?tier, %session, "the store refused the model's data: {why}");
-        if let Ok(mut m) = self.store_failures.lock() {
-            m.insert((model, tier), (session, why));
-        }
+        self.sessions.end_of(model, why)
     }
 
     /// Why the store last refused `model`'s data, per tier and with the session, since the
     /// last session of it in that tier started.
     pub fn store_failures(&self, model: &ModelDigest) -> Vec<(DataTier, SessionId, String)> {
-        self.store_failures
-            .lock()
-            .map(|m| {
-                m.iter()
-                    .filter(|((d, _), _)| d == model)
-                    .map(|((_, t), (sess, why))| (*t, *sess, why.clone()))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// A new session of `model` in `tier` starts: an earlier refusal is history.
-    fn clear_store_failure(&self, model: ModelDigest, tier: DataTier) {
-        if let Ok(mut m) = self.store_failures.lock() {
-            m.remove(&(model, tier));
-        }
+        self.failures.of(model)
     }
 
     /// Sets the data address peers reach this host at (once; later calls are ignored).
     pub fn set_advertised(&self, addr: String) {
-        let _ = self.advertised.set(addr);
-    }
-
-    /// This host as a hop, when its data address is known.
-    fn own_hop(&self) -> Option<shardcast_protocol::Hop> {
-        self.advertised.get().map(|addr| shardcast_protocol::Hop {
-            host: self.host.clone(),
-            addr: addr.clone(),
-        })
+        self.links.set_advertised(addr);
     }
 
     /// A head session by id.
     pub fn head(&self, id: &SessionId) -> Option<Arc<HeadSession>> {
-        self.heads.lock().ok()?.get(id).cloned()
+        self.sessions.head(id)
+    }
+
+    /// Serves one accepted connection (an upstream hop or a puller) until it ends; the TLS
+    /// handshake runs here, in the connection's task (see `serve`).
+    pub async fn serve_connection(&self, stream: TcpStream, peer: String) {
+        self.server.clone().serve_connection(stream, peer).await;
+    }
+
+    /// Serves the streams a peer opens on an established QUIC connection (see `serve`).
+    pub async fn serve_quic_connection(
+        &self,
+        quic: &Quic,
+        conn: quinn::Connection,
+        identity: shardcast_identity::Identity,
+        peer: String,
+    ) {
+        self.server
+            .clone()
+            .serve_quic_connection(quic, conn, identity, peer)
+            .await;
+    }
+
+    /// Starts a chain session headed by this host (the agent API's `StartChain`); its hops
+    /// dial each other with `transport`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_chain(
+        &self,
+        id: SessionId,
+        manifest: Arc<Manifest>,
+        origin: String,
+        tier: DataTier,
+        chains: Vec<ChainSpec>,
+        token: Bytes,
+        transport: HopTransport,
+    ) -> Result<Arc<HeadSession>, ChainError> {
+        self.heads
+            .start_chain(id, manifest, origin, tier, chains, token, transport)
+    }
+
+    /// Downloads a whole model from an origin into `tier` (the agent's `ImportModel` with
+    /// `fetch`; see `fetch`).
+    pub async fn fetch_model(
+        &self,
+        manifest: &Arc<Manifest>,
+        origin: &str,
+        tier: DataTier,
+    ) -> Result<(), FetchError> {
+        self.fetcher.fetch_model(manifest, origin, tier).await
+    }
+
+    /// Moves a model whose bytes were kept while its manifest was built into `tier` (see
+    /// `fetch`).
+    pub async fn adopt_staged(
+        &self,
+        manifest: &Arc<Manifest>,
+        staging: &crate::store::Staging,
+        origin: &str,
+        tier: DataTier,
+    ) -> Result<(), FetchError> {
+        self.fetcher
+            .adopt_staged(manifest, staging, origin, tier)
+            .await
+    }
+
+    /// Downloads the chunks of `spans` that this host does not hold yet, in the order
+    /// given, into `tier` (see `fetch`).
+    pub async fn fetch_spans(
+        &self,
+        manifest: &Arc<Manifest>,
+        source: &str,
+        tier: DataTier,
+        spans: Vec<(u32, std::ops::Range<u32>)>,
+    ) -> Result<(), FetchError> {
+        self.fetcher
+            .fetch_spans(manifest, source, tier, spans)
+            .await
     }
 }
 

@@ -1,34 +1,88 @@
 //! The data port's accepted connections: the TLS handshake and `Hello` in the connection's
 //! task, then an upstream's `Open` (see `upstream`) or `Fetch` requests (the pull server).
+//!
+//! [`Server`] is the role. It is given the peer links (the TLS handshake, `Hello`, framing),
+//! the [`Receiver`] an `Open` is handed to, the store and a repair queue handle (for
+//! `Fetch`: it reads verified chunks and queues the rotten ones for repair), the counters,
+//! the shutdown token, the connection caps (QUIC streams are admitted here) and its part of
+//! the tuning (handshake and idle timeouts, `sendfile`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use shardcast_identity::{Identity, Peer};
 use shardcast_protocol::{ErrorCode, Frame, FrameType, HostId, ModelDigest};
 use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::{CHECK_AHEAD, ChainError, Node};
-use crate::repair::RepairRequest;
-use crate::store::{Check, StoreError};
+use super::handshake::Links;
+use super::upstream::Receiver;
+use super::{CHECK_AHEAD, ChainConfig, ChainError, NodeStats};
+use crate::limits::ConnLimits;
+use crate::repair::{RepairHandle, RepairRequest};
+use crate::store::{Check, ShardStore, StoreError};
 use crate::transport::Quic;
 use crate::transport::quic::QuicStream;
 use crate::wire::Halves;
 use crate::wire::{Conn, FileRegion};
 
-impl Node {
+/// Serves the data port's connections. See the module docs.
+pub(super) struct Server {
+    links: Links,
+    receiver: Arc<Receiver>,
+    store: ShardStore,
+    repairs: RepairHandle,
+    stats: Arc<NodeStats>,
+    cancel: CancellationToken,
+    conn_limits: Arc<ConnLimits>,
+    /// The longest a peer may take over the TLS handshake and `Hello`.
+    handshake_timeout: Duration,
+    /// A peer silent this long (between frames or mid-frame) is dropped.
+    peer_idle_timeout: Duration,
+    /// Send payloads from the store's files (plaintext TCP).
+    sendfile: bool,
+}
+
+impl Server {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        links: Links,
+        receiver: Arc<Receiver>,
+        store: ShardStore,
+        repairs: RepairHandle,
+        stats: Arc<NodeStats>,
+        cancel: CancellationToken,
+        conn_limits: Arc<ConnLimits>,
+        cfg: &ChainConfig,
+    ) -> Self {
+        Self {
+            links,
+            receiver,
+            store,
+            repairs,
+            stats,
+            cancel,
+            conn_limits,
+            handshake_timeout: cfg.limits.handshake_timeout,
+            peer_idle_timeout: cfg.limits.peer_idle_timeout,
+            sendfile: cfg.sendfile,
+        }
+    }
+
     /// Serves one accepted connection (an upstream hop or a puller) until it ends.
     /// Errors are answered with an `Error` frame and logged; they never affect other
     /// connections.
     /// The TLS handshake runs here, in the connection's task: a peer without a valid
     /// certificate is dropped before a single frame is read.
-    pub async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: String) {
-        let (stream, identity) = match self.transports.tcp.secure(stream).await {
+    pub(super) async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: String) {
+        let tcp = &self.links.transports().tcp;
+        let (stream, identity) = match tcp.secure(stream).await {
             Ok(s) => s,
             Err(e) => {
                 self.stats.tls_refused.fetch_add(1, Ordering::Relaxed);
-                let why = crate::transport::explain(&e, self.transports.tcp.data_mode());
+                let why = crate::transport::explain(&e, tcp.data_mode());
                 warn!(%peer, "refusing connection: {why}");
                 return;
             }
@@ -39,7 +93,7 @@ impl Node {
     /// Serves the streams a peer opens on an established QUIC connection, each in its own
     /// task like an accepted TCP connection (and admitted against the same caps), until the
     /// connection closes or the daemon stops.
-    pub async fn serve_quic_connection(
+    pub(super) async fn serve_quic_connection(
         self: Arc<Self>,
         quic: &Quic,
         conn: quinn::Connection,
@@ -79,24 +133,26 @@ impl Node {
     /// QUIC stream): the `Hello` exchange, then an upstream's `Open` or `Fetch` requests.
     async fn serve_stream(self: Arc<Self>, stream: Halves, identity: Peer, peer: String) {
         let span = info_span!("conn", %peer, host = tracing::field::Empty);
-        let mut conn = self.conn(stream, &super::handshake::budget_key(&identity, &peer));
+        let mut conn = self
+            .links
+            .conn(stream, &super::handshake::budget_key(&identity, &peer));
         let result = async {
-            let limit = self.cfg.limits.handshake_timeout;
-            let remote =
-                match tokio::time::timeout(limit, self.handshake(&mut conn, &identity)).await {
-                    Ok(r) => r?,
-                    Err(_) => {
-                        self.counters
-                            .handshake_timeouts
-                            .fetch_add(1, Ordering::Relaxed);
-                        return Err(ChainError::Timeout(limit));
-                    }
-                };
+            let limit = self.handshake_timeout;
+            let handshake = self.links.handshake(&mut conn, &identity);
+            let remote = match tokio::time::timeout(limit, handshake).await {
+                Ok(r) => r?,
+                Err(_) => {
+                    self.links
+                        .counters()
+                        .handshake_timeouts
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(ChainError::Timeout(limit));
+                }
+            };
             tracing::Span::current().record("host", remote.as_str());
             // From here a silent peer (between frames or mid-frame) is dropped, and the only
             // large frame it may send before its plan token is checked is the `Open`.
-            conn.reader
-                .set_idle_timeout(Some(self.cfg.limits.peer_idle_timeout));
+            conn.reader.set_idle_timeout(Some(self.peer_idle_timeout));
             conn.reader.admit_large(Some(&[FrameType::Open]));
             self.serve_requests(&mut conn, &remote).await
         }
@@ -117,11 +173,7 @@ impl Node {
         }
     }
 
-    async fn serve_requests(
-        self: &Arc<Self>,
-        conn: &mut Conn,
-        remote: &HostId,
-    ) -> Result<(), ChainError> {
+    async fn serve_requests(&self, conn: &mut Conn, remote: &HostId) -> Result<(), ChainError> {
         loop {
             let Some(frame) = conn.reader.read().await? else {
                 return Ok(());
@@ -131,7 +183,7 @@ impl Node {
                     // The session's manifest follows its `Open`; it may be large, so it is
                     // read only once the plan token is checked, and chunks only once the
                     // session is joined.
-                    let claims = self.authorize_open(&header, remote)?;
+                    let claims = self.receiver.authorize_open(&header, remote)?;
                     conn.reader.admit_large(Some(&[FrameType::Manifest]));
                     let offered = match conn.reader.read().await? {
                         Some(Frame::Manifest(m)) => m,
@@ -146,9 +198,11 @@ impl Node {
                         }
                         None => return Ok(()),
                     };
-                    let sess = self.join_session(&header, claims, Some(offered), remote)?;
+                    let sess =
+                        self.receiver
+                            .join_session(&header, claims, Some(offered), remote)?;
                     conn.reader.admit_large(Some(&[FrameType::Chunk]));
-                    return self.handle_upstream(conn, sess, remote).await;
+                    return self.receiver.handle_upstream(conn, sess, remote).await;
                 }
                 Frame::Fetch {
                     model,
@@ -205,7 +259,6 @@ impl Node {
                     Err(e) => return Err(e.into()),
                 };
                 let file = self
-                    .cfg
                     .sendfile
                     .then(|| local.chunk_in_file(index).ok())
                     .flatten()

@@ -1,5 +1,9 @@
 //! [`ShardSession`]: one shard of a chain session on this host, its RAII gauges, and
-//! [`Node::store_chunk`], the one path by which a chunk is verified, written and counted.
+//! [`Intake`]: the one path by which a chunk is verified, written and counted
+//! (`Intake::store_chunk`), and by which sessions are made (`Intake::new_session`).
+//!
+//! [`Intake`] holds the counters and the store-failure records and nothing else: every role
+//! that stores chunks (an upstream connection, a fetch, a head fill) is given one.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -16,7 +20,8 @@ use tracing::warn;
 
 use super::outcome::{ForwardError, SessionError};
 use super::proto::Verdict;
-use super::{ChainError, MAX_PROGRESS_HOSTS, Node, NodeStats};
+use super::table::StoreFailures;
+use super::{ChainError, MAX_PROGRESS_HOSTS, NodeStats};
 use crate::store::{Shard, Written};
 
 /// A chunk on its way into a session's store.
@@ -309,7 +314,35 @@ impl Drop for ActiveSession {
     }
 }
 
-impl Node {
+/// Makes sessions and stores their chunks: the counters and the store-failure records.
+/// Cheap to clone.
+#[derive(Clone)]
+pub(super) struct Intake {
+    stats: Arc<NodeStats>,
+    failures: StoreFailures,
+}
+
+impl Intake {
+    pub(super) fn new(stats: Arc<NodeStats>, failures: StoreFailures) -> Self {
+        Self { stats, failures }
+    }
+
+    /// Records why the store refused `model`'s data in `tier` for `session`.
+    pub(super) fn note_store_failure(
+        &self,
+        model: ModelDigest,
+        tier: shardcast_protocol::DataTier,
+        session: SessionId,
+        why: String,
+    ) {
+        self.failures.note(model, tier, session, why);
+    }
+
+    /// Counts bytes stored from a kept copy moved into place whole (not read twice).
+    pub(super) fn count_kept(&self, bytes: u64) {
+        self.stats.kept_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// A new session, and its unit of the active-session gauge: the caller keeps the guard
     /// for as long as the session counts as active.
     #[allow(clippy::too_many_arguments)]
@@ -325,7 +358,7 @@ impl Node {
         (token, transport): (Bytes, HopTransport),
     ) -> (Arc<ShardSession>, ActiveSession) {
         let active = ActiveSession::new(&self.stats);
-        self.clear_store_failure(model, shard.tier());
+        self.failures.clear(model, shard.tier());
         let sess = Arc::new(ShardSession {
             id,
             model,
@@ -385,7 +418,8 @@ impl Node {
                     tier: sess.shard.tier(),
                     error: e.clone(),
                 };
-                self.note_store_failure(sess.model, sess.shard.tier(), sess.id, why.to_string());
+                self.failures
+                    .note(sess.model, sess.shard.tier(), sess.id, why.to_string());
                 sess.fail(why);
                 return Err(ChainError::Store(e));
             }

@@ -8,6 +8,13 @@
 //! checked before its manifest is stored; the token is passed on in every `Open` the hop
 //! sends. An upstream that sends nothing for `stall_timeout` is dropped, and a second `Open`
 //! of a session fed by a live upstream or fetch is answered `AlreadyFed`.
+//!
+//! [`Receiver`] is the role. It is given the peer links (for the plan's CA and this host's
+//! id), the session table (to find, admit and reap hop sessions), the store (the manifest,
+//! the name binding, the shard), an [`Intake`] (to store and count chunks), the repair
+//! sources (it notes the session's fallback), the counters and histograms, the shutdown
+//! token, the two roles a joined session starts ([`Forwarder`], [`Recovery`]) and its part
+//! of the tuning (the origin allow-list, `max_sessions`, the receiving end's tuning).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -15,15 +22,75 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use shardcast_protocol::{ErrorCode, Frame, HostId, Manifest, SessionHeader, plan::PlanClaims};
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::proto::{Inbound, InboundFrame, Stalled, Verdict};
-use super::session::{ActiveSession, ChunkFrom, FeederGuard, Incoming};
-use super::{ChainError, Node, ShardSession, now, sleep_until};
-use crate::store::BindingSource;
+use super::forward::Forwarder;
+use super::handshake::Links;
+use super::proto::{Inbound, InboundConfig, InboundFrame, Stalled, Verdict};
+use super::recovery::Recovery;
+use super::session::{ActiveSession, ChunkFrom, FeederGuard, Incoming, Intake};
+use super::table::Sessions;
+use super::{ChainConfig, ChainError, NodeStats, ShardSession, now, sleep_until};
+use crate::metrics::DataMetrics;
+use crate::origin::OriginAccess;
+use crate::repair::Repairs;
+use crate::store::{BindingSource, ShardStore};
 use crate::wire::Conn;
 
-impl Node {
+/// Admits upstreams' sessions and receives their chunks. See the module docs.
+pub(super) struct Receiver {
+    links: Links,
+    sessions: Sessions,
+    store: ShardStore,
+    intake: Intake,
+    repairs: Arc<Repairs>,
+    stats: Arc<NodeStats>,
+    metrics: DataMetrics,
+    cancel: CancellationToken,
+    forwarder: Arc<Forwarder>,
+    recovery: Arc<Recovery>,
+    /// The origin allow-list (a session's fallback origin is checked against it).
+    origins: OriginAccess,
+    /// Hop sessions this host holds at most.
+    max_sessions: usize,
+    /// An upstream silent for half of it is no longer a live feed.
+    stall_timeout: Duration,
+    /// The receiving end's tuning.
+    inbound: InboundConfig,
+}
+
+impl Receiver {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        links: Links,
+        sessions: Sessions,
+        store: ShardStore,
+        intake: Intake,
+        repairs: Arc<Repairs>,
+        (stats, metrics): (Arc<NodeStats>, DataMetrics),
+        cancel: CancellationToken,
+        (forwarder, recovery): (Arc<Forwarder>, Arc<Recovery>),
+        cfg: &ChainConfig,
+    ) -> Self {
+        Self {
+            links,
+            sessions,
+            store,
+            intake,
+            repairs,
+            stats,
+            metrics,
+            cancel,
+            forwarder,
+            recovery,
+            origins: cfg.origins.clone(),
+            max_sessions: cfg.limits.max_sessions,
+            stall_timeout: cfg.stall_timeout,
+            inbound: cfg.inbound(),
+        }
+    }
+
     /// Checks the `Open`'s plan token: signed by the controller (a certificate of the
     /// cluster CA with the `controller` role), not expired, for this model, naming this
     /// host, the sender, and every downstream hop and upstream holder at its address, and
@@ -35,7 +102,7 @@ impl Node {
         header: &SessionHeader,
         remote: &HostId,
     ) -> Result<Option<PlanClaims>, ChainError> {
-        let Some(tls) = self.transports.tls() else {
+        let Some(tls) = self.links.transports().tls() else {
             return Ok(None);
         };
         let refuse = |why: String| {
@@ -62,7 +129,7 @@ impl Node {
         // Every address this session could make us dial (the next hops, the holders above
         // us, a `shardcast://` fallback) must be one the plan names.
         claims
-            .authorises(header, &self.host, remote, now)
+            .authorises(header, self.links.host(), remote, now)
             .map_err(|e| refuse(e.to_string()))?;
         Ok(Some(claims))
     }
@@ -71,19 +138,19 @@ impl Node {
     /// monitor). `claims` are what [`Self::authorize_open`] found the `Open` authorised for;
     /// `offered` is the manifest that followed it.
     pub(super) fn join_session(
-        self: &Arc<Self>,
+        &self,
         header: &SessionHeader,
         claims: Option<PlanClaims>,
         offered: Option<Manifest>,
         remote: &HostId,
     ) -> Result<Arc<ShardSession>, ChainError> {
         let key = (header.session, header.shard, header.start);
-        if let Some(s) = self.sessions.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        if let Some(s) = self.sessions.hop(&key) {
             // A hop above a stalled one fails over to us once our upstream has been silent
             // for a stall timeout. An `Open` while our upstream is plainly alive comes from
             // a host that was itself cut off or stopped and is back: a second feed would
             // only halve the live one's bandwidth. It rejoins as a leaf instead.
-            if let Some(live) = s.live_feed_besides(remote, self.cfg.stall_timeout / 2) {
+            if let Some(live) = s.live_feed_besides(remote, self.stall_timeout / 2) {
                 self.stats
                     .second_upstreams_refused
                     .fetch_add(1, Ordering::Relaxed);
@@ -102,18 +169,13 @@ impl Node {
         // A fallback origin outside this host's policy refuses the session before anything
         // is stored: the peer does not get to make this host read where it says.
         if !header.origin.is_empty() && !header.origin.starts_with("shardcast://") {
-            self.cfg.origins.check(&header.origin).map_err(|e| {
+            self.origins.check(&header.origin).map_err(|e| {
                 ChainError::refused(ErrorCode::Refused, format!("fallback origin: {e}"))
             })?;
         }
         // A draining host finishes the sessions it runs (a new shard or stripe of one of
         // them included) but joins no other: the hop above skips it at once.
-        if self.draining()
-            && !self
-                .sessions
-                .lock()
-                .is_ok_and(|m| m.keys().any(|(id, _, _)| *id == header.session))
-        {
+        if self.sessions.draining() && !self.sessions.runs(&header.session) {
             self.stats
                 .sessions_refused_draining
                 .fetch_add(1, Ordering::Relaxed);
@@ -122,8 +184,8 @@ impl Node {
                 "this host is draining (shutting down): it starts no new session",
             ));
         }
-        let held = self.sessions.lock().map(|m| m.len()).unwrap_or(0);
-        if held >= self.cfg.limits.max_sessions {
+        let held = self.sessions.hops();
+        if held >= self.max_sessions {
             self.stats.sessions_refused.fetch_add(1, Ordering::Relaxed);
             return Err(ChainError::refused(
                 ErrorCode::Refused,
@@ -186,7 +248,7 @@ impl Node {
                 .store
                 .shard(&header.model, header.shard, header.tier)
                 .inspect_err(|e| {
-                    self.note_store_failure(
+                    self.intake.note_store_failure(
                         header.model,
                         header.tier,
                         header.session,
@@ -196,7 +258,7 @@ impl Node {
         };
         self.repairs.note_source(header.model, &header.origin);
         // Dropped (and the gauge with it) if another connection created the session first.
-        let (sess, active) = self.new_session(
+        let (sess, active) = self.intake.new_session(
             header.session,
             header.model,
             manifest,
@@ -206,20 +268,18 @@ impl Node {
             header.origin.clone(),
             (header.token.clone(), header.transport),
         );
-        let mut map = self
-            .sessions
-            .lock()
-            .map_err(|_| ChainError::refused(ErrorCode::Internal, "session table poisoned"))?;
-        // Another connection may have created it while we were opening the shard.
-        if let Some(s) = map.get(&key) {
-            s.set_upstream(&header.upstream);
-            return Ok(s.clone());
-        }
         sess.set_upstream(&header.upstream);
-        map.insert(key, sess.clone());
-        drop(map);
-        self.spawn_forwarder(&sess, header.downstream.clone());
-        self.spawn_recovery(&sess);
+        let theirs = self
+            .sessions
+            .insert_hop(key, &sess)
+            .map_err(|()| ChainError::refused(ErrorCode::Internal, "session table poisoned"))?;
+        // Another connection may have created it while we were opening the shard.
+        if let Some(s) = theirs {
+            s.set_upstream(&header.upstream);
+            return Ok(s);
+        }
+        self.forwarder.spawn(&sess, header.downstream.clone());
+        self.recovery.spawn(&sess);
         self.spawn_reaper(&sess, key, active);
         Ok(sess)
     }
@@ -228,12 +288,16 @@ impl Node {
     /// reuse nothing stale; the session counts as active until then. Records the session's
     /// time to ready and throughput once its range is verified here.
     fn spawn_reaper(
-        self: &Arc<Self>,
+        &self,
         sess: &Arc<ShardSession>,
         key: super::SessionKey,
         active: ActiveSession,
     ) {
-        let node = self.clone();
+        let (metrics, cancel, sessions) = (
+            self.metrics.clone(),
+            self.cancel.clone(),
+            self.sessions.clone(),
+        );
         let sess = sess.clone();
         tokio::spawn(async move {
             // A receiver session's time to ready and throughput (`crate::metrics`), unless
@@ -241,27 +305,25 @@ impl Node {
             if !sess.complete() {
                 tokio::select! {
                     r = sess.ready() => if r.is_ok() {
-                        node.metrics.session_ready(sess.range_bytes(), sess.started.elapsed());
+                        metrics.session_ready(sess.range_bytes(), sess.started.elapsed());
                     },
-                    _ = node.cancel.cancelled() => {}
+                    _ = cancel.cancelled() => {}
                 }
             }
             tokio::select! {
                 _ = sess.finished() => {}
-                _ = node.cancel.cancelled() => {}
+                _ = cancel.cancelled() => {}
             }
             // Let late joiners (a failover racing completion) still find it for a moment.
             tokio::time::sleep(Duration::from_secs(5)).await;
-            if let Ok(mut m) = node.sessions.lock() {
-                m.remove(&key);
-            }
+            sessions.remove_hop(&key);
             drop(active);
         });
     }
 
     /// Reads chunks from one upstream connection into the session.
     pub(super) async fn handle_upstream(
-        self: &Arc<Self>,
+        &self,
         conn: &mut Conn,
         sess: Arc<ShardSession>,
         remote: &HostId,
@@ -274,7 +336,7 @@ impl Node {
             conn.writer.send_now(&Frame::Accept { have }).await?;
             let mut relayed = sess.progress.subscribe();
             let shard = sess.shard_index();
-            let mut inbound = Inbound::new(shard, sess.start..sess.end, self.cfg.inbound(), now());
+            let mut inbound = Inbound::new(shard, sess.start..sess.end, self.inbound, now());
             // Verify+store runs concurrently with reading the next chunks off the wire, so
             // a hop's throughput is bounded by its slowest stage, not their sum.
             let mut pending = futures::stream::FuturesUnordered::new();
@@ -303,9 +365,9 @@ impl Node {
                                     sess.start, sess.end
                                 ))
                             })?;
-                            let (node, sess) = (self.clone(), sess.clone());
+                            let (intake, sess) = (self.intake.clone(), sess.clone());
                             pending.push(async move {
-                                (index, node.store_chunk(&sess, index, Incoming::Unverified(data), ChunkFrom::Upstream).await)
+                                (index, intake.store_chunk(&sess, index, Incoming::Unverified(data), ChunkFrom::Upstream).await)
                             });
                         }
                         Some(Frame::Done) => {
@@ -368,7 +430,7 @@ impl Node {
 
     fn own_progress(&self, sess: &ShardSession) -> Frame {
         Frame::Progress {
-            host: self.host.clone(),
+            host: self.links.host().clone(),
             shard: sess.shard_index(),
             verified: sess.verified(),
             total: sess.total(),
