@@ -258,18 +258,27 @@ pub struct ChainReport {
 }
 
 /// A scratch directory, on tmpfs when there is one (the memory tier is meant to be tmpfs).
+///
+/// `SHARDCAST_BENCH_SCRATCH` puts it on another tmpfs (one mounted with huge pages, say);
+/// `SHARDCAST_BENCH_KEEP=1` keeps it after the run (the daemons' logs and stores, to read a
+/// run's timeline), and its path is printed on stderr.
 pub fn scratch_dir(label: &str) -> anyhow::Result<tempfile::TempDir> {
-    // `SHARDCAST_BENCH_SCRATCH`: another tmpfs (one mounted with huge pages, say).
     let chosen = std::env::var_os("SHARDCAST_BENCH_SCRATCH").map(std::path::PathBuf::from);
+    let keep = std::env::var_os("SHARDCAST_BENCH_KEEP").is_some_and(|v| v == "1");
     let shm = Path::new("/dev/shm");
-    let builder = tempfile::Builder::new()
+    let dir = tempfile::Builder::new()
         .prefix(&format!("shardcast-{label}-"))
+        .disable_cleanup(keep)
         .tempdir_in(match &chosen {
             Some(dir) => dir.as_path(),
             None if shm.is_dir() => shm,
             None => Path::new("/tmp"),
-        });
-    builder.context("creating a scratch directory")
+        })
+        .context("creating a scratch directory")?;
+    if keep {
+        eprintln!("keeping {} (SHARDCAST_BENCH_KEEP=1)", dir.path().display());
+    }
+    Ok(dir)
 }
 
 /// Machine-wide CPU time counters from /proc/stat: (busy, total) jiffies.

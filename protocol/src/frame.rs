@@ -197,6 +197,10 @@ pub enum ErrorCode {
     /// The session already has a live upstream: the `Open` comes from a host that was
     /// bypassed (stopped or cut off) and is back; it should not feed this hop a second copy.
     AlreadyFed,
+    /// A holder answering `Fetch` holds only part of the span and receives none of the
+    /// rest: pulling again brings nothing new, so the puller goes to its next source at once.
+    /// It ends the answer in place of `Done`, after every chunk of the span it holds.
+    NotReceiving,
     /// A code this build does not know.
     Other(u16),
 }
@@ -216,6 +220,7 @@ impl ErrorCode {
             Self::ProtocolViolation => 9,
             Self::Internal => 10,
             Self::AlreadyFed => 11,
+            Self::NotReceiving => 12,
             Self::Other(v) => v,
         }
     }
@@ -234,6 +239,7 @@ impl ErrorCode {
             9 => Self::ProtocolViolation,
             10 => Self::Internal,
             11 => Self::AlreadyFed,
+            12 => Self::NotReceiving,
             v => Self::Other(v),
         }
     }

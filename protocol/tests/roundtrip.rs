@@ -196,6 +196,7 @@ fn known_error_codes_have_fixed_wire_values() {
         (ErrorCode::ProtocolViolation, 9),
         (ErrorCode::Internal, 10),
         (ErrorCode::AlreadyFed, 11),
+        (ErrorCode::NotReceiving, 12),
     ];
     // Every value near the named ones: named exactly where the table says.
     for v in 0..=64u16 {

@@ -428,6 +428,12 @@ impl Collector for NodeCollector {
                 load(&s.second_upstreams_refused),
             ),
             (
+                "fetches_not_receiving_total",
+                Counter,
+                "Fetches answered in part with NotReceiving: this copy lacks some of the span and no session here receives it.",
+                load(&s.fetches_not_receiving),
+            ),
+            (
                 "chunks_from_holders_total",
                 Counter,
                 "Chunks pulled from another holder (Fetch: recovery from a hop above, imports from a peer) rather than the origin.",

@@ -239,6 +239,80 @@ async fn restarted_receiver_resumes_without_refetching_verified_chunks(transport
     );
 }
 
+/// A copy left by a restart (part of the model, no session feeding it) answers a `Fetch`
+/// with every chunk it holds and then `NotReceiving`, so a recovering hop moves on to its
+/// next source at once; a complete copy ends the same answer with `Done`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_copy_that_receives_nothing_answers_a_fetch_with_not_receiving() {
+    use shardcast_protocol::codec::Codec;
+    use shardcast_protocol::{ErrorCode, Frame};
+    use tokio::io::AsyncWriteExt;
+
+    let total = 16 * MIB;
+    let mut c = TestCluster::start(1, total, 1, cap_receivers("50Mbit"))
+        .await
+        .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1], "").await.unwrap();
+    c.wait_bytes(1, &digest, 3 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].restart().await.unwrap();
+    let kept = c.verified_bytes(1, &digest).await.unwrap();
+    assert!(kept > 0 && kept < total, "kept {kept} of {total}");
+    let chunks = manifest.shards[0].chunks.len() as u32;
+    let model = manifest.digest();
+    // Pull the whole shard from each host as a peer with a host certificate would.
+    let pull = move |addr| async move {
+        let mut s = shardcast_tests::tls_connect(addr, "puller").await.unwrap();
+        let mut out = shardcast_tests::hello("puller");
+        Frame::Fetch {
+            model,
+            shard: 0,
+            start: 0,
+            end: chunks,
+        }
+        .encode(&mut out);
+        s.write_all(&out).await.unwrap();
+        let (mut buf, mut got) = (bytes::BytesMut::new(), 0u32);
+        loop {
+            match shardcast_tests::read_frame(&mut s, &mut buf).await {
+                Some(Frame::Hello { .. }) => {}
+                Some(Frame::Chunk { .. }) => got += 1,
+                other => return (got, other),
+            }
+        }
+    };
+    let (got, end) = pull(c.daemons[1].data_addr).await;
+    assert!(
+        matches!(
+            end,
+            Some(Frame::Error {
+                code: ErrorCode::NotReceiving,
+                ..
+            })
+        ),
+        "the partial holder ended its answer with {end:?}"
+    );
+    let held = u32::try_from(kept.div_ceil(u64::from(manifest.chunk_size))).unwrap();
+    assert!(got > 0 && got < chunks, "sent {got} of {chunks} chunks");
+    assert!(got.abs_diff(held) <= 1, "sent {got}, holds about {held}");
+    assert_eq!(
+        metric(&c.daemons[1], "fetches_not_receiving_total").await,
+        1
+    );
+    let (got, end) = pull(c.daemons[0].data_addr).await;
+    assert!(
+        matches!(end, Some(Frame::Done)),
+        "the source ended with {end:?}"
+    );
+    assert_eq!(got, chunks);
+    assert_eq!(
+        metric(&c.daemons[0], "fetches_not_receiving_total").await,
+        0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_clear_errors() {
     let c = TestCluster::start(1, 4 * MIB, 1, |_, _| {}).await.unwrap();

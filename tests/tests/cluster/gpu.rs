@@ -79,7 +79,9 @@ async fn import(d: &Daemon, origin: &str, fetch: bool, manifest: Vec<u8>) -> (St
 async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     let (origin, uri) = synthetic_origin(24 << 20, 2, 5);
     let root = tempfile::tempdir().unwrap();
-    let source = daemon(root.path(), "source", &["--egress-rate", "16MB/s"]).await;
+    // 24 MiB at 8 MB/s: about 3 s of delivery for the load to overlap, even on a busy
+    // machine where each status call takes a while.
+    let source = daemon(root.path(), "source", &["--egress-rate", "8MB/s"]).await;
     let gpu = daemon(
         root.path(),
         "gpu-host",
@@ -139,6 +141,8 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
     assert_eq!(loaded.gpus.len(), 2);
     // While the chain is running, bytes already land on the GPUs.
     let mut saw_partial = false;
+    // What each poll saw, for the message if no overlap was seen.
+    let mut seen = Vec::new();
     let resident = loop {
         let st = gpu_status(&mut agent).await;
         let m = st
@@ -154,10 +158,15 @@ async fn simulated_gpus_load_while_the_chain_delivers_and_hand_off() {
         if m.gpus.iter().any(|g| g.bytes > 0 && g.bytes < g.total) {
             saw_partial = true;
         }
+        let bytes: Vec<u64> = m.gpus.iter().map(|g| g.bytes).collect();
+        seen.push((t0.elapsed().as_millis(), m.state.clone(), bytes));
         assert!(t0.elapsed() < Duration::from_secs(60), "{m:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert!(saw_partial, "the load did not overlap the transfer");
+    assert!(
+        saw_partial,
+        "the load did not overlap the transfer; polls (ms, state, bytes per GPU): {seen:?}"
+    );
     assert!(
         resident
             .gpus

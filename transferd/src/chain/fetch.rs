@@ -11,14 +11,17 @@
 //! `Fetcher::adopt_staged` moves a kept import into the store shard by shard, and
 //! `Fetcher::fetch_spans` fetches chunk ranges in a given order (whole-model imports,
 //! partition-first loads, repairs); `Fetcher::pull_while_progressing` pulls from a holder
-//! above for as long as it has something new (recovery, a bypassed head).
+//! above for as long as it has something new (recovery, a bypassed head): until a pull
+//! brings nothing new a few times in a row, or at once when the holder answers
+//! `NotReceiving` (its copy lacks part of the span and nothing feeds it: a copy left by a
+//! restart or a failed session).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    DataTier, Frame, Hop, HopTransport, HostId, Manifest, SessionId, VerifiedChunk,
+    DataTier, ErrorCode, Frame, Hop, HopTransport, HostId, Manifest, SessionId, VerifiedChunk,
 };
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
@@ -37,6 +40,15 @@ use crate::wire::Conn;
 /// pull; four empty pulls a quarter stall timeout apart (about a stall timeout in all) mean
 /// it is starved too.
 const EMPTY_PULLS: u32 = 4;
+
+/// How a holder ended its answer to one `Fetch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pulled {
+    /// `Done`: it sent every chunk of the span it holds; it may hold more later.
+    All,
+    /// `NotReceiving`: it sent what it holds and receives none of the rest.
+    NoMore,
+}
 
 /// Fetches chunks into sessions from origins and holders. See the module docs.
 pub(crate) struct Fetcher {
@@ -95,6 +107,7 @@ impl Fetcher {
             return self
                 .pull_from_holder(sess, addr, None, span, self.idle_timeout)
                 .await
+                .map(drop)
                 .map_err(|error| FetchError::Holder {
                     holder: addr.to_string(),
                     error,
@@ -143,7 +156,7 @@ impl Fetcher {
         expect: Option<&HostId>,
         span: std::ops::Range<u32>,
         patience: std::time::Duration,
-    ) -> Result<(), ChainError> {
+    ) -> Result<Pulled, ChainError> {
         // A stopped holder's kernel still completes the TCP handshake: bound the set-up too.
         let setup = patience * 2;
         let result = async {
@@ -167,7 +180,7 @@ impl Fetcher {
         conn: &mut Conn,
         span: std::ops::Range<u32>,
         patience: std::time::Duration,
-    ) -> Result<(), ChainError> {
+    ) -> Result<Pulled, ChainError> {
         let shard = sess.shard_index();
         let fetch = Frame::Fetch {
             model: sess.model,
@@ -189,7 +202,14 @@ impl Fetcher {
                         .store_chunk(sess, index, Incoming::Unverified(data), ChunkFrom::Holder)
                         .await?;
                 }
-                Frame::Done => return Ok(()),
+                Frame::Done => return Ok(Pulled::All),
+                Frame::Error {
+                    code: ErrorCode::NotReceiving,
+                    message,
+                } => {
+                    debug!(session = %sess.id, "the holder has no more of the span: {message}");
+                    return Ok(Pulled::NoMore);
+                }
                 Frame::Error { code, message } => return Err(ChainError::Remote { code, message }),
                 other => {
                     return Err(ChainError::protocol(format!(
@@ -348,12 +368,17 @@ impl Fetcher {
             let before = sess.verified();
             // A holder that stops answering for a stall timeout is left for the next source;
             // a long pull that keeps delivering is not cut short.
-            self.pull_from_holder(sess, &hop.addr, Some(&hop.host), span, self.stall_timeout)
+            let pulled = self
+                .pull_from_holder(sess, &hop.addr, Some(&hop.host), span, self.stall_timeout)
                 .await
                 .map_err(|error| FetchError::Holder {
                     holder: hop.host.to_string(),
                     error,
                 })?;
+            // The holder receives none of what it lacks: asking again brings nothing.
+            if pulled == Pulled::NoMore {
+                return Ok(());
+            }
             if sess.verified() > before {
                 empty = 0;
                 continue;

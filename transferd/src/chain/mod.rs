@@ -329,6 +329,9 @@ pub struct NodeStats {
     /// `Open`s of a running session refused because its upstream is alive (a host that
     /// was cut off or stopped and came back; it completes as a leaf instead).
     pub second_upstreams_refused: AtomicU64,
+    /// `Fetch`es answered with part of the span and `NotReceiving`: this host's copy lacks
+    /// some of it and no session here receives the shard, so the puller moved on at once.
+    pub fetches_not_receiving: AtomicU64,
     /// Chunks pulled from another holder with `Fetch` (a recovering hop from a hop above
     /// it, an import or a partition from a peer) rather than from the origin.
     pub chunks_from_holders: AtomicU64,

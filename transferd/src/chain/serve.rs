@@ -223,7 +223,11 @@ impl Server {
         }
     }
 
-    /// Answers a `Fetch` with every requested chunk held verified here, then `Done`.
+    /// Answers a `Fetch` with every requested chunk held verified here, then `Done` — or,
+    /// where this copy lacks some of the span and no session here receives the shard (a copy
+    /// left by a restart, a failed or ended session), `Error{NotReceiving}`: the puller
+    /// learns at once that asking again brings nothing and goes to its next source, where
+    /// it used to pull a few more times to find out (PROTOCOL.md §10).
     async fn serve_fetch(
         &self,
         conn: &mut Conn,
@@ -271,6 +275,22 @@ impl Server {
                 self.repairs
                     .request(RepairRequest::new(local.clone(), vec![index]));
             }
+        }
+        let lacking = (start..end).filter(|&i| !local.is_verified(i)).count();
+        if lacking > 0 && !self.receiver.receives(&model, shard) {
+            self.stats
+                .fetches_not_receiving
+                .fetch_add(1, Ordering::Relaxed);
+            debug!(%model, shard, lacking, "answered a Fetch in part; receiving none of the rest");
+            conn.writer
+                .send_now(&Frame::error(
+                    ErrorCode::NotReceiving,
+                    format!(
+                        "this host lacks {lacking} chunk(s) of shard {shard} {start}..{end} and receives none of them"
+                    ),
+                ))
+                .await?;
+            return Ok(());
         }
         conn.writer.send_now(&Frame::Done).await?;
         Ok(())

@@ -91,6 +91,24 @@ impl Sessions {
         hop || head
     }
 
+    /// Whether an unfinished hop or head session here receives shard `shard` of `model`
+    /// (its copy may still grow). A holder that answers a `Fetch` with part of the span and
+    /// receives nothing says so ([`ErrorCode::NotReceiving`]).
+    ///
+    /// [`ErrorCode::NotReceiving`]: shardcast_protocol::ErrorCode::NotReceiving
+    pub(crate) fn receives(&self, model: &ModelDigest, shard: u32) -> bool {
+        let hit = |s: &ShardSession| {
+            s.model == *model && s.shard_index() == shard && s.outcome().is_none()
+        };
+        let hop = self.0.hops.lock().is_ok_and(|m| m.values().any(|s| hit(s)));
+        let head = self
+            .0
+            .heads
+            .lock()
+            .is_ok_and(|m| m.values().any(|h| h.parts.iter().any(|p| hit(p))));
+        hop || head
+    }
+
     /// Fails every unfinished session here that forwards from `shard` and needs one of
     /// `chunks`. Returns how many were failed.
     pub(crate) fn fail_needing(

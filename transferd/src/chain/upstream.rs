@@ -21,7 +21,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
-use shardcast_protocol::{ErrorCode, Frame, HostId, Manifest, SessionHeader, plan::PlanClaims};
+use shardcast_protocol::{
+    ErrorCode, Frame, HostId, Manifest, ModelDigest, SessionHeader, plan::PlanClaims,
+};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -97,6 +99,13 @@ impl Receiver {
     /// a `shardcast://` fallback at a plan host's address. Nothing of the session, not even
     /// its manifest, is read before this passes. Without TLS (`insecure_plaintext`) there is
     /// no CA to check a signature against, and sessions are accepted as before.
+    /// Whether a session here receives shard `shard` of `model` (see
+    /// [`Sessions::receives`]): the pull server's answer to a `Fetch` it can serve only in
+    /// part depends on it.
+    pub(super) fn receives(&self, model: &ModelDigest, shard: u32) -> bool {
+        self.sessions.receives(model, shard)
+    }
+
     pub(super) fn authorize_open(
         &self,
         header: &SessionHeader,
