@@ -577,6 +577,11 @@ struct SimulateArgs {
     /// --trace: seconds after the trace to let the queue drain.
     #[arg(long, default_value_t = 600.0)]
     drain_s: f64,
+    /// --trace: start from nothing (no replica, no copy in the cluster) instead of making
+    /// the first minute's replicas warm: the first scale-up then reads the origin in every
+    /// row.
+    #[arg(long)]
+    cold_cluster: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -811,6 +816,7 @@ fn simulate_trace(
                         tick: Duration::from_secs(1),
                         drain_s: a.drain_s.max(0.0),
                         sample_s: 10.0,
+                        warm_start: !a.cold_cluster,
                     };
                     let what =
                         format!("{} {} {:?} {:?}", model.name, trace_name, scaler, technique)
@@ -855,6 +861,7 @@ fn simulate_trace(
             heartbeat_s: heartbeat,
             poll_s: a.poll_s,
             tick_s: 1.0,
+            warm_start: !a.cold_cluster,
         },
         comparisons,
         wall_s: wall.elapsed().as_secs_f64(),

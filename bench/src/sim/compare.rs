@@ -190,6 +190,8 @@ pub struct TraceParams {
     pub poll_s: f64,
     /// Autoscaler tick, seconds.
     pub tick_s: f64,
+    /// Whether the first minute's replicas were made warm before the trace.
+    pub warm_start: bool,
 }
 
 /// `simulate --trace`'s report.

@@ -25,7 +25,9 @@
 //!   the copy in host memory goes too (a memory `Evict`).
 //!
 //! Before the trace starts, the replicas its first minute needs are made warm (their hosts
-//! seeded with a copy, a `Prewarm` from them) and are not counted as cold starts. After
+//! seeded with a copy, a `Prewarm` from them) and are not counted as cold starts — unless
+//! the run starts cold (`warm_start: false`): no replica and no copy anywhere, so the first
+//! scale-up reads the origin in every row (where chains and locality part ways). After
 //! the trace ends the run keeps going, without arrivals, until the queue is empty or
 //! `drain_s` has passed; requests still waiting then count with their age at the end (a
 //! lower bound of their latency).
@@ -114,6 +116,8 @@ pub struct TraceRun {
     pub drain_s: f64,
     /// Seconds between timeline samples.
     pub sample_s: f64,
+    /// Make the first minute's replicas warm before the trace (else start from nothing).
+    pub warm_start: bool,
 }
 
 /// Where it stands, for progress lines.
@@ -287,28 +291,34 @@ async fn drive(
         .take((60.0 / spec.trace.step_s).ceil().max(1.0) as usize)
         .copied()
         .collect();
-    let warm = ((mean(&first) / mu / 0.8).ceil() as u32).clamp(1, max_replicas);
-    let warm_hosts = warm.div_ceil(gpus) as usize;
-    for k in 0..warm_hosts.min(hosts) {
-        dc.seed(k * hosts / warm_hosts, name)
-            .map_err(anyhow::Error::msg)?;
-    }
-    cluster.heartbeat_all()?;
-    let accepted = ctl
-        .prewarm(Prewarm {
-            model: name.to_string(),
-            target: Target::Replicas(warm),
-            tier: Tier::Gpu,
-            sources: Sources::Auto,
-            transport: None,
-        })
-        .map_err(|e| anyhow::anyhow!("warm-up prewarm of {name}: {e}"))?;
-    let (_, rx) = ctl.watch_plan(&accepted.plan_id)?;
-    if let Some(mut rx) = rx {
-        tokio::time::timeout(Duration::from_secs(3600), rx.wait_for(|p| !p.running()))
-            .await
-            .context("the warm-up plan did not end within an hour of virtual time")?
-            .ok();
+    let warm = if spec.warm_start {
+        ((mean(&first) / mu / 0.8).ceil() as u32).clamp(1, max_replicas)
+    } else {
+        0
+    };
+    if warm > 0 {
+        let warm_hosts = warm.div_ceil(gpus) as usize;
+        for k in 0..warm_hosts.min(hosts) {
+            dc.seed(k * hosts / warm_hosts, name)
+                .map_err(anyhow::Error::msg)?;
+        }
+        cluster.heartbeat_all()?;
+        let accepted = ctl
+            .prewarm(Prewarm {
+                model: name.to_string(),
+                target: Target::Replicas(warm),
+                tier: Tier::Gpu,
+                sources: Sources::Auto,
+                transport: None,
+            })
+            .map_err(|e| anyhow::anyhow!("warm-up prewarm of {name}: {e}"))?;
+        let (_, rx) = ctl.watch_plan(&accepted.plan_id)?;
+        if let Some(mut rx) = rx {
+            tokio::time::timeout(Duration::from_secs(3600), rx.wait_for(|p| !p.running()))
+                .await
+                .context("the warm-up plan did not end within an hour of virtual time")?
+                .ok();
+        }
     }
 
     let t0 = dc.now();
@@ -665,6 +675,7 @@ mod tests {
             tick: Duration::from_secs(1),
             drain_s: 900.0,
             sample_s: 10.0,
+            warm_start: true,
         }
     }
 
@@ -729,6 +740,33 @@ mod tests {
         // The timeline covers the trace.
         assert!(all.timeline.first().unwrap().t < 1.5);
         assert!(all.timeline.last().unwrap().t >= 419.0);
+    }
+
+    #[test]
+    fn from_a_cold_cluster_chains_read_the_origin_less_than_one_stream_per_host() {
+        // No replica and no copy at the start: the first scale-up (2 replicas for 4 req/s
+        // at μ = 3.63 and 80%) reads the origin once per new host without chains, once per
+        // chain with them; later bursts find peers in every row.
+        let cold = |t| {
+            let mut s = spec(t);
+            s.warm_start = false;
+            s.trace.rps.truncate(180);
+            run(&s, &mut |_| {}).unwrap()
+        };
+        let (lc, mc) = (cold(Technique::Locality), cold(Technique::Multicast));
+        let model = 6_282e6;
+        assert_eq!(lc.warm_replicas, 0);
+        assert!(
+            lc.bytes_from_origin >= 2.0 * model,
+            "{}",
+            lc.bytes_from_origin
+        );
+        assert!(
+            mc.bytes_from_origin < 1.1 * model,
+            "{}",
+            mc.bytes_from_origin
+        );
+        assert!(lc.sources["origin"] >= 2 && mc.sources["origin"] >= 1);
     }
 
     #[test]
