@@ -457,9 +457,12 @@ enum Cmd {
     },
     /// The datacenter simulator: the real controller (registration, inventory, placement,
     /// chain plans, plan runner) on a paused clock, driving simulated hosts over a
-    /// flow-level spine-leaf network (default: Flashpoint's 200 hosts x 8 GPUs). Runs one
-    /// cold-start burst of a model per method and reports per-host ready times, average
-    /// and p99 cold start and bytes from the origin. Progress on stderr.
+    /// flow-level spine-leaf network (default: Flashpoint's 200 hosts x 8 GPUs). Without
+    /// --trace: one cold-start burst of a model per method (per-host ready times, average
+    /// and p99 cold start, bytes from the origin). With --trace: trace-driven runs (request
+    /// queue, replicas serving, an autoscaler scaling through the controller) for
+    /// --duration of virtual time, one row per technique, next to the thesis' numbers.
+    /// Progress on stderr.
     Simulate(SimulateArgs),
     /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
     OriginServer {
@@ -530,9 +533,11 @@ struct SimulateArgs {
     /// Methods to compare, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "baseline,chain")]
     methods: Vec<shardcast_bench::sim::coldstart::Method>,
-    /// Heartbeat period of the simulated hosts, seconds.
-    #[arg(long, default_value_t = 1.0)]
-    heartbeat_s: f64,
+    /// Heartbeat period of the simulated hosts, seconds (default: 1 for a burst, 5 for
+    /// --trace, where placement sees a new copy at most that late and 200 hosts cost
+    /// 40 heartbeats a virtual second).
+    #[arg(long)]
+    heartbeat_s: Option<f64>,
     /// The plan runner's poll tick, seconds. The simulated agents push every change (and
     /// progress every 2 s), so the tick only paces stall detection: the results are the
     /// same at the controller's 0.25 s default, which costs 4 rounds over every receiver
@@ -545,6 +550,38 @@ struct SimulateArgs {
     /// Write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Trace-driven mode: `twitter` or `azure` (seeded generators with the thesis'
+    /// statistics), or `azure:FILE` / `azure:FILE#FUNCTION` (an Azure Functions 2019
+    /// invocation-count CSV, all functions summed or one), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    trace: Vec<String>,
+    /// --trace: virtual time to run (the trace is cut to it), e.g. 1h, 10m.
+    #[arg(long, default_value = "1h")]
+    duration: humantime::Duration,
+    /// --trace: the models, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "t5-3b,gpt2-xl")]
+    models: Vec<String>,
+    /// --trace: the autoscalers (tsk, atl, owk, sm, shardcast), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "atl")]
+    autoscaler: Vec<shardcast_bench::sim::scalers::ScalerKind>,
+    /// --trace: the techniques (rows), comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "baseline,locality,multicast,combined"
+    )]
+    techniques: Vec<shardcast_bench::sim::workload::Technique>,
+    /// --trace: seed of the generated traces and of the Poisson arrivals.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// --trace: seconds after the trace to let the queue drain.
+    #[arg(long, default_value_t = 600.0)]
+    drain_s: f64,
+    /// --trace: start from nothing (no replica, no copy in the cluster) instead of making
+    /// the first minute's replicas warm: the first scale-up then reads the origin in every
+    /// row.
+    #[arg(long)]
+    cold_cluster: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -636,36 +673,40 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
             .filter(|d| !d.is_zero())
             .with_context(|| format!("{what} must be a positive number of seconds"))
     };
-    let spec = coldstart::ColdStart {
-        dc: dc::DcConfig {
-            topology: net::Topology {
-                hosts: a.hosts,
-                hosts_per_leaf: a.hosts_per_leaf,
-                host_link_bps: net::gbit(a.host_gbps),
-                leaf_uplink_bps: net::gbit(a.leaf_gbps),
-                origin_link_bps: positive(a.origin_link_gbps),
-                origin_stream_bps: positive(a.origin_stream_gbps),
-            },
-            gpus_per_host: a.gpus_per_host,
-            // The thesis' A10s (24 GB) and 200 GiB hosts (§8.1.1).
-            gpu_memory: 24 << 30,
-            host_memory: 200 << 30,
-            phases,
-            chunk_size: shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE,
-            hop_cap_bps: positive(a.hop_gbps),
-            progress_period: dc::PROGRESS_PERIOD,
+    let dc_cfg = dc::DcConfig {
+        topology: net::Topology {
+            hosts: a.hosts,
+            hosts_per_leaf: a.hosts_per_leaf,
+            host_link_bps: net::gbit(a.host_gbps),
+            leaf_uplink_bps: net::gbit(a.leaf_gbps),
+            origin_link_bps: positive(a.origin_link_gbps),
+            origin_stream_bps: positive(a.origin_stream_gbps),
         },
-        model: model.clone(),
-        replicas: a.replicas.unwrap_or(a.hosts as u32),
-        warm: a.warm,
-        heartbeat: secs(a.heartbeat_s, "--heartbeat-s")?,
-        poll: secs(a.poll_s, "--poll-s")?,
-        limit: secs(a.limit_s, "--limit-s")?,
+        gpus_per_host: a.gpus_per_host,
+        // The thesis' A10s (24 GB) and 200 GiB hosts (§8.1.1).
+        gpu_memory: 24 << 30,
+        host_memory: 200 << 30,
+        phases,
+        chunk_size: shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE,
+        hop_cap_bps: positive(a.hop_gbps),
+        progress_period: dc::PROGRESS_PERIOD,
     };
     anyhow::ensure!(
         a.host_gbps > 0.0 && a.leaf_gbps > 0.0,
         "link rates must be positive"
     );
+    if !a.trace.is_empty() {
+        return simulate_trace(&a, dc_cfg);
+    }
+    let spec = coldstart::ColdStart {
+        dc: dc_cfg,
+        model: model.clone(),
+        replicas: a.replicas.unwrap_or(a.hosts as u32),
+        warm: a.warm,
+        heartbeat: secs(a.heartbeat_s.unwrap_or(1.0), "--heartbeat-s")?,
+        poll: secs(a.poll_s, "--poll-s")?,
+        limit: secs(a.limit_s, "--limit-s")?,
+    };
     let wall = std::time::Instant::now();
     let mut rows = Vec::new();
     for method in &a.methods {
@@ -694,6 +735,150 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
     println!("{}", report.table());
     if let Some(path) = a.json {
         std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("simulate: report written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// `simulate --trace`: every model × trace × autoscaler × technique, progress on stderr,
+/// the tables on stdout, the report as JSON.
+fn simulate_trace(
+    a: &SimulateArgs,
+    dc_cfg: shardcast_bench::sim::dc::DcConfig,
+) -> anyhow::Result<()> {
+    use shardcast_bench::sim::compare::{self, Comparison, TraceParams, TraceReport};
+    use shardcast_bench::sim::{models, trace, workload};
+    let duration = a.duration.as_secs_f64();
+    anyhow::ensure!(duration >= 1.0, "--duration must be at least 1 s");
+    let heartbeat = a.heartbeat_s.unwrap_or(5.0);
+    let secs = |s: f64, what: &str| {
+        Duration::try_from_secs_f64(s)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .with_context(|| format!("{what} must be a positive number of seconds"))
+    };
+    let mut traces = Vec::new();
+    for t in &a.trace {
+        let rate = match t.as_str() {
+            "twitter" => trace::generate(
+                &trace::TraceShape::twitter(),
+                duration.ceil() as usize,
+                a.seed,
+            ),
+            "azure" => trace::generate(
+                &trace::TraceShape::azure(),
+                duration.ceil() as usize,
+                a.seed,
+            ),
+            other => {
+                let spec = other.strip_prefix("azure:").with_context(|| {
+                    format!("unknown trace {other:?}: twitter, azure, or azure:FILE[#FUNCTION]")
+                })?;
+                let (file, pick) = match spec.split_once('#') {
+                    Some((f, func)) => (f, trace::AzurePick::Function(func.to_string())),
+                    None => (spec, trace::AzurePick::Sum),
+                };
+                let f = std::fs::File::open(file).with_context(|| format!("opening {file}"))?;
+                trace::read_azure(std::io::BufReader::new(f), &pick)
+                    .with_context(|| format!("reading {file}"))?
+            }
+        };
+        let mut rate = rate;
+        rate.truncate(duration);
+        traces.push((t.clone(), rate));
+    }
+    let mut models_run = Vec::new();
+    for m in &a.models {
+        models_run.push(
+            models::find(m)
+                .with_context(|| format!("unknown model {m:?}"))?
+                .clone(),
+        );
+    }
+    let wall = std::time::Instant::now();
+    let mut comparisons = Vec::new();
+    for model in &models_run {
+        for (trace_name, rate) in &traces {
+            for scaler in &a.autoscaler {
+                let mut rows = Vec::new();
+                for technique in &a.techniques {
+                    let spec = workload::TraceRun {
+                        dc: dc_cfg.clone(),
+                        model: model.clone(),
+                        trace: rate.clone(),
+                        trace_name: trace_name.clone(),
+                        seed: a.seed,
+                        scaler: *scaler,
+                        technique: *technique,
+                        heartbeat: secs(heartbeat, "--heartbeat-s")?,
+                        poll: secs(a.poll_s, "--poll-s")?,
+                        tick: Duration::from_secs(1),
+                        drain_s: a.drain_s.max(0.0),
+                        sample_s: 10.0,
+                        warm_start: !a.cold_cluster,
+                    };
+                    let what =
+                        format!("{} {} {:?} {:?}", model.name, trace_name, scaler, technique)
+                            .to_lowercase();
+                    let row = workload::run(&spec, &mut |p| {
+                        eprintln!(
+                            "simulate: {what}: {:>5.0}/{:.0} s, {} replicas ({} serving), queue {}, {:.1} s wall",
+                            p.t, p.duration, p.replicas, p.serving, p.queue, p.wall_s
+                        );
+                    })?;
+                    eprintln!(
+                        "simulate: {what}: {} cold starts avg {:.2} s p99 {:.2} s, e2e avg {:.2} s p99 {:.2} s, {:.1} replica-h, {:.1} GB from the origin; {:.0} s virtual in {:.2} s",
+                        row.cold_starts,
+                        row.avg_cold_start_s,
+                        row.p99_cold_start_s,
+                        row.avg_e2e_s,
+                        row.p99_e2e_s,
+                        row.replica_seconds / 3600.0,
+                        row.bytes_from_origin / 1e9,
+                        row.virtual_s,
+                        row.wall_s
+                    );
+                    rows.push(row);
+                }
+                comparisons.extend(Comparison::new(rows));
+            }
+        }
+    }
+    let t = &dc_cfg.topology;
+    let g = |bps: f64| bps * 8.0 / 1e9;
+    let report = TraceReport {
+        params: TraceParams {
+            hosts: t.hosts,
+            gpus_per_host: dc_cfg.gpus_per_host,
+            hosts_per_leaf: t.hosts_per_leaf,
+            host_gbps: g(t.host_link_bps),
+            leaf_gbps: g(t.leaf_uplink_bps),
+            origin_link_gbps: t.origin_link_bps.map(g),
+            origin_stream_gbps: t.origin_stream_bps.map(g),
+            duration_s: duration,
+            seed: a.seed,
+            heartbeat_s: heartbeat,
+            poll_s: a.poll_s,
+            tick_s: 1.0,
+            warm_start: !a.cold_cluster,
+        },
+        comparisons,
+        wall_s: wall.elapsed().as_secs_f64(),
+        peak_rss_bytes: compare::peak_rss_bytes(),
+    };
+    println!("{}", report.table());
+    eprintln!(
+        "simulate: {:.1} s wall, peak RSS {}",
+        report.wall_s,
+        report
+            .peak_rss_bytes
+            .map_or_else(|| "unknown".into(), |b| format!("{:.1} MB", b as f64 / 1e6))
+    );
+    if let Some(path) = &a.json {
+        // Compact: the timelines and cold-start lists of 8 runs are ≈ 0.5 MB this way,
+        // more than twice that pretty-printed.
+        std::fs::write(path, serde_json::to_vec(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("simulate: report written to {}", path.display());
     }

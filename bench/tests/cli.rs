@@ -87,3 +87,100 @@ fn simulate_names_the_models_it_knows() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("t5-3b") && err.contains("llama-70b"), "{err}");
 }
+
+#[test]
+fn simulate_runs_a_trace_and_writes_the_rows_next_to_the_thesis() {
+    // 16 hosts × 2 GPUs, 10 minutes of the Twitter-shaped trace, GPT-2 XL: the baseline's
+    // new hosts share the origin; the combined row sources from peers and host memory.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("trace.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast-bench"))
+        .args([
+            "simulate",
+            "--hosts",
+            "16",
+            "--hosts-per-leaf",
+            "4",
+            "--gpus-per-host",
+            "2",
+            "--trace",
+            "twitter",
+            "--duration",
+            "10m",
+            "--models",
+            "gpt2-xl",
+            "--techniques",
+            "baseline,combined",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    // Progress on stderr while it runs, and the peak memory at the end.
+    assert!(err.contains("gpt2-xl twitter atl baseline:") && err.contains("peak RSS"));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report["params"]["duration_s"], 600.0);
+    let cmp = report["comparisons"].as_array().unwrap();
+    assert_eq!(cmp.len(), 1);
+    assert_eq!(
+        (cmp[0]["model"].as_str(), cmp[0]["scaler"].as_str()),
+        (Some("gpt2-xl"), Some("atl"))
+    );
+    let rows = cmp[0]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    let (base, all) = (&rows[0]["row"], &rows[1]["row"]);
+    assert_eq!(
+        (base["technique"].as_str(), all["technique"].as_str()),
+        (Some("baseline"), Some("combined"))
+    );
+    let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap();
+    assert!(base["cold_starts"].as_u64().unwrap() > 0 && all["cold_starts"].as_u64().unwrap() > 0);
+    assert!(f(all, "avg_cold_start_s") < f(base, "avg_cold_start_s"));
+    assert!(f(all, "bytes_from_origin") < f(base, "bytes_from_origin"));
+    assert!(f(all, "avg_e2e_s") <= f(base, "avg_e2e_s"));
+    // Our change and the thesis' side by side.
+    assert!(rows[1]["change"]["avg_cold_start"].as_f64().unwrap() < 0.0);
+    assert_eq!(rows[1]["thesis"]["avg_cold_start"], -0.9351);
+    assert!(!all["timeline"].as_array().unwrap().is_empty());
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("combined (locality + chains)"), "{table}");
+}
+
+#[test]
+fn simulate_reads_an_azure_functions_trace() {
+    let csv = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/azure_functions_2019_sample.csv"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast-bench"))
+        .args([
+            "simulate",
+            "--hosts",
+            "4",
+            "--hosts-per-leaf",
+            "2",
+            "--duration",
+            "5m",
+        ])
+        .args([
+            "--models",
+            "codebert-base",
+            "--techniques",
+            "combined",
+            "--trace",
+        ])
+        .arg(format!("azure:{csv}"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("codebert-base on azure:"));
+    let bad = Command::new(env!("CARGO_BIN_EXE_shardcast-bench"))
+        .args(["simulate", "--trace", "poisson"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown trace"));
+}

@@ -20,7 +20,8 @@ use shardcast_placement::{PlanParams, Target, Tier};
 use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use tokio_util::sync::CancellationToken;
 
-use super::dc::{Datacenter, DcConfig, HostReady, SimAgents};
+use super::agents::SimAgents;
+use super::dc::{Datacenter, DcConfig, HostReady};
 use super::models::SimModel;
 use super::store::MemStore;
 
@@ -156,18 +157,31 @@ pub fn run(spec: &ColdStart, method: Method) -> anyhow::Result<ColdStartRow> {
 /// burst starts from a cluster that holds nothing), and rates from the topology for the
 /// placement estimates.
 pub fn controller_config(spec: &ColdStart) -> anyhow::Result<ControllerConfig> {
-    let topo = &spec.dc.topology;
+    controller_config_for(&spec.dc, spec.heartbeat, spec.poll, None)
+}
+
+/// [`controller_config`] for a datacenter, heartbeat and poll tick; `max_chain_len` caps
+/// the hops of a chain (1: no multicast, each receiver its own stream from its source).
+pub fn controller_config_for(
+    dc: &DcConfig,
+    heartbeat: Duration,
+    poll: Duration,
+    max_chain_len: Option<usize>,
+) -> anyhow::Result<ControllerConfig> {
+    let topo = &dc.topology;
     let origin_bps = topo
         .origin_stream_bps
         .or(topo.origin_link_bps)
         .unwrap_or(topo.host_link_bps);
+    let defaults = PlanParams::default();
     Ok(ControllerConfig {
-        heartbeat: spec.heartbeat,
-        poll: spec.poll,
+        heartbeat,
+        poll,
         plan: PlanParams {
             origin_bps: origin_bps as u64,
             default_nic_bps: topo.host_link_bps as u64,
-            ..PlanParams::default()
+            max_chain_len: max_chain_len.unwrap_or(defaults.max_chain_len),
+            ..defaults
         },
         register_keeps_copy: false,
         origins: OriginPolicy::parse([ORIGIN_PREFIX], Enforcer::Controller)
@@ -176,60 +190,103 @@ pub fn controller_config(spec: &ColdStart) -> anyhow::Result<ControllerConfig> {
     })
 }
 
-async fn burst(spec: &ColdStart, method: Method) -> anyhow::Result<ColdStartRow> {
-    let dc = Datacenter::new(spec.dc.clone(), std::slice::from_ref(&spec.model))
-        .map_err(anyhow::Error::msg)?;
-    let cancel = CancellationToken::new();
-    let ctl = Controller::open_with(
-        controller_config(spec)?,
-        Arc::new(MemStore::default()),
-        cancel.clone(),
-        Arc::new(SimAgents::new(dc.clone())),
-    )
-    .map_err(|e| anyhow::anyhow!("opening the controller: {}", e.message))?;
-    tokio::spawn(dc.clone().drive(cancel.clone()));
-    // Every host registers with its first heartbeat, then keeps heartbeating.
-    for view in dc.host_views() {
-        ctl.heartbeat(view)
-            .map_err(|e| anyhow::anyhow!("heartbeat: {e}"))?;
+/// A simulated cluster running on the current (paused) runtime: the datacenter, the real
+/// controller on its agent port, and the hosts' heartbeats. Dropping it stops them.
+pub struct Cluster {
+    /// The controller.
+    pub ctl: Arc<Controller>,
+    /// The datacenter.
+    pub dc: Arc<Datacenter>,
+    cancel: CancellationToken,
+}
+
+impl Cluster {
+    /// Opens the controller with `cfg` on a fresh datacenter of `dc` knowing `models`;
+    /// every host registers by heartbeat and keeps heartbeating every `cfg.heartbeat`.
+    pub fn open(dc: &DcConfig, models: &[SimModel], cfg: ControllerConfig) -> anyhow::Result<Self> {
+        let heartbeat = cfg.heartbeat;
+        let dc = Datacenter::new(dc.clone(), models).map_err(anyhow::Error::msg)?;
+        let cancel = CancellationToken::new();
+        let ctl = Controller::open_with(
+            cfg,
+            Arc::new(MemStore::default()),
+            cancel.clone(),
+            Arc::new(SimAgents::new(dc.clone())),
+        )
+        .map_err(|e| anyhow::anyhow!("opening the controller: {}", e.message))?;
+        tokio::spawn(dc.clone().drive(cancel.clone()));
+        let cluster = Self { ctl, dc, cancel };
+        cluster.heartbeat_all()?;
+        tokio::spawn(heartbeats(
+            cluster.ctl.clone(),
+            cluster.dc.clone(),
+            heartbeat,
+            cluster.cancel.clone(),
+        ));
+        Ok(cluster)
     }
-    tokio::spawn(heartbeats(
-        ctl.clone(),
-        dc.clone(),
-        spec.heartbeat,
-        cancel.clone(),
-    ));
-    let out = drive_burst(spec, method, &ctl, &dc).await;
-    cancel.cancel();
-    out
+
+    /// Every host heartbeats now.
+    pub fn heartbeat_all(&self) -> anyhow::Result<()> {
+        for view in self.dc.host_views() {
+            self.ctl
+                .heartbeat(view)
+                .map_err(|e| anyhow::anyhow!("heartbeat: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Registers `model` (a host builds its manifest) with its layer profile; returns its
+    /// digest.
+    pub async fn register(&self, model: &SimModel, dc: &DcConfig) -> anyhow::Result<String> {
+        let name = model.name;
+        let profile = serde_json::to_string(&model.profile(&dc.phases))?;
+        let registered = self
+            .ctl
+            .register_model(Register {
+                name: name.to_string(),
+                origin: format!("{ORIGIN_PREFIX}{name}"),
+                profile_json: profile,
+                chunk_size: dc.chunk_size,
+                ..Register::default()
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("registering {name}: {e}"))?;
+        let Registered::Done(entry) = registered else {
+            anyhow::bail!("the registration of {name} did not finish");
+        };
+        let digest = entry.record.digest;
+        anyhow::ensure!(
+            self.dc.digest_of(name).as_deref() == Some(digest.as_str()),
+            "the registry's digest of {name} is not the simulated hosts' one"
+        );
+        Ok(digest)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn burst(spec: &ColdStart, method: Method) -> anyhow::Result<ColdStartRow> {
+    let cluster = Cluster::open(
+        &spec.dc,
+        std::slice::from_ref(&spec.model),
+        controller_config(spec)?,
+    )?;
+    drive_burst(spec, method, &cluster).await
 }
 
 async fn drive_burst(
     spec: &ColdStart,
     method: Method,
-    ctl: &Arc<Controller>,
-    dc: &Arc<Datacenter>,
+    cluster: &Cluster,
 ) -> anyhow::Result<ColdStartRow> {
+    let (ctl, dc) = (&cluster.ctl, &cluster.dc);
     let name = spec.model.name;
-    let profile = serde_json::to_string(&spec.model.profile(&spec.dc.phases))?;
-    let registered = ctl
-        .register_model(Register {
-            name: name.to_string(),
-            origin: format!("{ORIGIN_PREFIX}{name}"),
-            profile_json: profile,
-            chunk_size: spec.dc.chunk_size,
-            ..Register::default()
-        })
-        .await
-        .map_err(|e| anyhow::anyhow!("registering {name}: {e}"))?;
-    let Registered::Done(entry) = registered else {
-        anyhow::bail!("the registration of {name} did not finish");
-    };
-    let digest = entry.record.digest;
-    anyhow::ensure!(
-        dc.digest_of(name).as_deref() == Some(digest.as_str()),
-        "the registry's digest of {name} is not the simulated hosts' one"
-    );
+    let digest = cluster.register(&spec.model, &spec.dc).await?;
     let hosts = spec.dc.topology.hosts;
     for k in 0..spec.warm.min(hosts) {
         dc.seed(k * hosts / spec.warm, name)
@@ -237,10 +294,7 @@ async fn drive_burst(
     }
     if spec.warm > 0 {
         // The holders report their copies before the burst is planned.
-        for view in dc.host_views() {
-            ctl.heartbeat(view)
-                .map_err(|e| anyhow::anyhow!("heartbeat: {e}"))?;
-        }
+        cluster.heartbeat_all()?;
     }
     let t0 = dc.now();
     let origin_before = dc.origin_bytes();

@@ -1,6 +1,6 @@
 //! The simulated datacenter behind the controller's agent port: every host's copies and GPU
-//! loads, the flow-level network ([`super::net`]) that moves the bytes, and
-//! [`SimAgents`], the [`Agents`] implementation the real controller calls.
+//! loads, and the flow-level network ([`super::net`]) that moves the bytes.
+//! [`super::agents::SimAgents`], the controller's agent port, acts on it.
 //!
 //! Who talks to whom:
 //!
@@ -34,23 +34,23 @@
 //!   from the origin and answers when the download ends.
 //! * `load_model`: the GPU load starts when the copy is complete (or now, if later) and
 //!   takes the model's load + host-to-GPU time ([`super::models::Phases`]); its GPU bytes
-//!   grow linearly meanwhile, so the plan runner's stall clock sees progress.
+//!   grow linearly meanwhile, so the plan runner's stall clock sees progress. Each call is
+//!   one more load of `count` GPUs (a later scale-out adds GPUs on a host that already
+//!   serves the model); each load is one replica group with its own times.
+//! * A GPU replica leaves when the trace-driven run ([`super::serve`]) unloads it, after
+//!   the controller released its slots (the controller's GPU evict only books; the host's
+//!   serving runtime stops the replica).
 //! * `model_status` / `watch_model_status`: the host's copy in its memory tier and its GPU
 //!   loads; the watch pushes on every change and, while bytes move, every
 //!   `progress_period`.
 
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use futures::stream::BoxStream;
-use shardcast_controller::agents::{
-    AgentAt, Agents, Evict, Import, Imported, Load, ModelReport, StartChain, TierReport,
-};
+use shardcast_controller::agents::AgentAt;
 use shardcast_controller::error::{AgentError, AgentFailure};
-use shardcast_controller::inventory::{GpuInfo, GpuLoad, Holding, HostView};
-use shardcast_controller::plan::GpuState;
-use shardcast_protocol::DataTier;
+use shardcast_controller::inventory::HostView;
 use shardcast_protocol::codec::encode_to_vec;
 use tokio::sync::{Notify, oneshot, watch};
 use tokio_util::sync::CancellationToken;
@@ -104,66 +104,94 @@ pub struct HostReady {
 
 /// A catalogued model, by digest.
 #[derive(Debug, Clone)]
-struct Catalogued {
-    model: SimModel,
-    manifest: Vec<u8>,
-    shard_sizes: Vec<u64>,
+pub(super) struct Catalogued {
+    pub(super) model: SimModel,
+    pub(super) manifest: Vec<u8>,
+    pub(super) shard_sizes: Vec<u64>,
 }
 
 /// A chain (or direct download) in flight: one flow.
 #[derive(Debug)]
-struct Delivery {
-    digest: String,
+pub(super) struct Delivery {
+    pub(super) digest: String,
     /// Receivers in order: receiver `j` completes at milestone `j`.
-    receivers: Vec<usize>,
-    shards: Vec<u32>,
+    pub(super) receivers: Vec<usize>,
+    pub(super) shards: Vec<u32>,
     /// Told when the flow ends (an `import_model` with `fetch` waits on it).
-    waiters: Vec<oneshot::Sender<()>>,
+    pub(super) waiters: Vec<oneshot::Sender<()>>,
 }
 
 /// Bytes on their way to a host's copy.
 #[derive(Debug, Clone)]
-struct Incoming {
-    flow: FlowId,
+pub(super) struct Incoming {
+    pub(super) flow: FlowId,
     /// The head's progress at which this host's first byte lands (`j * chunk`).
-    lag: f64,
+    pub(super) lag: f64,
     /// Bytes the flow carries to it.
-    bytes: f64,
+    pub(super) bytes: f64,
 }
 
 /// A host's copy of a model in its memory tier.
 #[derive(Debug, Clone, Default)]
-struct Copy {
-    shards_done: Vec<bool>,
-    incoming: Vec<Incoming>,
-    complete_at: Option<f64>,
-    source: String,
+pub(super) struct Copy {
+    pub(super) shards_done: Vec<bool>,
+    pub(super) incoming: Vec<Incoming>,
+    pub(super) complete_at: Option<f64>,
+    pub(super) source: String,
 }
 
-/// A host's GPU load of a model.
+/// A host's GPU load of a model: `count` GPU replicas loaded together.
 #[derive(Debug, Clone)]
-struct GpuLoadSim {
-    count: u32,
-    asked_at: f64,
+pub(super) struct GpuLoadSim {
+    /// Unique in the datacenter.
+    pub(super) id: u64,
+    pub(super) count: u32,
+    pub(super) asked_at: f64,
+    /// When the scale-out that made it was asked for (the cold start's start), else
+    /// `asked_at`.
+    pub(super) requested_at: f64,
     /// (start, end) once the copy is complete.
-    window: Option<(f64, f64)>,
-    resident: bool,
+    pub(super) window: Option<(f64, f64)>,
+    pub(super) resident: bool,
+    /// Where its bytes came from: `local` when the host's copy was complete when the load
+    /// was asked (a cold start from host memory), else where the copy came from.
+    pub(super) source: String,
 }
 
 #[derive(Debug)]
-struct SimHost {
-    id: String,
-    copies: BTreeMap<String, Copy>,
-    gpus: BTreeMap<String, GpuLoadSim>,
-    changed: watch::Sender<u64>,
+pub(super) struct SimHost {
+    pub(super) id: String,
+    pub(super) copies: BTreeMap<String, Copy>,
+    pub(super) gpus: BTreeMap<String, Vec<GpuLoadSim>>,
+    /// Scale-out request times not yet matched by a GPU load, per model (oldest first).
+    pub(super) expected: HashMap<String, VecDeque<f64>>,
+    pub(super) changed: watch::Sender<u64>,
 }
 
-/// A GPU load that ends at a time (a min-heap by time, then host, then digest).
+/// A GPU load that ends at a time (a min-heap by time, then host, then load id).
 #[derive(Debug, Clone, PartialEq)]
 struct GpuDue {
     at: f64,
     host: usize,
     digest: String,
+    id: u64,
+}
+
+/// A GPU replica group as the serving side sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaGroup {
+    /// The load's id (unique in the datacenter).
+    pub id: u64,
+    /// Host index.
+    pub host: usize,
+    /// GPU replicas in the group.
+    pub count: u32,
+    /// When the scale-out that made it was asked for.
+    pub requested_at: f64,
+    /// When it became resident (serving), if it has.
+    pub resident_at: Option<f64>,
+    /// Where its bytes came from: `local` (host memory), `origin` or the sending host.
+    pub source: String,
 }
 
 impl Eq for GpuDue {}
@@ -174,7 +202,7 @@ impl Ord for GpuDue {
             .at
             .total_cmp(&self.at)
             .then_with(|| other.host.cmp(&self.host))
-            .then_with(|| other.digest.cmp(&self.digest))
+            .then_with(|| other.id.cmp(&self.id))
     }
 }
 
@@ -184,16 +212,17 @@ impl PartialOrd for GpuDue {
     }
 }
 
-struct Dc {
-    cfg: DcConfig,
-    net: Network,
-    hosts: Vec<SimHost>,
-    index: HashMap<String, usize>,
-    catalogue: HashMap<String, Catalogued>,
-    by_name: HashMap<String, String>,
-    deliveries: HashMap<FlowId, Delivery>,
-    sessions: HashSet<String>,
+pub(super) struct Dc {
+    pub(super) cfg: DcConfig,
+    pub(super) net: Network,
+    pub(super) hosts: Vec<SimHost>,
+    pub(super) index: HashMap<String, usize>,
+    pub(super) catalogue: HashMap<String, Catalogued>,
+    pub(super) by_name: HashMap<String, String>,
+    pub(super) deliveries: HashMap<FlowId, Delivery>,
+    pub(super) sessions: HashSet<String>,
     gpu_due: BinaryHeap<GpuDue>,
+    next_load: u64,
     ready: BTreeMap<(String, usize), HostReady>,
 }
 
@@ -201,7 +230,7 @@ struct Dc {
 /// never across an await.
 pub struct Datacenter {
     inner: Mutex<Dc>,
-    wake: Notify,
+    pub(super) wake: Notify,
     epoch: tokio::time::Instant,
 }
 
@@ -233,6 +262,7 @@ impl Datacenter {
                 id: host_id(i),
                 copies: BTreeMap::new(),
                 gpus: BTreeMap::new(),
+                expected: HashMap::new(),
                 changed: watch::Sender::new(0),
             })
             .collect();
@@ -252,6 +282,7 @@ impl Datacenter {
                 deliveries: HashMap::new(),
                 sessions: HashSet::new(),
                 gpu_due: BinaryHeap::new(),
+                next_load: 0,
                 ready: BTreeMap::new(),
             }),
             wake: Notify::new(),
@@ -264,12 +295,12 @@ impl Datacenter {
         self.epoch.elapsed().as_secs_f64()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Dc> {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, Dc> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The datacenter synced to now.
-    fn synced(&self) -> std::sync::MutexGuard<'_, Dc> {
+    pub(super) fn synced(&self) -> std::sync::MutexGuard<'_, Dc> {
         let now = self.now();
         let mut dc = self.lock();
         dc.sync(now);
@@ -321,6 +352,57 @@ impl Datacenter {
         Ok(())
     }
 
+    /// Host `id`'s index.
+    pub fn host_index(&self, id: &str) -> Option<usize> {
+        self.lock().index.get(id).copied()
+    }
+
+    /// Every GPU replica group of `digest` now (resident or loading), by host then load.
+    pub fn replicas(&self, digest: &str) -> Vec<ReplicaGroup> {
+        let dc = self.synced();
+        let mut out = Vec::new();
+        for (h, host) in dc.hosts.iter().enumerate() {
+            let Some(loads) = host.gpus.get(digest) else {
+                continue;
+            };
+            for g in loads {
+                out.push(ReplicaGroup {
+                    id: g.id,
+                    host: h,
+                    count: g.count,
+                    requested_at: g.requested_at,
+                    resident_at: g.resident.then(|| g.window.map_or(g.asked_at, |w| w.1)),
+                    source: g.source.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// A scale-out asked at `at` will load `digest` on host `h`: the GPU load that comes
+    /// next there is stamped with `at` as its cold start's beginning.
+    pub fn expect_load(&self, h: usize, digest: &str, at: f64) {
+        if let Some(host) = self.lock().hosts.get_mut(h) {
+            host.expected
+                .entry(digest.to_string())
+                .or_default()
+                .push_back(at);
+        }
+    }
+
+    /// Host `h`'s serving runtime stops every GPU replica of `digest` (the controller
+    /// released their slots); the copy in host memory stays. Returns the groups stopped.
+    pub fn unload_gpus(&self, h: usize, digest: &str) -> Vec<u64> {
+        let mut dc = self.synced();
+        let Some(host) = dc.hosts.get_mut(h) else {
+            return Vec::new();
+        };
+        host.expected.remove(digest);
+        let gone = host.gpus.remove(digest).unwrap_or_default();
+        host.changed.send_modify(|v| *v += 1);
+        gone.into_iter().map(|g| g.id).collect()
+    }
+
     /// Every host's report, as its transferd would heartbeat it.
     pub fn host_views(&self) -> Vec<HostView> {
         let dc = self.synced();
@@ -356,26 +438,18 @@ impl Datacenter {
     /// Sleeps until the next multiple of `period` on the datacenter's clock: every watch
     /// pushes its progress at the same instants, so the plan runner wakes once per period
     /// for all of them instead of once per receiver.
-    async fn sleep_to_grid(&self, period: Duration) {
+    pub(super) async fn sleep_to_grid(&self, period: Duration) {
         let p = period.as_secs_f64().max(1e-3);
         let next = ((self.now() / p).floor() + 1.0) * p;
         tokio::time::sleep_until(self.epoch + Duration::from_secs_f64(next)).await;
     }
 
-    fn host(&self, at: &AgentAt) -> Result<usize, AgentError> {
+    pub(super) fn host(&self, at: &AgentAt) -> Result<usize, AgentError> {
         self.lock()
             .index
             .get(&at.host)
             .copied()
             .ok_or_else(|| AgentError::unreachable(&at.host, "no such simulated host"))
-    }
-}
-
-fn agent_error(host: &str, failure: AgentFailure, message: impl Into<String>) -> AgentError {
-    AgentError {
-        host: host.to_string(),
-        failure,
-        message: message.into(),
     }
 }
 
@@ -427,8 +501,12 @@ impl Dc {
             if let Some(r) = self.ready.get_mut(&(digest.to_string(), h)) {
                 r.copy_s = Some(at);
             }
-            if let Some(g) = host.gpus.get_mut(digest)
-                && g.window.is_none()
+            for g in host
+                .gpus
+                .get_mut(digest)
+                .into_iter()
+                .flatten()
+                .filter(|g| g.window.is_none())
             {
                 let start = at.max(g.asked_at);
                 g.window = Some((start, start + startup));
@@ -436,6 +514,7 @@ impl Dc {
                     at: start + startup,
                     host: h,
                     digest: digest.to_string(),
+                    id: g.id,
                 });
             }
         }
@@ -448,16 +527,110 @@ impl Dc {
                 break;
             };
             let host = &mut self.hosts[due.host];
-            if let Some(g) = host.gpus.get_mut(&due.digest)
+            if let Some(g) = host
+                .gpus
+                .get_mut(&due.digest)
+                .and_then(|loads| loads.iter_mut().find(|g| g.id == due.id))
                 && !g.resident
             {
                 g.resident = true;
-                if let Some(r) = self.ready.get_mut(&(due.digest.clone(), due.host)) {
+                if let Some(r) = self.ready.get_mut(&(due.digest.clone(), due.host))
+                    && r.gpu_s.is_none()
+                {
                     r.gpu_s = Some(due.at);
                 }
                 host.changed.send_modify(|v| *v += 1);
             }
         }
+    }
+
+    /// Host `h` loads `digest` onto `count` more GPUs, asked at `now`: the load starts when
+    /// the copy is complete. Errors: the model is not catalogued, or the host does not know
+    /// it yet (no chain or download has reached it).
+    pub(super) fn start_gpu_load(
+        &mut self,
+        h: usize,
+        digest: &str,
+        count: u32,
+        now: f64,
+    ) -> Result<(), (AgentFailure, &'static str)> {
+        let startup = match self.catalogue.get(digest) {
+            Some(c) => self.cfg.phases.startup_s(c.model.bytes),
+            None => return Err((AgentFailure::NotFound, "model not catalogued")),
+        };
+        let id = self.next_load;
+        let host = &mut self.hosts[h];
+        let Some(copy) = host.copies.get(digest) else {
+            return Err((
+                AgentFailure::NotFound,
+                "the host does not know the model yet",
+            ));
+        };
+        let (complete_at, source) = (copy.complete_at, copy.source.clone());
+        let load_source = if complete_at.is_some() {
+            "local".to_string()
+        } else {
+            source.clone()
+        };
+        self.next_load += 1;
+        let requested_at = host
+            .expected
+            .get_mut(digest)
+            .and_then(VecDeque::pop_front)
+            .unwrap_or(now);
+        let window = complete_at.map(|c| {
+            let start = c.max(now);
+            (start, start + startup)
+        });
+        host.gpus
+            .entry(digest.to_string())
+            .or_default()
+            .push(GpuLoadSim {
+                id,
+                count,
+                asked_at: now,
+                requested_at,
+                window,
+                resident: false,
+                source: load_source,
+            });
+        if let Some((_, end)) = window {
+            self.gpu_due.push(GpuDue {
+                at: end,
+                host: h,
+                digest: digest.to_string(),
+                id,
+            });
+        }
+        let id = host.id.clone();
+        let r = self
+            .ready
+            .entry((digest.to_string(), h))
+            .or_insert_with(|| HostReady {
+                host: id,
+                copy_s: complete_at,
+                load_asked_s: None,
+                gpu_s: None,
+                source,
+            });
+        r.load_asked_s.get_or_insert(now);
+        self.hosts[h].changed.send_modify(|v| *v += 1);
+        Ok(())
+    }
+
+    /// Host `h` drops its copy of `digest` and every GPU replica of it; returns the bytes
+    /// freed (0 when it held none).
+    pub(super) fn evict_copy(&mut self, h: usize, digest: &str) -> u64 {
+        let bytes = self
+            .catalogue
+            .get(digest)
+            .map(|c| c.model.bytes)
+            .unwrap_or(0);
+        let host = &mut self.hosts[h];
+        let had = host.copies.remove(digest).is_some();
+        host.gpus.remove(digest);
+        host.changed.send_modify(|v| *v += 1);
+        if had { bytes } else { 0 }
     }
 
     fn next_event(&self) -> Option<f64> {
@@ -468,143 +641,8 @@ impl Dc {
         }
     }
 
-    /// Verified bytes of host `h`'s copy of `digest` now.
-    fn verified(&self, h: usize, digest: &str) -> u64 {
-        let (Some(c), Some(cat)) = (self.hosts[h].copies.get(digest), self.catalogue.get(digest))
-        else {
-            return 0;
-        };
-        let done: u64 = c
-            .shards_done
-            .iter()
-            .zip(&cat.shard_sizes)
-            .filter(|(d, _)| **d)
-            .map(|(_, s)| *s)
-            .sum();
-        let moving: f64 = c
-            .incoming
-            .iter()
-            .map(|i| {
-                let p = self.net.progress(i.flow).unwrap_or(0.0);
-                (p - i.lag).clamp(0.0, i.bytes)
-            })
-            .sum();
-        (done + moving as u64).min(cat.model.bytes)
-    }
-
-    /// The GPU state names and bytes of host `h`'s load of `digest` now.
-    fn gpu_report(&self, h: usize, digest: &str, now: f64) -> Vec<(String, u64)> {
-        let (Some(g), Some(cat)) = (self.hosts[h].gpus.get(digest), self.catalogue.get(digest))
-        else {
-            return Vec::new();
-        };
-        let bytes = cat.model.bytes;
-        let (state, loaded) = match (g.resident, g.window) {
-            (true, _) => (GpuState::Resident, bytes),
-            (false, Some((start, end))) if end > start => {
-                let f = ((now - start) / (end - start)).clamp(0.0, 1.0);
-                (GpuState::Loading, (bytes as f64 * f) as u64)
-            }
-            _ => (GpuState::Loading, 0),
-        };
-        vec![(state.to_string(), loaded); g.count.max(1) as usize]
-    }
-
-    fn report(&self, h: usize, digest: &str, now: f64) -> Option<ModelReport> {
-        let c = self.hosts[h].copies.get(digest)?;
-        Some(ModelReport {
-            tiers: vec![TierReport {
-                tier: DataTier::Memory,
-                bytes_verified: self.verified(h, digest),
-                complete: c.complete_at.is_some(),
-                gpus: self.gpu_report(h, digest, now),
-            }],
-            store_failures: Vec::new(),
-        })
-    }
-
-    /// Bytes still move into host `h`'s copy of `digest`, or onto its GPUs.
-    fn moving(&self, h: usize, digest: &str) -> bool {
-        let host = &self.hosts[h];
-        host.copies
-            .get(digest)
-            .is_some_and(|c| !c.incoming.is_empty())
-            || host
-                .gpus
-                .get(digest)
-                .is_some_and(|g| g.window.is_some() && !g.resident)
-    }
-
-    fn host_view(&self, h: usize) -> HostView {
-        let host = &self.hosts[h];
-        let topo = self.net.topology();
-        let mut used = 0u64;
-        let holdings = host
-            .copies
-            .iter()
-            .filter_map(|(digest, c)| {
-                let cat = self.catalogue.get(digest)?;
-                used += cat.model.bytes;
-                Some(Holding {
-                    digest: digest.clone(),
-                    name: cat.model.name.to_string(),
-                    tier: DataTier::Memory,
-                    complete: c.complete_at.is_some(),
-                    bytes_verified: self.verified(h, digest),
-                    total_bytes: cat.model.bytes,
-                })
-            })
-            .collect();
-        let gpu_loads = host
-            .gpus
-            .iter()
-            .map(|(digest, g)| GpuLoad {
-                digest: digest.clone(),
-                state: if g.resident {
-                    GpuState::Resident
-                } else {
-                    GpuState::Loading
-                },
-                gpus: (0..g.count).collect(),
-                partition: String::new(),
-                error: String::new(),
-            })
-            .collect();
-        let n = self.cfg.gpus_per_host;
-        HostView {
-            host_id: host.id.clone(),
-            data_addr: format!("sim:{}:data", host.id),
-            agent_addr: format!("sim:{}:agent", host.id),
-            zone: "dc-0".into(),
-            rack: format!("leaf-{:02}", topo.leaf_of(h)),
-            nic_bps: topo.host_link_bps as u64,
-            mem_capacity: self.cfg.host_memory,
-            mem_free: self.cfg.host_memory.saturating_sub(used),
-            disk_capacity: 0,
-            disk_free: 0,
-            // No NVLink in the thesis' hosts (and placement does not look at it).
-            gpus: (0..n)
-                .map(|i| GpuInfo {
-                    index: i,
-                    memory_bytes: self.cfg.gpu_memory,
-                    pcie_switch: String::new(),
-                    nvlink_peers: Vec::new(),
-                })
-                .collect(),
-            holdings,
-            version: "simulated".into(),
-            gpus_busy: 0,
-            gpu_loads,
-            gpu_evicted: Vec::new(),
-            bound_names: Vec::new(),
-            started_at_ms: 0,
-            // A simulated host does not drain (yet: rolling upgrades are not simulated).
-            draining: false,
-        }
-    }
-
     /// Starts a flow from `source` through `receivers` carrying `shards` of `digest`.
-    fn start_delivery(
+    pub(super) fn start_delivery(
         &mut self,
         now: f64,
         digest: &str,
@@ -698,245 +736,5 @@ impl Dc {
             },
         );
         Ok(flow)
-    }
-}
-
-/// The agent port of the simulated hosts.
-pub struct SimAgents {
-    dc: Arc<Datacenter>,
-}
-
-impl SimAgents {
-    /// The agents of `dc`'s hosts.
-    pub fn new(dc: Arc<Datacenter>) -> Self {
-        Self { dc }
-    }
-}
-
-#[async_trait::async_trait]
-impl Agents for SimAgents {
-    async fn start_chain(&self, at: &AgentAt, chain: StartChain) -> Result<(), AgentError> {
-        let head = self.dc.host(at)?;
-        let now = self.dc.now();
-        let mut dc = self.dc.synced();
-        if !dc.sessions.insert(chain.session.clone()) {
-            return Ok(());
-        }
-        let mut hops = Vec::with_capacity(chain.hops.len());
-        for hop in &chain.hops {
-            let i = dc.index.get(&hop.host).copied().ok_or_else(|| {
-                agent_error(
-                    &at.host,
-                    AgentFailure::Invalid,
-                    format!("unknown hop {}", hop.host),
-                )
-            })?;
-            hops.push(i);
-        }
-        let holds = dc.hosts[head]
-            .copies
-            .get(&chain.model)
-            .is_some_and(|c| c.complete_at.is_some());
-        let (source, receivers) = if holds {
-            (Endpoint::Host(head), hops)
-        } else {
-            (
-                Endpoint::Origin,
-                std::iter::once(head).chain(hops).collect(),
-            )
-        };
-        dc.start_delivery(now, &chain.model, source, receivers, chain.shards)
-            .map_err(|e| agent_error(&at.host, AgentFailure::Invalid, e))?;
-        drop(dc);
-        self.dc.wake.notify_one();
-        Ok(())
-    }
-
-    async fn import_model(&self, at: &AgentAt, import: Import) -> Result<Imported, AgentError> {
-        // Only the name and whether to fetch matter here; the rest (the manifest the
-        // controller sends, 350 kB for T5-3B) is dropped now, not held for the download.
-        let Import {
-            name,
-            fetch,
-            manifest,
-            ..
-        } = import;
-        drop(manifest);
-        let h = self.dc.host(at)?;
-        let digest = self.dc.lock().by_name.get(&name).cloned().ok_or_else(|| {
-            agent_error(
-                &at.host,
-                AgentFailure::NotFound,
-                format!("{name} is not in the simulator's catalogue"),
-            )
-        })?;
-        if fetch {
-            let (tx, rx) = oneshot::channel();
-            {
-                let now = self.dc.now();
-                let mut dc = self.dc.synced();
-                let flow = dc
-                    .start_delivery(now, &digest, Endpoint::Origin, vec![h], Vec::new())
-                    .map_err(|e| agent_error(&at.host, AgentFailure::Failed, e))?;
-                if let Some(d) = dc.deliveries.get_mut(&flow) {
-                    d.waiters.push(tx);
-                }
-            }
-            self.dc.wake.notify_one();
-            rx.await.map_err(|_| {
-                agent_error(&at.host, AgentFailure::Failed, "the download was dropped")
-            })?;
-        }
-        // Copied only now: 200 downloads in flight need not hold 200 manifests.
-        let manifest = self.dc.lock().catalogue[&digest].manifest.clone();
-        Ok(Imported {
-            digest,
-            manifest,
-            kept: false,
-            resolved_origin: String::new(),
-        })
-    }
-
-    async fn model_status(
-        &self,
-        at: &AgentAt,
-        model: &str,
-    ) -> Result<Option<ModelReport>, AgentError> {
-        let h = self.dc.host(at)?;
-        let now = self.dc.now();
-        Ok(self.dc.synced().report(h, model, now))
-    }
-
-    async fn watch_model_status(
-        &self,
-        at: &AgentAt,
-        model: &str,
-    ) -> Result<BoxStream<'static, ModelReport>, AgentError> {
-        let h = self.dc.host(at)?;
-        let rx = self.dc.lock().hosts[h].changed.subscribe();
-        let period = self.dc.lock().cfg.progress_period;
-        let state = (self.dc.clone(), rx, None::<ModelReport>, model.to_string());
-        let stream = futures::stream::unfold(state, move |(dc, mut rx, last, model)| async move {
-            loop {
-                let now = dc.now();
-                let (report, moving) = {
-                    let d = dc.synced();
-                    (d.report(h, &model, now), d.moving(h, &model))
-                };
-                rx.borrow_and_update();
-                if let Some(r) = report
-                    && last.as_ref() != Some(&r)
-                {
-                    return Some((r.clone(), (dc, rx, Some(r), model)));
-                }
-                if moving {
-                    tokio::select! {
-                        c = rx.changed() => if c.is_err() { return None },
-                        _ = dc.sleep_to_grid(period) => {}
-                    }
-                } else if rx.changed().await.is_err() {
-                    return None;
-                }
-            }
-        });
-        Ok(Box::pin(stream))
-    }
-
-    async fn load_model(&self, at: &AgentAt, load: Load) -> Result<(), AgentError> {
-        let h = self.dc.host(at)?;
-        let now = self.dc.now();
-        let mut dc = self.dc.synced();
-        let startup = match dc.catalogue.get(&load.model) {
-            Some(c) => dc.cfg.phases.startup_s(c.model.bytes),
-            None => {
-                return Err(agent_error(
-                    &at.host,
-                    AgentFailure::NotFound,
-                    "model not catalogued",
-                ));
-            }
-        };
-        let Some(complete_at) = dc.hosts[h].copies.get(&load.model).map(|c| c.complete_at) else {
-            return Err(agent_error(
-                &at.host,
-                AgentFailure::NotFound,
-                "the host does not know the model yet",
-            ));
-        };
-        if dc.hosts[h].gpus.contains_key(&load.model) {
-            return Ok(());
-        }
-        let window = complete_at.map(|c| {
-            let start = c.max(now);
-            (start, start + startup)
-        });
-        dc.hosts[h].gpus.insert(
-            load.model.clone(),
-            GpuLoadSim {
-                count: load.count,
-                asked_at: now,
-                window,
-                resident: false,
-            },
-        );
-        if let Some((_, end)) = window {
-            dc.gpu_due.push(GpuDue {
-                at: end,
-                host: h,
-                digest: load.model.clone(),
-            });
-        }
-        let (id, source, copy_s) = {
-            let host = &dc.hosts[h];
-            let c = host.copies.get(&load.model);
-            (
-                host.id.clone(),
-                c.map(|c| c.source.clone()).unwrap_or_default(),
-                c.and_then(|c| c.complete_at),
-            )
-        };
-        let r = dc
-            .ready
-            .entry((load.model.clone(), h))
-            .or_insert_with(|| HostReady {
-                host: id,
-                copy_s,
-                load_asked_s: None,
-                gpu_s: None,
-                source,
-            });
-        r.load_asked_s = Some(now);
-        dc.hosts[h].changed.send_modify(|v| *v += 1);
-        drop(dc);
-        self.dc.wake.notify_one();
-        Ok(())
-    }
-
-    async fn evict_model(&self, at: &AgentAt, evict: Evict) -> Result<u64, AgentError> {
-        let h = self.dc.host(at)?;
-        let mut dc = self.dc.synced();
-        let bytes = dc
-            .catalogue
-            .get(&evict.model)
-            .map(|c| c.model.bytes)
-            .unwrap_or(0);
-        let host = &mut dc.hosts[h];
-        let had = host.copies.remove(&evict.model).is_some();
-        host.gpus.remove(&evict.model);
-        host.changed.send_modify(|v| *v += 1);
-        Ok(if had { bytes } else { 0 })
-    }
-
-    async fn handoff(&self, at: &AgentAt, model: &str) -> Result<String, AgentError> {
-        let h = self.dc.host(at)?;
-        let dc = self.dc.lock();
-        match dc.hosts[h].gpus.get(model) {
-            Some(g) if g.resident => Ok(format!("{{\"model\":\"{model}\",\"simulated\":true}}")),
-            _ => Err(agent_error(
-                &at.host,
-                AgentFailure::Precondition,
-                "no resident GPU replica",
-            )),
-        }
     }
 }

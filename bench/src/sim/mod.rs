@@ -8,7 +8,7 @@
 //! * **The real controller, not a model of it.** The simulator opens a
 //!   [`shardcast_controller::core::Controller`] with
 //!   [`open_with`](shardcast_controller::core::Controller::open_with) and hands it
-//!   [`dc::SimAgents`], an implementation of the controller's agent port
+//!   [`agents::SimAgents`], an implementation of the controller's agent port
 //!   ([`shardcast_controller::agents::Agents`]). Registration, the host inventory
 //!   (heartbeats), placement and hierarchical sourcing (`shardcast-placement`), chain plans,
 //!   the plan runner (starting chains, following receivers, asking GPU hosts to load,
@@ -41,7 +41,7 @@
 //!  coldstart::run ─ prewarm / register / heartbeat ─► Controller (real)
 //!                                                       │ agent port
 //!                                                       ▼
-//!        fleet heartbeats ◄── HostView ── dc::Datacenter ◄── dc::SimAgents
+//!        fleet heartbeats ◄── HostView ── dc::Datacenter ◄── agents::SimAgents
 //!                                          │  (hosts' copies, GPU loads)
 //!                                          ▼
 //!                                       net::Network (flows, rates, milestones)
@@ -54,16 +54,42 @@
 //! own plan (chains). The run ends when the controller's plan ends; each host's cold start
 //! is when its GPU replica became resident, as the datacenter recorded it.
 //!
+//! ## Trace-driven runs
+//!
+//! [`workload`] runs one model under a request-rate trace for a duration of virtual time: a
+//! global request queue served by the model's GPU replicas ([`serve`], exact FIFO on the
+//! replica free earliest), an autoscaler ([`scalers`]: the thesis' TSK, ATL, OWK and SM*
+//! baselines and shardcast's own `policies::autoscale` rule) that scales through the
+//! controller — `ScaleOut` (or a `Prewarm` with `sources: origin` for the baseline) and GPU
+//! `Evict` — and one technique per run (baseline, + locality, + chain multicast,
+//! combined). [`compare`] puts the runs of one model, trace and autoscaler side by side
+//! with the thesis' reported changes: average and p99 cold start, average and p99
+//! end-to-end latency, replica-seconds, bytes from the origin, and a timeline of replicas
+//! and queue for plots.
+//!
+//! ```text
+//!  trace ─► serve::Serving ◄─ replicas resident ── dc::Datacenter ◄── agents::SimAgents
+//!              │ queue, rates                                              ▲
+//!              ▼                                                           │
+//!         scalers::Scaler ── ScaleOut / Prewarm / Evict ──► Controller (real)
+//! ```
+//!
 //! ## Inputs
 //!
 //! [`models`]: the six models of the thesis' Table 3.1 with their cold-start phases and
-//! (estimated) layer profiles. [`trace`]: the Azure Functions 2019 per-minute counts and
-//! seeded generators with the thesis' Twitter and Azure statistics, for the trace-driven
-//! runs of the next step (request queues, replicas serving, autoscalers).
+//! (estimated) layer profiles; a replica serves `1 / exec_s` requests a second at batch 1.
+//! [`trace`]: the Azure Functions 2019 per-minute counts and seeded generators with the
+//! thesis' Twitter and Azure statistics.
 
+pub mod agents;
 pub mod coldstart;
+pub mod compare;
 pub mod dc;
 pub mod models;
 pub mod net;
+pub mod scalers;
+pub mod serve;
 pub mod store;
 pub mod trace;
+mod views;
+pub mod workload;

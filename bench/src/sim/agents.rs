@@ -1,0 +1,196 @@
+//! The agent port of the simulated hosts: [`SimAgents`] implements the controller's
+//! [`Agents`] over the [`Datacenter`] (module docs of [`super::dc`] say what each call does
+//! to a host).
+
+use std::sync::Arc;
+
+use futures::stream::BoxStream;
+use shardcast_controller::agents::{
+    AgentAt, Agents, Evict, Import, Imported, Load, ModelReport, StartChain,
+};
+use shardcast_controller::error::{AgentError, AgentFailure};
+use tokio::sync::oneshot;
+
+use super::dc::Datacenter;
+use super::net::Endpoint;
+
+/// The agent port of the simulated hosts.
+pub struct SimAgents {
+    dc: Arc<Datacenter>,
+}
+
+impl SimAgents {
+    /// The agents of `dc`'s hosts.
+    pub fn new(dc: Arc<Datacenter>) -> Self {
+        Self { dc }
+    }
+}
+
+#[async_trait::async_trait]
+impl Agents for SimAgents {
+    async fn start_chain(&self, at: &AgentAt, chain: StartChain) -> Result<(), AgentError> {
+        let head = self.dc.host(at)?;
+        let now = self.dc.now();
+        let mut dc = self.dc.synced();
+        if !dc.sessions.insert(chain.session.clone()) {
+            return Ok(());
+        }
+        let mut hops = Vec::with_capacity(chain.hops.len());
+        for hop in &chain.hops {
+            let i = dc.index.get(&hop.host).copied().ok_or_else(|| {
+                agent_error(
+                    &at.host,
+                    AgentFailure::Invalid,
+                    format!("unknown hop {}", hop.host),
+                )
+            })?;
+            hops.push(i);
+        }
+        let holds = dc.hosts[head]
+            .copies
+            .get(&chain.model)
+            .is_some_and(|c| c.complete_at.is_some());
+        let (source, receivers) = if holds {
+            (Endpoint::Host(head), hops)
+        } else {
+            (
+                Endpoint::Origin,
+                std::iter::once(head).chain(hops).collect(),
+            )
+        };
+        dc.start_delivery(now, &chain.model, source, receivers, chain.shards)
+            .map_err(|e| agent_error(&at.host, AgentFailure::Invalid, e))?;
+        drop(dc);
+        self.dc.wake.notify_one();
+        Ok(())
+    }
+
+    async fn import_model(&self, at: &AgentAt, import: Import) -> Result<Imported, AgentError> {
+        // Only the name and whether to fetch matter here; the rest (the manifest the
+        // controller sends, 350 kB for T5-3B) is dropped now, not held for the download.
+        let Import {
+            name,
+            fetch,
+            manifest,
+            ..
+        } = import;
+        drop(manifest);
+        let h = self.dc.host(at)?;
+        let digest = self.dc.lock().by_name.get(&name).cloned().ok_or_else(|| {
+            agent_error(
+                &at.host,
+                AgentFailure::NotFound,
+                format!("{name} is not in the simulator's catalogue"),
+            )
+        })?;
+        if fetch {
+            let (tx, rx) = oneshot::channel();
+            {
+                let now = self.dc.now();
+                let mut dc = self.dc.synced();
+                let flow = dc
+                    .start_delivery(now, &digest, Endpoint::Origin, vec![h], Vec::new())
+                    .map_err(|e| agent_error(&at.host, AgentFailure::Failed, e))?;
+                if let Some(d) = dc.deliveries.get_mut(&flow) {
+                    d.waiters.push(tx);
+                }
+            }
+            self.dc.wake.notify_one();
+            rx.await.map_err(|_| {
+                agent_error(&at.host, AgentFailure::Failed, "the download was dropped")
+            })?;
+        }
+        // Copied only now: 200 downloads in flight need not hold 200 manifests.
+        let manifest = self.dc.lock().catalogue[&digest].manifest.clone();
+        Ok(Imported {
+            digest,
+            manifest,
+            kept: false,
+            resolved_origin: String::new(),
+        })
+    }
+
+    async fn model_status(
+        &self,
+        at: &AgentAt,
+        model: &str,
+    ) -> Result<Option<ModelReport>, AgentError> {
+        let h = self.dc.host(at)?;
+        let now = self.dc.now();
+        Ok(self.dc.synced().report(h, model, now))
+    }
+
+    async fn watch_model_status(
+        &self,
+        at: &AgentAt,
+        model: &str,
+    ) -> Result<BoxStream<'static, ModelReport>, AgentError> {
+        let h = self.dc.host(at)?;
+        let rx = self.dc.lock().hosts[h].changed.subscribe();
+        let period = self.dc.lock().cfg.progress_period;
+        let state = (self.dc.clone(), rx, None::<ModelReport>, model.to_string());
+        let stream = futures::stream::unfold(state, move |(dc, mut rx, last, model)| async move {
+            loop {
+                let now = dc.now();
+                let (report, moving) = {
+                    let d = dc.synced();
+                    (d.report(h, &model, now), d.moving(h, &model))
+                };
+                rx.borrow_and_update();
+                if let Some(r) = report
+                    && last.as_ref() != Some(&r)
+                {
+                    return Some((r.clone(), (dc, rx, Some(r), model)));
+                }
+                if moving {
+                    tokio::select! {
+                        c = rx.changed() => if c.is_err() { return None },
+                        _ = dc.sleep_to_grid(period) => {}
+                    }
+                } else if rx.changed().await.is_err() {
+                    return None;
+                }
+            }
+        });
+        Ok(Box::pin(stream))
+    }
+
+    async fn load_model(&self, at: &AgentAt, load: Load) -> Result<(), AgentError> {
+        let h = self.dc.host(at)?;
+        let now = self.dc.now();
+        self.dc
+            .synced()
+            .start_gpu_load(h, &load.model, load.count, now)
+            .map_err(|(failure, why)| agent_error(&at.host, failure, why))?;
+        self.dc.wake.notify_one();
+        Ok(())
+    }
+
+    async fn evict_model(&self, at: &AgentAt, evict: Evict) -> Result<u64, AgentError> {
+        let h = self.dc.host(at)?;
+        Ok(self.dc.synced().evict_copy(h, &evict.model))
+    }
+
+    async fn handoff(&self, at: &AgentAt, model: &str) -> Result<String, AgentError> {
+        let h = self.dc.host(at)?;
+        let dc = self.dc.lock();
+        match dc.hosts[h].gpus.get(model) {
+            Some(loads) if loads.iter().any(|g| g.resident) => {
+                Ok(format!("{{\"model\":\"{model}\",\"simulated\":true}}"))
+            }
+            _ => Err(agent_error(
+                &at.host,
+                AgentFailure::Precondition,
+                "no resident GPU replica",
+            )),
+        }
+    }
+}
+
+fn agent_error(host: &str, failure: AgentFailure, message: impl Into<String>) -> AgentError {
+    AgentError {
+        host: host.to_string(),
+        failure,
+        message: message.into(),
+    }
+}
