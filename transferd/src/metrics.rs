@@ -434,6 +434,12 @@ impl Collector for NodeCollector {
                 load(&s.fetches_not_receiving),
             ),
             (
+                "upstream_holders_unreachable_total",
+                Counter,
+                "Holders above a hop without upstream, dialled while it waited for a failover, that could not be reached (so no failover was awaited from them).",
+                load(&s.upstream_holders_unreachable),
+            ),
+            (
                 "chunks_from_holders_total",
                 Counter,
                 "Chunks pulled from another holder (Fetch: recovery from a hop above, imports from a peer) rather than the origin.",

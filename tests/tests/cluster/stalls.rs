@@ -1,10 +1,11 @@
 //! Stalled hops on real processes (loopback): a hop that is alive but silent (`SIGSTOP`)
-//! at the head, in the middle and at the tail, two faults in one chain, and a stalled hop
-//! that comes back. The neighbours must notice at the hop (`stall_timeout`), not after the
-//! 30 s write timeout or the 60 s peer idle timeout: the healthy hosts complete while the
-//! stalled one is still stopped, and the counters say which detection fired. The time it
-//! costs is measured by `shardcast-bench faults`, not here. Each test runs over TCP
-//! (`tcp::`) and over QUIC (`quic::`).
+//! at the head, in the middle and at the tail, two faults in one chain (a stopped hop and a
+//! killed one; a killed head and a stopped hop below it), and a stalled hop that comes back.
+//! The neighbours must notice at the hop (`stall_timeout`), not after the 30 s write timeout
+//! or the 60 s peer idle timeout: the healthy hosts complete while the stalled one is still
+//! stopped, and the counters say which detection fired. The time it costs is measured by
+//! `shardcast-bench faults`, not here. Each test runs over TCP (`tcp::`) and over QUIC
+//! (`quic::`).
 
 use std::time::Duration;
 
@@ -110,6 +111,34 @@ async fn a_stopped_head_is_noticed_by_the_first_hop_which_alone_reads_the_origin
     c.daemons[0].signal("CONT").unwrap();
 }
 
+/// The head killed and the hop below it stopped at once: the hop below those two finds its
+/// upstream silent, dials the holders above it while it waits for one to fail over, finds
+/// them dead or stopped, and reads the origin at once (it does not wait out the grace for a
+/// failover that cannot come); the rest of the chain goes on from it.
+async fn a_killed_head_and_a_stopped_hop_below_it_leave_the_next_hop_to_read_the_origin_at_once(
+    transport: HopTransport,
+) {
+    let (mut c, digest, manifest, _) = chain_of(3, transport).await;
+    c.wait_bytes(3, &digest, 4 * MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].signal("STOP").unwrap();
+    c.daemons[0].kill().await;
+    c.wait(&[2, 3], &digest, HEALTHY_WITHIN).await.unwrap();
+    for i in [2, 3] {
+        c.daemons[i].verify_copy(&manifest).unwrap();
+    }
+    assert!(metric(&c.daemons[2], "upstream_stalls_total").await >= 1);
+    assert!(metric(&c.daemons[2], "upstream_holders_unreachable_total").await >= 1);
+    assert!(c.daemons[2].stats().await.unwrap().origin_bytes > 0);
+    assert_eq!(c.daemons[3].stats().await.unwrap().origin_bytes, 0);
+    c.daemons[1].signal("CONT").unwrap();
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].verify_copy(&manifest).unwrap();
+}
+
 async fn a_stopped_tail_costs_the_others_nothing_and_completes_when_it_comes_back(
     transport: HopTransport,
 ) {
@@ -160,4 +189,5 @@ shardcast_tests::over_each_transport!(
     a_stopped_head_is_noticed_by_the_first_hop_which_alone_reads_the_origin,
     a_stopped_tail_costs_the_others_nothing_and_completes_when_it_comes_back,
     two_faults_in_one_chain_a_stopped_hop_and_a_killed_one,
+    a_killed_head_and_a_stopped_hop_below_it_leave_the_next_hop_to_read_the_origin_at_once,
 );

@@ -173,6 +173,20 @@ impl Fetcher {
         result
     }
 
+    /// Whether `hop` answers a connection (TLS handshake and `Hello`) within `within`.
+    pub(super) async fn reach(&self, transport: HopTransport, hop: &Hop, within: Duration) -> bool {
+        let connect = self.links.connect(transport, &hop.addr, Some(&hop.host));
+        match tokio::time::timeout(within, connect).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
+                self.links.forget_path(transport, &hop.addr, &e);
+                debug!(holder = %hop.host, "not reached: {e}");
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Sends `Fetch` for `span` on `conn` and stores every chunk the holder answers with.
     async fn fetch_over(
         &self,

@@ -177,7 +177,8 @@ impl Forwarder {
         rest: &[Hop],
     ) -> Result<(), ChainError> {
         // A hop that does not even accept within twice the stall timeout is stalled too
-        // (a stopped host's kernel still completes the TCP handshake).
+        // (a stopped host's kernel still completes the TCP handshake); one that does not
+        // finish the TLS handshake and `Hello` within one (`open_downstream`) is, sooner.
         let setup = self.stall_timeout * 2;
         let (mut conn, acked) = tokio::time::timeout(setup, self.open_downstream(sess, hop, rest))
             .await
@@ -308,16 +309,24 @@ impl Forwarder {
 
     /// Connects to `hop`, opens the session there and returns what its `Accept` says it
     /// holds.
+    ///
+    /// The TLS handshake and `Hello` take a live host milliseconds, so one that has not
+    /// answered them within the stall timeout is taken as stalled: a hop that fails over
+    /// past a stopped host (its kernel still completes the TCP handshake) loses one stall
+    /// timeout there, not two. The `Open`'s answer may take longer (the receiver opens the
+    /// shard in its store); the caller bounds the whole set-up.
     async fn open_downstream(
         &self,
         sess: &Arc<ShardSession>,
         hop: &Hop,
         rest: &[Hop],
     ) -> Result<(Conn, ChunkSet), ChainError> {
-        let (mut conn, remote) = self
+        let connect = self
             .links
-            .connect(sess.transport, &hop.addr, Some(&hop.host))
-            .await?;
+            .connect(sess.transport, &hop.addr, Some(&hop.host));
+        let (mut conn, remote) = tokio::time::timeout(self.stall_timeout, connect)
+            .await
+            .map_err(|_| ChainError::Timeout(self.stall_timeout))??;
         if remote != hop.host {
             return Err(ChainError::refused(
                 ErrorCode::Refused,

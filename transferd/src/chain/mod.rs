@@ -332,6 +332,9 @@ pub struct NodeStats {
     /// `Fetch`es answered with part of the span and `NotReceiving`: this host's copy lacks
     /// some of it and no session here receives the shard, so the puller moved on at once.
     pub fetches_not_receiving: AtomicU64,
+    /// Holders above a hop without upstream that it dialled while waiting for a failover
+    /// and could not reach (dead or stopped): it stopped waiting for them.
+    pub upstream_holders_unreachable: AtomicU64,
     /// Chunks pulled from another holder with `Fetch` (a recovering hop from a hop above
     /// it, an import or a partition from a peer) rather than from the origin.
     pub chunks_from_holders: AtomicU64,

@@ -5,11 +5,20 @@
 //! [`Recovery`] is given a [`Fetcher`] (to pull from holders and origins), the counters
 //! (`upstream_recoveries`), the shutdown token and `upstream_grace`: it sees the one session
 //! it watches, and nothing of the others.
+//!
+//! While the monitor's grace waits for a holder above to fail over to this hop, the task
+//! dials those holders once (within half the grace): one that refuses or does not finish
+//! the handshake (dead, or stopped) will fail over to no one, so it counts as stalled — no
+//! failover to wait for if every holder above is stalled or unreachable, and no source to
+//! pull from. A killed head with a stopped hop below it (two faults in one chain) then costs
+//! the hop below those two a stall timeout, not a stall timeout and a grace.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use shardcast_protocol::{Hop, HostId};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -58,8 +67,13 @@ impl Recovery {
         tokio::spawn(async move {
             let mut feeders = sess.feeders.subscribe();
             let mut monitor = RecoveryMonitor::new(this.upstream_grace, RECOVERY_ATTEMPTS);
+            // Holders above found unreachable in this unfed period (see `probe`): like the
+            // stalled ones, they fail over to no one and are no source.
+            let mut down: HashSet<HostId> = HashSet::new();
+            let mut probed = false;
             while !this.cancel.is_cancelled() {
-                let (up, stalled) = sess.upstream_view();
+                let (up, mut stalled) = sess.upstream_view();
+                stalled.extend(down.iter().cloned());
                 let below = sess.bypassed.borrow().clone();
                 let sources = recovery_sources(&up, &stalled, below.as_ref(), &sess.origin);
                 let seen = Watched {
@@ -69,9 +83,31 @@ impl Recovery {
                     no_failover: all_stalled(&up, &stalled),
                     has_source: !sources.is_empty(),
                 };
+                if seen.feeders > 0 {
+                    (probed, down) = (false, HashSet::new());
+                }
                 match monitor.poll(now(), seen) {
                     RecoveryAction::Stop => return,
                     RecoveryAction::NoSource => return sess.fail(SessionError::NoFallback),
+                    // The grace waits for a holder above to fail over to this hop. One that
+                    // cannot be reached will not: once per unfed period, dial them, and fetch
+                    // at once if none is left.
+                    RecoveryAction::Wait(Some(_)) if !probed => {
+                        probed = true;
+                        let live: Vec<Hop> = up
+                            .iter()
+                            .filter(|h| !stalled.contains(&h.host))
+                            .cloned()
+                            .collect();
+                        let gone = this.probe(&sess, &live).await;
+                        if !gone.is_empty() {
+                            this.stats
+                                .upstream_holders_unreachable
+                                .fetch_add(gone.len() as u64, Ordering::Relaxed);
+                            info!(session = %sess.id, shard = sess.shard_index(), unreachable = ?gone, "holders above cannot be reached; they will not fail over to this hop");
+                            down.extend(gone);
+                        }
+                    }
                     RecoveryAction::Wait(until) => tokio::select! {
                         r = feeders.changed() => if r.is_err() { return },
                         () = sleep_until(until) => {}
@@ -103,6 +139,22 @@ impl Recovery {
                 }
             }
         });
+    }
+
+    /// The holders of `hops` that cannot be reached within half the upstream grace: the
+    /// connection or its handshake fails (a process that died: refused at once) or does not
+    /// finish (a stopped process, whose kernel still completes the TCP handshake).
+    async fn probe(&self, sess: &ShardSession, hops: &[Hop]) -> Vec<HostId> {
+        let within = self.upstream_grace / 2;
+        let tries = hops.iter().map(|hop| async move {
+            let reached = self.fetcher.reach(sess.transport, hop, within).await;
+            (!reached).then(|| hop.host.clone())
+        });
+        futures::future::join_all(tries)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Fetches what the session lacks from `sources` in order, until it is complete.
