@@ -8,9 +8,9 @@
 //!
 //! While the monitor's grace waits for a holder above to fail over to this hop, the task
 //! dials those holders once (within half the grace): one that refuses or does not finish
-//! the handshake (dead, or stopped) will fail over to no one, so it counts as stalled — no
-//! failover to wait for if every holder above is stalled or unreachable, and no source to
-//! pull from. A killed head with a stopped hop below it (two faults in one chain) then costs
+//! the handshake (dead, or stopped) will fail over to no one: no failover to wait for if
+//! every holder above is stalled or unreachable, and such a holder is tried last, after the
+//! origin (one that comes back is a source still where there is no origin). A killed head with a stopped hop below it (two faults in one chain) then costs
 //! the hop below those two a stall timeout, not a stall timeout and a grace.
 
 use std::collections::HashSet;
@@ -68,14 +68,22 @@ impl Recovery {
             let mut feeders = sess.feeders.subscribe();
             let mut monitor = RecoveryMonitor::new(this.upstream_grace, RECOVERY_ATTEMPTS);
             // Holders above found unreachable in this unfed period (see `probe`): like the
-            // stalled ones, they fail over to no one and are no source.
+            // stalled ones, they fail over to no one; they are tried last as sources.
             let mut down: HashSet<HostId> = HashSet::new();
             let mut probed = false;
             while !this.cancel.is_cancelled() {
                 let (up, mut stalled) = sess.upstream_view();
                 stalled.extend(down.iter().cloned());
                 let below = sess.bypassed.borrow().clone();
-                let sources = recovery_sources(&up, &stalled, below.as_ref(), &sess.origin);
+                let mut sources = recovery_sources(&up, &stalled, below.as_ref(), &sess.origin);
+                // Unreachable holders go last, after the origin: one that was only slow, or
+                // comes back, is still a source when nothing else is.
+                sources.extend(
+                    up.iter()
+                        .filter(|h| down.contains(&h.host))
+                        .cloned()
+                        .map(Source::Holder),
+                );
                 let seen = Watched {
                     feeders: *feeders.borrow_and_update(),
                     complete: sess.complete(),
