@@ -212,7 +212,7 @@ fn known_error_codes_have_fixed_wire_values() {
         assert_eq!(ErrorCode::from_u16(v), code);
     }
     assert_eq!(ErrorCode::from_u16(0), ErrorCode::Other(0));
-    assert_eq!(ErrorCode::from_u16(12), ErrorCode::Other(12));
+    assert_eq!(ErrorCode::from_u16(13), ErrorCode::Other(13));
 }
 
 /// A fixed `Hello`, byte for byte: the example in `docs/PROTOCOL.md` is this encoding.
