@@ -10,7 +10,11 @@
 //! dials those holders once (within half the grace): one that refuses or does not finish
 //! the handshake (dead, or stopped) will fail over to no one: no failover to wait for if
 //! every holder above is stalled or unreachable, and such a holder is tried last, after the
-//! origin (one that comes back is a source still where there is no origin). A killed head with a stopped hop below it (two faults in one chain) then costs
+//! origin (one that comes back is a source still where there is no origin). When there are
+//! several and none answers, this host is more likely cut off itself, and the probe's
+//! verdict is dropped (the grace runs as before; a cut-off host that read the origin first
+//! went on reading it after its link came back, next to the upstream that rejoined it). A
+//! killed head with a stopped hop below it (two faults in one chain) then costs
 //! the hop below those two a stall timeout, not a stall timeout and a grace.
 
 use std::collections::HashSet;
@@ -108,7 +112,13 @@ impl Recovery {
                             .cloned()
                             .collect();
                         let gone = this.probe(&sess, &live).await;
-                        if !gone.is_empty() {
+                        // Several holders above, every one out of reach at once: more likely
+                        // this host is cut off than they all failed. Then their verdict is
+                        // not trusted (a failover may still come once the link is back, and
+                        // the origin is likely out of reach too): the grace runs as before.
+                        if gone.len() >= 2 && gone.len() == live.len() {
+                            info!(session = %sess.id, shard = sess.shard_index(), unreachable = ?gone, "no holder above can be reached: this host may be cut off; waiting out the grace");
+                        } else if !gone.is_empty() {
                             this.stats
                                 .upstream_holders_unreachable
                                 .fetch_add(gone.len() as u64, Ordering::Relaxed);
