@@ -80,14 +80,19 @@ impl Sessions {
 
     /// Whether a session that has not finished sends or receives model `model` here.
     pub(crate) fn model_busy(&self, model: &ModelDigest) -> bool {
-        let hop = self.0.hops.lock().is_ok_and(|m| {
-            m.values()
-                .any(|s| s.model == *model && s.outcome().is_none())
-        });
-        let head = self.0.heads.lock().is_ok_and(|m| {
-            m.values()
-                .any(|h| h.model == *model && h.parts.iter().any(|p| p.outcome().is_none()))
-        });
+        self.any_unfinished(|s| s.model == *model)
+    }
+
+    /// Whether an unfinished hop session, or an unfinished part of a head session, here
+    /// satisfies `hit`.
+    fn any_unfinished(&self, hit: impl Fn(&ShardSession) -> bool) -> bool {
+        let hit = |s: &ShardSession| s.outcome().is_none() && hit(s);
+        let hop = self.0.hops.lock().is_ok_and(|m| m.values().any(|s| hit(s)));
+        let head = self
+            .0
+            .heads
+            .lock()
+            .is_ok_and(|m| m.values().any(|h| h.parts.iter().any(|p| hit(p))));
         hop || head
     }
 
@@ -97,16 +102,7 @@ impl Sessions {
     ///
     /// [`ErrorCode::NotReceiving`]: shardcast_protocol::ErrorCode::NotReceiving
     pub(crate) fn receives(&self, model: &ModelDigest, shard: u32) -> bool {
-        let hit = |s: &ShardSession| {
-            s.model == *model && s.shard_index() == shard && s.outcome().is_none()
-        };
-        let hop = self.0.hops.lock().is_ok_and(|m| m.values().any(|s| hit(s)));
-        let head = self
-            .0
-            .heads
-            .lock()
-            .is_ok_and(|m| m.values().any(|h| h.parts.iter().any(|p| hit(p))));
-        hop || head
+        self.any_unfinished(|s| s.model == *model && s.shard_index() == shard)
     }
 
     /// Fails every unfinished session here that forwards from `shard` and needs one of
