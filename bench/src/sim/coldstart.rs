@@ -141,11 +141,7 @@ fn mean(xs: &[f64]) -> f64 {
 /// Runs one burst on a fresh datacenter and controller, on its own paused runtime (call it
 /// from a thread that is not running a runtime).
 pub fn run(spec: &ColdStart, method: Method) -> anyhow::Result<ColdStartRow> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .context("building the simulator's runtime")?;
+    let rt = super::paused_runtime().context("building the simulator's runtime")?;
     let wall = Instant::now();
     let mut row = rt.block_on(burst(spec, method))?;
     row.wall_s = wall.elapsed().as_secs_f64();
@@ -205,7 +201,7 @@ impl Cluster {
     /// every host registers by heartbeat and keeps heartbeating every `cfg.heartbeat`.
     pub fn open(dc: &DcConfig, models: &[SimModel], cfg: ControllerConfig) -> anyhow::Result<Self> {
         let heartbeat = cfg.heartbeat;
-        let dc = Datacenter::new(dc.clone(), models).map_err(anyhow::Error::msg)?;
+        let dc = Datacenter::new(dc.clone(), models)?;
         let cancel = CancellationToken::new();
         let ctl = Controller::open_with(
             cfg,
@@ -289,8 +285,7 @@ async fn drive_burst(
     let digest = cluster.register(&spec.model, &spec.dc).await?;
     let hosts = spec.dc.topology.hosts;
     for k in 0..spec.warm.min(hosts) {
-        dc.seed(k * hosts / spec.warm, name)
-            .map_err(anyhow::Error::msg)?;
+        dc.seed(k * hosts / spec.warm, name)?;
     }
     if spec.warm > 0 {
         // The holders report their copies before the burst is planned.

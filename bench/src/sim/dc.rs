@@ -55,8 +55,33 @@ use shardcast_protocol::codec::encode_to_vec;
 use tokio::sync::{Notify, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::models::{Phases, SimModel};
-use super::net::{Endpoint, FlowId, FlowSpec, Network, Reached, Topology};
+use super::models::{ManifestError, Phases, SimModel};
+use super::net::{Endpoint, FlowId, FlowSpec, NetError, Network, Reached, Topology};
+
+/// Why [`Datacenter::seed`] refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SeedError {
+    /// No model of that name in the datacenter's catalogue.
+    #[error("{0} is not catalogued")]
+    NotCatalogued(String),
+    /// No host with that index.
+    #[error("no host {0}")]
+    NoSuchHost(usize),
+}
+
+/// Why a delivery (a chain or a download: one flow) could not start.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FlowError {
+    /// No model with that digest in the catalogue.
+    #[error("model {0} is not catalogued")]
+    NotCatalogued(String),
+    /// No receivers, or shards that hold no bytes.
+    #[error("nothing to send")]
+    NothingToSend,
+    /// The network refused the flow (no path, a bad segment).
+    #[error(transparent)]
+    Net(#[from] NetError),
+}
 
 /// How often a watch pushes progress while bytes move: well inside the controller's
 /// default 10 s stall timeout (a receiver whose pushed bytes do not grow for that long is
@@ -241,7 +266,7 @@ pub fn host_id(i: usize) -> String {
 
 impl Datacenter {
     /// A datacenter of `cfg.topology.hosts` idle hosts knowing `models`, its clock at 0 now.
-    pub fn new(cfg: DcConfig, models: &[SimModel]) -> Result<Arc<Self>, String> {
+    pub fn new(cfg: DcConfig, models: &[SimModel]) -> Result<Arc<Self>, ManifestError> {
         let mut catalogue = HashMap::new();
         let mut by_name = HashMap::new();
         for m in models {
@@ -329,16 +354,16 @@ impl Datacenter {
 
     /// Puts a complete copy of a catalogued model in host `h`'s memory tier now, as if an
     /// earlier plan had left it there (a warm holder: the thesis' locality).
-    pub fn seed(&self, h: usize, name: &str) -> Result<(), String> {
+    pub fn seed(&self, h: usize, name: &str) -> Result<(), SeedError> {
         let now = self.now();
         let mut dc = self.synced();
         let digest = dc
             .by_name
             .get(name)
             .cloned()
-            .ok_or_else(|| format!("{name} is not catalogued"))?;
+            .ok_or_else(|| SeedError::NotCatalogued(name.to_string()))?;
         let shards = dc.catalogue[&digest].shard_sizes.len();
-        let host = dc.hosts.get_mut(h).ok_or_else(|| format!("no host {h}"))?;
+        let host = dc.hosts.get_mut(h).ok_or(SeedError::NoSuchHost(h))?;
         host.copies.insert(
             digest,
             Copy {
@@ -649,11 +674,11 @@ impl Dc {
         source: Endpoint,
         receivers: Vec<usize>,
         shards: Vec<u32>,
-    ) -> Result<FlowId, String> {
+    ) -> Result<FlowId, FlowError> {
         let cat = self
             .catalogue
             .get(digest)
-            .ok_or_else(|| format!("model {digest} is not catalogued"))?;
+            .ok_or_else(|| FlowError::NotCatalogued(digest.to_string()))?;
         let shard_sizes = cat.shard_sizes.clone();
         let shards: Vec<u32> = if shards.is_empty() {
             (0..shard_sizes.len() as u32).collect()
@@ -666,7 +691,7 @@ impl Dc {
             .map(|&b| b as f64)
             .sum();
         if bytes <= 0.0 || receivers.is_empty() {
-            return Err("nothing to send".into());
+            return Err(FlowError::NothingToSend);
         }
         let chunk = f64::from(self.cfg.chunk_size);
         let mut segments = Vec::with_capacity(receivers.len());
@@ -682,17 +707,14 @@ impl Dc {
             Endpoint::Origin if receivers.len() == 1 => None,
             _ => self.cfg.hop_cap_bps,
         };
-        let (flow, reached) = self
-            .net
-            .add_flow(
-                now,
-                FlowSpec {
-                    segments,
-                    cap_bps: cap,
-                    milestones,
-                },
-            )
-            .map_err(|e| e.to_string())?;
+        let (flow, reached) = self.net.add_flow(
+            now,
+            FlowSpec {
+                segments,
+                cap_bps: cap,
+                milestones,
+            },
+        )?;
         self.apply(reached);
         let source_name = match source {
             Endpoint::Origin => "origin".to_string(),

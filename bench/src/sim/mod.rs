@@ -93,3 +93,13 @@ pub mod store;
 pub mod trace;
 mod views;
 pub mod workload;
+
+/// A fresh current-thread tokio runtime whose clock starts paused (the module docs:
+/// "Virtual time"): each simulated run ([`coldstart::run`], [`workload::run`]) blocks on
+/// one. Build it on a thread that is not running a runtime.
+pub fn paused_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+}

@@ -235,11 +235,7 @@ pub struct TraceRow {
 /// a thread that is not running a runtime); `progress` is called about every 5% of the
 /// trace.
 pub fn run(spec: &TraceRun, progress: &mut dyn FnMut(&Progress)) -> anyhow::Result<TraceRow> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .context("building the simulator's runtime")?;
+    let rt = super::paused_runtime().context("building the simulator's runtime")?;
     let wall = Instant::now();
     let mut row = rt.block_on(drive(spec, progress, wall))?;
     row.wall_s = wall.elapsed().as_secs_f64();
@@ -299,8 +295,7 @@ async fn drive(
     if warm > 0 {
         let warm_hosts = warm.div_ceil(gpus) as usize;
         for k in 0..warm_hosts.min(hosts) {
-            dc.seed(k * hosts / warm_hosts, name)
-                .map_err(anyhow::Error::msg)?;
+            dc.seed(k * hosts / warm_hosts, name)?;
         }
         cluster.heartbeat_all()?;
         let accepted = ctl
