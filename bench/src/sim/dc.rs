@@ -83,6 +83,32 @@ pub enum FlowError {
     Net(#[from] NetError),
 }
 
+/// Bytes that reached the hosts, by where they came from; cumulative.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct TierBytes {
+    /// Received into host memory straight from the origin (a chain's head or a direct
+    /// download).
+    pub origin: f64,
+    /// Received into host memory from another host (a chain's later hops, or a chain
+    /// headed by a holder).
+    pub peer: f64,
+    /// Loaded onto GPUs from a copy that was already complete in the host's memory when
+    /// the load was asked (no network bytes): the model's bytes times the GPU replicas,
+    /// counted when they became resident.
+    pub local: f64,
+}
+
+impl TierBytes {
+    /// `self - before`, tier by tier.
+    pub fn since(self, before: Self) -> Self {
+        Self {
+            origin: self.origin - before.origin,
+            peer: self.peer - before.peer,
+            local: self.local - before.local,
+        }
+    }
+}
+
 /// How often a watch pushes progress while bytes move: well inside the controller's
 /// default 10 s stall timeout (a receiver whose pushed bytes do not grow for that long is
 /// re-planned), and seldom enough that the pushes of 200 receivers cost the plan runner
@@ -144,6 +170,14 @@ pub(super) struct Delivery {
     pub(super) shards: Vec<u32>,
     /// Told when the flow ends (an `import_model` with `fetch` waits on it).
     pub(super) waiters: Vec<oneshot::Sender<()>>,
+    /// Bytes each receiver gets.
+    pub(super) bytes: f64,
+    /// Receiver `j`'s first byte lands when the head has pushed `j * lag` (one chunk).
+    pub(super) lag: f64,
+    /// The head reads the origin (receiver 0's bytes are origin bytes).
+    pub(super) from_origin: bool,
+    /// Receivers whose copy is complete (milestones applied; they are reached in order).
+    pub(super) reached: usize,
 }
 
 /// Bytes on their way to a host's copy.
@@ -249,6 +283,8 @@ pub(super) struct Dc {
     gpu_due: BinaryHeap<GpuDue>,
     next_load: u64,
     ready: BTreeMap<(String, usize), HostReady>,
+    /// Tier bytes of completed copies and resident local loads.
+    settled: TierBytes,
 }
 
 /// The simulated datacenter. Cheap to share (`Arc`); every method locks it briefly and
@@ -309,6 +345,7 @@ impl Datacenter {
                 gpu_due: BinaryHeap::new(),
                 next_load: 0,
                 ready: BTreeMap::new(),
+                settled: TierBytes::default(),
             }),
             wake: Notify::new(),
             epoch: tokio::time::Instant::now(),
@@ -340,6 +377,28 @@ impl Datacenter {
     /// Bytes that have left the origin.
     pub fn origin_bytes(&self) -> f64 {
         self.synced().net.origin_bytes()
+    }
+
+    /// Bytes that have reached the hosts so far, by tier ([`TierBytes`]): copies in
+    /// progress count the bytes that have landed, a chain's hop `j` lagging the head by
+    /// `j` chunks.
+    pub fn tier_bytes(&self) -> TierBytes {
+        let dc = self.synced();
+        let mut t = dc.settled;
+        for (flow, d) in &dc.deliveries {
+            let Some(p) = dc.net.progress(*flow) else {
+                continue;
+            };
+            for j in d.reached..d.receivers.len() {
+                let got = (p - j as f64 * d.lag).clamp(0.0, d.bytes);
+                if j == 0 && d.from_origin {
+                    t.origin += got;
+                } else {
+                    t.peer += got;
+                }
+            }
+        }
+        t
     }
 
     /// When each host's copy and GPU replica of `digest` were ready.
@@ -488,9 +547,18 @@ impl Dc {
 
     fn apply(&mut self, reached: Vec<Reached>) {
         for r in reached {
-            let Some(d) = self.deliveries.get(&r.flow) else {
+            let Some(d) = self.deliveries.get_mut(&r.flow) else {
                 continue;
             };
+            // The bytes moved whether or not the receiver still wants the copy.
+            if r.milestone < d.receivers.len() {
+                if r.milestone == 0 && d.from_origin {
+                    self.settled.origin += d.bytes;
+                } else {
+                    self.settled.peer += d.bytes;
+                }
+                d.reached = d.reached.max(r.milestone + 1);
+            }
             let (digest, shards) = (d.digest.clone(), d.shards.clone());
             if let Some(&h) = d.receivers.get(r.milestone) {
                 self.copy_arrived(h, &digest, r.flow, &shards, r.at);
@@ -551,6 +619,10 @@ impl Dc {
             let Some(due) = self.gpu_due.pop() else {
                 break;
             };
+            let model_bytes = self
+                .catalogue
+                .get(&due.digest)
+                .map_or(0.0, |c| c.model.bytes as f64);
             let host = &mut self.hosts[due.host];
             if let Some(g) = host
                 .gpus
@@ -559,6 +631,9 @@ impl Dc {
                 && !g.resident
             {
                 g.resident = true;
+                if g.source == "local" {
+                    self.settled.local += model_bytes * f64::from(g.count);
+                }
                 if let Some(r) = self.ready.get_mut(&(due.digest.clone(), due.host))
                     && r.gpu_s.is_none()
                 {
@@ -755,6 +830,10 @@ impl Dc {
                 receivers,
                 shards,
                 waiters: Vec::new(),
+                bytes,
+                lag: chunk,
+                from_origin: source == Endpoint::Origin,
+                reached: 0,
             },
         );
         Ok(flow)
