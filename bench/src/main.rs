@@ -168,6 +168,10 @@ enum Cmd {
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Draw SVG plots into this directory (created if missing): `copy-cdf.svg`, the
+        /// per-host ready-time CDF, drawn as `simulate --plots` draws its own.
+        #[arg(long, value_name = "DIR")]
+        plots: Option<PathBuf>,
     },
     /// The data plane alone on loopback (no controller): a source and 4 receivers, chain vs
     /// every host pulling from the origin.
@@ -550,6 +554,10 @@ struct SimulateArgs {
     /// Write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Draw SVG plots of the report into this directory (created if missing): ready-time
+    /// CDFs, bytes by source tier over time, and with --trace replicas and queue over time.
+    #[arg(long, value_name = "DIR")]
+    plots: Option<PathBuf>,
     /// Trace-driven mode: `twitter` or `azure` (seeded generators with the thesis'
     /// statistics), or `azure:FILE` / `azure:FILE#FUNCTION` (an Azure Functions 2019
     /// invocation-count CSV, all functions summed or one), comma-separated.
@@ -646,7 +654,7 @@ async fn interrupted() -> &'static str {
 
 /// `simulate`: one cold-start burst per method, a table on stdout, the report as JSON.
 fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
-    use shardcast_bench::sim::{coldstart, dc, models, net};
+    use shardcast_bench::sim::{coldstart, dc, models, net, plots};
     let model = models::find(&a.model).with_context(|| {
         let names: Vec<&str> = models::TABLE_3_1.iter().map(|m| m.name).collect();
         format!("unknown model {:?}; one of {}", a.model, names.join(", "))
@@ -737,6 +745,21 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("simulate: report written to {}", path.display());
+    }
+    if let Some(dir) = &a.plots {
+        write_plots("simulate", dir, &plots::burst_figures(&report))?;
+    }
+    Ok(())
+}
+
+/// Draws `figures` into `dir` and says which files it wrote.
+fn write_plots(
+    what: &str,
+    dir: &std::path::Path,
+    figures: &[shardcast_bench::sim::plots::Figure],
+) -> anyhow::Result<()> {
+    for path in shardcast_bench::sim::plots::write(dir, figures)? {
+        eprintln!("{what}: plot written to {}", path.display());
     }
     Ok(())
 }
@@ -881,6 +904,13 @@ fn simulate_trace(
         std::fs::write(path, serde_json::to_vec(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("simulate: report written to {}", path.display());
+    }
+    if let Some(dir) = &a.plots {
+        write_plots(
+            "simulate",
+            dir,
+            &shardcast_bench::sim::plots::trace_figures(&report),
+        )?;
     }
     Ok(())
 }
@@ -1033,6 +1063,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             methods,
             timeout_s,
             json,
+            plots,
         } => {
             prepare_emulation()?;
             let opts = shardcast_bench::managed::ColdStartOpts {
@@ -1046,7 +1077,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 progress: true,
             };
             let report = shardcast_bench::managed::run_cold_start(&opts).await?;
-            emit(&report, json)
+            emit(&report, json)?;
+            if let Some(dir) = &plots {
+                write_plots(
+                    "cold-start",
+                    dir,
+                    &shardcast_bench::sim::plots::emulated_figures(&report),
+                )?;
+            }
+            Ok(())
         }
         Cmd::Compare {
             size,

@@ -52,13 +52,24 @@ fn simulate_writes_the_comparison_rows_as_json() {
             "--json",
         ])
         .arg(&json)
+        .arg("--plots")
+        .arg(dir.path().join("plots"))
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    // The plots, each path said on stderr.
+    for f in [
+        "ready-cdf.svg",
+        "copy-cdf.svg",
+        "bytes-by-tier-baseline.svg",
+        "bytes-by-tier-chain.svg",
+    ] {
+        let path = dir.path().join("plots").join(f);
+        assert!(err.contains(&path.display().to_string()), "{f}: {err}");
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    }
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
@@ -146,6 +157,21 @@ fn simulate_runs_a_trace_and_writes_the_rows_next_to_the_thesis() {
     assert!(!all["timeline"].as_array().unwrap().is_empty());
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.contains("combined (locality + chains)"), "{table}");
+    // Without --plots, no plot.
+    assert!(!err.contains("plot written"));
+}
+
+#[test]
+fn cold_start_takes_a_plots_directory() {
+    // The emulated run itself needs root and minutes; its option is checked here, its
+    // conversion to the plot in `sim::plots`' tests.
+    let out = Command::new(env!("CARGO_BIN_EXE_shardcast-bench"))
+        .args(["cold-start", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--plots <DIR>"), "{help}");
 }
 
 #[test]

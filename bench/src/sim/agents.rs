@@ -59,7 +59,7 @@ impl Agents for SimAgents {
             )
         };
         dc.start_delivery(now, &chain.model, source, receivers, chain.shards)
-            .map_err(|e| agent_error(&at.host, AgentFailure::Invalid, e))?;
+            .map_err(|e| agent_error(&at.host, AgentFailure::Invalid, e.to_string()))?;
         drop(dc);
         self.dc.wake.notify_one();
         Ok(())
@@ -90,7 +90,7 @@ impl Agents for SimAgents {
                 let mut dc = self.dc.synced();
                 let flow = dc
                     .start_delivery(now, &digest, Endpoint::Origin, vec![h], Vec::new())
-                    .map_err(|e| agent_error(&at.host, AgentFailure::Failed, e))?;
+                    .map_err(|e| agent_error(&at.host, AgentFailure::Failed, e.to_string()))?;
                 if let Some(d) = dc.deliveries.get_mut(&flow) {
                     d.waiters.push(tx);
                 }

@@ -21,7 +21,7 @@ use shardcast_protocol::origin_policy::{Enforcer, OriginPolicy};
 use tokio_util::sync::CancellationToken;
 
 use super::agents::SimAgents;
-use super::dc::{Datacenter, DcConfig, HostReady};
+use super::dc::{Datacenter, DcConfig, HostReady, TierBytes};
 use super::models::SimModel;
 use super::store::MemStore;
 
@@ -84,6 +84,69 @@ pub struct HostColdStart {
     pub ready_s: Option<f64>,
 }
 
+/// Bytes by source tier at one instant of a burst (for the bytes-over-time plot).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct TierSample {
+    /// Seconds after the prewarm.
+    pub t: f64,
+    /// Bytes by tier since the prewarm.
+    pub bytes: TierBytes,
+}
+
+/// How often a burst samples its tier bytes at first: fine enough for a chained burst of
+/// a minute (240 samples); a long one thins its series ([`MAX_TIER_SAMPLES`]).
+pub const TIER_SAMPLE: Duration = Duration::from_millis(250);
+
+/// The most tier samples a burst keeps: at this many it drops every other one and samples
+/// half as often from then on, so a 200-host baseline of hours keeps 256–512 evenly
+/// spaced samples and wakes about a thousand times for them, not 30,000.
+pub const MAX_TIER_SAMPLES: usize = 512;
+
+/// A series sampled at multiples of a base period, thinned to every other sample (and
+/// sampled half as often) whenever [`MAX_TIER_SAMPLES`] are kept: the kept ones stay
+/// evenly spaced.
+#[derive(Debug)]
+struct Thinned {
+    base: f64,
+    /// Base periods between samples.
+    every: u64,
+    /// The next sample's time, in base periods.
+    next: u64,
+    samples: Vec<TierSample>,
+}
+
+impl Thinned {
+    fn new(base: Duration) -> Self {
+        Self {
+            base: base.as_secs_f64(),
+            every: 1,
+            next: 0,
+            samples: Vec::new(),
+        }
+    }
+
+    /// When the next sample is due, seconds from the start.
+    fn due(&self) -> f64 {
+        self.next as f64 * self.base
+    }
+
+    /// Keeps `sample` (taken at [`Self::due`]). The next one is due a period later: a
+    /// multiple of the doubled period when this one fills the series, since it was
+    /// kept at a multiple of the old one and the thinning keeps every other.
+    fn push(&mut self, sample: TierSample) {
+        self.samples.push(sample);
+        self.next += self.every;
+        if self.samples.len() >= MAX_TIER_SAMPLES {
+            let mut k = 0;
+            self.samples.retain(|_| {
+                k += 1;
+                k % 2 == 1
+            });
+            self.every *= 2;
+        }
+    }
+}
+
 /// The outcome of a burst: one comparison row.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ColdStartRow {
@@ -119,6 +182,9 @@ pub struct ColdStartRow {
     pub wall_s: f64,
     /// Every receiver, by host id.
     pub hosts: Vec<HostColdStart>,
+    /// Bytes by source tier over the burst: evenly spaced samples from the prewarm (every
+    /// [`TIER_SAMPLE`], or a multiple of it for a long burst) and one at its end.
+    pub tiers: Vec<TierSample>,
 }
 
 /// Nearest-rank percentile of sorted `xs` (`q` in 0..=1); 0 when empty.
@@ -141,11 +207,7 @@ fn mean(xs: &[f64]) -> f64 {
 /// Runs one burst on a fresh datacenter and controller, on its own paused runtime (call it
 /// from a thread that is not running a runtime).
 pub fn run(spec: &ColdStart, method: Method) -> anyhow::Result<ColdStartRow> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .context("building the simulator's runtime")?;
+    let rt = super::paused_runtime().context("building the simulator's runtime")?;
     let wall = Instant::now();
     let mut row = rt.block_on(burst(spec, method))?;
     row.wall_s = wall.elapsed().as_secs_f64();
@@ -205,7 +267,7 @@ impl Cluster {
     /// every host registers by heartbeat and keeps heartbeating every `cfg.heartbeat`.
     pub fn open(dc: &DcConfig, models: &[SimModel], cfg: ControllerConfig) -> anyhow::Result<Self> {
         let heartbeat = cfg.heartbeat;
-        let dc = Datacenter::new(dc.clone(), models).map_err(anyhow::Error::msg)?;
+        let dc = Datacenter::new(dc.clone(), models)?;
         let cancel = CancellationToken::new();
         let ctl = Controller::open_with(
             cfg,
@@ -289,8 +351,7 @@ async fn drive_burst(
     let digest = cluster.register(&spec.model, &spec.dc).await?;
     let hosts = spec.dc.topology.hosts;
     for k in 0..spec.warm.min(hosts) {
-        dc.seed(k * hosts / spec.warm, name)
-            .map_err(anyhow::Error::msg)?;
+        dc.seed(k * hosts / spec.warm, name)?;
     }
     if spec.warm > 0 {
         // The holders report their copies before the burst is planned.
@@ -298,6 +359,13 @@ async fn drive_burst(
     }
     let t0 = dc.now();
     let origin_before = dc.origin_bytes();
+    let tiers_before = dc.tier_bytes();
+    let start = tokio::time::Instant::now();
+    let mut tiers = Thinned::new(TIER_SAMPLE);
+    let sample = || TierSample {
+        t: dc.now() - t0,
+        bytes: dc.tier_bytes().since(tiers_before),
+    };
     let accepted = ctl
         .prewarm(Prewarm {
             model: name.to_string(),
@@ -312,22 +380,33 @@ async fn drive_burst(
         .map_err(|e| anyhow::anyhow!("prewarm of {name}: {e}"))?;
     let id = accepted.plan_id;
     let (plan, rx) = ctl.watch_plan(&id)?;
+    let deadline = tokio::time::Instant::now() + spec.limit;
     let plan = match rx {
         None => plan,
-        Some(mut rx) => {
-            let ended = tokio::time::timeout(spec.limit, rx.wait_for(|p| !p.running())).await;
-            match ended {
-                Ok(Ok(p)) => p.clone(),
-                // The watch is dropped once the plan has ended: its final state is stored.
-                Ok(Err(_)) => ctl.get_plan(&id)?,
-                Err(_) => anyhow::bail!(
+        Some(mut rx) => loop {
+            tokio::select! {
+                biased;
+                ended = rx.wait_for(|p| !p.running()) => break match ended {
+                    Ok(p) => p.clone(),
+                    // The watch is dropped once the plan has ended: its final state is
+                    // stored.
+                    Err(_) => ctl.get_plan(&id)?,
+                },
+                () = tokio::time::sleep_until(deadline) => anyhow::bail!(
                     "the plan did not end within {:?} of virtual time",
                     spec.limit
                 ),
+                () = tokio::time::sleep_until(start + Duration::from_secs_f64(tiers.due())) => {
+                    tiers.push(sample());
+                }
             }
-        }
+        },
     };
     let end = dc.now();
+    let mut tiers = tiers.samples;
+    if tiers.last().is_none_or(|s| s.t < end - t0) {
+        tiers.push(sample());
+    }
     let hosts: Vec<HostColdStart> = dc
         .ready(&digest)
         .into_iter()
@@ -358,6 +437,7 @@ async fn drive_burst(
         virtual_s: end - t0,
         wall_s: 0.0,
         hosts,
+        tiers,
     })
 }
 
@@ -528,6 +608,24 @@ mod tests {
         (a - b).abs() <= abs
     }
 
+    /// The tier series: starts at the prewarm, ends at the plan's end, time ascending,
+    /// every tier non-decreasing; returns the last sample's bytes.
+    fn tiers_end(row: &ColdStartRow) -> TierBytes {
+        let first = row.tiers.first().unwrap();
+        let last = row.tiers.last().unwrap();
+        assert!(first.t < 1e-9, "{first:?}");
+        assert!(close(last.t, row.virtual_s, 1e-9), "{last:?}");
+        for w in row.tiers.windows(2) {
+            let (a, b) = (w[0].bytes, w[1].bytes);
+            assert!(w[0].t < w[1].t, "{w:?}");
+            assert!(
+                a.origin <= b.origin && a.peer <= b.peer && a.local <= b.local,
+                "{w:?}"
+            );
+        }
+        last.bytes
+    }
+
     #[test]
     fn the_baseline_shares_the_origin_link_among_all_hosts() {
         // 8 hosts each download S from the origin: the 2.203 Gbit/s link is shared 8 ways
@@ -543,6 +641,15 @@ mod tests {
             assert!(close(h.ready_s.unwrap(), want, 1e-3), "{h:?} vs {want}");
         }
         assert!(close(row.bytes_from_origin, 8.0 * bytes, 1.0));
+        // Every host's bytes came from the origin; the link is shared evenly, so half way
+        // through the downloads half the bytes have arrived.
+        let end = tiers_end(&row);
+        assert!(close(end.origin, 8.0 * bytes, 1.0), "{end:?}");
+        assert_eq!((end.peer, end.local), (0.0, 0.0));
+        let half = 4.0 * bytes / gbit(2.203);
+        let mid = row.tiers.iter().find(|s| s.t >= half).unwrap();
+        let want = gbit(2.203) * mid.t;
+        assert!(close(mid.bytes.origin, want, 1.0), "{mid:?} vs {want}");
     }
 
     #[test]
@@ -566,6 +673,16 @@ mod tests {
         let startup = s.dc.phases.startup_s(s.model.bytes);
         assert!(close(row.max_cold_start_s, copies[7] + startup, 1e-6));
         assert!(close(row.bytes_from_origin, bytes + 7.0 * chunk, 1.0));
+        // The head received from the origin, the 7 hops after it from their peers.
+        let end = tiers_end(&row);
+        assert!(close(end.origin, bytes, 1.0), "{end:?}");
+        assert!(close(end.peer, 7.0 * bytes, 1.0), "{end:?}");
+        assert_eq!(end.local, 0.0);
+        // Mid-transfer, hop j lags the head by j chunks: 8 p - 28 chunks in all.
+        let mid = row.tiers.iter().find(|s| s.t >= 3.0).unwrap();
+        let p = rate * mid.t;
+        let got = mid.bytes.origin + mid.bytes.peer;
+        assert!(close(got, 8.0 * p - 28.0 * chunk, 1.0), "{mid:?}");
         // Against the baseline of the test above: the origin is read once, not 8 times.
         assert!(row.avg_cold_start_s < (8.0 * bytes / rate + startup) / 4.0);
     }
@@ -587,6 +704,11 @@ mod tests {
             (8, 1, "done")
         );
         assert_eq!(row.bytes_from_origin, 0.0);
+        // Host 0's 8 GPUs loaded from its own memory; the 7 others received from peers.
+        let end = tiers_end(&row);
+        assert_eq!(end.origin, 0.0);
+        assert!(close(end.local, 8.0 * bytes, 1.0), "{end:?}");
+        assert!(close(end.peer, 7.0 * bytes, 1.0), "{end:?}");
         let local = row.hosts.iter().find(|h| h.host == "h0000").unwrap();
         assert_eq!(local.source, "local");
         assert!(close(local.ready_s.unwrap(), startup, 1e-6));
@@ -630,6 +752,81 @@ mod tests {
             .fold(f64::INFINITY, f64::min);
         assert!(close(first, 3.0 * bytes / gbit(2.203), 1e-3), "{first}");
         assert!(row.bytes_from_origin > 3.0 * bytes && row.bytes_from_origin < 3.0 * bytes + 1e8);
+    }
+
+    #[test]
+    fn a_burst_report_draws_its_cdfs_and_tier_plots() {
+        use crate::sim::plots;
+        let s = spec(8, "codebert-base");
+        let rows = vec![
+            run(&s, Method::Baseline).unwrap(),
+            run(&s, Method::Chain).unwrap(),
+        ];
+        let report = Report::new(&s, rows, 0.0);
+        let figs = plots::burst_figures(&report);
+        assert_eq!(
+            figs.iter().map(|f| f.file.as_str()).collect::<Vec<_>>(),
+            [
+                "ready-cdf.svg",
+                "copy-cdf.svg",
+                "bytes-by-tier-baseline.svg",
+                "bytes-by-tier-chain.svg"
+            ]
+        );
+        // The CDFs plot each method's hosts' ready (GPU) and copy times.
+        for (row, series) in report.rows.iter().zip(&figs[0].panels[0].series) {
+            assert_eq!(series.label, row.label);
+            let ready: Vec<f64> = row.hosts.iter().filter_map(|h| h.ready_s).collect();
+            assert_eq!(series.points, plots::cdf(&ready, 8));
+            assert_eq!(series.points.last().unwrap(), &(row.max_cold_start_s, 1.0));
+        }
+        let copy = &figs[1].panels[0].series[1];
+        let copies: Vec<f64> = report.rows[1]
+            .hosts
+            .iter()
+            .filter_map(|h| h.copy_s)
+            .collect();
+        assert_eq!(copy.points, plots::cdf(&copies, 8));
+        // The chain's tier plot ends at 1 model from the origin and 7 from peers.
+        let gb = s.model.bytes as f64 / 1e9;
+        let tiers = &figs[3].panels[0].series;
+        let last = |i: usize| tiers[i].points.last().unwrap().1;
+        assert!(close(last(0), gb, 1e-6) && close(last(1), 7.0 * gb, 1e-6));
+        let dir = tempfile::tempdir().unwrap();
+        let written = plots::write(&dir.path().join("plots"), &figs).unwrap();
+        assert_eq!(written.len(), 4);
+        for (path, f) in written.iter().zip(&figs) {
+            let svg = std::fs::read_to_string(path).unwrap();
+            let lines: usize = f.panels.iter().map(|p| p.series.len()).sum();
+            assert!(
+                plots::well_formed(&svg).polylines >= 2 * lines,
+                "{}",
+                path.display()
+            );
+        }
+    }
+
+    #[test]
+    fn a_long_burst_keeps_at_most_max_samples_evenly_spaced() {
+        // Sampled when due over 10,000 s at a 1 s base: 512 at 1 s, then 256 more at 2 s,
+        // 4 s, 8 s and 16 s apart; the series covers the time at 32 s.
+        let mut t = Thinned::new(Duration::from_secs(1));
+        let mut wakes = 0;
+        while t.due() < 10_000.0 {
+            let at = t.due();
+            t.push(TierSample {
+                t: at,
+                bytes: TierBytes::default(),
+            });
+            wakes += 1;
+        }
+        assert_eq!(wakes, 512 + 4 * 256 + (10_000 - 8_192) / 32 + 1);
+        let n = t.samples.len();
+        assert!((MAX_TIER_SAMPLES / 2..MAX_TIER_SAMPLES).contains(&n), "{n}");
+        let step = t.samples[1].t - t.samples[0].t;
+        assert_eq!((t.samples[0].t, step, t.every), (0.0, 32.0, 32));
+        assert!(t.samples.windows(2).all(|w| w[1].t - w[0].t == step));
+        assert_eq!(t.samples.last().unwrap().t, 9_984.0);
     }
 
     #[test]

@@ -55,8 +55,59 @@ use shardcast_protocol::codec::encode_to_vec;
 use tokio::sync::{Notify, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::models::{Phases, SimModel};
-use super::net::{Endpoint, FlowId, FlowSpec, Network, Reached, Topology};
+use super::models::{ManifestError, Phases, SimModel};
+use super::net::{Endpoint, FlowId, FlowSpec, NetError, Network, Reached, Topology};
+
+/// Why [`Datacenter::seed`] refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SeedError {
+    /// No model of that name in the datacenter's catalogue.
+    #[error("{0} is not catalogued")]
+    NotCatalogued(String),
+    /// No host with that index.
+    #[error("no host {0}")]
+    NoSuchHost(usize),
+}
+
+/// Why a delivery (a chain or a download: one flow) could not start.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FlowError {
+    /// No model with that digest in the catalogue.
+    #[error("model {0} is not catalogued")]
+    NotCatalogued(String),
+    /// No receivers, or shards that hold no bytes.
+    #[error("nothing to send")]
+    NothingToSend,
+    /// The network refused the flow (no path, a bad segment).
+    #[error(transparent)]
+    Net(#[from] NetError),
+}
+
+/// Bytes that reached the hosts, by where they came from; cumulative.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct TierBytes {
+    /// Received into host memory straight from the origin (a chain's head or a direct
+    /// download).
+    pub origin: f64,
+    /// Received into host memory from another host (a chain's later hops, or a chain
+    /// headed by a holder).
+    pub peer: f64,
+    /// Loaded onto GPUs from a copy that was already complete in the host's memory when
+    /// the load was asked (no network bytes): the model's bytes times the GPU replicas,
+    /// counted when they became resident.
+    pub local: f64,
+}
+
+impl TierBytes {
+    /// `self - before`, tier by tier.
+    pub fn since(self, before: Self) -> Self {
+        Self {
+            origin: self.origin - before.origin,
+            peer: self.peer - before.peer,
+            local: self.local - before.local,
+        }
+    }
+}
 
 /// How often a watch pushes progress while bytes move: well inside the controller's
 /// default 10 s stall timeout (a receiver whose pushed bytes do not grow for that long is
@@ -119,6 +170,14 @@ pub(super) struct Delivery {
     pub(super) shards: Vec<u32>,
     /// Told when the flow ends (an `import_model` with `fetch` waits on it).
     pub(super) waiters: Vec<oneshot::Sender<()>>,
+    /// Bytes each receiver gets.
+    pub(super) bytes: f64,
+    /// Receiver `j`'s first byte lands when the head has pushed `j * lag` (one chunk).
+    pub(super) lag: f64,
+    /// The head reads the origin (receiver 0's bytes are origin bytes).
+    pub(super) from_origin: bool,
+    /// Receivers whose copy is complete (milestones applied; they are reached in order).
+    pub(super) reached: usize,
 }
 
 /// Bytes on their way to a host's copy.
@@ -224,6 +283,8 @@ pub(super) struct Dc {
     gpu_due: BinaryHeap<GpuDue>,
     next_load: u64,
     ready: BTreeMap<(String, usize), HostReady>,
+    /// Tier bytes of completed copies and resident local loads.
+    settled: TierBytes,
 }
 
 /// The simulated datacenter. Cheap to share (`Arc`); every method locks it briefly and
@@ -241,7 +302,7 @@ pub fn host_id(i: usize) -> String {
 
 impl Datacenter {
     /// A datacenter of `cfg.topology.hosts` idle hosts knowing `models`, its clock at 0 now.
-    pub fn new(cfg: DcConfig, models: &[SimModel]) -> Result<Arc<Self>, String> {
+    pub fn new(cfg: DcConfig, models: &[SimModel]) -> Result<Arc<Self>, ManifestError> {
         let mut catalogue = HashMap::new();
         let mut by_name = HashMap::new();
         for m in models {
@@ -284,6 +345,7 @@ impl Datacenter {
                 gpu_due: BinaryHeap::new(),
                 next_load: 0,
                 ready: BTreeMap::new(),
+                settled: TierBytes::default(),
             }),
             wake: Notify::new(),
             epoch: tokio::time::Instant::now(),
@@ -317,6 +379,28 @@ impl Datacenter {
         self.synced().net.origin_bytes()
     }
 
+    /// Bytes that have reached the hosts so far, by tier ([`TierBytes`]): copies in
+    /// progress count the bytes that have landed, a chain's hop `j` lagging the head by
+    /// `j` chunks.
+    pub fn tier_bytes(&self) -> TierBytes {
+        let dc = self.synced();
+        let mut t = dc.settled;
+        for (flow, d) in &dc.deliveries {
+            let Some(p) = dc.net.progress(*flow) else {
+                continue;
+            };
+            for j in d.reached..d.receivers.len() {
+                let got = (p - j as f64 * d.lag).clamp(0.0, d.bytes);
+                if j == 0 && d.from_origin {
+                    t.origin += got;
+                } else {
+                    t.peer += got;
+                }
+            }
+        }
+        t
+    }
+
     /// When each host's copy and GPU replica of `digest` were ready.
     pub fn ready(&self, digest: &str) -> Vec<HostReady> {
         self.synced()
@@ -329,16 +413,16 @@ impl Datacenter {
 
     /// Puts a complete copy of a catalogued model in host `h`'s memory tier now, as if an
     /// earlier plan had left it there (a warm holder: the thesis' locality).
-    pub fn seed(&self, h: usize, name: &str) -> Result<(), String> {
+    pub fn seed(&self, h: usize, name: &str) -> Result<(), SeedError> {
         let now = self.now();
         let mut dc = self.synced();
         let digest = dc
             .by_name
             .get(name)
             .cloned()
-            .ok_or_else(|| format!("{name} is not catalogued"))?;
+            .ok_or_else(|| SeedError::NotCatalogued(name.to_string()))?;
         let shards = dc.catalogue[&digest].shard_sizes.len();
-        let host = dc.hosts.get_mut(h).ok_or_else(|| format!("no host {h}"))?;
+        let host = dc.hosts.get_mut(h).ok_or(SeedError::NoSuchHost(h))?;
         host.copies.insert(
             digest,
             Copy {
@@ -463,9 +547,18 @@ impl Dc {
 
     fn apply(&mut self, reached: Vec<Reached>) {
         for r in reached {
-            let Some(d) = self.deliveries.get(&r.flow) else {
+            let Some(d) = self.deliveries.get_mut(&r.flow) else {
                 continue;
             };
+            // The bytes moved whether or not the receiver still wants the copy.
+            if r.milestone < d.receivers.len() {
+                if r.milestone == 0 && d.from_origin {
+                    self.settled.origin += d.bytes;
+                } else {
+                    self.settled.peer += d.bytes;
+                }
+                d.reached = d.reached.max(r.milestone + 1);
+            }
             let (digest, shards) = (d.digest.clone(), d.shards.clone());
             if let Some(&h) = d.receivers.get(r.milestone) {
                 self.copy_arrived(h, &digest, r.flow, &shards, r.at);
@@ -526,6 +619,10 @@ impl Dc {
             let Some(due) = self.gpu_due.pop() else {
                 break;
             };
+            let model_bytes = self
+                .catalogue
+                .get(&due.digest)
+                .map_or(0.0, |c| c.model.bytes as f64);
             let host = &mut self.hosts[due.host];
             if let Some(g) = host
                 .gpus
@@ -534,6 +631,9 @@ impl Dc {
                 && !g.resident
             {
                 g.resident = true;
+                if g.source == "local" {
+                    self.settled.local += model_bytes * f64::from(g.count);
+                }
                 if let Some(r) = self.ready.get_mut(&(due.digest.clone(), due.host))
                     && r.gpu_s.is_none()
                 {
@@ -649,11 +749,11 @@ impl Dc {
         source: Endpoint,
         receivers: Vec<usize>,
         shards: Vec<u32>,
-    ) -> Result<FlowId, String> {
+    ) -> Result<FlowId, FlowError> {
         let cat = self
             .catalogue
             .get(digest)
-            .ok_or_else(|| format!("model {digest} is not catalogued"))?;
+            .ok_or_else(|| FlowError::NotCatalogued(digest.to_string()))?;
         let shard_sizes = cat.shard_sizes.clone();
         let shards: Vec<u32> = if shards.is_empty() {
             (0..shard_sizes.len() as u32).collect()
@@ -666,7 +766,7 @@ impl Dc {
             .map(|&b| b as f64)
             .sum();
         if bytes <= 0.0 || receivers.is_empty() {
-            return Err("nothing to send".into());
+            return Err(FlowError::NothingToSend);
         }
         let chunk = f64::from(self.cfg.chunk_size);
         let mut segments = Vec::with_capacity(receivers.len());
@@ -682,17 +782,14 @@ impl Dc {
             Endpoint::Origin if receivers.len() == 1 => None,
             _ => self.cfg.hop_cap_bps,
         };
-        let (flow, reached) = self
-            .net
-            .add_flow(
-                now,
-                FlowSpec {
-                    segments,
-                    cap_bps: cap,
-                    milestones,
-                },
-            )
-            .map_err(|e| e.to_string())?;
+        let (flow, reached) = self.net.add_flow(
+            now,
+            FlowSpec {
+                segments,
+                cap_bps: cap,
+                milestones,
+            },
+        )?;
         self.apply(reached);
         let source_name = match source {
             Endpoint::Origin => "origin".to_string(),
@@ -733,6 +830,10 @@ impl Dc {
                 receivers,
                 shards,
                 waiters: Vec::new(),
+                bytes,
+                lag: chunk,
+                from_origin: source == Endpoint::Origin,
+                reached: 0,
             },
         );
         Ok(flow)

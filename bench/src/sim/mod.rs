@@ -64,8 +64,8 @@
 //! `Evict` — and one technique per run (baseline, + locality, + chain multicast,
 //! combined). [`compare`] puts the runs of one model, trace and autoscaler side by side
 //! with the thesis' reported changes: average and p99 cold start, average and p99
-//! end-to-end latency, replica-seconds, bytes from the origin, and a timeline of replicas
-//! and queue for plots.
+//! end-to-end latency, replica-seconds, bytes from the origin, and a timeline of replicas,
+//! queue and bytes by source tier.
 //!
 //! ```text
 //!  trace ─► serve::Serving ◄─ replicas resident ── dc::Datacenter ◄── agents::SimAgents
@@ -73,6 +73,13 @@
 //!              ▼                                                           │
 //!         scalers::Scaler ── ScaleOut / Prewarm / Evict ──► Controller (real)
 //! ```
+//!
+//! ## Plots
+//!
+//! [`plots`] draws SVGs from the reports (`--plots DIR`): per-host ready-time CDFs, bytes
+//! by source tier (origin, peer, local: [`dc::TierBytes`]) over time, replicas and queue
+//! over time. `cold-start --emulate` draws its ready-time CDF with the same function, so an
+//! emulated and a simulated burst compare picture to picture.
 //!
 //! ## Inputs
 //!
@@ -87,9 +94,20 @@ pub mod compare;
 pub mod dc;
 pub mod models;
 pub mod net;
+pub mod plots;
 pub mod scalers;
 pub mod serve;
 pub mod store;
 pub mod trace;
 mod views;
 pub mod workload;
+
+/// A fresh current-thread tokio runtime whose clock starts paused (the module docs:
+/// "Virtual time"): each simulated run ([`coldstart::run`], [`workload::run`]) blocks on
+/// one. Build it on a thread that is not running a runtime.
+pub fn paused_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+}

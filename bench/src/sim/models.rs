@@ -28,8 +28,39 @@
 //! output the T5-3B-implied activation size. Every profile is marked `estimated`.
 
 use shardcast_policies::profile::{LayerGroup, ModelProfile, T5_3B_EXEC_S, T5_3B_TOTAL_BYTES};
+use shardcast_protocol::codec::DecodeError;
 use shardcast_protocol::manifest::{ChunkHash, Manifest, ShardEntry};
+use shardcast_protocol::name::NameError;
 use shardcast_protocol::{ModelName, ShardPath};
+
+/// Why a simulated model's manifest could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// The model's name is not a valid registry name.
+    #[error("model name {model:?}: {source}")]
+    Name {
+        /// The model.
+        model: &'static str,
+        /// What is wrong with it.
+        source: NameError,
+    },
+    /// A shard's file name is not a valid shard path.
+    #[error("a shard path of {model}: {source}")]
+    ShardPath {
+        /// The model.
+        model: &'static str,
+        /// What is wrong with it.
+        source: NameError,
+    },
+    /// The manifest itself is refused (too many shards or chunks, bad chunk size).
+    #[error("the manifest of {model}: {source}")]
+    Invalid {
+        /// The model.
+        model: &'static str,
+        /// Why.
+        source: DecodeError,
+    },
+}
 
 /// One model of the catalogue.
 #[derive(Debug, Clone, PartialEq)]
@@ -144,8 +175,9 @@ impl SimModel {
     /// The manifest a host builds for the model with `chunk_size`-byte chunks. No bytes
     /// exist, so the chunk hashes are BLAKE3 of (name, shard, chunk): distinct per chunk and
     /// per model, and the same on every run, so the digest is reproducible.
-    pub fn manifest(&self, chunk_size: u32) -> Result<Manifest, String> {
-        let name = ModelName::new(self.name).map_err(|e| e.to_string())?;
+    pub fn manifest(&self, chunk_size: u32) -> Result<Manifest, ManifestError> {
+        let model = self.name;
+        let name = ModelName::new(model).map_err(|source| ManifestError::Name { model, source })?;
         let sizes = self.shard_sizes();
         let count = sizes.len();
         let mut shards = Vec::new();
@@ -156,13 +188,14 @@ impl SimModel {
             };
             shards.push(ShardEntry {
                 path: ShardPath::new(format!("model-{:05}-of-{count:05}.safetensors", i + 1))
-                    .map_err(|e| e.to_string())?,
+                    .map_err(|source| ManifestError::ShardPath { model, source })?,
                 size,
                 hash: hash(u64::MAX),
                 chunks: (0..chunks).map(hash).collect(),
             });
         }
-        Manifest::new(name, chunk_size, shards).map_err(|e| e.to_string())
+        Manifest::new(name, chunk_size, shards)
+            .map_err(|source| ManifestError::Invalid { model, source })
     }
 
     /// The model's layer profile (module docs: an even split, estimated).

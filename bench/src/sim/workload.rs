@@ -41,7 +41,7 @@ use shardcast_controller::ops::Sources;
 use shardcast_placement::{Target, Tier};
 
 use super::coldstart::{Cluster, controller_config_for, percentile};
-use super::dc::{DcConfig, ReplicaGroup};
+use super::dc::{DcConfig, ReplicaGroup, TierBytes};
 use super::models::SimModel;
 use super::scalers::{Observation, Scaler, ScalerKind};
 use super::serve::Serving;
@@ -152,6 +152,8 @@ pub struct Sample {
     pub arrived: u64,
     /// Bytes read from the origin so far.
     pub origin_bytes: f64,
+    /// Bytes that reached the hosts so far, by source tier (origin, peer, local).
+    pub tiers: TierBytes,
 }
 
 /// A cold start: one GPU replica group from the scaler's decision to serving.
@@ -235,11 +237,7 @@ pub struct TraceRow {
 /// a thread that is not running a runtime); `progress` is called about every 5% of the
 /// trace.
 pub fn run(spec: &TraceRun, progress: &mut dyn FnMut(&Progress)) -> anyhow::Result<TraceRow> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .context("building the simulator's runtime")?;
+    let rt = super::paused_runtime().context("building the simulator's runtime")?;
     let wall = Instant::now();
     let mut row = rt.block_on(drive(spec, progress, wall))?;
     row.wall_s = wall.elapsed().as_secs_f64();
@@ -299,8 +297,7 @@ async fn drive(
     if warm > 0 {
         let warm_hosts = warm.div_ceil(gpus) as usize;
         for k in 0..warm_hosts.min(hosts) {
-            dc.seed(k * hosts / warm_hosts, name)
-                .map_err(anyhow::Error::msg)?;
+            dc.seed(k * hosts / warm_hosts, name)?;
         }
         cluster.heartbeat_all()?;
         let accepted = ctl
@@ -323,6 +320,7 @@ async fn drive(
 
     let t0 = dc.now();
     let origin_before = dc.origin_bytes();
+    let tiers_before = dc.tier_bytes();
     let arrivals = spec.trace.arrivals(spec.seed);
     let duration = spec.trace.duration_s();
     let tick = spec.tick.as_secs_f64();
@@ -415,6 +413,7 @@ async fn drive(
                 queue: serving.queue_len(),
                 arrived: std::mem::take(&mut sample_arrived),
                 origin_bytes: dc.origin_bytes() - origin_before,
+                tiers: dc.tier_bytes().since(tiers_before),
             });
             next_sample += spec.sample_s;
         }
@@ -767,6 +766,72 @@ mod tests {
             mc.bytes_from_origin
         );
         assert!(lc.sources["origin"] >= 2 && mc.sources["origin"] >= 1);
+    }
+
+    #[test]
+    fn a_trace_report_draws_cdf_tiers_replicas_and_queue() {
+        use crate::sim::compare::{Comparison, TraceParams, TraceReport};
+        use crate::sim::plots;
+        let mut s = spec(Technique::Combined);
+        s.trace.rps.truncate(200);
+        let row = run(&s, &mut |_| {}).unwrap();
+        // The timeline's tiers: non-decreasing, and what reached hosts from the origin is
+        // at most what left it (a chain's origin flow also counts its hops' lag).
+        for w in row.timeline.windows(2) {
+            let (a, b) = (w[0].tiers, w[1].tiers);
+            assert!(a.origin <= b.origin && a.peer <= b.peer && a.local <= b.local);
+        }
+        let last = row.timeline.last().unwrap();
+        assert!(last.tiers.origin <= last.origin_bytes + 1.0);
+        assert!(last.tiers.peer > 0.0, "{:?}", last.tiers);
+        let report = TraceReport {
+            params: TraceParams {
+                hosts: 16,
+                gpus_per_host: 1,
+                hosts_per_leaf: 4,
+                host_gbps: 50.0,
+                leaf_gbps: 100.0,
+                origin_link_gbps: None,
+                origin_stream_gbps: None,
+                duration_s: 200.0,
+                seed: 5,
+                heartbeat_s: 1.0,
+                poll_s: 1.0,
+                tick_s: 1.0,
+                warm_start: true,
+            },
+            comparisons: Comparison::new(vec![row.clone()]).into_iter().collect(),
+            wall_s: 0.0,
+            peak_rss_bytes: None,
+        };
+        let figs = plots::trace_figures(&report);
+        assert_eq!(
+            figs.iter().map(|f| f.file.as_str()).collect::<Vec<_>>(),
+            [
+                "gpt2-xl-steps-atl-ready-cdf.svg",
+                "gpt2-xl-steps-atl-combined-bytes-by-tier.svg",
+                "gpt2-xl-steps-atl-combined-replicas-queue.svg"
+            ]
+        );
+        let cold: Vec<f64> = row.cold_start_list.iter().map(|c| c.cold_start_s).collect();
+        assert_eq!(
+            figs[0].panels[0].series[0].points,
+            plots::cdf(&cold, cold.len())
+        );
+        let rq = &figs[2].panels;
+        assert_eq!(rq.len(), 2);
+        let held: Vec<(f64, f64)> = row
+            .timeline
+            .iter()
+            .map(|x| (x.t, f64::from(x.replicas)))
+            .collect();
+        assert_eq!(rq[0].series[0].points, held);
+        let queue: Vec<(f64, f64)> = row.timeline.iter().map(|x| (x.t, x.queue as f64)).collect();
+        assert_eq!(rq[1].series[0].points, queue);
+        for f in &figs {
+            let lines: usize = f.panels.iter().map(|p| p.series.len()).sum();
+            assert!(plots::well_formed(&plots::render(f).unwrap()).polylines >= 2 * lines);
+        }
     }
 
     #[test]
