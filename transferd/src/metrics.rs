@@ -434,6 +434,12 @@ impl Collector for NodeCollector {
                 load(&s.fetches_not_receiving),
             ),
             (
+                "origin_reads_yielded_total",
+                Counter,
+                "Origin reads paused because a peer started feeding the same shard here (the origin is read again only if it stalls).",
+                load(&s.origin_reads_yielded),
+            ),
+            (
                 "upstream_holders_unreachable_total",
                 Counter,
                 "Holders above a hop without upstream, dialled while it waited for a failover, that could not be reached (so no failover was awaited from them).",

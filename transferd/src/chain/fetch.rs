@@ -24,7 +24,8 @@ use shardcast_protocol::{
     DataTier, ErrorCode, Frame, Hop, HopTransport, HostId, Manifest, SessionId, VerifiedChunk,
 };
 use tokio::sync::mpsc;
-use tracing::{debug, warn};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
 
 use super::handshake::Links;
 use super::outcome::FetchError;
@@ -114,8 +115,56 @@ impl Fetcher {
                 });
         }
         let origin = Origin::parse(source, &self.origins)?;
-        self.fill_from(sess, &origin, missing, ChunkFrom::Origin)
+        self.fill_from(sess, &origin, missing, ChunkFrom::Origin, None)
             .await
+    }
+
+    /// Reads what the session lacks from `source` (an origin URI, or a holder as in
+    /// [`Self::fill`]) and yields to a peer: the origin read stops, between two chunks,
+    /// when a holder starts feeding the session's shard here (a hop above rejoined this
+    /// session, or another session of the shard is fed by one: see
+    /// [`ShardSession::yield_origin_read`]), and goes on for what is still missing once the
+    /// shard has not grown for a stall timeout. The origin is the one source every chain
+    /// shares; a host that a peer can feed does not read it twice (a host cut off for a
+    /// while read 1.7 × the model from the origin before).
+    pub(super) async fn fill_yielding(
+        &self,
+        sess: &ShardSession,
+        source: &str,
+    ) -> Result<(), FetchError> {
+        loop {
+            let missing: Vec<u32> = sess
+                .shard
+                .verified_set(sess.start, sess.end)
+                .missing()
+                .collect();
+            if missing.is_empty() || source.starts_with("shardcast://") {
+                return self.fill(sess, source, missing).await;
+            }
+            let origin = Origin::parse(source, &self.origins)?;
+            let read = sess.origin_read();
+            self.fill_from(sess, &origin, missing, ChunkFrom::Origin, Some(&read.token))
+                .await?;
+            if !read.token.is_cancelled() {
+                return Ok(());
+            }
+            drop(read);
+            self.intake.count_origin_yield();
+            info!(session = %sess.id, shard = sess.shard_index(), have = sess.verified(), total = sess.total(), "a peer feeds this shard now: the origin read waits while it brings chunks");
+            self.wait_while_growing(sess).await;
+        }
+    }
+
+    /// Returns once the session's range is complete, or the shard has not grown for a
+    /// stall timeout.
+    async fn wait_while_growing(&self, sess: &ShardSession) {
+        let mut grown = sess.shard.subscribe();
+        while !sess.complete() {
+            match tokio::time::timeout(self.stall_timeout, grown.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return,
+            }
+        }
     }
 
     /// Fills `missing` chunks of the session from `origin`, each verified and stored as
@@ -126,6 +175,7 @@ impl Fetcher {
         origin: &Origin,
         missing: Vec<u32>,
         from: ChunkFrom,
+        stop: Option<&CancellationToken>,
     ) -> Result<(), FetchError> {
         let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.origin_parallel.max(1) * 2);
         let fetch = {
@@ -137,7 +187,19 @@ impl Fetcher {
                 origin::fetch_chunks(&origin, manifest, shard, missing, parallel, tx).await
             })
         };
-        while let Some(chunk) = rx.recv().await {
+        let never = CancellationToken::new();
+        let stop = stop.unwrap_or(&never);
+        loop {
+            // Stops between two chunks, never inside a store.
+            let chunk = tokio::select! {
+                biased;
+                () = stop.cancelled() => {
+                    fetch.abort();
+                    return Ok(());
+                }
+                chunk = rx.recv() => chunk,
+            };
+            let Some(chunk) = chunk else { break };
             let index = chunk.index();
             self.intake
                 .store_chunk(sess, index, Incoming::Verified(chunk), from)
@@ -305,7 +367,7 @@ impl Fetcher {
                     String::new(),
                     (Bytes::new(), HopTransport::Tcp),
                 );
-                self.fill_from(&sess, &staged, missing, ChunkFrom::Kept)
+                self.fill_from(&sess, &staged, missing, ChunkFrom::Kept, None)
                     .await?;
             }
             if !shard.is_complete() {

@@ -208,15 +208,10 @@ impl Heads {
         let sess = sess.clone();
         tokio::spawn(async move {
             let _guard = FeederGuard::new(&sess.feeders);
-            let missing: Vec<u32> = sess
-                .shard
-                .verified_set(sess.start, sess.end)
-                .missing()
-                .collect();
             let origin = sess.origin.clone();
             let mut bypassed = sess.bypassed.subscribe();
             let result = tokio::select! {
-                r = fetcher.fill(&sess, &origin, missing) => r,
+                r = fetcher.fill_yielding(&sess, &origin) => r,
                 below = bypassed_by(&mut bypassed) => {
                     rejoin_as_leaf(&fetcher, &sess, below, &origin).await
                 }
@@ -245,12 +240,7 @@ async fn rejoin_as_leaf(
             warn!(session = %sess.id, "pulling from the hop below failed: {e}");
         }
     }
-    let missing: Vec<u32> = sess
-        .shard
-        .verified_set(sess.start, sess.end)
-        .missing()
-        .collect();
-    fetcher.fill(sess, origin, missing).await
+    fetcher.fill_yielding(sess, origin).await
 }
 
 /// The hop below that answered `AlreadyFed` (see [`ShardSession`]'s `bypassed`); never

@@ -332,6 +332,9 @@ pub struct NodeStats {
     /// `Fetch`es answered with part of the span and `NotReceiving`: this host's copy lacks
     /// some of it and no session here receives the shard, so the puller moved on at once.
     pub fetches_not_receiving: AtomicU64,
+    /// Origin reads (a recovery's, a head's) stopped because a peer started feeding the
+    /// same shard here: the rest comes from that peer, or the read goes on if it stalls.
+    pub origin_reads_yielded: AtomicU64,
     /// Holders above a hop without upstream that it dialled while waiting for a failover
     /// and could not reach (dead or stopped): it stopped waiting for them.
     pub upstream_holders_unreachable: AtomicU64,

@@ -192,13 +192,9 @@ impl Recovery {
                     self.fetcher.pull_while_progressing(sess, hop).await
                 }
                 Source::Origin(uri) => {
-                    let missing: Vec<u32> = sess
-                        .shard
-                        .verified_set(sess.start, sess.end)
-                        .missing()
-                        .collect();
-                    info!(session = %sess.id, source = %uri, missing = missing.len(), "fetching from the fallback source");
-                    self.fetcher.fill(sess, uri, missing).await
+                    let missing = sess.total() - sess.verified();
+                    info!(session = %sess.id, source = %uri, missing, "fetching from the fallback source");
+                    self.fetcher.fill_yielding(sess, uri).await
                 }
             };
             if let Err(e) = result {

@@ -16,6 +16,7 @@ use shardcast_protocol::{
     frame::MAX_UPSTREAM_HOPS,
 };
 use tokio::sync::{broadcast, watch};
+use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::outcome::{ForwardError, SessionError};
@@ -91,6 +92,10 @@ pub struct ShardSession {
     /// Set when the hop below answered `AlreadyFed`: the chain went on without this host
     /// (it was stopped or cut off), and that hop holds or receives what it lacks.
     pub(super) bypassed: watch::Sender<Option<Hop>>,
+    /// Set while this session's recovery reads the origin: a holder above that rejoins
+    /// (its link back, or resumed) cancels it and feeds the rest (see
+    /// [`ShardSession::yield_origin_read`]).
+    pub(super) origin_read: Mutex<Option<CancellationToken>>,
 }
 
 impl ShardSession {
@@ -216,26 +221,44 @@ impl ShardSession {
         }
     }
 
-    /// What fed the session within `within`, if that was not `host`: a live upstream or a
-    /// running fetch, which a second upstream would only duplicate.
+    /// What fed the session within `within`, if that was not `host`: a live upstream
+    /// (`Some(Some(host))`) or a running fetch (`Some(None)`: from a holder or the origin),
+    /// which a second upstream would only duplicate.
     pub(super) fn live_feed_besides(
         &self,
         host: &HostId,
         within: std::time::Duration,
-    ) -> Option<String> {
+    ) -> Option<Option<HostId>> {
         if *self.feeders.borrow() == 0 {
             return None;
         }
         let h = self.heard.lock().ok()?;
         match h.as_ref() {
             Some((who, at)) if at.elapsed() < within && who.as_ref() != Some(host) => {
-                Some(who.as_ref().map_or_else(
-                    || "a fetch from the holders above or the origin".to_string(),
-                    |w| format!("upstream {w}"),
-                ))
+                Some(who.clone())
             }
             _ => None,
         }
+    }
+
+    /// Marks the start of a recovery's origin read: the returned guard holds the token a
+    /// rejoining upstream cancels ([`Self::yield_origin_read`]) until it is dropped.
+    pub(super) fn origin_read(&self) -> OriginRead<'_> {
+        let token = CancellationToken::new();
+        if let Ok(mut r) = self.origin_read.lock() {
+            *r = Some(token.clone());
+        }
+        OriginRead { sess: self, token }
+    }
+
+    /// Stops the recovery's origin read, if one runs, so that an upstream holder can feed
+    /// the rest: the origin is the chain's one shared source, and a peer that holds the
+    /// shard (or receives it) does not take from it. True if a read was stopped.
+    pub(super) fn yield_origin_read(&self) -> bool {
+        let Ok(mut r) = self.origin_read.lock() else {
+            return false;
+        };
+        r.take().inspect(CancellationToken::cancel).is_some()
     }
 
     /// Notes an upstream host as stalled.
@@ -277,6 +300,22 @@ impl ShardSession {
         }
         m.insert(host.to_string(), (verified, total));
         true
+    }
+}
+
+/// A recovery's origin read in progress (see [`ShardSession::origin_read`]).
+pub(super) struct OriginRead<'a> {
+    sess: &'a ShardSession,
+    /// Cancelled when an upstream holder rejoins: the read stops between two chunks.
+    pub(super) token: CancellationToken,
+}
+
+impl Drop for OriginRead<'_> {
+    fn drop(&mut self) {
+        // One recovery task per session reads the origin at a time: what is set is ours.
+        if let Ok(mut r) = self.sess.origin_read.lock() {
+            *r = None;
+        }
     }
 }
 
@@ -338,6 +377,13 @@ impl Intake {
         self.failures.note(model, tier, session, why);
     }
 
+    /// Counts an origin read that yielded to a peer ([`ShardSession::yield_origin_read`]).
+    pub(super) fn count_origin_yield(&self) {
+        self.stats
+            .origin_reads_yielded
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts bytes stored from a kept copy moved into place whole (not read twice).
     pub(super) fn count_kept(&self, bytes: u64) {
         self.stats.kept_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -379,6 +425,7 @@ impl Intake {
             stalled: Mutex::default(),
             heard: Mutex::default(),
             bypassed: watch::Sender::new(None),
+            origin_read: Mutex::default(),
         });
         (sess, active)
     }

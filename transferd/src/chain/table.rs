@@ -105,6 +105,36 @@ impl Sessions {
         self.any_unfinished(|s| s.model == *model && s.shard_index() == shard)
     }
 
+    /// Stops the origin reads of the unfinished sessions here, other than `fed`, that write
+    /// into `fed`'s shard: a peer feeds that shard now ([`ShardSession::yield_origin_read`]).
+    /// Returns how many were stopped.
+    pub(crate) fn yield_origin_reads(&self, fed: &ShardSession) -> usize {
+        let hit = |s: &ShardSession| {
+            !std::ptr::eq(s, fed)
+                && Arc::ptr_eq(&s.shard, &fed.shard)
+                && s.outcome().is_none()
+                && s.yield_origin_read()
+        };
+        let hop = self
+            .0
+            .hops
+            .lock()
+            .map(|m| m.values().filter(|s| hit(s)).count())
+            .unwrap_or(0);
+        let head = self
+            .0
+            .heads
+            .lock()
+            .map(|m| {
+                m.values()
+                    .flat_map(|h| h.parts.iter())
+                    .filter(|s| hit(s))
+                    .count()
+            })
+            .unwrap_or(0);
+        hop + head
+    }
+
     /// Fails every unfinished session here that forwards from `shard` and needs one of
     /// `chunks`. Returns how many were failed.
     pub(crate) fn fail_needing(

@@ -159,17 +159,28 @@ impl Receiver {
             // for a stall timeout. An `Open` while our upstream is plainly alive comes from
             // a host that was itself cut off or stopped and is back: a second feed would
             // only halve the live one's bandwidth. It rejoins as a leaf instead.
+            // But a holder beats the origin: when what feeds us is an origin read (this
+            // host was the one cut off or stopped, and recovered from there), it stops and
+            // the hop above feeds the rest.
             if let Some(live) = s.live_feed_besides(remote, self.stall_timeout / 2) {
-                self.stats
-                    .second_upstreams_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                return Err(ChainError::refused(
-                    ErrorCode::AlreadyFed,
-                    format!(
-                        "session {} shard {} is fed by {live}, which is alive; not taking a second upstream",
-                        header.session, header.shard
-                    ),
-                ));
+                if live.is_none() && s.yield_origin_read() {
+                    info!(session = %header.session, shard = header.shard, upstream = %remote, "a hop above rejoined: it feeds the rest instead of the origin");
+                } else {
+                    self.stats
+                        .second_upstreams_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    let live = live.map_or_else(
+                        || "a fetch from the holders above or the origin".to_string(),
+                        |w| format!("upstream {w}"),
+                    );
+                    return Err(ChainError::refused(
+                        ErrorCode::AlreadyFed,
+                        format!(
+                            "session {} shard {} is fed by {live}, which is alive; not taking a second upstream",
+                            header.session, header.shard
+                        ),
+                    ));
+                }
             }
             debug!(session = %header.session, shard = header.shard, "joining running session");
             s.set_upstream(&header.upstream);
@@ -286,6 +297,12 @@ impl Receiver {
         if let Some(s) = theirs {
             s.set_upstream(&header.upstream);
             return Ok(s);
+        }
+        // A peer feeds this shard now: another session here that reads it from the origin
+        // (a head cut off for a while, that the controller re-planned from a peer) waits.
+        let yielded = self.sessions.yield_origin_reads(&sess);
+        if yielded > 0 {
+            info!(session = %header.session, shard = header.shard, upstream = %remote, yielded, "a peer feeds this shard: origin reads of other sessions wait");
         }
         self.forwarder.spawn(&sess, header.downstream.clone());
         self.recovery.spawn(&sess);
