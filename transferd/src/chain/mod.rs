@@ -684,8 +684,8 @@ impl Node {
 /// What the daemon's observers read of the data plane: the counters and histograms, the
 /// wire's and the transports' statistics, the connection caps and frame memory in use,
 /// the origin allow-list, and whether the host drains. Nothing in it starts, ends or
-/// changes a session, dials a peer or queues a repair (the metrics collector, the
-/// heartbeat and the agent's `GetStats` are given it). Cheap to clone.
+/// changes a session or queues a repair (the metrics collector, the heartbeat and the
+/// agent API are given it). Cheap to clone.
 #[derive(Clone)]
 pub struct NodeView {
     links: Links,
