@@ -27,7 +27,6 @@ use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::{Method, StatusCode};
 use axum::routing::get;
-use gpu_loader::manager::GpuManager;
 use prometheus_client::registry::Registry;
 use shardcast_identity::Permission;
 use shardcast_identity::grpc::Incoming;
@@ -36,7 +35,16 @@ use shardcast_identity::ready::Readiness;
 use shardcast_identity::token::Tokens;
 use tokio_util::sync::CancellationToken;
 
-use crate::chain::Node;
+use crate::gpu::GpuLoads;
+
+/// The admin endpoint's counters (`NodeStats::admin_authz`, `admin_http`).
+#[derive(Debug, Clone)]
+pub struct AdminStats {
+    /// Requests refused (no identity, or a role that may not read).
+    pub authz: Arc<shardcast_identity::grpc::AuthzStats>,
+    /// Connections closed because the client stalled.
+    pub http: Arc<shardcast_identity::http::HttpStats>,
+}
 
 /// What each admin route needs (`None`: anonymous).
 pub fn permission(method: &Method, path: &str) -> Option<Permission> {
@@ -51,11 +59,12 @@ pub fn permission(method: &Method, path: &str) -> Option<Permission> {
 }
 
 /// Serves the admin endpoints on `incoming` until `cancel`; `/metrics` encodes `registry`
-/// (built at start-up by [`crate::metrics::registry`]).
+/// (built at start-up by [`crate::metrics::registry`]), `/v1/handoff/{model}` reads
+/// `gpus`' hand-offs; refusals and stalled clients are counted in `stats`.
 #[allow(clippy::too_many_arguments)]
 pub async fn serve(
-    node: Arc<Node>,
-    gpus: Arc<GpuManager>,
+    gpus: GpuLoads,
+    stats: AdminStats,
     registry: Arc<Registry>,
     readiness: Readiness,
     incoming: Incoming,
@@ -65,7 +74,7 @@ pub async fn serve(
 ) {
     let with_gpus = Router::new()
         .route("/v1/handoff/{model}", get(handoff))
-        .with_state((node.clone(), gpus));
+        .with_state(gpus);
     let with_registry = Router::new()
         .route("/metrics", get(metrics))
         .with_state(registry);
@@ -83,16 +92,9 @@ pub async fn serve(
         .layer(HttpAuthLayer::new(
             permission,
             Arc::new(tokens),
-            node.stats().admin_authz.clone(),
+            stats.authz,
         ));
-    shardcast_identity::http::serve(
-        incoming,
-        app,
-        limits,
-        node.stats().admin_http.clone(),
-        cancel,
-    )
-    .await;
+    shardcast_identity::http::serve(incoming, app, limits, stats.http, cancel).await;
 }
 
 /// `GET /v1/handoff/{model}`: the hand-off JSON for inference processes on this host
@@ -101,7 +103,7 @@ pub async fn serve(
 /// ([`crate::gpu::Selection`]); `404` for a model the host does not know, `400` for a
 /// selection naming tensors the model lacks, `409` while it cannot be handed off.
 async fn handoff(
-    State((node, gpus)): State<(Arc<Node>, Arc<GpuManager>)>,
+    State(gpus): State<GpuLoads>,
     Path(model): Path<String>,
     Query(query): Query<Vec<(String, String)>>,
 ) -> axum::response::Response {
@@ -110,14 +112,14 @@ async fn handoff(
         Ok(s) => s,
         Err(e) => return (StatusCode::BAD_REQUEST, e + "\n").into_response(),
     };
-    let Some(digest) = node.store().resolve(&model) else {
+    let Some(digest) = gpus.store().resolve(&model) else {
         return (
             StatusCode::NOT_FOUND,
             format!("model {model:?} is not known on this host\n"),
         )
             .into_response();
     };
-    match crate::gpu::handoff(&node, &gpus, &digest, &select) {
+    match crate::gpu::handoff(&gpus, &digest, &select) {
         Ok(h) => axum::Json(h).into_response(),
         Err(e @ crate::gpu::HandoffError::Invalid(_)) => {
             (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()

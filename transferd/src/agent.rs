@@ -9,7 +9,7 @@
 //! the status at once, milestones — a tier appearing or completing, a GPU state — within
 //! 20 ms, byte progress at most every 250 ms), `ListHoldings`, `GetStats`, `EvictModel`
 //! (refused while a session of the model runs here, unless `end_sessions`: the controller's
-//! evicts end sessions that outlived their plans, `Node::end_sessions_of`), `LoadModel`,
+//! evicts end sessions that outlived their plans, `Sessions::end_of`), `LoadModel`,
 //! `GpuStatus` and `GetHandoff`. [`permission`] is the method → permission table, applied by
 //! `shardcast_identity::grpc::AuthzLayer` in `daemon`.
 
@@ -36,9 +36,13 @@ use tracing::{info, warn};
 
 use gpu_loader::manager::{GpuManager, LoadState, ManagerError, ModelGpuStatus};
 
-use crate::chain::{ChainError, ChainSpec, Node, new_session_id};
+use crate::chain::{
+    ChainError, ChainSpec, Fetcher, Heads, NodeView, Sessions, StoreFailures, new_session_id,
+};
+use crate::gpu::GpuLoads;
 use crate::origin::Origin;
-use crate::store::{BindingSource, Holding};
+use crate::store::{BindingSource, Holding, ShardStore};
+use tokio_util::sync::CancellationToken;
 
 /// What each agent method needs (the one authorisation table of this API, applied by
 /// `shardcast_identity::grpc::AuthzLayer` before the call reaches the service). Calls that
@@ -60,10 +64,28 @@ pub fn permission(path: &str) -> Option<Permission> {
     })
 }
 
-/// The agent service of one daemon.
+/// The agent service of one daemon. What the RPCs may touch is what it holds; the daemon
+/// fills it with handles from the `Node`.
+#[derive(Clone)]
 pub struct AgentService {
-    node: Arc<Node>,
-    gpus: Arc<GpuManager>,
+    /// The counters and transports (`GetStats`, `GetSession`, plan tokens), the origin
+    /// allow-list.
+    pub(crate) view: NodeView,
+    /// Manifests, holdings, names, evictions.
+    pub(crate) store: ShardStore,
+    /// Draining, head sessions by id (`GetSession`), the sessions of a model
+    /// (`EvictModel`).
+    pub(crate) sessions: Sessions,
+    /// The store's refusals of a model's data (`GetModelStatus`).
+    pub(crate) failures: StoreFailures,
+    /// Starts the chains this host heads (`StartChain`).
+    pub(crate) heads: Arc<Heads>,
+    /// Fetches and keeps imported models (`ImportModel`); partitioned loads' fetches.
+    pub(crate) fetcher: Arc<Fetcher>,
+    /// GPU loads and hand-offs, and the GPU manager.
+    pub(crate) gpus: GpuLoads,
+    /// Ends `WatchModelStatus` streams at shutdown.
+    pub(crate) cancel: CancellationToken,
 }
 
 /// The state of one `WatchModelStatus` stream.
@@ -101,23 +123,17 @@ const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 const WATCH_LIMIT: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl AgentService {
-    /// Serves the API for `node` and its GPUs.
-    pub fn new(node: Arc<Node>, gpus: Arc<GpuManager>) -> Self {
-        Self { node, gpus }
-    }
-
     /// The status of `digest` in each tier that holds any of it (with its GPUs).
     fn model_status_of(&self, digest: &ModelDigest) -> GetModelStatusResponse {
         let tiers = self
-            .node
-            .store()
+            .store
             .holdings_of(digest)
             .iter()
             .map(|h| self.with_gpus(model_status(h)))
             .collect();
         let store_failures = self
-            .node
-            .store_failures(digest)
+            .failures
+            .of(digest)
             .into_iter()
             .map(|(tier, session, error)| pb::StoreFailure {
                 tier: tier_to_pb(tier),
@@ -133,9 +149,9 @@ impl AgentService {
 
     fn with_gpus(&self, mut st: pb::ModelStatus) -> pb::ModelStatus {
         if st.tier == pb::Tier::Memory as i32
-            && let Some(g) = self.gpus.model_status(&st.digest)
+            && let Some(g) = self.gpus.manager().model_status(&st.digest)
         {
-            st.gpus = gpu_residency(&self.gpus, &g);
+            st.gpus = gpu_residency(self.gpus.manager(), &g);
         }
         st
     }
@@ -237,8 +253,8 @@ pub(crate) fn model_status(h: &Holding) -> pb::ModelStatus {
 
 /// `UNAVAILABLE` while the host drains: it is going away, so new work (a chain it would
 /// head, an import, a GPU load) belongs on another host; what runs goes on.
-fn not_draining(node: &Node, what: &str) -> Result<(), Status> {
-    if node.draining() {
+fn not_draining(sessions: &Sessions, what: &str) -> Result<(), Status> {
+    if sessions.draining() {
         return Err(Status::unavailable(format!(
             "this host is draining (shutting down): not starting {what}"
         )));
@@ -261,11 +277,11 @@ impl Agent for AgentService {
         &self,
         request: Request<ImportModelRequest>,
     ) -> Result<Response<ImportModelResponse>, Status> {
-        not_draining(&self.node, "an import")?;
+        not_draining(&self.sessions, "an import")?;
         let req = request.into_inner();
         let name =
             ModelName::new(&req.name).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let origin = Origin::parse(&req.origin, self.node.origins()).map_err(origin_status)?;
+        let origin = Origin::parse(&req.origin, self.view.origins()).map_err(origin_status)?;
         let tier = tier_from_pb(req.tier)?;
         let chunk_size = if req.chunk_size == 0 {
             DEFAULT_CHUNK_SIZE
@@ -275,7 +291,7 @@ impl Agent for AgentService {
         // Bytes read to build the manifest are kept (one read of the origin, not two) when
         // asked to, or when the data is wanted anyway.
         let staging = if req.manifest.is_empty() && (req.keep || req.fetch) {
-            match self.node.store().staging(tier) {
+            match self.store.staging(tier) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     warn!(model = %name, "not keeping the bytes read to build the manifest: {e}");
@@ -300,7 +316,7 @@ impl Agent for AgentService {
             let built = origin
                 .build_manifest_keeping(name, chunk_size, &progress, keep)
                 .await;
-            self.node
+            self.view
                 .stats()
                 .manifest_bytes
                 .fetch_add(origin.bytes_read(), Ordering::Relaxed);
@@ -325,13 +341,12 @@ impl Agent for AgentService {
             m
         };
         let manifest = self
-            .node
-            .store()
+            .store
             .put_manifest(&manifest)
             .map_err(|e| Status::internal(format!("storing manifest: {e}")))?;
         if let Some(staging) = staging.as_ref().filter(|_| kept) {
             if let Err(e) = self
-                .node
+                .fetcher
                 .adopt_staged(&manifest, staging, &req.origin, tier)
                 .await
             {
@@ -341,7 +356,7 @@ impl Agent for AgentService {
         }
         drop(staging);
         if req.fetch && !kept {
-            self.node
+            self.fetcher
                 .fetch_model(&manifest, &req.origin, tier)
                 .await
                 .map_err(|e| Status::unavailable(format!("fetching from {}: {e}", req.origin)))?;
@@ -349,8 +364,7 @@ impl Agent for AgentService {
         }
         // Bound once the import succeeded: a failed fetch leaves the name as it was.
         if req.bind_name.unwrap_or(true) {
-            self.node
-                .store()
+            self.store
                 // An import always applies (an admin's word on this host): never stale.
                 .bind_name(&manifest.name, manifest.digest(), BindingSource::Import, 0)
                 .map_err(|e| Status::internal(format!("binding the model name: {e}")))?;
@@ -369,13 +383,13 @@ impl Agent for AgentService {
         &self,
         request: Request<StartChainRequest>,
     ) -> Result<Response<StartChainResponse>, Status> {
-        not_draining(&self.node, "a chain")?;
+        not_draining(&self.sessions, "a chain")?;
         let req = request.into_inner();
         let model: ModelDigest = req
             .model
             .parse()
             .map_err(|e| Status::invalid_argument(format!("model: {e}")))?;
-        let manifest = match self.node.store().manifest(&model) {
+        let manifest = match self.store.manifest(&model) {
             Some(m) => m,
             None if !req.manifest.is_empty() => {
                 let m: Manifest = decode_exact(req.manifest.into())
@@ -386,8 +400,7 @@ impl Agent for AgentService {
                         m.digest()
                     )));
                 }
-                self.node
-                    .store()
+                self.store
                     .put_manifest(&m)
                     .map_err(|e| Status::internal(e.to_string()))?
             }
@@ -405,7 +418,7 @@ impl Agent for AgentService {
                 .map_err(|e| Status::invalid_argument(format!("session_id: {e}")))?
         };
         if !req.origin.is_empty() && !req.origin.starts_with("shardcast://") {
-            Origin::parse(&req.origin, self.node.origins()).map_err(origin_status)?;
+            Origin::parse(&req.origin, self.view.origins()).map_err(origin_status)?;
         }
         let tier = tier_from_pb(req.tier)?;
         if req.chains.is_empty() {
@@ -467,17 +480,17 @@ impl Agent for AgentService {
                 ))
             })?;
         // Refused before anything starts when this host cannot dial that way.
-        self.node
+        self.view
             .transports()
             .get(transport)
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
-        if self.node.transports().tls().is_some() && req.plan_token.is_empty() {
+        if self.view.transports().tls().is_some() && req.plan_token.is_empty() {
             return Err(Status::invalid_argument(
                 "plan_token is required: hops accept only sessions the controller signed",
             ));
         }
         let head = self
-            .node
+            .heads
             .start_chain(
                 id,
                 manifest,
@@ -502,7 +515,7 @@ impl Agent for AgentService {
             .session_id
             .parse()
             .map_err(|e| Status::invalid_argument(format!("session_id: {e}")))?;
-        let head = self.node.head(&id).ok_or_else(|| {
+        let head = self.sessions.head(&id).ok_or_else(|| {
             Status::not_found(format!("no session {id} was started on this host"))
         })?;
         // Per (host, shard): a striped shard's stripes add up.
@@ -548,7 +561,7 @@ impl Agent for AgentService {
                     total,
                 })
                 .collect(),
-            bytes_sent: self.node.counters().sent.load(Ordering::Relaxed),
+            bytes_sent: self.view.counters().sent.load(Ordering::Relaxed),
             elapsed_s: head.started.elapsed().as_secs_f64(),
         }))
     }
@@ -558,7 +571,7 @@ impl Agent for AgentService {
         request: Request<GetModelStatusRequest>,
     ) -> Result<Response<GetModelStatusResponse>, Status> {
         let key = request.into_inner().model;
-        let Some(digest) = self.node.store().resolve(&key) else {
+        let Some(digest) = self.store.resolve(&key) else {
             return Err(Status::not_found(format!(
                 "model {key:?} is not known on this host"
             )));
@@ -577,15 +590,12 @@ impl Agent for AgentService {
         let key = request.into_inner().model;
         // A name must resolve now; a digest may still be unknown (its session has not
         // opened here yet): the stream then starts with empty tiers.
-        let Some(digest) = self.node.store().resolve(&key) else {
+        let Some(digest) = self.store.resolve(&key) else {
             return Err(Status::not_found(format!(
                 "model {key:?} is not known on this host"
             )));
         };
-        let this = Self {
-            node: self.node.clone(),
-            gpus: self.gpus.clone(),
-        };
+        let this = self.clone();
         let mut tick = tokio::time::interval(WATCH_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let state = Watch {
@@ -599,7 +609,7 @@ impl Agent for AgentService {
         let stream = futures::stream::unfold(state, |mut w| async move {
             loop {
                 tokio::select! {
-                    _ = w.this.node.cancel().cancelled() => return None,
+                    _ = w.this.cancel.cancelled() => return None,
                     _ = tokio::time::sleep_until(w.until) => return None,
                     _ = w.tick.tick() => {}
                 }
@@ -627,13 +637,7 @@ impl Agent for AgentService {
         &self,
         _request: Request<ListHoldingsRequest>,
     ) -> Result<Response<ListHoldingsResponse>, Status> {
-        let models = self
-            .node
-            .store()
-            .holdings()
-            .iter()
-            .map(model_status)
-            .collect();
+        let models = self.store.holdings().iter().map(model_status).collect();
         Ok(Response::new(ListHoldingsResponse { models }))
     }
 
@@ -641,9 +645,9 @@ impl Agent for AgentService {
         &self,
         _request: Request<GetStatsRequest>,
     ) -> Result<Response<Stats>, Status> {
-        let n = &self.node;
+        let n = &self.view;
         let s = n.stats();
-        let st = n.store().stats();
+        let st = self.store.stats();
         Ok(Response::new(Stats {
             host_id: n.host().to_string(),
             bytes_received: n.counters().received.load(Ordering::Relaxed),
@@ -670,10 +674,10 @@ impl Agent for AgentService {
     ) -> Result<Response<EvictModelResponse>, Status> {
         let req = request.into_inner();
         if req.tier == pb::Tier::Gpu as i32 {
-            let digest = self.node.store().resolve(&req.model).ok_or_else(|| {
+            let digest = self.store.resolve(&req.model).ok_or_else(|| {
                 Status::not_found(format!("model {:?} is not known on this host", req.model))
             })?;
-            return match self.gpus.evict(&digest.to_hex()) {
+            return match self.gpus.manager().evict(&digest.to_hex()) {
                 Ok(_) => Ok(Response::new(EvictModelResponse {
                     removed: true,
                     bytes_freed: 0,
@@ -686,32 +690,30 @@ impl Agent for AgentService {
             };
         }
         let tier = tier_from_pb(req.tier)?;
-        let Some(digest) = self.node.store().resolve(&req.model) else {
+        let Some(digest) = self.store.resolve(&req.model) else {
             return Err(Status::not_found(format!(
                 "model {:?} is not known on this host",
                 req.model
             )));
         };
-        if self.node.model_busy(&digest) {
+        if self.sessions.model_busy(&digest) {
             if !req.end_sessions {
                 return Err(Status::failed_precondition(format!(
                     "model {digest} is being transferred through this host; evict it after the transfer ends"
                 )));
             }
             let ended = self
-                .node
-                .end_sessions_of(&digest, &crate::chain::SessionError::Evicted);
+                .sessions
+                .end_of(&digest, &crate::chain::SessionError::Evicted);
             info!(model = %digest, ended, "ended the model's sessions that outlived their plans before evicting it");
         }
         let held = self
-            .node
-            .store()
+            .store
             .holdings_of(&digest)
             .into_iter()
             .any(|h| h.tier == tier);
         let bytes_freed = self
-            .node
-            .store()
+            .store
             .remove(&digest, tier)
             .map_err(|e| Status::internal(format!("removing {digest}: {e}")))?;
         info!(model = %digest, ?tier, bytes_freed, "evicted");
@@ -725,9 +727,9 @@ impl Agent for AgentService {
         &self,
         request: Request<pb::LoadModelRequest>,
     ) -> Result<Response<pb::LoadModelResponse>, Status> {
-        not_draining(&self.node, "a GPU load")?;
+        not_draining(&self.sessions, "a GPU load")?;
         let req = request.into_inner();
-        let digest = self.node.store().resolve(&req.model).ok_or_else(|| {
+        let digest = self.store.resolve(&req.model).ok_or_else(|| {
             Status::not_found(format!(
                 "model {:?} is not known on this host; start its transfer first",
                 req.model
@@ -736,8 +738,8 @@ impl Agent for AgentService {
         let heaviness = crate::gpu::parse_heaviness(&req.heaviness)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let gpus = crate::gpu::load(
-            &self.node,
             &self.gpus,
+            &self.fetcher,
             &digest,
             req.count.max(1) as usize,
             &req.gpus,
@@ -763,9 +765,10 @@ impl Agent for AgentService {
         &self,
         _request: Request<pb::GpuStatusRequest>,
     ) -> Result<Response<pb::GpuStatusResponse>, Status> {
-        let pools = self.gpus.pools();
+        let pools = self.gpus.manager().pools();
         let devices = self
             .gpus
+            .manager()
             .devices()
             .into_iter()
             .map(|d| {
@@ -791,6 +794,7 @@ impl Agent for AgentService {
             .collect();
         let models = self
             .gpus
+            .manager()
             .status()
             .iter()
             .map(|m| pb::GpuModel {
@@ -798,7 +802,7 @@ impl Agent for AgentService {
                 name: m.name.clone(),
                 state: state_name(&m.state).0.into(),
                 error: state_name(&m.state).1,
-                gpus: gpu_residency(&self.gpus, m),
+                gpus: gpu_residency(self.gpus.manager(), m),
                 elapsed_s: m.elapsed_s,
                 partition: m
                     .partition
@@ -813,21 +817,22 @@ impl Agent for AgentService {
                 register_s: m.register_s,
                 segments: u32::try_from(m.segments).unwrap_or(u32::MAX),
                 segments_reused: u32::try_from(m.segments_reused).unwrap_or(u32::MAX),
-                gpu_copy_elsewhere: self.gpus.gpu_copy_elsewhere(&m.model),
+                gpu_copy_elsewhere: self.gpus.manager().gpu_copy_elsewhere(&m.model),
             })
             .collect();
         Ok(Response::new(pb::GpuStatusResponse {
-            note: self.gpus.note().to_string(),
+            note: self.gpus.manager().note().to_string(),
             devices,
             models,
             evictions: self
                 .gpus
+                .manager()
                 .evictions()
                 .into_iter()
                 .map(|e| format!("GPU {}: {} ({})", e.gpu, e.model, e.reason))
                 .collect(),
-            registered_host_bytes: self.gpus.registered_host_bytes(),
-            register_ahead: self.gpus.ahead_state().to_string(),
+            registered_host_bytes: self.gpus.manager().registered_host_bytes(),
+            register_ahead: self.gpus.manager().ahead_state().to_string(),
         }))
     }
 
@@ -836,11 +841,11 @@ impl Agent for AgentService {
         request: Request<pb::GetHandoffRequest>,
     ) -> Result<Response<pb::GetHandoffResponse>, Status> {
         let key = request.into_inner().model;
-        let digest =
-            self.node.store().resolve(&key).ok_or_else(|| {
-                Status::not_found(format!("model {key:?} is not known on this host"))
-            })?;
-        let h = crate::gpu::handoff(&self.node, &self.gpus, &digest, &Default::default())
+        let digest = self
+            .store
+            .resolve(&key)
+            .ok_or_else(|| Status::not_found(format!("model {key:?} is not known on this host")))?;
+        let h = crate::gpu::handoff(&self.gpus, &digest, &Default::default())
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
         let json = serde_json::to_string(&h).map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::GetHandoffResponse { json }))

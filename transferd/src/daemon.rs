@@ -17,12 +17,25 @@
 //! start its reloader, recover the store, bind the data port on TCP and, with `quic` (the
 //! default) and TLS, on UDP for QUIC (its accept loop admits each connection and stream
 //! against the same caps), the agent's Unix socket (0600) and the admin listener (0600, or
-//! 0660 with `store_group`). The TCP accept loop admits against the connection caps, spawns,
-//! and runs the TLS handshake and the `Hello` exchange in the task (under
-//! `handshake_timeout_ms`). The agent API sits behind `AuthzLayer`. A task
+//! 0660 with `store_group`). The TCP accept loop (`chain::Server::accept_tcp`) admits
+//! against the connection caps, spawns, and runs the TLS handshake and the `Hello` exchange
+//! in the task (under `handshake_timeout_ms`). The agent API sits behind `AuthzLayer`. A task
 //! (`keep_registrations`) every 5 s unregisters shard mappings kept registered for GPU loads
 //! once the store has dropped them, then registers the memory tier's complete shards ahead of
 //! any load (`GpuManager::register_ahead`; it pauses while a load runs).
+//!
+//! Who is given what: the daemon holds the chain's `Node` and hands each task the handles
+//! it needs, nothing more:
+//!
+//! | task | is given |
+//! | --- | --- |
+//! | the data port's accept loops | the chain's `Server` |
+//! | the agent API (`crate::agent`) | a `NodeView`, the store, `Sessions`, `StoreFailures`, `Heads`, the `Fetcher`, `GpuLoads`, cancel |
+//! | the admin endpoint (`crate::admin`) | `GpuLoads` (hand-offs), the metrics registry, its counters |
+//! | the metrics registry (`crate::metrics`) | a `NodeView`, the store, the GPU manager |
+//! | heartbeats (`crate::report`) | a `NodeView`, the store, the GPU manager |
+//! | the drain | `Sessions` |
+//! | `keep_registrations` | the store, the GPU manager |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,8 +54,9 @@ use gpu_loader::device::HostMemory;
 use gpu_loader::manager::{AheadState, GpuManager};
 
 use crate::agent::AgentService;
-use crate::chain::{Faults, Node};
+use crate::chain::{Faults, Node, Sessions};
 use crate::config::{Config, ListenAddr, Security};
+use crate::gpu::GpuLoads;
 use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
 use crate::transport::{Quic, Transport, Transports};
@@ -169,11 +183,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             .context("GPU start-up task")?,
     );
     {
-        let m = node.metrics().clone();
+        let m = node.view().metrics().clone();
         gpus.observe_loads(Box::new(move |resident| m.gpu_load_done(resident)));
     }
+    let loads = GpuLoads::new(node.store().clone(), node.repairs().clone(), gpus.clone());
     // The metrics registry, handed to the admin endpoint (`crate::metrics`).
-    let mut registry = crate::metrics::registry(&node, &gpus);
+    let mut registry = crate::metrics::registry(node.view(), node.store(), &gpus);
     crate::metrics::register_readiness(&mut registry, readiness.clone());
     let registry = Arc::new(registry);
     let agent = ApiListener::bind(&config.agent_listen, "agent", SocketAccess::Owner).await?;
@@ -196,22 +211,28 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
 
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(accept_loop(node.clone(), data, cancel.clone()));
+    tasks.spawn(node.server().clone().accept_tcp(data, cancel.clone()));
     readiness.met("data");
-    if let Some(q) = node.transports().quic() {
-        tasks.spawn(quic_accept_loop(node.clone(), q.clone(), cancel.clone()));
+    if let Some(q) = node.view().transports().quic() {
+        tasks.spawn(node.server().clone().accept_quic(q.clone(), cancel.clone()));
         readiness.met("quic");
     }
     tasks.spawn(keep_registrations(
-        node.clone(),
+        node.store().clone(),
         gpus.clone(),
         cancel.clone(),
     ));
     {
-        let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService::new(
-            node.clone(),
-            gpus.clone(),
-        ))
+        let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService {
+            view: node.view().clone(),
+            store: node.store().clone(),
+            sessions: node.sessions().clone(),
+            failures: node.failures().clone(),
+            heads: node.heads().clone(),
+            fetcher: node.fetcher().clone(),
+            gpus: loads.clone(),
+            cancel: node.cancel().clone(),
+        })
         .max_decoding_message_size(128 << 20)
         .max_encoding_message_size(128 << 20);
         let cancel = cancel.clone();
@@ -220,7 +241,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             None => TcpSecurity::Plaintext,
         };
         let incoming = agent.incoming(security, cancel.clone());
-        let authz = AuthzLayer::new(crate::agent::permission, node.stats().authz.clone());
+        let authz = AuthzLayer::new(crate::agent::permission, node.view().stats().authz.clone());
         // grpc.health.v1 beside the agent: SERVING while ready (any certificate may ask).
         let health = readiness
             .health_service(&[AGENT_SERVICE], cancel.clone())
@@ -255,9 +276,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             }
         };
         let incoming = admin.incoming(security, cancel.clone());
+        let stats = crate::admin::AdminStats {
+            authz: node.view().stats().admin_authz.clone(),
+            http: node.view().stats().admin_http.clone(),
+        };
         tasks.spawn(crate::admin::serve(
-            node.clone(),
-            gpus.clone(),
+            loads.clone(),
+            stats,
             registry.clone(),
             readiness.clone(),
             incoming,
@@ -271,7 +296,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let addrs = advertised(&config, data_addr, &agent_addr)?;
         info!(%controller, data = %addrs.data, agent = %addrs.agent, "reporting to the controller");
         tasks.spawn(crate::report::run(
-            node.clone(),
+            node.view().clone(),
+            node.store().clone(),
             gpus.clone(),
             config.inventory.clone(),
             addrs,
@@ -295,9 +321,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }
     };
     tokio::select! {
-        _ = async { tokio::join!(delay, drain(&node, config.drain_grace)) } => {}
+        _ = async { tokio::join!(delay, drain(node.sessions(), config.drain_grace)) } => {}
         _ = shardcast_identity::process::shutdown_signal() => {
-            warn!(unfinished = node.unfinished_sessions(), "asked again to stop: ending the delay and the drain now");
+            warn!(unfinished = node.sessions().unfinished(), "asked again to stop: ending the delay and the drain now");
         }
     }
     info!("shutting down: no new connections; {SHUTDOWN_GRACE:?} for in-flight work");
@@ -313,18 +339,18 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 }
 
 /// The drain after a stop signal: the host stops taking new sessions and new agent work
-/// (`Node::start_draining`; its heartbeat tells the controller at once, which places
+/// (`Sessions::start_draining`; its heartbeat tells the controller at once, which places
 /// nothing new there) and waits for its unfinished sessions, until none is left or `grace`
 /// is over (the caller ends it at a second signal too). What is still unfinished then is
 /// ended by the shutdown: the hops above fail over past this host and the hops below
 /// recover, as after a crash, and a restarted host resumes its copy from its verified
 /// chunks.
-async fn drain(node: &Node, grace: Duration) {
+async fn drain(sessions: &Sessions, grace: Duration) {
     if grace.is_zero() {
         return;
     }
-    node.start_draining();
-    let unfinished = node.unfinished_sessions();
+    sessions.start_draining();
+    let unfinished = sessions.unfinished();
     if unfinished == 0 {
         info!("draining: no session in flight");
         return;
@@ -336,7 +362,7 @@ async fn drain(node: &Node, grace: Duration) {
     );
     let deadline = tokio::time::Instant::now() + grace;
     loop {
-        let left = node.unfinished_sessions();
+        let left = sessions.unfinished();
         if left == 0 {
             info!("drained: every session finished");
             return;
@@ -429,7 +455,7 @@ const REGISTRATION_SWEEP: Duration = Duration::from_secs(5);
 /// Every [`REGISTRATION_SWEEP`]: unregisters the shard mappings kept registered for GPU
 /// loads that the store no longer holds, then registers the memory tier's complete shards
 /// ahead of loads (see [`GpuManager::register_ahead`]; it pauses while a load runs).
-async fn keep_registrations(node: Arc<Node>, gpus: Arc<GpuManager>, cancel: CancellationToken) {
+async fn keep_registrations(store: ShardStore, gpus: Arc<GpuManager>, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(REGISTRATION_SWEEP);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -439,12 +465,12 @@ async fn keep_registrations(node: Arc<Node>, gpus: Arc<GpuManager>, cancel: Canc
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let (g, n, stop) = (gpus.clone(), node.clone(), stop.clone());
+        let (g, store, stop) = (gpus.clone(), store.clone(), stop.clone());
         // Pinning and unregistering call the driver: off the runtime.
         let pass = tokio::task::spawn_blocking(move || {
             let released = g.release_unused_registrations();
             let ahead = (g.ahead_state() == AheadState::On)
-                .then(|| g.register_ahead(&memory_tier_mappings(n.store()), &stop));
+                .then(|| g.register_ahead(&memory_tier_mappings(&store), &stop));
             (released, ahead)
         });
         let Ok((released, ahead)) = pass.await else {
@@ -490,73 +516,4 @@ fn memory_tier_mappings(store: &ShardStore) -> Vec<(String, Arc<dyn HostMemory>)
             Some((s.path().display().to_string(), map as Arc<dyn HostMemory>))
         })
         .collect()
-}
-
-async fn accept_loop(node: Arc<Node>, listener: TcpListener, cancel: CancellationToken) {
-    loop {
-        tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return,
-            accepted = node.transports().tcp.accept(&listener) => match accepted {
-                // Admit (connection caps), spawn; the handshake happens inside the task.
-                Ok((stream, peer)) => match crate::limits::admit(node.conn_limits(), &peer) {
-                    Ok(permit) => {
-                        let node = node.clone();
-                        tokio::spawn(async move {
-                            node.serve_connection(stream, peer).await;
-                            drop(permit);
-                        });
-                    }
-                    Err(e) => warn!(%peer, "refusing connection: {e}"),
-                },
-                Err(e) => {
-                    warn!("accept failed: {e}");
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-        }
-    }
-}
-
-/// Accepts QUIC connections until `cancel`: each is admitted against the connection caps
-/// like a TCP one, completes its handshake in its own task, then serves every stream the
-/// peer opens (one per session and shard) as the TCP listener serves a connection.
-async fn quic_accept_loop(node: Arc<Node>, quic: Arc<Quic>, cancel: CancellationToken) {
-    loop {
-        let incoming = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => {
-                quic.close();
-                return;
-            }
-            i = quic.incoming() => match i {
-                Some(i) => i,
-                None => return,
-            },
-        };
-        let peer = incoming.remote_address().to_string();
-        let permit = match crate::limits::admit(node.conn_limits(), &peer) {
-            Ok(p) => p,
-            Err(e) => {
-                warn!(%peer, "refusing QUIC connection: {e}");
-                incoming.refuse();
-                continue;
-            }
-        };
-        let (node, quic) = (node.clone(), quic.clone());
-        tokio::spawn(async move {
-            let limit = node.limits().handshake_timeout;
-            match quic.establish(incoming, limit).await {
-                Ok((conn, id)) => node.serve_quic_connection(&quic, conn, id, peer).await,
-                Err(e) => {
-                    node.stats()
-                        .tls_refused
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    warn!(%peer, "refusing QUIC connection: {e}");
-                }
-            }
-            drop(permit);
-        });
-    }
 }

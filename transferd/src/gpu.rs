@@ -33,12 +33,44 @@ use shardcast_protocol::agent::PartitionSpec;
 use shardcast_protocol::{DataTier, ModelDigest};
 use tracing::warn;
 
-use crate::chain::Node;
+use crate::chain::Fetcher;
 use crate::repair::{RepairHandle, RepairRequest};
-use crate::store::{Check, Shard, StoreError};
+use crate::store::{Check, Shard, ShardStore, StoreError};
 
 /// How long a GPU load waits for a chunk found corrupt at rest to be repaired.
 pub const REPAIR_WAIT: Duration = Duration::from_secs(60);
+
+/// What GPU loads and hand-offs touch: the GPU manager, the store (manifests, the memory
+/// tier's shards) and the repair queue (a chunk that fails its check before its bytes go
+/// to a GPU or to an inference process is queued). Cheap to clone. A partitioned load
+/// with a source also fetches: [`load`] is given the fetcher for that.
+#[derive(Clone)]
+pub struct GpuLoads {
+    store: ShardStore,
+    repairs: RepairHandle,
+    manager: Arc<GpuManager>,
+}
+
+impl GpuLoads {
+    /// Loads and hand-offs of `store`'s models onto `manager`'s GPUs.
+    pub fn new(store: ShardStore, repairs: RepairHandle, manager: Arc<GpuManager>) -> Self {
+        Self {
+            store,
+            repairs,
+            manager,
+        }
+    }
+
+    /// The GPU manager.
+    pub fn manager(&self) -> &Arc<GpuManager> {
+        &self.manager
+    }
+
+    /// The store the loads read.
+    pub fn store(&self) -> &ShardStore {
+        &self.store
+    }
+}
 
 /// Why a model's memory-tier shards cannot be read as a [`StoreSource`].
 #[derive(Debug, thiserror::Error)]
@@ -62,19 +94,19 @@ pub struct StoreSource {
 impl StoreSource {
     /// The memory-tier shards of `digest` (created empty if the model is still to arrive).
     pub fn new(
-        node: &Node,
+        store: &ShardStore,
+        repairs: RepairHandle,
         digest: &ModelDigest,
         rt: tokio::runtime::Handle,
     ) -> Result<Self, StoreSourceError> {
-        let manifest = node
-            .store()
+        let manifest = store
             .manifest(digest)
             .ok_or(StoreSourceError::UnknownModel(*digest))?;
         let mut shards = Vec::new();
         let mut info = Vec::new();
         for (i, s) in manifest.shards.iter().enumerate() {
             // Read through the store's own file handle: no path is opened again.
-            let shard = node.store().shard(digest, i as u32, DataTier::Memory)?;
+            let shard = store.shard(digest, i as u32, DataTier::Memory)?;
             info.push(SourceShard {
                 path: s.path.to_string(),
                 size: s.size,
@@ -85,7 +117,7 @@ impl StoreSource {
         Ok(Self {
             shards,
             info,
-            repairs: node.repairs().handle(),
+            repairs,
             rt,
         })
     }
@@ -225,9 +257,9 @@ pub fn parse_heaviness(s: &str) -> Result<Heaviness, LoadFailure> {
 
 /// Starts loading `digest` onto GPUs of this host (the agent's `LoadModel`): the whole
 /// model, or with `partition` a partitioned load (see `load_partition`).
-pub async fn load(
-    node: &Arc<Node>,
-    gpus: &Arc<GpuManager>,
+pub(crate) async fn load(
+    loads: &GpuLoads,
+    fetcher: &Arc<Fetcher>,
     digest: &ModelDigest,
     count: usize,
     explicit: &[u32],
@@ -235,13 +267,17 @@ pub async fn load(
     partition: Option<PartitionSpec>,
 ) -> Result<Vec<u32>, LoadFailure> {
     if let Some(spec) = partition {
-        return load_partition(node, gpus, digest, count, explicit, heaviness, spec).await;
+        return load_partition(loads, fetcher, digest, count, explicit, heaviness, spec).await;
     }
-    let source = StoreSource::new(node, digest, tokio::runtime::Handle::current())
-        .map_err(|e| LoadFailure::Source(e.to_string()))?;
+    let source = StoreSource::new(
+        &loads.store,
+        loads.repairs.clone(),
+        digest,
+        tokio::runtime::Handle::current(),
+    )
+    .map_err(|e| LoadFailure::Source(e.to_string()))?;
     start(
-        node,
-        gpus,
+        loads,
         digest,
         Arc::new(source),
         (count, explicit, heaviness),
@@ -251,32 +287,33 @@ pub async fn load(
 
 /// Hands a load to the GPU manager.
 fn start(
-    node: &Node,
-    gpus: &Arc<GpuManager>,
+    loads: &GpuLoads,
     digest: &ModelDigest,
     source: Arc<StoreSource>,
     (count, explicit, heaviness): (usize, &[u32], Heaviness),
     partition: Option<PartitionLoad>,
 ) -> Result<Vec<u32>, LoadFailure> {
-    let name = node
-        .store()
+    let name = loads
+        .store
         .manifest(digest)
         .map(|m| m.name.to_string())
         .unwrap_or_default();
     let files = source.file_paths();
-    gpus.start(
-        LoadRequest {
-            model: digest.to_hex(),
-            name,
-            count,
-            gpus: explicit.to_vec(),
-            files,
-            partition,
-            heaviness,
-        },
-        source,
-    )
-    .map_err(LoadFailure::Manager)
+    loads
+        .manager
+        .start(
+            LoadRequest {
+                model: digest.to_hex(),
+                name,
+                count,
+                gpus: explicit.to_vec(),
+                files,
+                partition,
+                heaviness,
+            },
+            source,
+        )
+        .map_err(LoadFailure::Manager)
 }
 
 /// How long a partitioned load waits for the safetensors headers to arrive by a chain when
@@ -306,8 +343,8 @@ fn chunk_spans(ranges: &[ShardRange], chunk_size: u32) -> Vec<(u32, std::ops::Ra
 /// partition's chunks first, then (with completion) every other chunk, while the loader
 /// streams them to the GPUs.
 async fn load_partition(
-    node: &Arc<Node>,
-    gpus: &Arc<GpuManager>,
+    loads: &GpuLoads,
+    fetcher: &Arc<Fetcher>,
     digest: &ModelDigest,
     count: usize,
     explicit: &[u32],
@@ -319,14 +356,19 @@ async fn load_partition(
             "a partition needs at least one layer group".into(),
         ));
     }
-    let manifest = node
-        .store()
+    let manifest = loads
+        .store
         .manifest(digest)
         .ok_or_else(|| LoadFailure::Source(format!("model {digest} is unknown on this host")))?;
     let chunk_size = manifest.chunk_size;
     let source = Arc::new(
-        StoreSource::new(node, digest, tokio::runtime::Handle::current())
-            .map_err(|e| LoadFailure::Source(e.to_string()))?,
+        StoreSource::new(
+            &loads.store,
+            loads.repairs.clone(),
+            digest,
+            tokio::runtime::Handle::current(),
+        )
+        .map_err(|e| LoadFailure::Source(e.to_string()))?,
     );
     let layout = Layout::of_source(source.shards());
     let tensor_shards: Vec<usize> = layout
@@ -345,7 +387,8 @@ async fn load_partition(
     // 1. The headers.
     if !spec.source.is_empty() {
         let first = tensor_shards.iter().map(|&i| (i as u32, 0..1)).collect();
-        node.fetch_spans(&manifest, &spec.source, DataTier::Memory, first)
+        fetcher
+            .fetch_spans(&manifest, &spec.source, DataTier::Memory, first)
             .await
             .map_err(|e| LoadFailure::Unavailable(format!("fetching headers: {e}")))?;
         let mut rest = Vec::new();
@@ -358,14 +401,15 @@ async fn load_partition(
                 len: (8 + n).min(size),
             });
         }
-        node.fetch_spans(
-            &manifest,
-            &spec.source,
-            DataTier::Memory,
-            chunk_spans(&rest, chunk_size),
-        )
-        .await
-        .map_err(|e| LoadFailure::Unavailable(format!("fetching headers: {e}")))?;
+        fetcher
+            .fetch_spans(
+                &manifest,
+                &spec.source,
+                DataTier::Memory,
+                chunk_spans(&rest, chunk_size),
+            )
+            .await
+            .map_err(|e| LoadFailure::Unavailable(format!("fetching headers: {e}")))?;
     }
     // 2. The tensor index (waits for header chunks a chain is still delivering).
     let index = {
@@ -422,8 +466,7 @@ async fn load_partition(
     };
     let part_spans = chunk_spans(&ranges, chunk_size);
     let chosen = start(
-        node,
-        gpus,
+        loads,
         digest,
         source,
         (count, explicit, heaviness),
@@ -436,16 +479,16 @@ async fn load_partition(
     )?;
     // 4. The data plane: the partition's chunks first, then the rest.
     if !spec.source.is_empty() {
-        let (node, gpus, digest) = (node.clone(), gpus.clone(), *digest);
+        let (fetcher, gpus, digest) = (fetcher.clone(), loads.manager.clone(), *digest);
         tokio::spawn(async move {
-            let mut r = node
+            let mut r = fetcher
                 .fetch_spans(&manifest, &spec.source, DataTier::Memory, part_spans)
                 .await;
             if r.is_ok() && spec.complete {
                 let all = (0..manifest.shards.len() as u32)
                     .map(|s| (s, 0..u32::MAX))
                     .collect();
-                r = node
+                r = fetcher
                     .fetch_spans(&manifest, &spec.source, DataTier::Memory, all)
                     .await;
             }
@@ -574,28 +617,27 @@ pub enum HandoffError {
 /// The hand-off of `digest`: from the GPUs when it is resident there, else the memory-tier
 /// files (when the model is complete in memory), listing the tensors `select` chooses.
 pub fn handoff(
-    node: &Node,
-    gpus: &GpuManager,
+    loads: &GpuLoads,
     digest: &ModelDigest,
     select: &Selection,
 ) -> Result<Handoff, HandoffError> {
     let unavailable = HandoffError::Unavailable;
-    match gpus.handoff(&digest.to_hex()) {
+    match loads.manager.handoff(&digest.to_hex()) {
         Ok(h) => return select.apply(h),
         Err(ManagerError::Busy(m)) => {
             return Err(unavailable(format!("model {m} is still loading onto GPUs")));
         }
         Err(_) => {}
     }
-    let manifest = node
-        .store()
+    let manifest = loads
+        .store
         .manifest(digest)
         .ok_or_else(|| unavailable(format!("model {digest} is unknown on this host")))?;
     let mut shards = Vec::new();
     let mut copies = Vec::new();
     for (i, s) in manifest.shards.iter().enumerate() {
-        let shard = node
-            .store()
+        let shard = loads
+            .store
             .existing_shard(digest, i as u32)
             .filter(|sh| sh.tier() == DataTier::Memory && sh.is_complete())
             .ok_or_else(|| {
@@ -616,7 +658,8 @@ pub fn handoff(
             match shard.check(c, false, Check::Handoff) {
                 Ok(_) => {}
                 Err(e @ StoreError::CorruptChunk { .. }) => {
-                    node.repairs()
+                    loads
+                        .repairs
                         .request(RepairRequest::new(shard.clone(), vec![c]));
                     return Err(unavailable(format!(
                         "{e}; it is being repaired, retry the hand-off"

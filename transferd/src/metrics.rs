@@ -19,6 +19,9 @@
 //!   its throughput (both once its range is verified here), and the time of each GPU load.
 //!   Their handles live in [`DataMetrics`] (on the `Node`) and in `StoreStats`; the
 //!   registry holds clones of the same handles.
+//!
+//! What it reads is what [`registry`] is given: the data plane's figures (a [`NodeView`]),
+//! the store (for its statistics) and the GPU manager; it changes none of them.
 
 use std::fmt;
 use std::sync::Arc;
@@ -33,7 +36,8 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use crate::chain::Node;
+use crate::chain::NodeView;
+use crate::store::ShardStore;
 
 /// The `Content-Type` of `/metrics`: the Prometheus text format 0.0.4.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -195,17 +199,17 @@ impl DataMetrics {
 }
 
 /// The daemon's registry: the data path's counters through [`NodeCollector`], and the
-/// histograms of `node.metrics()` and of the store. Built once at start-up.
-pub fn registry(node: &Arc<Node>, gpus: &Arc<GpuManager>) -> Registry {
+/// histograms of `view.metrics()` and of the store. Built once at start-up.
+pub fn registry(view: &NodeView, store: &ShardStore, gpus: &Arc<GpuManager>) -> Registry {
     let mut r = Registry::with_prefix_and_labels(
         "shardcast",
-        [("host".into(), node.host().to_string().into())].into_iter(),
+        [("host".into(), view.host().to_string().into())].into_iter(),
     );
-    let m = node.metrics();
+    let m = view.metrics();
     r.register(
         "chunk_verify_seconds",
         "Seconds to verify one chunk from a peer against the manifest (BLAKE3), per chunk",
-        node.store().stats().chunk_verify.clone(),
+        store.stats().chunk_verify.clone(),
     );
     r.register(
         "session_ready_seconds",
@@ -223,7 +227,8 @@ pub fn registry(node: &Arc<Node>, gpus: &Arc<GpuManager>) -> Registry {
         m.gpu_load.clone(),
     );
     r.register_collector(Box::new(NodeCollector {
-        node: node.clone(),
+        view: view.clone(),
+        store: store.clone(),
         gpus: gpus.clone(),
     }));
     r
@@ -265,14 +270,15 @@ pub fn encode(registry: &Registry) -> String {
 
 /// Reads the data path's atomics at scrape time (see the module docs).
 pub struct NodeCollector {
-    node: Arc<Node>,
+    view: NodeView,
+    store: ShardStore,
     gpus: Arc<GpuManager>,
 }
 
 impl fmt::Debug for NodeCollector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NodeCollector")
-            .field("host", self.node.host())
+            .field("host", self.view.host())
             .finish()
     }
 }
@@ -325,11 +331,11 @@ fn labelled(
 impl Collector for NodeCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         use Kind::{Counter, Gauge};
-        let node = &self.node;
-        let (s, c) = (node.stats(), node.counters());
+        let view = &self.view;
+        let (s, c) = (view.stats(), view.counters());
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let budget = node.frame_budget();
-        let limits = node.conn_limits();
+        let budget = view.frame_budget();
+        let limits = view.conn_limits();
         let rows: &[(&str, Kind, &str, u64)] = &[
             (
                 "bytes_received_total",
@@ -455,7 +461,7 @@ impl Collector for NodeCollector {
                 "origin_refused_total",
                 Counter,
                 "Origins, redirects, resolved addresses or shard paths refused by the origin allow-list.",
-                node.origins().refused(),
+                view.origins().refused(),
             ),
             (
                 "conn_open",
@@ -521,7 +527,7 @@ impl Collector for NodeCollector {
                 "draining",
                 Gauge,
                 "1 while the host drains (asked to stop: it finishes its sessions and starts no new one), else 0.",
-                u64::from(node.draining()),
+                u64::from(view.draining()),
             ),
             (
                 "frame_memory_bytes",
@@ -605,19 +611,19 @@ impl Collector for NodeCollector {
                 "gpu_loads_resident_total",
                 Counter,
                 "GPU loads that made a model resident.",
-                load(&node.metrics().gpu_loads[0]),
+                load(&view.metrics().gpu_loads[0]),
             ),
             (
                 "gpu_loads_failed_total",
                 Counter,
                 "GPU loads that failed or were cancelled.",
-                load(&node.metrics().gpu_loads[1]),
+                load(&view.metrics().gpu_loads[1]),
             ),
         ];
         for &(name, kind, help, v) in rows {
             series(&mut enc, name, kind, help, v)?;
         }
-        if let Some(tls) = node.transports().tls() {
+        if let Some(tls) = view.transports().tls() {
             let t = &tls.stats;
             for (name, help, v) in [
                 (
@@ -674,7 +680,7 @@ impl Collector for NodeCollector {
                 series(&mut enc, name, Counter, help, v)?;
             }
         }
-        if let Some(q) = node.transports().quic() {
+        if let Some(q) = view.transports().quic() {
             let (qs, o) = (&q.stats, q.offload());
             let t = qs.conns.totals();
             for (name, kind, help, v) in [
@@ -790,7 +796,7 @@ impl Collector for NodeCollector {
                 series(&mut enc, name, kind, help, v)?;
             }
         }
-        let st = node.store().stats();
+        let st = self.store.stats();
         for (name, help, v) in [
             (
                 "store_symlinks_refused_total",
@@ -865,7 +871,7 @@ impl Collector for NodeCollector {
             "memory_tier_huge_pages",
             Gauge,
             "1 when the memory tier is a tmpfs whose new pages can be huge (huge=within_size, always, advise or a kernel-wide force): chunk writes there cost several times less CPU than with 4 KiB pages.",
-            u64::from(node.store().memory_fs().is_some_and(|f| f.huge_pages())),
+            u64::from(self.store.memory_fs().is_some_and(|f| f.huge_pages())),
         )?;
         series(
             &mut enc,
@@ -879,7 +885,7 @@ impl Collector for NodeCollector {
             "repairs_refused_total",
             Counter,
             "Repair requests refused because the repair queue was full.",
-            node.repairs().refused(),
+            view.repairs_refused(),
         )?;
         {
             let mut m = enc.encode_descriptor(
@@ -889,7 +895,7 @@ impl Collector for NodeCollector {
                 MetricType::Gauge,
             )?;
             ConstGauge::new(1u64)
-                .encode(m.encode_family(&[("mode", node.transports().data_mode_name())])?)?;
+                .encode(m.encode_family(&[("mode", view.transports().data_mode_name())])?)?;
         }
         labelled(
             &mut enc,
@@ -980,7 +986,7 @@ mod tests {
     /// histogram counting what the store verified.
     #[tokio::test]
     async fn a_node_exports_each_series_once_with_its_host() {
-        use crate::chain::{ChainConfig, Faults};
+        use crate::chain::{ChainConfig, Faults, Node};
         use crate::store::{ShardStore, StoreConfig};
         use crate::throttle::RateLimiter;
         use crate::transport::{Transport, Transports};
@@ -1005,10 +1011,16 @@ mod tests {
             tokio_util::sync::CancellationToken::new(),
         );
         let gpus = Arc::new(GpuManager::open(&Default::default()));
-        let r = registry(&node, &gpus);
-        node.stats().chunks_verified.fetch_add(7, Ordering::Relaxed);
-        node.counters().sent.fetch_add(1 << 20, Ordering::Relaxed);
-        node.metrics().gpu_load_done(Some(2.0));
+        let r = registry(node.view(), node.store(), &gpus);
+        node.view()
+            .stats()
+            .chunks_verified
+            .fetch_add(7, Ordering::Relaxed);
+        node.view()
+            .counters()
+            .sent
+            .fetch_add(1 << 20, Ordering::Relaxed);
+        node.view().metrics().gpu_load_done(Some(2.0));
         node.store().stats().chunk_verify.observe(0.003);
         let text = encode(&r);
 

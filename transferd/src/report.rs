@@ -25,8 +25,9 @@ use tracing::{info, warn};
 use gpu_loader::manager::GpuManager;
 
 use crate::agent::{model_status, state_name};
-use crate::chain::Node;
+use crate::chain::NodeView;
 use crate::config::Inventory;
+use crate::store::ShardStore;
 
 /// Heartbeats the controller's answer about GPU copies on other hosts holds for: after that
 /// many go unanswered, every GPU model counts as the only GPU copy again (the cautious
@@ -48,9 +49,14 @@ pub struct Advertised {
     pub agent: String,
 }
 
-/// Sends a heartbeat every `inv.heartbeat` until `cancel`.
+/// Sends a heartbeat every `inv.heartbeat` until `cancel`. It reads the data plane's
+/// figures (`view`: the host id, TLS, draining), the store's holdings and free space and
+/// the GPUs; from the controller's answer it writes the store's name table and tells the
+/// GPU manager which GPU copies exist elsewhere, and nothing else.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
-    node: Arc<Node>,
+    view: NodeView,
+    store: ShardStore,
     gpus: Arc<GpuManager>,
     inv: Inventory,
     addrs: Advertised,
@@ -60,7 +66,7 @@ pub async fn run(
 ) {
     // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
     // (its 0600 mode is the authentication); plaintext TCP only in insecure mode.
-    let security = match node.transports().tls() {
+    let security = match view.transports().tls() {
         Some(ctx) if !controller.starts_with("unix:") => {
             shardcast_identity::grpc::ClientSecurity::Tls(
                 ctx.clone(),
@@ -86,7 +92,7 @@ pub async fn run(
     let mut tick = tokio::time::interval(inv.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut connected: Option<bool> = None;
-    let mut draining = node.watch_draining();
+    let mut draining = view.watch_draining();
     // Whether the controller has answered once (the readiness condition, see CONTROLLER).
     let mut answered = false;
     loop {
@@ -97,7 +103,7 @@ pub async fn run(
             // there before the next tick.
             Ok(()) = draining.changed() => {}
         }
-        let report = build_report(&node, &gpus, &inv, &addrs);
+        let report = build_report(&view, &store, &gpus, &inv, &addrs);
         let reported = reported_names(&report);
         let sent = tokio::time::timeout(
             inv.heartbeat.max(Duration::from_secs(2)),
@@ -113,7 +119,7 @@ pub async fn run(
                 answered = true;
                 connected = Some(true);
                 let answer = answer.into_inner();
-                apply_registry(&node, &reported, &answer.names, answer.issued_at_ms);
+                apply_registry(&store, &reported, &answer.names, answer.issued_at_ms);
                 gpus.set_gpu_copies_elsewhere(
                     answer.gpu_copies_elsewhere,
                     inv.heartbeat * GPU_COPIES_HEARTBEATS,
@@ -167,7 +173,12 @@ fn reported_names(report: &HostReport) -> Vec<ModelName> {
 /// Applies the controller's registry (its answer to a heartbeat, made at `stated_ms` by its
 /// clock) to the name table. An entry that does not parse is skipped and logged: it binds
 /// nothing.
-fn apply_registry(node: &Node, reported: &[ModelName], answer: &[NameBinding], stated_ms: u64) {
+fn apply_registry(
+    store: &ShardStore,
+    reported: &[ModelName],
+    answer: &[NameBinding],
+    stated_ms: u64,
+) {
     let mut registry = BTreeMap::new();
     for b in answer {
         match (
@@ -182,7 +193,7 @@ fn apply_registry(node: &Node, reported: &[ModelName], answer: &[NameBinding], s
             }
         }
     }
-    if let Err(e) = node.store().sync_names(reported, &registry, stated_ms) {
+    if let Err(e) = store.sync_names(reported, &registry, stated_ms) {
         warn!("could not save the name table: {e}");
     }
 }
@@ -216,12 +227,13 @@ fn process_started_ms() -> u64 {
 
 /// The report for one heartbeat.
 pub fn build_report(
-    node: &Node,
+    view: &NodeView,
+    store: &ShardStore,
     gpus: &GpuManager,
     inv: &Inventory,
     addrs: &Advertised,
 ) -> HostReport {
-    let holdings = node.store().holdings();
+    let holdings = store.holdings();
     let mut used = [0u64; 2];
     let mut held = Vec::with_capacity(holdings.len());
     for h in &holdings {
@@ -242,22 +254,18 @@ pub fn build_report(
         });
     }
     let (mem_capacity, mem_free) = space(
-        node.store().tier_root(DataTier::Memory),
+        store.tier_root(DataTier::Memory),
         inv.memory_capacity,
         used[0],
     );
     // A memory tier on tmpfs is RAM: no more is free than the host can still give it.
-    let mem_free = node
-        .store()
+    let mem_free = store
         .host_room(DataTier::Memory)
         .map_or(mem_free, |room| mem_free.min(room));
-    let (disk_capacity, disk_free) = space(
-        node.store().tier_root(DataTier::Disk),
-        inv.disk_capacity,
-        used[1],
-    );
+    let (disk_capacity, disk_free) =
+        space(store.tier_root(DataTier::Disk), inv.disk_capacity, used[1]);
     HostReport {
-        host_id: node.host().to_string(),
+        host_id: view.host().to_string(),
         data_addr: addrs.data.clone(),
         agent_addr: addrs.agent.clone(),
         zone: inv.zone.clone(),
@@ -292,10 +300,10 @@ pub fn build_report(
             }
         },
         holdings: held,
-        bound_names: node.store().names().into_iter().map(|(n, _)| n).collect(),
+        bound_names: store.names().into_iter().map(|(n, _)| n).collect(),
         version: env!("CARGO_PKG_VERSION").into(),
         started_at_ms: process_started_ms(),
-        draining: node.draining(),
+        draining: view.draining(),
         // GPUs other processes mostly hold (an inference engine): not free for placement.
         gpus_busy: u32::try_from(gpus.busy_gpus().len()).unwrap_or(u32::MAX),
         gpu_loads: gpus

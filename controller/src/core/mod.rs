@@ -7,7 +7,7 @@
 //! Owners and locks: the models and manifests are the registry's
 //! (`crate::registry::Registry`, leaf locks); the hosts are the inventory's
 //! (`crate::inventory::Inventory`); the plans, their watchers and the receiver index are
-//! this module's `State`. When more than one is needed they are locked in that order:
+//! the plans' table (`table::State`). When more than one is needed they are locked in that order:
 //! plans, then hosts, then the registry. Plan creation validates, places and records the
 //! plan holding the plans' and the hosts' locks, so two concurrent prewarms of one model
 //! see each other (the second joins the first's transfers) and GPU slots are booked once.
@@ -15,7 +15,8 @@
 //!
 //! The operations are split by concern, each an `impl Controller` of its own file:
 //! `hosts` (heartbeats, the host list), `register` (origins, registrations, models),
-//! `plans` (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner).
+//! `plans` (prewarm, scale-out, plan lookups), `evict`, and `runner` (the plan runner);
+//! `table` holds the plans' table they share.
 //! Host reports and plan progress are persisted through [`crate::write_behind`], off the
 //! locks. Each operation fails with its own error type ([`crate::error`]).
 
@@ -46,9 +47,7 @@ use crate::error::{
     PlanRequestError, RegisterError,
 };
 use crate::events::EventLog;
-use crate::inventory::{
-    self, DataTier, HostEntry, HostTable, HostView, Inventory, Pending, StoredHost,
-};
+use crate::inventory::{self, DataTier, HostEntry, HostTable, HostView, Inventory, StoredHost};
 pub use crate::plan::ChainRun;
 use crate::plan::{
     Accepted, ChainSummary, GpuState, Plan, PlanKind, ReceiverProgress, ReceiverState, Seen,
@@ -61,6 +60,7 @@ mod hosts;
 mod plans;
 mod register;
 mod runner;
+mod table;
 
 pub use crate::model::{MODEL_RECORD_VERSION, ModelRecord};
 pub use crate::ops::{
@@ -68,6 +68,7 @@ pub use crate::ops::{
     Register, Registered, RegistrationJob, ScaleOut, Sources, Whereabouts,
 };
 pub use register::parse_profile;
+pub(crate) use table::State;
 // The parts' free functions, for each other and for the tests below.
 #[cfg(test)]
 use hosts::*;
@@ -204,73 +205,6 @@ fn plan_error(e: PlanError) -> PlanRequestError {
 }
 
 pub(crate) use crate::lock;
-
-#[derive(Default)]
-pub(crate) struct State {
-    pub(crate) plans: HashMap<String, Plan>,
-    pub(crate) watchers: HashMap<String, watch::Sender<Plan>>,
-    /// Host → the plans (running or ended) it is a receiver of, so a heartbeat looks only
-    /// at its own plans ([`reconcile_receivers`]) instead of every plan ever made: with
-    /// 1000 hosts heartbeating each second and plans kept after they end, the scan was
-    /// O(plans × receivers) per heartbeat. A plan's receivers are fixed when it is made
-    /// (re-plans change sources, not receivers).
-    pub(crate) receiver_plans: HashMap<String, Vec<String>>,
-}
-
-impl State {
-    /// Adds a plan and the channel its watchers subscribe to.
-    pub(crate) fn add_plan(&mut self, plan: Plan) {
-        let id = plan.id.clone();
-        self.watchers
-            .insert(id.clone(), watch::Sender::new(plan.clone()));
-        self.insert_plan(id, plan);
-    }
-
-    /// Adds a plan (without a watch channel) and indexes its receivers.
-    pub(crate) fn insert_plan(&mut self, id: String, plan: Plan) {
-        for h in &plan.hosts {
-            let plans = self.receiver_plans.entry(h.host.clone()).or_default();
-            if !plans.contains(&id) {
-                plans.push(id.clone());
-            }
-        }
-        self.plans.insert(id, plan);
-    }
-
-    /// Bytes still to arrive on each host from plans in flight.
-    fn pending(&self) -> Pending {
-        let mut p = Pending::new();
-        for plan in self.plans.values().filter(|p| p.running()) {
-            let tier = DataTier::serving(plan.tier);
-            for h in &plan.hosts {
-                if h.state.awaits_data() {
-                    *p.entry((h.host.clone(), tier)).or_default() +=
-                        h.total.saturating_sub(h.bytes);
-                }
-            }
-        }
-        p
-    }
-
-    /// Hosts receiving `digest` into `tier`'s data tier in plans in flight, with the plan.
-    pub(crate) fn in_flight(&self, digest: &str, tier: Tier) -> BTreeMap<String, String> {
-        let mut out = BTreeMap::new();
-        for plan in self.plans.values() {
-            if !plan.running()
-                || plan.digest != digest
-                || DataTier::serving(plan.tier) != DataTier::serving(tier)
-            {
-                continue;
-            }
-            for h in &plan.hosts {
-                if h.state.awaits_data() {
-                    out.insert(h.host.clone(), plan.id.clone());
-                }
-            }
-        }
-        out
-    }
-}
 
 /// The controller.
 pub struct Controller {

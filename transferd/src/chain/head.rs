@@ -57,7 +57,7 @@ pub struct ChainSpec {
 }
 
 /// Starts and holds the chains this host heads. See the module docs.
-pub(super) struct Heads {
+pub(crate) struct Heads {
     store: ShardStore,
     sessions: Sessions,
     intake: Intake,
@@ -96,7 +96,7 @@ impl Heads {
     /// Starts a chain session headed by this host (the agent API's `StartChain`); its hops
     /// dial each other with `transport`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn start_chain(
+    pub(crate) fn start_chain(
         &self,
         id: SessionId,
         manifest: Arc<Manifest>,

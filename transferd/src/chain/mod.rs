@@ -55,8 +55,10 @@
 //!
 //! Each role is a struct given only the handles it needs; what a role may touch is what it
 //! was given. [`Node`] builds the handles once, hands each role its part, and keeps its own
-//! fields private: the rest of the daemon reaches the chain through `Node`'s methods and
-//! accessors (the agent API, metrics, heartbeats, GPU loads).
+//! fields private. It forwards to no role: the daemon takes from it the handles each module
+//! outside the chain is given (`crate::daemon` has that table) — the read-only
+//! [`NodeView`] for those that only look, and `Sessions`, `StoreFailures`, `Heads`, the
+//! `Fetcher`, the `Server` and the repair queue for those that act.
 //!
 //! | handle | what it is |
 //! | --- | --- |
@@ -67,11 +69,12 @@
 //! | `Intake` (`session`) | the counters and `StoreFailures`: makes sessions, stores and counts chunks |
 //! | [`Repairs`] / [`RepairHandle`](crate::repair::RepairHandle) | the repair sources and queue / the queue alone |
 //! | [`NodeStats`], `DataMetrics` | counters, histograms |
+//! | [`NodeView`] | read only: the host id, transports, counters and histograms, frame memory and connection caps in use, the origin allow-list, draining |
 //! | `CancellationToken` | shutdown |
 //!
 //! | role | is given |
 //! | --- | --- |
-//! | `Server` (`serve`) | `Links`, the `Receiver`, the store, a `RepairHandle`, counters, cancel, the connection caps, handshake/idle timeouts, `sendfile` |
+//! | `Server` (`serve`; the daemon runs its accept loops) | `Links`, the `Receiver`, the store, a `RepairHandle`, counters, cancel, the connection caps, handshake/idle timeouts, `sendfile` |
 //! | `Receiver` (`upstream`) | `Links`, `Sessions`, the store, `Intake`, `Repairs` (sources), counters and histograms, cancel, the `Forwarder` and `Recovery` it starts, the origin allow-list, `max_sessions`, the receiving end's tuning |
 //! | `Forwarder` (`forward`) | `Links`, counters, a `RepairHandle`, fault injection, cancel, the send window's tuning, `sendfile` |
 //! | `Recovery` (`recovery`) | the `Fetcher`, counters, cancel, `upstream_grace` |
@@ -79,8 +82,10 @@
 //! | `Heads` (`head`) | the store, `Sessions`, `Intake`, `Repairs` (sources), the `Forwarder`, the `Fetcher`, cancel, `stripes` |
 //! | `Repairer` (`crate::repair`) | the store, `Repairs`, the `Fetcher`, `Sessions` |
 //!
-//! No role but `Receiver`, `Heads` and `Repairer` reaches the session table; only `Intake`
-//! writes the store-failure records; no role holds the `Node`.
+//! No role but `Receiver`, `Heads` and `Repairer` reaches the session table (outside the
+//! chain, the agent API and the drain see its outward part: draining, head sessions by id,
+//! ending a model's sessions); only `Intake` writes the store-failure records; no role and
+//! no module outside the chain holds the `Node` but the daemon that assembles them.
 //!
 //! ## Copies and passes over each byte (issue #16)
 //!
@@ -112,12 +117,12 @@
 //!
 //! | file | role |
 //! | --- | --- |
-//! | `mod.rs` | [`Node`] (the assembly of the handles and roles), its tuning ([`ChainConfig`]), counters ([`NodeStats`]) and errors |
+//! | `mod.rs` | [`Node`] (the assembly of the handles and roles), [`NodeView`], its tuning ([`ChainConfig`]), counters ([`NodeStats`]) and errors |
 //! | `proto` | the protocol's decisions as pure state machines (no I/O, no clock): the send window, the receiving end, the recovery monitor; tested in virtual time |
 //! | `session` | [`ShardSession`] (one shard of a session on this host), its RAII gauges, and `Intake`: the one path that verifies, writes and counts a chunk |
 //! | `table` | `Sessions` (the session tables, draining) and `StoreFailures` |
 //! | `handshake` | `Links`: connecting to a hop, the `Hello` exchange bound to the peer's certificate |
-//! | `serve` | the data port's accepted connections: an upstream's `Open`, or `Fetch` (the pull server) |
+//! | `serve` | the data port's accept loops and connections: an upstream's `Open`, or `Fetch` (the pull server) |
 //! | `upstream` | joining a session (plan token, fallback origin, caps) and receiving from an upstream |
 //! | `forward` | the forwarder: sending to the downstream with failover |
 //! | `recovery` | the recovery monitor: a hop without upstream fetches from its fallback |
@@ -129,11 +134,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use shardcast_protocol::{
-    DataTier, ErrorCode, Frame, HopTransport, HostId, Manifest, ModelDigest, SessionId,
-};
-use tokio::net::TcpStream;
+use shardcast_protocol::{ErrorCode, Frame, HostId, SessionId};
 use tokio_util::sync::CancellationToken;
 
 mod fetch;
@@ -149,27 +150,26 @@ mod table;
 mod upstream;
 
 pub(crate) use fetch::Fetcher;
+pub(crate) use head::Heads;
 pub use head::{ChainSpec, HeadSession};
 pub use outcome::{FetchError, ForwardError, HopFailure, RecoveryError, SessionError};
+pub(crate) use serve::Server;
 pub use session::ShardSession;
-pub(crate) use table::Sessions;
+pub(crate) use table::{Sessions, StoreFailures};
 
 use forward::Forwarder;
 use handshake::Links;
-use head::Heads;
 use proto::{InboundConfig, SendFailure, SendWindowConfig};
 use recovery::Recovery;
-use serve::Server;
 use session::Intake;
-use table::StoreFailures;
 use upstream::Receiver;
 
 use crate::limits::{ConnLimits, Limits};
 use crate::origin::OriginAccess;
-use crate::repair::{Repairer, Repairs};
+use crate::repair::{RepairHandle, Repairer, Repairs};
 use crate::store::ShardStore;
 use crate::throttle::RateLimiter;
-use crate::transport::{Quic, Transports};
+use crate::transport::Transports;
 use crate::wire::{ByteCounters, Conn, FrameBudget, WireError};
 
 /// Chunks a sender re-verifies ahead of the one it is sending (when they are not trusted):
@@ -500,22 +500,17 @@ impl Faults {
 
 /// Everything a host needs to take part in chains; one per daemon. It builds the handles,
 /// hands each role its part (see the module docs) and keeps them; it runs no role itself.
+/// The daemon takes from it the handles each outer module is given (`crate::daemon`).
 pub struct Node {
-    links: Links,
+    view: NodeView,
     store: ShardStore,
-    stats: Arc<NodeStats>,
-    metrics: crate::metrics::DataMetrics,
     cancel: CancellationToken,
-    repairs: Arc<Repairs>,
-    conn_limits: Arc<ConnLimits>,
-    frame_budget: Arc<FrameBudget>,
-    origins: OriginAccess,
-    limits: Limits,
     sessions: Sessions,
     failures: StoreFailures,
     fetcher: Arc<Fetcher>,
     server: Arc<Server>,
-    heads: Heads,
+    heads: Arc<Heads>,
+    repairs: RepairHandle,
     /// The repairer and the scrub run on it (they hold it weakly).
     _repairer: Arc<Repairer>,
 }
@@ -595,7 +590,7 @@ impl Node {
             conn_limits.clone(),
             &cfg,
         ));
-        let heads = Heads::new(
+        let heads = Arc::new(Heads::new(
             store.clone(),
             sessions.clone(),
             intake,
@@ -604,7 +599,7 @@ impl Node {
             fetcher.clone(),
             cancel.clone(),
             cfg.stripes,
-        );
+        ));
         let repairer = Arc::new(Repairer::new(
             store.clone(),
             repairs.clone(),
@@ -615,28 +610,31 @@ impl Node {
             crate::repair::spawn(&repairer, &cancel);
         }
         Arc::new(Self {
-            links,
+            view: NodeView {
+                links,
+                stats,
+                metrics,
+                frame_budget,
+                conn_limits,
+                origins: cfg.origins.clone(),
+                repairs: repairs.clone(),
+                sessions: sessions.clone(),
+            },
             store,
-            stats,
-            metrics,
             cancel,
-            repairs,
-            conn_limits,
-            frame_budget,
-            origins: cfg.origins.clone(),
-            limits: cfg.limits.clone(),
             sessions,
             failures,
             fetcher,
             server,
             heads,
+            repairs: repairs.handle(),
             _repairer: repairer,
         })
     }
 
-    /// This host's id.
-    pub fn host(&self) -> &HostId {
-        self.links.host()
+    /// The data plane's figures, for those who only read them.
+    pub fn view(&self) -> &NodeView {
+        &self.view
     }
 
     /// The local store.
@@ -644,23 +642,83 @@ impl Node {
         &self.store
     }
 
-    /// Transports to other hops: TCP, and QUIC when bound.
+    /// Cancelled on shutdown.
+    pub fn cancel(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// The session table: draining, head sessions by id, the sessions of a model.
+    pub(crate) fn sessions(&self) -> &Sessions {
+        &self.sessions
+    }
+
+    /// The store's refusals of a model's data, per tier.
+    pub(crate) fn failures(&self) -> &StoreFailures {
+        &self.failures
+    }
+
+    /// Fetches into the store from an origin or a holder (imports, partition loads).
+    pub(crate) fn fetcher(&self) -> &Arc<Fetcher> {
+        &self.fetcher
+    }
+
+    /// Starts the chains this host heads.
+    pub(crate) fn heads(&self) -> &Arc<Heads> {
+        &self.heads
+    }
+
+    /// The data port's accepted connections.
+    pub(crate) fn server(&self) -> &Arc<Server> {
+        &self.server
+    }
+
+    /// The repair queue (for chunks found corrupt at rest outside the chain: GPU loads,
+    /// hand-offs).
+    pub fn repairs(&self) -> &RepairHandle {
+        &self.repairs
+    }
+
+    /// Sets the data address peers reach this host at (once; later calls are ignored).
+    pub fn set_advertised(&self, addr: String) {
+        self.view.links.set_advertised(addr);
+    }
+}
+
+/// What the daemon's observers read of the data plane: the counters and histograms, the
+/// wire's and the transports' statistics, the connection caps and frame memory in use,
+/// the origin allow-list, and whether the host drains. Nothing in it starts, ends or
+/// changes a session or queues a repair (the metrics collector, the heartbeat and the
+/// agent API are given it). Cheap to clone.
+#[derive(Clone)]
+pub struct NodeView {
+    links: Links,
+    stats: Arc<NodeStats>,
+    metrics: crate::metrics::DataMetrics,
+    frame_budget: Arc<FrameBudget>,
+    conn_limits: Arc<ConnLimits>,
+    origins: OriginAccess,
+    repairs: Arc<Repairs>,
+    sessions: Sessions,
+}
+
+impl NodeView {
+    /// This host's id.
+    pub fn host(&self) -> &HostId {
+        self.links.host()
+    }
+
+    /// Transports to other hops (TCP, and QUIC when bound), with their statistics.
     pub fn transports(&self) -> &Transports {
         self.links.transports()
     }
 
     /// Wire byte counters.
-    pub fn counters(&self) -> &Arc<ByteCounters> {
+    pub fn counters(&self) -> &ByteCounters {
         self.links.counters()
     }
 
-    /// Memory for frame bodies in flight on every connection (`limits.frame_memory`).
-    pub fn frame_budget(&self) -> &Arc<FrameBudget> {
-        &self.frame_budget
-    }
-
     /// Data-plane counters.
-    pub fn stats(&self) -> &Arc<NodeStats> {
+    pub fn stats(&self) -> &NodeStats {
         &self.stats
     }
 
@@ -670,18 +728,13 @@ impl Node {
         &self.metrics
     }
 
-    /// Cancelled on shutdown.
-    pub fn cancel(&self) -> &CancellationToken {
-        &self.cancel
-    }
-
-    /// Repairs of chunks corrupt at rest, and the sources to repair from.
-    pub fn repairs(&self) -> &Repairs {
-        &self.repairs
+    /// Memory for frame bodies in flight on every connection (`limits.frame_memory`).
+    pub fn frame_budget(&self) -> &FrameBudget {
+        &self.frame_budget
     }
 
     /// Open data-plane connections against their caps.
-    pub fn conn_limits(&self) -> &Arc<ConnLimits> {
+    pub fn conn_limits(&self) -> &ConnLimits {
         &self.conn_limits
     }
 
@@ -690,17 +743,9 @@ impl Node {
         &self.origins
     }
 
-    /// Connection caps and per-phase timeouts of the data port.
-    pub fn limits(&self) -> &Limits {
-        &self.limits
-    }
-
-    /// Starts draining (the process was asked to stop): from now on an `Open` of a session
-    /// this host does not already run is refused (the hop above fails over past it), and
-    /// the agent starts no chain, fetch or GPU load; what runs goes on. `true` the first
-    /// time.
-    pub fn start_draining(&self) -> bool {
-        self.sessions.start_draining()
+    /// Repair requests refused because the repair queue was full.
+    pub fn repairs_refused(&self) -> u64 {
+        self.repairs.refused()
     }
 
     /// Whether the host is draining.
@@ -711,116 +756,6 @@ impl Node {
     /// Follows [`Self::draining`] (the heartbeat tells the controller at once).
     pub fn watch_draining(&self) -> tokio::sync::watch::Receiver<bool> {
         self.sessions.watch_draining()
-    }
-
-    /// Hop sessions and head sessions' shards here that have not finished: what a draining
-    /// host waits for before it exits.
-    pub fn unfinished_sessions(&self) -> usize {
-        self.sessions.unfinished()
-    }
-
-    /// Whether a session that has not finished sends or receives model `model` here.
-    pub fn model_busy(&self, model: &ModelDigest) -> bool {
-        self.sessions.model_busy(model)
-    }
-
-    /// Fails every unfinished session of `model` on this host (hop and head sessions), so
-    /// that its copies can be removed: what an evict asks for once no plan moves the model
-    /// here any more. Returns how many were failed.
-    pub(crate) fn end_sessions_of(&self, model: &ModelDigest, why: &SessionError) -> usize {
-        self.sessions.end_of(model, why)
-    }
-
-    /// Why the store last refused `model`'s data, per tier and with the session, since the
-    /// last session of it in that tier started.
-    pub fn store_failures(&self, model: &ModelDigest) -> Vec<(DataTier, SessionId, String)> {
-        self.failures.of(model)
-    }
-
-    /// Sets the data address peers reach this host at (once; later calls are ignored).
-    pub fn set_advertised(&self, addr: String) {
-        self.links.set_advertised(addr);
-    }
-
-    /// A head session by id.
-    pub fn head(&self, id: &SessionId) -> Option<Arc<HeadSession>> {
-        self.sessions.head(id)
-    }
-
-    /// Serves one accepted connection (an upstream hop or a puller) until it ends; the TLS
-    /// handshake runs here, in the connection's task (see `serve`).
-    pub async fn serve_connection(&self, stream: TcpStream, peer: String) {
-        self.server.clone().serve_connection(stream, peer).await;
-    }
-
-    /// Serves the streams a peer opens on an established QUIC connection (see `serve`).
-    pub async fn serve_quic_connection(
-        &self,
-        quic: &Quic,
-        conn: quinn::Connection,
-        identity: shardcast_identity::Identity,
-        peer: String,
-    ) {
-        self.server
-            .clone()
-            .serve_quic_connection(quic, conn, identity, peer)
-            .await;
-    }
-
-    /// Starts a chain session headed by this host (the agent API's `StartChain`); its hops
-    /// dial each other with `transport`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn start_chain(
-        &self,
-        id: SessionId,
-        manifest: Arc<Manifest>,
-        origin: String,
-        tier: DataTier,
-        chains: Vec<ChainSpec>,
-        token: Bytes,
-        transport: HopTransport,
-    ) -> Result<Arc<HeadSession>, ChainError> {
-        self.heads
-            .start_chain(id, manifest, origin, tier, chains, token, transport)
-    }
-
-    /// Downloads a whole model from an origin into `tier` (the agent's `ImportModel` with
-    /// `fetch`; see `fetch`).
-    pub async fn fetch_model(
-        &self,
-        manifest: &Arc<Manifest>,
-        origin: &str,
-        tier: DataTier,
-    ) -> Result<(), FetchError> {
-        self.fetcher.fetch_model(manifest, origin, tier).await
-    }
-
-    /// Moves a model whose bytes were kept while its manifest was built into `tier` (see
-    /// `fetch`).
-    pub async fn adopt_staged(
-        &self,
-        manifest: &Arc<Manifest>,
-        staging: &crate::store::Staging,
-        origin: &str,
-        tier: DataTier,
-    ) -> Result<(), FetchError> {
-        self.fetcher
-            .adopt_staged(manifest, staging, origin, tier)
-            .await
-    }
-
-    /// Downloads the chunks of `spans` that this host does not hold yet, in the order
-    /// given, into `tier` (see `fetch`).
-    pub async fn fetch_spans(
-        &self,
-        manifest: &Arc<Manifest>,
-        source: &str,
-        tier: DataTier,
-        spans: Vec<(u32, std::ops::Range<u32>)>,
-    ) -> Result<(), FetchError> {
-        self.fetcher
-            .fetch_spans(manifest, source, tier, spans)
-            .await
     }
 }
 

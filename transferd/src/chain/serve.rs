@@ -1,5 +1,7 @@
-//! The data port's accepted connections: the TLS handshake and `Hello` in the connection's
-//! task, then an upstream's `Open` (see `upstream`) or `Fetch` requests (the pull server).
+//! The data port's connections: accepted (TCP and QUIC) and admitted against the
+//! connection caps, then the TLS handshake and `Hello` in the connection's task, then an
+//! upstream's `Open` (see `upstream`) or `Fetch` requests (the pull server). The daemon
+//! runs the accept loops ([`Server::accept_tcp`], [`Server::accept_quic`]).
 //!
 //! [`Server`] is the role. It is given the peer links (the TLS handshake, `Hello`, framing),
 //! the [`Receiver`] an `Open` is handed to, the store and a repair queue handle (for
@@ -13,7 +15,7 @@ use std::time::Duration;
 
 use shardcast_identity::{Identity, Peer};
 use shardcast_protocol::{ErrorCode, Frame, FrameType, HostId, ModelDigest};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
@@ -29,7 +31,7 @@ use crate::wire::Halves;
 use crate::wire::{Conn, FileRegion};
 
 /// Serves the data port's connections. See the module docs.
-pub(super) struct Server {
+pub(crate) struct Server {
     links: Links,
     receiver: Arc<Receiver>,
     store: ShardStore,
@@ -71,12 +73,84 @@ impl Server {
         }
     }
 
+    /// Accepts TCP connections on the data port until `cancel`: each is admitted against
+    /// the connection caps and served in its own task (the handshake happens inside it).
+    pub(crate) async fn accept_tcp(
+        self: Arc<Self>,
+        listener: TcpListener,
+        cancel: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return,
+                accepted = self.links.transports().tcp.accept(&listener) => match accepted {
+                    // Admit (connection caps), spawn; the handshake happens inside the task.
+                    Ok((stream, peer)) => match crate::limits::admit(&self.conn_limits, &peer) {
+                        Ok(permit) => {
+                            let me = self.clone();
+                            tokio::spawn(async move {
+                                me.serve_connection(stream, peer).await;
+                                drop(permit);
+                            });
+                        }
+                        Err(e) => warn!(%peer, "refusing connection: {e}"),
+                    },
+                    Err(e) => {
+                        warn!("accept failed: {e}");
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+            }
+        }
+    }
+
+    /// Accepts QUIC connections until `cancel`: each is admitted against the connection
+    /// caps like a TCP one, completes its handshake in its own task, then serves every
+    /// stream the peer opens (one per session and shard) as a TCP connection is served.
+    pub(crate) async fn accept_quic(self: Arc<Self>, quic: Arc<Quic>, cancel: CancellationToken) {
+        loop {
+            let incoming = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => {
+                    quic.close();
+                    return;
+                }
+                i = quic.incoming() => match i {
+                    Some(i) => i,
+                    None => return,
+                },
+            };
+            let peer = incoming.remote_address().to_string();
+            let permit = match crate::limits::admit(&self.conn_limits, &peer) {
+                Ok(p) => p,
+                Err(e) => {
+                    warn!(%peer, "refusing QUIC connection: {e}");
+                    incoming.refuse();
+                    continue;
+                }
+            };
+            let (me, quic) = (self.clone(), quic.clone());
+            tokio::spawn(async move {
+                match quic.establish(incoming, me.handshake_timeout).await {
+                    Ok((conn, id)) => me.serve_quic_connection(&quic, conn, id, peer).await,
+                    Err(e) => {
+                        me.stats.tls_refused.fetch_add(1, Ordering::Relaxed);
+                        warn!(%peer, "refusing QUIC connection: {e}");
+                    }
+                }
+                drop(permit);
+            });
+        }
+    }
+
     /// Serves one accepted connection (an upstream hop or a puller) until it ends.
     /// Errors are answered with an `Error` frame and logged; they never affect other
     /// connections.
     /// The TLS handshake runs here, in the connection's task: a peer without a valid
     /// certificate is dropped before a single frame is read.
-    pub(super) async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: String) {
+    async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: String) {
         let tcp = &self.links.transports().tcp;
         let (stream, identity) = match tcp.secure(stream).await {
             Ok(s) => s,
@@ -93,7 +167,7 @@ impl Server {
     /// Serves the streams a peer opens on an established QUIC connection, each in its own
     /// task like an accepted TCP connection (and admitted against the same caps), until the
     /// connection closes or the daemon stops.
-    pub(super) async fn serve_quic_connection(
+    async fn serve_quic_connection(
         self: Arc<Self>,
         quic: &Quic,
         conn: quinn::Connection,

@@ -4,7 +4,10 @@
 //!
 //! Both are cheap-to-clone handles on shared state. The roles that join, head or end
 //! sessions are given [`Sessions`]; the one path that stores chunks (`session::Intake`) is
-//! given [`StoreFailures`]. No role other than these reaches another session.
+//! given [`StoreFailures`]. No role other than these reaches another session. Outside the
+//! chain, [`Sessions`] shows only draining, the unfinished sessions, a head session by id
+//! and ending the sessions of a model or of a rotten chunk (the daemon's drain, the agent
+//! API, the repairer); inserting, looking up and removing hop sessions stay in the chain.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -101,7 +104,7 @@ impl Sessions {
     /// receives nothing says so ([`ErrorCode::NotReceiving`]).
     ///
     /// [`ErrorCode::NotReceiving`]: shardcast_protocol::ErrorCode::NotReceiving
-    pub(crate) fn receives(&self, model: &ModelDigest, shard: u32) -> bool {
+    pub(super) fn receives(&self, model: &ModelDigest, shard: u32) -> bool {
         self.any_unfinished(|s| s.model == *model && s.shard_index() == shard)
     }
 
@@ -177,12 +180,12 @@ impl Sessions {
     }
 
     /// The hop session under `key`.
-    pub(crate) fn hop(&self, key: &SessionKey) -> Option<Arc<ShardSession>> {
+    pub(super) fn hop(&self, key: &SessionKey) -> Option<Arc<ShardSession>> {
         self.0.hops.lock().ok().and_then(|m| m.get(key).cloned())
     }
 
     /// Whether a hop session of session `id` (any shard or stripe) runs here.
-    pub(crate) fn runs(&self, id: &SessionId) -> bool {
+    pub(super) fn runs(&self, id: &SessionId) -> bool {
         self.0
             .hops
             .lock()
@@ -190,14 +193,14 @@ impl Sessions {
     }
 
     /// Hop sessions in the table.
-    pub(crate) fn hops(&self) -> usize {
+    pub(super) fn hops(&self) -> usize {
         self.0.hops.lock().map(|m| m.len()).unwrap_or(0)
     }
 
     /// Inserts `sess` under `key` unless one is there already: `Ok(None)` when inserted,
     /// `Ok(Some(theirs))` when another connection created it first, `Err` when the table
     /// is poisoned.
-    pub(crate) fn insert_hop(
+    pub(super) fn insert_hop(
         &self,
         key: SessionKey,
         sess: &Arc<ShardSession>,
@@ -211,7 +214,7 @@ impl Sessions {
     }
 
     /// Removes the hop session under `key`.
-    pub(crate) fn remove_hop(&self, key: &SessionKey) {
+    pub(super) fn remove_hop(&self, key: &SessionKey) {
         if let Ok(mut m) = self.0.hops.lock() {
             m.remove(key);
         }
@@ -223,7 +226,7 @@ impl Sessions {
     }
 
     /// Whether a head session `id` is held.
-    pub(crate) fn has_head(&self, id: &SessionId) -> bool {
+    pub(super) fn has_head(&self, id: &SessionId) -> bool {
         self.0
             .heads
             .lock()
@@ -232,14 +235,14 @@ impl Sessions {
     }
 
     /// Holds a head session.
-    pub(crate) fn insert_head(&self, head: &Arc<HeadSession>) {
+    pub(super) fn insert_head(&self, head: &Arc<HeadSession>) {
         if let Ok(mut h) = self.0.heads.lock() {
             h.insert(head.id, head.clone());
         }
     }
 
     /// Forgets a head session.
-    pub(crate) fn remove_head(&self, id: &SessionId) {
+    pub(super) fn remove_head(&self, id: &SessionId) {
         if let Ok(mut h) = self.0.heads.lock() {
             h.remove(id);
         }
