@@ -446,6 +446,12 @@ impl Collector for NodeCollector {
                 load(&s.origin_reads_yielded),
             ),
             (
+                "holders_back_during_origin_read_total",
+                Counter,
+                "Holders above a recovering hop, out of reach when it began reading the origin, that answered again: the rest came from them.",
+                load(&s.holders_back_during_origin_read),
+            ),
+            (
                 "upstream_holders_unreachable_total",
                 Counter,
                 "Holders above a hop without upstream, dialled while it waited for a failover, that could not be reached (so no failover was awaited from them).",

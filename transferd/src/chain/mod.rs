@@ -335,6 +335,9 @@ pub struct NodeStats {
     /// Origin reads (a recovery's, a head's) stopped because a peer started feeding the
     /// same shard here: the rest comes from that peer, or the read goes on if it stalls.
     pub origin_reads_yielded: AtomicU64,
+    /// Holders above a recovering hop, out of reach when it started reading the origin,
+    /// that answered again during that read: the rest came from them, not the origin.
+    pub holders_back_during_origin_read: AtomicU64,
     /// Holders above a hop without upstream that it dialled while waiting for a failover
     /// and could not reach (dead or stopped): it stopped waiting for them.
     pub upstream_holders_unreachable: AtomicU64,

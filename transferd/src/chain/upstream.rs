@@ -7,7 +7,9 @@
 //! it — its model, this host, the sender, and every address it would have this host dial —
 //! checked before its manifest is stored; the token is passed on in every `Open` the hop
 //! sends. An upstream that sends nothing for `stall_timeout` is dropped, and a second `Open`
-//! of a session fed by a live upstream or fetch is answered `AlreadyFed`.
+//! of a session fed by a live upstream or fetch is answered `AlreadyFed` — unless what feeds
+//! it is an origin read, which gives way to the hop above; a new session fed by a peer
+//! pauses the origin reads of the shard's other sessions (`Fetcher::fill_yielding`).
 //!
 //! [`Receiver`] is the role. It is given the peer links (for the plan's CA and this host's
 //! id), the session table (to find, admit and reap hop sessions), the store (the manifest,
