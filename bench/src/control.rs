@@ -88,6 +88,25 @@ impl ControllerProc {
         extra: Vec<String>,
         heartbeat_ms: u64,
     ) -> anyhow::Result<Self> {
+        Self::start_on(root, extra, heartbeat_ms, ClusterPki::shared()?).await
+    }
+
+    /// [`Self::start`] under another cluster CA than the process's shared one (its
+    /// controller certificate issued as the test wants, e.g. near its end).
+    pub async fn start_with_pki(
+        root: &Path,
+        extra: Vec<String>,
+        pki: Arc<ClusterPki>,
+    ) -> anyhow::Result<Self> {
+        Self::start_on(root, extra, HEARTBEAT_MS, pki).await
+    }
+
+    async fn start_on(
+        root: &Path,
+        extra: Vec<String>,
+        heartbeat_ms: u64,
+        pki: Arc<ClusterPki>,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
         let mut c = Self {
             grpc: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -98,7 +117,7 @@ impl ControllerProc {
             extra,
             heartbeat_ms,
             child: None,
-            pki: Some(ClusterPki::shared()?),
+            pki: Some(pki),
         };
         c.spawn().await?;
         Ok(c)

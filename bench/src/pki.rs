@@ -93,6 +93,31 @@ impl ClusterPki {
         Ok(f)
     }
 
+    /// Issues `role`/`name` valid for `validity` from now, in place of what was issued for
+    /// it before: [`Self::files`] and [`Self::args`] give these files from then on (a
+    /// certificate near its end, for the expiry warnings' tests).
+    pub fn issue_valid_for(
+        &self,
+        role: Role,
+        name: &str,
+        validity: std::time::Duration,
+    ) -> anyhow::Result<TlsFiles> {
+        let id = Identity::new(role, name)?;
+        let mut req = IssueRequest::new(id.clone());
+        req.validity = validity;
+        let files = self.pki.issue(&req)?;
+        let f = TlsFiles {
+            ca: self.pki.ca().cert,
+            cert: files.cert,
+            key: files.key,
+        };
+        self.issued
+            .lock()
+            .map_err(|_| anyhow::anyhow!("PKI lock poisoned"))?
+            .insert(id, f.clone());
+        Ok(f)
+    }
+
     /// `--tls-ca … --tls-cert … --tls-key …` for a process with this identity.
     pub fn args(&self, role: Role, name: &str) -> anyhow::Result<Vec<String>> {
         let f = self.files(role, name)?;

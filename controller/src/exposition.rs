@@ -124,6 +124,47 @@ impl Collector for StateCollector {
             core.origin_refusals(),
         )?;
         if let Some(tls) = &core.config().tls {
+            let t = &tls.stats;
+            for (name, help, v) in [
+                (
+                    "tls_handshakes_accepted",
+                    "TLS handshakes completed as a server (the gRPC and HTTP listeners).",
+                    load(&t.accepted),
+                ),
+                (
+                    "tls_handshakes_refused",
+                    "TLS handshakes refused as a server (the gRPC and HTTP listeners): no client certificate on gRPC, one of another CA, expired, one without a shardcast identity, another ALPN protocol, or a handshake not finished in time.",
+                    load(&t.refused) + load(&t.timed_out),
+                ),
+                (
+                    "tls_connect_refused",
+                    "Outgoing TLS connections (to transferds' agent APIs, the scrape endpoint) whose server was refused: a bad chain or the wrong identity.",
+                    load(&t.connect_refused),
+                ),
+                (
+                    "tls_reloads",
+                    "Certificate reloads without a restart.",
+                    load(&t.reloads),
+                ),
+                (
+                    "tls_reload_failures",
+                    "Certificate reloads that failed (the running certificate stays).",
+                    load(&t.reload_failures),
+                ),
+            ] {
+                counter(&mut enc, name, help, v)?;
+            }
+            // Seconds left, as of this scrape (negative once passed).
+            let (own, ca) = tls.expiry().remaining(std::time::SystemTime::now());
+            let mut m = enc.encode_descriptor(
+                "certificate_expiry_seconds",
+                "Seconds until the notAfter of the controller's TLS certificate (certificate=\"own\") and of the CA bundle's first to expire (certificate=\"ca\"), as of the scrape; negative once passed. The log warns within --cert-expiry-warning-s (default 14 days).",
+                None,
+                ConstGauge::new(0i64).metric_type(),
+            )?;
+            for (which, left) in [("own", own), ("ca", ca)] {
+                ConstGauge::new(left).encode(m.encode_family(&[("certificate", which)])?)?;
+            }
             counter(
                 &mut enc,
                 "connections_over_peer_limit",

@@ -7,6 +7,8 @@
 //! - [`pki`]: a small CA for quick starts and tests (`shardcast certs init|issue|rotate`).
 //! - [`tls`]: mutual TLS configurations from PEM files, reloaded when they change; the
 //!   ALPNs of the data port, including the authenticate-only mode's.
+//! - [`expiry`]: the certificate's and the CA bundle's `notAfter`, warned about ahead of
+//!   time (logged at start, on reload and when it comes close; gauged by the daemons).
 //! - [`records`]: `tls`-mode data connections after the handshake: TLS 1.3 application-data
 //!   records read and written here with the keys taken from rustls, decrypted in place,
 //!   each direction on its own socket half.
@@ -33,6 +35,7 @@
 //! loopback. Non-goals: revocation lists (short-lived certificates and rotation instead),
 //! external identity providers.
 
+pub mod expiry;
 pub mod failover;
 pub mod grpc;
 pub mod http;

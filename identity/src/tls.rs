@@ -23,7 +23,9 @@
 //! checks), so payloads may then go by `sendfile`. Reload: the files are re-read on change
 //! or SIGHUP (`spawn_reloader`, an `ArcSwap`); a broken file keeps the old certificate;
 //! [`TlsContext::watch_reloads`] tells what follows the certificate (the plan signer, the
-//! scraper's HTTPS client from `http_client_config`). Counters in [`TlsStats`].
+//! scraper's HTTPS client from `http_client_config`). Counters in [`TlsStats`]; the
+//! certificate's and the CA bundle's ends in [`crate::expiry`], logged at start
+//! ([`TlsContext::log_expiry`]), on reload and when one comes within the warning or passes.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -41,6 +43,7 @@ use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, S
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{info, warn};
 
+use crate::expiry::{EXPIRY_WARNING, Expiry, ExpiryState, Which};
 use crate::role::{Identity, IdentityError, Role};
 
 /// Default time allowed for a TLS handshake. Rationale: a handshake is two round trips
@@ -256,6 +259,8 @@ impl Stamp {
 /// Configurations built from one reading of the files.
 struct Loaded {
     identity: Identity,
+    /// Where the certificate's and the CA bundle's validity end.
+    expiry: Expiry,
     roots: Arc<RootCertStore>,
     stamp: Stamp,
     servers: [Arc<ServerConfig>; 5],
@@ -303,9 +308,11 @@ impl Loaded {
         let stamp = Stamp::of(files);
         let ca_pem = std::fs::read(&files.ca).map_err(|e| io_err(&files.ca, e))?;
         let mut roots = RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(&ca_pem) {
-            let c = c.map_err(|e| pem_err(&files.ca, e))?;
-            roots.add(c).map_err(|e| pem_err(&files.ca, e))?;
+        let cas = CertificateDer::pem_slice_iter(&ca_pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_err(&files.ca, e))?;
+        for c in &cas {
+            roots.add(c.clone()).map_err(|e| pem_err(&files.ca, e))?;
         }
         if roots.is_empty() {
             return Err(pem_err(&files.ca, "no CA certificate in the bundle"));
@@ -318,6 +325,7 @@ impl Loaded {
             return Err(pem_err(&files.cert, "no CERTIFICATE block"));
         };
         let identity = identity_of(leaf)?;
+        let expiry = Expiry::read(leaf, &cas)?;
         let key_pem = std::fs::read(&files.key).map_err(|e| io_err(&files.key, e))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| pem_err(&files.key, e))?;
         let roots = Arc::new(roots);
@@ -362,6 +370,7 @@ impl Loaded {
         };
         Ok(Self {
             identity,
+            expiry,
             roots: roots.clone(),
             stamp,
             servers: [
@@ -486,6 +495,11 @@ pub struct TlsContext {
     files: TlsFiles,
     loaded: ArcSwap<Loaded>,
     handshake_timeout_ms: AtomicU64,
+    /// How long before a certificate's end it is warned about, in seconds.
+    expiry_warning_s: AtomicU64,
+    /// The states last logged (own certificate, CA bundle), so the periodic check logs
+    /// only what changed.
+    expiry_logged: std::sync::Mutex<[ExpiryState; 2]>,
     /// Bumped after each successful reload, for what must follow the certificate (the
     /// controller's plan-token signer, HTTPS clients built from it).
     reloaded: tokio::sync::watch::Sender<u64>,
@@ -510,6 +524,8 @@ impl TlsContext {
             files,
             loaded: ArcSwap::from_pointee(loaded),
             handshake_timeout_ms: AtomicU64::new(HANDSHAKE_TIMEOUT.as_millis() as u64),
+            expiry_warning_s: AtomicU64::new(EXPIRY_WARNING.as_secs()),
+            expiry_logged: std::sync::Mutex::new([ExpiryState::Valid; 2]),
             reloaded: tokio::sync::watch::Sender::new(0),
             stats: TlsStats::default(),
         }))
@@ -547,6 +563,56 @@ impl TlsContext {
     /// This member's identity, from its certificate.
     pub fn identity(&self) -> Identity {
         self.loaded.load().identity.clone()
+    }
+
+    /// Where the running certificate's and CA bundle's validity end (from the files as
+    /// last loaded).
+    pub fn expiry(&self) -> Expiry {
+        self.loaded.load().expiry
+    }
+
+    /// Sets how long before a certificate's end it is warned about (default
+    /// [`EXPIRY_WARNING`]; the daemons' `cert_expiry_warning_s`).
+    pub fn set_expiry_warning(&self, within: Duration) {
+        self.expiry_warning_s
+            .store(within.as_secs(), Ordering::Relaxed);
+    }
+
+    /// How long before a certificate's end it is warned about.
+    pub fn expiry_warning(&self) -> Duration {
+        Duration::from_secs(self.expiry_warning_s.load(Ordering::Relaxed))
+    }
+
+    /// Logs how long the certificate and the CA bundle have left: `ERROR` once expired,
+    /// `WARN` within [`Self::expiry_warning`], `INFO` otherwise. The daemons call it at
+    /// start; reloads call it themselves. Returns the states (own certificate, CA bundle).
+    pub fn log_expiry(&self) -> [ExpiryState; 2] {
+        self.check_expiry(true)
+    }
+
+    /// Logs the expiry states: all of them when `always` (start, reload), else only those
+    /// that changed since last logged (the reloader's periodic check: a certificate that
+    /// comes within the threshold, or expires, while the daemon runs).
+    fn check_expiry(&self, always: bool) -> [ExpiryState; 2] {
+        let e = self.expiry();
+        let (own, ca) = e.remaining(SystemTime::now());
+        let within = self.expiry_warning();
+        let now = [ExpiryState::of(own, within), ExpiryState::of(ca, within)];
+        let mut logged = self
+            .expiry_logged
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let rows = [
+            (Which::Own, &self.files.cert, e.cert, own),
+            (Which::Ca, &self.files.ca, e.ca, ca),
+        ];
+        for (i, (which, path, end, left)) in rows.into_iter().enumerate() {
+            if always || now[i] != logged[i] {
+                crate::expiry::log(which, path, end, left, within, !always);
+            }
+        }
+        *logged = now;
+        now
     }
 
     /// Checks that `cert` chains to this member's CA bundle and is valid at `now` (dates,
@@ -622,6 +688,7 @@ impl TlsContext {
                 self.stats.reloads.fetch_add(1, Ordering::Relaxed);
                 self.reloaded.send_modify(|n| *n += 1);
                 info!(cert = %self.files.cert.display(), "reloaded TLS certificate");
+                self.check_expiry(true);
                 Ok(true)
             }
             Err(e) => {
@@ -651,8 +718,15 @@ impl TlsContext {
                     _ = tick.tick() => {}
                     _ = async { match hup.as_mut() { Some(h) => { h.recv().await; } None => std::future::pending().await } } => {}
                 }
-                if let Err(e) = me.reload_if_changed() {
-                    warn!(cert = %me.files.cert.display(), "TLS reload failed, keeping the running certificate: {e}");
+                match me.reload_if_changed() {
+                    Err(e) => {
+                        warn!(cert = %me.files.cert.display(), "TLS reload failed, keeping the running certificate: {e}")
+                    }
+                    // A certificate that comes within the warning, or expires, while it runs.
+                    Ok(false) => {
+                        me.check_expiry(false);
+                    }
+                    Ok(true) => {}
                 }
             }
         })

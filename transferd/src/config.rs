@@ -265,6 +265,12 @@ pub struct Args {
     /// The certificate's private key (PEM).
     #[arg(long, env = "SHARDCAST_TLS_KEY")]
     pub tls_key: Option<String>,
+    /// Seconds before tls_cert's (or a CA of tls_ca's) notAfter from which the daemon logs
+    /// a WARN, at start, on each reload and when it gets there while running (ERROR once
+    /// expired); e.g. 14d, 0 for expired only. The seconds left are the gauge
+    /// shardcast_certificate_expiry_seconds [default: 14d].
+    #[arg(long, env = "SHARDCAST_CERT_EXPIRY_WARNING_S")]
+    pub cert_expiry_warning_s: Option<String>,
     /// INSECURE: no TLS and no authentication on any listener. Refused unless every
     /// TCP listener is on loopback. For benchmarks and experiments only [default: false].
     #[arg(long, env = "SHARDCAST_INSECURE_PLAINTEXT")]
@@ -413,6 +419,8 @@ struct Settings {
     tls_ca: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
+    #[serde(with = "units::seconds")]
+    cert_expiry_warning_s: u64,
     insecure_plaintext: bool,
     sendfile: bool,
     data_mode: DataMode,
@@ -500,6 +508,7 @@ impl Default for Settings {
             tls_ca: None,
             tls_cert: None,
             tls_key: None,
+            cert_expiry_warning_s: shardcast_identity::expiry::EXPIRY_WARNING.as_secs(),
             insecure_plaintext: false,
             sendfile: chain.sendfile,
             data_mode: DataMode::default(),
@@ -642,6 +651,8 @@ pub struct Config {
     pub security: Security,
     /// How the data port protects chunk payloads (with TLS; `Tls` otherwise unused).
     pub data_mode: DataMode,
+    /// How long before the certificate's (or the CA's) end the daemon warns.
+    pub cert_expiry_warning: Duration,
     /// How long a stopping daemon drains ([`crate::daemon`]); zero: it stops at once.
     pub drain_grace: Duration,
 }
@@ -1026,6 +1037,7 @@ impl Config {
             shutdown_delay: Duration::from_millis(s.shutdown_delay_ms),
             security,
             data_mode,
+            cert_expiry_warning: Duration::from_secs(s.cert_expiry_warning_s),
             store: StoreConfig {
                 memory_dir: s.memory_dir.clone(),
                 disk_dir: s.data_dir.clone(),
@@ -1112,6 +1124,18 @@ mod tests {
         ];
         argv.extend_from_slice(flags);
         load(&argv)
+    }
+
+    #[test]
+    fn the_expiry_warning_takes_a_duration_and_defaults_to_two_weeks() {
+        let c = load_tls(&[]).unwrap();
+        assert_eq!(c.cert_expiry_warning, Duration::from_secs(14 * 86_400));
+        let c = load_tls(&["--cert-expiry-warning-s", "3d"]).unwrap();
+        assert_eq!(c.cert_expiry_warning, Duration::from_secs(3 * 86_400));
+        let c = load_tls(&["--cert-expiry-warning-s", "0"]).unwrap();
+        assert_eq!(c.cert_expiry_warning, Duration::ZERO);
+        let err = load_tls(&["--cert-expiry-warning-s", "soon"]).unwrap_err();
+        assert!(err.to_string().contains("cert_expiry_warning_s"), "{err}");
     }
 
     #[test]

@@ -110,6 +110,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         Security::Tls(files) => {
             let ctx = TlsContext::load_as(files.clone(), Role::Host, Some(config.host_id.as_str()))
                 .context("loading this host's TLS identity")?;
+            // Warns (or errs) now if the certificate or the CA ends soon; the reloader
+            // below warns again on each reload and when it gets there while running.
+            ctx.set_expiry_warning(config.cert_expiry_warning);
+            ctx.log_expiry();
             ctx.spawn_reloader(RELOAD_PERIOD, cancel.clone().cancelled_owned());
             // One budget for the whole greeting: the TLS handshake, then (in `chain`) the
             // Hello exchange, each bounded by `handshake_timeout_ms`.

@@ -685,6 +685,17 @@ impl Collector for NodeCollector {
             ] {
                 series(&mut enc, name, Counter, help, v)?;
             }
+            // Seconds left, as of this scrape (negative once passed).
+            let (own, ca) = tls.expiry().remaining(std::time::SystemTime::now());
+            let mut m = enc.encode_descriptor(
+                "certificate_expiry_seconds",
+                "Seconds until the notAfter of this host's TLS certificate (certificate=\"own\") and of the CA bundle's first to expire (certificate=\"ca\"), as of the scrape; negative once passed. The log warns within cert_expiry_warning_s (default 14 days).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (which, left) in [("own", own), ("ca", ca)] {
+                ConstGauge::new(left).encode(m.encode_family(&[("certificate", which)])?)?;
+            }
         }
         if let Some(q) = view.transports().quic() {
             let (qs, o) = (&q.stats, q.offload());

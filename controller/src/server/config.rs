@@ -158,6 +158,12 @@ pub struct Cli {
     /// The certificate's private key (PEM).
     #[arg(long, env = "SHARDCAST_TLS_KEY")]
     pub tls_key: Option<String>,
+    /// Seconds before the certificate's (or a CA's) notAfter from which the controller logs
+    /// a WARN, at start, on each reload and when it gets there while running (ERROR once
+    /// expired); e.g. 14d, 0 for expired only. The seconds left are the gauge
+    /// shardcast_certificate_expiry_seconds. [default: 14d]
+    #[arg(long, env = "SHARDCAST_CERT_EXPIRY_WARNING_S")]
+    pub cert_expiry_warning_s: Option<String>,
     /// Bearer tokens for HTTP clients without a certificate: lines of
     /// `<role> <name> <blake3-hex of the token>` (`shardcast certs token`).
     #[arg(long, env = "SHARDCAST_TOKENS_FILE")]
@@ -322,6 +328,9 @@ pub struct Args {
     pub tls_cert: Option<PathBuf>,
     /// The certificate's private key (PEM).
     pub tls_key: Option<PathBuf>,
+    /// Seconds before a certificate's end from which it is warned about.
+    #[serde(with = "units::seconds")]
+    pub cert_expiry_warning_s: u64,
     /// Bearer tokens for HTTP clients without a certificate.
     pub tokens_file: Option<PathBuf>,
     /// HTTP: milliseconds a client has to send a request head.
@@ -402,6 +411,7 @@ impl Default for Args {
             tls_ca: None,
             tls_cert: None,
             tls_key: None,
+            cert_expiry_warning_s: shardcast_identity::expiry::EXPIRY_WARNING.as_secs(),
             tokens_file: None,
             http_header_timeout_ms: 10_000,
             http_idle_timeout_ms: 60_000,
@@ -503,10 +513,15 @@ pub(super) fn load_tls(args: &Args) -> anyhow::Result<Option<Arc<TlsContext>>> {
             );
             Ok(None)
         }
-        Ok(Security::Tls(files)) => Ok(Some(
-            TlsContext::load_as(files, Role::Controller, None)
-                .context("loading the controller's TLS identity")?,
-        )),
+        Ok(Security::Tls(files)) => {
+            let ctx = TlsContext::load_as(files, Role::Controller, None)
+                .context("loading the controller's TLS identity")?;
+            // Warns (or errs) now if the certificate or the CA ends soon; the reloader
+            // warns again on each reload and when it gets there while running.
+            ctx.set_expiry_warning(Duration::from_secs(args.cert_expiry_warning_s));
+            ctx.log_expiry();
+            Ok(Some(ctx))
+        }
         Err(SecurityError::NotLoopback { listener, addr }) => bail!(
             "--insecure-plaintext is only allowed on loopback listeners, but {listener} is {addr}"
         ),

@@ -10,7 +10,8 @@
 //! restarts, re-plans, bursts, scaling, tiers, evictions, metrics), `chain` (chains over TCP
 //! and QUIC: kills, corruption, resume, striping, data modes, caps), `stalls` (stopped hops
 //! noticed within `stall_timeout`), `wire` (hostile frames), `trust` (every refusal of the
-//! data port, both APIs and plan tokens), `at_rest` (rot caught and repaired), `import`
+//! data port, both APIs and plan tokens), `certs` (certificates near their end: the
+//! expiry gauge and warnings of both daemons; the controller's refused handshakes), `at_rest` (rot caught and repaired), `import`
 //! (file and HTTP origins, nginx), `origins` (`s3://` against moto, `hf://` against a local
 //! Hub), `admin` (the admin listener), `health` (readiness, gRPC health, drain, the OpenAPI
 //! document against the routes), `origin_policy`, `limits` (slow and flooding peers),
@@ -22,6 +23,7 @@
 
 mod admin;
 mod at_rest;
+mod certs;
 mod chain;
 mod controller;
 mod deploy;
