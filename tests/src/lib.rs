@@ -518,3 +518,21 @@ pub async fn session_status(
         .expect("GetSession")
         .into_inner()
 }
+
+/// Reads from `s`, past whatever the server sends (an HTTP/2 preface), until the peer closes
+/// it or the read fails: `true` if that happened within `within`, `false` if it was still
+/// open then.
+pub async fn closed_within(s: &mut (impl tokio::io::AsyncRead + Unpin), within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut b = [0u8; 256];
+    tokio::time::timeout(within, async {
+        loop {
+            match s.read(&mut b).await {
+                Ok(n) if n > 0 => continue,
+                _ => return,
+            }
+        }
+    })
+    .await
+    .is_ok()
+}

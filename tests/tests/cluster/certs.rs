@@ -18,8 +18,7 @@ use shardcast_bench::control::{ControllerProc, HttpAs};
 use shardcast_bench::pki::ClusterPki;
 use shardcast_identity::pki::DEFAULT_CA_VALIDITY;
 use shardcast_identity::{Alpn, Expect, Role, TlsContext};
-use shardcast_tests::metric;
-use tokio::io::AsyncReadExt;
+use shardcast_tests::{closed_within, metric};
 use tokio::net::TcpStream;
 
 const DAY: u64 = 86_400;
@@ -144,20 +143,8 @@ async fn try_handshake(client: &TlsContext, addr: std::net::SocketAddr, alpn: Al
         .connect(tcp, alpn, &Expect::Role(Role::Controller))
         .await
     {
-        let mut b = [0u8; 256];
-        let closed = tokio::time::timeout(Duration::from_secs(5), async {
-            loop {
-                match s.read(&mut b).await {
-                    Ok(n) if n > 0 => continue,
-                    _ => return,
-                }
-            }
-        })
-        .await;
-        assert!(
-            closed.is_ok(),
-            "the controller kept a foreign client's connection"
-        );
+        let closed = closed_within(&mut s, Duration::from_secs(5)).await;
+        assert!(closed, "the controller kept a foreign client's connection");
     }
 }
 

@@ -25,6 +25,7 @@ use shardcast_protocol::{
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use super::handshake::Links;
@@ -178,14 +179,16 @@ impl Fetcher {
         stop: Option<&CancellationToken>,
     ) -> Result<(), FetchError> {
         let (tx, mut rx) = mpsc::channel::<VerifiedChunk>(self.origin_parallel.max(1) * 2);
+        // Aborted with this future, wherever it is dropped (a recovery that found a holder
+        // again drops it): the range reads in flight stop with it.
         let fetch = {
             let origin = origin.clone();
             let manifest = sess.manifest.clone();
             let shard = sess.shard_index();
             let parallel = self.origin_parallel;
-            tokio::spawn(async move {
+            AbortOnDropHandle::new(tokio::spawn(async move {
                 origin::fetch_chunks(&origin, manifest, shard, missing, parallel, tx).await
-            })
+            }))
         };
         let never = CancellationToken::new();
         let stop = stop.unwrap_or(&never);
@@ -193,10 +196,7 @@ impl Fetcher {
             // Stops between two chunks, never inside a store.
             let chunk = tokio::select! {
                 biased;
-                () = stop.cancelled() => {
-                    fetch.abort();
-                    return Ok(());
-                }
+                () = stop.cancelled() => return Ok(()),
                 chunk = rx.recv() => chunk,
             };
             let Some(chunk) = chunk else { break };

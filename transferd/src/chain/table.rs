@@ -61,11 +61,16 @@ impl Sessions {
 
     /// Hop sessions and head sessions' shards that have not finished.
     pub(crate) fn unfinished(&self) -> usize {
+        self.count_where(|s| s.outcome().is_none())
+    }
+
+    /// The hop sessions and head sessions' parts here that satisfy `hit` (each is asked once).
+    fn count_where(&self, hit: impl Fn(&ShardSession) -> bool) -> usize {
         let hop = self
             .0
             .hops
             .lock()
-            .map(|m| m.values().filter(|s| s.outcome().is_none()).count())
+            .map(|m| m.values().filter(|s| hit(s)).count())
             .unwrap_or(0);
         let head = self
             .0
@@ -74,7 +79,7 @@ impl Sessions {
             .map(|m| {
                 m.values()
                     .flat_map(|h| h.parts.iter())
-                    .filter(|s| s.outcome().is_none())
+                    .filter(|s| hit(s))
                     .count()
             })
             .unwrap_or(0);
@@ -112,30 +117,12 @@ impl Sessions {
     /// into `fed`'s shard: a peer feeds that shard now ([`ShardSession::yield_origin_read`]).
     /// Returns how many were stopped.
     pub(crate) fn yield_origin_reads(&self, fed: &ShardSession) -> usize {
-        let hit = |s: &ShardSession| {
+        self.count_where(|s| {
             !std::ptr::eq(s, fed)
                 && Arc::ptr_eq(&s.shard, &fed.shard)
                 && s.outcome().is_none()
                 && s.yield_origin_read()
-        };
-        let hop = self
-            .0
-            .hops
-            .lock()
-            .map(|m| m.values().filter(|s| hit(s)).count())
-            .unwrap_or(0);
-        let head = self
-            .0
-            .heads
-            .lock()
-            .map(|m| {
-                m.values()
-                    .flat_map(|h| h.parts.iter())
-                    .filter(|s| hit(s))
-                    .count()
-            })
-            .unwrap_or(0);
-        hop + head
+        })
     }
 
     /// Fails every unfinished session here that forwards from `shard` and needs one of
