@@ -94,14 +94,7 @@ impl Sessions {
     /// Whether an unfinished hop session, or an unfinished part of a head session, here
     /// satisfies `hit`.
     fn any_unfinished(&self, hit: impl Fn(&ShardSession) -> bool) -> bool {
-        let hit = |s: &ShardSession| s.outcome().is_none() && hit(s);
-        let hop = self.0.hops.lock().is_ok_and(|m| m.values().any(|s| hit(s)));
-        let head = self
-            .0
-            .heads
-            .lock()
-            .is_ok_and(|m| m.values().any(|h| h.parts.iter().any(|p| hit(p))));
-        hop || head
+        self.count_where(|s| s.outcome().is_none() && hit(s)) > 0
     }
 
     /// Whether an unfinished hop or head session here receives shard `shard` of `model`
