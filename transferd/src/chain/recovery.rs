@@ -17,8 +17,8 @@
 //! killed head with a stopped hop below it (two faults in one chain) then costs
 //! the hop below those two a stall timeout, not a stall timeout and a grace.
 //!
-//! While it reads the origin, the holders above that it could not reach are dialled every
-//! half grace, and the first that answers again feeds the rest (a host that was cut off
+//! While it reads the origin, the holders above that it could not reach are dialled again
+//! every quarter grace, and the first that answers again feeds the rest (a host that was cut off
 //! gets its link back and would otherwise read the rest from the origin); and the origin
 //! read gives way to a hop above that rejoins the session (`Fetcher::fill_yielding`).
 
@@ -228,7 +228,7 @@ impl Recovery {
     }
 
     /// Reads what the session lacks from the origin `uri` while dialling the holders in
-    /// `unreached` every half grace: the first that answers is pulled from instead (and
+    /// `unreached` again and again (`first_back`): the first that answers is pulled from instead (and
     /// leaves the list), then the origin read goes on for whatever is still missing. A host
     /// that was cut off reaches its origin and the holders above at the same moment when
     /// its link comes back; without this it read the rest of the model from the origin
@@ -240,6 +240,7 @@ impl Recovery {
         unreached: &mut Vec<Hop>,
     ) -> Result<(), FetchError> {
         loop {
+            // `first_back` needs at least one holder to dial.
             if unreached.is_empty() {
                 return self.fetcher.fill_yielding(sess, uri).await;
             }
@@ -263,26 +264,23 @@ impl Recovery {
         }
     }
 
-    /// The first of `hops` that answers a connection; dialled every half grace, each within
-    /// half a grace. Never returns while none answers.
+    /// The first of `hops` that answers a connection. Each is dialled a quarter grace after
+    /// its last try ended, and given a whole grace to finish the handshake (a loaded host
+    /// answers slowly, and a returning holder must win the race against the origin read,
+    /// which resumes the moment the link is back). Never returns while none answers;
+    /// `hops` must not be empty.
     async fn first_back(&self, sess: &ShardSession, hops: &[Hop]) -> Hop {
-        let within = self.upstream_grace / 2;
-        loop {
-            tokio::time::sleep(within).await;
-            let tries = hops.iter().map(|hop| async move {
-                self.fetcher
-                    .reach(sess.transport, hop, within)
-                    .await
-                    .then(|| hop.clone())
-            });
-            if let Some(hop) = futures::future::join_all(tries)
-                .await
-                .into_iter()
-                .flatten()
-                .next()
-            {
-                return hop;
-            }
-        }
+        let (pause, within) = (self.upstream_grace / 4, self.upstream_grace);
+        let tries = hops.iter().map(|hop| {
+            Box::pin(async move {
+                loop {
+                    tokio::time::sleep(pause).await;
+                    if self.fetcher.reach(sess.transport, hop, within).await {
+                        return hop.clone();
+                    }
+                }
+            })
+        });
+        futures::future::select_all(tries).await.0
     }
 }
