@@ -135,7 +135,16 @@ PY
         for lanes in 1 4 8; do
             chain_quic "quic-shards8-lanes$lanes" 8 "$lanes"
         done
+        # The adaptive writer (the default since 2026-11-26) next to pwrite and the map.
+        for cfg in "tls 1 adaptive" "tls 8 adaptive" "authenticate-only 1 adaptive" \
+            "authenticate-only 8 adaptive"; do
+            set -- $cfg
+            chain "shm-$1-s$2-$3" "$1" "$2" "$3" /dev/shm
+        done
         (cd "$OUT" && tar czf chain-json.tar.gz chain && rm -r chain)
+        # The loader's baseline on this card, for the streamed-load work that follows.
+        step loader-streamed-8GiB 90 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s
+        step loader-streamed-8GiB-net25 90 loader --backend cuda --gpus 1 --size 8GiB --net-rate 25GB/s
     fi
     if [ "$what" = hop ] || [ "$what" = all ]; then
         step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
