@@ -151,6 +151,10 @@ pub struct Args {
     /// are served, loaded onto GPUs or handed off (0: always) [default: 1000].
     #[arg(long, env = "SHARDCAST_REVERIFY_AFTER_MS")]
     pub reverify_after_ms: Option<String>,
+    /// Re-hash untrusted chunks before the forwarder sends them down a chain too; without
+    /// it the receiver's verification and `Nack` are the check [default: false].
+    #[arg(long, env = "SHARDCAST_REVERIFY_SENDS")]
+    pub reverify_sends: Option<String>,
     /// Rate at which the background scrub re-hashes idle chunks, e.g. 64MB/s; 0 or off
     /// turns it off [default: 64MB/s].
     #[arg(long, env = "SHARDCAST_SCRUB_RATE")]
@@ -381,6 +385,7 @@ struct Settings {
     store_group: Option<String>,
     #[serde(with = "units::millis")]
     reverify_after_ms: u64,
+    reverify_sends: bool,
     scrub_rate: String,
     log_format: String,
     controller: Option<String>,
@@ -476,6 +481,7 @@ impl Default for Settings {
             writer: "auto".into(),
             store_group: None,
             reverify_after_ms: ms(crate::store::DEFAULT_REVERIFY_AFTER),
+            reverify_sends: false,
             scrub_rate: format!("{}MB/s", crate::store::DEFAULT_SCRUB_RATE / 1_000_000),
             log_format: "text".into(),
             controller: None,
@@ -1048,6 +1054,7 @@ impl Config {
                 disk_capacity: inventory.disk_capacity,
                 memory_headroom: s.memory_headroom,
                 reverify_after: Duration::from_millis(s.reverify_after_ms),
+                reverify_sends: s.reverify_sends,
                 scrub_rate,
             },
             egress_rate,

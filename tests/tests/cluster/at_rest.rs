@@ -1,6 +1,7 @@
 //! Data at rest on real daemons: chunks that rot in a verified memory-tier copy while the
-//! daemon runs (found before serving, after a Nack, or by the scrub; repaired; never
-//! served), and symlinks planted in a running daemon's memory tier.
+//! daemon runs (found by the next hop's verification and `Nack`, before serving with
+//! `reverify_sends`, or by the scrub; repaired; never resent), and symlinks planted in a
+//! running daemon's memory tier.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -48,13 +49,20 @@ fn source_flags(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn byte_flipped_at_rest_is_caught_before_serving_and_repaired() {
-    // The source re-hashes any chunk older than 100 ms before sending it; no scrub, so the
-    // serve path is what finds it.
+    // With `reverify_sends` the source re-hashes any chunk older than 100 ms before sending
+    // it; no scrub, so the send path is what finds it.
     let c = TestCluster::start(
         2,
         8 * MIB,
         2,
-        source_flags(&["--reverify-after-ms", "100", "--scrub-rate", "off"]),
+        source_flags(&[
+            "--reverify-after-ms",
+            "100",
+            "--reverify-sends",
+            "true",
+            "--scrub-rate",
+            "off",
+        ]),
     )
     .await
     .unwrap();
@@ -92,18 +100,14 @@ async fn byte_flipped_at_rest_is_caught_before_serving_and_repaired() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
-    // The source trusts its chunks for ten minutes from their arrival (through the verified
-    // path), so the rotten chunk goes out once; the receiver's Nack makes the source
-    // re-hash, drop and repair it, then send good bytes.
-    let c = TestCluster::start(
-        2,
-        8 * MIB,
-        1,
-        source_flags(&["--reverify-after-ms", "600000", "--scrub-rate", "off"]),
-    )
-    .await
-    .unwrap();
-    let (digest, manifest) = c.import_on_source_verified().await.unwrap();
+    // The defaults (no scrub): the source does not re-hash before sending down a chain, not
+    // even the chunks of the copy kept at import, which it does not trust; so the rotten
+    // chunk goes out once, and the receiver's Nack makes the source re-hash, drop and
+    // repair it, then send good bytes.
+    let c = TestCluster::start(2, 8 * MIB, 1, source_flags(&["--scrub-rate", "off"]))
+        .await
+        .unwrap();
+    let (digest, manifest) = c.import_on_source().await.unwrap();
     flip(
         &shard_file(&c.daemons[0], &digest, &manifest, 0),
         5 * CHUNK + 7,
@@ -140,19 +144,34 @@ async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
         wait_metric(src, "chunks_repaired_total", 1, Duration::from_secs(10)).await,
         1
     );
+    // Only the Nacked chunk (and what its repair checks) was re-hashed, not the model.
+    let rehashed = metric(src, "chunks_reverified_total").await;
+    assert!(
+        rehashed <= 2,
+        "{rehashed} chunks re-hashed of {}",
+        manifest.total_chunks()
+    );
     src.verify_copy(&manifest).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kept_copy_is_rehashed_before_its_first_send() {
     // The copy kept while the manifest was built is moved into the store without a second
-    // hash and is not trusted (even with a ten-minute window): the source re-hashes each
-    // chunk before sending it, so a byte that rotted after the import never leaves it.
+    // hash and is not trusted (even with a ten-minute window): with `reverify_sends` the
+    // source re-hashes each chunk before sending it, so a byte that rotted after the import
+    // never leaves it.
     let c = TestCluster::start(
         2,
         8 * MIB,
         1,
-        source_flags(&["--reverify-after-ms", "600000", "--scrub-rate", "off"]),
+        source_flags(&[
+            "--reverify-after-ms",
+            "600000",
+            "--reverify-sends",
+            "true",
+            "--scrub-rate",
+            "off",
+        ]),
     )
     .await
     .unwrap();
@@ -226,11 +245,20 @@ async fn scrub_finds_and_repairs_a_flipped_byte_in_an_idle_copy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unrepairable_rot_fails_the_session_without_sending_or_skipping() {
+    // Every send re-hashed (`reverify_sends`, a zero trust window), so the rotten chunk is
+    // found before it leaves.
     let c = TestCluster::start(
         2,
         4 * MIB,
         1,
-        source_flags(&["--reverify-after-ms", "0", "--scrub-rate", "off"]),
+        source_flags(&[
+            "--reverify-after-ms",
+            "0",
+            "--reverify-sends",
+            "true",
+            "--scrub-rate",
+            "off",
+        ]),
     )
     .await
     .unwrap();

@@ -209,9 +209,9 @@ impl Forwarder {
                 let ahead = index.saturating_add(1);
                 sess.shard.check_ahead(
                     ahead..ahead.saturating_add(CHECK_AHEAD).min(sess.end),
-                    Check::Serve,
+                    Check::Send,
                 );
-                let why = if recheck { Check::Nack } else { Check::Serve };
+                let why = if recheck { Check::Nack } else { Check::Send };
                 let mut data = match sess.shard.read_checked(index, recheck, why).await {
                     Ok(d) => d,
                     Err(StoreError::CorruptChunk { .. } | StoreError::NotVerified { .. }) => {

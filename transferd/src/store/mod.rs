@@ -164,6 +164,11 @@ pub struct StoreConfig {
     /// by the scrub); older chunks are re-hashed before their bytes are served, loaded or
     /// handed off. `Duration::ZERO` re-hashes on every read.
     pub reverify_after: Duration,
+    /// Whether the forwarder's sends down a chain re-hash untrusted chunks too
+    /// ([`Check::Send`]). Off by default: each receiver verifies every chunk against the
+    /// manifest and `Nack`s a bad one, upon which the sender re-hashes, drops and repairs
+    /// it, and the scrub finds rot in idle copies.
+    pub reverify_sends: bool,
     /// Bytes per second the background scrub re-hashes idle chunks at; 0 turns it off.
     /// The store only records it; the daemon runs the scrub (`crate::repair`).
     pub scrub_rate: u64,
@@ -184,6 +189,7 @@ impl StoreConfig {
             disk_capacity: None,
             memory_headroom: None,
             reverify_after: DEFAULT_REVERIFY_AFTER,
+            reverify_sends: false,
             scrub_rate: DEFAULT_SCRUB_RATE,
         }
     }
@@ -474,6 +480,8 @@ pub(super) struct Integrity {
     pub(super) epoch: Instant,
     /// [`StoreConfig::reverify_after`].
     pub(super) reverify_after: Duration,
+    /// [`StoreConfig::reverify_sends`].
+    pub(super) reverify_sends: bool,
     /// The store's counters.
     pub(super) stats: Arc<StoreStats>,
 }
@@ -647,6 +655,7 @@ impl ShardStore {
             disk_capacity,
             memory_headroom,
             reverify_after,
+            reverify_sends,
             scrub_rate,
         } = cfg;
         let stats = Arc::new(StoreStats::default());
@@ -692,6 +701,7 @@ impl ShardStore {
             integrity: Arc::new(Integrity {
                 epoch: Instant::now(),
                 reverify_after,
+                reverify_sends,
                 stats,
             }),
             memory_capacity,

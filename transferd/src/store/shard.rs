@@ -33,7 +33,13 @@
 //!
 //! Reads are zero-copy `Bytes` over the shard's shared map. Before bytes leave the store,
 //! [`Shard::read_checked`] re-hashes a chunk that is not trusted: verified more than
-//! `reverify_after` ago, after a `Nack`, or an adopted kept copy's first send;
+//! `reverify_after` ago, after a `Nack`, or an adopted kept copy's first send. A chunk the
+//! forwarder sends down a chain ([`Check::Send`]) is not re-hashed unless the store is told
+//! to (`reverify_sends`): every receiver verifies it against the manifest and `Nack`s a bad
+//! one, which makes the sender re-hash, drop and repair it (one BLAKE3 pass per byte
+//! fewer at a chain's head: a TLS hop on a 16-core host carried 2.16 GB/s without it,
+//! 1.68 with it); `Fetch` answers, GPU loads and hand-offs, which have no `Nack`, still
+//! re-hash;
 //! [`Shard::check_ahead`] does that a few chunks ahead of the socket on the blocking pool.
 //! [`Shard::chunk_in_file`] gives a chunk's file and offset for `sendfile`, and
 //! [`Shard::mapping`] the read-only map the GPU loader registers.
@@ -96,8 +102,13 @@ pub(super) struct ShardSpec {
 /// Why a chunk is re-verified: selects the counter and names the reader in the log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Check {
-    /// Before its bytes are sent to a peer (the forwarder, a `Fetch`).
+    /// Before its bytes answer a peer's `Fetch` (the puller has no `Nack`).
     Serve,
+    /// Before the forwarder sends it down a chain. Only with
+    /// [`StoreConfig::reverify_sends`](super::StoreConfig::reverify_sends): otherwise the
+    /// receiver's verification is the check, and its `Nack` makes this host re-hash the
+    /// chunk ([`Check::Nack`]).
+    Send,
     /// After a downstream `Nack`: always re-hashed.
     Nack,
     /// Before it is copied towards a GPU.
@@ -635,6 +646,12 @@ impl Shard {
         st.contains(index) && !self.trusted(&st, index)
     }
 
+    /// Whether a check for `why` hashes at all when not forced: a [`Check::Send`] does not
+    /// unless the store re-verifies sends.
+    fn checks_for(&self, why: Check) -> bool {
+        why != Check::Send || self.integrity.reverify_sends
+    }
+
     fn trusted(&self, st: &BitState, index: u32) -> bool {
         let at = st.stamp(index);
         let window = u64::try_from(self.integrity.reverify_after.as_millis()).unwrap_or(u64::MAX);
@@ -642,7 +659,8 @@ impl Shard {
     }
 
     /// Re-verifies verified chunk `index` against the manifest, unless it was verified
-    /// within the trust window (`force` re-hashes regardless). `Ok(true)`: re-hashed and
+    /// within the trust window or `why` is a [`Check::Send`] the store does not re-hash
+    /// (`force` re-hashes regardless). `Ok(true)`: re-hashed and
     /// sound (trusted again from now); `Ok(false)`: trusted without hashing. A chunk that
     /// fails is dropped from the verified set (bitmap file included), counted, logged as a
     /// repair event and reported as [`StoreError::CorruptChunk`]. Hashes on the calling
@@ -654,7 +672,7 @@ impl Shard {
             let stamp = {
                 let st = lock(&self.state);
                 self.held(&st, index)?;
-                if !force && self.trusted(&st, index) {
+                if !force && (!self.checks_for(why) || self.trusted(&st, index)) {
                     return Ok(false);
                 }
                 st.stamp(index)
@@ -692,6 +710,9 @@ impl Shard {
     /// hashing and sending in turn. A chunk that fails is dropped as by [`Shard::check`];
     /// the reader then finds it unverified. Must be called inside a tokio runtime.
     pub fn check_ahead(self: &Arc<Self>, chunks: std::ops::Range<u32>, why: Check) {
+        if !self.checks_for(why) {
+            return;
+        }
         for i in chunks {
             {
                 let mut st = lock(&self.state);
@@ -814,7 +835,7 @@ impl Shard {
         force: bool,
         why: Check,
     ) -> Result<Bytes, StoreError> {
-        if force || self.needs_check(index) {
+        if force || (self.checks_for(why) && self.needs_check(index)) {
             let shard = self.clone();
             tokio::task::spawn_blocking(move || shard.check(index, force, why))
                 .await
