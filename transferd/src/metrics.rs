@@ -452,6 +452,12 @@ impl Collector for NodeCollector {
                 load(&s.holders_back_during_origin_read),
             ),
             (
+                "origin_reads_stalled_total",
+                Counter,
+                "A recovery's origin reads that stopped progressing for an upstream grace (link or origin gone): paused until the origin answers, then the holders above get a grace first.",
+                load(&s.origin_reads_stalled),
+            ),
+            (
                 "upstream_holders_unreachable_total",
                 Counter,
                 "Holders above a hop without upstream, dialled while it waited for a failover, that could not be reached (so no failover was awaited from them).",

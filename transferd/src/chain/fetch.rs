@@ -156,9 +156,35 @@ impl Fetcher {
         }
     }
 
+    /// Whether the origin `source` answers a read of the session's shard's first byte within
+    /// `within`: how a recovering hop whose origin read stopped learns that the origin (and
+    /// its own link) is back, without reading a chunk from it.
+    pub(super) async fn origin_answers(
+        &self,
+        sess: &ShardSession,
+        source: &str,
+        within: Duration,
+    ) -> bool {
+        let Ok(origin) = Origin::parse(source, &self.origins) else {
+            return false;
+        };
+        let Ok(shard) = sess.manifest.shard(sess.shard_index()) else {
+            return false;
+        };
+        let read = origin.read_range(&shard.path, 0, 1);
+        match tokio::time::timeout(within, read).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
+                debug!(session = %sess.id, "the origin does not answer yet: {e}");
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Returns once the session's range is complete, or the shard has not grown for a
     /// stall timeout.
-    async fn wait_while_growing(&self, sess: &ShardSession) {
+    pub(super) async fn wait_while_growing(&self, sess: &ShardSession) {
         let mut grown = sess.shard.subscribe();
         while !sess.complete() {
             match tokio::time::timeout(self.stall_timeout, grown.changed()).await {
