@@ -5,7 +5,7 @@
 #   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next]
+#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -145,6 +145,12 @@ PY
         # The loader's baseline on this card, for the streamed-load work that follows.
         step loader-streamed-8GiB 90 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s
         step loader-streamed-8GiB-net25 90 loader --backend cuda --gpus 1 --size 8GiB --net-rate 25GB/s
+    fi
+    if [ "$what" = sends ]; then
+        # The default since 2026-11-27 sends chunks down a chain without re-hashing them
+        # (`reverify_sends = false`); the hop's second row re-hashes, as before.
+        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
+        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
     fi
     if [ "$what" = hop ] || [ "$what" = all ]; then
         step hop-${hop_size}-stripes1 150 hop --size "$hop_size"

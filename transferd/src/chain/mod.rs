@@ -338,9 +338,9 @@ pub struct NodeStats {
     /// Holders above a recovering hop, out of reach when it started reading the origin,
     /// that answered again during that read: the rest came from them, not the origin.
     pub holders_back_during_origin_read: AtomicU64,
-    /// A recovery's origin reads that stored nothing for an upstream grace after they had
-    /// progressed (this host's link, or the origin, went away): stopped, and resumed only
-    /// after the holders above had a grace to answer once the origin answered again.
+    /// A recovery's origin reads that stored nothing for an upstream grace (this host's
+    /// link, or the origin, went away): stopped, and resumed only after the holders above
+    /// had a grace to answer once the origin answered again.
     pub origin_reads_stalled: AtomicU64,
     /// Holders above a hop without upstream that it dialled while waiting for a failover
     /// and could not reach (dead or stopped): it stopped waiting for them.
