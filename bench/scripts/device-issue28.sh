@@ -168,7 +168,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [hop|loader|all|writers|next]" >&2
+    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends]" >&2
     exit 2
     ;;
 esac
