@@ -5,7 +5,7 @@
 #   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends]
+#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -146,6 +146,17 @@ PY
         step loader-streamed-8GiB 90 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s
         step loader-streamed-8GiB-net25 90 loader --backend cuda --gpus 1 --size 8GiB --net-rate 25GB/s
     fi
+    if [ "$what" = threads ]; then
+        # Which threads of an unstriped hop are busy (no perf on the device): /proc per
+        # thread, every half second, while one 4 GiB shard crosses the hop.
+        for mode in tls authenticate-only; do
+            echo "== threads of a $mode hop, 1 stripe, 4 GiB"
+            python3 bench/scripts/thread_cpu.py "transferd --host-id" 0.5 -- \
+                "$bench" chain --local --receivers 1 --size "$hop_size" --methods chain-tcp \
+                --warm-up --data-mode "$mode" --json "$OUT/threads-$mode.json" 2>>"$OUT/log.txt" |
+                grep -A9 "(pid" | tee -a "$OUT/threads.txt"
+        done
+    fi
     if [ "$what" = sends ]; then
         # The default since 2026-11-27 sends chunks down a chain without re-hashing them
         # (`reverify_sends = false`); the hop's second row re-hashes, as before.
@@ -168,7 +179,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends]" >&2
+    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads]" >&2
     exit 2
     ;;
 esac
