@@ -247,10 +247,11 @@ impl Recovery {
         uri: &str,
         unreached: &mut Vec<Hop>,
     ) -> Result<(), FetchError> {
-        // Whether the next origin read counts as stalled only after it has brought a chunk:
-        // once the origin answered and no holder did, a read slow to start is the origin's
-        // pace, not a lost link.
-        let mut after_progress = false;
+        // Whether an origin read that brings nothing for a grace is stopped: not after a
+        // round in which the origin answered and no holder did (the origin is then simply
+        // this slow: an origin that takes longer than a grace per chunk would otherwise be
+        // stopped again and again, its reads in flight dropped each time).
+        let mut watch_stall = true;
         loop {
             // `first_back` needs at least one holder to dial.
             if unreached.is_empty() {
@@ -261,19 +262,16 @@ impl Recovery {
             let back = tokio::select! {
                 r = self.fetcher.fill_yielding(sess, uri) => return r,
                 hop = self.first_back(sess, unreached, self.upstream_grace / 4) => hop,
-                () = stalled(sess, self.upstream_grace, after_progress) => {
+                () = stalled(sess, self.upstream_grace), if watch_stall => {
                     self.stats.origin_reads_stalled.fetch_add(1, Ordering::Relaxed);
                     info!(session = %sess.id, have = sess.verified(), total = sess.total(), "the origin read brings nothing (link or origin gone): the holders above get the first word once the origin answers again");
                     match self.holders_first(sess, uri, unreached).await {
                         HoldersFirst::Back(hop) => hop,
                         HoldersFirst::OriginOnly => {
-                            after_progress = true;
+                            watch_stall = false;
                             continue;
                         }
-                        HoldersFirst::PeerFed => {
-                            after_progress = false;
-                            continue;
-                        }
+                        HoldersFirst::PeerFed => continue,
                     }
                 }
             };
@@ -381,14 +379,11 @@ enum HoldersFirst {
     PeerFed,
 }
 
-/// Returns once the session's shard has not grown for `quiet` (with `after_progress`, only
-/// counting from its first growth after the call): the origin read brings nothing.
-async fn stalled(sess: &ShardSession, quiet: Duration, after_progress: bool) {
+/// Returns once the session's shard has not grown for `quiet`: the origin read brings
+/// nothing.
+async fn stalled(sess: &ShardSession, quiet: Duration) {
     let mut grown = sess.shard.subscribe();
     grown.borrow_and_update();
-    if after_progress && grown.changed().await.is_err() {
-        return std::future::pending().await;
-    }
     loop {
         match tokio::time::timeout(quiet, grown.changed()).await {
             Ok(Ok(())) => {}
