@@ -764,3 +764,60 @@ async fn an_evict_ends_the_sessions_that_outlived_their_plan() {
     assert_eq!(head.memory_tier_bytes().unwrap(), 0);
     stopped.signal("CONT").unwrap();
 }
+
+/// A recovery that reads a slow origin (an HTTP origin capped at 512 KB/s, each 256 KiB
+/// chunk taking about 2 s, four times the upstream grace) while the holder above it is dead:
+/// its origin read is stopped once as "bringing nothing" and the origin is probed; the
+/// origin answers, the dead holder does not within a grace, and the read is then left to
+/// the origin's pace for the rest of the attempt (it was stopped again and again, its reads
+/// in flight dropped each time, when every stall counted). Both receivers end exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_origin_is_read_to_the_end_when_the_holder_above_is_dead() {
+    use shardcast_bench::origin_server::{OriginStats, serve};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = format!("http://{}/", listener.local_addr().unwrap());
+    let allowed = http.clone();
+    let mut caps = cap_receivers("100Mbit");
+    let mut c = TestCluster::start(2, 4 * MIB, 1, move |i, o| {
+        caps(i, o);
+        // The cluster allows its file origin; this one is allowed too.
+        if let Some(at) = o.extra_args.iter().position(|a| a == "--origin-allow") {
+            let list = format!("{},{allowed}", o.extra_args[at + 1]);
+            o.extra_args[at + 1] = list;
+        }
+    })
+    .await
+    .unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let stats = std::sync::Arc::new(OriginStats::default());
+    tokio::spawn(serve(
+        c.origin.path().to_path_buf(),
+        listener,
+        Some(512_000),
+        stats.clone(),
+        cancel.clone(),
+    ));
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2], &http).await.unwrap();
+    c.wait_bytes(1, &digest, MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[0].kill().await;
+    c.wait(&[1, 2], &digest, Duration::from_secs(90))
+        .await
+        .unwrap();
+    for i in [1, 2] {
+        c.daemons[i].verify_copy(&manifest).unwrap();
+    }
+    let r1 = &c.daemons[1];
+    assert!(
+        r1.stats().await.unwrap().origin_bytes > 0,
+        "recv-1 read the origin"
+    );
+    assert_eq!(
+        metric(r1, "origin_reads_stalled_total").await,
+        1,
+        "the slow origin read was stopped once, then left to its pace"
+    );
+}
