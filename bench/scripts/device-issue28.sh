@@ -19,6 +19,12 @@ pack() {
         gzip -6 "$dev/${b##*/}"
     done
     # iperf3 for the raw-TCP baseline of the same run (the device has no package registry).
+    if ! command -v iperf3 >/dev/null; then
+        echo "pack: iperf3 is not installed here; installing it (Debian's package)" >&2
+        apt-get install -y iperf3 >/dev/null 2>&1 ||
+            { apt-get update >/dev/null 2>&1 && apt-get install -y iperf3 >/dev/null 2>&1; } ||
+            { echo "pack: cannot install iperf3; the raw-TCP baseline needs it" >&2; exit 1; }
+    fi
     cp "$(command -v iperf3)" "$dev/iperf3"
     for l in libiperf.so.0 libsctp.so.1; do
         cp -L "/lib/x86_64-linux-gnu/$l" "$dev/lib/"
