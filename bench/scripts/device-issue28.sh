@@ -106,6 +106,10 @@ r = json.load(open(sys.argv[1])); x = r["results"][0]; gb = r["bytes"] / 1e9
 print(f"{sys.argv[2]:>28} {r['bytes']/x['completion_s']/1e9:6.2f} GB/s  src {x['source_cpu_s']/gb:.2f} + recv {x['receiver_cpu_s'][0]/gb:.2f} cpu-s/GB  util {x['cpu_util']:.2f} verified {x['verified']}")
 PY
     }
+    hops() { # the hop, one shard, over one connection and striped over eight
+        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
+        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
+    }
     huge=/mnt/shm-huge
     if [ "$what" = writers ]; then
         mkdir -p $huge && mount -t tmpfs -o size=96G,huge=within_size tmpfs $huge || huge=
@@ -136,8 +140,7 @@ PY
         # layer (identity::records), the adaptive writer as the default, QUIC lanes.
         echo "== one data connection, rustls's stream vs the record layer (4 GiB, 3 rounds)"
         "$bin/data_path_rate" 4 3 | tee -a "$OUT/log.txt"
-        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
-        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
+        hops
         for lanes in 1 4 8; do
             chain_quic "quic-shards8-lanes$lanes" 8 "$lanes"
         done
@@ -166,12 +169,10 @@ PY
     if [ "$what" = sends ]; then
         # The default since 2026-11-27 sends chunks down a chain without re-hashing them
         # (`reverify_sends = false`); the hop's second row re-hashes, as before.
-        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
-        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
+        hops
     fi
     if [ "$what" = hop ] || [ "$what" = all ]; then
-        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
-        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
+        hops
         step hop-${hop_size}-shards8 150 hop --size "$hop_size" --shards 8
     fi
     if [ "$what" = loader ] || [ "$what" = all ]; then

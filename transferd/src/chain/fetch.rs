@@ -165,6 +165,8 @@ impl Fetcher {
         source: &str,
         within: Duration,
     ) -> bool {
+        // Parsed for each try: an HTTP origin gets a client of its own, so each try dials a
+        // new connection instead of reusing one that died with the link.
         let Ok(origin) = Origin::parse(source, &self.origins) else {
             return false;
         };
