@@ -399,6 +399,10 @@ impl Daemon {
                 None => vec!["--insecure-plaintext".into(), "true".into()],
             })
             .args(&self.opts.extra_args)
+            // One stripe unless a flag (`--stripes`) or `env` says otherwise: transferd's
+            // default (`auto`) depends on the machine's cores, and a test or bench should
+            // behave the same on any machine.
+            .env("SHARDCAST_STRIPES", "1")
             .envs(self.opts.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -245,9 +245,10 @@ enum Cmd {
         /// handshake, then unencrypted; `--sendfile` too with `authenticate-only-sendfile`).
         #[arg(long, default_value = "tls")]
         data_mode: BenchDataMode,
-        /// Connections each shard is striped over (the head's `--stripes`).
-        #[arg(long, default_value_t = 1)]
-        stripes: usize,
+        /// Connections each shard is striped over (the head's `--stripes`: a number, or
+        /// `auto`, transferd's own default, which depends on the cores).
+        #[arg(long, default_value = "1")]
+        stripes: String,
         /// An extra transferd argument for every daemon (repeat it), e.g.
         /// `--daemon-arg=--writer --daemon-arg=mapped`.
         #[arg(long = "daemon-arg", allow_hyphen_values = true)]

@@ -185,6 +185,11 @@ pub struct MethodResult {
     /// `reverify_after` between arriving and leaving), in chain order.
     #[serde(default)]
     pub receiver_bytes_reverified: Vec<u64>,
+    /// Bytes each receiver wrote into its store by copying into the shard's writable map
+    /// rather than `pwrite` (the adaptive writer, while another write held the shard's
+    /// lock), in chain order.
+    #[serde(default)]
+    pub receiver_bytes_written_mapped: Vec<u64>,
     /// Packets the emulated loss dropped, all hosts together (0 without a loss).
     pub packets_dropped: u64,
     /// What quinn counted on every daemon's QUIC connections (chain-quic only).
@@ -602,7 +607,8 @@ async fn run_method(
     let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
     let mut reverified0 = Vec::new();
     for d in &daemons {
-        reverified0.push(d.stats().await?.bytes_reverified);
+        let st = d.stats().await?;
+        reverified0.push((st.bytes_reverified, st.bytes_written_mapped));
     }
     let perf = match &opts.perf {
         Some((side, out)) => {
@@ -649,9 +655,11 @@ async fn run_method(
         .collect();
     let procs: Vec<f64> = split.iter().map(ProcCpu::total_s).collect();
     let gb = bytes as f64 / 1e9;
-    let mut reverified = Vec::new();
-    for (d, before) in daemons.iter().zip(&reverified0) {
-        reverified.push(d.stats().await?.bytes_reverified.saturating_sub(*before));
+    let (mut reverified, mut mapped) = (Vec::new(), Vec::new());
+    for (d, (rehashed, map_writes)) in daemons.iter().zip(&reverified0) {
+        let st = d.stats().await?;
+        reverified.push(st.bytes_reverified.saturating_sub(*rehashed));
+        mapped.push(st.bytes_written_mapped.saturating_sub(*map_writes));
     }
     let quic = match method {
         Method::ChainQuic => Some(quic_figures(&daemons).await?),
@@ -698,6 +706,7 @@ async fn run_method(
         receiver_cpu: split[1..].to_vec(),
         source_bytes_reverified: reverified[0],
         receiver_bytes_reverified: reverified[1..].to_vec(),
+        receiver_bytes_written_mapped: mapped[1..].to_vec(),
         packets_dropped,
         quic,
     })
@@ -1190,14 +1199,11 @@ async fn measure_scrub(size: u64, shards: usize, seconds: u64) -> anyhow::Result
     })
 }
 
-/// transferd's arguments for striping each shard over `stripes` connections (none for 1,
-/// transferd's default).
-pub fn stripe_args(stripes: usize) -> Vec<String> {
-    if stripes > 1 {
-        vec!["--stripes".into(), stripes.to_string()]
-    } else {
-        Vec::new()
-    }
+/// transferd's arguments for striping each shard over `stripes` connections (a number, or
+/// `auto`).
+pub fn stripe_args(stripes: impl std::fmt::Display) -> Vec<String> {
+    // Always given: the daemons' default (`auto`) depends on the machine's cores.
+    vec!["--stripes".into(), stripes.to_string()]
 }
 
 /// Runs the `hop` benchmark: iperf3 on loopback, then a model of `size` bytes through one

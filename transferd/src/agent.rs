@@ -662,6 +662,7 @@ impl Agent for AgentService {
             data_mode: n.transports().data_mode_name().into(),
             downstream_failovers: s.downstream_failovers.load(Ordering::Relaxed),
             bytes_reverified: st.bytes_reverified.load(Ordering::Relaxed),
+            bytes_written_mapped: st.bytes_written_mapped.load(Ordering::Relaxed),
             bytes_scrubbed: st.bytes_scrubbed.load(Ordering::Relaxed),
             chunks_rotted: st.chunks_rotted.load(Ordering::Relaxed),
             chunks_repaired: st.chunks_repaired.load(Ordering::Relaxed),

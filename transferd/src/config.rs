@@ -293,8 +293,9 @@ pub struct Args {
     #[arg(long, env = "SHARDCAST_DATA_MODE")]
     pub data_mode: Option<String>,
     /// Connections (sessions) each shard of a chain this host heads is striped over, so
-    /// each hop handles one shard on several cores; hops below follow [default: 1, at most
-    /// 16; fewer for shards under 4 chunks a stripe].
+    /// each hop handles one shard on several cores; hops below follow. `auto`: one per
+    /// shard below 8 cores, else half the cores (at most 8) per chain, shared among its
+    /// shards [default: auto; a number is 1 to 16; fewer for shards under 4 chunks a stripe].
     #[arg(long, env = "SHARDCAST_STRIPES")]
     pub stripes: Option<String>,
     /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
@@ -429,7 +430,7 @@ struct Settings {
     insecure_plaintext: bool,
     sendfile: bool,
     data_mode: DataMode,
-    stripes: usize,
+    stripes: StripesSetting,
     origin_allow: Vec<String>,
     #[serde(with = "units::millis")]
     handshake_timeout_ms: u64,
@@ -518,7 +519,7 @@ impl Default for Settings {
             insecure_plaintext: false,
             sendfile: chain.sendfile,
             data_mode: DataMode::default(),
-            stripes: chain.stripes,
+            stripes: StripesSetting::Auto,
             origin_allow: Vec::new(),
             drain_grace_ms: ms(DEFAULT_DRAIN_GRACE),
             handshake_timeout_ms: ms(limits.handshake_timeout),
@@ -1014,13 +1015,16 @@ impl Config {
             ],
         )?;
         let data_mode = s.data_mode;
-        let stripes = s.stripes;
-        if !(1..=crate::chain::MAX_STRIPES).contains(&stripes) {
-            bail!(
-                "stripes must be between 1 and {} (got {stripes})",
+        let stripes = match s.stripes {
+            StripesSetting::Auto => crate::chain::Stripes::auto(),
+            StripesSetting::Fixed(n) if (1..=crate::chain::MAX_STRIPES).contains(&n) => {
+                crate::chain::Stripes::Fixed(n)
+            }
+            StripesSetting::Fixed(n) => bail!(
+                "stripes must be auto or between 1 and {} (got {n})",
                 crate::chain::MAX_STRIPES
-            );
-        }
+            ),
+        };
         if data_mode == DataMode::AuthenticateOnly
             && matches!(security, Security::InsecurePlaintext)
         {
@@ -1107,6 +1111,55 @@ fn bounded(name: &str, v: usize, max: usize) -> anyhow::Result<usize> {
     Ok(v)
 }
 
+/// `stripes` as written: `"auto"` or a count (an integer in TOML, a string from a flag or
+/// the environment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StripesSetting {
+    Auto,
+    Fixed(usize),
+}
+
+impl serde::Serialize for StripesSetting {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => s.serialize_str("auto"),
+            Self::Fixed(n) => s.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for StripesSetting {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = StripesSetting;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("\"auto\" or a number of stripes")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<StripesSetting, E> {
+                usize::try_from(n)
+                    .map(StripesSetting::Fixed)
+                    .map_err(|_| E::custom(format!("{n} stripes is too many")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<StripesSetting, E> {
+                u64::try_from(n)
+                    .map_err(|_| E::custom(format!("stripes cannot be negative (got {n})")))
+                    .and_then(|n| self.visit_u64(n))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<StripesSetting, E> {
+                let v = v.trim();
+                if v.eq_ignore_ascii_case("auto") {
+                    return Ok(StripesSetting::Auto);
+                }
+                v.parse::<u64>()
+                    .map_err(|_| E::custom(format!("expected \"auto\" or a number, got {v:?}")))
+                    .and_then(|n| self.visit_u64(n))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1143,6 +1196,33 @@ mod tests {
         assert_eq!(c.cert_expiry_warning, Duration::ZERO);
         let err = load_tls(&["--cert-expiry-warning-s", "soon"]).unwrap_err();
         assert!(err.to_string().contains("cert_expiry_warning_s"), "{err}");
+    }
+
+    #[test]
+    fn stripes_are_auto_by_default_or_a_count_from_a_flag_or_the_file() {
+        let c = load_tls(&[]).unwrap();
+        assert_eq!(c.chain.stripes, crate::chain::Stripes::auto());
+        let c = load_tls(&["--stripes", "3"]).unwrap();
+        assert_eq!(c.chain.stripes, crate::chain::Stripes::Fixed(3));
+        let c = load_tls(&["--stripes", "AUTO"]).unwrap();
+        assert_eq!(c.chain.stripes, crate::chain::Stripes::auto());
+        for bad in ["0", "17", "-1", "many"] {
+            let flag = format!("--stripes={bad}");
+            let err = load_tls(&[&flag]).unwrap_err();
+            assert!(format!("{err:#}").contains("stripes"), "{bad}: {err:#}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
+        std::fs::write(&path, "stripes = 4\n").unwrap();
+        let c = load_tls(&["--config", config]).unwrap();
+        assert_eq!(c.chain.stripes, crate::chain::Stripes::Fixed(4));
+        std::fs::write(&path, "stripes = \"auto\"\n").unwrap();
+        let c = load_tls(&["--config", config]).unwrap();
+        assert_eq!(c.chain.stripes, crate::chain::Stripes::auto());
+        std::fs::write(&path, "stripes = 2.5\n").unwrap();
+        let err = load_tls(&["--config", config]).unwrap_err();
+        assert!(format!("{err:#}").contains("stripes"), "{err:#}");
     }
 
     #[test]

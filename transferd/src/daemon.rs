@@ -310,7 +310,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             cancel.clone(),
         ));
     }
-    info!(host = %config.host_id, %data_addr, %agent_addr, %admin_addr, "transferd ready");
+    info!(host = %config.host_id, %data_addr, %agent_addr, %admin_addr, stripes = %config.chain.stripes, "transferd ready");
     println!("READY data={data_addr} agent={agent_addr} admin={admin_addr}");
 
     shardcast_identity::process::shutdown_signal().await;

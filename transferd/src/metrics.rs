@@ -862,6 +862,11 @@ impl Collector for NodeCollector {
                 &st.bytes_reverified,
             ),
             (
+                "store_bytes_written_mapped_total",
+                "Chunk bytes written by copying into a shard's writable map (the adaptive writer while another write held the shard's lock); the rest went by pwrite.",
+                &st.bytes_written_mapped,
+            ),
+            (
                 "chunks_scrubbed_total",
                 "Chunks re-hashed by the background scrub.",
                 &st.chunks_scrubbed,

@@ -66,7 +66,7 @@ pub(crate) struct Heads {
     fetcher: Arc<Fetcher>,
     cancel: CancellationToken,
     /// Connections each shard is striped over.
-    stripes: usize,
+    stripes: super::Stripes,
 }
 
 impl Heads {
@@ -79,7 +79,7 @@ impl Heads {
         forwarder: Arc<Forwarder>,
         fetcher: Arc<Fetcher>,
         cancel: CancellationToken,
-        stripes: usize,
+        stripes: super::Stripes,
     ) -> Self {
         Self {
             store,
@@ -144,6 +144,7 @@ impl Heads {
         }
         self.repairs.note_source(model, &origin);
         let mut parts = Vec::new();
+        let stripes = self.stripes.per_shard(plan.len());
         for (s, held, hops) in plan {
             let shard = match held {
                 Some(h) => h,
@@ -153,7 +154,7 @@ impl Heads {
                 })?,
             };
             // One session per stripe of the shard, each on its own connection.
-            for range in stripe_ranges(shard.total_chunks(), self.stripes) {
+            for range in stripe_ranges(shard.total_chunks(), stripes) {
                 let (sess, active) = self.intake.new_session(
                     id,
                     model,

@@ -227,10 +227,70 @@ pub struct ChainConfig {
     /// chunks split into this many contiguous ranges, each its own session (the same
     /// session id, the range in its `Open`) on its own connection down the whole chain, so
     /// every hop receives, decrypts, verifies and forwards one shard on as many cores.
-    /// Hops below follow the head's ranges. Rationale for the default of 1: one
-    /// connection per shard fills a 2-core host already (docs/BENCHMARKS.md); raise it on
-    /// hosts with idle cores and few shards.
-    pub stripes: usize,
+    /// Hops below follow the head's ranges. The daemon's default is [`Stripes::Auto`]; this
+    /// struct's `Default` is one stripe (tests and embedders get the same behaviour on any
+    /// machine).
+    pub stripes: Stripes,
+}
+
+/// How many connections each shard of a chain this host heads is striped over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stripes {
+    /// This many per shard (1 to [`MAX_STRIPES`]).
+    Fixed(usize),
+    /// About `connections` per chain, shared among its shards: a model of one shard gets
+    /// them all, one of as many shards as connections (or more) one each.
+    /// [`Stripes::for_cores`] picks `connections` from the host's cores.
+    Auto {
+        /// Connections per chain this host aims for.
+        connections: usize,
+    },
+}
+
+/// Fewest cores for which [`Stripes::for_cores`] stripes at all. Rationale: one connection
+/// per shard already fills a 2-core host (striping only added work there), while on a
+/// 16-core host one TLS hop of one shard carried 1.76 GB/s with 1 stripe and 4.46 GB/s
+/// with 8 (docs/BENCHMARKS.md, issue #28); a hop's two ends each spend about a core per
+/// connection, so half the cores is what one chain can use without starving the rest.
+pub const AUTO_STRIPES_MIN_CORES: usize = 8;
+
+/// Most connections per chain [`Stripes::for_cores`] aims for: 8 is the most measured.
+pub const AUTO_STRIPES_MAX: usize = 8;
+
+impl Stripes {
+    /// `auto` on a host of `cores` cores: one connection per shard below
+    /// [`AUTO_STRIPES_MIN_CORES`], else half the cores, at most [`AUTO_STRIPES_MAX`].
+    pub fn for_cores(cores: usize) -> Self {
+        let connections = if cores < AUTO_STRIPES_MIN_CORES {
+            1
+        } else {
+            (cores / 2).min(AUTO_STRIPES_MAX)
+        };
+        Self::Auto { connections }
+    }
+
+    /// `auto` on this host ([`std::thread::available_parallelism`], which honours CPU
+    /// affinity and cgroup quotas; 1 when unknown).
+    pub fn auto() -> Self {
+        Self::for_cores(std::thread::available_parallelism().map_or(1, usize::from))
+    }
+
+    /// Stripes for each shard of a chain that sends `shards` shards.
+    pub fn per_shard(self, shards: usize) -> usize {
+        match self {
+            Self::Fixed(n) => n.clamp(1, MAX_STRIPES),
+            Self::Auto { connections } => (connections / shards.max(1)).clamp(1, MAX_STRIPES),
+        }
+    }
+}
+
+impl std::fmt::Display for Stripes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fixed(n) => write!(f, "{n}"),
+            Self::Auto { connections } => write!(f, "auto ({connections} per chain)"),
+        }
+    }
 }
 
 /// Fewest chunks in one stripe: a shard is striped into fewer ranges than `stripes` rather
@@ -270,7 +330,7 @@ impl Default for ChainConfig {
             progress_interval: Duration::from_millis(100),
             pipeline_depth: 4,
             sendfile: false,
-            stripes: 1,
+            stripes: Stripes::Fixed(1),
         }
     }
 }
@@ -839,5 +899,31 @@ mod stripe_tests {
         assert_eq!(stripe_ranges(12, 3), vec![0..4, 4..8, 8..12]);
         assert_eq!(stripe_ranges(10, 3), vec![0..5, 5..10]);
         assert_eq!(stripe_ranges(2, 4), vec![0..2]);
+    }
+
+    #[test]
+    fn auto_stripes_use_half_the_cores_shared_among_the_shards() {
+        // Small hosts: one connection per shard, whatever the shard count.
+        for cores in [1, 2, 4, 7] {
+            let auto = Stripes::for_cores(cores);
+            assert_eq!(auto, Stripes::Auto { connections: 1 });
+            for shards in [0, 1, 2, 8] {
+                assert_eq!(auto.per_shard(shards), 1, "{cores} cores, {shards} shards");
+            }
+        }
+        // From 8 cores: half of them per chain, at most 8, shared among the shards.
+        assert_eq!(Stripes::for_cores(8), Stripes::Auto { connections: 4 });
+        assert_eq!(Stripes::for_cores(16), Stripes::Auto { connections: 8 });
+        assert_eq!(Stripes::for_cores(192), Stripes::Auto { connections: 8 });
+        let sixteen = Stripes::for_cores(16);
+        assert_eq!(sixteen.per_shard(1), 8);
+        assert_eq!(sixteen.per_shard(2), 4);
+        assert_eq!(sixteen.per_shard(3), 2);
+        assert_eq!(sixteen.per_shard(8), 1);
+        assert_eq!(sixteen.per_shard(100), 1);
+        // A fixed count is kept within 1..=MAX_STRIPES.
+        assert_eq!(Stripes::Fixed(3).per_shard(8), 3);
+        assert_eq!(Stripes::Fixed(0).per_shard(1), 1);
+        assert_eq!(Stripes::Fixed(99).per_shard(1), MAX_STRIPES);
     }
 }

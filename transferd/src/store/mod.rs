@@ -245,6 +245,11 @@ pub struct StoreStats {
     pub chunks_reverified: AtomicU64,
     /// Bytes re-hashed that way.
     pub bytes_reverified: AtomicU64,
+    /// Chunk bytes written by copying into a shard's writable map (the adaptive writer
+    /// while another write held the shard's lock, or the mapped writer); the rest went by
+    /// `pwrite` or io_uring. A mapped write of a fresh tmpfs page pays a page clear that a
+    /// whole-page `pwrite` does not.
+    pub bytes_written_mapped: AtomicU64,
     /// Chunks re-hashed by the background scrub.
     pub chunks_scrubbed: AtomicU64,
     /// Bytes re-hashed by the background scrub.

@@ -537,9 +537,17 @@ impl Shard {
             self.serial.clone(),
             self.writable.clone(),
         );
+        let stats = self.integrity.stats.clone();
+        let mapped = move |map: &WritableMap, data: &[u8], offset| {
+            map.write(offset, data)?;
+            stats
+                .bytes_written_mapped
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            Ok(())
+        };
         let adaptive = kind == WriterKind::Adaptive;
         Some(move |data: &[u8], offset| match &writable {
-            Some(map) if !adaptive => map.write(offset, data),
+            Some(map) if !adaptive => mapped(map, data, offset),
             Some(map) => match serial.try_lock() {
                 Ok(_serial) => file.write_all_at(data, offset),
                 // Poisoned only by a panic in a write; the file is still sound.
@@ -547,7 +555,7 @@ impl Shard {
                     let _serial = p.into_inner();
                     file.write_all_at(data, offset)
                 }
-                Err(std::sync::TryLockError::WouldBlock) => map.write(offset, data),
+                Err(std::sync::TryLockError::WouldBlock) => mapped(map, data, offset),
             },
             None => {
                 let _serial = lock(&serial);
