@@ -280,32 +280,33 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             }
         };
         let incoming = admin.incoming(security, cancel.clone());
-        let stats = crate::admin::AdminStats {
-            authz: node.view().stats().admin_authz.clone(),
-            http: node.view().stats().admin_http.clone(),
-        };
-        tasks.spawn(crate::admin::serve(
-            loads.clone(),
-            stats,
-            registry.clone(),
-            readiness.clone(),
-            incoming,
+        let api = crate::admin::AdminApi {
+            gpus: loads.clone(),
+            stats: crate::admin::AdminStats {
+                authz: node.view().stats().admin_authz.clone(),
+                http: node.view().stats().admin_http.clone(),
+            },
+            registry: registry.clone(),
+            readiness: readiness.clone(),
             tokens,
-            config.admin_limits,
-            cancel.clone(),
-        ));
+            limits: config.admin_limits,
+        };
+        tasks.spawn(crate::admin::serve(api, incoming, cancel.clone()));
         readiness.met("admin");
     }
     if let Some(controller) = config.inventory.controller.clone() {
         let addrs = advertised(&config, data_addr, &agent_addr)?;
         info!(%controller, data = %addrs.data, agent = %addrs.agent, "reporting to the controller");
-        tasks.spawn(crate::report::run(
-            node.view().clone(),
-            node.store().clone(),
-            gpus.clone(),
-            config.inventory.clone(),
-            addrs,
+        let reporting = crate::report::Reporting {
+            view: node.view().clone(),
+            store: node.store().clone(),
+            gpus: gpus.clone(),
+            inventory: config.inventory.clone(),
+            advertised: addrs,
             controller,
+        };
+        tasks.spawn(crate::report::run(
+            reporting,
             readiness.clone(),
             cancel.clone(),
         ));

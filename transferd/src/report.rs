@@ -49,21 +49,40 @@ pub struct Advertised {
     pub agent: String,
 }
 
-/// Sends a heartbeat every `inv.heartbeat` until `cancel`. It reads the data plane's
+/// What a host reports and to whom: the handles and settings [`run`] works with.
+pub struct Reporting {
+    /// The data plane's figures it reads: the host id, TLS, draining.
+    pub view: NodeView,
+    /// Holdings and free space per tier; its name table follows the controller's answers.
+    pub store: ShardStore,
+    /// The host's GPUs; told which GPU copies exist on other hosts.
+    pub gpus: Arc<GpuManager>,
+    /// The heartbeat interval, labels and capacities (`[inventory]`).
+    pub inventory: Inventory,
+    /// Where peers and the controller reach this host.
+    pub advertised: Advertised,
+    /// The controller's address, or its replicas' (comma-separated).
+    pub controller: String,
+}
+
+/// Sends a heartbeat every `inventory.heartbeat` until `cancel`. It reads the data plane's
 /// figures (`view`: the host id, TLS, draining), the store's holdings and free space and
 /// the GPUs; from the controller's answer it writes the store's name table and tells the
-/// GPU manager which GPU copies exist elsewhere, and nothing else.
-#[allow(clippy::too_many_arguments)]
+/// GPU manager which GPU copies exist elsewhere, and nothing else. The first answer meets
+/// the readiness condition [`CONTROLLER`].
 pub async fn run(
-    view: NodeView,
-    store: ShardStore,
-    gpus: Arc<GpuManager>,
-    inv: Inventory,
-    addrs: Advertised,
-    controller: String,
+    reporting: Reporting,
     readiness: shardcast_identity::ready::Readiness,
     cancel: CancellationToken,
 ) {
+    let Reporting {
+        view,
+        store,
+        gpus,
+        inventory: inv,
+        advertised: addrs,
+        controller,
+    } = reporting;
     // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
     // (its 0600 mode is the authentication); plaintext TCP only in insecure mode.
     let security = match view.transports().tls() {
