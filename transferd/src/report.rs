@@ -146,7 +146,7 @@ pub async fn run(
             }
             Ok(Err(status)) => {
                 if connected != Some(false) {
-                    warn!(%controller, "controller rejected the heartbeat: {}", status.message());
+                    warn!(%controller, code = ?status.code(), "controller rejected the heartbeat: {}", with_causes(&status));
                 }
                 if !answered {
                     // An unreachable controller is an `UNAVAILABLE` of the channel.
@@ -173,6 +173,23 @@ pub async fn run(
             }
         }
     }
+}
+
+/// A refused call's message and the errors beneath it: a handshake the controller refused
+/// (this host's certificate expired, another CA) reads `operation was canceled` alone, the
+/// alert that says why is in its sources.
+fn with_causes(status: &tonic::Status) -> String {
+    let mut text = status.message().to_string();
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        let e_text = e.to_string();
+        if !text.contains(&e_text) {
+            text.push_str(": ");
+            text.push_str(&e_text);
+        }
+        source = e.source();
+    }
+    text
 }
 
 /// The model names a report asks the controller about: its holdings' and its bound names.
