@@ -164,8 +164,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             (_, false) => None,
         },
     };
+    // Hops below name this host to recover from when their upstream stalls: the configured
+    // address, else the bound one when it is specific.
+    let advertised_data = match &config.inventory.advertise {
+        Some(a) => Some(a.clone()),
+        None if !data_addr.ip().is_unspecified() => Some(data_addr.to_string()),
+        None => None,
+    };
     let node = Node::new(
         config.host_id.clone(),
+        advertised_data,
         store,
         transports,
         RateLimiter::new(config.ingress_rate),
@@ -207,12 +215,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         None => Tokens::default(),
     };
     let (agent_addr, admin_addr) = (agent.describe()?, admin.describe()?);
-    // Hops below name this host to recover from when their upstream stalls.
-    match &config.inventory.advertise {
-        Some(a) => node.set_advertised(a.clone()),
-        None if !data_addr.ip().is_unspecified() => node.set_advertised(data_addr.to_string()),
-        None => {}
-    }
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(node.server().clone().accept_tcp(data, cancel.clone()));

@@ -1022,6 +1022,7 @@ mod tests {
         .expect("store");
         let node = Node::new(
             shardcast_protocol::HostId::new("h1").expect("host id"),
+            None,
             store,
             Transports {
                 tcp: Transport::InsecureTcp,
