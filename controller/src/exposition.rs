@@ -51,22 +51,6 @@ fn gauge(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> fmt
     g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
 }
 
-/// `shardcast_ready`: 1 while the process is ready (what `/readyz` and gRPC health
-/// answer), read at each scrape.
-#[derive(Debug)]
-pub struct ReadyGauge(pub shardcast_identity::ready::Readiness);
-
-impl Collector for ReadyGauge {
-    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
-        gauge(
-            &mut enc,
-            "ready",
-            "1 when every readiness condition holds (listeners up, state loaded, on etcd a leader known) and shutdown has not begun, else 0: what /readyz and gRPC health answer.",
-            u64::from(self.0.is_ready()),
-        )
-    }
-}
-
 impl Collector for StateCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         let c = &self.0;

@@ -31,8 +31,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -261,12 +263,12 @@ impl ControllerMetrics {
     }
 
     /// `/metrics`: what `state` reads at scrape time (the answering controller's plans,
-    /// hosts and models, `crate::exposition`), then the registry.
+    /// hosts and models, `crate::exposition`), `shardcast_ready`, then the registry.
     pub fn render(&self, state: Box<dyn Collector>) -> String {
         let mut scrape = Registry::with_prefix("shardcast");
         scrape.register_collector(state);
         if let Some(r) = self.readiness.get() {
-            scrape.register_collector(Box::new(crate::exposition::ReadyGauge(r.clone())));
+            scrape.register_collector(Box::new(ReadyGauge(r.clone())));
         }
         let mut out = String::new();
         for r in [&scrape, &self.registry] {
@@ -276,6 +278,23 @@ impl ControllerMetrics {
             }
         }
         out
+    }
+}
+
+/// `shardcast_ready`: 1 while the process is ready (what `/readyz` and gRPC health
+/// answer), read at each scrape.
+#[derive(Debug)]
+struct ReadyGauge(shardcast_identity::ready::Readiness);
+
+impl Collector for ReadyGauge {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let g = ConstGauge::new(u64::from(self.0.is_ready()));
+        g.encode(enc.encode_descriptor(
+            "ready",
+            "1 when every readiness condition holds (listeners up, state loaded, on etcd a leader known) and shutdown has not begun, else 0: what /readyz and gRPC health answer.",
+            None,
+            g.metric_type(),
+        )?)
     }
 }
 

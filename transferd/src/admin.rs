@@ -58,20 +58,32 @@ pub fn permission(method: &Method, path: &str) -> Option<Permission> {
     }
 }
 
-/// Serves the admin endpoints on `incoming` until `cancel`; `/metrics` encodes `registry`
-/// (built at start-up by [`crate::metrics::registry`]), `/v1/handoff/{model}` reads
-/// `gpus`' hand-offs; refusals and stalled clients are counted in `stats`.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve(
-    gpus: GpuLoads,
-    stats: AdminStats,
-    registry: Arc<Registry>,
-    readiness: Readiness,
-    incoming: Incoming,
-    tokens: Tokens,
-    limits: HttpLimits,
-    cancel: CancellationToken,
-) {
+/// What the admin endpoint serves and how it guards it: the inputs of [`serve`].
+pub struct AdminApi {
+    /// The hand-offs `/v1/handoff/{model}` reads.
+    pub gpus: GpuLoads,
+    /// Where refusals and stalled clients are counted.
+    pub stats: AdminStats,
+    /// What `/metrics` encodes (built at start-up by [`crate::metrics::registry`]).
+    pub registry: Arc<Registry>,
+    /// What `/readyz` answers.
+    pub readiness: Readiness,
+    /// The bearer tokens a client may present instead of a certificate.
+    pub tokens: Tokens,
+    /// Bounds on each HTTP connection (stalled clients are closed).
+    pub limits: HttpLimits,
+}
+
+/// Serves the admin endpoints of `api` on `incoming` until `cancel`.
+pub async fn serve(api: AdminApi, incoming: Incoming, cancel: CancellationToken) {
+    let AdminApi {
+        gpus,
+        stats,
+        registry,
+        readiness,
+        tokens,
+        limits,
+    } = api;
     let with_gpus = Router::new()
         .route("/v1/handoff/{model}", get(handoff))
         .with_state(gpus);

@@ -164,8 +164,16 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             (_, false) => None,
         },
     };
+    // Hops below name this host to recover from when their upstream stalls: the configured
+    // address, else the bound one when it is specific.
+    let advertised_data = match &config.inventory.advertise {
+        Some(a) => Some(a.clone()),
+        None if !data_addr.ip().is_unspecified() => Some(data_addr.to_string()),
+        None => None,
+    };
     let node = Node::new(
         config.host_id.clone(),
+        advertised_data,
         store,
         transports,
         RateLimiter::new(config.ingress_rate),
@@ -207,12 +215,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         None => Tokens::default(),
     };
     let (agent_addr, admin_addr) = (agent.describe()?, admin.describe()?);
-    // Hops below name this host to recover from when their upstream stalls.
-    match &config.inventory.advertise {
-        Some(a) => node.set_advertised(a.clone()),
-        None if !data_addr.ip().is_unspecified() => node.set_advertised(data_addr.to_string()),
-        None => {}
-    }
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(node.server().clone().accept_tcp(data, cancel.clone()));
@@ -280,32 +282,33 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             }
         };
         let incoming = admin.incoming(security, cancel.clone());
-        let stats = crate::admin::AdminStats {
-            authz: node.view().stats().admin_authz.clone(),
-            http: node.view().stats().admin_http.clone(),
-        };
-        tasks.spawn(crate::admin::serve(
-            loads.clone(),
-            stats,
-            registry.clone(),
-            readiness.clone(),
-            incoming,
+        let api = crate::admin::AdminApi {
+            gpus: loads.clone(),
+            stats: crate::admin::AdminStats {
+                authz: node.view().stats().admin_authz.clone(),
+                http: node.view().stats().admin_http.clone(),
+            },
+            registry: registry.clone(),
+            readiness: readiness.clone(),
             tokens,
-            config.admin_limits,
-            cancel.clone(),
-        ));
+            limits: config.admin_limits,
+        };
+        tasks.spawn(crate::admin::serve(api, incoming, cancel.clone()));
         readiness.met("admin");
     }
     if let Some(controller) = config.inventory.controller.clone() {
         let addrs = advertised(&config, data_addr, &agent_addr)?;
         info!(%controller, data = %addrs.data, agent = %addrs.agent, "reporting to the controller");
-        tasks.spawn(crate::report::run(
-            node.view().clone(),
-            node.store().clone(),
-            gpus.clone(),
-            config.inventory.clone(),
-            addrs,
+        let reporting = crate::report::Reporting {
+            view: node.view().clone(),
+            store: node.store().clone(),
+            gpus: gpus.clone(),
+            inventory: config.inventory.clone(),
+            advertised: addrs,
             controller,
+        };
+        tasks.spawn(crate::report::run(
+            reporting,
             readiness.clone(),
             cancel.clone(),
         ));

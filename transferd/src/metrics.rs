@@ -1027,6 +1027,7 @@ mod tests {
         .expect("store");
         let node = Node::new(
             shardcast_protocol::HostId::new("h1").expect("host id"),
+            None,
             store,
             Transports {
                 tcp: Transport::InsecureTcp,

@@ -49,21 +49,40 @@ pub struct Advertised {
     pub agent: String,
 }
 
-/// Sends a heartbeat every `inv.heartbeat` until `cancel`. It reads the data plane's
+/// What a host reports and to whom: the handles and settings [`run`] works with.
+pub struct Reporting {
+    /// The data plane's figures it reads: the host id, TLS, draining.
+    pub view: NodeView,
+    /// Holdings and free space per tier; its name table follows the controller's answers.
+    pub store: ShardStore,
+    /// The host's GPUs; told which GPU copies exist on other hosts.
+    pub gpus: Arc<GpuManager>,
+    /// The heartbeat interval, labels and capacities (`[inventory]`).
+    pub inventory: Inventory,
+    /// Where peers and the controller reach this host.
+    pub advertised: Advertised,
+    /// The controller's address, or its replicas' (comma-separated).
+    pub controller: String,
+}
+
+/// Sends a heartbeat every `inventory.heartbeat` until `cancel`. It reads the data plane's
 /// figures (`view`: the host id, TLS, draining), the store's holdings and free space and
 /// the GPUs; from the controller's answer it writes the store's name table and tells the
-/// GPU manager which GPU copies exist elsewhere, and nothing else.
-#[allow(clippy::too_many_arguments)]
+/// GPU manager which GPU copies exist elsewhere, and nothing else. The first answer meets
+/// the readiness condition [`CONTROLLER`].
 pub async fn run(
-    view: NodeView,
-    store: ShardStore,
-    gpus: Arc<GpuManager>,
-    inv: Inventory,
-    addrs: Advertised,
-    controller: String,
+    reporting: Reporting,
     readiness: shardcast_identity::ready::Readiness,
     cancel: CancellationToken,
 ) {
+    let Reporting {
+        view,
+        store,
+        gpus,
+        inventory: inv,
+        advertised: addrs,
+        controller,
+    } = reporting;
     // Over TCP: mutual TLS, and the server must be the controller. A Unix socket is local
     // (its 0600 mode is the authentication); plaintext TCP only in insecure mode.
     let security = match view.transports().tls() {
@@ -127,7 +146,7 @@ pub async fn run(
             }
             Ok(Err(status)) => {
                 if connected != Some(false) {
-                    warn!(%controller, "controller rejected the heartbeat: {}", status.message());
+                    warn!(%controller, code = ?status.code(), "controller rejected the heartbeat: {}", with_causes(&status));
                 }
                 if !answered {
                     // An unreachable controller is an `UNAVAILABLE` of the channel.
@@ -154,6 +173,23 @@ pub async fn run(
             }
         }
     }
+}
+
+/// A refused call's message and the errors beneath it: a handshake the controller refused
+/// (this host's certificate expired, another CA) reads `operation was canceled` alone, the
+/// alert that says why is in its sources.
+fn with_causes(status: &tonic::Status) -> String {
+    let mut text = status.message().to_string();
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        let e_text = e.to_string();
+        if !text.contains(&e_text) {
+            text.push_str(": ");
+            text.push_str(&e_text);
+        }
+        source = e.source();
+    }
+    text
 }
 
 /// The model names a report asks the controller about: its holdings' and its bound names.

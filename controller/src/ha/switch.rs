@@ -58,12 +58,14 @@ impl tower::Service<http::Request<Body>> for HttpSwitch {
     }
 }
 
-/// What the routes in front of the current controller read: this replica and its
-/// readiness.
+/// What the routes in front of the current controller read: this replica, its readiness
+/// and the API's OpenAPI document (`crate::openapi::json`, given by the process: the
+/// document is made from these routes, so this module does not call it).
 #[derive(Clone)]
 pub struct Front {
     replica: Replica,
     readiness: shardcast_identity::ready::Readiness,
+    openapi: fn() -> String,
 }
 
 /// The routes in front of the current controller (`/v1/replica`, `/readyz`,
@@ -104,26 +106,30 @@ async fn readyz(
     responses(
         (status = 200, description = "The OpenAPI document.", body = Object),
         (status = "default", description = "An error.", body = crate::error::ErrorBody)))]
-async fn openapi_json() -> axum::response::Response {
+async fn openapi_json(
+    axum::extract::State(f): axum::extract::State<Front>,
+) -> axum::response::Response {
     (
         [(http::header::CONTENT_TYPE, "application/json")],
-        crate::openapi::json(),
+        (f.openapi)(),
     )
         .into_response()
 }
 
 /// The HTTP front end over the slot: [`front_routes`], then the current controller's
-/// routes, behind the leader gate.
+/// routes, behind the leader gate. `openapi` answers `/openapi.json`.
 pub fn http_router(
     slot: Slot,
     replica: Replica,
     readiness: shardcast_identity::ready::Readiness,
+    openapi: fn() -> String,
 ) -> Router {
     let (front, _) = front_routes().split_for_parts();
     front
         .with_state(Front {
             replica: replica.clone(),
             readiness,
+            openapi,
         })
         .fallback_service(HttpSwitch(slot))
         .layer(shardcast_identity::grpc::GateLayer::gate(LeaderGate(

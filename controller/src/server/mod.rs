@@ -187,12 +187,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         readiness.met("unix");
     }
     {
-        let router = crate::ha::http_router(slot.clone(), replica.clone(), readiness.clone())
-            .layer(HttpAuthLayer::new(
-                crate::auth::http_permission,
-                Arc::new(tokens),
-                authz.clone(),
-            ));
+        let router = crate::ha::http_router(
+            slot.clone(),
+            replica.clone(),
+            readiness.clone(),
+            crate::openapi::json,
+        )
+        .layer(HttpAuthLayer::new(
+            crate::auth::http_permission,
+            Arc::new(tokens),
+            authz.clone(),
+        ));
         let incoming = grpc::incoming_tcp(
             http,
             match &tls {

@@ -9,8 +9,8 @@
 //! A QUIC `Hello` that fails on a held connection is retried once on a new one (the old
 //! connection is forgotten: `forget_path`).
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use shardcast_identity::{Peer, Role};
@@ -37,8 +37,9 @@ pub(super) fn budget_key(peer: &Peer, addr: &str) -> String {
 pub(crate) struct Links {
     /// This host's id (named in our `Hello` and `Progress`).
     host: HostId,
-    /// This host's data address as peers reach it, once the listener is up.
-    advertised: Arc<OnceLock<String>>,
+    /// This host's data address as peers reach it (`None`: unknown, so no hop below is
+    /// told to recover from this one).
+    advertised: Option<String>,
     transports: Transports,
     ingress: RateLimiter,
     egress: RateLimiter,
@@ -55,7 +56,7 @@ pub(crate) struct Links {
 impl Links {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
-        host: HostId,
+        (host, advertised): (HostId, Option<String>),
         transports: Transports,
         (ingress, egress): (RateLimiter, RateLimiter),
         counters: Arc<ByteCounters>,
@@ -66,7 +67,7 @@ impl Links {
     ) -> Self {
         Self {
             host,
-            advertised: Arc::default(),
+            advertised,
             transports,
             ingress,
             egress,
@@ -93,14 +94,9 @@ impl Links {
         &self.counters
     }
 
-    /// Sets the data address peers reach this host at (once; later calls are ignored).
-    pub(crate) fn set_advertised(&self, addr: String) {
-        let _ = self.advertised.set(addr);
-    }
-
     /// This host as a hop, when its data address is known.
     pub(super) fn own_hop(&self) -> Option<Hop> {
-        self.advertised.get().map(|addr| Hop {
+        self.advertised.as_ref().map(|addr| Hop {
             host: self.host.clone(),
             addr: addr.clone(),
         })

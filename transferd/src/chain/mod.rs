@@ -583,11 +583,14 @@ pub struct Node {
 }
 
 impl Node {
-    /// A node with no sessions yet. Inside a tokio runtime this also starts the repairer
-    /// and the scrub (`crate::repair`), which stop on `cancel`.
+    /// A node with no sessions yet, for host `host` whose data port peers reach at
+    /// `advertised` (`None`: not known, so hops below are never told to recover from this
+    /// one). Inside a tokio runtime this also starts the repairer and the scrub
+    /// (`crate::repair`), which stop on `cancel`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         host: HostId,
+        advertised: Option<String>,
         store: ShardStore,
         transports: Transports,
         ingress: RateLimiter,
@@ -605,7 +608,7 @@ impl Node {
         let sessions = Sessions::default();
         let failures = StoreFailures::default();
         let links = Links::new(
-            host,
+            (host, advertised),
             transports,
             (ingress, egress),
             counters.clone(),
@@ -743,11 +746,6 @@ impl Node {
     /// hand-offs).
     pub fn repairs(&self) -> &RepairHandle {
         &self.repairs
-    }
-
-    /// Sets the data address peers reach this host at (once; later calls are ignored).
-    pub fn set_advertised(&self, addr: String) {
-        self.view.links.set_advertised(addr);
     }
 }
 
