@@ -244,6 +244,55 @@ async fn emulated_stalls_and_cut_links_end_exact_and_reported_truly() {
     }
 }
 
+/// A rolling restart on the emulated cluster, through the controller: during a prewarm every
+/// transferd in turn, in chain order from the head, gets SIGTERM and is started again as
+/// soon as it exits. With a 1 s drain each host leaves while its sessions still run (the
+/// default drain would let the head finish its whole chain first), so every hop below
+/// loses its upstream at least once. The prewarm must complete with every host's copy
+/// byte-exact, the plan's report true, and nothing left in any memory tier after evict.
+/// What the restarts cost is `shardcast-bench faults --faults rolling`' figure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_rolling_restart_during_a_prewarm_ends_exact() {
+    use shardcast_bench::faults::{Fault, FaultsOpts, Position, run_faults};
+    if let Err(why) = netns::available() {
+        eprintln!("SKIPPED: emulated cluster needs root and iproute2: {why}");
+        return;
+    }
+    let opts = FaultsOpts {
+        hosts: 4,
+        size: 64 << 20,
+        shards: 1,
+        rate: 200_000_000 / 8,
+        origin_rate: 200_000_000 / 8,
+        faults: vec![Fault::Rolling],
+        positions: vec![Position::Head],
+        trials: 1,
+        at: Duration::from_secs(1),
+        timeout: Duration::from_secs(120),
+        daemon_args: vec!["--drain-grace-ms".into(), "1000".into()],
+    };
+    let report = run_faults(&opts).await.unwrap();
+    assert_eq!(report.results.len(), 1);
+    let t = &report.results[0];
+    assert!(t.exact, "a copy is not exact after the rolling restart");
+    assert!(
+        t.status_true,
+        "the plan's report is not what the hosts hold: {}",
+        t.plan
+    );
+    assert!(
+        t.victims_complete,
+        "a restarted host did not complete: {}",
+        t.plan
+    );
+    assert_eq!(
+        t.bytes_left_after_evict,
+        Some(0),
+        "evict left bytes behind ({:?})",
+        t.evict_error
+    );
+}
+
 /// `shardcast-bench origin --emulate` at a small size: the servers in one namespace, a
 /// transferd behind a relay in another, the link capped at 200 Mbit/s. Every copy exact,
 /// and no read faster than the cap (so the bytes crossed the shaped link).
