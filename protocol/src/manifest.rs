@@ -273,19 +273,51 @@ impl Manifest {
 
     /// Checks `data` against the manifest's hash for chunk `index` of `shard`.
     pub fn verify_chunk(&self, shard: u32, index: u32, data: &[u8]) -> Result<(), VerifyError> {
+        self.check_chunk(shard, index, data.len(), || ChunkHash::of(data))
+    }
+
+    /// The length check, then `hash()` against the manifest's hash of the chunk.
+    fn check_chunk(
+        &self,
+        shard: u32,
+        index: u32,
+        len: usize,
+        hash: impl FnOnce() -> ChunkHash,
+    ) -> Result<(), VerifyError> {
         let (_, expected) = self.chunk_span(shard, index)?;
-        if data.len() != expected {
+        if len != expected {
             return Err(VerifyError::Length {
                 shard,
                 index,
-                got: data.len(),
+                got: len,
                 expected,
             });
         }
-        if ChunkHash::of(data) != self.shard(shard)?.chunks[index as usize] {
+        if hash() != self.shard(shard)?.chunks[index as usize] {
             return Err(VerifyError::Hash { shard, index });
         }
         Ok(())
+    }
+
+    /// As [`Manifest::verified`], with the BLAKE3 hash of `data` already computed by the
+    /// caller: `hashed` must be `ChunkHash::of(&data)`, worked out by this process over
+    /// exactly these bytes as they arrived (transferd's frame reader hashes a chunk's body
+    /// piece by piece while the bytes are in cache) — never a hash a peer sent.
+    pub fn verified_hashed(
+        &self,
+        shard: u32,
+        index: u32,
+        data: bytes::Bytes,
+        hashed: ChunkHash,
+    ) -> Result<VerifiedChunk, VerifyError> {
+        self.check_chunk(shard, index, data.len(), || hashed)?;
+        let (offset, _) = self.chunk_span(shard, index)?;
+        Ok(VerifiedChunk {
+            shard,
+            index,
+            offset,
+            data,
+        })
     }
 
     /// Verifies a chunk and wraps it as a [`VerifiedChunk`], the only form the store accepts.

@@ -298,6 +298,12 @@ pub struct Args {
     /// shards [default: auto; a number is 1 to 16; fewer for shards under 4 chunks a stripe].
     #[arg(long, env = "SHARDCAST_STRIPES")]
     pub stripes: Option<String>,
+    /// Hash each received chunk's payload while it arrives (one pass over memory fewer),
+    /// rather than in one pass on the blocking pool before storing it (the hash then runs
+    /// beside the connection's next read on another core): true, false or `auto`, which is
+    /// true below 8 cores [default: auto].
+    #[arg(long, env = "SHARDCAST_HASH_ON_READ")]
+    pub hash_on_read: Option<String>,
     /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
     /// `https://models.example.com/org/`. Every origin this host opens must lie under
     /// one [default: none, so every origin is refused].
@@ -431,6 +437,7 @@ struct Settings {
     sendfile: bool,
     data_mode: DataMode,
     stripes: StripesSetting,
+    hash_on_read: AutoBool,
     origin_allow: Vec<String>,
     #[serde(with = "units::millis")]
     handshake_timeout_ms: u64,
@@ -520,6 +527,7 @@ impl Default for Settings {
             sendfile: chain.sendfile,
             data_mode: DataMode::default(),
             stripes: StripesSetting::Auto,
+            hash_on_read: AutoBool::Auto,
             origin_allow: Vec::new(),
             drain_grace_ms: ms(DEFAULT_DRAIN_GRACE),
             handshake_timeout_ms: ms(limits.handshake_timeout),
@@ -1072,6 +1080,13 @@ impl Config {
                 pipeline_depth,
                 sendfile: s.sendfile,
                 stripes,
+                hash_on_read: match s.hash_on_read {
+                    AutoBool::Auto => {
+                        std::thread::available_parallelism().map_or(1, usize::from)
+                            < crate::chain::AUTO_STRIPES_MIN_CORES
+                    }
+                    AutoBool::Set(on) => on,
+                },
                 origins: OriginAccess::new(origins),
                 limits,
                 ..defaults
@@ -1109,6 +1124,49 @@ fn bounded(name: &str, v: usize, max: usize) -> anyhow::Result<usize> {
         bail!("{name} must be between 1 and {max}, got {v}");
     }
     Ok(v)
+}
+
+/// A switch that may be left to the daemon: `"auto"`, or a boolean (in TOML, or as
+/// `true`/`false` from a flag or the environment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AutoBool {
+    Auto,
+    Set(bool),
+}
+
+impl serde::Serialize for AutoBool {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => s.serialize_str("auto"),
+            Self::Set(b) => s.serialize_bool(*b),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for AutoBool {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = AutoBool;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("\"auto\", true or false")
+            }
+            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<AutoBool, E> {
+                Ok(AutoBool::Set(b))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<AutoBool, E> {
+                match v.trim().to_ascii_lowercase().as_str() {
+                    "auto" => Ok(AutoBool::Auto),
+                    "true" => Ok(AutoBool::Set(true)),
+                    "false" => Ok(AutoBool::Set(false)),
+                    _ => Err(E::custom(format!(
+                        "expected \"auto\", true or false, got {v:?}"
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// `stripes` as written: `"auto"` or a count (an integer in TOML, a string from a flag or
@@ -1223,6 +1281,32 @@ mod tests {
         std::fs::write(&path, "stripes = 2.5\n").unwrap();
         let err = load_tls(&["--config", config]).unwrap_err();
         assert!(format!("{err:#}").contains("stripes"), "{err:#}");
+    }
+
+    #[test]
+    fn hash_on_read_is_auto_by_default_or_set() {
+        let few_cores = std::thread::available_parallelism().map_or(1, usize::from)
+            < crate::chain::AUTO_STRIPES_MIN_CORES;
+        assert_eq!(load_tls(&[]).unwrap().chain.hash_on_read, few_cores);
+        assert!(
+            !load_tls(&["--hash-on-read", "false"])
+                .unwrap()
+                .chain
+                .hash_on_read
+        );
+        assert!(
+            load_tls(&["--hash-on-read", "true"])
+                .unwrap()
+                .chain
+                .hash_on_read
+        );
+        let err = load_tls(&["--hash-on-read", "sometimes"]).unwrap_err();
+        assert!(format!("{err:#}").contains("hash_on_read"), "{err:#}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
+        std::fs::write(&path, "hash_on_read = false\n").unwrap();
+        assert!(!load_tls(&["--config", config]).unwrap().chain.hash_on_read);
     }
 
     #[test]

@@ -51,7 +51,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use shardcast_protocol::codec::{Codec, DecodeError};
 use shardcast_protocol::frame::{FrameHeader, HEADER_LEN};
-use shardcast_protocol::{ErrorCode, Frame, FrameType};
+use shardcast_protocol::{ChunkHash, ErrorCode, Frame, FrameType};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -613,7 +613,23 @@ pub struct FrameReader<R> {
     large: Option<&'static [FrameType]>,
     /// When the large frame being read must be complete ([`frame_time`]).
     frame_deadline: Option<tokio::time::Instant>,
+    /// Hash a `Chunk` body's payload as it arrives ([`FrameReader::hash_chunks`]).
+    hash_chunks: bool,
+    /// The payload hash of the `Chunk` body being read: the hasher and the body offset it
+    /// has hashed up to.
+    hashing: Option<(blake3::Hasher, usize)>,
+    /// The payload hash of the last `Chunk` frame returned, until taken.
+    chunk_hash: Option<ChunkHash>,
 }
+
+/// Bytes of a `Chunk` body before its payload: shard, index and length, a `u32` each.
+const CHUNK_FIXED: usize = 12;
+
+/// A `Chunk` payload is hashed in steps of this many bytes as they arrive (and the rest at
+/// its end): whole powers of two from the payload's start keep BLAKE3's SIMD paths on
+/// whole subtrees, and 64 KiB is still in the core's cache from the read (and decryption)
+/// that just wrote it.
+const HASH_STEP: usize = 64 << 10;
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// Charges this connection's large frames to `peer`'s share of the budget as well
@@ -631,6 +647,22 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// is checked.
     pub fn admit_large(&mut self, types: Option<&'static [FrameType]>) {
         self.large = types;
+    }
+
+    /// Whether to hash each `Chunk` frame's payload while it arrives, in [`HASH_STEP`]s
+    /// that are still in cache from the read that wrote them, rather than in one pass over
+    /// the whole chunk later: the hash is then taken with [`FrameReader::take_chunk_hash`].
+    /// Saves a pass over memory; costs the reading task the hash's CPU time (the hash no
+    /// longer runs beside the next chunk's read on another core).
+    pub fn hash_chunks(&mut self, on: bool) {
+        self.hash_chunks = on;
+    }
+
+    /// The BLAKE3 hash of the payload of the `Chunk` frame the last [`FrameReader::read`]
+    /// returned, worked out here over exactly those bytes as they arrived; `None` when
+    /// [`FrameReader::hash_chunks`] is off or the last frame was another type.
+    pub fn take_chunk_hash(&mut self) -> Option<ChunkHash> {
+        self.chunk_hash.take()
     }
 
     /// Wraps a read half.
@@ -655,6 +687,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             waiting_since: None,
             large: None,
             frame_deadline: None,
+            hash_chunks: false,
+            hashing: None,
+            chunk_hash: None,
         }
     }
 
@@ -758,6 +793,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 // not the peer's fault).
                 self.frame_deadline = (head.body_len > UNCHARGED_BODY)
                     .then(|| tokio::time::Instant::now() + frame_time(head.body_len));
+                self.chunk_hash = None;
+                self.hashing = (self.hash_chunks
+                    && head.ty == FrameType::Chunk
+                    && head.body_len >= CHUNK_FIXED)
+                    .then(|| (blake3::Hasher::new(), CHUNK_FIXED));
                 self.body = Some((head, buf, 0, grant));
             }
             let Some((head, body, filled, grant)) = self.body.as_mut() else {
@@ -775,10 +815,21 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     }),
                     None => Bytes::from(buf),
                 };
+                let body_len = body.len();
                 self.body = None;
                 self.header_filled = 0;
                 self.frame_deadline = None;
-                return Ok(Some(Frame::decode_body(ty, body)?));
+                let frame = Frame::decode_body(ty, body)?;
+                // The hash covers the body from its payload's first byte to its end: it is
+                // the payload's hash exactly when the payload runs to the body's end.
+                if let (Some((hasher, upto)), Frame::Chunk { data, .. }) =
+                    (self.hashing.take(), &frame)
+                    && upto == body_len
+                    && data.len() == body_len - CHUNK_FIXED
+                {
+                    self.chunk_hash = Some(ChunkHash(*hasher.finalize().as_bytes()));
+                }
+                return Ok(Some(frame));
             }
             // Read straight into the body, never past the end of this frame.
             let piece = *filled..*filled + remaining.min(READ_PIECE);
@@ -802,6 +853,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 return Err(WireError::Truncated);
             }
             *filled += n;
+            if let Some((hasher, upto)) = self.hashing.as_mut()
+                && *filled > CHUNK_FIXED
+            {
+                // Whole steps from the payload's start, and the rest once it is all here.
+                let end = if *filled == head.body_len {
+                    *filled
+                } else {
+                    CHUNK_FIXED + (*filled - CHUNK_FIXED) / HASH_STEP * HASH_STEP
+                };
+                if end > *upto {
+                    hasher.update(&body[*upto..end]);
+                    *upto = end;
+                }
+            }
             self.received(n);
         }
     }
@@ -1133,6 +1198,88 @@ mod tests {
             f.encode(&mut expected);
         }
         assert_eq!(wire, expected);
+    }
+
+    /// Chunk payloads hashed as they arrive, in odd-sized reads across the hash's steps,
+    /// give exactly the payload's BLAKE3; another frame type, or hashing off, gives none.
+    #[tokio::test]
+    async fn chunk_payloads_are_hashed_as_they_arrive() {
+        // A pipe of 7,777 bytes: reads end at odd offsets inside and across 64 KiB steps.
+        let (a, b) = tokio::io::duplex(7_777);
+        let counters = Arc::new(ByteCounters::default());
+        let mut w = FrameWriter::new(a, RateLimiter::unlimited(), counters.clone());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            counters,
+            FrameBudget::unlimited(),
+        );
+        r.hash_chunks(true);
+        let sizes = [
+            0,
+            1,
+            HASH_STEP - 1,
+            HASH_STEP,
+            HASH_STEP + 1,
+            3 * HASH_STEP + 17,
+            1 << 20,
+        ];
+        let payload = |n: usize| -> Bytes { (0..n).map(|i| (i * 7 % 253) as u8).collect() };
+        let writer = tokio::spawn(async move {
+            for (i, &n) in sizes.iter().enumerate() {
+                let chunk = Frame::Chunk {
+                    shard: 1,
+                    index: i as u32,
+                    data: payload(n),
+                };
+                w.send(&chunk).await.unwrap();
+                w.send(&Frame::Ack {
+                    shard: 1,
+                    index: i as u32,
+                })
+                .await
+                .unwrap();
+            }
+            w.shutdown().await.unwrap();
+            w
+        });
+        for (i, &n) in sizes.iter().enumerate() {
+            match r.read().await.unwrap() {
+                Some(Frame::Chunk { index, data, .. }) => {
+                    assert_eq!(index as usize, i);
+                    assert_eq!(data, payload(n));
+                    assert_eq!(r.take_chunk_hash(), Some(ChunkHash::of(&data)), "{n} bytes");
+                    assert_eq!(r.take_chunk_hash(), None, "taken once");
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            assert!(matches!(r.read().await.unwrap(), Some(Frame::Ack { .. })));
+            assert_eq!(r.take_chunk_hash(), None, "an Ack has no payload hash");
+        }
+        assert!(r.read().await.unwrap().is_none());
+        writer.await.unwrap();
+
+        // Off: chunks come through whole, with no hash.
+        let (a, b) = tokio::io::duplex(7_777);
+        let mut w = FrameWriter::new(a, RateLimiter::unlimited(), Arc::default());
+        let mut r = FrameReader::new(
+            b,
+            RateLimiter::unlimited(),
+            Arc::default(),
+            FrameBudget::unlimited(),
+        );
+        let data = payload(HASH_STEP + 3);
+        let sent = Frame::Chunk {
+            shard: 0,
+            index: 0,
+            data: data.clone(),
+        };
+        tokio::spawn(async move {
+            w.send(&sent).await.unwrap();
+            w.shutdown().await.unwrap();
+        });
+        assert!(matches!(r.read().await.unwrap(), Some(Frame::Chunk { data: d, .. }) if d == data));
+        assert_eq!(r.take_chunk_hash(), None);
     }
 
     #[tokio::test]

@@ -302,8 +302,14 @@ impl Fetcher {
                 } if s == shard && (sess.start..sess.end).contains(&index) => {
                     // A corrupt one is counted and dropped; what is missing is fetched by
                     // the next recovery attempt.
+                    let hashed = conn.reader.take_chunk_hash();
                     self.intake
-                        .store_chunk(sess, index, Incoming::Unverified(data), ChunkFrom::Holder)
+                        .store_chunk(
+                            sess,
+                            index,
+                            Incoming::Unverified(data, hashed),
+                            ChunkFrom::Holder,
+                        )
                         .await?;
                 }
                 Frame::Done => return Ok(Pulled::All),

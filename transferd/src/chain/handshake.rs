@@ -51,6 +51,8 @@ pub(crate) struct Links {
     write_timeout: Duration,
     /// The longest wait for the peer's `Hello`.
     idle_timeout: Duration,
+    /// Hash chunk payloads as they arrive (`ChainConfig::hash_on_read`).
+    hash_on_read: bool,
 }
 
 impl Links {
@@ -76,6 +78,7 @@ impl Links {
             stats,
             write_timeout,
             idle_timeout,
+            hash_on_read: true,
         }
     }
 
@@ -153,6 +156,13 @@ impl Links {
         }
     }
 
+    /// Whether the streams it frames hash chunk payloads as they arrive
+    /// ([`crate::wire::FrameReader::hash_chunks`]); on unless turned off here.
+    pub(super) fn with_hash_on_read(mut self, on: bool) -> Self {
+        self.hash_on_read = on;
+        self
+    }
+
     /// Frames a stream to or from the peer whose share of the frame budget is
     /// `budget_key` ([`budget_key`]).
     pub(super) fn conn(&self, stream: impl Into<Halves>, budget_key: &str) -> Conn {
@@ -164,6 +174,7 @@ impl Links {
             self.frame_budget.clone(),
         );
         conn.reader.set_peer(budget_key);
+        conn.reader.hash_chunks(self.hash_on_read);
         conn.writer.set_write_timeout(Some(self.write_timeout));
         conn
     }

@@ -231,6 +231,15 @@ pub struct ChainConfig {
     /// struct's `Default` is one stripe (tests and embedders get the same behaviour on any
     /// machine).
     pub stripes: Stripes,
+    /// Hash each chunk's payload while it arrives, in 64 KiB steps still in cache from
+    /// the read (and decryption) that wrote them, instead of in one pass over the whole
+    /// chunk on the blocking pool before it is stored: one pass over memory fewer, but the
+    /// hash then runs on the connection's reading task rather than beside its next read on
+    /// another core. The daemon's default (`hash_on_read = "auto"`) is on below
+    /// [`AUTO_STRIPES_MIN_CORES`] cores, where CPU and memory bandwidth are what a hop
+    /// lacks, and off from there, where one connection's reading task would otherwise
+    /// carry the hash too; this struct's `Default` is on.
+    pub hash_on_read: bool,
 }
 
 /// How many connections each shard of a chain this host heads is striped over.
@@ -331,6 +340,7 @@ impl Default for ChainConfig {
             pipeline_depth: 4,
             sendfile: false,
             stripes: Stripes::Fixed(1),
+            hash_on_read: true,
         }
     }
 }
@@ -616,7 +626,8 @@ impl Node {
             stats.clone(),
             cfg.limits.write_timeout,
             cfg.idle_timeout,
-        );
+        )
+        .with_hash_on_read(cfg.hash_on_read);
         let intake = Intake::new(stats.clone(), failures.clone());
         let fetcher = Arc::new(Fetcher::new(
             links.clone(),

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    Frame, Hop, HopTransport, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
+    ChunkHash, Frame, Hop, HopTransport, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
     frame::MAX_UPSTREAM_HOPS,
 };
 use tokio::sync::{broadcast, watch};
@@ -27,8 +27,9 @@ use crate::store::{Shard, Written};
 
 /// A chunk on its way into a session's store.
 pub(super) enum Incoming {
-    /// Bytes from a peer, to verify against the manifest.
-    Unverified(Bytes),
+    /// Bytes from a peer, to verify against the manifest; with their hash when the frame
+    /// reader worked it out as they arrived (`FrameReader::take_chunk_hash`).
+    Unverified(Bytes, Option<ChunkHash>),
     /// Verified already (an origin fetch verifies as it reads).
     Verified(VerifiedChunk),
 }
@@ -443,14 +444,19 @@ impl Intake {
     ) -> Result<Verdict, ChainError> {
         let len = match &chunk {
             Incoming::Verified(c) => c.data().len(),
-            Incoming::Unverified(data) => data.len(),
+            Incoming::Unverified(data, _) => data.len(),
         } as u64;
         let written = match chunk {
             // The shard queues writes to its file (`Shard::write`).
             Incoming::Verified(chunk) => sess.shard.write(chunk).await.map(|_| None),
-            // BLAKE3 takes ~0.3 ms per MiB: hashed off the I/O threads, by the same
-            // blocking-pool task that then writes it (the shard serialises the writes).
-            Incoming::Unverified(data) => sess.shard.verify_and_write(index, data).await.map(Some),
+            // BLAKE3 takes ~0.3 ms per MiB: unless the frame reader hashed the bytes as
+            // they arrived, hashed off the I/O threads, by the same blocking-pool task
+            // that then writes it (the shard serialises the writes).
+            Incoming::Unverified(data, hashed) => sess
+                .shard
+                .verify_and_write_hashed(index, data, hashed)
+                .await
+                .map(Some),
         };
         match written {
             Ok(None) => {}

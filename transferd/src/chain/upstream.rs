@@ -393,9 +393,10 @@ impl Receiver {
                                     sess.start, sess.end
                                 ))
                             })?;
+                            let hashed = conn.reader.take_chunk_hash();
                             let (intake, sess) = (self.intake.clone(), sess.clone());
                             pending.push(async move {
-                                (index, intake.store_chunk(&sess, index, Incoming::Unverified(data), ChunkFrom::Upstream).await)
+                                (index, intake.store_chunk(&sess, index, Incoming::Unverified(data, hashed), ChunkFrom::Upstream).await)
                             });
                         }
                         Some(Frame::Done) => {

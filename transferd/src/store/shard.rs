@@ -52,7 +52,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use shardcast_protocol::{ChunkSet, DataTier, Manifest, ModelDigest, VerifiedChunk, VerifyError};
+use shardcast_protocol::{
+    ChunkHash, ChunkSet, DataTier, Manifest, ModelDigest, VerifiedChunk, VerifyError,
+};
 use tokio::sync::{Notify, watch};
 
 use super::beneath::{Access, TierDir};
@@ -478,13 +480,29 @@ impl Shard {
     /// hash has just pulled into that core's cache. A chunk already verified is still
     /// hashed (a bad copy is reported, so its sender learns of it), not written again.
     pub async fn verify_and_write(&self, index: u32, data: Bytes) -> Result<Written, StoreError> {
+        self.verify_and_write_hashed(index, data, None).await
+    }
+
+    /// As [`Shard::verify_and_write`], with the chunk's BLAKE3 hash already worked out by
+    /// this process as its bytes arrived (`Some`: see
+    /// [`crate::wire::FrameReader::hash_chunks`]), which is then compared with the
+    /// manifest's instead of hashing `data` again. A hash a peer sent must never be passed.
+    pub async fn verify_and_write_hashed(
+        &self,
+        index: u32,
+        data: Bytes,
+        hashed: Option<ChunkHash>,
+    ) -> Result<Written, StoreError> {
         let (offset, _) = self.span(index)?;
         let claim = self.claim(index).await?;
         let (manifest, shard) = (self.manifest.clone(), self.index);
         let times = self.integrity.stats.chunk_verify.clone();
         let verify = move |data: Bytes| {
             let t = std::time::Instant::now();
-            let r = manifest.verified(shard, index, data);
+            let r = match hashed {
+                Some(h) => manifest.verified_hashed(shard, index, data, h),
+                None => manifest.verified(shard, index, data),
+            };
             times.observe_duration(t.elapsed());
             r
         };

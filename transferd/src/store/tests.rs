@@ -2,7 +2,7 @@ use std::path::Path;
 
 use bytes::Bytes;
 use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
-use shardcast_protocol::{DataTier, Manifest, ModelName, ShardHasher, ShardPath};
+use shardcast_protocol::{ChunkHash, DataTier, Manifest, ModelName, ShardHasher, ShardPath};
 
 use super::*;
 use shardcast_protocol::VerifiedChunk;
@@ -124,10 +124,25 @@ async fn verify_and_write_stores_sound_chunks_and_drops_bad_ones_with_every_writ
         // The wrong chunk's bytes at this index: refused too.
         let got = shard.verify_and_write(2, bytes(0)).await.unwrap();
         assert!(matches!(got, Written::Corrupt(_)), "{writer:?}: {got:?}");
+        // Hashed as they arrived: the hash worked out over these bytes decides, so the
+        // wrong chunk's bytes with their own (true) hash are refused as well.
+        let wrong = bytes(0);
+        let got = shard
+            .verify_and_write_hashed(2, wrong.clone(), Some(ChunkHash::of(&wrong)))
+            .await
+            .unwrap();
+        assert!(matches!(got, Written::Corrupt(_)), "{writer:?}: {got:?}");
+        assert!(!shard.is_verified(2));
 
         let mut rx = shard.subscribe();
         for i in 0..shard.total_chunks() {
-            let got = shard.verify_and_write(i, bytes(i)).await.unwrap();
+            // Every other chunk with the hash worked out as it arrived.
+            let data = bytes(i);
+            let hashed = (i % 2 == 1).then(|| ChunkHash::of(&data));
+            let got = shard
+                .verify_and_write_hashed(i, data, hashed)
+                .await
+                .unwrap();
             assert!(
                 matches!(got, Written::Stored),
                 "{writer:?} chunk {i}: {got:?}"
@@ -146,7 +161,7 @@ async fn verify_and_write_stores_sound_chunks_and_drops_bad_ones_with_every_writ
         let times = &store.stats().chunk_verify;
         assert_eq!(
             times.count(),
-            u64::from(shard.total_chunks()) + 4,
+            u64::from(shard.total_chunks()) + 5,
             "{writer:?}"
         );
         assert!(times.sum() > 0.0, "{writer:?}");
