@@ -29,7 +29,9 @@
 //! hidden zeroing pass was 8.6–13.4% of a receiver's samples before, 0.1–0.3% after;
 //! issue #16). Plaintext reads go straight into the body, up to `READ_PIECE` (256 KiB) per
 //! call. [`FrameReader::read`] is cancel-safe (a partly read frame stays in the reader), so
-//! it sits in `select!` loops.
+//! it sits in `select!` loops. With [`FrameReader::hash_chunks`] a `Chunk` payload is
+//! BLAKE3-hashed in 64 KiB steps as it arrives, while still in cache, and the hash is taken
+//! with [`FrameReader::take_chunk_hash`] for the store's verification.
 //!
 //! Writing: a chunk payload of at least the writer's 256 KiB buffer bypasses it and goes to
 //! [`FrameSink::write_bytes`] as the `Bytes` it is (TLS copies it into records like any
