@@ -310,14 +310,7 @@ impl Manifest {
         data: bytes::Bytes,
         hashed: ChunkHash,
     ) -> Result<VerifiedChunk, VerifyError> {
-        self.check_chunk(shard, index, data.len(), || hashed)?;
-        let (offset, _) = self.chunk_span(shard, index)?;
-        Ok(VerifiedChunk {
-            shard,
-            index,
-            offset,
-            data,
-        })
+        self.wrap_verified(shard, index, data, |_| hashed)
     }
 
     /// Verifies a chunk and wraps it as a [`VerifiedChunk`], the only form the store accepts.
@@ -327,7 +320,18 @@ impl Manifest {
         index: u32,
         data: bytes::Bytes,
     ) -> Result<VerifiedChunk, VerifyError> {
-        self.verify_chunk(shard, index, &data)?;
+        self.wrap_verified(shard, index, data, ChunkHash::of)
+    }
+
+    /// Checks `data` with `hash(&data)` and wraps it as a [`VerifiedChunk`].
+    fn wrap_verified(
+        &self,
+        shard: u32,
+        index: u32,
+        data: bytes::Bytes,
+        hash: impl FnOnce(&[u8]) -> ChunkHash,
+    ) -> Result<VerifiedChunk, VerifyError> {
+        self.check_chunk(shard, index, data.len(), || hash(&data))?;
         let (offset, _) = self.chunk_span(shard, index)?;
         Ok(VerifiedChunk {
             shard,

@@ -436,8 +436,8 @@ struct Settings {
     insecure_plaintext: bool,
     sendfile: bool,
     data_mode: DataMode,
-    stripes: StripesSetting,
-    hash_on_read: AutoBool,
+    stripes: Auto<usize>,
+    hash_on_read: Auto<bool>,
     origin_allow: Vec<String>,
     #[serde(with = "units::millis")]
     handshake_timeout_ms: u64,
@@ -526,8 +526,8 @@ impl Default for Settings {
             insecure_plaintext: false,
             sendfile: chain.sendfile,
             data_mode: DataMode::default(),
-            stripes: StripesSetting::Auto,
-            hash_on_read: AutoBool::Auto,
+            stripes: Auto::Auto,
+            hash_on_read: Auto::Auto,
             origin_allow: Vec::new(),
             drain_grace_ms: ms(DEFAULT_DRAIN_GRACE),
             handshake_timeout_ms: ms(limits.handshake_timeout),
@@ -1024,11 +1024,11 @@ impl Config {
         )?;
         let data_mode = s.data_mode;
         let stripes = match s.stripes {
-            StripesSetting::Auto => crate::chain::Stripes::auto(),
-            StripesSetting::Fixed(n) if (1..=crate::chain::MAX_STRIPES).contains(&n) => {
+            Auto::Auto => crate::chain::Stripes::auto(),
+            Auto::Set(n) if (1..=crate::chain::MAX_STRIPES).contains(&n) => {
                 crate::chain::Stripes::Fixed(n)
             }
-            StripesSetting::Fixed(n) => bail!(
+            Auto::Set(n) => bail!(
                 "stripes must be auto or between 1 and {} (got {n})",
                 crate::chain::MAX_STRIPES
             ),
@@ -1081,11 +1081,11 @@ impl Config {
                 sendfile: s.sendfile,
                 stripes,
                 hash_on_read: match s.hash_on_read {
-                    AutoBool::Auto => {
+                    Auto::Auto => {
                         std::thread::available_parallelism().map_or(1, usize::from)
                             < crate::chain::AUTO_STRIPES_MIN_CORES
                     }
-                    AutoBool::Set(on) => on,
+                    Auto::Set(on) => on,
                 },
                 origins: OriginAccess::new(origins),
                 limits,
@@ -1126,95 +1126,60 @@ fn bounded(name: &str, v: usize, max: usize) -> anyhow::Result<usize> {
     Ok(v)
 }
 
-/// A switch that may be left to the daemon: `"auto"`, or a boolean (in TOML, or as
-/// `true`/`false` from a flag or the environment).
+/// A setting that may be left to the daemon: `"auto"`, or a value of its own type (as
+/// TOML writes it, or as text from a flag or the environment: `true`, `4`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum AutoBool {
+enum Auto<T> {
     Auto,
-    Set(bool),
+    Set(T),
 }
 
-impl serde::Serialize for AutoBool {
+impl<T: serde::Serialize> serde::Serialize for Auto<T> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match self {
             Self::Auto => s.serialize_str("auto"),
-            Self::Set(b) => s.serialize_bool(*b),
+            Self::Set(v) => v.serialize(s),
         }
     }
 }
 
-impl<'de> serde::Deserialize<'de> for AutoBool {
+impl<'de, T> serde::Deserialize<'de> for Auto<T>
+where
+    T: serde::Deserialize<'de> + std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = AutoBool;
+        use serde::de::IntoDeserializer;
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T> serde::de::Visitor<'de> for V<T>
+        where
+            T: serde::Deserialize<'de> + std::str::FromStr,
+            T::Err: std::fmt::Display,
+        {
+            type Value = Auto<T>;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("\"auto\", true or false")
+                write!(f, "\"auto\" or a {}", std::any::type_name::<T>())
             }
-            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<AutoBool, E> {
-                Ok(AutoBool::Set(b))
+            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<Auto<T>, E> {
+                T::deserialize(b.into_deserializer()).map(Auto::Set)
             }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<AutoBool, E> {
-                match v.trim().to_ascii_lowercase().as_str() {
-                    "auto" => Ok(AutoBool::Auto),
-                    "true" => Ok(AutoBool::Set(true)),
-                    "false" => Ok(AutoBool::Set(false)),
-                    _ => Err(E::custom(format!(
-                        "expected \"auto\", true or false, got {v:?}"
-                    ))),
-                }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Auto<T>, E> {
+                T::deserialize(n.into_deserializer()).map(Auto::Set)
             }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// `stripes` as written: `"auto"` or a count (an integer in TOML, a string from a flag or
-/// the environment).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum StripesSetting {
-    Auto,
-    Fixed(usize),
-}
-
-impl serde::Serialize for StripesSetting {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Self::Auto => s.serialize_str("auto"),
-            Self::Fixed(n) => s.serialize_u64(*n as u64),
-        }
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for StripesSetting {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = StripesSetting;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("\"auto\" or a number of stripes")
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Auto<T>, E> {
+                T::deserialize(n.into_deserializer()).map(Auto::Set)
             }
-            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<StripesSetting, E> {
-                usize::try_from(n)
-                    .map(StripesSetting::Fixed)
-                    .map_err(|_| E::custom(format!("{n} stripes is too many")))
-            }
-            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<StripesSetting, E> {
-                u64::try_from(n)
-                    .map_err(|_| E::custom(format!("stripes cannot be negative (got {n})")))
-                    .and_then(|n| self.visit_u64(n))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<StripesSetting, E> {
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Auto<T>, E> {
                 let v = v.trim();
                 if v.eq_ignore_ascii_case("auto") {
-                    return Ok(StripesSetting::Auto);
+                    return Ok(Auto::Auto);
                 }
-                v.parse::<u64>()
-                    .map_err(|_| E::custom(format!("expected \"auto\" or a number, got {v:?}")))
-                    .and_then(|n| self.visit_u64(n))
+                v.parse()
+                    .map(Auto::Set)
+                    .map_err(|e| E::custom(format!("expected \"auto\" or a value, got {v:?}: {e}")))
             }
         }
-        d.deserialize_any(V)
+        d.deserialize_any(V(std::marker::PhantomData))
     }
 }
 
