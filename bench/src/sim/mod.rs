@@ -81,6 +81,13 @@
 //! over time. `cold-start --emulate` draws its ready-time CDF with the same function, so an
 //! emulated and a simulated burst compare picture to picture.
 //!
+//! ## Validation against the emulated cluster
+//!
+//! [`params`]: `cold-start --emulate` writes the burst it ran in the simulator's terms
+//! (hosts, the manifest's shards and chunk size, link and origin rates, the daemons' origin
+//! parallelism) into its report; `simulate --emulated REPORT` replays it and compares the
+//! per-host ready times, and a test holds them within 10 % (docs/BENCHMARKS.md).
+//!
 //! ## Inputs
 //!
 //! [`models`]: the six models of the thesis' Table 3.1 with their cold-start phases and
@@ -94,6 +101,7 @@ pub mod compare;
 pub mod dc;
 pub mod models;
 pub mod net;
+pub mod params;
 pub mod plots;
 pub mod scalers;
 pub mod serve;

@@ -662,6 +662,7 @@ mod tests {
                 chunk_size: 1 << 20,
                 hop_cap_bps: None,
                 progress_period: Duration::from_secs(2),
+                origin_parallel: crate::sim::dc::ORIGIN_PARALLEL,
             },
             model: models::find("gpt2-xl").unwrap().clone(),
             trace: RateTrace { step_s: 1.0, rps },
