@@ -569,7 +569,8 @@ struct SimulateArgs {
     /// --trace: the models, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "t5-3b,gpt2-xl")]
     models: Vec<String>,
-    /// --trace: the autoscalers (tsk, atl, owk, sm, shardcast), comma-separated.
+    /// --trace: the autoscalers (tsk, atl, owk, sm, shardcast; controller: the controller's own
+    /// Autoscaler service), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "atl")]
     autoscaler: Vec<shardcast_bench::sim::scalers::ScalerKind>,
     /// --trace: the techniques (rows), comma-separated.
