@@ -570,7 +570,8 @@ struct SimulateArgs {
     /// --trace: the models, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "t5-3b,gpt2-xl")]
     models: Vec<String>,
-    /// --trace: the autoscalers (tsk, atl, owk, sm, shardcast), comma-separated.
+    /// --trace: the autoscalers (tsk, atl, owk, sm, shardcast; controller: the controller's own
+    /// Autoscaler service), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "atl")]
     autoscaler: Vec<shardcast_bench::sim::scalers::ScalerKind>,
     /// --trace: the techniques (rows), comma-separated.
@@ -586,6 +587,12 @@ struct SimulateArgs {
     /// --trace: seconds after the trace to let the queue drain.
     #[arg(long, default_value_t = 600.0)]
     drain_s: f64,
+    /// Replay a `cold-start --emulate --json` report in the simulator with the report's own
+    /// parameters (hosts, shards, chunk size, link and origin rates) and compare each
+    /// method's per-host ready times with the measured ones (the other burst options are
+    /// ignored).
+    #[arg(long, value_name = "REPORT")]
+    emulated: Option<PathBuf>,
     /// --trace: start from nothing (no replica, no copy in the cluster) instead of making
     /// the first minute's replicas warm: the first scale-up then reads the origin in every
     /// row.
@@ -655,7 +662,20 @@ async fn interrupted() -> &'static str {
 
 /// `simulate`: one cold-start burst per method, a table on stdout, the report as JSON.
 fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
-    use shardcast_bench::sim::{coldstart, dc, models, net, plots};
+    use shardcast_bench::sim::{coldstart, dc, models, net, params, plots};
+    if let Some(path) = &a.emulated {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let report: shardcast_bench::managed::ColdStartReport = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a cold-start report", path.display()))?;
+        let replays = params::replay(&report)?;
+        print!("{}", params::table(&replays));
+        if let Some(json) = &a.json {
+            std::fs::write(json, serde_json::to_vec_pretty(&replays)?)
+                .with_context(|| format!("writing {}", json.display()))?;
+        }
+        return Ok(());
+    }
     let model = models::find(&a.model).with_context(|| {
         let names: Vec<&str> = models::TABLE_3_1.iter().map(|m| m.name).collect();
         format!("unknown model {:?}; one of {}", a.model, names.join(", "))
@@ -699,6 +719,7 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         chunk_size: shardcast_protocol::manifest::DEFAULT_CHUNK_SIZE,
         hop_cap_bps: positive(a.hop_gbps),
         progress_period: dc::PROGRESS_PERIOD,
+        origin_parallel: dc::ORIGIN_PARALLEL,
     };
     anyhow::ensure!(
         a.host_gbps > 0.0 && a.leaf_gbps > 0.0,
@@ -712,6 +733,7 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         model: model.clone(),
         replicas: a.replicas.unwrap_or(a.hosts as u32),
         warm: a.warm,
+        tier: shardcast_placement::Tier::Gpu,
         heartbeat: secs(a.heartbeat_s.unwrap_or(1.0), "--heartbeat-s")?,
         poll: secs(a.poll_s, "--poll-s")?,
         limit: secs(a.limit_s, "--limit-s")?,

@@ -416,7 +416,7 @@ pub struct ColdStartOpts {
 }
 
 /// One method's result.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct ColdStartResult {
     /// `origin-pull` or `shardcast`.
     pub method: String,
@@ -424,6 +424,12 @@ pub struct ColdStartResult {
     pub ready_s: f64,
     /// Per host, in host order.
     pub per_host_s: Vec<f64>,
+    /// The hosts of `per_host_s`, in its order.
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Each planned chain's receivers in order (the first is fed by the chain's source).
+    #[serde(default)]
+    pub chain_hops: Vec<Vec<String>>,
     /// The controller's estimate.
     pub estimate_s: f64,
     /// Bytes the origin served for the prewarm.
@@ -435,7 +441,7 @@ pub struct ColdStartResult {
 }
 
 /// The `cold-start` report.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct ColdStartReport {
     /// Hosts.
     pub hosts: usize,
@@ -449,6 +455,8 @@ pub struct ColdStartReport {
     pub origin_read_s: f64,
     /// Per method.
     pub results: Vec<ColdStartResult>,
+    /// The burst in the simulator's terms (`simulate --emulated` replays it).
+    pub sim_params: crate::sim::params::BurstParams,
 }
 
 /// An origin server process inside a namespace; killed (by PID) on drop.
@@ -634,15 +642,17 @@ pub async fn run_cold_start(opts: &ColdStartOpts) -> anyhow::Result<ColdStartRep
     }
     let (origin_dir, model) = origin_model(opts.size, opts.shards)?;
     let mut results = Vec::new();
+    let mut layout = None;
     for method in &opts.methods {
         let sources = match method.as_str() {
             "origin-pull" => "origin",
             "shardcast" => "auto",
             other => bail!("unknown method {other:?} (origin-pull, shardcast)"),
         };
-        let r = cold_start_method(opts, method, sources, origin_dir.path())
+        let (r, manifest) = cold_start_method(opts, method, sources, origin_dir.path())
             .await
             .with_context(|| format!("method {method}"))?;
+        layout = Some(manifest);
         eprintln!(
             "{:>12}: ready in {:.2} s (estimate {:.2} s), origin served {}",
             r.method,
@@ -652,6 +662,18 @@ pub async fn run_cold_start(opts: &ColdStartOpts) -> anyhow::Result<ColdStartRep
         );
         results.push(r);
     }
+    let manifest = layout.context("no method was run")?;
+    let sim_params = crate::sim::params::BurstParams {
+        hosts: opts.hosts,
+        model: manifest.name.to_string(),
+        shard_bytes: manifest.shards.iter().map(|s| s.size).collect(),
+        chunk_size: manifest.chunk_size,
+        host_link_cap_bps: opts.rate as f64,
+        origin_bps: opts.origin_rate as f64,
+        origin_behind_host_link: true,
+        tls: true,
+        origin_parallel: crate::sim::dc::ORIGIN_PARALLEL,
+    };
     Ok(ColdStartReport {
         hosts: opts.hosts,
         bytes: model.total_bytes,
@@ -659,6 +681,7 @@ pub async fn run_cold_start(opts: &ColdStartOpts) -> anyhow::Result<ColdStartRep
         origin_rate_bits_per_s: opts.origin_rate * 8,
         origin_read_s: model.total_bytes as f64 / opts.origin_rate as f64,
         results,
+        sim_params,
     })
 }
 
@@ -667,7 +690,7 @@ async fn cold_start_method(
     method: &str,
     sources: &str,
     origin_dir: &Path,
-) -> anyhow::Result<ColdStartResult> {
+) -> anyhow::Result<(ColdStartResult, Manifest)> {
     let c = EmulatedCluster::start(
         opts.hosts,
         opts.rate,
@@ -717,16 +740,20 @@ async fn cold_start_method(
         }
     };
     let per_host_s: Vec<f64> = ready.iter().map(|r| r.1).collect();
+    let manifest = manifest.clone();
     drop(c);
-    Ok(ColdStartResult {
+    let result = ColdStartResult {
         method: method.into(),
         ready_s: per_host_s.iter().copied().fold(0.0, f64::max),
         per_host_s,
+        hosts: ready.iter().map(|r| r.0.clone()).collect(),
+        chain_hops: accepted.chains.iter().map(|c| c.hops.clone()).collect(),
         estimate_s: accepted.estimate_s,
         origin_bytes,
         chains: accepted.chains.len(),
         verified,
-    })
+    };
+    Ok((result, manifest))
 }
 
 // ---------------------------------------------------------------- burst

@@ -88,6 +88,13 @@ impl<F: Fleet, M: ModelSource> Autoscaler<F, M> {
         }
     }
 
+    /// The same autoscaler deciding with `policy` instead of the defaults (e.g.
+    /// `max_replicas` from the cluster's GPU count, as [`ScalerConfig::max_replicas`] asks).
+    pub fn with_policy(mut self, policy: ScalerConfig) -> Self {
+        self.cfg = policy;
+        self
+    }
+
     /// `ReportLoad`: decide and act.
     pub async fn report_load(&self, req: ReportLoad) -> Result<Event, LoadError> {
         for (name, v) in [

@@ -80,10 +80,7 @@ impl Usage {
 
     /// Records a use of `digest` now.
     pub fn touch(&self, digest: &str) {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
+        let now = crate::core::now_unix();
         lock(&self.last).insert(digest.to_string(), now);
         lock(&self.dirty).insert(digest.to_string());
     }

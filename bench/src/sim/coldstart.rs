@@ -63,6 +63,9 @@ pub struct ColdStart {
     /// Hosts that hold the model in memory before the burst (spread evenly over the host
     /// indices, hence over the leaves).
     pub warm: usize,
+    /// The tier the prewarm fills: `Gpu` (a cold start: a GPU replica resident) or
+    /// `Memory` (a complete copy in host memory, as `cold-start --emulate` measures).
+    pub tier: Tier,
     /// Heartbeat period of the hosts (and the controller's expiry tick).
     pub heartbeat: Duration,
     /// The plan runner's poll tick.
@@ -80,7 +83,8 @@ pub struct HostColdStart {
     pub source: String,
     /// Its copy was complete in host memory.
     pub copy_s: Option<f64>,
-    /// Its GPU replica was resident: the cold start.
+    /// It was ready in the prewarm's tier: its GPU replica was resident (the cold start),
+    /// or for a prewarm of tier memory its copy was complete.
     pub ready_s: Option<f64>,
 }
 
@@ -370,7 +374,7 @@ async fn drive_burst(
         .prewarm(Prewarm {
             model: name.to_string(),
             target: Target::Replicas(spec.replicas),
-            tier: Tier::Gpu,
+            tier: spec.tier,
             sources: match method {
                 Method::Baseline => Sources::Origin,
                 Method::Chain => Sources::Auto,
@@ -414,7 +418,11 @@ async fn drive_burst(
             host: r.host,
             source: r.source,
             copy_s: r.copy_s.map(|t| t - t0),
-            ready_s: r.gpu_s.map(|t| t - t0),
+            ready_s: match spec.tier {
+                Tier::Memory => r.copy_s,
+                _ => r.gpu_s,
+            }
+            .map(|t| t - t0),
         })
         .collect();
     let mut ready: Vec<f64> = hosts.iter().filter_map(|h| h.ready_s).collect();
@@ -594,10 +602,12 @@ mod tests {
                 chunk_size: 1 << 20,
                 hop_cap_bps: None,
                 progress_period: Duration::from_secs(1),
+                origin_parallel: crate::sim::dc::ORIGIN_PARALLEL,
             },
             model: models::find(model).unwrap().clone(),
             replicas: hosts as u32,
             warm: 0,
+            tier: Tier::Gpu,
             heartbeat: Duration::from_secs(1),
             poll: Duration::from_millis(250),
             limit: Duration::from_secs(86_400),
@@ -655,8 +665,9 @@ mod tests {
     #[test]
     fn one_chain_reads_the_origin_once_and_its_hops_finish_a_chunk_apart() {
         // 8 receivers, no copy anywhere: one chain from the origin (placement: one chain
-        // when n <= max_chain_len). It moves at the origin's 2.203 Gbit/s; hop j holds the
-        // model at (S + j * chunk) / rate, then loads.
+        // when n <= max_chain_len). It moves at the origin's 2.203 Gbit/s; the head holds
+        // the model at S / rate, hop j >= 1 at (S + (j + P - 1) * chunk) / rate (P: the
+        // head's parallel origin reads, `dc::pipeline_lag`), then loads.
         let s = spec(8, "bart-large");
         let row = run(&s, Method::Chain).unwrap();
         let (bytes, chunk) = (s.model.bytes as f64, f64::from(s.dc.chunk_size));
@@ -664,25 +675,30 @@ mod tests {
         assert_eq!((row.ready, row.chains), (8, 1));
         let mut copies: Vec<f64> = row.hosts.iter().map(|h| h.copy_s.unwrap()).collect();
         copies.sort_by(f64::total_cmp);
+        let fill = f64::from(s.dc.origin_parallel) - 1.0;
+        let lag = |j: usize| if j == 0 { 0.0 } else { j as f64 + fill };
         for (j, c) in copies.iter().enumerate() {
             assert!(
-                close(*c, (bytes + j as f64 * chunk) / rate, 1e-6),
+                close(*c, (bytes + lag(j) * chunk) / rate, 1e-6),
                 "hop {j}: {c}"
             );
         }
         let startup = s.dc.phases.startup_s(s.model.bytes);
         assert!(close(row.max_cold_start_s, copies[7] + startup, 1e-6));
-        assert!(close(row.bytes_from_origin, bytes + 7.0 * chunk, 1.0));
+        // The flow's progress, counted as origin bytes, runs on to the last hop's lag.
+        assert!(close(row.bytes_from_origin, bytes + lag(7) * chunk, 1.0));
         // The head received from the origin, the 7 hops after it from their peers.
         let end = tiers_end(&row);
         assert!(close(end.origin, bytes, 1.0), "{end:?}");
         assert!(close(end.peer, 7.0 * bytes, 1.0), "{end:?}");
         assert_eq!(end.local, 0.0);
-        // Mid-transfer, hop j lags the head by j chunks: 8 p - 28 chunks in all.
+        // Mid-transfer, hop j lags the head by lag(j) chunks: 8 p - 77 chunks in all.
         let mid = row.tiers.iter().find(|s| s.t >= 3.0).unwrap();
         let p = rate * mid.t;
         let got = mid.bytes.origin + mid.bytes.peer;
-        assert!(close(got, 8.0 * p - 28.0 * chunk, 1.0), "{mid:?}");
+        let lags: f64 = (0..8).map(lag).sum();
+        assert_eq!(lags, 28.0 + 7.0 * fill);
+        assert!(close(got, 8.0 * p - lags * chunk, 1.0), "{mid:?}");
         // Against the baseline of the test above: the origin is read once, not 8 times.
         assert!(row.avg_cold_start_s < (8.0 * bytes / rate + startup) / 4.0);
     }

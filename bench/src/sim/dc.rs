@@ -83,6 +83,33 @@ pub enum FlowError {
     Net(#[from] NetError),
 }
 
+/// How far receiver `j` of a delivery (0: the first, fed by the source) lags the source's
+/// progress, in bytes of the flow's progress: receiver `j` holds the whole model once the
+/// source has pushed `bytes + pipeline_lag(…, j)`.
+///
+/// * **One chunk a hop.** A hop forwards a chunk only once it has received and verified
+///   all of it, so hop `j` is `j` chunks behind the first receiver.
+/// * **The head's origin reads.** A head that fills from the origin reads
+///   `origin_parallel` chunks at once (transferd's `origin_parallel`, 8 by default), each
+///   at a share of the rate, and forwards a chunk once it is complete: the last
+///   `origin_parallel` chunks complete together at the end, so the first hop below the
+///   head is `origin_parallel` chunks behind it, not one. Measured on the emulated 8-host
+///   chain (docs/BENCHMARKS.md): hop 1 ends 6.5–7 chunk-times after the head, each later
+///   hop ≈ 1.2 after the one above.
+///
+/// Not modelled: the shards of a model travel as parallel sessions (one per shard, each its
+/// own connection), which share the links unevenly — the emulated 4-shard burst's head
+/// finished forwarding its shards up to a second apart — so a many-shard chain is treated
+/// as one session.
+pub fn pipeline_lag(chunk: f64, j: usize, from_origin: bool, origin_parallel: u32) -> f64 {
+    let fill = if from_origin && j > 0 {
+        f64::from(origin_parallel.max(1)) - 1.0
+    } else {
+        0.0
+    };
+    (j as f64 + fill) * chunk
+}
+
 /// Bytes that reached the hosts, by where they came from; cumulative.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct TierBytes {
@@ -115,6 +142,9 @@ impl TierBytes {
 /// one round every 2 s on top of its own 250 ms tick.
 pub const PROGRESS_PERIOD: Duration = Duration::from_secs(2);
 
+/// transferd's default `origin_parallel`: concurrent chunk reads from an origin.
+pub const ORIGIN_PARALLEL: u32 = 8;
+
 /// What the simulated hosts are like.
 #[derive(Debug, Clone)]
 pub struct DcConfig {
@@ -133,6 +163,10 @@ pub struct DcConfig {
     /// The most one host-to-host hop moves, bytes/s (a chain hop's CPU limit; `None`: the
     /// links only).
     pub hop_cap_bps: Option<f64>,
+    /// Chunks a head reads from the origin at once (transferd's `origin_parallel`): the
+    /// first hop below a head that fills from the origin lags it by this many
+    /// ([`pipeline_lag`]).
+    pub origin_parallel: u32,
     /// How often a watch pushes progress while bytes move.
     pub progress_period: Duration,
 }
@@ -172,8 +206,8 @@ pub(super) struct Delivery {
     pub(super) waiters: Vec<oneshot::Sender<()>>,
     /// Bytes each receiver gets.
     pub(super) bytes: f64,
-    /// Receiver `j`'s first byte lands when the head has pushed `j * lag` (one chunk).
-    pub(super) lag: f64,
+    /// Receiver `j` lags the head by `lags[j]` bytes of progress ([`pipeline_lag`]).
+    pub(super) lags: Vec<f64>,
     /// The head reads the origin (receiver 0's bytes are origin bytes).
     pub(super) from_origin: bool,
     /// Receivers whose copy is complete (milestones applied; they are reached in order).
@@ -184,7 +218,7 @@ pub(super) struct Delivery {
 #[derive(Debug, Clone)]
 pub(super) struct Incoming {
     pub(super) flow: FlowId,
-    /// The head's progress at which this host's first byte lands (`j * chunk`).
+    /// How far this host lags the head, bytes of the flow's progress ([`pipeline_lag`]).
     pub(super) lag: f64,
     /// Bytes the flow carries to it.
     pub(super) bytes: f64,
@@ -381,7 +415,7 @@ impl Datacenter {
 
     /// Bytes that have reached the hosts so far, by tier ([`TierBytes`]): copies in
     /// progress count the bytes that have landed, a chain's hop `j` lagging the head by
-    /// `j` chunks.
+    /// [`pipeline_lag`].
     pub fn tier_bytes(&self) -> TierBytes {
         let dc = self.synced();
         let mut t = dc.settled;
@@ -390,7 +424,7 @@ impl Datacenter {
                 continue;
             };
             for j in d.reached..d.receivers.len() {
-                let got = (p - j as f64 * d.lag).clamp(0.0, d.bytes);
+                let got = (p - d.lags[j]).clamp(0.0, d.bytes);
                 if j == 0 && d.from_origin {
                     t.origin += got;
                 } else {
@@ -769,15 +803,17 @@ impl Dc {
             return Err(FlowError::NothingToSend);
         }
         let chunk = f64::from(self.cfg.chunk_size);
+        let from_origin = source == Endpoint::Origin;
+        let lags: Vec<f64> = (0..receivers.len())
+            .map(|j| pipeline_lag(chunk, j, from_origin, self.cfg.origin_parallel))
+            .collect();
         let mut segments = Vec::with_capacity(receivers.len());
         let mut from = source;
         for &r in &receivers {
             segments.push((from, Endpoint::Host(r)));
             from = Endpoint::Host(r);
         }
-        let milestones: Vec<f64> = (0..receivers.len())
-            .map(|j| bytes + j as f64 * chunk)
-            .collect();
+        let milestones: Vec<f64> = lags.iter().map(|lag| bytes + lag).collect();
         let cap = match source {
             Endpoint::Origin if receivers.len() == 1 => None,
             _ => self.cfg.hop_cap_bps,
@@ -806,7 +842,7 @@ impl Dc {
                 });
             copy.incoming.push(Incoming {
                 flow,
-                lag: j as f64 * chunk,
+                lag: lags[j],
                 bytes,
             });
             if copy.source.is_empty() {
@@ -831,7 +867,7 @@ impl Dc {
                 shards,
                 waiters: Vec::new(),
                 bytes,
-                lag: chunk,
+                lags,
                 from_origin: source == Endpoint::Origin,
                 reached: 0,
             },

@@ -19,10 +19,10 @@
 //!   the hosts' heartbeats and the network's events all sleep on the paused clock, and tokio
 //!   jumps it to the next timer whenever every task is idle. A burst of 200 cold starts that
 //!   takes hours of virtual time runs in seconds, and the same inputs give the same report.
-//!   One wall-clock read is left in the controller: `now_unix()` (`SystemTime`) stamps
-//!   plans and times the lost grace of receivers whose hosts stopped heartbeating. No
-//!   decision of a run without faults depends on it (the simulator takes every ready time
-//!   from its own clock); simulating lost hosts needs it on the tokio clock first.
+//!   The controller's seconds-since-the-epoch (`now_unix`: plan stamps, events, the
+//!   autoscaler's state, the lost grace of hosts that stopped heartbeating) are the tokio
+//!   clock too, anchored once to the system clock; only what other processes read (plan
+//!   tokens, heartbeat answers) keeps the system clock.
 //! * **A flow-level network** ([`net`]): Flashpoint's spine-leaf topology with max-min fair
 //!   sharing over the links each flow crosses, recomputed only when a flow starts or ends;
 //!   a pipelined chain is one flow through all its hops. Exact completion times come from
@@ -59,7 +59,8 @@
 //! [`workload`] runs one model under a request-rate trace for a duration of virtual time: a
 //! global request queue served by the model's GPU replicas ([`serve`], exact FIFO on the
 //! replica free earliest), an autoscaler ([`scalers`]: the thesis' TSK, ATL, OWK and SM*
-//! baselines and shardcast's own `policies::autoscale` rule) that scales through the
+//! baselines and shardcast's own `policies::autoscale` rule; or [`autoscaler`]: the
+//! controller's `Autoscaler` service itself, acting through a simulated fleet) that scales through the
 //! controller — `ScaleOut` (or a `Prewarm` with `sources: origin` for the baseline) and GPU
 //! `Evict` — and one technique per run (baseline, + locality, + chain multicast,
 //! combined). [`compare`] puts the runs of one model, trace and autoscaler side by side
@@ -81,6 +82,13 @@
 //! over time. `cold-start --emulate` draws its ready-time CDF with the same function, so an
 //! emulated and a simulated burst compare picture to picture.
 //!
+//! ## Validation against the emulated cluster
+//!
+//! [`params`]: `cold-start --emulate` writes the burst it ran in the simulator's terms
+//! (hosts, the manifest's shards and chunk size, link and origin rates, the daemons' origin
+//! parallelism) into its report; `simulate --emulated REPORT` replays it and compares the
+//! per-host ready times, and a test holds them within 10 % (docs/BENCHMARKS.md).
+//!
 //! ## Inputs
 //!
 //! [`models`]: the six models of the thesis' Table 3.1 with their cold-start phases and
@@ -89,11 +97,13 @@
 //! thesis' Twitter and Azure statistics.
 
 pub mod agents;
+pub mod autoscaler;
 pub mod coldstart;
 pub mod compare;
 pub mod dc;
 pub mod models;
 pub mod net;
+pub mod params;
 pub mod plots;
 pub mod scalers;
 pub mod serve;

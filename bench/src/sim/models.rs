@@ -75,16 +75,21 @@ pub struct SimModel {
     pub bytes: u64,
     /// Layer groups for the profile.
     pub layers: usize,
+    /// The shards' sizes in manifest order (they add up to `bytes`); `None`: [`SHARD_BYTES`]
+    /// each, the rest in the last. A model measured on a real or emulated cluster
+    /// ([`super::params`]) has its manifest's.
+    pub shards: Option<Vec<u64>>,
 }
 
 /// The six models of Flashpoint's Table 3.1, smallest first.
-pub const TABLE_3_1: [SimModel; 6] = [
+pub static TABLE_3_1: [SimModel; 6] = [
     SimModel {
         name: "codebert-base",
         label: "CodeBERT",
         params: "125M",
         bytes: 499_000_000,
         layers: 14,
+        shards: None,
     },
     SimModel {
         name: "albert-xxlarge-v2",
@@ -92,6 +97,7 @@ pub const TABLE_3_1: [SimModel; 6] = [
         params: "223M",
         bytes: 890_000_000,
         layers: 14,
+        shards: None,
     },
     SimModel {
         name: "bart-large",
@@ -99,6 +105,7 @@ pub const TABLE_3_1: [SimModel; 6] = [
         params: "406M",
         bytes: 1_626_000_000,
         layers: 26,
+        shards: None,
     },
     SimModel {
         name: "dialogpt-large",
@@ -106,6 +113,7 @@ pub const TABLE_3_1: [SimModel; 6] = [
         params: "774M",
         bytes: 3_135_000_000,
         layers: 38,
+        shards: None,
     },
     SimModel {
         name: "gpt2-xl",
@@ -113,6 +121,7 @@ pub const TABLE_3_1: [SimModel; 6] = [
         params: "1,558M",
         bytes: 6_282_000_000,
         layers: 50,
+        shards: None,
     },
     SimModel {
         name: "t5-3b",
@@ -120,6 +129,7 @@ pub const TABLE_3_1: [SimModel; 6] = [
         params: "~2.8B",
         bytes: T5_3B_TOTAL_BYTES,
         layers: 55,
+        shards: None,
     },
 ];
 
@@ -160,8 +170,11 @@ impl Phases {
 pub const SHARD_BYTES: u64 = 5_000_000_000;
 
 impl SimModel {
-    /// Shard sizes: `SHARD_BYTES` each, the rest in the last.
+    /// Shard sizes: [`Self::shards`], or `SHARD_BYTES` each and the rest in the last.
     pub fn shard_sizes(&self) -> Vec<u64> {
+        if let Some(sizes) = &self.shards {
+            return sizes.clone();
+        }
         let mut left = self.bytes;
         let mut out = Vec::new();
         while left > 0 {

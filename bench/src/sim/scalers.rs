@@ -14,6 +14,7 @@
 //! | `owk` (OpenWhisk on Kubernetes: the HPA) | GPU utilisation, target 60% (thesis) | HPA as `tsk` | 15 s | highest of the last 300 s |
 //! | `sm` (SageMaker) | invocations per instance per minute | `ceil(invocations / (μ · 60 · 0.5))` | 60 s | 300 s after the last scale-in |
 //! | `shardcast` | arrival rate, queue | [`shardcast_policies::autoscale::decide`] | 1 s | held for the measured load time |
+//! | `controller` | arrival rate, queue | the controller's `Autoscaler` service ([`super::autoscaler`]) | 1 s | held for the controller's load time |
 //!
 //! Parameters the thesis does not give are chosen here and named as constants with their
 //! reason: the HPA's defaults (15 s sync, 10% tolerance, 300 s downscale stabilisation,
@@ -24,10 +25,11 @@
 //! does not (the report gives each row's replica-seconds next to its latencies).
 //!
 //! `shardcast` is the policy the controller's `Autoscaler` runs (`ReportLoad`), called
-//! directly: the controller's `Autoscaler` stamps its state with `now_unix()`, the wall
-//! clock, so on the simulator's paused clock its scale-down delay (the model's load time)
-//! would be measured in wall milliseconds. Its `Fleet` actions (`ScaleOut`, GPU `Evict`)
-//! are the ones the run performs on the real controller.
+//! directly on the simulator's counts and measured cold start; the run turns its count into
+//! `ScaleOut` and GPU `Evict` on the real controller. `controller` is the `Autoscaler`
+//! service itself — its state on the controller's clock (the tokio clock, so virtual here),
+//! its replica count and load time from the controller, its own victims — acting through
+//! the simulator's `Fleet` ([`super::autoscaler`]).
 
 use std::collections::VecDeque;
 
@@ -47,8 +49,12 @@ pub enum ScalerKind {
     Owk,
     /// SageMaker: invocations per instance.
     Sm,
-    /// shardcast's own policy (`shardcast_policies::autoscale`).
+    /// shardcast's own policy (`shardcast_policies::autoscale`), called directly.
     Shardcast,
+    /// The controller's `Autoscaler` service itself, on the virtual clock, acting through
+    /// the simulator's fleet ([`super::autoscaler`]); [`Scaler::target`] does not decide
+    /// for it (the trace run hands each tick to the service).
+    Controller,
 }
 
 impl ScalerKind {
@@ -60,6 +66,7 @@ impl ScalerKind {
             Self::Owk => "OWK (HPA, GPU utilisation)",
             Self::Sm => "SM* (invocations per instance)",
             Self::Shardcast => "shardcast (policies::autoscale)",
+            Self::Controller => "shardcast (the controller's Autoscaler)",
         }
     }
 }
@@ -156,7 +163,7 @@ impl Scaler {
         let period = match self.kind {
             ScalerKind::Tsk | ScalerKind::Owk => HPA_PERIOD_S,
             ScalerKind::Sm => SM_PERIOD_S,
-            ScalerKind::Atl | ScalerKind::Shardcast => 0.0,
+            ScalerKind::Atl | ScalerKind::Shardcast | ScalerKind::Controller => 0.0,
         };
         if self.last_eval_s.is_some_and(|t| now - t < period - 1e-9) {
             return obs.replicas;
@@ -195,6 +202,8 @@ impl Scaler {
                 from_zero(obs, w)
             }
             ScalerKind::Shardcast => self.shardcast(obs),
+            // The service decides and acts itself (`super::autoscaler`).
+            ScalerKind::Controller => obs.replicas,
         }
         .min(max);
         if want < obs.replicas {
