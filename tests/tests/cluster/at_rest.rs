@@ -100,13 +100,31 @@ async fn byte_flipped_at_rest_is_caught_before_serving_and_repaired() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nack_makes_the_sender_rehash_drop_and_repair_not_resend_bad_bytes() {
+    nack_case(false).await;
+}
+
+/// The same with the receivers hashing each payload as it arrives (`--hash-on-read`): the
+/// hash their frame reader works out catches the rotten chunk just the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nack_catches_a_rotten_chunk_hashed_as_it_arrives() {
+    nack_case(true).await;
+}
+
+async fn nack_case(hash_on_read: bool) {
     // The defaults (no scrub): the source does not re-hash before sending down a chain, not
     // even the chunks of the copy kept at import, which it does not trust; so the rotten
     // chunk goes out once, and the receiver's Nack makes the source re-hash, drop and
     // repair it, then send good bytes.
-    let c = TestCluster::start(2, 8 * MIB, 1, source_flags(&["--scrub-rate", "off"]))
-        .await
-        .unwrap();
+    let c = TestCluster::start(2, 8 * MIB, 1, |i, o| {
+        if i == 0 {
+            o.extra_args.extend(["--scrub-rate".into(), "off".into()]);
+        } else {
+            o.extra_args
+                .extend(["--hash-on-read".into(), hash_on_read.to_string()]);
+        }
+    })
+    .await
+    .unwrap();
     let (digest, manifest) = c.import_on_source().await.unwrap();
     flip(
         &shard_file(&c.daemons[0], &digest, &manifest, 0),

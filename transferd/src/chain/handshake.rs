@@ -78,7 +78,7 @@ impl Links {
             stats,
             write_timeout,
             idle_timeout,
-            hash_on_read: true,
+            hash_on_read: false,
         }
     }
 
@@ -157,7 +157,7 @@ impl Links {
     }
 
     /// Whether the streams it frames hash chunk payloads as they arrive
-    /// ([`crate::wire::FrameReader::hash_chunks`]); on unless turned off here.
+    /// ([`crate::wire::FrameReader::hash_chunks`]); off unless turned on here.
     pub(super) fn with_hash_on_read(mut self, on: bool) -> Self {
         self.hash_on_read = on;
         self

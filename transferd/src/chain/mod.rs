@@ -235,10 +235,8 @@ pub struct ChainConfig {
     /// the read (and decryption) that wrote them, instead of in one pass over the whole
     /// chunk on the blocking pool before it is stored: one pass over memory fewer, but the
     /// hash then runs on the connection's reading task rather than beside its next read on
-    /// another core. The daemon's default (`hash_on_read = "auto"`) is on below
-    /// [`AUTO_STRIPES_MIN_CORES`] cores, where CPU and memory bandwidth are what a hop
-    /// lacks, and off from there, where one connection's reading task would otherwise
-    /// carry the hash too; this struct's `Default` is on.
+    /// another core. Off by default: on the 2-core VM the emulated 8-receiver chain did not
+    /// separate on from off under load (docs/BENCHMARKS.md, issue #28).
     pub hash_on_read: bool,
 }
 
@@ -340,7 +338,7 @@ impl Default for ChainConfig {
             pipeline_depth: 4,
             sendfile: false,
             stripes: Stripes::Fixed(1),
-            hash_on_read: true,
+            hash_on_read: false,
         }
     }
 }
