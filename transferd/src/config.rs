@@ -883,16 +883,22 @@ impl Config {
         };
         let traces = match &s.otlp_endpoint {
             None => None,
-            Some(_) if !cfg!(feature = "otlp") => bail!(
-                "otlp_endpoint is set, but this transferd was built without the `otlp` feature \
-                 (cargo build --release -p transferd --features otlp), or unset otlp_endpoint"
-            ),
-            Some(e) => Some(TraceExport {
-                endpoint: OtlpEndpoint::parse(e)?,
-                service_name: "transferd",
-                service_version: env!("CARGO_PKG_VERSION"),
-                instance_id: host_id.as_str().to_string(),
-            }),
+            Some(e) => {
+                let endpoint = OtlpEndpoint::parse(e)?;
+                if !cfg!(feature = "otlp") {
+                    bail!(
+                        "otlp_endpoint is set, but this transferd was built without the `otlp` \
+                         feature (cargo build --release -p transferd --features otlp), or unset \
+                         otlp_endpoint"
+                    );
+                }
+                Some(TraceExport {
+                    endpoint,
+                    service_name: "transferd",
+                    service_version: env!("CARGO_PKG_VERSION"),
+                    instance_id: host_id.as_str().to_string(),
+                })
+            }
         };
         if s.memory_dir == s.data_dir {
             bail!(
@@ -1207,6 +1213,30 @@ mod tests {
         ];
         argv.extend_from_slice(flags);
         load(&argv)
+    }
+
+    #[test]
+    fn otlp_endpoint_is_off_by_default_loopback_only_and_needs_the_feature() {
+        assert!(load_tls(&[]).unwrap().traces.is_none());
+        let err = load_tls(&["--otlp-endpoint", "http://10.0.0.1:4318"]).unwrap_err();
+        assert!(format!("{err:#}").contains("loopback"), "{err:#}");
+        let loaded = load_tls(&[
+            "--host-id",
+            "gpu-7",
+            "--otlp-endpoint",
+            "http://127.0.0.1:4318",
+        ]);
+        if cfg!(feature = "otlp") {
+            let t = loaded.unwrap().traces.expect("exporting");
+            assert_eq!(t.endpoint.traces_url(), "http://127.0.0.1:4318/v1/traces");
+            assert_eq!(
+                (t.service_name, t.instance_id.as_str()),
+                ("transferd", "gpu-7")
+            );
+        } else {
+            let err = format!("{:#}", loaded.unwrap_err());
+            assert!(err.contains("without the `otlp` feature"), "{err}");
+        }
     }
 
     #[test]

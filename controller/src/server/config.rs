@@ -601,6 +601,7 @@ impl Args {
         let Some(endpoint) = &self.otlp_endpoint else {
             return Ok(None);
         };
+        let endpoint = OtlpEndpoint::parse(endpoint)?;
         if !cfg!(feature = "otlp") {
             bail!(
                 "otlp_endpoint is set, but this shardcast-controller was built without the \
@@ -614,7 +615,7 @@ impl Args {
             .or_else(|| self.advertise.clone())
             .unwrap_or_else(|| self.listen.to_string());
         Ok(Some(TraceExport {
-            endpoint: OtlpEndpoint::parse(endpoint)?,
+            endpoint,
             service_name: "shardcast-controller",
             service_version: env!("CARGO_PKG_VERSION"),
             instance_id,
