@@ -117,6 +117,10 @@ pub fn workspace_bin(bin: &str, package: &str, env: &str) -> anyhow::Result<Path
     if release {
         cmd.arg("--release");
     }
+    // A build with the `otlp` feature (the OTLP trace test) starts daemons that export.
+    if cfg!(feature = "otlp") {
+        cmd.args(["--features", "shardcast-bench/otlp"]);
+    }
     let candidate = profile_dir.join(bin);
     match cmd.status() {
         Ok(status) if status.success() && candidate.is_file() => {}

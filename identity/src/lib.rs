@@ -25,6 +25,8 @@
 //!   leader (the CLI and transferd's heartbeats).
 //! - [`process`]: the process shell both daemons share: logging, the TLS identity or the
 //!   insecure mode, the open-file limit, the shutdown signal.
+//! - [`otlp`]: the `otlp_endpoint` setting (loopback `http://` only) and, with the `otlp`
+//!   feature, the daemons' spans exported as OTLP traces.
 //! - [`ready`]: a daemon's readiness (named conditions, drain on shutdown) behind
 //!   `/readyz`, `grpc.health.v1` and the `shardcast_ready` gauge.
 //!
@@ -39,6 +41,7 @@ pub mod expiry;
 pub mod failover;
 pub mod grpc;
 pub mod http;
+pub mod otlp;
 pub mod pki;
 pub mod plan;
 pub mod process;

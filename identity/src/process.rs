@@ -2,7 +2,9 @@
 //! around its own work, written once.
 //!
 //! * [`init_logging`]: `tracing` to stderr, as text or JSON, filtered by an environment
-//!   variable each daemon names (transferd `SHARDCAST_LOG`, the controller `RUST_LOG`).
+//!   variable each daemon names (transferd `SHARDCAST_LOG`, the controller `RUST_LOG`), and,
+//!   with the `otlp` feature and an `otlp_endpoint`, the same spans exported as OTLP traces
+//!   ([`crate::otlp`]).
 //! * [`Security::choose`]: the TLS identity from the `tls_ca`/`tls_cert`/`tls_key`
 //!   settings, or the insecure plaintext mode (refused unless every TCP listener is on
 //!   loopback); each daemon words the refusal for its own settings and loads the identity
@@ -20,21 +22,50 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use crate::TlsFiles;
+use crate::otlp::{TraceError, TraceExport, Traces};
 
 /// Sends `tracing` events to stderr, as text or (`json`) one JSON object a line, at the
 /// levels the environment variable `filter_var` sets (an `EnvFilter` directive such as
-/// `info,transferd::chain=debug`; `info` when unset or unreadable). Once per process, before
-/// the first event.
-pub fn init_logging(filter_var: &str, json: bool) {
+/// `info,transferd::chain=debug`; `info` when unset or unreadable). With `traces` (the
+/// `otlp_endpoint` setting), the spans that pass the same filter are also exported to that
+/// OTLP collector: [`Traces::shutdown`] flushes them before exit. Once per process, before
+/// the first event; an exporter that cannot start is refused before anything is installed.
+pub fn init_logging(
+    filter_var: &str,
+    json: bool,
+    traces: Option<&TraceExport>,
+) -> Result<Traces, TraceError> {
     use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = EnvFilter::try_from_env(filter_var).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
+    let stderr = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let stderr = if json {
+        stderr.json().boxed()
     } else {
-        builder.init();
+        stderr.boxed()
+    };
+    let registry = tracing_subscriber::registry().with(filter).with(stderr);
+    #[cfg(feature = "otlp")]
+    {
+        let (otel, provider) = match traces {
+            Some(export) => {
+                let (layer, provider) = crate::otlp::layer(export)?;
+                (Some(layer), Some(provider))
+            }
+            None => (None, None),
+        };
+        registry.with(otel).init();
+        Ok(Traces::new(provider))
+    }
+    #[cfg(not(feature = "otlp"))]
+    {
+        if traces.is_some() {
+            return Err(TraceError::NotBuilt);
+        }
+        registry.init();
+        Ok(Traces::default())
     }
 }
 

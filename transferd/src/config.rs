@@ -20,6 +20,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{CommandFactory, Parser};
 use serde::{Deserialize, Serialize};
+use shardcast_identity::otlp::{OtlpEndpoint, TraceExport};
 use shardcast_protocol::HostId;
 use shardcast_protocol::layered::{Layers, Origin, PrintConfig};
 use shardcast_protocol::units::{self, parse_rate, parse_size};
@@ -162,6 +163,10 @@ pub struct Args {
     /// Log format: text or json [default: text].
     #[arg(long, env = "SHARDCAST_LOG_FORMAT")]
     pub log_format: Option<String>,
+    /// Export spans as OTLP traces to this collector on loopback, e.g.
+    /// http://127.0.0.1:4318 (needs a build with the `otlp` feature) [default: none, off].
+    #[arg(long, env = "SHARDCAST_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Controller inventory address to heartbeat to (`host:port`, `http://host:port` or
     /// `unix:/path`), or every replica's, comma-separated: heartbeats follow the elected
     /// leader [default: none, the daemon runs unmanaged].
@@ -395,6 +400,7 @@ struct Settings {
     reverify_sends: bool,
     scrub_rate: String,
     log_format: String,
+    otlp_endpoint: Option<String>,
     controller: Option<String>,
     advertise: Option<String>,
     agent_advertise: Option<String>,
@@ -492,6 +498,7 @@ impl Default for Settings {
             reverify_sends: false,
             scrub_rate: format!("{}MB/s", crate::store::DEFAULT_SCRUB_RATE / 1_000_000),
             log_format: "text".into(),
+            otlp_endpoint: None,
             controller: None,
             advertise: None,
             agent_advertise: None,
@@ -655,6 +662,8 @@ pub struct Config {
     pub chain: ChainConfig,
     /// JSON logs instead of text.
     pub json_logs: bool,
+    /// Where spans are exported as OTLP traces (`None`: nowhere).
+    pub traces: Option<TraceExport>,
     /// Reporting to a controller, if one is configured.
     pub inventory: Inventory,
     /// GPU backend and loader settings.
@@ -880,6 +889,25 @@ impl Config {
             "json" => true,
             other => bail!("log_format must be text or json, got {other:?}"),
         };
+        let traces = match &s.otlp_endpoint {
+            None => None,
+            Some(e) => {
+                let endpoint = OtlpEndpoint::parse(e)?;
+                if !cfg!(feature = "otlp") {
+                    bail!(
+                        "otlp_endpoint is set, but this transferd was built without the `otlp` \
+                         feature (cargo build --release -p transferd --features otlp), or unset \
+                         otlp_endpoint"
+                    );
+                }
+                Some(TraceExport {
+                    endpoint,
+                    service_name: "transferd",
+                    service_version: env!("CARGO_PKG_VERSION"),
+                    instance_id: host_id.as_str().to_string(),
+                })
+            }
+        };
         if s.memory_dir == s.data_dir {
             bail!(
                 "memory_dir and data_dir must differ (both are {})",
@@ -1086,6 +1114,7 @@ impl Config {
                 ..defaults
             },
             json_logs,
+            traces,
             inventory,
             gpu,
             corrupt_once,
@@ -1201,6 +1230,30 @@ mod tests {
         ];
         argv.extend_from_slice(flags);
         load(&argv)
+    }
+
+    #[test]
+    fn otlp_endpoint_is_off_by_default_loopback_only_and_needs_the_feature() {
+        assert!(load_tls(&[]).unwrap().traces.is_none());
+        let err = load_tls(&["--otlp-endpoint", "http://10.0.0.1:4318"]).unwrap_err();
+        assert!(format!("{err:#}").contains("loopback"), "{err:#}");
+        let loaded = load_tls(&[
+            "--host-id",
+            "gpu-7",
+            "--otlp-endpoint",
+            "http://127.0.0.1:4318",
+        ]);
+        if cfg!(feature = "otlp") {
+            let t = loaded.unwrap().traces.expect("exporting");
+            assert_eq!(t.endpoint.traces_url(), "http://127.0.0.1:4318/v1/traces");
+            assert_eq!(
+                (t.service_name, t.instance_id.as_str()),
+                ("transferd", "gpu-7")
+            );
+        } else {
+            let err = format!("{:#}", loaded.unwrap_err());
+            assert!(err.contains("without the `otlp` feature"), "{err}");
+        }
     }
 
     #[test]

@@ -28,7 +28,17 @@ fn main() -> std::process::ExitCode {
         };
     }
     let config = loaded.config;
-    shardcast_identity::process::init_logging("SHARDCAST_LOG", config.json_logs);
+    let traces = match shardcast_identity::process::init_logging(
+        "SHARDCAST_LOG",
+        config.json_logs,
+        config.traces.as_ref(),
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("transferd: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -39,7 +49,12 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(transferd::daemon::run(config)) {
+    let outcome = runtime.block_on(transferd::daemon::run(config));
+    // The spans of the last moments (a drain, the hops it waited for) go out before exit.
+    if let Err(e) = traces.shutdown() {
+        eprintln!("transferd: {e}");
+    }
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("transferd: {e:#}");

@@ -42,8 +42,25 @@ async fn main() {
     let args = loaded.args;
     // RUST_LOG, tracing's own variable (transferd reads SHARDCAST_LOG); log_format is text
     // or json (validated above).
-    shardcast_identity::process::init_logging("RUST_LOG", args.log_format == "json");
-    if let Err(e) = run(args).await {
+    let traces = match args.trace_export().and_then(|export| {
+        Ok(shardcast_identity::process::init_logging(
+            "RUST_LOG",
+            args.log_format == "json",
+            export.as_ref(),
+        )?)
+    }) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("shardcast-controller: {e:#}");
+            std::process::exit(1);
+        }
+    };
+    let outcome = run(args).await;
+    // The spans of the last moments go out before exit (process::exit skips destructors).
+    if let Err(e) = traces.shutdown() {
+        eprintln!("shardcast-controller: {e}");
+    }
+    if let Err(e) = outcome {
         eprintln!("shardcast-controller: {e:#}");
         std::process::exit(1);
     }

@@ -5,7 +5,9 @@
 use super::*;
 
 impl Controller {
-    /// `Prewarm`: make `replicas` replicas (or the named hosts) hold the model.
+    /// `Prewarm`: make `replicas` replicas (or the named hosts) hold the model. Under a
+    /// `prewarm` span (model, tier, the plan it made), the parent of the plan's run.
+    #[tracing::instrument(name = "prewarm", skip_all, fields(model = %req.model, tier = ?req.tier, plan = tracing::field::Empty))]
     pub fn prewarm(self: &Arc<Self>, req: Prewarm) -> Result<Accepted, PlanRequestError> {
         let tier = req.tier;
         let target = req.target;
@@ -16,7 +18,7 @@ impl Controller {
         }
         let transport = req.transport.unwrap_or(self.cfg.transport);
         let each_from_origin = req.sources == Sources::Origin;
-        self.make_plan(
+        let accepted = self.make_plan(
             &req.model,
             tier,
             (each_from_origin, transport),
@@ -31,7 +33,9 @@ impl Controller {
                 }
                 Ok(Some(target.clone()))
             },
-        )
+        )?;
+        tracing::Span::current().record("plan", accepted.plan_id.as_str());
+        Ok(accepted)
     }
 
     /// What a partitioned burst needs from the controller's state: the model, its
@@ -300,7 +304,13 @@ impl Controller {
         st.add_plan(record);
         drop(st);
         info!(plan = %id, model = %model.name, ?tier, receivers = plan.receivers.len(), chains = chains.len(), estimate_s = plan.estimate_s, "plan made");
-        tokio::spawn(self.clone().run_plan(id.clone()));
+        // One span per plan run, from its first chain to its end (`state` recorded then);
+        // a child of the API call's span (`prewarm`) where there is one.
+        let span = tracing::info_span!("plan", plan = %id, model = %model.name, tier = ?tier, receivers = plan.receivers.len(), chains = chains.len(), state = tracing::field::Empty);
+        tokio::spawn(tracing::Instrument::instrument(
+            self.clone().run_plan(id.clone()),
+            span,
+        ));
         Ok(Accepted {
             plan_id: id,
             estimate_s: plan.estimate_s,

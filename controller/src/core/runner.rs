@@ -60,6 +60,8 @@ impl Controller {
         }
         if ended {
             info!(plan = %id, kind = %plan.kind, state = %plan.state, elapsed_s = plan.elapsed_s(now_unix()), "plan ended");
+            // The `plan` span of the run, when this is it (exported with the outcome).
+            tracing::Span::current().record("state", tracing::field::display(&plan.state));
             st.watchers.remove(id);
         }
     }

@@ -18,6 +18,7 @@ use anyhow::{Context, bail};
 use clap::{CommandFactory, Parser};
 use serde::{Deserialize, Serialize};
 use shardcast_identity::http::HttpLimits;
+use shardcast_identity::otlp::{OtlpEndpoint, TraceExport};
 use shardcast_identity::process::{Security, SecurityError};
 use shardcast_identity::{Role, TlsContext};
 use shardcast_placement::PlanParams;
@@ -109,6 +110,10 @@ pub struct Cli {
     /// Log format: text or json. [default: text]
     #[arg(long, env = "SHARDCAST_LOG_FORMAT")]
     pub log_format: Option<String>,
+    /// Export spans as OTLP traces to this collector on loopback, e.g.
+    /// http://127.0.0.1:4318 (needs a build with the `otlp` feature). [default: none, off]
+    #[arg(long, env = "SHARDCAST_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Host memory tier: above this fraction of its capacity, evict model copies (least
     /// recently used first) down to --memory-low. [default: 0.90]
     #[arg(long, env = "SHARDCAST_MEMORY_HIGH")]
@@ -296,6 +301,8 @@ pub struct Args {
     pub lost_grace_s: u64,
     /// Log format: text or json.
     pub log_format: String,
+    /// OTLP/HTTP collector the spans are exported to (loopback only; `None`: off).
+    pub otlp_endpoint: Option<String>,
     /// Memory tier high watermark (fraction of capacity).
     pub memory_high: f64,
     /// Memory tier low watermark.
@@ -396,6 +403,7 @@ impl Default for Args {
             stall_timeout_s: 10,
             lost_grace_s: 20,
             log_format: "text".into(),
+            otlp_endpoint: None,
             memory_high: 0.90,
             memory_low: 0.75,
             disk_high: 0.90,
@@ -586,11 +594,40 @@ impl Args {
         Ok(())
     }
 
+    /// Where spans are exported (`otlp_endpoint`), attributed to `shardcast-controller` and
+    /// this replica (`replica_id`, else the advertised or listening gRPC address); refused
+    /// when the endpoint is not loopback `http://`, or this binary lacks the `otlp` feature.
+    pub fn trace_export(&self) -> anyhow::Result<Option<TraceExport>> {
+        let Some(endpoint) = &self.otlp_endpoint else {
+            return Ok(None);
+        };
+        let endpoint = OtlpEndpoint::parse(endpoint)?;
+        if !cfg!(feature = "otlp") {
+            bail!(
+                "otlp_endpoint is set, but this shardcast-controller was built without the \
+                 `otlp` feature (cargo build --release -p shardcast-controller --features otlp), \
+                 or unset otlp_endpoint"
+            );
+        }
+        let instance_id = self
+            .replica_id
+            .clone()
+            .or_else(|| self.advertise.clone())
+            .unwrap_or_else(|| self.listen.to_string());
+        Ok(Some(TraceExport {
+            endpoint,
+            service_name: "shardcast-controller",
+            service_version: env!("CARGO_PKG_VERSION"),
+            instance_id,
+        }))
+    }
+
     /// The controller configuration these settings describe.
     pub fn config(&self) -> anyhow::Result<Config> {
         if !matches!(self.log_format.as_str(), "text" | "json") {
             bail!("log_format must be text or json, got {:?}", self.log_format);
         }
+        self.trace_export()?;
         if !(50..=60_000).contains(&self.heartbeat_ms) {
             bail!(
                 "heartbeat_ms must be between 50 and 60000, got {}",

@@ -17,7 +17,8 @@
 //! document against the routes), `origin_policy`, `limits` (slow and flooding peers),
 //! `emulated` (network namespaces: loss, jumbo frames, cut links; skipped without root),
 //! `scale` (1000 simulated hosts, also on three replicas on etcd), `ha` (replicas on a
-//! real etcd) and `deploy` (deploy/'s manifests, units, container build file and dashboard
+//! real etcd), `otlp` (spans exported to a real OTLP backend, Phoenix; built only with
+//! `--features otlp`) and `deploy` (deploy/'s manifests, units, container build file and dashboard
 //! against the daemons' flags, settings and metrics; no daemon started but the dashboard's
 //! scrape, which rides on a `controller` test). Each module's own docs list its cases.
 
@@ -35,6 +36,8 @@ mod import;
 mod limits;
 mod origin_policy;
 mod origins;
+#[cfg(feature = "otlp")]
+mod otlp;
 mod scale;
 mod stalls;
 mod trust;

@@ -191,3 +191,34 @@ fn replication_settings_are_checked_before_any_port() {
     // Without etcd they do not apply.
     config(&["--lease-ttl-ms", "100"]).unwrap();
 }
+
+#[test]
+fn otlp_endpoint_is_off_by_default_loopback_only_and_needs_the_feature() {
+    let export = |extra: &[&str]| {
+        let mut argv = vec!["shardcast-controller", "--insecure-plaintext"];
+        argv.extend_from_slice(extra);
+        Args::from_argv(argv)?.args.trace_export()
+    };
+    assert!(export(&[]).unwrap().is_none());
+    let err = export(&["--otlp-endpoint", "http://192.0.2.1:4318"]).unwrap_err();
+    assert!(format!("{err:#}").contains("loopback"), "{err:#}");
+    let got = export(&[
+        "--replica-id",
+        "ctl-a",
+        "--otlp-endpoint",
+        "http://[::1]:4318",
+    ]);
+    if cfg!(feature = "otlp") {
+        let t = got.unwrap().expect("exporting");
+        assert_eq!(t.endpoint.traces_url(), "http://[::1]:4318/v1/traces");
+        assert_eq!(
+            (t.service_name, t.instance_id.as_str()),
+            ("shardcast-controller", "ctl-a")
+        );
+    } else {
+        let err = format!("{:#}", got.unwrap_err());
+        assert!(err.contains("without the `otlp` feature"), "{err}");
+    }
+    // The check is one of those made before a port is bound.
+    assert!(config(&["--otlp-endpoint", "http://192.0.2.1:4318"]).is_err());
+}
