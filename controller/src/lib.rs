@@ -53,6 +53,7 @@ pub mod agents;
 pub mod auth;
 pub mod autoscaler;
 pub mod burst;
+pub(crate) mod clock;
 pub mod core;
 pub mod error;
 pub mod etcd;

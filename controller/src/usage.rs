@@ -80,7 +80,7 @@ impl Usage {
 
     /// Records a use of `digest` now.
     pub fn touch(&self, digest: &str) {
-        let now = crate::core::now_unix();
+        let now = crate::clock::now_unix();
         lock(&self.last).insert(digest.to_string(), now);
         lock(&self.dirty).insert(digest.to_string());
     }
