@@ -152,8 +152,13 @@ proptest! {
     fn error_codes_roundtrip(v in any::<u16>()) {
         let code = ErrorCode::from_u16(v);
         prop_assert_eq!(code.to_u16(), v);
-        // The named codes are 1..=11 (`known_error_codes_have_fixed_wire_values`).
-        prop_assert_eq!(matches!(code, ErrorCode::Other(_)), !(1..=11).contains(&v));
+        // Which values are named is `known_error_codes_have_fixed_wire_values`' table
+        // (every value 0..=64 checked there): a range here went stale twice, when
+        // `AlreadyFed` (11) and `NotReceiving` (12) were added, and failed only when
+        // proptest drew the new value.
+        if v > 64 {
+            prop_assert!(matches!(code, ErrorCode::Other(_)), "{v} is named");
+        }
     }
 
     #[test]
