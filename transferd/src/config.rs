@@ -305,8 +305,8 @@ pub struct Args {
     pub stripes: Option<String>,
     /// Hash each received chunk's payload while it arrives (one pass over memory fewer),
     /// rather than in one pass on the blocking pool before storing it (the hash then runs
-    /// beside the connection's next read on another core). Not the default: no gain was
-    /// measured yet [default: false].
+    /// beside the connection's next read on another core): true, false or `auto`, which is
+    /// true below 8 cores [default: auto].
     #[arg(long, env = "SHARDCAST_HASH_ON_READ")]
     pub hash_on_read: Option<String>,
     /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
@@ -443,7 +443,7 @@ struct Settings {
     sendfile: bool,
     data_mode: DataMode,
     stripes: Auto<usize>,
-    hash_on_read: bool,
+    hash_on_read: Auto<bool>,
     origin_allow: Vec<String>,
     #[serde(with = "units::millis")]
     handshake_timeout_ms: u64,
@@ -534,7 +534,7 @@ impl Default for Settings {
             sendfile: chain.sendfile,
             data_mode: DataMode::default(),
             stripes: Auto::Auto,
-            hash_on_read: false,
+            hash_on_read: Auto::Auto,
             origin_allow: Vec::new(),
             drain_grace_ms: ms(DEFAULT_DRAIN_GRACE),
             handshake_timeout_ms: ms(limits.handshake_timeout),
@@ -1108,7 +1108,13 @@ impl Config {
                 pipeline_depth,
                 sendfile: s.sendfile,
                 stripes,
-                hash_on_read: s.hash_on_read,
+                hash_on_read: match s.hash_on_read {
+                    Auto::Auto => {
+                        std::thread::available_parallelism().map_or(1, usize::from)
+                            < crate::chain::AUTO_STRIPES_MIN_CORES
+                    }
+                    Auto::Set(on) => on,
+                },
                 origins: OriginAccess::new(origins),
                 limits,
                 ..defaults
@@ -1296,8 +1302,16 @@ mod tests {
     }
 
     #[test]
-    fn hash_on_read_is_off_by_default_and_set_by_flag_or_file() {
-        assert!(!load_tls(&[]).unwrap().chain.hash_on_read);
+    fn hash_on_read_is_auto_by_default_or_set_by_flag_or_file() {
+        let few_cores = std::thread::available_parallelism().map_or(1, usize::from)
+            < crate::chain::AUTO_STRIPES_MIN_CORES;
+        assert_eq!(load_tls(&[]).unwrap().chain.hash_on_read, few_cores);
+        assert!(
+            !load_tls(&["--hash-on-read", "false"])
+                .unwrap()
+                .chain
+                .hash_on_read
+        );
         assert!(
             load_tls(&["--hash-on-read", "true"])
                 .unwrap()
@@ -1309,8 +1323,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.toml");
         let config = path.to_str().unwrap();
-        std::fs::write(&path, "hash_on_read = true\n").unwrap();
-        assert!(load_tls(&["--config", config]).unwrap().chain.hash_on_read);
+        std::fs::write(&path, "hash_on_read = false\n").unwrap();
+        assert!(!load_tls(&["--config", config]).unwrap().chain.hash_on_read);
+        std::fs::write(&path, "hash_on_read = \"auto\"\n").unwrap();
+        assert_eq!(
+            load_tls(&["--config", config]).unwrap().chain.hash_on_read,
+            few_cores
+        );
     }
 
     #[test]

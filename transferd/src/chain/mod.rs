@@ -235,8 +235,12 @@ pub struct ChainConfig {
     /// the read (and decryption) that wrote them, instead of in one pass over the whole
     /// chunk on the blocking pool before it is stored: one pass over memory fewer, but the
     /// hash then runs on the connection's reading task rather than beside its next read on
-    /// another core. Off by default: on the 2-core VM the emulated 8-receiver chain did not
-    /// separate on from off under load (docs/BENCHMARKS.md, issue #28).
+    /// another core. The daemon's default (`hash_on_read = "auto"`) is on below
+    /// [`AUTO_STRIPES_MIN_CORES`] cores: on the quiet 2-core VM the emulated 8-receiver
+    /// chain's receivers spent 6–9% less user CPU with it in 3 of 3 alternating rounds
+    /// (docs/BENCHMARKS.md, issue #28); from there off, since one connection's reading task
+    /// would carry the hash too (not measured on many cores). This struct's `Default` is
+    /// off.
     pub hash_on_read: bool,
 }
 
