@@ -461,7 +461,7 @@ fn the_reader_sees_imports_in_uses_paths_and_groups_but_not_in_tests_or_text() {
         // crate::commented::Out
         const S: &str = "crate::quoted::Out";
         const R: &str = r#"crate::raw::Out"#;
-        const C: char = '"'; fn g<'a>(x: &'a str) -> super::super::usage::U { todo!() }
+        const C: char = '"'; fn g<'a>(x: &'a str) -> super::super::usage::U { x.into() }
         mod inner { use super::super::super::tiers::T; use super::local::L; }
         #[cfg(test)]
         mod tests { use crate::ha::Test; }

@@ -1109,10 +1109,7 @@ impl Config {
                 sendfile: s.sendfile,
                 stripes,
                 hash_on_read: match s.hash_on_read {
-                    Auto::Auto => {
-                        std::thread::available_parallelism().map_or(1, usize::from)
-                            < crate::chain::AUTO_STRIPES_MIN_CORES
-                    }
+                    Auto::Auto => crate::chain::few_cores(),
                     Auto::Set(on) => on,
                 },
                 origins: OriginAccess::new(origins),
@@ -1303,8 +1300,7 @@ mod tests {
 
     #[test]
     fn hash_on_read_is_auto_by_default_or_set_by_flag_or_file() {
-        let few_cores = std::thread::available_parallelism().map_or(1, usize::from)
-            < crate::chain::AUTO_STRIPES_MIN_CORES;
+        let few_cores = crate::chain::few_cores();
         assert_eq!(load_tls(&[]).unwrap().chain.hash_on_read, few_cores);
         assert!(
             !load_tls(&["--hash-on-read", "false"])

@@ -265,6 +265,18 @@ pub enum Stripes {
 /// connection, so half the cores is what one chain can use without starving the rest.
 pub const AUTO_STRIPES_MIN_CORES: usize = 8;
 
+/// The cores this process may use ([`std::thread::available_parallelism`], which honours
+/// CPU affinity and cgroup quotas; 1 when unknown): what the `auto` settings go by.
+pub fn host_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// Whether this host has fewer than [`AUTO_STRIPES_MIN_CORES`] cores: one connection per
+/// shard (`stripes = "auto"`) and chunks hashed as they arrive (`hash_on_read = "auto"`).
+pub fn few_cores() -> bool {
+    host_cores() < AUTO_STRIPES_MIN_CORES
+}
+
 /// Most connections per chain [`Stripes::for_cores`] aims for: 8 is the most measured.
 pub const AUTO_STRIPES_MAX: usize = 8;
 
@@ -280,10 +292,9 @@ impl Stripes {
         Self::Auto { connections }
     }
 
-    /// `auto` on this host ([`std::thread::available_parallelism`], which honours CPU
-    /// affinity and cgroup quotas; 1 when unknown).
+    /// `auto` on this host ([`host_cores`]).
     pub fn auto() -> Self {
-        Self::for_cores(std::thread::available_parallelism().map_or(1, usize::from))
+        Self::for_cores(host_cores())
     }
 
     /// Stripes for each shard of a chain that sends `shards` shards.
