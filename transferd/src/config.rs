@@ -309,6 +309,13 @@ pub struct Args {
     /// true below 8 cores [default: auto].
     #[arg(long, env = "SHARDCAST_HASH_ON_READ")]
     pub hash_on_read: Option<String>,
+    /// Threads that run the daemon's async tasks (sockets, decryption, hashing as bytes
+    /// arrive, sending); file writes and hashing run on a separate blocking pool. `auto`:
+    /// one per core this process may use (its CPU affinity and cgroup quota). Set fewer on
+    /// a host shared with inference servers, or where many daemons share few cores
+    /// [default: auto; a number is 1 to 1024].
+    #[arg(long, env = "SHARDCAST_WORKER_THREADS")]
+    pub worker_threads: Option<String>,
     /// Allowed origin prefixes (repeatable or comma-separated): `file:///data/models/`,
     /// `https://models.example.com/org/`. Every origin this host opens must lie under
     /// one [default: none, so every origin is refused].
@@ -444,6 +451,7 @@ struct Settings {
     data_mode: DataMode,
     stripes: Auto<usize>,
     hash_on_read: Auto<bool>,
+    worker_threads: Auto<usize>,
     origin_allow: Vec<String>,
     #[serde(with = "units::millis")]
     handshake_timeout_ms: u64,
@@ -535,6 +543,7 @@ impl Default for Settings {
             data_mode: DataMode::default(),
             stripes: Auto::Auto,
             hash_on_read: Auto::Auto,
+            worker_threads: Auto::Auto,
             origin_allow: Vec::new(),
             drain_grace_ms: ms(DEFAULT_DRAIN_GRACE),
             handshake_timeout_ms: ms(limits.handshake_timeout),
@@ -632,6 +641,8 @@ impl std::fmt::Display for ListenAddr {
 /// Validated daemon configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// Threads of the async runtime (`None`: `auto`, one per core this process may use).
+    pub worker_threads: Option<usize>,
     /// This host's id.
     pub host_id: HostId,
     /// Data-plane listener.
@@ -1051,6 +1062,10 @@ impl Config {
             ],
         )?;
         let data_mode = s.data_mode;
+        let worker_threads = match s.worker_threads {
+            Auto::Auto => None,
+            Auto::Set(n) => Some(bounded("worker_threads", n, MAX_WORKER_THREADS)?),
+        };
         let stripes = match s.stripes {
             Auto::Auto => crate::chain::Stripes::auto(),
             Auto::Set(n) if (1..=crate::chain::MAX_STRIPES).contains(&n) => {
@@ -1122,6 +1137,7 @@ impl Config {
             gpu,
             corrupt_once,
             drain_grace: Duration::from_millis(s.drain_grace_ms),
+            worker_threads,
         })
     }
 }
@@ -1145,6 +1161,9 @@ fn resolve_group(g: &str) -> anyhow::Result<u32> {
 }
 
 /// `v`, checked to lie in `1..=max`.
+/// Most async worker threads `worker_threads` accepts.
+const MAX_WORKER_THREADS: usize = 1024;
+
 fn bounded(name: &str, v: usize, max: usize) -> anyhow::Result<usize> {
     if !(1..=max).contains(&v) {
         bail!("{name} must be between 1 and {max}, got {v}");
@@ -1296,6 +1315,41 @@ mod tests {
         std::fs::write(&path, "stripes = 2.5\n").unwrap();
         let err = load_tls(&["--config", config]).unwrap_err();
         assert!(format!("{err:#}").contains("stripes"), "{err:#}");
+    }
+
+    #[test]
+    fn worker_threads_are_auto_by_default_or_a_count_from_a_flag_or_the_file() {
+        assert_eq!(load_tls(&[]).unwrap().worker_threads, None);
+        assert_eq!(
+            load_tls(&["--worker-threads", "1"]).unwrap().worker_threads,
+            Some(1)
+        );
+        assert_eq!(
+            load_tls(&["--worker-threads", "auto"])
+                .unwrap()
+                .worker_threads,
+            None
+        );
+        for bad in ["0", "1025", "two", "-1"] {
+            let err = load_tls(&[&format!("--worker-threads={bad}")]).unwrap_err();
+            assert!(
+                format!("{err:#}").contains("worker_threads"),
+                "{bad}: {err:#}"
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        let config = path.to_str().unwrap();
+        std::fs::write(&path, "worker_threads = 3\n").unwrap();
+        assert_eq!(
+            load_tls(&["--config", config]).unwrap().worker_threads,
+            Some(3)
+        );
+        std::fs::write(&path, "worker_threads = \"auto\"\n").unwrap();
+        assert_eq!(
+            load_tls(&["--config", config]).unwrap().worker_threads,
+            None
+        );
     }
 
     #[test]

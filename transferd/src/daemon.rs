@@ -313,7 +313,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             cancel.clone(),
         ));
     }
-    info!(host = %config.host_id, %data_addr, %agent_addr, %admin_addr, stripes = %config.chain.stripes, "transferd ready");
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    info!(host = %config.host_id, %data_addr, %agent_addr, %admin_addr, stripes = %config.chain.stripes, workers, "transferd ready");
     println!("READY data={data_addr} agent={agent_addr} admin={admin_addr}");
 
     shardcast_identity::process::shutdown_signal().await;
