@@ -5,7 +5,7 @@
 #   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads]
+#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads|auto]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -83,12 +83,13 @@ PY
         summary "$OUT/$name.json" || tail -c 800 "$OUT/log.txt" | tr '\r' '\n' | tail -6
         echo "== $name: exit $rc after $((SECONDS - t0)) s"
     }
-    chain() { # name, data mode, stripes, writer, scratch dir
-        local name=$1 mode=$2 stripes=$3 writer=$4
+    chain() { # name, data mode, stripes, writer, scratch dir, more arguments of `chain`…
+        local name=$1 mode=$2 stripes=$3 writer=$4 scratch=$5
+        shift 5
         mkdir -p "$OUT/chain"
-        SHARDCAST_BENCH_SCRATCH=$5 timeout 120 "$bench" chain --local --receivers 1 --size "$hop_size" \
+        SHARDCAST_BENCH_SCRATCH=$scratch timeout 120 "$bench" chain --local --receivers 1 --size "$hop_size" \
             --methods chain-tcp --warm-up --data-mode "$mode" --stripes "$stripes" \
-            --daemon-arg=--writer --daemon-arg="$writer" --json "$OUT/chain/$name.json" >>"$OUT/log.txt" 2>&1
+            --daemon-arg=--writer --daemon-arg="$writer" "$@" --json "$OUT/chain/$name.json" >>"$OUT/log.txt" 2>&1
         python3 - "$OUT/chain/$name.json" "$name" <<'PY' || echo "$name: failed"
 import json, sys
 r = json.load(open(sys.argv[1])); x = r["results"][0]; gb = r["bytes"] / 1e9
@@ -166,6 +167,24 @@ PY
                 grep -A9 "(pid" | tee -a "$OUT/threads.txt"
         done
     fi
+    if [ "$what" = auto ]; then
+        # What the 2026-11-28 sessions made depend on the core count, measured where it
+        # matters: `stripes = auto` (8 connections for one shard on 16 cores, 4 each for
+        # two), `hash_on_read` (auto: off from 8 cores) both ways, and one async worker
+        # against one per core (`worker_threads`).
+        for cfg in "1 true" "1 false" "auto true" "auto false"; do
+            set -- $cfg
+            chain "shm-tls-s$1-hor-$2" tls "$1" adaptive /dev/shm \
+                --daemon-arg=--hash-on-read --daemon-arg="$2"
+        done
+        chain "shm-tls-sauto-shards2" tls auto adaptive /dev/shm --shards 2
+        chain "shm-tls-sauto-workers1" tls auto adaptive /dev/shm \
+            --daemon-arg=--worker-threads --daemon-arg=1
+        chain "shm-tls-s1-workers1" tls 1 adaptive /dev/shm \
+            --daemon-arg=--worker-threads --daemon-arg=1
+        (cd "$OUT" && tar czf chain-json.tar.gz chain && rm -r chain)
+        hops
+    fi
     if [ "$what" = sends ]; then
         # The default since 2026-11-27 sends chunks down a chain without re-hashing them
         # (`reverify_sends = false`); the hop's second row re-hashes, as before.
@@ -186,7 +205,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads]" >&2
+    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads|auto]" >&2
     exit 2
     ;;
 esac
