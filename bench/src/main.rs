@@ -670,6 +670,9 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
             .with_context(|| format!("{} is not a cold-start report", path.display()))?;
         let replays = params::replay(&report)?;
         print!("{}", params::table(&replays));
+        if let Some(dir) = &a.plots {
+            write_plots("simulate", dir, &plots::replay_figures(&report, &replays))?;
+        }
         if let Some(json) = &a.json {
             std::fs::write(json, serde_json::to_vec_pretty(&replays)?)
                 .with_context(|| format!("writing {}", json.display()))?;

@@ -291,6 +291,39 @@ pub fn emulated_figures(report: &ColdStartReport) -> Vec<Figure> {
     )]
 }
 
+/// `simulate --emulated REPORT --plots DIR`: `copy-cdf.svg` with, per method, the emulated
+/// hosts' ready times beside the simulator's replay of the same burst, one picture for both.
+pub fn replay_figures(
+    report: &ColdStartReport,
+    replays: &[super::params::Replayed],
+) -> Vec<Figure> {
+    let shape = format!(
+        "{:.0} MB onto {} hosts, emulated and simulated",
+        report.bytes as f64 / 1e6,
+        report.hosts
+    );
+    let mut rows: Vec<ReadyTimes> = report
+        .results
+        .iter()
+        .map(|r| {
+            let mut t = ReadyTimes::emulated(r, report.hosts);
+            t.label = format!("{}: emulated", r.method);
+            t
+        })
+        .collect();
+    rows.extend(replays.iter().map(|r| {
+        let mut t = ReadyTimes::copy(&r.simulated);
+        t.label = format!("{}: simulated", r.method);
+        t
+    }));
+    vec![ready_cdf(
+        "copy-cdf.svg",
+        &format!("Copy complete in host memory: {shape}"),
+        "seconds after the prewarm",
+        &rows,
+    )]
+}
+
 /// A trace report's figures: per model × trace × autoscaler a cold-start CDF of every
 /// technique, and per technique its bytes by tier and its replicas and queue.
 pub fn trace_figures(report: &TraceReport) -> Vec<Figure> {
@@ -588,11 +621,9 @@ mod tests {
         assert!(three.contains("a &amp; b &lt;test&gt;"));
     }
 
-    #[test]
-    fn an_emulated_cold_start_gives_the_ready_cdf_a_simulated_one_gives() {
-        // `cold-start --emulate` measures per-host ready times (tier memory); the same
-        // times from a simulated burst's copies draw the same series.
-        let emulated = ColdStartReport {
+    /// A 4-host `cold-start --emulate` report: 512 MiB, both methods.
+    fn four_host_report() -> ColdStartReport {
+        ColdStartReport {
             hosts: 4,
             bytes: 512 << 20,
             rate_bits_per_s: 1_000_000_000,
@@ -633,7 +664,46 @@ mod tests {
                 tls: true,
                 origin_parallel: 8,
             },
-        };
+        }
+    }
+
+    #[test]
+    fn a_replayed_emulated_burst_draws_both_in_one_picture() {
+        let report = four_host_report();
+        let replays = crate::sim::params::replay(&report).unwrap();
+        let figs = replay_figures(&report, &replays);
+        assert_eq!(figs.len(), 1);
+        assert_eq!(figs[0].file, "copy-cdf.svg");
+        let s = &figs[0].panels[0].series;
+        assert_eq!(
+            s.iter().map(|s| s.label.as_str()).collect::<Vec<_>>(),
+            [
+                "origin-pull: emulated",
+                "shardcast: emulated",
+                "origin-pull: simulated",
+                "shardcast: simulated"
+            ]
+        );
+        assert_eq!(s[1].points, cdf(&[2.0, 2.1, 2.2, 2.5], 4));
+        for (series, replay) in s[2..].iter().zip(&replays) {
+            let copies: Vec<f64> = replay
+                .simulated
+                .hosts
+                .iter()
+                .filter_map(|h| h.copy_s)
+                .collect();
+            assert_eq!(copies.len(), 4, "{}", replay.method);
+            assert_eq!(series.points, cdf(&copies, 4));
+        }
+        let svg = render(&figs[0]).unwrap();
+        assert!(svg.contains("shardcast: simulated"), "{svg}");
+    }
+
+    #[test]
+    fn an_emulated_cold_start_gives_the_ready_cdf_a_simulated_one_gives() {
+        // `cold-start --emulate` measures per-host ready times (tier memory); the same
+        // times from a simulated burst's copies draw the same series.
+        let emulated = four_host_report();
         let figs = emulated_figures(&emulated);
         assert_eq!(figs.len(), 1);
         let f = &figs[0];
