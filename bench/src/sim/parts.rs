@@ -130,9 +130,10 @@ fn peer_addr(source: &str) -> Option<&str> {
 }
 
 impl Dc {
-    /// The hand-off document of `model` (digest or name) on host `h`: the whole index when
-    /// the host's copy is complete, the partition's tensors while only a partition is live
-    /// (as the real GPU manager answers), else not available.
+    /// The hand-off document of `model` (digest or name) on host `h`, in the real agent's
+    /// order: while a partition is live on a GPU (and the whole model is not yet), the
+    /// GPU manager's answer — the partition's tensors, with its label; else the whole
+    /// index when the host's copy in memory is complete; else not available.
     pub(super) fn handoff_json(
         &self,
         h: usize,
@@ -153,17 +154,15 @@ impl Dc {
             .copies
             .get(&digest)
             .is_some_and(|c| c.complete_at.is_some());
-        let live_part = host
-            .gpus
-            .get(&digest)
-            .into_iter()
-            .flatten()
+        let loads = host.gpus.get(&digest).into_iter().flatten();
+        let live_part = loads
+            .filter(|g| !g.resident)
             .filter_map(|g| g.part.as_ref())
             .find(|p| p.live_at.is_some() && p.failed.is_none());
-        let partition = match (complete, live_part) {
-            (true, _) => None,
-            (false, Some(p)) => Some(p),
-            (false, None) => {
+        let partition = match (live_part, complete) {
+            (Some(p), _) => Some(p),
+            (None, true) => None,
+            (None, false) => {
                 return Err((
                     AgentFailure::Precondition,
                     format!("model {digest} is not complete in this host's memory tier"),

@@ -349,8 +349,10 @@ mod tests {
 
     /// Waits (virtual time) until plan `id` ends; returns it.
     async fn ended(cluster: &Cluster, id: &str) -> shardcast_controller::plan::Plan {
-        let (_, rx) = cluster.ctl.watch_plan(id).unwrap();
-        let mut rx = rx.unwrap();
+        let (now, rx) = cluster.ctl.watch_plan(id).unwrap();
+        let Some(mut rx) = rx else {
+            return now;
+        };
         let p = tokio::time::timeout(Duration::from_secs(600), rx.wait_for(|p| !p.running()))
             .await
             .unwrap()

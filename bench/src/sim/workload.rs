@@ -902,7 +902,7 @@ mod tests {
         // controller's clock: on the tokio clock that is virtual seconds, so the two low
         // phases (2 minutes each) scale down while the whole run takes far less wall time
         // than one load time (on the wall clock no scale-down could ever be due).
-        let mut s = spec(Technique::Combined);
+        let mut s = spec(Technique::LocalityMulticast);
         s.scaler = ScalerKind::Controller;
         let r = run(&s, &mut |_| {}).unwrap();
         assert_eq!((r.served, r.unserved), (r.requests, 0));
@@ -924,7 +924,7 @@ mod tests {
         assert!(r.peak_replicas <= 16);
         // The same policy called directly (`shardcast`) on the same trace: both scale the
         // peaks to about λ / μ = 30 / 3.63 ≈ 9 replicas.
-        let mut direct = spec(Technique::Combined);
+        let mut direct = spec(Technique::LocalityMulticast);
         direct.scaler = ScalerKind::Shardcast;
         let d = run(&direct, &mut |_| {}).unwrap();
         for row in [&r, &d] {
@@ -997,6 +997,65 @@ mod tests {
         // The timeline covers the trace.
         assert!(all.timeline.first().unwrap().t < 1.5);
         assert!(all.timeline.last().unwrap().t >= 419.0);
+    }
+
+    #[test]
+    fn partitioned_bursts_start_sooner_and_their_pipelines_serve() {
+        let rows: Vec<TraceRow> = [
+            Technique::Baseline,
+            Technique::Partitioning,
+            Technique::LocalityMulticast,
+            Technique::Combined,
+        ]
+        .into_iter()
+        .map(|t| run(&spec(t), &mut |_| {}).unwrap())
+        .collect();
+        let [base, mp, lcmc, all] = &rows[..] else {
+            unreachable!()
+        };
+        for r in &rows {
+            assert_eq!((r.served, r.unserved), (r.requests, 0), "{:?}", r.technique);
+            assert_eq!(r.cold_starts_unfinished, 0, "{:?}", r.technique);
+            assert_eq!(
+                r.cold_starts,
+                r.cold_start_list
+                    .iter()
+                    .map(|c| c.replicas as usize)
+                    .sum::<usize>()
+            );
+        }
+        for r in [base, lcmc] {
+            assert_eq!(r.burst_replicas, 0, "{:?}", r.technique);
+        }
+        for r in [mp, all] {
+            // The scale-ups of several GPUs were split; each burst replica's GPUs count as
+            // one cold start each, from the decision to the pipeline serving.
+            assert!(r.burst_replicas > 0, "{:?}: {}", r.technique, r.last_error);
+            let bursts: Vec<&ColdStartRecord> = r
+                .cold_start_list
+                .iter()
+                .filter(|c| c.partitions > 0)
+                .collect();
+            assert!(!bursts.is_empty());
+            for c in &bursts {
+                assert!(c.partitions >= 2 && c.replicas == c.partitions, "{c:?}");
+            }
+            let used: u32 = r.partitions_used.values().sum();
+            assert_eq!(used, r.burst_replicas);
+        }
+        // Partitions load a fraction of the model: sooner than the same rows without them.
+        assert!(
+            mp.avg_cold_start_s < base.avg_cold_start_s / 2.0,
+            "{} vs {}",
+            mp.avg_cold_start_s,
+            base.avg_cold_start_s
+        );
+        assert!(
+            all.avg_cold_start_s < lcmc.avg_cold_start_s,
+            "{} vs {}",
+            all.avg_cold_start_s,
+            lcmc.avg_cold_start_s
+        );
     }
 
     #[test]
