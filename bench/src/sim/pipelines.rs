@@ -353,12 +353,11 @@ mod tests {
         let Some(mut rx) = rx else {
             return now;
         };
-        let p = tokio::time::timeout(Duration::from_secs(600), rx.wait_for(|p| !p.running()))
+        tokio::time::timeout(Duration::from_secs(600), rx.wait_for(|p| !p.running()))
             .await
             .unwrap()
             .unwrap()
-            .clone();
-        p
+            .clone()
     }
 
     /// A 2 GB model of two 1 GB layer groups on three one-GPU hosts with 2 GB/s links;

@@ -94,7 +94,7 @@ impl Technique {
     }
 
     /// Whether whole replicas come from the origin (`Prewarm` with `sources: origin`).
-    fn from_origin(self) -> bool {
+    fn reads_origin(self) -> bool {
         matches!(self, Self::Baseline | Self::Partitioning)
     }
 
@@ -382,7 +382,7 @@ async fn drive(
         Some(ControllerScaler::new(
             &cluster,
             &digest,
-            t.from_origin(),
+            t.reads_origin(),
             t.lazy_eviction(),
             max_replicas,
         )?)
@@ -673,7 +673,7 @@ fn scale_up(
     row: &mut TraceRow,
 ) {
     let name = spec.model.name.to_string();
-    let accepted = if spec.technique.from_origin() {
+    let accepted = if spec.technique.reads_origin() {
         cluster
             .ctl
             .prewarm(Prewarm {
