@@ -252,7 +252,12 @@ impl Dc {
                     .hosts
                     .iter()
                     .position(|x| format!("sim:{}:data", x.id) == addr)
-                    .ok_or_else(|| (AgentFailure::Invalid, format!("unknown peer {addr}")))?;
+                    .ok_or_else(|| {
+                        (
+                            AgentFailure::Unreachable,
+                            format!("fetching headers: no host at {addr}"),
+                        )
+                    })?;
                 Endpoint::Host(peer)
             }
             None => Endpoint::Origin,
@@ -571,6 +576,88 @@ pub(super) fn part_moving(g: &GpuLoadSim, p: &PartLoad) -> bool {
 mod tests {
     use super::*;
     use crate::sim::models;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_partition_the_host_cannot_load_is_refused_as_the_real_agent_refuses_it() {
+        use crate::sim::agents::SimAgents;
+        use crate::sim::dc::{Datacenter, DcConfig, ORIGIN_PARALLEL};
+        use crate::sim::net::Topology;
+        use shardcast_controller::agents::{AgentAt, Agents, Load};
+
+        let cfg = DcConfig {
+            topology: Topology {
+                hosts: 3,
+                ..Topology::flashpoint()
+            },
+            gpus_per_host: 1,
+            gpu_memory: 24 << 30,
+            host_memory: 200 << 30,
+            phases: Phases::flashpoint(),
+            chunk_size: 1 << 20,
+            hop_cap_bps: None,
+            origin_parallel: ORIGIN_PARALLEL,
+            progress_period: std::time::Duration::from_secs(2),
+        };
+        let gpt2 = models::find("gpt2-xl").unwrap().clone();
+        let dc = Datacenter::new(cfg, std::slice::from_ref(&gpt2)).unwrap();
+        let digest = dc.digest_of("gpt2-xl").unwrap();
+        let agents = SimAgents::new(dc.clone());
+        let at = AgentAt {
+            host: "h0001".into(),
+            addr: "sim:h0001:agent".into(),
+        };
+        let load = |groups: &[&str], source: &str| Load {
+            model: digest.clone(),
+            count: 1,
+            heaviness: String::new(),
+            partition: Some(Partition {
+                groups: groups.iter().map(|g| g.to_string()).collect(),
+                complete: true,
+                source: source.into(),
+                label: "1.1/2".into(),
+            }),
+        };
+        let refused = |r: Result<(), shardcast_controller::error::AgentError>| {
+            let e = r.unwrap_err();
+            (e.failure, e.message)
+        };
+        let (f, why) = refused(agents.load_model(&at, load(&[], "s3://m")).await);
+        assert_eq!(f, AgentFailure::Invalid, "{why}");
+        let (f, why) = refused(agents.load_model(&at, load(&["layer.50"], "s3://m")).await);
+        assert!(
+            f == AgentFailure::Invalid && why.contains("layer.50"),
+            "{why}"
+        );
+        let (f, why) = refused(agents.load_model(&at, load(&["layer.0"], "")).await);
+        assert_eq!(f, AgentFailure::Invalid, "{why}");
+        // A peer without a complete copy: the headers cannot be fetched.
+        let peer = "shardcast://sim:h0002:data";
+        let (f, why) = refused(agents.load_model(&at, load(&["layer.0"], peer)).await);
+        assert_eq!(f, AgentFailure::Unreachable, "{why}");
+        let (f, _) = refused(
+            agents
+                .load_model(&at, load(&["layer.0"], "shardcast://nowhere"))
+                .await,
+        );
+        assert_eq!(f, AgentFailure::Unreachable);
+        // Nothing was started by the refusals; the hand-off is not available yet.
+        assert!(dc.replicas(&digest).is_empty());
+        assert_eq!(
+            agents.handoff(&at, &digest).await.unwrap_err().failure,
+            AgentFailure::Precondition
+        );
+        // From the origin it starts: the partition's bytes first (1/50 of the model).
+        agents
+            .load_model(&at, load(&["layer.0"], "s3://bucket/gpt2-xl"))
+            .await
+            .unwrap();
+        let groups = dc.replicas(&digest);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(
+            (groups[0].partition.as_str(), groups[0].source.as_str()),
+            ("1.1/2", "origin")
+        );
+    }
 
     #[test]
     fn the_tensor_index_covers_the_model_by_group_and_shard() {
