@@ -578,9 +578,13 @@ struct SimulateArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "baseline,locality,multicast,combined"
+        default_value = "baseline,locality,multicast,partitioning,locality-multicast,combined"
     )]
     techniques: Vec<shardcast_bench::sim::workload::Technique>,
+    /// --trace: most partitions a partitioned burst uses (the partition table's P; the
+    /// controller's default is 8, its limit 64).
+    #[arg(long, default_value_t = 8)]
+    max_partitions: usize,
     /// --trace: seed of the generated traces and of the Poisson arrivals.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -852,6 +856,15 @@ fn simulate_trace(
             for scaler in &a.autoscaler {
                 let mut rows = Vec::new();
                 for technique in &a.techniques {
+                    if technique.partitions()
+                        && *scaler == shardcast_bench::sim::scalers::ScalerKind::Controller
+                    {
+                        eprintln!(
+                            "simulate: {} {trace_name} controller {technique:?}: skipped — the controller's Autoscaler is wired without partitioned bursts here (sim::autoscaler)",
+                            model.name
+                        );
+                        continue;
+                    }
                     let spec = workload::TraceRun {
                         dc: dc_cfg.clone(),
                         model: model.clone(),
@@ -866,6 +879,7 @@ fn simulate_trace(
                         drain_s: a.drain_s.max(0.0),
                         sample_s: 10.0,
                         warm_start: !a.cold_cluster,
+                        max_partitions: a.max_partitions,
                     };
                     let what =
                         format!("{} {} {:?} {:?}", model.name, trace_name, scaler, technique)

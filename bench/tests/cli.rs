@@ -156,7 +156,12 @@ fn simulate_runs_a_trace_and_writes_the_rows_next_to_the_thesis() {
     assert_eq!(rows[1]["thesis"]["avg_cold_start"], -0.9351);
     assert!(!all["timeline"].as_array().unwrap().is_empty());
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(table.contains("combined (locality + chains)"), "{table}");
+    assert!(
+        table.contains("combined (locality + chains + partitions)"),
+        "{table}"
+    );
+    // The combined row may split scale-ups into partitioned bursts; it reports them.
+    assert!(all["burst_replicas"].as_u64().is_some(), "{all}");
     // Without --plots, no plot.
     assert!(!err.contains("plot written"));
 }

@@ -158,10 +158,16 @@ impl Agents for SimAgents {
     async fn load_model(&self, at: &AgentAt, load: Load) -> Result<(), AgentError> {
         let h = self.dc.host(at)?;
         let now = self.dc.now();
-        self.dc
-            .synced()
-            .start_gpu_load(h, &load.model, load.count, now)
-            .map_err(|(failure, why)| agent_error(&at.host, failure, why))?;
+        let mut dc = self.dc.synced();
+        match &load.partition {
+            Some(part) => dc
+                .start_partition_load(h, &load.model, load.count, part, now)
+                .map_err(|(failure, why)| agent_error(&at.host, failure, why))?,
+            None => dc
+                .start_gpu_load(h, &load.model, load.count, now)
+                .map_err(|(failure, why)| agent_error(&at.host, failure, why))?,
+        }
+        drop(dc);
         self.dc.wake.notify_one();
         Ok(())
     }
@@ -173,17 +179,10 @@ impl Agents for SimAgents {
 
     async fn handoff(&self, at: &AgentAt, model: &str) -> Result<String, AgentError> {
         let h = self.dc.host(at)?;
-        let dc = self.dc.lock();
-        match dc.hosts[h].gpus.get(model) {
-            Some(loads) if loads.iter().any(|g| g.resident) => {
-                Ok(format!("{{\"model\":\"{model}\",\"simulated\":true}}"))
-            }
-            _ => Err(agent_error(
-                &at.host,
-                AgentFailure::Precondition,
-                "no resident GPU replica",
-            )),
-        }
+        self.dc
+            .synced()
+            .handoff_json(h, model)
+            .map_err(|(failure, why)| agent_error(&at.host, failure, why))
     }
 }
 

@@ -212,6 +212,9 @@ pub(super) struct Delivery {
     pub(super) from_origin: bool,
     /// Receivers whose copy is complete (milestones applied; they are reached in order).
     pub(super) reached: usize,
+    /// The partitioned GPU load (its id) this fetch feeds ([`super::parts`]): its one
+    /// receiver holds some bytes of the model, not whole shards.
+    pub(super) part: Option<u64>,
 }
 
 /// Bytes on their way to a host's copy.
@@ -231,6 +234,8 @@ pub(super) struct Copy {
     pub(super) incoming: Vec<Incoming>,
     pub(super) complete_at: Option<f64>,
     pub(super) source: String,
+    /// Bytes held outside whole shards: a partitioned load's part ([`super::parts`]).
+    pub(super) partial_bytes: u64,
 }
 
 /// A host's GPU load of a model: `count` GPU replicas loaded together.
@@ -249,6 +254,9 @@ pub(super) struct GpuLoadSim {
     /// Where its bytes came from: `local` when the host's copy was complete when the load
     /// was asked (a cold start from host memory), else where the copy came from.
     pub(super) source: String,
+    /// A partitioned load ([`super::parts`]): its partition first, then (with completion)
+    /// the rest; `window` is then the rest's load.
+    pub(super) part: Option<super::parts::PartLoad>,
 }
 
 #[derive(Debug)]
@@ -263,11 +271,13 @@ pub(super) struct SimHost {
 
 /// A GPU load that ends at a time (a min-heap by time, then host, then load id).
 #[derive(Debug, Clone, PartialEq)]
-struct GpuDue {
-    at: f64,
-    host: usize,
-    digest: String,
-    id: u64,
+pub(super) struct GpuDue {
+    pub(super) at: f64,
+    pub(super) host: usize,
+    pub(super) digest: String,
+    pub(super) id: u64,
+    /// A partitioned load's partition goes live (else: the load becomes resident).
+    pub(super) live: bool,
 }
 
 /// A GPU replica group as the serving side sees it.
@@ -285,6 +295,11 @@ pub struct ReplicaGroup {
     pub resident_at: Option<f64>,
     /// Where its bytes came from: `local` (host memory), `origin` or the sending host.
     pub source: String,
+    /// A partitioned load's label (`r.k/p`, as the controller's burst names it); empty for
+    /// a whole replica.
+    pub partition: String,
+    /// When its partition went live (serving as one stage of a pipeline), if it has.
+    pub live_at: Option<f64>,
 }
 
 impl Eq for GpuDue {}
@@ -314,11 +329,11 @@ pub(super) struct Dc {
     pub(super) by_name: HashMap<String, String>,
     pub(super) deliveries: HashMap<FlowId, Delivery>,
     pub(super) sessions: HashSet<String>,
-    gpu_due: BinaryHeap<GpuDue>,
-    next_load: u64,
-    ready: BTreeMap<(String, usize), HostReady>,
+    pub(super) gpu_due: BinaryHeap<GpuDue>,
+    pub(super) next_load: u64,
+    pub(super) ready: BTreeMap<(String, usize), HostReady>,
     /// Tier bytes of completed copies and resident local loads.
-    settled: TierBytes,
+    pub(super) settled: TierBytes,
 }
 
 /// The simulated datacenter. Cheap to share (`Arc`); every method locks it briefly and
@@ -464,6 +479,7 @@ impl Datacenter {
                 incoming: Vec::new(),
                 complete_at: Some(now),
                 source: "local".into(),
+                partial_bytes: 0,
             },
         );
         host.changed.send_modify(|v| *v += 1);
@@ -491,6 +507,8 @@ impl Datacenter {
                     requested_at: g.requested_at,
                     resident_at: g.resident.then(|| g.window.map_or(g.asked_at, |w| w.1)),
                     source: g.source.clone(),
+                    partition: g.part.as_ref().map(|p| p.label.clone()).unwrap_or_default(),
+                    live_at: g.part.as_ref().and_then(|p| p.live_at),
                 });
             }
         }
@@ -579,7 +597,7 @@ impl Dc {
         self.finish_gpu_loads(now);
     }
 
-    fn apply(&mut self, reached: Vec<Reached>) {
+    pub(super) fn apply(&mut self, reached: Vec<Reached>) {
         for r in reached {
             let Some(d) = self.deliveries.get_mut(&r.flow) else {
                 continue;
@@ -593,9 +611,12 @@ impl Dc {
                 }
                 d.reached = d.reached.max(r.milestone + 1);
             }
-            let (digest, shards) = (d.digest.clone(), d.shards.clone());
+            let (digest, shards, part) = (d.digest.clone(), d.shards.clone(), d.part);
             if let Some(&h) = d.receivers.get(r.milestone) {
-                self.copy_arrived(h, &digest, r.flow, &shards, r.at);
+                match part {
+                    Some(load) => self.part_arrived(h, &digest, r.flow, load, r.at),
+                    None => self.copy_arrived(h, &digest, r.flow, &shards, r.at),
+                }
             }
             if r.ended
                 && let Some(d) = self.deliveries.remove(&r.flow)
@@ -633,7 +654,7 @@ impl Dc {
                 .get_mut(digest)
                 .into_iter()
                 .flatten()
-                .filter(|g| g.window.is_none())
+                .filter(|g| g.window.is_none() && g.part.is_none())
             {
                 let start = at.max(g.asked_at);
                 g.window = Some((start, start + startup));
@@ -642,6 +663,7 @@ impl Dc {
                     host: h,
                     digest: digest.to_string(),
                     id: g.id,
+                    live: false,
                 });
             }
         }
@@ -653,6 +675,10 @@ impl Dc {
             let Some(due) = self.gpu_due.pop() else {
                 break;
             };
+            if due.live {
+                self.part_live(&due);
+                continue;
+            }
             let model_bytes = self
                 .catalogue
                 .get(&due.digest)
@@ -727,6 +753,7 @@ impl Dc {
                 window,
                 resident: false,
                 source: load_source,
+                part: None,
             });
         if let Some((_, end)) = window {
             self.gpu_due.push(GpuDue {
@@ -734,6 +761,7 @@ impl Dc {
                 host: h,
                 digest: digest.to_string(),
                 id,
+                live: false,
             });
         }
         let id = host.id.clone();
@@ -870,6 +898,7 @@ impl Dc {
                 lags,
                 from_origin: source == Endpoint::Origin,
                 reached: 0,
+                part: None,
             },
         );
         Ok(flow)

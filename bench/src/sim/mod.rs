@@ -61,12 +61,15 @@
 //! replica free earliest), an autoscaler ([`scalers`]: the thesis' TSK, ATL, OWK and SM*
 //! baselines and shardcast's own `policies::autoscale` rule; or [`autoscaler`]: the
 //! controller's `Autoscaler` service itself, acting through a simulated fleet) that scales through the
-//! controller — `ScaleOut` (or a `Prewarm` with `sources: origin` for the baseline) and GPU
-//! `Evict` — and one technique per run (baseline, + locality, + chain multicast,
-//! combined). [`compare`] puts the runs of one model, trace and autoscaler side by side
-//! with the thesis' reported changes: average and p99 cold start, average and p99
-//! end-to-end latency, replica-seconds, bytes from the origin, and a timeline of replicas,
-//! queue and bytes by source tier.
+//! controller — `ScaleOut` (or a `Prewarm` with `sources: origin` for the baseline), the
+//! controller's partitioned bursts (`Controller::burst` with a plan from its partition
+//! tables, [`pipelines`]; the hosts load partitions and complete the model, `parts`) and
+//! GPU `Evict` — and one technique per run (baseline, plus locality, plus chain
+//! multicast, plus partitioning, locality and chains, combined). [`compare`] puts the
+//! runs of one model, trace and autoscaler side by side with the thesis' reported
+//! changes: average and p99 cold start, average and p99 end-to-end latency,
+//! replica-seconds, bytes from the origin, and a timeline of replicas, queue and bytes by
+//! source tier.
 //!
 //! ```text
 //!  trace ─► serve::Serving ◄─ replicas resident ── dc::Datacenter ◄── agents::SimAgents
@@ -104,6 +107,8 @@ pub mod dc;
 pub mod models;
 pub mod net;
 pub mod params;
+mod parts;
+pub mod pipelines;
 pub mod plots;
 pub mod scalers;
 pub mod serve;

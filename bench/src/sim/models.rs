@@ -169,6 +169,11 @@ impl Phases {
 /// one file each; shards only matter to striping, which needs several sources).
 pub const SHARD_BYTES: u64 = 5_000_000_000;
 
+/// The file name of shard `i` (0-based) of `count`, as the Hugging Face hub names them.
+pub fn shard_path(i: usize, count: usize) -> String {
+    format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+}
+
 impl SimModel {
     /// Shard sizes: [`Self::shards`], or `SHARD_BYTES` each and the rest in the last.
     pub fn shard_sizes(&self) -> Vec<u64> {
@@ -200,7 +205,7 @@ impl SimModel {
                 ChunkHash(*blake3::hash(format!("{}/{i}/{c}", self.name).as_bytes()).as_bytes())
             };
             shards.push(ShardEntry {
-                path: ShardPath::new(format!("model-{:05}-of-{count:05}.safetensors", i + 1))
+                path: ShardPath::new(shard_path(i, count))
                     .map_err(|source| ManifestError::ShardPath { model, source })?,
                 size,
                 hash: hash(u64::MAX),

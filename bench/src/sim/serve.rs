@@ -14,9 +14,18 @@
 //!
 //! A removed replica finishes the request it is serving (its start and end are already
 //! booked) and takes no new one.
+//!
+//! A partitioned replica (Flashpoint §4.1.2, §4.2: its parts on several GPUs, requests
+//! pipelined through them) is one slot with its own [`Timing`]
+//! ([`Serving::add_pipeline`]): it takes the next request one slowest stage after the last
+//! (`interval_s`: the longest execution or activation transfer of any part) and each
+//! request takes the whole inference (`latency_s`: every part's execution plus every
+//! transfer between parts). With fixed stage times and requests entering at least one
+//! slowest stage apart, no request ever waits inside the pipeline, so this is exact for
+//! the pipeline the thesis describes (eq. 4.1–4.4).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashSet, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 
 /// A replica's next free time, ordered for a min-heap (time, then group, then index).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,6 +52,18 @@ impl PartialOrd for Free {
     }
 }
 
+/// How one slot of a group serves (module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Seconds from taking one request to taking the next.
+    pub interval_s: f64,
+    /// Seconds from a request's start to its end.
+    pub latency_s: f64,
+    /// Replica-seconds of service a request books (the scalers' utilisation): a whole
+    /// replica's service time; a pipeline's interval times its GPUs.
+    pub busy_s: f64,
+}
+
 /// What was served between two calls of [`Serving::take_window`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Window {
@@ -63,6 +84,8 @@ pub struct Serving {
     queue: VecDeque<f64>,
     free: BinaryHeap<Reverse<Free>>,
     groups: BTreeSet<u64>,
+    /// Groups that do not serve at the whole replica's `service_s` (pipelines).
+    timings: HashMap<u64, Timing>,
     removed: HashSet<u64>,
     replicas: u32,
     latencies: Vec<f64>,
@@ -77,6 +100,7 @@ impl Serving {
             queue: VecDeque::new(),
             free: BinaryHeap::new(),
             groups: BTreeSet::new(),
+            timings: HashMap::new(),
             removed: HashSet::new(),
             replicas: 0,
             latencies: Vec::new(),
@@ -105,6 +129,21 @@ impl Serving {
         for index in 0..count {
             self.free.push(Reverse(Free { at, group, index }));
         }
+    }
+
+    /// Pipeline `group` (a partitioned replica over `gpus` GPUs, counted as that many
+    /// replicas) serves from `at` on with `timing`. A group already known is ignored.
+    pub fn add_pipeline(&mut self, group: u64, gpus: u32, at: f64, timing: Timing) {
+        if !self.groups.insert(group) {
+            return;
+        }
+        self.replicas += gpus;
+        self.timings.insert(group, timing);
+        self.free.push(Reverse(Free {
+            at,
+            group,
+            index: 0,
+        }));
     }
 
     /// Replica group `group` serves no more requests.
@@ -151,12 +190,19 @@ impl Serving {
             }
             self.free.pop();
             self.queue.pop_front();
-            let end = start + self.service_s;
-            self.latencies.push(end - arrival);
+            let t = self.timings.get(&slot.group).copied().unwrap_or(Timing {
+                interval_s: self.service_s,
+                latency_s: self.service_s,
+                busy_s: self.service_s,
+            });
+            self.latencies.push(start + t.latency_s - arrival);
             self.window.started += 1;
-            self.window.busy_s += self.service_s;
+            self.window.busy_s += t.busy_s;
             self.window.wait_s += start - arrival;
-            self.free.push(Reverse(Free { at: end, ..slot }));
+            self.free.push(Reverse(Free {
+                at: start + t.interval_s,
+                ..slot
+            }));
         }
     }
 
@@ -246,6 +292,40 @@ mod tests {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() < 1e-9, "{x} vs {y}");
         }
+    }
+
+    #[test]
+    fn a_pipeline_takes_a_request_every_slowest_stage_and_each_takes_the_inference() {
+        // Interval 0.2 s, latency 0.7 s, over 4 GPUs; five requests at 0 and a pipeline
+        // live at 1.0: starts 1.0, 1.2, 1.4, 1.6, 1.8; each ends 0.7 s later.
+        let mut s = Serving::new(0.5);
+        for _ in 0..5 {
+            s.arrive(0.0);
+        }
+        let t = Timing {
+            interval_s: 0.2,
+            latency_s: 0.7,
+            busy_s: 0.8,
+        };
+        s.add_pipeline(9, 4, 1.0, t);
+        assert_eq!(s.replicas(), 4);
+        s.advance(1.5);
+        assert_eq!(s.queue_len(), 2);
+        s.advance(10.0);
+        let want = [1.7, 1.9, 2.1, 2.3, 2.5];
+        for (l, w) in s.latencies().iter().zip(want) {
+            assert!((l - w).abs() < 1e-12, "{:?}", s.latencies());
+        }
+        let w = s.take_window();
+        assert!((w.busy_s - 5.0 * 0.8).abs() < 1e-12);
+        // Switched to whole replicas: the pipeline goes, the parts serve at the model's
+        // own service time.
+        s.remove_group(9, 4);
+        s.add_group(10, 2, 11.0);
+        s.arrive(11.0);
+        s.advance(11.0);
+        assert_eq!(s.replicas(), 2);
+        assert_eq!(s.latencies().last(), Some(&0.5));
     }
 
     #[test]

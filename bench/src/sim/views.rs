@@ -31,7 +31,7 @@ impl Dc {
                 (p - i.lag).clamp(0.0, i.bytes)
             })
             .sum();
-        (done + moving as u64).min(cat.model.bytes)
+        (done + c.partial_bytes + moving as u64).min(cat.model.bytes)
     }
 
     /// The GPU state names and bytes of host `h`'s loads of `digest` now, one per GPU.
@@ -43,6 +43,14 @@ impl Dc {
         let bytes = cat.model.bytes;
         let mut out = Vec::new();
         for g in loads {
+            if let Some(p) = &g.part {
+                let (state, loaded) = super::parts::part_gpu_state(g, p, bytes, now);
+                out.extend(std::iter::repeat_n(
+                    (state.to_string(), loaded),
+                    g.count.max(1) as usize,
+                ));
+                continue;
+            }
             let (state, loaded) = match (g.resident, g.window) {
                 (true, _) => (GpuState::Resident, bytes),
                 (false, Some((start, end))) if end > start => {
@@ -78,10 +86,12 @@ impl Dc {
         host.copies
             .get(digest)
             .is_some_and(|c| !c.incoming.is_empty())
-            || host
-                .gpus
-                .get(digest)
-                .is_some_and(|loads| loads.iter().any(|g| g.window.is_some() && !g.resident))
+            || host.gpus.get(digest).is_some_and(|loads| {
+                loads.iter().any(|g| match &g.part {
+                    Some(p) => super::parts::part_moving(g, p),
+                    None => g.window.is_some() && !g.resident,
+                })
+            })
     }
 
     pub(super) fn host_view(&self, h: usize) -> HostView {
@@ -112,16 +122,21 @@ impl Dc {
             .map(|(digest, g)| {
                 let gpus = (first_gpu..first_gpu + g.count).collect();
                 first_gpu += g.count;
+                let (state, partition, error) = match &g.part {
+                    Some(p) => (
+                        super::parts::part_gpu_state(g, p, 0, f64::NEG_INFINITY).0,
+                        p.label.clone(),
+                        p.failed.clone().unwrap_or_default(),
+                    ),
+                    None if g.resident => (GpuState::Resident, String::new(), String::new()),
+                    None => (GpuState::Loading, String::new(), String::new()),
+                };
                 GpuLoad {
                     digest: digest.clone(),
-                    state: if g.resident {
-                        GpuState::Resident
-                    } else {
-                        GpuState::Loading
-                    },
+                    state,
                     gpus,
-                    partition: String::new(),
-                    error: String::new(),
+                    partition,
+                    error,
                 }
             })
             .collect();

@@ -44,11 +44,13 @@ use super::autoscaler::ControllerScaler;
 use super::coldstart::{Cluster, controller_config_for, percentile};
 use super::dc::{DcConfig, ReplicaGroup, TierBytes};
 use super::models::SimModel;
+use super::pipelines::{PipelineEvent, Pipelines};
 use super::scalers::{Observation, Scaler, ScalerKind};
 use super::serve::Serving;
 use super::trace::RateTrace;
 
-/// Which of the thesis' techniques the cluster uses (§8.4: BL, LC, MC, LC+MC).
+/// Which of the thesis' techniques the cluster uses (§8.4: BL, LC, MC, MP, LC+MC,
+/// LC+MC+MP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Technique {
@@ -61,7 +63,15 @@ pub enum Technique {
     Locality,
     /// Plus chain multicast: the controller's chains (16 hops at most), no lazy eviction.
     Multicast,
-    /// Locality and chain multicast together: the controller as it ships.
+    /// Plus model partitioning: a scale-up the partition table splits is a partitioned
+    /// burst through the controller ([`super::pipelines`]; its parts fetch from a peer
+    /// holding the model, else the origin, as the controller's burst sources them), served
+    /// as a pipeline until its parts hold the whole model; other replicas as the baseline's
+    /// (`sources: origin`); no lazy eviction.
+    Partitioning,
+    /// Locality and chain multicast together, without partitioning.
+    LocalityMulticast,
+    /// Locality, chain multicast and partitioning: the controller as it ships.
     Combined,
 }
 
@@ -72,8 +82,20 @@ impl Technique {
             Self::Baseline => "baseline: every host from the origin",
             Self::Locality => "+ locality (lazy eviction, peers)",
             Self::Multicast => "+ chain multicast",
-            Self::Combined => "combined (locality + chains)",
+            Self::Partitioning => "+ partitioning (bursts, pipelines)",
+            Self::LocalityMulticast => "locality + chains",
+            Self::Combined => "combined (locality + chains + partitions)",
         }
+    }
+
+    /// Whether scale-ups may be partitioned bursts.
+    pub fn partitions(self) -> bool {
+        matches!(self, Self::Partitioning | Self::Combined)
+    }
+
+    /// Whether whole replicas come from the origin (`Prewarm` with `sources: origin`).
+    fn reads_origin(self) -> bool {
+        matches!(self, Self::Baseline | Self::Partitioning)
     }
 
     /// `max_chain_len` for the controller (`None`: its default).
@@ -86,7 +108,10 @@ impl Technique {
 
     /// Whether a replica's host keeps the model in memory after the replica is evicted.
     fn lazy_eviction(self) -> bool {
-        matches!(self, Self::Locality | Self::Combined)
+        matches!(
+            self,
+            Self::Locality | Self::LocalityMulticast | Self::Combined
+        )
     }
 }
 
@@ -119,6 +144,9 @@ pub struct TraceRun {
     pub sample_s: f64,
     /// Make the first minute's replicas warm before the trace (else start from nothing).
     pub warm_start: bool,
+    /// Most partitions a burst uses (the partition table's `P`; 0: the controller's
+    /// default, 8).
+    pub max_partitions: usize,
 }
 
 /// Where it stands, for progress lines.
@@ -170,6 +198,8 @@ pub struct ColdStartRecord {
     pub host: String,
     /// Where the host's copy came from: `origin`, `local` or a host id.
     pub source: String,
+    /// Partitions of a burst replica (its `replicas` GPUs form one pipeline); 0: whole.
+    pub partitions: u32,
 }
 
 /// The outcome of one run: one comparison row.
@@ -220,6 +250,12 @@ pub struct TraceRow {
     pub scale_downs: u32,
     /// Scale requests the controller refused (e.g. no free GPU).
     pub scale_errors: u32,
+    /// Partitioned burst replicas started (each over `partitions` GPUs).
+    pub burst_replicas: u32,
+    /// Burst replicas by partitions (`"4"` → replicas split in 4).
+    pub partitions_used: BTreeMap<String, u32>,
+    /// Bursts the controller refused (the scale-up then asked for whole replicas).
+    pub burst_errors: u32,
     /// The last refusal.
     pub last_error: String,
     /// Replicas made warm before the trace.
@@ -269,10 +305,25 @@ async fn drive(
 ) -> anyhow::Result<TraceRow> {
     let t = spec.technique;
     let cfg = controller_config_for(&spec.dc, spec.heartbeat, spec.poll, t.max_chain_len())?;
+    anyhow::ensure!(
+        !(t.partitions() && spec.scaler == ScalerKind::Controller),
+        "{t:?} needs partitioned bursts, and the controller's Autoscaler is wired without them here (sim::autoscaler)"
+    );
     let cluster = Cluster::open(&spec.dc, std::slice::from_ref(&spec.model), cfg)?;
     let (ctl, dc) = (&cluster.ctl, &cluster.dc);
     let name = spec.model.name;
     let digest = cluster.register(&spec.model, &spec.dc).await?;
+    let partitioning = if t.partitions() {
+        Some(Partitioning {
+            tables: super::pipelines::open_tables(ctl)?,
+            profile: spec.model.profile(&spec.dc.phases),
+            link_bps: spec.dc.topology.host_link_bps,
+            max_partitions: spec.max_partitions,
+        })
+    } else {
+        None
+    };
+    let mut pipelines = Pipelines::default();
     let exec_s = spec.model.profile(&spec.dc.phases).total_exec_s();
     anyhow::ensure!(exec_s > 0.0, "{name} has no execution time");
     let mu = 1.0 / exec_s;
@@ -331,7 +382,7 @@ async fn drive(
         Some(ControllerScaler::new(
             &cluster,
             &digest,
-            t == Technique::Baseline,
+            t.reads_origin(),
             t.lazy_eviction(),
             max_replicas,
         )?)
@@ -364,6 +415,9 @@ async fn drive(
         scale_ups: 0,
         scale_downs: 0,
         scale_errors: 0,
+        burst_replicas: 0,
+        partitions_used: BTreeMap::new(),
+        burst_errors: 0,
         last_error: String::new(),
         warm_replicas: warm,
         virtual_s: 0.0,
@@ -383,6 +437,10 @@ async fn drive(
         let rel = now - t0;
         groups = dc.replicas(&digest);
         for g in &groups {
+            // Parts of burst replicas: `pipelines` follows them.
+            if !g.partition.is_empty() {
+                continue;
+            }
             let Some(at) = g.resident_at else { continue };
             if known.contains_key(&g.id) {
                 continue;
@@ -401,7 +459,66 @@ async fn drive(
                     replicas: g.count,
                     host: super::dc::host_id(g.host),
                     source: g.source.clone(),
+                    partitions: 0,
                 });
+            }
+        }
+        for event in pipelines.update(&groups) {
+            let cold_start = |at: f64, requested_at: f64, gpus: u32, host: usize, source: &str| {
+                (requested_at >= t0).then(|| ColdStartRecord {
+                    requested_s: requested_at - t0,
+                    cold_start_s: at - requested_at,
+                    replicas: gpus,
+                    host: super::dc::host_id(host),
+                    source: source.to_string(),
+                    partitions: gpus,
+                })
+            };
+            let record = match event {
+                PipelineEvent::Live {
+                    id,
+                    gpus,
+                    at,
+                    timing,
+                    requested_at,
+                    host,
+                    source,
+                } => {
+                    serving.add_pipeline(id, gpus, at, timing);
+                    cold_start(at, requested_at, gpus, host, &source)
+                }
+                PipelineEvent::Whole {
+                    id,
+                    pipeline_gpus,
+                    at,
+                    groups: parts,
+                    requested_at,
+                    source,
+                } => {
+                    serving.remove_group(id, pipeline_gpus);
+                    for &(gid, count, host) in &parts {
+                        known.insert(gid, (count, host));
+                        serving.add_group(gid, count, at);
+                    }
+                    // Parts of a pipeline that never served cold-started as whole replicas.
+                    let gpus: u32 = parts.iter().map(|p| p.1).sum();
+                    let host = parts.first().map_or(0, |p| p.2);
+                    if pipeline_gpus == 0 {
+                        cold_start(at, requested_at, gpus, host, &source).map(|mut c| {
+                            c.partitions = 0;
+                            c
+                        })
+                    } else {
+                        None
+                    }
+                }
+            };
+            if let Some(c) = record {
+                cold.extend(std::iter::repeat_n(c.cold_start_s, c.replicas as usize));
+                *row.sources
+                    .entry(source_kind(&c.source).into())
+                    .or_default() += c.replicas;
+                row.cold_start_list.push(c);
             }
         }
         while next < arrivals.len() && t0 + arrivals[next] <= now {
@@ -480,15 +597,27 @@ async fn drive(
         }
         let want = scaler.target(&obs);
         if want > reserved {
-            scale_up(
-                spec,
-                &cluster,
-                &digest,
-                reserved,
-                want - reserved,
-                now,
-                &mut row,
-            );
+            let mut add = want - reserved;
+            if let Some(mp) = &partitioning {
+                add -= burst_up(
+                    spec,
+                    &cluster,
+                    mp,
+                    &mut pipelines,
+                    add,
+                    serving.queue_len(),
+                    now,
+                    &mut row,
+                )
+                .await;
+            }
+            let reserved = ctl
+                .scaling_view(name, Tier::Gpu)
+                .map_err(|e| anyhow::anyhow!("scaling view of {name}: {e}"))?
+                .replicas;
+            if add > 0 {
+                scale_up(spec, &cluster, &digest, reserved, add, now, &mut row);
+            }
         } else if want < reserved {
             let removed = scale_down(
                 spec,
@@ -511,9 +640,10 @@ async fn drive(
     // Replicas asked for during the trace and not serving at the end.
     row.cold_starts_unfinished = groups
         .iter()
-        .filter(|g| g.resident_at.is_none() && g.requested_at >= t0)
+        .filter(|g| g.partition.is_empty() && g.resident_at.is_none() && g.requested_at >= t0)
         .map(|g| g.count)
-        .sum();
+        .sum::<u32>()
+        + pipelines.unfinished();
     let mut latencies = serving.latencies().to_vec();
     row.served = latencies.len();
     latencies.extend(serving.waiting().map(|a| end - a));
@@ -543,7 +673,7 @@ fn scale_up(
     row: &mut TraceRow,
 ) {
     let name = spec.model.name.to_string();
-    let accepted = if spec.technique == Technique::Baseline {
+    let accepted = if spec.technique.reads_origin() {
         cluster
             .ctl
             .prewarm(Prewarm {
@@ -578,6 +708,62 @@ fn scale_up(
         Err(e) => {
             row.scale_errors += 1;
             row.last_error = e;
+        }
+    }
+}
+
+/// What a run needs to start partitioned bursts.
+struct Partitioning {
+    tables: super::pipelines::Tables,
+    profile: shardcast_policies::profile::ModelProfile,
+    /// The link between a pipeline's parts, bytes/s.
+    link_bps: f64,
+    max_partitions: usize,
+}
+
+/// Starts as much of a scale-up of `add` replicas as the partition table splits as a
+/// partitioned burst ([`super::pipelines`]); returns the replicas (GPUs) it covers, 0 when
+/// the table says whole replicas or the controller refused the burst.
+#[allow(clippy::too_many_arguments)]
+async fn burst_up(
+    spec: &TraceRun,
+    cluster: &Cluster,
+    mp: &Partitioning,
+    pipelines: &mut Pipelines,
+    add: u32,
+    queue: usize,
+    now: f64,
+    row: &mut TraceRow,
+) -> u32 {
+    let name = spec.model.name;
+    let p =
+        match super::pipelines::choose_partitions(&mp.tables, name, queue, add, mp.max_partitions)
+            .await
+        {
+            Ok(p) if p >= 2 => p,
+            Ok(_) => return 0,
+            Err(e) => {
+                row.burst_errors += 1;
+                row.last_error = e;
+                return 0;
+            }
+        };
+    let replicas = add / p;
+    match super::pipelines::burst(&cluster.ctl, &mp.tables, name, replicas, p).await {
+        Ok((_, parts)) => {
+            row.scale_ups += 1;
+            let n = pipelines.add_burst(&parts, &mp.profile, mp.link_bps, now, |h| {
+                cluster.dc.host_index(h)
+            });
+            row.burst_replicas += n;
+            *row.partitions_used.entry(p.to_string()).or_default() += n;
+            // GPUs reserved: the parts that started.
+            parts.len() as u32
+        }
+        Err(e) => {
+            row.burst_errors += 1;
+            row.last_error = e;
+            0
         }
     }
 }
@@ -705,6 +891,7 @@ mod tests {
             drain_s: 900.0,
             sample_s: 10.0,
             warm_start: true,
+            max_partitions: 0,
         }
     }
 
@@ -715,7 +902,7 @@ mod tests {
         // controller's clock: on the tokio clock that is virtual seconds, so the two low
         // phases (2 minutes each) scale down while the whole run takes far less wall time
         // than one load time (on the wall clock no scale-down could ever be due).
-        let mut s = spec(Technique::Combined);
+        let mut s = spec(Technique::LocalityMulticast);
         s.scaler = ScalerKind::Controller;
         let r = run(&s, &mut |_| {}).unwrap();
         assert_eq!((r.served, r.unserved), (r.requests, 0));
@@ -737,7 +924,7 @@ mod tests {
         assert!(r.peak_replicas <= 16);
         // The same policy called directly (`shardcast`) on the same trace: both scale the
         // peaks to about λ / μ = 30 / 3.63 ≈ 9 replicas.
-        let mut direct = spec(Technique::Combined);
+        let mut direct = spec(Technique::LocalityMulticast);
         direct.scaler = ScalerKind::Shardcast;
         let d = run(&direct, &mut |_| {}).unwrap();
         for row in [&r, &d] {
@@ -810,6 +997,65 @@ mod tests {
         // The timeline covers the trace.
         assert!(all.timeline.first().unwrap().t < 1.5);
         assert!(all.timeline.last().unwrap().t >= 419.0);
+    }
+
+    #[test]
+    fn partitioned_bursts_start_sooner_and_their_pipelines_serve() {
+        let rows: Vec<TraceRow> = [
+            Technique::Baseline,
+            Technique::Partitioning,
+            Technique::LocalityMulticast,
+            Technique::Combined,
+        ]
+        .into_iter()
+        .map(|t| run(&spec(t), &mut |_| {}).unwrap())
+        .collect();
+        let [base, mp, lcmc, all] = &rows[..] else {
+            unreachable!()
+        };
+        for r in &rows {
+            assert_eq!((r.served, r.unserved), (r.requests, 0), "{:?}", r.technique);
+            assert_eq!(r.cold_starts_unfinished, 0, "{:?}", r.technique);
+            assert_eq!(
+                r.cold_starts,
+                r.cold_start_list
+                    .iter()
+                    .map(|c| c.replicas as usize)
+                    .sum::<usize>()
+            );
+        }
+        for r in [base, lcmc] {
+            assert_eq!(r.burst_replicas, 0, "{:?}", r.technique);
+        }
+        for r in [mp, all] {
+            // The scale-ups of several GPUs were split; each burst replica's GPUs count as
+            // one cold start each, from the decision to the pipeline serving.
+            assert!(r.burst_replicas > 0, "{:?}: {}", r.technique, r.last_error);
+            let bursts: Vec<&ColdStartRecord> = r
+                .cold_start_list
+                .iter()
+                .filter(|c| c.partitions > 0)
+                .collect();
+            assert!(!bursts.is_empty());
+            for c in &bursts {
+                assert!(c.partitions >= 2 && c.replicas == c.partitions, "{c:?}");
+            }
+            let used: u32 = r.partitions_used.values().sum();
+            assert_eq!(used, r.burst_replicas);
+        }
+        // Partitions load a fraction of the model: sooner than the same rows without them.
+        assert!(
+            mp.avg_cold_start_s < base.avg_cold_start_s / 2.0,
+            "{} vs {}",
+            mp.avg_cold_start_s,
+            base.avg_cold_start_s
+        );
+        assert!(
+            all.avg_cold_start_s < lcmc.avg_cold_start_s,
+            "{} vs {}",
+            all.avg_cold_start_s,
+            lcmc.avg_cold_start_s
+        );
     }
 
     #[test]
