@@ -19,7 +19,7 @@ use shardcast_placement::Tier;
 use crate::events::Event;
 use tokio_util::sync::CancellationToken;
 
-use crate::autoscaler::{Autoscaler, Fleet, ScalingView};
+use crate::autoscaler::{Autoscaler, Fleet, Holder, ScalingView};
 use crate::burst::{BurstPart, MAX_PARTITIONS};
 use crate::core::{
     Controller, ControllerConfig, EvictModel, Evicted, ScaleOut, lock, now_unix, parse_profile,
@@ -29,7 +29,7 @@ use crate::error::{
 };
 use crate::events::EventLog;
 use crate::inventory::DataTier;
-use crate::plan::{Accepted, PlanState, ReceiverState};
+use crate::plan::{Accepted, ReceiverState};
 use crate::ptables::{
     HostLink, ModelSource, PartitionConfig, PartitionInputs, PartitionTables, slowest_nic,
 };
@@ -451,30 +451,42 @@ impl TierTarget for Controller {
 }
 
 impl Controller {
-    /// A model's replicas in `tier`, for the autoscaler. Load time: the last finished plan
-    /// that moved the model, else an estimate at the default NIC rate.
+    /// A model's replicas in `tier`, for the autoscaler: every live holder with its replica
+    /// count and whether a plan still moves the model there (what `Evict` refuses), and the
+    /// load time ([`crate::autoscaler::measured_load_time`], else an estimate at the
+    /// default NIC rate).
     pub fn scaling_view(&self, key: &str, tier: Tier) -> Result<ScalingView, LookupError> {
         let m = self.registry().model(key)?;
         let st = lock(&self.state);
         let inv = self.inventory.lock();
-        let mut holders: Vec<String> = match tier {
-            Tier::Gpu => inv
-                .hosts
-                .values()
-                .filter(|h| h.up && h.gpu_reserved.contains_key(&m.digest))
-                .map(|h| h.report.host_id.clone())
-                .collect(),
-            t => inv
-                .hosts
-                .values()
-                .filter(|h| {
-                    h.up && h
-                        .holding(&m.digest, DataTier::serving(t))
-                        .is_some_and(|x| x.complete)
+        let moving = st.moving_to(
+            &m.digest,
+            now_unix(),
+            self.config().lost_grace.as_secs_f64(),
+        );
+        let mut holders: Vec<Holder> = inv
+            .hosts
+            .values()
+            .filter(|h| h.up)
+            .filter_map(|h| {
+                let replicas = match tier {
+                    Tier::Gpu => h.gpu_reserved.get(&m.digest).copied()?,
+                    t => {
+                        let held = h.holding(&m.digest, DataTier::serving(t))?;
+                        if !held.complete {
+                            return None;
+                        }
+                        1
+                    }
+                };
+                let host = h.report.host_id.clone();
+                Some(Holder {
+                    loading: moving.contains_key(&host),
+                    host,
+                    replicas,
                 })
-                .map(|h| h.report.host_id.clone())
-                .collect(),
-        };
+            })
+            .collect();
         // Oldest holder first: by when the latest plan of this model and tier that brought
         // it to the host was made (a receiver that held it before the plan, `local`, does
         // not count; a host no stored plan names — the importing host, or one whose plans
@@ -491,23 +503,22 @@ impl Controller {
                 *at = at.max(p.created_at);
             }
         }
-        let when = |h: &String| {
+        let when = |h: &Holder| {
             added_at
-                .get(h.as_str())
+                .get(h.host.as_str())
                 .copied()
                 .unwrap_or(f64::NEG_INFINITY)
         };
-        holders.sort_by(|a, b| when(a).total_cmp(&when(b)).then_with(|| a.cmp(b)));
+        holders.sort_by(|a, b| {
+            when(a)
+                .total_cmp(&when(b))
+                .then_with(|| a.host.cmp(&b.host))
+        });
         let replicas = match tier {
             Tier::Gpu => inv.gpu_reserved(&m.digest),
             t => (holders.len() + st.in_flight(&m.digest, t).len()) as u32,
         };
-        let measured = st
-            .plans
-            .values()
-            .filter(|p| p.digest == m.digest && p.state == PlanState::Done && !p.chains.is_empty())
-            .max_by(|a, b| a.created_at.total_cmp(&b.created_at))
-            .map(|p| p.elapsed_s(now_unix()));
+        let measured = crate::autoscaler::measured_load_time(st.plans.values(), &m.digest, tier);
         let load_time_s = measured.unwrap_or_else(|| {
             m.total_bytes as f64 / self.config().plan.default_nic_bps.max(1) as f64
         });

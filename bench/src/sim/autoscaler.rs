@@ -18,9 +18,11 @@
 //! policy (`shardcast_policies::autoscale::decide`) directly: the service keeps its own
 //! per-model state stamped on the controller's clock (`now_unix`, the tokio clock: virtual
 //! here), counts replicas and takes the load time from the cluster (the controller's
-//! [`ScalingView`]: the last finished plan that moved the model, not the simulator's mean
-//! cold start), and chooses the scale-down victims itself (the newest holders, never the
-//! last copy). The victims' serving runtimes stop their replicas at once, loading or not.
+//! [`ScalingView`]: the mean cold start of the latest receivers its plans finished, not the
+//! simulator's mean over the run), and chooses the scale-down victims itself
+//! (`shardcast_controller::autoscaler::scale_down_victims`: the newest hosts whose replicas
+//! all serve and fit in the removal, never the last serving one). The victims' serving
+//! runtimes stop their replicas at once.
 //!
 //! Partitioned bursts are not offered: the simulated hosts cannot load partitions yet
 //! (docs/BENCHMARKS.md, "No partitioning row"), so the partition tables the service asks

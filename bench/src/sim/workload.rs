@@ -906,21 +906,14 @@ mod tests {
         s.scaler = ScalerKind::Controller;
         let r = run(&s, &mut |_| {}).unwrap();
         assert_eq!((r.served, r.unserved), (r.requests, 0));
-        // The service picks the newest holders as victims; one whose copy is still
-        // arriving is refused by the core ("still moving the model"), and a later tick
-        // picks again. No other refusal.
-        assert!(
-            r.scale_errors == 0 || r.last_error.contains("still moving the model"),
-            "{} errors, the last: {}",
-            r.scale_errors,
-            r.last_error
-        );
+        // The service's victims are the newest hosts whose replicas all serve and fit in
+        // the removal (issue #32): the core refuses none — it would refuse a host whose copy
+        // is still arriving or loading ("still moving the model") — so no replica is evicted
+        // before it served. (One asked near the end may still load when the run stops.)
+        assert_eq!(r.scale_errors, 0, "the last: {}", r.last_error);
         assert!(r.scale_ups >= 2 && r.cold_starts >= 6, "{r:?}");
         assert!(r.scale_downs >= 1, "{r:?}");
         assert!(r.wall_s < r.avg_cold_start_s, "{} s wall", r.wall_s);
-        // Its victims are the newest holders, loading ones included: a replica evicted
-        // before it served never finishes its cold start.
-        assert!(r.cold_starts_unfinished <= r.scale_downs, "{r:?}");
         assert!(r.peak_replicas <= 16);
         // The same policy called directly (`shardcast`) on the same trace: both scale the
         // peaks to about λ / μ = 30 / 3.63 ≈ 9 replicas.
@@ -930,6 +923,13 @@ mod tests {
         for row in [&r, &d] {
             assert!((9..=16).contains(&row.peak_replicas), "{row:?}");
         }
+        // And serve it alike: the service within 1.5 × the direct policy's mean latency.
+        assert!(
+            r.avg_e2e_s <= 1.5 * d.avg_e2e_s,
+            "service {} s, policy {} s",
+            r.avg_e2e_s,
+            d.avg_e2e_s
+        );
         // Deterministic like every run.
         let again = run(&s, &mut |_| {}).unwrap();
         assert_eq!(again.cold_start_list.len(), r.cold_start_list.len());

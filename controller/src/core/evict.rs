@@ -45,19 +45,12 @@ impl Controller {
             };
             // Refuse while a plan still moves the model to one of them, or waits for one
             // to return (lost, or awaiting room): its partial copy is what it resumes from.
-            let (now, grace) = (now_unix(), self.cfg.lost_grace.as_secs_f64());
-            for p in st.plans.values() {
-                if p.running() && p.digest == digest {
-                    if let Some(h) = p.hosts.iter().find(|h| {
-                        (h.state.is_active() || h.awaits_return(now, grace))
-                            && targets.contains(&h.host)
-                    }) {
-                        return Err(EvictError::StillMoving {
-                            plan: p.id.clone(),
-                            host: h.host.clone(),
-                        });
-                    }
-                }
+            let moving = st.moving_to(&digest, now_unix(), self.cfg.lost_grace.as_secs_f64());
+            if let Some((host, plan)) = targets
+                .iter()
+                .find_map(|h| moving.get(h).map(|p| (h.clone(), p.clone())))
+            {
+                return Err(EvictError::StillMoving { plan, host });
             }
             (digest, targets, pending)
         };

@@ -77,4 +77,23 @@ impl State {
         }
         out
     }
+
+    /// Hosts a running plan of `digest` (any tier) still moves it to (receiving, joined or
+    /// loading) or waits for (lost less than `grace` before `now`), each with the plan: `Evict` refuses them
+    /// (the partial copy is what the plan resumes from), and the autoscaler does not pick
+    /// them as scale-down victims (their replicas are not serving yet).
+    pub(crate) fn moving_to(&self, digest: &str, now: f64, grace: f64) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for plan in self.plans.values() {
+            if !plan.running() || plan.digest != digest {
+                continue;
+            }
+            for h in &plan.hosts {
+                if h.state.is_active() || h.awaits_return(now, grace) {
+                    out.entry(h.host.clone()).or_insert_with(|| plan.id.clone());
+                }
+            }
+        }
+        out
+    }
 }
