@@ -68,18 +68,9 @@ impl Agents for SimAgents {
         // A receiver already being filled (a fault's recovery under way when the controller
         // re-plans it) keeps that one feed: the simulator sends a host's bytes once (see
         // `recovery`'s module docs). The head of an origin chain stays: the hops need it.
-        let fed = |r: usize| {
-            dc.hosts[r]
-                .copies
-                .get(&chain.model)
-                .is_some_and(|c| c.complete_at.is_none() && !c.incoming.is_empty())
-        };
-        let keep_first = usize::from(source == Endpoint::Origin);
         let receivers: Vec<usize> = receivers
-            .iter()
-            .enumerate()
-            .filter(|&(j, &r)| j < keep_first || !fed(r))
-            .map(|(_, &r)| r)
+            .into_iter()
+            .filter(|&r| !dc.being_filled(r, &chain.model))
             .collect();
         if receivers.is_empty() {
             return Ok(());
@@ -127,6 +118,17 @@ impl Agents for SimAgents {
                     .map(|i| i.flow);
                 let flow = match feeding {
                     Some(flow) => flow,
+                    // Held for the hop that feeds it: its bytes come with that hop's.
+                    None if dc.being_filled(h, &digest) => {
+                        drop(dc);
+                        let manifest = self.dc.lock().catalogue[&digest].manifest.clone();
+                        return Ok(Imported {
+                            digest,
+                            manifest,
+                            kept: false,
+                            resolved_origin: String::new(),
+                        });
+                    }
                     None => dc
                         .start_delivery(now, &digest, Endpoint::Origin, vec![h], Vec::new())
                         .map_err(|e| agent_error(&at.host, AgentFailure::Failed, e.to_string()))?,

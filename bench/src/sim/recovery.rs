@@ -673,6 +673,16 @@ impl Dc {
         }
     }
 
+    /// Host `h`'s copy of `digest` is incomplete and bytes are on their way to it (a flow,
+    /// or the hop it is held for).
+    pub(super) fn being_filled(&self, h: usize, digest: &str) -> bool {
+        self.hosts[h]
+            .copies
+            .get(digest)
+            .is_some_and(|c| c.complete_at.is_none() && !c.incoming.is_empty())
+            || self.gate_of(h, digest).is_some()
+    }
+
     /// The controller started a chain from `source` to `receivers` at `t`: a host a fault
     /// touched is fed again from then on (a re-plan).
     pub(super) fn note_chain(
