@@ -292,3 +292,44 @@ fn the_fault_timeline_draws_a_bar_per_phase_and_a_marker_per_fault() {
     assert!(sum.texts.iter().any(|x| x.ends_with(" hit")));
     assert!(sum.texts.iter().any(|x| x.ends_with(" back")));
 }
+
+#[test]
+fn a_lost_middle_hop_never_finishes_and_the_hop_below_is_failed_over_to() {
+    // As the link-down above, but v never comes back: d is failed over to at 5 s and gets
+    // its 7e8 + 3C from b alone at B, ready at 12 + 3C/B; v is never ready, and the plan
+    // ends partial once the controller's lost grace is over.
+    let spec = small();
+    let f = parse_faults("lost@middle:3s").unwrap();
+    let r = run(&spec, Method::Chain, &f, 0).unwrap();
+    let c = C / B;
+    let victim = r.affected.iter().find(|a| a.role == Role::Victim).unwrap();
+    let below = r.affected.iter().find(|a| a.role == Role::Below).unwrap();
+    assert_eq!(victim.ready_s, None);
+    assert!(close(below.ready_s.unwrap(), 12.0 + 3.0 * c), "{below:?}");
+    assert_eq!(r.with_faults.ready, 3);
+    assert_eq!(r.with_faults.plan_state, "partial");
+    assert!(!r.events.iter().any(|e| e.kind == EventKind::Heal));
+    assert_eq!(
+        victim.phases.iter().map(|s| s.phase).collect::<Vec<_>>(),
+        [Phase::Receiving, Phase::Down]
+    );
+}
+
+#[test]
+fn a_random_target_is_the_same_host_for_the_same_seed() {
+    let spec = small();
+    let f = parse_faults("link-down@random:2s+1s").unwrap();
+    let pick = |seed| {
+        let r = run(&spec, Method::Chain, &f, seed).unwrap();
+        let v = r
+            .events
+            .iter()
+            .find(|e| e.kind == EventKind::Fault)
+            .unwrap();
+        (v.host.clone(), r.with_faults.ready)
+    };
+    let (a, ready) = pick(7);
+    assert_eq!(pick(7).0, a);
+    // A link down for less than the stall timeout is never noticed: every host finishes.
+    assert_eq!(ready, 4);
+}
