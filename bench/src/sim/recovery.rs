@@ -123,6 +123,10 @@ pub(super) struct Faults {
     /// Hosts a fault touched: (fault, role), the first fault that did.
     pub(super) affected: BTreeMap<usize, (usize, Role)>,
     pub(super) events: Vec<FaultEvent>,
+    /// Downloads (`import_model` with fetch) of a victim whose link is down: they resume
+    /// with its recovery and answer when that ends (a lost host's are dropped: the call
+    /// fails).
+    waiting: Vec<(usize, String, Vec<tokio::sync::oneshot::Sender<()>>)>,
     stall: Duration,
     grace: Duration,
     /// The `Instant` the recovery monitor's clock maps the datacenter's 0 to.
@@ -142,6 +146,7 @@ impl Default for Faults {
             stranded: Vec::new(),
             affected: BTreeMap::new(),
             events: Vec::new(),
+            waiting: Vec::new(),
             stall: chain.stall_timeout,
             grace: chain.upstream_grace,
             base: Instant::now(),
@@ -353,9 +358,13 @@ impl Dc {
 
     /// Splits the chain of `flow` at victim `v` (module docs).
     fn split(&mut self, t: f64, fault: usize, flow: FlowId, v: usize) {
-        let Some(d) = self.stop_flow(t, flow) else {
+        let Some(mut d) = self.stop_flow(t, flow) else {
             return;
         };
+        if !d.waiters.is_empty() && d.receivers == [v] && !self.faults.is_lost(v) {
+            let waiters = std::mem::take(&mut d.waiters);
+            self.faults.waiting.push((v, d.digest.clone(), waiters));
+        }
         let chain: Vec<usize> = match d.source {
             Endpoint::Host(s) => std::iter::once(s)
                 .chain(d.receivers.iter().copied())
@@ -593,7 +602,18 @@ impl Dc {
                 format!("fed again from {from}"),
             );
         }
-        self.start_flow(t, &s.digest, s.source, receivers, s.shards, None);
+        let digest = s.digest.clone();
+        let flow = self.start_flow(t, &s.digest, s.source, receivers.clone(), s.shards, None);
+        // A download of a receiver that went down answers when its recovery ends.
+        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.faults.waiting)
+            .into_iter()
+            .partition(|(h, d, _)| receivers.contains(h) && *d == digest);
+        self.faults.waiting = rest;
+        let waiters = mine.into_iter().flat_map(|(_, _, w)| w);
+        match flow.and_then(|f| self.deliveries.get_mut(&f)) {
+            Some(d) => d.waiters.extend(waiters),
+            None => drop(waiters.collect::<Vec<_>>()),
+        }
     }
 
     /// Victim `v`'s link is back.
