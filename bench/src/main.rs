@@ -468,7 +468,7 @@ enum Cmd {
     /// queue, replicas serving, an autoscaler scaling through the controller) for
     /// --duration of virtual time, one row per technique, next to the thesis' numbers.
     /// Progress on stderr.
-    Simulate(SimulateArgs),
+    Simulate(Box<SimulateArgs>),
     /// A rate-capped HTTP origin server (cloud storage stand-in) for a directory.
     OriginServer {
         /// Directory to serve.
@@ -597,6 +597,27 @@ struct SimulateArgs {
     /// ignored).
     #[arg(long, value_name = "REPORT")]
     emulated: Option<PathBuf>,
+    /// Faults injected into the burst, comma-separated, each `KIND@WHERE:AT[+FOR]`:
+    /// KIND `link-down` (the host's link down for FOR, then back: a hop stalls) or `lost`
+    /// (killed, never back; alias `kill`); WHERE `head`, `middle` or `tail` of the burst's
+    /// first chain, `random` (a host of a flow in progress, --fault-seed), or a host id
+    /// (`h0042`); AT and FOR in seconds after the prewarm (`3`, `3s`, `500ms`). E.g.
+    /// `link-down@middle:3s+8s`, `lost@head:5s`. Each method then runs twice, without and
+    /// with the faults; the recoveries follow transferd's chain rules and the controller's
+    /// own re-plans. The report (--json) holds per affected host its ready time against
+    /// the no-fault run, the origin bytes × the model and the events; --plots draws
+    /// `<method>-fault-timeline.svg`.
+    #[arg(long, value_name = "SPEC")]
+    faults: Option<String>,
+    /// --faults: seed of the `random` targets.
+    #[arg(long, default_value_t = 1)]
+    fault_seed: u64,
+    /// Replay a `faults --emulate --json` report in the simulator with its parameters
+    /// (hosts, model bytes, link rate, fault time; one shard, the origin at the link rate)
+    /// and compare the healthy hosts' ready time (× no fault) and the origin bytes (× the
+    /// model) per fault and position (`link-down` only; the other options are ignored).
+    #[arg(long, value_name = "REPORT")]
+    replay_faults: Option<PathBuf>,
     /// --trace: start from nothing (no replica, no copy in the cluster) instead of making
     /// the first minute's replicas warm: the first scale-up then reads the origin in every
     /// row.
@@ -615,7 +636,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // The simulator runs its own paused runtime: not inside the multi-threaded one.
     if let Cmd::Simulate(args) = cli.command {
-        return match simulate(args) {
+        return match simulate(*args) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("shardcast-bench simulate: {e:#}");
@@ -683,6 +704,30 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    if let Some(path) = &a.replay_faults {
+        use shardcast_bench::sim::fault_replay;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let report: fault_replay::EmulatedFaults = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a faults report", path.display()))?;
+        let replays = fault_replay::replay(&report)?;
+        print!("{}", fault_replay::table(&replays));
+        if let Some(json) = &a.json {
+            std::fs::write(json, serde_json::to_vec_pretty(&replays)?)
+                .with_context(|| format!("writing {}", json.display()))?;
+        }
+        if let Some(dir) = &a.plots {
+            for r in &replays {
+                if let Some(sim) = &r.simulated {
+                    let name = format!("replay-{}-{}", r.fault, r.position);
+                    let t = shardcast_bench::sim::fault_plot::timeline(&name, sim);
+                    let path = shardcast_bench::sim::fault_plot::write(dir, &t)?;
+                    eprintln!("simulate: plot written to {}", path.display());
+                }
+            }
+        }
+        return Ok(());
+    }
     let model = models::find(&a.model).with_context(|| {
         let names: Vec<&str> = models::TABLE_3_1.iter().map(|m| m.name).collect();
         format!("unknown model {:?}; one of {}", a.model, names.join(", "))
@@ -745,6 +790,9 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         poll: secs(a.poll_s, "--poll-s")?,
         limit: secs(a.limit_s, "--limit-s")?,
     };
+    if let Some(list) = &a.faults {
+        return simulate_faults(&a, &spec, list);
+    }
     let wall = std::time::Instant::now();
     let mut rows = Vec::new();
     for method in &a.methods {
@@ -778,6 +826,50 @@ fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
     }
     if let Some(dir) = &a.plots {
         write_plots("simulate", dir, &plots::burst_figures(&report))?;
+    }
+    Ok(())
+}
+
+/// `simulate --faults`: each method without and with the faults, the tables on stdout, the
+/// reports as JSON, a fault timeline per method.
+fn simulate_faults(
+    a: &SimulateArgs,
+    spec: &shardcast_bench::sim::coldstart::ColdStart,
+    list: &str,
+) -> anyhow::Result<()> {
+    use shardcast_bench::sim::{fault_plot, faults};
+    let specs = faults::parse_faults(list)?;
+    anyhow::ensure!(!specs.is_empty(), "--faults names no fault");
+    let wall = std::time::Instant::now();
+    let mut reports = Vec::new();
+    for method in &a.methods {
+        eprintln!(
+            "simulate: {} of {} onto {} hosts ({}), without and with {list}...",
+            spec.replicas,
+            spec.model.name,
+            a.hosts,
+            method.label()
+        );
+        let r = faults::run(spec, *method, &specs, a.fault_seed)?;
+        println!("{}", faults::table(&r));
+        reports.push(r);
+    }
+    eprintln!(
+        "simulate: {} runs in {:.2} s",
+        reports.len() * 2,
+        wall.elapsed().as_secs_f64()
+    );
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&reports)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("simulate: report written to {}", path.display());
+    }
+    if let Some(dir) = &a.plots {
+        for r in &reports {
+            let name = format!("{:?}", r.method).to_lowercase();
+            let path = fault_plot::write(dir, &fault_plot::timeline(&name, r))?;
+            eprintln!("simulate: plot written to {}", path.display());
+        }
     }
     Ok(())
 }

@@ -32,6 +32,9 @@ impl Agents for SimAgents {
         let head = self.dc.host(at)?;
         let now = self.dc.now();
         let mut dc = self.dc.synced();
+        if let Some(e) = dc.faults.unreachable(head) {
+            return Err(e);
+        }
         if !dc.sessions.insert(chain.session.clone()) {
             return Ok(());
         }
@@ -44,7 +47,11 @@ impl Agents for SimAgents {
                     format!("unknown hop {}", hop.host),
                 )
             })?;
-            hops.push(i);
+            // A hop that is down never answers the head's `Open`: the head moves on down
+            // its list (the controller re-plans the host once it is back).
+            if !dc.faults.is_down(i) {
+                hops.push(i);
+            }
         }
         let holds = dc.hosts[head]
             .copies
@@ -58,6 +65,17 @@ impl Agents for SimAgents {
                 std::iter::once(head).chain(hops).collect(),
             )
         };
+        // A receiver already being filled (a fault's recovery under way when the controller
+        // re-plans it) keeps that one feed: the simulator sends a host's bytes once (see
+        // `recovery`'s module docs). The head of an origin chain stays: the hops need it.
+        let receivers: Vec<usize> = receivers
+            .into_iter()
+            .filter(|&r| !dc.being_filled(r, &chain.model))
+            .collect();
+        if receivers.is_empty() {
+            return Ok(());
+        }
+        dc.note_chain(now, &chain.model, &receivers, source);
         dc.start_delivery(now, &chain.model, source, receivers, chain.shards)
             .map_err(|e| agent_error(&at.host, AgentFailure::Invalid, e.to_string()))?;
         drop(dc);
@@ -76,6 +94,7 @@ impl Agents for SimAgents {
         } = import;
         drop(manifest);
         let h = self.dc.host(at)?;
+        self.dc.reachable(h)?;
         let digest = self.dc.lock().by_name.get(&name).cloned().ok_or_else(|| {
             agent_error(
                 &at.host,
@@ -88,9 +107,32 @@ impl Agents for SimAgents {
             {
                 let now = self.dc.now();
                 let mut dc = self.dc.synced();
-                let flow = dc
-                    .start_delivery(now, &digest, Endpoint::Origin, vec![h], Vec::new())
-                    .map_err(|e| agent_error(&at.host, AgentFailure::Failed, e.to_string()))?;
+                // A host already filling its copy (a recovery after a fault) does not read
+                // the same chunks twice: the download joins the fill in progress (transferd
+                // claims each chunk once per store) and answers when that flow ends.
+                let feeding = dc.hosts[h]
+                    .copies
+                    .get(&digest)
+                    .filter(|c| c.complete_at.is_none())
+                    .and_then(|c| c.incoming.first())
+                    .map(|i| i.flow);
+                let flow = match feeding {
+                    Some(flow) => flow,
+                    // Held for the hop that feeds it: its bytes come with that hop's.
+                    None if dc.being_filled(h, &digest) => {
+                        drop(dc);
+                        let manifest = self.dc.lock().catalogue[&digest].manifest.clone();
+                        return Ok(Imported {
+                            digest,
+                            manifest,
+                            kept: false,
+                            resolved_origin: String::new(),
+                        });
+                    }
+                    None => dc
+                        .start_delivery(now, &digest, Endpoint::Origin, vec![h], Vec::new())
+                        .map_err(|e| agent_error(&at.host, AgentFailure::Failed, e.to_string()))?,
+                };
                 if let Some(d) = dc.deliveries.get_mut(&flow) {
                     d.waiters.push(tx);
                 }
@@ -116,6 +158,7 @@ impl Agents for SimAgents {
         model: &str,
     ) -> Result<Option<ModelReport>, AgentError> {
         let h = self.dc.host(at)?;
+        self.dc.reachable(h)?;
         let now = self.dc.now();
         Ok(self.dc.synced().report(h, model, now))
     }
@@ -126,6 +169,7 @@ impl Agents for SimAgents {
         model: &str,
     ) -> Result<BoxStream<'static, ModelReport>, AgentError> {
         let h = self.dc.host(at)?;
+        self.dc.reachable(h)?;
         let rx = self.dc.lock().hosts[h].changed.subscribe();
         let period = self.dc.lock().cfg.progress_period;
         let state = (self.dc.clone(), rx, None::<ModelReport>, model.to_string());
@@ -134,6 +178,10 @@ impl Agents for SimAgents {
                 let now = dc.now();
                 let (report, moving) = {
                     let d = dc.synced();
+                    // A host that went down says nothing more: the stream ends.
+                    if d.faults.is_down(h) {
+                        return None;
+                    }
                     (d.report(h, &model, now), d.moving(h, &model))
                 };
                 rx.borrow_and_update();
@@ -157,6 +205,7 @@ impl Agents for SimAgents {
 
     async fn load_model(&self, at: &AgentAt, load: Load) -> Result<(), AgentError> {
         let h = self.dc.host(at)?;
+        self.dc.reachable(h)?;
         let now = self.dc.now();
         let mut dc = self.dc.synced();
         match &load.partition {
@@ -174,6 +223,7 @@ impl Agents for SimAgents {
 
     async fn evict_model(&self, at: &AgentAt, evict: Evict) -> Result<u64, AgentError> {
         let h = self.dc.host(at)?;
+        self.dc.reachable(h)?;
         Ok(self.dc.synced().evict_copy(h, &evict.model))
     }
 

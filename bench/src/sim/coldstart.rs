@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::agents::SimAgents;
 use super::dc::{Datacenter, DcConfig, HostReady, TierBytes};
+use super::faults::{FaultEvent, FaultSpec, Role};
 use super::models::SimModel;
 use super::store::MemStore;
 
@@ -213,9 +214,28 @@ fn mean(xs: &[f64]) -> f64 {
 pub fn run(spec: &ColdStart, method: Method) -> anyhow::Result<ColdStartRow> {
     let rt = super::paused_runtime().context("building the simulator's runtime")?;
     let wall = Instant::now();
-    let mut row = rt.block_on(burst(spec, method))?;
+    let mut row = rt.block_on(burst(spec, method, &[], 0))?.0;
     row.wall_s = wall.elapsed().as_secs_f64();
     Ok(row)
+}
+
+/// What a run with faults logged: the events, and each host a fault touched as (host id,
+/// fault index, role).
+pub type FaultLog = (Vec<FaultEvent>, Vec<(String, usize, Role)>);
+
+/// [`run`] with `faults` injected at their times after the prewarm ([`super::faults`];
+/// `seed` picks random targets): the row, the events and the hosts the faults touched.
+pub fn run_with_faults(
+    spec: &ColdStart,
+    method: Method,
+    faults: &[FaultSpec],
+    seed: u64,
+) -> anyhow::Result<(ColdStartRow, FaultLog)> {
+    let rt = super::paused_runtime().context("building the simulator's runtime")?;
+    let wall = Instant::now();
+    let (mut row, log) = rt.block_on(burst(spec, method, faults, seed))?;
+    row.wall_s = wall.elapsed().as_secs_f64();
+    Ok((row, log))
 }
 
 /// The controller configuration the simulator runs: the production defaults, with the
@@ -336,19 +356,27 @@ impl Drop for Cluster {
     }
 }
 
-async fn burst(spec: &ColdStart, method: Method) -> anyhow::Result<ColdStartRow> {
+async fn burst(
+    spec: &ColdStart,
+    method: Method,
+    faults: &[FaultSpec],
+    seed: u64,
+) -> anyhow::Result<(ColdStartRow, FaultLog)> {
     let cluster = Cluster::open(
         &spec.dc,
         std::slice::from_ref(&spec.model),
         controller_config(spec)?,
     )?;
-    drive_burst(spec, method, &cluster).await
+    let row = drive_burst(spec, method, &cluster, faults, seed).await?;
+    Ok((row, cluster.dc.fault_log()))
 }
 
 async fn drive_burst(
     spec: &ColdStart,
     method: Method,
     cluster: &Cluster,
+    faults: &[FaultSpec],
+    seed: u64,
 ) -> anyhow::Result<ColdStartRow> {
     let (ctl, dc) = (&cluster.ctl, &cluster.dc);
     let name = spec.model.name;
@@ -362,6 +390,7 @@ async fn drive_burst(
         cluster.heartbeat_all()?;
     }
     let t0 = dc.now();
+    dc.schedule_faults(t0, faults, seed);
     let origin_before = dc.origin_bytes();
     let tiers_before = dc.tier_bytes();
     let start = tokio::time::Instant::now();

@@ -199,13 +199,22 @@ pub(super) struct Catalogued {
 #[derive(Debug)]
 pub(super) struct Delivery {
     pub(super) digest: String,
+    /// Where the bytes come from: the origin (read by the first receiver, the head) or a
+    /// holder.
+    pub(super) source: Endpoint,
     /// Receivers in order: receiver `j` completes at milestone `j`.
     pub(super) receivers: Vec<usize>,
     pub(super) shards: Vec<u32>,
     /// Told when the flow ends (an `import_model` with `fetch` waits on it).
     pub(super) waiters: Vec<oneshot::Sender<()>>,
-    /// Bytes each receiver gets.
-    pub(super) bytes: f64,
+    /// Bytes receiver `j` gets from this flow: the shards' bytes less what it already held (a
+    /// partial copy left by a fault, [`Copy::partial`]).
+    pub(super) need: Vec<f64>,
+    /// A host whose copy must be complete before this flow's receivers are (a hop that
+    /// feeds them while it still receives itself: a failover or a pull from a holder
+    /// above that is still being filled, [`super::recovery`]); `None`: the source holds
+    /// everything.
+    pub(super) gate: Option<usize>,
     /// Receiver `j` lags the head by `lags[j]` bytes of progress ([`pipeline_lag`]).
     pub(super) lags: Vec<f64>,
     /// The head reads the origin (receiver 0's bytes are origin bytes).
@@ -236,6 +245,9 @@ pub(super) struct Copy {
     pub(super) source: String,
     /// Bytes held outside whole shards: a partitioned load's part ([`super::parts`]).
     pub(super) partial_bytes: u64,
+    /// Bytes of the copy held from flows that a fault stopped ([`super::recovery`]): a
+    /// later flow brings only the rest.
+    pub(super) partial: f64,
 }
 
 /// A host's GPU load of a model: `count` GPU replicas loaded together.
@@ -334,6 +346,11 @@ pub(super) struct Dc {
     pub(super) ready: BTreeMap<(String, usize), HostReady>,
     /// Tier bytes of completed copies and resident local loads.
     pub(super) settled: TierBytes,
+    /// Receivers whose flow brought all their bytes before their gate's copy was complete
+    /// ([`Delivery::gate`]): (host, digest, shards, gate host).
+    pub(super) held: Vec<(usize, String, Vec<u32>, usize)>,
+    /// Injected faults and what followed them ([`super::recovery`]).
+    pub(super) faults: super::recovery::Faults,
 }
 
 /// The simulated datacenter. Cheap to share (`Arc`); every method locks it briefly and
@@ -395,6 +412,8 @@ impl Datacenter {
                 next_load: 0,
                 ready: BTreeMap::new(),
                 settled: TierBytes::default(),
+                held: Vec::new(),
+                faults: super::recovery::Faults::default(),
             }),
             wake: Notify::new(),
             epoch: tokio::time::Instant::now(),
@@ -439,7 +458,7 @@ impl Datacenter {
                 continue;
             };
             for j in d.reached..d.receivers.len() {
-                let got = (p - d.lags[j]).clamp(0.0, d.bytes);
+                let got = (p - d.lags[j]).clamp(0.0, d.need[j]);
                 if j == 0 && d.from_origin {
                     t.origin += got;
                 } else {
@@ -480,10 +499,30 @@ impl Datacenter {
                 complete_at: Some(now),
                 source: "local".into(),
                 partial_bytes: 0,
+                partial: 0.0,
             },
         );
         host.changed.send_modify(|v| *v += 1);
         Ok(())
+    }
+
+    /// Schedules `faults` at their times after `t0` (the prewarm, on this clock);
+    /// `seed` picks random targets ([`super::recovery`]).
+    pub fn schedule_faults(&self, t0: f64, faults: &[super::faults::FaultSpec], seed: u64) {
+        self.synced().schedule_faults(t0, faults, seed);
+        self.wake.notify_one();
+    }
+
+    /// The faults' events so far, and the hosts they touched (id, fault, role).
+    pub fn fault_log(&self) -> super::coldstart::FaultLog {
+        let dc = self.synced();
+        let affected = dc
+            .faults
+            .affected
+            .iter()
+            .map(|(&h, &(fault, role))| (dc.hosts[h].id.clone(), fault, role))
+            .collect();
+        (dc.faults.events.clone(), affected)
     }
 
     /// Host `id`'s index.
@@ -539,10 +578,15 @@ impl Datacenter {
         gone.into_iter().map(|g| g.id).collect()
     }
 
-    /// Every host's report, as its transferd would heartbeat it.
+    /// Every host's report, as its transferd would heartbeat it; a host that is down (lost,
+    /// or its link is: [`super::recovery`]) sends none, and the controller's inventory
+    /// notices.
     pub fn host_views(&self) -> Vec<HostView> {
         let dc = self.synced();
-        (0..dc.hosts.len()).map(|i| dc.host_view(i)).collect()
+        (0..dc.hosts.len())
+            .filter(|&i| !dc.faults.is_down(i))
+            .map(|i| dc.host_view(i))
+            .collect()
     }
 
     /// Keeps the paused clock stopping at every milestone and GPU event until `cancel`.
@@ -580,6 +624,14 @@ impl Datacenter {
         tokio::time::sleep_until(self.epoch + Duration::from_secs_f64(next)).await;
     }
 
+    /// `Err(unreachable)` while host `h` is down ([`super::recovery`]).
+    pub(super) fn reachable(&self, h: usize) -> Result<(), AgentError> {
+        match self.synced().faults.unreachable(h) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     pub(super) fn host(&self, at: &AgentAt) -> Result<usize, AgentError> {
         self.lock()
             .index
@@ -591,7 +643,15 @@ impl Datacenter {
 
 impl Dc {
     /// Advances the network and the GPU loads to `now`, applying every event in order.
-    fn sync(&mut self, now: f64) {
+    pub(super) fn sync(&mut self, now: f64) {
+        // Faults and the recoveries they start happen at their instants, between the
+        // network's events.
+        while let Some(t) = self.faults.next_due().filter(|t| *t <= now) {
+            let reached = self.net.advance(t);
+            self.apply(reached);
+            self.finish_gpu_loads(t);
+            self.run_fault_due(t);
+        }
         let reached = self.net.advance(now);
         self.apply(reached);
         self.finish_gpu_loads(now);
@@ -603,19 +663,28 @@ impl Dc {
                 continue;
             };
             // The bytes moved whether or not the receiver still wants the copy.
-            if r.milestone < d.receivers.len() {
+            if let Some(&need) = d.need.get(r.milestone) {
                 if r.milestone == 0 && d.from_origin {
-                    self.settled.origin += d.bytes;
+                    self.settled.origin += need;
                 } else {
-                    self.settled.peer += d.bytes;
+                    self.settled.peer += need;
                 }
                 d.reached = d.reached.max(r.milestone + 1);
             }
-            let (digest, shards, part) = (d.digest.clone(), d.shards.clone(), d.part);
+            let (digest, shards, part, gate) = (d.digest.clone(), d.shards.clone(), d.part, d.gate);
             if let Some(&h) = d.receivers.get(r.milestone) {
-                match part {
-                    Some(load) => self.part_arrived(h, &digest, r.flow, load, r.at),
-                    None => self.copy_arrived(h, &digest, r.flow, &shards, r.at),
+                let gated = gate.filter(|&g| {
+                    self.hosts[g]
+                        .copies
+                        .get(&digest)
+                        .is_none_or(|c| c.complete_at.is_none())
+                });
+                match (part, gated) {
+                    (Some(load), _) => self.part_arrived(h, &digest, r.flow, load, r.at),
+                    // Every byte is here that the gate has sent so far; the rest follows
+                    // as the gate receives it.
+                    (None, Some(g)) => self.hold(h, &digest, r.flow, shards, g),
+                    (None, None) => self.copy_arrived(h, &digest, r.flow, &shards, r.at),
                 }
             }
             if r.ended
@@ -628,15 +697,50 @@ impl Dc {
         }
     }
 
-    /// The bytes of `flow` are all on host `h` at `at`.
+    /// Host `h` has every byte of `flow` but waits for its gate `g` ([`Delivery::gate`]).
+    fn hold(&mut self, h: usize, digest: &str, flow: FlowId, shards: Vec<u32>, g: usize) {
+        let Some(copy) = self.hosts[h].copies.get_mut(digest) else {
+            return;
+        };
+        if let Some(i) = copy.incoming.iter().position(|i| i.flow == flow) {
+            let inc = copy.incoming.remove(i);
+            copy.partial += inc.bytes;
+        }
+        self.held.push((h, digest.to_string(), shards, g));
+    }
+
+    /// The bytes of `flow` are all on host `h` at `at`; the receivers held for `h`'s copy
+    /// ([`Self::hold`]) complete with it.
     fn copy_arrived(&mut self, h: usize, digest: &str, flow: FlowId, shards: &[u32], at: f64) {
+        let mut work = vec![(h, flow, shards.to_vec())];
+        while let Some((h, flow, shards)) = work.pop() {
+            if self.copy_arrived_one(h, digest, flow, &shards, at) {
+                let (ready, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(_, d, _, g)| *g == h && d == digest);
+                self.held = rest;
+                work.extend(ready.into_iter().map(|(r, _, s, _)| (r, flow, s)));
+            }
+        }
+    }
+
+    /// [`Self::copy_arrived`] for one host; whether its copy became complete.
+    fn copy_arrived_one(
+        &mut self,
+        h: usize,
+        digest: &str,
+        flow: FlowId,
+        shards: &[u32],
+        at: f64,
+    ) -> bool {
         let startup = match self.catalogue.get(digest) {
             Some(c) => self.cfg.phases.startup_s(c.model.bytes),
-            None => return,
+            None => return false,
         };
+        let lost = self.faults.is_lost(h);
         let host = &mut self.hosts[h];
         let Some(copy) = host.copies.get_mut(digest) else {
-            return;
+            return false;
         };
         copy.incoming.retain(|i| i.flow != flow);
         for &s in shards {
@@ -644,8 +748,11 @@ impl Dc {
                 *done = true;
             }
         }
+        let mut completed = false;
         if copy.complete_at.is_none() && copy.shards_done.iter().all(|d| *d) {
+            completed = true;
             copy.complete_at = Some(at);
+            copy.partial = 0.0;
             if let Some(r) = self.ready.get_mut(&(digest.to_string(), h)) {
                 r.copy_s = Some(at);
             }
@@ -654,7 +761,7 @@ impl Dc {
                 .get_mut(digest)
                 .into_iter()
                 .flatten()
-                .filter(|g| g.window.is_none() && g.part.is_none())
+                .filter(|g| g.window.is_none() && g.part.is_none() && !lost)
             {
                 let start = at.max(g.asked_at);
                 g.window = Some((start, start + startup));
@@ -668,6 +775,10 @@ impl Dc {
             }
         }
         host.changed.send_modify(|v| *v += 1);
+        if completed {
+            self.copy_completed(h, digest, at);
+        }
+        completed
     }
 
     fn finish_gpu_loads(&mut self, now: f64) {
@@ -796,11 +907,14 @@ impl Dc {
     }
 
     fn next_event(&self) -> Option<f64> {
-        let gpu = self.gpu_due.peek().map(|d| d.at);
-        match (self.net.next_event(), gpu) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.net.next_event(),
+            self.gpu_due.peek().map(|d| d.at),
+            self.faults.next_due(),
+        ]
+        .into_iter()
+        .flatten()
+        .reduce(f64::min)
     }
 
     /// Starts a flow from `source` through `receivers` carrying `shards` of `digest`.
@@ -835,13 +949,38 @@ impl Dc {
         let lags: Vec<f64> = (0..receivers.len())
             .map(|j| pipeline_lag(chunk, j, from_origin, self.cfg.origin_parallel))
             .collect();
+        // What each receiver still lacks (a fault left some with part of the model): at
+        // least a byte, so that every milestone lies ahead.
+        let need: Vec<f64> = receivers
+            .iter()
+            .map(|&r| {
+                let held = self.hosts[r]
+                    .copies
+                    .get(digest)
+                    .filter(|c| c.complete_at.is_none())
+                    .map_or(0.0, |c| c.partial);
+                (bytes - held).max(1.0)
+            })
+            .collect();
         let mut segments = Vec::with_capacity(receivers.len());
         let mut from = source;
         for &r in &receivers {
             segments.push((from, Endpoint::Host(r)));
             from = Endpoint::Host(r);
         }
-        let milestones: Vec<f64> = lags.iter().map(|lag| bytes + lag).collect();
+        // Receiver `j` is done once it has its need and trails the one above by the
+        // pipeline's lag: without partial copies, `bytes + lag_j`; a hop that already
+        // trailed by its lag (its partial copy is that much smaller) is not delayed twice.
+        let mut milestones: Vec<f64> = Vec::with_capacity(receivers.len());
+        for (j, n) in need.iter().enumerate() {
+            let m = match milestones.last() {
+                None => lags[0] + n,
+                Some(&above) => n.max(above + (lags[j] - lags[j - 1]).max(1.0)),
+            };
+            milestones.push(m);
+        }
+        // Each receiver's lag behind the flow's progress, once its need is known.
+        let lags: Vec<f64> = milestones.iter().zip(&need).map(|(m, n)| m - n).collect();
         let cap = match source {
             Endpoint::Origin if receivers.len() == 1 => None,
             _ => self.cfg.hop_cap_bps,
@@ -871,7 +1010,7 @@ impl Dc {
             copy.incoming.push(Incoming {
                 flow,
                 lag: lags[j],
-                bytes,
+                bytes: need[j],
             });
             if copy.source.is_empty() {
                 copy.source = source_name.clone();
@@ -891,10 +1030,12 @@ impl Dc {
             flow,
             Delivery {
                 digest: digest.to_string(),
+                source,
                 receivers,
                 shards,
                 waiters: Vec::new(),
-                bytes,
+                need,
+                gate: None,
                 lags,
                 from_origin: source == Endpoint::Origin,
                 reached: 0,

@@ -92,6 +92,18 @@
 //! parallelism) into its report; `simulate --emulated REPORT` replays it and compares the
 //! per-host ready times, and a test holds them within 10 % (docs/BENCHMARKS.md).
 //!
+//! ## Faults
+//!
+//! `simulate --faults SPEC` ([`faults`]) runs a burst twice, without and with faults — a
+//! host's link down for a while (a hop stalls) or a host lost — at a chain position or a
+//! seeded random host. `recovery` splits the victim's chain and decides the recoveries
+//! with transferd's own state machine (`transferd::chain::RecoveryMonitor`,
+//! `recovery_sources`: stall timeout, upstream grace, holders above before the origin);
+//! the controller notices a down host by its missing heartbeats and failing agent calls
+//! and re-plans as it does. The report holds each affected host's ready time against the
+//! run without faults, the origin bytes (× the model) and the events; [`fault_plot`] draws
+//! the fault timeline; [`fault_replay`] replays a `faults --emulate` report.
+//!
 //! ## Inputs
 //!
 //! [`models`]: the six models of the thesis' Table 3.1 with their cold-start phases and
@@ -104,12 +116,16 @@ pub mod autoscaler;
 pub mod coldstart;
 pub mod compare;
 pub mod dc;
+pub mod fault_plot;
+pub mod fault_replay;
+pub mod faults;
 pub mod models;
 pub mod net;
 pub mod params;
 mod parts;
 pub mod pipelines;
 pub mod plots;
+mod recovery;
 pub mod scalers;
 pub mod serve;
 pub mod store;

@@ -13,6 +13,7 @@
 //! | `<model>-<trace>-<scaler>-ready-cdf.svg` | `simulate --trace` | cold starts (scaler's decision → serving), CDF, one line per technique |
 //! | `<model>-<trace>-<scaler>-<technique>-bytes-by-tier.svg` | `simulate --trace` | bytes by source tier over the trace |
 //! | `<model>-<trace>-<scaler>-<technique>-replicas-queue.svg` | `simulate --trace` | replicas held and serving, and the request queue, over the trace |
+//! | `<method>-fault-timeline.svg` | `simulate --faults` | per affected host, its phases (receiving, down, stalled, recovering, done) over time, with fault markers ([`super::fault_plot`]) |
 //!
 //! `cold-start --emulate` prewarms tier memory: its hosts are ready when their copy is
 //! complete in host memory, which is what the simulator's `copy-cdf.svg` shows (its
@@ -500,6 +501,8 @@ pub fn write(dir: &Path, figures: &[Figure]) -> Result<Vec<PathBuf>, PlotError> 
 pub(crate) struct SvgSummary {
     /// `polyline` elements: every series is one in its chart and one in its legend.
     pub(crate) polylines: usize,
+    /// `rect` elements (backgrounds, bars, legend boxes).
+    pub(crate) rects: usize,
     /// The text of every `text` element (unescaped, trimmed).
     pub(crate) texts: Vec<String>,
 }
@@ -512,6 +515,7 @@ pub(crate) fn well_formed(svg: &str) -> SvgSummary {
     let mut reader = quick_xml::Reader::from_str(svg);
     let mut out = SvgSummary {
         polylines: 0,
+        rects: 0,
         texts: Vec::new(),
     };
     let (mut root, mut depth, mut text) = (None, 0usize, String::new());
@@ -534,12 +538,14 @@ pub(crate) fn well_formed(svg: &str) -> SvgSummary {
                 assert!(depth > 0 || root.is_none(), "a second root element {name}");
                 root.get_or_insert(name.clone());
                 out.polylines += usize::from(name == "polyline");
+                out.rects += usize::from(name == "rect");
                 depth += 1;
             }
             Ok(Event::Empty(e)) => {
                 let name = String::from_utf8_lossy(e.name().as_ref()).into_owned();
                 assert!(depth > 0, "an element {name} outside the root");
                 out.polylines += usize::from(name == "polyline");
+                out.rects += usize::from(name == "rect");
             }
             Ok(Event::End(_)) => depth -= 1,
             Ok(Event::Text(t)) => text.push_str(&t.decode().expect("UTF-8 text")),

@@ -31,7 +31,26 @@ impl Dc {
                 (p - i.lag).clamp(0.0, i.bytes)
             })
             .sum();
-        (done + c.partial_bytes + moving as u64).min(cat.model.bytes)
+        let partial = if c.complete_at.is_none() {
+            c.partial
+        } else {
+            0.0
+        };
+        let own = (done + c.partial_bytes + (moving + partial) as u64).min(cat.model.bytes);
+        // A host held for its gate ([`Dc::gate_of`]) has no more than the gate has.
+        match self.gate_of(h, digest) {
+            Some(g) if g != h => own.min(self.verified(g, digest)),
+            _ => own,
+        }
+    }
+
+    /// The host whose copy host `h`'s copy of `digest` waits for, if its flow brought every
+    /// byte before that host had them (`super::dc::Delivery::gate`).
+    pub(super) fn gate_of(&self, h: usize, digest: &str) -> Option<usize> {
+        self.held
+            .iter()
+            .find(|(r, d, _, _)| *r == h && d == digest)
+            .map(|x| x.3)
     }
 
     /// The GPU state names and bytes of host `h`'s loads of `digest` now, one per GPU.
@@ -86,6 +105,7 @@ impl Dc {
         host.copies
             .get(digest)
             .is_some_and(|c| !c.incoming.is_empty())
+            || self.gate_of(h, digest).is_some()
             || host.gpus.get(digest).is_some_and(|loads| {
                 loads.iter().any(|g| match &g.part {
                     Some(p) => super::parts::part_moving(g, p),

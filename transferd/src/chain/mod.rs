@@ -153,6 +153,16 @@ pub(crate) use fetch::Fetcher;
 pub(crate) use head::Heads;
 pub use head::{ChainSpec, HeadSession};
 pub use outcome::{FetchError, ForwardError, HopFailure, RecoveryError, SessionError};
+/// The recovery decisions of a hop, as a pure state machine (`proto`): when a hop that lost
+/// its upstream stops waiting for a failover and fetches ([`RecoveryMonitor`]), and from
+/// which sources, in which order ([`recovery_sources`]). Public so that the datacenter
+/// simulator (`shardcast-bench simulate --faults`) decides its faults' recoveries with the
+/// daemon's own rules instead of a copy of them.
+pub use proto::{
+    AfterFill, RecoveryAction, RecoveryMonitor, Source as RecoverySource, Watched, all_stalled,
+    recovery_sources,
+};
+pub use recovery::RECOVERY_ATTEMPTS;
 pub(crate) use serve::Server;
 pub use session::ShardSession;
 pub(crate) use table::{Sessions, StoreFailures};

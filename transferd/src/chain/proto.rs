@@ -43,7 +43,7 @@ mod send;
 mod sim;
 
 pub(crate) use receive::{Inbound, InboundConfig, InboundFrame, Stalled, Verdict};
-pub(crate) use recovery::{
+pub use recovery::{
     AfterFill, RecoveryAction, RecoveryMonitor, Source, Watched, all_stalled, recovery_sources,
 };
 pub(crate) use send::{

@@ -50,7 +50,7 @@ use super::{NodeStats, ShardSession, now, sleep_until};
 /// Fetches from the fallback source a hop session tries before it fails. Rationale: one
 /// retry covers a transient origin error, a third a holder that is still being filled; more
 /// only delays the controller's re-plan of a receiver that cannot finish.
-const RECOVERY_ATTEMPTS: u32 = 3;
+pub const RECOVERY_ATTEMPTS: u32 = 3;
 
 /// Runs the recovery monitor of each hop session. See the module docs.
 pub(super) struct Recovery {

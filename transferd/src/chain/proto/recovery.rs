@@ -21,22 +21,22 @@ use shardcast_protocol::{Hop, HostId};
 
 /// What the monitor observes of its session at each poll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Watched {
+pub struct Watched {
     /// Upstream connections and fill tasks writing into the session now.
-    pub(crate) feeders: usize,
+    pub feeders: usize,
     /// Every chunk of the range is verified here.
-    pub(crate) complete: bool,
+    pub complete: bool,
     /// The session failed (it cannot complete here).
-    pub(crate) failed: bool,
+    pub failed: bool,
     /// Every holder above this hop was found stalled: no failover will come.
-    pub(crate) no_failover: bool,
+    pub no_failover: bool,
     /// There is a source to fetch from (a live holder above, or an origin).
-    pub(crate) has_source: bool,
+    pub has_source: bool,
 }
 
 /// Where a recovering hop fetches from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Source {
+pub enum Source {
     /// A holder above this hop (`Fetch`), named by its certificate's host id.
     Holder(Hop),
     /// An origin URI, or `shardcast://host:port` for a holder the plan named.
@@ -48,7 +48,7 @@ pub(crate) enum Source {
 /// `AlreadyFed` — it is fed by someone else and holds at least what this hop has sent it),
 /// then the origin (if any). Reading the origin last keeps a hop that was stopped or cut
 /// off from taking the origin's bandwidth from the hosts it was bypassed for.
-pub(crate) fn recovery_sources(
+pub fn recovery_sources(
     upstream: &[Hop],
     stalled: &HashSet<HostId>,
     below: Option<&Hop>,
@@ -65,13 +65,13 @@ pub(crate) fn recovery_sources(
 }
 
 /// Whether every holder above was found stalled (and there was at least one).
-pub(crate) fn all_stalled(upstream: &[Hop], stalled: &HashSet<HostId>) -> bool {
+pub fn all_stalled(upstream: &[Hop], stalled: &HashSet<HostId>) -> bool {
     !upstream.is_empty() && upstream.iter().all(|h| stalled.contains(&h.host))
 }
 
 /// What the driver does next.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RecoveryAction {
+pub enum RecoveryAction {
     /// Wait for a change of the feeders, or until the instant given.
     Wait(Option<Instant>),
     /// Fetch the missing chunks from the fallback source (attempt `attempt`), then report
@@ -89,7 +89,7 @@ pub(crate) enum RecoveryAction {
 
 /// What follows a fetch from the fallback source that ended with an error of type `E`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum AfterFill<E> {
+pub enum AfterFill<E> {
     /// The session is complete.
     Stop,
     /// Poll again (after another grace period); the fetch's error, if it had one.
@@ -106,7 +106,7 @@ pub(crate) enum AfterFill<E> {
 
 /// The recovery decisions of one hop session. See the module docs.
 #[derive(Debug)]
-pub(crate) struct RecoveryMonitor {
+pub struct RecoveryMonitor {
     grace: Duration,
     max_attempts: u32,
     attempts: u32,
@@ -116,7 +116,7 @@ pub(crate) struct RecoveryMonitor {
 
 impl RecoveryMonitor {
     /// A monitor that waits `grace` for a failover and fetches at most `max_attempts` times.
-    pub(crate) fn new(grace: Duration, max_attempts: u32) -> Self {
+    pub fn new(grace: Duration, max_attempts: u32) -> Self {
         Self {
             grace,
             max_attempts,
@@ -126,7 +126,7 @@ impl RecoveryMonitor {
     }
 
     /// The next action, given what the session looks like at `now`.
-    pub(crate) fn poll(&mut self, now: Instant, seen: Watched) -> RecoveryAction {
+    pub fn poll(&mut self, now: Instant, seen: Watched) -> RecoveryAction {
         if seen.complete || seen.failed {
             return RecoveryAction::Stop;
         }
@@ -156,11 +156,7 @@ impl RecoveryMonitor {
 
     /// A fetch from the fallback source ended with `result`; `complete`: the range is now
     /// verified here.
-    pub(crate) fn fill_finished<E>(
-        &mut self,
-        result: Result<(), E>,
-        complete: bool,
-    ) -> AfterFill<E> {
+    pub fn fill_finished<E>(&mut self, result: Result<(), E>, complete: bool) -> AfterFill<E> {
         match result {
             Ok(()) if complete => AfterFill::Stop,
             r if self.attempts >= self.max_attempts => AfterFill::Fail {
