@@ -24,11 +24,12 @@
 //! all serve and fit in the removal, never the last serving one). The victims' serving
 //! runtimes stop their replicas at once.
 //!
-//! Partitioned bursts are not offered: the simulated hosts cannot load partitions yet
-//! (docs/BENCHMARKS.md, "No partitioning row"), so the partition tables the service asks
-//! are over a model source that has no profile ([`NoPartitions`]) — the service then
-//! decides between whole replicas only, as the controller does for a model registered
-//! without a profile before any host holds it.
+//! Partitioned bursts are not offered to the service: the simulated hosts do load
+//! partitions (`sim::parts`, driven by the trace runs' direct scalers through
+//! `sim::pipelines`), but the service's own burst path is not wired to the simulated fleet,
+//! so the partition tables it asks are over a model source that has no profile
+//! ([`NoPartitions`]) — the service then decides between whole replicas only, as the
+//! controller does for a model registered without a profile before any host holds it.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
