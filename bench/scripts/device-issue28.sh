@@ -2,10 +2,11 @@
 # Issue #28's many-core and GPU checks, run on a lent device machine (16 cores, one GPU) as
 # one prepared script. Build here first, then carry `.dev/`:
 #
-#   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller
+#   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller --bins --examples
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
+#   # (.dev/ is ignored: name it in the device run's carry)
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads|auto]
+#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -185,6 +186,35 @@ PY
         (cd "$OUT" && tar czf chain-json.tar.gz chain && rm -r chain)
         hops
     fi
+    if [ "$what" = fresh ] || [ "$what" = s44 ]; then
+        # A load streamed into fresh mappings (2026-11-28): pinning them as it copies (the
+        # default) against copying them through the staging ring (`--fresh stage`) with
+        # more fill threads and larger buffers; the first load after registering ahead.
+        lstep() { # name, net rate, more arguments of `loader`…
+            local name=$1 rate=$2
+            shift 2
+            step "loader-$name" 60 loader --backend cuda --gpus 1 --size 8GiB --net-rate "$rate" "$@"
+        }
+        lstep register-200 200GB/s
+        lstep stage-f4-8x4M-200 200GB/s --fresh stage
+        lstep stage-f8-16x16M-200 200GB/s --fresh stage --fill-threads 8 --staging-buffers 16 --staging-size 16MiB
+        lstep stage-f12-16x16M-200 200GB/s --fresh stage --fill-threads 12 --staging-buffers 16 --staging-size 16MiB
+        lstep stage-f8-32x8M-200 200GB/s --fresh stage --fill-threads 8 --staging-buffers 32 --staging-size 8MiB
+        lstep register-ahead-200 200GB/s --register-ahead
+        lstep register-25 25GB/s
+        lstep stage-f8-16x16M-25 25GB/s --fresh stage --fill-threads 8 --staging-buffers 16 --staging-size 16MiB
+        python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "loader-*.json"))):
+    r = json.load(open(f)); st = {s["stage"]: s["seconds"] for s in r["stages"]}
+    pr = r.get("pipeline_report") or {}
+    bound = max(st.values())
+    print(f"{os.path.basename(f):>42} pipeline {r['pipeline_s']:.3f} s  bound {bound:.3f} ({'/'.join(f'{k} {v:.3f}' for k, v in st.items())})  x{r['pipeline_s']/bound:.2f}  path {pr.get('host_path')}  ahead {r.get('register_ahead_s')}  first {(r.get('cuda') or {}).get('first_load_ratio')}")
+PY
+    fi
+    if [ "$what" = s44 ]; then
+        bash "$0" run auto
+    fi
     if [ "$what" = sends ]; then
         # The default since 2026-11-27 sends chunks down a chain without re-hashing them
         # (`reverify_sends = false`); the hop's second row re-hashes, as before.
@@ -205,7 +235,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads|auto]" >&2
+    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44]" >&2
     exit 2
     ;;
 esac

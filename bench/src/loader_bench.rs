@@ -73,6 +73,9 @@ pub struct LoaderOpts {
     /// Register the mappings ahead of the first load (with the kept registrations) and time
     /// the pinning alone.
     pub register_ahead: bool,
+    /// What the streamed pipeline does with its fresh mappings (the PCIe passes always
+    /// register theirs, so the PCIe stage is the registered path's).
+    pub fresh: gpu_loader::loader::FreshMappings,
     /// Where to write the model's shard files (memory-backed; `None`: `/dev/shm` when it
     /// exists, else the temp dir).
     pub model_dir: Option<PathBuf>,
@@ -164,6 +167,9 @@ pub struct LoaderReport {
     /// With `--register-ahead`: seconds registering every mapping took before the first
     /// load, with no copy running (pinning alone).
     pub register_ahead_s: Option<f64>,
+    /// What the streamed pipeline did with its fresh mappings (`register` or `stage`; its
+    /// report's `host_path` says which path ran).
+    pub fresh: gpu_loader::loader::FreshMappings,
     /// The streamed pipeline's loader report.
     pub pipeline_report: LoadReport,
     /// Stages alone.
@@ -478,7 +484,11 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
     let p = LoadProgress::new(bytes, &gpus);
     let t0 = Instant::now();
     let pacer = src.deliver(opts.net_rate, None);
-    let rep = load(&*src, &layout, &t, &lopts, &p)?;
+    let streamed = LoadOptions {
+        fresh: opts.fresh,
+        ..lopts.clone()
+    };
+    let rep = load(&*src, &layout, &t, &streamed, &p)?;
     let pipeline_s = t0.elapsed().as_secs_f64();
     let _ = pacer.join();
     eprintln!("pipeline: {pipeline_s:.3} s ({rep:?})");
@@ -550,6 +560,7 @@ pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
         pcie_report: pcie_rep,
         pcie_first_report: first_rep,
         register_ahead_s,
+        fresh: opts.fresh,
         pipeline_report: rep,
     })
 }

@@ -339,6 +339,13 @@ enum Cmd {
         /// registered path with kept registrations.
         #[arg(long)]
         register_ahead: bool,
+        /// What the streamed pipeline does with its fresh mappings (the model's files mapped
+        /// anew, as when the shards have just arrived): `stage` copies them through the
+        /// staging ring (transferd's default with register_ahead), `register` pins them as it
+        /// copies. The PCIe stage alone always takes the registered path, so it stays the
+        /// bound.
+        #[arg(long, default_value = "stage")]
+        fresh: gpu_loader::loader::FreshMappings,
         /// Directory for the model's shard files, which are mapped (memory-backed like the
         /// memory tier) [default: /dev/shm, else the temp dir].
         #[arg(long)]
@@ -1339,6 +1346,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             copy_size,
             keep_registrations,
             register_ahead,
+            fresh,
             model_dir,
             partitions,
             json,
@@ -1362,6 +1370,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 copy_size: usize::try_from(copy_size)?,
                 keep_registrations,
                 register_ahead,
+                fresh,
                 model_dir,
             };
             let report =

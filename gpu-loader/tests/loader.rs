@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use gpu_loader::device::{Device, GpuError, HostMemory};
 use gpu_loader::index::{Layout, LoadMap, tensor_index, tensor_ranges};
 use gpu_loader::loader::{
-    ChunkSource, HostPath, LoadError, LoadOptions, LoadProgress, LoadReport, SourceError,
-    SourceShard, Target, load, load_map,
+    ChunkSource, FreshMappings, HostPath, LoadError, LoadOptions, LoadProgress, LoadReport,
+    SourceError, SourceShard, Target, load, load_map,
 };
 use gpu_loader::pool::{GpuPool, PoolError};
 use gpu_loader::sim::{SimOptions, devices};
@@ -824,6 +824,76 @@ fn memory_registered_ahead_is_what_loads_copy_from() {
     assert_eq!(rep.staged_bytes, 0, "{rep:?}");
     check_bytes(&r, &data);
     assert_eq!(cache.registered_bytes(), total);
+}
+
+#[test]
+fn fresh_memory_is_staged_when_asked_and_memory_registered_ahead_is_not() {
+    let data = model(&[3 << 20, 1 << 20 | 5]);
+    let (_files_dir, files) = shard_files(&data);
+    let cache = gpu_loader::loader::RegistrationCache::new();
+    let segment = 1u64 << 20;
+    let opts = LoadOptions {
+        staging_buffers: 3,
+        staging_size: 1 << 20,
+        register_segment: segment,
+        registrations: Some(cache.clone()),
+        fresh: FreshMappings::Stage,
+        ..Default::default()
+    };
+    let src = PacedSource::from_files(files, 256 << 10).unwrap();
+    src.deliver(0, None);
+    let mems = memories(&src);
+    let never = || false;
+    let segs = |m: &Arc<dyn HostMemory>| (m.as_bytes().len() as u64).div_ceil(segment) as usize;
+
+    // Nothing registered: the whole load stages, pins nothing, and says why.
+    let r = rig(&data, 1, 2_000_000_000, 0);
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Staging, "{rep:?}");
+    let why = rep.fallback_reason.as_deref().unwrap_or_default();
+    assert!(
+        why.contains("not registered yet (fresh = stage)"),
+        "{rep:?}"
+    );
+    assert_eq!(cache.registered_bytes(), 0);
+    check_bytes(&r, &data);
+
+    // One shard registered ahead, the other not: still fresh, still staged.
+    let dev = &*r.targets[0].device;
+    cache
+        .register_ahead(&mems[0], segment, dev, &never)
+        .unwrap();
+    let r = rig(&data, 1, 2_000_000_000, 0);
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Staging, "{rep:?}");
+    assert!(
+        rep.fallback_reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains(&data[1].0),
+        "the unregistered shard is named: {rep:?}"
+    );
+    check_bytes(&r, &data);
+
+    // Both registered ahead: the registered path, every segment reused.
+    let dev = &*r.targets[0].device;
+    cache
+        .register_ahead(&mems[1], segment, dev, &never)
+        .unwrap();
+    let r = rig(&data, 1, 2_000_000_000, 0);
+    let p = LoadProgress::new(r.layout.total, &[0]);
+    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
+    assert_eq!(
+        rep.registrations,
+        segs(&mems[0]) + segs(&mems[1]),
+        "{rep:?}"
+    );
+    assert_eq!(rep.registrations_reused, rep.registrations, "{rep:?}");
+    assert_eq!(rep.staged_bytes, 0, "{rep:?}");
+    check_bytes(&r, &data);
 }
 
 #[test]

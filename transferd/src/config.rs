@@ -25,6 +25,7 @@ use shardcast_protocol::HostId;
 use shardcast_protocol::layered::{Layers, Origin, PrintConfig};
 use shardcast_protocol::units::{self, parse_rate, parse_size};
 
+use gpu_loader::loader::FreshMappings;
 use gpu_loader::manager::{BackendChoice, GpuBudget, ManagerConfig};
 use gpu_loader::sim::SimOptions;
 
@@ -261,6 +262,14 @@ pub struct Args {
     /// without pinning first [default: true].
     #[arg(long, env = "SHARDCAST_REGISTER_AHEAD")]
     pub register_ahead: Option<String>,
+    /// With register_host: what a GPU load does with shards not registered yet (they
+    /// arrived since register-ahead last ran, as in a cold start that streams a model into
+    /// a GPU while it lands): stage, copy them through the staging ring and leave them to
+    /// register-ahead; register, pin them as it copies (the driver serialises pinning with
+    /// the copies, and a fresh mapping pins at 16 GB/s on an H200); auto, stage when
+    /// register_ahead is on, else register [default: auto].
+    #[arg(long, env = "SHARDCAST_FRESH_MAPPINGS")]
+    pub fresh_mappings: Option<String>,
     /// Copy streams per GPU for copies from registered shard mappings, 1 to 8 [default: 4].
     #[arg(long, env = "SHARDCAST_COPY_STREAMS")]
     pub copy_streams: Option<String>,
@@ -440,6 +449,7 @@ struct Settings {
     staging_fill_threads: usize,
     register_host: bool,
     register_ahead: bool,
+    fresh_mappings: String,
     copy_streams: usize,
     tls_ca: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
@@ -533,6 +543,7 @@ impl Default for Settings {
             staging_fill_threads: gpu.load.fill_threads,
             register_host: gpu.load.register_host,
             register_ahead: gpu.register_ahead,
+            fresh_mappings: "auto".into(),
             copy_streams: gpu.load.copy_streams,
             tls_ca: None,
             tls_cert: None,
@@ -1010,6 +1021,15 @@ impl Config {
             m.load.fill_threads = bounded("staging_fill_threads", s.staging_fill_threads, 64)?;
             m.load.register_host = s.register_host;
             m.register_ahead = s.register_ahead;
+            // Without register-ahead nothing else would ever pin a shard, so staging every
+            // fresh load would stage every load.
+            m.load.fresh = match s.fresh_mappings.as_str() {
+                "auto" if s.register_ahead => FreshMappings::Stage,
+                "auto" => FreshMappings::Register,
+                v => v
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("fresh_mappings must be auto or {e}"))?,
+            };
             m.load.copy_streams = bounded(
                 "copy_streams",
                 s.copy_streams,
@@ -1659,6 +1679,26 @@ mod tests {
         assert!(err.to_string().contains("origin_allow"), "{err}");
         let err = load_tls(&["--peer-idle-timeout-s", "0"]).unwrap_err();
         assert!(err.to_string().contains("peer_idle_timeout_s"), "{err}");
+    }
+
+    #[test]
+    fn fresh_mappings_stage_with_register_ahead_and_register_without() {
+        let fresh = |flags: &[&str]| load_tls(flags).map(|c| c.gpu.load.fresh);
+        assert_eq!(fresh(&[]).unwrap(), FreshMappings::Stage);
+        assert_eq!(
+            fresh(&["--register-ahead", "false"]).unwrap(),
+            FreshMappings::Register
+        );
+        assert_eq!(
+            fresh(&["--fresh-mappings", "register"]).unwrap(),
+            FreshMappings::Register
+        );
+        assert_eq!(
+            fresh(&["--fresh-mappings", "stage", "--register-ahead", "false"]).unwrap(),
+            FreshMappings::Stage
+        );
+        let err = format!("{:#}", fresh(&["--fresh-mappings", "pin"]).unwrap_err());
+        assert!(err.contains("fresh_mappings must be auto or"), "{err}");
     }
 
     #[test]
