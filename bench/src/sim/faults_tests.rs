@@ -219,21 +219,25 @@ fn a_middle_hop_whose_link_goes_down_costs_its_downstream_the_stall_and_a_shared
 }
 
 #[test]
-fn a_head_that_reads_the_origin_is_replaced_by_the_hop_below_at_once() {
+fn a_head_that_reads_the_origin_is_replaced_by_the_hop_below_and_pulls_from_it_when_back() {
     // The head h of origin → h → x → y → z goes down at 3 s (progress 3e8) for 8 s. Its
     // only holder above is none: x finds every holder above it (h) stalled after the stall
     // timeout, so transferd's monitor fetches at once (no grace), from the origin, and x
-    // heads the rest of the chain: x lacks 7e8 + C → done at 5 + 7 + C/B, y and z a chunk
-    // apart after it. h's own origin read resumes at 11 s: 7e8 more at B, done at 18.
-    // Origin: 3e8 (the old flow) + the new chain's progress to z's lag (7e8 + 3C) + h's
-    // 7e8: 1.7 S + 3C.
+    // heads the rest of the chain: x lacks 7e8 + C at 5 s, so by 11 s it lacks 1e8 + C.
+    // At 11 s h is back and, as transferd's head does, pulls from the hop below (x) before
+    // the origin: that pull and x's chain share x's uplink, B/2 each, so the chain ends
+    // x at 13 + 2c, y and z two c apart after it (a chunk's lag at B/2). h got B/2 until
+    // z was done (13 + 6c): 1e8 + 3C; the rest, 6e8 − 3C, at B: done at 19 + 3c.
+    // Origin: 3e8 (the old flow) + the new chain's progress to z's lag (7e8 + 3C) = S + 3C;
+    // h reads none of it again (it read 7e8 more, 1.7 S + 3C, when it resumed its own
+    // origin read).
     let spec = small();
     let f = parse_faults("link-down@head:3+8").unwrap();
     let r = run(&spec, Method::Chain, &f, 0).unwrap();
     let c = C / B;
     let victim = r.affected.iter().find(|a| a.role == Role::Victim).unwrap();
     assert!(close(victim.no_fault_ready_s.unwrap(), S / B));
-    assert!(close(victim.ready_s.unwrap(), 18.0), "{victim:?}");
+    assert!(close(victim.ready_s.unwrap(), 19.0 + 3.0 * c), "{victim:?}");
     let mut below: Vec<f64> = r
         .affected
         .iter()
@@ -243,10 +247,10 @@ fn a_head_that_reads_the_origin_is_replaced_by_the_hop_below_at_once() {
     below.sort_by(f64::total_cmp);
     assert_eq!(below.len(), 3);
     for (j, t) in below.iter().enumerate() {
-        assert!(close(*t, 12.0 + (j + 1) as f64 * c), "hop {j}: {t}");
+        assert!(close(*t, 13.0 + 2.0 * (j + 1) as f64 * c), "hop {j}: {t}");
     }
     assert!(
-        close(r.with_faults.origin_bytes, 1.7 * S + 3.0 * C),
+        close(r.with_faults.origin_bytes, S + 3.0 * C),
         "{:?}",
         r.with_faults
     );
@@ -258,6 +262,14 @@ fn a_head_that_reads_the_origin_is_replaced_by_the_hop_below_at_once() {
         r.events
     );
     assert!(!r.events.iter().any(|e| e.kind == EventKind::Failover));
+    // The victim's recovery named the hop below, not the origin.
+    let back = r
+        .events
+        .iter()
+        .find(|e| e.kind == EventKind::RecoveryStart && e.host == victim.host)
+        .unwrap();
+    assert!(back.detail.contains("h0001"), "{back:?}");
+    assert!(!back.detail.contains("origin"), "{back:?}");
 }
 
 #[test]

@@ -24,7 +24,9 @@
 //!   and it completes its own copy by recovery, from the first of [`recovery_sources`]
 //!   over the holders above it that are up — a holder before the origin, as transferd's
 //!   `holders_first` makes a cut-off host do once it can reach anyone again; a head that
-//!   read the origin (no holder above) resumes its origin read. A link that comes back
+//!   read the origin (no holder above) pulls from the hop below first, as transferd's
+//!   head does once its stalled origin read finds the origin answering again (that hop
+//!   read on from the origin meanwhile), and the origin only for the rest. A link that comes back
 //!   within the stall timeout was never noticed: the chain below the victim resumes
 //!   through it.
 //! * **The controller** sees only what it would see: no heartbeats from a host that is
@@ -675,8 +677,20 @@ impl Dc {
                 .filter(|&&h| self.faults.is_down(h))
                 .filter_map(|&h| hop(h).map(|x| x.host))
                 .collect();
+            // A head (it read the origin: no holder above) pulls from the hop below first
+            // once the origin answers again (transferd's `fill_watching`): that hop read on
+            // from the origin meanwhile.
+            let below = if s.above.is_empty() {
+                s.below
+                    .first()
+                    .copied()
+                    .filter(|&b| !self.faults.is_down(b))
+                    .and_then(hop)
+            } else {
+                None
+            };
             let uri = self.origin_uri(&s.digest);
-            let source = match recovery_sources(&up, &stalled, None, &uri).first() {
+            let source = match recovery_sources(&up, &stalled, below.as_ref(), &uri).first() {
                 Some(src) => self.source_endpoint(src),
                 None => continue,
             };

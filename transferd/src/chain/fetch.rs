@@ -43,6 +43,13 @@ use crate::wire::Conn;
 /// it is starved too.
 const EMPTY_PULLS: u32 = 4;
 
+/// The longest one try of [`Fetcher::until_origin_answers`] waits for the origin's answer
+/// (the HTTP origin's connect limit), and the longest it waits in all.
+const ORIGIN_PROBE_LIMIT: Duration = Duration::from_secs(30);
+
+/// Tries of the origin [`Fetcher::until_origin_answers`] keeps in flight at once.
+const ORIGIN_PROBES: usize = 16;
+
 /// How a holder ended its answer to one `Fetch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pulled {
@@ -182,6 +189,36 @@ impl Fetcher {
             }
             Err(_) => false,
         }
+    }
+
+    /// Returns once the origin `uri` answers a one-byte read of the session's shard (see
+    /// [`Self::origin_answers`]), or after [`ORIGIN_PROBE_LIMIT`]: how a host whose origin
+    /// read stalled (its link, or the origin, went away) learns that it may read again, so
+    /// that its peers get the first word before it does. A fresh try every half `grace` (a
+    /// new connection: one dialled during an outage may wait out TCP's backoff after the
+    /// link is back), each waiting up to [`ORIGIN_PROBE_LIMIT`] (a slow origin still
+    /// answers one), at most [`ORIGIN_PROBES`] at once. After the limit with no answer the
+    /// caller reads the origin anyway, and its own errors and limits end the attempt.
+    pub(super) async fn until_origin_answers(
+        &self,
+        sess: &ShardSession,
+        uri: &str,
+        grace: Duration,
+    ) {
+        use futures::StreamExt;
+        let origin_back = async {
+            let mut tries = futures::stream::FuturesUnordered::new();
+            let mut tick = tokio::time::interval((grace / 2).max(Duration::from_millis(10)));
+            loop {
+                tokio::select! {
+                    _ = tick.tick(), if tries.len() < ORIGIN_PROBES => {
+                        tries.push(self.origin_answers(sess, uri, ORIGIN_PROBE_LIMIT));
+                    }
+                    Some(true) = tries.next(), if !tries.is_empty() => return,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(ORIGIN_PROBE_LIMIT, origin_back).await;
     }
 
     /// Returns once the session's range is complete, or the shard has not grown for a

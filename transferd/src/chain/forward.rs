@@ -161,6 +161,7 @@ impl Forwarder {
             }
             self.links.forget_path(sess.transport, &hop.addr, &e);
             warn!(peer = %hop.host, addr = %hop.addr, remaining = hops.len(), "downstream hop failed, failing over: {e}");
+            sess.downstream_lost.send_modify(|n| *n += 1);
             failures.push(HopFailure::Hop {
                 host: hop.host.clone(),
                 addr: hop.addr.clone(),

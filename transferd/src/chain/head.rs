@@ -9,9 +9,11 @@
 //! [`Heads`] is the role. It is given the store (the shards it sends), the session table
 //! (it holds its head sessions there), an [`Intake`] (to make sessions), the repair sources
 //! (it notes the origin), the [`Forwarder`] and [`Fetcher`] its sessions run, the shutdown
-//! token and `stripes`.
+//! token, `stripes`, the counters and the upstream grace (a head's origin read that lost its
+//! hop below: `fill_watching`).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -27,7 +29,7 @@ use super::forward::Forwarder;
 use super::outcome::{FetchError, SessionError};
 use super::session::{FeederGuard, Intake};
 use super::table::Sessions;
-use super::{ChainError, ShardSession, stripe_ranges};
+use super::{ChainError, NodeStats, ShardSession, stripe_ranges};
 use crate::repair::Repairs;
 use crate::store::ShardStore;
 
@@ -67,6 +69,11 @@ pub(crate) struct Heads {
     cancel: CancellationToken,
     /// Connections each shard is striped over.
     stripes: super::Stripes,
+    /// Counters (a head's origin reads that stalled).
+    stats: Arc<NodeStats>,
+    /// The hops' `upstream_grace`: how often a head whose origin read stopped tries the
+    /// origin again (every half of it) before it pulls from the hop below.
+    upstream_grace: Duration,
 }
 
 impl Heads {
@@ -80,6 +87,7 @@ impl Heads {
         fetcher: Arc<Fetcher>,
         cancel: CancellationToken,
         stripes: super::Stripes,
+        (stats, upstream_grace): (Arc<NodeStats>, Duration),
     ) -> Self {
         Self {
             store,
@@ -90,6 +98,8 @@ impl Heads {
             fetcher,
             cancel,
             stripes,
+            stats,
+            upstream_grace,
         }
     }
 
@@ -166,7 +176,7 @@ impl Heads {
                     (token.clone(), transport),
                 );
                 if !sess.complete() {
-                    self.spawn_head_fill(&sess);
+                    self.spawn_head_fill(&sess, hops.first().cloned());
                 }
                 self.forwarder.spawn(&sess, hops.clone());
                 let watched = sess.clone();
@@ -203,16 +213,17 @@ impl Heads {
     }
 
     /// The head does not hold the shard: fetch it from the origin; the forwarder sends each
-    /// chunk on as it lands.
-    fn spawn_head_fill(&self, sess: &Arc<ShardSession>) {
+    /// chunk on as it lands. `below` is the chain's first hop (see [`fill_watching`]).
+    fn spawn_head_fill(&self, sess: &Arc<ShardSession>, below: Option<Hop>) {
         let fetcher = self.fetcher.clone();
         let sess = sess.clone();
+        let (stats, grace) = (self.stats.clone(), self.upstream_grace);
         tokio::spawn(async move {
             let _guard = FeederGuard::new(&sess.feeders);
             let origin = sess.origin.clone();
             let mut bypassed = sess.bypassed.subscribe();
             let result = tokio::select! {
-                r = fetcher.fill_yielding(&sess, &origin) => r,
+                r = fill_watching(&fetcher, &sess, &origin, below.as_ref(), (&stats, grace)) => r,
                 below = bypassed_by(&mut bypassed) => {
                     rejoin_as_leaf(&fetcher, &sess, below, &origin).await
                 }
@@ -223,6 +234,55 @@ impl Heads {
                 sess.fail(SessionError::OriginIncomplete);
             }
         });
+    }
+}
+
+/// The head's origin read, watched for the loss of its hop below. When the forwarder gives
+/// up on that hop (silent for a stall timeout, or unreachable), either this host's link is
+/// gone or that hop is; in the first case the hop below, fed by no one, goes on from the
+/// origin by its own recovery at the same moment. So the origin read stops (its reads in
+/// flight would resume with the link and read what that hop reads); once the origin
+/// answers again, the head first pulls from the hop below what it holds, and reads the
+/// origin only for the rest. Without this the head resumed its origin read the moment its
+/// link came back and read again what the hop below had read meanwhile (1.75 × the model
+/// from the origin once in CI: a 64 MiB model over a 4-host chain cut at the head). A slow
+/// origin is not a trigger (the head keeps its hop below fed with keepalives, so that hop
+/// does not go to the origin); a dead hop below costs one dropped round of reads in flight
+/// and a failed pull. After a round in which the pull brought nothing, later losses (the
+/// forwarder failing over down the rest of the chain) do not stop the read again.
+async fn fill_watching(
+    fetcher: &Fetcher,
+    sess: &ShardSession,
+    origin: &str,
+    below: Option<&Hop>,
+    (stats, grace): (&NodeStats, Duration),
+) -> Result<(), FetchError> {
+    let Some(below) = below else {
+        return fetcher.fill_yielding(sess, origin).await;
+    };
+    let mut lost = sess.downstream_lost.subscribe();
+    lost.borrow_and_update();
+    let mut watch = true;
+    loop {
+        tokio::select! {
+            r = fetcher.fill_yielding(sess, origin) => return r,
+            r = lost.changed(), if watch => if r.is_err() { watch = false; continue },
+        }
+        stats.origin_reads_stalled.fetch_add(1, Ordering::Relaxed);
+        info!(session = %sess.id, have = sess.verified(), total = sess.total(), below = %below.host, "the head lost its hop below (its link, or that hop, is gone): its origin read stops, and that hop gets the first word once the origin answers again");
+        fetcher.until_origin_answers(sess, origin, grace).await;
+        let before = sess.verified();
+        info!(session = %sess.id, below = %below.host, "the origin answers: pulling from the hop below before reading it");
+        if let Err(e) = fetcher.pull_while_progressing(sess, below).await {
+            warn!(session = %sess.id, "pulling from the hop below failed: {e}");
+        }
+        if sess.complete() {
+            return Ok(());
+        }
+        if sess.verified() == before {
+            watch = false;
+        }
+        lost.borrow_and_update();
     }
 }
 

@@ -79,7 +79,7 @@
 //! | `Forwarder` (`forward`) | `Links`, counters, a `RepairHandle`, fault injection, cancel, the send window's tuning, `sendfile` |
 //! | `Recovery` (`recovery`) | the `Fetcher`, counters, cancel, `upstream_grace` |
 //! | `Fetcher` (`fetch`) | `Links`, `Intake`, the store, `Repairs` (sources), the origin allow-list, parallelism, timeouts |
-//! | `Heads` (`head`) | the store, `Sessions`, `Intake`, `Repairs` (sources), the `Forwarder`, the `Fetcher`, cancel, `stripes` |
+//! | `Heads` (`head`) | the store, `Sessions`, `Intake`, `Repairs` (sources), the `Forwarder`, the `Fetcher`, cancel, `stripes`, counters, `upstream_grace` |
 //! | `Repairer` (`crate::repair`) | the store, `Repairs`, the `Fetcher`, `Sessions` |
 //!
 //! No role but `Receiver`, `Heads` and `Repairer` reaches the session table (outside the
@@ -127,7 +127,7 @@
 //! | `forward` | the forwarder: sending to the downstream with failover |
 //! | `recovery` | the recovery monitor: a hop without upstream fetches from its fallback |
 //! | `fetch` | fetching chunks from an origin or a holder into a session (recovery, head fill, imports) |
-//! | `head` | head sessions started through the agent API |
+//! | `head` | head sessions started through the agent API; a head's origin read, stopped when the forwarder loses the hop below and resumed after a pull from that hop |
 
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
@@ -431,9 +431,10 @@ pub struct NodeStats {
     /// Holders above a recovering hop, out of reach when it started reading the origin,
     /// that answered again during that read: the rest came from them, not the origin.
     pub holders_back_during_origin_read: AtomicU64,
-    /// A recovery's origin reads that stored nothing for an upstream grace (this host's
-    /// link, or the origin, went away): stopped, and resumed only after the holders above
-    /// had a grace to answer once the origin answered again.
+    /// Origin reads (a recovery's, a head's) that stored nothing for an upstream grace
+    /// (this host's link, or the origin, went away): stopped, and resumed only after the
+    /// holders above (a recovery's) had a grace to answer, or the hop below (a head's) was
+    /// pulled from, once the origin answered again.
     pub origin_reads_stalled: AtomicU64,
     /// Holders above a hop without upstream that it dialled while waiting for a failover
     /// and could not reach (dead or stopped): it stopped waiting for them.
@@ -703,6 +704,7 @@ impl Node {
             fetcher.clone(),
             cancel.clone(),
             cfg.stripes,
+            (stats.clone(), cfg.upstream_grace),
         ));
         let repairer = Arc::new(Repairer::new(
             store.clone(),

@@ -33,8 +33,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 use shardcast_protocol::{Hop, HostId};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -295,8 +293,8 @@ impl Recovery {
     /// its peers at the same moment when it comes back, and a resumed origin read used to
     /// win that race under load (a cut-off host read the model 1.4–1.7 × from the origin).
     /// If a peer starts feeding the shard meanwhile (a hop above rejoined), returns once it
-    /// stops bringing chunks. Bounded: an origin silent for [`ORIGIN_PROBE_LIMIT`] is read
-    /// again (and fails the attempt as it would have).
+    /// stops bringing chunks. Bounded: an origin silent for 30 s is read
+    /// again (and fails the attempt as it would have): see [`Fetcher::until_origin_answers`].
     async fn holders_first(
         &self,
         sess: &ShardSession,
@@ -304,26 +302,9 @@ impl Recovery {
         unreached: &[Hop],
     ) -> HoldersFirst {
         let grace = self.upstream_grace;
-        // A fresh try every half grace (a new connection: one dialled during an outage may
-        // wait out TCP's backoff after the link is back), each waiting up to
-        // ORIGIN_PROBE_LIMIT (a slow origin still answers one), at most ORIGIN_PROBES at
-        // once. After ORIGIN_PROBE_LIMIT with no answer the origin is read again anyway: its
-        // own errors and limits then end the recovery attempt, as they did before.
-        let origin_back = async {
-            let mut tries = FuturesUnordered::new();
-            let mut tick = tokio::time::interval(grace / 2);
-            loop {
-                tokio::select! {
-                    _ = tick.tick(), if tries.len() < ORIGIN_PROBES => {
-                        tries.push(self.fetcher.origin_answers(sess, uri, ORIGIN_PROBE_LIMIT));
-                    }
-                    Some(true) = tries.next(), if !tries.is_empty() => return,
-                }
-            }
-        };
         tokio::select! {
             hop = self.first_back(sess, unreached, grace / 4) => return HoldersFirst::Back(hop),
-            _ = tokio::time::timeout(ORIGIN_PROBE_LIMIT, origin_back) => {}
+            () = self.fetcher.until_origin_answers(sess, uri, grace) => {}
             () = grows(sess) => {
                 self.fetcher.wait_while_growing(sess).await;
                 return HoldersFirst::PeerFed;
@@ -361,13 +342,6 @@ impl Recovery {
         futures::future::select_all(tries).await.0
     }
 }
-
-/// The longest one try of [`Recovery::holders_first`] waits for the origin's answer (the
-/// HTTP origin's connect limit).
-const ORIGIN_PROBE_LIMIT: Duration = Duration::from_secs(30);
-
-/// Tries of the origin [`Recovery::holders_first`] keeps in flight at once.
-const ORIGIN_PROBES: usize = 16;
 
 /// How [`Recovery::holders_first`] ended.
 enum HoldersFirst {

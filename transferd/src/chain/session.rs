@@ -93,6 +93,11 @@ pub struct ShardSession {
     /// Set when the hop below answered `AlreadyFed`: the chain went on without this host
     /// (it was stopped or cut off), and that hop holds or receives what it lacks.
     pub(super) bypassed: watch::Sender<Option<Hop>>,
+    /// Downstream hops this session's forwarder gave up on (silent, unreachable, failed),
+    /// counted as they go: a head reading the origin takes the first for its own link
+    /// (or its hop below) gone, since that hop goes on from the origin after as long (see
+    /// `head::fill_watching`).
+    pub(super) downstream_lost: watch::Sender<u32>,
     /// Set while this session's recovery reads the origin: a holder above that rejoins
     /// (its link back, or resumed) cancels it and feeds the rest (see
     /// [`ShardSession::yield_origin_read`]).
@@ -426,6 +431,7 @@ impl Intake {
             stalled: Mutex::default(),
             heard: Mutex::default(),
             bypassed: watch::Sender::new(None),
+            downstream_lost: watch::Sender::new(0),
             origin_read: Mutex::default(),
         });
         (sess, active)
