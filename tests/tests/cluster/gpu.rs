@@ -269,6 +269,24 @@ async fn a_model_in_the_memory_tier_is_registered_ahead_so_its_first_gpu_load_pi
     let (m, _) = until_resident(&off, &digest).await;
     assert_eq!(m.host_path, "registered", "{m:?}");
     assert!(m.segments > 0 && m.segments_reused == 0, "{m:?}");
+
+    // Fresh shards staged (what `auto` picks with register-ahead on; here with it off, so
+    // nothing registers them before the load): the load stages, pins nothing, says why.
+    let mut args = sim.to_vec();
+    args.extend(["--register-ahead", "false", "--fresh-mappings", "stage"]);
+    let staged = daemon(root.path(), "stage-fresh", &args).await;
+    let (digest, manifest) = import(&staged, &uri, true, vec![]).await;
+    staged.verify_copy(&manifest).unwrap();
+    let mut agent = staged.agent().await.unwrap();
+    agent.load_model(whole_load(&digest, 1)).await.unwrap();
+    let (m, _) = until_resident(&staged, &digest).await;
+    assert_eq!(m.host_path, "staging", "{m:?}");
+    assert!(
+        m.host_path_reason
+            .contains("not registered yet (fresh = stage)"),
+        "{m:?}"
+    );
+    assert_eq!(gpu_status(&mut agent).await.registered_host_bytes, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
