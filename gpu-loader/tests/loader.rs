@@ -846,10 +846,19 @@ fn fresh_memory_is_staged_when_asked_and_memory_registered_ahead_is_not() {
     let never = || false;
     let segs = |m: &Arc<dyn HostMemory>| (m.as_bytes().len() as u64).div_ceil(segment) as usize;
 
+    // One whole load onto a fresh simulated GPU, its bytes checked; registrations are
+    // portable, so the device that registers ahead need not be the one loaded.
+    let dev = rig(&data, 1, 2_000_000_000, 0).targets[0].device.clone();
+    let load_once = || {
+        let r = rig(&data, 1, 2_000_000_000, 0);
+        let p = LoadProgress::new(r.layout.total, &[0]);
+        let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+        check_bytes(&r, &data);
+        rep
+    };
+
     // Nothing registered: the whole load stages, pins nothing, and says why.
-    let r = rig(&data, 1, 2_000_000_000, 0);
-    let p = LoadProgress::new(r.layout.total, &[0]);
-    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    let rep = load_once();
     assert_eq!(rep.host_path, HostPath::Staging, "{rep:?}");
     let why = rep.fallback_reason.as_deref().unwrap_or_default();
     assert!(
@@ -857,34 +866,24 @@ fn fresh_memory_is_staged_when_asked_and_memory_registered_ahead_is_not() {
         "{rep:?}"
     );
     assert_eq!(cache.registered_bytes(), 0);
-    check_bytes(&r, &data);
 
     // One shard registered ahead, the other not: still fresh, still staged.
-    let dev = &*r.targets[0].device;
     cache
-        .register_ahead(&mems[0], segment, dev, &never)
+        .register_ahead(&mems[0], segment, &*dev, &never)
         .unwrap();
-    let r = rig(&data, 1, 2_000_000_000, 0);
-    let p = LoadProgress::new(r.layout.total, &[0]);
-    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    let rep = load_once();
     assert_eq!(rep.host_path, HostPath::Staging, "{rep:?}");
+    let why = rep.fallback_reason.as_deref().unwrap_or_default();
     assert!(
-        rep.fallback_reason
-            .as_deref()
-            .unwrap_or_default()
-            .contains(&data[1].0),
+        why.contains(&data[1].0),
         "the unregistered shard is named: {rep:?}"
     );
-    check_bytes(&r, &data);
 
     // Both registered ahead: the registered path, every segment reused.
-    let dev = &*r.targets[0].device;
     cache
-        .register_ahead(&mems[1], segment, dev, &never)
+        .register_ahead(&mems[1], segment, &*dev, &never)
         .unwrap();
-    let r = rig(&data, 1, 2_000_000_000, 0);
-    let p = LoadProgress::new(r.layout.total, &[0]);
-    let rep = load(&*src, &r.layout, &r.targets, &opts, &p).unwrap();
+    let rep = load_once();
     assert_eq!(rep.host_path, HostPath::Registered, "{rep:?}");
     assert_eq!(
         rep.registrations,
@@ -893,7 +892,6 @@ fn fresh_memory_is_staged_when_asked_and_memory_registered_ahead_is_not() {
     );
     assert_eq!(rep.registrations_reused, rep.registrations, "{rep:?}");
     assert_eq!(rep.staged_bytes, 0, "{rep:?}");
-    check_bytes(&r, &data);
 }
 
 #[test]
