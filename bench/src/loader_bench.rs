@@ -340,6 +340,10 @@ fn verify(
 
 /// Runs the loader benchmark.
 pub fn run(opts: &LoaderOpts) -> anyhow::Result<LoaderReport> {
+    // Before writing the model (gigabytes): a host without the driver fails at once.
+    if opts.backend == "cuda" {
+        cuda::driver_available().map_err(|e| anyhow::anyhow!("--backend cuda: {e}"))?;
+    }
     let m = model(opts)?;
     let data = &m.maps;
     let bytes: u64 = data.iter().map(|d| d.1.as_slice().len() as u64).sum();

@@ -27,13 +27,24 @@ fn loader_without_a_cuda_driver_says_so() {
         eprintln!("SKIPPED: this host has a CUDA driver (the test needs one without)");
         return;
     }
+    // Said before the model is written: 8 GiB would take seconds and the memory.
+    let dir = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_shardcast-bench"))
-        .args(["loader", "--backend", "cuda", "--size", "1MiB"])
+        .args([
+            "loader",
+            "--backend",
+            "cuda",
+            "--size",
+            "8GiB",
+            "--model-dir",
+        ])
+        .arg(dir.path())
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no CUDA driver"), "{err}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
 #[test]
