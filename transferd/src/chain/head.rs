@@ -276,10 +276,12 @@ async fn fill_watching(
         if let Err(e) = fetcher.pull_while_progressing(sess, below).await {
             warn!(session = %sess.id, "pulling from the hop below failed: {e}");
         }
+        let pulled = sess.verified().saturating_sub(before);
+        info!(session = %sess.id, below = %below.host, pulled, missing = sess.total() - sess.verified(), "pulled from the hop below; the origin is read for what is missing");
         if sess.complete() {
             return Ok(());
         }
-        if sess.verified() == before {
+        if pulled == 0 {
             watch = false;
         }
         lost.borrow_and_update();
