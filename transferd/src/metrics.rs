@@ -458,6 +458,12 @@ impl Collector for NodeCollector {
                 load(&s.origin_reads_stalled),
             ),
             (
+                "head_origin_reads_stopped_total",
+                Counter,
+                "A head's origin reads stopped because its forwarder lost the hop below (link or that hop gone): resumed once the origin answers, after a pull from that hop.",
+                load(&s.head_origin_reads_stopped),
+            ),
+            (
                 "upstream_holders_unreachable_total",
                 Counter,
                 "Holders above a hop without upstream, dialled while it waited for a failover, that could not be reached (so no failover was awaited from them).",

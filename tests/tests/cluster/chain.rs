@@ -821,3 +821,87 @@ async fn a_slow_origin_is_read_to_the_end_when_the_holder_above_is_dead() {
         "the slow origin read was stopped once, then left to its pace"
     );
 }
+
+/// A head that reads the origin (it holds only the manifest) and loses the hop below (here
+/// killed; a cut link looks the same to it): its forwarder gives the hop up, so the head
+/// stops its origin read, waits for the origin to answer, tries to pull from that hop (dead:
+/// nothing), and reads the origin on for the rest while the forwarder feeds the next hop.
+/// It reads the model about once: one round of reads in flight is dropped, no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_that_loses_its_hop_below_stops_its_origin_read_and_reads_on_once() {
+    use shardcast_bench::origin_server::{OriginStats, serve};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = format!("http://{}/", listener.local_addr().unwrap());
+    let allowed = http.clone();
+    let size = 8 * MIB;
+    let mut c = TestCluster::start(3, size, 1, move |_, o| {
+        // The cluster allows its file origin; this one is allowed too.
+        if let Some(at) = o.extra_args.iter().position(|a| a == "--origin-allow") {
+            let list = format!("{},{allowed}", o.extra_args[at + 1]);
+            o.extra_args[at + 1] = list;
+        }
+        o.extra_args
+            .extend(["--stall-timeout-ms".into(), "2000".into()]);
+    })
+    .await
+    .unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let stats = std::sync::Arc::new(OriginStats::default());
+    // 2 MB/s: the 8 MiB model takes about 4 s, time to kill the hop below mid-read.
+    tokio::spawn(serve(
+        c.origin.path().to_path_buf(),
+        listener,
+        Some(2_000_000),
+        stats.clone(),
+        cancel.clone(),
+    ));
+    // The head holds the manifest only: the chain's head fills from the origin.
+    let resp = c.daemons[0]
+        .agent()
+        .await
+        .unwrap()
+        .import_model(ImportModelRequest {
+            name: "test/model".into(),
+            origin: c.origin_uri.clone(),
+            chunk_size: 256 << 10,
+            tier: Tier::Memory as i32,
+            fetch: false,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let digest = resp.digest;
+    let manifest: shardcast_protocol::Manifest =
+        shardcast_protocol::codec::decode_exact(resp.manifest.into()).unwrap();
+    c.start_chain(0, &digest, &[1, 2, 3], &http).await.unwrap();
+    c.wait_bytes(1, &digest, MIB, Duration::from_secs(60))
+        .await
+        .unwrap();
+    c.daemons[1].kill().await;
+    c.wait(&[0, 2, 3], &digest, Duration::from_secs(90))
+        .await
+        .unwrap();
+    for i in [0, 2, 3] {
+        c.daemons[i].verify_copy(&manifest).unwrap();
+    }
+    let head = &c.daemons[0];
+    assert_eq!(
+        metric(head, "head_origin_reads_stopped_total").await,
+        1,
+        "the head stopped its origin read once, when its forwarder gave up recv-1"
+    );
+    let read = head.stats().await.unwrap().origin_bytes;
+    assert!(
+        read <= size + size / 4,
+        "the head read {read} bytes from the origin for a {size}-byte model"
+    );
+    for i in [2, 3] {
+        assert_eq!(
+            c.daemons[i].stats().await.unwrap().origin_bytes,
+            0,
+            "recv-{i} was fed by the chain"
+        );
+    }
+}

@@ -69,7 +69,7 @@ pub(crate) struct Heads {
     cancel: CancellationToken,
     /// Connections each shard is striped over.
     stripes: super::Stripes,
-    /// Counters (a head's origin reads that stalled).
+    /// Counters (a head's origin reads stopped for the loss of the hop below).
     stats: Arc<NodeStats>,
     /// The hops' `upstream_grace`: how often a head whose origin read stopped tries the
     /// origin again (every half of it) before it pulls from the hop below.
@@ -268,7 +268,9 @@ async fn fill_watching(
             r = fetcher.fill_yielding(sess, origin) => return r,
             r = lost.changed(), if watch => if r.is_err() { watch = false; continue },
         }
-        stats.origin_reads_stalled.fetch_add(1, Ordering::Relaxed);
+        stats
+            .head_origin_reads_stopped
+            .fetch_add(1, Ordering::Relaxed);
         info!(session = %sess.id, have = sess.verified(), total = sess.total(), below = %below.host, "the head lost its hop below (its link, or that hop, is gone): its origin read stops, and that hop gets the first word once the origin answers again");
         fetcher.until_origin_answers(sess, origin, grace).await;
         let before = sess.verified();

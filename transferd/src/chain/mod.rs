@@ -431,11 +431,14 @@ pub struct NodeStats {
     /// Holders above a recovering hop, out of reach when it started reading the origin,
     /// that answered again during that read: the rest came from them, not the origin.
     pub holders_back_during_origin_read: AtomicU64,
-    /// Origin reads (a recovery's, a head's) that stored nothing for an upstream grace
-    /// (this host's link, or the origin, went away): stopped, and resumed only after the
-    /// holders above (a recovery's) had a grace to answer, or the hop below (a head's) was
-    /// pulled from, once the origin answered again.
+    /// A recovery's origin reads that stored nothing for an upstream grace (this host's
+    /// link, or the origin, went away): stopped, and resumed only after the holders above
+    /// had a grace to answer once the origin answered again.
     pub origin_reads_stalled: AtomicU64,
+    /// A head's origin reads stopped because its forwarder lost the hop below (this host's
+    /// link, or that hop, went away): resumed once the origin answered again and the hop
+    /// below was pulled from.
+    pub head_origin_reads_stopped: AtomicU64,
     /// Holders above a hop without upstream that it dialled while waiting for a failover
     /// and could not reach (dead or stopped): it stopped waiting for them.
     pub upstream_holders_unreachable: AtomicU64,
