@@ -773,31 +773,16 @@ async fn an_evict_ends_the_sessions_that_outlived_their_plan() {
 /// in flight dropped each time, when every stall counted). Both receivers end exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_origin_is_read_to_the_end_when_the_holder_above_is_dead() {
-    use shardcast_bench::origin_server::{OriginStats, serve};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = format!("http://{}/", listener.local_addr().unwrap());
+    let (listener, http) = http_origin().await;
     let allowed = http.clone();
     let mut caps = cap_receivers("100Mbit");
     let mut c = TestCluster::start(2, 4 * MIB, 1, move |i, o| {
         caps(i, o);
-        // The cluster allows its file origin; this one is allowed too.
-        if let Some(at) = o.extra_args.iter().position(|a| a == "--origin-allow") {
-            let list = format!("{},{allowed}", o.extra_args[at + 1]);
-            o.extra_args[at + 1] = list;
-        }
+        allow_origin(o, &allowed);
     })
     .await
     .unwrap();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let _stop = cancel.clone().drop_guard();
-    let stats = std::sync::Arc::new(OriginStats::default());
-    tokio::spawn(serve(
-        c.origin.path().to_path_buf(),
-        listener,
-        Some(512_000),
-        stats.clone(),
-        cancel.clone(),
-    ));
+    let _origin = serve_http_origin(&c, listener, 512_000);
     let (digest, manifest) = c.import_on_source().await.unwrap();
     c.start_chain(0, &digest, &[1, 2], &http).await.unwrap();
     c.wait_bytes(1, &digest, MIB, Duration::from_secs(60))
@@ -829,33 +814,18 @@ async fn a_slow_origin_is_read_to_the_end_when_the_holder_above_is_dead() {
 /// It reads the model about once: one round of reads in flight is dropped, no more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_that_loses_its_hop_below_stops_its_origin_read_and_reads_on_once() {
-    use shardcast_bench::origin_server::{OriginStats, serve};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = format!("http://{}/", listener.local_addr().unwrap());
+    let (listener, http) = http_origin().await;
     let allowed = http.clone();
     let size = 8 * MIB;
     let mut c = TestCluster::start(3, size, 1, move |_, o| {
-        // The cluster allows its file origin; this one is allowed too.
-        if let Some(at) = o.extra_args.iter().position(|a| a == "--origin-allow") {
-            let list = format!("{},{allowed}", o.extra_args[at + 1]);
-            o.extra_args[at + 1] = list;
-        }
+        allow_origin(o, &allowed);
         o.extra_args
             .extend(["--stall-timeout-ms".into(), "2000".into()]);
     })
     .await
     .unwrap();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let _stop = cancel.clone().drop_guard();
-    let stats = std::sync::Arc::new(OriginStats::default());
     // 2 MB/s: the 8 MiB model takes about 4 s, time to kill the hop below mid-read.
-    tokio::spawn(serve(
-        c.origin.path().to_path_buf(),
-        listener,
-        Some(2_000_000),
-        stats.clone(),
-        cancel.clone(),
-    ));
+    let _origin = serve_http_origin(&c, listener, 2_000_000);
     // The head holds the manifest only: the chain's head fills from the origin.
     let resp = c.daemons[0]
         .agent()
@@ -904,4 +874,39 @@ async fn a_head_that_loses_its_hop_below_stops_its_origin_read_and_reads_on_once
             "recv-{i} was fed by the chain"
         );
     }
+}
+
+/// A loopback HTTP origin's listener, bound now (served by [`serve_http_origin`] once the
+/// cluster's origin directory exists), and its URI.
+async fn http_origin() -> (tokio::net::TcpListener, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let uri = format!("http://{}/", listener.local_addr().unwrap());
+    (listener, uri)
+}
+
+/// Adds `uri` to a daemon's origin allow-list (the cluster allows its file origin).
+fn allow_origin(o: &mut DaemonOpts, uri: &str) {
+    if let Some(at) = o.extra_args.iter().position(|a| a == "--origin-allow") {
+        let list = format!("{},{uri}", o.extra_args[at + 1]);
+        o.extra_args[at + 1] = list;
+    }
+}
+
+/// Serves the cluster's origin directory on `listener` at `rate` bytes/s until the guard
+/// is dropped.
+fn serve_http_origin(
+    c: &TestCluster,
+    listener: tokio::net::TcpListener,
+    rate: u64,
+) -> tokio_util::sync::DropGuard {
+    use shardcast_bench::origin_server::{OriginStats, serve};
+    let cancel = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(serve(
+        c.origin.path().to_path_buf(),
+        listener,
+        Some(rate),
+        std::sync::Arc::new(OriginStats::default()),
+        cancel.clone(),
+    ));
+    cancel.drop_guard()
 }
