@@ -647,52 +647,24 @@ impl Dc {
                 continue;
             }
             let undetected = t < s.at + self.faults.stall.as_secs_f64();
-            let above_up: Vec<usize> = s
-                .above
-                .iter()
-                .copied()
-                .filter(|&h| !self.faults.is_down(h))
-                .collect();
-            if undetected {
-                // Nobody noticed: the chain resumes through the victim.
-                let source = above_up.first().map_or(s.source, |&a| Endpoint::Host(a));
-                let receivers: Vec<usize> =
-                    std::iter::once(v).chain(s.below.iter().copied()).collect();
-                self.start_recovery(
-                    t,
-                    Start {
-                        fault: s.fault,
-                        digest: s.digest,
-                        shards: s.shards,
-                        source,
-                        receivers,
-                    },
-                );
-                continue;
-            }
-            let up: Vec<Hop> = s.above.iter().filter_map(|&h| hop(h)).collect();
-            let stalled: HashSet<HostId> = s
-                .above
-                .iter()
-                .filter(|&&h| self.faults.is_down(h))
-                .filter_map(|&h| hop(h).map(|x| x.host))
-                .collect();
-            // A head (it read the origin: no holder above) pulls from the hop below first
-            // once the origin answers again (transferd's `fill_watching`): that hop read on
-            // from the origin meanwhile.
-            let below = if s.above.is_empty() {
-                s.below
-                    .first()
+            let (source, receivers) = if undetected {
+                // Nobody noticed: the chain resumes through the victim, from the nearest
+                // holder above that is up.
+                let source = s
+                    .above
+                    .iter()
                     .copied()
-                    .filter(|&b| !self.faults.is_down(b))
-                    .and_then(hop)
+                    .find(|&h| !self.faults.is_down(h))
+                    .map_or(s.source, Endpoint::Host);
+                (
+                    source,
+                    std::iter::once(v).chain(s.below.iter().copied()).collect(),
+                )
             } else {
-                None
-            };
-            let uri = self.origin_uri(&s.digest);
-            let source = match recovery_sources(&up, &stalled, below.as_ref(), &uri).first() {
-                Some(src) => self.source_endpoint(src),
-                None => continue,
+                let Some(source) = self.recovery_source(&s) else {
+                    continue;
+                };
+                (source, vec![v])
             };
             self.start_recovery(
                 t,
@@ -701,10 +673,38 @@ impl Dc {
                     digest: s.digest,
                     shards: s.shards,
                     source,
-                    receivers: vec![v],
+                    receivers,
                 },
             );
         }
+    }
+
+    /// Where victim `s.host`, back and noticed as gone, recovers from: the first of
+    /// transferd's [`recovery_sources`] over the holders above it that are up.
+    fn recovery_source(&self, s: &Stranded) -> Option<Endpoint> {
+        let up: Vec<Hop> = s.above.iter().filter_map(|&h| hop(h)).collect();
+        let stalled: HashSet<HostId> = s
+            .above
+            .iter()
+            .filter(|&&h| self.faults.is_down(h))
+            .filter_map(|&h| hop(h).map(|x| x.host))
+            .collect();
+        // A head (it read the origin: no holder above) pulls from the hop below first
+        // once the origin answers again (transferd's `fill_watching`): that hop read on
+        // from the origin meanwhile.
+        let below = if s.above.is_empty() {
+            s.below
+                .first()
+                .copied()
+                .filter(|&b| !self.faults.is_down(b))
+                .and_then(hop)
+        } else {
+            None
+        };
+        let uri = self.origin_uri(&s.digest);
+        recovery_sources(&up, &stalled, below.as_ref(), &uri)
+            .first()
+            .map(|src| self.source_endpoint(src))
     }
 
     /// Host `h`'s copy of `digest` is incomplete and bytes are on their way to it (a flow,

@@ -273,13 +273,8 @@ async fn fill_watching(
             .fetch_add(1, Ordering::Relaxed);
         info!(session = %sess.id, have = sess.verified(), total = sess.total(), below = %below.host, "the head lost its hop below (its link, or that hop, is gone): its origin read stops, and that hop gets the first word once the origin answers again");
         fetcher.until_origin_answers(sess, origin, grace).await;
-        let before = sess.verified();
         info!(session = %sess.id, below = %below.host, "the origin answers: pulling from the hop below before reading it");
-        if let Err(e) = fetcher.pull_while_progressing(sess, below).await {
-            warn!(session = %sess.id, "pulling from the hop below failed: {e}");
-        }
-        let pulled = sess.verified().saturating_sub(before);
-        info!(session = %sess.id, below = %below.host, pulled, missing = sess.total() - sess.verified(), "pulled from the hop below; the origin is read for what is missing");
+        let pulled = pull_from_below(fetcher, sess, below).await;
         if sess.complete() {
             return Ok(());
         }
@@ -301,11 +296,21 @@ async fn rejoin_as_leaf(
 ) -> Result<(), FetchError> {
     if let Some(hop) = below {
         info!(session = %sess.id, below = %hop.host, "bypassed: pulling the rest from the hop below instead of the origin");
-        if let Err(e) = fetcher.pull_while_progressing(sess, &hop).await {
-            warn!(session = %sess.id, "pulling from the hop below failed: {e}");
-        }
+        pull_from_below(fetcher, sess, &hop).await;
     }
     fetcher.fill_yielding(sess, origin).await
+}
+
+/// Pulls from the hop `below` for as long as it brings chunks; a failed pull is logged (the
+/// origin is read for the rest). Returns the chunks it brought.
+async fn pull_from_below(fetcher: &Fetcher, sess: &ShardSession, below: &Hop) -> u32 {
+    let before = sess.verified();
+    if let Err(e) = fetcher.pull_while_progressing(sess, below).await {
+        warn!(session = %sess.id, below = %below.host, "pulling from the hop below failed: {e}");
+    }
+    let pulled = sess.verified().saturating_sub(before);
+    info!(session = %sess.id, below = %below.host, pulled, missing = sess.total() - sess.verified(), "pulled from the hop below; the origin is read for what is missing");
+    pulled
 }
 
 /// The hop below that answered `AlreadyFed` (see [`ShardSession`]'s `bypassed`); never
