@@ -249,6 +249,11 @@ enum Cmd {
         /// `auto`, transferd's own default, which depends on the cores).
         #[arg(long, default_value = "1")]
         stripes: String,
+        /// The memory reserve every daemon keeps and fills before the transfer (transferd's
+        /// `--memory-reserve`: spare files of allocated pages new shards are written into):
+        /// auto (one spare per shard, each the largest shard's size), off, or a size.
+        #[arg(long, default_value = "auto")]
+        memory_reserve: scenario::BenchReserve,
         /// An extra transferd argument for every daemon (repeat it), e.g.
         /// `--daemon-arg=--writer --daemon-arg=mapped`.
         #[arg(long = "daemon-arg", allow_hyphen_values = true)]
@@ -278,6 +283,11 @@ enum Cmd {
         /// The transport of the profiled run: tcp (TLS over TCP) or quic.
         #[arg(long, default_value = "tcp")]
         profile_transport: shardcast_protocol::HopTransport,
+        /// The memory reserve both daemons keep and fill before each run (transferd's
+        /// `--memory-reserve`): auto (one spare per shard, each the largest shard's size),
+        /// off, or a size.
+        #[arg(long, default_value = "auto")]
+        memory_reserve: scenario::BenchReserve,
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -1265,6 +1275,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             warm_up,
             data_mode,
             stripes,
+            memory_reserve,
             daemon_args,
         } => {
             if loss.is_some() && !emulate {
@@ -1293,6 +1304,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 loss_per_10000: loss.unwrap_or(0),
                 mtu,
                 warm_up,
+                memory_reserve,
                 daemon_args: data_mode
                     .daemon_args()
                     .into_iter()
@@ -1317,15 +1329,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             profile_data,
             profile_transport,
             profile_side,
+            memory_reserve,
             json,
         } => {
-            let profile = (profile || profile_data.is_some()).then_some(profile_data);
             let method = match profile_transport {
                 shardcast_protocol::HopTransport::Tcp => scenario::Method::ChainTcp,
                 shardcast_protocol::HopTransport::Quic => scenario::Method::ChainQuic,
             };
+            let profile = (profile || profile_data.is_some()).then_some(scenario::HopProfileOpts {
+                keep: profile_data,
+                method,
+                side: profile_side,
+            });
             let report =
-                scenario::run_hop_bench(size, shards, stripes, profile, method, profile_side, true)
+                scenario::run_hop_bench(size, shards, stripes, profile, memory_reserve, true)
                     .await?;
             emit(&report, json)
         }

@@ -124,6 +124,90 @@ pub struct ChainBenchOpts {
     pub warm_up: bool,
     /// Show progress bars.
     pub progress: bool,
+    /// The memory reserve each daemon keeps (`--memory-reserve`), filled before the
+    /// transfer starts.
+    pub memory_reserve: BenchReserve,
+}
+
+/// The memory reserve the bench's daemons keep (transferd's `memory_reserve`: spare files
+/// of allocated pages that new shards are written into), filled before each measured
+/// transfer: the hosts of a cold start that were idle before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub enum BenchReserve {
+    /// No reserve: every received page is allocated as it is written.
+    #[default]
+    Off,
+    /// One spare per shard of the model, each the size of its largest shard.
+    Auto,
+    /// This many bytes, in spares the size of the model's largest shard.
+    Bytes(u64),
+}
+
+impl std::str::FromStr for BenchReserve {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "off" | "0" => Ok(Self::Off),
+            other => shardcast_protocol::units::parse_size(other)
+                .map(|b| if b == 0 { Self::Off } else { Self::Bytes(b) })
+                .map_err(|e| format!("--memory-reserve: auto, off or a size such as 4GiB ({e})")),
+        }
+    }
+}
+
+impl BenchReserve {
+    /// transferd's flags for a model whose files have `sizes` bytes: spares the size of the
+    /// largest, as many as the files that would take one (at least half a spare), or the
+    /// bytes given.
+    pub fn daemon_args(self, sizes: &[u64]) -> Vec<String> {
+        let spare = sizes.iter().copied().max().unwrap_or(0).max(1 << 20);
+        let bytes = match self {
+            Self::Off => return Vec::new(),
+            Self::Auto => spare * sizes.iter().filter(|&&s| s * 2 >= spare).count() as u64,
+            Self::Bytes(b) => b,
+        };
+        vec![
+            "--memory-reserve".into(),
+            bytes.to_string(),
+            "--memory-reserve-spare".into(),
+            spare.to_string(),
+        ]
+    }
+}
+
+/// How long the bench waits for its daemons' memory reserves to fill.
+const RESERVE_FILL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Waits until every daemon's memory reserve holds its target (or
+/// [`RESERVE_FILL_TIMEOUT`] passed: then says so and goes on); returns what each held.
+async fn wait_reserves(daemons: &[Daemon]) -> anyhow::Result<Vec<u64>> {
+    let deadline = Instant::now() + RESERVE_FILL_TIMEOUT;
+    loop {
+        let mut held = Vec::new();
+        let mut short = None;
+        for d in daemons {
+            let st = d.stats().await?;
+            if st.memory_reserve_bytes < st.memory_reserve_target {
+                short = Some((
+                    d.host_id.clone(),
+                    st.memory_reserve_bytes,
+                    st.memory_reserve_target,
+                ));
+            }
+            held.push(st.memory_reserve_bytes);
+        }
+        match short {
+            None => return Ok(held),
+            Some((host, h, t)) if Instant::now() >= deadline => {
+                eprintln!(
+                    "warning: {host}'s memory reserve holds {h} of {t} bytes after {RESERVE_FILL_TIMEOUT:?}; measuring anyway"
+                );
+                return Ok(held);
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
 }
 
 impl ChainBenchOpts {
@@ -150,6 +234,7 @@ impl ChainBenchOpts {
             mtu: None,
             warm_up: false,
             progress: false,
+            memory_reserve: BenchReserve::Off,
         }
     }
 }
@@ -190,6 +275,13 @@ pub struct MethodResult {
     /// lock), in chain order.
     #[serde(default)]
     pub receiver_bytes_written_mapped: Vec<u64>,
+    /// Bytes each daemon's memory reserve held when the transfer started, source first.
+    #[serde(default)]
+    pub memory_reserve_bytes: Vec<u64>,
+    /// Bytes of the model each receiver wrote into spares of its memory reserve (pages
+    /// allocated before the transfer), in chain order.
+    #[serde(default)]
+    pub receiver_reserve_taken_bytes: Vec<u64>,
     /// Packets the emulated loss dropped, all hosts together (0 without a loss).
     pub packets_dropped: u64,
     /// What quinn counted on every daemon's QUIC connections (chain-quic only).
@@ -258,6 +350,8 @@ pub struct ChainReport {
     pub warm_up_s: Option<f64>,
     /// Extra transferd arguments every daemon ran with (`--data-mode …`; empty: defaults).
     pub daemon_args: Vec<String>,
+    /// The memory reserve the daemons kept (filled before each run).
+    pub memory_reserve: BenchReserve,
     /// Per-method results.
     pub results: Vec<MethodResult>,
 }
@@ -472,6 +566,17 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         .context("origin dir")?;
     let model = make_model(origin_dir.path(), opts.size, opts.shards)?;
     let origin_uri = format!("file://{}", origin_dir.path().display());
+    let sizes: Vec<u64> = model.files.iter().map(|f| f.1).collect();
+    let reserve_args = opts.memory_reserve.daemon_args(&sizes);
+    let opts = &ChainBenchOpts {
+        daemon_args: opts
+            .daemon_args
+            .iter()
+            .cloned()
+            .chain(reserve_args)
+            .collect(),
+        ..opts.clone()
+    };
     let warm_up_s = match opts.methods.first() {
         Some(&first) if opts.warm_up => {
             let r = run_method(opts, first, &origin_uri, model.total_bytes)
@@ -523,6 +628,7 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         mtu: opts.mtu.unwrap_or(1500),
         warm_up_s,
         daemon_args: opts.daemon_args.clone(),
+        memory_reserve: opts.memory_reserve,
         results,
     })
 }
@@ -605,10 +711,19 @@ async fn run_method(
         Method::Star => receivers.iter().map(|d| vec![*d]).collect(),
     };
     let pb = bar(opts.progress, bytes * opts.receivers as u64, method.name());
+    let reserve_held = if opts.memory_reserve == BenchReserve::Off {
+        vec![0; daemons.len()]
+    } else {
+        wait_reserves(&daemons).await?
+    };
     let mut reverified0 = Vec::new();
     for d in &daemons {
         let st = d.stats().await?;
-        reverified0.push((st.bytes_reverified, st.bytes_written_mapped));
+        reverified0.push((
+            st.bytes_reverified,
+            st.bytes_written_mapped,
+            st.memory_reserve_taken_bytes,
+        ));
     }
     let perf = match &opts.perf {
         Some((side, out)) => {
@@ -655,11 +770,12 @@ async fn run_method(
         .collect();
     let procs: Vec<f64> = split.iter().map(ProcCpu::total_s).collect();
     let gb = bytes as f64 / 1e9;
-    let (mut reverified, mut mapped) = (Vec::new(), Vec::new());
-    for (d, (rehashed, map_writes)) in daemons.iter().zip(&reverified0) {
+    let (mut reverified, mut mapped, mut taken) = (Vec::new(), Vec::new(), Vec::new());
+    for (d, (rehashed, map_writes, spares)) in daemons.iter().zip(&reverified0) {
         let st = d.stats().await?;
         reverified.push(st.bytes_reverified.saturating_sub(*rehashed));
         mapped.push(st.bytes_written_mapped.saturating_sub(*map_writes));
+        taken.push(st.memory_reserve_taken_bytes.saturating_sub(*spares));
     }
     let quic = match method {
         Method::ChainQuic => Some(quic_figures(&daemons).await?),
@@ -707,6 +823,8 @@ async fn run_method(
         source_bytes_reverified: reverified[0],
         receiver_bytes_reverified: reverified[1..].to_vec(),
         receiver_bytes_written_mapped: mapped[1..].to_vec(),
+        memory_reserve_bytes: reserve_held,
+        receiver_reserve_taken_bytes: taken[1..].to_vec(),
         packets_dropped,
         quic,
     })
@@ -1034,6 +1152,8 @@ pub struct ScrubReport {
 pub struct HopReport {
     /// Bytes moved through the hop.
     pub bytes: u64,
+    /// The memory reserve the daemons kept (filled before each run).
+    pub memory_reserve: BenchReserve,
     /// Shards of the model (one session, so one TCP connection, per shard and stripe).
     pub shards: usize,
     /// Connections each shard was striped over (the source's `--stripes`).
@@ -1217,15 +1337,15 @@ pub async fn run_hop_bench(
     size: u64,
     shards: usize,
     stripes: usize,
-    profile: Option<Option<PathBuf>>,
-    profile_method: Method,
-    profile_side: Side,
+    profile: Option<HopProfileOpts>,
+    memory_reserve: BenchReserve,
     progress: bool,
 ) -> anyhow::Result<HopReport> {
     let raw = tokio::task::spawn_blocking(|| iperf3_loopback(5)).await??;
     let mut opts = ChainBenchOpts {
         shards,
         progress,
+        memory_reserve,
         ..ChainBenchOpts::new(NetMode::Local, 1, size, vec![Method::ChainTcp])
     };
     // (name, plaintext, source-only arguments, both daemons' arguments, transport, frame
@@ -1300,7 +1420,12 @@ pub async fn run_hop_bench(
             source_bytes_reverified: r.source_bytes_reverified,
         });
     }
-    let profile = if let Some(keep) = profile {
+    let profile = if let Some(HopProfileOpts {
+        keep,
+        method: profile_method,
+        side: profile_side,
+    }) = profile
+    {
         // The production configuration once more, with perf attached to one side.
         let dir = scratch_dir("perf")?;
         let data = keep.unwrap_or_else(|| dir.path().join("hop.perf.data"));
@@ -1340,6 +1465,7 @@ pub async fn run_hop_bench(
         (&runs[0], &runs[1], &runs[2], &runs[3], &runs[5]);
     Ok(HopReport {
         bytes: size,
+        memory_reserve,
         shards,
         stripes,
         warm_up_bytes_per_s,
@@ -1364,6 +1490,17 @@ pub async fn run_hop_bench(
         scrub,
         profile,
     })
+}
+
+/// The hop bench's profiled run ([`run_hop_bench`]).
+#[derive(Debug, Clone)]
+pub struct HopProfileOpts {
+    /// Keep perf's data file here (`None`: a scratch file).
+    pub keep: Option<PathBuf>,
+    /// The transport of the profiled run.
+    pub method: Method,
+    /// The daemon recorded.
+    pub side: Side,
 }
 
 /// `perf report`'s flat self-time listing of `data`, one symbol a line.

@@ -648,6 +648,7 @@ impl Agent for AgentService {
         let n = &self.view;
         let s = n.stats();
         let st = self.store.stats();
+        let reserve = self.store.reserve_status();
         Ok(Response::new(Stats {
             host_id: n.host().to_string(),
             bytes_received: n.counters().received.load(Ordering::Relaxed),
@@ -666,6 +667,9 @@ impl Agent for AgentService {
             bytes_scrubbed: st.bytes_scrubbed.load(Ordering::Relaxed),
             chunks_rotted: st.chunks_rotted.load(Ordering::Relaxed),
             chunks_repaired: st.chunks_repaired.load(Ordering::Relaxed),
+            memory_reserve_bytes: reserve.held,
+            memory_reserve_target: reserve.config.bytes,
+            memory_reserve_taken_bytes: st.reserve_bytes_taken.load(Ordering::Relaxed),
         }))
     }
 

@@ -200,6 +200,16 @@ pub struct Args {
     /// host's memory, between 256MiB and 4GiB].
     #[arg(long, env = "SHARDCAST_MEMORY_HEADROOM")]
     pub memory_headroom: Option<String>,
+    /// Memory-tier bytes kept as spare files of allocated pages, filled while the host is
+    /// idle, for new shards to be written into without allocating pages (a cold start's
+    /// largest receiving cost on tmpfs); they give way to shards, the capacity and the
+    /// headroom. e.g. 16GiB; 0 turns it off [default: 0].
+    #[arg(long, env = "SHARDCAST_MEMORY_RESERVE")]
+    pub memory_reserve: Option<String>,
+    /// Size of each spare of the memory reserve: best the size of the shards this host
+    /// receives, e.g. 5GB [default: 1GiB].
+    #[arg(long, env = "SHARDCAST_MEMORY_RESERVE_SPARE")]
+    pub memory_reserve_spare: Option<String>,
     /// GPUs reported to the controller until the GPU loader detects them [default: 0].
     #[arg(long, env = "SHARDCAST_GPUS")]
     pub gpus: Option<String>,
@@ -429,6 +439,10 @@ struct Settings {
     disk_capacity: Option<u64>,
     #[serde(with = "units::opt_size")]
     memory_headroom: Option<u64>,
+    #[serde(with = "units::size")]
+    memory_reserve: u64,
+    #[serde(with = "units::size")]
+    memory_reserve_spare: u64,
     gpus: u32,
     #[serde(with = "units::size")]
     gpu_memory: u64,
@@ -526,6 +540,8 @@ impl Default for Settings {
             memory_capacity: None,
             disk_capacity: None,
             memory_headroom: None,
+            memory_reserve: 0,
+            memory_reserve_spare: crate::store::DEFAULT_SPARE,
             gpus: 0,
             gpu_memory: 0,
             heartbeat_ms: 1000,
@@ -1104,6 +1120,16 @@ impl Config {
                  but insecure_plaintext turns TLS off: set tls_ca/tls_cert/tls_key, or drop data_mode"
             );
         }
+        if s.memory_reserve > 0 && s.memory_reserve_spare < (1 << 20) {
+            bail!(
+                "memory_reserve_spare must be at least 1MiB (the size of each spare file of the memory reserve), got {} bytes",
+                s.memory_reserve_spare
+            );
+        }
+        let memory_reserve = crate::store::ReserveConfig {
+            bytes: s.memory_reserve,
+            spare: s.memory_reserve_spare,
+        };
         let defaults = ChainConfig::default();
         Ok(Self {
             host_id,
@@ -1131,6 +1157,7 @@ impl Config {
                 reverify_after: Duration::from_millis(s.reverify_after_ms),
                 reverify_sends: s.reverify_sends,
                 scrub_rate,
+                memory_reserve,
             },
             egress_rate,
             ingress_rate: rate("ingress_rate", &s.ingress_rate)?,
@@ -1699,6 +1726,32 @@ mod tests {
         );
         let err = format!("{:#}", fresh(&["--fresh-mappings", "pin"]).unwrap_err());
         assert!(err.contains("fresh_mappings must be auto or"), "{err}");
+    }
+
+    #[test]
+    fn memory_reserve_is_off_by_default_and_sized_by_flags() {
+        let reserve = |flags: &[&str]| load_tls(flags).map(|c| c.store.memory_reserve);
+        assert_eq!(reserve(&[]).unwrap(), crate::store::ReserveConfig::OFF);
+        assert_eq!(
+            reserve(&["--memory-reserve", "16GiB", "--memory-reserve-spare", "5GB"]).unwrap(),
+            crate::store::ReserveConfig {
+                bytes: 16 << 30,
+                spare: 5_000_000_000,
+            }
+        );
+        assert_eq!(
+            reserve(&["--memory-reserve", "2GiB"]).unwrap().spare,
+            crate::store::DEFAULT_SPARE
+        );
+        let err = format!(
+            "{:#}",
+            reserve(&["--memory-reserve", "1GiB", "--memory-reserve-spare", "4KiB"]).unwrap_err()
+        );
+        assert!(
+            err.contains("memory_reserve_spare must be at least 1MiB"),
+            "{err}"
+        );
+        assert!(reserve(&["--memory-reserve", "lots"]).is_err());
     }
 
     #[test]

@@ -36,6 +36,7 @@
 //! | heartbeats (`crate::report`) | a `NodeView`, the store, the GPU manager |
 //! | the drain | `Sessions` |
 //! | `keep_registrations` | the store, the GPU manager |
+//! | `fill_reserve` (with `memory_reserve`) | the store |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -228,6 +229,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         gpus.clone(),
         cancel.clone(),
     ));
+    if config.store.memory_reserve.bytes > 0 {
+        tasks.spawn(fill_reserve(node.store().clone(), cancel.clone()));
+    }
     {
         let service = shardcast_protocol::agent::agent_server::AgentServer::new(AgentService {
             view: node.view().clone(),
@@ -497,6 +501,61 @@ async fn keep_registrations(store: ShardStore, gpus: Arc<GpuManager>, cancel: Ca
                 paused_for_a_load = a.paused,
                 "registered memory-tier shards with the GPUs ahead of loads"
             );
+        }
+    }
+}
+
+/// How long no chunk may have been written before the memory reserve's filler allocates:
+/// a transfer in progress writes chunks far more often.
+const RESERVE_IDLE: Duration = Duration::from_secs(1);
+/// How often the filler looks at the store while it is not filling.
+const RESERVE_TICK: Duration = Duration::from_millis(250);
+
+/// Fills the memory reserve (see `store::reserve`) while the host is idle: once no chunk has
+/// been written for [`RESERVE_IDLE`], one step ([`crate::store::FILL_STEP`]) after the other
+/// until it is full, the tier's bounds leave no room, or a chunk is written again. Every
+/// tick it also drops spares the bounds no longer leave room for (the host's available
+/// memory fell below the headroom).
+async fn fill_reserve(store: ShardStore, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(RESERVE_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let written = || {
+        store
+            .stats()
+            .chunks_written
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let (mut last, mut since) = (written(), std::time::Instant::now());
+    let mut failed = false;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        loop {
+            let now = written();
+            if now != last {
+                (last, since) = (now, std::time::Instant::now());
+            }
+            if since.elapsed() < RESERVE_IDLE || cancel.is_cancelled() {
+                break;
+            }
+            let s = store.clone();
+            match tokio::task::spawn_blocking(move || s.fill_reserve()).await {
+                Ok(Ok(n)) if n > 0 => failed = false,
+                Ok(Ok(_)) => break,
+                Ok(Err(e)) => {
+                    if !failed {
+                        warn!("filling the memory reserve: {e}");
+                    }
+                    failed = true;
+                    break;
+                }
+                Err(e) => {
+                    warn!("the memory reserve's filler: {e}");
+                    break;
+                }
+            }
         }
     }
 }

@@ -336,7 +336,20 @@ impl Collector for NodeCollector {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let budget = view.frame_budget();
         let limits = view.conn_limits();
+        let reserve = self.store.reserve_status();
         let rows: &[(&str, Kind, &str, u64)] = &[
+            (
+                "memory_reserve_bytes",
+                Gauge,
+                "Bytes of spare files of allocated pages the memory reserve holds for new shards.",
+                reserve.held,
+            ),
+            (
+                "memory_reserve_target_bytes",
+                Gauge,
+                "The memory_reserve setting (0: off).",
+                reserve.config.bytes,
+            ),
             (
                 "bytes_received_total",
                 Counter,
@@ -896,6 +909,31 @@ impl Collector for NodeCollector {
                 "chunks_unrepairable_total",
                 "Dropped chunks a repair attempt could not restore.",
                 &st.chunks_unrepairable,
+            ),
+            (
+                "store_chunks_written_total",
+                "Chunks written and marked verified in a shard file.",
+                &st.chunks_written,
+            ),
+            (
+                "memory_reserve_spares_taken_total",
+                "New memory-tier shards created from a spare of the memory reserve.",
+                &st.reserve_spares_taken,
+            ),
+            (
+                "memory_reserve_taken_bytes_total",
+                "Bytes of new shards the memory reserve's spares covered (written without allocating pages).",
+                &st.reserve_bytes_taken,
+            ),
+            (
+                "memory_reserve_filled_bytes_total",
+                "Bytes the memory reserve's filler allocated while the host was idle.",
+                &st.reserve_bytes_filled,
+            ),
+            (
+                "memory_reserve_dropped_bytes_total",
+                "Bytes of spares dropped to give their memory back to a shard, the capacity or the host's headroom.",
+                &st.reserve_bytes_dropped,
             ),
         ] {
             series(&mut enc, name, Counter, help, load(v))?;

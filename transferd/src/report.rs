@@ -234,13 +234,14 @@ fn apply_registry(
     }
 }
 
-/// Capacity and free bytes of a tier: the file system's, lowered by a configured cap (less
-/// what the store already holds there).
-fn space(dir: &Path, cap: Option<u64>, used: u64) -> (u64, u64) {
+/// Capacity and free bytes of a tier: the file system's (with `spares`, the memory
+/// reserve's bytes, counted free), lowered by a configured cap (less what the store already
+/// holds there).
+fn space(dir: &Path, cap: Option<u64>, used: u64, spares: u64) -> (u64, u64) {
     let (fs_total, fs_free) = match rustix::fs::statvfs(dir) {
         Ok(s) => (
             s.f_blocks.saturating_mul(s.f_frsize),
-            s.f_bavail.saturating_mul(s.f_frsize),
+            s.f_bavail.saturating_mul(s.f_frsize).saturating_add(spares),
         ),
         Err(_) => (0, 0),
     };
@@ -289,17 +290,24 @@ pub fn build_report(
             total_bytes: st.total_bytes,
         });
     }
+    // The memory reserve's spares give way to shards (store::reserve): they are free room.
+    let spares = store.reserve_status().held;
     let (mem_capacity, mem_free) = space(
         store.tier_root(DataTier::Memory),
         inv.memory_capacity,
         used[0],
+        spares,
     );
     // A memory tier on tmpfs is RAM: no more is free than the host can still give it.
     let mem_free = store
         .host_room(DataTier::Memory)
-        .map_or(mem_free, |room| mem_free.min(room));
-    let (disk_capacity, disk_free) =
-        space(store.tier_root(DataTier::Disk), inv.disk_capacity, used[1]);
+        .map_or(mem_free, |room| mem_free.min(room.saturating_add(spares)));
+    let (disk_capacity, disk_free) = space(
+        store.tier_root(DataTier::Disk),
+        inv.disk_capacity,
+        used[1],
+        0,
+    );
     HostReport {
         host_id: view.host().to_string(),
         data_addr: addrs.data.clone(),

@@ -765,6 +765,106 @@ async fn an_evict_ends_the_sessions_that_outlived_their_plan() {
     stopped.signal("CONT").unwrap();
 }
 
+/// Polls `d`'s stats every 50 ms until `done` holds, which they are returned for; panics
+/// with the last stats after `limit`.
+async fn wait_stats(
+    d: &shardcast_bench::cluster::Daemon,
+    limit: Duration,
+    done: impl Fn(&shardcast_protocol::agent::Stats) -> bool,
+) -> shardcast_protocol::agent::Stats {
+    let until = std::time::Instant::now() + limit;
+    loop {
+        let st = d.stats().await.unwrap();
+        if done(&st) {
+            return st;
+        }
+        assert!(std::time::Instant::now() < until, "{}: {st:?}", d.host_id);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The memory reserve on real processes: idle receivers fill their spares; a chain's
+/// shards are written into them (every copy exact, each shard's bytes counted as taken),
+/// the reserve fills again once the host is idle, a restart keeps the spares without
+/// writing them again, and on a receiver whose memory capacity cannot hold both the model
+/// and the reserve, the reserve stays within the capacity before and after the model
+/// arrives, status saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receivers_write_shards_into_the_memory_reserve_and_refill_it_when_idle() {
+    const SPARE: u64 = 8 * MIB;
+    const TARGET: u64 = 4 * SPARE;
+    // Receiver 2's: less than the reserve's target, and than the model and the reserve.
+    const CAPACITY: u64 = 28 * MIB;
+    let mut c = TestCluster::start(2, 24 * MIB, 3, |i, o| {
+        if i > 0 {
+            o.extra_args.extend([
+                "--memory-reserve".into(),
+                TARGET.to_string(),
+                "--memory-reserve-spare".into(),
+                SPARE.to_string(),
+            ]);
+        }
+        if i == 2 {
+            o.extra_args
+                .extend(["--memory-capacity".into(), CAPACITY.to_string()]);
+        }
+    })
+    .await
+    .unwrap();
+    let limit = Duration::from_secs(60);
+    for (i, want) in [(1, TARGET), (2, CAPACITY)] {
+        let st = wait_stats(&c.daemons[i], limit, |st| st.memory_reserve_bytes == want).await;
+        assert_eq!(st.memory_reserve_target, TARGET, "{st:?}");
+        assert!(c.daemons[i].memory_tier_bytes().unwrap() >= want);
+    }
+    let (digest, manifest) = c.chain_to(&[1, 2]).await.unwrap();
+    // A shard takes a spare when the spare covers it at no more than twice its size, or when
+    // it is larger than the spare (the spare covers its start).
+    let taken: Vec<u64> = manifest
+        .shards
+        .iter()
+        .filter(|s| s.size.saturating_mul(2) >= SPARE)
+        .map(|s| s.size.min(SPARE))
+        .collect();
+    assert!(taken.len() >= 3, "{:?}", manifest.shards);
+    for i in [1, 2] {
+        let d = &c.daemons[i];
+        d.verify_copy(&manifest).unwrap();
+        let st = d.stats().await.unwrap();
+        assert_eq!(st.chunks_corrupt, 0, "{st:?}");
+        assert_eq!(
+            st.memory_reserve_taken_bytes,
+            taken.iter().sum::<u64>(),
+            "{st:?}"
+        );
+        assert_eq!(
+            metric(d, "memory_reserve_spares_taken_total").await,
+            taken.len() as u64
+        );
+    }
+    // Receiver 1 fills its reserve again once idle: shards and spares both in its tier.
+    let r1 = &c.daemons[1];
+    wait_stats(r1, limit, |st| st.memory_reserve_bytes == TARGET).await;
+    assert!(r1.memory_tier_bytes().unwrap() >= TARGET + manifest.total_bytes());
+    // Receiver 2's capacity left the reserve what the model does not use, and no more.
+    let r2 = &c.daemons[2];
+    let room = CAPACITY - manifest.total_bytes();
+    wait_stats(r2, limit, |st| st.memory_reserve_bytes == room).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let st = r2.stats().await.unwrap();
+    assert_eq!(st.memory_reserve_bytes, room, "{st:?}");
+    // Its files: the shards, the spares and the small state files of the copy.
+    assert!(r2.memory_tier_bytes().unwrap() <= CAPACITY + MIB);
+    // A restart keeps the complete spares (none written again) and the copy.
+    let r1 = &mut c.daemons[1];
+    r1.restart().await.unwrap();
+    let st = wait_stats(r1, limit, |st| st.memory_reserve_bytes == TARGET).await;
+    assert_eq!(st.memory_reserve_target, TARGET);
+    assert_eq!(metric(r1, "memory_reserve_filled_bytes_total").await, 0);
+    r1.verify_copy(&manifest).unwrap();
+    let _ = digest;
+}
+
 /// A recovery that reads a slow origin (an HTTP origin capped at 512 KB/s, each 256 KiB
 /// chunk taking about 2 s, four times the upstream grace) while the holder above it is dead:
 /// its origin read is stopped once as "bringing nothing" and the origin is probed; the

@@ -103,6 +103,9 @@ pub mod hostmem;
 mod map;
 pub mod names;
 mod pages;
+mod reserve;
+#[cfg(test)]
+mod reserve_tests;
 mod shard;
 #[cfg(test)]
 mod tests;
@@ -124,6 +127,7 @@ use shardcast_protocol::{DataTier, Manifest, ModelDigest, ModelName, ShardPath};
 
 pub use names::{Binding, BindingSource};
 pub use pages::TierFs;
+pub use reserve::{DEFAULT_SPARE, FILL_STEP, ReserveConfig};
 pub use shard::{Check, Shard, Written};
 pub use writer::{ChunkWriter, WriterKind};
 
@@ -172,6 +176,10 @@ pub struct StoreConfig {
     /// Bytes per second the background scrub re-hashes idle chunks at; 0 turns it off.
     /// The store only records it; the daemon runs the scrub (`crate::repair`).
     pub scrub_rate: u64,
+    /// Spare files of allocated pages kept in the memory tier for new shards to be written
+    /// into (see `reserve`). The store keeps and hands them out; the daemon fills them
+    /// ([`ShardStore::fill_reserve`]) while idle.
+    pub memory_reserve: ReserveConfig,
 }
 
 impl StoreConfig {
@@ -191,6 +199,7 @@ impl StoreConfig {
             reverify_after: DEFAULT_REVERIFY_AFTER,
             reverify_sends: false,
             scrub_rate: DEFAULT_SCRUB_RATE,
+            memory_reserve: ReserveConfig::OFF,
         }
     }
 }
@@ -266,6 +275,28 @@ pub struct StoreStats {
     /// Seconds to verify a chunk from a peer against the manifest, per chunk
     /// ([`Shard::verify_and_write`]; `shardcast_chunk_verify_seconds`).
     pub chunk_verify: crate::metrics::Histogram,
+    /// Chunks written and marked verified in a shard file (either tier).
+    pub chunks_written: AtomicU64,
+    /// New memory-tier shards created from a spare of the memory reserve.
+    pub reserve_spares_taken: AtomicU64,
+    /// Bytes of those shards the spares covered (written without allocating a page).
+    pub reserve_bytes_taken: AtomicU64,
+    /// Bytes the reserve's filler allocated.
+    pub reserve_bytes_filled: AtomicU64,
+    /// Bytes of spares dropped to give their memory back (to a new shard, the configured
+    /// capacity, or the host's headroom).
+    pub reserve_bytes_dropped: AtomicU64,
+}
+
+/// What the memory reserve holds ([`ShardStore::reserve_status`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveStatus {
+    /// Bytes of spares held (complete ones and the one being filled).
+    pub held: u64,
+    /// The target and spare size.
+    pub config: ReserveConfig,
+    /// Why filling stopped for good (the file system refused a write).
+    pub refused: Option<String>,
 }
 
 /// Why a store operation failed.
@@ -474,6 +505,8 @@ struct Inner {
     /// or where `/proc/meminfo` cannot be read).
     memory_headroom: Option<u64>,
     scrub_rate: u64,
+    /// The memory tier's spares.
+    reserve: reserve::Reserve,
     models: Mutex<HashMap<ModelDigest, Model>>,
     names: Mutex<names::Names>,
 }
@@ -662,6 +695,7 @@ impl ShardStore {
             reverify_after,
             reverify_sends,
             scrub_rate,
+            memory_reserve,
         } = cfg;
         let stats = Arc::new(StoreStats::default());
         let perms = Perms { gid: group };
@@ -683,6 +717,7 @@ impl ShardStore {
         }
         let writer = Arc::new(ChunkWriter::new(writer)?);
         tracing::info!(writer = ?writer.kind(), "shard store writer");
+        let reserve = reserve::Reserve::open(memory.clone(), memory_reserve, stats.clone())?;
         let names = Mutex::new(names::Names::load(&disk)?);
         let memory_fs = TierFs::of(&memory_dir);
         report_memory_fs(&memory_dir, memory_fs.as_ref());
@@ -713,6 +748,7 @@ impl ShardStore {
             disk_capacity,
             memory_headroom,
             scrub_rate,
+            reserve,
             models: Mutex::new(HashMap::new()),
             names,
         };
@@ -884,6 +920,7 @@ impl ShardStore {
             bits_rel: state_rel(&digest).join(format!("{index}.bits")),
             writer: self.inner.writer.clone(),
             integrity: self.inner.integrity.clone(),
+            spare: None,
         })
     }
 
@@ -1021,7 +1058,7 @@ impl ShardStore {
             .flat_map(|t| t.values())
         {
             allocated = allocated.saturating_add(s.size());
-            pending = pending.saturating_add(s.unwritten_bytes());
+            pending = pending.saturating_add(s.unallocated_bytes());
         }
         let cap = match tier {
             DataTier::Memory => self.inner.memory_capacity,
@@ -1032,10 +1069,18 @@ impl ShardStore {
             cap.map_or(u64::MAX, |c| c.saturating_sub(allocated)),
         )];
         if !on_file_system {
-            let free = self.dir(tier).available()?;
+            // The memory reserve's spares give way to a shard: their bytes are room.
+            let spares = match tier {
+                DataTier::Memory => self.inner.reserve.held(),
+                DataTier::Disk => 0,
+            };
+            let free = self.dir(tier).available()?.saturating_add(spares);
             bounds.push((SpaceLimit::FileSystem, free.saturating_sub(pending)));
             if let Some(room) = self.host_room(tier) {
-                bounds.push((SpaceLimit::HostMemory, room.saturating_sub(pending)));
+                bounds.push((
+                    SpaceLimit::HostMemory,
+                    room.saturating_add(spares).saturating_sub(pending),
+                ));
             }
         }
         let (limit, available) = bounds
@@ -1090,15 +1135,124 @@ impl ShardStore {
         let model = models
             .get_mut(d)
             .ok_or(StoreError::UnknownModel { digest: *d })?;
-        let spec = self.spec(&model.manifest, *d, shard, tier)?;
+        let mut spec = self.spec(&model.manifest, *d, shard, tier)?;
         self.prepare_tier_copy(d, model, tier)?;
-        let s = Arc::new(Shard::open(spec, OpenMode::Create)?);
+        let size = model.manifest.shard(shard).map_or(0, |e| e.size);
+        if tier == DataTier::Memory && size > 0 {
+            spec.spare = self.inner.reserve.take(size);
+        }
+        let spare = spec.spare.as_ref().map(|t| t.rel.clone());
+        let s = match Shard::open(spec, OpenMode::Create) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                // A spare taken but not renamed yet would otherwise stay until a restart.
+                if let Some(rel) = spare {
+                    self.inner.reserve.discard(&rel);
+                }
+                return Err(e);
+            }
+        };
+        if s.resident_bytes() > 0 {
+            self.inner.reserve.note_taken(s.resident_bytes());
+        }
         model
             .tiers
             .entry(tier)
             .or_default()
             .insert(shard, s.clone());
+        if tier == DataTier::Memory {
+            self.give_way(&models);
+        }
         Ok(s)
+    }
+
+    /// The memory tier's shard bytes and what its open shards may still allocate.
+    fn memory_use(models: &HashMap<ModelDigest, Model>) -> (u64, u64) {
+        let (mut allocated, mut pending) = (0u64, 0u64);
+        for s in models
+            .values()
+            .filter_map(|m| m.tiers.get(&DataTier::Memory))
+            .flat_map(|t| t.values())
+        {
+            allocated = allocated.saturating_add(s.size());
+            pending = pending.saturating_add(s.unallocated_bytes());
+        }
+        (allocated, pending)
+    }
+
+    /// How many more bytes the memory tier may allocate beyond `pending`: the least of what
+    /// the configured capacity (less shards and spares), the file system and the host's
+    /// memory less the headroom leave. `None` when nothing bounds it.
+    fn memory_room(&self, allocated: u64, pending: u64) -> Option<i128> {
+        let held = i128::from(self.inner.reserve.held());
+        let mut room: Option<i128> = None;
+        let mut bound = |r: i128| room = Some(room.map_or(r, |x: i128| x.min(r)));
+        if let Some(cap) = self.inner.memory_capacity {
+            bound(i128::from(cap) - i128::from(allocated) - held);
+        }
+        if let Ok(free) = self.inner.memory.available() {
+            bound(i128::from(free) - i128::from(pending));
+        }
+        if let (Some(headroom), Some(mem)) =
+            (self.inner.memory_headroom, hostmem::HostMemory::read())
+        {
+            bound(i128::from(mem.available) - i128::from(headroom) - i128::from(pending));
+        }
+        room
+    }
+
+    /// Drops spares of the memory reserve until the memory tier's bounds again cover what
+    /// its open shards may still allocate (see `reserve`: spares give way).
+    fn give_way(&self, models: &HashMap<ModelDigest, Model>) {
+        let (allocated, pending) = Self::memory_use(models);
+        while self.inner.reserve.held() > 0
+            && self.memory_room(allocated, pending).is_some_and(|r| r < 0)
+        {
+            let Some(freed) = self.inner.reserve.drop_one() else {
+                break;
+            };
+            tracing::info!(
+                freed,
+                held = self.inner.reserve.held(),
+                "memory reserve: dropped a spare to give its memory back"
+            );
+        }
+    }
+
+    /// Grows the memory reserve by one step (at most [`FILL_STEP`]) where it is short of its
+    /// target and the memory tier's bounds leave room, after dropping spares the bounds no
+    /// longer leave room for. Returns the bytes allocated (0: full, or no room). Blocking:
+    /// the daemon's filler calls it on the blocking pool while no chunk is being written.
+    pub fn fill_reserve(&self) -> Result<u64, StoreError> {
+        let reserve = &self.inner.reserve;
+        if reserve.config().bytes == 0 {
+            return Ok(0);
+        }
+        let room = {
+            let models = lock(&self.inner.models);
+            self.give_way(&models);
+            if reserve.wanted() == 0 {
+                return Ok(0);
+            }
+            let (allocated, pending) = Self::memory_use(&models);
+            self.memory_room(allocated, pending)
+        };
+        let room = room.map_or(FILL_STEP, |r| u64::try_from(r.max(0)).unwrap_or(0));
+        // A step too small to be worth a call waits for room.
+        if room < (1 << 20) {
+            return Ok(0);
+        }
+        reserve.fill(room)
+    }
+
+    /// The memory reserve: bytes held, target, spare size and why filling stopped (if it did).
+    pub fn reserve_status(&self) -> ReserveStatus {
+        let r = &self.inner.reserve;
+        ReserveStatus {
+            held: r.held(),
+            config: r.config(),
+            refused: r.refused(),
+        }
     }
 
     /// Creates the directories and the state manifest of `model`'s copy in `tier` when the

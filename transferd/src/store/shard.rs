@@ -59,6 +59,7 @@ use tokio::sync::{Notify, watch};
 
 use super::beneath::{Access, TierDir};
 use super::map::{ShardMap, WritableMap};
+use super::reserve::Taken;
 use super::writer::{ChunkWriter, WriterKind};
 use super::{Integrity, StoreError, io_err, lock};
 
@@ -99,6 +100,9 @@ pub(super) struct ShardSpec {
     pub(super) bits_rel: PathBuf,
     pub(super) writer: Arc<ChunkWriter>,
     pub(super) integrity: Arc<Integrity>,
+    /// A spare of the memory reserve to become the data file (a new shard only): its
+    /// pages are allocated already.
+    pub(super) spare: Option<Taken>,
 }
 
 /// Why a chunk is re-verified: selects the counter and names the reader in the log.
@@ -146,6 +150,9 @@ pub struct Shard {
     /// Taken around each data write with the `pwrite` writer: writes to the file queue here.
     serial: Arc<Mutex<()>>,
     integrity: Arc<Integrity>,
+    /// Bytes at the start of the data file that were allocated when it was created (a
+    /// spare of the memory reserve), so writing them takes no new memory.
+    resident: u64,
     state: Mutex<BitState>,
     /// Woken whenever a chunk leaves the in-flight set (written or failed).
     settled: Notify,
@@ -259,6 +266,7 @@ impl Shard {
             bits_rel,
             writer,
             integrity,
+            spare,
         } = spec;
         let data_path = dir.root().join(&data_rel);
         let bits_path = dir.root().join(&bits_rel);
@@ -275,6 +283,18 @@ impl Shard {
 
         if let Some(parent) = data_rel.parent().filter(|p| !p.as_os_str().is_empty()) {
             dir.create_dir_all(parent)?;
+        }
+        let mut resident = 0;
+        if let Some(spare) = spare.filter(|_| mode == OpenMode::Create) {
+            match dir.rename_file(&spare.rel, &data_rel) {
+                Ok(()) => resident = spare.size.min(size),
+                Err(e) => {
+                    tracing::warn!(path = %data_path.display(), "a spare of the memory reserve could not become a shard's file: {e}");
+                    if let Err(e) = dir.remove_tree(&spare.rel) {
+                        tracing::warn!("removing the spare: {e}");
+                    }
+                }
+            }
         }
         let file = dir.open_file(&data_rel, Access::ReadWriteCreate)?;
         let len = file.metadata().map_err(io_err(&data_path))?.len();
@@ -356,6 +376,7 @@ impl Shard {
             writable,
             serial: Arc::default(),
             integrity,
+            resident,
             state: Mutex::new(state),
             settled: Notify::new(),
             verified,
@@ -649,6 +670,10 @@ impl Shard {
                 source,
             });
         }
+        self.integrity
+            .stats
+            .chunks_written
+            .fetch_add(1, Ordering::Relaxed);
         st.set_stamp(index, self.integrity.now_ms());
         if st.dropped.remove(&index) {
             self.integrity
@@ -794,6 +819,20 @@ impl Shard {
         let verified = u64::from(self.verified_count());
         let chunk = u64::from(self.manifest.chunk_size);
         self.size.saturating_sub(verified.saturating_mul(chunk))
+    }
+
+    /// What writing the rest of the shard may still allocate: its unwritten bytes, less
+    /// those of a spare it was created from (at most the part of the file the spare did
+    /// not cover).
+    pub fn unallocated_bytes(&self) -> u64 {
+        self.unwritten_bytes()
+            .min(self.size.saturating_sub(self.resident))
+    }
+
+    /// Bytes of the data file that a spare of the memory reserve had allocated when the
+    /// shard was created (0 without one).
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident
     }
 
     /// Chunks within `start..end` dropped after failing re-verification and not written

@@ -16,7 +16,7 @@ fn shard_bytes(i: usize, size: u64) -> Vec<u8> {
 }
 
 /// A manifest of shards with the given paths and sizes, and the shards' bytes.
-fn model(name: &str, shards: &[(&str, u64)]) -> (Manifest, Vec<Vec<u8>>) {
+pub(super) fn model(name: &str, shards: &[(&str, u64)]) -> (Manifest, Vec<Vec<u8>>) {
     let mut entries = Vec::new();
     let mut datas = Vec::new();
     for (i, (path, size)) in shards.iter().enumerate() {
@@ -32,7 +32,7 @@ fn model(name: &str, shards: &[(&str, u64)]) -> (Manifest, Vec<Vec<u8>>) {
     )
 }
 
-fn chunk(m: &Manifest, data: &[Vec<u8>], shard: u32, index: u32) -> VerifiedChunk {
+pub(super) fn chunk(m: &Manifest, data: &[Vec<u8>], shard: u32, index: u32) -> VerifiedChunk {
     let (off, len) = m.chunk_span(shard, index).unwrap();
     let bytes = Bytes::copy_from_slice(&data[shard as usize][off as usize..off as usize + len]);
     m.verified(shard, index, bytes).unwrap()

@@ -1,0 +1,418 @@
+//! The memory tier's reserve: spare files whose pages are already allocated, into which new
+//! shards are written.
+//!
+//! On tmpfs the first write of a page allocates it, and that allocation is the largest cost
+//! of a receiving hop on a 2-core VM (a chunk written over pages a file already holds costs
+//! about half as much as one written into fresh pages; in the hop, with the adaptive
+//! writer's concurrent map writes, the receiver spent 0.7–0.8 CPU-s/GB against 1.6–1.7:
+//! docs/BENCHMARKS.md). The reserve moves that cost out of the cold start: while the host
+//! is idle the daemon fills up to `bytes` of spare files (writing zeroes), and a new
+//! memory-tier shard takes one ([`Reserve::take`]): the spare is renamed to the shard's
+//! path and cut (or grown) to the shard's size, so its chunks land on pages that exist.
+//!
+//! * **Where:** `<memory root>/reserve/spare-<n>`, beneath the tier root like every other
+//!   store file (no symlink followed; the store's modes). A spare being filled is
+//!   `spare-<n>.filling`; anything else found there at start-up (a half-filled spare, a
+//!   name the store does not write, a symlink) is removed.
+//! * **Sizes:** each spare is `spare` bytes (the last may be smaller). A shard takes the
+//!   smallest spare that covers it and is at most twice its size, else the largest spare
+//!   smaller than it (its tail is then allocated as it is written), else none (a shard
+//!   under half a spare: an index file). Safetensors shards are mostly one size, so a
+//!   `spare` of that size wastes nothing; a spare larger than the shard is cut, which frees
+//!   the rest (and costs the cut: about 0.12 CPU-s per GiB freed on the 2-core VM).
+//! * **Only fresh spares:** a removed shard's file is never recycled as a spare, since an
+//!   inference process that mapped it may still read it: recycling would change the bytes
+//!   under it. A spare is written by no one before a shard takes it, so it holds zeroes.
+//! * **It gives way.** Spares are memory a shard can have: a new shard's admission counts
+//!   them as free room, and after a shard is created the store drops spares until the file
+//!   system, the configured capacity and the host's memory (less the headroom) again cover
+//!   every open shard's unwritten bytes ([`super::ShardStore::shard`]). The filler grows the
+//!   reserve only within those bounds, and drops spares while the host's available memory
+//!   is below the headroom (another process needs it).
+//! * **When it fills:** only while no chunk has been written for a while (the daemon's
+//!   filler task: `crate::daemon`), in steps of [`FILL_STEP`], so a filling reserve never
+//!   competes with a transfer for long.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use std::os::unix::fs::FileExt;
+
+use rustix::fs::FileType;
+
+use super::beneath::{Access, TierDir};
+use super::{StoreError, StoreStats, io_err, lock};
+
+/// The reserve's directory, relative to the memory tier root.
+pub(super) const RESERVE_DIR: &str = "reserve";
+/// Prefix of a spare's name; the rest is its number.
+const SPARE_PREFIX: &str = "spare-";
+/// Suffix of the spare being filled.
+const FILLING_SUFFIX: &str = ".filling";
+/// The most one [`Reserve::fill`] call allocates: at about 0.4 CPU-s per GiB, a step takes a
+/// core some 25 ms, the longest a transfer that starts meanwhile competes with the filler.
+pub const FILL_STEP: u64 = 64 << 20;
+
+/// How much of the memory tier to keep as spare files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReserveConfig {
+    /// Bytes of spare files to keep (0: no reserve; spares left by an earlier run are removed).
+    pub bytes: u64,
+    /// Bytes of each spare file: best the size of the shards the host receives.
+    pub spare: u64,
+}
+
+impl ReserveConfig {
+    /// No reserve.
+    pub const OFF: Self = Self {
+        bytes: 0,
+        spare: DEFAULT_SPARE,
+    };
+}
+
+impl Default for ReserveConfig {
+    fn default() -> Self {
+        Self::OFF
+    }
+}
+
+/// Default size of a spare file (`memory_reserve_spare`).
+pub const DEFAULT_SPARE: u64 = 1 << 30;
+
+/// A spare a new shard takes: where it is (relative to the tier root) and its size.
+#[derive(Debug)]
+pub(super) struct Taken {
+    pub(super) rel: PathBuf,
+    pub(super) size: u64,
+}
+
+/// The spares of the memory tier. See the module docs.
+#[derive(Debug)]
+pub(super) struct Reserve {
+    dir: Arc<TierDir>,
+    cfg: ReserveConfig,
+    stats: Arc<StoreStats>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Complete spares: (number, bytes).
+    spares: Vec<(u64, u64)>,
+    /// The spare being filled, while the filler is not working on it.
+    filling: Option<Filling>,
+    /// Bytes of the spare being filled while the filler works on it (out of `filling`).
+    filling_out: u64,
+    /// The next spare's number.
+    next: u64,
+    /// Why filling stopped for good (the file system refused a write).
+    refused: Option<String>,
+}
+
+#[derive(Debug)]
+struct Filling {
+    n: u64,
+    file: File,
+    /// Bytes allocated so far.
+    len: u64,
+    /// Bytes it will have.
+    size: u64,
+}
+
+/// Writes `len` zero bytes at `offset`: every page is allocated and touched now. (Not
+/// `fallocate`: on tmpfs it allocates pages without writing them, and in a VM a page's
+/// first touch is what costs, which would then fall on the transfer; measured on the 2-core
+/// VM, the emulated chain was slower with spares made by `fallocate` than with none.)
+fn write_zeroes(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    const BLOCK: usize = 1 << 20;
+    let zeroes = vec![0u8; BLOCK];
+    let mut done = 0u64;
+    while done < len {
+        let n = usize::try_from(len - done).map_or(BLOCK, |n| n.min(BLOCK));
+        file.write_all_at(&zeroes[..n], offset + done)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+fn spare_rel(n: u64) -> PathBuf {
+    Path::new(RESERVE_DIR).join(format!("{SPARE_PREFIX}{n}"))
+}
+
+fn filling_rel(n: u64) -> PathBuf {
+    Path::new(RESERVE_DIR).join(format!("{SPARE_PREFIX}{n}{FILLING_SUFFIX}"))
+}
+
+impl Reserve {
+    /// Opens the reserve of the memory tier `dir`: keeps the complete spares found (up to
+    /// `cfg.bytes`, each with every byte allocated) and removes everything else in the
+    /// reserve's directory.
+    pub(super) fn open(
+        dir: Arc<TierDir>,
+        cfg: ReserveConfig,
+        stats: Arc<StoreStats>,
+    ) -> Result<Self, StoreError> {
+        let rel = Path::new(RESERVE_DIR);
+        dir.create_dir_all(rel)?;
+        dir.tighten_dir(rel)?;
+        let mut found = Vec::new();
+        for (name, ty) in dir.list(rel)? {
+            let n = name
+                .to_str()
+                .and_then(|s| s.strip_prefix(SPARE_PREFIX))
+                .and_then(|s| s.parse::<u64>().ok())
+                .filter(|_| ty == FileType::RegularFile);
+            let entry = rel.join(&name);
+            let kept = match n {
+                Some(n) => {
+                    let f = dir.open_file(&entry, Access::Read)?;
+                    let st = rustix::fs::fstat(&f)
+                        .map_err(|e| io_err(&dir.root().join(&entry))(e.into()))?;
+                    let len = u64::try_from(st.st_size).unwrap_or(0);
+                    let blocks = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+                    (len > 0 && blocks >= len).then_some((n, len))
+                }
+                None => None,
+            };
+            match kept {
+                Some(spare) => found.push(spare),
+                None => {
+                    tracing::info!(path = %dir.root().join(&entry).display(), "removing what is not a complete spare from the memory reserve");
+                    dir.remove_tree(&entry)?;
+                }
+            }
+        }
+        found.sort_unstable();
+        let next = found.last().map_or(0, |&(n, _)| n + 1);
+        let mut held = 0u64;
+        let mut spares = Vec::new();
+        for (n, len) in found {
+            if held.saturating_add(len) <= cfg.bytes {
+                held += len;
+                spares.push((n, len));
+            } else {
+                dir.remove_tree(&spare_rel(n))?;
+            }
+        }
+        if held > 0 {
+            tracing::info!(
+                bytes = held,
+                spares = spares.len(),
+                "memory reserve: kept the spares of an earlier run"
+            );
+        }
+        Ok(Self {
+            dir,
+            cfg,
+            stats,
+            state: Mutex::new(State {
+                spares,
+                next,
+                ..State::default()
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub(super) fn config(&self) -> ReserveConfig {
+        self.cfg
+    }
+
+    /// Bytes the reserve holds: complete spares and the one being filled.
+    pub(super) fn held(&self) -> u64 {
+        let st = lock(&self.state);
+        Self::held_in(&st)
+    }
+
+    fn held_in(st: &State) -> u64 {
+        let complete: u64 = st.spares.iter().map(|&(_, len)| len).sum();
+        complete + st.filling.as_ref().map_or(st.filling_out, |f| f.len)
+    }
+
+    /// Why the reserve stopped filling for good, if it did.
+    pub(super) fn refused(&self) -> Option<String> {
+        lock(&self.state).refused.clone()
+    }
+
+    /// Takes the spare a new shard of `size` bytes is written into: the smallest that covers
+    /// it and is at most twice its size, else the largest smaller than it (which covers its
+    /// start). `None` when no spare fits so: a shard under half the size of every spare
+    /// (an index file, a small model) is written into fresh pages rather than free most of
+    /// a spare.
+    pub(super) fn take(&self, size: u64) -> Option<Taken> {
+        let mut st = lock(&self.state);
+        let covering = st
+            .spares
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.1 >= size && size.saturating_mul(2) >= s.1)
+            .min_by_key(|(_, s)| s.1)
+            .map(|(i, _)| i);
+        let at = covering.or_else(|| {
+            st.spares
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.1 < size)
+                .max_by_key(|(_, s)| s.1)
+                .map(|(i, _)| i)
+        })?;
+        let (n, len) = st.spares.swap_remove(at);
+        Some(Taken {
+            rel: spare_rel(n),
+            size: len,
+        })
+    }
+
+    /// Counts a spare a shard was written into (`resident`: the bytes of the shard it
+    /// covers).
+    pub(super) fn note_taken(&self, resident: u64) {
+        self.stats
+            .reserve_spares_taken
+            .fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .reserve_bytes_taken
+            .fetch_add(resident, Ordering::Relaxed);
+    }
+
+    /// Removes a spare taken for a shard that could not be created (gone already if the
+    /// shard's file was made of it).
+    pub(super) fn discard(&self, rel: &Path) {
+        if let Err(e) = self.dir.remove_tree(rel) {
+            tracing::warn!(path = %self.dir.root().join(rel).display(), "removing a spare: {e}");
+        }
+    }
+
+    /// Bytes the reserve is short of its target (0 once filling stopped for good).
+    pub(super) fn wanted(&self) -> u64 {
+        let st = lock(&self.state);
+        if st.refused.is_some() {
+            return 0;
+        }
+        self.cfg.bytes.saturating_sub(Self::held_in(&st))
+    }
+
+    /// Allocates up to `max` more bytes of the reserve (at most [`FILL_STEP`]), in the spare
+    /// being filled (started if there is none); a spare is complete, and can be taken, once
+    /// it has its size. Returns the bytes allocated. Only the daemon's one filler calls it.
+    pub(super) fn fill(&self, max: u64) -> Result<u64, StoreError> {
+        let mut filling = {
+            let mut st = lock(&self.state);
+            let wanted = if st.refused.is_some() {
+                0
+            } else {
+                self.cfg.bytes.saturating_sub(Self::held_in(&st))
+            };
+            let grow = wanted.min(max).min(FILL_STEP);
+            if grow == 0 {
+                return Ok(0);
+            }
+            match st.filling.take() {
+                Some(f) => f,
+                None => {
+                    let n = st.next;
+                    st.next += 1;
+                    let rel = filling_rel(n);
+                    let file = self.dir.open_file(&rel, Access::ReadWriteCreate)?;
+                    file.set_len(0)
+                        .map_err(io_err(&self.dir.root().join(&rel)))?;
+                    Filling {
+                        n,
+                        file,
+                        len: 0,
+                        size: self.cfg.spare.min(wanted).max(1),
+                    }
+                }
+            }
+        };
+        let grow = {
+            let st = lock(&self.state);
+            let wanted = self.cfg.bytes.saturating_sub(Self::held_in(&st));
+            // `filling` is out of the state: its bytes are not in `held_in`.
+            wanted
+                .saturating_sub(filling.len)
+                .min(max)
+                .min(FILL_STEP)
+                .min(filling.size - filling.len)
+        };
+        {
+            lock(&self.state).filling_out = filling.len;
+        }
+        let rel = filling_rel(filling.n);
+        let r = write_zeroes(&filling.file, filling.len, grow);
+        let mut st = lock(&self.state);
+        st.filling_out = 0;
+        match r {
+            Ok(()) => {
+                filling.len += grow;
+                self.stats
+                    .reserve_bytes_filled
+                    .fetch_add(grow, Ordering::Relaxed);
+            }
+            Err(e) => {
+                drop(st);
+                let _ = self.dir.remove_tree(&rel);
+                let mut st = lock(&self.state);
+                let why = format!(
+                    "writing a spare in {} failed: {e}",
+                    self.dir.root().join(RESERVE_DIR).display()
+                );
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::Interrupted
+                ) {
+                    // No room now (the file system is shared): try again later.
+                    tracing::info!("memory reserve: {why}; trying again later");
+                } else {
+                    tracing::warn!("memory reserve: {why}; the reserve stays as it is");
+                    st.refused = Some(why);
+                }
+                return Ok(0);
+            }
+        }
+        if filling.len >= filling.size {
+            drop(st);
+            self.dir.rename_file(&rel, &spare_rel(filling.n))?;
+            let mut st = lock(&self.state);
+            st.spares.push((filling.n, filling.len));
+            if st.spares.len() == 1 || Self::held_in(&st) >= self.cfg.bytes {
+                tracing::info!(
+                    held = Self::held_in(&st),
+                    target = self.cfg.bytes,
+                    spares = st.spares.len(),
+                    "memory reserve: spare filled"
+                );
+            }
+        } else {
+            st.filling = Some(filling);
+        }
+        Ok(grow)
+    }
+
+    /// Drops one spare (the one being filled first, else the largest) to give its memory
+    /// back; returns the bytes freed, or `None` when the reserve is empty.
+    pub(super) fn drop_one(&self) -> Option<u64> {
+        let mut st = lock(&self.state);
+        let (rel, len) = if let Some(f) = st.filling.take() {
+            (filling_rel(f.n), f.len)
+        } else {
+            let at = st
+                .spares
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, s)| s.1)
+                .map(|(i, _)| i)?;
+            let (n, len) = st.spares.swap_remove(at);
+            (spare_rel(n), len)
+        };
+        drop(st);
+        if let Err(e) = self.dir.remove_tree(&rel) {
+            tracing::warn!(path = %self.dir.root().join(&rel).display(), "dropping a spare: {e}");
+        }
+        self.stats
+            .reserve_bytes_dropped
+            .fetch_add(len, Ordering::Relaxed);
+        Some(len)
+    }
+}

@@ -1,0 +1,225 @@
+//! The memory reserve: spares filled, taken by new memory-tier shards, kept or cleared at
+//! start-up, and dropped when the tier's bounds need their room.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+use shardcast_protocol::DataTier;
+
+use super::reserve::RESERVE_DIR;
+use super::tests::{chunk, model};
+use super::*;
+
+const MIB: u64 = 1 << 20;
+
+fn config(root: &Path, bytes: u64, spare: u64) -> StoreConfig {
+    StoreConfig {
+        memory_reserve: ReserveConfig { bytes, spare },
+        ..StoreConfig::new(root.join("mem"), root.join("disk"))
+    }
+}
+
+/// Fills the reserve until it says it is full (bounded).
+fn fill(store: &ShardStore) -> u64 {
+    let mut total = 0;
+    for _ in 0..10_000 {
+        match store.fill_reserve().unwrap() {
+            0 => return total,
+            n => total += n,
+        }
+    }
+    panic!("the reserve never said it was full");
+}
+
+/// The names in the reserve's directory, sorted.
+fn spares(root: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root.join("mem").join(RESERVE_DIR))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Bytes a file's blocks hold.
+fn allocated(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[tokio::test]
+async fn a_new_memory_shard_is_written_into_a_filled_spare() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, data) = model("org/model", &[("a.safetensors", 3 * MIB + 4096)]);
+    let size = m.shards[0].size;
+    let store = ShardStore::open(config(dir.path(), 2 * size, size)).unwrap();
+    assert_eq!(store.reserve_status().held, 0);
+    assert_eq!(fill(&store), 2 * size);
+    let st = store.reserve_status();
+    assert_eq!(
+        (st.held, st.config.bytes, st.refused),
+        (2 * size, 2 * size, None)
+    );
+    assert_eq!(spares(dir.path()), ["spare-0", "spare-1"]);
+    for name in spares(dir.path()) {
+        let p = dir.path().join("mem").join(RESERVE_DIR).join(name);
+        assert!(allocated(&p) >= size, "a spare's pages are allocated");
+        assert!(std::fs::read(&p).unwrap().iter().all(|&b| b == 0));
+    }
+
+    store.put_manifest(&m).unwrap();
+    let d = m.digest();
+    let shard = store.shard(&d, 0, DataTier::Memory).unwrap();
+    assert_eq!(shard.resident_bytes(), size);
+    assert_eq!(shard.unallocated_bytes(), 0);
+    assert_eq!(shard.unwritten_bytes(), size);
+    // The shard's file is the spare: allocated before any chunk was written.
+    assert_eq!(std::fs::metadata(shard.path()).unwrap().len(), size);
+    assert!(allocated(shard.path()) >= size);
+    assert_eq!(store.reserve_status().held, size);
+    assert_eq!(spares(dir.path()).len(), 1);
+    let stats = store.stats();
+    assert_eq!(stats.reserve_spares_taken.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.reserve_bytes_taken.load(Ordering::Relaxed), size);
+    assert_eq!(stats.reserve_bytes_filled.load(Ordering::Relaxed), 2 * size);
+
+    // Nothing is readable before it is verified, spare or not.
+    assert!(matches!(
+        shard.read(0),
+        Err(StoreError::NotVerified { index: 0, .. })
+    ));
+    for i in 0..shard.total_chunks() {
+        assert!(shard.write(chunk(&m, &data, 0, i)).await.unwrap());
+    }
+    assert_eq!(std::fs::read(shard.path()).unwrap(), data[0]);
+    assert_eq!(
+        stats.chunks_written.load(Ordering::Relaxed),
+        u64::from(shard.total_chunks())
+    );
+
+    // The disk tier never takes a spare.
+    let on_disk = store.shard(&d, 0, DataTier::Disk).unwrap();
+    assert_eq!(on_disk.resident_bytes(), 0);
+    assert_eq!(store.reserve_status().held, size);
+
+    // The filler tops the reserve up again.
+    assert_eq!(fill(&store), size);
+    assert_eq!(store.reserve_status().held, 2 * size);
+}
+
+#[test]
+fn a_shard_takes_the_best_fitting_spare_or_none() {
+    let dir = tempfile::tempdir().unwrap();
+    // Spares of 4, 4 and 2 MiB (the last one smaller: what was left of the target).
+    let store = ShardStore::open(config(dir.path(), 10 * MIB, 4 * MIB)).unwrap();
+    assert_eq!(fill(&store), 10 * MIB);
+    let (m, _) = model(
+        "org/sizes",
+        &[
+            ("small.json", 4096),
+            ("b.safetensors", 3 * MIB),
+            ("c.safetensors", 6 * MIB),
+            ("d.safetensors", MIB + 4096),
+        ],
+    );
+    store.put_manifest(&m).unwrap();
+    let d = m.digest();
+    let resident = |i| {
+        store
+            .shard(&d, i, DataTier::Memory)
+            .unwrap()
+            .resident_bytes()
+    };
+    // Under half of every spare: fresh pages, no spare spent.
+    assert_eq!(resident(0), 0);
+    assert_eq!(store.reserve_status().held, 10 * MIB);
+    // 3 MiB: the 4 MiB spare covers it (the 2 MiB one does not), cut to 3 MiB.
+    assert_eq!(resident(1), 3 * MIB);
+    assert_eq!(store.reserve_status().held, 6 * MIB);
+    // 6 MiB: no spare covers it; the largest smaller one covers its start.
+    assert_eq!(resident(2), 4 * MIB);
+    let c = store.shard(&d, 2, DataTier::Memory).unwrap();
+    assert_eq!(std::fs::metadata(c.path()).unwrap().len(), 6 * MIB);
+    assert_eq!(c.unallocated_bytes(), 2 * MIB);
+    // 1 MiB + 4 KiB: the 2 MiB spare, at most twice its size.
+    assert_eq!(resident(3), MIB + 4096);
+    assert_eq!(store.reserve_status().held, 0);
+    assert!(spares(dir.path()).is_empty());
+}
+
+#[test]
+fn start_up_keeps_complete_spares_and_removes_everything_else() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = ShardStore::open(config(dir.path(), 3 * MIB, MIB)).unwrap();
+        assert_eq!(fill(&store), 3 * MIB);
+    }
+    let reserve = dir.path().join("mem").join(RESERVE_DIR);
+    let outside = dir.path().join("outside");
+    std::fs::write(&outside, b"not the store's").unwrap();
+    std::os::unix::fs::symlink(&outside, reserve.join("spare-7")).unwrap();
+    std::fs::write(reserve.join("spare-8.filling"), vec![0u8; 4096]).unwrap();
+    std::fs::write(reserve.join("notes.txt"), b"x").unwrap();
+    // A sparse file under a spare's name: not allocated, so not a spare.
+    std::fs::File::create(reserve.join("spare-9"))
+        .unwrap()
+        .set_len(MIB)
+        .unwrap();
+
+    // A smaller target keeps two of the three spares.
+    let store = ShardStore::open(config(dir.path(), 2 * MIB, MIB)).unwrap();
+    assert_eq!(store.reserve_status().held, 2 * MIB);
+    assert_eq!(spares(dir.path()), ["spare-0", "spare-1"]);
+    assert_eq!(std::fs::read(&outside).unwrap(), b"not the store's");
+    assert!(store.stats().symlinks_refused.load(Ordering::Relaxed) >= 1);
+    // New spares do not reuse a kept spare's number.
+    drop(store);
+    let store = ShardStore::open(config(dir.path(), 3 * MIB, MIB)).unwrap();
+    assert_eq!(fill(&store), MIB);
+    assert_eq!(spares(dir.path()), ["spare-0", "spare-1", "spare-2"]);
+    drop(store);
+
+    // With the reserve off, every spare goes.
+    let store = ShardStore::open(config(dir.path(), 0, MIB)).unwrap();
+    assert_eq!(store.reserve_status().held, 0);
+    assert!(spares(dir.path()).is_empty());
+    assert_eq!(fill(&store), 0);
+}
+
+#[test]
+fn spares_give_way_to_shards_within_the_capacity() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = StoreConfig {
+        memory_capacity: Some(5 * MIB),
+        ..config(dir.path(), 4 * MIB, MIB)
+    };
+    let store = ShardStore::open(cfg).unwrap();
+    assert_eq!(fill(&store), 4 * MIB);
+    let (m, _) = model(
+        "org/big",
+        &[("a.safetensors", 3 * MIB), ("b.safetensors", 2 * MIB)],
+    );
+    store.put_manifest(&m).unwrap();
+    let d = m.digest();
+    // A 3 MiB shard takes one 1 MiB spare; 3 MiB of shards and 3 of spares no longer fit
+    // the 5 MiB capacity, so one spare is dropped.
+    let a = store.shard(&d, 0, DataTier::Memory).unwrap();
+    assert_eq!(a.resident_bytes(), MIB);
+    assert_eq!(store.reserve_status().held, 2 * MIB);
+    assert_eq!(
+        store.stats().reserve_bytes_dropped.load(Ordering::Relaxed),
+        MIB
+    );
+    // The spares' room is the shards': a second shard that fills the capacity is admitted,
+    // and the reserve gives up the rest.
+    let b = store.shard(&d, 1, DataTier::Memory).unwrap();
+    assert_eq!(b.resident_bytes(), MIB);
+    assert_eq!(store.reserve_status().held, 0);
+    assert_eq!(
+        store.stats().reserve_bytes_dropped.load(Ordering::Relaxed),
+        2 * MIB
+    );
+    // With the capacity full, the filler adds nothing.
+    assert_eq!(fill(&store), 0);
+    assert!(spares(dir.path()).is_empty());
+}
