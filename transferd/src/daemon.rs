@@ -511,19 +511,20 @@ const RESERVE_IDLE: Duration = Duration::from_secs(1);
 /// How often the filler looks at the store while it is not filling.
 const RESERVE_TICK: Duration = Duration::from_millis(250);
 
-/// Fills the memory reserve (see `store::reserve`) while the host is idle: once no chunk has
-/// been written for [`RESERVE_IDLE`], one step ([`crate::store::FILL_STEP`]) after the other
-/// until it is full, the tier's bounds leave no room, or a chunk is written again. Every
-/// tick it also drops spares the bounds no longer leave room for (the host's available
-/// memory fell below the headroom).
+/// Fills the memory reserve (see `store::reserve`) while the host is idle: once no shard has
+/// been created and no chunk written for [`RESERVE_IDLE`], one step
+/// ([`crate::store::FILL_STEP`]) after the other until it is full, the tier's bounds leave
+/// no room, or a shard or chunk is written again. (A shard taking a spare leaves the
+/// reserve short just as its transfer starts: counting the creation as activity keeps the
+/// filler off the cores until the transfer is over.) Every tick it also drops spares the
+/// bounds no longer leave room for (the host's available memory fell below the headroom).
 async fn fill_reserve(store: ShardStore, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(RESERVE_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let written = || {
-        store
-            .stats()
-            .chunks_written
-            .load(std::sync::atomic::Ordering::Relaxed)
+        let st = store.stats();
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        load(&st.chunks_written).wrapping_add(load(&st.shards_created))
     };
     let (mut last, mut since) = (written(), std::time::Instant::now());
     let mut failed = false;

@@ -916,6 +916,11 @@ impl Collector for NodeCollector {
                 &st.chunks_written,
             ),
             (
+                "store_shards_created_total",
+                "Shard files created (a session or an import starting to write one).",
+                &st.shards_created,
+            ),
+            (
                 "memory_reserve_spares_taken_total",
                 "New memory-tier shards created from a spare of the memory reserve.",
                 &st.reserve_spares_taken,

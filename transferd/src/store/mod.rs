@@ -277,6 +277,8 @@ pub struct StoreStats {
     pub chunk_verify: crate::metrics::Histogram,
     /// Chunks written and marked verified in a shard file (either tier).
     pub chunks_written: AtomicU64,
+    /// Shard files created (either tier): a session or an import starting to write.
+    pub shards_created: AtomicU64,
     /// New memory-tier shards created from a spare of the memory reserve.
     pub reserve_spares_taken: AtomicU64,
     /// Bytes of those shards the spares covered (written without allocating a page).
@@ -1152,6 +1154,9 @@ impl ShardStore {
                 return Err(e);
             }
         };
+        self.stats()
+            .shards_created
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if s.resident_bytes() > 0 {
             self.inner.reserve.note_taken(s.resident_bytes());
         }
