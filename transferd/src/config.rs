@@ -207,7 +207,8 @@ pub struct Args {
     #[arg(long, env = "SHARDCAST_MEMORY_RESERVE")]
     pub memory_reserve: Option<String>,
     /// Size of each spare of the memory reserve: best the size of the shards this host
-    /// receives, e.g. 5GB [default: 1GiB].
+    /// receives, e.g. 5GB; auto sizes new spares like the largest shard of the last model
+    /// received into the memory tier (1GiB until one is) [default: auto].
     #[arg(long, env = "SHARDCAST_MEMORY_RESERVE_SPARE")]
     pub memory_reserve_spare: Option<String>,
     /// GPUs reported to the controller until the GPU loader detects them [default: 0].
@@ -441,8 +442,7 @@ struct Settings {
     memory_headroom: Option<u64>,
     #[serde(with = "units::size")]
     memory_reserve: u64,
-    #[serde(with = "units::size")]
-    memory_reserve_spare: u64,
+    memory_reserve_spare: Auto<ByteSize>,
     gpus: u32,
     #[serde(with = "units::size")]
     gpu_memory: u64,
@@ -541,7 +541,7 @@ impl Default for Settings {
             disk_capacity: None,
             memory_headroom: None,
             memory_reserve: 0,
-            memory_reserve_spare: crate::store::DEFAULT_SPARE,
+            memory_reserve_spare: Auto::Auto,
             gpus: 0,
             gpu_memory: 0,
             heartbeat_ms: 1000,
@@ -1120,15 +1120,18 @@ impl Config {
                  but insecure_plaintext turns TLS off: set tls_ca/tls_cert/tls_key, or drop data_mode"
             );
         }
-        if s.memory_reserve > 0 && s.memory_reserve_spare < (1 << 20) {
-            bail!(
-                "memory_reserve_spare must be at least 1MiB (the size of each spare file of the memory reserve), got {} bytes",
-                s.memory_reserve_spare
-            );
-        }
+        let spare = match s.memory_reserve_spare {
+            Auto::Auto => crate::store::SpareSize::Auto,
+            Auto::Set(ByteSize(n)) if n >= (1 << 20) || s.memory_reserve == 0 => {
+                crate::store::SpareSize::Fixed(n)
+            }
+            Auto::Set(ByteSize(n)) => bail!(
+                "memory_reserve_spare must be auto or at least 1MiB (the size of each spare file of the memory reserve), got {n} bytes"
+            ),
+        };
         let memory_reserve = crate::store::ReserveConfig {
             bytes: s.memory_reserve,
-            spare: s.memory_reserve_spare,
+            spare,
         };
         let defaults = ChainConfig::default();
         Ok(Self {
@@ -1216,6 +1219,29 @@ fn bounded(name: &str, v: usize, max: usize) -> anyhow::Result<usize> {
         bail!("{name} must be between 1 and {max}, got {v}");
     }
     Ok(v)
+}
+
+/// A size in bytes, read as [`units::size`] reads one (`4096`, `"5GB"`), for [`Auto`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ByteSize(u64);
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        units::parse_size(s).map(Self)
+    }
+}
+
+impl serde::Serialize for ByteSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        units::size::serialize(&self.0, s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        units::size::deserialize(d).map(Self)
+    }
 }
 
 /// A setting that may be left to the daemon: `"auto"`, or a value of its own type (as
@@ -1736,19 +1762,25 @@ mod tests {
             reserve(&["--memory-reserve", "16GiB", "--memory-reserve-spare", "5GB"]).unwrap(),
             crate::store::ReserveConfig {
                 bytes: 16 << 30,
-                spare: 5_000_000_000,
+                spare: crate::store::SpareSize::Fixed(5_000_000_000),
             }
         );
         assert_eq!(
             reserve(&["--memory-reserve", "2GiB"]).unwrap().spare,
-            crate::store::DEFAULT_SPARE
+            crate::store::SpareSize::Auto
+        );
+        assert_eq!(
+            reserve(&["--memory-reserve", "2GiB", "--memory-reserve-spare", "AUTO"])
+                .unwrap()
+                .spare,
+            crate::store::SpareSize::Auto
         );
         let err = format!(
             "{:#}",
             reserve(&["--memory-reserve", "1GiB", "--memory-reserve-spare", "4KiB"]).unwrap_err()
         );
         assert!(
-            err.contains("memory_reserve_spare must be at least 1MiB"),
+            err.contains("memory_reserve_spare must be auto or at least 1MiB"),
             "{err}"
         );
         assert!(reserve(&["--memory-reserve", "lots"]).is_err());

@@ -351,6 +351,12 @@ impl Collector for NodeCollector {
                 reserve.config.bytes,
             ),
             (
+                "memory_reserve_spare_bytes",
+                Gauge,
+                "The size the memory reserve's next spare gets (memory_reserve_spare, or what auto learned).",
+                reserve.spare,
+            ),
+            (
                 "bytes_received_total",
                 Counter,
                 "Bytes read from data-plane connections.",

@@ -127,7 +127,7 @@ use shardcast_protocol::{DataTier, Manifest, ModelDigest, ModelName, ShardPath};
 
 pub use names::{Binding, BindingSource};
 pub use pages::TierFs;
-pub use reserve::{DEFAULT_SPARE, FILL_STEP, ReserveConfig};
+pub use reserve::{DEFAULT_SPARE, FILL_STEP, LEARNED_ROUNDING, ReserveConfig, SpareSize};
 pub use shard::{Check, Shard, Written};
 pub use writer::{ChunkWriter, WriterKind};
 
@@ -297,6 +297,8 @@ pub struct ReserveStatus {
     pub held: u64,
     /// The target and spare size.
     pub config: ReserveConfig,
+    /// The size the next spare gets (with [`SpareSize::Auto`], what it learned).
+    pub spare: u64,
     /// Why filling stopped for good (the file system refused a write).
     pub refused: Option<String>,
 }
@@ -1141,6 +1143,9 @@ impl ShardStore {
         self.prepare_tier_copy(d, model, tier)?;
         let size = model.manifest.shard(shard).map_or(0, |e| e.size);
         if tier == DataTier::Memory && size > 0 {
+            if let Some(largest) = model.manifest.shards.iter().map(|e| e.size).max() {
+                self.inner.reserve.learn(largest);
+            }
             spec.spare = self.inner.reserve.take(size);
         }
         let spare = spec.spare.as_ref().map(|t| t.rel.clone());
@@ -1256,6 +1261,7 @@ impl ShardStore {
         ReserveStatus {
             held: r.held(),
             config: r.config(),
+            spare: r.spare_size(),
             refused: r.refused(),
         }
     }

@@ -14,7 +14,10 @@
 //!   store file (no symlink followed; the store's modes). A spare being filled is
 //!   `spare-<n>.filling`; anything else found there at start-up (a half-filled spare, a
 //!   name the store does not write, a symlink) is removed.
-//! * **Sizes:** each spare is `spare` bytes (the last may be smaller). A shard takes the
+//! * **Sizes:** each spare is `spare` bytes (the last may be smaller); with
+//!   [`SpareSize::Auto`] (the default) that is the largest shard of the last model a
+//!   memory-tier shard was created for, rounded up to 2 MiB ([`Reserve::learn`]; at
+//!   start-up the largest spare kept, else [`DEFAULT_SPARE`]). A shard takes the
 //!   smallest spare that covers it and is at most twice its size, else the largest spare
 //!   smaller than it (its tail is then allocated as it is written), else none (a shard
 //!   under half a spare: an index file). Safetensors shards are mostly one size, so a
@@ -60,17 +63,30 @@ pub const FILL_STEP: u64 = 64 << 20;
 pub struct ReserveConfig {
     /// Bytes of spare files to keep (0: no reserve; spares left by an earlier run are removed).
     pub bytes: u64,
-    /// Bytes of each spare file: best the size of the shards the host receives.
-    pub spare: u64,
+    /// The size of each spare file: best the size of the shards the host receives.
+    pub spare: SpareSize,
 }
 
 impl ReserveConfig {
     /// No reserve.
     pub const OFF: Self = Self {
         bytes: 0,
-        spare: DEFAULT_SPARE,
+        spare: SpareSize::Auto,
     };
 }
+
+/// The size of each spare (`memory_reserve_spare`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpareSize {
+    /// The largest shard of the last model received into the memory tier, rounded up to
+    /// [`LEARNED_ROUNDING`]; [`DEFAULT_SPARE`] until one is.
+    Auto,
+    /// This many bytes.
+    Fixed(u64),
+}
+
+/// A learned spare size is rounded up to this (a huge page's size).
+pub const LEARNED_ROUNDING: u64 = 2 << 20;
 
 impl Default for ReserveConfig {
     fn default() -> Self {
@@ -78,7 +94,7 @@ impl Default for ReserveConfig {
     }
 }
 
-/// Default size of a spare file (`memory_reserve_spare`).
+/// The size of a spare while [`SpareSize::Auto`] has learned none.
 pub const DEFAULT_SPARE: u64 = 1 << 30;
 
 /// A spare a new shard takes: where it is (relative to the tier root) and its size.
@@ -109,6 +125,8 @@ struct State {
     next: u64,
     /// Why filling stopped for good (the file system refused a write).
     refused: Option<String>,
+    /// The spare size [`SpareSize::Auto`] learned ([`Reserve::learn`]).
+    learned: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -203,6 +221,8 @@ impl Reserve {
                 "memory reserve: kept the spares of an earlier run"
             );
         }
+        // What an earlier run learned lives on in the size of its spares.
+        let learned = spares.iter().map(|&(_, len)| len).max();
         Ok(Self {
             dir,
             cfg,
@@ -210,6 +230,7 @@ impl Reserve {
             state: Mutex::new(State {
                 spares,
                 next,
+                learned,
                 ..State::default()
             }),
         })
@@ -218,6 +239,38 @@ impl Reserve {
     /// The configuration.
     pub(super) fn config(&self) -> ReserveConfig {
         self.cfg
+    }
+
+    /// The size the next spare gets.
+    pub(super) fn spare_size(&self) -> u64 {
+        Self::spare_size_in(self.cfg, &lock(&self.state))
+    }
+
+    fn spare_size_in(cfg: ReserveConfig, st: &State) -> u64 {
+        match cfg.spare {
+            SpareSize::Fixed(n) => n,
+            SpareSize::Auto => st.learned.unwrap_or(DEFAULT_SPARE),
+        }
+    }
+
+    /// With [`SpareSize::Auto`], sizes the spares filled from now on after a model whose
+    /// largest shard is `largest` bytes (a memory-tier shard of it is being created). A
+    /// model of small files only (under 1 MiB) teaches nothing.
+    pub(super) fn learn(&self, largest: u64) {
+        if self.cfg.spare != SpareSize::Auto || largest < (1 << 20) {
+            return;
+        }
+        let size = largest.div_ceil(LEARNED_ROUNDING) * LEARNED_ROUNDING;
+        let mut st = lock(&self.state);
+        if st.learned != Some(size) {
+            if self.cfg.bytes > 0 {
+                tracing::info!(
+                    spare = size,
+                    "memory reserve: new spares sized like the largest shard received"
+                );
+            }
+            st.learned = Some(size);
+        }
     }
 
     /// Bytes the reserve holds: complete spares and the one being filled.
@@ -294,8 +347,9 @@ impl Reserve {
     }
 
     /// Allocates up to `max` more bytes of the reserve (at most [`FILL_STEP`]), in the spare
-    /// being filled (started if there is none); a spare is complete, and can be taken, once
-    /// it has its size. Returns the bytes allocated. Only the daemon's one filler calls it.
+    /// being filled (started if there is none, no larger than `max`: the room the tier's
+    /// bounds leave); a spare is complete, and can be taken, once it has its size. Returns
+    /// the bytes allocated. Only the daemon's one filler calls it.
     pub(super) fn fill(&self, max: u64) -> Result<u64, StoreError> {
         let mut filling = {
             let mut st = lock(&self.state);
@@ -321,7 +375,12 @@ impl Reserve {
                         n,
                         file,
                         len: 0,
-                        size: self.cfg.spare.min(wanted).max(1),
+                        // No larger than the room there is now: a spare that could
+                        // never be completed could never be taken.
+                        size: Self::spare_size_in(self.cfg, &st)
+                            .min(wanted)
+                            .min(max)
+                            .max(1),
                     }
                 }
             }

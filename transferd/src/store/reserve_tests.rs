@@ -15,7 +15,10 @@ const MIB: u64 = 1 << 20;
 
 fn config(root: &Path, bytes: u64, spare: u64) -> StoreConfig {
     StoreConfig {
-        memory_reserve: ReserveConfig { bytes, spare },
+        memory_reserve: ReserveConfig {
+            bytes,
+            spare: SpareSize::Fixed(spare),
+        },
         ..StoreConfig::new(root.join("mem"), root.join("disk"))
     }
 }
@@ -222,4 +225,97 @@ fn spares_give_way_to_shards_within_the_capacity() {
     // With the capacity full, the filler adds nothing.
     assert_eq!(fill(&store), 0);
     assert!(spares(dir.path()).is_empty());
+}
+
+/// `memory_reserve_spare = auto`: spares start at the default size (cut to what the target
+/// leaves), are sized after the largest shard of the last model received into the memory
+/// tier (rounded up to 2 MiB), and a restart remembers it from the spares it keeps.
+#[test]
+fn auto_spares_are_sized_like_the_last_models_largest_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let auto = |bytes| StoreConfig {
+        memory_reserve: ReserveConfig {
+            bytes,
+            spare: SpareSize::Auto,
+        },
+        ..StoreConfig::new(dir.path().join("mem"), dir.path().join("disk"))
+    };
+    let store = ShardStore::open(auto(14 * MIB)).unwrap();
+    assert_eq!(store.reserve_status().spare, DEFAULT_SPARE);
+    // Nothing learned yet: one spare of what the target leaves (under DEFAULT_SPARE).
+    assert_eq!(fill(&store), 14 * MIB);
+    assert_eq!(spares(dir.path()), ["spare-0"]);
+
+    let (m, _) = model(
+        "org/auto",
+        &[
+            ("config.json", 4096),
+            ("a.safetensors", 3 * MIB + 4096),
+            ("b.safetensors", 2 * MIB),
+        ],
+    );
+    store.put_manifest(&m).unwrap();
+    let d = m.digest();
+    // The index file learns from its model's largest shard too, and takes no spare.
+    let small = store.shard(&d, 0, DataTier::Memory).unwrap();
+    assert_eq!(small.resident_bytes(), 0);
+    assert_eq!(store.reserve_status().spare, 4 * MIB);
+    // a.safetensors is under half the 14 MiB spare, and larger than none: it takes none.
+    assert_eq!(
+        store
+            .shard(&d, 1, DataTier::Memory)
+            .unwrap()
+            .resident_bytes(),
+        0
+    );
+    // Disk copies teach nothing, and a model of small files only neither.
+    let (tiny, _) = model("org/tiny", &[("only.json", 8192)]);
+    store.put_manifest(&tiny).unwrap();
+    store.shard(&tiny.digest(), 0, DataTier::Memory).unwrap();
+    assert_eq!(store.reserve_status().spare, 4 * MIB);
+
+    // Start again with a larger target: the 14 MiB spare is kept, and new spares are 4 MiB
+    // (learned again from the model; before it, the largest spare kept).
+    drop((small, store));
+    let store = ShardStore::open(auto(26 * MIB)).unwrap();
+    assert_eq!(store.reserve_status().spare, 14 * MIB);
+    store.put_manifest(&m).unwrap();
+    store.shard(&d, 2, DataTier::Memory).unwrap();
+    assert_eq!(store.reserve_status().spare, 4 * MIB);
+    assert_eq!(fill(&store), 12 * MIB);
+    let sizes: Vec<u64> = spares(dir.path())
+        .iter()
+        .map(|n| {
+            std::fs::metadata(dir.path().join("mem").join(RESERVE_DIR).join(n))
+                .unwrap()
+                .len()
+        })
+        .collect();
+    assert_eq!(
+        sizes,
+        [14 * MIB, 4 * MIB, 4 * MIB, 4 * MIB],
+        "{:?}",
+        spares(dir.path())
+    );
+}
+
+/// A spare is started no larger than the room the tier's bounds leave, so every spare can
+/// be completed and taken (one sized past the room would stay half-filled for good).
+#[test]
+fn a_spare_is_no_larger_than_the_room_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(StoreConfig {
+        memory_capacity: Some(10 * MIB),
+        ..config(dir.path(), 16 * MIB, 8 * MIB)
+    })
+    .unwrap();
+    assert_eq!(fill(&store), 10 * MIB);
+    assert_eq!(spares(dir.path()), ["spare-0", "spare-1"]);
+    let len = |n: &str| {
+        std::fs::metadata(dir.path().join("mem").join(RESERVE_DIR).join(n))
+            .unwrap()
+            .len()
+    };
+    assert_eq!((len("spare-0"), len("spare-1")), (8 * MIB, 2 * MIB));
+    assert_eq!(store.reserve_status().held, 10 * MIB);
 }
