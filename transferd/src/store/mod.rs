@@ -1215,10 +1215,12 @@ impl ShardStore {
     /// its open shards may still allocate (see `reserve`: spares give way).
     fn give_way(&self, models: &HashMap<ModelDigest, Model>) {
         let (allocated, pending) = Self::memory_use(models);
-        while self.inner.reserve.held() > 0
-            && self.memory_room(allocated, pending).is_some_and(|r| r < 0)
-        {
-            let Some(freed) = self.inner.reserve.drop_one() else {
+        while self.inner.reserve.held() > 0 {
+            let need = match self.memory_room(allocated, pending) {
+                Some(r) if r < 0 => u64::try_from(-r).unwrap_or(u64::MAX),
+                _ => break,
+            };
+            let Some(freed) = self.inner.reserve.drop_one(need) else {
                 break;
             };
             tracing::info!(

@@ -27,7 +27,8 @@
 //!   inference process that mapped it may still read it: recycling would change the bytes
 //!   under it. A spare is written by no one before a shard takes it, so it holds zeroes.
 //! * **It gives way.** Spares are memory a shard can have: a new shard's admission counts
-//!   them as free room, and after a shard is created the store drops spares until the file
+//!   them as free room, and after a shard is created the store drops spares (the smallest
+//!   that frees enough, so the larger ones stay for the shards they fit) until the file
 //!   system, the configured capacity and the host's memory (less the headroom) again cover
 //!   every open shard's unwritten bytes ([`super::ShardStore::shard`]). The filler grows the
 //!   reserve only within those bounds, and drops spares while the host's available memory
@@ -449,18 +450,23 @@ impl Reserve {
         Ok(grow)
     }
 
-    /// Drops one spare (the one being filled first, else the largest) to give its memory
-    /// back; returns the bytes freed, or `None` when the reserve is empty.
-    pub(super) fn drop_one(&self) -> Option<u64> {
+    /// Drops one spare to give back at least `need` bytes if one spare can: the one being
+    /// filled first, else the smallest spare of at least `need` bytes (the larger ones stay
+    /// for the shards they fit), else the largest. Returns the bytes freed, or `None` when
+    /// the reserve is empty.
+    pub(super) fn drop_one(&self, need: u64) -> Option<u64> {
         let mut st = lock(&self.state);
         let (rel, len) = if let Some(f) = st.filling.take() {
             (filling_rel(f.n), f.len)
         } else {
-            let at = st
+            let enough = st
                 .spares
                 .iter()
                 .enumerate()
-                .max_by_key(|(_, s)| s.1)
+                .filter(|(_, s)| s.1 >= need)
+                .min_by_key(|(_, s)| s.1);
+            let at = enough
+                .or_else(|| st.spares.iter().enumerate().max_by_key(|(_, s)| s.1))
                 .map(|(i, _)| i)?;
             let (n, len) = st.spares.swap_remove(at);
             (spare_rel(n), len)
