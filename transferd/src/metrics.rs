@@ -351,6 +351,12 @@ impl Collector for NodeCollector {
                 reserve.config.bytes,
             ),
             (
+                "memory_reserve_stopped",
+                Gauge,
+                "1 when the memory reserve stopped filling for good: the file system refused a spare's write (the log says why).",
+                u64::from(reserve.refused.is_some()),
+            ),
+            (
                 "memory_reserve_spare_bytes",
                 Gauge,
                 "The size the memory reserve's next spare gets (memory_reserve_spare, or what auto learned).",

@@ -319,3 +319,36 @@ fn a_spare_is_no_larger_than_the_room_left() {
     assert_eq!((len("spare-0"), len("spare-1")), (8 * MIB, 2 * MIB));
     assert_eq!(store.reserve_status().held, 10 * MIB);
 }
+
+/// On a memory tier in RAM (tmpfs), spares are memory the host may need back: while the
+/// host's available memory is below the headroom, the filler adds nothing and drops the
+/// spares it finds (kept from an earlier run here), and says so in its counters.
+#[test]
+fn spares_give_way_to_the_hosts_headroom() {
+    let Some(mem) = hostmem::HostMemory::read() else {
+        eprintln!("skipped: no /proc/meminfo");
+        return;
+    };
+    let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+        eprintln!("skipped: no /dev/shm");
+        return;
+    };
+    let cfg = |headroom| StoreConfig {
+        memory_headroom: Some(headroom),
+        ..config(dir.path(), 4 * MIB, MIB)
+    };
+    // With no headroom asked, the spares are filled.
+    let store = ShardStore::open(cfg(0)).unwrap();
+    assert_eq!(fill(&store), 4 * MIB);
+    drop(store);
+    // A headroom above all the host's memory: nothing may be held. The spares kept at
+    // start-up are dropped by the filler's first call, which allocates nothing.
+    let store = ShardStore::open(cfg(2 * mem.total)).unwrap();
+    assert_eq!(store.reserve_status().held, 4 * MIB);
+    assert_eq!(fill(&store), 0);
+    assert_eq!(store.reserve_status().held, 0);
+    assert!(spares(dir.path()).is_empty());
+    let stats = store.stats();
+    assert_eq!(stats.reserve_bytes_dropped.load(Ordering::Relaxed), 4 * MIB);
+    assert_eq!(stats.reserve_bytes_filled.load(Ordering::Relaxed), 0);
+}
