@@ -457,25 +457,29 @@ impl ApiListener {
 }
 
 /// How often shard mappings that left the memory tier are unregistered from the GPUs, and
-/// complete memory-tier shards not registered yet are registered ahead of loads. Until the
-/// sweep, a removed shard's pages stay pinned (its memory is not given back), so the period
-/// bounds how long evicted shards keep host memory; a sweep is a lock and a count per kept
-/// mapping, plus the unregistering (≈ 0.03 s per 4 GiB measured on an H100 host). A shard
-/// that lands in the memory tier is registered within one period, unless a load runs.
+/// memory-tier shards not registered yet are registered ahead of loads. Until the sweep, a
+/// removed shard's pages stay pinned (its memory is not given back), so the period bounds
+/// how long evicted shards keep host memory; a sweep is a lock and a count per kept
+/// mapping, plus the unregistering (≈ 0.03 s per 4 GiB measured on an H100 host). A new
+/// memory-tier shard starts a sweep at once (its session is starting), unless a load runs.
 const REGISTRATION_SWEEP: Duration = Duration::from_secs(5);
 
-/// Every [`REGISTRATION_SWEEP`]: unregisters the shard mappings kept registered for GPU
-/// loads that the store no longer holds, then registers the memory tier's complete shards
-/// ahead of loads (see [`GpuManager::register_ahead`]; it pauses while a load runs).
+/// Every [`REGISTRATION_SWEEP`], and whenever a memory-tier shard is created: unregisters
+/// the shard mappings kept registered for GPU loads that the store no longer holds, then
+/// registers the memory tier's shards ahead of loads, those still being received included
+/// (see [`memory_tier_mappings`] and [`GpuManager::register_ahead`]; it pauses while a load
+/// runs).
 async fn keep_registrations(store: ShardStore, gpus: Arc<GpuManager>, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(REGISTRATION_SWEEP);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let _stop_on_exit = StopOnDrop(stop.clone());
+    let created = store.memory_shard_created();
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
+            _ = created.notified() => {}
         }
         let (g, store, stop) = (gpus.clone(), store.clone(), stop.clone());
         // Pinning and unregistering call the driver: off the runtime.
@@ -571,14 +575,20 @@ impl Drop for StopOnDrop {
     }
 }
 
-/// The mapped memory of every complete shard in the memory tier, named by its file.
+/// The mapped memory of every shard in the memory tier, named by its file: complete ones,
+/// and those still being received (issue #28: a shard's destination is pinned as its
+/// session starts, so a load streamed while its chunks arrive finds it registered instead
+/// of pinning as it copies or staging). Pinning reads only the map; which bytes a load
+/// may copy is still decided by the shard's verified chunks. A shard written into a spare
+/// of the memory reserve has its pages already; pinning another allocates them, which
+/// its chunks' writes then find in place.
 fn memory_tier_mappings(store: &ShardStore) -> Vec<(String, Arc<dyn HostMemory>)> {
     store
         .shard_keys()
         .into_iter()
         .filter(|(_, tier, _)| *tier == DataTier::Memory)
         .filter_map(|(d, tier, i)| store.tier_shard(&d, i, tier))
-        .filter(|s| s.is_complete() && !s.is_removed())
+        .filter(|s| !s.is_removed())
         .filter_map(|s| {
             let map = s.mapping()?;
             Some((s.path().display().to_string(), map as Arc<dyn HostMemory>))

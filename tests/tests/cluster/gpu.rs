@@ -289,6 +289,69 @@ async fn a_model_in_the_memory_tier_is_registered_ahead_so_its_first_gpu_load_pi
     assert_eq!(gpu_status(&mut agent).await.registered_host_bytes, 0);
 }
 
+/// A shard's destination is registered with the GPUs as its session starts (issue #28):
+/// a receiver with register-ahead on (a simulated GPU) and its ingress capped holds every
+/// byte of the model registered while its copy is still far from complete, written into
+/// spares of its memory reserve; once complete, its first load copies from those
+/// registrations without pinning anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_being_received_is_registered_with_the_gpus_as_its_session_starts() {
+    const MIB: u64 = 1 << 20;
+    let c = shardcast_tests::TestCluster::start(1, 12 * MIB, 2, |i, o| {
+        if i == 1 {
+            o.sim_gpus(1, "1GiB");
+            // 12 MiB at 24 Mbit/s: about 4 s.
+            o.ingress_rate = "24Mbit".into();
+            o.extra_args.extend([
+                "--memory-reserve".into(),
+                (16 * MIB).to_string(),
+                "--memory-reserve-spare".into(),
+                (8 * MIB).to_string(),
+            ]);
+        }
+    })
+    .await
+    .unwrap();
+    let r = &c.daemons[1];
+    let mut agent = r.agent().await.unwrap();
+    let t0 = Instant::now();
+    while r.stats().await.unwrap().memory_reserve_bytes < 16 * MIB {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the reserve never filled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    let size = manifest.total_bytes();
+    c.start_chain(0, &digest, &[1], &c.origin_uri)
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    let verified_when_registered = loop {
+        let st = gpu_status(&mut agent).await;
+        assert_eq!(st.register_ahead, "on");
+        if st.registered_host_bytes == size {
+            break r.model_progress(&mut agent, &digest).await.unwrap();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        !verified_when_registered.1 && verified_when_registered.0 < size / 2,
+        "registered only after {verified_when_registered:?} of {size} bytes"
+    );
+    c.wait(&[1], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    r.verify_copy(&manifest).unwrap();
+    assert!(r.stats().await.unwrap().memory_reserve_taken_bytes > 0);
+    agent.load_model(whole_load(&digest, 1)).await.unwrap();
+    let (m, _) = until_resident(r, &digest).await;
+    assert_eq!(m.host_path, "registered", "{m:?}");
+    assert!(m.segments > 0 && m.segments_reused == m.segments, "{m:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_cuda_driver_the_daemon_keeps_working() {
     if gpu_loader_driver_present() {

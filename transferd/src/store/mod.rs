@@ -513,6 +513,8 @@ struct Inner {
     reserve: reserve::Reserve,
     models: Mutex<HashMap<ModelDigest, Model>>,
     names: Mutex<names::Names>,
+    /// Woken when a memory-tier shard file is created ([`ShardStore::memory_shard_created`]).
+    memory_shard_created: Arc<tokio::sync::Notify>,
 }
 
 /// What every shard shares for re-verification: the trust window, a clock, the counters.
@@ -755,6 +757,7 @@ impl ShardStore {
             reserve,
             models: Mutex::new(HashMap::new()),
             names,
+            memory_shard_created: Arc::new(tokio::sync::Notify::new()),
         };
         let store = Self {
             inner: Arc::new(inner),
@@ -1172,6 +1175,7 @@ impl ShardStore {
             .insert(shard, s.clone());
         if tier == DataTier::Memory {
             self.give_way(&models);
+            self.inner.memory_shard_created.notify_one();
         }
         Ok(s)
     }
@@ -1255,6 +1259,12 @@ impl ShardStore {
             return Ok(0);
         }
         reserve.fill(room)
+    }
+
+    /// Notified each time a memory-tier shard file is created (a permit is kept while no one
+    /// waits): the daemon registers a shard with the GPUs as its session starts.
+    pub fn memory_shard_created(&self) -> Arc<tokio::sync::Notify> {
+        self.inner.memory_shard_created.clone()
     }
 
     /// The memory reserve: bytes held, target, spare size and why filling stopped (if it did).
