@@ -6,7 +6,7 @@
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # (.dev/ is ignored: name it in the device run's carry)
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44]
+#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -220,6 +220,14 @@ PY
         # (`reverify_sends = false`); the hop's second row re-hashes, as before.
         hops
     fi
+    if [ "$what" = reserve ] || [ "$what" = s45 ]; then
+        # The memory reserve on 16 cores: the hop with spares filled before the run (the
+        # bench's default, auto) and without (transferd's default), alternating.
+        for r in auto off; do
+            step hop-${hop_size}-stripes1-reserve-$r 200 hop --size "$hop_size" --memory-reserve $r
+            step hop-${hop_size}-stripes8-reserve-$r 200 hop --size "$hop_size" --stripes 8 --memory-reserve $r
+        done
+    fi
     if [ "$what" = hop ] || [ "$what" = all ]; then
         hops
         step hop-${hop_size}-shards8 150 hop --size "$hop_size" --shards 8
@@ -235,7 +243,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44]" >&2
+    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]" >&2
     exit 2
     ;;
 esac
