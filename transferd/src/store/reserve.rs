@@ -184,17 +184,14 @@ impl Reserve {
                 .and_then(|s| s.parse::<u64>().ok())
                 .filter(|_| ty == FileType::RegularFile);
             let entry = rel.join(&name);
-            let kept = match n {
-                Some(n) => {
-                    let f = dir.open_file(&entry, Access::Read)?;
-                    let st = rustix::fs::fstat(&f)
-                        .map_err(|e| io_err(&dir.root().join(&entry))(e.into()))?;
-                    let len = u64::try_from(st.st_size).unwrap_or(0);
-                    let blocks = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
-                    (len > 0 && blocks >= len).then_some((n, len))
-                }
-                None => None,
-            };
+            // A spare that cannot be opened or measured is not kept either (removed below).
+            let kept = n.and_then(|n| {
+                let f = dir.open_file(&entry, Access::Read).ok()?;
+                let st = rustix::fs::fstat(&f).ok()?;
+                let len = u64::try_from(st.st_size).unwrap_or(0);
+                let blocks = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+                (len > 0 && blocks >= len).then_some((n, len))
+            });
             match kept {
                 Some(spare) => found.push(spare),
                 None => {
