@@ -20,7 +20,6 @@ use std::fs::OpenOptions;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
-use std::os::unix::io::AsRawFd;
 use std::time::Instant;
 
 const CHUNK: usize = 1 << 20;
@@ -89,22 +88,8 @@ fn main() -> std::io::Result<()> {
             let t0 = Instant::now();
             let (u0, s0) = thread_cpu();
             // A new map each run, as each new shard gets one (its page tables filled anew).
-            // SAFETY: a shared map of the whole file, which this program alone uses;
-            // unmapped below.
-            let base = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    f.as_raw_fd(),
-                    0,
-                )
-            };
-            if base == libc::MAP_FAILED {
-                return Err(std::io::Error::last_os_error());
-            }
-            let base = base.cast::<u8>();
+            let map = memmap2::MmapOptions::new().len(len).map_raw(&f)?;
+            let base = map.as_mut_ptr();
             let mut buf = vec![0u8; CHUNK];
             for i in 0..len / CHUNK {
                 let off = i * CHUNK;
@@ -113,13 +98,7 @@ fn main() -> std::io::Result<()> {
                         // SAFETY: `off..off + CHUNK` lies inside the map; only this thread
                         // touches it.
                         let dst = unsafe { std::slice::from_raw_parts_mut(base.add(off), CHUNK) };
-                        // SAFETY: a range of this process's own map.
-                        let r = unsafe {
-                            libc::madvise(dst.as_mut_ptr().cast(), CHUNK, libc::MADV_POPULATE_WRITE)
-                        };
-                        if r != 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
+                        map.advise_range(memmap2::Advice::PopulateWrite, off, CHUNK)?;
                         read_chunk(&mut s, dst)?;
                     }
                     _ => {
@@ -128,8 +107,7 @@ fn main() -> std::io::Result<()> {
                     }
                 }
             }
-            // SAFETY: the map made above, no longer used.
-            unsafe { libc::munmap(base.cast(), len) };
+            drop(map);
             let secs = t0.elapsed().as_secs_f64();
             let (u1, s1) = thread_cpu();
             sender
