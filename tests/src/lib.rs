@@ -364,6 +364,24 @@ pub fn plan_host(h: &str) -> shardcast_protocol::Hop {
     }
 }
 
+/// Polls `d`'s stats every 50 ms until `done` holds, which they are returned for; panics
+/// with the last stats after `limit`.
+pub async fn wait_stats(
+    d: &Daemon,
+    limit: Duration,
+    done: impl Fn(&shardcast_protocol::agent::Stats) -> bool,
+) -> shardcast_protocol::agent::Stats {
+    let until = Instant::now() + limit;
+    loop {
+        let st = d.stats().await.unwrap();
+        if done(&st) {
+            return st;
+        }
+        assert!(Instant::now() < until, "{}: {st:?}", d.host_id);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The daemon's Prometheus counter `name` (without the `shardcast_` prefix; with its
 /// labels after the host's, e.g. `admin_denied_total{role="host"}` as
 /// `admin_denied_total` + `,role="host"`), read from its admin endpoint with a `read`

@@ -765,24 +765,6 @@ async fn an_evict_ends_the_sessions_that_outlived_their_plan() {
     stopped.signal("CONT").unwrap();
 }
 
-/// Polls `d`'s stats every 50 ms until `done` holds, which they are returned for; panics
-/// with the last stats after `limit`.
-async fn wait_stats(
-    d: &shardcast_bench::cluster::Daemon,
-    limit: Duration,
-    done: impl Fn(&shardcast_protocol::agent::Stats) -> bool,
-) -> shardcast_protocol::agent::Stats {
-    let until = std::time::Instant::now() + limit;
-    loop {
-        let st = d.stats().await.unwrap();
-        if done(&st) {
-            return st;
-        }
-        assert!(std::time::Instant::now() < until, "{}: {st:?}", d.host_id);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// The memory reserve on real processes: idle receivers fill their spares; a chain's
 /// shards are written into them (every copy exact, each shard's bytes counted as taken),
 /// the reserve fills again once the host is idle, a restart keeps the spares without
@@ -813,7 +795,9 @@ async fn receivers_write_shards_into_the_memory_reserve_and_refill_it_when_idle(
     .unwrap();
     let limit = Duration::from_secs(60);
     for (i, want) in [(1, TARGET), (2, CAPACITY)] {
-        let st = wait_stats(&c.daemons[i], limit, |st| st.memory_reserve_bytes == want).await;
+        let st =
+            shardcast_tests::wait_stats(&c.daemons[i], limit, |st| st.memory_reserve_bytes == want)
+                .await;
         assert_eq!(st.memory_reserve_target, TARGET, "{st:?}");
         assert!(c.daemons[i].memory_tier_bytes().unwrap() >= want);
     }
@@ -844,12 +828,12 @@ async fn receivers_write_shards_into_the_memory_reserve_and_refill_it_when_idle(
     }
     // Receiver 1 fills its reserve again once idle: shards and spares both in its tier.
     let r1 = &c.daemons[1];
-    wait_stats(r1, limit, |st| st.memory_reserve_bytes == TARGET).await;
+    shardcast_tests::wait_stats(r1, limit, |st| st.memory_reserve_bytes == TARGET).await;
     assert!(r1.memory_tier_bytes().unwrap() >= TARGET + manifest.total_bytes());
     // Receiver 2's capacity left the reserve what the model does not use, and no more.
     let r2 = &c.daemons[2];
     let room = CAPACITY - manifest.total_bytes();
-    wait_stats(r2, limit, |st| st.memory_reserve_bytes == room).await;
+    shardcast_tests::wait_stats(r2, limit, |st| st.memory_reserve_bytes == room).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let st = r2.stats().await.unwrap();
     assert_eq!(st.memory_reserve_bytes, room, "{st:?}");
@@ -858,7 +842,7 @@ async fn receivers_write_shards_into_the_memory_reserve_and_refill_it_when_idle(
     // A restart keeps the complete spares (none written again) and the copy.
     let r1 = &mut c.daemons[1];
     r1.restart().await.unwrap();
-    let st = wait_stats(r1, limit, |st| st.memory_reserve_bytes == TARGET).await;
+    let st = shardcast_tests::wait_stats(r1, limit, |st| st.memory_reserve_bytes == TARGET).await;
     assert_eq!(st.memory_reserve_target, TARGET);
     assert_eq!(metric(r1, "memory_reserve_filled_bytes_total").await, 0);
     r1.verify_copy(&manifest).unwrap();

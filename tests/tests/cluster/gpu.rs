@@ -314,14 +314,10 @@ async fn a_shard_being_received_is_registered_with_the_gpus_as_its_session_start
     .unwrap();
     let r = &c.daemons[1];
     let mut agent = r.agent().await.unwrap();
-    let t0 = Instant::now();
-    while r.stats().await.unwrap().memory_reserve_bytes < 16 * MIB {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the reserve never filled"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    shardcast_tests::wait_stats(r, Duration::from_secs(30), |st| {
+        st.memory_reserve_bytes >= 16 * MIB
+    })
+    .await;
     let (digest, manifest) = c.import_on_source().await.unwrap();
     let size = manifest.total_bytes();
     c.start_chain(0, &digest, &[1], &c.origin_uri)

@@ -1058,15 +1058,7 @@ impl ShardStore {
             .shard(shard)
             .map_err(|_| StoreError::NoSuchShard { digest, shard })?
             .size;
-        let (mut allocated, mut pending) = (0u64, 0u64);
-        for s in models
-            .values()
-            .filter_map(|m| m.tiers.get(&tier))
-            .flat_map(|t| t.values())
-        {
-            allocated = allocated.saturating_add(s.size());
-            pending = pending.saturating_add(s.unallocated_bytes());
-        }
+        let (allocated, pending) = Self::tier_use(models, tier);
         let cap = match tier {
             DataTier::Memory => self.inner.memory_capacity,
             DataTier::Disk => self.inner.disk_capacity,
@@ -1180,12 +1172,12 @@ impl ShardStore {
         Ok(s)
     }
 
-    /// The memory tier's shard bytes and what its open shards may still allocate.
-    fn memory_use(models: &HashMap<ModelDigest, Model>) -> (u64, u64) {
+    /// A tier's shard bytes and what its open shards may still allocate.
+    fn tier_use(models: &HashMap<ModelDigest, Model>, tier: DataTier) -> (u64, u64) {
         let (mut allocated, mut pending) = (0u64, 0u64);
         for s in models
             .values()
-            .filter_map(|m| m.tiers.get(&DataTier::Memory))
+            .filter_map(|m| m.tiers.get(&tier))
             .flat_map(|t| t.values())
         {
             allocated = allocated.saturating_add(s.size());
@@ -1218,7 +1210,7 @@ impl ShardStore {
     /// Drops spares of the memory reserve until the memory tier's bounds again cover what
     /// its open shards may still allocate (see `reserve`: spares give way).
     fn give_way(&self, models: &HashMap<ModelDigest, Model>) {
-        let (allocated, pending) = Self::memory_use(models);
+        let (allocated, pending) = Self::tier_use(models, DataTier::Memory);
         while self.inner.reserve.held() > 0 {
             let need = match self.memory_room(allocated, pending) {
                 Some(r) if r < 0 => u64::try_from(-r).unwrap_or(u64::MAX),
@@ -1250,7 +1242,7 @@ impl ShardStore {
             if reserve.wanted() == 0 {
                 return Ok(0);
             }
-            let (allocated, pending) = Self::memory_use(&models);
+            let (allocated, pending) = Self::tier_use(&models, DataTier::Memory);
             self.memory_room(allocated, pending)
         };
         let room = room.map_or(FILL_STEP, |r| u64::try_from(r.max(0)).unwrap_or(0));

@@ -337,11 +337,14 @@ impl Reserve {
 
     /// Bytes the reserve is short of its target (0 once filling stopped for good).
     pub(super) fn wanted(&self) -> u64 {
-        let st = lock(&self.state);
+        self.wanted_in(&lock(&self.state))
+    }
+
+    fn wanted_in(&self, st: &State) -> u64 {
         if st.refused.is_some() {
             return 0;
         }
-        self.cfg.bytes.saturating_sub(Self::held_in(&st))
+        self.cfg.bytes.saturating_sub(Self::held_in(st))
     }
 
     /// Allocates up to `max` more bytes of the reserve (at most [`FILL_STEP`]), in the spare
@@ -349,18 +352,14 @@ impl Reserve {
     /// bounds leave); a spare is complete, and can be taken, once it has its size. Returns
     /// the bytes allocated. Only the daemon's one filler calls it.
     pub(super) fn fill(&self, max: u64) -> Result<u64, StoreError> {
-        let mut filling = {
+        let (mut filling, grow) = {
             let mut st = lock(&self.state);
-            let wanted = if st.refused.is_some() {
-                0
-            } else {
-                self.cfg.bytes.saturating_sub(Self::held_in(&st))
-            };
-            let grow = wanted.min(max).min(FILL_STEP);
-            if grow == 0 {
+            // With the spare being filled (if any) still counted as held.
+            let wanted = self.wanted_in(&st);
+            if wanted.min(max).min(FILL_STEP) == 0 {
                 return Ok(0);
             }
-            match st.filling.take() {
+            let filling = match st.filling.take() {
                 Some(f) => f,
                 None => {
                     let n = st.next;
@@ -381,21 +380,15 @@ impl Reserve {
                             .max(1),
                     }
                 }
-            }
-        };
-        let grow = {
-            let st = lock(&self.state);
-            let wanted = self.cfg.bytes.saturating_sub(Self::held_in(&st));
-            // `filling` is out of the state: its bytes are not in `held_in`.
-            wanted
-                .saturating_sub(filling.len)
+            };
+            // Out of the state while it is written: its bytes stay counted as held.
+            st.filling_out = filling.len;
+            let grow = wanted
                 .min(max)
                 .min(FILL_STEP)
-                .min(filling.size - filling.len)
+                .min(filling.size - filling.len);
+            (filling, grow)
         };
-        {
-            lock(&self.state).filling_out = filling.len;
-        }
         let rel = filling_rel(filling.n);
         let r = write_zeroes(&filling.file, filling.len, grow);
         let mut st = lock(&self.state);
