@@ -679,6 +679,16 @@ impl Daemon {
         client: &mut AgentClient<Channel>,
         digest: &str,
     ) -> anyhow::Result<(u64, bool)> {
+        let (bytes, complete, _) = self.model_progress_of(client, digest).await?;
+        Ok((bytes, complete))
+    }
+
+    /// [`Daemon::model_progress`] with the tier's total bytes (0 when it holds none).
+    pub async fn model_progress_of(
+        &self,
+        client: &mut AgentClient<Channel>,
+        digest: &str,
+    ) -> anyhow::Result<(u64, bool, u64)> {
         match client
             .get_model_status(GetModelStatusRequest {
                 model: digest.to_string(),
@@ -689,10 +699,10 @@ impl Daemon {
                 let tiers = r.into_inner().tiers;
                 let best = tiers.iter().max_by_key(|t| t.bytes_verified);
                 Ok(best
-                    .map(|t| (t.bytes_verified, t.complete))
-                    .unwrap_or((0, false)))
+                    .map(|t| (t.bytes_verified, t.complete, t.total_bytes))
+                    .unwrap_or((0, false, 0)))
             }
-            Err(s) if s.code() == tonic::Code::NotFound => Ok((0, false)),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok((0, false, 0)),
             Err(s) => Err(s.into()),
         }
     }
@@ -817,27 +827,60 @@ pub async fn wait_complete(
     digest: &str,
     since: Instant,
     timeout: Duration,
-    mut on_progress: impl FnMut(u64),
+    on_progress: impl FnMut(u64),
 ) -> anyhow::Result<Vec<Option<f64>>> {
+    let t = wait_complete_timed(daemons, digest, since, timeout, on_progress).await?;
+    Ok(t.into_iter().map(|r| r.done_s).collect())
+}
+
+/// When one daemon's verified bytes of a model passed each mark, in seconds from the start
+/// (to the poll that first saw it: within one polling round, about 20 ms plus the queries).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ProgressMarks {
+    /// First verified bytes seen.
+    pub first_s: Option<f64>,
+    /// Half the model verified.
+    pub half_s: Option<f64>,
+    /// A complete copy.
+    pub done_s: Option<f64>,
+}
+
+/// [`wait_complete`] with each daemon's [`ProgressMarks`]: from them a chain's per-hop lag
+/// (first bytes) and each hop's steady rate (half to done) can be told apart.
+pub async fn wait_complete_timed(
+    daemons: &[&Daemon],
+    digest: &str,
+    since: Instant,
+    timeout: Duration,
+    mut on_progress: impl FnMut(u64),
+) -> anyhow::Result<Vec<ProgressMarks>> {
     let mut clients = Vec::new();
     for d in daemons {
         clients.push(d.agent().await?);
     }
-    let mut done: Vec<Option<f64>> = vec![None; daemons.len()];
+    let mut marks = vec![ProgressMarks::default(); daemons.len()];
     let deadline = since + timeout;
-    while done.iter().any(Option::is_none) && Instant::now() < deadline {
+    while marks.iter().any(|m| m.done_s.is_none()) && Instant::now() < deadline {
         let mut total = 0;
         for (i, d) in daemons.iter().enumerate() {
-            let (bytes, complete) = d.model_progress(&mut clients[i], digest).await?;
+            let (bytes, complete, of) = d.model_progress_of(&mut clients[i], digest).await?;
             total += bytes;
-            if complete && done[i].is_none() {
-                done[i] = Some(since.elapsed().as_secs_f64());
+            let now = since.elapsed().as_secs_f64();
+            let m = &mut marks[i];
+            if bytes > 0 && m.first_s.is_none() {
+                m.first_s = Some(now);
+            }
+            if of > 0 && bytes >= of / 2 && m.half_s.is_none() {
+                m.half_s = Some(now);
+            }
+            if complete && m.done_s.is_none() {
+                m.done_s = Some(now);
             }
         }
         on_progress(total);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(done)
+    Ok(marks)
 }
 
 /// Flips one byte of a file in place, at `at` (a rotten DRAM bit, or a write behind the

@@ -17,7 +17,7 @@ use shardcast_protocol::units::format_bytes;
 use shardcast_protocol::{HopTransport, Manifest};
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::{Daemon, DaemonOpts, wait_complete};
+use crate::cluster::{Daemon, DaemonOpts, wait_complete, wait_complete_timed};
 use crate::netns::EmulatedNet;
 use crate::origin_server::{self, OriginStats};
 use crate::synth::{self, SynthSpec};
@@ -248,6 +248,14 @@ pub struct MethodResult {
     pub completion_s: f64,
     /// Each receiver's completion time in seconds, in chain order.
     pub per_receiver_s: Vec<f64>,
+    /// When each receiver first held verified bytes, in seconds, in chain order: a chain's
+    /// per-hop lag is the step from one to the next (to within one polling round).
+    #[serde(default)]
+    pub per_receiver_first_s: Vec<f64>,
+    /// When each receiver held half the model verified, in seconds, in chain order: half the
+    /// model over (completion − this) is that receiver's steady rate.
+    #[serde(default)]
+    pub per_receiver_half_s: Vec<f64>,
     /// Every receiver's copy matched the origin byte for byte.
     pub verified: bool,
     /// Average CPU utilisation of the whole machine during the transfer (0..1).
@@ -750,7 +758,7 @@ async fn run_method(
         method.transport(),
     )
     .await?;
-    let done = wait_complete(&receivers, &digest, t0, opts.timeout, |b| {
+    let done = wait_complete_timed(&receivers, &digest, t0, opts.timeout, |b| {
         pb.set_position(b)
     })
     .await;
@@ -784,8 +792,8 @@ async fn run_method(
     pb.finish_and_clear();
     let mut per = Vec::new();
     for (d, t) in receivers.iter().zip(&done) {
-        match t {
-            Some(t) => per.push(*t),
+        match t.done_s {
+            Some(t) => per.push(t),
             None => bail!(
                 "{} did not complete within {:?}; log: {}",
                 d.host_id,
@@ -812,6 +820,8 @@ async fn run_method(
         method: method.name().into(),
         completion_s: per.iter().copied().fold(0.0, f64::max),
         per_receiver_s: per,
+        per_receiver_first_s: done.iter().map(|m| m.first_s.unwrap_or(0.0)).collect(),
+        per_receiver_half_s: done.iter().map(|m| m.half_s.unwrap_or(0.0)).collect(),
         verified,
         cpu_util: cpu,
         source_cpu_s: procs[0],

@@ -357,6 +357,12 @@ impl Collector for NodeCollector {
                 u64::from(reserve.refused.is_some()),
             ),
             (
+                "scrub_yielding",
+                Gauge,
+                "1 while the background scrub waits for chunks to stop moving through this host.",
+                load(&self.store.stats().scrub_yielding),
+            ),
+            (
                 "memory_reserve_spare_bytes",
                 Gauge,
                 "The size the memory reserve's next spare gets (memory_reserve_spare, or what auto learned).",
@@ -906,6 +912,11 @@ impl Collector for NodeCollector {
                 "bytes_scrubbed_total",
                 "Bytes re-hashed by the background scrub.",
                 &st.bytes_scrubbed,
+            ),
+            (
+                "scrub_yields_total",
+                "Times the background scrub stopped because chunks were moving through this host (it resumes once the data path has been quiet for a second).",
+                &st.scrub_yields,
             ),
             (
                 "chunks_corrupt_at_rest_total",

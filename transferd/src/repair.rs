@@ -35,6 +35,7 @@ use tracing::{error, info, warn};
 
 use crate::chain::{Fetcher, SessionError, Sessions, ShardSession};
 use crate::store::{Check, Shard, ShardStore, StoreError};
+use crate::wire::ByteCounters;
 
 /// Repair requests that may wait. Rationale: corruption is rare; a burst beyond this (a
 /// whole file overwritten) is answered at once and found again by the next read or scrub.
@@ -47,6 +48,18 @@ pub const SOURCES_PER_MODEL: usize = 4;
 pub const MODELS: usize = 1024;
 /// Pause of the scrub after a pass that found nothing idle to re-hash.
 const SCRUB_IDLE: Duration = Duration::from_secs(1);
+/// How long no chunk may have moved through this host before the scrub hashes again.
+/// Rationale: the scrub is background work; while a transfer runs, the chunks arriving are
+/// hashed on arrival and those leaving are checked by the next hop or before they are
+/// served, so the scrub would only take cores from the transfer (on the 2-vCPU host it
+/// hashed 64 MB/s beside every receiver of an emulated chain, a third of each one's
+/// BLAKE3 work).
+const SCRUB_QUIET: Duration = Duration::from_secs(1);
+/// Bytes on the data connections below which they count as quiet: keepalives and
+/// acknowledgements, not chunks.
+const SCRUB_QUIET_BYTES: u64 = 256 << 10;
+/// How often a yielding scrub looks at the data path again.
+const SCRUB_YIELD_TICK: Duration = Duration::from_millis(250);
 
 /// The result of a repair: `Err` names what could not be repaired and why.
 pub type RepairOutcome = Result<(), RepairError>;
@@ -247,6 +260,8 @@ pub(crate) struct Repairer {
     repairs: Arc<Repairs>,
     fetcher: Arc<Fetcher>,
     sessions: Sessions,
+    /// The node's data connections' byte counts: the scrub yields while chunks move.
+    wire: Arc<ByteCounters>,
 }
 
 impl Repairer {
@@ -255,13 +270,55 @@ impl Repairer {
         repairs: Arc<Repairs>,
         fetcher: Arc<Fetcher>,
         sessions: Sessions,
+        wire: Arc<ByteCounters>,
     ) -> Self {
         Self {
             store,
             repairs,
             fetcher,
             sessions,
+            wire,
         }
+    }
+}
+
+/// Whether chunks have moved through this host lately: chunks written into the store (a
+/// session, a fetch, an origin read) or more than [`SCRUB_QUIET_BYTES`] on the data
+/// connections (sends included), within the last [`SCRUB_QUIET`].
+struct DataPath {
+    wire: Arc<ByteCounters>,
+    store: ShardStore,
+    /// Bytes on the wire and chunks written when it last counted as moving.
+    seen: (u64, u64),
+    moved_at: tokio::time::Instant,
+}
+
+impl DataPath {
+    fn new(wire: Arc<ByteCounters>, store: ShardStore) -> Self {
+        let mut p = Self {
+            wire,
+            store,
+            seen: (0, 0),
+            // Quiet from the start: a restarted daemon scrubs at once.
+            moved_at: tokio::time::Instant::now() - SCRUB_QUIET,
+        };
+        p.seen = p.now();
+        p
+    }
+
+    fn now(&self) -> (u64, u64) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let wire = load(&self.wire.received).wrapping_add(load(&self.wire.sent));
+        (wire, load(&self.store.stats().chunks_written))
+    }
+
+    fn quiet(&mut self) -> bool {
+        let (wire, chunks) = self.now();
+        if chunks != self.seen.1 || wire.wrapping_sub(self.seen.0) >= SCRUB_QUIET_BYTES {
+            self.seen = (wire, chunks);
+            self.moved_at = tokio::time::Instant::now();
+        }
+        self.moved_at.elapsed() >= SCRUB_QUIET
     }
 }
 
@@ -275,7 +332,8 @@ pub(crate) fn spawn(repairer: &Arc<Repairer>, cancel: &CancellationToken) {
     let rate = repairer.store.scrub_rate();
     if rate > 0 {
         info!(rate_bytes_per_s = rate, "scrub started");
-        tokio::spawn(run_scrub(weak, rate, cancel.clone()));
+        let path = DataPath::new(repairer.wire.clone(), repairer.store.clone());
+        tokio::spawn(run_scrub(weak, rate, path, cancel.clone()));
     }
 }
 
@@ -424,8 +482,14 @@ async fn repair(node: &Repairer, req: RepairRequest) -> RepairOutcome {
 
 /// Re-hashes every idle verified chunk (not verified within `reverify_after`) at `rate`
 /// bytes per second, one chunk at a time on the blocking pool; bad chunks are dropped by the
-/// check and queued for repair.
-async fn run_scrub(node: Weak<Repairer>, rate: u64, cancel: CancellationToken) {
+/// check and queued for repair. It yields while chunks move through this host
+/// ([`DataPath`]) and goes on where it stopped once they have not for [`SCRUB_QUIET`].
+async fn run_scrub(
+    node: Weak<Repairer>,
+    rate: u64,
+    mut path: DataPath,
+    cancel: CancellationToken,
+) {
     let mut next = tokio::time::Instant::now();
     loop {
         let keys = match node.upgrade() {
@@ -448,6 +512,12 @@ async fn run_scrub(node: Weak<Repairer>, rate: u64, cancel: CancellationToken) {
                     break;
                 }
                 if !shard.needs_check(i) {
+                    continue;
+                }
+                if !path.quiet() && !yield_to_transfers(&mut path, &cancel).await {
+                    return;
+                }
+                if shard.is_removed() || !shard.needs_check(i) {
                     continue;
                 }
                 let s = shard.clone();
@@ -484,9 +554,75 @@ async fn run_scrub(node: Weak<Repairer>, rate: u64, cancel: CancellationToken) {
     }
 }
 
+/// Waits until the data path has been quiet for [`SCRUB_QUIET`], with the store's
+/// `scrub_yielding` set meanwhile; false when cancelled.
+async fn yield_to_transfers(path: &mut DataPath, cancel: &CancellationToken) -> bool {
+    let store = path.store.clone();
+    let stats = store.stats();
+    stats.scrub_yields.fetch_add(1, Ordering::Relaxed);
+    stats.scrub_yielding.store(1, Ordering::Relaxed);
+    let quiet = loop {
+        tokio::select! {
+            _ = cancel.cancelled() => break false,
+            _ = tokio::time::sleep(SCRUB_YIELD_TICK) => {}
+        }
+        if path.quiet() {
+            break true;
+        }
+    };
+    stats.scrub_yielding.store(0, Ordering::Relaxed);
+    quiet
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::StoreConfig;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_scrub_waits_while_chunks_move_and_not_for_keepalives() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            ShardStore::open(StoreConfig::new(dir.path().join("m"), dir.path().join("d"))).unwrap();
+        let wire = Arc::new(ByteCounters::default());
+        let mut path = DataPath::new(wire.clone(), store.clone());
+        assert!(path.quiet(), "a daemon that has moved nothing scrubs at once");
+        // A keepalive and an acknowledgement or two: not a transfer.
+        wire.sent.fetch_add(64, Ordering::Relaxed);
+        wire.received.fetch_add(200, Ordering::Relaxed);
+        assert!(path.quiet());
+        // Chunks leaving (a source sending, a holder answering a Fetch).
+        wire.sent.fetch_add(SCRUB_QUIET_BYTES, Ordering::Relaxed);
+        assert!(!path.quiet());
+        tokio::time::advance(SCRUB_QUIET - Duration::from_millis(1)).await;
+        assert!(!path.quiet(), "quiet only a full second after the last chunk");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(path.quiet());
+        // A chunk written (a session, an origin read): however few bytes crossed the wire.
+        store.stats().chunks_written.fetch_add(1, Ordering::Relaxed);
+        assert!(!path.quiet());
+
+        // The yield: marked while it waits, counted, and over once quiet for a second.
+        let cancel = CancellationToken::new();
+        let waiting = tokio::spawn({
+            let cancel = cancel.clone();
+            async move { yield_to_transfers(&mut path, &cancel).await }
+        });
+        tokio::time::advance(SCRUB_YIELD_TICK).await;
+        tokio::task::yield_now().await;
+        assert_eq!(store.stats().scrub_yielding.load(Ordering::Relaxed), 1);
+        assert_eq!(store.stats().scrub_yields.load(Ordering::Relaxed), 1);
+        assert!(waiting.await.unwrap(), "quiet again within the paused clock");
+        assert_eq!(store.stats().scrub_yielding.load(Ordering::Relaxed), 0);
+
+        // Cancelled while chunks keep moving: it gives up and says so.
+        let mut path = DataPath::new(wire.clone(), store.clone());
+        wire.sent.fetch_add(SCRUB_QUIET_BYTES, Ordering::Relaxed);
+        let stop = CancellationToken::new();
+        stop.cancel();
+        assert!(!yield_to_transfers(&mut path, &stop).await);
+        assert_eq!(store.stats().scrub_yielding.load(Ordering::Relaxed), 0);
+    }
 
     #[test]
     fn unrepairable_reads_as_before() {

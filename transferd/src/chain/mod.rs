@@ -714,6 +714,7 @@ impl Node {
             repairs.clone(),
             fetcher.clone(),
             sessions.clone(),
+            counters.clone(),
         ));
         if tokio::runtime::Handle::try_current().is_ok() {
             crate::repair::spawn(&repairer, &cancel);

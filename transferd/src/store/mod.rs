@@ -263,6 +263,11 @@ pub struct StoreStats {
     pub chunks_scrubbed: AtomicU64,
     /// Bytes re-hashed by the background scrub.
     pub bytes_scrubbed: AtomicU64,
+    /// 1 while the background scrub waits for the data path to go quiet (a transfer is
+    /// moving chunks through this host), else 0.
+    pub scrub_yielding: AtomicU64,
+    /// Times the scrub stopped to let a transfer through.
+    pub scrub_yields: AtomicU64,
     /// Chunks that failed re-verification at rest and were dropped.
     pub chunks_rotted: AtomicU64,
     /// Dropped chunks written again (repaired).
