@@ -847,6 +847,12 @@ pub struct ProgressMarks {
 
 /// [`wait_complete`] with each daemon's [`ProgressMarks`]: from them a chain's per-hop lag
 /// (first bytes) and each hop's steady rate (half to done) can be told apart.
+///
+/// Each daemon is watched through one `WatchModelStatus` stream rather than polled: the
+/// daemon looks every 20 ms and sends completion at once and byte progress at most every
+/// 250 ms, so the first and half marks are within about 250 ms and completion within about
+/// 20 ms. (Polling all of them every 20 ms had every daemon answering 50 calls a second on
+/// the cores the transfer runs on.)
 pub async fn wait_complete_timed(
     daemons: &[&Daemon],
     digest: &str,
@@ -854,31 +860,63 @@ pub async fn wait_complete_timed(
     timeout: Duration,
     mut on_progress: impl FnMut(u64),
 ) -> anyhow::Result<Vec<ProgressMarks>> {
-    let mut clients = Vec::new();
-    for d in daemons {
-        clients.push(d.agent().await?);
-    }
-    let mut marks = vec![ProgressMarks::default(); daemons.len()];
+    use futures::StreamExt as _;
     let deadline = since + timeout;
-    while marks.iter().any(|m| m.done_s.is_none()) && Instant::now() < deadline {
-        let mut total = 0;
-        for (i, d) in daemons.iter().enumerate() {
-            let (bytes, complete, of) = d.model_progress_of(&mut clients[i], digest).await?;
-            total += bytes;
-            let now = since.elapsed().as_secs_f64();
-            let m = &mut marks[i];
-            if bytes > 0 && m.first_s.is_none() {
-                m.first_s = Some(now);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(usize, u64, bool, u64, f64)>();
+    let mut watchers = tokio::task::JoinSet::new();
+    for (i, d) in daemons.iter().enumerate() {
+        let mut client = d.agent().await?;
+        let (tx, digest) = (tx.clone(), digest.to_string());
+        watchers.spawn(async move {
+            let mut stream = client
+                .watch_model_status(GetModelStatusRequest { model: digest })
+                .await?
+                .into_inner();
+            while let Some(status) = stream.next().await {
+                let at = since.elapsed().as_secs_f64();
+                let tiers = status?.tiers;
+                let (bytes, complete, of) = tiers
+                    .iter()
+                    .max_by_key(|t| t.bytes_verified)
+                    .map_or((0, false, 0), |t| (t.bytes_verified, t.complete, t.total_bytes));
+                if tx.send((i, bytes, complete, of, at)).is_err() || complete {
+                    break;
+                }
             }
-            if of > 0 && bytes >= of / 2 && m.half_s.is_none() {
-                m.half_s = Some(now);
-            }
-            if complete && m.done_s.is_none() {
-                m.done_s = Some(now);
+            anyhow::Ok(())
+        });
+    }
+    drop(tx);
+    let mut marks = vec![ProgressMarks::default(); daemons.len()];
+    let mut bytes = vec![0u64; daemons.len()];
+    while marks.iter().any(|m| m.done_s.is_none()) {
+        let Ok(got) = tokio::time::timeout_at(deadline.into(), rx.recv()).await else {
+            break;
+        };
+        let Some((i, b, complete, of, at)) = got else {
+            // Every stream ended: a watcher failed (its error is below) or the daemon went.
+            break;
+        };
+        bytes[i] = b;
+        let m = &mut marks[i];
+        if b > 0 && m.first_s.is_none() {
+            m.first_s = Some(at);
+        }
+        if of > 0 && b >= of / 2 && m.half_s.is_none() {
+            m.half_s = Some(at);
+        }
+        if complete && m.done_s.is_none() {
+            m.done_s = Some(at);
+        }
+        on_progress(bytes.iter().sum());
+    }
+    watchers.abort_all();
+    while let Some(r) = watchers.join_next().await {
+        if let Ok(Err(e)) = r {
+            if marks.iter().any(|m| m.done_s.is_none()) {
+                return Err(e.context("watching a daemon's model status"));
             }
         }
-        on_progress(total);
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(marks)
 }
