@@ -10,7 +10,8 @@
 //!                               └─▶ outcome to the requester; every session that needs a chunk
 //!                                   that cannot be repaired fails (its forwarder stops, nothing
 //!                                   bad is sent, and no healthy next hop is skipped)
-//!  [scrub] every chunk not verified within `reverify_after`, at `scrub_rate` bytes/s
+//!  [scrub] every chunk not verified within `reverify_after`, at `scrub_rate` bytes/s,
+//!          while no chunks move through the host (it yields to transfers: `DataPath`)
 //! ```
 //!
 //! Both tasks are spawned by [`Node::new`](crate::chain::Node::new) when it runs inside a

@@ -213,7 +213,8 @@ impl StoreConfig {
 /// re-hash costs 3–6% of a core per Gbit/s served from an idle copy.
 pub const DEFAULT_REVERIFY_AFTER: Duration = Duration::from_secs(1);
 /// Default of [`StoreConfig::scrub_rate`]: 64 MB/s, 1.5–3% of a core at the BLAKE3 rates
-/// above; a 64 GiB memory tier is scrubbed every ~18 minutes.
+/// above; a 64 GiB memory tier is scrubbed every ~18 minutes of quiet (the scrub waits
+/// while chunks move through the host: `crate::repair`).
 pub const DEFAULT_SCRUB_RATE: u64 = 64_000_000;
 
 /// What bounded the space a shard was refused: see [`StoreError::NoSpace`].
