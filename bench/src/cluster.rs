@@ -878,7 +878,9 @@ pub async fn wait_complete_timed(
                 let (bytes, complete, of) = tiers
                     .iter()
                     .max_by_key(|t| t.bytes_verified)
-                    .map_or((0, false, 0), |t| (t.bytes_verified, t.complete, t.total_bytes));
+                    .map_or((0, false, 0), |t| {
+                        (t.bytes_verified, t.complete, t.total_bytes)
+                    });
                 if tx.send((i, bytes, complete, of, at)).is_err() || complete {
                     break;
                 }

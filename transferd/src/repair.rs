@@ -485,12 +485,7 @@ async fn repair(node: &Repairer, req: RepairRequest) -> RepairOutcome {
 /// bytes per second, one chunk at a time on the blocking pool; bad chunks are dropped by the
 /// check and queued for repair. It yields while chunks move through this host
 /// ([`DataPath`]) and goes on where it stopped once they have not for [`SCRUB_QUIET`].
-async fn run_scrub(
-    node: Weak<Repairer>,
-    rate: u64,
-    mut path: DataPath,
-    cancel: CancellationToken,
-) {
+async fn run_scrub(node: Weak<Repairer>, rate: u64, mut path: DataPath, cancel: CancellationToken) {
     let mut next = tokio::time::Instant::now();
     loop {
         let keys = match node.upgrade() {
@@ -587,7 +582,10 @@ mod tests {
             ShardStore::open(StoreConfig::new(dir.path().join("m"), dir.path().join("d"))).unwrap();
         let wire = Arc::new(ByteCounters::default());
         let mut path = DataPath::new(wire.clone(), store.clone());
-        assert!(path.quiet(), "a daemon that has moved nothing scrubs at once");
+        assert!(
+            path.quiet(),
+            "a daemon that has moved nothing scrubs at once"
+        );
         // A keepalive and an acknowledgement or two: not a transfer.
         wire.sent.fetch_add(64, Ordering::Relaxed);
         wire.received.fetch_add(200, Ordering::Relaxed);
@@ -596,7 +594,10 @@ mod tests {
         wire.sent.fetch_add(SCRUB_QUIET_BYTES, Ordering::Relaxed);
         assert!(!path.quiet());
         tokio::time::advance(SCRUB_QUIET - Duration::from_millis(1)).await;
-        assert!(!path.quiet(), "quiet only a full second after the last chunk");
+        assert!(
+            !path.quiet(),
+            "quiet only a full second after the last chunk"
+        );
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(path.quiet());
         // A chunk written (a session, an origin read): however few bytes crossed the wire.
@@ -613,7 +614,10 @@ mod tests {
         tokio::task::yield_now().await;
         assert_eq!(store.stats().scrub_yielding.load(Ordering::Relaxed), 1);
         assert_eq!(store.stats().scrub_yields.load(Ordering::Relaxed), 1);
-        assert!(waiting.await.unwrap(), "quiet again within the paused clock");
+        assert!(
+            waiting.await.unwrap(),
+            "quiet again within the paused clock"
+        );
         assert_eq!(store.stats().scrub_yielding.load(Ordering::Relaxed), 0);
 
         // Cancelled while chunks keep moving: it gives up and says so.
