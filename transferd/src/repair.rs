@@ -16,8 +16,9 @@
 //!
 //! Both tasks are spawned by [`Node::new`](crate::chain::Node::new) when it runs inside a
 //! tokio runtime. They run a `Repairer`: the store, the repair queue and sources, the
-//! chain's `Fetcher` (to fetch chunk spans from a source) and the session table (to fail
-//! the sessions that need a chunk that cannot be repaired) — nothing else of the node.
+//! chain's `Fetcher` (to fetch chunk spans from a source), the session table (to fail
+//! the sessions that need a chunk that cannot be repaired) and the wire's byte counters
+//! (the scrub waits while chunks move) — nothing else of the node.
 //! They hold only a weak reference to it (the node holds the strong one), and stop on
 //! cancellation.
 //! Bounds: at most [`QUEUE`] requests wait (more are answered "queue full" at once),

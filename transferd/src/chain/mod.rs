@@ -80,7 +80,7 @@
 //! | `Recovery` (`recovery`) | the `Fetcher`, counters, cancel, `upstream_grace` |
 //! | `Fetcher` (`fetch`) | `Links`, `Intake`, the store, `Repairs` (sources), the origin allow-list, parallelism, timeouts |
 //! | `Heads` (`head`) | the store, `Sessions`, `Intake`, `Repairs` (sources), the `Forwarder`, the `Fetcher`, cancel, `stripes`, counters, `upstream_grace` |
-//! | `Repairer` (`crate::repair`) | the store, `Repairs`, the `Fetcher`, `Sessions` |
+//! | `Repairer` (`crate::repair`) | the store, `Repairs`, the `Fetcher`, `Sessions`, the wire's byte counters (the scrub waits while chunks move) |
 //!
 //! No role but `Receiver`, `Heads` and `Repairer` reaches the session table (outside the
 //! chain, the agent API and the drain see its outward part: draining, head sessions by id,
