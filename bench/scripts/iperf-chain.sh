@@ -6,14 +6,16 @@
 # SIZE. Prints each flow's time and rate / cap: the floor a chain over the same links and
 # cores can reach (no TLS, no hashing, no store).
 #
-#   sudo N=17 RATE=250mbit SIZE=512M bench/scripts/iperf-chain.sh [OUT_DIR]
+#   sudo N=17 RATE=250mbit SIZE=512M [CC=cubic] bench/scripts/iperf-chain.sh [OUT_DIR]
 #
+# CC picks the flows' TCP congestion control (iperf3 -C; default: the machine's).
 # Needs root, iperf3 and python3. Uses 10.233.77.0/24 inside its own namespaces only (nothing
 # leaves the machine); removes its namespaces and stops its iperf3 processes (by PID) on exit.
 set -u
 N=${N:-17}
 RATE=${RATE:-250mbit}
 SIZE=${SIZE:-512M}
+CC=${CC:-}
 OUT=${1:-$(mktemp -d)}
 mkdir -p "$OUT"
 bits=$(python3 -c "
@@ -53,7 +55,7 @@ done
 sleep 1
 clients=()
 for i in $(seq 0 $((N - 2))); do
-  timeout 600 ip netns exec "$P-h$i" iperf3 -c "10.233.77.$((i + 2))" -n "$SIZE" -J >"$OUT/flow-$i.json" 2>&1 &
+  timeout 600 ip netns exec "$P-h$i" iperf3 -c "10.233.77.$((i + 2))" -n "$SIZE" ${CC:+-C "$CC"} -J >"$OUT/flow-$i.json" 2>&1 &
   clients+=($!)
   PIDS+=($!)
 done

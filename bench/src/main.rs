@@ -236,6 +236,10 @@ enum Cmd {
         /// daemons then send packets of the matching size (`--quic-path-mtu`) [default: 1500].
         #[arg(long)]
         mtu: Option<u32>,
+        /// TCP congestion control of every emulated host (e.g. `cubic`, `bbr`; emulated
+        /// mode) [default: the machine's, `net.ipv4.tcp_congestion_control`].
+        #[arg(long)]
+        tcp_congestion: Option<String>,
         /// Run the first method once before the measured runs, not counted: the first
         /// transfer after an earlier run's daemons left is slower on a VM whose guest memory
         /// went cold.
@@ -1272,6 +1276,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             window,
             loss,
             mtu,
+            tcp_congestion,
             warm_up,
             data_mode,
             stripes,
@@ -1283,6 +1288,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             if mtu.is_some() && !emulate {
                 anyhow::bail!("--mtu needs --emulate (it sets the MTU of the hosts' links)");
+            }
+            if tcp_congestion.is_some() && !emulate {
+                anyhow::bail!(
+                    "--tcp-congestion needs --emulate (it is set in the hosts' namespaces)"
+                );
             }
             let chunk_size = u32::try_from(chunk_size.unwrap_or(0))
                 .map_err(|_| anyhow::anyhow!("--chunk-size is too large"))?;
@@ -1303,6 +1313,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 window: window.unwrap_or(0),
                 loss_per_10000: loss.unwrap_or(0),
                 mtu,
+                tcp_congestion,
                 warm_up,
                 memory_reserve,
                 daemon_args: data_mode

@@ -333,6 +333,41 @@ impl EmulatedNet {
         Ok(())
     }
 
+    /// Sets the TCP congestion control every host's new connections use
+    /// (`net.ipv4.tcp_congestion_control` in its namespace; a namespace starts with the
+    /// machine's). Call it before the daemons connect.
+    ///
+    /// # Errors
+    ///
+    /// `name` is not one the kernel offers (`net.ipv4.tcp_available_congestion_control`), or
+    /// `sysctl` fails.
+    pub fn set_congestion(&self, name: &str) -> anyhow::Result<()> {
+        let offered =
+            std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
+                .context("reading the kernel's TCP congestion controls")?;
+        ensure!(
+            offered.split_whitespace().any(|c| c == name),
+            "TCP congestion control {name:?} is not offered by this kernel (it offers: {})",
+            offered.trim()
+        );
+        // A namespace other than the machine's may only pick one the machine allows.
+        let allowed = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+            .context("reading the TCP congestion controls namespaces may use")?;
+        ensure!(
+            allowed.split_whitespace().any(|c| c == name),
+            "TCP congestion control {name:?} is not allowed in a network namespace here \
+             (net.ipv4.tcp_allowed_congestion_control: {}); allow it first, e.g. \
+             `sysctl -w net.ipv4.tcp_allowed_congestion_control=\"{} {name}\"`",
+            allowed.trim(),
+            allowed.trim()
+        );
+        let setting = format!("net.ipv4.tcp_congestion_control={name}");
+        for h in &self.host_ns {
+            in_ns(h, "sysctl", &["-q", "-w", &setting])?;
+        }
+        Ok(())
+    }
+
     /// Name of the switch namespace holding the bridge and the ingress shapers.
     pub fn switch_ns_name(&self) -> &str {
         &self.switch_ns

@@ -117,6 +117,8 @@ pub struct ChainBenchOpts {
     /// headers); TCP finds its segment size from the link itself. On loopback, whose MTU is
     /// 65536 already, only the QUIC daemons' packet size changes.
     pub mtu: Option<u32>,
+    /// TCP congestion control of every emulated host (`None`: the machine's).
+    pub tcp_congestion: Option<String>,
     /// Run the first method once before the measured runs and report only its time
     /// (`warm_up_s`): the first transfer after daemons of an earlier run left pays for
     /// memory the VM's guest has not touched lately, which would count against the first
@@ -232,6 +234,7 @@ impl ChainBenchOpts {
             perf: None,
             loss_per_10000: 0,
             mtu: None,
+            tcp_congestion: None,
             warm_up: false,
             progress: false,
             memory_reserve: BenchReserve::Off,
@@ -354,6 +357,9 @@ pub struct ChainReport {
     pub loss_percent: f64,
     /// MTU of the links (emulated mode; loopback's own otherwise, reported as 1500).
     pub mtu: u32,
+    /// TCP congestion control the emulated hosts used (the machine's when not set).
+    #[serde(default)]
+    pub tcp_congestion: String,
     /// Time of the warm-up run of the first method, not counted (`None`: none ran).
     pub warm_up_s: Option<f64>,
     /// Extra transferd arguments every daemon ran with (`--data-mode …`; empty: defaults).
@@ -634,6 +640,11 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         .into(),
         loss_percent: f64::from(opts.loss_per_10000) / 100.0,
         mtu: opts.mtu.unwrap_or(1500),
+        tcp_congestion: opts.tcp_congestion.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default()
+        }),
         warm_up_s,
         daemon_args: opts.daemon_args.clone(),
         memory_reserve: opts.memory_reserve,
@@ -664,6 +675,9 @@ async fn run_method(
     // On loopback (MTU 65536) only QUIC's declared packet size changes.
     if let (Some(mtu), Some(net)) = (opts.mtu, &net) {
         net.set_mtu(mtu)?;
+    }
+    if let (Some(cc), Some(net)) = (&opts.tcp_congestion, &net) {
+        net.set_congestion(cc)?;
     }
     let scratch = scratch_dir(method.name())?;
     let mut daemons = Vec::new();
