@@ -679,16 +679,6 @@ impl Daemon {
         client: &mut AgentClient<Channel>,
         digest: &str,
     ) -> anyhow::Result<(u64, bool)> {
-        let (bytes, complete, _) = self.model_progress_of(client, digest).await?;
-        Ok((bytes, complete))
-    }
-
-    /// [`Daemon::model_progress`] with the tier's total bytes (0 when it holds none).
-    pub async fn model_progress_of(
-        &self,
-        client: &mut AgentClient<Channel>,
-        digest: &str,
-    ) -> anyhow::Result<(u64, bool, u64)> {
         match client
             .get_model_status(GetModelStatusRequest {
                 model: digest.to_string(),
@@ -699,10 +689,10 @@ impl Daemon {
                 let tiers = r.into_inner().tiers;
                 let best = tiers.iter().max_by_key(|t| t.bytes_verified);
                 Ok(best
-                    .map(|t| (t.bytes_verified, t.complete, t.total_bytes))
-                    .unwrap_or((0, false, 0)))
+                    .map(|t| (t.bytes_verified, t.complete))
+                    .unwrap_or((0, false)))
             }
-            Err(s) if s.code() == tonic::Code::NotFound => Ok((0, false, 0)),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok((0, false)),
             Err(s) => Err(s.into()),
         }
     }
@@ -834,7 +824,7 @@ pub async fn wait_complete(
 }
 
 /// When one daemon's verified bytes of a model passed each mark, in seconds from the start
-/// (to the poll that first saw it: within one polling round, about 20 ms plus the queries).
+/// (to the status message that first showed it: see [`wait_complete_timed`]).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct ProgressMarks {
     /// First verified bytes seen.

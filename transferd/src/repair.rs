@@ -301,8 +301,12 @@ impl DataPath {
             wire,
             store,
             seen: (0, 0),
-            // Quiet from the start: a restarted daemon scrubs at once.
-            moved_at: tokio::time::Instant::now() - SCRUB_QUIET,
+            // Quiet from the start: a restarted daemon scrubs at once (unless the clock
+            // itself is younger than SCRUB_QUIET, just after boot).
+            moved_at: {
+                let now = tokio::time::Instant::now();
+                now.checked_sub(SCRUB_QUIET).unwrap_or(now)
+            },
         };
         p.seen = p.now();
         p
