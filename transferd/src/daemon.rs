@@ -530,7 +530,7 @@ async fn fill_reserve(store: ShardStore, cancel: CancellationToken) {
         let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
         load(&st.chunks_written).wrapping_add(load(&st.shards_created))
     };
-    let (mut last, mut since) = (written(), std::time::Instant::now());
+    let mut quiet = crate::store::Quiet::new(RESERVE_IDLE, 0, (written(), 0), false);
     let mut failed = false;
     loop {
         tokio::select! {
@@ -538,11 +538,7 @@ async fn fill_reserve(store: ShardStore, cancel: CancellationToken) {
             _ = tick.tick() => {}
         }
         loop {
-            let now = written();
-            if now != last {
-                (last, since) = (now, std::time::Instant::now());
-            }
-            if since.elapsed() < RESERVE_IDLE || cancel.is_cancelled() {
+            if !quiet.observe(written(), 0) || cancel.is_cancelled() {
                 break;
             }
             let s = store.clone();

@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::chain::{Fetcher, SessionError, Sessions, ShardSession};
-use crate::store::{Check, Shard, ShardStore, StoreError};
+use crate::store::{Check, Quiet, Shard, ShardStore, StoreError};
 use crate::wire::ByteCounters;
 
 /// Repair requests that may wait. Rationale: corruption is rare; a burst beyond this (a
@@ -290,41 +290,27 @@ impl Repairer {
 struct DataPath {
     wire: Arc<ByteCounters>,
     store: ShardStore,
-    /// Bytes on the wire and chunks written when it last counted as moving.
-    seen: (u64, u64),
-    moved_at: tokio::time::Instant,
+    quiet: Quiet,
 }
 
 impl DataPath {
     fn new(wire: Arc<ByteCounters>, store: ShardStore) -> Self {
-        let mut p = Self {
-            wire,
-            store,
-            seen: (0, 0),
-            // Quiet from the start: a restarted daemon scrubs at once (unless the clock
-            // itself is younger than SCRUB_QUIET, just after boot).
-            moved_at: {
-                let now = tokio::time::Instant::now();
-                now.checked_sub(SCRUB_QUIET).unwrap_or(now)
-            },
-        };
-        p.seen = p.now();
-        p
+        let now = Self::counts(&wire, &store);
+        // Quiet from the start: a restarted daemon scrubs at once.
+        let quiet = Quiet::new(SCRUB_QUIET, SCRUB_QUIET_BYTES, now, true);
+        Self { wire, store, quiet }
     }
 
-    fn now(&self) -> (u64, u64) {
+    /// Chunks written, and bytes both ways on the data connections.
+    fn counts(wire: &ByteCounters, store: &ShardStore) -> (u64, u64) {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let wire = load(&self.wire.received).wrapping_add(load(&self.wire.sent));
-        (wire, load(&self.store.stats().chunks_written))
+        let bytes = load(&wire.received).wrapping_add(load(&wire.sent));
+        (load(&store.stats().chunks_written), bytes)
     }
 
     fn quiet(&mut self) -> bool {
-        let (wire, chunks) = self.now();
-        if chunks != self.seen.1 || wire.wrapping_sub(self.seen.0) >= SCRUB_QUIET_BYTES {
-            self.seen = (wire, chunks);
-            self.moved_at = tokio::time::Instant::now();
-        }
-        self.moved_at.elapsed() >= SCRUB_QUIET
+        let (chunks, bytes) = Self::counts(&self.wire, &self.store);
+        self.quiet.observe(chunks, bytes)
     }
 }
 

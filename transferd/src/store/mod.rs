@@ -217,6 +217,49 @@ pub const DEFAULT_REVERIFY_AFTER: Duration = Duration::from_secs(1);
 /// while chunks move through the host: `crate::repair`).
 pub const DEFAULT_SCRUB_RATE: u64 = 64_000_000;
 
+/// Tells when counts of activity have stopped moving for a while: background work (the
+/// memory reserve's filler, the scrub) runs only then, so it yields to transfers. Two counts
+/// are watched: any change of the exact one is movement (chunks written, shards created);
+/// the loose one moves only by `slack` or more at once (bytes on the data connections,
+/// where keepalives and acknowledgements trickle).
+#[derive(Debug)]
+pub struct Quiet {
+    after: Duration,
+    slack: u64,
+    /// The counts when they last counted as moving.
+    seen: (u64, u64),
+    moved_at: tokio::time::Instant,
+}
+
+impl Quiet {
+    /// Starts from the counts `now` (exact, loose); quiet at once if `quiet_now`, else only
+    /// once they have not moved for `after`.
+    pub fn new(after: Duration, slack: u64, now: (u64, u64), quiet_now: bool) -> Self {
+        let t = tokio::time::Instant::now();
+        Self {
+            after,
+            slack,
+            seen: now,
+            // Just after boot the clock itself may be younger than `after`.
+            moved_at: if quiet_now {
+                t.checked_sub(after).unwrap_or(t)
+            } else {
+                t
+            },
+        }
+    }
+
+    /// Takes the counts now; true once neither has moved for `after`.
+    pub fn observe(&mut self, exact: u64, loose: u64) -> bool {
+        let grew = loose.wrapping_sub(self.seen.1);
+        if exact != self.seen.0 || (grew != 0 && grew >= self.slack) {
+            self.seen = (exact, loose);
+            self.moved_at = tokio::time::Instant::now();
+        }
+        self.moved_at.elapsed() >= self.after
+    }
+}
+
 /// What bounded the space a shard was refused: see [`StoreError::NoSpace`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SpaceLimit {

@@ -715,3 +715,20 @@ fn mapped_writes_into_a_full_tmpfs_fail_cleanly() {
     std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 0).unwrap();
     assert_eq!(back, small);
 }
+
+#[tokio::test(start_paused = true)]
+async fn quiet_waits_its_time_from_the_start_and_after_every_change() {
+    // As the memory reserve's filler uses it: not quiet at start, any change is movement.
+    let idle = Duration::from_secs(1);
+    let mut q = Quiet::new(idle, 0, (5, 0), false);
+    assert!(!q.observe(5, 0), "not quiet before a full period");
+    tokio::time::advance(idle).await;
+    assert!(q.observe(5, 0));
+    assert!(!q.observe(6, 0), "one chunk is movement");
+    tokio::time::advance(idle).await;
+    assert!(q.observe(6, 0));
+    assert!(
+        !q.observe(6, 1),
+        "with no slack any growth of the loose count is movement"
+    );
+}
