@@ -21,6 +21,7 @@ use crate::chunkset::ChunkSet;
 use crate::codec::{self, Codec, DecodeError, get_array, get_str, get_u8, get_u16, get_u32};
 use crate::manifest::{MAX_CHUNK_SIZE, MAX_MANIFEST_LEN, Manifest, ModelDigest};
 use crate::name::{HostId, MAX_HOST_ID_LEN};
+use crate::pieces::{MAX_PIECES, PIECE_SIZE, PieceCv};
 use crate::tier::DataTier;
 
 /// Magic at the start of a `Hello` body.
@@ -271,6 +272,10 @@ pub enum FrameType {
     Nack = 0x0a,
     /// [`Frame::Keepalive`]
     Keepalive = 0x0b,
+    /// [`Frame::ChunkHead`]
+    ChunkHead = 0x0c,
+    /// [`Frame::Piece`]
+    Piece = 0x0d,
     /// [`Frame::Error`]
     Error = 0x0f,
 }
@@ -290,6 +295,8 @@ impl FrameType {
             0x09 => Self::Done,
             0x0a => Self::Nack,
             0x0b => Self::Keepalive,
+            0x0c => Self::ChunkHead,
+            0x0d => Self::Piece,
             0x0f => Self::Error,
             other => return Err(DecodeError::UnknownFrameType(other)),
         })
@@ -300,6 +307,8 @@ impl FrameType {
         match self {
             Self::Manifest => MAX_MANIFEST_LEN,
             Self::Chunk => MAX_CHUNK_SIZE as usize + 12,
+            Self::Piece => PIECE_SIZE + 16,
+            Self::ChunkHead => 10 + MAX_PIECES * 32,
             // 2 MiB bitmap for the largest shard + range.
             Self::Accept => (crate::manifest::MAX_CHUNKS_PER_SHARD / 8) as usize + 8,
             // Hops: each at most 2 + 255 + 2 + 255 bytes.
@@ -382,6 +391,28 @@ pub enum Frame {
         /// The chunk's bytes.
         data: Bytes,
     },
+    /// A chunk about to be sent in pieces (`crate::pieces`, protocol version 7): its pieces'
+    /// BLAKE3 chaining values, which the receiver checks against the manifest's hash of the
+    /// chunk before it takes any piece. Answered like a `Chunk` (`Ack` or `Nack`), once.
+    ChunkHead {
+        /// Shard index.
+        shard: u32,
+        /// Chunk index within the shard.
+        index: u32,
+        /// One CV per piece, in order.
+        cvs: Vec<PieceCv>,
+    },
+    /// One piece of a chunk announced by a `ChunkHead` on the same connection.
+    Piece {
+        /// Shard index.
+        shard: u32,
+        /// Chunk index within the shard.
+        index: u32,
+        /// Piece number within the chunk.
+        piece: u32,
+        /// The piece's bytes.
+        data: Bytes,
+    },
     /// The receiver verified and stored a chunk (flow control: frees a window slot).
     Ack {
         /// Shard index.
@@ -444,6 +475,8 @@ impl Frame {
             Self::Open(_) => FrameType::Open,
             Self::Accept { .. } => FrameType::Accept,
             Self::Chunk { .. } => FrameType::Chunk,
+            Self::ChunkHead { .. } => FrameType::ChunkHead,
+            Self::Piece { .. } => FrameType::Piece,
             Self::Ack { .. } => FrameType::Ack,
             Self::Nack { .. } => FrameType::Nack,
             Self::Progress { .. } => FrameType::Progress,
@@ -494,6 +527,8 @@ impl Frame {
             }
             Self::Accept { have } => have.encoded_len(),
             Self::Chunk { data, .. } => 4 + 4 + 4 + data.len(),
+            Self::ChunkHead { cvs, .. } => 4 + 4 + 2 + 32 * cvs.len(),
+            Self::Piece { data, .. } => 4 + 4 + 4 + 4 + data.len(),
             Self::Ack { .. } | Self::Nack { .. } => 8,
             Self::Progress { host, .. } => codec::str_len(host.as_str()) + 12,
             Self::Fetch { .. } => 32 + 12,
@@ -541,6 +576,26 @@ impl Frame {
                 buf.put_u32(data.len() as u32);
                 buf.put_slice(data);
             }
+            Self::ChunkHead { shard, index, cvs } => {
+                buf.put_u32(*shard);
+                buf.put_u32(*index);
+                buf.put_u16(cvs.len() as u16);
+                for cv in cvs {
+                    buf.put_slice(cv);
+                }
+            }
+            Self::Piece {
+                shard,
+                index,
+                piece,
+                data,
+            } => {
+                buf.put_u32(*shard);
+                buf.put_u32(*index);
+                buf.put_u32(*piece);
+                buf.put_u32(data.len() as u32);
+                buf.put_slice(data);
+            }
             Self::Ack { shard, index } | Self::Nack { shard, index } => {
                 buf.put_u32(*shard);
                 buf.put_u32(*index);
@@ -585,6 +640,20 @@ impl Frame {
         out[5..9].copy_from_slice(&shard.to_be_bytes());
         out[9..13].copy_from_slice(&index.to_be_bytes());
         out[13..17].copy_from_slice(&(len as u32).to_be_bytes());
+        out
+    }
+
+    /// Encodes a `Piece` frame's header and fixed fields without copying the payload (as
+    /// [`Frame::chunk_prefix`]).
+    pub fn piece_prefix(shard: u32, index: u32, piece: u32, len: usize) -> [u8; HEADER_LEN + 16] {
+        let mut out = [0u8; HEADER_LEN + 16];
+        let frame_len = (1 + 16 + len) as u32;
+        out[..4].copy_from_slice(&frame_len.to_be_bytes());
+        out[4] = FrameType::Piece as u8;
+        out[5..9].copy_from_slice(&shard.to_be_bytes());
+        out[9..13].copy_from_slice(&index.to_be_bytes());
+        out[13..17].copy_from_slice(&piece.to_be_bytes());
+        out[17..21].copy_from_slice(&(len as u32).to_be_bytes());
         out
     }
 
@@ -665,6 +734,37 @@ impl Frame {
                 Self::Chunk {
                     shard,
                     index,
+                    data: b.split_to(len),
+                }
+            }
+            FrameType::ChunkHead => {
+                let shard = get_u32(b)?;
+                let index = get_u32(b)?;
+                let n = get_u16(b)? as usize;
+                codec::check_len("piece hashes", n, MAX_PIECES)?;
+                let mut cvs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    cvs.push(get_array(b)?);
+                }
+                Self::ChunkHead { shard, index, cvs }
+            }
+            FrameType::Piece => {
+                let shard = get_u32(b)?;
+                let index = get_u32(b)?;
+                let piece = get_u32(b)?;
+                let len = get_u32(b)? as usize;
+                if len > PIECE_SIZE {
+                    return Err(DecodeError::TooLong {
+                        field: "piece",
+                        len: len as u64,
+                        max: PIECE_SIZE as u64,
+                    });
+                }
+                codec::need(b, len)?;
+                Self::Piece {
+                    shard,
+                    index,
+                    piece,
                     data: b.split_to(len),
                 }
             }

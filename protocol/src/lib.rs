@@ -74,6 +74,7 @@ pub mod manifest;
 pub mod name;
 pub mod named;
 pub mod origin_policy;
+pub mod pieces;
 pub mod plan;
 pub mod tier;
 pub mod units;
@@ -109,13 +110,14 @@ pub use frame::{ErrorCode, Frame, FrameType, Hop, HopTransport, SessionHeader, S
 pub use manifest::{
     ChunkHash, Manifest, ModelDigest, ShardEntry, ShardHasher, VerifiedChunk, VerifyError,
 };
+pub use pieces::{Hashed, PieceCheck, PieceCv, VerifiedPieces};
 pub use name::{HostId, ModelName, NameError, ShardPath};
 pub use named::UnknownName;
 pub use tier::{DataTier, NotADataTier, Tier};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer
 /// with another version is refused with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// gRPC status code names as the gRPC spec spells them (`NOT_FOUND`), used in JSON error
 /// bodies and CLI messages.

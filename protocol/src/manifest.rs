@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, Codec, DecodeError, get_array, get_str, get_u16, get_u32, get_u64};
 use crate::name::{MAX_MODEL_NAME_LEN, MAX_SHARD_PATH_LEN, ModelName, ShardPath};
+use crate::pieces::{Hashed, PieceCv};
 
 /// Magic at the start of an encoded manifest.
 pub const MANIFEST_MAGIC: &[u8; 4] = b"SCMF";
@@ -148,6 +149,19 @@ pub enum VerifyError {
         shard: u32,
         /// Chunk index.
         index: u32,
+    },
+    /// A piece of a chunk sent in pieces (`crate::pieces`) is not what its CV says, or the
+    /// CVs do not fit the chunk.
+    #[error("chunk {shard}/{index} piece {piece}: {reason}")]
+    Piece {
+        /// Shard index.
+        shard: u32,
+        /// Chunk index.
+        index: u32,
+        /// The piece.
+        piece: u32,
+        /// What is wrong.
+        reason: String,
     },
 }
 
@@ -308,19 +322,21 @@ impl Manifest {
         shard: u32,
         index: u32,
         data: bytes::Bytes,
-        hashed: ChunkHash,
+        hashed: Hashed,
     ) -> Result<VerifiedChunk, VerifyError> {
         self.wrap_verified(shard, index, data, |_| hashed)
     }
 
     /// Verifies a chunk and wraps it as a [`VerifiedChunk`], the only form the store accepts.
+    /// The hash is worked out piece by piece ([`Hashed::of`]), so the chunk carries its
+    /// pieces' CVs for a sender that forwards it in pieces.
     pub fn verified(
         &self,
         shard: u32,
         index: u32,
         data: bytes::Bytes,
     ) -> Result<VerifiedChunk, VerifyError> {
-        self.wrap_verified(shard, index, data, ChunkHash::of)
+        self.wrap_verified(shard, index, data, Hashed::of)
     }
 
     /// Checks `data` with `hash(&data)` and wraps it as a [`VerifiedChunk`].
@@ -329,15 +345,25 @@ impl Manifest {
         shard: u32,
         index: u32,
         data: bytes::Bytes,
-        hash: impl FnOnce(&[u8]) -> ChunkHash,
+        hash: impl FnOnce(&[u8]) -> Hashed,
     ) -> Result<VerifiedChunk, VerifyError> {
-        self.check_chunk(shard, index, data.len(), || hash(&data))?;
+        let mut cvs = Vec::new();
+        self.check_chunk(shard, index, data.len(), || {
+            let h = hash(&data);
+            cvs = h.cvs;
+            h.root
+        })?;
         let (offset, _) = self.chunk_span(shard, index)?;
+        // CVs that did not come with a chunk of that many pieces are not kept.
+        if cvs.len() != crate::pieces::piece_count(data.len()) {
+            cvs.clear();
+        }
         Ok(VerifiedChunk {
             shard,
             index,
             offset,
             data,
+            cvs,
         })
     }
 
@@ -455,9 +481,15 @@ pub struct VerifiedChunk {
     index: u32,
     offset: u64,
     data: bytes::Bytes,
+    cvs: Vec<PieceCv>,
 }
 
 impl VerifiedChunk {
+    /// Its pieces' CVs, worked out with its hash (empty for a chunk of one piece or less,
+    /// or where the hash was worked out whole).
+    pub fn cvs(&self) -> &[PieceCv] {
+        &self.cvs
+    }
     /// Shard index.
     pub fn shard(&self) -> u32 {
         self.shard

@@ -25,7 +25,7 @@ use shardcast_protocol::{
     ModelDigest, ModelName, SessionHeader, SessionId, ShardEntry, ShardPath,
 };
 
-const ALL_TYPES: [FrameType; 12] = [
+const ALL_TYPES: [FrameType; 14] = [
     FrameType::Hello,
     FrameType::Manifest,
     FrameType::Open,
@@ -37,6 +37,8 @@ const ALL_TYPES: [FrameType; 12] = [
     FrameType::Fetch,
     FrameType::Done,
     FrameType::Keepalive,
+    FrameType::ChunkHead,
+    FrameType::Piece,
     FrameType::Error,
 ];
 
@@ -105,6 +107,17 @@ fn sample_frames() -> Vec<Frame> {
             shard: 2,
             index: 5,
             data: Bytes::from(vec![0x5a; 300]),
+        },
+        Frame::ChunkHead {
+            shard: 2,
+            index: 5,
+            cvs: vec![[0x11; 32], [0x22; 32], [0x33; 32]],
+        },
+        Frame::Piece {
+            shard: 2,
+            index: 5,
+            piece: 1,
+            data: Bytes::from(vec![0x5b; 200]),
         },
         Frame::Ack { shard: 2, index: 5 },
         Frame::Nack { shard: 2, index: 6 },
@@ -296,6 +309,25 @@ fn per_type_maximum_body_lengths() {
         full_chunk.encoded_len() - HEADER_LEN,
         FrameType::Chunk.max_body_len()
     );
+    let full_piece = Frame::Piece {
+        shard: 0,
+        index: 0,
+        piece: 0,
+        data: vec![0; shardcast_protocol::pieces::PIECE_SIZE].into(),
+    };
+    assert_eq!(
+        full_piece.encoded_len() - HEADER_LEN,
+        FrameType::Piece.max_body_len()
+    );
+    let full_head = Frame::ChunkHead {
+        shard: 0,
+        index: 0,
+        cvs: vec![[0; 32]; shardcast_protocol::pieces::MAX_PIECES],
+    };
+    assert_eq!(
+        full_head.encoded_len() - HEADER_LEN,
+        FrameType::ChunkHead.max_body_len()
+    );
     let full_set = Frame::Accept {
         have: ChunkSet::new(0, MAX_CHUNKS_PER_SHARD),
     };
@@ -345,7 +377,7 @@ fn unknown_frame_types_are_rejected() {
     assert_eq!(
         known,
         [
-            0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x0a, 0x07, 0x08, 0x09, 0x0b, 0x0f
+            0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x0a, 0x07, 0x08, 0x09, 0x0b, 0x0c, 0x0d, 0x0f
         ]
     );
     for b in 0..=u8::MAX {

@@ -26,6 +26,8 @@ fn wire_type(frame: &Frame) -> u8 {
         Frame::Fetch { .. } => 0x08,
         Frame::Done => 0x09,
         Frame::Keepalive => 0x0b,
+        Frame::ChunkHead { .. } => 0x0c,
+        Frame::Piece { .. } => 0x0d,
         Frame::Error { .. } => 0x0f,
     }
 }
@@ -94,6 +96,22 @@ proptest! {
         let mut manual = prefix.to_vec();
         manual.extend_from_slice(&data);
         let frame = Frame::Chunk { shard, index, data };
+        prop_assert_eq!(&manual, &encode_to_vec(&frame));
+        prop_assert_eq!(decode_exact::<Frame>(Bytes::from(manual)).unwrap(), frame);
+    }
+
+    #[test]
+    fn piece_prefix_plus_data_is_the_piece_frame(
+        shard in any::<u32>(),
+        index in any::<u32>(),
+        piece in any::<u32>(),
+        data in chunk_data(),
+    ) {
+        prop_assume!(data.len() <= shardcast_protocol::pieces::PIECE_SIZE);
+        let prefix = Frame::piece_prefix(shard, index, piece, data.len());
+        let mut manual = prefix.to_vec();
+        manual.extend_from_slice(&data);
+        let frame = Frame::Piece { shard, index, piece, data };
         prop_assert_eq!(&manual, &encode_to_vec(&frame));
         prop_assert_eq!(decode_exact::<Frame>(Bytes::from(manual)).unwrap(), frame);
     }

@@ -261,6 +261,16 @@ pub(crate) fn frame() -> impl Strategy<Value = Frame> {
         }),
         Just(Frame::Done),
         Just(Frame::Keepalive),
+        (any::<u32>(), any::<u32>(), vec(any::<[u8; 32]>(), 0..8))
+            .prop_map(|(shard, index, cvs)| Frame::ChunkHead { shard, index, cvs }),
+        (any::<u32>(), any::<u32>(), any::<u32>(), chunk_data()).prop_map(
+            |(shard, index, piece, data)| Frame::Piece {
+                shard,
+                index,
+                piece,
+                data
+            }
+        ),
         (error_code(), message()).prop_map(|(code, message)| Frame::Error { code, message }),
     ]
 }
