@@ -246,8 +246,8 @@ fn hello_golden_bytes() {
         host: "host-a".parse().unwrap(),
     };
     let enc = encode_to_vec(&f);
-    // length 15 | type 0x01 | "SHCS" | version 6 | host: length 6, "host-a"
-    assert_eq!(hex::encode(&enc), "0000000f015348435300060006686f73742d61");
+    // length 15 | type 0x01 | "SHCS" | version 7 | host: length 6, "host-a"
+    assert_eq!(hex::encode(&enc), "0000000f015348435300070006686f73742d61");
 }
 
 /// Fixed encodings of the other small frames, so that the layouts in `docs/PROTOCOL.md`
