@@ -110,9 +110,9 @@ pub use frame::{ErrorCode, Frame, FrameType, Hop, HopTransport, SessionHeader, S
 pub use manifest::{
     ChunkHash, Manifest, ModelDigest, ShardEntry, ShardHasher, VerifiedChunk, VerifyError,
 };
-pub use pieces::{Hashed, PieceCheck, PieceCv, VerifiedPieces};
 pub use name::{HostId, ModelName, NameError, ShardPath};
 pub use named::UnknownName;
+pub use pieces::{Hashed, PieceCheck, PieceCv, VerifiedPieces};
 pub use tier::{DataTier, NotADataTier, Tier};
 
 /// Version of the hop-to-hop wire protocol spoken by this build. Sent in `Hello`; a peer

@@ -59,10 +59,41 @@ pub fn piece_span(len: usize, piece: u32) -> Option<std::ops::Range<usize>> {
 
 /// The CV of piece number `piece` of a chunk, over `data` (its bytes, non-empty).
 pub fn piece_cv(piece: u32, data: &[u8]) -> PieceCv {
-    let mut h = blake3::Hasher::new();
-    h.set_input_offset(piece as u64 * PIECE_SIZE as u64);
+    let mut h = PieceHasher::new(piece);
     h.update(data);
-    h.finalize_non_root()
+    h.finish()
+}
+
+/// Hashes one piece as its bytes stream past (at most [`PIECE_SIZE`] of them): its CV.
+#[derive(Debug, Clone)]
+pub struct PieceHasher {
+    hasher: blake3::Hasher,
+    len: usize,
+}
+
+impl PieceHasher {
+    /// A hasher for piece number `piece` of a chunk (its place in the chunk's tree).
+    pub fn new(piece: u32) -> Self {
+        let mut hasher = blake3::Hasher::new();
+        hasher.set_input_offset(u64::from(piece) * PIECE_SIZE as u64);
+        Self { hasher, len: 0 }
+    }
+
+    /// Feeds the next bytes of the piece; bytes past [`PIECE_SIZE`] are ignored (a piece
+    /// that long fails its length check anyway).
+    pub fn update(&mut self, data: &[u8]) {
+        let take = data.len().min(PIECE_SIZE - self.len);
+        self.hasher.update(&data[..take]);
+        self.len += take;
+    }
+
+    /// The piece's CV (of no bytes: all zero, which no piece's CV is but by chance).
+    pub fn finish(&self) -> PieceCv {
+        if self.len == 0 {
+            return [0; 32];
+        }
+        self.hasher.finalize_non_root()
+    }
 }
 
 /// The chunk hash that `cvs` (one per piece, in order) merge into for a chunk of `len`
@@ -75,7 +106,9 @@ pub fn root_of(cvs: &[PieceCv], len: usize) -> Option<ChunkHash> {
     let split = blake3::hazmat::left_subtree_len(len as u64) as usize;
     let left = subtree(&cvs[..split / PIECE_SIZE], split);
     let right = subtree(&cvs[split / PIECE_SIZE..], len - split);
-    Some(ChunkHash(*merge_subtrees_root(&left, &right, Mode::Hash).as_bytes()))
+    Some(ChunkHash(
+        *merge_subtrees_root(&left, &right, Mode::Hash).as_bytes(),
+    ))
 }
 
 /// The CV of the subtree over `len` bytes whose pieces' CVs are `cvs` (a non-root node).
@@ -270,7 +303,10 @@ impl PieceCheck {
         for (i, p) in pieces.iter().enumerate() {
             let span = piece_span(self.len, i as u32).map_or(0, |s| s.len());
             if p.len() != span {
-                return Err(bad(format!("piece {i} has {} bytes, expected {span}", p.len())));
+                return Err(bad(format!(
+                    "piece {i} has {} bytes, expected {span}",
+                    p.len()
+                )));
             }
         }
         Ok(VerifiedPieces {
@@ -278,6 +314,7 @@ impl PieceCheck {
             index: self.index,
             offset: self.offset,
             pieces,
+            cvs: self.cvs.clone(),
         })
     }
 }
@@ -291,9 +328,14 @@ pub struct VerifiedPieces {
     index: u32,
     offset: u64,
     pieces: Vec<Bytes>,
+    cvs: std::sync::Arc<[PieceCv]>,
 }
 
 impl VerifiedPieces {
+    /// The pieces' CVs.
+    pub fn cvs(&self) -> &std::sync::Arc<[PieceCv]> {
+        &self.cvs
+    }
     /// Shard index.
     pub fn shard(&self) -> u32 {
         self.shard
@@ -443,7 +485,10 @@ mod tests {
         assert_eq!(piece_count(PIECE_SIZE), 0);
         assert_eq!(piece_count(PIECE_SIZE + 1), 2);
         assert_eq!(piece_span(PIECE_SIZE, 0), None);
-        assert_eq!(piece_span(PIECE_SIZE + 1, 1), Some(PIECE_SIZE..PIECE_SIZE + 1));
+        assert_eq!(
+            piece_span(PIECE_SIZE + 1, 1),
+            Some(PIECE_SIZE..PIECE_SIZE + 1)
+        );
         assert_eq!(piece_span(PIECE_SIZE + 1, 2), None);
         assert!(Hashed::of(&bytes(PIECE_SIZE, 0)).cvs.is_empty());
     }

@@ -24,6 +24,10 @@ pub struct TestCluster {
     /// How the hops of the chains [`Self::start_chain`] starts dial each other (TCP unless
     /// a test sets it).
     pub transport: HopTransport,
+    /// The chunk size [`Self::import_on_source`] imports with: 256 KiB unless a test sets
+    /// it (`SHARDCAST_TEST_CHUNK_SIZE` overrides the default, to run the suite with chunks
+    /// that go in pieces); chunks over 256 KiB cross hops in verified pieces.
+    pub chunk_size: u32,
 }
 
 impl TestCluster {
@@ -68,6 +72,10 @@ impl TestCluster {
             daemons,
             origin,
             origin_uri,
+            chunk_size: std::env::var("SHARDCAST_TEST_CHUNK_SIZE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(256 << 10),
             scratch,
             transport: HopTransport::Tcp,
         })
@@ -107,7 +115,7 @@ impl TestCluster {
         ImportModelRequest {
             name: "test/model".into(),
             origin: self.origin_uri.clone(),
-            chunk_size: 256 << 10,
+            chunk_size: self.chunk_size,
             tier: Tier::Memory as i32,
             fetch,
             keep: false,

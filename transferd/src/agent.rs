@@ -670,6 +670,8 @@ impl Agent for AgentService {
             memory_reserve_bytes: reserve.held,
             memory_reserve_target: reserve.config.bytes,
             memory_reserve_taken_bytes: st.reserve_bytes_taken.load(Ordering::Relaxed),
+            chunks_sent_in_pieces: s.chunks_sent_in_pieces.load(Ordering::Relaxed),
+            chunks_received_in_pieces: s.chunks_received_in_pieces.load(Ordering::Relaxed),
         }))
     }
 

@@ -309,6 +309,12 @@ pub struct Args {
     /// the kernel refuses). Measured slower on loopback, so off [default: false].
     #[arg(long, env = "SHARDCAST_SENDFILE")]
     pub sendfile: Option<String>,
+    /// Forward chunks in verified 256 KiB pieces (protocol version 7): each piece is
+    /// checked against the manifest's hash (through the BLAKE3 tree) as it lands and sent
+    /// on at once, so a chunk crosses each hop a piece behind instead of a chunk behind.
+    /// Off sends chunks whole; receivers take both [default: true].
+    #[arg(long, env = "SHARDCAST_PIECES")]
+    pub pieces: Option<String>,
     /// How the data port (TCP) protects what crosses it: `tls` encrypts every byte with
     /// mutual TLS; `authenticate-only` (for a trusted fabric) authenticates both ends with
     /// the same mutual-TLS handshake and each session with its plan token, then sends
@@ -472,6 +478,7 @@ struct Settings {
     cert_expiry_warning_s: u64,
     insecure_plaintext: bool,
     sendfile: bool,
+    pieces: bool,
     data_mode: DataMode,
     stripes: Auto<usize>,
     hash_on_read: Auto<bool>,
@@ -567,6 +574,7 @@ impl Default for Settings {
             cert_expiry_warning_s: shardcast_identity::expiry::EXPIRY_WARNING.as_secs(),
             insecure_plaintext: false,
             sendfile: chain.sendfile,
+            pieces: chain.pieces,
             data_mode: DataMode::default(),
             stripes: Auto::Auto,
             hash_on_read: Auto::Auto,
@@ -1172,6 +1180,7 @@ impl Config {
                 origin_parallel,
                 pipeline_depth,
                 sendfile: s.sendfile,
+                pieces: s.pieces,
                 stripes,
                 hash_on_read: match s.hash_on_read {
                     Auto::Auto => crate::chain::few_cores(),

@@ -405,6 +405,18 @@ impl Collector for NodeCollector {
                 load(&s.chunks_corrupt),
             ),
             (
+                "chunks_sent_in_pieces_total",
+                Counter,
+                "Chunks sent downstream in verified pieces (ChunkHead and 256 KiB Pieces).",
+                load(&s.chunks_sent_in_pieces),
+            ),
+            (
+                "chunks_received_in_pieces_total",
+                Counter,
+                "Chunks received in verified pieces and stored.",
+                load(&s.chunks_received_in_pieces),
+            ),
+            (
                 "chunks_resent_total",
                 Counter,
                 "Chunks sent again after a Nack.",

@@ -18,7 +18,7 @@
 //!
 //! Which large frames a reader takes at each point ([`FrameReader::admit_large`]): the data
 //! port takes only the `Open` before its token is checked, then its `Manifest`, then
-//! `Chunk`s; another is refused from its header (`WireError::NotAdmitted`). Every large
+//! `Chunk`s and `Piece`s; another is refused from its header (`WireError::NotAdmitted`). Every large
 //! frame has a time ([`frame_time`]: [`FRAME_GRACE`] plus 1 s per MiB from its grant, the
 //! reader's own ingress waits added; `WireError::FrameStalled`). The budget gives each peer a
 //! share (a quarter, at least the largest frame) taken first ([`FrameReader::set_peer`],
@@ -53,7 +53,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use shardcast_protocol::codec::{Codec, DecodeError};
 use shardcast_protocol::frame::{FrameHeader, HEADER_LEN};
-use shardcast_protocol::{ChunkHash, ErrorCode, Frame, FrameType};
+use shardcast_protocol::pieces::{ChunkHasher, PieceHasher};
+use shardcast_protocol::{ErrorCode, Frame, FrameType, Hashed, PieceCv};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -615,17 +616,31 @@ pub struct FrameReader<R> {
     large: Option<&'static [FrameType]>,
     /// When the large frame being read must be complete ([`frame_time`]).
     frame_deadline: Option<tokio::time::Instant>,
-    /// Hash a `Chunk` body's payload as it arrives ([`FrameReader::hash_chunks`]).
+    /// Hash a `Chunk` or `Piece` body's payload as it arrives ([`FrameReader::hash_chunks`]).
     hash_chunks: bool,
-    /// The payload hash of the `Chunk` body being read: the hasher and the body offset it
-    /// has hashed up to.
-    hashing: Option<(blake3::Hasher, usize)>,
+    /// The payload hash of the `Chunk` or `Piece` body being read: the hasher (none yet
+    /// while a `Piece`'s number has not arrived) and the body offset it has hashed up to.
+    hashing: Option<(Hashing, usize)>,
     /// The payload hash of the last `Chunk` frame returned, until taken.
-    chunk_hash: Option<ChunkHash>,
+    chunk_hash: Option<Hashed>,
+    /// The payload CV of the last `Piece` frame returned, until taken.
+    piece_cv: Option<PieceCv>,
+}
+
+/// What hashes the payload of the frame being read.
+enum Hashing {
+    /// A whole chunk, piece by piece (its hash and its pieces' CVs).
+    Chunk(ChunkHasher),
+    /// A piece whose number (and so its place in the chunk's tree) has not arrived yet.
+    PieceAwaited,
+    /// A piece: its CV.
+    Piece(PieceHasher),
 }
 
 /// Bytes of a `Chunk` body before its payload: shard, index and length, a `u32` each.
 const CHUNK_FIXED: usize = 12;
+/// Bytes of a `Piece` body before its payload: shard, index, piece and length.
+const PIECE_FIXED: usize = 16;
 
 /// A `Chunk` payload is hashed in steps of this many bytes as they arrive (and the rest at
 /// its end): whole powers of two from the payload's start keep BLAKE3's SIMD paths on
@@ -663,8 +678,16 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// The BLAKE3 hash of the payload of the `Chunk` frame the last [`FrameReader::read`]
     /// returned, worked out here over exactly those bytes as they arrived; `None` when
     /// [`FrameReader::hash_chunks`] is off or the last frame was another type.
-    pub fn take_chunk_hash(&mut self) -> Option<ChunkHash> {
+    pub fn take_chunk_hash(&mut self) -> Option<Hashed> {
         self.chunk_hash.take()
+    }
+
+    /// The CV of the payload of the `Piece` frame the last [`FrameReader::read`] returned,
+    /// worked out here over exactly those bytes as they arrived (at the piece's place in its
+    /// chunk's tree); `None` when [`FrameReader::hash_chunks`] is off or the last frame was
+    /// another type.
+    pub fn take_piece_cv(&mut self) -> Option<PieceCv> {
+        self.piece_cv.take()
     }
 
     /// Wraps a read half.
@@ -692,6 +715,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             hash_chunks: false,
             hashing: None,
             chunk_hash: None,
+            piece_cv: None,
         }
     }
 
@@ -796,10 +820,17 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 self.frame_deadline = (head.body_len > UNCHARGED_BODY)
                     .then(|| tokio::time::Instant::now() + frame_time(head.body_len));
                 self.chunk_hash = None;
-                self.hashing = (self.hash_chunks
-                    && head.ty == FrameType::Chunk
-                    && head.body_len >= CHUNK_FIXED)
-                    .then(|| (blake3::Hasher::new(), CHUNK_FIXED));
+                self.piece_cv = None;
+                self.hashing = match head.ty {
+                    _ if !self.hash_chunks => None,
+                    FrameType::Chunk if head.body_len >= CHUNK_FIXED => {
+                        Some((Hashing::Chunk(ChunkHasher::new()), CHUNK_FIXED))
+                    }
+                    FrameType::Piece if head.body_len > PIECE_FIXED => {
+                        Some((Hashing::PieceAwaited, PIECE_FIXED))
+                    }
+                    _ => None,
+                };
                 self.body = Some((head, buf, 0, grant));
             }
             let Some((head, body, filled, grant)) = self.body.as_mut() else {
@@ -824,12 +855,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 let frame = Frame::decode_body(ty, body)?;
                 // The hash covers the body from its payload's first byte to its end: it is
                 // the payload's hash exactly when the payload runs to the body's end.
-                if let (Some((hasher, upto)), Frame::Chunk { data, .. }) =
-                    (self.hashing.take(), &frame)
-                    && upto == body_len
-                    && data.len() == body_len - CHUNK_FIXED
-                {
-                    self.chunk_hash = Some(ChunkHash(*hasher.finalize().as_bytes()));
+                match (self.hashing.take(), &frame) {
+                    (Some((Hashing::Chunk(hasher), upto)), Frame::Chunk { data, .. })
+                        if upto == body_len && data.len() == body_len - CHUNK_FIXED =>
+                    {
+                        self.chunk_hash = Some(hasher.finish());
+                    }
+                    (Some((Hashing::Piece(hasher), upto)), Frame::Piece { data, .. })
+                        if upto == body_len
+                            && data.len() == body_len - PIECE_FIXED
+                            && !data.is_empty() =>
+                    {
+                        self.piece_cv = Some(hasher.finish());
+                    }
+                    _ => {}
                 }
                 return Ok(Some(frame));
             }
@@ -855,18 +894,31 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 return Err(WireError::Truncated);
             }
             *filled += n;
-            if let Some((hasher, upto)) = self.hashing.as_mut()
-                && *filled > CHUNK_FIXED
-            {
-                // Whole steps from the payload's start, and the rest once it is all here.
-                let end = if *filled == head.body_len {
-                    *filled
-                } else {
-                    CHUNK_FIXED + (*filled - CHUNK_FIXED) / HASH_STEP * HASH_STEP
+            if let Some((hashing, upto)) = self.hashing.as_mut() {
+                let fixed = match hashing {
+                    Hashing::Chunk(_) => CHUNK_FIXED,
+                    Hashing::Piece(_) | Hashing::PieceAwaited => PIECE_FIXED,
                 };
-                if end > *upto {
-                    hasher.update(&body[*upto..end]);
-                    *upto = end;
+                if matches!(hashing, Hashing::PieceAwaited) && *filled >= fixed {
+                    // The piece's number is here: its place in the chunk's tree.
+                    let piece = u32::from_be_bytes([body[8], body[9], body[10], body[11]]);
+                    *hashing = Hashing::Piece(PieceHasher::new(piece));
+                }
+                if *filled > fixed {
+                    // Whole steps from the payload's start, and the rest once it is all here.
+                    let end = if *filled == head.body_len {
+                        *filled
+                    } else {
+                        fixed + (*filled - fixed) / HASH_STEP * HASH_STEP
+                    };
+                    if end > *upto {
+                        match hashing {
+                            Hashing::Chunk(h) => h.update(&body[*upto..end]),
+                            Hashing::Piece(h) => h.update(&body[*upto..end]),
+                            Hashing::PieceAwaited => {}
+                        }
+                        *upto = end;
+                    }
                 }
             }
             self.received(n);
@@ -954,11 +1006,36 @@ impl<W: FrameSink> FrameWriter<W> {
         file: Option<&FileRegion>,
     ) -> Result<(), WireError> {
         let prefix = Frame::chunk_prefix(shard, index, data.len());
+        self.send_payload(&prefix, data, file).await
+    }
+
+    /// Sends piece `piece` of chunk `index` of `shard` (a `Piece` frame; protocol version 7),
+    /// its payload as [`FrameWriter::send_chunk`] sends a chunk's.
+    pub async fn send_piece(
+        &mut self,
+        shard: u32,
+        index: u32,
+        piece: u32,
+        data: &Bytes,
+        file: Option<&FileRegion>,
+    ) -> Result<(), WireError> {
+        let prefix = Frame::piece_prefix(shard, index, piece, data.len());
+        self.send_payload(&prefix, data, file).await
+    }
+
+    /// A frame's `prefix` (header and fixed fields), then its payload `data`: copied into
+    /// the buffer when small, else written as it is (or sent from `file`).
+    async fn send_payload(
+        &mut self,
+        prefix: &[u8],
+        data: &Bytes,
+        file: Option<&FileRegion>,
+    ) -> Result<(), WireError> {
         let total = (prefix.len() + data.len()) as u64;
         self.egress.acquire(total).await;
         let from = self
             .timed(async |w| {
-                w.write_all(&prefix).await?;
+                w.write_all(prefix).await?;
                 if data.len() < WRITE_BUFFER {
                     w.write_all(data).await?;
                     return Ok(SentFrom::Memory);
@@ -1044,7 +1121,8 @@ impl Conn {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shardcast_protocol::HostId;
+    use shardcast_protocol::pieces;
+    use shardcast_protocol::{ChunkHash, HostId};
 
     /// A sink that records, in order, what reached it as plain writes and what as `Bytes`.
     #[derive(Default)]
@@ -1225,6 +1303,7 @@ mod tests {
             HASH_STEP + 1,
             3 * HASH_STEP + 17,
             1 << 20,
+            (1 << 20) + 5,
         ];
         let payload = |n: usize| -> Bytes { (0..n).map(|i| (i * 7 % 253) as u8).collect() };
         let writer = tokio::spawn(async move {
@@ -1235,6 +1314,14 @@ mod tests {
                     data: payload(n),
                 };
                 w.send(&chunk).await.unwrap();
+                // Then its pieces, where it has pieces, as `Piece` frames.
+                let data = payload(n);
+                for p in 0..pieces::piece_count(n) as u32 {
+                    let span = pieces::piece_span(n, p).unwrap();
+                    w.send_piece(1, i as u32, p, &data.slice(span), None)
+                        .await
+                        .unwrap();
+                }
                 w.send(&Frame::Ack {
                     shard: 1,
                     index: i as u32,
@@ -1250,10 +1337,27 @@ mod tests {
                 Some(Frame::Chunk { index, data, .. }) => {
                     assert_eq!(index as usize, i);
                     assert_eq!(data, payload(n));
-                    assert_eq!(r.take_chunk_hash(), Some(ChunkHash::of(&data)), "{n} bytes");
+                    assert_eq!(r.take_chunk_hash(), Some(Hashed::of(&data)), "{n} bytes");
+                    assert_eq!(
+                        Hashed::of(&data).root,
+                        ChunkHash(*blake3::hash(&data).as_bytes())
+                    );
                     assert_eq!(r.take_chunk_hash(), None, "taken once");
+                    assert_eq!(r.take_piece_cv(), None, "a chunk has no piece CV");
                 }
                 other => panic!("unexpected {other:?}"),
+            }
+            let data = payload(n);
+            let cvs = Hashed::of(&data).cvs;
+            for (p, cv) in cvs.iter().enumerate() {
+                match r.read().await.unwrap() {
+                    Some(Frame::Piece { index, piece, .. }) => {
+                        assert_eq!((index as usize, piece as usize), (i, p));
+                        assert_eq!(r.take_piece_cv(), Some(*cv), "{n} bytes, piece {p}");
+                        assert_eq!(r.take_chunk_hash(), None);
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
             }
             assert!(matches!(r.read().await.unwrap(), Some(Frame::Ack { .. })));
             assert_eq!(r.take_chunk_hash(), None, "an Ack has no payload hash");

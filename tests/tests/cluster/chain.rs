@@ -494,8 +494,84 @@ async fn head_killed_hops_recover_from_another_holder(transport: HopTransport) {
     );
 }
 
+/// Chunks cross the hops below the first in verified pieces (protocol 7): each hop checks
+/// every piece against the manifest's hash as it lands and forwards it at once. A piece
+/// corrupted in flight by a middle hop is caught by the next hop, which refuses the chunk
+/// (`Nack` after its last piece) and gets it again whole; nothing corrupt goes further.
+/// With `pieces` off, the same chain sends whole chunks only.
+async fn chunks_cross_hops_in_verified_pieces(transport: HopTransport) {
+    let mut c = TestCluster::start(4, 24 * MIB, 2, |i, o| {
+        if i == 2 {
+            o.env
+                .push(("SHARDCAST_ENABLE_FAULT_INJECTION".into(), "1".into()));
+            o.env
+                .push(("SHARDCAST_FAULT_CORRUPT".into(), "0:6,1:9".into()));
+        }
+    })
+    .await
+    .unwrap();
+    c.transport = transport;
+    c.chunk_size = 1 << 20;
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2, 3, 4], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait(&[1, 2, 3, 4], &digest, Duration::from_secs(90))
+        .await
+        .unwrap();
+    let chunks = manifest.total_chunks();
+    let mut st = Vec::new();
+    for d in &c.daemons {
+        st.push(d.stats().await.unwrap());
+    }
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+    }
+    // Hop 1 verified what the source sent piece by piece (its CVs were worked out as its
+    // hash was), so everything below it can go in pieces.
+    for (i, s) in st.iter().enumerate().take(4).skip(1) {
+        assert!(
+            s.chunks_sent_in_pieces * 2 >= chunks,
+            "daemon {i} sent {} of {chunks} chunks in pieces: {s:?}",
+            s.chunks_sent_in_pieces
+        );
+    }
+    for (i, s) in st.iter().enumerate().skip(2) {
+        assert!(
+            s.chunks_received_in_pieces * 2 >= chunks,
+            "daemon {i} received {} of {chunks} chunks in pieces: {s:?}",
+            s.chunks_received_in_pieces
+        );
+    }
+    assert_eq!(st[3].chunks_corrupt, 2, "hop 3 caught both bad pieces: {:?}", st[3]);
+    assert_eq!(st[4].chunks_corrupt, 0, "corruption must not propagate");
+    assert!(metric(&c.daemons[3], "chunks_received_in_pieces_total").await >= 1);
+
+    // Off: whole chunks only.
+    let mut c = TestCluster::start(2, 8 * MIB, 1, |_, o| {
+        o.env.push(("SHARDCAST_PIECES".into(), "false".into()));
+    })
+    .await
+    .unwrap();
+    c.transport = transport;
+    c.chunk_size = 1 << 20;
+    let (digest, manifest) = c.import_on_source().await.unwrap();
+    c.start_chain(0, &digest, &[1, 2], &c.origin_uri)
+        .await
+        .unwrap();
+    c.wait(&[1, 2], &digest, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for d in &c.daemons[1..] {
+        d.verify_copy(&manifest).unwrap();
+        let s = d.stats().await.unwrap();
+        assert_eq!(s.chunks_received_in_pieces, 0, "{s:?}");
+    }
+}
+
 shardcast_tests::over_each_transport!(
     chain_of_eight_receivers_is_byte_exact,
+    chunks_cross_hops_in_verified_pieces,
     middle_hop_killed_mid_transfer_others_complete,
     head_killed_hops_recover_from_origin,
     corrupt_chunk_in_flight_is_detected_and_resent,

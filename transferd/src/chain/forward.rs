@@ -18,13 +18,17 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use std::collections::HashMap;
+
+use bytes::{Bytes, BytesMut};
+use shardcast_protocol::pieces::{piece_count, piece_span};
 use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, SessionHeader};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
 use super::handshake::Links;
 use super::outcome::{ForwardError, HopFailure};
+use super::pieces::MAX_PIECING;
 use super::proto::{
     Answer, LocalCopy, Repair, SendOutcome, SendWindow, SendWindowConfig, Transmit,
 };
@@ -53,6 +57,8 @@ pub(super) struct Forwarder {
     idle_timeout: Duration,
     /// Send payloads from the store's files (plaintext TCP).
     sendfile: bool,
+    /// Send chunks in verified pieces where their pieces' CVs are known (`super::pieces`).
+    pieces: bool,
 }
 
 impl Forwarder {
@@ -74,6 +80,7 @@ impl Forwarder {
             stall_timeout: cfg.stall_timeout,
             idle_timeout: cfg.idle_timeout,
             sendfile: cfg.sendfile,
+            pieces: cfg.pieces,
         }
     }
 
@@ -193,6 +200,10 @@ impl Forwarder {
         let mut window = SendWindow::new(acked, self.window, now());
         let mut local = sess.shard.subscribe();
         let mut failed = sess.failed.subscribe();
+        let mut relayed = sess.pieces.subscribe();
+        // Chunks whose first pieces went ahead of them while they arrived here, and how
+        // many: the rest follows once the chunk is whole.
+        let mut sent_ahead: HashMap<u32, usize> = HashMap::new();
         loop {
             for repair in window.scan_dropped(copy) {
                 self.request_repair(sess, repair);
@@ -243,9 +254,82 @@ impl Forwarder {
                     data = bad.freeze();
                     file = None;
                 }
-                conn.writer
-                    .send_chunk(shard, index, &data, file.as_ref())
-                    .await?;
+                // In pieces where its first ones went ahead, or where its pieces' CVs are
+                // known here (not for a re-send after a `Nack`: whole, as simple as can be).
+                let cvs = (self.pieces && !recheck)
+                    .then(|| sess.shard.piece_cvs(index))
+                    .flatten()
+                    .filter(|cvs| cvs.len() == piece_count(data.len()));
+                match (sent_ahead.remove(&index), cvs) {
+                    (Some(from), _) => {
+                        send_pieces(&mut conn, shard, index, &data, from, file.as_ref()).await?;
+                    }
+                    (None, Some(cvs)) => {
+                        conn.writer
+                            .send(&Frame::ChunkHead {
+                                shard,
+                                index,
+                                cvs: cvs.to_vec(),
+                            })
+                            .await?;
+                        send_pieces(&mut conn, shard, index, &data, 0, file.as_ref()).await?;
+                        self.stats
+                            .chunks_sent_in_pieces
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    (None, None) => {
+                        conn.writer
+                            .send_chunk(shard, index, &data, file.as_ref())
+                            .await?;
+                    }
+                }
+                window.note_sent(now());
+            }
+            // Chunks still arriving here in pieces: their verified pieces go ahead.
+            while self.pieces && window.has_room() {
+                let next = sess.pieces.next(
+                    |i| {
+                        window.unsent(i)
+                            && !copy.is_verified(i)
+                            && (sent_ahead.contains_key(&i) || sent_ahead.len() < MAX_PIECING)
+                    },
+                    |i| sent_ahead.get(&i).copied().unwrap_or(0),
+                );
+                let Some(r) = next else { break };
+                let from = match sent_ahead.get(&r.index) {
+                    Some(&from) => from,
+                    None => {
+                        conn.writer
+                            .send(&Frame::ChunkHead {
+                                shard,
+                                index: r.index,
+                                cvs: r.cvs.to_vec(),
+                            })
+                            .await?;
+                        self.stats
+                            .chunks_sent_in_pieces
+                            .fetch_add(1, Ordering::Relaxed);
+                        0
+                    }
+                };
+                for (p, piece) in r.pieces.iter().enumerate().skip(from) {
+                    let mut piece = piece.clone();
+                    if p == 0 && self.faults.take(shard, r.index) {
+                        warn!(
+                            chunk = r.index,
+                            "fault injection: corrupting a piece in flight"
+                        );
+                        let mut bad = BytesMut::from(&piece[..]);
+                        if let Some(b) = bad.first_mut() {
+                            *b ^= 0xff;
+                        }
+                        piece = bad.freeze();
+                    }
+                    conn.writer
+                        .send_piece(shard, r.index, p as u32, &piece, None)
+                        .await?;
+                }
+                sent_ahead.insert(r.index, r.pieces.len());
                 window.note_sent(now());
             }
             if window.keepalive_due(now()) {
@@ -282,6 +366,7 @@ impl Forwarder {
                     }
                     continue;
                 }
+                _ = relayed.changed(), if self.pieces && window.has_room() => continue,
                 _ = failed.changed() => {
                     let why = sess.failed.borrow().clone();
                     if let Some(why) = why {
@@ -381,6 +466,31 @@ impl Forwarder {
             ..RepairRequest::new(sess.shard.clone(), vec![repair.index])
         });
     }
+}
+
+/// Sends pieces `from..` of chunk `index`, whose bytes are `data` (from `file`, where
+/// given, at the chunk's place in the store's file), after its `ChunkHead`.
+async fn send_pieces(
+    conn: &mut Conn,
+    shard: u32,
+    index: u32,
+    data: &Bytes,
+    from: usize,
+    file: Option<&FileRegion>,
+) -> Result<(), ChainError> {
+    for p in from..piece_count(data.len()) {
+        let Some(span) = piece_span(data.len(), p as u32) else {
+            break;
+        };
+        let region = file.map(|f| FileRegion {
+            file: f.file.clone(),
+            offset: f.offset + span.start as u64,
+        });
+        conn.writer
+            .send_piece(shard, index, p as u32, &data.slice(span), region.as_ref())
+            .await?;
+    }
+    Ok(())
 }
 
 /// The sender's own copy, as its send window sees it.

@@ -13,12 +13,15 @@
 //! range, the list of hosts below, and three kinds of tasks:
 //!
 //! * `Receiver::handle_upstream` (`upstream.rs`; one per upstream connection, more than one
-//!   when an upstream's upstream fails over to us): reads `Chunk` frames, verifies each
+//!   when an upstream's upstream fails over to us): reads `Chunk` frames (or a chunk's `ChunkHead` and `Piece`s), verifies each
 //!   against the manifest, writes it positionally into the store, answers `Ack` (or `Nack`
 //!   on a hash mismatch, so the sender sends it again) and relays `Progress` from below.
 //! * the forwarder (`forward.rs`; one per session): waits on the store's "newly verified"
 //!   signal and sends each chunk on as soon as it is here (cut-through), keeping at most
-//!   `window` chunks unacknowledged. If the next hop dies or refuses, it connects to the one
+//!   `window` chunks unacknowledged. Where it knows a chunk's pieces' CVs it sends the chunk
+//!   as a `ChunkHead` and `Piece`s, and the verified pieces of a chunk still arriving here
+//!   in pieces go ahead of the chunk (`pieces.rs`), so a chunk crosses a hop a piece
+//!   (256 KiB) behind rather than a chunk behind. If the next hop dies or refuses, it connects to the one
 //!   after it and resumes from what that hop's `Accept` says it lacks.
 //! * the recovery monitor (`recovery.rs`): when no upstream is feeding an incomplete session
 //!   for `upstream_grace`, it fetches the missing chunks from the session's fallback source
@@ -127,6 +130,7 @@
 //! | `forward` | the forwarder: sending to the downstream with failover |
 //! | `recovery` | the recovery monitor: a hop without upstream fetches from its fallback |
 //! | `fetch` | fetching chunks from an origin or a holder into a session (recovery, head fill, imports) |
+//! | `pieces` | chunks in verified pieces (protocol 7): `Assemblies`, the receiving end of one connection's chunks in pieces; `PieceRelay`, a session's verified pieces of chunks not yet whole, which its forwarder sends ahead |
 //! | `head` | head sessions started through the agent API; a head's origin read, stopped when the forwarder loses the hop below and resumed after a pull from that hop |
 
 use std::collections::HashSet;
@@ -142,6 +146,7 @@ mod forward;
 mod handshake;
 mod head;
 mod outcome;
+mod pieces;
 mod proto;
 mod recovery;
 mod serve;
@@ -252,6 +257,13 @@ pub struct ChainConfig {
     /// would carry the hash too (not measured on many cores). This struct's `Default` is
     /// off.
     pub hash_on_read: bool,
+    /// Forward chunks in verified pieces (protocol version 7, `shardcast_protocol::pieces`):
+    /// a chunk whose pieces' CVs this host knows (it verified the chunk itself, or is
+    /// receiving it in pieces) goes down as a `ChunkHead` and 256 KiB `Piece`s, each checked
+    /// against the manifest's hash on arrival and forwarded at once, so a chunk crosses a
+    /// hop a piece behind instead of a chunk behind. On by default; off sends every chunk
+    /// whole (receivers take both).
+    pub pieces: bool,
 }
 
 /// How many connections each shard of a chain this host heads is striped over.
@@ -362,6 +374,7 @@ impl Default for ChainConfig {
             progress_interval: Duration::from_millis(100),
             pipeline_depth: 4,
             sendfile: false,
+            pieces: true,
             stripes: Stripes::Fixed(1),
             hash_on_read: false,
         }
@@ -397,6 +410,10 @@ pub struct NodeStats {
     pub chunks_verified: AtomicU64,
     /// Chunks dropped because their hash did not match.
     pub chunks_corrupt: AtomicU64,
+    /// Chunks sent downstream in verified pieces (`ChunkHead` and `Piece`s).
+    pub chunks_sent_in_pieces: AtomicU64,
+    /// Chunks received in verified pieces and stored.
+    pub chunks_received_in_pieces: AtomicU64,
     /// Chunks sent again after a `Nack`.
     pub chunks_resent: AtomicU64,
     /// Sessions in progress.

@@ -12,14 +12,15 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    ChunkHash, Frame, Hop, HopTransport, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
-    frame::MAX_UPSTREAM_HOPS,
+    Frame, Hashed, Hop, HopTransport, HostId, Manifest, ModelDigest, SessionId, VerifiedChunk,
+    VerifiedPieces, frame::MAX_UPSTREAM_HOPS,
 };
 use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::outcome::{ForwardError, SessionError};
+use super::pieces::PieceRelay;
 use super::proto::Verdict;
 use super::table::StoreFailures;
 use super::{ChainError, MAX_PROGRESS_HOSTS, NodeStats};
@@ -29,9 +30,11 @@ use crate::store::{Shard, Written};
 pub(super) enum Incoming {
     /// Bytes from a peer, to verify against the manifest; with their hash when the frame
     /// reader worked it out as they arrived (`FrameReader::take_chunk_hash`).
-    Unverified(Bytes, Option<ChunkHash>),
+    Unverified(Bytes, Option<Hashed>),
     /// Verified already (an origin fetch verifies as it reads).
     Verified(VerifiedChunk),
+    /// Verified piece by piece as it arrived (`super::pieces`).
+    Pieces(VerifiedPieces),
 }
 
 /// Where a stored chunk came from (for counters and logs).
@@ -102,6 +105,8 @@ pub struct ShardSession {
     /// (its link back, or resumed) cancels it and feeds the rest (see
     /// [`ShardSession::yield_origin_read`]).
     pub(super) origin_read: Mutex<Option<CancellationToken>>,
+    /// Chunks arriving here in pieces, for the forwarder to send on piece by piece.
+    pub(super) pieces: Arc<PieceRelay>,
 }
 
 impl ShardSession {
@@ -433,6 +438,7 @@ impl Intake {
             bypassed: watch::Sender::new(None),
             downstream_lost: watch::Sender::new(0),
             origin_read: Mutex::default(),
+            pieces: Arc::default(),
         });
         (sess, active)
     }
@@ -451,10 +457,12 @@ impl Intake {
         let len = match &chunk {
             Incoming::Verified(c) => c.data().len(),
             Incoming::Unverified(data, _) => data.len(),
+            Incoming::Pieces(c) => c.len(),
         } as u64;
         let written = match chunk {
             // The shard queues writes to its file (`Shard::write`).
             Incoming::Verified(chunk) => sess.shard.write(chunk).await.map(|_| None),
+            Incoming::Pieces(chunk) => sess.shard.write_pieces(chunk).await.map(|_| None),
             // BLAKE3 takes ~0.3 ms per MiB: unless the frame reader hashed the bytes as
             // they arrived, hashed off the I/O threads, by the same blocking-pool task
             // that then writes it (the shard serialises the writes).

@@ -31,6 +31,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::forward::Forwarder;
 use super::handshake::Links;
+use super::pieces::Assemblies;
 use super::proto::{Inbound, InboundConfig, InboundFrame, Stalled, Verdict};
 use super::recovery::Recovery;
 use super::session::{ActiveSession, ChunkFrom, FeederGuard, Incoming, Intake};
@@ -367,7 +368,17 @@ impl Receiver {
             let mut inbound = Inbound::new(shard, sess.start..sess.end, self.inbound, now());
             // Verify+store runs concurrently with reading the next chunks off the wire, so
             // a hop's throughput is bounded by its slowest stage, not their sum.
-            let mut pending = futures::stream::FuturesUnordered::new();
+            let mut pending: futures::stream::FuturesUnordered<
+                futures::future::BoxFuture<'static, (u32, Result<Verdict, ChainError>)>,
+            > = futures::stream::FuturesUnordered::new();
+            // Chunks arriving in pieces on this connection (`super::pieces`).
+            let mut assemblies = Assemblies::new(sess.manifest.clone(), sess.pieces.clone());
+            let out_of_range = |s: u32, index: u32| {
+                ChainError::protocol(format!(
+                    "chunk {s}/{index} is outside the session's shard {shard} range {}..{}",
+                    sess.start, sess.end
+                ))
+            };
             while inbound.feeding() {
                 tokio::select! {
                     biased;
@@ -387,17 +398,53 @@ impl Receiver {
                     }
                     frame = conn.reader.read(), if inbound.wants_frame() => match frame.inspect(|_| sess.heard_from(Some(remote)))? {
                         Some(Frame::Chunk { shard: s, index, data }) => {
-                            inbound.handle_frame(now(), InboundFrame::Chunk { shard: s, index }).map_err(|_| {
-                                ChainError::protocol(format!(
-                                    "chunk {s}/{index} is outside the session's shard {shard} range {}..{}",
-                                    sess.start, sess.end
-                                ))
-                            })?;
+                            if assemblies.contains(index) {
+                                return Err(ChainError::protocol(format!("chunk {index} whole while its pieces arrive")));
+                            }
+                            inbound.handle_frame(now(), InboundFrame::Chunk { shard: s, index }).map_err(|_| out_of_range(s, index))?;
                             let hashed = conn.reader.take_chunk_hash();
                             let (intake, sess) = (self.intake.clone(), sess.clone());
-                            pending.push(async move {
+                            pending.push(Box::pin(async move {
                                 (index, intake.store_chunk(&sess, index, Incoming::Unverified(data, hashed), ChunkFrom::Upstream).await)
-                            });
+                            }));
+                        }
+                        Some(Frame::ChunkHead { shard: s, index, cvs }) => {
+                            inbound.handle_frame(now(), InboundFrame::Piece { shard: s, index }).map_err(|_| out_of_range(s, index))?;
+                            if let Some((e, answer_now)) = assemblies.head(s, index, &cvs)? {
+                                self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
+                                warn!(chunk = index, "refusing a chunk in pieces whose piece hashes do not match the manifest: {e}");
+                                if answer_now {
+                                    inbound.handle_frame(now(), InboundFrame::Chunk { shard: s, index }).map_err(|_| out_of_range(s, index))?;
+                                    pending.push(Box::pin(std::future::ready((index, Ok(Verdict::Corrupt)))));
+                                }
+                            }
+                        }
+                        Some(Frame::Piece { shard: s, index, piece, data }) => {
+                            inbound.handle_frame(now(), InboundFrame::Piece { shard: s, index }).map_err(|_| out_of_range(s, index))?;
+                            let cv = conn.reader.take_piece_cv();
+                            let step = assemblies.piece(index, piece, data, cv)?;
+                            if let Some(e) = &step.failed {
+                                self.stats.chunks_corrupt.fetch_add(1, Ordering::Relaxed);
+                                warn!(chunk = index, piece, "dropping chunk whose piece failed verification: {e}");
+                            }
+                            if let Some(last) = step.last {
+                                // The chunk is whole: admitted, stored and answered as a chunk.
+                                inbound.handle_frame(now(), InboundFrame::Chunk { shard: s, index }).map_err(|_| out_of_range(s, index))?;
+                                match last {
+                                    Some(chunk) => {
+                                        let (intake, sess, stats) = (self.intake.clone(), sess.clone(), self.stats.clone());
+                                        pending.push(Box::pin(async move {
+                                            let verdict = intake.store_chunk(&sess, index, Incoming::Pieces(chunk), ChunkFrom::Upstream).await;
+                                            sess.pieces.end(index);
+                                            if matches!(verdict, Ok(Verdict::Stored)) {
+                                                stats.chunks_received_in_pieces.fetch_add(1, Ordering::Relaxed);
+                                            }
+                                            (index, verdict)
+                                        }));
+                                    }
+                                    None => pending.push(Box::pin(std::future::ready((index, Ok(Verdict::Corrupt))))),
+                                }
+                            }
                         }
                         Some(Frame::Done) => {
                             let _ = inbound.handle_frame(now(), InboundFrame::Done);

@@ -53,7 +53,8 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use shardcast_protocol::{
-    ChunkHash, ChunkSet, DataTier, Manifest, ModelDigest, VerifiedChunk, VerifyError,
+    ChunkSet, DataTier, Hashed, Manifest, ModelDigest, PieceCv, VerifiedChunk, VerifiedPieces,
+    VerifyError,
 };
 use tokio::sync::{Notify, watch};
 
@@ -157,6 +158,34 @@ pub struct Shard {
     /// Woken whenever a chunk leaves the in-flight set (written or failed).
     settled: Notify,
     verified: watch::Sender<u32>,
+    /// Recently written chunks' piece CVs, for a sender that forwards them in pieces.
+    cvs: Mutex<CvCache>,
+}
+
+/// Chunks written last, at most this many, keep their pieces' CVs
+/// ([`Shard::piece_cvs`]). Rationale: a forwarder sends a chunk within its send window
+/// (16) of its arrival; one that lags further sends whole chunks, which is still correct.
+/// 256 chunks of 1 MiB keep 32 KiB of CVs per shard.
+const CV_CACHE: usize = 256;
+
+/// The CVs of the chunks written last ([`CV_CACHE`]), the oldest dropped first.
+#[derive(Debug, Default)]
+struct CvCache {
+    map: std::collections::HashMap<u32, Arc<[PieceCv]>>,
+    order: std::collections::VecDeque<u32>,
+}
+
+impl CvCache {
+    fn keep(&mut self, index: u32, cvs: Arc<[PieceCv]>) {
+        if self.map.insert(index, cvs).is_none() {
+            self.order.push_back(index);
+        }
+        while self.order.len() > CV_CACHE {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Shard {
@@ -380,6 +409,7 @@ impl Shard {
             state: Mutex::new(state),
             settled: Notify::new(),
             verified,
+            cvs: Mutex::default(),
         })
     }
 
@@ -477,7 +507,59 @@ impl Shard {
             return Ok(false);
         };
         self.write_at(offset, chunk.data().clone()).await?;
+        self.keep_cvs(index, chunk.cvs());
         self.mark_written(index)
+    }
+
+    /// Writes a chunk that arrived in pieces, each verified against CVs that merged into the
+    /// manifest's hash ([`shardcast_protocol::pieces`]), and marks it verified, as
+    /// [`Shard::write`] does a whole chunk: `Ok(false)` without writing if it was verified
+    /// already. The pieces go to the file one after another, in one blocking-pool task
+    /// with the `pwrite` writer.
+    pub async fn write_pieces(&self, chunk: VerifiedPieces) -> Result<bool, StoreError> {
+        let index = chunk.index();
+        let (offset, len) = self.span(index)?;
+        if chunk.shard() != self.index || chunk.offset() != offset || chunk.len() != len {
+            return Err(StoreError::ChunkMismatch {
+                shard: self.index,
+                got_shard: chunk.shard(),
+                index,
+            });
+        }
+        let Some(_claim) = self.claim(index).await? else {
+            return Ok(false);
+        };
+        if let Some(place) = self.placer() {
+            let pieces = chunk.clone();
+            self.blocking(move || {
+                pieces
+                    .pieces()
+                    .try_for_each(|(offset, data)| place(data, offset))
+            })
+            .await?
+            .map_err(io_err(&self.data_path))?;
+        } else {
+            for (offset, data) in chunk.pieces() {
+                self.write_at(offset, data.clone()).await?;
+            }
+        }
+        self.keep_cvs(index, chunk.cvs());
+        self.mark_written(index)
+    }
+
+    /// Keeps chunk `index`'s pieces' CVs for [`Shard::piece_cvs`] (none for a chunk of one
+    /// piece).
+    fn keep_cvs(&self, index: u32, cvs: &[PieceCv]) {
+        if !cvs.is_empty() {
+            lock(&self.cvs).keep(index, cvs.into());
+        }
+    }
+
+    /// The CVs of chunk `index`'s pieces, when it was written recently with them (worked
+    /// out by this process as it verified the chunk, or checked against the manifest's
+    /// hash): what a sender ships in a `ChunkHead` to forward the chunk in pieces.
+    pub fn piece_cvs(&self, index: u32) -> Option<Arc<[PieceCv]>> {
+        lock(&self.cvs).map.get(&index).cloned()
     }
 
     /// Writes `data` at `offset` in the data file with this shard's writer. With `pwrite`
@@ -512,7 +594,7 @@ impl Shard {
         &self,
         index: u32,
         data: Bytes,
-        hashed: Option<ChunkHash>,
+        hashed: Option<Hashed>,
     ) -> Result<Written, StoreError> {
         let (offset, _) = self.span(index)?;
         let claim = self.claim(index).await?;
@@ -536,10 +618,13 @@ impl Shard {
         if let Some(place) = self.placer() {
             // Hashes run in parallel; with `pwrite` the writes queue on the shard's lock,
             // with the mapped writer they run in parallel too.
-            let written =
-                self.blocking(move || verify(data).map(|chunk| place(chunk.data(), offset)));
+            let written = self
+                .blocking(move || verify(data).map(|chunk| (place(chunk.data(), offset), chunk)));
             match written.await? {
-                Ok(w) => w.map_err(io_err(&self.data_path))?,
+                Ok((w, chunk)) => {
+                    w.map_err(io_err(&self.data_path))?;
+                    self.keep_cvs(index, chunk.cvs());
+                }
                 Err(e) => return Ok(Written::Corrupt(e)),
             }
         } else {
@@ -548,6 +633,7 @@ impl Shard {
                 Err(e) => return Ok(Written::Corrupt(e)),
             };
             self.write_at(offset, chunk.data().clone()).await?;
+            self.keep_cvs(index, chunk.cvs());
         }
         Ok(if self.mark_written(index)? {
             Written::Stored

@@ -2,7 +2,7 @@ use std::path::Path;
 
 use bytes::Bytes;
 use shardcast_protocol::manifest::MIN_CHUNK_SIZE;
-use shardcast_protocol::{ChunkHash, DataTier, Manifest, ModelName, ShardHasher, ShardPath};
+use shardcast_protocol::{DataTier, Hashed, Manifest, ModelName, ShardHasher, ShardPath};
 
 use super::*;
 use shardcast_protocol::VerifiedChunk;
@@ -128,7 +128,7 @@ async fn verify_and_write_stores_sound_chunks_and_drops_bad_ones_with_every_writ
         // wrong chunk's bytes with their own (true) hash are refused as well.
         let wrong = bytes(0);
         let got = shard
-            .verify_and_write_hashed(2, wrong.clone(), Some(ChunkHash::of(&wrong)))
+            .verify_and_write_hashed(2, wrong.clone(), Some(Hashed::of(&wrong)))
             .await
             .unwrap();
         assert!(matches!(got, Written::Corrupt(_)), "{writer:?}: {got:?}");
@@ -138,7 +138,7 @@ async fn verify_and_write_stores_sound_chunks_and_drops_bad_ones_with_every_writ
         for i in 0..shard.total_chunks() {
             // Every other chunk with the hash worked out as it arrived.
             let data = bytes(i);
-            let hashed = (i % 2 == 1).then(|| ChunkHash::of(&data));
+            let hashed = (i % 2 == 1).then(|| Hashed::of(&data));
             let got = shard
                 .verify_and_write_hashed(i, data, hashed)
                 .await

@@ -37,6 +37,14 @@ pub(crate) enum InboundFrame {
         /// Its index.
         index: u32,
     },
+    /// A chunk's `ChunkHead` or one of its pieces arrived: alive, and the chunk must be
+    /// within the session (it is admitted with its last piece, as a `Chunk`).
+    Piece {
+        /// Its shard.
+        shard: u32,
+        /// Its index.
+        index: u32,
+    },
     /// The upstream has sent everything it will.
     Done,
     /// The upstream is alive with nothing to send.
@@ -156,6 +164,11 @@ impl Inbound {
                     return Err(OutOfRange { shard, index });
                 }
                 self.verifying += 1;
+            }
+            InboundFrame::Piece { shard, index } => {
+                if shard != self.shard || !self.range.contains(&index) {
+                    return Err(OutOfRange { shard, index });
+                }
             }
             InboundFrame::Done => self.upstream_done = true,
             InboundFrame::Keepalive => {}

@@ -353,6 +353,13 @@ impl SendWindow {
         self.poll_keepalive().is_some_and(|t| now >= t)
     }
 
+    /// Whether chunk `index` is in the window's range and not sent on this connection yet
+    /// (nor held by the downstream): the forwarder may send its pieces ahead of it while it
+    /// still arrives here (`crate::chain::pieces`).
+    pub(crate) fn unsent(&self, index: u32) -> bool {
+        self.range.contains(&index) && !self.sent.contains(index)
+    }
+
     /// Whether another chunk may be sent now (the driver waits for local chunks only then).
     pub(crate) fn has_room(&self) -> bool {
         self.in_flight.len() < self.cfg.window

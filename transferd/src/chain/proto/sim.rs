@@ -1253,3 +1253,20 @@ proptest! {
         prop_assert!(fetches <= 3);
     }
 }
+
+/// A chunk still arriving here may have its pieces sent ahead while it is unsent on this
+/// connection and not held below; once sent (or held by the downstream) it may not.
+#[test]
+fn pieces_go_ahead_only_of_chunks_not_sent_on_the_connection() {
+    let (_, _, w) = start(0..6, [1], 4, 3);
+    assert!(w.unsent(0) && w.unsent(5));
+    assert!(!w.unsent(1), "held below");
+    assert!(!w.unsent(6), "outside the range");
+    let mut local = OwnCopy::default();
+    local.verified.insert(0);
+    let (_, _, mut w) = start(0..6, [], 4, 3);
+    let sent = pump(&mut w, &mut local, &mut Vec::new());
+    assert_eq!(chunks(&sent), vec![0]);
+    assert!(!w.unsent(0), "sent");
+    assert!(w.unsent(2), "not here yet: its pieces may go ahead");
+}
