@@ -119,6 +119,16 @@ pub use tier::{DataTier, NotADataTier, Tier};
 /// with another version is refused with [`ErrorCode::UnsupportedVersion`].
 pub const PROTOCOL_VERSION: u16 = 7;
 
+/// The oldest hop-to-hop protocol version this build still speaks with: version 7 only
+/// added chunks in verified pieces, which a sender uses only with a peer of version 7 or
+/// later ([`PIECES_VERSION`]), so hosts of versions 6 and 7 form chains together (a rolling
+/// upgrade).
+pub const MIN_PROTOCOL_VERSION: u16 = 6;
+
+/// The first protocol version whose receivers take chunks in verified pieces (`ChunkHead`,
+/// `Piece`).
+pub const PIECES_VERSION: u16 = 7;
+
 /// gRPC status code names as the gRPC spec spells them (`NOT_FOUND`), used in JSON error
 /// bodies and CLI messages.
 pub fn code_name(code: tonic::Code) -> &'static str {

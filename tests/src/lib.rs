@@ -192,9 +192,10 @@ impl TestCluster {
         for (d, t) in ds.iter().zip(done) {
             t.with_context(|| {
                 format!(
-                    "{} incomplete after {timeout:?}; log {}",
+                    "{} incomplete after {timeout:?}; log {} ends:\n{}",
                     d.host_id,
-                    d.log.display()
+                    d.log.display(),
+                    shardcast_bench::cluster::tail(&d.log)
                 )
             })?;
         }

@@ -1100,6 +1100,8 @@ pub struct Conn {
     pub reader: FrameReader<BoxRead>,
     /// Outgoing frames.
     pub writer: FrameWriter<BoxSink>,
+    /// The protocol version the peer's `Hello` named (this build's until the handshake).
+    pub peer_version: u16,
 }
 
 impl Conn {
@@ -1114,6 +1116,7 @@ impl Conn {
         Self {
             reader: FrameReader::new(stream.read, ingress, counters.clone(), budget),
             writer: FrameWriter::new(stream.write, egress, counters),
+            peer_version: shardcast_protocol::PROTOCOL_VERSION,
         }
     }
 }

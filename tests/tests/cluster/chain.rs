@@ -472,7 +472,7 @@ async fn head_killed_hops_recover_from_another_holder(transport: HopTransport) {
         .import_model(ImportModelRequest {
             name: "test/model".into(),
             origin: c.origin_uri.clone(),
-            chunk_size: 256 << 10,
+            chunk_size: c.chunk_size,
             tier: Tier::Disk as i32,
             fetch: true,
             ..Default::default()
@@ -543,7 +543,11 @@ async fn chunks_cross_hops_in_verified_pieces(transport: HopTransport) {
             s.chunks_received_in_pieces
         );
     }
-    assert_eq!(st[3].chunks_corrupt, 2, "hop 3 caught both bad pieces: {:?}", st[3]);
+    assert_eq!(
+        st[3].chunks_corrupt, 2,
+        "hop 3 caught both bad pieces: {:?}",
+        st[3]
+    );
     assert_eq!(st[4].chunks_corrupt, 0, "corruption must not propagate");
     assert!(metric(&c.daemons[3], "chunks_received_in_pieces_total").await >= 1);
 

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 
 use bytes::{Bytes, BytesMut};
 use shardcast_protocol::pieces::{piece_count, piece_span};
-use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, SessionHeader};
+use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, PIECES_VERSION, SessionHeader};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
@@ -201,6 +201,9 @@ impl Forwarder {
         let mut local = sess.shard.subscribe();
         let mut failed = sess.failed.subscribe();
         let mut relayed = sess.pieces.subscribe();
+        // Pieces only to a peer that takes them (a host of protocol 6 in a rolling upgrade
+        // gets whole chunks).
+        let pieces = self.pieces && conn.peer_version >= PIECES_VERSION;
         // Chunks whose first pieces went ahead of them while they arrived here, and how
         // many: the rest follows once the chunk is whole.
         let mut sent_ahead: HashMap<u32, usize> = HashMap::new();
@@ -256,7 +259,7 @@ impl Forwarder {
                 }
                 // In pieces where its first ones went ahead, or where its pieces' CVs are
                 // known here (not for a re-send after a `Nack`: whole, as simple as can be).
-                let cvs = (self.pieces && !recheck)
+                let cvs = (pieces && !recheck)
                     .then(|| sess.shard.piece_cvs(index))
                     .flatten()
                     .filter(|cvs| cvs.len() == piece_count(data.len()));
@@ -286,7 +289,7 @@ impl Forwarder {
                 window.note_sent(now());
             }
             // Chunks still arriving here in pieces: their verified pieces go ahead.
-            while self.pieces && window.has_room() {
+            while pieces && window.has_room() {
                 let next = sess.pieces.next(
                     |i| {
                         window.unsent(i)
@@ -366,7 +369,7 @@ impl Forwarder {
                     }
                     continue;
                 }
-                _ = relayed.changed(), if self.pieces && window.has_room() => continue,
+                _ = relayed.changed(), if pieces && window.has_room() => continue,
                 _ = failed.changed() => {
                     let why = sess.failed.borrow().clone();
                     if let Some(why) = why {

@@ -14,7 +14,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use shardcast_identity::{Peer, Role};
-use shardcast_protocol::{ErrorCode, Frame, Hop, HopTransport, HostId, PROTOCOL_VERSION};
+use shardcast_protocol::{
+    ErrorCode, Frame, Hop, HopTransport, HostId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
 use tracing::debug;
 
 use super::{ChainError, NodeStats, read_timeout};
@@ -208,11 +210,16 @@ impl Links {
         conn.writer.send_now(&hello).await?;
         let timeout = self.idle_timeout;
         match read_timeout(conn, timeout).await? {
-            Frame::Hello { version, host } if version == PROTOCOL_VERSION => Ok(host),
+            Frame::Hello { version, host }
+                if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) =>
+            {
+                conn.peer_version = version;
+                Ok(host)
+            }
             Frame::Hello { version, .. } => Err(ChainError::refused(
                 ErrorCode::UnsupportedVersion,
                 format!(
-                    "peer speaks protocol version {version}; this host speaks {PROTOCOL_VERSION}"
+                    "peer speaks protocol version {version}; this host speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
                 ),
             )),
             Frame::Error { code, message } => Err(ChainError::Remote { code, message }),

@@ -275,7 +275,8 @@ impl Server {
                     let sess =
                         self.receiver
                             .join_session(&header, claims, Some(offered), remote)?;
-                    conn.reader.admit_large(Some(&[FrameType::Chunk, FrameType::Piece]));
+                    conn.reader
+                        .admit_large(Some(&[FrameType::Chunk, FrameType::Piece]));
                     return self.receiver.handle_upstream(conn, sess, remote).await;
                 }
                 Frame::Fetch {
