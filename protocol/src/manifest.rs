@@ -290,6 +290,25 @@ impl Manifest {
         self.check_chunk(shard, index, data.len(), || ChunkHash::of(data))
     }
 
+    /// As [`Manifest::verify_chunk`], hashing piece by piece ([`Hashed::of`], the same work):
+    /// the chunk's hash and its pieces' CVs when it verifies.
+    pub fn verify_chunk_hashed(
+        &self,
+        shard: u32,
+        index: u32,
+        data: &[u8],
+    ) -> Result<Hashed, VerifyError> {
+        let mut hashed = None;
+        self.check_chunk(shard, index, data.len(), || {
+            let h = Hashed::of(data);
+            let root = h.root;
+            hashed = Some(h);
+            root
+        })?;
+        // Verified means hashed: the check calls the hash once the length matched.
+        hashed.ok_or(VerifyError::Hash { shard, index })
+    }
+
     /// The length check, then `hash()` against the manifest's hash of the chunk.
     fn check_chunk(
         &self,

@@ -315,7 +315,7 @@ impl Forwarder {
                         0
                     }
                 };
-                for (p, piece) in r.pieces.iter().enumerate().skip(from) {
+                for (p, piece) in r.ahead().iter().enumerate().skip(from) {
                     let mut piece = piece.clone();
                     if p == 0 && self.faults.take(shard, r.index) {
                         warn!(
@@ -332,7 +332,7 @@ impl Forwarder {
                         .send_piece(shard, r.index, p as u32, &piece, None)
                         .await?;
                 }
-                sent_ahead.insert(r.index, r.pieces.len());
+                sent_ahead.insert(r.index, r.ahead().len());
                 window.note_sent(now());
             }
             if window.keepalive_due(now()) {

@@ -814,9 +814,12 @@ impl Shard {
                 }
                 st.stamp(index)
             };
-            let sound = self
-                .slice(offset, len, index)
-                .is_ok_and(|data| self.manifest.verify_chunk(self.index, index, data).is_ok());
+            // Hashed piece by piece: a sound chunk's pieces' CVs are kept for a sender.
+            let hashed = self.slice(offset, len, index).ok().and_then(|data| {
+                self.manifest
+                    .verify_chunk_hashed(self.index, index, data)
+                    .ok()
+            });
             let stats = &self.integrity.stats;
             let (chunks, bytes) = match why {
                 Check::Scrub => (&stats.chunks_scrubbed, &stats.bytes_scrubbed),
@@ -830,8 +833,10 @@ impl Shard {
                 // Rewritten (repaired) meanwhile: what was hashed may be a mix; again.
                 continue;
             }
-            if sound {
+            if let Some(h) = hashed {
                 st.set_stamp(index, self.integrity.now_ms());
+                drop(st);
+                self.keep_cvs(index, &h.cvs);
                 return Ok(true);
             }
             self.drop_locked(&mut st, index, why);
