@@ -315,7 +315,7 @@ impl Forwarder {
                         0
                     }
                 };
-                for (p, piece) in r.ahead().iter().enumerate().skip(from) {
+                for (p, piece) in r.pieces.iter().enumerate().skip(from) {
                     let mut piece = piece.clone();
                     if p == 0 && self.faults.take(shard, r.index) {
                         warn!(
@@ -332,8 +332,15 @@ impl Forwarder {
                         .send_piece(shard, r.index, p as u32, &piece, None)
                         .await?;
                 }
-                sent_ahead.insert(r.index, r.ahead().len());
-                window.note_sent(now());
+                if r.pieces.len() == r.cvs.len() {
+                    // Down whole before our own copy: in flight from here on, answered
+                    // after its last piece like any chunk.
+                    sent_ahead.remove(&r.index);
+                    window.sent_ahead(r.index, now());
+                } else {
+                    sent_ahead.insert(r.index, r.pieces.len());
+                    window.note_sent(now());
+                }
             }
             if window.keepalive_due(now()) {
                 // Nothing to send (our own upstream is slow or stalled): say we are alive.

@@ -219,16 +219,6 @@ pub(super) struct Relayed {
     pub(super) pieces: Vec<Bytes>,
 }
 
-impl Relayed {
-    /// The pieces that may go ahead of the chunk: all but its last. The last one goes
-    /// once the chunk is whole here and counts against the send window, so that the
-    /// downstream's answer (sent after the last piece) always finds the chunk in flight.
-    pub(super) fn ahead(&self) -> &[Bytes] {
-        let last = self.cvs.len().saturating_sub(1);
-        &self.pieces[..self.pieces.len().min(last)]
-    }
-}
-
 /// A session's chunks arriving in pieces, for its forwarder. See the module docs.
 #[derive(Debug)]
 pub(super) struct PieceRelay {
@@ -285,8 +275,8 @@ impl PieceRelay {
         self.lock().remove(&index);
     }
 
-    /// The lowest chunk in pieces that `wanted` accepts and that has more pieces that may
-    /// go ahead ([`Relayed::ahead`]) than `sent(index)`.
+    /// The lowest chunk in pieces that `wanted` accepts and that has more verified pieces
+    /// than `sent(index)`.
     pub(super) fn next(
         &self,
         wanted: impl Fn(u32) -> bool,
@@ -294,7 +284,7 @@ impl PieceRelay {
     ) -> Option<Relayed> {
         self.lock()
             .values()
-            .find(|r| wanted(r.index) && r.ahead().len() > sent(r.index))
+            .find(|r| wanted(r.index) && r.pieces.len() > sent(r.index))
             .cloned()
     }
 
@@ -368,23 +358,18 @@ mod tests {
         assert!(relay.next(|_| true, |_| 0).is_none());
     }
 
-    /// All pieces of a chunk but its last may go ahead of it: the last waits until the chunk
-    /// is whole here and in the send window, so the downstream's answer, which follows the
-    /// last piece, always finds the chunk in flight.
     #[test]
-    fn the_last_piece_never_goes_ahead() {
+    fn the_relay_offers_what_was_not_sent_yet() {
         let (m, data) = fixture();
         let relay = Arc::new(PieceRelay::default());
         let mut a = Assemblies::new(m, relay.clone());
         a.head(0, 1, &Hashed::of(&data[1]).cvs).unwrap();
         for (p, piece) in pieces_of(&data[1]).into_iter().enumerate() {
             a.piece(1, p as u32, piece, None).unwrap();
-            let r = relay.next(|_| true, |_| 0).unwrap();
-            assert_eq!(r.pieces.len(), p + 1);
-            assert_eq!(r.ahead().len(), (p + 1).min(4));
+            assert_eq!(relay.next(|_| true, |_| 0).unwrap().pieces.len(), p + 1);
+            assert!(relay.next(|_| true, |_| p + 1).is_none());
+            assert!(relay.next(|i| i != 1, |_| 0).is_none());
         }
-        // Four sent ahead: nothing more may go ahead.
-        assert!(relay.next(|_| true, |_| 4).is_none());
     }
 
     #[test]

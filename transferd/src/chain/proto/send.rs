@@ -216,7 +216,11 @@ impl SendWindow {
     }
 
     fn next_chunk(&mut self, local: &impl LocalCopy) -> Option<(u32, bool)> {
-        if let Some(i) = self.resend.pop_front() {
+        // A re-send once our copy holds the chunk: one that went down in pieces ahead of
+        // our copy ([`SendWindow::sent_ahead`]) may still be arriving here; a dropped one
+        // is repaired first (`scan_dropped`).
+        if let Some(at) = self.resend.iter().position(|&i| local.is_verified(i)) {
+            let i = self.resend.remove(at)?;
             return Some((i, true));
         }
         if let Some(&i) = self.repairing.iter().find(|&&i| local.is_verified(i)) {
@@ -351,6 +355,18 @@ impl SendWindow {
     /// Whether to send a `Keepalive` now (then report [`SendWindow::note_sent`]).
     pub(crate) fn keepalive_due(&self, now: Instant) -> bool {
         self.poll_keepalive().is_some_and(|t| now >= t)
+    }
+
+    /// Chunk `index` went down whole, as verified pieces sent ahead of our own copy while
+    /// it still arrived here (`crate::chain::pieces`): it is sent, in flight and awaits its
+    /// answer like any chunk (the forwarder sends pieces ahead only while the window has
+    /// room; a chunk completed so may pass the window by the few chunks in pieces at once).
+    pub(crate) fn sent_ahead(&mut self, index: u32, now: Instant) {
+        if self.unsent(index) {
+            self.sent.insert(index);
+            self.in_flight.insert(index);
+            self.note_sent(now);
+        }
     }
 
     /// Whether chunk `index` is in the window's range and not sent on this connection yet

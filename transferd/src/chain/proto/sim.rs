@@ -1270,3 +1270,34 @@ fn pieces_go_ahead_only_of_chunks_not_sent_on_the_connection() {
     assert!(!w.unsent(0), "sent");
     assert!(w.unsent(2), "not here yet: its pieces may go ahead");
 }
+
+/// A chunk sent down whole in pieces ahead of our own copy is in flight and answered like
+/// any chunk; a `Nack` for it is re-sent only once our copy holds it.
+#[test]
+fn a_chunk_sent_ahead_is_in_flight_and_resent_only_once_held_here() {
+    let (t0, _, mut w) = start(0..3, [], 4, 3);
+    let mut local = OwnCopy::default();
+    w.sent_ahead(1, t0);
+    assert_eq!(w.in_flight(), 1);
+    assert!(!w.unsent(1));
+    // Not held here yet: nothing to send (not the chunk it sent ahead either).
+    assert!(pump(&mut w, &mut local, &mut Vec::new()).is_empty());
+    // Refused below (a piece corrupted on the way): re-sent once held here.
+    assert_eq!(w.handle_answer(t0, Answer::Nack(1)), None);
+    assert_eq!(w.in_flight(), 0);
+    assert!(pump(&mut w, &mut local, &mut Vec::new()).is_empty());
+    local.verified.insert(1);
+    let sent = pump(&mut w, &mut local, &mut Vec::new());
+    assert_eq!(
+        sent,
+        vec![Transmit::Chunk {
+            index: 1,
+            recheck: true
+        }]
+    );
+    assert_eq!(w.handle_answer(t0, Answer::Ack(1)), None);
+    assert!(w.acked().contains(1));
+    // Sent ahead twice, or after it was sent: counted once.
+    w.sent_ahead(1, t0);
+    assert_eq!(w.in_flight(), 0);
+}
