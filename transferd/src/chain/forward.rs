@@ -250,11 +250,7 @@ impl Forwarder {
                     .map(|(file, offset)| FileRegion { file, offset });
                 if self.faults.take(shard, index) {
                     warn!(chunk = index, "fault injection: corrupting chunk in flight");
-                    let mut bad = BytesMut::from(&data[..]);
-                    if let Some(b) = bad.first_mut() {
-                        *b ^= 0xff;
-                    }
-                    data = bad.freeze();
+                    data = corrupted(&data);
                     file = None;
                 }
                 // In pieces where its first ones went ahead, or where its pieces' CVs are
@@ -289,58 +285,9 @@ impl Forwarder {
                 window.note_sent(now());
             }
             // Chunks still arriving here in pieces: their verified pieces go ahead.
-            while pieces && window.has_room() {
-                let next = sess.pieces.next(
-                    |i| {
-                        window.unsent(i)
-                            && !copy.is_verified(i)
-                            && (sent_ahead.contains_key(&i) || sent_ahead.len() < MAX_PIECING)
-                    },
-                    |i| sent_ahead.get(&i).copied().unwrap_or(0),
-                );
-                let Some(r) = next else { break };
-                let from = match sent_ahead.get(&r.index) {
-                    Some(&from) => from,
-                    None => {
-                        conn.writer
-                            .send(&Frame::ChunkHead {
-                                shard,
-                                index: r.index,
-                                cvs: r.cvs.to_vec(),
-                            })
-                            .await?;
-                        self.stats
-                            .chunks_sent_in_pieces
-                            .fetch_add(1, Ordering::Relaxed);
-                        0
-                    }
-                };
-                for (p, piece) in r.pieces.iter().enumerate().skip(from) {
-                    let mut piece = piece.clone();
-                    if p == 0 && self.faults.take(shard, r.index) {
-                        warn!(
-                            chunk = r.index,
-                            "fault injection: corrupting a piece in flight"
-                        );
-                        let mut bad = BytesMut::from(&piece[..]);
-                        if let Some(b) = bad.first_mut() {
-                            *b ^= 0xff;
-                        }
-                        piece = bad.freeze();
-                    }
-                    conn.writer
-                        .send_piece(shard, r.index, p as u32, &piece, None)
-                        .await?;
-                }
-                if r.pieces.len() == r.cvs.len() {
-                    // Down whole before our own copy: in flight from here on, answered
-                    // after its last piece like any chunk.
-                    sent_ahead.remove(&r.index);
-                    window.sent_ahead(r.index, now());
-                } else {
-                    sent_ahead.insert(r.index, r.pieces.len());
-                    window.note_sent(now());
-                }
+            if pieces {
+                self.send_ahead(&mut conn, sess, &mut window, &mut sent_ahead)
+                    .await?;
             }
             if window.keepalive_due(now()) {
                 // Nothing to send (our own upstream is slow or stalled): say we are alive.
@@ -401,6 +348,70 @@ impl Forwarder {
                 Some(SendOutcome::Failed(f)) => return Err(f.into()),
             }
         }
+    }
+
+    /// Sends ahead the verified pieces of chunks still arriving here in pieces (at most
+    /// [`MAX_PIECING`] chunks at once, while the window has room): a chunk's `ChunkHead`
+    /// first, then each piece not sent yet. `sent_ahead` keeps how many pieces of each went;
+    /// a chunk whose last piece went is in flight from then on ([`SendWindow::sent_ahead`]).
+    async fn send_ahead(
+        &self,
+        conn: &mut Conn,
+        sess: &ShardSession,
+        window: &mut SendWindow,
+        sent_ahead: &mut HashMap<u32, usize>,
+    ) -> Result<(), ChainError> {
+        let shard = sess.shard_index();
+        while window.has_room() {
+            let next = sess.pieces.next(
+                |i| {
+                    window.unsent(i)
+                        && !sess.shard.is_verified(i)
+                        && (sent_ahead.contains_key(&i) || sent_ahead.len() < MAX_PIECING)
+                },
+                |i| sent_ahead.get(&i).copied().unwrap_or(0),
+            );
+            let Some(r) = next else { break };
+            let from = match sent_ahead.get(&r.index) {
+                Some(&from) => from,
+                None => {
+                    conn.writer
+                        .send(&Frame::ChunkHead {
+                            shard,
+                            index: r.index,
+                            cvs: r.cvs.to_vec(),
+                        })
+                        .await?;
+                    self.stats
+                        .chunks_sent_in_pieces
+                        .fetch_add(1, Ordering::Relaxed);
+                    0
+                }
+            };
+            for (p, piece) in r.pieces.iter().enumerate().skip(from) {
+                let mut piece = piece.clone();
+                if p == 0 && self.faults.take(shard, r.index) {
+                    warn!(
+                        chunk = r.index,
+                        "fault injection: corrupting a piece in flight"
+                    );
+                    piece = corrupted(&piece);
+                }
+                conn.writer
+                    .send_piece(shard, r.index, p as u32, &piece, None)
+                    .await?;
+            }
+            if r.pieces.len() == r.cvs.len() {
+                // Down whole before our own copy: in flight from here on, answered
+                // after its last piece like any chunk.
+                sent_ahead.remove(&r.index);
+                window.sent_ahead(r.index, now());
+            } else {
+                sent_ahead.insert(r.index, r.pieces.len());
+                window.note_sent(now());
+            }
+        }
+        Ok(())
     }
 
     /// Connects to `hop`, opens the session there and returns what its `Accept` says it
@@ -476,6 +487,16 @@ impl Forwarder {
             ..RepairRequest::new(sess.shard.clone(), vec![repair.index])
         });
     }
+}
+
+/// `data` with its first byte flipped (fault injection: a chunk or piece corrupted in
+/// flight).
+fn corrupted(data: &Bytes) -> Bytes {
+    let mut bad = BytesMut::from(&data[..]);
+    if let Some(b) = bad.first_mut() {
+        *b ^= 0xff;
+    }
+    bad.freeze()
 }
 
 /// Sends pieces `from..` of chunk `index`, whose bytes are `data` (from `file`, where
