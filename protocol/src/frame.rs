@@ -753,13 +753,7 @@ impl Frame {
                 let index = get_u32(b)?;
                 let piece = get_u32(b)?;
                 let len = get_u32(b)? as usize;
-                if len > PIECE_SIZE {
-                    return Err(DecodeError::TooLong {
-                        field: "piece",
-                        len: len as u64,
-                        max: PIECE_SIZE as u64,
-                    });
-                }
+                codec::check_len("piece", len, PIECE_SIZE)?;
                 codec::need(b, len)?;
                 Self::Piece {
                     shard,

@@ -104,6 +104,10 @@
 //! | R5 | BLAKE3 of the chunk (blocking pool) | pass | pass |
 //! | R6 | into the shard file (`Shard::verify_and_write`): `pwrite`, or a copy into its populated map while another stripe holds the file (the adaptive writer, `crate::store`) | copy | copy |
 //!
+//! A chunk in verified pieces (`pieces`) takes the same steps piece by piece: R5 is each
+//! piece's CV, worked out as it arrives, and R6 writes the pieces once the last one verified
+//! (one blocking-pool task); a forwarder sends each piece on from the frame's buffer.
+//!
 //! Receiver totals: TLS 2 copies + 2 passes, plaintext 2 copies + 1 pass, QUIC 3 copies +
 //! 2 passes per packet (`crate::transport::quic`); iperf3's receiver makes 1 copy. A peer
 //! of an earlier version (ALPN `shardcast/1`) is read through rustls's stream instead,
