@@ -262,6 +262,12 @@ enum Cmd {
         /// `--daemon-arg=--writer --daemon-arg=mapped`.
         #[arg(long = "daemon-arg", allow_hyphen_values = true)]
         daemon_args: Vec<String>,
+        /// Drop the machine's page cache first (`sync`, then `3` into
+        /// `/proc/sys/vm/drop_caches`; needs root): a large cache slowed the emulated
+        /// cluster's daemons on the 2-vCPU VM (docs/BENCHMARKS.md). The report's
+        /// `page_cache` says whether it was dropped and how large it was.
+        #[arg(long)]
+        drop_caches: bool,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -295,6 +301,12 @@ enum Cmd {
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Drop the machine's page cache first (`sync`, then `3` into
+        /// `/proc/sys/vm/drop_caches`; needs root): a large cache slowed the emulated
+        /// cluster's daemons on the 2-vCPU VM (docs/BENCHMARKS.md). The report's
+        /// `page_cache` says whether it was dropped and how large it was.
+        #[arg(long)]
+        drop_caches: bool,
     },
     /// The GPU loader: network, PCIe and NVLink stages alone, then streamed together
     /// (simulated devices by default; --backend cuda on a GPU host).
@@ -1282,6 +1294,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             stripes,
             memory_reserve,
             daemon_args,
+            drop_caches,
         } => {
             if loss.is_some() && !emulate {
                 anyhow::bail!("--loss needs --emulate (it drops packets in the hosts' namespaces)");
@@ -1324,7 +1337,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .collect(),
                 ..ChainBenchOpts::new(mode, receivers, size, methods)
             };
-            let report = scenario::run_chain_bench(&opts).await?;
+            let page_cache = scenario::PageCache::at_start(drop_caches)?;
+            let mut report = scenario::run_chain_bench(&opts).await?;
+            report.page_cache = page_cache;
             let text = serde_json::to_string_pretty(&report)?;
             println!("{text}");
             if let Some(path) = json {
@@ -1342,6 +1357,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             profile_side,
             memory_reserve,
             json,
+            drop_caches,
         } => {
             let method = match profile_transport {
                 shardcast_protocol::HopTransport::Tcp => scenario::Method::ChainTcp,
@@ -1352,9 +1368,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 method,
                 side: profile_side,
             });
-            let report =
+            let page_cache = scenario::PageCache::at_start(drop_caches)?;
+            let mut report =
                 scenario::run_hop_bench(size, shards, stripes, profile, memory_reserve, true)
                     .await?;
+            report.page_cache = page_cache;
             emit(&report, json)
         }
         Cmd::Loader {

@@ -366,8 +366,46 @@ pub struct ChainReport {
     pub daemon_args: Vec<String>,
     /// The memory reserve the daemons kept (filled before each run).
     pub memory_reserve: BenchReserve,
+    /// The machine's page cache when the bench started.
+    pub page_cache: PageCache,
     /// Per-method results.
     pub results: Vec<MethodResult>,
+}
+
+/// The machine's page cache when a benchmark started: on the 2-vCPU VM a cache of 15–16 GB
+/// (after builds and a CI run) made the emulated cluster's daemons spend up to twice the
+/// CPU per GB, mostly in the kernel, while the tmpfs pages of their stores were found
+/// (docs/BENCHMARKS.md, issue #28). `--drop-caches` drops it first.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PageCache {
+    /// Whether the bench dropped it before starting (`--drop-caches`).
+    pub dropped: bool,
+    /// `Cached` of `/proc/meminfo` at the start (after the drop), bytes; 0 where unknown.
+    pub cached_bytes: u64,
+}
+
+impl PageCache {
+    /// Reads `/proc/meminfo`, after dropping the page cache first with `drop` (`sync`,
+    /// then `3` into `/proc/sys/vm/drop_caches`: needs root).
+    pub fn at_start(drop: bool) -> anyhow::Result<Self> {
+        if drop {
+            rustix::fs::sync();
+            std::fs::write("/proc/sys/vm/drop_caches", "3\n")
+                .context("--drop-caches: writing /proc/sys/vm/drop_caches (needs root)")?;
+        }
+        let cached_kib = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix("Cached:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .unwrap_or(0);
+        Ok(Self {
+            dropped: drop,
+            cached_bytes: cached_kib * 1024,
+        })
+    }
 }
 
 /// A scratch directory, on tmpfs when there is one (the memory tier is meant to be tmpfs).
@@ -624,6 +662,7 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
         0
     };
     Ok(ChainReport {
+        page_cache: PageCache::default(),
         receivers: opts.receivers,
         bytes: model.total_bytes,
         rate_bits_per_s: rate * 8,
@@ -1176,6 +1215,8 @@ pub struct ScrubReport {
 pub struct HopReport {
     /// Bytes moved through the hop.
     pub bytes: u64,
+    /// The machine's page cache when the bench started.
+    pub page_cache: PageCache,
     /// The memory reserve the daemons kept (filled before each run).
     pub memory_reserve: BenchReserve,
     /// Shards of the model (one session, so one TCP connection, per shard and stripe).
@@ -1488,6 +1529,7 @@ pub async fn run_hop_bench(
     let (tls, reverify_sends, plain, auth_only, quic) =
         (&runs[0], &runs[1], &runs[2], &runs[3], &runs[5]);
     Ok(HopReport {
+        page_cache: PageCache::default(),
         bytes: size,
         memory_reserve,
         shards,
