@@ -1338,8 +1338,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 ..ChainBenchOpts::new(mode, receivers, size, methods)
             };
             let page_cache = scenario::PageCache::at_start(drop_caches)?;
+            let machine = scenario::Machine::describe();
             let mut report = scenario::run_chain_bench(&opts).await?;
             report.page_cache = page_cache;
+            report.machine = machine;
             let text = serde_json::to_string_pretty(&report)?;
             println!("{text}");
             if let Some(path) = json {
@@ -1369,10 +1371,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 side: profile_side,
             });
             let page_cache = scenario::PageCache::at_start(drop_caches)?;
+            let machine = scenario::Machine::describe();
             let mut report =
                 scenario::run_hop_bench(size, shards, stripes, profile, memory_reserve, true)
                     .await?;
             report.page_cache = page_cache;
+            report.machine = machine;
             emit(&report, json)
         }
         Cmd::Loader {

@@ -368,6 +368,8 @@ pub struct ChainReport {
     pub memory_reserve: BenchReserve,
     /// The machine's page cache when the bench started.
     pub page_cache: PageCache,
+    /// The machine it ran on.
+    pub machine: Machine,
     /// Per-method results.
     pub results: Vec<MethodResult>,
 }
@@ -406,6 +408,91 @@ impl PageCache {
             cached_bytes: cached_kib * 1024,
         })
     }
+}
+
+/// What the machine a benchmark ran on is, as far as it changes the figures: reports of
+/// different sessions ran on different VMs of the same name. One of them lacked AVX-512
+/// (BLAKE3 runs its AVX2 path, half as wide) and gave freed memory back to its host (a
+/// virtio balloon with free page reporting), so every page a process touched for the
+/// first time cost a fault on the host too: the same build's hop took twice the CPU per GB
+/// there (docs/BENCHMARKS.md, issue #28, thirteenth session).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Machine {
+    /// `model name` of `/proc/cpuinfo`.
+    pub cpu_model: String,
+    /// Cores the bench may use.
+    pub cores: usize,
+    /// The widest x86 vector extension BLAKE3 can use here: `avx512`, `avx2`, `sse4.1`,
+    /// or `none` (not x86).
+    pub simd: String,
+    /// Whether a virtio balloon reports freed pages to the host (`None`: no balloon).
+    pub free_page_reporting: Option<bool>,
+    /// Fresh anonymous memory touched once per 4 KiB page (256 MiB), GB/s: the price of a
+    /// first touch, which free page reporting makes high.
+    pub first_touch_gb_s: f64,
+}
+
+impl Machine {
+    /// Looks at this machine (about a quarter of a second, for the first-touch rate).
+    pub fn describe() -> Self {
+        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|c| {
+                c.lines()
+                    .find_map(|l| l.strip_prefix("model name"))
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_owned())
+            })
+            .unwrap_or_default();
+        Self {
+            cpu_model,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            simd: simd().into(),
+            free_page_reporting: free_page_reporting(),
+            first_touch_gb_s: first_touch_rate(256 << 20),
+        }
+    }
+}
+
+fn simd() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512vl") {
+            return "avx512";
+        }
+        if std::is_x86_feature_detected!("avx2") {
+            return "avx2";
+        }
+        if std::is_x86_feature_detected!("sse4.1") {
+            return "sse4.1";
+        }
+    }
+    "none"
+}
+
+/// Bit 5 of a virtio balloon's features (`VIRTIO_BALLOON_F_REPORTING`, the virtio spec
+/// 5.5.3): freed guest pages are reported to the host, which may take them back.
+fn free_page_reporting() -> Option<bool> {
+    let dir = std::fs::read_dir("/sys/bus/virtio/drivers/virtio_balloon").ok()?;
+    dir.flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("virtio"))
+        .find_map(|e| std::fs::read_to_string(e.path().join("features")).ok())
+        .map(|bits| reports_free_pages(&bits))
+}
+
+/// Whether a virtio device's `features` (one `0`/`1` a bit, bit 0 first) has bit 5 set.
+fn reports_free_pages(features: &str) -> bool {
+    features.trim().as_bytes().get(5) == Some(&b'1')
+}
+
+/// GB/s at which `len` bytes of fresh anonymous memory are touched, one write a page.
+fn first_touch_rate(len: usize) -> f64 {
+    let mut v = vec![0u8; len];
+    let t = std::time::Instant::now();
+    for i in (0..len).step_by(4096) {
+        v[i] = 1;
+    }
+    std::hint::black_box(&mut v);
+    len as f64 / 1e9 / t.elapsed().as_secs_f64().max(1e-9)
 }
 
 /// A scratch directory, on tmpfs when there is one (the memory tier is meant to be tmpfs).
@@ -663,6 +750,7 @@ pub async fn run_chain_bench(opts: &ChainBenchOpts) -> anyhow::Result<ChainRepor
     };
     Ok(ChainReport {
         page_cache: PageCache::default(),
+        machine: Machine::default(),
         receivers: opts.receivers,
         bytes: model.total_bytes,
         rate_bits_per_s: rate * 8,
@@ -1217,6 +1305,8 @@ pub struct HopReport {
     pub bytes: u64,
     /// The machine's page cache when the bench started.
     pub page_cache: PageCache,
+    /// The machine it ran on.
+    pub machine: Machine,
     /// The memory reserve the daemons kept (filled before each run).
     pub memory_reserve: BenchReserve,
     /// Shards of the model (one session, so one TCP connection, per shard and stripe).
@@ -1530,6 +1620,7 @@ pub async fn run_hop_bench(
         (&runs[0], &runs[1], &runs[2], &runs[3], &runs[5]);
     Ok(HopReport {
         page_cache: PageCache::default(),
+        machine: Machine::default(),
         bytes: size,
         memory_reserve,
         shards,
@@ -1833,6 +1924,22 @@ pub fn fold_profile(report: &str, top: usize) -> (Vec<ProfileShare>, Vec<Profile
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The features string of the balloon on the VM that reports freed pages, and one
+    /// without bit 5.
+    #[test]
+    fn free_page_reporting_is_bit_five_of_the_balloons_features() {
+        let with = "0110010100000000000000000000000010000000\n";
+        assert!(reports_free_pages(with));
+        assert!(!reports_free_pages(
+            "0110000100000000000000000000000010000000\n"
+        ));
+        assert!(!reports_free_pages("0110"), "too short: no bit 5");
+        let m = Machine::describe();
+        assert!(m.cores >= 1);
+        assert!(["avx512", "avx2", "sse4.1", "none"].contains(&m.simd.as_str()));
+        assert!(m.first_touch_gb_s > 0.0 && m.first_touch_gb_s.is_finite());
+    }
 
     #[test]
     fn proc_stat_cpu_splits_user_and_system_and_survives_odd_names() {
