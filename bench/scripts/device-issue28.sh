@@ -6,7 +6,7 @@
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # (.dev/ is ignored: name it in the device run's carry)
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]
+#   bench/scripts/device-issue28.sh run [targets|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -215,6 +215,17 @@ PY
     if [ "$what" = s44 ]; then
         bash "$0" run auto
     fi
+    if [ "$what" = targets ]; then
+        # Issue #28's benchmarks 1-3 and 5, nothing else, in one call (under 9 minutes of
+        # limits): 1. the hop, TLS and authenticate-only against iperf3, CPU per GB;
+        # 2. one shard striped over 8 connections; 3. QUIC with 1 shard (in 1) and with 8;
+        # 5. a streamed load into fresh mappings, and the first load after register-ahead.
+        step hop-${hop_size}-stripes1 150 hop --size "$hop_size"
+        step hop-${hop_size}-stripes8 150 hop --size "$hop_size" --stripes 8
+        step hop-${hop_size}-shards8 150 hop --size "$hop_size" --shards 8
+        step loader-streamed-fresh-8GiB 60 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s
+        step loader-register-ahead-8GiB 60 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s --register-ahead
+    fi
     if [ "$what" = sends ]; then
         # The default since 2026-11-27 sends chunks down a chain without re-hashing them
         # (`reverify_sends = false`); the hop's second row re-hashes, as before.
@@ -243,7 +254,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]" >&2
+    echo "usage: $0 pack | run [targets|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]" >&2
     exit 2
     ;;
 esac
