@@ -147,6 +147,8 @@ pub struct OriginRun {
     pub origin: OriginKind,
     /// The URI the reader was given.
     pub uri: String,
+    /// Starting the server, the relay (emulated mode) and the reading transferd, seconds.
+    pub setup_s: f64,
     /// Streaming read to build the manifest (one GET per file, 4 at a time), seconds.
     pub manifest_s: f64,
     /// Its rate, MB/s (10^6 bytes).
@@ -666,14 +668,17 @@ pub async fn run_origin_bench(opts: &OriginBenchOpts) -> anyhow::Result<OriginRe
         .await
         .with_context(|| format!("origin {}", kind.name()))?;
         eprintln!(
-            "{:>8}: manifest {:.1} MB/s, fetch {:.1} MB/s{}, server {:.2} CPU s/GB{}",
+            "{:>8}: manifest {:.1} MB/s ({:.1} s), fetch {:.1} MB/s ({:.1} s){}, server {:.2} CPU s/GB, set-up {:.1} s{}",
             kind.name(),
             run.manifest_mb_per_s,
+            run.manifest_s,
             run.fetch_mb_per_s,
+            run.fetch_s,
             run.fetch_of_link
                 .map(|f| format!(" ({:.0}% of the link)", f * 100.0))
                 .unwrap_or_default(),
             run.server_cpu_s_per_gb,
+            run.setup_s,
             if run.verified && run.digest_matches {
                 ""
             } else {
@@ -706,6 +711,7 @@ async fn run_one(
     manifest: &Manifest,
     link: Option<f64>,
 ) -> anyhow::Result<OriginRun> {
+    let started = Instant::now();
     let server = start_server(kind, net, model_dir, scratch).await?;
     let (relay, endpoint) = match net {
         Some(net) => {
@@ -737,6 +743,7 @@ async fn run_one(
         ];
     }
     let reader = Daemon::start(&scratch.join(format!("reader-{}", kind.name())), o).await?;
+    let setup_s = started.elapsed().as_secs_f64();
 
     let t0 = Instant::now();
     let built = import(&reader, &uri, manifest.chunk_size, None, opts.timeout).await?;
@@ -778,6 +785,7 @@ async fn run_one(
     Ok(OriginRun {
         origin: kind,
         uri,
+        setup_s,
         manifest_s,
         manifest_mb_per_s: bytes / manifest_s / 1e6,
         fetch_s,
