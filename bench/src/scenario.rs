@@ -1381,6 +1381,9 @@ fn iperf3_loopback(seconds: u32) -> anyhow::Result<Option<Iperf>> {
         .status()
         .is_err()
     {
+        eprintln!(
+            "iperf3 is not installed: this report has no raw-TCP baseline (install Debian's iperf3)"
+        );
         return Ok(None);
     }
     let port = {
