@@ -19,6 +19,17 @@ struct Cli {
     command: Cmd,
 }
 
+/// What `chain` and `hop` do before they start.
+#[derive(clap::Args)]
+struct StartArgs {
+    /// Drop the machine's page cache first (`sync`, then `3` into
+    /// `/proc/sys/vm/drop_caches`; needs root): a large cache slowed the emulated
+    /// cluster's daemons on the 2-vCPU VM (docs/BENCHMARKS.md). The report's `page_cache`
+    /// says whether it was dropped and how large it was.
+    #[arg(long)]
+    drop_caches: bool,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Local cluster on loopback (no root), through the controller: register a synthetic
@@ -262,12 +273,8 @@ enum Cmd {
         /// `--daemon-arg=--writer --daemon-arg=mapped`.
         #[arg(long = "daemon-arg", allow_hyphen_values = true)]
         daemon_args: Vec<String>,
-        /// Drop the machine's page cache first (`sync`, then `3` into
-        /// `/proc/sys/vm/drop_caches`; needs root): a large cache slowed the emulated
-        /// cluster's daemons on the 2-vCPU VM (docs/BENCHMARKS.md). The report's
-        /// `page_cache` says whether it was dropped and how large it was.
-        #[arg(long)]
-        drop_caches: bool,
+        #[command(flatten)]
+        start: StartArgs,
     },
     /// One chain hop on loopback (verification on) next to raw TCP measured by iperf3.
     Hop {
@@ -301,12 +308,8 @@ enum Cmd {
         /// Write the report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
-        /// Drop the machine's page cache first (`sync`, then `3` into
-        /// `/proc/sys/vm/drop_caches`; needs root): a large cache slowed the emulated
-        /// cluster's daemons on the 2-vCPU VM (docs/BENCHMARKS.md). The report's
-        /// `page_cache` says whether it was dropped and how large it was.
-        #[arg(long)]
-        drop_caches: bool,
+        #[command(flatten)]
+        start: StartArgs,
     },
     /// The GPU loader: network, PCIe and NVLink stages alone, then streamed together
     /// (simulated devices by default; --backend cuda on a GPU host).
@@ -1294,7 +1297,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             stripes,
             memory_reserve,
             daemon_args,
-            drop_caches,
+            start,
         } => {
             if loss.is_some() && !emulate {
                 anyhow::bail!("--loss needs --emulate (it drops packets in the hosts' namespaces)");
@@ -1337,8 +1340,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .collect(),
                 ..ChainBenchOpts::new(mode, receivers, size, methods)
             };
-            let page_cache = scenario::PageCache::at_start(drop_caches)?;
-            let machine = scenario::Machine::describe();
+            let (page_cache, machine) = scenario::at_start(start.drop_caches)?;
             let mut report = scenario::run_chain_bench(&opts).await?;
             report.page_cache = page_cache;
             report.machine = machine;
@@ -1359,7 +1361,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             profile_side,
             memory_reserve,
             json,
-            drop_caches,
+            start,
         } => {
             let method = match profile_transport {
                 shardcast_protocol::HopTransport::Tcp => scenario::Method::ChainTcp,
@@ -1370,8 +1372,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 method,
                 side: profile_side,
             });
-            let page_cache = scenario::PageCache::at_start(drop_caches)?;
-            let machine = scenario::Machine::describe();
+            let (page_cache, machine) = scenario::at_start(start.drop_caches)?;
             let mut report =
                 scenario::run_hop_bench(size, shards, stripes, profile, memory_reserve, true)
                     .await?;

@@ -395,17 +395,11 @@ impl PageCache {
             std::fs::write("/proc/sys/vm/drop_caches", "3\n")
                 .context("--drop-caches: writing /proc/sys/vm/drop_caches (needs root)")?;
         }
-        let cached_kib = std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|m| {
-                m.lines()
-                    .find_map(|l| l.strip_prefix("Cached:"))
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            })
-            .unwrap_or(0);
+        use procfs_core::FromRead;
+        let cached_bytes = procfs_core::Meminfo::from_file("/proc/meminfo").map_or(0, |m| m.cached);
         Ok(Self {
             dropped: drop,
-            cached_bytes: cached_kib * 1024,
+            cached_bytes,
         })
     }
 }
@@ -435,13 +429,10 @@ pub struct Machine {
 impl Machine {
     /// Looks at this machine (about a quarter of a second, for the first-touch rate).
     pub fn describe() -> Self {
-        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+        use procfs_core::FromRead;
+        let cpu_model = procfs_core::CpuInfo::from_file("/proc/cpuinfo")
             .ok()
-            .and_then(|c| {
-                c.lines()
-                    .find_map(|l| l.strip_prefix("model name"))
-                    .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_owned())
-            })
+            .and_then(|c| c.model_name(0).map(str::to_owned))
             .unwrap_or_default();
         Self {
             cpu_model,
@@ -493,6 +484,13 @@ fn first_touch_rate(len: usize) -> f64 {
     }
     std::hint::black_box(&mut v);
     len as f64 / 1e9 / t.elapsed().as_secs_f64().max(1e-9)
+}
+
+/// The page cache (dropped first with `drop_caches`) and the machine, read before a
+/// benchmark starts, for its report.
+pub fn at_start(drop_caches: bool) -> anyhow::Result<(PageCache, Machine)> {
+    let page_cache = PageCache::at_start(drop_caches)?;
+    Ok((page_cache, Machine::describe()))
 }
 
 /// A scratch directory, on tmpfs when there is one (the memory tier is meant to be tmpfs).

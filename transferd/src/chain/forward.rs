@@ -22,7 +22,7 @@ use std::collections::HashMap;
 
 use bytes::{Bytes, BytesMut};
 use shardcast_protocol::pieces::{piece_count, piece_span};
-use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, PIECES_VERSION, SessionHeader};
+use shardcast_protocol::{ChunkSet, ErrorCode, Frame, Hop, PIECES_VERSION, PieceCv, SessionHeader};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
@@ -264,13 +264,7 @@ impl Forwarder {
                         send_pieces(&mut conn, shard, index, &data, from, file.as_ref()).await?;
                     }
                     (None, Some(cvs)) => {
-                        conn.writer
-                            .send(&Frame::ChunkHead {
-                                shard,
-                                index,
-                                cvs: cvs.to_vec(),
-                            })
-                            .await?;
+                        send_head(&mut conn, shard, index, &cvs).await?;
                         send_pieces(&mut conn, shard, index, &data, 0, file.as_ref()).await?;
                         self.stats
                             .chunks_sent_in_pieces
@@ -375,13 +369,7 @@ impl Forwarder {
             let from = match sent_ahead.get(&r.index) {
                 Some(&from) => from,
                 None => {
-                    conn.writer
-                        .send(&Frame::ChunkHead {
-                            shard,
-                            index: r.index,
-                            cvs: r.cvs.to_vec(),
-                        })
-                        .await?;
+                    send_head(conn, shard, r.index, &r.cvs).await?;
                     self.stats
                         .chunks_sent_in_pieces
                         .fetch_add(1, Ordering::Relaxed);
@@ -497,6 +485,22 @@ fn corrupted(data: &Bytes) -> Bytes {
         *b ^= 0xff;
     }
     bad.freeze()
+}
+
+/// Announces chunk `index` in pieces with their CVs (`ChunkHead`).
+async fn send_head(
+    conn: &mut Conn,
+    shard: u32,
+    index: u32,
+    cvs: &[PieceCv],
+) -> Result<(), ChainError> {
+    let head = Frame::ChunkHead {
+        shard,
+        index,
+        cvs: cvs.to_vec(),
+    };
+    conn.writer.send(&head).await?;
+    Ok(())
 }
 
 /// Sends pieces `from..` of chunk `index`, whose bytes are `data` (from `file`, where
