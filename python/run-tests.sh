@@ -10,8 +10,10 @@
 #                                       # runs this while the Rust build runs)
 #
 # Needs Rust (cargo) and python3. Creates python/.venv, installs ./python[test] into it
-# (numpy, safetensors, pytest), builds the Rust binaries (a no-op when they are fresh) and runs pytest. On a host without internet but with numpy, safetensors,
-# pytest (and torch) installed, skip all this and run
+# (numpy, safetensors, pytest; with uv, tests/support/uv.sh, or pip where uv cannot be
+# had), builds the Rust binaries (a no-op when they are fresh) and runs pytest. On a host
+# without internet but with numpy, safetensors, pytest (and torch) installed, skip all
+# this and run
 #   PYTHONPATH=python/src python3 -m pytest python/tests        (add -m gpu for the GPU ones)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -27,6 +29,18 @@ fi
 mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
 flock 9
+# uv fills the venv when it can be had (tests/support/uv.sh: PyTorch with a fifth of pip's
+# CPU, beside CI's build); pip otherwise. --seed puts pip into a venv uv creates as well.
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+if UV="$("$ROOT/tests/support/uv.sh")"; then
+    export UV_CACHE_DIR="${UV_CACHE_DIR:-$TARGET/uv-cache}" UV_PYTHON_DOWNLOADS=never
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$UV" venv --quiet --seed --python "$(command -v python3)" "$VENV"
+    fi
+    pyinstall() { "$UV" pip install --quiet --python "$VENV/bin/python" "$@"; }
+else
+    pyinstall() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     if ! python3 -m venv "$VENV" 2>/dev/null; then
         rm -rf "$VENV"
@@ -45,13 +59,13 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --disable-pip-version-check "$ROOT/python[test]"
+pyinstall "$ROOT/python[test]"
 if [ "${SHARDCAST_TEST_TORCH:-0}" = 1 ]; then
-    "$PY" -m pip install -q torch
+    pyinstall torch
 fi
 if [ "${SHARDCAST_TEST_VLLM:-0}" = 1 ]; then
     echo "installing vLLM into $VENV (about 9 GB with PyTorch; once)" >&2
-    "$PY" -m pip install -q vllm
+    pyinstall vllm
 fi
 exec 9>&-
 if [ "$install_only" = 1 ]; then
