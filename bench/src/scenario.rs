@@ -424,6 +424,36 @@ pub struct Machine {
     /// Fresh anonymous memory touched once per 4 KiB page (256 MiB), GB/s: the price of a
     /// first touch, which free page reporting makes high.
     pub first_touch_gb_s: f64,
+    /// The file system the daemons' memory tiers are on (the scratch directory's: `/dev/shm`
+    /// or `SHARDCAST_BENCH_SCRATCH`); `None` where `/proc` cannot tell. A tmpfs with huge
+    /// pages took a quarter to a third less CPU per GB through a TLS hop on the 2-vCPU VM.
+    pub memory_tier: Option<MemoryTierFs>,
+}
+
+/// A memory tier's file system, as transferd sees it at start-up (`store::TierFs`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MemoryTierFs {
+    /// Where the file system is mounted.
+    pub mount_point: String,
+    /// `tmpfs`, `ext4`, …
+    pub fs_type: String,
+    /// A tmpfs's `huge=` policy (`never` when it names none; the kernel's `deny` or
+    /// `force` where set).
+    pub huge: Option<String>,
+    /// Whether new pages there can be huge.
+    pub huge_pages: bool,
+}
+
+impl MemoryTierFs {
+    fn of(dir: &Path) -> Option<Self> {
+        let fs = transferd::store::TierFs::of(dir)?;
+        Some(Self {
+            mount_point: fs.mount_point.display().to_string(),
+            huge_pages: fs.huge_pages(),
+            fs_type: fs.fs_type,
+            huge: fs.huge,
+        })
+    }
 }
 
 impl Machine {
@@ -440,6 +470,7 @@ impl Machine {
             simd: simd().into(),
             free_page_reporting: free_page_reporting(),
             first_touch_gb_s: first_touch_rate(256 << 20),
+            memory_tier: MemoryTierFs::of(&scratch_base()),
         }
     }
 }
@@ -493,23 +524,27 @@ pub fn at_start(drop_caches: bool) -> anyhow::Result<(PageCache, Machine)> {
     Ok((page_cache, Machine::describe()))
 }
 
+/// Where [`scratch_dir`] makes its directories: `SHARDCAST_BENCH_SCRATCH`, else `/dev/shm`
+/// where there is one, else `/tmp`.
+pub fn scratch_base() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("SHARDCAST_BENCH_SCRATCH") {
+        return dir.into();
+    }
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() { shm } else { Path::new("/tmp") }.to_path_buf()
+}
+
 /// A scratch directory, on tmpfs when there is one (the memory tier is meant to be tmpfs).
 ///
 /// `SHARDCAST_BENCH_SCRATCH` puts it on another tmpfs (one mounted with huge pages, say);
 /// `SHARDCAST_BENCH_KEEP=1` keeps it after the run (the daemons' logs and stores, to read a
 /// run's timeline), and its path is printed on stderr.
 pub fn scratch_dir(label: &str) -> anyhow::Result<tempfile::TempDir> {
-    let chosen = std::env::var_os("SHARDCAST_BENCH_SCRATCH").map(std::path::PathBuf::from);
     let keep = std::env::var_os("SHARDCAST_BENCH_KEEP").is_some_and(|v| v == "1");
-    let shm = Path::new("/dev/shm");
     let dir = tempfile::Builder::new()
         .prefix(&format!("shardcast-{label}-"))
         .disable_cleanup(keep)
-        .tempdir_in(match &chosen {
-            Some(dir) => dir.as_path(),
-            None if shm.is_dir() => shm,
-            None => Path::new("/tmp"),
-        })
+        .tempdir_in(scratch_base())
         .context("creating a scratch directory")?;
     if keep {
         eprintln!("keeping {} (SHARDCAST_BENCH_KEEP=1)", dir.path().display());
@@ -1940,6 +1975,10 @@ mod tests {
         assert!(m.cores >= 1);
         assert!(["avx512", "avx2", "sse4.1", "none"].contains(&m.simd.as_str()));
         assert!(m.first_touch_gb_s > 0.0 && m.first_touch_gb_s.is_finite());
+        // The scratch directory's file system, as the daemons' stores see theirs.
+        let tier = m.memory_tier.expect("the scratch directory's file system");
+        assert!(scratch_base().starts_with(&tier.mount_point), "{tier:?}");
+        assert_eq!(tier.huge.is_some(), tier.fs_type == "tmpfs", "{tier:?}");
     }
 
     #[test]
