@@ -11,7 +11,9 @@
 #
 # Where it comes from: $UV when it names an executable, else `uv` on PATH, else a copy
 # installed with pip into a venv under the Cargo target directory (once; a lock keeps
-# two installers from racing).
+# two installers from racing). uv reads its own settings, not pip's: behind a package
+# mirror set up for pip only, set UV_DEFAULT_INDEX (and UV_NATIVE_TLS for a private CA) as
+# well; otherwise uv's installs fail and the callers use pip, as slowly as before.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 target="${CARGO_TARGET_DIR:-$root/target}"
