@@ -30,16 +30,23 @@ mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
 flock 9
 # uv fills the venv when it can be had (tests/support/uv.sh: PyTorch with a fifth of pip's
-# CPU, beside CI's build); pip otherwise. --seed puts pip into a venv uv creates as well.
+# CPU, beside CI's build); pip otherwise, and pip again for whatever uv fails to install
+# (uv reads its own index settings, not pip's). --seed puts pip into a venv uv creates.
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-if UV="$("$ROOT/tests/support/uv.sh")"; then
-    export UV_CACHE_DIR="${UV_CACHE_DIR:-$TARGET/uv-cache}" UV_PYTHON_DOWNLOADS=never
-    if [ ! -x "$VENV/bin/python" ]; then
-        "$UV" venv --quiet --seed --python "$(command -v python3)" "$VENV"
-    fi
-    pyinstall() { "$UV" pip install --quiet --python "$VENV/bin/python" "$@"; }
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+export UV_CACHE_DIR="${UV_CACHE_DIR:-$TARGET/uv-cache}" UV_PYTHON_DOWNLOADS=never
+if UV="$("$ROOT/tests/support/uv.sh")" \
+    && { [ -x "$VENV/bin/python" ] \
+        || "$UV" venv --quiet --seed --python "$(command -v python3)" "$VENV" \
+        || { rm -rf "$VENV"; false; }; }; then
+    pyinstall() {
+        "$UV" pip install --quiet --python "$VENV/bin/python" "$@" || {
+            echo "run-tests.sh: uv could not install $*; trying pip" >&2
+            pip_install "$@"
+        }
+    }
 else
-    pyinstall() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+    pyinstall() { pip_install "$@"; }
 fi
 if [ ! -x "$VENV/bin/python" ]; then
     if ! python3 -m venv "$VENV" 2>/dev/null; then
