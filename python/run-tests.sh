@@ -29,42 +29,9 @@ fi
 mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
 flock 9
-# uv fills the venv when it can be had (tests/support/uv.sh: PyTorch with a fifth of pip's
-# CPU, beside CI's build); pip otherwise, and pip again for whatever uv fails to install
-# (uv reads its own index settings, not pip's). --seed puts pip into a venv uv creates.
-TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
-export UV_CACHE_DIR="${UV_CACHE_DIR:-$TARGET/uv-cache}" UV_PYTHON_DOWNLOADS=never
-if UV="$("$ROOT/tests/support/uv.sh")" \
-    && { [ -x "$VENV/bin/python" ] \
-        || "$UV" venv --quiet --seed --python "$(command -v python3)" "$VENV" \
-        || { rm -rf "$VENV"; false; }; }; then
-    pyinstall() {
-        "$UV" pip install --quiet --python "$VENV/bin/python" "$@" || {
-            echo "run-tests.sh: uv could not install $*; trying pip" >&2
-            pip_install "$@"
-        }
-    }
-else
-    pyinstall() { pip_install "$@"; }
-fi
-if [ ! -x "$VENV/bin/python" ]; then
-    if ! python3 -m venv "$VENV" 2>/dev/null; then
-        rm -rf "$VENV"
-        # Debian/Ubuntu ship venv's ensurepip separately.
-        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-            echo "python3 -m venv failed: installing python3-venv" >&2
-            apt-get update -qq
-            ver="$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "python${ver}-venv" \
-                || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
-            python3 -m venv "$VENV"
-        else
-            echo "python3 -m venv failed; install python3-venv (apt-get install python3-venv)" >&2
-            exit 1
-        fi
-    fi
-fi
+# tests/support/venv.sh creates and fills it: with uv where it can be had (PyTorch with a
+# fifth of pip's CPU, beside CI's build), with pip otherwise.
+pyinstall() { "$ROOT/tests/support/venv.sh" "$VENV" "$@"; }
 PY="$VENV/bin/python"
 pyinstall "$ROOT/python[test]"
 if [ "${SHARDCAST_TEST_TORCH:-0}" = 1 ]; then

@@ -425,35 +425,10 @@ pub struct Machine {
     /// first touch, which free page reporting makes high.
     pub first_touch_gb_s: f64,
     /// The file system the daemons' memory tiers are on (the scratch directory's: `/dev/shm`
-    /// or `SHARDCAST_BENCH_SCRATCH`); `None` where `/proc` cannot tell. A tmpfs with huge
-    /// pages took a quarter to a third less CPU per GB through a TLS hop on the 2-vCPU VM.
-    pub memory_tier: Option<MemoryTierFs>,
-}
-
-/// A memory tier's file system, as transferd sees it at start-up (`store::TierFs`).
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct MemoryTierFs {
-    /// Where the file system is mounted.
-    pub mount_point: String,
-    /// `tmpfs`, `ext4`, …
-    pub fs_type: String,
-    /// A tmpfs's `huge=` policy (`never` when it names none; the kernel's `deny` or
-    /// `force` where set).
-    pub huge: Option<String>,
-    /// Whether new pages there can be huge.
-    pub huge_pages: bool,
-}
-
-impl MemoryTierFs {
-    fn of(dir: &Path) -> Option<Self> {
-        let fs = transferd::store::TierFs::of(dir)?;
-        Some(Self {
-            mount_point: fs.mount_point.display().to_string(),
-            huge_pages: fs.huge_pages(),
-            fs_type: fs.fs_type,
-            huge: fs.huge,
-        })
-    }
+    /// or `SHARDCAST_BENCH_SCRATCH`), as transferd sees it at start-up; `None` where
+    /// `/proc` cannot tell. A tmpfs with huge pages took a quarter to a third less CPU per
+    /// GB through a TLS hop on the 2-vCPU VM.
+    pub memory_tier: Option<transferd::store::TierFs>,
 }
 
 impl Machine {
@@ -470,7 +445,7 @@ impl Machine {
             simd: simd().into(),
             free_page_reporting: free_page_reporting(),
             first_touch_gb_s: first_touch_rate(256 << 20),
-            memory_tier: MemoryTierFs::of(&scratch_base()),
+            memory_tier: transferd::store::TierFs::of(&scratch_base()),
         }
     }
 }

@@ -30,23 +30,10 @@ if [ ! -x "$venv/bin/moto_server" ]; then
     flock 9
     if [ ! -x "$venv/bin/moto_server" ]; then
         rm -rf "$venv"
-        # uv when it can be had (tests/support/uv.sh: a fifth of pip's CPU), else pip.
-        if uv="$("$here/uv.sh")" \
-            && UV_PYTHON_DOWNLOADS=never "$uv" venv --quiet --python "$(command -v python3)" "$venv" >&2 \
-            && UV_CACHE_DIR="${UV_CACHE_DIR:-$target/uv-cache}" "$uv" pip install --quiet \
-                --python "$venv/bin/python" 'moto[server]>=5,<6' >&2; then
-            :
-        else
+        if ! "$here/venv.sh" "$venv" 'moto[server]>=5,<6'; then
             rm -rf "$venv"
-            if ! python3 -m venv "$venv" >&2; then
-                echo "s3-server.sh: python3 -m venv failed (is the venv module installed?)" >&2
-                exit 3
-            fi
-            if ! "$venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]>=5,<6' >&2; then
-                rm -rf "$venv"
-                echo "s3-server.sh: pip install 'moto[server]' failed (no package index reachable?)" >&2
-                exit 3
-            fi
+            echo "s3-server.sh: moto[server] could not be installed (above)" >&2
+            exit 3
         fi
     fi
     exec 9>&-

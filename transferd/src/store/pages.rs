@@ -9,8 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-/// The file system a tier root is on, from `/proc/self/mountinfo`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The file system a tier root is on, from `/proc/self/mountinfo` (serialised in the
+/// bench's reports as the machine's `memory_tier`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct TierFs {
     /// Where that file system is mounted.
     pub mount_point: PathBuf,
