@@ -2,7 +2,8 @@
 # Issue #28's many-core and GPU checks, run on a lent device machine (16 cores, one GPU) as
 # one prepared script. Build here first, then carry `.dev/`:
 #
-#   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller --bins --examples
+#   cargo build --release -p transferd -p shardcast-bench -p shardcast-controller \
+#       -p shardcast-identity --bins --examples
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # (.dev/ is ignored: name it in the device run's carry)
 #   # on the device, from the repository root, with $OUT set:
@@ -16,6 +17,10 @@ pack() {
     set -e
     rm -rf "$dev" && mkdir -p "$dev/lib"
     for b in transferd shardcast-bench shardcast-controller examples/file_write_rate examples/data_path_rate; do
+        [ -x "target/release/$b" ] || {
+            echo "pack: target/release/$b is missing; build first: cargo build --release -p transferd -p shardcast-bench -p shardcast-controller -p shardcast-identity --bins --examples" >&2
+            exit 1
+        }
         strip -o "$dev/${b##*/}" "target/release/$b"
         gzip -6 "$dev/${b##*/}"
     done
@@ -58,7 +63,8 @@ run() {
     cat "$OUT/machine.txt"
     bench="$bin/shardcast-bench"
     hop_size=${HOP_SIZE:-4GiB}
-    summary() { # the figures that matter, one line each
+    summary() { # the figures that matter, one line each (fails when the step wrote no report)
+        [ -s "$1" ] || return 1
         python3 - "$1" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
