@@ -21,8 +21,9 @@
 //! against the connection caps, spawns, and runs the TLS handshake and the `Hello` exchange
 //! in the task (under `handshake_timeout_ms`). The agent API sits behind `AuthzLayer`. A task
 //! (`keep_registrations`) every 5 s unregisters shard mappings kept registered for GPU loads
-//! once the store has dropped them, then registers the memory tier's complete shards ahead of
-//! any load (`GpuManager::register_ahead`; it pauses while a load runs).
+//! once the store has dropped them, then registers the memory tier's shards (those still
+//! being received included) ahead of any load (`GpuManager::register_ahead`; it pauses
+//! while a load runs).
 //!
 //! Who is given what: the daemon holds the chain's `Node` and hands each task the handles
 //! it needs, nothing more:
