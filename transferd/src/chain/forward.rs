@@ -539,4 +539,7 @@ impl LocalCopy for Shard {
     fn dropped(&self, range: std::ops::Range<u32>) -> Vec<u32> {
         self.dropped_chunks(range.start, range.end)
     }
+    fn first_verified(&self, range: std::ops::Range<u32>, skip: &ChunkSet) -> Option<u32> {
+        Self::first_verified(self, range, |i| skip.contains(i))
+    }
 }

@@ -732,3 +732,34 @@ async fn quiet_waits_its_time_from_the_start_and_after_every_change() {
         "with no slack any growth of the loose count is movement"
     );
 }
+
+#[tokio::test]
+async fn first_verified_agrees_with_one_lookup_a_chunk_across_byte_boundaries() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ShardStore::open(config(dir.path(), WriterKind::Pwrite, false)).unwrap();
+    let (m, data) = model("m", &[("x", 20 * 4096)]);
+    store.put_manifest(&m).unwrap();
+    let shard = store.shard(&m.digest(), 0, DataTier::Disk).unwrap();
+    for i in [3, 7, 8, 9, 17] {
+        shard.write(chunk(&m, &data, 0, i)).await.unwrap();
+    }
+    let skips: [&[u32]; 4] = [&[], &[3], &[3, 7, 8], &[3, 7, 8, 9, 17]];
+    let mut found = 0;
+    for skip in skips {
+        for start in 0..=22 {
+            for end in start..=22 {
+                let naive = (start..end).find(|&i| !skip.contains(&i) && shard.is_verified(i));
+                let got = shard.first_verified(start..end, |i| skip.contains(&i));
+                assert_eq!(got, naive, "range {start}..{end}, skipping {skip:?}");
+                found += usize::from(got.is_some());
+            }
+        }
+    }
+    assert!(
+        found > 100,
+        "the cases must find chunks, not only miss them"
+    );
+    assert_eq!(shard.first_verified(0..20, |_| false), Some(3));
+    assert_eq!(shard.first_verified(10..20, |_| false), Some(17));
+    assert_eq!(shard.first_verified(18..u32::MAX, |_| false), None);
+}

@@ -26,6 +26,15 @@ pub(crate) trait LocalCopy {
     fn is_dropped(&self, index: u32) -> bool;
     /// The dropped chunks within `range`, ascending.
     fn dropped(&self, range: Range<u32>) -> Vec<u32>;
+    /// The lowest chunk in `range` held verified here and not in `skip`. By default one
+    /// [`LocalCopy::is_verified`] a chunk; the store's copy answers from its bitmap under
+    /// one lock, since the window asks on every wake-up of a forwarder that has caught up
+    /// with its upstream, over the whole rest of the range.
+    fn first_verified(&self, range: Range<u32>, skip: &ChunkSet) -> Option<u32> {
+        range
+            .into_iter()
+            .find(|&i| !skip.contains(i) && self.is_verified(i))
+    }
 }
 
 /// The window's tuning (from `ChainConfig`).
@@ -229,8 +238,8 @@ impl SendWindow {
         while self.cursor < self.range.end && self.sent.contains(self.cursor) {
             self.cursor += 1;
         }
-        (self.cursor..self.range.end)
-            .find(|&i| !self.sent.contains(i) && local.is_verified(i))
+        local
+            .first_verified(self.cursor..self.range.end, &self.sent)
             .map(|i| (i, false))
     }
 
