@@ -14,6 +14,10 @@ pub struct ChunkSet {
     start: u32,
     end: u32,
     bits: Vec<u8>,
+    /// Indices in the set (the bits set), kept so that [`ChunkSet::len`] and
+    /// [`ChunkSet::is_full`] need no pass over the bitmap: a sender's window asks
+    /// `is_full` on every wake-up.
+    count: u32,
 }
 
 impl ChunkSet {
@@ -24,6 +28,7 @@ impl ChunkSet {
             start,
             end,
             bits: vec![0; (end - start).div_ceil(8) as usize],
+            count: 0,
         }
     }
 
@@ -41,6 +46,7 @@ impl ChunkSet {
         let (byte, mask) = (i / 8, 1u8 << (i % 8));
         let new = self.bits[byte] & mask == 0;
         self.bits[byte] |= mask;
+        self.count += u32::from(new);
         new
     }
 
@@ -55,12 +61,12 @@ impl ChunkSet {
 
     /// Number of indices in the set.
     pub fn len(&self) -> u32 {
-        self.bits.iter().map(|b| b.count_ones()).sum()
+        self.count
     }
 
     /// Whether the set holds no index.
     pub fn is_empty(&self) -> bool {
-        self.bits.iter().all(|b| *b == 0)
+        self.count == 0
     }
 
     /// Whether every index of the range is in the set.
@@ -111,7 +117,13 @@ impl Codec for ChunkSet {
                 });
             }
         }
-        Ok(Self { start, end, bits })
+        let count = bits.iter().map(|b| b.count_ones()).sum();
+        Ok(Self {
+            start,
+            end,
+            bits,
+            count,
+        })
     }
 
     fn encode<B: BufMut>(&self, buf: &mut B) {
@@ -141,5 +153,35 @@ mod tests {
         assert_eq!(s.missing().count(), 9);
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![10, 20]);
         assert!(!s.is_full());
+    }
+
+    #[test]
+    fn the_kept_count_agrees_with_the_bits_through_inserts_and_a_decode() {
+        let mut s = ChunkSet::new(5, 22);
+        assert!(s.is_empty());
+        for i in [5, 9, 9, 13, 21, 22, 4, 12, 13] {
+            s.insert(i);
+            assert_eq!(s.len() as usize, s.iter().count());
+            assert!(!s.is_empty());
+        }
+        assert_eq!(s.len(), 5);
+        let mut wire = Vec::new();
+        s.encode(&mut wire);
+        let d = ChunkSet::decode(&mut bytes::Bytes::from(wire)).unwrap();
+        assert_eq!(d, s);
+        assert_eq!(d.len(), 5);
+        for i in 5..22 {
+            s.insert(i);
+        }
+        assert!(s.is_full());
+        assert_eq!(s.len(), 17);
+        let mut wire = Vec::new();
+        s.encode(&mut wire);
+        assert!(
+            ChunkSet::decode(&mut bytes::Bytes::from(wire))
+                .unwrap()
+                .is_full()
+        );
+        assert!(ChunkSet::new(7, 7).is_full() && ChunkSet::new(7, 7).is_empty());
     }
 }
