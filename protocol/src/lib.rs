@@ -36,8 +36,9 @@
 //! feature, which both daemons turn on), utoipa behind the `openapi` feature (the
 //! controller's `/openapi.json`), and prost, tonic and tonic-prost for the generated code. tonic comes with its `codegen` feature
 //! only and `build.rs` generates no `connect` constructors, so this crate pulls in no
-//! transport (no hyper; tokio only indirectly, through tonic's own `tokio-stream` dependency, for the generated streams): the
-//! channels and servers, with TLS, are `shardcast_identity::grpc`'s.
+//! transport (no hyper; tokio only indirectly, through tonic's own `tokio-stream`
+//! dependency, for the generated streams): the channels and servers, with TLS, are
+//! `shardcast_identity::grpc`'s.
 //!
 //! Goals: every decoder checks each length against a maximum before allocating and returns
 //! [`DecodeError`] on bad input, never panics. Non-goals: transport (TCP, TLS, QUIC live in

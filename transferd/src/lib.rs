@@ -26,8 +26,8 @@
 //! `unsafe` lives only in `store::map` (the `memmap2` maps) and `store::uring` (io_uring
 //! submissions), each block with a `SAFETY` comment (and, outside the library, in the
 //! `store_write` bench's writable map of its own scratch file and the `file_write_rate` and
-//! `recv_into_map` examples' maps and `getrusage` calls). Tests: unit tests next to each module,
-//! `chain/proto/sim.rs` (the state machines in virtual time), `store/hardening_tests.rs`,
+//! `recv_into_map` examples' maps and `getrusage` calls). Tests: unit tests next to each
+//! module, `chain/proto/sim.rs` (the state machines in virtual time), `store/hardening_tests.rs`,
 //! `tests/cli.rs` (the binary); benches `store_write` and `chunk_hash` (criterion).
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
