@@ -30,10 +30,8 @@ pub(crate) trait LocalCopy {
     /// [`LocalCopy::is_verified`] a chunk; the store's copy answers from its bitmap under
     /// one lock, since the window asks on every wake-up of a forwarder that has caught up
     /// with its upstream, over the whole rest of the range.
-    fn first_verified(&self, range: Range<u32>, skip: &ChunkSet) -> Option<u32> {
-        range
-            .into_iter()
-            .find(|&i| !skip.contains(i) && self.is_verified(i))
+    fn first_verified(&self, mut range: Range<u32>, skip: &ChunkSet) -> Option<u32> {
+        range.find(|&i| !skip.contains(i) && self.is_verified(i))
     }
 }
 
