@@ -71,50 +71,137 @@ impl AsRef<[u8]> for MappedRange {
 /// A shared writable map of a whole shard data file, for the `mapped` writer: verified
 /// chunks are copied into it from several blocking-pool threads at once, where `pwrite`s to
 /// one tmpfs file queue on its inode lock (one core's copy rate per shard).
-pub(super) struct WritableMap(MmapRaw);
+///
+/// A map made of a spare of the memory reserve ([`WritableMap::premapped`]) comes with its
+/// pages allocated and its page tables filled while the host was idle, so a copy into it is
+/// a `memcpy` and nothing else: cheaper than the `pwrite` of a chunk into pages the file
+/// already holds (0.21 against 0.27–0.31 CPU-s/GB with the receive on the 2-core VM,
+/// `recv_into_map`'s `buffer+premapped` and `buffer+pwrite`; docs/BENCHMARKS.md).
+pub(super) struct WritableMap {
+    map: MmapRaw,
+    /// Bytes of the file this map writes (a spare's map may be longer than its shard).
+    len: usize,
+    /// Bytes from the start whose pages are allocated and mapped writable already.
+    populated: usize,
+}
 
 impl WritableMap {
     /// Maps the first `len` bytes of `file` (opened read-write, at least that long).
     pub(super) fn new(file: &File, len: u64) -> io::Result<Self> {
         let len = usize::try_from(len).map_err(|_| io::Error::other("shard too large to map"))?;
-        MmapOptions::new().len(len).map_raw(file).map(Self)
+        let map = MmapOptions::new().len(len).map_raw(file)?;
+        Ok(Self {
+            map,
+            len,
+            populated: 0,
+        })
     }
 
-    /// Copies `data` to byte `offset` of the file. The pages are allocated first with
-    /// `MADV_POPULATE_WRITE`, which fails with an error where a plain store would raise
-    /// `SIGBUS` (a full tmpfs); that error is returned as "no space", so a full memory tier
-    /// refuses the chunk as `pwrite` would, and the process lives.
+    /// The map of a spare that became a shard's file of `len` bytes: `map` was populated
+    /// whole when the spare was filled. `None` if it covers less than `len` bytes.
+    pub(super) fn premapped(map: PopulatedMap, len: u64) -> Option<Self> {
+        let len = usize::try_from(len).ok()?;
+        (map.0.len() >= len).then_some(Self {
+            map: map.0,
+            len,
+            populated: len,
+        })
+    }
+
+    /// Whether `len` bytes at `offset` lie where the pages were populated before: a copy
+    /// there costs no page-table work.
+    pub(super) fn populated(&self, offset: u64, len: usize) -> bool {
+        usize::try_from(offset)
+            .ok()
+            .and_then(|start| start.checked_add(len))
+            .is_some_and(|end| end <= self.populated)
+    }
+
+    /// Copies `data` to byte `offset` of the file. Pages not populated before are allocated
+    /// first with `MADV_POPULATE_WRITE`, which fails with an error where a plain store would
+    /// raise `SIGBUS` (a full tmpfs); that error is returned as "no space", so a full memory
+    /// tier refuses the chunk as `pwrite` would, and the process lives.
     ///
     /// The caller must own the byte range: one chunk being written by one writer, which no
     /// reader is handed while it is unverified (the store's claim).
     pub(super) fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        let end = start.checked_add(data.len()).filter(|&e| e <= self.0.len());
-        let Some(_) = end else {
+        let end = start.checked_add(data.len()).filter(|&e| e <= self.len);
+        let Some(end) = end else {
             return Err(io::Error::other(format!(
                 "write of {} bytes at {offset} lies outside the {}-byte file",
                 data.len(),
-                self.0.len()
+                self.len
             )));
         };
         if data.is_empty() {
             return Ok(());
         }
-        populate(&self.0, start, data.len())?;
-        // SAFETY: `start..start + data.len()` lies inside the map (checked above), whose
-        // pages were just allocated (populated), so the stores cannot fault. The store gives
-        // each chunk's range to one writer at a time (its claim), and no `Bytes` view or GPU
-        // registration reads a chunk's range before the chunk is marked verified, which
-        // happens after this copy returns; `data` is a separate allocation (a received
-        // buffer), so the two ranges do not overlap.
+        if end > self.populated {
+            populate(&self.map, start, data.len())?;
+        }
+        // SAFETY: `start..end` lies inside the map and within the file's length (checked
+        // above; the store never shrinks a shard's file), and its pages are allocated and
+        // mapped: just now by `populate`, or, below `populated`, by `populate` over the whole
+        // spare while it was filled (a tmpfs page stays allocated until the file is cut,
+        // which the store does only before the shard's first write), so the stores cannot
+        // fault fatally. The store gives each chunk's range to one writer at a time (its
+        // claim), and no `Bytes` view or GPU registration reads a chunk's range before the
+        // chunk is marked verified, which happens after this copy returns; `data` is a
+        // separate allocation (a received buffer), so the two ranges do not overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr(),
-                self.0.as_mut_ptr().add(start),
+                self.map.as_mut_ptr().add(start),
                 data.len(),
             );
         }
         Ok(())
+    }
+}
+
+/// A writable shared map of a whole spare file, every page of it allocated and mapped
+/// ([`PopulatedMap::populate`]): what a spare of the memory reserve hands to the shard that
+/// takes it.
+#[derive(Debug)]
+pub(super) struct PopulatedMap(MmapRaw);
+
+/// A spare's map while the filler populates it, a step at a time.
+#[derive(Debug)]
+pub(super) struct Populating {
+    map: MmapRaw,
+    done: usize,
+}
+
+impl Populating {
+    /// Maps the first `len` bytes of `file` (opened read-write and already `len` bytes long),
+    /// nothing populated yet.
+    pub(super) fn new(file: &File, len: u64) -> io::Result<Self> {
+        let len = usize::try_from(len).map_err(|_| io::Error::other("spare too large to map"))?;
+        let map = MmapOptions::new().len(len).map_raw(file)?;
+        Ok(Self { map, done: 0 })
+    }
+
+    /// Allocates and maps the next `len` bytes' pages (every page touched: the kernel zeroes
+    /// each one it allocates). Errors as [`WritableMap::write`]'s: "no space" where the
+    /// tier is full.
+    pub(super) fn step(&mut self, len: u64) -> io::Result<()> {
+        let len = usize::try_from(len).map_err(|_| io::Error::other("step too large"))?;
+        let end = self
+            .done
+            .checked_add(len)
+            .filter(|&e| e <= self.map.len())
+            .ok_or_else(|| io::Error::other("populating past the end of the spare"))?;
+        if len > 0 {
+            populate(&self.map, self.done, len)?;
+        }
+        self.done = end;
+        Ok(())
+    }
+
+    /// The map, once every page is populated.
+    pub(super) fn finish(self) -> Option<PopulatedMap> {
+        (self.done == self.map.len()).then_some(PopulatedMap(self.map))
     }
 }
 

@@ -772,7 +772,10 @@ impl ShardStore {
         }
         let writer = Arc::new(ChunkWriter::new(writer)?);
         tracing::info!(writer = ?writer.kind(), "shard store writer");
-        let reserve = reserve::Reserve::open(memory.clone(), memory_reserve, stats.clone())?;
+        // Spares get populated maps only for a writer that copies into maps.
+        let premap = matches!(writer.kind(), WriterKind::Mapped | WriterKind::Adaptive);
+        let reserve =
+            reserve::Reserve::open(memory.clone(), memory_reserve, premap, stats.clone())?;
         let names = Mutex::new(names::Names::load(&disk)?);
         let memory_fs = TierFs::of(&memory_dir);
         report_memory_fs(&memory_dir, memory_fs.as_ref());

@@ -6,9 +6,18 @@
 //! about half as much as one written into fresh pages; in the hop, with the adaptive
 //! writer's concurrent map writes, the receiver spent 0.7–0.8 CPU-s/GB against 1.6–1.7:
 //! docs/BENCHMARKS.md). The reserve moves that cost out of the cold start: while the host
-//! is idle the daemon fills up to `bytes` of spare files (writing zeroes), and a new
-//! memory-tier shard takes one ([`Reserve::take`]): the spare is renamed to the shard's
-//! path and cut (or grown) to the shard's size, so its chunks land on pages that exist.
+//! is idle the daemon fills up to `bytes` of spare files, and a new memory-tier shard takes
+//! one ([`Reserve::take`]): the spare is renamed to the shard's path and cut (or grown) to
+//! the shard's size, so its chunks land on pages that exist.
+//! * **Filled through a map:** for the writers that copy into maps (adaptive, the default,
+//!   and mapped) the filler maps each new spare and allocates its pages with
+//!   `MADV_POPULATE_WRITE`, which also fills the map's page tables; the shard that takes
+//!   the spare keeps that map ([`Taken::map`]) and its chunks are plain copies into it
+//!   where it covers them (no `pwrite`, no page-table work during the transfer: the TLS
+//!   hop's receiver spent 0.70–0.71 CPU-s/GB against 0.79–0.85, docs/BENCHMARKS.md). The
+//!   page tables cost 2 MiB per GiB of spares. Elsewhere (the `pwrite` writer, a kernel
+//!   without `MADV_POPULATE_WRITE`) the filler writes zeroes; a spare kept from an
+//!   earlier run has no map, and its shard is written as before.
 //!
 //! * **Where:** `<memory root>/reserve/spare-<n>`, beneath the tier root like every other
 //!   store file (no symlink followed; the store's modes). A spare being filled is
@@ -47,6 +56,7 @@ use std::os::unix::fs::FileExt;
 use rustix::fs::FileType;
 
 use super::beneath::{Access, TierDir};
+use super::map::{PopulatedMap, Populating};
 use super::{StoreError, StoreStats, io_err, lock};
 
 /// The reserve's directory, relative to the memory tier root.
@@ -98,11 +108,14 @@ impl Default for ReserveConfig {
 /// The size of a spare while [`SpareSize::Auto`] has learned none.
 pub const DEFAULT_SPARE: u64 = 1 << 30;
 
-/// A spare a new shard takes: where it is (relative to the tier root) and its size.
+/// A spare a new shard takes: where it is (relative to the tier root), its size, and its
+/// map with every page populated, where the filler made one (not for a spare kept from an
+/// earlier run, nor where the kernel lacks `MADV_POPULATE_WRITE`).
 #[derive(Debug)]
 pub(super) struct Taken {
     pub(super) rel: PathBuf,
     pub(super) size: u64,
+    pub(super) map: Option<PopulatedMap>,
 }
 
 /// The spares of the memory tier. See the module docs.
@@ -110,6 +123,8 @@ pub(super) struct Taken {
 pub(super) struct Reserve {
     dir: Arc<TierDir>,
     cfg: ReserveConfig,
+    /// Whether the filler makes each spare's map (for the mapped and adaptive writers).
+    premap: bool,
     stats: Arc<StoreStats>,
     state: Mutex<State>,
 }
@@ -118,6 +133,8 @@ pub(super) struct Reserve {
 struct State {
     /// Complete spares: (number, bytes).
     spares: Vec<(u64, u64)>,
+    /// The populated maps of complete spares, by number (those the filler made).
+    maps: std::collections::HashMap<u64, PopulatedMap>,
     /// The spare being filled, while the filler is not working on it.
     filling: Option<Filling>,
     /// Bytes of the spare being filled while the filler works on it (out of `filling`).
@@ -138,6 +155,9 @@ struct Filling {
     len: u64,
     /// Bytes it will have.
     size: u64,
+    /// Its map, populated a step at a time (`None` where the kernel cannot: then zeroes
+    /// are written, and the spare has no map).
+    map: Option<Populating>,
 }
 
 /// Writes `len` zero bytes at `offset`: every page is allocated and touched now. (Not
@@ -171,6 +191,7 @@ impl Reserve {
     pub(super) fn open(
         dir: Arc<TierDir>,
         cfg: ReserveConfig,
+        premap: bool,
         stats: Arc<StoreStats>,
     ) -> Result<Self, StoreError> {
         let rel = Path::new(RESERVE_DIR);
@@ -224,6 +245,7 @@ impl Reserve {
         Ok(Self {
             dir,
             cfg,
+            premap,
             stats,
             state: Mutex::new(State {
                 spares,
@@ -310,9 +332,11 @@ impl Reserve {
                 .map(|(i, _)| i)
         })?;
         let (n, len) = st.spares.swap_remove(at);
+        let map = st.maps.remove(&n);
         Some(Taken {
             rel: spare_rel(n),
             size: len,
+            map,
         })
     }
 
@@ -366,18 +390,34 @@ impl Reserve {
                     st.next += 1;
                     let rel = filling_rel(n);
                     let file = self.dir.open_file(&rel, Access::ReadWriteCreate)?;
+                    // No larger than the room there is now: a spare that could never be
+                    // completed could never be taken.
+                    let size = Self::spare_size_in(self.cfg, &st)
+                        .min(wanted)
+                        .min(max)
+                        .max(1);
                     file.set_len(0)
                         .map_err(io_err(&self.dir.root().join(&rel)))?;
+                    // The whole length at once (no page allocated by it), so the map
+                    // covers it; the filler then populates it step by step.
+                    file.set_len(size)
+                        .map_err(io_err(&self.dir.root().join(&rel)))?;
+                    let map = match Populating::new(&file, size) {
+                        Ok(m) if self.premap => Some(m),
+                        Ok(_) => None,
+                        Err(e) => {
+                            tracing::debug!(
+                                "memory reserve: a spare without a map ({e}); writing zeroes"
+                            );
+                            None
+                        }
+                    };
                     Filling {
                         n,
                         file,
                         len: 0,
-                        // No larger than the room there is now: a spare that could
-                        // never be completed could never be taken.
-                        size: Self::spare_size_in(self.cfg, &st)
-                            .min(wanted)
-                            .min(max)
-                            .max(1),
+                        size,
+                        map,
                     }
                 }
             };
@@ -390,7 +430,19 @@ impl Reserve {
             (filling, grow)
         };
         let rel = filling_rel(filling.n);
-        let r = write_zeroes(&filling.file, filling.len, grow);
+        let r = match filling.map.as_mut().map(|m| m.step(grow)) {
+            Some(Err(e)) if e.kind() != std::io::ErrorKind::StorageFull => {
+                // The map cannot be populated (no MADV_POPULATE_WRITE): zeroes instead, and
+                // the spare has no map.
+                tracing::debug!(
+                    "memory reserve: populating a spare's map failed ({e}); writing zeroes"
+                );
+                filling.map = None;
+                write_zeroes(&filling.file, filling.len, grow)
+            }
+            Some(r) => r,
+            None => write_zeroes(&filling.file, filling.len, grow),
+        };
         let mut st = lock(&self.state);
         st.filling_out = 0;
         match r {
@@ -424,8 +476,12 @@ impl Reserve {
         if filling.len >= filling.size {
             drop(st);
             self.dir.rename_file(&rel, &spare_rel(filling.n))?;
+            let map = filling.map.and_then(Populating::finish);
             let mut st = lock(&self.state);
             st.spares.push((filling.n, filling.len));
+            if let Some(map) = map {
+                st.maps.insert(filling.n, map);
+            }
             if st.spares.len() == 1 || Self::held_in(&st) >= self.cfg.bytes {
                 tracing::info!(
                     held = Self::held_in(&st),
@@ -459,6 +515,8 @@ impl Reserve {
                 .or_else(|| st.spares.iter().enumerate().max_by_key(|(_, s)| s.1))
                 .map(|(i, _)| i)?;
             let (n, len) = st.spares.swap_remove(at);
+            // Unmapped before the file goes, or its pages would outlive it.
+            st.maps.remove(&n);
             (spare_rel(n), len)
         };
         drop(st);

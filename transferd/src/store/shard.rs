@@ -314,9 +314,13 @@ impl Shard {
             dir.create_dir_all(parent)?;
         }
         let mut resident = 0;
+        let mut premapped = None;
         if let Some(spare) = spare.filter(|_| mode == OpenMode::Create) {
             match dir.rename_file(&spare.rel, &data_rel) {
-                Ok(()) => resident = spare.size.min(size),
+                Ok(()) => {
+                    resident = spare.size.min(size);
+                    premapped = spare.map;
+                }
                 Err(e) => {
                     tracing::warn!(path = %data_path.display(), "a spare of the memory reserve could not become a shard's file: {e}");
                     if let Err(e) = dir.remove_tree(&spare.rel) {
@@ -343,9 +347,14 @@ impl Shard {
         };
         let writable =
             if size > 0 && matches!(writer.kind(), WriterKind::Mapped | WriterKind::Adaptive) {
-                Some(Arc::new(
-                    WritableMap::new(&file, size).map_err(io_err(&data_path))?,
-                ))
+                // A spare's map (its pages populated while the host was idle) where it
+                // covers the shard; it was made before the file was cut to the shard's
+                // size, which unmapped whatever lay beyond.
+                let map = match premapped.and_then(|m| WritableMap::premapped(m, size)) {
+                    Some(map) => map,
+                    None => WritableMap::new(&file, size).map_err(io_err(&data_path))?,
+                };
+                Some(Arc::new(map))
             } else {
                 None
             };
@@ -671,8 +680,10 @@ impl Shard {
     /// - `pwrite`: a `pwrite` queued on the shard's `serial` lock (writes to one file sleep
     ///   there rather than spin on the inode lock in the kernel);
     /// - mapped: a copy into the shard's writable map (writes to one file run in parallel);
-    /// - adaptive: the `pwrite` when the `serial` lock is free, else the copy into the map,
-    ///   so a second concurrent write to the file (a striped shard) does not wait.
+    /// - adaptive: a copy into the map where its pages were populated before (a spare of
+    ///   the memory reserve); elsewhere the `pwrite` when the `serial` lock is free, else
+    ///   the copy into the map, so a second concurrent write to the file (a striped shard)
+    ///   does not wait.
     fn placer(&self) -> Option<impl Fn(&[u8], u64) -> std::io::Result<()> + Send + 'static> {
         let kind = self.writer.kind();
         if !matches!(
@@ -696,7 +707,10 @@ impl Shard {
         };
         let adaptive = kind == WriterKind::Adaptive;
         Some(move |data: &[u8], offset| match &writable {
-            Some(map) if !adaptive => mapped(map, data, offset),
+            // A range already populated (a spare's) is a bare copy: cheaper than `pwrite`.
+            Some(map) if !adaptive || map.populated(offset, data.len()) => {
+                mapped(map, data, offset)
+            }
             Some(map) => match serial.try_lock() {
                 Ok(_serial) => file.write_all_at(data, offset),
                 // Poisoned only by a panic in a write; the file is still sound.
