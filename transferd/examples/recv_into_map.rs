@@ -8,7 +8,11 @@
 //! * `buffer+pwrite`: reads into one reused 1 MiB buffer, then `pwrite`s the chunk (today's
 //!   path without TLS: the frame body, then the store's write);
 //! * `map`: `MADV_POPULATE_WRITE` over the chunk's range of a shared writable map, then
-//!   reads straight into it.
+//!   reads straight into it;
+//! * `premapped`: reads straight into a map whose page tables were filled before the clock
+//!   started (as the memory reserve's filler fills a spare's while the host is idle);
+//! * `buffer+premapped`: reads into the reused buffer, then copies the chunk into such a map
+//!   (today's path into a spare: `store::map::WritableMap::premapped`).
 //!
 //! ```sh
 //! cargo run --release -p transferd --example recv_into_map -- /dev/shm 2 3
