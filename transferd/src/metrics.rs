@@ -345,6 +345,12 @@ impl Collector for NodeCollector {
                 reserve.held,
             ),
             (
+                "memory_reserve_mapped_bytes",
+                Gauge,
+                "Bytes of the memory reserve's complete spares whose pages are mapped for the shard that takes them (its chunks are copied in, not pwritten).",
+                reserve.mapped,
+            ),
+            (
                 "memory_reserve_target_bytes",
                 Gauge,
                 "The memory_reserve setting (0: off).",

@@ -350,6 +350,10 @@ pub struct ReserveStatus {
     pub spare: u64,
     /// Why filling stopped for good (the file system refused a write).
     pub refused: Option<String>,
+    /// Bytes of complete spares that carry a populated map for the shard that takes them
+    /// (the rest are written into with `pwrite`: spares kept from an earlier run, the
+    /// `pwrite` writer, a kernel without `MADV_POPULATE_WRITE`).
+    pub mapped: u64,
 }
 
 /// Why a store operation failed.
@@ -1319,6 +1323,7 @@ impl ShardStore {
             config: r.config(),
             spare: r.spare_size(),
             refused: r.refused(),
+            mapped: r.mapped(),
         }
     }
 

@@ -304,6 +304,16 @@ impl Reserve {
         complete + st.filling.as_ref().map_or(st.filling_out, |f| f.len)
     }
 
+    /// Bytes of complete spares with a populated map.
+    pub(super) fn mapped(&self) -> u64 {
+        let st = lock(&self.state);
+        st.spares
+            .iter()
+            .filter(|(n, _)| st.maps.contains_key(n))
+            .map(|&(_, len)| len)
+            .sum()
+    }
+
     /// Why the reserve stopped filling for good, if it did.
     pub(super) fn refused(&self) -> Option<String> {
         lock(&self.state).refused.clone()

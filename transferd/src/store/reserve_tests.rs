@@ -388,9 +388,11 @@ async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
     let store = ShardStore::open(config(dir.path(), 8 * MIB, 4 * MIB)).unwrap();
     assert_eq!(store.writer_kind(), WriterKind::Adaptive);
     assert_eq!(fill(&store), 8 * MIB);
+    assert_eq!(store.reserve_status().mapped, 8 * MIB);
     store.put_manifest(&m).unwrap();
     let a = store.shard(&d, 0, DataTier::Memory).unwrap();
     assert_eq!(a.resident_bytes(), 3 * MIB + 4096);
+    assert_eq!(store.reserve_status().mapped, 4 * MIB);
     write_all(a.clone(), 0).await;
     assert_eq!(mapped(&store), 3 * MIB + 4096);
     // b.safetensors is longer than the other spare: the spare's map does not cover it, and
@@ -408,6 +410,7 @@ async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
     drop(store);
     let store = ShardStore::open(config(dir.path(), 8 * MIB, 4 * MIB)).unwrap();
     assert_eq!(store.reserve_status().held, 8 * MIB);
+    assert_eq!(store.reserve_status().mapped, 0);
     store.put_manifest(&m).unwrap();
     let a = store.shard(&d, 0, DataTier::Memory).unwrap();
     assert_eq!(a.resident_bytes(), 3 * MIB + 4096);
@@ -423,6 +426,7 @@ async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
     })
     .unwrap();
     assert_eq!(fill(&store), 8 * MIB);
+    assert_eq!(store.reserve_status().mapped, 0);
     for name in spares(dir.path()) {
         let p = dir.path().join("mem").join(RESERVE_DIR).join(name);
         assert!(allocated(&p) >= 4 * MIB, "a spare's pages are allocated");
