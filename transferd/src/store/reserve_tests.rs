@@ -380,6 +380,10 @@ async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
                 assert!(shard.write(chunk(&m, &data, i, c)).await.unwrap());
             }
             assert_eq!(std::fs::read(shard.path()).unwrap(), data[i as usize]);
+            // Read back through the store (a spare's populated map where it has one).
+            for c in 0..shard.total_chunks() {
+                assert_eq!(shard.read(c).unwrap(), *chunk(&m, &data, i, c).data());
+            }
         }
     };
     let mapped = |store: &ShardStore| store.stats().bytes_written_mapped.load(Ordering::Relaxed);
