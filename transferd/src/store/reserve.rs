@@ -412,15 +412,15 @@ impl Reserve {
                     // covers it; the filler then populates it step by step.
                     file.set_len(size)
                         .map_err(io_err(&self.dir.root().join(&rel)))?;
-                    let map = match Populating::new(&file, size) {
-                        Ok(m) if self.premap => Some(m),
-                        Ok(_) => None,
-                        Err(e) => {
+                    let map = match self.premap.then(|| Populating::new(&file, size)) {
+                        Some(Ok(m)) => Some(m),
+                        Some(Err(e)) => {
                             tracing::debug!(
                                 "memory reserve: a spare without a map ({e}); writing zeroes"
                             );
                             None
                         }
+                        None => None,
                     };
                     Filling {
                         n,
@@ -441,9 +441,15 @@ impl Reserve {
         };
         let rel = filling_rel(filling.n);
         let r = match filling.map.as_mut().map(|m| m.step(grow)) {
-            Some(Err(e)) if e.kind() != std::io::ErrorKind::StorageFull => {
-                // The map cannot be populated (no MADV_POPULATE_WRITE): zeroes instead, and
-                // the spare has no map.
+            // No room or a signal fall through to a failed write's handling below (the
+            // spare is given up for now); any other error means the map cannot be populated.
+            Some(Err(e))
+                if !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                // No MADV_POPULATE_WRITE, say: zeroes instead, and the spare has no map.
                 tracing::debug!(
                     "memory reserve: populating a spare's map failed ({e}); writing zeroes"
                 );
