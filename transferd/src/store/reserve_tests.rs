@@ -449,26 +449,9 @@ async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
 #[cfg(target_os = "linux")]
 #[test]
 fn a_spare_populated_into_a_full_tmpfs_is_given_up_not_fatal() {
-    if super::map::populate_supported().is_err() {
-        eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
+    let Some(dir) = super::tests::SmallTmpfs::mount("size=3m,mode=0700") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs"])
-        .arg(dir.path())
-        .status();
-    if !matches!(mounted, Ok(s) if s.success()) {
-        eprintln!("SKIPPED: cannot mount a tmpfs here ({mounted:?})");
-        return;
-    }
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(self.0).status();
-        }
-    }
-    let _unmount = Unmount(dir.path());
+    };
     let store = ShardStore::open(config(dir.path(), 8 * MIB, 4 * MIB)).unwrap();
     // A step sized past the room, as after another process's write: 4 MiB in 3.
     assert_eq!(store.inner.reserve.fill(8 * MIB).unwrap(), 0);

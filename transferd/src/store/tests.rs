@@ -663,6 +663,45 @@ fn adopting_refuses_a_symlink_planted_as_the_kept_file() {
     assert!(!store.model_dir(&d, DataTier::Memory).join("a.bin").exists());
 }
 
+/// A tmpfs of its own, mounted with `options` on a temporary directory and unmounted when
+/// dropped; `None` (saying why) where the kernel lacks `MADV_POPULATE_WRITE` or the test
+/// cannot mount (not root).
+#[cfg(target_os = "linux")]
+pub(super) struct SmallTmpfs(tempfile::TempDir);
+
+#[cfg(target_os = "linux")]
+impl SmallTmpfs {
+    pub(super) fn mount(options: &str) -> Option<Self> {
+        if ChunkWriter::new(WriterKind::Mapped).is_err() {
+            eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+            .arg(dir.path())
+            .status();
+        if !matches!(mounted, Ok(s) if s.success()) {
+            eprintln!("SKIPPED: cannot mount a tmpfs here ({mounted:?})");
+            return None;
+        }
+        Some(Self(dir))
+    }
+
+    pub(super) fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for SmallTmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.0.path())
+            .status();
+    }
+}
+
 /// The mapped writer on a tmpfs with no room left: the chunk is refused with an error ("no
 /// space"), as `pwrite` refuses it with ENOSPC, instead of a store into an unbacked page
 /// raising SIGBUS and killing the daemon. Needs root (to mount a tmpfs of its own); skipped,
@@ -670,26 +709,9 @@ fn adopting_refuses_a_symlink_planted_as_the_kept_file() {
 #[cfg(target_os = "linux")]
 #[test]
 fn mapped_writes_into_a_full_tmpfs_fail_cleanly() {
-    if ChunkWriter::new(WriterKind::Mapped).is_err() {
-        eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
+    let Some(dir) = SmallTmpfs::mount("size=256k") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
-        .arg(dir.path())
-        .status();
-    if !matches!(mounted, Ok(s) if s.success()) {
-        eprintln!("SKIPPED: cannot mount a tmpfs here ({mounted:?})");
-        return;
-    }
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(self.0).status();
-        }
-    }
-    let _unmount = Unmount(dir.path());
+    };
     let path = dir.path().join("shard");
     let file = std::fs::OpenOptions::new()
         .read(true)
