@@ -521,7 +521,8 @@ const RESERVE_TICK: Duration = Duration::from_millis(250);
 /// ([`crate::store::FILL_STEP`]) after the other until it is full, the tier's bounds leave
 /// no room, or a shard or chunk is written again. (A shard taking a spare leaves the
 /// reserve short just as its transfer starts: counting the creation as activity keeps the
-/// filler off the cores until the transfer is over.) Every tick it also drops spares the
+/// filler off the cores until the transfer is over.) Once the reserve is full it maps, step
+/// by step too, the spares kept from an earlier run (`ShardStore::map_reserve`). Every tick it also drops spares the
 /// bounds no longer leave room for (the host's available memory fell below the headroom).
 async fn fill_reserve(store: ShardStore, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(RESERVE_TICK);
@@ -543,7 +544,13 @@ async fn fill_reserve(store: ShardStore, cancel: CancellationToken) {
                 break;
             }
             let s = store.clone();
-            match tokio::task::spawn_blocking(move || s.fill_reserve()).await {
+            // Allocate first; once the reserve is full, map the spares kept from an
+            // earlier run (page tables only).
+            let step = move || match s.fill_reserve()? {
+                0 => s.map_reserve(),
+                n => Ok(n),
+            };
+            match tokio::task::spawn_blocking(step).await {
                 Ok(Ok(n)) if n > 0 => failed = false,
                 Ok(Ok(_)) => break,
                 Ok(Err(e)) => {

@@ -199,6 +199,11 @@ impl Populating {
         Ok(())
     }
 
+    /// Bytes not populated yet.
+    pub(super) fn left(&self) -> u64 {
+        (self.map.len() - self.done) as u64
+    }
+
     /// The map, once every page is populated.
     pub(super) fn finish(self) -> Option<PopulatedMap> {
         (self.done == self.map.len()).then_some(PopulatedMap(self.map))

@@ -1309,6 +1309,14 @@ impl ShardStore {
         reserve.fill(room)
     }
 
+    /// Populates a step of the map of a spare of the memory reserve that has none (kept
+    /// from an earlier run), so the shard that takes it copies its chunks in rather than
+    /// `pwrite`s them. Returns the bytes done (0: nothing to do). The daemon's filler calls
+    /// it while the host is idle and [`ShardStore::fill_reserve`] has nothing to do.
+    pub fn map_reserve(&self) -> Result<u64, StoreError> {
+        self.inner.reserve.map_kept(FILL_STEP)
+    }
+
     /// Notified each time a memory-tier shard file is created (a permit is kept while no one
     /// waits): the daemon registers a shard with the GPUs as its session starts.
     pub fn memory_shard_created(&self) -> Arc<tokio::sync::Notify> {

@@ -16,8 +16,9 @@
 //!   where it covers them (no `pwrite`, no page-table work during the transfer: the TLS
 //!   hop's receiver spent 0.70–0.71 CPU-s/GB against 0.79–0.85, docs/BENCHMARKS.md). The
 //!   page tables cost 2 MiB per GiB of spares. Elsewhere (the `pwrite` writer, a kernel
-//!   without `MADV_POPULATE_WRITE`) the filler writes zeroes; a spare kept from an
-//!   earlier run has no map, and its shard is written as before.
+//!   without `MADV_POPULATE_WRITE`) the filler writes zeroes. A spare kept from an earlier
+//!   run gets its map once the reserve is full ([`Reserve::map_kept`]: page tables only,
+//!   nothing allocated); a shard that takes it before is written as before.
 //!
 //! * **Where:** `<memory root>/reserve/spare-<n>`, beneath the tier root like every other
 //!   store file (no symlink followed; the store's modes). A spare being filled is
@@ -109,8 +110,8 @@ impl Default for ReserveConfig {
 pub const DEFAULT_SPARE: u64 = 1 << 30;
 
 /// A spare a new shard takes: where it is (relative to the tier root), its size, and its
-/// map with every page populated, where the filler made one (not for a spare kept from an
-/// earlier run, nor where the kernel lacks `MADV_POPULATE_WRITE`).
+/// map with every page populated, where the filler made one (not yet for a spare kept from
+/// an earlier run, nor where the kernel lacks `MADV_POPULATE_WRITE`).
 #[derive(Debug)]
 pub(super) struct Taken {
     pub(super) rel: PathBuf,
@@ -135,6 +136,11 @@ struct State {
     spares: Vec<(u64, u64)>,
     /// The populated maps of complete spares, by number (those the filler made).
     maps: std::collections::HashMap<u64, PopulatedMap>,
+    /// A complete spare without a map (kept from an earlier run) whose map the filler is
+    /// populating, while it is not working on it.
+    mapping: Option<(u64, Populating)>,
+    /// Kept spares whose map could not be made (they are written with `pwrite`).
+    unmappable: std::collections::HashSet<u64>,
     /// The spare being filled, while the filler is not working on it.
     filling: Option<Filling>,
     /// Bytes of the spare being filled while the filler works on it (out of `filling`).
@@ -145,6 +151,16 @@ struct State {
     refused: Option<String>,
     /// The spare size [`SpareSize::Auto`] learned ([`Reserve::learn`]).
     learned: Option<u64>,
+}
+
+impl State {
+    /// Drops the half-made map of spare `n`, if the filler was making it (the spare is
+    /// being taken or dropped).
+    fn forget_mapping(&mut self, n: u64) {
+        if self.mapping.as_ref().is_some_and(|(m, _)| *m == n) {
+            self.mapping = None;
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -343,6 +359,7 @@ impl Reserve {
         })?;
         let (n, len) = st.spares.swap_remove(at);
         let map = st.maps.remove(&n);
+        st.forget_mapping(n);
         Some(Taken {
             rel: spare_rel(n),
             size: len,
@@ -512,6 +529,64 @@ impl Reserve {
         Ok(grow)
     }
 
+    /// Populates up to `max` bytes (at most [`FILL_STEP`]) of the map of a complete spare
+    /// that has none (one kept from an earlier run: its pages exist, so this fills page
+    /// tables only and allocates nothing); the spare has its map once all of it is done.
+    /// Returns the bytes done: 0 when every spare has a map (or spares get none). Only the
+    /// daemon's one filler calls it, when [`Reserve::fill`] has nothing to do.
+    pub(super) fn map_kept(&self, max: u64) -> Result<u64, StoreError> {
+        if !self.premap {
+            return Ok(0);
+        }
+        let (n, mut map) = {
+            let mut st = lock(&self.state);
+            match st.mapping.take() {
+                Some(m) => m,
+                None => {
+                    let unmapped = |n: &u64| !st.maps.contains_key(n) && !st.unmappable.contains(n);
+                    let Some(&(n, len)) = st.spares.iter().find(|(n, _)| unmapped(n)) else {
+                        return Ok(0);
+                    };
+                    // Opened under the lock: a spare is taken or dropped only under it, so
+                    // the file is the spare's.
+                    let rel = spare_rel(n);
+                    let file = self.dir.open_file(&rel, Access::ReadWriteCreate)?;
+                    match Populating::new(&file, len) {
+                        Ok(map) => (n, map),
+                        Err(e) => {
+                            tracing::debug!("memory reserve: a kept spare without a map ({e})");
+                            st.unmappable.insert(n);
+                            return Ok(0);
+                        }
+                    }
+                }
+            }
+        };
+        let step = map.left().min(max).min(FILL_STEP);
+        if let Err(e) = map.step(step) {
+            // Taken or dropped meanwhile (its file cut or gone), or no MADV_POPULATE_WRITE:
+            // that spare stays without a map (it is written with `pwrite`).
+            tracing::debug!(
+                spare = n,
+                "memory reserve: mapping a kept spare failed ({e})"
+            );
+            lock(&self.state).unmappable.insert(n);
+            return Ok(0);
+        }
+        let mut st = lock(&self.state);
+        // Still a spare (not taken or dropped meanwhile)?
+        if st.spares.iter().any(|&(m, _)| m == n) {
+            if map.left() == 0 {
+                if let Some(done) = map.finish() {
+                    st.maps.insert(n, done);
+                }
+            } else {
+                st.mapping = Some((n, map));
+            }
+        }
+        Ok(step)
+    }
+
     /// Drops one spare to give back at least `need` bytes if one spare can: the one being
     /// filled first, else the smallest spare of at least `need` bytes (the larger ones stay
     /// for the shards they fit), else the largest. Returns the bytes freed, or `None` when
@@ -533,6 +608,7 @@ impl Reserve {
             let (n, len) = st.spares.swap_remove(at);
             // Unmapped before the file goes, or its pages would outlive it.
             st.maps.remove(&n);
+            st.forget_mapping(n);
             (spare_rel(n), len)
         };
         drop(st);

@@ -356,8 +356,9 @@ fn spares_give_way_to_the_hosts_headroom() {
 /// The filler populates each spare's writable map as it allocates the spare, and the shard
 /// that takes the spare copies its chunks into that map (no `pwrite`, no page-table work on
 /// the transfer's path) where the map covers it: a shard cut from a larger spare. A shard
-/// longer than its spare, a spare kept from an earlier run and the `pwrite` writer go by
-/// `pwrite` as before. Every byte reads back as written in each case.
+/// longer than its spare, a spare kept from an earlier run before the filler maps it, and
+/// the `pwrite` writer go by `pwrite` as before. Every byte reads back as written in each
+/// case.
 #[tokio::test]
 async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
     if super::map::populate_supported().is_err() {
@@ -407,7 +408,7 @@ async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
     assert_eq!(mapped(&store), 3 * MIB + 4096);
     drop((a, store));
 
-    // Spares kept from an earlier run have no map: `pwrite`.
+    // Spares kept from an earlier run have no map: `pwrite`...
     let dir = tempfile::tempdir().unwrap();
     let store = ShardStore::open(config(dir.path(), 8 * MIB, 4 * MIB)).unwrap();
     assert_eq!(fill(&store), 8 * MIB);
@@ -420,6 +421,29 @@ async fn a_spare_hands_its_populated_map_to_the_shard_written_into_it() {
     assert_eq!(a.resident_bytes(), 3 * MIB + 4096);
     write_all(a.clone(), 0).await;
     assert_eq!(mapped(&store), 0);
+    // ...until the filler maps them, once the reserve is full: page tables only, nothing
+    // allocated or counted as filled.
+    assert_eq!(fill(&store), 4 * MIB);
+    let filled = store.stats().reserve_bytes_filled.load(Ordering::Relaxed);
+    assert_eq!(store.reserve_status().mapped, 4 * MIB);
+    let mut done = 0;
+    for _ in 0..100 {
+        match store.map_reserve().unwrap() {
+            0 => break,
+            n => done += n,
+        }
+    }
+    assert_eq!(done, 4 * MIB);
+    assert_eq!(store.reserve_status().mapped, 8 * MIB);
+    assert_eq!(store.map_reserve().unwrap(), 0);
+    assert_eq!(
+        store.stats().reserve_bytes_filled.load(Ordering::Relaxed),
+        filled
+    );
+    store.remove(&d, DataTier::Memory).unwrap();
+    let a = store.shard(&d, 0, DataTier::Memory).unwrap();
+    write_all(a.clone(), 0).await;
+    assert_eq!(mapped(&store), 3 * MIB + 4096);
     drop((a, store));
 
     // The `pwrite` writer: spares are zeroes written, without maps, and shards `pwrite`n.
