@@ -549,9 +549,11 @@ impl Reserve {
                     };
                     // Opened under the lock: a spare is taken or dropped only under it, so
                     // the file is the spare's.
-                    let rel = spare_rel(n);
-                    let file = self.dir.open_file(&rel, Access::ReadWriteCreate)?;
-                    match Populating::new(&file, len) {
+                    let opened = self.dir.open_file(&spare_rel(n), Access::ReadWriteCreate);
+                    match opened
+                        .map_err(|e| e.to_string())
+                        .and_then(|file| Populating::new(&file, len).map_err(|e| e.to_string()))
+                    {
                         Ok(map) => (n, map),
                         Err(e) => {
                             tracing::debug!("memory reserve: a kept spare without a map ({e})");
