@@ -13,8 +13,9 @@
 //!   and mapped) the filler maps each new spare and allocates its pages with
 //!   `MADV_POPULATE_WRITE`, which also fills the map's page tables; the shard that takes
 //!   the spare keeps that map ([`Taken::map`]) and its chunks are plain copies into it
-//!   where it covers them (no `pwrite`, no page-table work during the transfer: the TLS
-//!   hop's receiver spent 0.70–0.71 CPU-s/GB against 0.79–0.85, docs/BENCHMARKS.md). The
+//!   where it covers them (no `pwrite`, no page-table work during the transfer: on the
+//!   2-core VM an authenticate-only hop's receiver spent 0.48–0.54 CPU-s/GB against
+//!   0.61–0.74, a TLS one's 0.70–0.87 against 0.79–0.88, docs/BENCHMARKS.md). The
 //!   page tables cost 2 MiB per GiB of spares. Elsewhere (the `pwrite` writer, a kernel
 //!   without `MADV_POPULATE_WRITE`) the filler writes zeroes. A spare kept from an earlier
 //!   run gets its map once the reserve is full ([`Reserve::map_kept`]: page tables only,
