@@ -522,8 +522,9 @@ const RESERVE_TICK: Duration = Duration::from_millis(250);
 /// no room, or a shard or chunk is written again. (A shard taking a spare leaves the
 /// reserve short just as its transfer starts: counting the creation as activity keeps the
 /// filler off the cores until the transfer is over.) Once the reserve is full it maps, step
-/// by step too, the spares kept from an earlier run (`ShardStore::map_reserve`). Every tick it also drops spares the
-/// bounds no longer leave room for (the host's available memory fell below the headroom).
+/// by step too, the spares kept from an earlier run (`ShardStore::map_reserve`). Every tick
+/// it also drops spares the bounds no longer leave room for (the host's available memory
+/// fell below the headroom).
 async fn fill_reserve(store: ShardStore, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(RESERVE_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -161,8 +161,7 @@ impl WritableMap {
 }
 
 /// A writable shared map of a whole spare file, every page of it allocated and mapped
-/// ([`PopulatedMap::populate`]): what a spare of the memory reserve hands to the shard that
-/// takes it.
+/// ([`Populating`]): what a spare of the memory reserve hands to the shard that takes it.
 #[derive(Debug)]
 pub(super) struct PopulatedMap(MmapRaw);
 

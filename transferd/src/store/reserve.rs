@@ -133,15 +133,11 @@ pub(super) struct Reserve {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Complete spares: (number, bytes).
-    spares: Vec<(u64, u64)>,
-    /// The populated maps of complete spares, by number (those the filler made).
-    maps: std::collections::HashMap<u64, PopulatedMap>,
+    /// Complete spares.
+    spares: Vec<Spare>,
     /// A complete spare without a map (kept from an earlier run) whose map the filler is
     /// populating, while it is not working on it.
     mapping: Option<(u64, Populating)>,
-    /// Kept spares whose map could not be made (they are written with `pwrite`).
-    unmappable: std::collections::HashSet<u64>,
     /// The spare being filled, while the filler is not working on it.
     filling: Option<Filling>,
     /// Bytes of the spare being filled while the filler works on it (out of `filling`).
@@ -154,7 +150,33 @@ struct State {
     learned: Option<u64>,
 }
 
+/// A complete spare.
+#[derive(Debug)]
+struct Spare {
+    /// Its number (its name).
+    n: u64,
+    /// Its bytes.
+    len: u64,
+    map: SpareMap,
+}
+
+/// A complete spare's map.
+#[derive(Debug)]
+enum SpareMap {
+    /// None yet (a spare kept from an earlier run, or one the filler could not map).
+    Unmapped,
+    /// Every page populated: handed to the shard that takes the spare.
+    Populated(PopulatedMap),
+    /// Making it failed: the spare is written with `pwrite`.
+    Unmappable,
+}
+
 impl State {
+    /// The complete spare numbered `n`, if it still is one.
+    fn spare(&mut self, n: u64) -> Option<&mut Spare> {
+        self.spares.iter_mut().find(|s| s.n == n)
+    }
+
     /// Drops the half-made map of spare `n`, if the filler was making it (the spare is
     /// being taken or dropped).
     fn forget_mapping(&mut self, n: u64) {
@@ -245,7 +267,11 @@ impl Reserve {
         for (n, len) in found {
             if held.saturating_add(len) <= cfg.bytes {
                 held += len;
-                spares.push((n, len));
+                spares.push(Spare {
+                    n,
+                    len,
+                    map: SpareMap::Unmapped,
+                });
             } else {
                 dir.remove_tree(&spare_rel(n))?;
             }
@@ -258,7 +284,7 @@ impl Reserve {
             );
         }
         // What an earlier run learned lives on in the size of its spares.
-        let learned = spares.iter().map(|&(_, len)| len).max();
+        let learned = spares.iter().map(|s| s.len).max();
         Ok(Self {
             dir,
             cfg,
@@ -317,7 +343,7 @@ impl Reserve {
     }
 
     fn held_in(st: &State) -> u64 {
-        let complete: u64 = st.spares.iter().map(|&(_, len)| len).sum();
+        let complete: u64 = st.spares.iter().map(|s| s.len).sum();
         complete + st.filling.as_ref().map_or(st.filling_out, |f| f.len)
     }
 
@@ -326,8 +352,8 @@ impl Reserve {
         let st = lock(&self.state);
         st.spares
             .iter()
-            .filter(|(n, _)| st.maps.contains_key(n))
-            .map(|&(_, len)| len)
+            .filter(|s| matches!(s.map, SpareMap::Populated(_)))
+            .map(|s| s.len)
             .sum()
     }
 
@@ -347,24 +373,26 @@ impl Reserve {
             .spares
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.1 >= size && size.saturating_mul(2) >= s.1)
-            .min_by_key(|(_, s)| s.1)
+            .filter(|(_, s)| s.len >= size && size.saturating_mul(2) >= s.len)
+            .min_by_key(|(_, s)| s.len)
             .map(|(i, _)| i);
         let at = covering.or_else(|| {
             st.spares
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| s.1 < size)
-                .max_by_key(|(_, s)| s.1)
+                .filter(|(_, s)| s.len < size)
+                .max_by_key(|(_, s)| s.len)
                 .map(|(i, _)| i)
         })?;
-        let (n, len) = st.spares.swap_remove(at);
-        let map = st.maps.remove(&n);
-        st.forget_mapping(n);
+        let spare = st.spares.swap_remove(at);
+        st.forget_mapping(spare.n);
         Some(Taken {
-            rel: spare_rel(n),
-            size: len,
-            map,
+            rel: spare_rel(spare.n),
+            size: spare.len,
+            map: match spare.map {
+                SpareMap::Populated(map) => Some(map),
+                SpareMap::Unmapped | SpareMap::Unmappable => None,
+            },
         })
     }
 
@@ -512,10 +540,11 @@ impl Reserve {
             self.dir.rename_file(&rel, &spare_rel(filling.n))?;
             let map = filling.map.and_then(Populating::finish);
             let mut st = lock(&self.state);
-            st.spares.push((filling.n, filling.len));
-            if let Some(map) = map {
-                st.maps.insert(filling.n, map);
-            }
+            st.spares.push(Spare {
+                n: filling.n,
+                len: filling.len,
+                map: map.map_or(SpareMap::Unmapped, SpareMap::Populated),
+            });
             if st.spares.len() == 1 || Self::held_in(&st) >= self.cfg.bytes {
                 tracing::info!(
                     held = Self::held_in(&st),
@@ -544,8 +573,11 @@ impl Reserve {
             match st.mapping.take() {
                 Some(m) => m,
                 None => {
-                    let unmapped = |n: &u64| !st.maps.contains_key(n) && !st.unmappable.contains(n);
-                    let Some(&(n, len)) = st.spares.iter().find(|(n, _)| unmapped(n)) else {
+                    let unmapped = st
+                        .spares
+                        .iter()
+                        .find(|s| matches!(s.map, SpareMap::Unmapped));
+                    let Some((n, len)) = unmapped.map(|s| (s.n, s.len)) else {
                         return Ok(0);
                     };
                     // Opened under the lock: a spare is taken or dropped only under it, so
@@ -558,7 +590,9 @@ impl Reserve {
                         Ok(map) => (n, map),
                         Err(e) => {
                             tracing::debug!("memory reserve: a kept spare without a map ({e})");
-                            st.unmappable.insert(n);
+                            if let Some(s) = st.spare(n) {
+                                s.map = SpareMap::Unmappable;
+                            }
                             return Ok(0);
                         }
                     }
@@ -573,18 +607,18 @@ impl Reserve {
                 spare = n,
                 "memory reserve: mapping a kept spare failed ({e})"
             );
-            lock(&self.state).unmappable.insert(n);
+            if let Some(s) = lock(&self.state).spare(n) {
+                s.map = SpareMap::Unmappable;
+            }
             return Ok(0);
         }
         let mut st = lock(&self.state);
         // Still a spare (not taken or dropped meanwhile)?
-        if st.spares.iter().any(|&(m, _)| m == n) {
-            if map.left() == 0 {
-                if let Some(done) = map.finish() {
-                    st.maps.insert(n, done);
-                }
-            } else {
+        if st.spare(n).is_some() {
+            if map.left() > 0 {
                 st.mapping = Some((n, map));
+            } else if let (Some(done), Some(s)) = (map.finish(), st.spare(n)) {
+                s.map = SpareMap::Populated(done);
             }
         }
         Ok(step)
@@ -603,16 +637,16 @@ impl Reserve {
                 .spares
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| s.1 >= need)
-                .min_by_key(|(_, s)| s.1);
+                .filter(|(_, s)| s.len >= need)
+                .min_by_key(|(_, s)| s.len);
             let at = enough
-                .or_else(|| st.spares.iter().enumerate().max_by_key(|(_, s)| s.1))
+                .or_else(|| st.spares.iter().enumerate().max_by_key(|(_, s)| s.len))
                 .map(|(i, _)| i)?;
-            let (n, len) = st.spares.swap_remove(at);
-            // Unmapped before the file goes, or its pages would outlive it.
-            st.maps.remove(&n);
-            st.forget_mapping(n);
-            (spare_rel(n), len)
+            // Its map (dropped here, with the spare) is gone before the file goes, or its
+            // pages would outlive it.
+            let spare = st.spares.swap_remove(at);
+            st.forget_mapping(spare.n);
+            (spare_rel(spare.n), spare.len)
         };
         drop(st);
         if let Err(e) = self.dir.remove_tree(&rel) {
