@@ -41,6 +41,7 @@ pub mod expiry;
 pub mod failover;
 pub mod grpc;
 pub mod http;
+pub mod lowat;
 pub mod otlp;
 pub mod pki;
 pub mod plan;

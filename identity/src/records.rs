@@ -135,6 +135,9 @@ pub struct RecordReader<R> {
     failed: bool,
     /// Plaintext bytes decrypted where the caller's buffer received them (direct reads).
     direct: u64,
+    /// The socket's receive low-water mark, where this reader manages it
+    /// ([`RecordReader::wake_in_batches`]).
+    low_water: Option<crate::lowat::LowWater>,
 }
 
 /// The write half: encrypts what is written into records and sends them to `inner`.
@@ -165,6 +168,7 @@ pub fn split<R, W>(
             closed: false,
             failed: false,
             direct: 0,
+            low_water: None,
         },
         RecordWriter {
             inner: write,
@@ -282,7 +286,42 @@ impl<R> RecordReader<R> {
     }
 }
 
+impl RecordReader<tokio::net::tcp::OwnedReadHalf> {
+    /// From now on, this reader manages its socket's receive low-water mark
+    /// ([`crate::lowat`]): before it waits, the mark is set to the bytes it still needs (for
+    /// a direct read, the plaintext asked for less the ciphertext kept here, since the
+    /// records carrying it are longer; else the rest of the partial record here), and after
+    /// a read that returned bytes, to [`crate::lowat::BUSY`]. So a large read is woken once
+    /// instead of every few segments.
+    ///
+    /// Only for a caller whose reads never ask for more plaintext than the peer is bound to
+    /// send (a framed protocol reading the rest of a header or of a body whose length it
+    /// knows, as transferd's frame reader does): a read asking for more than ever comes
+    /// could otherwise wait until the connection ends.
+    pub fn wake_in_batches(&mut self) {
+        self.low_water = Some(crate::lowat::LowWater::of(&self.inner));
+    }
+}
+
 impl<R: AsyncRead + Unpin> RecordReader<R> {
+    /// Bytes still to come before the partial record at the front of the unprocessed bytes
+    /// is whole: from its header's length once the header is here, else those of the
+    /// shortest record (a header, one byte of content, its type and the tag).
+    fn record_rest(&self) -> usize {
+        let kept = &self.buf[self.start..self.end];
+        let whole = match kept.first_chunk::<HEADER>() {
+            Some(h) => HEADER + usize::from(u16::from_be_bytes([h[3], h[4]])),
+            None => HEADER + 1 + 1 + TAG,
+        };
+        whole.saturating_sub(kept.len())
+    }
+
+    /// Sets the socket's receive low-water mark to `want` bytes where this reader manages
+    /// it ([`RecordReader::wake_in_batches`]).
+    fn low_water(&mut self, want: usize) {
+        crate::lowat::set(&mut self.low_water, want);
+    }
+
     /// The direct read: when the caller's buffer has room for many records (and nothing
     /// but a partial record is buffered here), the socket is read straight into it and the
     /// records are decrypted there, so the plaintext is never copied. The partial record
@@ -295,12 +334,22 @@ impl<R: AsyncRead + Unpin> RecordReader<R> {
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<bool>> {
         let room = out.initialized().len() - out.filled().len();
-        let dst = out.initialize_unfilled_to(room);
         let kept = self.end - self.start;
+        let dst = out.initialize_unfilled_to(room);
         dst[..kept].copy_from_slice(&self.buf[self.start..self.end]);
         let mut rb = ReadBuf::new(&mut dst[kept..]);
-        ready!(Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
+        if Pin::new(&mut self.inner)
+            .poll_read(cx, &mut rb)?
+            .is_pending()
+        {
+            // Nothing to read: wait for the records of `room` bytes of plaintext, which
+            // are longer than `room` and of which `kept` bytes are here.
+            self.low_water(room.saturating_sub(kept));
+            return Poll::Pending;
+        }
         let n = rb.filled().len();
+        // Busy with what came: no wake-ups for less than a large read until it waits.
+        self.low_water(crate::lowat::BUSY);
         if n == 0 {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -378,8 +427,15 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecordReader<R> {
                 me.buf.len()
             };
             let mut rb = ReadBuf::new(&mut me.buf[me.end..limit]);
-            ready!(Pin::new(&mut me.inner).poll_read(cx, &mut rb))?;
+            if Pin::new(&mut me.inner).poll_read(cx, &mut rb)?.is_pending() {
+                // Nothing to read: wait for the rest of the partial record here (or for a
+                // whole record of the shortest kind), nothing comes out before it.
+                let want = me.record_rest();
+                me.low_water(want);
+                return Poll::Pending;
+            }
             let n = rb.filled().len();
+            me.low_water(crate::lowat::BUSY);
             if n == 0 {
                 me.failed = true;
                 return Poll::Ready(Err(io::Error::new(
@@ -649,6 +705,74 @@ mod tests {
                 r.direct
             );
         }
+    }
+
+    /// Reads exactly `buf.len()` bytes; how many reads it took.
+    async fn read_exact_counted(r: &mut (impl AsyncRead + Unpin), buf: &mut [u8]) -> usize {
+        let (mut at, mut reads) = (0, 0);
+        while at < buf.len() {
+            let n = r.read(&mut buf[at..]).await.unwrap();
+            assert!(n > 0, "the stream ended early");
+            at += n;
+            reads += 1;
+        }
+        reads
+    }
+
+    /// Over a real socket with the low-water mark managed: a reader of exact amounts (a
+    /// frame's header, then its body) gets every byte, a small read after a large one
+    /// never waits for more than its record (the mark is lowered before each wait), and
+    /// a 240 000-byte body sealed and sent in fifteen paced writes is woken for in at
+    /// most three reads.
+    #[tokio::test]
+    async fn a_reader_of_exact_amounts_over_a_socket_is_woken_per_body_and_never_stalls() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (c, a) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+        let (read, _) = a.unwrap().0.into_split();
+        let (_, write) = c.unwrap().into_split();
+        let (mut r, _) = split(read, tokio::io::sink(), secrets(7)).unwrap();
+        r.wake_in_batches();
+        let (_, mut w) = split(tokio::io::empty(), write, secrets(7)).unwrap();
+        let data: Vec<u8> = (0..500_000u32).map(|i| (i * 13 % 249) as u8).collect();
+        let send = data.clone();
+        let sender = tokio::spawn(async move {
+            // A 5-byte "header", a 240 000-byte "body" in paced pieces, a header and a
+            // one-byte body each after a pause, then the rest at once.
+            w.write_all(&send[..5]).await.unwrap();
+            w.flush().await.unwrap();
+            for piece in send[5..240_005].chunks(16_000) {
+                w.write_all(piece).await.unwrap();
+                w.flush().await.unwrap();
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            for piece in [&send[240_005..240_010], &send[240_010..240_011]] {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                w.write_all(piece).await.unwrap();
+                w.flush().await.unwrap();
+            }
+            w.write_all(&send[240_011..]).await.unwrap();
+            w.shutdown().await.unwrap();
+        });
+        let mut got = vec![0u8; data.len()];
+        let body_reads = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            read_exact_counted(&mut r, &mut got[..5]).await;
+            let body = read_exact_counted(&mut r, &mut got[5..240_005]).await;
+            read_exact_counted(&mut r, &mut got[240_005..240_010]).await;
+            read_exact_counted(&mut r, &mut got[240_010..240_011]).await;
+            read_exact_counted(&mut r, &mut got[240_011..]).await;
+            body
+        })
+        .await
+        .expect("a read waited past the bytes it asked for");
+        assert!(got == data, "the bytes read differ from those sent");
+        assert!(
+            body_reads <= 3,
+            "a body sent in fifteen paced writes took {body_reads} reads: the mark did not hold"
+        );
+        let mut rest = [0u8; 10];
+        assert_eq!(r.read(&mut rest).await.unwrap(), 0, "close_notify ends it");
+        sender.await.unwrap();
     }
 
     #[tokio::test]

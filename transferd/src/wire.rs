@@ -245,12 +245,14 @@ fn refused_sendfile(e: &std::io::Error) -> bool {
 }
 
 impl Halves {
-    /// A plaintext TCP connection's halves: owned halves (no split lock) and a
-    /// [`TcpSink`] that sends chunk payloads from the store's files.
+    /// A plaintext TCP connection's halves: owned halves (no split lock), the read half
+    /// managing the socket's receive low-water mark (the [`FrameReader`] never asks for
+    /// more than the rest of the frame it is in), and a [`TcpSink`] that sends chunk
+    /// payloads from the store's files.
     pub fn tcp(stream: tokio::net::TcpStream) -> Self {
         let (read, write) = stream.into_split();
         Self {
-            read: Box::new(read),
+            read: Box::new(shardcast_identity::lowat::BatchedRead::new(read)),
             write: Box::new(TcpSink(write)),
         }
     }
@@ -590,6 +592,11 @@ const READ_PIECE: usize = 256 << 10;
 /// [`FrameReader::read`] is cancel-safe: a partly read frame is kept in the reader, so it
 /// can sit in a `tokio::select!` beside other branches without ever losing bytes of the
 /// stream (a shaped link delivers frames in pieces).
+///
+/// It never asks its inner reader for more than the rest of the frame it is in (of its
+/// header, or of its body, at most [`READ_PIECE`] at a time), bytes the peer is bound to
+/// send: that is what lets a data connection's read half manage its socket's receive
+/// low-water mark ([`shardcast_identity::lowat`]) and be woken once per large read.
 pub struct FrameReader<R> {
     inner: R,
     ingress: RateLimiter,

@@ -56,10 +56,14 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// between them), or rustls's stream split behind tokio's lock for a peer without it.
 fn data_halves(conn: shardcast_identity::DataConn) -> Halves {
     match conn {
-        shardcast_identity::DataConn::Records(read, write) => Halves {
-            read,
-            write: Box::new(write),
-        },
+        shardcast_identity::DataConn::Records(mut read, write) => {
+            // The frame reader never asks for more than the rest of the frame it is in.
+            read.wake_in_batches();
+            Halves {
+                read,
+                write: Box::new(write),
+            }
+        }
         shardcast_identity::DataConn::Rustls(s) => Halves::from(Box::new(s) as BoxStream),
     }
 }

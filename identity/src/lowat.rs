@@ -1,0 +1,205 @@
+//! A TCP socket's receive low-water mark (`SO_RCVLOWAT`), managed by a reader that knows
+//! how many bytes it waits for, so that the kernel wakes it once for a large read instead
+//! of for every few segments.
+//!
+//! Why (issue #28): a data connection's reader asks for a frame's body, up to 256 KiB a
+//! read, and the peer is bound to send all of it. Without a mark the kernel signals the
+//! socket readable at every arrival; on a link slower than the reader (a shaped 1 Gbit/s
+//! hop) that is a wake-up of the reading thread per few segments, and with tokio's
+//! multi-thread runtime every arrival also wakes the worker parked in `epoll_wait` while
+//! another worker is busy with what was read before. On the emulated 8-receiver chain
+//! (two cores shared by nine daemons) each receiver spent about 9 % less CPU per GB with
+//! the mark (docs/BENCHMARKS.md).
+//!
+//! How: the mark is set only when a read of the socket found nothing (the reader is about
+//! to wait), to the bytes it still needs for the read it was asked for; and after a read
+//! that returned bytes it is raised to [`BUSY`], so that bytes arriving while the reader
+//! works on what it read wake nobody (the reader reads them before it waits again). So the
+//! mark is lowered only with nothing to read, which never wakes a thread for bytes already
+//! there. The kernel still signals the socket below the mark when the connection ends, when
+//! the receive buffer is nearly full, or when the receive window has closed (Linux's
+//! `tcp_epollin_ready`), so no mark can stall a reader that is the bottleneck.
+//!
+//! The one rule for a caller: never ask for more than the peer is bound to send (a framed
+//! protocol reading the rest of a header or of a body whose length it knows), or a read can
+//! wait until the connection ends.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, ReadBuf};
+use tokio::net::tcp::OwnedReadHalf;
+
+/// The mark while the reader is busy with what it read: high, so that bytes arriving
+/// meanwhile wake no thread (the kernel caps it at half the largest receive buffer).
+pub const BUSY: usize = 1 << 20;
+
+/// One socket's mark, as last set.
+pub(crate) struct LowWater {
+    /// The socket: the reader that owns this mark owns the socket too, so it stays open as
+    /// long as the mark is used.
+    fd: RawFd,
+    mark: usize,
+}
+
+impl LowWater {
+    /// The mark of `read`'s socket, taken to be the kernel's default of one byte.
+    pub(crate) fn of(read: &OwnedReadHalf) -> Self {
+        Self {
+            fd: read.as_ref().as_raw_fd(),
+            mark: 1,
+        }
+    }
+
+    /// Sets the mark to `want` bytes (at least 1, at most [`BUSY`]) where it differs.
+    #[allow(unsafe_code)]
+    fn set(&mut self, want: usize) -> io::Result<()> {
+        let want = want.clamp(1, BUSY);
+        if want == self.mark {
+            return Ok(());
+        }
+        let value = libc::c_int::try_from(want).unwrap_or(1);
+        // SAFETY: `fd` is the open socket of the read half whose owner owns this mark (see
+        // the field); the option's value is a `c_int` passed by pointer with its size, as
+        // setsockopt(2) takes it, and only read during the call.
+        let rc = unsafe {
+            libc::setsockopt(
+                self.fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.mark = want;
+        Ok(())
+    }
+}
+
+/// Sets `low_water`'s mark to `want` bytes; where the kernel refuses, the mark is set back
+/// to one byte and no longer managed (`low_water` becomes `None`), with a debug log.
+pub(crate) fn set(low_water: &mut Option<LowWater>, want: usize) {
+    if let Some(lw) = low_water.as_mut() {
+        if let Err(e) = lw.set(want) {
+            tracing::debug!(error = %e, "SO_RCVLOWAT refused; reading this connection without it");
+            let _ = lw.set(1);
+            *low_water = None;
+        }
+    }
+}
+
+/// A plaintext TCP connection's read half whose reader asks only for bytes the peer is
+/// bound to send (see the module): it sets the socket's receive low-water mark as above.
+pub struct BatchedRead {
+    inner: OwnedReadHalf,
+    low_water: Option<LowWater>,
+}
+
+impl BatchedRead {
+    /// Wraps `inner`; the caller must keep the module's rule.
+    pub fn new(inner: OwnedReadHalf) -> Self {
+        let low_water = Some(LowWater::of(&inner));
+        Self { inner, low_water }
+    }
+}
+
+impl AsyncRead for BatchedRead {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut me.inner).poll_read(cx, buf) {
+            Poll::Pending => {
+                // Nothing to read: wait for what was asked for.
+                set(&mut me.low_water, buf.remaining());
+                Poll::Pending
+            }
+            Poll::Ready(Ok(())) if buf.filled().len() > before => {
+                set(&mut me.low_water, BUSY);
+                Poll::Ready(Ok(()))
+            }
+            ready => ready,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (c, s) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (c.unwrap(), s.unwrap().0)
+    }
+
+    /// Reads exactly `buf.len()` bytes, counting the reads that returned bytes.
+    async fn read_counted(r: &mut (impl AsyncRead + Unpin), buf: &mut [u8]) -> usize {
+        let (mut got, mut reads) = (0, 0);
+        while got < buf.len() {
+            let n = r.read(&mut buf[got..]).await.unwrap();
+            assert!(n > 0, "the stream ended early");
+            got += n;
+            reads += 1;
+        }
+        reads
+    }
+
+    /// A reader of exact amounts gets everything, small reads after large ones included
+    /// (the mark is lowered before each wait: none outlives the read it was set for), and
+    /// a large read that arrives in ten paced writes is woken once or twice for it, not
+    /// ten times.
+    #[tokio::test]
+    async fn a_reader_of_exact_amounts_is_woken_for_the_whole_read_and_never_stalls() {
+        let (tx, rx) = pair().await;
+        let (read, _w) = rx.into_split();
+        let mut reader = BatchedRead::new(read);
+        let (_r, mut writer) = tx.into_split();
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let send = data.clone();
+        let sender = tokio::spawn(async move {
+            // A "body" of 100 000 bytes in ten paced pieces, then small "headers" and a
+            // one-byte frame, each after a pause, then the rest at once.
+            for piece in send[..100_000].chunks(10_000) {
+                writer.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for piece in send[100_000..100_016].chunks(5) {
+                writer.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            writer.write_all(&send[100_016..]).await.unwrap();
+            writer
+        });
+        let mut got = vec![0; data.len()];
+        let whole = tokio::time::timeout(Duration::from_secs(10), async {
+            let reads = read_counted(&mut reader, &mut got[..100_000]).await;
+            for at in [100_000, 100_005, 100_010, 100_015] {
+                let end = (at + 5).min(100_016);
+                read_counted(&mut reader, &mut got[at..end]).await;
+            }
+            read_counted(&mut reader, &mut got[100_016..]).await;
+            reads
+        })
+        .await
+        .expect("a read waited past the bytes it asked for");
+        assert_eq!(got, data);
+        assert!(
+            whole <= 3,
+            "100 000 bytes in ten paced writes took {whole} reads: the mark did not hold"
+        );
+        drop(sender.await.unwrap());
+    }
+}
