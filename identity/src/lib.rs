@@ -12,6 +12,9 @@
 //! - [`records`]: `tls`-mode data connections after the handshake: TLS 1.3 application-data
 //!   records read and written here with the keys taken from rustls, decrypted in place,
 //!   each direction on its own socket half.
+//! - [`lowat`]: a data connection's receive low-water mark (`SO_RCVLOWAT`), set by a reader
+//!   that asks only for bytes the peer is bound to send, so that a frame's body wakes it
+//!   once instead of every few segments.
 //! - [`grpc`]: authenticated listeners (TCP + TLS, Unix sockets) and clients for tonic and
 //!   axum, the per-method authorisation layer, and the limits on connections per peer and
 //!   handshakes per address.
