@@ -20,6 +20,11 @@
 //! the receive buffer is nearly full, or when the receive window has closed (Linux's
 //! `tcp_epollin_ready`), so no mark can stall a reader that is the bottleneck.
 //!
+//! Linux also raises the socket's receive buffer to about twice a mark it is given (unless
+//! the buffer size was fixed with `SO_RCVBUF`), so a managed connection may queue up to
+//! about 2 MiB that its reader has not taken yet, as the buffer's autotuning lets a fast
+//! connection do anyway.
+//!
 //! The one rule for a caller: never ask for more than the peer is bound to send (a framed
 //! protocol reading the rest of a header or of a body whose length it knows), or a read can
 //! wait until the connection ends.
@@ -131,31 +136,34 @@ impl AsyncRead for BatchedRead {
     }
 }
 
+/// A connected pair of loopback TCP sockets (client, accepted).
+#[cfg(test)]
+pub(crate) async fn socket_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+    (c.unwrap(), s.unwrap().0)
+}
+
+/// Reads exactly `buf.len()` bytes; how many reads that returned bytes it took.
+#[cfg(test)]
+pub(crate) async fn read_exact_counted(r: &mut (impl AsyncRead + Unpin), buf: &mut [u8]) -> usize {
+    use tokio::io::AsyncReadExt;
+    let (mut at, mut reads) = (0, 0);
+    while at < buf.len() {
+        let n = r.read(&mut buf[at..]).await.unwrap();
+        assert!(n > 0, "the stream ended early");
+        at += n;
+        reads += 1;
+    }
+    reads
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
-
-    async fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (c, s) = tokio::join!(TcpStream::connect(addr), l.accept());
-        (c.unwrap(), s.unwrap().0)
-    }
-
-    /// Reads exactly `buf.len()` bytes, counting the reads that returned bytes.
-    async fn read_counted(r: &mut (impl AsyncRead + Unpin), buf: &mut [u8]) -> usize {
-        let (mut got, mut reads) = (0, 0);
-        while got < buf.len() {
-            let n = r.read(&mut buf[got..]).await.unwrap();
-            assert!(n > 0, "the stream ended early");
-            got += n;
-            reads += 1;
-        }
-        reads
-    }
+    use tokio::io::AsyncWriteExt;
 
     /// A reader of exact amounts gets everything, small reads after large ones included
     /// (the mark is lowered before each wait: none outlives the read it was set for), and
@@ -163,7 +171,7 @@ mod tests {
     /// ten times.
     #[tokio::test]
     async fn a_reader_of_exact_amounts_is_woken_for_the_whole_read_and_never_stalls() {
-        let (tx, rx) = pair().await;
+        let (tx, rx) = socket_pair().await;
         let (read, _w) = rx.into_split();
         let mut reader = BatchedRead::new(read);
         let (_r, mut writer) = tx.into_split();
@@ -185,12 +193,12 @@ mod tests {
         });
         let mut got = vec![0; data.len()];
         let whole = tokio::time::timeout(Duration::from_secs(10), async {
-            let reads = read_counted(&mut reader, &mut got[..100_000]).await;
+            let reads = read_exact_counted(&mut reader, &mut got[..100_000]).await;
             for at in [100_000, 100_005, 100_010, 100_015] {
                 let end = (at + 5).min(100_016);
-                read_counted(&mut reader, &mut got[at..end]).await;
+                read_exact_counted(&mut reader, &mut got[at..end]).await;
             }
-            read_counted(&mut reader, &mut got[100_016..]).await;
+            read_exact_counted(&mut reader, &mut got[100_016..]).await;
             reads
         })
         .await

@@ -707,18 +707,6 @@ mod tests {
         }
     }
 
-    /// Reads exactly `buf.len()` bytes; how many reads it took.
-    async fn read_exact_counted(r: &mut (impl AsyncRead + Unpin), buf: &mut [u8]) -> usize {
-        let (mut at, mut reads) = (0, 0);
-        while at < buf.len() {
-            let n = r.read(&mut buf[at..]).await.unwrap();
-            assert!(n > 0, "the stream ended early");
-            at += n;
-            reads += 1;
-        }
-        reads
-    }
-
     /// Over a real socket with the low-water mark managed: a reader of exact amounts (a
     /// frame's header, then its body) gets every byte, a small read after a large one
     /// never waits for more than its record (the mark is lowered before each wait), and
@@ -726,11 +714,9 @@ mod tests {
     /// most three reads.
     #[tokio::test]
     async fn a_reader_of_exact_amounts_over_a_socket_is_woken_per_body_and_never_stalls() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (c, a) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
-        let (read, _) = a.unwrap().0.into_split();
-        let (_, write) = c.unwrap().into_split();
+        let (c, a) = crate::lowat::socket_pair().await;
+        let (read, _) = a.into_split();
+        let (_, write) = c.into_split();
         let (mut r, _) = split(read, tokio::io::sink(), secrets(7)).unwrap();
         r.wake_in_batches();
         let (_, mut w) = split(tokio::io::empty(), write, secrets(7)).unwrap();
@@ -756,11 +742,11 @@ mod tests {
         });
         let mut got = vec![0u8; data.len()];
         let body_reads = tokio::time::timeout(std::time::Duration::from_secs(10), async {
-            read_exact_counted(&mut r, &mut got[..5]).await;
-            let body = read_exact_counted(&mut r, &mut got[5..240_005]).await;
-            read_exact_counted(&mut r, &mut got[240_005..240_010]).await;
-            read_exact_counted(&mut r, &mut got[240_010..240_011]).await;
-            read_exact_counted(&mut r, &mut got[240_011..]).await;
+            crate::lowat::read_exact_counted(&mut r, &mut got[..5]).await;
+            let body = crate::lowat::read_exact_counted(&mut r, &mut got[5..240_005]).await;
+            crate::lowat::read_exact_counted(&mut r, &mut got[240_005..240_010]).await;
+            crate::lowat::read_exact_counted(&mut r, &mut got[240_010..240_011]).await;
+            crate::lowat::read_exact_counted(&mut r, &mut got[240_011..]).await;
             body
         })
         .await
