@@ -21,9 +21,10 @@
 //! `tcp_epollin_ready`), so no mark can stall a reader that is the bottleneck.
 //!
 //! Linux also raises the socket's receive buffer to about twice a mark it is given (unless
-//! the buffer size was fixed with `SO_RCVBUF`), so a managed connection may queue up to
-//! about 2 MiB that its reader has not taken yet, as the buffer's autotuning lets a fast
-//! connection do anyway.
+//! the buffer size was fixed with `SO_RCVBUF`), so a managed connection's receive buffer
+//! is the kernel's maximum for a TCP socket (`net.ipv4.tcp_rmem`'s third value) once bytes
+//! have flowed: the most its autotuning would give a fast connection anyway (a receiving
+//! hop on loopback autotuned to about 10 MB on a VM whose maximum is 32 MiB).
 //!
 //! The one rule for a caller: never ask for more than the peer is bound to send (a framed
 //! protocol reading the rest of a header or of a body whose length it knows), or a read can
@@ -37,9 +38,11 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::tcp::OwnedReadHalf;
 
-/// The mark while the reader is busy with what it read: high, so that bytes arriving
-/// meanwhile wake no thread (the kernel caps it at half the largest receive buffer).
-pub const BUSY: usize = 1 << 20;
+/// The mark while the reader is busy with what it read: as high as the kernel allows (it
+/// caps the mark at half of `net.ipv4.tcp_rmem`'s maximum), so that bytes arriving
+/// meanwhile wake no thread even when the reader is the slower end and its socket holds
+/// megabytes (a receiving hop on loopback held about 10 MB).
+pub const BUSY: usize = 1 << 30;
 
 /// One socket's mark, as last set.
 pub(crate) struct LowWater {
