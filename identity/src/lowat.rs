@@ -166,7 +166,65 @@ pub(crate) async fn read_exact_counted(r: &mut (impl AsyncRead + Unpin), buf: &m
 mod tests {
     use super::*;
     use std::time::Duration;
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Whether the kernel reports `fd` readable within `ms` milliseconds (`poll`, which
+    /// applies the socket's low-water mark as a waiting reader's wake-up does).
+    fn readable(fd: &impl std::os::fd::AsFd, ms: i64) -> bool {
+        use rustix::event::{PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::new(fd, PollFlags::IN)];
+        let t = Timespec {
+            tv_sec: ms / 1000,
+            tv_nsec: ms % 1000 * 1_000_000,
+        };
+        rustix::event::poll(&mut fds, Some(&t)).unwrap() > 0
+    }
+
+    /// After a read that returned bytes, the mark is raised: bytes that arrive while the
+    /// reader works on what it read make the socket readable for nobody, and the next
+    /// read still takes them at once. A read that then finds nothing lowers the mark to
+    /// what it asked for, and the socket is readable again once that much is there.
+    #[tokio::test]
+    async fn bytes_arriving_while_the_reader_is_busy_wake_nobody_and_are_read_next() {
+        let (tx, rx) = socket_pair().await;
+        let (read, _w) = rx.into_split();
+        let mut reader = BatchedRead::new(read);
+        let (_r, mut writer) = tx.into_split();
+        writer.write_all(&[1; 10]).await.unwrap();
+        let mut buf = vec![0u8; 10];
+        read_exact_counted(&mut reader, &mut buf).await;
+        // Busy now: 4000 bytes arrive (well inside the receive window) and nobody is told.
+        writer.write_all(&[2; 4000]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !readable(reader.inner.as_ref(), 100),
+            "bytes below the busy mark made the socket readable"
+        );
+        let mut more = vec![0u8; 8000];
+        let n = tokio::time::timeout(Duration::from_secs(5), reader.read(&mut more))
+            .await
+            .expect("a read with bytes waiting waited")
+            .unwrap();
+        assert_eq!((n, &more[..n]), (4000, &[2u8; 4000][..]));
+        // Nothing left: the next read waits with the mark at what it asks for (100), so 50
+        // bytes wake nobody and 100 do.
+        let mut last = vec![0u8; 100];
+        let pending = tokio::time::timeout(Duration::from_millis(50), reader.read(&mut last));
+        assert!(
+            pending.await.is_err(),
+            "a read with nothing to read returned"
+        );
+        writer.write_all(&[3; 50]).await.unwrap();
+        assert!(
+            !readable(reader.inner.as_ref(), 100),
+            "50 of 100 bytes woke the reader"
+        );
+        writer.write_all(&[3; 50]).await.unwrap();
+        assert!(
+            readable(reader.inner.as_ref(), 2000),
+            "the 100 bytes asked for did not"
+        );
+    }
 
     /// A reader of exact amounts gets everything, small reads after large ones included
     /// (the mark is lowered before each wait: none outlives the read it was set for), and
