@@ -171,6 +171,19 @@ mod tests {
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// A [`BatchedRead`] and the write half that feeds it (and the pair's other halves,
+    /// to keep while the test runs).
+    async fn batched() -> (
+        BatchedRead,
+        tokio::net::tcp::OwnedWriteHalf,
+        (tokio::net::tcp::OwnedWriteHalf, OwnedReadHalf),
+    ) {
+        let (tx, rx) = socket_pair().await;
+        let (read, w) = rx.into_split();
+        let (r, writer) = tx.into_split();
+        (BatchedRead::new(read), writer, (w, r))
+    }
+
     /// Whether the kernel reports `fd` readable within `ms` milliseconds (`poll`, which
     /// applies the socket's low-water mark as a waiting reader's wake-up does).
     fn readable(fd: &impl std::os::fd::AsFd, ms: i64) -> bool {
@@ -189,10 +202,7 @@ mod tests {
     /// what it asked for, and the socket is readable again once that much is there.
     #[tokio::test]
     async fn bytes_arriving_while_the_reader_is_busy_wake_nobody_and_are_read_next() {
-        let (tx, rx) = socket_pair().await;
-        let (read, _w) = rx.into_split();
-        let mut reader = BatchedRead::new(read);
-        let (_r, mut writer) = tx.into_split();
+        let (mut reader, mut writer, _halves) = batched().await;
         writer.write_all(&[1; 10]).await.unwrap();
         let mut buf = vec![0u8; 10];
         read_exact_counted(&mut reader, &mut buf).await;
@@ -235,10 +245,7 @@ mod tests {
     /// ten times.
     #[tokio::test]
     async fn a_reader_of_exact_amounts_is_woken_for_the_whole_read_and_never_stalls() {
-        let (tx, rx) = socket_pair().await;
-        let (read, _w) = rx.into_split();
-        let mut reader = BatchedRead::new(read);
-        let (_r, mut writer) = tx.into_split();
+        let (mut reader, mut writer, _halves) = batched().await;
         let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         let send = data.clone();
         let sender = tokio::spawn(async move {
