@@ -88,11 +88,10 @@ pub(super) struct WritableMap {
 impl WritableMap {
     /// Maps the first `len` bytes of `file` (opened read-write, at least that long).
     pub(super) fn new(file: &File, len: u64) -> io::Result<Self> {
-        let len = usize::try_from(len).map_err(|_| io::Error::other("shard too large to map"))?;
-        let map = MmapOptions::new().len(len).map_raw(file)?;
+        let map = map_whole(file, len)?;
         Ok(Self {
+            len: map.len(),
             map,
-            len,
             populated: 0,
         })
     }
@@ -176,9 +175,10 @@ impl Populating {
     /// Maps the first `len` bytes of `file` (opened read-write and already `len` bytes long),
     /// nothing populated yet.
     pub(super) fn new(file: &File, len: u64) -> io::Result<Self> {
-        let len = usize::try_from(len).map_err(|_| io::Error::other("spare too large to map"))?;
-        let map = MmapOptions::new().len(len).map_raw(file)?;
-        Ok(Self { map, done: 0 })
+        Ok(Self {
+            map: map_whole(file, len)?,
+            done: 0,
+        })
     }
 
     /// Allocates and maps the next `len` bytes' pages (every page touched: the kernel zeroes
@@ -207,6 +207,13 @@ impl Populating {
     pub(super) fn finish(self) -> Option<PopulatedMap> {
         (self.done == self.map.len()).then_some(PopulatedMap(self.map))
     }
+}
+
+/// A writable shared map of the first `len` bytes of `file` (opened read-write, at least
+/// that long), nothing populated.
+fn map_whole(file: &File, len: u64) -> io::Result<MmapRaw> {
+    let len = usize::try_from(len).map_err(|_| io::Error::other("file too large to map"))?;
+    MmapOptions::new().len(len).map_raw(file)
 }
 
 /// `MADV_POPULATE_WRITE` over `len` bytes at `start` of `map`: allocates (and maps

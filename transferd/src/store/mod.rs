@@ -777,9 +777,12 @@ impl ShardStore {
         let writer = Arc::new(ChunkWriter::new(writer)?);
         tracing::info!(writer = ?writer.kind(), "shard store writer");
         // Spares get populated maps only for a writer that copies into maps.
-        let premap = matches!(writer.kind(), WriterKind::Mapped | WriterKind::Adaptive);
-        let reserve =
-            reserve::Reserve::open(memory.clone(), memory_reserve, premap, stats.clone())?;
+        let reserve = reserve::Reserve::open(
+            memory.clone(),
+            memory_reserve,
+            writer.copies_into_maps(),
+            stats.clone(),
+        )?;
         let names = Mutex::new(names::Names::load(&disk)?);
         let memory_fs = TierFs::of(&memory_dir);
         report_memory_fs(&memory_dir, memory_fs.as_ref());

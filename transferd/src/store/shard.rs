@@ -345,19 +345,18 @@ impl Shard {
         } else {
             None
         };
-        let writable =
-            if size > 0 && matches!(writer.kind(), WriterKind::Mapped | WriterKind::Adaptive) {
-                // A spare's map (its pages populated while the host was idle) where it
-                // covers the shard; it was made before the file was cut to the shard's
-                // size, which unmapped whatever lay beyond.
-                let map = match premapped.and_then(|m| WritableMap::premapped(m, size)) {
-                    Some(map) => map,
-                    None => WritableMap::new(&file, size).map_err(io_err(&data_path))?,
-                };
-                Some(Arc::new(map))
-            } else {
-                None
+        let writable = if size > 0 && writer.copies_into_maps() {
+            // A spare's map (its pages populated while the host was idle) where it
+            // covers the shard; it was made before the file was cut to the shard's
+            // size, which unmapped whatever lay beyond.
+            let map = match premapped.and_then(|m| WritableMap::premapped(m, size)) {
+                Some(map) => map,
+                None => WritableMap::new(&file, size).map_err(io_err(&data_path))?,
             };
+            Some(Arc::new(map))
+        } else {
+            None
+        };
 
         let mut state = if mode == OpenMode::Adopt {
             BitState::full(total)

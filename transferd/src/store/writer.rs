@@ -112,6 +112,12 @@ impl ChunkWriter {
         }
     }
 
+    /// Whether this writer copies chunks into the shard's writable map (mapped, adaptive):
+    /// such a shard gets a map, and the memory reserve's spares get populated maps for it.
+    pub fn copies_into_maps(&self) -> bool {
+        matches!(self.imp, Imp::Mapped | Imp::Adaptive)
+    }
+
     /// Writes all of `data` at byte `offset` of `file`, without moving any file position.
     /// The mapped writer's copies need the shard's map, which the shard holds
     /// (`Shard::write`); a bare file is written with `pwrite` there.
