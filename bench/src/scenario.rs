@@ -940,16 +940,29 @@ async fn run_method(
     };
     pb.finish_and_clear();
     let mut per = Vec::new();
+    let mut late = Vec::new();
     for (d, t) in receivers.iter().zip(&done) {
         match t.done_s {
             Some(t) => per.push(t),
-            None => bail!(
-                "{} did not complete within {:?}; log: {}",
+            // The run's directory goes with the daemons: what each late host logged last
+            // goes into the error, so a run that failed in CI says what it waited for.
+            None => late.push(format!(
+                "{} did not complete within {:?}; the end of its log ({}):\n{}",
                 d.host_id,
                 opts.timeout,
-                d.log.display()
-            ),
+                d.log.display(),
+                crate::cluster::tail(&d.log)
+            )),
         }
+    }
+    if !late.is_empty() {
+        let source = &daemons[0];
+        late.push(format!(
+            "the end of the source's log ({}):\n{}",
+            source.log.display(),
+            crate::cluster::tail(&source.log)
+        ));
+        bail!("{}", late.join("\n"));
     }
     let mut packets_dropped = 0;
     if let Some(net) = &net {

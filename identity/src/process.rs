@@ -1,10 +1,10 @@
 //! The process shell the daemons share (transferd and the controller): what each does
 //! around its own work, written once.
 //!
-//! * [`init_logging`]: `tracing` to stderr, as text or JSON, filtered by an environment
-//!   variable each daemon names (transferd `SHARDCAST_LOG`, the controller `RUST_LOG`), and,
-//!   with the `otlp` feature and an `otlp_endpoint`, the same spans exported as OTLP traces
-//!   ([`crate::otlp`]).
+//! * [`init_logging`]: `tracing` to stderr, as text (coloured only on a terminal) or JSON,
+//!   filtered by an environment variable each daemon names (transferd `SHARDCAST_LOG`, the
+//!   controller `RUST_LOG`), and, with the `otlp` feature and an `otlp_endpoint`, the same
+//!   spans exported as OTLP traces ([`crate::otlp`]).
 //! * [`Security::choose`]: the TLS identity from the `tls_ca`/`tls_cert`/`tls_key`
 //!   settings, or the insecure plaintext mode (refused unless every TCP listener is on
 //!   loopback); each daemon words the refusal for its own settings and loads the identity
@@ -40,7 +40,12 @@ pub fn init_logging(
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = EnvFilter::try_from_env(filter_var).unwrap_or_else(|_| EnvFilter::new("info"));
-    let stderr = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colours only for a person at a terminal: a log file, journald or a log shipper gets
+    // plain `key=value` text, not escape sequences around every field.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let stderr = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
     let stderr = if json {
         stderr.json().boxed()
     } else {
