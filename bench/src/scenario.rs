@@ -295,6 +295,10 @@ pub struct MethodResult {
     pub receiver_reserve_taken_bytes: Vec<u64>,
     /// Packets the emulated loss dropped, all hosts together (0 without a loss).
     pub packets_dropped: u64,
+    /// Times a forwarder gave up on the hop below it (dead, refusing, or silent for the
+    /// stall timeout, setting up or sending), all hosts together: 0 in a healthy run.
+    #[serde(default)]
+    pub hop_failovers: u64,
     /// What quinn counted on every daemon's QUIC connections (chain-quic only).
     pub quic: Option<QuicFigures>,
 }
@@ -880,6 +884,7 @@ async fn run_method(
             st.bytes_reverified,
             st.bytes_written_mapped,
             st.memory_reserve_taken_bytes,
+            st.downstream_failovers,
         ));
     }
     let perf = match &opts.perf {
@@ -928,11 +933,13 @@ async fn run_method(
     let procs: Vec<f64> = split.iter().map(ProcCpu::total_s).collect();
     let gb = bytes as f64 / 1e9;
     let (mut reverified, mut mapped, mut taken) = (Vec::new(), Vec::new(), Vec::new());
-    for (d, (rehashed, map_writes, spares)) in daemons.iter().zip(&reverified0) {
+    let mut hop_failovers = 0;
+    for (d, (rehashed, map_writes, spares, failovers)) in daemons.iter().zip(&reverified0) {
         let st = d.stats().await?;
         reverified.push(st.bytes_reverified.saturating_sub(*rehashed));
         mapped.push(st.bytes_written_mapped.saturating_sub(*map_writes));
         taken.push(st.memory_reserve_taken_bytes.saturating_sub(*spares));
+        hop_failovers += st.downstream_failovers.saturating_sub(*failovers);
     }
     let quic = match method {
         Method::ChainQuic => Some(quic_figures(&daemons).await?),
@@ -998,6 +1005,7 @@ async fn run_method(
         memory_reserve_bytes: reserve_held,
         receiver_reserve_taken_bytes: taken[1..].to_vec(),
         packets_dropped,
+        hop_failovers,
         quic,
     })
 }
