@@ -19,9 +19,10 @@
 //! tokio took a short read for a drained socket, its next read waits for the socket to be
 //! signalled even if bytes came meanwhile: lowering the mark then signals it at once when
 //! what is there reaches the new mark (Linux checks on every change), so no read waits for
-//! bytes it already has. The kernel still signals the socket below the mark when the connection ends, when
-//! the receive buffer is nearly full, or when the receive window has closed (Linux's
-//! `tcp_epollin_ready`), so no mark can stall a reader that is the bottleneck.
+//! bytes it already has. The kernel still signals the socket below the mark when the
+//! connection ends, when the receive buffer is nearly full, or when the receive window has
+//! closed (Linux's `tcp_epollin_ready`), so no mark can stall a reader that is the
+//! bottleneck.
 //!
 //! Linux also raises the socket's receive buffer to about twice a mark it is given (unless
 //! the buffer size was fixed with `SO_RCVBUF`), so a managed connection's receive buffer
