@@ -39,6 +39,16 @@ use crate::tls::{Alpn, Expect, TlsContext};
 
 /// Time allowed to establish an outgoing connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// A TCP connect that has had no answer for this long is joined by another attempt.
+/// Rationale: Linux sends a lost SYN again after 1 s and then 2 s more, so one lost SYN (or
+/// SYN-ACK) made a connect take 1 s and two took 3 s, past the 2 s a forwarder gives a new
+/// hop, which was then skipped as dead although it was alive (the emulated cluster at 10 %
+/// loss, docs/BENCHMARKS.md). Hosts of one cluster answer a SYN within a millisecond;
+/// 250 ms is RFC 8305's connection attempt delay.
+pub const CONNECT_ATTEMPT_DELAY: Duration = Duration::from_millis(250);
+/// Connection attempts at most, [`CONNECT_ATTEMPT_DELAY`] apart (new SYNs at 0, 250 and
+/// 500 ms, each retransmitted by the kernel as usual).
+pub const CONNECT_ATTEMPTS: usize = 3;
 /// Handshakes in progress per listener; beyond it new connections wait in the kernel's
 /// backlog. Rationale: bounds the tasks and memory a connection flood can pin.
 pub const MAX_PENDING_HANDSHAKES: usize = 256;
@@ -734,9 +744,12 @@ fn target(addr: &str) -> Result<(Endpoint, Target), AddrError> {
 }
 
 /// A TCP connection to `addr` (`host:port`) with `TCP_NODELAY`, within `timeout`: how the
-/// API clients here and transferd's data-plane hops dial.
+/// API clients here and transferd's data-plane hops dial. An attempt without an answer for
+/// [`CONNECT_ATTEMPT_DELAY`] is joined by another, up to [`CONNECT_ATTEMPTS`]: the first
+/// to connect is kept and the others are closed; the first error (refused, unreachable: the
+/// network's answer, which another attempt would get too) is returned at once.
 pub async fn tcp_connect(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
-    let tcp = tokio::time::timeout(timeout, TcpStream::connect(addr))
+    let tcp = tokio::time::timeout(timeout, staggered_connect(addr))
         .await
         .map_err(|_| {
             std::io::Error::new(
@@ -746,6 +759,26 @@ pub async fn tcp_connect(addr: &str, timeout: Duration) -> std::io::Result<TcpSt
         })??;
     tcp.set_nodelay(true)?;
     Ok(tcp)
+}
+
+/// The attempts of [`tcp_connect`], without its bound; the attempts still under way when it
+/// returns (or is dropped) are aborted with their sockets.
+async fn staggered_connect(addr: &str) -> std::io::Result<TcpStream> {
+    let mut attempts = tokio::task::JoinSet::new();
+    loop {
+        if attempts.len() < CONNECT_ATTEMPTS {
+            let addr = addr.to_string();
+            attempts.spawn(async move { TcpStream::connect(addr).await });
+        }
+        let more = attempts.len() < CONNECT_ATTEMPTS;
+        tokio::select! {
+            Some(done) = attempts.join_next() => {
+                return done.map_err(|e| std::io::Error::other(format!("connect to {addr}: {e}")))?;
+            }
+            () = tokio::time::sleep(CONNECT_ATTEMPT_DELAY), if more => {}
+            else => return Err(std::io::Error::other(format!("connect to {addr}: no attempt left"))),
+        }
+    }
 }
 
 type Connector = tower::util::BoxCloneSyncService<
@@ -807,6 +840,47 @@ impl From<crate::tls::TlsError> for std::io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A SYN that goes unanswered is joined by another attempt after
+    /// [`CONNECT_ATTEMPT_DELAY`] instead of waiting for the kernel's retransmission at 1 s.
+    /// The listener's accept queue is full, so Linux drops the first SYN without a word (as
+    /// a lossy link would); it is drained 100 ms later, and the second attempt connects.
+    #[tokio::test]
+    async fn a_connect_whose_syn_is_dropped_is_tried_again_before_the_kernel_would() {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(1).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // A backlog of 1 holds two connections; the third one's SYN is dropped.
+        let fillers = [
+            TcpStream::connect(addr).await.unwrap(),
+            TcpStream::connect(addr).await.unwrap(),
+        ];
+        let t0 = std::time::Instant::now();
+        let connect =
+            tokio::spawn(async move { tcp_connect(&addr.to_string(), CONNECT_TIMEOUT).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut accepted = Vec::new();
+        for _ in 0..fillers.len() {
+            accepted.push(listener.accept().await.unwrap());
+        }
+        let tcp = connect.await.unwrap().unwrap();
+        let took = t0.elapsed();
+        assert!(tcp.nodelay().unwrap());
+        // The kernel alone would have sent the SYN again only after 1 s.
+        assert!(
+            took >= CONNECT_ATTEMPT_DELAY && took < Duration::from_millis(900),
+            "connected after {took:?}"
+        );
+        // Refused is an answer: returned at once, not tried again.
+        drop(listener);
+        let t0 = std::time::Instant::now();
+        let e = tcp_connect(&addr.to_string(), CONNECT_TIMEOUT)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+        assert!(t0.elapsed() < CONNECT_ATTEMPT_DELAY);
+    }
 
     #[test]
     fn a_peer_holds_at_most_its_limit_and_gets_places_back_as_connections_close() {
