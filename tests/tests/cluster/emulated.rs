@@ -78,7 +78,9 @@ async fn emulated_chain_beats_star_and_verifies_over_tcp_and_quic() {
 /// byte-exact. The drops are counted, so the test knows the loss happened. No hop is given
 /// up: with quinn's Internet default initial RTT (333 ms) two lost handshake packets cost
 /// 3 s, the forwarder skipped a live host after 2 s and it never got its copy (CI row 83);
-/// `transport::quic::INITIAL_RTT` keeps a lossy handshake within tens of milliseconds.
+/// `transport::quic::INITIAL_RTT` keeps a lossy handshake within tens of milliseconds, and
+/// over TCP a lost SYN costs a 250 ms second attempt (`grpc::CONNECT_ATTEMPT_DELAY`), not
+/// the kernel's 1 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emulated_chains_over_tcp_and_quic_stay_exact_through_packet_loss() {
     if let Err(why) = netns::available().and_then(|()| netns::loss_available()) {

@@ -942,6 +942,35 @@ mod tests {
         .unwrap()
     }
 
+    /// A test CA in a temporary directory (kept as long as the directory).
+    fn test_pki() -> (tempfile::TempDir, PkiDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = PkiDir::new(dir.path());
+        pki.init("test CA", Duration::from_secs(3600)).unwrap();
+        (dir, pki)
+    }
+
+    /// Host `b` serving [`echo`] and host `a` to dial it, both on loopback with `path_mtu`
+    /// and `lanes`: (server, client).
+    fn echo_pair(pki: &PkiDir, path_mtu: Option<u16>, lanes: usize) -> (Arc<Quic>, Arc<Quic>) {
+        let server = Quic::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            host(pki, "b"),
+            path_mtu,
+            lanes,
+        )
+        .unwrap();
+        echo(server.clone());
+        let client = Quic::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            host(pki, "a"),
+            path_mtu,
+            lanes,
+        )
+        .unwrap();
+        (server, client)
+    }
+
     /// Echoes the first four bytes of every stream the endpoint accepts; a stream that
     /// starts with `bulk` is read to its end first.
     fn echo(server: Arc<Quic>) {
@@ -973,12 +1002,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn streams_share_a_connection_and_forget_closes_it_by_the_name_dialled() {
-        let dir = tempfile::tempdir().unwrap();
-        let pki = PkiDir::new(dir.path());
-        pki.init("test CA", Duration::from_secs(3600)).unwrap();
-        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), None, 1).unwrap();
-        echo(server.clone());
-        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), None, 1).unwrap();
+        let (_dir, pki) = test_pki();
+        let (server, client) = echo_pair(&pki, None, 1);
         // By name, as a plan may give it: the same connection for both streams.
         let addr = format!("localhost:{}", server.local_addr().unwrap().port());
         let b: HostId = "b".parse().unwrap();
@@ -1011,12 +1036,8 @@ mod tests {
     /// two dials and two reuses; each connection carries its streams' bytes intact.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn streams_to_one_peer_take_the_lanes_in_turn() {
-        let dir = tempfile::tempdir().unwrap();
-        let pki = PkiDir::new(dir.path());
-        pki.init("test CA", Duration::from_secs(3600)).unwrap();
-        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), None, 2).unwrap();
-        echo(server.clone());
-        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), None, 2).unwrap();
+        let (_dir, pki) = test_pki();
+        let (server, client) = echo_pair(&pki, None, 2);
         let addr = server.local_addr().unwrap().to_string();
         let b: HostId = "b".parse().unwrap();
         let mut streams = Vec::new();
@@ -1069,15 +1090,11 @@ mod tests {
     /// 120 ms.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_handshake_that_loses_its_first_flight_completes_within_the_setup_bound() {
-        let dir = tempfile::tempdir().unwrap();
-        let pki = PkiDir::new(dir.path());
-        pki.init("test CA", Duration::from_secs(3600)).unwrap();
-        let server = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), None, 1).unwrap();
-        echo(server.clone());
+        let (_dir, pki) = test_pki();
+        let (server, client) = echo_pair(&pki, None, 1);
         let relay = lossy_relay(server.local_addr().unwrap(), 3)
             .await
             .to_string();
-        let client = Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), None, 1).unwrap();
         let b: HostId = "b".parse().unwrap();
         let t0 = std::time::Instant::now();
         let connect = client.connect(&relay, Some(&b));
@@ -1125,16 +1142,10 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_declared_path_mtu_is_used_at_once_and_discovery_stops_at_the_ceiling() {
-        let dir = tempfile::tempdir().unwrap();
-        let pki = PkiDir::new(dir.path());
-        pki.init("test CA", Duration::from_secs(3600)).unwrap();
+        let (_dir, pki) = test_pki();
         let b: HostId = "b".parse().unwrap();
         for (declared, want) in [(Some(8952), 8952), (None, u64::from(MTU_CEILING))] {
-            let server =
-                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "b"), declared, 1).unwrap();
-            echo(server.clone());
-            let client =
-                Quic::bind("127.0.0.1:0".parse().unwrap(), host(&pki, "a"), declared, 1).unwrap();
+            let (server, client) = echo_pair(&pki, declared, 1);
             let addr = server.local_addr().unwrap().to_string();
             let (mut s, _) = client.connect(&addr, Some(&b)).await.unwrap();
             s.write_all(b"ping").await.unwrap();
