@@ -877,10 +877,10 @@ async fn run_method(
     } else {
         wait_reserves(&daemons).await?
     };
-    let mut reverified0 = Vec::new();
+    let mut counters0 = Vec::new();
     for d in &daemons {
         let st = d.stats().await?;
-        reverified0.push((
+        counters0.push((
             st.bytes_reverified,
             st.bytes_written_mapped,
             st.memory_reserve_taken_bytes,
@@ -934,7 +934,7 @@ async fn run_method(
     let gb = bytes as f64 / 1e9;
     let (mut reverified, mut mapped, mut taken) = (Vec::new(), Vec::new(), Vec::new());
     let mut hop_failovers = 0;
-    for (d, (rehashed, map_writes, spares, failovers)) in daemons.iter().zip(&reverified0) {
+    for (d, (rehashed, map_writes, spares, failovers)) in daemons.iter().zip(&counters0) {
         let st = d.stats().await?;
         reverified.push(st.bytes_reverified.saturating_sub(*rehashed));
         mapped.push(st.bytes_written_mapped.saturating_sub(*map_writes));

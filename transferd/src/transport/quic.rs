@@ -953,21 +953,17 @@ mod tests {
     /// Host `b` serving [`echo`] and host `a` to dial it, both on loopback with `path_mtu`
     /// and `lanes`: (server, client).
     fn echo_pair(pki: &PkiDir, path_mtu: Option<u16>, lanes: usize) -> (Arc<Quic>, Arc<Quic>) {
-        let server = Quic::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            host(pki, "b"),
-            path_mtu,
-            lanes,
-        )
-        .unwrap();
+        let bind = |name| {
+            Quic::bind(
+                "127.0.0.1:0".parse().unwrap(),
+                host(pki, name),
+                path_mtu,
+                lanes,
+            )
+            .unwrap()
+        };
+        let (server, client) = (bind("b"), bind("a"));
         echo(server.clone());
-        let client = Quic::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            host(pki, "a"),
-            path_mtu,
-            lanes,
-        )
-        .unwrap();
         (server, client)
     }
 
