@@ -20,7 +20,8 @@
 //!   the next dial makes a new one; [`Quic::forget`] drops one at once when a stream on it
 //!   failed its `Hello`.
 //! - **Tuning** (the constants below, with their reasons): windows sized for high
-//!   bandwidth-delay links, Cubic congestion control (as Linux TCP), MTU discovery up to a
+//!   bandwidth-delay links, a stream's kept under quinn's compaction threshold in packets
+//!   ([`stream_window`]), Cubic congestion control (as Linux TCP), MTU discovery up to a
 //!   1500-byte Ethernet frame ([`MTU_CEILING`]), UDP buffers of [`UDP_BUFFER`], GSO/GRO
 //!   whenever the kernel offers them (quinn-udp probes; [`Offload`] says what this host
 //!   got). The socket is wrapped (`GsoCapped`) so that no GSO batch exceeds one
@@ -68,11 +69,23 @@ use super::CONNECT_TIMEOUT;
 use crate::store::lock;
 use crate::wire::{FrameSink, Halves};
 
-/// Receive window of one stream, one (session, shard). Rationale: at 100 Gbit/s and a 1 ms
-/// datacenter round trip (queueing included) the bandwidth-delay product is 12.5 MB, and the
-/// chain keeps at most `window` (16 by default) 1 MiB chunks unacknowledged: 16 MiB lets one
-/// stream run at line rate with the chain's window, not QUIC's, as the limit.
+/// Largest receive window of one stream, one (session, shard, stripe). Rationale: at
+/// 100 Gbit/s and a 1 ms datacenter round trip (queueing included) the bandwidth-delay
+/// product is 12.5 MB, and the chain keeps at most `window` (16 by default) 1 MiB chunks
+/// unacknowledged: 16 MiB lets one stream run at line rate with the chain's window, not
+/// QUIC's, as the limit. Packets of less than jumbo size get less ([`stream_window`]).
 pub const STREAM_WINDOW: u32 = 16 << 20;
+/// Packets' worth of data one stream's receive window holds at most ([`stream_window`]).
+/// Rationale, measured (docs/BENCHMARKS.md, issue #28, nineteenth session): quinn keeps the
+/// data a reader has not taken yet as one slice per packet, and once a stream holds more
+/// than 2048 of them (`COMPACT_THRESHOLD` in quinn-proto 0.11's assembler) it copies them
+/// all into one new buffer, of megabytes, which the allocator takes fresh from the kernel:
+/// a second copy of every byte a busy reader lags by, and a page fault per 4 KiB. On a
+/// loopback hop at 1472-byte packets that was 28 % of the receiver's CPU under perf; a
+/// window of fewer packets than the threshold never reaches it (the receiver spent 16 %
+/// less CPU per GB and the hop moved 15 % more). 1536 leaves a quarter for frames shorter
+/// than a packet.
+pub const STREAM_WINDOW_PACKETS: u32 = 1536;
 /// Receive window of a connection (every stream between two hosts). Rationale: four shards
 /// streaming at once at [`STREAM_WINDOW`]; it also bounds what one authenticated peer can make
 /// this host buffer ahead of the frame budget.
@@ -340,8 +353,9 @@ impl std::fmt::Debug for Quic {
 /// large packets for a black hole and drops to 1200 bytes for the rest of the transfer
 /// (BENCHMARKS, issue #16 step 4), so only a declared size holds jumbo packets under load.
 fn transport_config(path_mtu: Option<u16>) -> quinn::TransportConfig {
+    let stream = stream_window(path_mtu.unwrap_or(MTU_CEILING));
     let mut t = quinn::TransportConfig::default();
-    t.stream_receive_window(quinn::VarInt::from_u32(STREAM_WINDOW))
+    t.stream_receive_window(quinn::VarInt::from_u32(stream))
         .receive_window(quinn::VarInt::from_u32(CONNECTION_WINDOW))
         .send_window(SEND_WINDOW)
         .max_concurrent_bidi_streams(quinn::VarInt::from_u32(MAX_STREAMS))
@@ -362,6 +376,14 @@ fn transport_config(path_mtu: Option<u16>) -> quinn::TransportConfig {
         }
     }
     t
+}
+
+/// The receive window of one stream whose packets carry at most `payload` bytes of UDP
+/// payload: [`STREAM_WINDOW_PACKETS`] packets' worth, at most [`STREAM_WINDOW`]. 2.2 MB at
+/// 1472-byte packets (one stream then runs at up to 17 Gbit/s over a 1 ms round trip, and a
+/// hop's stripes each have their own), 13.8 MB at 8972.
+pub fn stream_window(payload: u16) -> u32 {
+    (STREAM_WINDOW_PACKETS * u32::from(payload)).min(STREAM_WINDOW)
 }
 
 fn server_config(
@@ -1126,6 +1148,29 @@ mod tests {
         check_route_mtu("127.0.0.1:7400".parse().unwrap(), 8972).unwrap();
         let e = check_route_mtu("127.0.0.1:7400".parse().unwrap(), 65527).unwrap_err();
         assert!(e.to_string().contains("quic_path_mtu 65527"), "{e}");
+    }
+
+    #[test]
+    fn a_stream_window_holds_fewer_packets_than_quinn_compacts_at() {
+        // quinn-proto 0.11's assembler copies a stream's buffered data into one new buffer
+        // once it holds more than 2048 pieces; full packets at the window never get there.
+        const QUINN_COMPACT_THRESHOLD: u32 = 2048;
+        // Stream data a packet carries at least: the payload less a short header with an
+        // 8-byte connection ID and a 4-byte packet number, the AEAD tag and a stream
+        // frame's type, ID, offset and length.
+        let data = |payload: u16| u32::from(payload) - (1 + 8 + 4) - 16 - (1 + 8 + 8 + 8);
+        for payload in [MIN_PATH_MTU, 1452, MTU_CEILING, 4000, 8972] {
+            let w = stream_window(payload);
+            assert!(
+                w.div_ceil(data(payload)) < QUINN_COMPACT_THRESHOLD,
+                "{payload}: a {w}-byte window holds {} packets",
+                w.div_ceil(data(payload))
+            );
+        }
+        assert_eq!(stream_window(MTU_CEILING), 1536 * 1472);
+        assert_eq!(stream_window(8972), 1536 * 8972);
+        // Jumbo enough packets reach the bandwidth-delay ceiling.
+        assert_eq!(stream_window(MAX_PATH_MTU), STREAM_WINDOW);
     }
 
     #[test]
