@@ -7,7 +7,7 @@
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # (.dev/ is ignored: name it in the device run's carry)
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [targets|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]
+#   bench/scripts/device-issue28.sh run [targets|quic|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -24,6 +24,14 @@ pack() {
         strip -o "$dev/${b##*/}" "target/release/$b"
         gzip -6 "$dev/${b##*/}"
     done
+    # Optional: the QUIC stacks side by side (`run quic`), when built:
+    # (cd bench/experiments/quic-impls && cargo build --release)
+    q=bench/experiments/quic-impls/target/release/quic-impls
+    if [ -x "$q" ]; then
+        strip -o "$dev/quic-impls" "$q" && gzip -6 "$dev/quic-impls"
+    else
+        echo "pack: $q not built; \`run quic\` will be unavailable" >&2
+    fi
     # iperf3 for the raw-TCP baseline of the same run (the device has no package registry).
     if ! command -v iperf3 >/dev/null; then
         echo "pack: iperf3 is not installed here; installing it (Debian's package)" >&2
@@ -46,6 +54,9 @@ run() {
     for b in transferd shardcast-bench shardcast-controller file_write_rate data_path_rate; do
         gzip -dc "$dev/$b.gz" >"$bin/$b" && chmod +x "$bin/$b"
     done
+    if [ -f "$dev/quic-impls.gz" ]; then
+        gzip -dc "$dev/quic-impls.gz" >"$bin/quic-impls" && chmod +x "$bin/quic-impls"
+    fi
     cp "$dev/iperf3" "$bin/" && chmod +x "$bin/iperf3"
     export PATH="$bin:$PATH" LD_LIBRARY_PATH="$PWD/$dev/lib"
     export SHARDCAST_TRANSFERD="$bin/transferd" SHARDCAST_CONTROLLER_BIN="$bin/shardcast-controller"
@@ -232,6 +243,12 @@ PY
         step loader-streamed-fresh-8GiB 60 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s
         step loader-register-ahead-8GiB 60 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s --register-ahead
     fi
+    if [ "$what" = quic ]; then
+        # quinn, s2n-quic and rustls over TCP, one stream each on loopback, 1500-byte
+        # packets (docs/BENCHMARKS.md, 2026-12-03): does another QUIC stack use more cores?
+        [ -x "$bin/quic-impls" ] || { echo "quic: quic-impls was not packed" >&2; return 1; }
+        timeout 240 "$bin/quic-impls" run --rounds 2 --size 4GiB --json "$OUT/quic-impls-mtu1500.json" 2>&1 | tee "$OUT/quic-impls.txt"
+    fi
     if [ "$what" = sends ]; then
         # The default since 2026-11-27 sends chunks down a chain without re-hashing them
         # (`reverify_sends = false`); the hop's second row re-hashes, as before.
@@ -260,7 +277,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [targets|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]" >&2
+    echo "usage: $0 pack | run [targets|quic|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]" >&2
     exit 2
     ;;
 esac
