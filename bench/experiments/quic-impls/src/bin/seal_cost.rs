@@ -38,7 +38,10 @@ fn main() {
             .and_then(|i| args.get(i + 1).cloned())
             .unwrap_or_else(|| default.to_string())
     };
-    let gib: usize = arg("--size", "4GiB").trim_end_matches("GiB").parse().expect("--size NGiB");
+    let gib: usize = arg("--size", "4GiB")
+        .trim_end_matches("GiB")
+        .parse()
+        .expect("--size NGiB");
     let rounds: usize = arg("--rounds", "5").parse().expect("--rounds N");
     let size = gib << 30;
     // The plaintext: written once, so its pages exist, then read cold by each pass.
@@ -54,7 +57,11 @@ fn main() {
     let gb = size as f64 / 1e9;
     let mut check = 0u64;
     for round in 1..=rounds {
-        for way in ["ring: copy, then seal in place", "aws-lc: copy, then seal in place", "aws-lc: seal out of place"] {
+        for way in [
+            "ring: copy, then seal in place",
+            "aws-lc: copy, then seal in place",
+            "aws-lc: seal out of place",
+        ] {
             let (c0, t0) = (cpu(), Instant::now());
             let mut at = 0;
             for (seq, rec) in src.chunks(RECORD).enumerate() {
@@ -93,7 +100,9 @@ fn main() {
                         } else {
                             let t = lc_key
                                 .seal_in_place_separate_tag(
-                                    aws_lc_rs::aead::Nonce::assume_unique_for_key(nonce(seq as u64)),
+                                    aws_lc_rs::aead::Nonce::assume_unique_for_key(nonce(
+                                        seq as u64,
+                                    )),
                                     aws_lc_rs::aead::Aad::from(header),
                                     buf,
                                 )
