@@ -32,7 +32,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use ring::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey};
+use aws_lc_rs::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey};
 use rustls::ConnectionTrafficSecrets;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -58,7 +58,8 @@ const READ_BUFFER: usize = 128 << 10;
 /// ([`RecordReader::poll_read_direct`]): four whole records, so the copies of a partial
 /// record in and out stay small beside the plaintext it saves copying.
 const DIRECT_READ: usize = 4 * (HEADER + MAX_CIPHERTEXT);
-/// Encrypted bytes the writer gathers before it writes them out (allocated as used).
+/// Encrypted bytes the writer gathers before it writes them out (its buffer is this and one
+/// more record, allocated with the writer and grown, once, if a burst needs more).
 const WRITE_BUFFER: usize = 128 << 10;
 
 /// One direction's key, IV and next sequence number.
@@ -144,9 +145,11 @@ pub struct RecordReader<R> {
 pub struct RecordWriter<W> {
     inner: W,
     dir: Direction,
-    /// Records not yet written out: `out[sent..]`.
+    /// Records not yet written out: `out[sent..end]`. The buffer keeps its length (it is
+    /// never zero-filled again), so records are sealed into it from the caller's bytes.
     out: Vec<u8>,
     sent: usize,
+    end: usize,
     /// `close_notify` has been queued.
     closing: bool,
 }
@@ -173,8 +176,9 @@ pub fn split<R, W>(
         RecordWriter {
             inner: write,
             dir: Direction::new(secrets.tx)?,
-            out: Vec::new(),
+            out: vec![0; WRITE_BUFFER + HEADER + MAX_CIPHERTEXT],
             sent: 0,
+            end: 0,
             closing: false,
         },
     ))
@@ -449,7 +453,8 @@ impl<R: AsyncRead + Unpin> AsyncRead for RecordReader<R> {
 }
 
 impl<W> RecordWriter<W> {
-    /// Appends one record of `content` (at most [`MAX_PLAINTEXT`] bytes) of type `ty`.
+    /// Appends one record of `content` (at most [`MAX_PLAINTEXT`] bytes) of type `ty`,
+    /// sealed from `content` into the buffer (no copy of the plaintext first).
     fn seal(&mut self, ty: u8, content: &[u8]) -> io::Result<()> {
         let nonce = self.dir.next_nonce()?;
         let len = content.len() + 1 + TAG;
@@ -458,23 +463,31 @@ impl<W> RecordWriter<W> {
         let header = [APPLICATION_DATA, 0x03, 0x03, hi, lo];
         // Records already written out are dropped from the front (all at once when none
         // is left, else once they are half the buffer), so it stays bounded.
-        if self.sent == self.out.len() {
-            self.out.clear();
-            self.sent = 0;
+        if self.sent == self.end {
+            (self.sent, self.end) = (0, 0);
         } else if self.sent >= WRITE_BUFFER / 2 {
-            self.out.drain(..self.sent);
-            self.sent = 0;
+            self.out.copy_within(self.sent..self.end, 0);
+            (self.sent, self.end) = (0, self.end - self.sent);
         }
-        self.out.extend_from_slice(&header);
-        let at = self.out.len();
-        self.out.extend_from_slice(content);
-        self.out.push(ty);
-        let tag = self
-            .dir
+        let record = HEADER + len;
+        if self.out.len() < self.end + record {
+            self.out.resize(self.end + record, 0);
+        }
+        let (head, body) = self.out[self.end..self.end + record].split_at_mut(HEADER);
+        head.copy_from_slice(&header);
+        let (ciphertext, type_and_tag) = body.split_at_mut(content.len());
+        self.dir
             .key
-            .seal_in_place_separate_tag(nonce, Aad::from(header), &mut self.out[at..])
+            .seal_out_of_place_scatter(
+                nonce,
+                Aad::from(header),
+                content,
+                ciphertext,
+                &[ty],
+                type_and_tag,
+            )
             .map_err(|_| io::Error::other("TLS record encryption failed"))?;
-        self.out.extend_from_slice(tag.as_ref());
+        self.end += record;
         Ok(())
     }
 }
@@ -482,15 +495,16 @@ impl<W> RecordWriter<W> {
 impl<W: AsyncWrite + Unpin> RecordWriter<W> {
     /// Writes out the queued records; `Ready(Ok)` once none is left.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while self.sent < self.out.len() {
-            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.out[self.sent..]))?;
+        while self.sent < self.end {
+            let n = ready!(
+                Pin::new(&mut self.inner).poll_write(cx, &self.out[self.sent..self.end])
+            )?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
             self.sent += n;
         }
-        self.out.clear();
-        self.sent = 0;
+        (self.sent, self.end) = (0, 0);
         Poll::Ready(Ok(()))
     }
 }
@@ -506,11 +520,11 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for RecordWriter<W> {
             return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
         }
         // Room for at least one more record, else write out what is queued first.
-        if me.out.len() - me.sent >= WRITE_BUFFER {
+        if me.end - me.sent >= WRITE_BUFFER {
             ready!(me.poll_drain(cx))?;
         }
         let mut taken = 0;
-        while taken < buf.len() && me.out.len() - me.sent < WRITE_BUFFER {
+        while taken < buf.len() && me.end - me.sent < WRITE_BUFFER {
             let n = (buf.len() - taken).min(MAX_PLAINTEXT);
             me.seal(APPLICATION_DATA, &buf[taken..taken + n])?;
             taken += n;
@@ -575,6 +589,36 @@ mod tests {
         split(std::io::Cursor::new(wire), tokio::io::sink(), secrets(7))
             .unwrap()
             .0
+    }
+
+    /// The writer's records are byte for byte what sealing in place (RFC 8446 section 5.2:
+    /// the content, its type byte, then the tag) gives with ring, the library rustls uses,
+    /// for the same key, IV and sequence numbers: a peer's TLS stack reads them.
+    #[tokio::test]
+    async fn records_sealed_out_of_place_equal_records_sealed_in_place_by_ring() {
+        let data: Vec<u8> = (0..MAX_PLAINTEXT * 2 + 1000).map(|i| (i * 7 % 253) as u8).collect();
+        let wire = sealed(&data, true).await;
+        let key = ring::aead::LessSafeKey::new(
+            ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, &[7; 32]).unwrap(),
+        );
+        let mut expect = Vec::new();
+        let pieces = data.chunks(MAX_PLAINTEXT).map(|c| (APPLICATION_DATA, c));
+        for (seq, (ty, content)) in pieces.chain([(ALERT, &[1u8, 0][..])]).enumerate() {
+            let mut nonce = [8u8; 12];
+            for (b, s) in nonce[4..].iter_mut().zip((seq as u64).to_be_bytes()) {
+                *b ^= s;
+            }
+            let [hi, lo] = u16::try_from(content.len() + 1 + TAG).unwrap().to_be_bytes();
+            let header = [APPLICATION_DATA, 3, 3, hi, lo];
+            let mut body = [content, &[ty]].concat();
+            let nonce = ring::aead::Nonce::assume_unique_for_key(nonce);
+            let aad = ring::aead::Aad::from(header);
+            key.seal_in_place_append_tag(nonce, aad, &mut body).unwrap();
+            expect.extend_from_slice(&header);
+            expect.extend_from_slice(&body);
+        }
+        assert_eq!(wire.len(), expect.len());
+        assert!(wire == expect, "the sealed records differ from ring's");
     }
 
     #[tokio::test]
