@@ -496,9 +496,8 @@ impl<W: AsyncWrite + Unpin> RecordWriter<W> {
     /// Writes out the queued records; `Ready(Ok)` once none is left.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.sent < self.end {
-            let n = ready!(
-                Pin::new(&mut self.inner).poll_write(cx, &self.out[self.sent..self.end])
-            )?;
+            let n =
+                ready!(Pin::new(&mut self.inner).poll_write(cx, &self.out[self.sent..self.end]))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
@@ -596,7 +595,9 @@ mod tests {
     /// for the same key, IV and sequence numbers: a peer's TLS stack reads them.
     #[tokio::test]
     async fn records_sealed_out_of_place_equal_records_sealed_in_place_by_ring() {
-        let data: Vec<u8> = (0..MAX_PLAINTEXT * 2 + 1000).map(|i| (i * 7 % 253) as u8).collect();
+        let data: Vec<u8> = (0..MAX_PLAINTEXT * 2 + 1000)
+            .map(|i| (i * 7 % 253) as u8)
+            .collect();
         let wire = sealed(&data, true).await;
         let key = ring::aead::LessSafeKey::new(
             ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, &[7; 32]).unwrap(),
@@ -608,7 +609,9 @@ mod tests {
             for (b, s) in nonce[4..].iter_mut().zip((seq as u64).to_be_bytes()) {
                 *b ^= s;
             }
-            let [hi, lo] = u16::try_from(content.len() + 1 + TAG).unwrap().to_be_bytes();
+            let [hi, lo] = u16::try_from(content.len() + 1 + TAG)
+                .unwrap()
+                .to_be_bytes();
             let header = [APPLICATION_DATA, 3, 3, hi, lo];
             let mut body = [content, &[ty]].concat();
             let nonce = ring::aead::Nonce::assume_unique_for_key(nonce);
