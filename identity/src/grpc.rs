@@ -762,13 +762,15 @@ pub async fn tcp_connect(addr: &str, timeout: Duration) -> std::io::Result<TcpSt
 }
 
 /// The attempts of [`tcp_connect`], without its bound; the attempts still under way when it
-/// returns (or is dropped) are aborted with their sockets.
+/// returns (or is dropped) are aborted with their sockets. The name is resolved once; each
+/// attempt tries its addresses in turn, as `TcpStream::connect` does.
 async fn staggered_connect(addr: &str) -> std::io::Result<TcpStream> {
+    let addrs: Arc<[std::net::SocketAddr]> = tokio::net::lookup_host(addr).await?.collect();
     let mut attempts = tokio::task::JoinSet::new();
     loop {
         if attempts.len() < CONNECT_ATTEMPTS {
-            let addr = addr.to_string();
-            attempts.spawn(async move { TcpStream::connect(addr).await });
+            let addrs = addrs.clone();
+            attempts.spawn(async move { TcpStream::connect(&addrs[..]).await });
         }
         let more = attempts.len() < CONNECT_ATTEMPTS;
         tokio::select! {

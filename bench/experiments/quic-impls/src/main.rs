@@ -141,7 +141,6 @@ fn server_tls(dir: &Path, crypto: Crypto) -> anyhow::Result<rustls::ServerConfig
         .with_no_client_auth()
         .with_single_cert(certs(dir)?, key)?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
-    cfg.max_early_data_size = u32::MAX;
     Ok(cfg)
 }
 
@@ -442,8 +441,8 @@ fn run_one(
     size: u64,
 ) -> anyhow::Result<serde_json::Value> {
     let mut child = Command::new(exe)
-        .args(["serve", "--imp", imp_name(imp), "--mtu", &mtu.to_string()])
-        .args(["--crypto", crypto_name(crypto), "--dir"])
+        .args(["serve", "--imp", &name(imp), "--mtu", &mtu.to_string()])
+        .args(["--crypto", &name(crypto), "--dir"])
         .arg(dir)
         .stdout(Stdio::piped())
         .spawn()?;
@@ -483,8 +482,8 @@ fn run_one(
         bail!("{imp:?} receiver got {} of {size} bytes", rx["bytes"]);
     }
     Ok(json!({
-        "impl": imp_name(imp),
-        "crypto": crypto_name(crypto),
+        "impl": name(imp),
+        "crypto": name(crypto),
         "mtu": mtu,
         "bytes": size,
         "seconds": secs,
@@ -496,19 +495,10 @@ fn run_one(
     }))
 }
 
-fn imp_name(i: Impl) -> &'static str {
-    match i {
-        Impl::Quinn => "quinn",
-        Impl::S2n => "s2n",
-        Impl::Tls => "tls",
-    }
-}
-
-fn crypto_name(c: Crypto) -> &'static str {
-    match c {
-        Crypto::Ring => "ring",
-        Crypto::AwsLc => "aws-lc",
-    }
+/// A value's name on the command line (clap's).
+fn name(v: impl ValueEnum) -> String {
+    v.to_possible_value()
+        .map_or_else(String::new, |p| p.get_name().to_string())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -552,7 +542,7 @@ fn main() -> anyhow::Result<()> {
                         .with_context(|| format!("round {round}, {imp:?}"))?;
                     eprintln!(
                         "round {round} {:>5}: {:.3} GB/s, sender {:.2} + receiver {:.2} CPU-s/GB",
-                        imp_name(imp),
+                        name(imp),
                         r["gb_per_s"].as_f64().unwrap_or(0.0),
                         r["sender_cpu_s_per_gb"].as_f64().unwrap_or(0.0),
                         r["receiver_cpu_s_per_gb"].as_f64().unwrap_or(0.0),
@@ -561,8 +551,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             let _ = std::fs::remove_dir_all(&dir);
-            let report =
-                json!({ "size": size, "mtu": mtu, "crypto": crypto_name(crypto), "runs": all });
+            let report = json!({ "size": size, "mtu": mtu, "crypto": name(crypto), "runs": all });
             if let Some(p) = json {
                 std::fs::write(&p, serde_json::to_string_pretty(&report)?)?;
             }
