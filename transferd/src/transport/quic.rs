@@ -1042,6 +1042,14 @@ mod tests {
         });
     }
 
+    /// Sends `ping` on a stream to [`echo`] and checks it comes back.
+    async fn ping(s: &mut (impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin)) {
+        s.write_all(b"ping").await.unwrap();
+        let mut back = [0u8; 4];
+        s.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"ping");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn streams_share_a_connection_and_forget_closes_it_by_the_name_dialled() {
         let (_dir, pki) = test_pki();
@@ -1052,10 +1060,7 @@ mod tests {
         for _ in 0..2 {
             let (mut s, peer) = client.connect(&addr, Some(&b)).await.unwrap();
             assert_eq!(peer, Peer::Cert(Identity::new(Role::Host, "b").unwrap()));
-            s.write_all(b"ping").await.unwrap();
-            let mut back = [0u8; 4];
-            s.read_exact(&mut back).await.unwrap();
-            assert_eq!(&back, b"ping");
+            ping(&mut s).await;
         }
         assert_eq!(client.stats.dialled.load(Ordering::Relaxed), 1);
         assert_eq!(client.stats.reused.load(Ordering::Relaxed), 1);
@@ -1145,10 +1150,7 @@ mod tests {
             .expect("the handshake outlasted a forwarder's setup bound")
             .unwrap();
         let took = t0.elapsed();
-        s.write_all(b"ping").await.unwrap();
-        let mut back = [0u8; 4];
-        s.read_exact(&mut back).await.unwrap();
-        assert_eq!(&back, b"ping");
+        ping(&mut s).await;
         eprintln!("handshake with its first flight lost: {took:?}");
     }
 
@@ -1207,9 +1209,7 @@ mod tests {
             let (server, client) = echo_pair(&pki, declared, 1);
             let addr = server.local_addr().unwrap().to_string();
             let (mut s, _) = client.connect(&addr, Some(&b)).await.unwrap();
-            s.write_all(b"ping").await.unwrap();
-            let mut back = [0u8; 4];
-            s.read_exact(&mut back).await.unwrap();
+            ping(&mut s).await;
             let slots: Vec<Slot> = client
                 .conns
                 .lock()
@@ -1246,9 +1246,7 @@ mod tests {
             let (server, client) = echo_pair(&pki, declared, 1);
             let addr = server.local_addr().unwrap().to_string();
             let (mut s, _) = client.connect(&addr, Some(&b)).await.unwrap();
-            s.write_all(b"ping").await.unwrap();
-            let mut back = [0u8; 4];
-            s.read_exact(&mut back).await.unwrap();
+            ping(&mut s).await;
             if declared.is_some() {
                 // At once: no probe has had time to run.
                 assert_eq!(client.stats.conns.totals().max_mtu, want);
