@@ -877,15 +877,10 @@ async fn run_method(
     } else {
         wait_reserves(&daemons).await?
     };
-    let mut counters0 = Vec::new();
+    // Each daemon's counters before the transfer; the report gives what the run added.
+    let mut before = Vec::with_capacity(daemons.len());
     for d in &daemons {
-        let st = d.stats().await?;
-        counters0.push((
-            st.bytes_reverified,
-            st.bytes_written_mapped,
-            st.memory_reserve_taken_bytes,
-            st.downstream_failovers,
-        ));
+        before.push(d.stats().await?);
     }
     let perf = match &opts.perf {
         Some((side, out)) => {
@@ -934,12 +929,20 @@ async fn run_method(
     let gb = bytes as f64 / 1e9;
     let (mut reverified, mut mapped, mut taken) = (Vec::new(), Vec::new(), Vec::new());
     let mut hop_failovers = 0;
-    for (d, (rehashed, map_writes, spares, failovers)) in daemons.iter().zip(&counters0) {
+    for (d, b) in daemons.iter().zip(&before) {
         let st = d.stats().await?;
-        reverified.push(st.bytes_reverified.saturating_sub(*rehashed));
-        mapped.push(st.bytes_written_mapped.saturating_sub(*map_writes));
-        taken.push(st.memory_reserve_taken_bytes.saturating_sub(*spares));
-        hop_failovers += st.downstream_failovers.saturating_sub(*failovers);
+        reverified.push(st.bytes_reverified.saturating_sub(b.bytes_reverified));
+        mapped.push(
+            st.bytes_written_mapped
+                .saturating_sub(b.bytes_written_mapped),
+        );
+        taken.push(
+            st.memory_reserve_taken_bytes
+                .saturating_sub(b.memory_reserve_taken_bytes),
+        );
+        hop_failovers += st
+            .downstream_failovers
+            .saturating_sub(b.downstream_failovers);
     }
     let quic = match method {
         Method::ChainQuic => Some(quic_figures(&daemons).await?),
