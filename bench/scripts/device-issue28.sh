@@ -7,7 +7,7 @@
 #   bench/scripts/device-issue28.sh pack      # stripped, gzipped binaries + iperf3 into .dev/
 #   # (.dev/ is ignored: name it in the device run's carry)
 #   # on the device, from the repository root, with $OUT set:
-#   bench/scripts/device-issue28.sh run [targets|quic|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]
+#   bench/scripts/device-issue28.sh run [targets|lanes|quic|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]
 #
 # Every report is JSON under $OUT; the machine's description goes to $OUT/machine.txt.
 set -u
@@ -114,12 +114,14 @@ r = json.load(open(sys.argv[1])); x = r["results"][0]; gb = r["bytes"] / 1e9
 print(f"{sys.argv[2]:>28} {r['bytes']/x['completion_s']/1e9:6.2f} GB/s  src {x['source_cpu_s']/gb:.2f} + recv {x['receiver_cpu_s'][0]/gb:.2f} cpu-s/GB  util {x['cpu_util']:.2f} verified {x['verified']}")
 PY
     }
-    chain_quic() { # name, shards, QUIC connections per peer
+    chain_quic() { # name, shards, QUIC connections per peer, more arguments of `chain`…
+        local name=$1 shards=$2 lanes=$3
+        shift 3
         mkdir -p "$OUT/chain"
-        timeout 120 "$bench" chain --local --receivers 1 --size "$hop_size" --shards "$2" \
-            --methods chain-quic --warm-up --daemon-arg=--quic-connections --daemon-arg="$3" \
-            --json "$OUT/chain/$1.json" >>"$OUT/log.txt" 2>&1
-        python3 - "$OUT/chain/$1.json" "$1" <<'PY' || echo "$1: failed"
+        timeout 120 "$bench" chain --local --receivers 1 --size "$hop_size" --shards "$shards" \
+            --methods chain-quic --warm-up --daemon-arg=--quic-connections --daemon-arg="$lanes" \
+            "$@" --json "$OUT/chain/$name.json" >>"$OUT/log.txt" 2>&1
+        python3 - "$OUT/chain/$name.json" "$name" <<'PY' || echo "$name: failed"
 import json, sys
 r = json.load(open(sys.argv[1])); x = r["results"][0]; gb = r["bytes"] / 1e9
 print(f"{sys.argv[2]:>28} {r['bytes']/x['completion_s']/1e9:6.2f} GB/s  src {x['source_cpu_s']/gb:.2f} + recv {x['receiver_cpu_s'][0]/gb:.2f} cpu-s/GB  util {x['cpu_util']:.2f} verified {x['verified']}")
@@ -243,6 +245,20 @@ PY
         step loader-streamed-fresh-8GiB 60 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s
         step loader-register-ahead-8GiB 60 loader --backend cuda --gpus 1 --size 8GiB --net-rate 200GB/s --register-ahead
     fi
+    if [ "$what" = lanes ]; then
+        # Item 3 with QUIC at its best on many cores: one shard, then eight shards over 1, 4
+        # and 8 connections to the peer (`quic_connections`; one connection is one driver
+        # task, 0.6-0.7 GB/s on 16 cores in the sixth session). Compare with the TLS hop of
+        # `run targets` (hop-*-stripes1 / -shards8).
+        chain_quic quic-shards1-lanes1 1 1
+        for lanes in 1 4 8; do
+            chain_quic "quic-shards8-lanes$lanes" 8 "$lanes"
+        done
+        # Jumbo packets, as the hop's quic-jumbo run (loopback carries them as they are).
+        chain_quic quic-jumbo-shards1-lanes1 1 1 --daemon-arg=--quic-path-mtu --daemon-arg=8972
+        chain_quic quic-jumbo-shards8-lanes8 8 8 --daemon-arg=--quic-path-mtu --daemon-arg=8972
+        (cd "$OUT" && tar czf chain-quic-json.tar.gz chain && rm -r chain)
+    fi
     if [ "$what" = quic ]; then
         # quinn, s2n-quic and rustls over TCP, one stream each on loopback, 1500-byte
         # packets (docs/BENCHMARKS.md, 2026-12-03): does another QUIC stack use more cores?
@@ -277,7 +293,7 @@ case "${1:-}" in
 pack) pack ;;
 run) run "${2:-all}" ;;
 *)
-    echo "usage: $0 pack | run [targets|quic|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]" >&2
+    echo "usage: $0 pack | run [targets|lanes|quic|hop|loader|all|writers|next|sends|threads|auto|fresh|s44|reserve|s45]" >&2
     exit 2
     ;;
 esac
