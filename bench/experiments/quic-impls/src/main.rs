@@ -68,7 +68,7 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_value = "quinn,s2n,tls")]
         impls: Vec<Impl>,
         /// Bytes per run (e.g. 2GiB)
-        #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+        #[arg(long, default_value = "2GiB", value_parser = quic_impls::parse_size)]
         size: u64,
         /// IP MTU of every QUIC packet (the UDP payload is 28 bytes less)
         #[arg(long, default_value_t = 1500)]
@@ -92,18 +92,6 @@ enum Cmd {
         #[arg(long, value_enum)]
         crypto: Crypto,
     },
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
-        .iter()
-        .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n, *m)))
-        .unwrap_or((s, 1));
-    num.trim()
-        .parse::<u64>()
-        .map(|n| n * mult)
-        .map_err(|e| format!("{s}: {e}"))
 }
 
 /// User and system CPU seconds of this process so far (every thread).

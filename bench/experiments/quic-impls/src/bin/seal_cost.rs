@@ -30,20 +30,43 @@ fn nonce(seq: u64) -> [u8; 12] {
     n
 }
 
+#[derive(clap::Parser)]
+struct Args {
+    /// Bytes to seal in each pass.
+    #[arg(long, default_value = "4GiB", value_parser = quic_impls::parse_size)]
+    size: u64,
+    /// Rounds of the three ways, alternating.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+}
+
+/// The ways a record is sealed.
+#[derive(Clone, Copy)]
+enum Way {
+    /// Copy the plaintext into the output, then seal it there with ring (transferd before).
+    RingCopy,
+    /// The same with aws-lc-rs.
+    LcCopy,
+    /// aws-lc-rs from the plaintext straight into the output.
+    LcOutOfPlace,
+}
+
+impl Way {
+    const ALL: [Way; 3] = [Way::RingCopy, Way::LcCopy, Way::LcOutOfPlace];
+
+    fn label(self) -> &'static str {
+        match self {
+            Way::RingCopy => "ring: copy, then seal in place",
+            Way::LcCopy => "aws-lc: copy, then seal in place",
+            Way::LcOutOfPlace => "aws-lc: seal out of place",
+        }
+    }
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str, default: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-            .unwrap_or_else(|| default.to_string())
-    };
-    let gib: usize = arg("--size", "4GiB")
-        .trim_end_matches("GiB")
-        .parse()
-        .expect("--size NGiB");
-    let rounds: usize = arg("--rounds", "5").parse().expect("--rounds N");
-    let size = gib << 30;
+    let args = <Args as clap::Parser>::parse();
+    let rounds = args.rounds;
+    let size = usize::try_from(args.size).expect("--size fits in memory");
     // The plaintext: written once, so its pages exist, then read cold by each pass.
     let src: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
     let key = [9u8; 16];
@@ -57,11 +80,7 @@ fn main() {
     let gb = size as f64 / 1e9;
     let mut check = 0u64;
     for round in 1..=rounds {
-        for way in [
-            "ring: copy, then seal in place",
-            "aws-lc: copy, then seal in place",
-            "aws-lc: seal out of place",
-        ] {
+        for way in Way::ALL {
             let (c0, t0) = (cpu(), Instant::now());
             let mut at = 0;
             for (seq, rec) in src.chunks(RECORD).enumerate() {
@@ -71,7 +90,7 @@ fn main() {
                 let header = [0x17, 3, 3, 0, 0];
                 let n = rec.len();
                 match way {
-                    "aws-lc: seal out of place" => {
+                    Way::LcOutOfPlace => {
                         let (body, rest) = out[at..].split_at_mut(n);
                         lc_key
                             .seal_out_of_place_scatter(
@@ -84,11 +103,11 @@ fn main() {
                             )
                             .expect("seal");
                     }
-                    _ => {
+                    Way::RingCopy | Way::LcCopy => {
                         out[at..at + n].copy_from_slice(rec);
                         out[at + n] = 0x17;
                         let buf = &mut out[at..at + n + 1];
-                        let tag: [u8; TAG] = if way.starts_with("ring") {
+                        let tag: [u8; TAG] = if matches!(way, Way::RingCopy) {
                             let t = ring_key
                                 .seal_in_place_separate_tag(
                                     ring::aead::Nonce::assume_unique_for_key(nonce(seq as u64)),
@@ -117,7 +136,8 @@ fn main() {
             }
             let (secs, c) = (t0.elapsed().as_secs_f64(), cpu() - c0);
             println!(
-                "round {round} {way:<34} {:.3} GB/s, {:.3} CPU-s/GB",
+                "round {round} {:<34} {:.3} GB/s, {:.3} CPU-s/GB",
+                way.label(),
                 gb / secs,
                 c / gb
             );
