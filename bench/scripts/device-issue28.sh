@@ -251,6 +251,9 @@ PY
         # task, 0.6-0.7 GB/s on 16 cores in the sixth session). Compare with the TLS hop of
         # `run targets` (hop-*-stripes1 / -shards8).
         chain_quic quic-shards1-lanes1 1 1
+        # One shard striped over eight streams, one per connection: item 3's one-shard case
+        # with QUIC on as many cores as the TLS hop's eight stripes.
+        chain_quic quic-shards1-stripes8-lanes8 1 8 --stripes 8
         for lanes in 1 4 8; do
             chain_quic "quic-shards8-lanes$lanes" 8 "$lanes"
         done
