@@ -1,10 +1,11 @@
 //! deploy/container/Dockerfile, checked without building it (no registry is reachable
-//! here to pull the base images): every file it copies from the build context exists and
-//! every workspace member is among them; the builder stage builds, with `--release
-//! --locked`, binaries the workspace declares; the runtime stage takes exactly those, from
-//! where cargo writes them, compiles nothing and runs as a non-root user; the Rust image
-//! is new enough for the workspace; and the build command in its comment tags the image
-//! deploy/README.md documents (which the manifests run: `kube`).
+//! from the tests to pull the base images; deploy/README.md records a build with base images
+//! made locally): every file it copies from the build context exists and every workspace
+//! member is among them; the builder stage builds, with `--release --locked`, binaries the
+//! workspace declares, and strips their debug info; the runtime stage takes exactly those,
+//! from where cargo writes them, compiles nothing and runs as a non-root user; the Rust
+//! image is new enough for the workspace; and the build command in its comment tags the
+//! image deploy/README.md documents (which the manifests run: `kube`).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -245,6 +246,17 @@ fn container_build_file_refers_to_what_exists() {
             assert!(
                 built.contains(bin),
                 "COPY --from={from} {s}: {bin} is not built there"
+            );
+            // Without their line tables (the release profile keeps them: 80 % of the size).
+            let relative = format!("target/release/{bin}");
+            assert!(
+                builder.body.iter().any(|r| r.keyword == "RUN"
+                    && r.words.first().is_some_and(|w| w == "strip")
+                    && r.words
+                        .iter()
+                        .any(|w| w == "--strip-debug" || w == "--strip-all")
+                    && r.words.iter().any(|w| *w == **s || *w == relative)),
+                "{s} is shipped with its debug info: no `strip --strip-debug` of it in {from}"
             );
             shipped.insert(bin.to_string());
         }
