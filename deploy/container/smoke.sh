@@ -110,11 +110,14 @@ run() {
 # The PID listening on a loopback port (buildah: the daemon itself, to stop it).
 pid_on() { ss -Hltnp "sport = :$1" 2>/dev/null | grep -o 'pid=[0-9]*' | head -n1 | cut -d= -f2; }
 
+# Whether something listens on a loopback port.
+listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
 # Waits for a port to listen, up to 30 s; remembers its PID under buildah.
 await_port() {
     local port=$1 name=$2
     for _ in $(seq 1 150); do
-        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        if listening "$port"; then
             [ "$engine" = buildah ] && started+=("$(pid_on "$port")")
             return 0
         fi
@@ -124,7 +127,7 @@ await_port() {
 }
 
 for port in 11400 11401 11402 12400 12401 12402 17500 17501; do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    if listening "$port"; then
         fail "127.0.0.1:$port is taken; stop what listens there first"
     fi
 done
